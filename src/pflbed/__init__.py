@@ -1,0 +1,26 @@
+"""pflbed — personalized federated learning: faithful algorithms, an honest protocol, a fast simulator.
+
+Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, overrides)` builds a config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+    from pflbed.config import load_config as _load
+
+    return _load(path, overrides)
+
+
+def run(config: Any = None, out: str | Path | None = None, *, write: bool = True, progress: bool = False):
+    """Run one experiment from a `Config`, a dict of config keys, or None (the embedded default)."""
+    from pflbed.config import Config, validate_config
+    from pflbed.engine.loop import run as _run
+
+    cfg = config if isinstance(config, Config) else validate_config(dict(config or {}))
+    return _run(cfg, Path(out) if out else None, write=write, progress=progress)

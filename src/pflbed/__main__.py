@@ -1,0 +1,5 @@
+import sys
+
+from pflbed.cli import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""The algorithm contract (DESIGN §4).
+
+Everything that crosses the server/client boundary is a flat `dict[str, Tensor]`: payloads, replies, server
+state and client state alike. No Python object is shared between server and client, so the same algorithm runs
+in-process, in worker processes or across machines, and checkpoints are just tensor dicts. A client's randomness
+comes from a generator seeded by (seed, round, client id), so where and in which order clients run never changes
+a result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pflbed.config import Config
+from pflbed.data.arrays import DataSource
+from pflbed.federation import Federation
+from pflbed.models import BlockNet, build_model
+
+Tensors = dict[str, torch.Tensor]
+
+
+class NoOptions(BaseModel):
+    """Algorithm-specific options: none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class Context:
+    """What an algorithm may read: config, data, federation and one reusable model object per architecture."""
+
+    cfg: Config
+    source: DataSource
+    federation: Federation
+    options: BaseModel
+    model: BlockNet  # reusable template: load parameters in, train, read them out
+    initial_params: Tensors = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.seed
+
+    def new_model(self, name: str | None = None) -> BlockNet:
+        return build_model(name or self.cfg.model.name, self.source.input_shape, self.source.num_classes)
+
+    def client_data(self, cid: int) -> ClientData:
+        split = self.federation.clients[cid]
+        return ClientData(cid, self.source.train.x, self.source.train.y, split.train, split.val, split.prior)
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """A client's view of the training pool: the pool's tensors plus this client's indices into them."""
+
+    cid: int
+    x: torch.Tensor
+    y: torch.Tensor
+    train: torch.Tensor
+    val: torch.Tensor
+    prior: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        return int(self.train.numel())
+
+
+@dataclass(frozen=True)
+class ClientContext:
+    """Per-call facts for `client_update`: the round, and a generator derived from (seed, round, client id)."""
+
+    rnd: int
+    cid: int
+    generator: torch.Generator
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much adaptation a personalization may spend."""
+
+    method: str  # "ft" (all parameters) or "lp" (head only)
+    epochs: int
+    lr: float
+    batch_size: int
+    momentum: float = 0.0
+
+
+class Predictor:
+    """A model ready to classify: one model object plus the parameters to load into it.
+
+    Predictors that share `group` (the same model and parameter dict) are evaluated with one batched forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: Tensors) -> None:
+        self.model, self.params = model, params
+
+    @property
+    def group(self) -> tuple[int, int]:
+        return id(self.model), id(self.params)
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+        from pflbed.algorithms.training import load_params
+
+        load_params(self.model, self.params)
+        self.model.eval()
+        return torch.cat([self.model(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+
+class Algorithm:
+    """Subclass once per algorithm file. See DESIGN §4 for the life cycle."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.opts = ctx.options
+
+    # --- federation ------------------------------------------------------------------------------------------
+    def init_server(self) -> Tensors:
+        raise NotImplementedError
+
+    def init_client(self, cid: int) -> Tensors:
+        """Personal state a client starts with (heads, masks, coefficients…). Default: none."""
+        return {}
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        raise NotImplementedError
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        raise NotImplementedError
+
+    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
+        raise NotImplementedError
+
+    # --- evaluation ------------------------------------------------------------------------------------------
+    def generic_model(self, server: Tensors) -> Predictor | None:
+        """The model evaluated for G-FL; None for methods without one."""
+        return None
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        raise NotImplementedError
+
+    def personalize(self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator) -> Predictor:
+        """Adapt to a client from the generic model: fine-tune everything (ft) or the head only (lp)."""
+        from pflbed.algorithms.training import finetune
+
+        generic = self.generic_model(server)
+        if generic is None:
+            raise NotImplementedError(f"{self.name} has no generic model to personalize from")
+        return finetune(self.ctx.model, generic.params, data, budget, generator)

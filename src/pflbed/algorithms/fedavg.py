@@ -1,0 +1,43 @@
+"""FedAvg — McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017, Algorithm 1.
+
+Server: w_{t+1} = Σ_{m∈S_t} (n_m / n_S) · w^m_{t+1}, the weights being the clients' training-set sizes |D_m|.
+Client: E epochs of mini-batch SGD (batch B, lr η) from w_t on its own data.
+
+Choices: the whole state dict is averaged, including BatchNorm statistics (FedBN, which keeps them local, is its
+own algorithm); momentum, if configured, restarts every round (the paper uses plain SGD). The personal model of
+FedAvg is the global model itself; `eval.finetune` adds the FedAvg+FT / FedAvg+LP evaluations.
+"""
+
+from __future__ import annotations
+
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.training import get_params, load_params, local_sgd, weighted_mean
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"
+
+    def init_server(self) -> Tensors:
+        return dict(self.ctx.initial_params)
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        return {c: server for c in cids}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t = self.ctx.model, self.ctx.cfg.train
+        load_params(model, payload)
+        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
+                  weight_decay=t.weight_decay, generator=cctx.generator)
+        return get_params(model), state
+
+    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
+        return weighted_mean(replies, weights)
+
+    def generic_model(self, server: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, server)
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return self.generic_model(server)

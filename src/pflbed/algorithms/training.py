@@ -1,0 +1,101 @@
+"""Shared training pieces, as plain functions (not base-class layers) so algorithms compose them freely."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
+from pflbed.models import BlockNet
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_params(model: nn.Module, params: Tensors) -> None:
+    """Copy `params` (a subset of the state dict is fine) into the model in place."""
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for k, v in params.items():
+            state[k].copy_(v)
+
+
+def get_params(model: nn.Module, keys: Iterable[str] | None = None) -> Tensors:
+    """Detached copies of the model's state (all of it, or `keys`)."""
+    state = model.state_dict()
+    return {k: state[k].clone() for k in (keys if keys is not None else state)}
+
+
+def index_batches(idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Shuffled mini-batches of indices, epoch after epoch; the last batch of an epoch may be smaller."""
+    for _ in range(epochs):
+        perm = idx[torch.randperm(len(idx), generator=generator)]
+        yield from perm.split(batch_size)
+
+
+def local_sgd(
+    model: nn.Module,
+    data: ClientData,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    generator: torch.Generator,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    params: Iterable[nn.Parameter] | None = None,
+    loss_fn: LossFn = F.cross_entropy,
+) -> float:
+    """Plain mini-batch SGD on the client's training indices; returns the mean training loss.
+
+    `params` restricts what the optimizer updates (gradients still flow through the rest). A fresh optimizer
+    per call: FedAvg clients start every round without momentum history.
+    """
+    trainable = list(params) if params is not None else list(model.parameters())
+    opt = torch.optim.SGD(trainable, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    model.train()
+    total, steps = torch.zeros(()), 0
+    for b in index_batches(data.train, batch_size, epochs, generator):
+        loss = loss_fn(model(data.x[b]), data.y[b])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.detach()
+        steps += 1
+    return float(total) / max(steps, 1)
+
+
+def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: Iterable[str] | None = None) -> Tensors:
+    """Σ_m w_m·x_m / Σ_m w_m per key. Integer tensors (e.g. BN's batch counters) take the maximum instead."""
+    cids = list(replies)
+    keys = list(keys) if keys is not None else list(replies[cids[0]])
+    w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64)
+    w = (w / w.sum()).tolist()
+    out: Tensors = {}
+    for k in keys:
+        first = replies[cids[0]][k]
+        if first.is_floating_point():
+            acc = torch.zeros_like(first)
+            for c, wc in zip(cids, w, strict=True):
+                acc.add_(replies[c][k], alpha=wc)
+            out[k] = acc
+        else:
+            out[k] = torch.stack([replies[c][k] for c in cids]).amax(0)
+    return out
+
+
+def finetune(model: BlockNet, start: Tensors, data: ClientData, budget: Budget, generator: torch.Generator) -> Predictor:
+    """Personalize a copy of `start` on the client's training data: every parameter (ft) or the head only (lp)."""
+    load_params(model, start)
+    if budget.method == "ft":
+        trainable = list(model.parameters())
+    elif budget.method == "lp":
+        head = set(model.state_keys(model.head_blocks()))
+        trainable = [p for k, p in model.named_parameters() if k in head]
+    else:
+        raise ValueError(f"unknown personalization method {budget.method!r}")
+    local_sgd(model, data, epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr,
+              momentum=budget.momentum, generator=generator, params=trainable)
+    return Predictor(model, get_params(model))

@@ -1,0 +1,66 @@
+"""`pflbed` command line. User errors print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from pflbed.errors import PflbedError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pflbed", description="Personalized federated learning benchmark.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run one experiment (default: FedAvg on the embedded digits data)")
+    r.add_argument("-c", "--config", help="YAML config file")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.rounds=50 (repeatable)")
+    r.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d = sub.add_parser("data", help="datasets")
+    d.add_argument("action", choices=["list"])
+    return p
+
+
+def _cmd_run(args: argparse.Namespace) -> None:
+    from pflbed.config import load_config
+    from pflbed.engine.loop import run
+    from pflbed.results.summary import print_table
+
+    cfg = load_config(args.config, args.overrides)
+    result = run(cfg, args.out, progress=not args.no_progress)
+    print_table(result.summary)
+    Console().print(f"results: {result.out}")
+
+
+def _cmd_data(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    from pflbed.data import describe_datasets
+
+    t = Table(title="datasets")
+    for col in ("name", "where", "train", "test"):
+        t.add_column(col)
+    for d in describe_datasets():
+        t.add_row(str(d["name"]), str(d["where"]), str(d.get("train", "")), str(d.get("test", "")))
+    Console().print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"run": _cmd_run, "data": _cmd_data}[args.command](args)
+    except PflbedError as e:
+        print(f"pflbed: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pflbed: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Typed run configuration: YAML file + `--set key=value` overrides, validated before anything runs.
+
+Validation errors become a single `ConfigError` line naming the dotted field (`train.lr: ...`), so a typo never
+turns into a traceback or a half-written run directory. Algorithm-specific keys live under `algorithm` and are
+validated by the algorithm's own `Config` model once the name is known.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pflbed.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(_Strict):
+    name: Literal["fmnist", "digits", "synthetic"] = "digits"
+    path: str | None = Field(None, description="directory with the dataset files (fmnist); overrides the look-up")
+
+
+class ModelConfig(_Strict):
+    name: Literal["mlp", "cnn", "lenet5"] = "cnn"
+
+
+class FederationConfig(_Strict):
+    clients: int = Field(20, ge=1)
+    partition: Literal["iid", "dirichlet", "classes"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition=dirichlet)")
+    classes_per_client: int = Field(2, ge=1, description="labels per client (partition=classes)")
+    min_size: int = Field(10, ge=1, description="minimum samples per client (partition=dirichlet)")
+    sample_fraction: float = Field(1.0, gt=0, le=1, description="fraction of participated clients per round")
+    new_clients: int = Field(0, ge=0, description="clients held out of training (evaluated as new clients)")
+    val_fraction: float = Field(0.1, ge=0, lt=1)
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> FederationConfig:
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError("val_fraction + test_fraction must be < 1")
+        if self.new_clients >= self.clients:
+            raise ValueError("new_clients must leave at least one participated client")
+        return self
+
+
+class TrainConfig(_Strict):
+    rounds: int = Field(30, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class EvalConfig(_Strict):
+    every: int = Field(5, ge=1, description="evaluate every N rounds (the last round always)")
+    pfl_test: Literal["local", "global"] = Field(
+        "local",
+        description="P-FL test data: the client's own test split, or the global balanced test set "
+        "class-weighted by the client's training class distribution",
+    )
+    finetune: list[Literal["ft", "lp"]] = Field(
+        default_factory=lambda: ["ft", "lp"],
+        description="at the final round, also personalize the generic model per client: ft = full fine-tune, "
+        "lp = linear probe (head only)",
+    )
+    ft_epochs: int = Field(1, ge=1)
+    ft_lr: float = Field(0.01, gt=0)
+    batch_size: int = Field(1024, ge=1, description="inference batch size")
+
+
+class ExecutorConfig(_Strict):
+    name: Literal["loop"] = "loop"
+    strict: bool = Field(False, description="round-trip every payload, reply and client state through bytes")
+
+
+class AlgorithmConfig(BaseModel):
+    """`name` plus algorithm-specific keys, validated by the algorithm's own Config."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+
+
+class Config(_Strict):
+    seed: int = 0
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+
+    def algorithm_options(self) -> dict[str, Any]:
+        return dict(self.algorithm.model_extra or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _first_error(err: ValidationError, prefix: str = "") -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+    field = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+    if e["type"] == "extra_forbidden":
+        return f"{field}: unknown key"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{field}: {msg} (got {e.get('input')!r})" if e["type"] != "model_type" else f"{field}: {msg}"
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `a.b.c = value` in a nested dict, creating levels as needed."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for p in parents:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key=value` with the value read as YAML (so numbers, booleans and lists get their types)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read an optional YAML file, apply overrides and validate, raising `ConfigError` with one line."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read config ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{p}: invalid YAML{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of config keys")
+        tree = loaded or {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(tree, key, value)
+    return validate_config(tree)
+
+
+def validate_config(tree: dict[str, Any]) -> Config:
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_first_error(e)) from None
+    from pflbed.algorithms import get_algorithm  # late: algorithms import the engine-facing types
+
+    algo_cls = get_algorithm(cfg.algorithm.name)
+    try:
+        algo_cls.Config.model_validate(cfg.algorithm_options())
+    except ValidationError as e:
+        raise ConfigError(_first_error(e, "algorithm.")) from None
+    return cfg

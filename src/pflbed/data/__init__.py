@@ -1,0 +1,88 @@
+"""Datasets by name: the one entry point the engine and CLI use to get a `DataSource`.
+
+Each loader caches its result per arguments (the engine asks for the same dataset once per run, sweep point
+and evaluation), so `load_dataset` with equal arguments returns the same object; treat it as read-only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.data.digits import load_digits_source
+from pflbed.data.fmnist import download_fmnist, find_fmnist, fmnist_sizes, load_fmnist
+from pflbed.data.idx import read_idx
+from pflbed.data.synthetic import make_synthetic
+from pflbed.errors import DataError
+
+__all__ = [
+    "DATASETS",
+    "ArrayDataset",
+    "DataSource",
+    "describe_datasets",
+    "download_fmnist",
+    "load_dataset",
+    "load_digits_source",
+    "load_fmnist",
+    "make_synthetic",
+    "read_idx",
+]
+
+DATASETS: dict[str, Callable[..., DataSource]] = {
+    "fmnist": load_fmnist,
+    "digits": load_digits_source,
+    "synthetic": make_synthetic,
+}
+
+
+def _check_name(name: str) -> Callable[..., DataSource]:
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
+    return DATASETS[name]
+
+
+def load_dataset(name: str, path: str | os.PathLike[str] | None = None, **options: Any) -> DataSource:
+    """Load dataset `name`; `path` only applies to file-backed datasets, `options` go to its loader.
+
+    Arguments are checked against the loader's signature first, so a typo in a config gives a one-line
+    `DataError` naming the accepted options instead of a `TypeError` traceback.
+    """
+    loader = _check_name(name)
+    accepted = inspect.signature(loader).parameters
+    if path is not None:
+        if "path" not in accepted:
+            raise DataError(f"dataset {name!r} reads no files, so it takes no path (got {os.fspath(path)!r})")
+        options["path"] = path
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        allowed = ", ".join(p for p in accepted if p != "path") or "none"
+        raise DataError(f"dataset {name!r}: unknown option(s) {', '.join(unknown)}; accepted: {allowed}")
+    return loader(**options)
+
+
+def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """One row per dataset for `pflbed data list`: name, location ("not found" if absent), split sizes.
+
+    Never downloads and never decodes Fashion-MNIST pixels (sizes come from the IDX headers). A damaged copy
+    is still listed, with its `error`, so the user sees which directory to fix.
+    """
+    rows: list[dict[str, Any]] = []
+    for name in DATASETS:
+        row: dict[str, Any] = {"name": name, "location": "not found", "train": None, "test": None}
+        row["error"] = None
+        try:
+            if name == "fmnist":
+                directory = find_fmnist(path)
+                if directory is not None:
+                    row["location"] = str(directory)
+                    row["train"], row["test"] = fmnist_sizes(directory)
+            else:
+                source = DATASETS[name]()
+                row.update(location=source.origin, train=len(source.train), test=len(source.test))
+        except DataError as exc:
+            row["error"] = str(exc)
+        rows.append(row)
+    return rows

@@ -1,0 +1,49 @@
+"""In-memory datasets.
+
+Every source lands in one tensor per split so training batches are index tensors into it: no `DataLoader`, no
+per-sample Python, and a client's data is just a tensor of indices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """Features `x` (float32, [N, C, H, W] or [N, D], already normalized), labels `y` (int64 [N]), optional domains."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    domain: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A dataset's train and test splits plus what a model needs to know about them."""
+
+    name: str
+    train: ArrayDataset
+    test: ArrayDataset
+    num_classes: int
+    origin: str  # where the data came from (a path, "scikit-learn", "generated"), shown by `pflbed data list`
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.x.shape[1:])
+
+    def fingerprint(self) -> str:
+        """Content hash used to key federation caches: name, shapes and every label and a strided pixel sample."""
+        h = hashlib.sha256(self.name.encode())
+        for split in (self.train, self.test):
+            h.update(str(tuple(split.x.shape)).encode())
+            h.update(split.y.numpy().tobytes())
+            flat = split.x.reshape(len(split), -1)
+            h.update(flat[:, :: max(1, flat.shape[1] // 7)].contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]

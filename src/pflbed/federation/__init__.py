@@ -1,0 +1,5 @@
+"""Partitions of a dataset into clients, and which clients take part."""
+
+from pflbed.federation.federation import ClientSplit, Federation, build_federation, sample_clients
+
+__all__ = ["ClientSplit", "Federation", "build_federation", "sample_clients"]

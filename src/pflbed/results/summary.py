@@ -1,0 +1,72 @@
+"""`summary.json` and the printed results table (schema documented in the README)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import pflbed
+
+_PFL_KEYS = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val")
+
+
+def select_round(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation with the best *validation* accuracy (P-FL val, else G-FL val); earliest on ties."""
+    key = "pfl_val" if any(h.get("pfl_val") is not None for h in history) else "gfl_val"
+    best = max(history, key=lambda h: (h.get(key) if h.get(key) is not None else float("-inf"), -h["round"]))
+    return {"round": best["round"], "criterion": key, "gfl_acc": best.get("gfl_acc"), "pfl_acc": best.get("pfl_acc")}
+
+
+def build_summary(cfg, fed, history: list[dict[str, Any]], finetuned: dict[str, dict], per_client: dict[int, float],
+                  timing: dict[str, float]) -> dict[str, Any]:
+    last = history[-1]
+    final = {k: last.get(k) for k in ("gfl_acc", "gfl_val", *_PFL_KEYS)}
+    for method, stats in finetuned.items():
+        final[method] = {k: stats.get(k) for k in _PFL_KEYS}
+    return {
+        "pflbed_version": pflbed.__version__,
+        "algorithm": cfg.algorithm.name,
+        "dataset": cfg.dataset.name,
+        "model": cfg.model.name,
+        "seed": cfg.seed,
+        "rounds": cfg.train.rounds,
+        "clients": {"participated": len(fed.participated), "new": len(fed.new)},
+        "pfl_test": cfg.eval.pfl_test,
+        "final": final,
+        "selected": select_round(history),
+        "per_client": {"cid": list(per_client), "pfl_acc": list(per_client.values())},
+        "communication": {k: last.get(k) for k in ("up_bytes_per_round", "down_bytes_per_round")},
+        "timing": timing,
+    }
+
+
+_LABELS = {"fedavg": "FedAvg", "local": "Local"}
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.2f}"
+
+
+def print_table(summary: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    name = _LABELS.get(summary["algorithm"], summary["algorithm"])
+    f = summary["final"]
+    t = Table(title=f"{name} on {summary['dataset']} ({summary['model']}, seed {summary['seed']}, "
+                    f"{summary['rounds']} rounds) — accuracy %, final round")
+    for col in ("method", "G-FL", "P-FL mean", "± std", "min", "p10"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    t.add_row(name, _pct(f["gfl_acc"]), _pct(f["pfl_acc"]), _pct(f["pfl_acc_std"]), _pct(f["pfl_acc_min"]),
+              _pct(f["pfl_acc_p10"]))
+    for method in ("ft", "lp"):
+        if method in f:
+            m = f[method]
+            t.add_row(f"{name}+{method.upper()}", "", _pct(m["pfl_acc"]), _pct(m["pfl_acc_std"]),
+                      _pct(m["pfl_acc_min"]), _pct(m["pfl_acc_p10"]))
+    console.print(t)
+    s, tm = summary["selected"], summary["timing"]
+    console.print(f"selected on validation ({s['criterion']}): round {s['round']} — G-FL {_pct(s['gfl_acc'])}, "
+                  f"P-FL {_pct(s['pfl_acc'])}")
+    console.print(f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
+                  f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation")

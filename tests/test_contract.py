@@ -1,0 +1,100 @@
+"""The algorithm contract, exercised by toy algorithms through the real engine."""
+
+import pytest
+import torch
+
+import pflbed
+from pflbed.algorithms import ALGORITHMS, register
+from pflbed.algorithms.base import Algorithm, Predictor
+from pflbed.engine import wire
+
+TINY = {
+    "dataset": {"name": "synthetic"},
+    "model": {"name": "mlp"},
+    "federation": {"clients": 6, "partition": "dirichlet", "alpha": 1.0, "sample_fraction": 0.5},
+    "train": {"rounds": 3, "batch_size": 16, "lr": 0.1},
+    "eval": {"every": 1, "finetune": []},
+    "executor": {"strict": True},
+}
+
+
+class CountingAlgo(Algorithm):
+    """Server state is a counter; each client replies with its id and counts its own visits in its state."""
+
+    name = "toy-counting"
+
+    def init_server(self):
+        return {"total": torch.zeros(())}
+
+    def init_client(self, cid):
+        return {"visits": torch.zeros((), dtype=torch.int64)}
+
+    def configure(self, rnd, server, cids):
+        return {c: {"rnd": torch.tensor(rnd), "total": server["total"]} for c in cids}
+
+    def client_update(self, payload, state, data, cctx):
+        assert int(payload["rnd"]) == cctx.rnd
+        noise = torch.rand((), generator=cctx.generator)
+        return {"cid": torch.tensor(float(data.cid)), "noise": noise}, {"visits": state["visits"] + 1}
+
+    def aggregate(self, rnd, server, replies, weights):
+        self.seen = getattr(self, "seen", []) + [(rnd, sorted(replies), dict(weights))]
+        self.noise = {c: float(r["noise"]) for c, r in replies.items()}
+        return {"total": server["total"] + sum(r["cid"] for r in replies.values())}
+
+    def personal_model(self, server, state):
+        return Predictor(self.ctx.model, self.ctx.initial_params)
+
+
+class LeakyAlgo(CountingAlgo):
+    """Returns a Python object in its reply: must fail in strict mode."""
+
+    name = "toy-leaky"
+
+    def client_update(self, payload, state, data, cctx):
+        return {"obj": object()}, state
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    for cls in (CountingAlgo, LeakyAlgo):
+        register(cls)
+    yield
+    for cls in (CountingAlgo, LeakyAlgo):
+        ALGORITHMS.pop(cls.name, None)
+
+
+def test_engine_drives_the_contract():
+    from pflbed.federation import sample_clients
+
+    res = pflbed.run({**TINY, "algorithm": {"name": "toy-counting"}}, write=False)
+    algo = res.executor.algo
+    fed = algo.ctx.federation
+    expected = [(r, sample_clients(0, r, fed.participated, 0.5)) for r in (1, 2, 3)]
+    assert [(r, c) for r, c, _ in algo.seen] == expected
+    for _, cids, weights in algo.seen:  # aggregation weights are |D_m|
+        assert weights == {c: fed.num_train(c) for c in cids}
+    assert float(res.server["total"]) == sum(sum(c) for _, c in expected)
+    visits = {c: int(s["visits"]) for c, s in res.executor.states.items()}
+    for c in fed.participated:
+        assert visits.get(c, 0) == sum(c in cids for _, cids in expected)
+    assert len(res.history) == 3 and res.summary["final"]["gfl_acc"] is None
+
+
+def test_client_randomness_depends_only_on_seed_round_client():
+    a = pflbed.run({**TINY, "algorithm": {"name": "toy-counting"}}, write=False).executor.algo.noise
+    b = pflbed.run({**TINY, "algorithm": {"name": "toy-counting"}, "executor": {"strict": False}},
+                   write=False).executor.algo.noise
+    assert a == b
+
+
+def test_strict_mode_rejects_what_cannot_cross_the_wire():
+    with pytest.raises(TypeError, match="dict\\[str, Tensor\\]"):
+        pflbed.run({**TINY, "algorithm": {"name": "toy-leaky"}}, write=False)
+
+
+def test_wire_roundtrip_copies():
+    t = {"w": torch.arange(6.0).reshape(2, 3)[:, 1:]}
+    back = wire.roundtrip(t)
+    assert torch.equal(back["w"], t["w"]) and back["w"].data_ptr() != t["w"].data_ptr()
+    assert wire.num_bytes(t) == 4 * 4

@@ -1,0 +1,274 @@
+"""Dataset layer tests: IDX parsing, Fashion-MNIST look-up and download checks, digits, synthetic.
+
+Fashion-MNIST fixtures are tiny files written here in the real IDX format; the network is never used.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pflbed.data import DATASETS, DataSource, describe_datasets, fmnist, load_dataset, synthetic
+from pflbed.data.digits import load_digits_source
+from pflbed.data.fmnist import download_fmnist, load_fmnist
+from pflbed.data.idx import read_idx, read_idx_shape
+from pflbed.data.synthetic import make_synthetic
+from pflbed.errors import DataError
+
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """Encode `array` as IDX by hand, independently of the reader: magic, big-endian dims and data."""
+    codes = {np.uint8: 0x08, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D}
+    header = struct.pack(">HBB", 0, codes[array.dtype.type], array.ndim)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+
+
+def write_idx(path: Path, array: np.ndarray) -> Path:
+    data = idx_bytes(array)
+    path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
+    return path
+
+
+def make_fmnist_dir(directory: Path, n_train: int = 20, n_test: int = 10, gz: bool = True) -> Path:
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        labels = (np.arange(n) % 10).astype(np.uint8)
+        write_idx(directory / f"{split}-images-idx3-ubyte{suffix}", images)
+        write_idx(directory / f"{split}-labels-idx1-ubyte{suffix}", labels)
+    return directory
+
+
+@pytest.fixture
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No PFLBED_DATA, an empty cache and no Debian copy, so look-ups only see what a test creates."""
+    monkeypatch.delenv("PFLBED_DATA", raising=False)
+    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fmnist, "DEBIAN_DIR", tmp_path / "no-debian")
+    return tmp_path
+
+
+# --- IDX ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+@pytest.mark.parametrize("shape", [(7, 28, 28), (7,)])
+def test_idx_round_trip_uint8(tmp_path: Path, suffix: str, shape: tuple[int, ...]) -> None:
+    array = np.random.default_rng(1).integers(0, 256, size=shape, dtype=np.uint8)
+    path = write_idx(tmp_path / f"a-ubyte{suffix}", array)
+    out = read_idx(path)
+    assert out.dtype == np.uint8 and out.shape == shape
+    np.testing.assert_array_equal(out, array)
+    assert read_idx_shape(path) == shape
+
+
+def test_idx_multibyte_types_are_big_endian(tmp_path: Path) -> None:
+    arrays = (np.array([[1, -2], [300, 70000]], dtype=np.int32), np.array([0.5, -1.25], dtype=np.float32))
+    for array in arrays:
+        out = read_idx(write_idx(tmp_path / "m.idx", array))
+        assert out.dtype.isnative and out.flags.writeable
+        np.testing.assert_array_equal(out, array)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\x01\x00\x08\x01" + struct.pack(">I", 2) + b"ab", "bad IDX magic"),
+        (b"\x00\x00\x07\x01" + struct.pack(">I", 2) + b"ab", "unknown IDX dtype"),
+        (b"\x00\x00\x08\x00", "0 dimensions"),
+        (b"\x00\x00", "too short"),
+        (b"\x00\x00\x08\x02" + struct.pack(">I", 2), "truncated IDX header"),
+        (b"\x00\x00\x08\x01" + struct.pack(">I", 5) + b"abc", "truncated"),
+        (b"\x00\x00\x08\x01" + struct.pack(">I", 2) + b"abc", "trailing data"),
+    ],
+)
+def test_idx_corrupt_raw(tmp_path: Path, data: bytes, message: str) -> None:
+    path = tmp_path / "bad-ubyte"
+    path.write_bytes(data)
+    with pytest.raises(DataError, match=message) as info:
+        read_idx(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_idx_bad_gzip_truncated_gzip_and_missing(tmp_path: Path) -> None:
+    not_gzip = tmp_path / "x-ubyte.gz"
+    not_gzip.write_bytes(idx_bytes(np.zeros(4, dtype=np.uint8)))
+    cut = tmp_path / "cut-ubyte.gz"
+    cut.write_bytes(gzip.compress(idx_bytes(np.arange(200, dtype=np.uint8)))[:-12])
+    cases = ((not_gzip, "not a valid gzip"), (cut, "truncated gzip"), (tmp_path / "nope", "no such"))
+    for path, message in cases:
+        with pytest.raises(DataError, match=message) as info:
+            read_idx(path)
+        assert str(path) in str(info.value)
+
+
+# --- Fashion-MNIST -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fmnist_explicit_path(isolated_env: Path, gz: bool) -> None:
+    directory = make_fmnist_dir(isolated_env / "fm", gz=gz)
+    source = load_fmnist(str(directory))
+    assert source.name == "fmnist" and source.num_classes == 10 and source.origin == str(directory)
+    assert source.train.x.shape == (20, 1, 28, 28) and source.test.x.shape == (10, 1, 28, 28)
+    assert source.train.x.dtype == torch.float32 and source.train.y.dtype == torch.int64
+    lo, hi = (0 - fmnist.MEAN) / fmnist.STD, (1 - fmnist.MEAN) / fmnist.STD
+    assert lo - 1e-5 <= float(source.train.x.min()) and float(source.train.x.max()) <= hi + 1e-5
+    assert torch.equal(source.test.y, torch.arange(10))
+    assert load_fmnist(str(directory)) is source  # cached: same files, same object
+
+
+def test_fmnist_via_env_var_dir_and_subdir(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    direct = make_fmnist_dir(isolated_env / "direct")
+    monkeypatch.setenv("PFLBED_DATA", str(direct))
+    assert load_dataset("fmnist").origin == str(direct)
+    root = isolated_env / "root"
+    make_fmnist_dir(root / "fashion-mnist", n_train=30)
+    monkeypatch.setenv("PFLBED_DATA", str(root))
+    source = load_dataset("fmnist")
+    assert source.origin == str(root / "fashion-mnist") and len(source.train) == 30
+
+
+def test_fmnist_missing_names_places_and_remedy(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PFLBED_DATA", str(isolated_env / "elsewhere"))
+    with pytest.raises(DataError) as info:
+        load_fmnist()
+    message = str(info.value)
+    assert "\n" not in message
+    remedies = ("apt-get install dataset-fashion-mnist", "PFLBED_DATA")
+    for expected in ("elsewhere", "no-debian", "cache", *remedies):
+        assert expected in message
+
+
+def test_fmnist_count_mismatch(isolated_env: Path) -> None:
+    directory = make_fmnist_dir(isolated_env / "fm")
+    write_idx(directory / "t10k-labels-idx1-ubyte.gz", np.zeros(9, dtype=np.uint8))
+    with pytest.raises(DataError, match="10 images but t10k-labels-idx1-ubyte.gz has 9 labels"):
+        load_fmnist(directory)
+
+
+def test_fmnist_listing_does_not_download(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fmnist, "_fetch", lambda url, dest: pytest.fail("network used"))
+    rows = {row["name"]: row for row in describe_datasets()}
+    assert set(rows) == set(DATASETS)
+    assert rows["fmnist"]["location"] == "not found" and rows["fmnist"]["train"] is None
+    assert rows["digits"]["train"] == 1497 and rows["digits"]["test"] == 300
+    directory = make_fmnist_dir(isolated_env / "fm")
+    monkeypatch.setenv("PFLBED_DATA", str(directory))
+    fm = next(row for row in describe_datasets() if row["name"] == "fmnist")
+    assert (fm["location"], fm["train"], fm["test"]) == (str(directory), 20, 10)
+
+
+def test_download_rejects_wrong_checksum(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fmnist, "_fetch", lambda url, dest: dest.write_bytes(b"not the dataset"))
+    dest = isolated_env / "dl"
+    with pytest.raises(DataError, match="SHA-256 mismatch") as info:
+        download_fmnist(dest)
+    assert "train-images-idx3-ubyte.gz" in str(info.value)
+    assert list(dest.iterdir()) == []  # neither the bad file nor its temporary copy is left behind
+
+
+def test_download_keeps_verified_files(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    payloads = {name: f"payload {name}".encode() for name in fmnist.SHA256}
+    monkeypatch.setattr(fmnist, "SHA256", {n: hashlib.sha256(p).hexdigest() for n, p in payloads.items()})
+    fetched: list[str] = []
+
+    def fake_fetch(url: str, dest: Path) -> None:
+        name = url.rsplit("/", 1)[1]
+        fetched.append(name)
+        dest.write_bytes(payloads[name])
+
+    monkeypatch.setattr(fmnist, "_fetch", fake_fetch)
+    dest = download_fmnist(isolated_env / "dl")
+    assert sorted(p.name for p in dest.iterdir()) == sorted(payloads)
+    assert len(fetched) == 4
+    download_fmnist(dest)  # verified files already present are not fetched again
+    assert len(fetched) == 4
+
+
+# Gzip header fields Debian's packaging normalized: file name -> (mtime, MD5 from the upstream README).
+UPSTREAM = {
+    "train-images-idx3-ubyte.gz": (1504176606, "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+    "train-labels-idx1-ubyte.gz": (1504176606, "25c81989df183df01b3e8a0aad5dffbe"),
+    "t10k-images-idx3-ubyte.gz": (1504176627, "bef4ecab320f06d8554ea6380940ec79"),
+    "t10k-labels-idx1-ubyte.gz": (1504176627, "bb300cfdad3c16e7a12a480ee83cd310"),
+}
+
+
+@pytest.mark.skipif(not DEBIAN_DIR.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_pinned_sha256_match_upstream_files() -> None:
+    """Provenance of `fmnist.SHA256`: restoring the gzip header fields Debian normalized (FNAME, MTIME)
+    turns each packaged file back into the upstream one, proven by the README's MD5; its SHA-256 is pinned."""
+    for name, (mtime, md5) in UPSTREAM.items():
+        packaged = (DEBIAN_DIR / name).read_bytes()
+        assert packaged[:4] == b"\x1f\x8b\x08\x00"  # gzip, deflate, no FNAME
+        upstream = b"\x1f\x8b\x08\x08" + struct.pack("<I", mtime) + packaged[8:10]
+        upstream += name.removesuffix(".gz").encode() + b"\0" + packaged[10:]
+        assert hashlib.md5(upstream).hexdigest() == md5
+        assert hashlib.sha256(upstream).hexdigest() == fmnist.SHA256[name]
+
+
+@pytest.mark.skipif(not DEBIAN_DIR.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_real_fashion_mnist() -> None:
+    source = load_fmnist(DEBIAN_DIR)
+    assert (len(source.train), len(source.test)) == (60000, 10000)
+    assert source.input_shape == (1, 28, 28)
+    assert torch.equal(torch.bincount(source.test.y, minlength=10), torch.full((10,), 1000))
+    assert abs(float(source.train.x.mean())) < 1e-3 and abs(float(source.train.x.std()) - 1) < 1e-3
+
+
+# --- digits and synthetic ----------------------------------------------------------------------------------
+
+
+def test_digits_shapes_and_balanced_split() -> None:
+    source = load_dataset("digits", test_per_class=20, seed=3)
+    assert source.origin == "scikit-learn (bundled)" and source.num_classes == 10
+    assert source.train.x.shape == (1797 - 200, 1, 8, 8) and source.test.x.shape == (200, 1, 8, 8)
+    assert source.train.x.dtype == torch.float32 and source.test.y.dtype == torch.int64
+    assert torch.equal(torch.bincount(source.test.y, minlength=10), torch.full((10,), 20))
+    assert load_digits_source(20, 3) is source
+    other = load_digits_source(test_per_class=20, seed=4)
+    assert not torch.equal(other.test.x, source.test.x)
+    with pytest.raises(DataError, match="test_per_class"):
+        load_digits_source(test_per_class=500)
+
+
+def test_synthetic_shapes_balance_and_determinism() -> None:
+    source = make_synthetic(num_classes=4, n_train=100, n_test=43, shape=[3, 5], seed=7)
+    assert source.origin == "generated" and source.input_shape == (3, 5) and source.num_classes == 4
+    assert len(source.train) == 100 and len(source.test) == 40
+    assert torch.equal(torch.bincount(source.test.y), torch.full((4,), 10))
+    assert source.train.x.dtype == torch.float32 and source.train.y.dtype == torch.int64
+    assert load_dataset("synthetic", num_classes=4, n_train=100, n_test=43, shape=(3, 5), seed=7) is source
+    fresh = regenerate_uncached(num_classes=4, n_train=100, n_test=43, shape=(3, 5), seed=7)
+    assert fresh is not source
+    assert torch.equal(fresh.train.x, source.train.x) and torch.equal(fresh.test.y, source.test.y)
+    other = make_synthetic(num_classes=4, n_train=100, n_test=43, shape=(3, 5), seed=8)
+    assert not torch.equal(other.train.x, source.train.x)
+
+
+def regenerate_uncached(**kwargs: Any) -> DataSource:
+    """Generate bypassing the in-process cache, to prove determinism comes from the seed, not the cache."""
+    synthetic._generate.cache_clear()
+    return make_synthetic(**kwargs)
+
+
+def test_registry_errors() -> None:
+    with pytest.raises(DataError, match="known datasets: digits, fmnist, synthetic"):
+        load_dataset("mnist")
+    with pytest.raises(DataError, match="unknown option"):
+        load_dataset("synthetic", classes=3)
+    with pytest.raises(DataError, match="takes no path"):
+        load_dataset("digits", path="/tmp")
