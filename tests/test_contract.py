@@ -8,14 +8,9 @@ from pflbed.algorithms import ALGORITHMS, register
 from pflbed.algorithms.base import Algorithm, Predictor
 from pflbed.engine import wire
 
-TINY = {
-    "dataset": {"name": "synthetic"},
-    "model": {"name": "mlp"},
-    "federation": {"clients": 6, "partition": "dirichlet", "alpha": 1.0, "sample_fraction": 0.5},
-    "train": {"rounds": 3, "batch_size": 16, "lr": 0.1},
-    "eval": {"every": 1, "finetune": []},
-    "executor": {"strict": True},
-}
+from .tiny import TINY as TINY_BASE
+
+TINY = {**TINY_BASE, "train": {**TINY_BASE["train"], "rounds": 3}, "eval": {"every": 1, "finetune": []}}
 
 
 class CountingAlgo(Algorithm):
@@ -83,8 +78,9 @@ def test_engine_drives_the_contract():
 
 def test_client_randomness_depends_only_on_seed_round_client():
     a = pflbed.run({**TINY, "algorithm": {"name": "toy-counting"}}, write=False).executor.algo.noise
-    b = pflbed.run({**TINY, "algorithm": {"name": "toy-counting"}, "executor": {"strict": False}},
-                   write=False).executor.algo.noise
+    b = pflbed.run(
+        {**TINY, "algorithm": {"name": "toy-counting"}, "executor": {"strict": False}}, write=False
+    ).executor.algo.noise
     assert a == b
 
 

@@ -86,7 +86,9 @@ def test_federation_is_deterministic_cached_and_balanced():
     b = build_federation(src, cfg, seed=7)  # memory/disk cache path
     c = build_federation(src, cfg, seed=8, use_disk_cache=False)
     assert a.key == b.key != c.key
-    assert all((x.train == y.train).all() and (x.test == y.test).all() for x, y in zip(a.clients, b.clients))
+    assert all(
+        (x.train == y.train).all() and (x.test == y.test).all() for x, y in zip(a.clients, b.clients, strict=True)
+    )
     assert len(a.new) == 3 and sorted(a.new + a.participated) == list(range(12))
     counts = np.bincount(src.test.y[a.global_test].numpy())
     assert (counts == counts[0]).all()
@@ -105,7 +107,7 @@ def test_federation_disk_cache_roundtrip(tmp_path, monkeypatch):
     F._MEMORY.clear()
     assert list((tmp_path / "federations").glob("*.pt"))
     b = build_federation(src, cfg, seed=0)
-    assert a is not b and all((x.val == y.val).all() for x, y in zip(a.clients, b.clients))
+    assert a is not b and all((x.val == y.val).all() for x, y in zip(a.clients, b.clients, strict=True))
 
 
 def test_sampling_stream_is_fixed_per_seed_and_round():

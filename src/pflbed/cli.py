@@ -16,8 +16,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment (default: FedAvg on the embedded digits data)")
     r.add_argument("-c", "--config", help="YAML config file")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.rounds=50 (repeatable)")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.rounds=50 (repeatable)",
+    )
     r.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     d = sub.add_parser("data", help="datasets")
@@ -45,7 +51,7 @@ def _cmd_data(args: argparse.Namespace) -> None:
     for col in ("name", "where", "train", "test"):
         t.add_column(col)
     for d in describe_datasets():
-        t.add_row(str(d["name"]), str(d["where"]), str(d.get("train", "")), str(d.get("test", "")))
+        t.add_row(str(d["name"]), str(d["error"] or d["location"]), str(d["train"] or ""), str(d["test"] or ""))
     Console().print(t)
 
 

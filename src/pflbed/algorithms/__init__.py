@@ -20,7 +20,9 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}") from None
+        raise ConfigError(
+            f"algorithm.name: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}"
+        ) from None
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "get_algorithm", "register"]

@@ -28,8 +28,16 @@ class LocalOnly(Algorithm):
     ) -> tuple[Tensors, Tensors]:
         model, t = self.ctx.model, self.ctx.cfg.train
         load_params(model, state)
-        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                  weight_decay=t.weight_decay, generator=cctx.generator)
+        local_sgd(
+            model,
+            data,
+            epochs=t.local_epochs,
+            batch_size=t.batch_size,
+            lr=t.lr,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            generator=cctx.generator,
+        )
         return {}, get_params(model)
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:

@@ -28,7 +28,9 @@ def get_params(model: nn.Module, keys: Iterable[str] | None = None) -> Tensors:
     return {k: state[k].clone() for k in (keys if keys is not None else state)}
 
 
-def index_batches(idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+def index_batches(
+    idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
     """Shuffled mini-batches of indices, epoch after epoch; the last batch of an epoch may be smaller."""
     for _ in range(epochs):
         perm = idx[torch.randperm(len(idx), generator=generator)]
@@ -86,7 +88,9 @@ def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: 
     return out
 
 
-def finetune(model: BlockNet, start: Tensors, data: ClientData, budget: Budget, generator: torch.Generator) -> Predictor:
+def finetune(
+    model: BlockNet, start: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+) -> Predictor:
     """Personalize a copy of `start` on the client's training data: every parameter (ft) or the head only (lp)."""
     load_params(model, start)
     if budget.method == "ft":
@@ -96,6 +100,14 @@ def finetune(model: BlockNet, start: Tensors, data: ClientData, budget: Budget, 
         trainable = [p for k, p in model.named_parameters() if k in head]
     else:
         raise ValueError(f"unknown personalization method {budget.method!r}")
-    local_sgd(model, data, epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr,
-              momentum=budget.momentum, generator=generator, params=trainable)
+    local_sgd(
+        model,
+        data,
+        epochs=budget.epochs,
+        batch_size=budget.batch_size,
+        lr=budget.lr,
+        momentum=budget.momentum,
+        generator=generator,
+        params=trainable,
+    )
     return Predictor(model, get_params(model))

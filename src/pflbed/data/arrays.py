@@ -14,7 +14,7 @@ import torch
 
 @dataclass(frozen=True)
 class ArrayDataset:
-    """Features `x` (float32, [N, C, H, W] or [N, D], already normalized), labels `y` (int64 [N]), optional domains."""
+    """Features `x` (float32 [N, C, H, W] or [N, D], normalized), labels `y` (int64 [N]), optional domains."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -39,7 +39,7 @@ class DataSource:
         return tuple(self.train.x.shape[1:])
 
     def fingerprint(self) -> str:
-        """Content hash used to key federation caches: name, shapes and every label and a strided pixel sample."""
+        """Content hash keying federation caches: name, shapes, every label and a strided pixel sample."""
         h = hashlib.sha256(self.name.encode())
         for split in (self.train, self.test):
             h.update(str(tuple(split.x.shape)).encode())

@@ -180,8 +180,7 @@ def _split(files: dict[str, Path], split: str) -> ArrayDataset:
     image_path, label_path = files[image_stem], files[label_stem]
     if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE):
         raise DataError(
-            f"{image_path}: expected uint8 images of shape [N, 28, 28], got {images.dtype} "
-            f"{list(images.shape)}"
+            f"{image_path}: expected uint8 images of shape [N, 28, 28], got {images.dtype} {list(images.shape)}"
         )
     if labels.dtype != np.uint8 or labels.ndim != 1:
         raise DataError(f"{label_path}: expected 1-D uint8 labels, got {labels.dtype} {list(labels.shape)}")

@@ -21,9 +21,7 @@ from pflbed.errors import DataError
 ORIGIN = "generated"
 
 
-def _dataset(
-    labels: np.ndarray, means: np.ndarray, shape: tuple[int, ...], rng: np.random.Generator
-) -> ArrayDataset:
+def _dataset(labels: np.ndarray, means: np.ndarray, shape: tuple[int, ...], rng: np.random.Generator) -> ArrayDataset:
     x = means[labels] + rng.standard_normal((len(labels), means.shape[1]))
     return ArrayDataset(
         x=torch.from_numpy(x.astype(np.float32).reshape((len(labels), *shape))),

@@ -55,7 +55,7 @@ def run(cfg: Config, out: Path | None = None, *, write: bool = True, progress: b
     rundir = RunDir.check(out or default_out(cfg), cfg) if write else None
     if rundir:
         rundir.start(cfg)
-    ctx, fed = algo.ctx, algo.ctx.federation
+    fed = algo.ctx.federation
     executor = LoopExecutor(algo, strict=cfg.executor.strict)
     server = algo.init_server()
     history: list[dict[str, Any]] = []
@@ -89,13 +89,18 @@ def run(cfg: Config, out: Path | None = None, *, write: bool = True, progress: b
         methods = cfg.eval.finetune if algo.generic_model(server) is not None else []
         for i, method in enumerate(methods):
             stats = evaluate_personalized(
-                algo, server, method, lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c))
+                algo, server, method, lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)
+            )
             stats.pop("_pfl_per_client")
             finetuned[method] = stats
         eval_s += time.perf_counter() - t1
     wall = time.perf_counter() - t_start
-    timing = {"wall_s": round(wall, 3), "train_s": round(train_s, 3), "eval_s": round(eval_s, 3),
-              "s_per_round": round(train_s / cfg.train.rounds, 4)}
+    timing = {
+        "wall_s": round(wall, 3),
+        "train_s": round(train_s, 3),
+        "eval_s": round(eval_s, 3),
+        "s_per_round": round(train_s / cfg.train.rounds, 4),
+    }
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing)
     if rundir:
         rundir.write_summary(summary)
@@ -109,7 +114,13 @@ def _status(record: dict[str, Any]) -> str:
 
 def _progress(enabled: bool) -> Progress:
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("round {task.completed}/{task.total}"),
-        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        disable=not enabled, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("round {task.completed}/{task.total}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=False,
     )

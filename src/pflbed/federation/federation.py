@@ -20,8 +20,16 @@ from pflbed.data.arrays import DataSource
 from pflbed.errors import DataError
 from pflbed.federation import partition
 
-_PARTITION_KEYS = ("clients", "partition", "alpha", "classes_per_client", "min_size", "new_clients",
-                   "val_fraction", "test_fraction")
+_PARTITION_KEYS = (
+    "clients",
+    "partition",
+    "alpha",
+    "classes_per_client",
+    "min_size",
+    "new_clients",
+    "val_fraction",
+    "test_fraction",
+)
 _FORMAT = 1
 
 
@@ -92,12 +100,15 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
         if len(tr) == 0:
             raise DataError(f"federation: client {cid} has no training samples; lower federation.clients")
         prior = np.bincount(labels[tr], minlength=source.num_classes).astype(np.float32)
-        clients.append(ClientSplit(*(torch.from_numpy(a.astype(np.int64)) for a in (tr, va, te)),
-                                   prior=torch.from_numpy(prior / prior.sum())))
+        clients.append(
+            ClientSplit(
+                *(torch.from_numpy(a.astype(np.int64)) for a in (tr, va, te)),
+                prior=torch.from_numpy(prior / prior.sum()),
+            )
+        )
     new = sorted(int(c) for c in rng.choice(cfg.clients, cfg.new_clients, replace=False))
     participated = [c for c in range(cfg.clients) if c not in set(new)]
-    return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng),
-                      source.num_classes, key)
+    return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng), source.num_classes, key)
 
 
 def balanced_subset(labels: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
@@ -110,9 +121,11 @@ def balanced_subset(labels: np.ndarray, rng: np.random.Generator) -> torch.Tenso
 
 def _save_cached(fed: Federation, path: Path) -> None:
     blob = {
-        "key": fed.key, "num_classes": fed.num_classes,
+        "key": fed.key,
+        "num_classes": fed.num_classes,
         "participated": torch.tensor(fed.participated, dtype=torch.int64),
-        "new": torch.tensor(fed.new, dtype=torch.int64), "global_test": fed.global_test,
+        "new": torch.tensor(fed.new, dtype=torch.int64),
+        "global_test": fed.global_test,
         "clients": [{"train": c.train, "val": c.val, "test": c.test, "prior": c.prior} for c in fed.clients],
     }
     try:
@@ -130,8 +143,12 @@ def _load_cached(path: Path, key: str) -> Federation | None:
         if blob["key"] != key:
             return None
         return Federation(
-            [ClientSplit(**c) for c in blob["clients"]], blob["participated"].tolist(), blob["new"].tolist(),
-            blob["global_test"], int(blob["num_classes"]), key,
+            [ClientSplit(**c) for c in blob["clients"]],
+            blob["participated"].tolist(),
+            blob["new"].tolist(),
+            blob["global_test"],
+            int(blob["num_classes"]),
+            key,
         )
     except Exception:  # missing or corrupt cache entry: recompute
         return None

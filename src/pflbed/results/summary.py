@@ -19,8 +19,14 @@ def select_round(history: list[dict[str, Any]]) -> dict[str, Any]:
     return {"round": best["round"], "criterion": key, "gfl_acc": best.get("gfl_acc"), "pfl_acc": best.get("pfl_acc")}
 
 
-def build_summary(cfg, fed, history: list[dict[str, Any]], finetuned: dict[str, dict], per_client: dict[int, float],
-                  timing: dict[str, float]) -> dict[str, Any]:
+def build_summary(
+    cfg,
+    fed,
+    history: list[dict[str, Any]],
+    finetuned: dict[str, dict],
+    per_client: dict[int, float],
+    timing: dict[str, float],
+) -> dict[str, Any]:
     last = history[-1]
     final = {k: last.get(k) for k in ("gfl_acc", "gfl_val", *_PFL_KEYS)}
     for method, stats in finetuned.items():
@@ -53,20 +59,38 @@ def print_table(summary: dict[str, Any], console: Console | None = None) -> None
     console = console or Console()
     name = _LABELS.get(summary["algorithm"], summary["algorithm"])
     f = summary["final"]
-    t = Table(title=f"{name} on {summary['dataset']} ({summary['model']}, seed {summary['seed']}, "
-                    f"{summary['rounds']} rounds) — accuracy %, final round")
+    t = Table(
+        title=f"{name} on {summary['dataset']} ({summary['model']}, seed {summary['seed']}, "
+        f"{summary['rounds']} rounds) — accuracy %, final round"
+    )
     for col in ("method", "G-FL", "P-FL mean", "± std", "min", "p10"):
         t.add_column(col, justify="left" if col == "method" else "right")
-    t.add_row(name, _pct(f["gfl_acc"]), _pct(f["pfl_acc"]), _pct(f["pfl_acc_std"]), _pct(f["pfl_acc_min"]),
-              _pct(f["pfl_acc_p10"]))
+    t.add_row(
+        name,
+        _pct(f["gfl_acc"]),
+        _pct(f["pfl_acc"]),
+        _pct(f["pfl_acc_std"]),
+        _pct(f["pfl_acc_min"]),
+        _pct(f["pfl_acc_p10"]),
+    )
     for method in ("ft", "lp"):
         if method in f:
             m = f[method]
-            t.add_row(f"{name}+{method.upper()}", "", _pct(m["pfl_acc"]), _pct(m["pfl_acc_std"]),
-                      _pct(m["pfl_acc_min"]), _pct(m["pfl_acc_p10"]))
+            t.add_row(
+                f"{name}+{method.upper()}",
+                "",
+                _pct(m["pfl_acc"]),
+                _pct(m["pfl_acc_std"]),
+                _pct(m["pfl_acc_min"]),
+                _pct(m["pfl_acc_p10"]),
+            )
     console.print(t)
     s, tm = summary["selected"], summary["timing"]
-    console.print(f"selected on validation ({s['criterion']}): round {s['round']} — G-FL {_pct(s['gfl_acc'])}, "
-                  f"P-FL {_pct(s['pfl_acc'])}")
-    console.print(f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
-                  f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation")
+    console.print(
+        f"selected on validation ({s['criterion']}): round {s['round']} — G-FL {_pct(s['gfl_acc'])}, "
+        f"P-FL {_pct(s['pfl_acc'])}"
+    )
+    console.print(
+        f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
+        f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation"
+    )

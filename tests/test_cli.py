@@ -1,0 +1,118 @@
+"""The command line: results on disk, determinism, and one-line errors for bad input."""
+
+import gzip
+import json
+import struct
+
+import pytest
+
+from pflbed.cli import main
+
+FAST = [
+    "--set", "dataset.name=synthetic", "--set", "model.name=mlp", "--set", "federation.clients=5",
+    "--set", "train.rounds=3", "--set", "eval.every=1", "--set", "executor.strict=true", "--no-progress",
+]  # fmt: skip
+
+
+def test_run_writes_config_metrics_and_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    assert "FedAvg+FT" in capsys.readouterr().out  # the results table
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [1, 2, 3]
+    s = json.loads((out / "summary.json").read_text())
+    assert {"algorithm", "dataset", "seed", "rounds", "final", "selected", "timing"} <= set(s)
+    for k in ("gfl_acc", "pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10"):
+        assert 0.0 <= s["final"][k] <= 1.0
+    assert set(s["selected"]) >= {"round", "gfl_acc", "pfl_acc"}
+    assert set(s["timing"]) >= {"wall_s", "train_s", "eval_s"}
+    assert "train:\n  rounds: 3" in (out / "config.yaml").read_text()
+
+
+def _without_timing(path):
+    s = json.loads(path.read_text())
+    s.pop("timing")
+    return json.dumps(s, indent=2)
+
+
+def test_same_config_and_seed_give_identical_summary(tmp_path):
+    for name in ("a", "b"):
+        assert main(["run", *FAST, "--out", str(tmp_path / name)]) == 0
+    assert _without_timing(tmp_path / "a" / "summary.json") == _without_timing(tmp_path / "b" / "summary.json")
+    assert main(["run", *FAST, "--set", "seed=1", "--out", str(tmp_path / "c")]) == 0
+    assert _without_timing(tmp_path / "a" / "summary.json") != _without_timing(tmp_path / "c" / "summary.json")
+
+
+def _write_idx(path, magic_dims, payload):
+    with gzip.open(path, "wb") as f:
+        f.write(struct.pack(">I", magic_dims[0]) + b"".join(struct.pack(">I", d) for d in magic_dims[1:]) + payload)
+
+
+@pytest.fixture
+def corrupt_fmnist(tmp_path):
+    d = tmp_path / "fm"
+    d.mkdir()
+    for split, n in (("train", 20), ("t10k", 10)):
+        _write_idx(d / f"{split}-images-idx3-ubyte.gz", (0x0803, n, 28, 28), bytes(n * 28 * 28 - 5))  # truncated
+        _write_idx(d / f"{split}-labels-idx1-ubyte.gz", (0x0801, n), bytes(n))
+    return d
+
+
+BAD = {
+    "unknown key": (["--set", "train.epochs=3"], "train.epochs: unknown key"),
+    "wrong type": (["--set", "train.lr=fast"], "train.lr"),
+    "alpha <= 0": (["--set", "federation.alpha=0"], "federation.alpha"),
+    "more clients than samples": (["--set", "federation.clients=5000"], "federation.clients"),
+    "unknown algorithm": (["--set", "algorithm.name=nope"], "algorithm.name"),
+    "unknown algorithm option": (["--set", "algorithm.mu=0.1"], "algorithm.mu: unknown key"),
+    "missing data dir": (["--set", "dataset.name=fmnist", "--set", "dataset.path=/nonexistent/fm"], "/nonexistent/fm"),
+    "bad override": (["--set", "train.lr"], "train.lr"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capsys):
+    extra, expected = BAD[case]
+    out = tmp_path / "run"
+    assert main(["run", *FAST, *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("pflbed: error:") and expected in err, err
+    assert not out.exists()
+
+
+def test_corrupt_data_file_is_named(corrupt_fmnist, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--set", "dataset.name=fmnist", "--set", f"dataset.path={corrupt_fmnist}"]
+    assert main(["run", *FAST, *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "images-idx3-ubyte.gz" in err
+    assert not out.exists()
+
+
+def test_config_file_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    assert main(["run", "-c", str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err
+    assert main(["run", "-c", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("federation:\n  clients: many\n")
+    assert main(["run", "-c", str(nested)]) == 2
+    assert "federation.clients" in capsys.readouterr().err
+
+
+def test_out_dir_holding_another_run_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    before = (out / "summary.json").read_text()
+    assert main(["run", *FAST, "--set", "seed=3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "different config" in err and str(out) in err
+    assert (out / "summary.json").read_text() == before
+
+
+def test_data_list(capsys):
+    assert main(["data", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "digits" in out and "synthetic" in out
