@@ -23,6 +23,7 @@ class _Strict(BaseModel):
 class DatasetConfig(_Strict):
     name: Literal["fmnist", "digits", "synthetic"] = "digits"
     path: str | None = Field(None, description="directory with the dataset files (fmnist); overrides the look-up")
+    download: bool = Field(False, description="fmnist: download (SHA-256 verified) if no local copy is found")
 
 
 class ModelConfig(_Strict):

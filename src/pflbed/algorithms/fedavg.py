@@ -12,7 +12,7 @@ FedAvg is the global model itself; `eval.finetune` adds the FedAvg+FT / FedAvg+L
 from __future__ import annotations
 
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
-from pflbed.algorithms.training import get_params, load_params, local_sgd, weighted_mean
+from pflbed.algorithms.training import train_from, weighted_mean
 
 
 class FedAvg(Algorithm):
@@ -27,19 +27,7 @@ class FedAvg(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
-        load_params(model, payload)
-        local_sgd(
-            model,
-            data,
-            epochs=t.local_epochs,
-            batch_size=t.batch_size,
-            lr=t.lr,
-            momentum=t.momentum,
-            weight_decay=t.weight_decay,
-            generator=cctx.generator,
-        )
-        return get_params(model), state
+        return train_from(self.ctx.model, payload, data, self.ctx.cfg.train, cctx.generator), state
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return weighted_mean(replies, weights)

@@ -8,7 +8,7 @@ matches theirs. There is no generic model (G-FL is null).
 from __future__ import annotations
 
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
-from pflbed.algorithms.training import get_params, load_params, local_sgd
+from pflbed.algorithms.training import train_from
 
 
 class LocalOnly(Algorithm):
@@ -26,19 +26,7 @@ class LocalOnly(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
-        load_params(model, state)
-        local_sgd(
-            model,
-            data,
-            epochs=t.local_epochs,
-            batch_size=t.batch_size,
-            lr=t.lr,
-            momentum=t.momentum,
-            weight_decay=t.weight_decay,
-            generator=cctx.generator,
-        )
-        return {}, get_params(model)
+        return {}, train_from(self.ctx.model, state, data, self.ctx.cfg.train, cctx.generator)
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return server

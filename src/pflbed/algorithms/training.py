@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
+from pflbed.config import TrainConfig
 from pflbed.models import BlockNet
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +68,24 @@ def local_sgd(
         total += loss.detach()
         steps += 1
     return float(total) / max(steps, 1)
+
+
+def train_from(
+    model: nn.Module, start: Tensors, data: ClientData, train: TrainConfig, generator: torch.Generator
+) -> Tensors:
+    """Load `start`, run the configured local SGD (`train.*` keys) on the client's data, return the new state."""
+    load_params(model, start)
+    local_sgd(
+        model,
+        data,
+        epochs=train.local_epochs,
+        batch_size=train.batch_size,
+        lr=train.lr,
+        momentum=train.momentum,
+        weight_decay=train.weight_decay,
+        generator=generator,
+    )
+    return get_params(model)
 
 
 def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: Iterable[str] | None = None) -> Tensors:

@@ -39,7 +39,8 @@ class RunResult:
 
 def prepare(cfg: Config) -> Algorithm:
     """Load data, build the federation and the initial model, and instantiate the algorithm."""
-    source = load_dataset(cfg.dataset.name, path=cfg.dataset.path)
+    options = {"download": True} if cfg.dataset.download else {}
+    source = load_dataset(cfg.dataset.name, path=cfg.dataset.path, **options)
     fed = build_federation(source, cfg.federation, cfg.seed)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())

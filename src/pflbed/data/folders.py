@@ -1,0 +1,200 @@
+"""Domain-folder image datasets in the DomainBed layout `root/<domain>/<class>/<image>` (PACS, Office-Home, ...).
+
+The whole tree is one pool: every image lands in `train` with its domain label and `test` is empty, because the
+PFLBED protocol carves the shared per-domain test sets out of the pool itself (a fixed split here would force
+one test set on every federation). Class indices are global, from the sorted union of class folder names over
+all domains, so "dog" is the same label in every domain even when some domain lacks a class.
+
+Everything that decides the result is sorted (domains, classes, file names), so two machines with the same
+tree build identical tensors, and therefore identical federations, whatever order the filesystem lists in.
+
+Truncated files raise like any corrupt image, unless the process has set Pillow's global
+`ImageFile.LOAD_TRUNCATED_IMAGES`, which opts into padding them with grey; this module never sets it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.errors import DataError
+
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
+
+# Fixed per-channel normalization to [-1, 1] rather than statistics of the loaded pixels: a subset of the
+# domains, another copy of the dataset or a test fixture is then normalized exactly like the full dataset, and
+# a model trained on one load means the same thing on another.
+MEAN = (0.5, 0.5, 0.5)
+STD = (0.5, 0.5, 0.5)
+
+# What Pillow raises on a file it cannot decode: UnidentifiedImageError (an OSError) for an unknown format,
+# OSError for truncated or broken data, SyntaxError/ValueError/EOFError from some format plugins, and
+# DecompressionBombError for absurd dimensions.
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError, UnidentifiedImageError)
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """A scanned tree: sorted domain and class names and, in load order, (domain, class, file path) triples.
+
+    Hashable on purpose: together with the file stamps it is the cache key, so a tree whose file list changed
+    misses the cache without a second scan.
+    """
+
+    root: str
+    domains: tuple[str, ...]
+    classes: tuple[str, ...]
+    files: tuple[tuple[int, int, str], ...]
+
+
+def _show(path: Path | str) -> str:
+    """A path as it goes into an error message: verbatim unless a control character would break the line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _entries(directory: Path) -> list[os.DirEntry[str]]:
+    """Non-hidden entries of `directory` sorted by name; a listing failure becomes a DataError naming it."""
+    try:
+        with os.scandir(directory) as it:
+            entries = [e for e in it if not e.name.startswith(".")]
+    except OSError as exc:
+        raise DataError(f"{_show(directory)}: cannot list folder ({exc.strerror or _one_line(exc)})") from None
+    return sorted(entries, key=lambda e: e.name)
+
+
+def _subdirs(directory: Path) -> list[str]:
+    return [e.name for e in _entries(directory) if e.is_dir()]
+
+
+def _is_image(entry: os.DirEntry[str]) -> bool:
+    return os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS and entry.is_file()
+
+
+def _root(path: str | os.PathLike[str]) -> Path:
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"{_show(root)}: no such directory")
+    if not root.is_dir():
+        raise DataError(f"{_show(root)}: not a directory")
+    return root.resolve()
+
+
+def _scan(root: Path) -> _Tree:
+    """List the tree without opening any image, rejecting layouts that would silently lose a class or domain."""
+    domains = _subdirs(root)
+    if not domains:
+        raise DataError(f"{_show(root)}: no domain folders (expected <root>/<domain>/<class>/<image>)")
+    per_domain: list[list[str]] = []
+    for domain in domains:
+        classes = _subdirs(root / domain)
+        if not classes:
+            raise DataError(f"{_show(root / domain)}: domain folder has no class folders")
+        per_domain.append(classes)
+    all_classes = sorted({c for classes in per_domain for c in classes})
+    index = {name: i for i, name in enumerate(all_classes)}
+    files: list[tuple[int, int, str]] = []
+    for d, (domain, classes) in enumerate(zip(domains, per_domain, strict=True)):
+        for name in classes:  # already sorted, and global indices follow the same order
+            folder = root / domain / name
+            images = [e.path for e in _entries(folder) if _is_image(e)]
+            if not images:
+                exts = ", ".join(sorted(IMAGE_EXTENSIONS))
+                raise DataError(f"{_show(folder)}: class folder has no images ({exts})")
+            files.extend((d, index[name], p) for p in images)
+    return _Tree(root=str(root), domains=tuple(domains), classes=tuple(all_classes), files=tuple(files))
+
+
+def _stamp(tree: _Tree) -> tuple[tuple[int, int], ...]:
+    """(mtime_ns, size) per file, parallel to `tree.files`: a rewritten image misses the cache, cheaply."""
+    stamp: list[tuple[int, int]] = []
+    for _, _, path in tree.files:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise DataError(f"{_show(path)}: cannot stat image ({exc.strerror or _one_line(exc)})") from None
+        stamp.append((st.st_mtime_ns, st.st_size))
+    return tuple(stamp)
+
+
+def _decode(path: str, size: int) -> np.ndarray:
+    """One image as uint8 [size, size, 3]; `load()` inside the try so truncated data fails here, by name."""
+    try:
+        with Image.open(path) as img:
+            img.load()  # open() only reads the header; decoding errors (truncation) surface here
+            rgb = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+            return np.array(rgb, dtype=np.uint8)  # a writable copy: torch warns on read-only arrays
+    except _DECODE_ERRORS as exc:
+        raise DataError(f"{_show(path)}: cannot read image ({_one_line(exc)})") from None
+
+
+@lru_cache(maxsize=4)
+def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: int) -> DataSource:
+    """Decode once per (tree, file identity, size); callers share the result and must not modify it."""
+    del stamp  # only part of the cache key
+    n, s = len(tree.files), image_size
+    # Preallocated and filled in place: for DomainNet-sized pools a list of per-image tensors plus a final
+    # `torch.stack` would need twice the memory at the peak.
+    x = torch.empty((n, 3, s, s), dtype=torch.float32)
+    for i, (_, _, path) in enumerate(tree.files):
+        x[i] = torch.from_numpy(_decode(path, s)).permute(2, 0, 1)
+    mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1)
+    x.div_(255.0).sub_(mean).div_(std)
+    y = torch.tensor([c for _, c, _ in tree.files], dtype=torch.int64)
+    domain = torch.tensor([d for d, _, _ in tree.files], dtype=torch.int64)
+    empty = ArrayDataset(
+        x=torch.empty((0, 3, s, s), dtype=torch.float32),
+        y=torch.empty(0, dtype=torch.int64),
+        domain=torch.empty(0, dtype=torch.int64),
+    )
+    return DataSource(
+        name=f"folder:{Path(tree.root).name}",
+        train=ArrayDataset(x=x, y=y, domain=domain),
+        test=empty,
+        num_classes=len(tree.classes),
+        origin=tree.root,
+    )
+
+
+def load_domain_folders(path: str | os.PathLike[str], image_size: int = 32) -> DataSource:
+    """Load `root/<domain>/<class>/<image>` as one pool: x float32 [N, 3, S, S] in [-1, 1], y and domain int64.
+
+    Order is domain, class, file name (all sorted); domain `d` is the d-th sorted domain folder name and class
+    `c` the c-th name of the sorted union of class folders. `test` is empty ([0, 3, S, S]): the protocol
+    splits the pool itself. Repeated calls on an unchanged tree return the same object; treat it as read-only.
+    """
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise DataError(f"{_show(Path(path))}: image_size must be a positive integer, got {image_size!r}")
+    tree = _scan(_root(path))
+    return _load_cached(tree, _stamp(tree), image_size)
+
+
+def describe_domain_folders(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Domains, classes and per-domain image counts from the listing alone (no image is opened), for listings.
+
+    Raises the same layout errors as `load_domain_folders`, so a listing flags a broken tree before a run does.
+    """
+    tree = _scan(_root(path))
+    counts = dict.fromkeys(tree.domains, 0)
+    for d, _, _ in tree.files:
+        counts[tree.domains[d]] += 1
+    return {
+        "root": tree.root,
+        "domains": list(tree.domains),
+        "classes": list(tree.classes),
+        "images": counts,
+        "total": len(tree.files),
+    }
