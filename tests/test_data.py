@@ -17,6 +17,7 @@ import torch
 
 from pflbed.data import DATASETS, DataSource, describe_datasets, fmnist, load_dataset, synthetic
 from pflbed.data.digits import load_digits_source
+from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
 from pflbed.data.fmnist import download_fmnist, load_fmnist
 from pflbed.data.idx import read_idx, read_idx_shape
 from pflbed.data.synthetic import make_synthetic
@@ -162,7 +163,7 @@ def test_fmnist_count_mismatch(isolated_env: Path) -> None:
 def test_fmnist_listing_does_not_download(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fmnist, "_fetch", lambda url, dest: pytest.fail("network used"))
     rows = {row["name"]: row for row in describe_datasets()}
-    assert set(rows) == set(DATASETS)
+    assert set(rows) == set(DATASETS) | set(BUILTIN_DOMAINS)
     assert rows["fmnist"]["location"] == "not found" and rows["fmnist"]["train"] is None
     assert rows["digits"]["train"] == 1497 and rows["digits"]["test"] == 300
     directory = make_fmnist_dir(isolated_env / "fm")
@@ -266,7 +267,7 @@ def regenerate_uncached(**kwargs: Any) -> DataSource:
 
 
 def test_registry_errors() -> None:
-    with pytest.raises(DataError, match="known datasets: digits, fmnist, synthetic"):
+    with pytest.raises(DataError, match="known datasets: digits, fmnist, folder, synthetic"):
         load_dataset("mnist")
     with pytest.raises(DataError, match="unknown option"):
         load_dataset("synthetic", classes=3)

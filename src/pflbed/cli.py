@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list"])
+    d.add_argument("--path", help="a dataset directory to describe (fmnist files or a folder dataset root)")
     return p
 
 
@@ -48,10 +49,10 @@ def _cmd_data(args: argparse.Namespace) -> None:
     from pflbed.data import describe_datasets
 
     t = Table(title="datasets")
-    for col in ("name", "where", "train", "test"):
+    for col in ("name", "where", "train", "test", "domains"):
         t.add_column(col)
-    for d in describe_datasets():
-        t.add_row(str(d["name"]), str(d["error"] or d["location"]), str(d["train"] or ""), str(d["test"] or ""))
+    for d in describe_datasets(args.path):
+        t.add_row(d["name"], d["error"] or d["location"], str(d["train"] or ""), str(d["test"] or ""), d["domains"])
     Console().print(t)
 
 

@@ -21,19 +21,51 @@ class _Strict(BaseModel):
 
 
 class DatasetConfig(_Strict):
-    name: Literal["fmnist", "digits", "synthetic"] = "digits"
+    name: Literal["fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder"] = "digits"
     path: str | None = Field(None, description="directory with the dataset files (fmnist); overrides the look-up")
     download: bool = Field(False, description="fmnist: download (SHA-256 verified) if no local copy is found")
+    domains: list[str] | None = Field(
+        None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
+    )
+    image_size: int = Field(32, ge=1, description="folder datasets: images are resized to this square size")
 
 
 class ModelConfig(_Strict):
     name: Literal["mlp", "cnn", "lenet5"] = "cnn"
 
 
+class PflbedSplitConfig(_Strict):
+    """PFLBED split of each domain (FedBasis paper §5): fractions of the domain's samples, clients per portion."""
+
+    participated: float = Field(0.6, ge=0, le=1)
+    new: float = Field(0.2, ge=0, le=1)
+    val: float = Field(0.05, gt=0, le=1)
+    test: float = Field(0.15, gt=0, le=1)
+    clients_per_domain: int = Field(20, ge=1)
+    new_clients_per_domain: int = Field(10, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> PflbedSplitConfig:
+        total = self.participated + self.new + self.val + self.test
+        if total > 1 + 1e-9:
+            raise ValueError(f"participated + new + val + test = {total:g} exceeds 1")
+        if self.participated <= 0:
+            raise ValueError("participated must be > 0")
+        if self.new_clients_per_domain > 0 and self.new <= 0:
+            raise ValueError("new clients need new > 0")
+        return self
+
+
 class FederationConfig(_Strict):
+    protocol: Literal["standard", "pflbed"] = Field(
+        "standard",
+        description="standard: partition the training split, per-client local test splits; pflbed: per-domain "
+        "shared class-balanced val/test sets, participated and new clients per domain (federation.pflbed)",
+    )
+    pflbed: PflbedSplitConfig = Field(default_factory=PflbedSplitConfig)
     clients: int = Field(20, ge=1)
     partition: Literal["iid", "dirichlet", "classes"] = "dirichlet"
-    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition=dirichlet)")
+    alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (partition=dirichlet, and pflbed)")
     classes_per_client: int = Field(2, ge=1, description="labels per client (partition=classes)")
     min_size: int = Field(10, ge=1, description="minimum samples per client (partition=dirichlet)")
     sample_fraction: float = Field(1.0, gt=0, le=1, description="fraction of participated clients per round")

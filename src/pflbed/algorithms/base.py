@@ -9,6 +9,7 @@ a result.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -147,11 +148,21 @@ class Algorithm:
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         raise NotImplementedError
 
-    def personalize(self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator) -> Predictor:
-        """Adapt to a client from the generic model: fine-tune everything (ft) or the head only (lp)."""
-        from pflbed.algorithms.training import finetune
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        """Adapt to one client, yielding its model after each of `budget.epochs` epochs.
+
+        Default: from the generic model, fine-tune everything (`ft`) or the head only (`lp`). Yielding per epoch
+        lets the new-client protocol report both the last epoch and the epoch chosen on validation.
+        """
+        from pflbed.algorithms.training import finetune_epochs
 
         generic = self.generic_model(server)
         if generic is None:
             raise NotImplementedError(f"{self.name} has no generic model to personalize from")
-        return finetune(self.ctx.model, generic.params, data, budget, generator)
+        yield from finetune_epochs(self.ctx.model, generic.params, data, budget, generator)
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
+        """A new client's model with no adaptation (None where the method has none). Default: the generic model."""
+        return self.generic_model(server)

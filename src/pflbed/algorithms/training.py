@@ -38,7 +38,7 @@ def index_batches(
         yield from perm.split(batch_size)
 
 
-def local_sgd(
+def sgd_epochs(
     model: nn.Module,
     data: ClientData,
     *,
@@ -50,24 +50,34 @@ def local_sgd(
     weight_decay: float = 0.0,
     params: Iterable[nn.Parameter] | None = None,
     loss_fn: LossFn = F.cross_entropy,
-) -> float:
-    """Plain mini-batch SGD on the client's training indices; returns the mean training loss.
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Iterator[float]:
+    """Mini-batch SGD on the client's training indices, yielding the mean loss after each epoch.
 
-    `params` restricts what the optimizer updates (gradients still flow through the rest). A fresh optimizer
-    per call: FedAvg clients start every round without momentum history.
+    `params` restricts what the optimizer updates; `forward` replaces `model(x)` (e.g. a head on cached
+    features). One optimizer for all epochs, created per call: FedAvg clients start each round without
+    momentum history.
     """
     trainable = list(params) if params is not None else list(model.parameters())
     opt = torch.optim.SGD(trainable, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    fwd = forward or model
     model.train()
-    total, steps = torch.zeros(()), 0
-    for b in index_batches(data.train, batch_size, epochs, generator):
-        loss = loss_fn(model(data.x[b]), data.y[b])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += loss.detach()
-        steps += 1
-    return float(total) / max(steps, 1)
+    for _ in range(epochs):
+        total, steps = torch.zeros(()), 0
+        for b in index_batches(data.train, batch_size, 1, generator):
+            loss = loss_fn(fwd(data.x[b]), data.y[b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+            steps += 1
+        yield float(total) / max(steps, 1)
+
+
+def local_sgd(model: nn.Module, data: ClientData, **kwargs) -> float:
+    """`sgd_epochs` run to the end; returns the mean training loss over all epochs."""
+    losses = list(sgd_epochs(model, data, **kwargs))
+    return sum(losses) / max(len(losses), 1)
 
 
 def train_from(
@@ -107,26 +117,30 @@ def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: 
     return out
 
 
-def finetune(
+def finetune_epochs(
     model: BlockNet, start: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
-) -> Predictor:
-    """Personalize a copy of `start` on the client's training data: every parameter (ft) or the head only (lp)."""
+) -> Iterator[Predictor]:
+    """Personalize from `start` on the client's training data, yielding the model after every epoch.
+
+    ft: every parameter is trained. lp (linear probe): the body is frozen — its features of the client's
+    training samples are computed once, in eval mode (BatchNorm statistics untouched), and only the head is
+    trained on them.
+    """
     load_params(model, start)
+    kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
+              generator=generator)  # fmt: skip
     if budget.method == "ft":
-        trainable = list(model.parameters())
+        for _ in sgd_epochs(model, data, **kw):
+            yield Predictor(model, get_params(model))
     elif budget.method == "lp":
+        model.eval()
+        with torch.no_grad():
+            feats = model.features(data.x[data.train])
+        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats)), data.val[:0], data.prior)
         head = set(model.state_keys(model.head_blocks()))
         trainable = [p for k, p in model.named_parameters() if k in head]
+        body = {k: v for k, v in start.items() if k not in head}
+        for _ in sgd_epochs(model, on_feats, params=trainable, forward=model.classify, **kw):
+            yield Predictor(model, {**body, **get_params(model, sorted(head))})
     else:
         raise ValueError(f"unknown personalization method {budget.method!r}")
-    local_sgd(
-        model,
-        data,
-        epochs=budget.epochs,
-        batch_size=budget.batch_size,
-        lr=budget.lr,
-        momentum=budget.momentum,
-        generator=generator,
-        params=trainable,
-    )
-    return Predictor(model, get_params(model))

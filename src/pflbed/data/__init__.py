@@ -13,7 +13,10 @@ from typing import Any
 
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.digits import load_digits_source
+from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
+from pflbed.data.domains import with_domains
 from pflbed.data.fmnist import download_fmnist, find_fmnist, fmnist_sizes, load_fmnist
+from pflbed.data.folders import describe_domain_folders, load_domain_folders
 from pflbed.data.idx import read_idx
 from pflbed.data.synthetic import make_synthetic
 from pflbed.errors import DataError
@@ -25,6 +28,7 @@ __all__ = [
     "describe_datasets",
     "download_fmnist",
     "load_dataset",
+    "load_source",
     "load_digits_source",
     "load_fmnist",
     "make_synthetic",
@@ -35,6 +39,7 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
     "fmnist": load_fmnist,
     "digits": load_digits_source,
     "synthetic": make_synthetic,
+    "folder": load_domain_folders,
 }
 
 
@@ -64,25 +69,48 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, **option
 
 
 def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """One row per dataset for `pflbed data list`: name, location ("not found" if absent), split sizes.
+    """One row per dataset for `pflbed data list`: name, location ("not found" if absent), sizes, domains.
 
     Never downloads and never decodes Fashion-MNIST pixels (sizes come from the IDX headers). A damaged copy
-    is still listed, with its `error`, so the user sees which directory to fix.
+    is still listed, with its `error`, so the user sees which directory to fix. The folder dataset is described
+    only when `path` is given.
     """
     rows: list[dict[str, Any]] = []
-    for name in DATASETS:
-        row: dict[str, Any] = {"name": name, "location": "not found", "train": None, "test": None}
-        row["error"] = None
+    for name in [*DATASETS, *BUILTIN_DOMAINS]:
+        base, domains = BUILTIN_DOMAINS.get(name, (name, ()))
+        row: dict[str, Any] = {"name": name, "location": "not found", "train": None, "test": None, "error": None}
+        row["domains"] = ", ".join(domains)
         try:
-            if name == "fmnist":
+            if base == "fmnist":
                 directory = find_fmnist(path)
                 if directory is not None:
                     row["location"] = str(directory)
                     row["train"], row["test"] = fmnist_sizes(directory)
+            elif base == "folder":
+                row["location"] = "dataset.path (a <domain>/<class>/<image> tree)"
+                if path is not None:
+                    tree = describe_domain_folders(path)
+                    row.update(location=tree["root"], train=tree["total"], test=0, domains=", ".join(tree["domains"]))
             else:
-                source = DATASETS[name]()
+                source = DATASETS[base]()
                 row.update(location=source.origin, train=len(source.train), test=len(source.test))
         except DataError as exc:
             row["error"] = str(exc)
         rows.append(row)
     return rows
+
+
+def load_source(dataset: Any) -> DataSource:
+    """The data a run's `dataset` config section asks for: a base dataset plus declared transform domains.
+
+    Built-in cross-domain names (`fmnist-rot4`, …) expand to their base dataset and rotation domains.
+    """
+    base, domains = BUILTIN_DOMAINS.get(dataset.name, (dataset.name, ()))
+    options: dict[str, Any] = {"download": True} if dataset.download else {}
+    if base == "folder":
+        if dataset.path is None:
+            raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
+        options["image_size"] = dataset.image_size
+    source = load_dataset(base, path=dataset.path, **options)
+    domains = tuple(dataset.domains or domains)
+    return with_domains(source, domains, name=dataset.name if not dataset.domains else None) if domains else source

@@ -33,6 +33,8 @@ class DataSource:
     test: ArrayDataset
     num_classes: int
     origin: str  # where the data came from (a path, "scikit-learn", "generated"), shown by `pflbed data list`
+    pixel_norm: tuple[float, float] = (0.0, 1.0)  # (mean, std) that mapped [0, 1] pixels to `x`
+    domain_names: tuple[str, ...] = ()  # names of the values in `domain`, when the data has domains
 
     @property
     def input_shape(self) -> tuple[int, ...]:

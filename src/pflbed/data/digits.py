@@ -64,4 +64,5 @@ def _build(test_per_class: int, seed: int) -> DataSource:
         test=_to_dataset(images[is_test], labels[is_test]),
         num_classes=NUM_CLASSES,
         origin=ORIGIN,
+        pixel_norm=(MEAN, STD),
     )

@@ -205,6 +205,7 @@ def _load_cached(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> Dat
         test=_split(files, "test"),
         num_classes=NUM_CLASSES,
         origin=directory,
+        pixel_norm=(MEAN, STD),
     )
 
 

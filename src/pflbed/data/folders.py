@@ -166,6 +166,8 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
         test=empty,
         num_classes=len(tree.classes),
         origin=tree.root,
+        pixel_norm=(0.5, 0.5),
+        domain_names=tuple(tree.domains),
     )
 
 

@@ -18,7 +18,7 @@ from pflbed.algorithms import get_algorithm
 from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config
-from pflbed.data import load_dataset
+from pflbed.data import load_source
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
 from pflbed.evaluation.evaluate import evaluate, evaluate_personalized
@@ -39,8 +39,7 @@ class RunResult:
 
 def prepare(cfg: Config) -> Algorithm:
     """Load data, build the federation and the initial model, and instantiate the algorithm."""
-    options = {"download": True} if cfg.dataset.download else {}
-    source = load_dataset(cfg.dataset.name, path=cfg.dataset.path, **options)
+    source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
@@ -76,8 +75,8 @@ def run(cfg: Config, out: Path | None = None, *, write: bool = True, progress: b
             train_s += time.perf_counter() - t0
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 t1 = time.perf_counter()
-                record = {"round": rnd, **evaluate(algo, server, executor.state)}
-                per_client = record.pop("_pfl_per_client")
+                scores, per_client = evaluate(algo, server, executor.state)
+                record = {"round": rnd, **scores}
                 record.update(up_bytes_per_round=up, down_bytes_per_round=down)
                 history.append(record)
                 if rundir:
@@ -92,7 +91,6 @@ def run(cfg: Config, out: Path | None = None, *, write: bool = True, progress: b
             stats = evaluate_personalized(
                 algo, server, method, lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)
             )
-            stats.pop("_pfl_per_client")
             finetuned[method] = stats
         eval_s += time.perf_counter() - t1
     wall = time.perf_counter() - t_start

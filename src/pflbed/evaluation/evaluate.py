@@ -1,107 +1,97 @@
 """G-FL and P-FL evaluation of a training state.
 
-Work is shared wherever the models are: clients whose personal predictor is the same model (FedAvg's global
-model, say) are evaluated with one batched forward over the union of their test indices, and on the shared test
-set one set of per-class counts serves every client's class-weighted accuracy.
+Work is shared wherever the models are: predictions are cached per (predictor, split) and computed once per
+sample, so FedAvg's single global model is run once over every client's val and test data, and a shared test
+set (global or per domain) is predicted once per distinct model however many clients use it.
+
+Which P-FL protocol applies:
+- `domain` (federation.protocol = pflbed): class-weighted accuracy on the client's domain test set, weights =
+  the client's training class prior; validation likewise on the domain's val set.
+- `global` (eval.pfl_test = global): class-weighted accuracy on the global balanced test set.
+- `local` (default otherwise): plain accuracy on the client's own test split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from pflbed.algorithms.base import Algorithm, Budget, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, Context, Predictor, Tensors
+from pflbed.data.arrays import DataSource
 from pflbed.evaluation.metrics import accuracy, class_counts, class_weighted_accuracy, client_stats
 
 
-def _predict(pred: Predictor, x: torch.Tensor, batch_size: int) -> torch.Tensor:
-    return pred.logits(x, batch_size).argmax(1)
+class Predictions:
+    """Predicted labels per (predictor group, split), computed lazily, once per sample."""
 
+    def __init__(self, source: DataSource, batch_size: int) -> None:
+        self.source, self.bs = source, batch_size
+        self.store: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
 
-class PoolPredictions:
-    """Predictions on the training pool (where clients' val and test splits live), computed once per predictor.
-
-    Keyed by predictor group, so FedAvg's one global model is run once over the union of every client's val
-    and test indices, and G-FL validation reuses those predictions.
-    """
-
-    def __init__(self, x: torch.Tensor, batch_size: int) -> None:
-        self.x, self.bs = x, batch_size
-        self.store: dict[tuple[int, int], torch.Tensor] = {}
-
-    def __call__(self, pred: Predictor, idx: torch.Tensor) -> torch.Tensor:
-        out = self.store.get(pred.group)
+    def __call__(self, pred: Predictor, split: str, idx: torch.Tensor) -> torch.Tensor:
+        x = getattr(self.source, split).x
+        out = self.store.get((pred.group, split))
         if out is None:
-            out = self.store[pred.group] = torch.full((len(self.x),), -1, dtype=torch.int64)
-        missing = idx[out[idx] < 0]
+            out = self.store[(pred.group, split)] = torch.full((len(x),), -1, dtype=torch.int64)
+        missing = idx[out[idx] < 0].unique()
         if len(missing):
-            out[missing] = _predict(pred, self.x[missing], self.bs)
+            out[missing] = pred.logits(x[missing], self.bs).argmax(1)
         return out[idx]
 
 
-def _per_client(
-    preds: dict[int, Predictor], splits: dict[int, torch.Tensor], pool: PoolPredictions, y: torch.Tensor
-) -> dict[int, float]:
-    """Accuracy of each client's predictor on its own indices of the pool (filled beforehand, group-wise)."""
-    out: dict[int, float] = {}
+def pfl_mode(ctx: Context) -> str:
+    return "domain" if ctx.federation.domain_test else ctx.cfg.eval.pfl_test
+
+
+def client_scores(
+    preds: dict[int, Predictor], ctx: Context, P: Predictions
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(test, val) P-FL accuracy per client under the federation's protocol."""
+    fed, src, mode = ctx.federation, ctx.source, pfl_mode(ctx)
+    y_pool = src.train.y
+    _warm(preds, ctx, P, mode)
+    test: dict[int, float] = {}
+    val: dict[int, float] = {}
     for cid, p in preds.items():
-        idx = splits[cid]
-        out[cid] = float((pool(p, idx) == y[idx]).float().mean()) if len(idx) else float("nan")
-    return out
+        cl = fed.clients[cid]
+        if mode == "domain":
+            test[cid] = _weighted(
+                P(p, "train", fed.domain_test[cl.domain]), y_pool[fed.domain_test[cl.domain]], cl.prior
+            )
+            val[cid] = _weighted(P(p, "train", fed.domain_val[cl.domain]), y_pool[fed.domain_val[cl.domain]], cl.prior)
+            continue
+        if mode == "global":
+            gy = getattr(src, fed.global_split).y[fed.global_test]
+            test[cid] = _weighted(P(p, fed.global_split, fed.global_test), gy, cl.prior)
+        else:
+            test[cid] = accuracy(P(p, "train", cl.test), y_pool[cl.test])
+        val[cid] = accuracy(P(p, "train", cl.val), y_pool[cl.val])
+    return test, val
 
 
-def _class_weighted(
-    preds: dict[int, Predictor], priors: dict[int, torch.Tensor], x: torch.Tensor, y: torch.Tensor, k: int, bs: int
-) -> dict[int, float]:
-    counts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    out = {}
-    for cid, p in preds.items():
-        if p.group not in counts:
-            counts[p.group] = class_counts(_predict(p, x, bs), y, k)
-        out[cid] = class_weighted_accuracy(*counts[p.group], priors[cid])
-    return out
+def _weighted(pred: torch.Tensor, y: torch.Tensor, prior: torch.Tensor) -> float:
+    return class_weighted_accuracy(*class_counts(pred, y, len(prior)), prior)
 
 
-def evaluate(algo: Algorithm, server: Tensors, states: Callable[[int], Tensors]) -> dict[str, float | None]:
-    """One evaluation: G-FL test / val and P-FL test / val statistics over the participated clients."""
-    ctx = algo.ctx
-    cfg, fed, src = ctx.cfg, ctx.federation, ctx.source
-    bs = cfg.eval.batch_size
-    cids = fed.participated
-    out: dict[str, float | None] = {"gfl_acc": None, "gfl_val": None}
-    generic = algo.generic_model(server)
-    if generic is not None:
-        test_idx = fed.global_test
-        out["gfl_acc"] = accuracy(_predict(generic, src.test.x[test_idx], bs), src.test.y[test_idx])
-    pool = PoolPredictions(src.train.x, bs)
-    preds = {c: algo.personal_model(server, states(c)) for c in cids}
-    out.update(_personal_stats(preds, ctx, pool))
-    if generic is not None:
-        val_idx = torch.cat([fed.clients[c].val for c in cids])
-        out["gfl_val"] = accuracy(pool(generic, val_idx), src.train.y[val_idx]) if len(val_idx) else None
-    return out
-
-
-def _personal_stats(preds: dict[int, Predictor], ctx, pool: PoolPredictions) -> dict[str, float | None]:
-    cfg, fed, src = ctx.cfg, ctx.federation, ctx.source
-    local_test = cfg.eval.pfl_test == "local"
+def _warm(preds: dict[int, Predictor], ctx: Context, P: Predictions, mode: str) -> None:
+    """One batched forward per distinct predictor over the pool samples all of its clients need."""
+    fed = ctx.federation
     groups: dict[tuple[int, int], list[int]] = {}
     for cid, p in preds.items():
         groups.setdefault(p.group, []).append(cid)
-    for cids in groups.values():  # one forward per distinct predictor over all its clients' val (+ test) data
-        pool(
-            preds[cids[0]],
-            torch.cat([fed.clients[c].val for c in cids] + ([fed.clients[c].test for c in cids] if local_test else [])),
-        )
-    if not local_test:
-        idx = fed.global_test
-        priors = {c: fed.clients[c].prior for c in preds}
-        test = _class_weighted(preds, priors, src.test.x[idx], src.test.y[idx], src.num_classes, pool.bs)
-    else:
-        test = _per_client(preds, {c: fed.clients[c].test for c in preds}, pool, src.train.y)
-    val = _per_client(preds, {c: fed.clients[c].val for c in preds}, pool, src.train.y)
-    prefix = "pfl"
+    for cids in groups.values():
+        need: list[torch.Tensor] = []
+        for c in cids:
+            cl = fed.clients[c]
+            if mode == "domain":
+                need += [fed.domain_test[cl.domain], fed.domain_val[cl.domain]]
+            else:
+                need += [cl.val] + ([cl.test] if mode == "local" else [])
+        P(preds[cids[0]], "train", torch.cat(need))
+
+
+def summarize(test: dict[int, float], val: dict[int, float], prefix: str = "pfl") -> dict:
     s = client_stats(list(test.values()))
     vals = [v for v in val.values() if v == v]  # clients with an empty val split are skipped
     return {
@@ -110,17 +100,49 @@ def _personal_stats(preds: dict[int, Predictor], ctx, pool: PoolPredictions) -> 
         f"{prefix}_acc_min": s["min"],
         f"{prefix}_acc_p10": s["p10"],
         f"{prefix}_val": sum(vals) / len(vals) if vals else None,
-        f"_{prefix}_per_client": test,  # type: ignore[dict-item]
     }
 
 
-def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generator_for) -> dict[str, float | None]:
-    """P-FL after each participated client personalizes the generic model (FedAvg+FT / FedAvg+LP)."""
+def evaluate(algo: Algorithm, server: Tensors, states: Callable[[int], Tensors]) -> tuple[dict, dict[int, float]]:
+    """One evaluation of the participated clients: (G-FL and P-FL figures, P-FL test accuracy per client)."""
+    ctx = algo.ctx
+    fed = ctx.federation
+    P = Predictions(ctx.source, ctx.cfg.eval.batch_size)
+    out: dict = {"gfl_acc": None, "gfl_val": None}
+    generic = algo.generic_model(server)
+    if generic is not None:
+        gy = getattr(ctx.source, fed.global_split).y[fed.global_test]
+        out["gfl_acc"] = accuracy(P(generic, fed.global_split, fed.global_test), gy)
+    preds = {c: algo.personal_model(server, states(c)) for c in fed.participated}
+    test, val = client_scores(preds, ctx, P)
+    out.update(summarize(test, val))
+    if generic is not None:
+        val_idx = torch.cat(fed.domain_val if fed.domain_val else [fed.clients[c].val for c in fed.participated])
+        out["gfl_val"] = accuracy(P(generic, "train", val_idx), ctx.source.train.y[val_idx]) if len(val_idx) else None
+    return out, test
+
+
+def last(predictors: Iterable[Predictor]) -> Predictor:
+    """The final model of a per-epoch personalization."""
+    final = None
+    for final in predictors:  # noqa: B007 - only the last one is wanted
+        pass
+    if final is None:
+        raise ValueError("personalization yielded no model")
+    return final
+
+
+def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generator_for) -> dict:
+    """P-FL after each participated client personalizes from the trained state (e.g. FedAvg+FT / FedAvg+LP)."""
     ctx = algo.ctx
     e, t = ctx.cfg.eval, ctx.cfg.train
     budget = Budget(method, e.ft_epochs, e.ft_lr, t.batch_size, t.momentum)
-    preds = {}
-    for c in ctx.federation.participated:
-        p = algo.personalize(server, ctx.client_data(c), budget, generator_for(c))
-        preds[c] = Predictor(p.model, p.params)
-    return _personal_stats(preds, ctx, PoolPredictions(ctx.source.train.x, e.batch_size))
+    P = Predictions(ctx.source, e.batch_size)
+    test: dict[int, float] = {}
+    val: dict[int, float] = {}
+    for c in ctx.federation.participated:  # one client at a time: only one personalized model alive
+        p = last(algo.personalize(server, ctx.client_data(c), budget, generator_for(c)))
+        t_c, v_c = client_scores({c: p}, ctx, P)
+        test[c], val[c] = t_c[c], v_c[c]
+        P.store.clear()
+    return summarize(test, val)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +19,11 @@ from pflbed.config import FederationConfig
 from pflbed.data.arrays import DataSource
 from pflbed.errors import DataError
 from pflbed.federation import partition
+from pflbed.federation.pflbed import pflbed_split
 
 _PARTITION_KEYS = (
+    "protocol",
+    "pflbed",
     "clients",
     "partition",
     "alpha",
@@ -30,7 +33,7 @@ _PARTITION_KEYS = (
     "val_fraction",
     "test_fraction",
 )
-_FORMAT = 1
+_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class ClientSplit:
     val: torch.Tensor
     test: torch.Tensor
     prior: torch.Tensor
+    domain: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,13 @@ class Federation:
     clients: list[ClientSplit]
     participated: list[int]
     new: list[int]
-    global_test: torch.Tensor  # class-balanced indices into the source's test split
+    global_test: torch.Tensor  # class-balanced indices into the source split named by `global_split`
     num_classes: int
     key: str
+    global_split: str = "test"
+    # PFLBED: per domain, shared class-balanced val and test sets (indices into the train pool)
+    domain_val: list[torch.Tensor] = field(default_factory=list)
+    domain_test: list[torch.Tensor] = field(default_factory=list)
 
     def num_train(self, cid: int) -> int:
         return int(self.clients[cid].train.numel())
@@ -61,7 +69,7 @@ def cache_dir() -> Path:
 
 
 def federation_key(source: DataSource, cfg: FederationConfig, seed: int) -> str:
-    spec = {k: getattr(cfg, k) for k in _PARTITION_KEYS}
+    spec = {k: v for k, v in cfg.model_dump(mode="json").items() if k in _PARTITION_KEYS}
     blob = json.dumps({"data": source.fingerprint(), "fed": spec, "seed": seed, "v": _FORMAT}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -85,6 +93,10 @@ def build_federation(source: DataSource, cfg: FederationConfig, seed: int, use_d
 
 def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -> Federation:
     rng = np.random.default_rng([seed, 0xFED])
+    if cfg.protocol == "pflbed":
+        return _pflbed(source, cfg, rng, key)
+    if len(source.test) == 0:
+        raise DataError(f"dataset {source.name!r} has no test split; use federation.protocol=pflbed")
     labels = source.train.y.numpy()
     if cfg.clients > len(labels):
         raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(labels)} samples")
@@ -99,16 +111,27 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
         tr, va, te = partition.split_local(part, labels, cfg.val_fraction, cfg.test_fraction, rng)
         if len(tr) == 0:
             raise DataError(f"federation: client {cid} has no training samples; lower federation.clients")
-        prior = np.bincount(labels[tr], minlength=source.num_classes).astype(np.float32)
-        clients.append(
-            ClientSplit(
-                *(torch.from_numpy(a.astype(np.int64)) for a in (tr, va, te)),
-                prior=torch.from_numpy(prior / prior.sum()),
-            )
-        )
+        clients.append(_client(tr, va, te, labels, source.num_classes))
     new = sorted(int(c) for c in rng.choice(cfg.clients, cfg.new_clients, replace=False))
     participated = [c for c in range(cfg.clients) if c not in set(new)]
     return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng), source.num_classes, key)
+
+
+def _client(tr: np.ndarray, va: np.ndarray, te: np.ndarray, labels: np.ndarray, k: int, domain: int = 0) -> ClientSplit:
+    prior = np.bincount(labels[tr], minlength=k).astype(np.float32)
+    tensors = (torch.from_numpy(a.astype(np.int64)) for a in (tr, va, te))
+    return ClientSplit(*tensors, prior=torch.from_numpy(prior / prior.sum()), domain=domain)
+
+
+def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator, key: str) -> Federation:
+    split = pflbed_split(source, cfg, rng)
+    labels, empty = source.train.y.numpy(), np.zeros(0, dtype=np.int64)
+    clients = [_client(tr, empty, empty, labels, source.num_classes, d) for tr, d in split.clients]
+    as_t = [torch.from_numpy(a.astype(np.int64)) for a in split.domain_test]
+    return Federation(
+        clients, split.participated, split.new, torch.cat(as_t), source.num_classes, key, global_split="train",
+        domain_val=[torch.from_numpy(a.astype(np.int64)) for a in split.domain_val], domain_test=as_t,
+    )  # fmt: skip
 
 
 def balanced_subset(labels: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
@@ -120,14 +143,8 @@ def balanced_subset(labels: np.ndarray, rng: np.random.Generator) -> torch.Tenso
 
 
 def _save_cached(fed: Federation, path: Path) -> None:
-    blob = {
-        "key": fed.key,
-        "num_classes": fed.num_classes,
-        "participated": torch.tensor(fed.participated, dtype=torch.int64),
-        "new": torch.tensor(fed.new, dtype=torch.int64),
-        "global_test": fed.global_test,
-        "clients": [{"train": c.train, "val": c.val, "test": c.test, "prior": c.prior} for c in fed.clients],
-    }
+    blob = {f.name: getattr(fed, f.name) for f in fields(fed)}
+    blob["clients"] = [{f.name: getattr(c, f.name) for f in fields(c)} for c in fed.clients]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -142,14 +159,8 @@ def _load_cached(path: Path, key: str) -> Federation | None:
         blob = torch.load(path, weights_only=True)
         if blob["key"] != key:
             return None
-        return Federation(
-            [ClientSplit(**c) for c in blob["clients"]],
-            blob["participated"].tolist(),
-            blob["new"].tolist(),
-            blob["global_test"],
-            int(blob["num_classes"]),
-            key,
-        )
+        blob["clients"] = [ClientSplit(**c) for c in blob["clients"]]
+        return Federation(**blob)
     except Exception:  # missing or corrupt cache entry: recompute
         return None
 
