@@ -25,26 +25,51 @@ def _parser() -> argparse.ArgumentParser:
         help="override a config key, e.g. --set train.rounds=50 (repeatable)",
     )
     r.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
+    r.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     d = sub.add_parser("data", help="datasets")
-    d.add_argument("action", choices=["list"])
-    d.add_argument("--path", help="a dataset directory to describe (fmnist files or a folder dataset root)")
+    d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
+    d.add_argument("--path", help="list: a dataset directory to describe (fmnist files or a folder dataset root)")
+    d.add_argument("-c", "--config", help="show: YAML config whose dataset and federation to show")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--png", type=Path, default=Path("partition.png"), help="show: heat-map file")
     return p
 
 
 def _cmd_run(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
     from pflbed.engine.loop import run
+    from pflbed.results.rundir import RunDir
     from pflbed.results.summary import print_table
 
-    cfg = load_config(args.config, args.overrides)
-    result = run(cfg, args.out, progress=not args.no_progress)
+    if args.resume:
+        if args.out and args.out != args.resume:
+            raise PflbedError("--out and --resume name different directories; --resume continues in place")
+        given = load_config(args.config, args.overrides) if (args.config or args.overrides) else None
+        _, cfg = RunDir.for_resume(args.resume, given)
+        result = run(cfg, args.resume, progress=not args.no_progress, resume=True)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        result = run(cfg, args.out, progress=not args.no_progress)
     print_table(result.summary)
     Console().print(f"results: {result.out}")
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
     from rich.table import Table
+
+    if args.action == "show":
+        from pflbed.config import load_config
+        from pflbed.data import load_source
+        from pflbed.federation import build_federation
+        from pflbed.results.partition_plot import plot_partition, print_partition
+
+        cfg = load_config(args.config, args.overrides)
+        source = load_source(cfg.dataset)
+        fed = build_federation(source, cfg.federation, cfg.seed)
+        print_partition(source, fed)
+        Console().print(f"heat-map: {plot_partition(source, fed, args.png)}")
+        return
 
     from pflbed.data import describe_datasets
 

@@ -89,6 +89,27 @@ class TrainConfig(_Strict):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    checkpoint_every: int = Field(10, ge=0, description="checkpoint every N rounds for --resume (0: never)")
+
+
+class NewClientsConfig(_Strict):
+    """The new-client protocol (FedBasis paper §5 / Table 2): personalize held-out clients after training."""
+
+    methods: list[Literal["ft", "lp"]] = Field(default_factory=lambda: ["ft", "lp"])
+    fractions: list[float] = Field(
+        default_factory=lambda: [0.5, 1.0], description="training-data fractions, reported as S, M, L"
+    )
+    epochs: int = Field(20, ge=1)
+    lrs: list[float] = Field(default_factory=lambda: [0.005, 0.01, 0.05], min_length=1)
+    zero_shot: bool = Field(True, description="also evaluate with no adaptation, where the method allows it")
+
+    @model_validator(mode="after")
+    def _check(self) -> NewClientsConfig:
+        if not 1 <= len(self.fractions) <= 3 or any(not 0 < f <= 1 for f in self.fractions):
+            raise ValueError("fractions: one to three values in (0, 1]")
+        if any(lr <= 0 for lr in self.lrs):
+            raise ValueError("lrs must be > 0")
+        return self
 
 
 class EvalConfig(_Strict):
@@ -106,6 +127,7 @@ class EvalConfig(_Strict):
     ft_epochs: int = Field(1, ge=1)
     ft_lr: float = Field(0.01, gt=0)
     batch_size: int = Field(1024, ge=1, description="inference batch size")
+    new_clients: NewClientsConfig = Field(default_factory=NewClientsConfig)
 
 
 class ExecutorConfig(_Strict):

@@ -22,8 +22,10 @@ from pflbed.data import load_source
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
 from pflbed.evaluation.evaluate import evaluate, evaluate_personalized
+from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.federation import build_federation, sample_clients
 from pflbed.models import build_model
+from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
 from pflbed.results.summary import build_summary
 
@@ -49,58 +51,73 @@ def prepare(cfg: Config) -> Algorithm:
     return algo_cls(ctx)
 
 
-def run(cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True) -> RunResult:
-    """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`)."""
+def run(
+    cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False
+) -> RunResult:
+    """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
+
+    With `resume`, continue from the run directory's last checkpoint (or from the start if it has none).
+    """
     algo = prepare(cfg)
     rundir = RunDir.check(out or default_out(cfg), cfg) if write else None
-    if rundir:
+    saved = load_checkpoint(rundir.path) if (rundir and resume) else None
+    if rundir and not resume:
         rundir.start(cfg)
     fed = algo.ctx.federation
     executor = LoopExecutor(algo, strict=cfg.executor.strict)
-    server = algo.init_server()
-    history: list[dict[str, Any]] = []
-    train_s = eval_s = 0.0
-    up = down = 0
-    t_start = time.perf_counter()
+    if saved:
+        server, executor.states, history = saved["server"], saved["clients"], saved["history"]
+        timing = saved["timing"]
+        per_client = {int(c): v for c, v in saved["extra"]["per_client"].items()}
+        first = saved["round"] + 1
+        rundir.rewrite_metrics(history)
+    else:
+        if rundir and resume:
+            rundir.start(cfg)
+        server, history, per_client, first = algo.init_server(), [], {}, 1
+        timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
+    t_start, wall_before = time.perf_counter(), timing["wall_s"]
     with _progress(progress) as bar:
         task = bar.add_task(f"{cfg.algorithm.name} on {cfg.dataset.name}", total=cfg.train.rounds, status="")
-        for rnd in range(1, cfg.train.rounds + 1):
+        bar.update(task, completed=first - 1)
+        for rnd in range(first, cfg.train.rounds + 1):
             t0 = time.perf_counter()
             cids = sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction)
             payloads = algo.configure(rnd, server, cids)
             replies = executor.run(rnd, payloads)
             server = algo.aggregate(rnd, server, replies, {c: fed.num_train(c) for c in cids})
-            down = sum(wire.num_bytes(p) for p in payloads.values())
-            up = sum(wire.num_bytes(r) for r in replies.values())
-            train_s += time.perf_counter() - t0
+            comm = {"up_bytes_per_round": sum(wire.num_bytes(r) for r in replies.values()),
+                    "down_bytes_per_round": sum(wire.num_bytes(p) for p in payloads.values())}  # fmt: skip
+            timing["train_s"] += time.perf_counter() - t0
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 t1 = time.perf_counter()
                 scores, per_client = evaluate(algo, server, executor.state)
-                record = {"round": rnd, **scores}
-                record.update(up_bytes_per_round=up, down_bytes_per_round=down)
+                record = {"round": rnd, **scores, **comm}
                 history.append(record)
                 if rundir:
                     rundir.log(record)
-                eval_s += time.perf_counter() - t1
+                timing["eval_s"] += time.perf_counter() - t1
                 bar.update(task, status=_status(record))
             bar.update(task, advance=1)
+            every = cfg.train.checkpoint_every
+            if rundir and every and rnd % every == 0 and rnd < cfg.train.rounds:
+                timing["wall_s"] = wall_before + time.perf_counter() - t_start
+                save_checkpoint(rundir.path, rnd, server, executor.states, history, timing,
+                                {"per_client": per_client})  # fmt: skip
         t1 = time.perf_counter()
         finetuned = {}
         methods = cfg.eval.finetune if algo.generic_model(server) is not None else []
         for i, method in enumerate(methods):
-            stats = evaluate_personalized(
-                algo, server, method, lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)
-            )
-            finetuned[method] = stats
-        eval_s += time.perf_counter() - t1
-    wall = time.perf_counter() - t_start
-    timing = {
-        "wall_s": round(wall, 3),
-        "train_s": round(train_s, 3),
-        "eval_s": round(eval_s, 3),
-        "s_per_round": round(train_s / cfg.train.rounds, 4),
-    }
-    summary = build_summary(cfg, fed, history, finetuned, per_client, timing)
+            gen_for = lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)  # noqa: E731
+            finetuned[method] = evaluate_personalized(algo, server, method, gen_for)
+        timing["eval_s"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        new_clients = evaluate_new_clients(algo, server)
+        timing["new_clients_s"] = time.perf_counter() - t1
+    timing["wall_s"] = wall_before + time.perf_counter() - t_start
+    timing["s_per_round"] = timing["train_s"] / cfg.train.rounds
+    timing = {k: round(v, 4) for k, v in timing.items()}
+    summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
     if rundir:
         rundir.write_summary(summary)
     return RunResult(summary, history, rundir.path if rundir else None, server, executor)

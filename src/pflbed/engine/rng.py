@@ -16,4 +16,4 @@ def generator(seed: int, *keys: int) -> torch.Generator:
 
 
 # Stream tags, so that e.g. round 3 of client 5 never collides with the fine-tuning stream of client 5.
-CLIENT, INIT, FINETUNE = 1, 2, 3
+CLIENT, INIT, FINETUNE, NEWCLIENT = 1, 2, 3, 4

@@ -44,29 +44,27 @@ def pfl_mode(ctx: Context) -> str:
     return "domain" if ctx.federation.domain_test else ctx.cfg.eval.pfl_test
 
 
+def client_score(pred: Predictor, cid: int, ctx: Context, P: Predictions, which: str) -> float:
+    """P-FL accuracy of `pred` for client `cid` on its `which` ("test" or "val") data under the protocol."""
+    fed, y_pool, mode = ctx.federation, ctx.source.train.y, pfl_mode(ctx)
+    cl = fed.clients[cid]
+    if mode == "domain":
+        idx = (fed.domain_test if which == "test" else fed.domain_val)[cl.domain]
+        return _weighted(P(pred, "train", idx), y_pool[idx], cl.prior)
+    if mode == "global" and which == "test":
+        gy = getattr(ctx.source, fed.global_split).y[fed.global_test]
+        return _weighted(P(pred, fed.global_split, fed.global_test), gy, cl.prior)
+    idx = cl.test if which == "test" else cl.val
+    return accuracy(P(pred, "train", idx), y_pool[idx])
+
+
 def client_scores(
     preds: dict[int, Predictor], ctx: Context, P: Predictions
 ) -> tuple[dict[int, float], dict[int, float]]:
     """(test, val) P-FL accuracy per client under the federation's protocol."""
-    fed, src, mode = ctx.federation, ctx.source, pfl_mode(ctx)
-    y_pool = src.train.y
-    _warm(preds, ctx, P, mode)
-    test: dict[int, float] = {}
-    val: dict[int, float] = {}
-    for cid, p in preds.items():
-        cl = fed.clients[cid]
-        if mode == "domain":
-            test[cid] = _weighted(
-                P(p, "train", fed.domain_test[cl.domain]), y_pool[fed.domain_test[cl.domain]], cl.prior
-            )
-            val[cid] = _weighted(P(p, "train", fed.domain_val[cl.domain]), y_pool[fed.domain_val[cl.domain]], cl.prior)
-            continue
-        if mode == "global":
-            gy = getattr(src, fed.global_split).y[fed.global_test]
-            test[cid] = _weighted(P(p, fed.global_split, fed.global_test), gy, cl.prior)
-        else:
-            test[cid] = accuracy(P(p, "train", cl.test), y_pool[cl.test])
-        val[cid] = accuracy(P(p, "train", cl.val), y_pool[cl.val])
+    _warm(preds, ctx, P, pfl_mode(ctx))
+    test = {c: client_score(p, c, ctx, P, "test") for c, p in preds.items()}
+    val = {c: client_score(p, c, ctx, P, "val") for c, p in preds.items()}
     return test, val
 
 

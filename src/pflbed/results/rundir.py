@@ -47,6 +47,24 @@ class RunDir:
             (self.path / stale).unlink(missing_ok=True)
         _atomic_write(self.path / "config.yaml", config_text(cfg))
 
+    @classmethod
+    def for_resume(cls, path: Path, cfg: Config | None) -> tuple[RunDir, Config]:
+        """Open an existing run dir to continue it; `cfg`, if given, must equal the run's own config."""
+        from pflbed.config import load_config
+
+        saved = path / "config.yaml"
+        if not saved.is_file():
+            raise PflbedError(f"--resume {path}: not a pflbed run directory (no config.yaml)")
+        run_cfg = load_config(saved)
+        if cfg is not None and config_text(cfg) != saved.read_text():
+            raise PflbedError(f"--resume {path}: the run was started with a different config")
+        return cls(path), run_cfg
+
+    def rewrite_metrics(self, history: list[dict[str, Any]]) -> None:
+        """Make metrics.jsonl exactly the checkpointed history (drops lines logged after the checkpoint)."""
+        _atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+        (self.path / "summary.json").unlink(missing_ok=True)
+
     def log(self, record: dict[str, Any]) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -26,6 +26,7 @@ def build_summary(
     finetuned: dict[str, dict],
     per_client: dict[int, float],
     timing: dict[str, float],
+    new_clients: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     last = history[-1]
     final = {k: last.get(k) for k in ("gfl_acc", "gfl_val", *_PFL_KEYS)}
@@ -43,6 +44,7 @@ def build_summary(
         "final": final,
         "selected": select_round(history),
         "per_client": {"cid": list(per_client), "pfl_acc": list(per_client.values())},
+        "new_clients": new_clients,
         "communication": {k: last.get(k) for k in ("up_bytes_per_round", "down_bytes_per_round")},
         "timing": timing,
     }
@@ -90,7 +92,32 @@ def print_table(summary: dict[str, Any], console: Console | None = None) -> None
         f"selected on validation ({s['criterion']}): round {s['round']} — G-FL {_pct(s['gfl_acc'])}, "
         f"P-FL {_pct(s['pfl_acc'])}"
     )
+    print_new_clients(summary, console)
     console.print(
         f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
         f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation"
     )
+
+
+def print_new_clients(summary: dict[str, Any], console: Console) -> None:
+    """The new-client table shaped like the FedBasis paper's Table 2: rows methods, columns size × Last/Best/Δ."""
+    nc = summary.get("new_clients")
+    if not nc:
+        return
+    name = _LABELS.get(summary["algorithm"], summary["algorithm"])
+    sizes = list(nc["sizes"])
+    t = Table(title=f"new clients ({nc['clients']}): accuracy %, {nc['epochs']} epochs, lr chosen on validation "
+                    f"from {nc['lrs']}")  # fmt: skip
+    t.add_column("method")
+    for size in sizes:
+        for col in ("Last", "Best", "Δ"):
+            t.add_column(f"{size} {col}", justify="right")
+    if nc["zero_shot"]:
+        t.add_row(f"{name} (zero-shot)", *[c for _ in sizes for c in (_pct(nc["zero_shot"]["acc"]), "—", "—")])
+    for method, per_size in nc["methods"].items():
+        cells = []
+        for size in sizes:
+            r = per_size[size]
+            cells += [_pct(r["last"]), _pct(r["best"]), f"{100 * r['delta']:+.2f}"]
+        t.add_row(f"{name}+{method.upper()}", *cells)
+    console.print(t)

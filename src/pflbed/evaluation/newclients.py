@@ -1,0 +1,105 @@
+"""The new-client protocol (FedBasis/PFLBED paper §5, App. B, Table 2).
+
+After training, every held-out client adapts from the trained server state with its algorithm's `personalize`
+on a fraction of its training data (S / M / L, default 50 % / 100 %), for E epochs at each learning rate of a
+grid. Its model is scored after every epoch on validation data and, when validation improves, on test data:
+
+- **Last**: test accuracy after the final epoch;
+- **Best**: test accuracy at the epoch with the best validation accuracy (earliest on ties) — early stopping
+  that a client could actually do, never chosen on test;
+- **Δ = Best − Last**: how much a method depends on stopping at the right time.
+
+Scores follow the federation's P-FL protocol (class-weighted on the domain's shared sets under PFLBED). Figures
+are means over new clients. The learning rate is chosen per (method, size) on validation, like every other
+choice: for Last the rate with the best mean last-epoch validation accuracy, for Best the rate with the best mean
+best-epoch validation accuracy. Every rate's figures are kept under `per_lr` (robustness tables need them).
+Zero-shot is the method's `zero_shot` model with no adaptation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Tensors
+from pflbed.engine import rng
+from pflbed.evaluation.evaluate import Predictions, client_score
+
+SIZE_NAMES = ("S", "M", "L")
+
+
+def subset(data: ClientData, fraction: float, generator: torch.Generator) -> ClientData:
+    """The first ⌈fraction·n⌉ of a fixed random order of the client's training indices (S ⊂ M ⊂ L)."""
+    order = data.train[torch.randperm(data.num_train, generator=generator)]
+    return replace(data, train=order[: max(1, math.ceil(fraction * data.num_train))])
+
+
+def run_one(algo: Algorithm, server: Tensors, cid: int, data: ClientData, budget: Budget, gen: torch.Generator,
+            P: Predictions) -> dict[str, float]:  # fmt: skip
+    """Personalize one client with one budget; last and best-by-validation scores."""
+    ctx = algo.ctx
+    best_val, best_test = -1.0, float("nan")
+    val = test = float("nan")
+    for pred in algo.personalize(server, data, budget, gen):
+        val = client_score(pred, cid, ctx, P, "val")
+        if val > best_val:
+            best_val, best_test = val, client_score(pred, cid, ctx, P, "test")
+            test = best_test
+        else:
+            test = float("nan")  # computed below only if this turns out to be the last epoch
+        P.store.clear()  # each epoch is a new model
+        last_pred = pred
+    if test != test:
+        test = client_score(last_pred, cid, ctx, P, "test")
+        P.store.clear()
+    return {"last": test, "best": best_test, "last_val": val, "best_val": best_val}
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+
+
+def evaluate_new_clients(algo: Algorithm, server: Tensors) -> dict[str, Any] | None:
+    ctx = algo.ctx
+    cfg, fed = ctx.cfg, ctx.federation
+    nc = cfg.eval.new_clients
+    if not fed.new:
+        return None
+    P = Predictions(ctx.source, cfg.eval.batch_size)
+    out: dict[str, Any] = {
+        "clients": len(fed.new), "epochs": nc.epochs, "lrs": nc.lrs,
+        "sizes": dict(zip(SIZE_NAMES, nc.fractions, strict=False)), "zero_shot": None, "methods": {},
+    }  # fmt: skip
+    if nc.zero_shot:
+        scores = []
+        for c in fed.new:
+            pred = algo.zero_shot(server, ctx.client_data(c))
+            if pred is None:
+                break
+            scores.append(client_score(pred, c, ctx, P, "test"))
+        P.store.clear()
+        if scores:
+            out["zero_shot"] = {"acc": sum(scores) / len(scores)}
+    t = cfg.train
+    for mi, method in enumerate(nc.methods):
+        per_size: dict[str, Any] = {}
+        for fi, (size, fraction) in enumerate(zip(SIZE_NAMES, nc.fractions, strict=False)):
+            per_lr: dict[str, dict[str, float]] = {}
+            for li, lr in enumerate(nc.lrs):
+                budget = Budget(method, nc.epochs, lr, t.batch_size, t.momentum)
+                rows = []
+                for c in fed.new:
+                    data = subset(ctx.client_data(c), fraction, rng.generator(cfg.seed, rng.NEWCLIENT, 0, c))
+                    gen = rng.generator(cfg.seed, rng.NEWCLIENT, 1 + mi, fi, li, c)
+                    rows.append(run_one(algo, server, c, data, budget, gen, P))
+                per_lr[f"{lr:g}"] = _mean(rows)
+            lr_last = max(per_lr, key=lambda k: per_lr[k]["last_val"])
+            lr_best = max(per_lr, key=lambda k: per_lr[k]["best_val"])
+            last, best = per_lr[lr_last]["last"], per_lr[lr_best]["best"]
+            per_size[size] = {"last": last, "best": best, "delta": best - last, "lr_last": float(lr_last),
+                              "lr_best": float(lr_best), "per_lr": per_lr}  # fmt: skip
+        out["methods"][method] = per_size
+    return out

@@ -1,0 +1,58 @@
+"""Checkpoints: everything a run needs to continue bit-identically, as tensors and plain values.
+
+Client randomness is derived from (seed, round, client id) and client sampling from (seed, round), so no RNG
+state has to be saved: the server state, the client states, the round and the metrics so far are enough. The
+file holds only tensors, strings and numbers, so it loads with `torch.load(..., weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pflbed.errors import PflbedError
+
+_FORMAT = 1
+
+
+def checkpoint_path(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "last.pt"
+
+
+def save_checkpoint(
+    run_dir: Path, rnd: int, server: dict[str, torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
+    history: list[dict[str, Any]], timing: dict[str, float], extra: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    path = checkpoint_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {
+        "format": _FORMAT, "round": rnd, "server": server,
+        "clients": {str(c): s for c, s in states.items()},
+        "history": json.dumps(history), "timing": json.dumps(timing), "extra": json.dumps(extra or {}),
+    }  # fmt: skip
+    tmp = path.with_name(f".last.{os.getpid()}.tmp")
+    torch.save(blob, tmp)
+    tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint intact
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    path = checkpoint_path(run_dir)
+    if not path.exists():
+        return None
+    try:
+        blob = torch.load(path, weights_only=True)
+        if blob.get("format") != _FORMAT:
+            raise ValueError(f"format {blob.get('format')}")
+    except Exception as e:
+        reason = " ".join(str(e).split())[:80]
+        raise PflbedError(f"{path}: unreadable checkpoint ({type(e).__name__}: {reason})") from None
+    return {
+        "round": int(blob["round"]), "server": blob["server"],
+        "clients": {int(c): s for c, s in blob["clients"].items()},
+        "history": json.loads(blob["history"]), "timing": json.loads(blob["timing"]),
+        "extra": json.loads(blob["extra"]),
+    }  # fmt: skip
