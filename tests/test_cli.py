@@ -121,7 +121,8 @@ def test_data_list(capsys):
 def test_data_show_prints_partition_and_writes_heatmap(tmp_path, capsys):
     png = tmp_path / "p.png"
     args = ["--set", "dataset.name=digits-rot4", "--set", "federation.protocol=pflbed",
-            "--set", "federation.pflbed.clients_per_domain=2", "--set", "federation.pflbed.new_clients_per_domain=1"]  # fmt: skip
+            "--set", "federation.pflbed.clients_per_domain=2",
+            "--set", "federation.pflbed.new_clients_per_domain=1"]  # fmt: skip
     assert main(["data", "show", *args, "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "rot270" in out and "new" in out and "class-balanced" in out
