@@ -93,22 +93,33 @@ class Predictor:
     """A model ready to classify: one model object plus the parameters to load into it.
 
     Predictors that share `group` (the same model and parameter dict) are evaluated with one batched forward.
+    A predictor with a `feature_key` declares that its body is shared with every predictor of the same key
+    (e.g. linear probes on one frozen body): evaluation then computes body features once and runs only the head.
     """
 
-    def __init__(self, model: torch.nn.Module, params: Tensors) -> None:
-        self.model, self.params = model, params
+    def __init__(self, model: torch.nn.Module, params: Tensors, feature_key: tuple | None = None) -> None:
+        self.model, self.params, self.feature_key = model, params, feature_key
 
     @property
     def group(self) -> tuple[int, int]:
         return id(self.model), id(self.params)
 
-    @torch.no_grad()
-    def logits(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+    def _batched(self, fn, x: torch.Tensor, batch_size: int) -> torch.Tensor:
         from pflbed.algorithms.training import load_params
 
         load_params(self.model, self.params)
         self.model.eval()
-        return torch.cat([self.model(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+        with torch.no_grad():
+            return torch.cat([fn(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+    def logits(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+        return self._batched(self.model, x, batch_size)
+
+    def features(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+        return self._batched(self.model.features, x, batch_size)
+
+    def classify(self, z: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+        return self._batched(self.model.classify, z, batch_size)
 
 
 class Algorithm:

@@ -61,8 +61,8 @@ def sgd_epochs(
     trainable = list(params) if params is not None else list(model.parameters())
     opt = torch.optim.SGD(trainable, lr=lr, momentum=momentum, weight_decay=weight_decay)
     fwd = forward or model
-    model.train()
     for _ in range(epochs):
+        model.train()  # every epoch: a consumer may have evaluated (eval mode) between two epochs
         total, steps = torch.zeros(()), 0
         for b in index_batches(data.train, batch_size, 1, generator):
             loss = loss_fn(fwd(data.x[b]), data.y[b])
@@ -141,6 +141,6 @@ def finetune_epochs(
         trainable = [p for k, p in model.named_parameters() if k in head]
         body = {k: v for k, v in start.items() if k not in head}
         for _ in sgd_epochs(model, on_feats, params=trainable, forward=model.classify, **kw):
-            yield Predictor(model, {**body, **get_params(model, sorted(head))})
+            yield Predictor(model, {**body, **get_params(model, sorted(head))}, feature_key=("body", id(start)))
     else:
         raise ValueError(f"unknown personalization method {budget.method!r}")

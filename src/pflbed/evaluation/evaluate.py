@@ -23,14 +23,24 @@ from pflbed.evaluation.metrics import accuracy, class_counts, class_weighted_acc
 
 
 class Predictions:
-    """Predicted labels per (predictor group, split), computed lazily, once per sample."""
+    """Predicted labels per (predictor group, split), computed lazily, once per sample.
+
+    Index tensors passed in must be ones the federation owns (a client's splits, a domain's shared sets): body
+    features of feature-keyed predictors are cached by the index tensor's identity.
+    """
 
     def __init__(self, source: DataSource, batch_size: int) -> None:
         self.source, self.bs = source, batch_size
         self.store: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
+        self.feats: dict[tuple, torch.Tensor] = {}  # body features per (feature_key, split, index tensor)
 
     def __call__(self, pred: Predictor, split: str, idx: torch.Tensor) -> torch.Tensor:
         x = getattr(self.source, split).x
+        if pred.feature_key is not None:  # shared frozen body: features once, then only the head
+            key = (pred.feature_key, split, idx.data_ptr(), idx.numel())
+            if key not in self.feats:
+                self.feats[key] = pred.features(x[idx], self.bs)
+            return pred.classify(self.feats[key], self.bs).argmax(1)
         out = self.store.get((pred.group, split))
         if out is None:
             out = self.store[(pred.group, split)] = torch.full((len(x),), -1, dtype=torch.int64)
@@ -79,6 +89,8 @@ def _warm(preds: dict[int, Predictor], ctx: Context, P: Predictions, mode: str) 
     for cid, p in preds.items():
         groups.setdefault(p.group, []).append(cid)
     for cids in groups.values():
+        if preds[cids[0]].feature_key is not None:
+            continue  # features are cached per evaluation set instead
         need: list[torch.Tensor] = []
         for c in cids:
             cl = fed.clients[c]
