@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.errors import ConfigError
 
@@ -31,7 +31,16 @@ class DatasetConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: Literal["mlp", "cnn", "lenet5"] = "cnn"
+    name: str = Field("cnn", description="a model of the zoo (pflbed.models.MODELS)")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from pflbed.models import MODELS
+
+        if v not in MODELS:
+            raise ValueError(f"unknown model; known: {', '.join(sorted(MODELS))}")
+        return v
 
 
 class PflbedSplitConfig(_Strict):

@@ -1,13 +1,16 @@
-"""Algorithm registry: one file per algorithm, registered here by name."""
+"""Algorithm registry. Every module in this package that defines an `Algorithm` subclass with a `name` is
+registered automatically, so adding an algorithm means adding one file — no engine or registry edits."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from pflbed.algorithms.base import Algorithm
-from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.local import LocalOnly
 from pflbed.errors import ConfigError
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FedAvg, LocalOnly)}
+_SHARED = {"base", "training"}  # modules with shared pieces, not algorithms
+ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
@@ -16,13 +19,25 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
+def _discover() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name in _SHARED or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__
+                    and "name" in vars(obj)):  # fmt: skip
+                register(obj)
+
+
 def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ConfigError(
-            f"algorithm.name: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}"
-        ) from None
+        known = ", ".join(sorted(ALGORITHMS))
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {known}") from None
 
+
+_discover()
 
 __all__ = ["ALGORITHMS", "Algorithm", "get_algorithm", "register"]
