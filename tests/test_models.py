@@ -38,3 +38,89 @@ def test_module_state_keys_selects_by_type_not_name():
     m = BlockNet([("a", nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))), ("weird_bn_name", nn.Linear(4, 2))])
     keys = m.module_state_keys((nn.BatchNorm1d,))
     assert keys == [f"blocks.a.1.{k}" for k in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+
+
+BN_KINDS = (nn.BatchNorm1d, nn.BatchNorm2d)
+BN_ENTRIES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+def _owner(m: nn.Module, key: str) -> nn.Module:
+    return m.get_submodule(key.rsplit(".", 1)[0])
+
+
+@pytest.mark.parametrize(("name", "num_bn"), [("cnn_bn", 3), ("resnet18", 1 + 4 * 2 * 2 + 3)])
+def test_bn_keys_are_every_batchnorm_entry_and_nothing_else(name, num_bn):
+    m = build_model(name, (1, 8, 8), 10)
+    keys = m.module_state_keys(BN_KINDS)
+    expected = [k for k in m.state_dict() if isinstance(_owner(m, k), BN_KINDS)]
+    assert keys == expected and len(keys) == 5 * num_bn
+    assert {k.rsplit(".", 1)[1] for k in keys} == set(BN_ENTRIES)
+    others = [k for k in m.state_dict() if k not in set(keys)]
+    assert all(isinstance(_owner(m, k), nn.Conv2d | nn.Linear) for k in others)
+
+
+def test_cnn_bn_layout():
+    m = build_model("cnn_bn", (1, 28, 28), 10)
+    assert m.block_names() == ["conv1", "conv2", "fc1", "classifier"] and m.head_blocks() == ["classifier"]
+    names = {nn.Conv2d: "conv", nn.Linear: "fc", nn.ReLU: "relu", nn.BatchNorm1d: "bn", nn.BatchNorm2d: "bn"}
+    order = [n for mod in m.modules() for kind, n in names.items() if isinstance(mod, kind)]
+    assert order == ["conv", "bn", "relu", "conv", "bn", "relu", "fc", "bn", "relu", "fc"]  # BN before each ReLU
+    assert sum(p.numel() for p in m.parameters()) == 1_663_978  # the cnn's 1,663,370 − 608 biases + 1,216 BN
+
+
+def test_resnet18_layout_and_parameter_count():
+    m = build_model("resnet18", (3, 8, 8), 10)
+    assert m.block_names() == ["stem", "layer1", "layer2", "layer3", "layer4", "pool", "classifier"]
+    assert m.head_blocks() == ["classifier"]
+    assert sum(p.numel() for p in m.parameters()) == 11_173_962  # CIFAR ResNet-18, 10 classes
+    convs = [mod for mod in m.modules() if isinstance(mod, nn.Conv2d)]
+    assert len(convs) == 1 + 16 + 3 and convs[0].kernel_size == (3, 3) and convs[0].stride == (1, 1)
+    assert not any(isinstance(mod, nn.MaxPool2d) for mod in m.modules())
+    assert sum(p.numel() for p in build_model("resnet18", (1, 28, 28), 10).parameters()) == 11_173_962 - 2 * 64 * 9
+
+
+@pytest.mark.parametrize("name", ["cnn_bn", "resnet18"])
+@pytest.mark.parametrize("shape", [(1, 28, 28), (1, 8, 8)])
+def test_bn_models_train_on_tiny_batches(name, shape):
+    """One SGD step in train mode, including a batch of one sample (1×1 maps / FC BatchNorm)."""
+    torch.manual_seed(0)
+    m = build_model(name, shape, 10)
+    init = {k: v.clone() for k, v in m.state_dict().items()}
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for n in (4, 1):
+        loss = nn.functional.cross_entropy(m(torch.randn(n, *shape)), torch.arange(n))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = m.state_dict()
+    bn = m.module_state_keys(BN_KINDS)
+    assert all(not torch.equal(state[k], init[k]) for k in bn if k.endswith("running_mean"))
+    m.eval()
+    assert torch.isfinite(m(torch.randn(2, *shape))).all()
+
+
+def test_safe_batchnorm_single_value_uses_running_statistics():
+    m = build_model("cnn_bn", (1, 8, 8), 10)
+    bn = m.blocks["fc1"][2]
+    assert isinstance(bn, nn.BatchNorm1d)
+    with torch.no_grad():
+        bn.running_mean.fill_(1.0)
+        bn.running_var.fill_(4.0)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    bn.train()
+    out = bn(torch.full((1, 512), 3.0))
+    assert torch.allclose(out, torch.full((1, 512), 1.0), atol=1e-4)  # (3 − 1) / √4, affine at identity
+    assert all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
+    x = torch.randn(5, 512)
+    assert torch.equal(bn(x), nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True))  # batch stats
+
+
+def test_building_a_bn_model_leaves_initial_statistics_untouched():
+    m = build_model("cnn_bn", (1, 28, 28), 10)
+    assert m.training and all(mod.training for mod in m.modules())
+    for k in m.module_state_keys(BN_KINDS):
+        v = m.state_dict()[k]
+        if k.endswith("running_mean") or k.endswith("num_batches_tracked"):
+            assert not v.any(), k
+        elif k.endswith("running_var"):
+            assert torch.equal(v, torch.ones_like(v)), k

@@ -27,6 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
     r.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
+    b.add_argument("-c", "--config", required=True, help="suite YAML file")
+    b.add_argument("--max-cells", type=int, help="run at most N unfinished cells, then write the tables")
+    b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
+    b.add_argument("--list", action="store_true", help="list the cells and which are finished")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
     d.add_argument("--path", help="list: a dataset directory to describe (fmnist files or a folder dataset root)")
@@ -53,6 +58,24 @@ def _cmd_run(args: argparse.Namespace) -> None:
         result = run(cfg, args.out, progress=not args.no_progress)
     print_table(result.summary)
     Console().print(f"results: {result.out}")
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from pflbed.results.bench import Bench, load_suite
+
+    bench = Bench(load_suite(args.config))
+    console = Console()
+    if args.list:
+        pending = set(bench.pending())
+        for cell in bench.cells():
+            console.print(f"{'todo' if cell in pending else 'done'}  {bench.run_dir(*cell)}")
+        return
+    if not args.table_only:
+        bench.run(args.max_cells, log=console.print)
+    md, cs = bench.write_tables()
+    console.print(md.read_text())
+    left = len(bench.pending())
+    console.print(f"tables: {md}, {cs}" + (f" — {left} cells still to run (re-run to continue)" if left else ""))
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
@@ -84,7 +107,7 @@ def _cmd_data(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"run": _cmd_run, "data": _cmd_data}[args.command](args)
+        {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data}[args.command](args)
     except PflbedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)
         return 2

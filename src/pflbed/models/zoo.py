@@ -2,6 +2,13 @@
 
 Fully connected sizes are computed by a dummy forward so every model works on 28×28 (Fashion-MNIST) and 8×8
 (digits) inputs alike.
+
+BatchNorm models (`cnn_bn`, `resnet18`) use `SafeBatchNorm1d`/`SafeBatchNorm2d`, subclasses of torch's layers
+(so selection by type, `BlockNet.module_state_keys((nn.BatchNorm1d, nn.BatchNorm2d))`, finds them). Deviation
+from plain BatchNorm: in training mode, a batch holding a single value per channel (a last mini-batch of one
+sample reaching a fully connected BN or a 1×1 feature map) cannot be normalized by its own statistics — torch
+raises an error — so such a batch is normalized with the running statistics, which it leaves unchanged. Every
+other batch is handled exactly as by torch's BatchNorm.
 """
 
 from __future__ import annotations
@@ -10,14 +17,21 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pflbed.models.blocks import BlockNet
 
 
 def _flat_size(layers: nn.Module, input_shape: tuple[int, ...]) -> int:
-    with torch.no_grad():
-        return int(layers(torch.zeros(1, *input_shape)).numel())
+    """Output size of `layers` for one sample; run in eval mode so no BatchNorm statistic is touched."""
+    was_training = layers.training
+    layers.eval()
+    try:
+        with torch.no_grad():
+            return int(layers(torch.zeros(1, *input_shape)).numel())
+    finally:
+        layers.train(was_training)
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 200) -> BlockNet:
@@ -67,10 +81,108 @@ def lenet5(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     )
 
 
+# --- BatchNorm models --------------------------------------------------------------------------------------------
+class _SingleValueSafe:
+    """Mixin for torch BatchNorm layers: see the module docstring (single-value batches use running statistics)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn: nn.modules.batchnorm._BatchNorm = self  # type: ignore[assignment]
+        if bn.training and bn.track_running_stats and x.numel() <= x.shape[1]:
+            return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+        return super().forward(x)  # type: ignore[misc]
+
+
+class SafeBatchNorm1d(_SingleValueSafe, nn.BatchNorm1d):
+    """`nn.BatchNorm1d` that accepts a training batch of one sample (normalized with the running statistics)."""
+
+
+class SafeBatchNorm2d(_SingleValueSafe, nn.BatchNorm2d):
+    """`nn.BatchNorm2d` that accepts a training batch of one 1×1 map (normalized with the running statistics)."""
+
+
+def _conv_bn_block(cin: int, cout: int, k: int, pad: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=pad, bias=False), SafeBatchNorm2d(cout), nn.ReLU(),
+                         nn.MaxPool2d(2))  # fmt: skip
+
+
+def fedavg_cnn_bn(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """The CNN of McMahan et al. 2017 (`cnn`) with BatchNorm (Ioffe & Szegedy 2015), the model FedBN needs.
+
+    conv5×5(32) → BN → ReLU → pool → conv5×5(64) → BN → ReLU → pool → FC 512 → BN → ReLU → FC classes; blocks
+    conv1, conv2, fc1, classifier (head: classifier). Deviations from `cnn`: a BatchNorm after each conv and after
+    FC-512, before the ReLU; those convs and FC-512 have no bias (a bias right before BatchNorm is cancelled by its
+    mean subtraction), so the model has 1,663,978 parameters on 1×28×28 inputs with 10 classes (`cnn`: 1,663,370).
+    """
+    c = input_shape[0]
+    conv1, conv2 = _conv_bn_block(c, 32, 5, 2), _conv_bn_block(32, 64, 5, 2)
+    flat = _flat_size(nn.Sequential(conv1, conv2), input_shape)
+    return BlockNet(
+        [
+            ("conv1", conv1),
+            ("conv2", conv2),
+            ("fc1", nn.Sequential(nn.Flatten(), nn.Linear(flat, 512, bias=False), SafeBatchNorm1d(512), nn.ReLU())),
+            ("classifier", nn.Linear(512, num_classes)),
+        ]
+    )
+
+
+class BasicBlock(nn.Module):
+    """The two-conv residual block of ResNet-18/34 (He et al. 2016, Fig. 2 left).
+
+    conv3×3(stride) → BN → ReLU → conv3×3 → BN, plus the shortcut, then ReLU. The shortcut is the identity, or a
+    1×1 conv (stride) → BN projection where the shape changes (the paper's option B).
+    """
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = SafeBatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = SafeBatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), SafeBatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+def resnet18(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """ResNet-18, CIFAR variant (He et al., "Deep Residual Learning for Image Recognition", CVPR 2016, §4.2).
+
+    stem conv3×3(64, stride 1) → BN → ReLU (no max-pool) → layer1..layer4, two `BasicBlock`s each, with
+    64/128/256/512 channels and first-block strides 1/2/2/2 → global average pool → linear classifier. Blocks:
+    stem, layer1, layer2, layer3, layer4, pool (adaptive average pool + flatten), classifier (the head).
+    11,173,962 parameters for 3-channel inputs and 10 classes.
+
+    Deviations: the stem takes the data's channel count (1 for grey images) instead of 3; the paper's CIFAR
+    networks are the 6n+2 family, and this ImageNet-depth ResNet-18 with a CIFAR stem is the common adaptation.
+    Any input size works: stride 2 with padding 1 maps 1×1 to 1×1, so 8×8 inputs reach layer4 as 1×1 maps.
+    """
+    c = input_shape[0]
+    widths, strides = (64, 128, 256, 512), (1, 2, 2, 2)
+    blocks: list[tuple[str, nn.Module]] = [
+        ("stem", nn.Sequential(nn.Conv2d(c, 64, 3, padding=1, bias=False), SafeBatchNorm2d(64), nn.ReLU()))
+    ]
+    cin = 64
+    for i, (w, s) in enumerate(zip(widths, strides, strict=True), start=1):
+        blocks.append((f"layer{i}", nn.Sequential(BasicBlock(cin, w, s), BasicBlock(w, w, 1))))
+        cin = w
+    blocks += [
+        ("pool", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())),
+        ("classifier", nn.Linear(cin, num_classes)),
+    ]
+    return BlockNet(blocks)
+
+
 MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "mlp": mlp,
     "cnn": fedavg_cnn,
     "lenet5": lenet5,
+    "cnn_bn": fedavg_cnn_bn,
+    "resnet18": resnet18,
 }
 
 

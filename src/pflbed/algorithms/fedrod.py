@@ -1,0 +1,296 @@
+"""FedRoD (linear) — Chen & Chao, "On Bridging Generic and Personalized Federated Learning for Image
+Classification", ICLR 2022 (Federated Robust Decoupling), Algorithm 1. Spec: papers/fedrod-slides.txt.
+
+Model: shared feature extractor z = f(x; θ) (the BlockNet body), generic head ŷ_G = h_G(z; ψ) (the BlockNet head)
+and a personal head h_P(z; φ_m) per client; the personalized prediction is additive, ŷ_P = h_G(z; ψ) + h_P(z; φ_m).
+
+Equations implemented (numbering of the source):
+- Balanced-softmax loss (BSM, §4; unnumbered in the slides), the balanced risk L^BR_m = mean_i ℓ^BSM:
+  ℓ^BSM(x, y; w) = −log( N_{m,y}^γ·exp(g_y(x; w)) / Σ_c N_{m,c}^γ·exp(g_c(x; w)) )
+                 = CE(g(x; w) + γ·log N_m, y)                                          (`balanced_softmax_loss`)
+- Eq. 7: min_{θ,ψ} Σ_m |D_m|/|D|·L^BR_m({θ, ψ})  and  min_{φ_m} L_m({θ, ψ, φ_m}) for every m.
+- Eq. 8 (local, generic): θ*_m, ψ*_m = argmin_{θ,ψ} L^BR_m({θ, ψ}), initialised with θ̄, ψ̄.
+- Eq. 9 (local, personal): φ*_m = argmin_{φ_m} L_m({θ, ψ, φ_m}) — plain cross-entropy of ŷ_P (the "P-loss"),
+  initialised with the client's φ*_m of its previous round.
+- Eq. 10 (global): θ̄ = Σ_{m∈S} |D_m|/Σ_{m'∈S}|D_{m'}|·θ*_m and likewise ψ̄ (Algorithm 1 normalises over the
+  sampled clients S). φ_m never leaves the client.
+
+Interpretations and deviations (everything the slides leave open):
+1. Gradient separation. Eq. 8 trains θ, ψ with L^BR only and Eq. 9 trains φ_m only, so the P-loss is computed on
+   ŷ_P = h_G(z).detach() + h_P(z.detach()): it gives no gradient to f or h_G, and L^BSM none to h_P.
+2. Eq. 8 and Eq. 9 run simultaneously on the same mini-batches: one forward through f per batch, both losses, two
+   SGD optimizers each stepping once per batch; each "argmin" is `train.local_epochs` epochs of mini-batch SGD, as
+   in FedAvg. h_P is therefore fitted to the features of the body as it is before that batch's step.
+3. Class counts N_{m,c} = P_m(y = c)·|D_m| (the client's exact training label counts). Zero counts are floored at
+   1e-12 before the log (offset ≈ −27.6·γ): an absent class is effectively dropped from the softmax denominator,
+   the limit N → 0 of ℓ^BSM. γ (option `gamma`) defaults to 1.
+4. φ'_m, the initial personal head, is all zeros: ŷ_P = ŷ_G at the start, so h_P learns an additive correction of
+   the generic predictor, and a client never sampled (or a new one) gets exactly the generic model.
+5. h_P is one Linear(d, C) on the flattened body output (d = its size) — "both heads are FC"; it has the shape of
+   the zoo models' classifier. If a model's head has several blocks, h_G is that whole head and h_P stays linear.
+6. Optimizers: θ, ψ use SGD with `train.lr`, `train.momentum`, `train.weight_decay`; φ_m uses `personal_lr`
+   (default `train.lr`) with the same momentum and weight decay. Both are created per round (momentum restarts,
+   as for FedAvg in pflbed).
+7. The whole model state dict is uploaded and averaged (Eq. 10 names θ and ψ only): BatchNorm statistics, if a
+   model has any, are treated as part of θ and averaged like FedAvg does (integer batch counters take the max).
+   They are updated by the only forward through f, the one of the BSM loss.
+8. P-FL model of client m: θ̄, ψ̄ (the current server model) + the client's own φ*_m. Algorithm 1 lists the
+   client's local θ*_m, ψ*_m as its output too; pflbed evaluates the global body (the contract's
+   `personal_model(server, state)`, no per-client copy of the whole model), which is what a client holds at the
+   start of its next round.
+9. New clients: `zero_shot` = the generic model (= ŷ_P with φ = 0). `personalize`: "lp" trains h_P (from zeros)
+   with the P-loss on frozen f and h_G (features computed once, in eval mode); "ft" trains θ, ψ and φ together
+   with plain CE on ŷ_P = h_G(z) + h_P(z) without stop-gradients — a new client minimises its own empirical risk,
+   the objective of its personal model; the balanced risk is a federation-level objective. Both use the budget's
+   lr and momentum and no weight decay, like the library's default personalization.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.training import get_params, index_batches, load_params, sgd_epochs, weighted_mean
+from pflbed.config import TrainConfig
+from pflbed.models import BlockNet
+
+COUNT_FLOOR = 1e-12  # zero class counts are floored here before the log (deviation 3)
+NET, PERSONAL = "net.", "personal."  # state-dict prefixes of the additive predictor's two parts
+
+
+# --- shared pieces (also used by fedrod_hyper) ---------------------------------------------------------------------
+def class_counts(data: ClientData) -> torch.Tensor:
+    """N_{m,c}: the client's training label counts, from its class prior and training-set size."""
+    return data.prior.to(torch.float64) * data.num_train
+
+
+def log_count_offsets(counts: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """γ·log N_{m,c}, zero counts floored at `COUNT_FLOOR`."""
+    return gamma * counts.to(torch.float64).clamp_min(COUNT_FLOOR).log()
+
+
+def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """ℓ^BSM averaged over the batch: CE(g + γ·log N_m, y)."""
+    return F.cross_entropy(logits + log_count_offsets(counts, gamma).to(logits), y)
+
+
+def personal_logits(generic: torch.Tensor, z: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """ŷ_P for the P-loss: h_G(z).detach() + h_P(z.detach()) — gradient reaches only the personal head."""
+    return generic.detach() + head(z.detach())
+
+
+def personal_loss(generic: torch.Tensor, z: torch.Tensor, y: torch.Tensor, head: Callable) -> torch.Tensor:
+    """The P-loss of Eq. 9: plain cross-entropy of the additive personal prediction (trains h_P only)."""
+    return F.cross_entropy(personal_logits(generic, z, head), y)
+
+
+class PersonalHead(nn.Linear):
+    """h_P: one linear layer on the flattened body output, zero-initialised (deviation 4)."""
+
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__(in_features, num_classes)
+        with torch.no_grad():
+            self.weight.zero_()
+            self.bias.zero_()
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return super().forward(z.flatten(1))
+
+
+class AdditivePredictor(nn.Module):
+    """The personal predictor ŷ_P = h_G(f(x)) + h_P(f(x)), wrapping the shared BlockNet and a personal head.
+
+    State-dict keys are the BlockNet's prefixed with `net.` and the head's with `personal.`. `features` and
+    `classify` split it at the body like a BlockNet, so frozen-body predictors can share cached features.
+    """
+
+    def __init__(self, net: BlockNet, personal: PersonalHead) -> None:
+        super().__init__()
+        self.net, self.personal = net, personal
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.features(x)
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net.classify(z) + self.personal(z)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.features(x))
+
+
+def feature_dim(model: BlockNet, input_shape: tuple[int, ...]) -> int:
+    """d: the size of one sample's body output (one eval-mode forward of a zero input; no state changes)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        d = int(math.prod(model.features(torch.zeros(1, *input_shape)).shape[1:]))
+    model.train(was_training)
+    return d
+
+
+def decoupled_epochs(
+    net: BlockNet,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    personal_params: Iterable[nn.Parameter],
+    data: ClientData,
+    train: TrainConfig,
+    *,
+    gamma: float,
+    personal_lr: float,
+    generator: torch.Generator,
+) -> float:
+    """One client's local training (Eq. 8 and Eq. 9 together, deviation 2); returns the mean BSM loss.
+
+    `head(z)` gives h_P's logits; `personal_params` are what the P-loss trains (φ_m, or ν for the hypernetwork).
+    """
+    counts = class_counts(data)
+    kw = dict(momentum=train.momentum, weight_decay=train.weight_decay)
+    opt_g = torch.optim.SGD(net.parameters(), lr=train.lr, **kw)
+    opt_p = torch.optim.SGD(list(personal_params), lr=personal_lr, **kw)
+    total, steps = torch.zeros(()), 0
+    for _ in range(train.local_epochs):
+        net.train()
+        for b in index_batches(data.train, train.batch_size, 1, generator):
+            x, y = data.x[b], data.y[b]
+            z = net.features(x)
+            g = net.classify(z)
+            loss_g = balanced_softmax_loss(g, y, counts, gamma)  # Eq. 8: θ, ψ
+            loss_p = personal_loss(g, z, y, head)  # Eq. 9: φ_m (ν) only
+            opt_g.zero_grad(set_to_none=True)
+            opt_p.zero_grad(set_to_none=True)
+            (loss_g + loss_p).backward()  # disjoint gradients: the stop-gradients separate the two objectives
+            opt_g.step()
+            opt_p.step()
+            total += loss_g.detach()
+            steps += 1
+    return float(total) / max(steps, 1)
+
+
+def personalize_additive(
+    predictor: AdditivePredictor,
+    server_model: Tensors,
+    start_head: Tensors,
+    data: ClientData,
+    budget: Budget,
+    generator: torch.Generator,
+    feature_key: tuple,
+) -> Iterator[Predictor]:
+    """A new client's adaptation of ŷ_P from (θ̄, ψ̄, h_P = `start_head`), yielding the model after every epoch.
+
+    lp: h_P alone, with the P-loss on features of the frozen body computed once in eval mode. ft: θ, ψ and h_P,
+    with plain CE on ŷ_P (no stop-gradients). `start_head` has keys `weight`, `bias`.
+    """
+    net, head = predictor.net, predictor.personal
+    load_params(net, server_model)
+    load_params(head, start_head)
+    kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
+              generator=generator)  # fmt: skip
+    if budget.method == "ft":
+        for _ in sgd_epochs(predictor, data, **kw):
+            yield Predictor(predictor, get_params(predictor))
+    elif budget.method == "lp":
+        net.eval()  # stays in eval mode: sgd_epochs switches only the head to train mode
+        with torch.no_grad():
+            feats = net.features(data.x[data.train])
+        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats)), data.val[:0], data.prior)
+        body = {NET + k: v for k, v in server_model.items()}
+
+        def forward(z: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                g = net.classify(z)
+            return personal_logits(g, z, head)
+
+        for _ in sgd_epochs(head, on_feats, forward=forward, **kw):
+            yield Predictor(predictor, {**body, **prefixed(PERSONAL, get_params(head))}, feature_key=feature_key)
+    else:
+        raise ValueError(f"unknown personalization method {budget.method!r}")
+
+
+def prefixed(prefix: str, tensors: Tensors) -> Tensors:
+    return {prefix + k: v for k, v in tensors.items()}
+
+
+def unprefixed(prefix: str, tensors: Tensors) -> Tensors:
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# --- the algorithm ------------------------------------------------------------------------------------------------
+class FedRoDOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gamma: float = Field(1.0, ge=0, description="exponent γ of the class counts in the balanced-softmax loss")
+    personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal head (default: train.lr)")
+
+
+class FedRoD(Algorithm):
+    name = "fedrod"
+    Config = FedRoDOptions
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.model_keys = list(ctx.model.state_dict())
+        d = feature_dim(ctx.model, ctx.source.input_shape)
+        self.head = PersonalHead(d, ctx.source.num_classes)
+        self.predictor = AdditivePredictor(ctx.model, self.head)
+
+    @property
+    def personal_lr(self) -> float:
+        return self.opts.personal_lr if self.opts.personal_lr is not None else self.ctx.cfg.train.lr
+
+    def model_params(self, server: Tensors) -> Tensors:
+        """θ̄, ψ̄ (the BlockNet's state) out of the server state."""
+        if len(server) == len(self.model_keys):
+            return server  # same dict object: predictions of the generic model are cached across calls
+        return {k: server[k] for k in self.model_keys}
+
+    def zero_head(self) -> Tensors:
+        return {k: torch.zeros_like(v) for k, v in self.head.state_dict().items()}
+
+    def additive(self, server: Tensors, head: Tensors) -> Predictor:
+        """θ̄, ψ̄ + a personal head (keys `weight`, `bias`) as one predictor."""
+        return Predictor(self.predictor, {**prefixed(NET, self.model_params(server)), **prefixed(PERSONAL, head)})
+
+    # --- federation ------------------------------------------------------------------------------------------
+    def init_server(self) -> Tensors:
+        return dict(self.ctx.initial_params)
+
+    def init_client(self, cid: int) -> Tensors:
+        return prefixed(PERSONAL, self.zero_head())
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        return {c: server for c in cids}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        net = self.ctx.model
+        load_params(net, payload)
+        load_params(self.head, unprefixed(PERSONAL, state))
+        decoupled_epochs(net, self.head, self.head.parameters(), data, self.ctx.cfg.train, gamma=self.opts.gamma,
+                         personal_lr=self.personal_lr, generator=cctx.generator)  # fmt: skip
+        return get_params(net), prefixed(PERSONAL, get_params(self.head))
+
+    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
+        return weighted_mean(replies, weights)  # Eq. 10
+
+    # --- evaluation ------------------------------------------------------------------------------------------
+    def generic_model(self, server: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, self.model_params(server))
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return self.additive(server, unprefixed(PERSONAL, state))
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
+        return self.generic_model(server)  # ŷ_P with h_P at its (zero) initialisation
+
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        yield from personalize_additive(self.predictor, self.model_params(server), self.zero_head(), data, budget,
+                                        generator, feature_key=("fedrod-body", id(server)))  # fmt: skip

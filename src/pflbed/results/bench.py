@@ -1,0 +1,209 @@
+"""`pflbed bench`: a suite of runs (settings × methods × seeds) → mean ± std tables in Markdown and CSV.
+
+A suite file names a base config, the seeds, optional settings (column groups, e.g. Dir(0.3) vs Dir(0.1)) and
+methods (rows). Every cell is an ordinary run directory under `<out>/runs/<setting>/<method>/seed<k>`, so a
+suite is resumable for free: finished cells (with `summary.json`) are skipped, an interrupted cell continues
+from its checkpoint, and `--max-cells` runs a bounded chunk. A method may reuse another's runs and report other
+fields (FedAvg+FT is FedAvg's run, reported from `final.ft.pfl_acc`).
+
+    name: fmnist_dir
+    base: {dataset: {name: fmnist}, train: {rounds: 50}}        # any run config keys
+    seeds: [0, 1, 2]
+    settings: {"Dir(0.3)": {federation.alpha: 0.3}, "Dir(0.1)": {federation.alpha: 0.1}}
+    methods:
+      FedAvg: {set: {algorithm.name: fedavg}}
+      FedAvg+FT: {same_as: FedAvg, report: {G-FL: null, P-FL: final.ft.pfl_acc}}
+    report: {G-FL: final.gfl_acc, P-FL: final.pfl_acc}            # column → summary.json field
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pflbed.config import Config, _first_error, set_dotted, validate_config
+from pflbed.errors import ConfigError
+
+
+class MethodSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
+    same_as: str | None = Field(None, description="reuse another method's runs")
+    report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
+
+
+class Suite(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    base: dict[str, Any] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"": {}})
+    methods: dict[str, MethodSpec] = Field(min_length=1)
+    report: dict[str, str] = Field(default_factory=lambda: {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc"})
+    out: str | None = Field(None, description="results directory (default benchmarks/results/<name>)")
+    scale: float = Field(100.0, description="multiply reported values (100: accuracies as %)")
+
+    @model_validator(mode="after")
+    def _check(self) -> Suite:
+        for m, spec in self.methods.items():
+            if spec.same_as is not None and (spec.same_as not in self.methods or self.methods[spec.same_as].same_as):
+                raise ValueError(f"methods.{m}.same_as: must name a method that has its own runs")
+            if spec.same_as is not None and spec.set:
+                raise ValueError(f"methods.{m}: give either set or same_as")
+        return self
+
+
+def load_suite(path: str | Path) -> Suite:
+    p = Path(path)
+    try:
+        tree = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read suite ({e.strerror})") from None
+    except yaml.YAMLError:
+        raise ConfigError(f"{p}: invalid YAML") from None
+    try:
+        return Suite.model_validate(tree or {})
+    except ValidationError as e:
+        raise ConfigError(f"{p}: {_first_error(e)}") from None
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in s) or "default"
+
+
+class Bench:
+    def __init__(self, suite: Suite, root: Path | None = None) -> None:
+        self.suite = suite
+        self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
+
+    def cell_config(self, setting: str, method: str, seed: int) -> Config:
+        tree = copy.deepcopy(self.suite.base)
+        overrides = {**self.suite.settings[setting], **self.suite.methods[method].set, "seed": seed}
+        for key, value in overrides.items():
+            set_dotted(tree, key, value)
+        try:
+            return validate_config(tree)
+        except ConfigError as e:
+            raise ConfigError(
+                f"suite {self.suite.name}, {setting or 'default'} / {method} / seed {seed}: {e}"
+            ) from None
+
+    def run_dir(self, setting: str, method: str, seed: int) -> Path:
+        return self.out / "runs" / _slug(setting) / _slug(method) / f"seed{seed}"
+
+    def cells(self) -> list[tuple[str, str, int]]:
+        """Cells with their own runs, in table order."""
+        s = self.suite
+        return [(st, m, seed) for st in s.settings for m, spec in s.methods.items() if spec.same_as is None
+                for seed in s.seeds]  # fmt: skip
+
+    def pending(self) -> list[tuple[str, str, int]]:
+        return [c for c in self.cells() if not (self.run_dir(*c) / "summary.json").exists()]
+
+    def run(self, max_cells: int | None = None, log=print) -> int:
+        """Run the unfinished cells (at most `max_cells`); returns how many ran."""
+        from pflbed.engine.loop import run as run_one
+
+        todo = self.pending()
+        configs = {c: self.cell_config(*c) for c in todo}  # validate every cell before running any
+        total = len(self.cells())
+        done = total - len(todo)
+        for i, cell in enumerate(todo[:max_cells] if max_cells is not None else todo):
+            setting, method, seed = cell
+            t0 = time.perf_counter()
+            path = self.run_dir(*cell)
+            res = run_one(configs[cell], path, progress=False, resume=path.exists())
+            f, took = res.summary["final"], time.perf_counter() - t0
+            log(f"[{done + i + 1}/{total}] {setting or '-'} · {method} · seed {seed}: "
+                f"G-FL {_fmt(f.get('gfl_acc'))} P-FL {_fmt(f.get('pfl_acc'))} ({took:.0f} s)")  # fmt: skip
+        return min(len(todo), max_cells if max_cells is not None else len(todo))
+
+    # --- tables ------------------------------------------------------------------------------------------
+    def collect(self) -> list[dict[str, Any]]:
+        """One row per (method, setting): mean and std over the seeds that finished, per report column."""
+        s = self.suite
+        rows = []
+        for m, spec in s.methods.items():
+            source = spec.same_as or m
+            report = {**s.report, **(spec.report or {})}
+            for st in s.settings:
+                summaries = []
+                for seed in s.seeds:
+                    f = self.run_dir(st, source, seed) / "summary.json"
+                    if f.exists():
+                        summaries.append(json.loads(f.read_text()))
+                row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries)}
+                for col, field in report.items():
+                    vals = [v for v in (_get(x, field) for x in summaries) if v is not None] if field else []
+                    row[col] = _mean_std([v * s.scale for v in vals]) if vals else None
+                wall = [x["timing"]["wall_s"] for x in summaries]
+                row["wall_s"] = sum(wall) / len(wall) if wall else None
+                rows.append(row)
+        return rows
+
+    def columns(self) -> list[str]:
+        cols = list(self.suite.report)
+        for spec in self.suite.methods.values():
+            cols += [c for c in (spec.report or {}) if c not in cols]
+        return cols
+
+    def markdown(self) -> str:
+        rows, cols, settings = self.collect(), self.columns(), list(self.suite.settings)
+        head = ["method"] + [f"{st} {c}".strip() for st in settings for c in cols]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        by = {(r["method"], r["setting"]): r for r in rows}
+        for m in self.suite.methods:
+            cells = [m]
+            for st in settings:
+                r = by[(m, st)]
+                for c in cols:
+                    v = r.get(c)
+                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}" + ("" if r["seeds"] == len(
+                        self.suite.seeds) else f" ({r['seeds']} seeds)"))  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def csv(self) -> str:
+        rows, cols = self.collect(), self.columns()
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["method", "setting", "seeds", *[f"{c} {k}" for c in cols for k in ("mean", "std")], "wall_s"])
+        for r in rows:
+            vals = [x for c in cols for x in (r.get(c) or (None, None))]
+            w.writerow([r["method"], r["setting"], r["seeds"], *["" if v is None else f"{v:.4f}" for v in vals],
+                        "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"])  # fmt: skip
+        return buf.getvalue()
+
+    def write_tables(self) -> tuple[Path, Path]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        md, cs = self.out / "table.md", self.out / "table.csv"
+        md.write_text(self.markdown())
+        cs.write_text(self.csv())
+        return md, cs
+
+
+def _get(tree: dict[str, Any], dotted: str) -> float | None:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return float(node) if isinstance(node, int | float) else None
+
+
+def _mean_std(vals: list[float]) -> tuple[float, float]:
+    m = sum(vals) / len(vals)
+    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
+
+
+def _fmt(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.2f}"
