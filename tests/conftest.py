@@ -1,4 +1,8 @@
 import pytest
+import torch
+
+# Tiny models run fastest single-threaded, and a single thread keeps parallel test processes from thrashing.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
