@@ -10,17 +10,21 @@ from pflbed.results.bench import Bench, load_suite
 
 from .tiny import TINY
 
-SUITE = {
-    "name": "tiny",
-    "base": {**TINY, "train": {**TINY["train"], "rounds": 2, "checkpoint_every": 0},
-             "eval": {"every": 2, "finetune": ["ft"]}},
-    "seeds": [0, 1],
+TABLE = {
     "settings": {"a0.5": {"federation.alpha": 0.5}, "a5": {"federation.alpha": 5.0}},
     "methods": {
         "FedAvg": {"set": {"algorithm.name": "fedavg"}},
         "FedAvg+FT": {"same_as": "FedAvg", "report": {"G-FL": None, "P-FL": "final.ft.pfl_acc"}},
         "Local": {"set": {"algorithm.name": "local"}},
     },
+}
+SUITE = {
+    "name": "tiny",
+    "base": {**TINY, "train": {**TINY["train"], "rounds": 2, "checkpoint_every": 0},
+             "eval": {"every": 2, "finetune": ["ft"]}},
+    "seeds": [0, 1],
+    "tables": {"main": TABLE, "other": {"base": {"federation": {"clients": 4}}, "seeds": [3],
+                                        "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}}}},
 }  # fmt: skip
 
 
@@ -33,31 +37,35 @@ def suite_file(tmp_path):
 
 def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     bench = Bench(load_suite(suite_file))
-    assert len(bench.cells()) == 8  # 2 settings × 2 methods with runs × 2 seeds; FedAvg+FT reuses FedAvg
+    assert len(bench.cells()) == 9  # 2 settings × 2 methods with runs × 2 seeds (FedAvg+FT reuses FedAvg), + 1
     assert main(["bench", "-c", str(suite_file), "--max-cells", "3"]) == 0
-    assert len(bench.pending()) == 5 and "5 cells still to run" in " ".join(capsys.readouterr().out.split())
-    first = bench.run_dir("a0.5", "FedAvg", 0) / "summary.json"
+    assert len(bench.pending()) == 6 and "6 cells still to run" in " ".join(capsys.readouterr().out.split())
+    main_t, other = bench.tables
+    first = main_t.run_dir("a0.5", "FedAvg", 0) / "summary.json"
     stamp = first.stat().st_mtime_ns
     assert main(["bench", "-c", str(suite_file)]) == 0
     assert bench.pending() == [] and first.stat().st_mtime_ns == stamp  # finished cells are not re-run
 
-    rows = {(r["method"], r["setting"]): r for r in bench.collect()}
-    s = [json.loads((bench.run_dir("a5", "FedAvg", k) / "summary.json").read_text()) for k in (0, 1)]
+    rows = {(r["method"], r["setting"]): r for r in main_t.collect()}
+    s = [json.loads((main_t.run_dir("a5", "FedAvg", k) / "summary.json").read_text()) for k in (0, 1)]
     mean_ft = 100 * (s[0]["final"]["ft"]["pfl_acc"] + s[1]["final"]["ft"]["pfl_acc"]) / 2
     assert rows[("FedAvg+FT", "a5")]["P-FL"][0] == pytest.approx(mean_ft)
     assert rows[("FedAvg+FT", "a5")]["G-FL"] is None and rows[("Local", "a5")]["G-FL"] is None
-    md = (tmp_path / "out" / "table.md").read_text()
-    assert md.splitlines()[0] == "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL |"
-    assert len(md.splitlines()) == 5 and "±" in md
-    assert (tmp_path / "out" / "table.csv").read_text().startswith("method,setting,seeds,G-FL mean")
+    assert json.loads((other.run_dir("", "FedAvg", 3) / "summary.json").read_text())["clients"]["participated"] == 4
+    md = (tmp_path / "out" / "table.md").read_text().splitlines()
+    assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL |" in md
+    assert sum("±" in line for line in md) == 4  # 3 rows of the main table + 1 of the other
+    csv_lines = (tmp_path / "out" / "table.csv").read_text().splitlines()
+    assert csv_lines[0] == "table,method,setting,column,mean,std,seeds,wall_s"
+    assert len(csv_lines) == 1 + 3 * 2 * 2 + 2
 
 
 def test_bad_suites_are_one_line_errors(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({**SUITE, "methods": {"X": {"same_as": "Nope"}}}))
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "Nope"}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     assert "same_as" in capsys.readouterr().err
-    bad.write_text(yaml.safe_dump({**SUITE, "methods": {"X": {"set": {"train.epochs": 3}}}}))
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"set": {"train.epochs": 3}}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "train.epochs: unknown key" in err and "X" in err

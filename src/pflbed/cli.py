@@ -66,9 +66,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     bench = Bench(load_suite(args.config))
     console = Console()
     if args.list:
-        pending = set(bench.pending())
-        for cell in bench.cells():
-            console.print(f"{'todo' if cell in pending else 'done'}  {bench.run_dir(*cell)}")
+        pending = {(t.name, c) for t, c in bench.pending()}
+        for t, cell in bench.cells():
+            console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
     if not args.table_only:
         bench.run(args.max_cells, log=console.print)

@@ -75,12 +75,16 @@ def log_count_offsets(counts: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     return gamma * counts.to(torch.float64).clamp_min(COUNT_FLOOR).log()
 
 
-def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+def balanced_softmax_loss(
+    logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
     """ℓ^BSM averaged over the batch: CE(g + γ·log N_m, y)."""
     return F.cross_entropy(logits + log_count_offsets(counts, gamma).to(logits), y)
 
 
-def personal_logits(generic: torch.Tensor, z: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def personal_logits(
+    generic: torch.Tensor, z: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """ŷ_P for the P-loss: h_G(z).detach() + h_P(z.detach()) — gradient reaches only the personal head."""
     return generic.detach() + head(z.detach())
 

@@ -126,6 +126,30 @@ def fedavg_cnn_bn(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     )
 
 
+def lenet5_bn(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """`lenet5` with BatchNorm after each conv and hidden FC layer (before the ReLU; those layers have no bias).
+
+    A small BN model, ~9× cheaper than `cnn_bn` on CPU, so BN-dependent methods (FedBN) can be compared with the
+    rest on the same architecture in multi-seed sweeps.
+    """
+    c = input_shape[0]
+    conv1, conv2 = _conv_bn_block(c, 6, 5, 2), _conv_bn_block(6, 16, 5, 0 if input_shape[-1] >= 16 else 2)
+    flat = _flat_size(nn.Sequential(conv1, conv2), input_shape)
+
+    def fc(i: int, o: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(i, o, bias=False), SafeBatchNorm1d(o), nn.ReLU())
+
+    return BlockNet(
+        [
+            ("conv1", conv1),
+            ("conv2", conv2),
+            ("fc1", nn.Sequential(nn.Flatten(), fc(flat, 120))),
+            ("fc2", fc(120, 84)),
+            ("classifier", nn.Linear(84, num_classes)),
+        ]
+    )
+
+
 class BasicBlock(nn.Module):
     """The two-conv residual block of ResNet-18/34 (He et al. 2016, Fig. 2 left).
 
@@ -182,6 +206,7 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "cnn": fedavg_cnn,
     "lenet5": lenet5,
     "cnn_bn": fedavg_cnn_bn,
+    "lenet5_bn": lenet5_bn,
     "resnet18": resnet18,
 }
 

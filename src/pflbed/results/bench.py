@@ -1,19 +1,22 @@
-"""`pflbed bench`: a suite of runs (settings × methods × seeds) → mean ± std tables in Markdown and CSV.
+"""`pflbed bench`: a suite of tables, each settings × methods × seeds → mean ± std in Markdown and CSV.
 
-A suite file names a base config, the seeds, optional settings (column groups, e.g. Dir(0.3) vs Dir(0.1)) and
-methods (rows). Every cell is an ordinary run directory under `<out>/runs/<setting>/<method>/seed<k>`, so a
-suite is resumable for free: finished cells (with `summary.json`) are skipped, an interrupted cell continues
-from its checkpoint, and `--max-cells` runs a bounded chunk. A method may reuse another's runs and report other
-fields (FedAvg+FT is FedAvg's run, reported from `final.ft.pfl_acc`).
+A suite file holds a shared base config and seeds, and one or more tables; a table adds its own base keys,
+settings (column groups, e.g. Dir(0.3) vs Dir(0.1)) and methods (rows). Every cell is an ordinary run directory
+under `<out>/runs/<table>/<setting>/<method>/seed<k>`, so a suite is resumable for free: finished cells (with
+`summary.json`) are skipped, an interrupted cell continues from its checkpoint, and `--max-cells` runs a bounded
+chunk. A method may reuse another's runs and report other fields (FedAvg+FT is FedAvg's run, reported from
+`final.ft.pfl_acc`).
 
-    name: fmnist_dir
+    name: fmnist
     base: {dataset: {name: fmnist}, train: {rounds: 50}}        # any run config keys
     seeds: [0, 1, 2]
-    settings: {"Dir(0.3)": {federation.alpha: 0.3}, "Dir(0.1)": {federation.alpha: 0.1}}
-    methods:
-      FedAvg: {set: {algorithm.name: fedavg}}
-      FedAvg+FT: {same_as: FedAvg, report: {G-FL: null, P-FL: final.ft.pfl_acc}}
-    report: {G-FL: final.gfl_acc, P-FL: final.pfl_acc}            # column → summary.json field
+    tables:
+      dirichlet:
+        settings: {"Dir(0.3)": {federation.alpha: 0.3}, "Dir(0.1)": {federation.alpha: 0.1}}
+        methods:
+          FedAvg: {set: {algorithm.name: fedavg}}
+          FedAvg+FT: {same_as: FedAvg, report: {G-FL: null, P-FL: final.ft.pfl_acc}}
+        report: {G-FL: final.gfl_acc, P-FL: final.pfl_acc}        # column → summary.json field
 """
 
 from __future__ import annotations
@@ -41,25 +44,33 @@ class MethodSpec(BaseModel):
     report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
 
 
-class Suite(BaseModel):
+class TableSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str
-    base: dict[str, Any] = Field(default_factory=dict)
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    title: str | None = None
+    base: dict[str, Any] = Field(default_factory=dict, description="config keys merged over the suite's base")
+    seeds: list[int] | None = Field(None, min_length=1, description="default: the suite's seeds")
     settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"": {}})
     methods: dict[str, MethodSpec] = Field(min_length=1)
     report: dict[str, str] = Field(default_factory=lambda: {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc"})
-    out: str | None = Field(None, description="results directory (default benchmarks/results/<name>)")
     scale: float = Field(100.0, description="multiply reported values (100: accuracies as %)")
 
     @model_validator(mode="after")
-    def _check(self) -> Suite:
+    def _check(self) -> TableSpec:
         for m, spec in self.methods.items():
             if spec.same_as is not None and (spec.same_as not in self.methods or self.methods[spec.same_as].same_as):
                 raise ValueError(f"methods.{m}.same_as: must name a method that has its own runs")
             if spec.same_as is not None and spec.set:
                 raise ValueError(f"methods.{m}: give either set or same_as")
         return self
+
+
+class Suite(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    base: dict[str, Any] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    tables: dict[str, TableSpec] = Field(min_length=1)
+    out: str | None = Field(None, description="results directory (default benchmarks/results/<name>)")
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -80,64 +91,51 @@ def _slug(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in s) or "default"
 
 
-class Bench:
-    def __init__(self, suite: Suite, root: Path | None = None) -> None:
-        self.suite = suite
-        self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+class Table:
+    """One table of a suite: its cells, their configs and run directories, and the aggregated rows."""
+
+    def __init__(self, name: str, spec: TableSpec, suite: Suite, out: Path) -> None:
+        self.name, self.spec, self.out = name, spec, out
+        self.base = _merge(suite.base, spec.base)
+        self.seeds = spec.seeds or suite.seeds
 
     def cell_config(self, setting: str, method: str, seed: int) -> Config:
-        tree = copy.deepcopy(self.suite.base)
-        overrides = {**self.suite.settings[setting], **self.suite.methods[method].set, "seed": seed}
+        tree = copy.deepcopy(self.base)
+        overrides = {**self.spec.settings[setting], **self.spec.methods[method].set, "seed": seed}
         for key, value in overrides.items():
             set_dotted(tree, key, value)
         try:
             return validate_config(tree)
         except ConfigError as e:
-            raise ConfigError(
-                f"suite {self.suite.name}, {setting or 'default'} / {method} / seed {seed}: {e}"
-            ) from None
+            where = f"table {self.name}, {setting or 'default'} / {method} / seed {seed}"
+            raise ConfigError(f"{where}: {e}") from None
 
     def run_dir(self, setting: str, method: str, seed: int) -> Path:
-        return self.out / "runs" / _slug(setting) / _slug(method) / f"seed{seed}"
+        return self.out / "runs" / _slug(self.name) / _slug(setting) / _slug(method) / f"seed{seed}"
 
     def cells(self) -> list[tuple[str, str, int]]:
         """Cells with their own runs, in table order."""
-        s = self.suite
+        s = self.spec
         return [(st, m, seed) for st in s.settings for m, spec in s.methods.items() if spec.same_as is None
-                for seed in s.seeds]  # fmt: skip
+                for seed in self.seeds]  # fmt: skip
 
-    def pending(self) -> list[tuple[str, str, int]]:
-        return [c for c in self.cells() if not (self.run_dir(*c) / "summary.json").exists()]
-
-    def run(self, max_cells: int | None = None, log=print) -> int:
-        """Run the unfinished cells (at most `max_cells`); returns how many ran."""
-        from pflbed.engine.loop import run as run_one
-
-        todo = self.pending()
-        configs = {c: self.cell_config(*c) for c in todo}  # validate every cell before running any
-        total = len(self.cells())
-        done = total - len(todo)
-        for i, cell in enumerate(todo[:max_cells] if max_cells is not None else todo):
-            setting, method, seed = cell
-            t0 = time.perf_counter()
-            path = self.run_dir(*cell)
-            res = run_one(configs[cell], path, progress=False, resume=path.exists())
-            f, took = res.summary["final"], time.perf_counter() - t0
-            log(f"[{done + i + 1}/{total}] {setting or '-'} · {method} · seed {seed}: "
-                f"G-FL {_fmt(f.get('gfl_acc'))} P-FL {_fmt(f.get('pfl_acc'))} ({took:.0f} s)")  # fmt: skip
-        return min(len(todo), max_cells if max_cells is not None else len(todo))
-
-    # --- tables ------------------------------------------------------------------------------------------
     def collect(self) -> list[dict[str, Any]]:
         """One row per (method, setting): mean and std over the seeds that finished, per report column."""
-        s = self.suite
+        s = self.spec
         rows = []
         for m, spec in s.methods.items():
             source = spec.same_as or m
             report = {**s.report, **(spec.report or {})}
             for st in s.settings:
                 summaries = []
-                for seed in s.seeds:
+                for seed in self.seeds:
                     f = self.run_dir(st, source, seed) / "summary.json"
                     if f.exists():
                         summaries.append(json.loads(f.read_text()))
@@ -151,36 +149,78 @@ class Bench:
         return rows
 
     def columns(self) -> list[str]:
-        cols = list(self.suite.report)
-        for spec in self.suite.methods.values():
+        cols = list(self.spec.report)
+        for spec in self.spec.methods.values():
             cols += [c for c in (spec.report or {}) if c not in cols]
         return cols
 
     def markdown(self) -> str:
-        rows, cols, settings = self.collect(), self.columns(), list(self.suite.settings)
+        rows, cols, settings = self.collect(), self.columns(), list(self.spec.settings)
         head = ["method"] + [f"{st} {c}".strip() for st in settings for c in cols]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines = [f"### {self.spec.title or self.name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         by = {(r["method"], r["setting"]): r for r in rows}
-        for m in self.suite.methods:
+        for m in self.spec.methods:
             cells = [m]
             for st in settings:
                 r = by[(m, st)]
+                partial = "" if r["seeds"] == len(self.seeds) else f" ({r['seeds']}/{len(self.seeds)} seeds)"
                 for c in cols:
                     v = r.get(c)
-                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}" + ("" if r["seeds"] == len(
-                        self.suite.seeds) else f" ({r['seeds']} seeds)"))  # fmt: skip
+                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}{partial}")
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
+    def csv_rows(self) -> list[list[str]]:
+        """Long format: one row per (method, setting, column)."""
+        out = []
+        for r in self.collect():
+            for c in self.columns():
+                v = r.get(c)
+                mean, std = ("", "") if v is None else (f"{v[0]:.4f}", f"{v[1]:.4f}")
+                wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
+                out.append([self.name, r["method"], r["setting"], c, mean, std, str(r["seeds"]), wall])
+        return out
+
+
+class Bench:
+    def __init__(self, suite: Suite, root: Path | None = None) -> None:
+        self.suite = suite
+        self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
+        self.tables = [Table(n, spec, suite, self.out) for n, spec in suite.tables.items()]
+
+    def cells(self) -> list[tuple[Table, tuple[str, str, int]]]:
+        return [(t, c) for t in self.tables for c in t.cells()]
+
+    def pending(self) -> list[tuple[Table, tuple[str, str, int]]]:
+        return [(t, c) for t, c in self.cells() if not (t.run_dir(*c) / "summary.json").exists()]
+
+    def run(self, max_cells: int | None = None, log=print) -> int:
+        """Run the unfinished cells (at most `max_cells`); returns how many ran."""
+        from pflbed.engine.loop import run as run_one
+
+        todo = self.pending()
+        configs = {(t.name, c): t.cell_config(*c) for t, c in todo}  # validate every cell before running any
+        total, done = len(self.cells()), len(self.cells()) - len(todo)
+        todo = todo[:max_cells] if max_cells is not None else todo
+        for i, (table, cell) in enumerate(todo):
+            setting, method, seed = cell
+            t0 = time.perf_counter()
+            path = table.run_dir(*cell)
+            res = run_one(configs[(table.name, cell)], path, progress=False, resume=path.exists())
+            f, took = res.summary["final"], time.perf_counter() - t0
+            log(f"[{done + i + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: "
+                f"G-FL {_fmt(f.get('gfl_acc'))} P-FL {_fmt(f.get('pfl_acc'))} ({took:.0f} s)")  # fmt: skip
+        return len(todo)
+
+    def markdown(self) -> str:
+        return f"## {self.suite.name}\n\n" + "\n".join(t.markdown() for t in self.tables)
+
     def csv(self) -> str:
-        rows, cols = self.collect(), self.columns()
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["method", "setting", "seeds", *[f"{c} {k}" for c in cols for k in ("mean", "std")], "wall_s"])
-        for r in rows:
-            vals = [x for c in cols for x in (r.get(c) or (None, None))]
-            w.writerow([r["method"], r["setting"], r["seeds"], *["" if v is None else f"{v:.4f}" for v in vals],
-                        "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"])  # fmt: skip
+        w.writerow(["table", "method", "setting", "column", "mean", "std", "seeds", "wall_s"])
+        for t in self.tables:
+            w.writerows(t.csv_rows())
         return buf.getvalue()
 
     def write_tables(self) -> tuple[Path, Path]:

@@ -1,0 +1,143 @@
+"""FedRoD (hyper) — Chen & Chao, "On Bridging Generic and Personalized Federated Learning for Image
+Classification", ICLR 2022: adaptive personalized predictors via a hypernetwork (papers/fedrod-slides.txt,
+"Adaptive Personalized Predictors Via Hypernetworks" and "Algorithm Modification").
+
+Everything generic is FedRoD (linear) — see `fedrod.py` for the balanced-softmax loss, Eq. 7, Eq. 8 and Eq. 10
+and its interpretations 1–3 and 5–7, which hold here unchanged. The personal head is no longer a free parameter
+per client but generated from the client's class distribution a_m:
+
+- φ_m = H^P(a_m; ν), H^P a hypernetwork of two FC layers with parameters ν;
+  ŷ_P = h_G(z; ψ) + h_P(z; H^P(a_m; ν)).
+- Local (modified Eq. 9): ν*_m = argmin_ν L_m({θ, ψ, ν}), initialised with ν̄ (plain CE of ŷ_P, the P-loss).
+- Global (modified Eq. 10): ν̄ = Σ_m |D_m|/|D|·ν*_m, next to θ̄ and ψ̄ (normalised over the sampled clients).
+
+Interpretations and deviations:
+1. H^P = Linear(C, hidden) → ReLU → Linear(hidden, C·d + C), the output reshaped into the weight (C × d) and
+   bias (C) of the linear personal head on the flattened body output (d its size). The slides say "two FC" and
+   give no width: `hidden` defaults to 32.
+2. a_m = the client's training class prior P_m(y) (normalised label counts) — the "class distribution". A new
+   client's a_m is its `ClientData.prior`, the prior of its whole training split even when it adapts on a subset.
+3. Initialisation: the output layer of H^P is all zeros, so every client's generated head starts at zero and
+   ŷ_P = ŷ_G — the same start as the linear variant's zero φ'_m. The first layer has PyTorch's default init,
+   drawn from a stream derived from (seed, INIT) so runs reproduce. (At the first step only the output layer gets
+   gradient; from the second on, both do.)
+4. The P-loss trains ν through the generated weights: the head is regenerated from ν at every step, and the
+   stop-gradients of `fedrod.personal_logits` keep the P-loss off f and h_G (and L^BSM off ν). ν uses SGD with
+   `personal_lr` (default `train.lr`) and `train.momentum` / `train.weight_decay`; restarted every round.
+5. ν is uploaded with θ and ψ and averaged with weights |D_m|; the reply is the model state dict plus `hyper.*`.
+6. Nothing learned is kept per client. The client state holds only a_m (a constant the client knows, never
+   uploaded), because `personal_model(server, state)` has no other way to know whose head to generate.
+7. P-FL model of client m: θ̄, ψ̄ and h_P = H^P(a_m; ν̄) with the aggregated ν̄ (not the client's last local
+   ν*_m), i.e. what the client would generate after the latest aggregation.
+8. New clients: `zero_shot` = θ̄, ψ̄, H^P(a_new; ν̄) with no training. `personalize` starts from that generated
+   head and trains the head's weight and bias directly ("lp": P-loss on frozen, cached features; "ft": θ, ψ and
+   the head with plain CE on ŷ_P, as in the linear variant). ν itself is never adapted by a new client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from pflbed.algorithms.base import Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.fedrod import (
+    FedRoD,
+    FedRoDOptions,
+    decoupled_epochs,
+    personalize_additive,
+    prefixed,
+    unprefixed,
+)
+from pflbed.algorithms.training import get_params, load_params
+from pflbed.engine import rng
+
+HYPER = "hyper."  # server-state prefix of ν
+_INIT_TAG = 1  # keys the hypernetwork's init stream apart from the model's
+
+
+class HyperNetwork(nn.Module):
+    """H^P(a; ν): class distribution a (C) → weight (C × d) and bias (C) of the personal linear head."""
+
+    def __init__(self, num_classes: int, feature_dim: int, hidden: int = 32) -> None:
+        super().__init__()
+        self.num_classes, self.feature_dim = num_classes, feature_dim
+        self.fc1 = nn.Linear(num_classes, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes * feature_dim + num_classes)
+        with torch.no_grad():  # deviation 3: every generated head starts at zero
+            self.fc2.weight.zero_()
+            self.fc2.bias.zero_()
+
+    def forward(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.fc2(F.relu(self.fc1(a.to(self.fc1.weight))))
+        c, d = self.num_classes, self.feature_dim
+        return out[: c * d].view(c, d), out[c * d :]
+
+    def head(self, a: torch.Tensor) -> Tensors:
+        """The generated personal head, detached, as a Linear state dict (`weight`, `bias`)."""
+        with torch.no_grad():
+            w, b = self(a)
+        return {"weight": w.clone(), "bias": b.clone()}
+
+
+class FedRoDHyperOptions(FedRoDOptions):
+    hidden: int = Field(32, ge=1, description="hidden width of the hypernetwork's two FC layers")
+
+
+class FedRoDHyper(FedRoD):
+    name = "fedrod_hyper"
+    Config = FedRoDHyperOptions
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.derive_seed(ctx.seed, rng.INIT, _INIT_TAG))
+            self.hyper = HyperNetwork(ctx.source.num_classes, self.head.in_features, self.opts.hidden)
+        self.hyper_init = get_params(self.hyper)
+
+    def generate(self, server: Tensors, prior: torch.Tensor) -> Tensors:
+        """h_P = H^P(a; ν̄) from the server's ν."""
+        load_params(self.hyper, unprefixed(HYPER, server))
+        return self.hyper.head(prior)
+
+    # --- federation ------------------------------------------------------------------------------------------
+    def init_server(self) -> Tensors:
+        return {**self.ctx.initial_params, **prefixed(HYPER, self.hyper_init)}
+
+    def init_client(self, cid: int) -> Tensors:
+        return {"prior": self.ctx.federation.clients[cid].prior.clone()}  # deviation 6: a_m only
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        net, hyper = self.ctx.model, self.hyper
+        load_params(net, self.model_params(payload))
+        load_params(hyper, unprefixed(HYPER, payload))
+        a = data.prior
+
+        def head(z: torch.Tensor) -> torch.Tensor:
+            w, b = hyper(a)  # regenerated every step: ν changes
+            return F.linear(z.flatten(1), w, b)
+
+        decoupled_epochs(net, head, hyper.parameters(), data, self.ctx.cfg.train, gamma=self.opts.gamma,
+                         personal_lr=self.personal_lr, generator=cctx.generator)  # fmt: skip
+        return {**get_params(net), **prefixed(HYPER, get_params(hyper))}, state
+
+    # aggregate: FedRoD's weighted mean over every uploaded key, ν included (modified Eq. 10)
+
+    # --- evaluation ------------------------------------------------------------------------------------------
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return self.additive(server, self.generate(server, state["prior"]))
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
+        return self.additive(server, self.generate(server, data.prior))
+
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        start = self.generate(server, data.prior)
+        yield from personalize_additive(self.predictor, self.model_params(server), start, data, budget, generator,
+                                        feature_key=("fedrod-body", id(server)))  # fmt: skip

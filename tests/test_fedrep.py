@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+import pflbed
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.fedper import block_params
+from pflbed.algorithms.training import get_params, load_params, local_sgd
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+from pflbed.evaluation.evaluate import last
+
+from .tiny import TINY
+
+
+def make(**opts):
+    return prepare(validate_config({**TINY, "algorithm": {"name": "fedrep", **opts}}))
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def one_update(algo, seed: int = 3):
+    c = algo.ctx.federation.participated[0]
+    server, state0 = algo.init_server(), algo.init_client(c)
+    reply, state = algo.client_update(server, state0, algo.ctx.client_data(c), ClientContext(1, c, gen(seed)))
+    return server, state0, reply, state
+
+
+def test_body_is_shared_head_is_personal():
+    algo = make()
+    m = algo.ctx.model
+    server, state0, reply, state = one_update(algo)
+    assert set(server) == set(reply) == set(m.state_keys(m.body_blocks()))
+    assert set(state0) == set(state) == set(m.state_keys(m.head_blocks()))
+
+
+def test_head_phase_leaves_the_body_unchanged():
+    server, state0, reply, state = one_update(make(head_epochs=1, body_epochs=0))
+    assert all(torch.equal(reply[k], server[k]) for k in server)
+    assert all(not torch.equal(state[k], state0[k]) for k in state0)
+
+
+def test_body_phase_leaves_the_head_unchanged():
+    server, state0, reply, state = one_update(make(head_epochs=0, body_epochs=1))
+    assert all(torch.equal(state[k], state0[k]) for k in state0)
+    assert all(not torch.equal(reply[k], server[k]) for k in server)
+
+
+def test_update_is_head_phase_then_body_phase_with_their_own_lrs():
+    algo = make(head_epochs=2, body_epochs=1, head_lr=0.2, body_lr=0.05)
+    m, t = algo.ctx.model, algo.ctx.cfg.train
+    server, state0, reply, state = one_update(algo, seed=5)
+    data, g = algo.ctx.client_data(algo.ctx.federation.participated[0]), gen(5)
+    load_params(m, {**server, **state0})
+    for blocks, epochs, lr in ((m.head_blocks(), 2, 0.2), (m.body_blocks(), 1, 0.05)):
+        local_sgd(m, data, epochs=epochs, batch_size=t.batch_size, lr=lr, generator=g, params=block_params(m, blocks))
+    ref = get_params(m)
+    assert all(torch.allclose({**reply, **state}[k], ref[k], atol=1e-6) for k in ref)
+
+
+def test_aggregate_is_weighted_mean_of_bodies():
+    algo = make()
+    server = algo.init_server()
+    a = {k: torch.ones_like(v) for k, v in server.items()}
+    b = {k: torch.full_like(v, 5.0) for k, v in server.items()}
+    new = algo.aggregate(1, server, {0: a, 1: b}, {0: 3, 1: 1})
+    assert set(new) == set(server) and all(torch.allclose(v, torch.full_like(v, 2.0)) for v in new.values())
+
+
+@pytest.mark.parametrize("method", ["ft", "lp"])
+def test_new_client_starts_from_server_body_and_a_fresh_head(method):
+    algo = make()
+    m = algo.ctx.model
+    server = {k: v + 0.01 for k, v in algo.init_server().items()}  # a "trained" body
+    data = algo.ctx.client_data(algo.ctx.federation.participated[0])
+    p = last(algo.personalize(server, data, Budget(method, 1, 0.1, 8), gen(0))).params
+    body_same = all(torch.equal(p[k], server[k]) for k in server)
+    assert body_same == (method == "lp")
+    head = m.state_keys(m.head_blocks())
+    assert all(not torch.equal(p[k], algo.ctx.initial_params[k]) for k in head)
+
+
+def test_fedrep_learns_end_to_end_in_strict_mode():
+    res = pflbed.run({**TINY, "algorithm": {"name": "fedrep", "head_epochs": 2}}, write=False, progress=False)
+    f = res.summary["final"]
+    assert f["gfl_acc"] is None and f["pfl_acc"] > 0.3  # 10 classes: chance is 0.1
