@@ -164,6 +164,9 @@ class Algorithm:
     ) -> Iterator[Predictor]:
         """Adapt to one client, yielding its model after each of `budget.epochs` epochs.
 
+        Each yielded predictor must own a snapshot of its parameters: the new-client protocol keeps the best
+        epoch's predictor while later epochs train on.
+
         Default: from the generic model, fine-tune everything (`ft`) or the head only (`lp`). Yielding per epoch
         lets the new-client protocol report both the last epoch and the epoch chosen on validation.
         """

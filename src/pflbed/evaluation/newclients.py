@@ -39,23 +39,25 @@ def subset(data: ClientData, fraction: float, generator: torch.Generator) -> Cli
 
 def run_one(algo: Algorithm, server: Tensors, cid: int, data: ClientData, budget: Budget, gen: torch.Generator,
             P: Predictions) -> dict[str, float]:  # fmt: skip
-    """Personalize one client with one budget; last and best-by-validation scores."""
+    """Personalize one client with one budget; last and best-by-validation scores.
+
+    Validation is scored every epoch; test only twice, for the best-validation model (kept by reference: every
+    epoch yields a fresh parameter snapshot) and for the last one.
+    """
     ctx = algo.ctx
-    best_val, best_test = -1.0, float("nan")
-    val = test = float("nan")
+    best_val, best, last, val = -1.0, None, None, float("nan")
     for pred in algo.personalize(server, data, budget, gen):
         val = client_score(pred, cid, ctx, P, "val")
-        if val > best_val:
-            best_val, best_test = val, client_score(pred, cid, ctx, P, "test")
-            test = best_test
-        else:
-            test = float("nan")  # computed below only if this turns out to be the last epoch
         P.store.clear()  # each epoch is a new model
-        last_pred = pred
-    if test != test:
-        test = client_score(last_pred, cid, ctx, P, "test")
-        P.store.clear()
-    return {"last": test, "best": best_test, "last_val": val, "best_val": best_val}
+        if val > best_val:
+            best_val, best = val, pred
+        last = pred
+    if last is None or best is None:
+        raise ValueError(f"{algo.name}.personalize yielded no model")
+    last_test = client_score(last, cid, ctx, P, "test")
+    best_test = last_test if best is last else client_score(best, cid, ctx, P, "test")
+    P.store.clear()
+    return {"last": last_test, "best": best_test, "last_val": val, "best_val": best_val}
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
