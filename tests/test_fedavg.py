@@ -69,3 +69,18 @@ def test_personalize_lp_changes_only_the_head(method):
     head = set(algo.ctx.model.state_keys(algo.ctx.model.head_blocks()))
     changed = {k for k in res.server if not torch.equal(res.server[k], p.params[k])}
     assert changed == set(res.server) if method == "ft" else changed == head
+
+
+def test_intermediate_evaluations_may_use_a_balanced_test_subsample():
+    from pflbed.evaluation.evaluate import subsampled
+
+    res = pflbed.run({**TINY, "algorithm": {"name": "fedavg"}, "eval": {"every": 1, "finetune": [], "test_subsample": 5}},
+                     write=False)  # fmt: skip
+    assert [h["full_test"] for h in res.history] == [False, False, False, True]
+    ctx = res.executor.algo.ctx
+    view = subsampled(ctx, 5).federation
+    y = ctx.source.test.y[view.global_test]
+    assert (torch.bincount(y, minlength=10) == 5).all() and set(view.global_test.tolist()) <= set(
+        ctx.federation.global_test.tolist()
+    )
+    assert torch.equal(subsampled(ctx, 5).federation.global_test, view.global_test)  # fixed subset

@@ -136,6 +136,9 @@ class EvalConfig(_Strict):
     ft_epochs: int = Field(1, ge=1)
     ft_lr: float = Field(0.01, gt=0)
     batch_size: int = Field(1024, ge=1, description="inference batch size")
+    test_subsample: int | None = Field(
+        None, ge=1, description="intermediate evaluations use at most this many shared-test samples per class"
+    )
     new_clients: NewClientsConfig = Field(default_factory=NewClientsConfig)
 
 

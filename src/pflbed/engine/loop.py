@@ -21,7 +21,7 @@ from pflbed.config import Config
 from pflbed.data import load_source
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
-from pflbed.evaluation.evaluate import evaluate, evaluate_personalized
+from pflbed.evaluation.evaluate import evaluate, evaluate_personalized, subsampled
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.federation import build_federation, sample_clients
 from pflbed.models import build_model
@@ -77,6 +77,7 @@ def run(
         server, history, per_client, first = algo.init_server(), [], {}, 1
         timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
+    quick = subsampled(algo.ctx, cfg.eval.test_subsample)
     with _progress(progress) as bar:
         task = bar.add_task(f"{cfg.algorithm.name} on {cfg.dataset.name}", total=cfg.train.rounds, status="")
         bar.update(task, completed=first - 1)
@@ -91,8 +92,9 @@ def run(
             timing["train_s"] += time.perf_counter() - t0
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 t1 = time.perf_counter()
-                scores, per_client = evaluate(algo, server, executor.state)
-                record = {"round": rnd, **scores, **comm}
+                final = rnd == cfg.train.rounds
+                scores, per_client = evaluate(algo, server, executor.state, None if final else quick)
+                record = {"round": rnd, **scores, **comm, "full_test": final or quick is algo.ctx}
                 history.append(record)
                 if rundir:
                     rundir.log(record)

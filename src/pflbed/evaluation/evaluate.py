@@ -14,6 +14,7 @@ Which P-FL protocol applies:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 
@@ -113,9 +114,37 @@ def summarize(test: dict[int, float], val: dict[int, float], prefix: str = "pfl"
     }
 
 
-def evaluate(algo: Algorithm, server: Tensors, states: Callable[[int], Tensors]) -> tuple[dict, dict[int, float]]:
-    """One evaluation of the participated clients: (G-FL and P-FL figures, P-FL test accuracy per client)."""
-    ctx = algo.ctx
+def subsampled(ctx: Context, per_class: int | None) -> Context:
+    """A view of `ctx` whose shared test sets (global, per domain) keep at most `per_class` samples of each class.
+
+    For intermediate evaluations (DESIGN §6): a fixed, class-balanced subset, the same in every evaluation and
+    every run of the federation; the final evaluation always uses the full sets. Validation data is not touched,
+    so the round selected on validation does not depend on it.
+    """
+    fed = ctx.federation
+    if not per_class:
+        return ctx
+    gen = torch.Generator().manual_seed(0)
+
+    def sub(idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        keep = [idx[y[idx] == c][:per_class] for c in range(fed.num_classes)]
+        return torch.cat(keep).sort().values
+
+    split_y = getattr(ctx.source, fed.global_split).y
+    view = replace(fed, global_test=sub(fed.global_test, split_y),
+                   domain_test=[sub(t, ctx.source.train.y) for t in fed.domain_test])  # fmt: skip
+    return replace(ctx, federation=view)
+
+
+def evaluate(
+    algo: Algorithm, server: Tensors, states: Callable[[int], Tensors], ctx: Context | None = None
+) -> tuple[dict, dict[int, float]]:
+    """One evaluation of the participated clients: (G-FL and P-FL figures, P-FL test accuracy per client).
+
+    `ctx` may be a `subsampled` view of the algorithm's context (cheaper intermediate evaluations).
+    """
+    ctx = ctx or algo.ctx
     fed = ctx.federation
     P = Predictions(ctx.source, ctx.cfg.eval.batch_size)
     out: dict = {"gfl_acc": None, "gfl_val": None}
