@@ -74,8 +74,8 @@ def test_personalize_lp_changes_only_the_head(method):
 def test_intermediate_evaluations_may_use_a_balanced_test_subsample():
     from pflbed.evaluation.evaluate import subsampled
 
-    res = pflbed.run({**TINY, "algorithm": {"name": "fedavg"}, "eval": {"every": 1, "finetune": [], "test_subsample": 5}},
-                     write=False)  # fmt: skip
+    evaluation = {"every": 1, "finetune": [], "test_subsample": 5}
+    res = pflbed.run({**TINY, "algorithm": {"name": "fedavg"}, "eval": evaluation}, write=False)
     assert [h["full_test"] for h in res.history] == [False, False, False, True]
     ctx = res.executor.algo.ctx
     view = subsampled(ctx, 5).federation
