@@ -1,0 +1,138 @@
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pflbed
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.fedrod import balanced_softmax_loss, personal_loss
+from pflbed.algorithms.fedrod_hyper import HyperNetwork
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+from pflbed.evaluation.evaluate import last
+from pflbed.models import build_model
+
+from .tiny import TINY
+
+WITH_NEW = {
+    **TINY,
+    "federation": {**TINY["federation"], "new_clients": 2},
+    "eval": {**TINY["eval"], "new_clients": {"epochs": 1, "lrs": [0.05]}},
+}
+
+
+def _algo(name="fedrod_hyper", **options):
+    return prepare(validate_config({**TINY, "algorithm": {"name": name, **options}}))
+
+
+def _random_hyper(num_classes, d, hidden, seed=0):
+    torch.manual_seed(seed)
+    hyper = HyperNetwork(num_classes, d, hidden)
+    torch.nn.init.normal_(hyper.fc2.weight)  # the zero-initialised output layer, made non-trivial
+    return hyper
+
+
+def test_generated_head_has_the_head_shapes_and_depends_on_the_prior():
+    hyper = HyperNetwork(3, 5, 4)
+    w, b = hyper(torch.tensor([0.2, 0.3, 0.5]))
+    assert w.shape == (3, 5) and b.shape == (3,)
+    assert not w.any() and not b.any()  # zero output layer: every client starts at ŷ_P = ŷ_G
+    hyper = _random_hyper(3, 5, 4)
+    h1, h2 = hyper.head(torch.tensor([0.8, 0.1, 0.1])), hyper.head(torch.tensor([0.1, 0.1, 0.8]))
+    assert h1["weight"].shape == (3, 5) and h1["bias"].shape == (3,)
+    assert not torch.allclose(h1["weight"], h2["weight"])
+
+
+def test_p_loss_trains_the_hypernetwork_not_the_body_or_generic_head():
+    torch.manual_seed(0)
+    net = build_model("mlp", (4,), 3)
+    hyper = _random_hyper(3, 200, 8)
+    x, y, a = torch.randn(5, 4), torch.tensor([0, 1, 2, 1, 0]), torch.tensor([0.5, 0.3, 0.2])
+
+    def head(z):
+        w, b = hyper(a)
+        return F.linear(z, w, b)
+
+    z = net.features(x)
+    g = net.classify(z)
+    personal_loss(g, z, y, head).backward(retain_graph=True)
+    assert all(p.grad is None or not p.grad.any() for p in net.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in hyper.parameters())
+    hyper.zero_grad(set_to_none=True)
+    balanced_softmax_loss(g, y, torch.tensor([5.0, 3.0, 2.0])).backward()
+    assert all(p.grad is None for p in hyper.parameters())
+
+
+def test_nu_is_uploaded_and_aggregated_and_the_generic_part_is_fedrods():
+    algo = _algo()
+    server = algo.init_server()
+    model_keys = set(algo.ctx.model.state_dict())
+    hyper_keys = {k for k in server if k.startswith("hyper.")}
+    assert hyper_keys and set(server) == model_keys | hyper_keys
+    linear = _algo("fedrod")
+    replies = {}
+    for i, c in enumerate(algo.ctx.federation.participated[:2]):
+        state = algo.init_client(c)
+        data = algo.ctx.client_data(c)
+        assert set(state) == {"prior"} and torch.equal(state["prior"], data.prior)
+        replies[c], new_state = algo.client_update(
+            server, state, data, ClientContext(1, c, torch.Generator().manual_seed(i))
+        )
+        assert set(replies[c]) == set(server) and new_state is state  # nothing learned is kept on the client
+        assert replies[c]["hyper.fc2.weight"].abs().sum() > 0  # ν moved (the P-loss trained it)
+        # f and h_G follow exactly the linear variant's training (BSM only, same batches)
+        ref, _ = linear.client_update(
+            linear.init_server(), linear.init_client(c), data, ClientContext(1, c, torch.Generator().manual_seed(i))
+        )
+        for k in model_keys:
+            assert torch.allclose(replies[c][k], ref[k], atol=1e-6), k
+    a, b = replies
+    out = algo.aggregate(1, server, replies, {a: 2, b: 1})
+    assert set(out) == set(server)
+    for k in out:
+        assert torch.allclose(out[k], (2 * replies[a][k] + replies[b][k]) / 3, atol=1e-6), k
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return pflbed.run({**WITH_NEW, "algorithm": {"name": "fedrod_hyper", "hidden": 16}}, write=False)
+
+
+def test_fedrod_hyper_learns_end_to_end_in_strict_mode(e2e):
+    f = e2e.summary["final"]
+    assert f["gfl_acc"] > 0.3 and f["pfl_acc"] > 0.3  # 10 balanced classes: chance is 0.1
+    nc = e2e.summary["new_clients"]
+    assert nc["clients"] == 2 and nc["zero_shot"]["acc"] > 0.2
+    for method in ("ft", "lp"):
+        assert all(size["last"] > 0.2 for size in nc["methods"][method].values())
+    assert e2e.server["hyper.fc1.weight"].shape == (16, 10)
+
+
+def test_zero_shot_generates_the_head_from_the_new_clients_prior(e2e):
+    algo = e2e.executor.algo
+    c = algo.ctx.federation.new[0]
+    data = algo.ctx.client_data(c)
+    flipped = replace(data, prior=data.prior.flip(0))
+    p1, p2 = algo.zero_shot(e2e.server, data), algo.zero_shot(e2e.server, flipped)
+    assert not torch.allclose(p1.params["personal.weight"], p2.params["personal.weight"])
+    x = algo.ctx.source.test.x[:200]
+    assert not torch.equal(p1.logits(x), p2.logits(x))
+    # participated clients: ŷ_G + H(a_m; ν̄) — the same generation from the client's stored prior
+    m = algo.ctx.federation.participated[0]
+    pm = algo.personal_model(e2e.server, e2e.executor.states[m])
+    assert torch.equal(
+        pm.params["personal.weight"], algo.zero_shot(e2e.server, algo.ctx.client_data(m)).params["personal.weight"]
+    )
+
+
+@pytest.mark.parametrize("method", ["ft", "lp"])
+def test_personalize_starts_from_the_generated_head(e2e, method):
+    algo = e2e.executor.algo
+    data = algo.ctx.client_data(algo.ctx.federation.new[0])
+    start = algo.zero_shot(e2e.server, data).params
+    p = last(algo.personalize(e2e.server, data, Budget(method, 1, 0.05, 8), torch.Generator()))
+    changed = {k for k in start if not torch.equal(start[k], p.params[k])}
+    assert {"personal.weight", "personal.bias"} <= changed
+    assert all(k.startswith("personal.") for k in changed) == (method == "lp")
+    assert not any(k.startswith("hyper.") for k in p.params)
