@@ -42,7 +42,9 @@ Interpretations and deviations (everything the slides leave open):
    with the P-loss on frozen f and h_G (features computed once, in eval mode); "ft" trains θ, ψ and φ together
    with plain CE on ŷ_P = h_G(z) + h_P(z) without stop-gradients — a new client minimises its own empirical risk,
    the objective of its personal model; the balanced risk is a federation-level objective. Both use the budget's
-   lr and momentum and no weight decay, like the library's default personalization.
+   lr and momentum and no weight decay, like the library's default personalization. `eval.finetune` (FedRoD+FT/LP
+   of participated clients) goes through the same `personalize`, which sees no client state: it also starts from
+   φ = 0, not from the client's trained φ*_m.
 """
 
 from __future__ import annotations

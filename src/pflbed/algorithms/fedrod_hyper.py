@@ -32,6 +32,7 @@ Interpretations and deviations:
 8. New clients: `zero_shot` = θ̄, ψ̄, H^P(a_new; ν̄) with no training. `personalize` starts from that generated
    head and trains the head's weight and bias directly ("lp": P-loss on frozen, cached features; "ft": θ, ψ and
    the head with plain CE on ŷ_P, as in the linear variant). ν itself is never adapted by a new client.
+   `eval.finetune` (participated clients) likewise starts from H^P(a_m; ν̄).
 """
 
 from __future__ import annotations
