@@ -88,7 +88,11 @@ def load_suite(path: str | Path) -> Suite:
 
 
 def _slug(s: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in s) or "default"
+    """A directory name for a setting or method label: `Dir(0.3)` → `Dir-0.3`, `FedRoD (hyper)` → `FedRoD-hyper`."""
+    out = "".join(c if c.isalnum() or c in "_.+=" else "-" for c in s)
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out.strip("-") or "default"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -121,10 +125,10 @@ class Table:
         return self.out / "runs" / _slug(self.name) / _slug(setting) / _slug(method) / f"seed{seed}"
 
     def cells(self) -> list[tuple[str, str, int]]:
-        """Cells with their own runs, in table order."""
+        """Cells with their own runs, seed-major: a partly run suite already has whole tables for its first seeds."""
         s = self.spec
-        return [(st, m, seed) for st in s.settings for m, spec in s.methods.items() if spec.same_as is None
-                for seed in self.seeds]  # fmt: skip
+        return [(st, m, seed) for seed in self.seeds for st in s.settings for m, spec in s.methods.items()
+                if spec.same_as is None]  # fmt: skip
 
     def collect(self) -> list[dict[str, Any]]:
         """One row per (method, setting): mean and std over the seeds that finished, per report column."""
