@@ -3,7 +3,7 @@ import torch
 
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedper import block_params
+from pflbed.algorithms.partial import block_params
 from pflbed.algorithms.training import get_params, load_params, local_sgd
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare

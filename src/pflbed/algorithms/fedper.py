@@ -29,154 +29,18 @@ Interpretations and deviations:
   (a true linear probe when K_P is the classifier).
 - Momentum (if configured) restarts every round and every phase: the paper uses plain SGD.
 
-Shared helpers for the partial-model methods (FedRep, LG-FedAvg, FedBABU import them from here):
-`block_params`, `frozen`, `train_blocks`, `run_blocks`, `personalize_blocks`, `blocks_for` and `subset`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Iterator
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.training import finetune_epochs, get_params, load_params, local_sgd, sgd_epochs, weighted_mean
-from pflbed.config import TrainConfig
-from pflbed.errors import ConfigError
-from pflbed.models import BlockNet
-
-# --- shared helpers for methods that train or share parts of a BlockNet -----------------------------------------
-
-
-def block_params(model: BlockNet, blocks: Iterable[str]) -> list[nn.Parameter]:
-    """The parameters of the given blocks, found through the module tree (never by parameter-name matching)."""
-    return [p for b in blocks for p in model.blocks[b].parameters()]
-
-
-@contextmanager
-def frozen(model: BlockNet, blocks: Iterable[str]) -> Iterator[None]:
-    """Turn off gradients of the given blocks' parameters for the duration.
-
-    Freezing is already guaranteed by giving the optimizer only the trainable parameters; this also saves the
-    backward pass into frozen blocks (a head-only phase then never backpropagates through the body), and leaves no
-    stale `.grad` on parameters nobody steps. Restored on exit, so the shared model object stays trainable.
-    """
-    params = block_params(model, blocks)
-    before = [p.requires_grad for p in params]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, rg in zip(params, before, strict=True):
-            p.requires_grad_(rg)
-
-
-def train_blocks(
-    model: BlockNet,
-    data: ClientData,
-    blocks: Sequence[str],
-    *,
-    epochs: int,
-    lr: float,
-    train: TrainConfig,
-    generator: torch.Generator,
-) -> float:
-    """Local SGD (batch size, momentum, weight decay from `train`) updating only `blocks`; the others are frozen.
-
-    The model is used as loaded (call `load_params` first) and the forward is the full model in train mode, as in
-    the papers (a frozen block's output still depends on the current input). Returns the mean training loss;
-    zero epochs is a no-op that draws nothing from the generator.
-    """
-    others = [b for b in model.block_names() if b not in set(blocks)]
-    with frozen(model, others):
-        return local_sgd(
-            model,
-            data,
-            epochs=epochs,
-            batch_size=train.batch_size,
-            lr=lr,
-            momentum=train.momentum,
-            weight_decay=train.weight_decay,
-            params=block_params(model, blocks),
-            generator=generator,
-        )
-
-
-def run_blocks(model: BlockNet, blocks: Iterable[str], x: torch.Tensor) -> torch.Tensor:
-    """Forward `x` through the given blocks in order (a contiguous slice of the model)."""
-    for b in blocks:
-        x = model.blocks[b](x)
-    return x
-
-
-def personalize_blocks(
-    model: BlockNet,
-    start: Tensors,
-    data: ClientData,
-    budget: Budget,
-    generator: torch.Generator,
-    blocks: Sequence[str],
-) -> Iterator[Predictor]:
-    """Adapt from `start` training only `blocks` (all others frozen), yielding the full model after each epoch.
-
-    - every block: plain fine-tuning (`finetune_epochs` "ft");
-    - exactly the head blocks: the library's linear probe (`finetune_epochs` "lp": body features cached once in
-      eval mode, head trained on them; evaluation then shares the body's features across clients);
-    - a top slice of several blocks (FedPer with K_P > 1): the same idea one cut lower — the frozen lower blocks'
-      outputs are computed once in eval mode and only the top slice is trained on them;
-    - any other set (e.g. LG-FedAvg's lower, local blocks under a frozen global top): full forward in train mode,
-      the frozen blocks without gradients, one epoch at a time so the model is never left frozen between yields.
-    """
-    names = model.block_names()
-    blocks = [b for b in names if b in set(blocks)]  # model order
-    if not blocks:
-        raise ValueError("personalization must train at least one block")
-    if blocks == names:
-        yield from finetune_epochs(model, start, data, replace(budget, method="ft"), generator)
-        return
-    if blocks == model.head_blocks():
-        yield from finetune_epochs(model, start, data, replace(budget, method="lp"), generator)
-        return
-    load_params(model, start)
-    kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
-              generator=generator, params=block_params(model, blocks))  # fmt: skip
-    if blocks == model.top_blocks(len(blocks)):
-        lower = names[: len(names) - len(blocks)]
-        model.eval()
-        with torch.no_grad():
-            feats = run_blocks(model, lower, data.x[data.train])
-        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats)), data.val[:0], data.prior)
-        for _ in sgd_epochs(model, on_feats, forward=lambda z: run_blocks(model, blocks, z), **kw):
-            yield Predictor(model, get_params(model))
-        return
-    epochs = sgd_epochs(model, data, **kw)  # one optimizer for all epochs (momentum carries over)
-    others = [b for b in names if b not in set(blocks)]
-    for _ in range(budget.epochs):
-        with frozen(model, others):
-            next(epochs)
-        yield Predictor(model, get_params(model))
-
-
-def subset(params: Tensors, keys: Iterable[str]) -> Tensors:
-    """The entries of `params` under `keys` (the same tensors, not copies)."""
-    return {k: params[k] for k in keys}
-
-
-def blocks_for(budget: Budget, model: BlockNet, *, lp: Sequence[str], ft: Sequence[str] | None = None) -> list[str]:
-    """The blocks a personalization budget trains: `ft` (default: all) or `lp`."""
-    if budget.method == "ft":
-        return list(ft if ft is not None else model.block_names())
-    if budget.method == "lp":
-        return list(lp)
-    raise ValueError(f"unknown personalization method {budget.method!r}")
-
-
-# --- FedPer ------------------------------------------------------------------------------------------------------
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset, train_blocks
+from pflbed.algorithms.training import get_params, load_params, weighted_mean
 
 
 class FedPerOptions(BaseModel):
@@ -195,14 +59,8 @@ class FedPer(Algorithm):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        m, k = ctx.model, self.opts.personal_blocks
-        if k >= len(m.block_names()):
-            raise ConfigError(
-                f"algorithm.personal_blocks: the model has {len(m.block_names())} blocks and at least one must stay "
-                f"in the shared base (got {k})"
-            )
-        self.personal = m.top_blocks(k)
-        self.base = [b for b in m.block_names() if b not in self.personal]
+        m = ctx.model
+        self.personal, self.base = split_top(m, self.opts.personal_blocks, "personal_blocks")
         self.personal_keys = m.state_keys(self.personal)
         self.base_keys = m.state_keys(self.base)
 

@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.fedper import blocks_for, personalize_blocks, subset, train_blocks
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset, train_blocks
 from pflbed.algorithms.training import get_params, load_params, weighted_mean
 
 

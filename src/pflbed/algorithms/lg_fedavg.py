@@ -46,9 +46,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.fedper import blocks_for, personalize_blocks, subset, train_blocks
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset, train_blocks
 from pflbed.algorithms.training import get_params, load_params, weighted_mean
-from pflbed.errors import ConfigError
 
 
 class LGFedAvgOptions(BaseModel):
@@ -67,14 +66,8 @@ class LGFedAvg(Algorithm):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        m, k = ctx.model, self.opts.global_blocks
-        if k >= len(m.block_names()):
-            raise ConfigError(
-                f"algorithm.global_blocks: the model has {len(m.block_names())} blocks and at least one must stay "
-                f"local (got {k})"
-            )
-        self.global_ = m.top_blocks(k)
-        self.local = [b for b in m.block_names() if b not in self.global_]
+        m = ctx.model
+        self.global_, self.local = split_top(m, self.opts.global_blocks, "global_blocks")
         self.global_keys, self.local_keys = m.state_keys(self.global_), m.state_keys(self.local)
 
     def init_server(self) -> Tensors:
