@@ -259,8 +259,13 @@ class FedRoD(Algorithm):
         return {k: torch.zeros_like(v) for k, v in self.head.state_dict().items()}
 
     def additive(self, server: Tensors, head: Tensors) -> Predictor:
-        """θ̄, ψ̄ + a personal head (keys `weight`, `bias`) as one predictor."""
-        return Predictor(self.predictor, {**prefixed(NET, self.model_params(server)), **prefixed(PERSONAL, head)})
+        """θ̄, ψ̄ + a personal head (keys `weight`, `bias`) as one predictor.
+
+        Every client's body is the server's f, so evaluation computes its features once (`feature_key`) and runs
+        only h_G + h_P per client.
+        """
+        params = {**prefixed(NET, self.model_params(server)), **prefixed(PERSONAL, head)}
+        return Predictor(self.predictor, params, feature_key=("fedrod-body", id(server)))
 
     # --- federation ------------------------------------------------------------------------------------------
     def init_server(self) -> Tensors:
