@@ -40,6 +40,17 @@ class CountingAlgo(Algorithm):
     def personal_model(self, server, state):
         return Predictor(self.ctx.model, self.ctx.initial_params)
 
+    def diagnostics(self, rnd, server, state_of):
+        return {
+            "total": float(server["total"]),
+            "visits0": int(state_of(self.ctx.federation.participated[0])["visits"]),
+        }
+
+    def artifacts(self, server, state_of, out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "total.txt").write_text(str(float(server["total"])))
+        return {"total": "total.txt"}
+
 
 class LeakyAlgo(CountingAlgo):
     """Returns a Python object in its reply: must fail in strict mode."""
@@ -94,3 +105,14 @@ def test_wire_roundtrip_copies():
     back = wire.roundtrip(t)
     assert torch.equal(back["w"], t["w"]) and back["w"].data_ptr() != t["w"].data_ptr()
     assert wire.num_bytes(t) == 4 * 4
+
+
+def test_diagnostics_are_logged_and_artifacts_written(tmp_path):
+    import json
+
+    res = pflbed.run({**TINY, "algorithm": {"name": "toy-counting"}}, out=tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["diag"]["total"] for x in lines] == [h["diag"]["total"] for h in res.history]
+    assert lines[-1]["diag"]["total"] == float(res.server["total"])
+    assert res.summary["artifacts"] == {"total": "plots/total.txt"}
+    assert (tmp_path / "run" / "plots" / "total.txt").read_text() == str(float(res.server["total"]))

@@ -9,9 +9,10 @@ a result.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -176,6 +177,18 @@ class Algorithm:
         if generic is None:
             raise NotImplementedError(f"{self.name} has no generic model to personalize from")
         yield from finetune_epochs(self.ctx.model, generic.params, data, budget, generator)
+
+    # --- diagnostics -----------------------------------------------------------------------------------------
+    def diagnostics(self, rnd: int, server: Tensors, state_of: Callable[[int], Tensors]) -> dict[str, Any]:
+        """Method-specific figures logged with every evaluation under `diag` in metrics.jsonl (JSON values).
+
+        E.g. mask sizes, basis similarity, coefficient entropy. Default: none.
+        """
+        return {}
+
+    def artifacts(self, server: Tensors, state_of: Callable[[int], Tensors], out_dir: Path) -> dict[str, str]:
+        """Write method-specific end-of-run files (plots, matrices) into `out_dir`; return {name: file name}."""
+        return {}
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
         """A new client's model with no adaptation (None where the method has none). Default: the generic model."""

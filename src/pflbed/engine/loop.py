@@ -95,6 +95,9 @@ def run(
                 final = rnd == cfg.train.rounds
                 scores, per_client = evaluate(algo, server, executor.state, None if final else quick)
                 record = {"round": rnd, **scores, **comm, "full_test": final or quick is algo.ctx}
+                diag = algo.diagnostics(rnd, server, executor.state)
+                if diag:
+                    record["diag"] = diag
                 history.append(record)
                 if rundir:
                     rundir.log(record)
@@ -120,6 +123,10 @@ def run(
     timing["s_per_round"] = timing["train_s"] / cfg.train.rounds
     timing = {k: round(v, 4) for k, v in timing.items()}
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
+    if rundir:
+        files = algo.artifacts(server, executor.state, rundir.path / "plots")
+        if files:
+            summary["artifacts"] = {k: f"plots/{v}" for k, v in files.items()}
     if rundir:
         rundir.write_summary(summary)
     return RunResult(summary, history, rundir.path if rundir else None, server, executor)
