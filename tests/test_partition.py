@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from pflbed.config import FederationConfig
 from pflbed.data.synthetic import make_synthetic
@@ -116,3 +117,14 @@ def test_sampling_stream_is_fixed_per_seed_and_round():
     assert sample_clients(0, 5, part, 0.2) != sample_clients(0, 6, part, 0.2)
     s = sample_clients(1, 1, part, 0.2)
     assert len(s) == round(0.2 * len(part)) and set(s) <= set(part)
+
+
+def test_train_per_client_caps_only_the_training_split():
+    src = make_synthetic(n_train=2000, n_test=200, seed=2)
+    full = build_federation(src, FederationConfig(clients=5, partition="iid"), 0, use_disk_cache=False)
+    capped = build_federation(src, FederationConfig(clients=5, partition="iid", train_per_client=30), 0,
+                              use_disk_cache=False)  # fmt: skip
+    assert full.key != capped.key
+    for a, b in zip(full.clients, capped.clients, strict=True):
+        assert len(b.train) == 30 and set(b.train.tolist()) <= set(a.train.tolist())
+        assert torch.equal(a.test, b.test) and torch.equal(a.val, b.val)

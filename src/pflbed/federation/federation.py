@@ -31,6 +31,7 @@ _PARTITION_KEYS = (
     "min_size",
     "new_clients",
     "val_fraction",
+    "train_per_client",
     "test_fraction",
 )
 _FORMAT = 2
@@ -109,6 +110,10 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
     clients = []
     for cid, part in enumerate(parts):
         tr, va, te = partition.split_local(part, labels, cfg.val_fraction, cfg.test_fraction, rng)
+        if cfg.train_per_client is not None and len(tr) > cfg.train_per_client:
+            # own stream per client: capping never changes any other client's split; val/test keep their mix
+            cap_rng = np.random.default_rng([seed, 0xCA9, cid])
+            tr = np.sort(cap_rng.choice(tr, cfg.train_per_client, replace=False))
         if len(tr) == 0:
             raise DataError(f"federation: client {cid} has no training samples; lower federation.clients")
         clients.append(_client(tr, va, te, labels, source.num_classes))
