@@ -69,3 +69,13 @@ def test_bad_suites_are_one_line_errors(tmp_path, capsys):
     assert main(["bench", "-c", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "train.epochs: unknown key" in err and "X" in err
+
+
+def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):
+    assert main(["bench", "-c", str(suite_file), "--max-cells", "1"]) == 0
+    tree = yaml.safe_load(suite_file.read_text())
+    tree["base"]["train"]["lr"] = 0.2
+    suite_file.write_text(yaml.safe_dump(tree))
+    assert main(["bench", "-c", str(suite_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "another version of the suite" in err

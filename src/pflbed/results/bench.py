@@ -34,7 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
-from pflbed.errors import ConfigError
+from pflbed.errors import ConfigError, PflbedError
 
 
 class MethodSpec(BaseModel):
@@ -198,10 +198,25 @@ class Bench:
     def pending(self) -> list[tuple[Table, tuple[str, str, int]]]:
         return [(t, c) for t, c in self.cells() if not (t.run_dir(*c) / "summary.json").exists()]
 
+    def stale(self) -> list[Path]:
+        """Run directories whose recorded config no longer matches the suite (the suite was edited)."""
+        from pflbed.results.rundir import config_text
+
+        out = []
+        for t, c in self.cells():
+            saved = t.run_dir(*c) / "config.yaml"
+            if saved.exists() and saved.read_text() != config_text(t.cell_config(*c)):
+                out.append(saved.parent)
+        return out
+
     def run(self, max_cells: int | None = None, log=print) -> int:
         """Run the unfinished cells (at most `max_cells`); returns how many ran."""
         from pflbed.engine.loop import run as run_one
 
+        stale = self.stale()
+        if stale:
+            raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
+                              "delete them (or restore the suite) and re-run")  # fmt: skip
         todo = self.pending()
         configs = {(t.name, c): t.cell_config(*c) for t, c in todo}  # validate every cell before running any
         total, done = len(self.cells()), len(self.cells()) - len(todo)
