@@ -127,7 +127,6 @@ def run(
         files = algo.artifacts(server, executor.state, rundir.path / "plots")
         if files:
             summary["artifacts"] = {k: f"plots/{v}" for k, v in files.items()}
-    if rundir:
         rundir.write_summary(summary)
     return RunResult(summary, history, rundir.path if rundir else None, server, executor)
 
