@@ -1,0 +1,158 @@
+"""Entry-level binary masks: packing for the wire, count-masked averaging, top-p growth, overlap (IoU).
+
+Shared pieces for methods that personalize individual *entries* of a tensor rather than whole layers (FedSelect).
+Only functions live here: `pflbed.algorithms` imports every module of the package to register algorithms, so this
+module must import cleanly and define no `Algorithm`.
+
+Conventions: a mask is a bool tensor shaped like its parameter, True = personal (kept on the client), False =
+global (shared with the server). On the wire a mask travels as bits (`pack_bits`, 1/8 byte per entry, the layout of
+`numpy.packbits`: big-endian bit order, zero padding) and a masked tensor as the flat vector of its selected entries
+in row-major order (`take`), so that what crosses the network — and what the engine counts as communication — is
+exactly the shared entries plus one bit per entry, and shrinks as masks grow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+Selection = Literal["largest", "smallest", "random"]
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+# --- wire format -------------------------------------------------------------------------------------------------
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor (any shape) as a flat uint8 tensor of ceil(n/8) bytes, identical to `numpy.packbits`.
+
+    Done in torch (no numpy round trip) so it works on any device; the shape is not stored — both ends know it
+    from the model.
+    """
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bits: torch.Tensor, shape: Sequence[int] | torch.Size) -> torch.Tensor:
+    """Inverse of `pack_bits`: the bool tensor of `shape` (padding bits dropped)."""
+    n = math.prod(shape)
+    if bits.dtype != torch.uint8 or bits.numel() != (n + 7) // 8:
+        raise ValueError(f"packed mask of {bits.numel()} {bits.dtype} bytes does not fit shape {tuple(shape)}")
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)
+    flat = (bits.reshape(-1, 1) >> shifts) & 1
+    return flat.reshape(-1)[:n].to(torch.bool).reshape(tuple(shape))
+
+
+def take(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """The entries of `values` where `where` is True, as a new flat (row-major) vector — what goes on the wire."""
+    return values[where].clone()
+
+
+def fill(where: torch.Tensor, inside: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like `where` holding the flat `inside` at True entries and `outside` at False entries.
+
+    `outside` may also be a full tensor of that shape (only its False entries are used). Sizes are checked, so a
+    mask that disagrees with the values it is meant to place fails loudly instead of scrambling parameters.
+    """
+    n_in = int(where.sum())
+    if inside.numel() != n_in:
+        raise ValueError(f"{inside.numel()} values for {n_in} selected entries")
+    if outside.shape == where.shape:
+        out = outside.clone()
+    else:
+        if outside.numel() != where.numel() - n_in:
+            raise ValueError(f"{outside.numel()} values for {where.numel() - n_in} unselected entries")
+        out = torch.empty(where.shape, dtype=inside.dtype, device=inside.device)
+        out[~where] = outside.reshape(-1)
+    out[where] = inside.reshape(-1)
+    return out
+
+
+# --- aggregation -------------------------------------------------------------------------------------------------
+def masked_mean(old: torch.Tensor, values: Sequence[torch.Tensor], shared: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per entry, the uniform mean of `values[i]` over the i whose `shared[i]` is True; `old` where none shares.
+
+    FedSelect's server rule (Alg. 1: a sum and a count tensor ω, divided where ω ≠ 0). Uniform because a client
+    contributes to an entry only while that entry is global for it — the paper weighs every contributing client
+    equally, not by |D_m|. An entry every replying client keeps personal has no fresh value, so the server keeps the
+    last one it had (what a client whose entry is still global, or a new client, then receives).
+    """
+    if len(values) != len(shared):
+        raise ValueError("one sharing mask per value tensor")
+    total = torch.zeros_like(old)
+    count = torch.zeros(old.shape, dtype=old.dtype, device=old.device)
+    for v, s in zip(values, shared, strict=True):
+        total += torch.where(s, v, torch.zeros((), dtype=v.dtype))
+        count += s
+    return torch.where(count > 0, total / count.clamp(min=1), old)
+
+
+# --- selection ---------------------------------------------------------------------------------------------------
+def grow_mask(
+    mask: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    rate: float,
+    limit: float,
+    selection: Selection = "largest",
+    cap: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """GradSelect's mask update for one tensor (Alg. 3): mark `rate` of the still-global entries personal.
+
+    - A tensor whose personal fraction has reached `limit` (α) stops growing. The check comes before the growth, as
+      in Alg. 3 ("if sparsity < α then grow") and the official code, so the last step may overshoot α — unless
+      `cap`, which trims that step to ⌊α·n⌋ personal entries in all.
+    - The number of new entries is ⌊rate·n_global + ½⌋ (round half up), chosen among global entries only, so masks
+      only grow (Idx(v⁰) ⊆ Idx(v¹) ⊆ …).
+    - `largest`: the entries that changed most (|Δ|, the paper's hypothesis); `smallest`: least changed (Table 3's
+      "Personalize Least"); `random`: uniformly at random from `generator` (Table 3's "Random").
+    Returns a new mask; the input is not modified.
+    """
+    n = mask.numel()
+    n_personal = int(mask.sum())
+    if n == 0 or n_personal >= limit * n - 1e-9:
+        return mask.clone()
+    candidates = (~mask).reshape(-1).nonzero().squeeze(1)
+    k = math.floor(rate * candidates.numel() + 0.5)
+    if cap:
+        k = min(k, math.floor(limit * n + 1e-9) - n_personal)
+    out = mask.clone().reshape(-1)
+    if k <= 0:
+        return out.reshape(mask.shape)
+    if selection == "random":
+        score = torch.rand(candidates.numel(), generator=generator)
+    else:
+        d = delta.reshape(-1)[candidates].abs()
+        score = d if selection == "largest" else -d
+    chosen = candidates[torch.topk(score, k, sorted=False).indices]
+    out[chosen] = True
+    return out.reshape(mask.shape)
+
+
+# --- overlap -----------------------------------------------------------------------------------------------------
+def iou(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a ∧ b| / |a ∨ b| of two masks; NaN when both are empty (no personal entry to compare)."""
+    union = int((a | b).sum())
+    return float("nan") if union == 0 else int((a & b).sum()) / union
+
+
+def iou_matrix(masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Pairwise IoU of flat masks (paper Fig. 4), as a float64 matrix; NaN where both masks are empty."""
+    if not masks:
+        return torch.zeros(0, 0, dtype=torch.float64)
+    m = torch.stack([x.reshape(-1) for x in masks]).to(torch.float64)
+    inter = m @ m.T
+    sizes = m.sum(1)
+    union = sizes[:, None] + sizes[None, :] - inter
+    return torch.where(union > 0, inter / union.clamp(min=1), torch.full_like(inter, float("nan")))
+
+
+def personal_fraction(mask: torch.Tensor) -> float:
+    """Share of a mask's entries that are personal."""
+    return float(mask.sum()) / max(mask.numel(), 1)

@@ -1,0 +1,288 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pflbed
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions, MaskedPhase, eligible_keys
+from pflbed.algorithms.local import LocalOnly
+from pflbed.algorithms.masks import (
+    fill,
+    grow_mask,
+    iou_matrix,
+    masked_mean,
+    pack_bits,
+    take,
+    unpack_bits,
+)
+from pflbed.config import validate_config
+from pflbed.engine import rng, wire
+from pflbed.engine.executor import LoopExecutor
+from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
+from pflbed.evaluation.evaluate import last
+from pflbed.federation import sample_clients
+
+from .tiny import TINY
+
+FULL = {**TINY["federation"], "sample_fraction": 1.0}
+
+
+def drive(options: dict, rounds: int, **sections):
+    """Run the round loop by hand (strict executor) and keep every round's payloads, replies, server and states."""
+    cfg = validate_config({**TINY, **sections, "algorithm": {"name": "fedselect", **options}})
+    algo = prepare(cfg)
+    ex = LoopExecutor(algo, strict=True)
+    fed = algo.ctx.federation
+    server, history = algo.init_server(), []
+    for rnd in range(1, rounds + 1):
+        cids = sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction)
+        payloads = algo.configure(rnd, server, cids)
+        replies = ex.run(rnd, payloads)
+        server = algo.aggregate(rnd, server, replies, {c: fed.num_train(c) for c in cids})
+        history.append({"payloads": payloads, "replies": replies, "server": server, "states": dict(ex.states)})
+    return algo, history
+
+
+def masks_of(algo: FedSelect, state: dict) -> dict[str, torch.Tensor]:
+    return {k: algo._mask(state, f"mask/{k}", k) for k in algo.eligible}
+
+
+# --- mask utilities ----------------------------------------------------------------------------------------------
+def test_wire_packing_matches_numpy_and_round_trips():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1,), (7,), (8,), (3, 5), (2, 3, 4)]:
+        m = torch.rand(shape, generator=g) > 0.5
+        bits = pack_bits(m)
+        assert bits.dtype == torch.uint8 and bits.numel() == math.ceil(m.numel() / 8)
+        assert np.array_equal(bits.numpy(), np.packbits(m.numpy().reshape(-1)))
+        assert torch.equal(unpack_bits(bits, m.shape), m)
+        x = torch.randn(shape, generator=g)
+        flat = take(x, ~m)
+        assert flat.numel() == int((~m).sum())
+        assert torch.equal(fill(~m, flat, torch.zeros(shape)) * (~m), x * (~m))
+        assert torch.equal(fill(m, take(x, m), flat), x)  # own values + flat shared values = the whole tensor
+    with pytest.raises(ValueError):
+        fill(m, take(x, m)[:-1], flat)
+
+
+def test_count_masked_aggregation_hand_computed():
+    """Entry 0 is personal for all 3 clients, entry 1 shared by c0 only, entry 2 by c0 and c1, entry 3 by all."""
+    old = torch.tensor([9.0, 9.0, 9.0, 9.0])
+    values = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([5.0, 6.0, 7.0, 8.0]), torch.tensor([10.0, 20, 30, 40])]
+    personal = [torch.tensor([1, 0, 0, 0]).bool(), torch.tensor([1, 1, 0, 0]).bool(), torch.tensor([1, 1, 1, 0]).bool()]
+    expected = torch.tensor([9.0, 2.0, (3 + 7) / 2, (4 + 8 + 40) / 3])
+    assert torch.allclose(masked_mean(old, values, [~p for p in personal]), expected)
+
+    # The same through the algorithm's wire format: flat global entries + packed masks, 0-share entry kept.
+    algo, _ = drive({"eligible": "all"}, 0)
+    k = "blocks.classifier.bias"  # 10 entries; the first 4 as above, the rest shared by all
+    server = algo.init_server()
+    server[k] = torch.cat([old, torch.zeros(6)])
+    replies = {}
+    for c, (v, p) in enumerate(zip(values, personal, strict=True)):
+        full_v, full_p = torch.cat([v, torch.full((6,), float(c))]), torch.cat([p, torch.zeros(6, dtype=torch.bool)])
+        replies[c] = {kk: torch.full_like(server[kk], float(c)) for kk in algo.keys}  # unmasked tensors: 0, 1, 2
+        replies[c][k], replies[c][f"mask/{k}"] = take(full_v, ~full_p), pack_bits(full_p)
+    sizes = {0: 10, 1: 100, 2: 1000}  # |D_m|: ignored, the mean is uniform over clients (Alg. 1)
+    out = algo.aggregate(1, server, {c: wire.roundtrip(r) for c, r in replies.items()}, sizes)
+    assert torch.allclose(out[k], torch.cat([expected, torch.full((6,), 1.0)]))
+    assert all(torch.allclose(out[kk], torch.ones_like(out[kk])) for kk in algo.keys if kk != k)
+    assert torch.equal(out[f"mask/2/{k}"], pack_bits(torch.cat([personal[2], torch.zeros(6, dtype=torch.bool)])))
+
+
+def test_grow_mask_selects_largest_smallest_random_and_stops_at_alpha():
+    delta = torch.tensor([0.9, 0.1, 0.5, 0.7, 0.3, 0.2, 0.8, 0.4])
+    none = torch.zeros(8, dtype=torch.bool)
+    big = grow_mask(none, delta, rate=0.25, limit=1.0)
+    assert big.nonzero().squeeze(1).tolist() == [0, 6]
+    assert grow_mask(none, delta, rate=0.25, limit=1.0, selection="smallest").nonzero().squeeze(1).tolist() == [1, 5]
+    rand = grow_mask(none, delta, rate=0.5, limit=1.0, selection="random", generator=torch.Generator().manual_seed(1))
+    assert int(rand.sum()) == 4
+    again = grow_mask(big, delta, rate=0.5, limit=1.0)  # only still-global entries compete: 0 and 6 are taken
+    assert big.logical_and(again).equal(big) and again.nonzero().squeeze(1).tolist() == [0, 2, 3, 6, 7]
+    assert torch.equal(grow_mask(again, delta, rate=0.5, limit=0.6), again)  # 5/8 ≥ 0.6: stopped
+    assert int(grow_mask(big, delta, rate=1.0, limit=0.5).sum()) == 8  # stop: tested before growing (overshoot)
+    assert int(grow_mask(big, delta, rate=1.0, limit=0.5, cap=True).sum()) == 4  # cap: never above ⌊α·n⌋
+    assert not grow_mask(none, delta, rate=1.0, limit=0.0).any()  # α = 0: never personalize
+
+
+def test_iou_matrix_hand_computed():
+    a, b, c = torch.tensor([1, 1, 0, 0]).bool(), torch.tensor([0, 1, 1, 0]).bool(), torch.zeros(4, dtype=torch.bool)
+    m = iou_matrix([a, b, c])
+    assert m[0, 0] == 1 and m[0, 1] == pytest.approx(1 / 3) and m[1, 0] == m[0, 1]
+    assert m[0, 2] == 0 and math.isnan(m[2, 2])
+
+
+# --- options -----------------------------------------------------------------------------------------------------
+def test_presets_and_option_validation():
+    paper = FedSelectOptions()
+    assert (paper.p, paper.alpha, paper.update_every, paper.eligible, paper.delta_from) == (
+        0.25, 0.3, 1, "all", "round_start",
+    )  # fmt: skip
+    off = FedSelectOptions(preset="official", alpha=0.5)
+    assert (off.p, off.alpha, off.update_every, off.eligible, off.delta_from) == (
+        0.25, 0.5, 3, "weights", "last_update",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="algorithm.bogus"):
+        validate_config({**TINY, "algorithm": {"name": "fedselect", "bogus": 1}})
+    with pytest.raises(ConfigError, match="algorithm.layers"):
+        prepare(validate_config({**TINY, "algorithm": {"name": "fedselect", "layers": "nope"}}))
+    algo, _ = drive({"eligible": "weights"}, 0)
+    model = algo.ctx.model
+    assert eligible_keys(model, "weights") == ["blocks.fc1.1.weight", "blocks.fc2.0.weight", "blocks.classifier.weight"]
+    assert eligible_keys(model, "all", "classifier") == ["blocks.classifier.weight", "blocks.classifier.bias"]
+
+
+# --- LocalAlt ----------------------------------------------------------------------------------------------------
+def test_frozen_entries_never_move_in_either_phase_even_with_momentum_and_weight_decay():
+    algo, _ = drive({}, 0)
+    model, data = algo.ctx.model, algo.ctx.client_data(0)
+    g = torch.Generator().manual_seed(0)
+    personal = {
+        "blocks.fc1.1.weight": torch.rand(model.blocks.fc1[1].weight.shape, generator=g) < 0.3,  # mixed tensor
+        "blocks.classifier.bias": torch.ones(10, dtype=torch.bool),  # wholly personal
+    }  # every other tensor wholly global
+    names = [k for k, _ in model.named_parameters()]
+    own = {k: (None if m.all() else m) for k, m in personal.items()}
+    shared = {k: (~personal[k] if k in personal else None) for k in names if not personal.get(k, torch.zeros(1)).all()}
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
+    sides = {"personal": (MaskedPhase(model, own, **kw), True), "global": (MaskedPhase(model, shared, **kw), False)}
+    mask_of = {k: personal.get(k, torch.zeros(p.shape, dtype=torch.bool)) for k, p in model.named_parameters()}
+    for _ in range(2):  # two epochs: momentum buffers and weight decay are live in the second
+        for side, trains_personal in sides.values():
+            before = {k: p.detach().clone() for k, p in model.named_parameters()}
+            side.run_pass(data, 16, g)
+            for k, p in model.named_parameters():
+                trainable = mask_of[k] if trains_personal else ~mask_of[k]
+                assert torch.equal(p.detach()[~trainable], before[k][~trainable]), k
+                if trainable.any():
+                    assert not torch.equal(p.detach()[trainable], before[k][trainable]), k
+    assert all(p.requires_grad for p in model.parameters())  # the shared model object is left trainable
+
+
+# --- equivalences ------------------------------------------------------------------------------------------------
+def test_alpha_zero_is_fedavg_with_uniform_weights():
+    """Equal-size clients (so FedAvg's |D_m| weights are uniform): identical server after 2 rounds, bit for bit."""
+    sections = {
+        "federation": {**TINY["federation"], "partition": "iid", "train_per_client": 40},
+        "train": {**TINY["train"], "rounds": 2, "momentum": 0.5, "weight_decay": 1e-3, "local_epochs": 2},
+        "eval": {"every": 2, "finetune": []},
+    }
+    fa = pflbed.run({**TINY, **sections, "algorithm": {"name": "fedavg"}}, write=False)
+    fs = pflbed.run({**TINY, **sections, "algorithm": {"name": "fedselect", "alpha": 0.0, "p": 0.5}}, write=False)
+    fed = fa.executor.algo.ctx.federation
+    assert len({fed.num_train(c) for c in fed.participated}) == 1
+    assert set(fs.server) == set(fa.server)  # no client mask stored: nobody personalized
+    for k, v in fa.server.items():
+        assert torch.equal(fs.server[k], v), k
+    assert fs.history[-1]["up_bytes_per_round"] == fa.history[-1]["up_bytes_per_round"]
+    assert fs.history[-1]["down_bytes_per_round"] == fa.history[-1]["down_bytes_per_round"]
+
+
+def test_all_personal_masks_are_local_only_training_from_then_on():
+    """p = 1, α = 1: after round 1 (FedAvg) every entry is personal; rounds 2–3 are exactly local-only training
+    from the round-1 aggregate (the newly personal entries start from it, as Alg. 1 broadcasts before the new
+    mask applies), and the server no longer changes."""
+    train = {**TINY["train"], "momentum": 0.9}
+    algo, hist = drive({"p": 1.0, "alpha": 1.0, "eligible": "all"}, 3, federation=FULL, train=train)
+    after1 = algo._globals(hist[0]["server"])
+    assert all(torch.equal(algo._globals(hist[-1]["server"])[k], v) for k, v in after1.items())
+    assert all(r[k].numel() == 0 for r in hist[-1]["replies"].values() for k in algo.keys)  # nothing shared
+    local = LocalOnly(algo.ctx)
+    for c in algo.ctx.federation.participated:
+        state = dict(after1)
+        for rnd in (2, 3):
+            gen = torch.Generator().manual_seed(rng.derive_seed(algo.ctx.seed, rng.CLIENT, rnd, c))
+            _, state = local.client_update({}, state, algo.ctx.client_data(c), ClientContext(rnd, c, gen))
+        mine = algo.personal_model(hist[-1]["server"], hist[-1]["states"][c]).params
+        for k in algo.keys:
+            assert torch.equal(mine[k], state[k]), (c, k)
+
+
+# --- masks over rounds -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("limit", ["stop", "cap"])
+def test_masks_only_grow_and_respect_the_limit(limit):
+    p, alpha = 0.3, 0.5
+    opts = {"p": p, "alpha": alpha, "eligible": "weights", "limit": limit}
+    algo, hist = drive(opts, 5, federation=FULL)
+    prev = {c: masks_of(algo, {}) for c in algo.ctx.federation.participated}
+    for h in hist:
+        for c, state in h["states"].items():
+            now = masks_of(algo, state)
+            for k, m in now.items():
+                assert torch.equal(prev[c][k] & m, prev[c][k]), (c, k)  # mask_t ⊆ mask_t+1
+                n, before, after = m.numel(), int(prev[c][k].sum()), int(m.sum())
+                if after > before:
+                    assert before < alpha * n  # grows only below the limit
+                bound = alpha if limit == "cap" else alpha + p * (1 - alpha) + 1 / n  # stop: one step may overshoot
+                assert after / n <= bound + 1e-9
+            prev[c] = now
+        for k in algo.keys:  # biases are never personal under eligible="weights"
+            if k not in algo.eligible:
+                assert all(f"mask/{k}" not in r for r in h["replies"].values())
+    final = [int(m.sum()) / m.numel() for s in hist[-1]["states"].values() for m in masks_of(algo, s).values()]
+    assert min(final) >= alpha - 1e-3  # 5 updates at p = 0.3 reach α everywhere (cap: ⌊α·n⌋ entries)
+    k = algo.eligible[0]
+    first = masks_of(algo, hist[0]["states"][0])[k]
+    assert int(first.sum()) == math.floor(p * first.numel() + 0.5)  # the first update takes p of the entries
+
+
+def test_single_layer_ablation_and_official_schedule():
+    algo, hist = drive({"preset": "official", "layers": "classifier", "p": 0.5}, 4, federation=FULL)
+    assert algo.eligible == ["blocks.classifier.weight"]
+    for rnd, h in enumerate(hist, start=1):  # update_every = 3 counts the client's rounds: first update after round 3
+        s = h["states"][0]
+        assert {k for k in s if k.startswith("mask/")} == ({"mask/blocks.classifier.weight"} if rnd >= 3 else set())
+        assert ("ref/blocks.classifier.weight" in s) == (rnd >= 3)  # Δ reference taken at the mask update
+        sent = [[x for x in r if x.startswith("mask/")] for r in h["replies"].values()]
+        assert all(x == (["mask/blocks.classifier.weight"] if rnd >= 4 else []) for x in sent)
+
+
+# --- wire accounting and end to end ------------------------------------------------------------------------------
+def test_bytes_shrink_as_masks_grow_and_match_the_wire_format():
+    algo, hist = drive({"p": 0.5, "alpha": 1.0, "eligible": "all"}, 4, federation=FULL)
+    up = [sum(wire.num_bytes(r) for r in h["replies"].values()) for h in hist]
+    down = [sum(wire.num_bytes(p) for p in h["payloads"].values()) for h in hist]
+    assert up[0] == down[0] == sum(v.numel() * v.element_size() for v in algo.ctx.initial_params.values()) * 6
+    assert all(a > b for a, b in zip(up, up[1:], strict=False))
+    # down: the server learns a client's mask from its next reply, and the entries that just became personal start
+    # from the fresh global value, so round 2 still sends everything
+    assert down[1] == down[0] and all(a > b for a, b in zip(down[1:], down[2:], strict=False))
+    prev_states = hist[-2]["states"]
+    for c, r in hist[-1]["replies"].items():  # up: global entries (fp32) + one bit per entry of masked tensors
+        mask = masks_of(algo, prev_states[c])
+        expect = sum(4 * int((~m).sum()) + math.ceil(m.numel() / 8) for m in mask.values())
+        assert wire.num_bytes(r) == expect
+
+
+def test_end_to_end_learns_writes_iou_artifacts_and_diagnostics(tmp_path):
+    cfg = {**TINY, "algorithm": {"name": "fedselect"}, "federation": {**TINY["federation"], "new_clients": 1}}
+    cfg["eval"] = {**TINY["eval"], "new_clients": {"epochs": 1, "lrs": [0.05], "fractions": [1.0]}}
+    res = pflbed.run(cfg, out=tmp_path / "run")
+    final = res.summary["final"]
+    assert final["pfl_acc"] > 0.3 and final["gfl_acc"] is None  # 10 balanced classes: chance is 0.1
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("personal_fraction" in rec["diag"] for rec in lines)
+    frac = lines[-1]["diag"]["personal_fraction"]
+    assert set(frac) == {"fc1", "fc2", "classifier", "all", "eligible"} and 0 < frac["all"] < 1
+    png, csv_ = (tmp_path / "run" / res.summary["artifacts"][k] for k in ("mask_iou_png", "mask_iou_csv"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = csv_.read_text().splitlines()
+    participated = res.executor.algo.ctx.federation.participated
+    assert len(rows) == 1 + len(participated) and rows[0].startswith("client,majority_class")
+    assert res.summary["new_clients"] is not None
+
+
+def test_new_client_starts_all_global_and_lp_changes_only_the_head():
+    algo, hist = drive({}, 2)
+    server, data = hist[-1]["server"], algo.ctx.client_data(0)
+    zero = algo.zero_shot(server, data).params
+    assert all(torch.equal(zero[k], server[k]) for k in algo.keys) and set(zero) == set(algo.keys)
+    p = last(algo.personalize(server, data, Budget("lp", 1, 0.1, 8), torch.Generator().manual_seed(0)))
+    head = set(algo.ctx.model.state_keys(algo.ctx.model.head_blocks()))
+    assert {k for k in algo.keys if not torch.equal(p.params[k], server[k])} == head
+    assert algo.generic_model(server) is None
