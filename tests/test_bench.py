@@ -24,7 +24,9 @@ SUITE = {
              "eval": {"every": 2, "finetune": ["ft"]}},
     "seeds": [0, 1],
     "tables": {"main": TABLE, "other": {"base": {"federation": {"clients": 4}}, "seeds": [3],
-                                        "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}}}},
+                                        "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}},
+                                        "report": {"up": "communication.up_bytes_per_round"},
+                                        "column_scale": {"up": 0.001}}},
 }  # fmt: skip
 
 
@@ -51,13 +53,16 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     mean_ft = 100 * (s[0]["final"]["ft"]["pfl_acc"] + s[1]["final"]["ft"]["pfl_acc"]) / 2
     assert rows[("FedAvg+FT", "a5")]["P-FL"][0] == pytest.approx(mean_ft)
     assert rows[("FedAvg+FT", "a5")]["G-FL"] is None and rows[("Local", "a5")]["G-FL"] is None
-    assert json.loads((other.run_dir("", "FedAvg", 3) / "summary.json").read_text())["clients"]["participated"] == 4
+    other_summary = json.loads((other.run_dir("", "FedAvg", 3) / "summary.json").read_text())
+    assert other_summary["clients"]["participated"] == 4
+    up = other.collect()[0]["up"]
+    assert up == (pytest.approx(other_summary["communication"]["up_bytes_per_round"] / 1000), 0.0)
     md = (tmp_path / "out" / "table.md").read_text().splitlines()
     assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL |" in md
     assert sum("±" in line for line in md) == 4  # 3 rows of the main table + 1 of the other
     csv_lines = (tmp_path / "out" / "table.csv").read_text().splitlines()
     assert csv_lines[0] == "table,method,setting,column,mean,std,seeds,wall_s"
-    assert len(csv_lines) == 1 + 3 * 2 * 2 + 2
+    assert len(csv_lines) == 1 + 3 * 2 * 2 + 1
 
 
 def test_bad_suites_are_one_line_errors(tmp_path, capsys):

@@ -53,6 +53,7 @@ class TableSpec(BaseModel):
     methods: dict[str, MethodSpec] = Field(min_length=1)
     report: dict[str, str] = Field(default_factory=lambda: {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc"})
     scale: float = Field(100.0, description="multiply reported values (100: accuracies as %)")
+    column_scale: dict[str, float] = Field(default_factory=dict, description="per-column scale overriding `scale`")
 
     @model_validator(mode="after")
     def _check(self) -> TableSpec:
@@ -146,7 +147,8 @@ class Table:
                 row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries)}
                 for col, field in report.items():
                     vals = [v for v in (_get(x, field) for x in summaries) if v is not None] if field else []
-                    row[col] = _mean_std([v * s.scale for v in vals]) if vals else None
+                    k = s.column_scale.get(col, s.scale)
+                    row[col] = _mean_std([v * k for v in vals]) if vals else None
                 wall = [x["timing"]["wall_s"] for x in summaries]
                 row["wall_s"] = sum(wall) / len(wall) if wall else None
                 rows.append(row)
