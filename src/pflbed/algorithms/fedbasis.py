@@ -1,0 +1,607 @@
+"""FedBasis — "Learning Shareable Bases for Personalized Federated Image Classification" (the stored text,
+`papers/fedbasis-pflbed.txt`, is the double-blind review copy: authors "Anonymous", no venue line; cited here by
+its title). Implemented: §4.1 (Eq. 4–6), §4.2 (Eq. 8–9: coordinate descent and sharpening), §4.4 (layer-wise
+combinations, the major basis, the FedAvg/k-means warm start), §6 (setup: K, τ, 5 + 5 local epochs, 30 % warm
+start, "the combinations and the whole classifier" for new clients), App. A (Alg. 1 training, Alg. 2 new client),
+Table 3 ablations (coordinate descent, major basis, τ), Fig. 2 (collapse diagnostics) and Fig. 4 (α heat-map).
+
+Idea: K shareable *basis* models v_1..v_K of the same architecture plus a major basis v'. A client is a short
+vector on the simplex; its model is the layer-wise convex combination
+    θ_m = ½·v' + ½·Σ_k α_m[k]·v_k          (without the major basis: θ_m = Σ_k α_m[k]·v_k),
+one α per coefficient group (a block of the model). Inference costs one model, whatever K.
+
+Training (Alg. 1 / Eq. 9), after the warm start; each sampled client, each round:
+  1. receive V̄ = {v', v_1..v_K}; set ψ = 0 (α uniform: the paper keeps no α between rounds — stateless);
+  2. α* = argmin_α L_m(α, V) for `alpha_epochs` epochs of SGD on ψ, V frozen, α = softmax(ψ);
+  3. α† = SHARPEN(α*; τ) = softmax(ψ/τ);
+  4. V* = argmin_V L_m(α†, V) for `basis_epochs` epochs of SGD on every basis (and v'), α† frozen;
+  5. upload V*; the server sets V̄ = (1/M) Σ_m V*_m, basis by basis.
+Warm start (§4.4): the first ⌈warmup_fraction·T⌉ rounds are FedAvg; at the end of the last of them v' ← the FedAvg
+global model and v_1..v_K ← the centroids of a k-means (K clusters) over the clients' local models of that round.
+
+Options (`algorithm.<key>`; the paper's values are the defaults):
+  - `K` (4): non-major bases (paper: 4 for PACS/Office-Home, 8 for GLD). `tau` (0.1): sharpening temperature
+    (Table 3 ablation: 1.0 = no sharpening). `major` (True): keep the major basis (ablation: False).
+  - `coordinate_descent` (True): Eq. 9. False = the joint update of Eq. 7 (Table 3 "CD ✗"): ψ and V trained together
+    for `alpha_epochs + basis_epochs` epochs (the same number of passes), forward with α = softmax(ψ/τ) — the
+    ablation keeps τ = 0.1, so the temperature must enter somewhere; it enters the one parameterization there is.
+  - `layerwise` (True): one coefficient vector per block of the model (`BlockNet.block_names()`; the paper's "4
+    ResNet blocks + classifier"); False: a single vector for the whole network (Eq. 4 as first written).
+  - `alpha_epochs`, `basis_epochs` (5, 5): they *replace* `train.local_epochs` in the FedBasis rounds;
+    `train.local_epochs` is used by the FedAvg warm-up rounds only (the paper's setup trains 5 local epochs there:
+    set `train.local_epochs=5` to reproduce it).
+  - `alpha_lr` (None → `train.lr`): SGD learning rate of ψ. V uses `train.lr`, `train.momentum`,
+    `train.weight_decay`; ψ uses `train.momentum` and no weight decay (a decay on ψ would be a pull towards
+    uniform α, a regularizer the paper explicitly drops, §4.1).
+  - `warmup_fraction` (0.3): share of `train.rounds` run as FedAvg (0: no warm start, see below).
+  - `kmeans_iters` (50): Lloyd iterations of the warm-start k-means (it stops earlier once stable).
+  - `aggregation` ("uniform"): V̄ = (1/M) Σ_m V_m over the clients of the round, as Eq. 7/9 and Alg. 1 line 10
+    write it; "weighted" uses the engine's |D_m| weights instead. (The FedAvg warm-up is always |D_m|-weighted,
+    Eq. 2.)
+  - `bn_stats` ("track"): how BatchNorm running statistics are learned; see below. "frozen": never updated locally.
+
+Interpretations (the paper leaves these open):
+  - SHARPEN. §4.2 defines α[k] = exp(ψ[k]/τ)/Σ exp(ψ[k']/τ) as "a softmax function sharpened with a temperature";
+    Eq. 9 applies SHARPEN as a separate step 3 "artificially and temporally" while computing ∇V. Read together:
+    step 2 learns ψ through the plain softmax α = softmax(ψ), and step 3 is α† = softmax(ψ/τ) =
+    α^{1/τ}/Σ α^{1/τ} (`basis.sharpen`). τ = 1 then means "no sharpening", as in Table 3. (The other reading,
+    softmax(ψ/τ) already in step 2, would sharpen twice — softmax(ψ/τ²) — in step 3.)
+  - What a client keeps: its last α† (client state `alpha`, shape (groups, K)) and α* (`alpha_star`, for the
+    entropy diagnostic; equal to α† in the joint update, which learns softmax(ψ/τ) directly). Both are outputs,
+    never inputs: the next round re-initializes ψ = 0 (Alg. 1 line 4).
+    A participated client's personal model (P-FL) is the combination with its α† — the coefficients its last
+    basis update was made with. A client that never trained after the warm start gets the uniform combination.
+  - The combined model is formed per mini-batch (App. A: "only needs to be generated per mini-batch") and run with
+    `torch.func.functional_call` on the shared `ctx.model`: no model copy per client, and the template's own
+    parameters and buffers are never read or written (the call swaps in the combined tensors).
+  - BatchNorm: affine γ, β are parameters and are combined like weights. Running mean/var are combined the same
+    way (with α detached: they are statistics, not trained) into fresh tensors per batch, so a training forward
+    updates only those copies. `bn_stats="track"` then hands each batch's update Δ of the combined statistic back
+    to the bases in proportion to their coefficients c_i (½ for v', ½·α†[k] for v_k): Δv_i = c_i·Δ / Σ_j c_j²
+    (`basis.stat_update_shares`), the smallest change of the bases under which the combination follows exactly the
+    EMA a single model would have; a basis with α†[k] = 0 keeps its statistics, like its weights (∇v_k = 0). A
+    running variance is floored at 0 afterwards. This happens in the V step (and the joint update) only: in the ψ
+    step V — statistics included — is frozen, and new-client personalization never changes the bases. Batch
+    counters (integers) are not combined; every basis counts the batches of its clients. With "frozen" the
+    bases keep the statistics of the warm start.
+  - Weight decay (`train.weight_decay`) applies to every basis in the V step, also to a basis the client does not
+    use (standard SGD weight decay over the trained tensors).
+  - Warm start: k-means runs on the local models of the last warm-up round, over the flattened *parameters*
+    (BatchNorm statistics would dominate the distances without being learned), unweighted (§4.4: "cluster
+    {θ_m} into K clusters"); a centroid is the plain mean of its members' full state dicts (statistics
+    included; integer counters take the maximum, as `weighted_mean`). k-means++ seeding from a generator derived
+    from (seed, round) — `aggregate` has no client generator — and clusters are numbered by their lowest client
+    id, so the result does not depend on the seeding order. If the last warm-up round sampled fewer than K clients,
+    the local models of the preceding warm-up rounds are pooled too (the latest model of each client), back to as
+    many rounds as K distinct clients need; the server state carries them (`pool<cid>.*`) until the switch. A
+    configuration whose warm-up never trains K distinct clients is a config error. Without the major basis the
+    FedAvg global model is discarded at the switch.
+  - `warmup_fraction = 0`: no local models to cluster, so v' = the initial model and the K bases are independent
+    random initializations of the architecture (seeds derived from the run seed): K identical bases would receive
+    identical gradients and never separate.
+  - Generic model (G-FL), zero-shot model of a new client and the start of every personalization: the uniform
+    combination α = 1/K (Alg. 2 line 1). It is the model of a client about which nothing is known yet — the one
+    Alg. 2 starts every new client from; the major basis alone is never trained as a standalone model (only as
+    half of a combination), so it is not offered. During the warm-up: the FedAvg global model.
+  - New clients (Alg. 2; `personalize`), bases frozen: `budget.method="ft"` learns ψ (α = softmax(ψ), unsharpened,
+    as Alg. 2 line 2–3 write it) *and the whole classifier* — the head blocks become free parameters initialized
+    from the uniform combination ("we learn the combinations and the whole classifier", §6, the paper's
+    FedBasis row of Table 2); the head's own α group then has no effect. `"lp"` learns ψ only — Alg. 2 literally,
+    G·K numbers per client (FedBasis has no linear probe; the coefficient-only adaptation is its parameter-light
+    counterpart). One SGD optimizer (`budget.lr`, `budget.momentum`) for ψ and head, kept across epochs. After
+    every epoch the combination is materialized into one ordinary state dict of `ctx.model` (a fresh snapshot).
+    BatchNorm statistics of that model are the bases' combined with the current α (the bases are frozen).
+    `eval.finetune` (FedBasis+FT/LP on participated clients) runs the same procedure, from uniform α.
+  - Before the switch (or if the whole run is warm-up) the client update, personalization and models are FedAvg's.
+
+Wire format: server / payload / reply keys `major.<key>` and `basis<k>.<key>` (k = 0..K−1), full state dicts, so a
+FedBasis round sends K+1 models each way (App. A: "communications K times more"); warm-up payloads and replies are
+plain FedAvg state dicts. Client state: `alpha` (α†) and `alpha_star` (α*), each (groups, K).
+
+Diagnostics (`diag`, every evaluation): `basis_cos` — mean pairwise cosine similarity of the K non-major bases'
+flattened parameters (and per block, `basis_cos_blocks`); `alpha_entropy` / `alpha_sharp_entropy` — mean entropy
+(nats) of α* / α† over the participated clients that have one and over groups, with `alpha_entropy_max` = log K
+(the collapse signals of Fig. 2). Artifacts: the final mixing weights per client × block (Fig. 4: major basis
+first), clients ordered by domain then id, as PNG heat-map and CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.func import functional_call
+
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.basis import (
+    combine,
+    entropy,
+    flatten,
+    kmeans,
+    max_entropy,
+    mean_pairwise_cosine,
+    mixing_weights,
+    sharpen,
+    stack_bases,
+    stat_update_shares,
+)
+from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, train_from, weighted_mean
+from pflbed.engine import rng
+from pflbed.errors import ConfigError
+from pflbed.federation import sample_clients
+
+STREAM = 0xFBA5  # FedBasis's own random streams (not one of engine.rng's tags): 0 random bases, 1 k-means
+MAJOR, BASIS, POOL = "major.", "basis", "pool"
+
+
+class FedBasisOptions(BaseModel):
+    """FedBasis options; defaults are the paper's setup (§6)."""
+
+    model_config = ConfigDict(extra="forbid")
+    K: int = Field(4, ge=1, description="number of non-major bases")
+    tau: float = Field(0.1, gt=0, le=1, description="sharpening temperature (1: no sharpening)")
+    major: bool = Field(True, description="keep the major basis: θ = ½·v' + ½·Σ α_k v_k")
+    coordinate_descent: bool = Field(True, description="Eq. 9 (ψ, then V); False: joint update (Eq. 7)")
+    layerwise: bool = Field(True, description="one coefficient vector per model block (False: one in all)")
+    alpha_epochs: int = Field(5, ge=0, description="local epochs of the ψ step (replaces train.local_epochs)")
+    basis_epochs: int = Field(5, ge=0, description="local epochs of the V step (replaces train.local_epochs)")
+    alpha_lr: float | None = Field(None, gt=0, description="SGD lr of ψ (None: train.lr)")
+    warmup_fraction: float = Field(0.3, ge=0, le=1, description="share of rounds run as FedAvg warm start")
+    kmeans_iters: int = Field(50, ge=1, description="Lloyd iterations of the warm-start k-means")
+    aggregation: Literal["uniform", "weighted"] = Field("uniform", description="basis mean: 1/M or |D_m|-weighted")
+    bn_stats: Literal["track", "frozen"] = Field(
+        "track", description="BatchNorm running statistics: tracked back into the bases, or never updated"
+    )
+
+
+class FedBasis(Algorithm):
+    name = "fedbasis"
+    Config = FedBasisOptions
+    opts: FedBasisOptions
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        o, model = self.opts, ctx.model
+        self.keys = list(model.state_dict())
+        named = {k for k, _ in model.named_parameters()}
+        self.param_keys = [k for k in self.keys if k in named]
+        self.buffer_keys = [k for k in self.keys if k not in named]
+        self.groups = model.block_names() if o.layerwise else ["all"]
+        self.group_of = {k: (gi if o.layerwise else 0) for gi, b in enumerate(model.block_names())
+                         for k in model.state_keys([b])}  # fmt: skip
+        self.block_of = {k: b for b in model.block_names() for k in model.state_keys([b])}
+        self.var_keys = {f"{n}.running_var" for n, m in model.named_modules()
+                         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_var is not None}  # fmt: skip
+        head = set(model.state_keys(model.head_blocks()))
+        self.head_param_keys = [k for k in self.param_keys if k in head]
+        rounds = ctx.cfg.train.rounds
+        self.warmup_rounds = math.ceil(round(o.warmup_fraction * rounds, 9))
+        self.pool_from = self._pool_start() if self.warmup_rounds > 0 else 0
+        self._cache: tuple[Tensors, tuple[Tensors, Tensors | None], dict[str, Tensors]] | None = None
+
+    @property
+    def alpha_lr(self) -> float:
+        return self.opts.alpha_lr if self.opts.alpha_lr is not None else self.ctx.cfg.train.lr
+
+    def _pool_start(self) -> int:
+        """First warm-up round whose local models feed the k-means: enough trailing rounds for K distinct clients."""
+        cfg, fed, k = self.ctx.cfg, self.ctx.federation, self.opts.K
+        seen: set[int] = set()
+        for r in range(self.warmup_rounds, 0, -1):
+            seen |= set(sample_clients(cfg.seed, r, fed.participated, cfg.federation.sample_fraction))
+            if len(seen) >= k:
+                return r
+        raise ConfigError(
+            f"algorithm.K: the warm start clusters local models into K = {k} bases, but only {len(seen)} distinct "
+            f"clients train in the {self.warmup_rounds} warm-up rounds; choose K <= {len(seen)}"
+        )
+
+    # --- state layout ------------------------------------------------------------------------------------------
+    def _sub(self, tensors: Tensors, prefix: str) -> Tensors:
+        return {k: tensors[prefix + k] for k in self.keys}
+
+    @staticmethod
+    def has_bases(tensors: Tensors) -> bool:
+        """Whether a server state / payload is past the warm start (holds the non-major bases)."""
+        return any(k.startswith(f"{BASIS}0.") for k in tensors)
+
+    def split(self, tensors: Tensors) -> tuple[Tensors, Tensors | None]:
+        """(stacked non-major bases {key: (K, …)}, major basis or None) of a server state or payload."""
+        stacked = stack_bases([self._sub(tensors, f"{BASIS}{i}.") for i in range(self.opts.K)], self.keys)
+        return stacked, (self._sub(tensors, MAJOR) if self.opts.major else None)
+
+    def join(self, stacked: Tensors, major: Tensors | None) -> Tensors:
+        """The wire form of (stacked bases, major): prefixed flat keys, independent contiguous tensors."""
+        out: Tensors = {}
+        if major is not None:
+            out.update({MAJOR + k: major[k].detach().clone() for k in self.keys})
+        for i in range(self.opts.K):
+            out.update({f"{BASIS}{i}.{k}": stacked[k][i].detach().clone() for k in self.keys})
+        return out
+
+    def _parts(self, server: Tensors) -> tuple[Tensors, Tensors | None]:
+        """`split(server)`, cached for the server object evaluated last (evaluation asks once per client)."""
+        if self._cache is None or self._cache[0] is not server:
+            self._cache = (server, self.split(server), {})
+        return self._cache[1]
+
+    def uniform(self) -> torch.Tensor:
+        k = self.opts.K
+        return torch.full((len(self.groups), k), 1.0 / k)
+
+    def materialize(
+        self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, override: Tensors | None = None
+    ) -> Tensors:
+        """θ(α, V) as one ordinary state dict of `ctx.model` (inference = one model), `override` keys replaced."""
+        with torch.no_grad():
+            theta = combine(stacked, alpha.detach(), self.group_of, major, self.keys)
+        for k, v in (override or {}).items():
+            theta[k] = v.detach().clone()
+        return theta
+
+    # --- federation --------------------------------------------------------------------------------------------
+    def init_server(self) -> Tensors:
+        initial = self.ctx.initial_params
+        if self.warmup_rounds > 0:
+            return {MAJOR + k: v.clone() for k, v in initial.items()}
+        bases = []
+        for i in range(self.opts.K):  # independent random initializations, off the global RNG
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(rng.derive_seed(self.ctx.seed, STREAM, 0, i))
+                bases.append(get_params(self.ctx.new_model()))
+        return self.join(stack_bases(bases, self.keys), dict(initial) if self.opts.major else None)
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        if self.has_bases(server):
+            payload = {k: v for k, v in server.items() if k.startswith((MAJOR, BASIS))}
+        else:
+            payload = self._sub(server, MAJOR)  # warm-up: a plain FedAvg model
+        return dict.fromkeys(cids, payload)
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        if not self.has_bases(payload):
+            return train_from(self.ctx.model, payload, data, self.ctx.cfg.train, cctx.generator), state
+        stacked, major = self.split(payload)
+        alpha_star, alpha_dag, stacked, major = self.local_round(stacked, major, data, cctx.generator)
+        return self.join(stacked, major), {"alpha": alpha_dag, "alpha_star": alpha_star}
+
+    def local_round(
+        self, stacked: Tensors, major: Tensors | None, data: ClientData, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, Tensors, Tensors | None]:
+        """One client's Eq. 9 (or Eq. 7): (α*, α†, trained stacked bases, trained major basis)."""
+        o = self.opts
+        if o.coordinate_descent:
+            psi = self.alpha_step(stacked, major, data, generator)
+            alpha_star = torch.softmax(psi, -1)
+            alpha_dag = sharpen(alpha_star, o.tau)
+            stacked, major = self.basis_step(stacked, major, alpha_dag, data, generator)
+        else:
+            psi, stacked, major = self.joint_step(stacked, major, data, generator)
+            alpha_star = alpha_dag = torch.softmax(psi / o.tau, -1)
+        return alpha_star, alpha_dag, stacked, major
+
+    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
+        """FedBasis rounds: V̄ = mean of the uploaded bases. Warm-up: FedAvg, and the k-means switch at its end."""
+        first = replies[next(iter(replies))]
+        if self.has_bases(first):
+            w = weights if self.opts.aggregation == "weighted" else dict.fromkeys(replies, 1.0)
+            return weighted_mean(replies, w)
+        glob = weighted_mean(replies, weights)
+        out = {MAJOR + k: v for k, v in glob.items()}
+        if rnd < self.pool_from:
+            return out
+        pool = self.pool_of(server)
+        pool.update(replies)  # a client's latest local model wins
+        if rnd < self.warmup_rounds:
+            for c, params in pool.items():
+                out.update({f"{POOL}{c}.{k}": params[k] for k in self.keys})
+            return out
+        return self.switch(glob, pool, rnd)
+
+    def pool_of(self, server: Tensors) -> dict[int, Tensors]:
+        """Local models carried in the server state since `pool_from` ({cid: state dict})."""
+        cids = sorted({int(k[len(POOL) : k.index(".")]) for k in server if k.startswith(POOL)})
+        return {c: self._sub(server, f"{POOL}{c}.") for c in cids}
+
+    def switch(self, glob: Tensors, pool: dict[int, Tensors], rnd: int) -> Tensors:
+        """End of the warm start (§4.4): v' ← FedAvg global model, v_k ← k-means centroids of the local models."""
+        cids = sorted(pool)
+        points = torch.stack([flatten(pool[c], self.param_keys) for c in cids])
+        gen = rng.generator(self.ctx.seed, STREAM, 1, rnd)
+        assign, _ = kmeans(points, self.opts.K, self.opts.kmeans_iters, gen)
+        del points
+        clusters = [[c for c, a in zip(cids, assign.tolist(), strict=True) if a == j] for j in range(self.opts.K)]
+        clusters.sort(key=min)  # number the bases by their lowest client id: independent of the seeding order
+        centroids = [weighted_mean({c: pool[c] for c in members}, dict.fromkeys(members, 1.0), self.keys)
+                     for members in clusters]  # fmt: skip
+        return self.join(stack_bases(centroids, self.keys), glob if self.opts.major else None)
+
+    # --- local training ----------------------------------------------------------------------------------------
+    def _run(
+        self,
+        params: Callable[[], Tensors],
+        stacked: Tensors,
+        major: Tensors | None,
+        alpha: Callable[[], torch.Tensor],
+        opt: torch.optim.Optimizer,
+        data: ClientData,
+        epochs: int,
+        generator: torch.Generator,
+        track: bool,
+        batch_size: int | None = None,
+    ) -> None:
+        """Mini-batch SGD through the combined model: θ's parameters from `params()` (rebuilt every batch, so the
+        gradient reaches ψ and/or V), its statistics combined from `stacked`/`major` with α detached. With `track`,
+        each batch's running-statistic update is handed back to the bases (see module doc). Batch size: `train`'s,
+        or `batch_size` (personalization budgets)."""
+        model, bs = self.ctx.model, batch_size or self.ctx.cfg.train.batch_size
+        model.train()
+        for b in index_batches(data.train, bs, epochs, generator):
+            a = alpha()
+            with torch.no_grad():
+                before = combine(stacked, a.detach(), self.group_of, major, self.buffer_keys)
+            running = {k: v.clone() for k, v in before.items()}
+            out = functional_call(model, {**params(), **running}, (data.x[b],))
+            loss = F.cross_entropy(out, data.y[b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if track:
+                self._track(stacked, major, a.detach(), before, running)
+
+    def _track(
+        self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, before: Tensors, after: Tensors
+    ) -> None:
+        """Distribute Δ = after − before of each combined statistic over the bases: Δv_i = c_i·Δ / Σ_j c_j²."""
+        w_major, w = mixing_weights(alpha, major is not None)
+        with torch.no_grad():
+            for k in self.buffer_keys:
+                delta = after[k] - before[k]
+                if not delta.any():
+                    continue
+                v = stacked[k]
+                if not v.is_floating_point():  # batch counters: every basis counts the batches
+                    v.add_(delta)
+                    if major is not None:
+                        major[k].add_(delta)
+                    continue
+                coeffs = w[self.group_of[k]].double()
+                if major is not None:
+                    coeffs = torch.cat([torch.tensor([w_major], dtype=torch.float64), coeffs])
+                shares = stat_update_shares(coeffs).to(v.dtype)
+                if major is not None:
+                    major[k].add_(shares[0] * delta)
+                    shares = shares[1:]
+                v.add_(shares.view(-1, *([1] * delta.dim())) * delta)
+                if k in self.var_keys:
+                    v.clamp_min_(0)
+                    if major is not None:
+                        major[k].clamp_min_(0)
+
+    def _trainable(self, stacked: Tensors, major: Tensors | None) -> tuple[Tensors, Tensors | None, list]:
+        """Copies of the bases with their parameters as leaves that require grad (statistics as plain copies)."""
+        named = set(self.param_keys)
+
+        def leaf(k: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().clone()
+            return t.requires_grad_(True) if k in named else t
+
+        stacked = {k: leaf(k, v) for k, v in stacked.items()}
+        major = {k: leaf(k, v) for k, v in major.items()} if major is not None else None
+        leaves = [stacked[k] for k in self.param_keys] + ([major[k] for k in self.param_keys] if major else [])
+        return stacked, major, leaves
+
+    def alpha_step(
+        self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
+    ) -> torch.Tensor:
+        """Eq. 9 step 1–2: ψ from 0 (uniform α), `alpha_epochs` epochs of SGD on ψ with V frozen; returns ψ."""
+        t = self.ctx.cfg.train
+        psi = torch.zeros(len(self.groups), self.opts.K, requires_grad=True)
+        frozen = {k: v.detach() for k, v in stacked.items()}
+        frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
+        opt = torch.optim.SGD([psi], lr=self.alpha_lr, momentum=t.momentum)
+
+        def params() -> Tensors:
+            return combine(frozen, torch.softmax(psi, -1), self.group_of, frozen_major, self.param_keys)
+
+        self._run(params, frozen, frozen_major, lambda: torch.softmax(psi, -1), opt, data, self.opts.alpha_epochs,
+                  gen, track=False)  # fmt: skip
+        return psi.detach()
+
+    def basis_step(
+        self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, data: ClientData, gen: torch.Generator
+    ) -> tuple[Tensors, Tensors | None]:
+        """Eq. 9 step 4: `basis_epochs` epochs of SGD on every basis (and v') with α = α† frozen."""
+        t = self.ctx.cfg.train
+        alpha = alpha.detach()
+        stacked, major, leaves = self._trainable(stacked, major)
+        opt = torch.optim.SGD(leaves, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+        def params() -> Tensors:
+            return combine(stacked, alpha, self.group_of, major, self.param_keys)
+
+        self._run(params, stacked, major, lambda: alpha, opt, data, self.opts.basis_epochs, gen,
+                  track=self.opts.bn_stats == "track")  # fmt: skip
+        return self._detached(stacked), self._detached(major) if major is not None else None
+
+    def joint_step(
+        self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
+    ) -> tuple[torch.Tensor, Tensors, Tensors | None]:
+        """Eq. 7 (ablation "no coordinate descent"): ψ and V together, α = softmax(ψ/τ), for both epoch budgets."""
+        t, o = self.ctx.cfg.train, self.opts
+        psi = torch.zeros(len(self.groups), o.K, requires_grad=True)
+        stacked, major, leaves = self._trainable(stacked, major)
+        opt = torch.optim.SGD([{"params": [psi], "lr": self.alpha_lr, "weight_decay": 0.0},
+                               {"params": leaves, "lr": t.lr, "weight_decay": t.weight_decay}],
+                              lr=t.lr, momentum=t.momentum)  # fmt: skip
+
+        def alpha() -> torch.Tensor:
+            return torch.softmax(psi / o.tau, -1)
+
+        def params() -> Tensors:
+            return combine(stacked, alpha(), self.group_of, major, self.param_keys)
+
+        self._run(params, stacked, major, alpha, opt, data, o.alpha_epochs + o.basis_epochs, gen,
+                  track=o.bn_stats == "track")  # fmt: skip
+        return psi.detach(), self._detached(stacked), self._detached(major) if major is not None else None
+
+    @staticmethod
+    def _detached(tensors: Tensors) -> Tensors:
+        return {k: v.detach() for k, v in tensors.items()}
+
+    # --- evaluation --------------------------------------------------------------------------------------------
+    def _uniform_params(self, server: Tensors) -> Tensors:
+        """The generic model's state dict, built once per server state (clients without α share it)."""
+        self._parts(server)
+        assert self._cache is not None
+        memo = self._cache[2]
+        if "uniform" not in memo:
+            if self.has_bases(server):
+                memo["uniform"] = self.materialize(*self._parts(server), self.uniform())
+            else:
+                memo["uniform"] = self._sub(server, MAJOR)
+        return memo["uniform"]
+
+    def generic_model(self, server: Tensors) -> Predictor:
+        """Uniform α (during the warm-up: the FedAvg model); see the module doc for why not the major basis."""
+        return Predictor(self.ctx.model, self._uniform_params(server))
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        """One ordinary model: the bases combined with the client's α† (uniform for a client without one)."""
+        if not self.has_bases(server) or "alpha" not in state:
+            return self.generic_model(server)
+        return Predictor(self.ctx.model, self.materialize(*self._parts(server), state["alpha"]))
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
+        """A new client before adaptation: uniform α, the point Alg. 2 starts from (= the generic model)."""
+        return self.generic_model(server)
+
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        """Alg. 2 with bases frozen: learn ψ (and, for "ft", the classifier); yield θ after each epoch."""
+        if not self.has_bases(server):
+            yield from finetune_epochs(self.ctx.model, self._sub(server, MAJOR), data, budget, generator)
+            return
+        if budget.method not in ("ft", "lp"):
+            raise ValueError(f"unknown personalization method {budget.method!r}")
+        stacked, major = self._parts(server)
+        frozen = {k: v.detach() for k, v in stacked.items()}
+        frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
+        psi = torch.zeros(len(self.groups), self.opts.K, requires_grad=True)
+        head: Tensors = {}
+        if budget.method == "ft":
+            start = self._uniform_params(server)
+            head = {k: start[k].detach().clone().requires_grad_(True) for k in self.head_param_keys}
+        opt = torch.optim.SGD([psi, *head.values()], lr=budget.lr, momentum=budget.momentum)
+        body_keys = [k for k in self.param_keys if k not in head]
+
+        def params() -> Tensors:
+            return {**combine(frozen, torch.softmax(psi, -1), self.group_of, frozen_major, body_keys), **head}
+
+        for _ in range(budget.epochs):
+            self._run(params, frozen, frozen_major, lambda: torch.softmax(psi, -1), opt, data, 1, generator,
+                      track=False, batch_size=budget.batch_size)  # fmt: skip
+            yield Predictor(self.ctx.model, self.materialize(frozen, frozen_major, torch.softmax(psi, -1), head))
+
+    # --- diagnostics -------------------------------------------------------------------------------------------
+    def client_alphas(self, state_of: Callable[[int], Tensors]) -> dict[int, Tensors]:
+        """{participated client: its state} for the clients that hold an α† (trained after the warm start)."""
+        out = {}
+        for c in self.ctx.federation.participated:
+            s = state_of(c)
+            if "alpha" in s:
+                out[c] = s
+        return out
+
+    def diagnostics(self, rnd: int, server: Tensors, state_of: Callable[[int], Tensors]) -> dict[str, Any]:
+        """Fig. 2's collapse signals: basis cosine similarity and combination entropy."""
+        if not self.has_bases(server):
+            return {"phase": "warmup"}
+        stacked, _ = self._parts(server)
+        flat = torch.stack([torch.cat([stacked[k][i].reshape(-1).float() for k in self.param_keys])
+                            for i in range(self.opts.K)])  # fmt: skip
+        per_block: dict[str, float | None] = {}
+        for b in self.ctx.model.block_names():
+            keys = [k for k in self.param_keys if self.block_of[k] == b]
+            if keys:
+                mat = torch.stack([torch.cat([stacked[k][i].reshape(-1).float() for k in keys])
+                                   for i in range(self.opts.K)])  # fmt: skip
+                per_block[b] = _round(mean_pairwise_cosine(mat))
+        states = self.client_alphas(state_of)
+        ent = [float(entropy(s["alpha_star"]).mean()) for s in states.values()]
+        sharp = [float(entropy(s["alpha"]).mean()) for s in states.values()]
+        return {
+            "phase": "bases",
+            "basis_cos": _round(mean_pairwise_cosine(flat)),
+            "basis_cos_blocks": per_block,
+            "alpha_entropy": _round(sum(ent) / len(ent)) if ent else None,
+            "alpha_sharp_entropy": _round(sum(sharp) / len(sharp)) if sharp else None,
+            "alpha_entropy_max": _round(max_entropy(self.opts.K)),
+            "alpha_clients": len(states),
+        }
+
+    def mixing_table(self, state_of: Callable[[int], Tensors]) -> tuple[list[int], list[str], torch.Tensor]:
+        """(clients ordered by domain then id, basis labels, (clients, groups, bases) mixing weights incl. v')."""
+        fed = self.ctx.federation
+        states = self.client_alphas(state_of)
+        order = sorted(states, key=lambda c: (fed.clients[c].domain, c))
+        labels = (["major"] if self.opts.major else []) + [f"b{i}" for i in range(self.opts.K)]
+        rows = []
+        for c in order:
+            w_major, w = mixing_weights(states[c]["alpha"], self.opts.major)
+            rows.append(torch.cat([torch.full((w.shape[0], 1), w_major), w], 1) if self.opts.major else w)
+        table = torch.stack(rows) if rows else torch.zeros(0, len(self.groups), len(labels))
+        return order, labels, table
+
+    def artifacts(self, server: Tensors, state_of: Callable[[int], Tensors], out_dir: Path) -> dict[str, str]:
+        """Fig. 4: the final mixing weights per client × block (major basis first), as PNG heat-map and CSV."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        if not self.has_bases(server):
+            return {}
+        order, labels, table = self.mixing_table(state_of)
+        if not order:
+            return {}
+        fed = self.ctx.federation
+        domains = [fed.clients[c].domain for c in order]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        csv_name, png_name = "fedbasis_alpha.csv", "fedbasis_alpha.png"
+        with open(out_dir / csv_name, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["client", "domain", *[f"{g}/{b}" for g in self.groups for b in labels]])
+            for i, c in enumerate(order):
+                w.writerow([c, domains[i], *[f"{v:.6f}" for v in table[i].reshape(-1).tolist()]])
+
+        n, g = len(order), len(self.groups)
+        fig = Figure(figsize=(1.5 + g * (0.35 * len(labels) + 0.9), min(2.0 + 0.22 * n, 24)))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, g, squeeze=False)[0]
+        im = None
+        ylabels = [f"c{c} d{d}" for c, d in zip(order, domains, strict=True)]
+        cuts = [i - 0.5 for i in range(1, n) if domains[i] != domains[i - 1]]
+        for j, ax in enumerate(axes):
+            im = ax.imshow(table[:, j, :].numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            ax.set_title(self.groups[j], fontsize=8)
+            ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
+            ax.set_yticks(range(n), ylabels if j == 0 else [""] * n, fontsize=6)
+            for y in cuts:
+                ax.axhline(y, color="white", lw=1)
+        fig.suptitle("FedBasis mixing weights per client and block (final α†; clients by domain, id)", fontsize=9)
+        fig.colorbar(im, ax=list(axes), label="weight in θ")
+        fig.savefig(out_dir / png_name, dpi=120)
+        return {"alpha_png": png_name, "alpha_csv": csv_name}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
