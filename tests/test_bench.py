@@ -84,3 +84,12 @@ def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):
     assert main(["bench", "-c", str(suite_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "another version of the suite" in err
+
+
+def test_report_paths_may_cross_keys_with_dots():
+    from pflbed.results.bench import _get
+
+    tree = {"new_clients": {"per_lr": {"0.005": {"last": 0.5}, "0.05": {"last": 0.7}}}, "flag": True}
+    assert _get(tree, "new_clients.per_lr.0.005.last") == 0.5
+    assert _get(tree, "new_clients.per_lr.0.05.last") == 0.7
+    assert _get(tree, "new_clients.per_lr.0.1.last") is None and _get(tree, "flag") is None

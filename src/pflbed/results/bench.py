@@ -253,12 +253,19 @@ class Bench:
 
 
 def _get(tree: dict[str, Any], dotted: str) -> float | None:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
+    """A number at a dotted path; keys may themselves contain dots (`per_lr.0.005.last`): longest match first."""
+    parts, node, i = dotted.split("."), tree, 0
+    while i < len(parts):
+        if not isinstance(node, dict):
             return None
-        node = node[part]
-    return float(node) if isinstance(node, int | float) else None
+        for j in range(len(parts), i, -1):
+            key = ".".join(parts[i:j])
+            if key in node:
+                node, i = node[key], j
+                break
+        else:
+            return None
+    return float(node) if isinstance(node, int | float) and not isinstance(node, bool) else None
 
 
 def _mean_std(vals: list[float]) -> tuple[float, float]:
