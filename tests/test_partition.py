@@ -128,3 +128,17 @@ def test_train_per_client_caps_only_the_training_split():
     for a, b in zip(full.clients, capped.clients, strict=True):
         assert len(b.train) == 30 and set(b.train.tolist()) <= set(a.train.tolist())
         assert torch.equal(a.test, b.test) and torch.equal(a.val, b.val)
+
+
+def test_public_split_is_disjoint_from_clients_and_leaves_partitions_alone_when_zero():
+    src = make_synthetic(n_train=1200, n_test=100, seed=4)
+    plain = build_federation(src, FederationConfig(clients=6), 0, use_disk_cache=False)
+    again = build_federation(src, FederationConfig(clients=6, public=0), 0, use_disk_cache=False)
+    assert all(torch.equal(a.train, b.train) for a, b in zip(plain.clients, again.clients, strict=True))
+    fed = build_federation(src, FederationConfig(clients=6, public=300), 0, use_disk_cache=False)
+    assert len(fed.public) == 300 and len(fed.public.unique()) == 300
+    held = torch.cat([torch.cat([c.train, c.val, c.test]) for c in fed.clients])
+    assert set(held.tolist()).isdisjoint(fed.public.tolist())
+    assert len(held) + 300 == 1200
+    with pytest.raises(DataError, match="federation.public"):
+        build_federation(src, FederationConfig(clients=6, public=1200), 0, use_disk_cache=False)

@@ -79,6 +79,9 @@ class FederationConfig(_Strict):
     min_size: int = Field(10, ge=1, description="minimum samples per client (partition=dirichlet)")
     sample_fraction: float = Field(1.0, gt=0, le=1, description="fraction of participated clients per round")
     new_clients: int = Field(0, ge=0, description="clients held out of training (evaluated as new clients)")
+    public: int = Field(
+        0, ge=0, description="hold out this many training-pool samples as public (unlabelled) data, held by no client"
+    )
     train_per_client: int | None = Field(
         None, ge=1, description="keep at most this many training samples per client (e.g. FedSelect's 100)"
     )

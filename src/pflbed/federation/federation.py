@@ -32,6 +32,7 @@ _PARTITION_KEYS = (
     "new_clients",
     "val_fraction",
     "train_per_client",
+    "public",
     "test_fraction",
 )
 _FORMAT = 2
@@ -60,6 +61,8 @@ class Federation:
     # PFLBED: per domain, shared class-balanced val and test sets (indices into the train pool)
     domain_val: list[torch.Tensor] = field(default_factory=list)
     domain_test: list[torch.Tensor] = field(default_factory=list)
+    # Public data (KT-pFL, FedMD, FedDF): training-pool indices no client holds; algorithms use them unlabelled.
+    public: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def num_train(self, cid: int) -> int:
         return int(self.clients[cid].train.numel())
@@ -99,14 +102,24 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
     if len(source.test) == 0:
         raise DataError(f"dataset {source.name!r} has no test split; use federation.protocol=pflbed")
     labels = source.train.y.numpy()
-    if cfg.clients > len(labels):
-        raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(labels)} samples")
+    pool, public = np.arange(len(labels)), np.zeros(0, dtype=np.int64)
+    if cfg.public:
+        if cfg.public >= len(labels):
+            raise DataError(
+                f"federation.public: {cfg.public} public samples leave none of the {len(labels)} for clients"
+            )
+        perm = np.random.default_rng([seed, 0x9B1C]).permutation(len(labels))  # own stream: clients split as before
+        public, pool = np.sort(perm[: cfg.public]), np.sort(perm[cfg.public :])
+    if cfg.clients > len(pool):
+        raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(pool)} samples")
+    pool_labels = labels[pool]
     if cfg.partition == "iid":
-        parts = partition.iid(labels, cfg.clients, rng)
+        parts = partition.iid(pool_labels, cfg.clients, rng)
     elif cfg.partition == "dirichlet":
-        parts = partition.dirichlet(labels, cfg.clients, cfg.alpha, cfg.min_size, rng)
+        parts = partition.dirichlet(pool_labels, cfg.clients, cfg.alpha, cfg.min_size, rng)
     else:
-        parts = partition.classes_per_client(labels, cfg.clients, cfg.classes_per_client, source.num_classes, rng)
+        parts = partition.classes_per_client(pool_labels, cfg.clients, cfg.classes_per_client, source.num_classes, rng)
+    parts = [pool[p] for p in parts]
     clients = []
     for cid, part in enumerate(parts):
         tr, va, te = partition.split_local(part, labels, cfg.val_fraction, cfg.test_fraction, rng)
@@ -119,7 +132,8 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
         clients.append(_client(tr, va, te, labels, source.num_classes))
     new = sorted(int(c) for c in rng.choice(cfg.clients, cfg.new_clients, replace=False))
     participated = [c for c in range(cfg.clients) if c not in set(new)]
-    return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng), source.num_classes, key)
+    return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng), source.num_classes, key,
+                      public=torch.from_numpy(public.astype(np.int64)))  # fmt: skip
 
 
 def _client(tr: np.ndarray, va: np.ndarray, te: np.ndarray, labels: np.ndarray, k: int, domain: int = 0) -> ClientSplit:
