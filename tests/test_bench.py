@@ -58,7 +58,7 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     up = other.collect()[0]["up"]
     assert up == (pytest.approx(other_summary["communication"]["up_bytes_per_round"] / 1000), 0.0)
     md = (tmp_path / "out" / "table.md").read_text().splitlines()
-    assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL |" in md
+    assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL | seeds |" in md
     assert sum("±" in line for line in md) == 4  # 3 rows of the main table + 1 of the other
     csv_lines = (tmp_path / "out" / "table.csv").read_text().splitlines()
     assert csv_lines[0] == "table,method,setting,column,mean,std,seeds,wall_s"

@@ -162,17 +162,16 @@ class Table:
 
     def markdown(self) -> str:
         rows, cols, settings = self.collect(), self.columns(), list(self.spec.settings)
-        head = ["method"] + [f"{st} {c}".strip() for st in settings for c in cols]
+        head = ["method"] + [f"{st} {c}".strip() for st in settings for c in cols] + ["seeds"]
         lines = [f"### {self.spec.title or self.name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         by = {(r["method"], r["setting"]): r for r in rows}
         for m in self.spec.methods:
             cells = [m]
             for st in settings:
-                r = by[(m, st)]
-                partial = "" if r["seeds"] == len(self.seeds) else f" ({r['seeds']}/{len(self.seeds)} seeds)"
                 for c in cols:
-                    v = r.get(c)
-                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}{partial}")
+                    v = by[(m, st)].get(c)
+                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
+            cells.append(f"{min(by[(m, st)]['seeds'] for st in settings)}/{len(self.seeds)}")
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
