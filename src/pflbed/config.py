@@ -151,6 +151,9 @@ class EvalConfig(_Strict):
 class ExecutorConfig(_Strict):
     name: Literal["loop"] = "loop"
     strict: bool = Field(False, description="round-trip every payload, reply and client state through bytes")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (default: torch's); use 1 when several runs share the machine"
+    )
 
 
 class AlgorithmConfig(BaseModel):
