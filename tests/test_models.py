@@ -124,3 +124,49 @@ def test_building_a_bn_model_leaves_initial_statistics_untouched():
             assert not v.any(), k
         elif k.endswith("running_var"):
             assert torch.equal(v, torch.ones_like(v)), k
+
+
+def test_alexnet_small_matches_the_kt_pfl_code_layout():
+    m = build_model("alexnet_small", (1, 28, 28), 10)
+    assert m.block_names() == ["conv1", "conv2", "conv3", "conv4", "conv5", "fc1", "fc2", "classifier"]
+    convs = [mod for mod in m.modules() if isinstance(mod, nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [64, 192, 384, 256, 256] and convs[0].stride == (2, 2)
+    linears = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
+    assert [(fc.in_features, fc.out_features) for fc in linears] == [(256, 4096), (4096, 4096), (4096, 10)]
+    assert sum(p.numel() for p in m.parameters()) == 20_125_386
+    m8 = build_model("alexnet_small", (1, 8, 8), 10)  # the last pool would shrink a 1×1 map: identity instead
+    assert isinstance(m8.blocks["conv5"][-1], nn.Identity) and isinstance(m.blocks["conv5"][-1], nn.MaxPool2d)
+
+
+def test_shufflenetv2_layout_and_parameter_count():
+    from pflbed.models.zoo import ShuffleUnit
+
+    m = build_model("shufflenetv2", (1, 28, 28), 10)
+    assert m.block_names() == ["stem", "stage2", "stage3", "stage4", "conv5", "pool", "classifier"]
+    assert [len(m.blocks[s]) for s in ("stage2", "stage3", "stage4")] == [4, 8, 4]
+    assert all(isinstance(u, ShuffleUnit) for s in ("stage2", "stage3", "stage4") for u in m.blocks[s])
+    assert [m.blocks[s][0].stride for s in ("stage2", "stage3", "stage4")] == [2, 2, 2]
+    stem = m.blocks["stem"][0]
+    assert stem.stride == (1, 1) and not any(isinstance(mod, nn.MaxPool2d) for mod in m.modules())
+    x = torch.zeros(2, 1, 28, 28)
+    for name in ("stem", "stage2", "stage3", "stage4"):
+        x = m.blocks[name](x)
+    assert x.shape == (2, 464, 4, 4)
+    assert sum(p.numel() for p in m.parameters()) == 1_263_422
+    assert sum(p.numel() for p in build_model("shufflenetv2", (3, 8, 8), 10).parameters()) == 1_263_854
+
+
+def test_channel_shuffle_interleaves_the_two_branches():
+    from pflbed.models.zoo import _channel_shuffle
+
+    x = torch.arange(6.0).view(1, 6, 1, 1)
+    assert _channel_shuffle(x, 2).flatten().tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (1, 8, 8)])
+def test_shufflenetv2_trains_on_a_batch_of_one(shape):
+    torch.manual_seed(0)
+    m = build_model("shufflenetv2", shape, 10)
+    loss = nn.functional.cross_entropy(m(torch.randn(1, *shape)), torch.tensor([3]))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)

@@ -201,6 +201,125 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     return BlockNet(blocks)
 
 
+# --- KT-pFL's heterogeneous zoo ----------------------------------------------------------------------------------
+def _pool_if_room(size: int) -> tuple[nn.Module, int]:
+    """A 2×2 max-pool, or the identity where the map is already 1×1 (so 8×8 inputs survive every pool)."""
+    return (nn.MaxPool2d(2), size // 2) if size >= 2 else (nn.Identity(), size)
+
+
+def alexnet_small(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """The small AlexNet of the KT-pFL code (Zhang et al., NeurIPS 2021) for 28×28 grey images.
+
+    AlexNet's five-conv/three-FC layout (Krizhevsky et al. 2012) shrunk to small inputs: conv3×3(64, stride 2) →
+    ReLU → pool → conv3×3(192) → ReLU → pool → conv3×3(384) → ReLU → conv3×3(256) → ReLU → conv3×3(256) → ReLU →
+    pool → dropout → FC 4096 → ReLU → dropout → FC 4096 → ReLU → FC classes (all convs padding 1, pools 2×2,
+    dropout 0.5). On 1×28×28 the maps are 14 → 7 → 3 → 1, so the flattened body is 256 features, as in the
+    authors' code; 20,125,386 parameters for 1 channel and 10 classes (the two 4096-wide FC layers hold 17.8 M).
+    Blocks: conv1, conv2, conv3, conv4, conv5, fc1, fc2, classifier (the head).
+
+    Deviations: the stem takes the data's channel count (the authors replicate grey images to 3 channels); a pool
+    that would shrink a 1×1 map is the identity (only inputs ≤ 8 px reach that), so tiny inputs work.
+    """
+    c, size = input_shape[0], input_shape[-1]
+    size = (size + 1) // 2  # the stride-2 stem
+    pool1, size = _pool_if_room(size)
+    pool2, size = _pool_if_room(size)
+    pool5, size = _pool_if_room(size)
+
+    def conv(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1), nn.ReLU()]
+
+    convs = [
+        ("conv1", nn.Sequential(*conv(c, 64, 2), pool1)),
+        ("conv2", nn.Sequential(*conv(64, 192), pool2)),
+        ("conv3", nn.Sequential(*conv(192, 384))),
+        ("conv4", nn.Sequential(*conv(384, 256))),
+        ("conv5", nn.Sequential(*conv(256, 256), pool5)),
+    ]
+    flat = _flat_size(nn.Sequential(*(m for _, m in convs)), input_shape)
+    return BlockNet(
+        [
+            *convs,
+            ("fc1", nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(flat, 4096), nn.ReLU())),
+            ("fc2", nn.Sequential(nn.Dropout(0.5), nn.Linear(4096, 4096), nn.ReLU())),
+            ("classifier", nn.Linear(4096, num_classes)),
+        ]
+    )
+
+
+def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Interleave the channels of `groups` groups, so the next unit's split mixes both branches' outputs."""
+    n, ch, h, w = x.shape
+    return x.view(n, groups, ch // groups, h, w).transpose(1, 2).reshape(n, ch, h, w)
+
+
+class ShuffleUnit(nn.Module):
+    """The ShuffleNet V2 building block (Ma et al., ECCV 2018, Fig. 3 (c) and (d)).
+
+    Stride 1 (c): the input's channels are split in half; one half passes unchanged, the other goes through
+    1×1 conv → BN → ReLU → depthwise 3×3 → BN → 1×1 conv → BN → ReLU; concatenate, shuffle (2 groups).
+    Stride 2 (d): no split; both branches see the whole input — left: depthwise 3×3 (stride 2) → BN → 1×1 conv →
+    BN → ReLU; right: as in (c) with the depthwise conv at stride 2 — each producing half the output channels.
+    """
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        if stride == 1 and cin != cout:
+            raise ValueError("a stride-1 ShuffleNet V2 unit keeps its channel count")
+        self.stride = stride
+        half = cout // 2
+        right_in = cin if stride == 2 else half
+
+        def dw(ch: int) -> list[nn.Module]:
+            return [nn.Conv2d(ch, ch, 3, stride=stride, padding=1, groups=ch, bias=False), SafeBatchNorm2d(ch)]
+
+        def pw(i: int, o: int) -> list[nn.Module]:
+            return [nn.Conv2d(i, o, 1, bias=False), SafeBatchNorm2d(o), nn.ReLU()]
+
+        self.left: nn.Module = nn.Sequential(*dw(cin), *pw(cin, half)) if stride == 2 else nn.Identity()
+        self.right = nn.Sequential(*pw(right_in, half), *dw(half), *pw(half, half))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stride == 1:
+            a, b = x.chunk(2, dim=1)
+            out = torch.cat([a, self.right(b)], dim=1)
+        else:
+            out = torch.cat([self.left(x), self.right(x)], dim=1)
+        return _channel_shuffle(out, 2)
+
+
+def shufflenetv2(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """ShuffleNet V2 ×1.0 (Ma et al., "ShuffleNet V2: Practical Guidelines for Efficient CNN Architecture Design",
+    ECCV 2018, Table 5), adapted to small images as in the KT-pFL code.
+
+    stem conv3×3(24) → BN → ReLU → stage2 (116 ch), stage3 (232), stage4 (464) of 4, 8, 4 `ShuffleUnit`s, the
+    first of each at stride 2 → conv5 1×1(1024) → BN → ReLU → global average pool → linear classifier. Blocks:
+    stem, stage2, stage3, stage4, conv5, pool, classifier (the head). 1,263,422 parameters for 1 channel and 10
+    classes.
+
+    Deviations (small inputs, ≤ 32 px): the stem conv has stride 1 and there is no initial max-pool (the paper's
+    224-px network downsamples 4× before stage2), so 28×28 inputs reach stage4 as 4×4 maps and 8×8 ones as 1×1;
+    the stem takes the data's channel count. Convs before BatchNorm have no bias (the paper does not say; torchvision
+    does the same).
+    """
+    c = input_shape[0]
+    widths, repeats = (116, 232, 464), (4, 8, 4)
+    blocks: list[tuple[str, nn.Module]] = [
+        ("stem", nn.Sequential(nn.Conv2d(c, 24, 3, padding=1, bias=False), SafeBatchNorm2d(24), nn.ReLU()))
+    ]
+    cin = 24
+    for i, (w, r) in enumerate(zip(widths, repeats, strict=True), start=2):
+        units = [ShuffleUnit(cin, w, 2)] + [ShuffleUnit(w, w, 1) for _ in range(r - 1)]
+        blocks.append((f"stage{i}", nn.Sequential(*units)))
+        cin = w
+    blocks += [
+        ("conv5", nn.Sequential(nn.Conv2d(cin, 1024, 1, bias=False), SafeBatchNorm2d(1024), nn.ReLU())),
+        ("pool", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())),
+        ("classifier", nn.Linear(1024, num_classes)),
+    ]
+    return BlockNet(blocks)
+
+
 MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "mlp": mlp,
     "cnn": fedavg_cnn,
@@ -208,6 +327,8 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "cnn_bn": fedavg_cnn_bn,
     "lenet5_bn": lenet5_bn,
     "resnet18": resnet18,
+    "alexnet_small": alexnet_small,
+    "shufflenetv2": shufflenetv2,
 }
 
 

@@ -1,0 +1,412 @@
+"""KT-pFL — Zhang, Guo, Ma, Wang, Xu & Wu, "Parameterized Knowledge Transfer for Personalized Federated Learning",
+NeurIPS 2021 (Definitions 3.1–3.2, Eq. 2–7, Algorithm 1; heterogeneous Table 1, homogeneous Table 2, public data
+Table 5).
+
+Idea: clients with different architectures collaborate through soft predictions on shared public data. The server
+keeps a knowledge-coefficient matrix c (N×N, learned) and gives every client a personalized target
+t_n = Σ_m c_mn·s_m, s_m = softmax(z_m / T) (Eq. 2); each client distils towards its own target (Eq. 6) besides
+training on its private data (Eq. 5); c is updated by gradient descent on
+L(c) = λ·Σ_n (D_n/D)·KL(t_n ‖ s_n) + ρ‖c − 1/N‖² with the models fixed (Eq. 4, 7).
+
+Matrix convention: stored as `W` with W[n, m] = c_mn — row n holds client n's weights over the teachers m (the
+authors' code uses rows the same way; see `distill`). Rows are kept valid weight vectors (≥ 0, sum 1).
+
+Round structure (one engine round = one configure → client_update → aggregate; nothing but tensors crosses):
+  The paper's round t is: local training → upload s_n on public batch ξ_t → server forms t_n → clients distil →
+  server updates c. It needs a second down-link inside the round, so it is pipelined across engine rounds:
+  - round r, payload to client n: its target t_n formed by the server in the aggregate of the round n last
+    replied in (r', normally r − 1), and r' itself (`batch_round`). Nothing in round 1.
+  - round r, client n: (1) distil on the public batch ξ_{r'} towards t_n (R = `distill_epochs` passes, or
+    `distill_steps` mini-batches; batch `distill_batch_size`, SGD lr `distill_lr`); (2) local CE training on its
+    data (`train.*`, E = `train.local_epochs`); (3) reply s_n = softmax(z/T) on ξ_r (eval mode).
+  - round r, aggregate: with the replies S_r, (a) t_n = Σ_m W[n, m]·s_m for every replying n, stored for n's
+    next payload; (b) the coefficient update (Eq. 7) on S_r. (`update_then_target` swaps (a) and (b).)
+  The public batch ξ_r = `public_batch` indices drawn from `federation.public` by a generator seeded from
+  (seed, 101, r), recomputed independently by server and clients; only the round number travels.
+  Per client the sequence of operations is exactly the paper's — local_1, predict_1, distil_1, local_2, … — only
+  the cut between engine rounds differs, with one consequence: the last round's distillation never runs (its
+  targets are never delivered), so the evaluated model of the final round is the one after local training.
+  Evaluation in every round sees the models after local training (as the authors' code evaluates them).
+
+Options (`algorithm.<key>`; the ones left unset come from `preset`):
+  - `preset`: "paper" (default) or "official" (the authors' code, github.com/cugzj/KT-pFL, engine_kt_pfl.py):
+        key                  paper        official
+        temperature T        10           10
+        rho ρ                0.7          0.7
+        c_grad               kl (Eq. 7)   mse (MSE of probabilities per row, no D_n/D, no λ)
+        c_step               fixed c_lr   power5 (per-row adaptive step: powers of 5 towards mean |g| ≈ 0.01)
+        c_normalize          simplex      softmax5 (rows ← softmax(5·row) after every update)
+        order                train_first  distill_first
+        epoch_ramp           false        true (E = 1, 2, … up to train.local_epochs; the code caps at 15)
+        kl_reduction         batchmean    mean (torch's element mean = batchmean / C)
+        update_then_target   false        true (targets formed with the freshly updated c)
+    The paper gives no T; 10 is the code's. ρ = 0.7: Table 4's ρ = 0.7 Fashion-MNIST entry (89.14) is the
+    default-setting result of Tables 3, 5 and 6. The code's other settings are not algorithm options: SGD lr 0.02
+    without momentum (`train.lr`), local batch 16 (`train.batch_size`), 60 rounds, distillation batch 256.
+  - `architectures` (default [lenet5, alexnet_small, resnet18, shufflenetv2], the paper's zoo): client c gets
+    architectures[⌊c·A / federation.clients⌋] — contiguous equal blocks over the client ids (20 clients, 4
+    architectures: 0–4 lenet5, 5–9 alexnet_small, …), new clients included in the id range.
+  - `homogeneous` (default false): every client uses the run's `model.name` and the parameter form below.
+  - `public_batch` (default 5000, or the whole public set if smaller; the paper's text says 3000, its Table 6 and
+    the code use 5000), `lam` λ (default 1), `c_lr` η3 (default 0.01, the paper's §5.2.2 value), `distill_epochs`
+    R (default 1), `distill_steps` (mini-batches instead of epochs), `distill_lr` η2 (default `train.lr`),
+    `distill_batch_size` (default 256, paper and code).
+
+Homogeneous KT-pFL (Table 2; the paper's Appendix C is not in the stored text, so this is an interpretation):
+  the collaborative knowledge is the parameters. The server keeps every client's last uploaded model w_m (the
+  initial model before its first upload); the payload of client n is its personalized model
+  w̄_n = Σ_m W[n, m]·w_m (integer buffers take the maximum); the client trains it locally and uploads it; the
+  server then computes s_m = softmax(z/T) of the uploaded models on ξ_r itself (the public data sits on the server,
+  as in the paper's Fig. 5 experiment) and updates W by the same rule as above. There is no distillation step.
+  The personal model is w̄_n with the latest W.
+
+Interpretations and deviations:
+  - Coefficient gradient: KL(t_n ‖ s_n) is averaged over the public samples (Eq. 2 sums them; λ = |ξ| recovers
+    the sum). It is evaluated at the uploaded predictions S_r, i.e. after local training and before distillation
+    (Eq. 7 writes s(w*) of the distilled models, which would need a third exchange per round; the authors' code
+    also uses the uploaded predictions). D_n/D are the |D_n| of the replying clients, normalized over them.
+  - Valid weights: the paper does not say how rows stay weights. `simplex`: Euclidean projection of each row onto
+    the probability simplex after the step (projected gradient descent); `softmax5`: the code's re-normalization.
+  - Partial participation (the paper's 100-client runs update "only partial elements" of c): only the block
+    W[A, A] of the replying set A changes. Its rows are rescaled to sum 1 (V = W[A, A] / mass_n), updated with the
+    uniform prior 1/|A| in the ρ term, normalized, and written back times mass_n — entries towards absent clients
+    stay, rows still sum 1, and with full participation this is exactly the rule above. Targets mix the replying
+    clients only (t_n = Σ_{m∈A} V[n, m]·s_m): absent clients have no prediction on ξ_r.
+  - `order = distill_first`: the code's round is predict → distil → local training. Pipelined, that order is the
+    same per-client sequence shifted by one exchange, so round 1 is a prediction-only exchange on the untrained
+    models (no local training); every later round is distil → local → predict. T engine rounds therefore hold
+    T − 1 local trainings: run train.rounds = the code's rounds + 1 for the same count. `epoch_ramp` counts
+    local trainings (E = min(k, train.local_epochs) at the k-th).
+  - Not reproduced from the code: the initial pre-training of every client on its private data; grey images
+    replicated to 3 channels (the zoo takes 1 channel); separately re-created optimizers are the same here
+    (plain SGD, one optimizer per phase per round). Official LeNet has no conv padding (16·4·4 features); the
+    zoo's `lenet5` pads the first conv (16·5·5).
+  - Client models: heterogeneous clients start from their own random initialization (seeded by (seed, 2, 1 + id),
+    like independently built models in the code); homogeneous ones from the run's initial model.
+  - New clients (not in the paper): the personal model of a new client is trained from scratch on its own data
+    (heterogeneous; zero-shot is None) or fine-tuned from the uniform mix (1/N, c's prior) of all local models
+    (homogeneous, which is also its zero-shot model). There is no generic model (G-FL is null).
+
+Communication: heterogeneous replies are B×C probabilities (float32) and payloads the same size — independent of
+the architectures, usually far below their parameter counts; homogeneous ones are parameters.
+
+Diagnostics: `diag.c_row_entropy` (mean row entropy of W over participated clients, nats; log N when uniform),
+`diag.c_diag` (mean self-weight W[n, n]). Artifacts: the final W as heat-map PNG and CSV, clients sorted by their
+label set (the labels holding at least 1/C of the client's training distribution).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pflbed.algorithms import distill as kd
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.training import finetune_epochs, get_params, load_params, local_sgd, weighted_mean
+from pflbed.engine import rng
+from pflbed.errors import ConfigError
+from pflbed.models import MODELS, BlockNet
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"temperature": 10.0, "rho": 0.7, "c_grad": "kl", "c_step": "fixed", "c_normalize": "simplex",
+              "order": "train_first", "epoch_ramp": False, "kl_reduction": "batchmean",
+              "update_then_target": False},
+    "official": {"temperature": 10.0, "rho": 0.7, "c_grad": "mse", "c_step": "power5", "c_normalize": "softmax5",
+                 "order": "distill_first", "epoch_ramp": True, "kl_reduction": "mean",
+                 "update_then_target": True},
+}  # fmt: skip
+DEFAULT_ARCHITECTURES = ["lenet5", "alexnet_small", "resnet18", "shufflenetv2"]
+
+
+class TransferOptions(BaseModel):
+    """Options shared by the soft-prediction family (KT-pFL and its baselines FedMD, Sim-pFL, TopK-pFL)."""
+
+    model_config = ConfigDict(extra="forbid")
+    architectures: list[str] = Field(default_factory=lambda: list(DEFAULT_ARCHITECTURES), min_length=1)
+    public_batch: int = Field(5000, ge=1, description="public samples per round (capped at the public set)")
+    temperature: float | None = Field(10.0, gt=0, description="softmax temperature T of the soft predictions")
+    order: Literal["train_first", "distill_first"] | None = Field("train_first", description="round order")
+    epoch_ramp: bool | None = Field(False, description="local epochs 1, 2, … up to train.local_epochs")
+    kl_reduction: Literal["batchmean", "mean"] | None = Field("batchmean", description="distillation KL reduction")
+    distill_epochs: int = Field(1, ge=1, description="R: passes over the public batch per distillation")
+    distill_steps: int | None = Field(None, ge=1, description="mini-batch steps instead of distill_epochs")
+    distill_lr: float | None = Field(None, gt=0, description="η2 (default train.lr)")
+    distill_batch_size: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _check_architectures(self) -> TransferOptions:
+        unknown = [a for a in self.architectures if a not in MODELS]
+        if unknown:
+            raise ValueError(f"architectures: unknown models {unknown}; known: {sorted(MODELS)}")
+        return self
+
+
+class KTpFLOptions(TransferOptions):
+    """KT-pFL options; the ones left unset take the value of `preset` (see the module docstring)."""
+
+    preset: Literal["paper", "official"] = Field("paper", description="defaults for the unset options")
+    homogeneous: bool = Field(False, description="one architecture (model.name), parameters as knowledge")
+    temperature: float | None = Field(None, gt=0, description="softmax temperature T of the soft predictions")
+    lam: float = Field(1.0, gt=0, description="λ: weight of the KL term in Eq. 4 / 7")
+    rho: float | None = Field(None, ge=0, description="ρ: pull of c towards 1/N")
+    c_lr: float = Field(0.01, gt=0, description="η3: step size of the c update (c_step=fixed)")
+    c_grad: Literal["kl", "mse"] | None = Field(None, description="kl: Eq. 7; mse: the authors' code")
+    c_step: Literal["fixed", "power5"] | None = Field(None, description="fixed c_lr, or the code's adaptive step")
+    c_normalize: Literal["simplex", "softmax5"] | None = Field(None, description="how rows stay weights")
+    order: Literal["train_first", "distill_first"] | None = Field(None, description="paper or code round order")
+    epoch_ramp: bool | None = Field(None, description="local epochs 1, 2, … up to train.local_epochs")
+    kl_reduction: Literal["batchmean", "mean"] | None = Field(None, description="distillation KL reduction")
+    update_then_target: bool | None = Field(None, description="form targets with the updated c (the code)")
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> KTpFLOptions:
+        for key, value in PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        return self
+
+
+def label_set(prior: torch.Tensor) -> tuple[int, ...]:
+    """The client's majority labels: those with at least 1/C of its training distribution (at least the top one)."""
+    c = len(prior)
+    labels = sorted(int(i) for i in torch.nonzero(prior >= 1.0 / c).flatten())
+    return tuple(labels) if labels else (int(prior.argmax()),)
+
+
+class KTpFL(Algorithm):
+    name = "ktpfl"
+    Config = KTpFLOptions
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.homogeneous = bool(getattr(self.opts, "homogeneous", False))
+        fed = ctx.federation
+        if fed.public.numel() == 0:
+            raise ConfigError(f"{self.name} needs public data: set federation.public > 0")
+        self.clients = list(fed.participated)
+        self.index = {c: i for i, c in enumerate(self.clients)}
+        self.n_total = len(fed.clients)
+        self.models: dict[str, BlockNet] = {ctx.cfg.model.name: ctx.model}
+        if not self.homogeneous:
+            for a in self.opts.architectures:
+                if a not in self.models:
+                    self.models[a] = ctx.new_model(a)
+
+    # --- helpers ---------------------------------------------------------------------------------------------
+    def arch_of(self, cid: int) -> str:
+        """Contiguous equal blocks of client ids per architecture (documented in the module docstring)."""
+        if self.homogeneous:
+            return self.ctx.cfg.model.name
+        archs = self.opts.architectures
+        return archs[cid * len(archs) // self.n_total]
+
+    def _fresh_params(self, cid: int) -> Tensors:
+        """A new random initialization of client `cid`'s architecture, seeded by the client id alone."""
+        model = self.models[self.arch_of(cid)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.derive_seed(self.ctx.seed, rng.INIT, 1 + cid))
+            for m in model.modules():
+                if m is not model and hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        return get_params(model)
+
+    def _public_x(self, rnd: int) -> torch.Tensor:
+        idx = kd.public_batch(self.ctx.federation.public, self.opts.public_batch, self.ctx.seed, rnd)
+        return self.ctx.source.train.x[idx]
+
+    def _local(self, server: Tensors, c: int) -> Tensors:
+        """Homogeneous: client c's last uploaded model (the initial model before its first upload)."""
+        prefix = f"local/{c}/"
+        return {k: server.get(prefix + k, v) for k, v in self.ctx.initial_params.items()}
+
+    def _mixed(self, server: Tensors, weights: torch.Tensor) -> Tensors:
+        """Homogeneous: Σ_m weights[m]·w_m over the participated clients."""
+        models = {c: self._local(server, c) for c in self.clients}
+        return weighted_mean(models, {c: float(weights[self.index[c]]) for c in self.clients})
+
+    def _epochs(self, rnd: int) -> int:
+        """Local epochs of this round: train.local_epochs, or the ramp min(k, E) at the k-th local training."""
+        e = self.ctx.cfg.train.local_epochs
+        k = rnd - (1 if self.opts.order == "distill_first" and not self.homogeneous else 0)
+        return min(k, e) if self.opts.epoch_ramp else e
+
+    def _normalize(self, V: torch.Tensor) -> torch.Tensor:
+        if self.opts.c_normalize == "softmax5":
+            return F.softmax(5.0 * V, dim=1)
+        return kd.project_rows_to_simplex(V)
+
+    def update_coefficients(self, V: torch.Tensor, S: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One c step (Eq. 7, or the code's variant) on row-stochastic V with predictions S (|A|, B, C)."""
+        o = self.opts
+        if o.c_grad == "kl":
+            G = kd.coefficient_grad(V, S, weights, o.lam, o.rho, 1.0 / V.shape[0])
+        else:
+            G = kd.mse_coefficient_grad(V, S, o.rho)
+        if o.c_step == "power5":
+            steps = torch.tensor([kd.power5_step(g) for g in G], dtype=V.dtype)[:, None]
+        else:
+            steps = torch.full((V.shape[0], 1), o.c_lr, dtype=V.dtype)
+        return self._normalize(V - steps * G)
+
+    def mixing(self, V: torch.Tensor, S: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets of the replying clients, their coefficient block after this round) from predictions S.
+
+        KT-pFL: targets with the current c, then the c step (or the reverse with `update_then_target`).
+        The baselines (FedMD, Sim-pFL, TopK-pFL) override this with their fixed mixing rules.
+        """
+        if self.opts.update_then_target:
+            V = self.update_coefficients(V, S, weights)
+            return kd.mix(V, S), V
+        return kd.mix(V, S), self.update_coefficients(V, S, weights)
+
+    # --- federation ------------------------------------------------------------------------------------------
+    def init_server(self) -> Tensors:
+        n = len(self.clients)
+        return {"W": torch.full((n, n), 1.0 / n, dtype=torch.float64)}
+
+    def init_client(self, cid: int) -> Tensors:
+        state: Tensors = {"cid": torch.tensor(cid)}
+        if not self.homogeneous:
+            state.update({f"w/{k}": v for k, v in self._fresh_params(cid).items()})
+        return state
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        if self.homogeneous:
+            return {c: self._mixed(server, server["W"][self.index[c]]) for c in cids}
+        payloads: dict[int, Tensors] = {}
+        for c in cids:
+            payloads[c] = {}
+            if f"t/{c}" in server:
+                payloads[c] = {"targets": server[f"t/{c}"], "batch_round": server[f"r/{c}"]}
+        return payloads
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        o, t = self.opts, self.ctx.cfg.train
+        model = self.models[self.arch_of(data.cid)]
+        sgd = dict(batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+                   generator=cctx.generator)  # fmt: skip
+        if self.homogeneous:
+            load_params(model, payload)
+            local_sgd(model, data, epochs=self._epochs(cctx.rnd), **sgd)
+            return get_params(model), {"cid": state["cid"]}
+
+        load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
+        if "targets" in payload:  # step ⑤ of the round in which this client last replied
+            kd.distill(model, self._public_x(int(payload["batch_round"])), payload["targets"].float(),
+                       epochs=o.distill_epochs, steps=o.distill_steps, batch_size=o.distill_batch_size,
+                       lr=o.distill_lr or t.lr, temperature=o.temperature, generator=cctx.generator,
+                       reduction=o.kl_reduction)  # fmt: skip
+        if not (o.order == "distill_first" and cctx.rnd == 1):  # distill_first: round 1 only predicts
+            local_sgd(model, data, epochs=self._epochs(cctx.rnd), **sgd)
+        s = kd.soft_predictions(model, self._public_x(cctx.rnd), o.temperature)
+        new_state = {"cid": state["cid"], **{f"w/{k}": v for k, v in get_params(model).items()}}
+        return {"s": s}, new_state
+
+    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
+        cids = sorted(replies)
+        out = dict(server)
+        if self.homogeneous:
+            model, x = self.ctx.model, self._public_x(rnd)
+            preds = []
+            for c in cids:
+                for k, v in replies[c].items():
+                    out[f"local/{c}/{k}"] = v
+                load_params(model, replies[c])
+                preds.append(kd.soft_predictions(model, x, self.opts.temperature))
+            S = torch.stack(preds).double()
+        else:
+            S = torch.stack([replies[c]["s"] for c in cids]).double()
+        idx = torch.tensor([self.index[c] for c in cids])
+        W = server["W"].clone()
+        block = W[idx][:, idx]
+        mass = block.sum(1, keepdim=True)
+        V = block / mass
+        w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64)
+        w = w / w.sum()
+        targets, V = self.mixing(V, S, w)
+        W[idx[:, None], idx[None, :]] = mass * V
+        out["W"] = W
+        if not self.homogeneous:
+            for i, c in enumerate(cids):
+                out[f"t/{c}"] = targets[i].float()
+                out[f"r/{c}"] = torch.tensor(rnd)
+        return out
+
+    # --- evaluation ------------------------------------------------------------------------------------------
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        cid = int(state["cid"])
+        if self.homogeneous:
+            return Predictor(self.ctx.model, self._mixed(server, server["W"][self.index[cid]]))
+        params = {k[2:]: v for k, v in state.items() if k.startswith("w/")}
+        return Predictor(self.models[self.arch_of(cid)], params)
+
+    def _uniform(self, server: Tensors) -> Tensors:
+        return self._mixed(server, torch.full((len(self.clients),), 1.0 / len(self.clients)))
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
+        """Homogeneous: the uniform mix (c's prior row); heterogeneous: none (an untrained model)."""
+        return Predictor(self.ctx.model, self._uniform(server)) if self.homogeneous else None
+
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        """A new client: from the uniform mix (homogeneous) or from scratch on its architecture (heterogeneous)."""
+        if self.homogeneous:
+            yield from finetune_epochs(self.ctx.model, self._uniform(server), data, budget, generator)
+        else:
+            start = self._fresh_params(data.cid)
+            yield from finetune_epochs(self.models[self.arch_of(data.cid)], start, data, budget, generator)
+
+    # --- diagnostics -----------------------------------------------------------------------------------------
+    def diagnostics(self, rnd: int, server: Tensors, state_of: Callable[[int], Tensors]) -> dict[str, Any]:
+        W = server["W"]
+        return {
+            "c_row_entropy": round(float(kd.row_entropy(W).mean()), 6),
+            "c_row_entropy_uniform": round(math.log(W.shape[0]), 6),
+            "c_diag": round(float(W.diagonal().mean()), 6),
+        }
+
+    def artifacts(self, server: Tensors, state_of: Callable[[int], Tensors], out_dir: Path) -> dict[str, str]:
+        """The final coefficient matrix, clients sorted by label set (heat-map PNG + CSV)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fed = self.ctx.federation
+        order = sorted(self.clients, key=lambda c: (label_set(fed.clients[c].prior), c))
+        pos = torch.tensor([self.index[c] for c in order])
+        mat = server["W"][pos][:, pos]
+        names = [f"c{c} ({self.arch_of(c)}): {','.join(map(str, label_set(fed.clients[c].prior)))}" for c in order]
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        csv_name, png_name = f"{self.name}_coefficients.csv", f"{self.name}_coefficients.png"
+        with open(out_dir / csv_name, "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(["student \\ teacher", "architecture", "labels", *[f"c{c}" for c in order]])
+            for i, c in enumerate(order):
+                labels = " ".join(map(str, label_set(fed.clients[c].prior)))
+                wr.writerow([f"c{c}", self.arch_of(c), labels, *[f"{v:.6f}" for v in mat[i].tolist()]])
+
+        n = len(order)
+        side = min(4 + 0.35 * n, 24)
+        fig = Figure(figsize=(side + 1.5, side))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        im = ax.imshow(mat.numpy(), cmap="viridis")
+        ax.set_xticks(range(n), names, rotation=90, fontsize=7)
+        ax.set_yticks(range(n), names, fontsize=7)
+        ax.set_xlabel("teacher m")
+        ax.set_ylabel("student n")
+        ax.set_title(f"{self.name}: mixing weights W[n, m] (final)\nclients sorted by label set", fontsize=9)
+        fig.colorbar(im, ax=ax, label="weight")
+        fig.tight_layout()
+        fig.savefig(out_dir / png_name, dpi=120)
+        return {"coefficients_png": png_name, "coefficients_csv": csv_name}
