@@ -29,7 +29,7 @@ Round structure (one engine round = one configure → client_update → aggregat
   Evaluation in every round sees the models after local training (as the authors' code evaluates them).
 
 Options (`algorithm.<key>`; the ones left unset come from `preset`):
-  - `preset`: "paper" (default) or "official" (the authors' code, github.com/cugzj/KT-pFL, engine_kt_pfl.py):
+  - `preset`: "paper" (default) or "official" (the authors' official code, engine_kt_pfl.py):
         key                  paper        official
         temperature T        10           10
         rho ρ                0.7          0.7
