@@ -93,3 +93,12 @@ def test_report_paths_may_cross_keys_with_dots():
     assert _get(tree, "new_clients.per_lr.0.005.last") == 0.5
     assert _get(tree, "new_clients.per_lr.0.05.last") == 0.7
     assert _get(tree, "new_clients.per_lr.0.1.last") is None and _get(tree, "flag") is None
+
+
+def test_shards_split_the_cells_without_overlap(suite_file, capsys):
+    bench = Bench(load_suite(suite_file))
+    ran = [bench.run(max_cells=None, log=lambda _: None, shard=(k, 3)) for k in (1, 2, 3)]
+    assert ran == [3, 3, 3] and bench.pending() == []
+    with pytest.raises(SystemExit):
+        main(["bench", "-c", str(suite_file), "--shard", "3/2"])
+    assert "argument --shard: need 1 <= I <= N" in capsys.readouterr().err

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
     b.add_argument("-c", "--config", required=True, help="suite YAML file")
     b.add_argument("--max-cells", type=int, help="run at most N unfinished cells, then write the tables")
+    b.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
+                   help="run only every N-th cell starting at the I-th (start N processes, shards 1/N … N/N)")
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
     d = sub.add_parser("data", help="datasets")
@@ -39,6 +41,16 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--png", type=Path, default=Path("partition.png"), help="show: heat-map file")
     return p
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 1/2, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"need 1 <= I <= N, got {text!r}")
+    return i, n
 
 
 def _cmd_run(args: argparse.Namespace) -> None:
@@ -71,7 +83,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
     if not args.table_only:
-        bench.run(args.max_cells, log=console.print)
+        bench.run(args.max_cells, log=console.print, shard=args.shard)
     md, cs = bench.write_tables()
     console.print(md.read_text())
     left = len(bench.pending())

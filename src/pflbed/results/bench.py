@@ -210,17 +210,23 @@ class Bench:
                 out.append(saved.parent)
         return out
 
-    def run(self, max_cells: int | None = None, log=print) -> int:
-        """Run the unfinished cells (at most `max_cells`); returns how many ran."""
+    def run(self, max_cells: int | None = None, log=print, shard: tuple[int, int] = (1, 1)) -> int:
+        """Run the unfinished cells (at most `max_cells`); returns how many ran.
+
+        `shard` = (i, n) runs only the cells whose position in the suite is i-1 modulo n, so n processes started
+        with shards 1/n … n/n share a suite without running a cell twice (each cell has its own run directory).
+        """
         from pflbed.engine.loop import run as run_one
 
         stale = self.stale()
         if stale:
             raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
                               "delete them (or restore the suite) and re-run")  # fmt: skip
-        todo = self.pending()
+        i_shard, n_shard = shard
+        position = {(t.name, c): k for k, (t, c) in enumerate(self.cells())}
+        todo = [(t, c) for t, c in self.pending() if position[(t.name, c)] % n_shard == i_shard - 1]
         configs = {(t.name, c): t.cell_config(*c) for t, c in todo}  # validate every cell before running any
-        total, done = len(self.cells()), len(self.cells()) - len(todo)
+        total, done = len(self.cells()), len(self.cells()) - len(self.pending())
         todo = todo[:max_cells] if max_cells is not None else todo
         for i, (table, cell) in enumerate(todo):
             setting, method, seed = cell
