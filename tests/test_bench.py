@@ -26,7 +26,8 @@ SUITE = {
     "tables": {"main": TABLE, "other": {"base": {"federation": {"clients": 4}}, "seeds": [3],
                                         "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}},
                                         "report": {"up": "communication.up_bytes_per_round"},
-                                        "column_scale": {"up": 0.001}}},
+                                        "column_scale": {"up": 0.001}},
+               "reuse": {"settings": {"a5": {}}, "methods": {"Local": {"same_as": "main/Local"}}}},
 }  # fmt: skip
 
 
@@ -42,7 +43,7 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     assert len(bench.cells()) == 9  # 2 settings × 2 methods with runs × 2 seeds (FedAvg+FT reuses FedAvg), + 1
     assert main(["bench", "-c", str(suite_file), "--max-cells", "3"]) == 0
     assert len(bench.pending()) == 6 and "6 cells still to run" in " ".join(capsys.readouterr().out.split())
-    main_t, other = bench.tables
+    main_t, other, reuse = bench.tables
     first = main_t.run_dir("a0.5", "FedAvg", 0) / "summary.json"
     stamp = first.stat().st_mtime_ns
     assert main(["bench", "-c", str(suite_file)]) == 0
@@ -53,16 +54,17 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     mean_ft = 100 * (s[0]["final"]["ft"]["pfl_acc"] + s[1]["final"]["ft"]["pfl_acc"]) / 2
     assert rows[("FedAvg+FT", "a5")]["P-FL"][0] == pytest.approx(mean_ft)
     assert rows[("FedAvg+FT", "a5")]["G-FL"] is None and rows[("Local", "a5")]["G-FL"] is None
+    assert reuse.collect()[0]["P-FL"] == rows[("Local", "a5")]["P-FL"]  # another table's runs, not new ones
     other_summary = json.loads((other.run_dir("", "FedAvg", 3) / "summary.json").read_text())
     assert other_summary["clients"]["participated"] == 4
     up = other.collect()[0]["up"]
     assert up == (pytest.approx(other_summary["communication"]["up_bytes_per_round"] / 1000), 0.0)
     md = (tmp_path / "out" / "table.md").read_text().splitlines()
     assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL | seeds |" in md
-    assert sum("±" in line for line in md) == 4  # 3 rows of the main table + 1 of the other
+    assert sum("±" in line for line in md) == 5  # 3 rows of the main table + 1 of each other table
     csv_lines = (tmp_path / "out" / "table.csv").read_text().splitlines()
     assert csv_lines[0] == "table,method,setting,column,mean,std,seeds,wall_s"
-    assert len(csv_lines) == 1 + 3 * 2 * 2 + 1
+    assert len(csv_lines) == 1 + 3 * 2 * 2 + 1 + 2
 
 
 def test_bad_suites_are_one_line_errors(tmp_path, capsys):
@@ -70,6 +72,9 @@ def test_bad_suites_are_one_line_errors(tmp_path, capsys):
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "Nope"}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     assert "same_as" in capsys.readouterr().err
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "nope/FedAvg"}}}}}))
+    assert main(["bench", "-c", str(bad)]) == 2
+    assert "no table 'nope'" in capsys.readouterr().err
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"set": {"train.epochs": 3}}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     err = capsys.readouterr().err.strip()

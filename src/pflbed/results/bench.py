@@ -5,7 +5,7 @@ settings (column groups, e.g. Dir(0.3) vs Dir(0.1)) and methods (rows). Every ce
 under `<out>/runs/<table>/<setting>/<method>/seed<k>`, so a suite is resumable for free: finished cells (with
 `summary.json`) are skipped, an interrupted cell continues from its checkpoint, and `--max-cells` runs a bounded
 chunk. A method may reuse another's runs and report other fields (FedAvg+FT is FedAvg's run, reported from
-`final.ft.pfl_acc`).
+`final.ft.pfl_acc`), also another table's (`same_as: <table>/<method>`, for the settings both tables have).
 
     name: fmnist
     base: {dataset: {name: fmnist}, train: {rounds: 50}}        # any run config keys
@@ -40,7 +40,7 @@ from pflbed.errors import ConfigError, PflbedError
 class MethodSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
-    same_as: str | None = Field(None, description="reuse another method's runs")
+    same_as: str | None = Field(None, description="reuse another method's runs ('<table>/<method>': another table's)")
     report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
 
 
@@ -58,7 +58,8 @@ class TableSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TableSpec:
         for m, spec in self.methods.items():
-            if spec.same_as is not None and (spec.same_as not in self.methods or self.methods[spec.same_as].same_as):
+            local = spec.same_as is not None and "/" not in spec.same_as  # other tables: checked by the suite
+            if local and (spec.same_as not in self.methods or self.methods[spec.same_as].same_as):
                 raise ValueError(f"methods.{m}.same_as: must name a method that has its own runs")
             if spec.same_as is not None and spec.set:
                 raise ValueError(f"methods.{m}: give either set or same_as")
@@ -72,6 +73,21 @@ class Suite(BaseModel):
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     tables: dict[str, TableSpec] = Field(min_length=1)
     out: str | None = Field(None, description="results directory (default benchmarks/results/<name>)")
+
+    @model_validator(mode="after")
+    def _check(self) -> Suite:
+        for name, t in self.tables.items():
+            for m, spec in t.methods.items():
+                if spec.same_as is None or "/" not in spec.same_as:
+                    continue
+                other, method = spec.same_as.split("/", 1)
+                o = self.tables.get(other)
+                if o is None or method not in o.methods or o.methods[method].same_as is not None:
+                    raise ValueError(f"tables.{name}.methods.{m}.same_as: no table {other!r} with a method "
+                                     f"{method!r} that has its own runs")  # fmt: skip
+                if not set(t.settings) <= set(o.settings):
+                    raise ValueError(f"tables.{name}.methods.{m}.same_as: table {other!r} lacks some settings")
+        return self
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -122,8 +138,8 @@ class Table:
             where = f"table {self.name}, {setting or 'default'} / {method} / seed {seed}"
             raise ConfigError(f"{where}: {e}") from None
 
-    def run_dir(self, setting: str, method: str, seed: int) -> Path:
-        return self.out / "runs" / _slug(self.name) / _slug(setting) / _slug(method) / f"seed{seed}"
+    def run_dir(self, setting: str, method: str, seed: int, table: str | None = None) -> Path:
+        return self.out / "runs" / _slug(table or self.name) / _slug(setting) / _slug(method) / f"seed{seed}"
 
     def cells(self) -> list[tuple[str, str, int]]:
         """Cells with their own runs, seed-major: a partly run suite already has whole tables for its first seeds."""
@@ -136,12 +152,12 @@ class Table:
         s = self.spec
         rows = []
         for m, spec in s.methods.items():
-            source = spec.same_as or m
+            table, _, source = (spec.same_as or m).rpartition("/")
             report = {**s.report, **(spec.report or {})}
             for st in s.settings:
                 summaries = []
                 for seed in self.seeds:
-                    f = self.run_dir(st, source, seed) / "summary.json"
+                    f = self.run_dir(st, source, seed, table or None) / "summary.json"
                     if f.exists():
                         summaries.append(json.loads(f.read_text()))
                 row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries)}

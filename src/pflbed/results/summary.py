@@ -32,6 +32,8 @@ def build_summary(
     final = {k: last.get(k) for k in ("gfl_acc", "gfl_val", *_PFL_KEYS)}
     for method, stats in finetuned.items():
         final[method] = {k: stats.get(k) for k in _PFL_KEYS}
+    if "diag" in last:  # the algorithm's own diagnostics at the final round (e.g. FedBasis's collapse signals)
+        final["diag"] = last["diag"]
     return {
         "pflbed_version": pflbed.__version__,
         "algorithm": cfg.algorithm.name,
