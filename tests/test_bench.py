@@ -75,6 +75,10 @@ def test_bad_suites_are_one_line_errors(tmp_path, capsys):
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "nope/FedAvg"}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     assert "no table 'nope'" in capsys.readouterr().err
+    clash = {"A ✓": {"set": {"algorithm.name": "fedavg"}}, "A ✗": {"set": {"algorithm.name": "local"}}}
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": clash}}}))
+    assert main(["bench", "-c", str(bad)]) == 2
+    assert "would share the run directory 'A'" in capsys.readouterr().err
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"set": {"train.epochs": 3}}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     err = capsys.readouterr().err.strip()

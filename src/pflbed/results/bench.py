@@ -63,6 +63,13 @@ class TableSpec(BaseModel):
                 raise ValueError(f"methods.{m}.same_as: must name a method that has its own runs")
             if spec.same_as is not None and spec.set:
                 raise ValueError(f"methods.{m}: give either set or same_as")
+        for kind, names in (("methods", list(self.methods)), ("settings", list(self.settings))):
+            dirs: dict[str, str] = {}
+            for n in names:
+                if _slug(n) in dirs:
+                    raise ValueError(f"{kind} {dirs[_slug(n)]!r} and {n!r} would share the run directory "
+                                     f"{_slug(n)!r}; rename one")  # fmt: skip
+                dirs[_slug(n)] = n
         return self
 
 
