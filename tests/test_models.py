@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from pflbed.models import MODELS, BlockNet, build_model
+from pflbed.models import MODELS, BlockNet, build_model, zoo
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -170,3 +170,17 @@ def test_shufflenetv2_trains_on_a_batch_of_one(shape):
     loss = nn.functional.cross_entropy(m(torch.randn(1, *shape)), torch.tensor([3]))
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_reduced_width_variants_scale_every_layer():
+    """The CPU-budget variants of KT-pFL's zoo: same depth and blocks, narrower layers."""
+    for full, narrow, first in (("resnet18", "resnet18_x025", 16), ("alexnet_small", "alexnet_small_x025", 16),
+                                ("shufflenetv2", "shufflenetv2_x05", 24)):  # fmt: skip
+        a, b = build_model(full, (1, 28, 28), 10), build_model(narrow, (1, 28, 28), 10)
+        assert a.block_names() == b.block_names()
+        assert b.blocks[b.block_names()[0]][0].out_channels == first
+        assert sum(p.numel() for p in b.parameters()) < sum(p.numel() for p in a.parameters()) / 3
+    assert build_model("shufflenetv2_x05", (1, 28, 28), 10).blocks["stage4"][0].right[-2].num_features == 96
+    assert build_model("alexnet_small_x025", (1, 28, 28), 10).blocks["classifier"].in_features == 1024
+    with pytest.raises(ValueError, match="width 1.0 or 0.5"):
+        zoo.shufflenetv2((1, 28, 28), 10, width=0.3)

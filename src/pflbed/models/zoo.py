@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +174,7 @@ class BasicBlock(nn.Module):
         return torch.relu(out + self.shortcut(x))
 
 
-def resnet18(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+def resnet18(input_shape: tuple[int, ...], num_classes: int, width: float = 1.0) -> BlockNet:
     """ResNet-18, CIFAR variant (He et al., "Deep Residual Learning for Image Recognition", CVPR 2016, §4.2).
 
     stem conv3×3(64, stride 1) → BN → ReLU (no max-pool) → layer1..layer4, two `BasicBlock`s each, with
@@ -184,13 +185,15 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     Deviations: the stem takes the data's channel count (1 for grey images) instead of 3; the paper's CIFAR
     networks are the 6n+2 family, and this ImageNet-depth ResNet-18 with a CIFAR stem is the common adaptation.
     Any input size works: stride 2 with padding 1 maps 1×1 to 1×1, so 8×8 inputs reach layer4 as 1×1 maps.
+    `width` multiplies every channel count (`resnet18_x025`: 16/32/64/128, 1/16 of the compute, for CPU budgets).
     """
     c = input_shape[0]
-    widths, strides = (64, 128, 256, 512), (1, 2, 2, 2)
+    widths, strides = tuple(_scaled(w, width) for w in (64, 128, 256, 512)), (1, 2, 2, 2)
     blocks: list[tuple[str, nn.Module]] = [
-        ("stem", nn.Sequential(nn.Conv2d(c, 64, 3, padding=1, bias=False), SafeBatchNorm2d(64), nn.ReLU()))
+        ("stem", nn.Sequential(nn.Conv2d(c, widths[0], 3, padding=1, bias=False), SafeBatchNorm2d(widths[0]),
+                               nn.ReLU()))  # fmt: skip
     ]
-    cin = 64
+    cin = widths[0]
     for i, (w, s) in enumerate(zip(widths, strides, strict=True), start=1):
         blocks.append((f"layer{i}", nn.Sequential(BasicBlock(cin, w, s), BasicBlock(w, w, 1))))
         cin = w
@@ -207,7 +210,7 @@ def _pool_if_room(size: int) -> tuple[nn.Module, int]:
     return (nn.MaxPool2d(2), size // 2) if size >= 2 else (nn.Identity(), size)
 
 
-def alexnet_small(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+def alexnet_small(input_shape: tuple[int, ...], num_classes: int, width: float = 1.0) -> BlockNet:
     """The small AlexNet of the KT-pFL code (Zhang et al., NeurIPS 2021) for 28×28 grey images.
 
     AlexNet's five-conv/three-FC layout (Krizhevsky et al. 2012) shrunk to small inputs: conv3×3(64, stride 2) →
@@ -219,8 +222,11 @@ def alexnet_small(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
 
     Deviations: the stem takes the data's channel count (the authors replicate grey images to 3 channels); a pool
     that would shrink a 1×1 map is the identity (only inputs ≤ 8 px reach that), so tiny inputs work.
+    `width` multiplies every conv and FC width (`alexnet_small_x025`: 16/48/96/64/64 channels, FC 1024).
     """
     c, size = input_shape[0], input_shape[-1]
+    ch = [_scaled(w, width) for w in (64, 192, 384, 256, 256)]
+    fc = _scaled(4096, width)
     size = (size + 1) // 2  # the stride-2 stem
     pool1, size = _pool_if_room(size)
     pool2, size = _pool_if_room(size)
@@ -230,19 +236,19 @@ def alexnet_small(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
         return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1), nn.ReLU()]
 
     convs = [
-        ("conv1", nn.Sequential(*conv(c, 64, 2), pool1)),
-        ("conv2", nn.Sequential(*conv(64, 192), pool2)),
-        ("conv3", nn.Sequential(*conv(192, 384))),
-        ("conv4", nn.Sequential(*conv(384, 256))),
-        ("conv5", nn.Sequential(*conv(256, 256), pool5)),
+        ("conv1", nn.Sequential(*conv(c, ch[0], 2), pool1)),
+        ("conv2", nn.Sequential(*conv(ch[0], ch[1]), pool2)),
+        ("conv3", nn.Sequential(*conv(ch[1], ch[2]))),
+        ("conv4", nn.Sequential(*conv(ch[2], ch[3]))),
+        ("conv5", nn.Sequential(*conv(ch[3], ch[4]), pool5)),
     ]
     flat = _flat_size(nn.Sequential(*(m for _, m in convs)), input_shape)
     return BlockNet(
         [
             *convs,
-            ("fc1", nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(flat, 4096), nn.ReLU())),
-            ("fc2", nn.Sequential(nn.Dropout(0.5), nn.Linear(4096, 4096), nn.ReLU())),
-            ("classifier", nn.Linear(4096, num_classes)),
+            ("fc1", nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(flat, fc), nn.ReLU())),
+            ("fc2", nn.Sequential(nn.Dropout(0.5), nn.Linear(fc, fc), nn.ReLU())),
+            ("classifier", nn.Linear(fc, num_classes)),
         ]
     )
 
@@ -288,7 +294,7 @@ class ShuffleUnit(nn.Module):
         return _channel_shuffle(out, 2)
 
 
-def shufflenetv2(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+def shufflenetv2(input_shape: tuple[int, ...], num_classes: int, width: float = 1.0) -> BlockNet:
     """ShuffleNet V2 ×1.0 (Ma et al., "ShuffleNet V2: Practical Guidelines for Efficient CNN Architecture Design",
     ECCV 2018, Table 5), adapted to small images as in the KT-pFL code.
 
@@ -300,10 +306,13 @@ def shufflenetv2(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     Deviations (small inputs, ≤ 32 px): the stem conv has stride 1 and there is no initial max-pool (the paper's
     224-px network downsamples 4× before stage2), so 28×28 inputs reach stage4 as 4×4 maps and 8×8 ones as 1×1;
     the stem takes the data's channel count. Convs before BatchNorm have no bias (the paper does not say; torchvision
-    does the same).
+    does the same). `width` = 0.5 is the paper's ShuffleNet V2 ×0.5 (stages 48/96/192, conv5 still 1024).
     """
     c = input_shape[0]
-    widths, repeats = (116, 232, 464), (4, 8, 4)
+    widths = {1.0: (116, 232, 464), 0.5: (48, 96, 192)}.get(width)
+    if widths is None:
+        raise ValueError("shufflenetv2: width 1.0 or 0.5 (the paper's ×1.0 / ×0.5)")
+    repeats = (4, 8, 4)
     blocks: list[tuple[str, nn.Module]] = [
         ("stem", nn.Sequential(nn.Conv2d(c, 24, 3, padding=1, bias=False), SafeBatchNorm2d(24), nn.ReLU()))
     ]
@@ -320,6 +329,10 @@ def shufflenetv2(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     return BlockNet(blocks)
 
 
+def _scaled(channels: int, width: float) -> int:
+    return max(1, round(channels * width))
+
+
 MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "mlp": mlp,
     "cnn": fedavg_cnn,
@@ -329,6 +342,10 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "resnet18": resnet18,
     "alexnet_small": alexnet_small,
     "shufflenetv2": shufflenetv2,
+    # reduced-width variants of KT-pFL's zoo, for heterogeneous federations on CPU budgets
+    "resnet18_x025": partial(resnet18, width=0.25),
+    "alexnet_small_x025": partial(alexnet_small, width=0.25),
+    "shufflenetv2_x05": partial(shufflenetv2, width=0.5),
 }
 
 
