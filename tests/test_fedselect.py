@@ -269,6 +269,10 @@ def test_end_to_end_learns_writes_iou_artifacts_and_diagnostics(tmp_path):
     assert all("personal_fraction" in rec["diag"] for rec in lines)
     frac = lines[-1]["diag"]["personal_fraction"]
     assert set(frac) == {"fc1", "fc2", "classifier", "all", "eligible"} and 0 < frac["all"] < 1
+    clients = lines[-1]["diag"]["personal_fraction_clients"]  # per client and layer; their mean is the summary
+    assert set(clients) == {str(c) for c in res.executor.algo.ctx.federation.participated}
+    for b, v in frac.items():
+        assert sum(f[b] for f in clients.values()) / len(clients) == pytest.approx(v, abs=1e-5)
     png, csv_ = (tmp_path / "run" / res.summary["artifacts"][k] for k in ("mask_iou_png", "mask_iou_csv"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = csv_.read_text().splitlines()

@@ -100,7 +100,8 @@ Interpretations and deviations:
     off); the paper's algorithm is that code with `--invert`, which is what the "official" preset follows.
 
 Diagnostics: per evaluation, the mean over participated clients of the personal fraction of each block's parameter
-entries, of all parameters and of the eligible entries (`diag.personal_fraction`). Artifacts: the final mask IoU
+entries, of all parameters and of the eligible entries (`diag.personal_fraction`), and the same fractions for every
+client (`diag.personal_fraction_clients`, keyed by client id): metrics.jsonl holds them round by round. Artifacts: the final mask IoU
 between clients for the classifier (the head blocks' eligible tensors), clients sorted by their majority class
 (paper Fig. 4), as a heat-map PNG and a CSV.
 """
@@ -403,16 +404,20 @@ class FedSelect(Algorithm):
         total = sum(size.values())
         n_eligible = sum(self.shapes[k].numel() for k in self.eligible)
         sums = dict.fromkeys([*size, "all", "eligible"], 0.0)
+        per_client: dict[str, dict[str, float]] = {}
         for c in clients:
             counts = self.personal_counts(state_of(c))
             per_block = dict.fromkeys(size, 0)
             for k, n in counts.items():
                 per_block[self.block_of[k]] += n
-            for b, n in per_block.items():
-                sums[b] += n / max(size[b], 1)
-            sums["all"] += sum(counts.values()) / max(total, 1)
-            sums["eligible"] += sum(counts.values()) / max(n_eligible, 1)
-        return {"personal_fraction": {b: round(s / max(len(clients), 1), 6) for b, s in sums.items()}}
+            frac = {b: n / max(size[b], 1) for b, n in per_block.items()}
+            frac["all"] = sum(counts.values()) / max(total, 1)
+            frac["eligible"] = sum(counts.values()) / max(n_eligible, 1)
+            per_client[str(c)] = {b: round(v, 6) for b, v in frac.items()}
+            for b, v in frac.items():
+                sums[b] += v
+        return {"personal_fraction": {b: round(s / max(len(clients), 1), 6) for b, s in sums.items()},
+                "personal_fraction_clients": per_client}  # fmt: skip
 
     def iou_keys(self) -> list[str]:
         """The tensors of the "classifier layer" for the IoU plot: the head blocks' eligible tensors, or (under a
