@@ -101,9 +101,9 @@ Interpretations and deviations:
 
 Diagnostics: per evaluation, the mean over participated clients of the personal fraction of each block's parameter
 entries, of all parameters and of the eligible entries (`diag.personal_fraction`), and the same fractions for every
-client (`diag.personal_fraction_clients`, keyed by client id): metrics.jsonl holds them round by round. Artifacts: the final mask IoU
-between clients for the classifier (the head blocks' eligible tensors), clients sorted by their majority class
-(paper Fig. 4), as a heat-map PNG and a CSV.
+client (`diag.personal_fraction_clients`, keyed by client id): metrics.jsonl holds them round by round.
+Artifacts: the final mask IoU between clients for the classifier (the head blocks' eligible tensors), clients
+sorted by their majority class (paper Fig. 4), as a heat-map PNG and a CSV.
 """
 
 from __future__ import annotations
