@@ -318,8 +318,10 @@ def test_personalize_learns_on_frozen_bases_and_yields_snapshots(method):
 
 # --- end to end ----------------------------------------------------------------------------------------------------
 def test_fedbasis_learns_end_to_end_in_strict_mode_and_is_deterministic():
-    cfg = {**TINY, "algorithm": {"name": "fedbasis", "K": 2, "alpha_epochs": 1, "basis_epochs": 1}}
+    cfg = {**TINY, "algorithm": {"name": "fedbasis", "K": 2, "alpha_epochs": 1, "basis_epochs": 1},
+           "eval": {**TINY["eval"], "every": 1}}  # fmt: skip
     res = pflbed.run(cfg, write=False)
+    assert res.history[0]["diag"]["phase"] == "warmup" and res.history[0]["gfl_acc"] is not None  # FedAvg model
     f = res.summary["final"]
     assert f["gfl_acc"] > 0.3 and f["pfl_acc"] > 0.3  # 10 balanced classes: chance is 0.1
     assert res.history[-1]["diag"]["phase"] == "bases" and res.history[-1]["diag"]["alpha_clients"] > 0

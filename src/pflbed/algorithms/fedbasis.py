@@ -184,7 +184,7 @@ class FedBasis(Algorithm):
         rounds = ctx.cfg.train.rounds
         self.warmup_rounds = math.ceil(round(o.warmup_fraction * rounds, 9))
         self.pool_from = self._pool_start() if self.warmup_rounds > 0 else 0
-        self._cache: tuple[Tensors, tuple[Tensors, Tensors | None], dict[str, Tensors]] | None = None
+        self._cache: tuple[Tensors, tuple[Tensors, Tensors | None] | None, dict[str, Tensors]] | None = None
 
     @property
     def alpha_lr(self) -> float:
@@ -226,11 +226,18 @@ class FedBasis(Algorithm):
             out.update({f"{BASIS}{i}.{k}": stacked[k][i].detach().clone() for k in self.keys})
         return out
 
-    def _parts(self, server: Tensors) -> tuple[Tensors, Tensors | None]:
-        """`split(server)`, cached for the server object evaluated last (evaluation asks once per client)."""
+    def _memo(self, server: Tensors) -> tuple[Tensors, tuple[Tensors, Tensors | None] | None, dict[str, Tensors]]:
+        """(server, its split or None during the warm-up, memo), cached for the server object evaluated last
+        (evaluation asks once per client)."""
         if self._cache is None or self._cache[0] is not server:
-            self._cache = (server, self.split(server), {})
-        return self._cache[1]
+            self._cache = (server, self.split(server) if self.has_bases(server) else None, {})
+        return self._cache
+
+    def _parts(self, server: Tensors) -> tuple[Tensors, Tensors | None]:
+        """`split(server)` of a server state past the warm start, cached."""
+        parts = self._memo(server)[1]
+        assert parts is not None, "the server state has no bases yet (warm-up)"
+        return parts
 
     def uniform(self) -> torch.Tensor:
         k = self.opts.K
@@ -461,9 +468,7 @@ class FedBasis(Algorithm):
     # --- evaluation --------------------------------------------------------------------------------------------
     def _uniform_params(self, server: Tensors) -> Tensors:
         """The generic model's state dict, built once per server state (clients without α share it)."""
-        self._parts(server)
-        assert self._cache is not None
-        memo = self._cache[2]
+        memo = self._memo(server)[2]
         if "uniform" not in memo:
             if self.has_bases(server):
                 memo["uniform"] = self.materialize(*self._parts(server), self.uniform())
