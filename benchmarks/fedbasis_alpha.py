@@ -54,10 +54,7 @@ def main(suite_path: str = "benchmarks/suites/fmnist_rot4_fedbasis.yaml") -> Non
     bench = Bench(load_suite(suite_path))
     print("| run | block | L1 within domain | L1 across domains | domain from α (LOO) |")
     print("|---|---|---|---|---|")
-    for table, (setting, method, seed) in bench.cells():
-        path = table.run_dir(setting, method, seed) / "plots" / "fedbasis_alpha.csv"
-        if not path.exists():
-            continue
+    for table, (_, method, seed), path in bench.cell_files("plots/fedbasis_alpha.csv"):
         domains, blocks = read_alpha(path)
         for block, a in blocks.items():
             w, x, acc = grouping(domains, a)

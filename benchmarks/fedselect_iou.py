@@ -31,10 +31,7 @@ def main(suite_path: str = "benchmarks/suites/fmnist_fedselect.yaml") -> None:
     bench = Bench(load_suite(suite_path))
     print("| method | seed | IoU, pairs sharing a label | IoU, pairs sharing none | pairs (share / none) |")
     print("|---|---|---|---|---|")
-    for table, (setting, method, seed) in bench.cells():
-        path = table.run_dir(setting, method, seed) / "plots" / "fedselect_mask_iou.csv"
-        if not path.exists():
-            continue
+    for table, (setting, method, seed), path in bench.cell_files("plots/fedselect_mask_iou.csv"):
         cfg = table.cell_config(setting, method, seed)
         fed = build_federation(load_source(cfg.dataset), cfg.federation, cfg.seed)
         labels = {c: {int(k) for k in (fed.clients[c].prior > 0).nonzero().flatten()} for c in fed.participated}

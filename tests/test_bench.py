@@ -55,6 +55,7 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     assert rows[("FedAvg+FT", "a5")]["P-FL"][0] == pytest.approx(mean_ft)
     assert rows[("FedAvg+FT", "a5")]["G-FL"] is None and rows[("Local", "a5")]["G-FL"] is None
     assert reuse.collect()[0]["P-FL"] == rows[("Local", "a5")]["P-FL"]  # another table's runs, not new ones
+    assert len(bench.cell_files("summary.json")) == 9 and bench.cell_files("plots/none.png") == []
     other_summary = json.loads((other.run_dir("", "FedAvg", 3) / "summary.json").read_text())
     assert other_summary["clients"]["participated"] == 4
     up = other.collect()[0]["up"]

@@ -219,6 +219,11 @@ class Bench:
     def cells(self) -> list[tuple[Table, tuple[str, str, int]]]:
         return [(t, c) for t in self.tables for c in t.cells()]
 
+    def cell_files(self, relpath: str) -> list[tuple[Table, tuple[str, str, int], Path]]:
+        """The cells whose run directory holds `relpath` (e.g. an algorithm's `plots/…` artifact), with its path."""
+        found = [(t, c, t.run_dir(*c) / relpath) for t, c in self.cells()]
+        return [(t, c, p) for t, c, p in found if p.exists()]
+
     def pending(self) -> list[tuple[Table, tuple[str, str, int]]]:
         return [(t, c) for t, c in self.cells() if not (t.run_dir(*c) / "summary.json").exists()]
 
