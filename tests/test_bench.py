@@ -76,6 +76,8 @@ def test_bad_suites_are_one_line_errors(tmp_path, capsys):
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "nope/FedAvg"}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
     assert "no table 'nope'" in capsys.readouterr().err
+    assert main(["bench", "-c", str(bad), "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
     clash = {"A ✓": {"set": {"algorithm.name": "fedavg"}}, "A ✗": {"set": {"algorithm.name": "local"}}}
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": clash}}}))
     assert main(["bench", "-c", str(bad)]) == 2
@@ -112,3 +114,17 @@ def test_shards_split_the_cells_without_overlap(suite_file, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "-c", str(suite_file), "--shard", "3/2"])
     assert "argument --shard: need 1 <= I <= N" in capsys.readouterr().err
+
+
+def test_parallel_jobs_give_the_same_cells_as_one_process(tmp_path):
+    one, two = (tmp_path / n for n in ("one", "two"))
+    for out in (one, two):
+        (out / "suite.yaml").parent.mkdir()
+        (out / "suite.yaml").write_text(yaml.safe_dump({**SUITE, "out": str(out / "res"), "seeds": [0]}))
+    assert main(["bench", "-c", str(one / "suite.yaml")]) == 0
+    assert main(["bench", "-c", str(two / "suite.yaml"), "--jobs", "2"]) == 0
+    a, b = (Bench(load_suite(out / "suite.yaml")) for out in (one, two))
+    assert b.pending() == [] and len(b.cells()) == len(a.cells())
+    for (t, c), (u, d) in zip(a.cells(), b.cells(), strict=True):
+        s, r = (json.loads((x.run_dir(*y) / "summary.json").read_text()) for x, y in ((t, c), (u, d)))
+        assert s["final"] == r["final"]  # workers use one torch thread, as the test session does

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
     b.add_argument("-c", "--config", required=True, help="suite YAML file")
     b.add_argument("--max-cells", type=int, help="run at most N unfinished cells, then write the tables")
+    b.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run N cells at a time in worker processes with one torch thread each (e.g. N = cores)")
     b.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
                    help="run only every N-th cell starting at the I-th (start N processes, shards 1/N … N/N)")
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
@@ -83,7 +85,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
     if not args.table_only:
-        bench.run(args.max_cells, log=console.print, shard=args.shard)
+        if args.jobs < 1:
+            raise PflbedError("--jobs must be at least 1")
+        bench.run(args.max_cells, log=console.print, shard=args.shard, jobs=args.jobs)
     md, cs = bench.write_tables()
     console.print(md.read_text())
     left = len(bench.pending())

@@ -27,6 +27,7 @@ import io
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,14 +239,14 @@ class Bench:
                 out.append(saved.parent)
         return out
 
-    def run(self, max_cells: int | None = None, log=print, shard: tuple[int, int] = (1, 1)) -> int:
+    def run(self, max_cells: int | None = None, log=print, shard: tuple[int, int] = (1, 1), jobs: int = 1) -> int:
         """Run the unfinished cells (at most `max_cells`); returns how many ran.
 
-        `shard` = (i, n) runs only the cells whose position in the suite is i-1 modulo n, so n processes started
-        with shards 1/n … n/n share a suite without running a cell twice (each cell has its own run directory).
+        `jobs` > 1 runs that many cells at a time, each in its own worker process with one torch thread (small
+        models on oversubscribed cores slow down by orders of magnitude); a worker takes the next cell when it
+        finishes one, so uneven cells balance out. `shard` = (i, n) runs only the cells whose position in the suite
+        is i-1 modulo n, for splitting a suite across machines without running a cell twice.
         """
-        from pflbed.engine.loop import run as run_one
-
         stale = self.stale()
         if stale:
             raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
@@ -256,14 +257,11 @@ class Bench:
         configs = {(t.name, c): t.cell_config(*c) for t, c in todo}  # validate every cell before running any
         total, done = len(self.cells()), len(self.cells()) - len(self.pending())
         todo = todo[:max_cells] if max_cells is not None else todo
-        for i, (table, cell) in enumerate(todo):
-            setting, method, seed = cell
-            t0 = time.perf_counter()
-            path = table.run_dir(*cell)
-            res = run_one(configs[(table.name, cell)], path, progress=False, resume=path.exists())
-            f, took = res.summary["final"], time.perf_counter() - t0
-            log(f"[{done + i + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: "
-                f"G-FL {_fmt(f.get('gfl_acc'))} P-FL {_fmt(f.get('pfl_acc'))} ({took:.0f} s)")  # fmt: skip
+        tasks = [(configs[(t.name, c)], t.run_dir(*c)) for t, c in todo]
+        for k, ((table, (setting, method, seed)), (final, took)) in enumerate(zip(todo, _run_cells(tasks, jobs),
+                                                                                 strict=True)):  # fmt: skip
+            log(f"[{done + k + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: "
+                f"G-FL {_fmt(final.get('gfl_acc'))} P-FL {_fmt(final.get('pfl_acc'))} ({took:.0f} s)")  # fmt: skip
         return len(todo)
 
     def markdown(self) -> str:
@@ -283,6 +281,39 @@ class Bench:
         md.write_text(self.markdown())
         cs.write_text(self.csv())
         return md, cs
+
+
+def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict[str, Any], float]:
+    """Run (or resume) one cell; returns its final figures and seconds taken."""
+    from pflbed.engine.loop import run as run_one
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    res = run_one(cfg, path, progress=False, resume=path.exists())
+    return res.summary["final"], time.perf_counter() - t0
+
+
+def _run_cells(tasks: list[tuple[Config, Path]], jobs: int) -> Iterator[tuple[dict[str, Any], float]]:
+    """Results in task order; with `jobs` > 1 from a pool of fresh worker processes (yielded as the order allows)."""
+    if jobs <= 1:
+        for cfg, path in tasks:
+            yield _run_cell(cfg, path)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_run_cell, cfg, path, 1) for cfg, path in tasks]
+        try:
+            for fut in futures:
+                yield fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
 
 
 def _get(tree: dict[str, Any], dotted: str) -> float | None:
