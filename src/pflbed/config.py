@@ -187,7 +187,10 @@ def _first_error(err: ValidationError, prefix: str = "") -> str:
     if e["type"] == "extra_forbidden":
         return f"{field}: unknown key"
     msg = e["msg"].removeprefix("Value error, ")
-    return f"{field}: {msg} (got {e.get('input')!r})" if e["type"] != "model_type" else f"{field}: {msg}"
+    got = repr(e.get("input"))
+    if e["type"] == "model_type" or isinstance(e.get("input"), dict) or len(got) > 80:
+        return f"{field}: {msg}"  # a whole section (model-level checks) would not fit on one readable line
+    return f"{field}: {msg} (got {got})"
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
