@@ -1,5 +1,7 @@
 import json
 import math
+import statistics
+import time
 from dataclasses import replace
 
 import pytest
@@ -9,7 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 import pflbed
-from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.base import Budget, ClientContext, Predictor
 from pflbed.algorithms.basis import (
     combine,
     entropy,
@@ -287,6 +289,17 @@ def test_personal_model_is_one_ordinary_model_equal_to_the_functional_combinatio
     with torch.no_grad():
         expected = functional_call(algo.ctx.model, combine(stacked, alpha, algo.group_of, mj), (x,))
     assert torch.allclose(pred.logits(x), expected, atol=1e-5)
+    # inference costs one model whatever K: time it against a plain Predictor of one basis, interleaved
+    plain = Predictor(algo.ctx.model, algo._sub(server, "basis0."))
+    xs = algo.ctx.source.test.x[:256]
+    times: dict[str, list[float]] = {"personal": [], "plain": []}
+    for _ in range(7):
+        for name, p in (("personal", pred), ("plain", plain)):
+            t0 = time.perf_counter()
+            p.logits(xs)
+            times[name].append(time.perf_counter() - t0)
+    ratio = statistics.median(times["personal"]) / statistics.median(times["plain"])
+    assert ratio < 2.0  # an ensemble of K + 1 = 4 models would be ≈ 4×
     generic = algo.generic_model(server)  # uniform α; a client without α gets the same model object
     assert algo.personal_model(server, {}).params is generic.params
     assert torch.allclose(generic.params["blocks.fc1.1.bias"],
