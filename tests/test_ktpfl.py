@@ -41,6 +41,19 @@ def test_coefficient_updates_keep_rows_valid(preset):
     assert not torch.allclose(V, torch.full_like(V, 0.25))
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_paper_coefficients_move_towards_clients_with_similar_predictions(pooling):
+    """Two groups of clients predict alike within a group; one paper step (c_lr 0.01, ρ 0.7) from uniform c."""
+    algo = prepare(validate_config({**CFG, "algorithm": {**HETERO, "c_kl": pooling}}))
+    a, b = _probs(1, 300, 10, seed=1), _probs(1, 300, 10, seed=2)
+    S = torch.cat([a, a * 0.9 + 0.01, b, b * 0.9 + 0.01])  # clients 0, 1 alike; 2, 3 alike
+    V = algo.update_coefficients(torch.full((4, 4), 0.25, dtype=torch.float64), S, torch.full((4,), 0.25))
+    if pooling == "sum":  # Eq. 2 / 4: the KL term leads, c favours the alike client
+        assert V[0, 1] > V[0, 2] + 0.05 and V[2, 3] > V[2, 0] + 0.05
+    else:  # averaged KL: the pull to 1/N dominates and c barely moves
+        assert (V - 0.25).abs().max() < 0.01
+
+
 def test_identity_coefficients_give_each_client_its_own_predictions():
     S = _probs(5, 12, 10)
     assert torch.allclose(kd.mix(torch.eye(5, dtype=torch.float64), S), S)
