@@ -59,7 +59,7 @@ class TableSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TableSpec:
         for m, spec in self.methods.items():
-            local = spec.same_as is not None and "/" not in spec.same_as  # other tables: checked by the suite
+            local = spec.same_as is not None and _source(spec.same_as)[0] is None  # others: checked by the suite
             if local and (spec.same_as not in self.methods or self.methods[spec.same_as].same_as):
                 raise ValueError(f"methods.{m}.same_as: must name a method that has its own runs")
             if spec.same_as is not None and spec.set:
@@ -86,9 +86,9 @@ class Suite(BaseModel):
     def _check(self) -> Suite:
         for name, t in self.tables.items():
             for m, spec in t.methods.items():
-                if spec.same_as is None or "/" not in spec.same_as:
+                other, method = _source(spec.same_as or m)
+                if other is None:
                     continue
-                other, method = spec.same_as.split("/", 1)
                 o = self.tables.get(other)
                 if o is None or method not in o.methods or o.methods[method].same_as is not None:
                     raise ValueError(f"tables.{name}.methods.{m}.same_as: no table {other!r} with a method "
@@ -110,6 +110,12 @@ def load_suite(path: str | Path) -> Suite:
         return Suite.model_validate(tree or {})
     except ValidationError as e:
         raise ConfigError(f"{p}: {_first_error(e)}") from None
+
+
+def _source(same_as: str) -> tuple[str | None, str]:
+    """(table or None for this table, method) named by a `same_as` value: `Method` or `<table>/<method>`."""
+    table, sep, method = same_as.partition("/")
+    return (table, method) if sep else (None, same_as)
 
 
 def _slug(s: str) -> str:
@@ -160,12 +166,12 @@ class Table:
         s = self.spec
         rows = []
         for m, spec in s.methods.items():
-            table, _, source = (spec.same_as or m).rpartition("/")
+            table, source = _source(spec.same_as or m)
             report = {**s.report, **(spec.report or {})}
             for st in s.settings:
                 summaries = []
                 for seed in self.seeds:
-                    f = self.run_dir(st, source, seed, table or None) / "summary.json"
+                    f = self.run_dir(st, source, seed, table) / "summary.json"
                     if f.exists():
                         summaries.append(json.loads(f.read_text()))
                 row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries)}
@@ -252,10 +258,11 @@ class Bench:
             raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
                               "delete them (or restore the suite) and re-run")  # fmt: skip
         i_shard, n_shard = shard
-        position = {(t.name, c): k for k, (t, c) in enumerate(self.cells())}
-        todo = [(t, c) for t, c in self.pending() if position[(t.name, c)] % n_shard == i_shard - 1]
+        cells, pending = self.cells(), self.pending()
+        position = {(t.name, c): k for k, (t, c) in enumerate(cells)}
+        todo = [(t, c) for t, c in pending if position[(t.name, c)] % n_shard == i_shard - 1]
         configs = {(t.name, c): t.cell_config(*c) for t, c in todo}  # validate every cell before running any
-        total, done = len(self.cells()), len(self.cells()) - len(self.pending())
+        total, done = len(cells), len(cells) - len(pending)
         todo = todo[:max_cells] if max_cells is not None else todo
         tasks = [(configs[(t.name, c)], t.run_dir(*c)) for t, c in todo]
         for k, ((table, (setting, method, seed)), (final, took)) in enumerate(zip(todo, _run_cells(tasks, jobs),
