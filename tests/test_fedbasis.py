@@ -329,6 +329,20 @@ def test_personalize_learns_on_frozen_bases_and_yields_snapshots(method):
         assert any(not torch.equal(preds[1].params[k], start[k]) for k in head)
 
 
+def test_personalization_steps_psi_at_its_training_ratio_to_the_weights_lr():
+    """ψ's step in Alg. 2 is budget.lr · alpha_lr / train.lr: only that product matters for the coefficients."""
+
+    def learned(alpha_lr: float, lr: float) -> torch.Tensor:
+        algo = make({"K": 2, "alpha_lr": alpha_lr}, train={**TINY["train"], "lr": 0.01})
+        server = random_server(algo)
+        *_, last = algo.personalize(server, algo.ctx.client_data(1), Budget("lp", 1, lr, 16), gen())
+        return last.params["blocks.fc1.1.weight"]
+
+    same = learned(1.0, 0.01), learned(0.01, 1.0)  # ψ lr 1.0 both times
+    assert torch.allclose(*same, atol=1e-6)
+    assert not torch.allclose(same[0], learned(0.01, 0.01), atol=1e-4)  # ψ lr 0.01
+
+
 # --- end to end ----------------------------------------------------------------------------------------------------
 def test_fedbasis_learns_end_to_end_in_strict_mode_and_is_deterministic():
     cfg = {**TINY, "algorithm": {"name": "fedbasis", "K": 2, "alpha_epochs": 1, "basis_epochs": 1},

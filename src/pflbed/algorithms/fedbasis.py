@@ -88,7 +88,10 @@ Interpretations (the paper leaves these open):
     from the uniform combination ("we learn the combinations and the whole classifier", §6, the paper's
     FedBasis row of Table 2); the head's own α group then has no effect. `"lp"` learns ψ only — Alg. 2 literally,
     G·K numbers per client (FedBasis has no linear probe; the coefficient-only adaptation is its parameter-light
-    counterpart). One SGD optimizer (`budget.lr`, `budget.momentum`) for ψ and head, kept across epochs. After
+    counterpart). One SGD optimizer (`budget.momentum`) for ψ and head, kept across epochs: the head at `budget.lr`,
+    ψ at `budget.lr · alpha_lr / train.lr` — the ratio ψ was trained with, so an LR sweep scales both alike. (ψ at
+    the weights' lr barely moves: ∂L/∂ψ_k = α_k·(v_k − θ)·∇_θL is small when the bases are close, which is why
+    `alpha_lr` exists; measured on fmnist-rot4, see benchmarks/results/README.md.) After
     every epoch the combination is materialized into one ordinary state dict of `ctx.model` (a fresh snapshot).
     BatchNorm statistics of that model are the bases' combined with the current α (the bases are frozen).
     `eval.finetune` (FedBasis+FT/LP on participated clients) runs the same procedure, from uniform α.
@@ -507,7 +510,9 @@ class FedBasis(Algorithm):
         if budget.method == "ft":
             start = self._uniform_params(server)
             head = {k: start[k].detach().clone().requires_grad_(True) for k in self.head_param_keys}
-        opt = torch.optim.SGD([psi, *head.values()], lr=budget.lr, momentum=budget.momentum)
+        psi_lr = budget.lr * self.alpha_lr / self.ctx.cfg.train.lr  # ψ keeps its training ratio to the weights' lr
+        groups = [{"params": [psi], "lr": psi_lr}] + ([{"params": list(head.values())}] if head else [])
+        opt = torch.optim.SGD(groups, lr=budget.lr, momentum=budget.momentum)
         body_keys = [k for k in self.param_keys if k not in head]
 
         def params() -> Tensors:
