@@ -4,7 +4,10 @@ Each knowledge-transfer run (KT-pFL, Sim-pFL, TopK-pFL, FedMD) writes `plots/<al
 final mixing weights W[n, m] (student n, teacher m) with every client's label set. For each run this prints the
 mean off-diagonal weight a student gives a teacher that shares at least one label with it and one that shares
 none, and the share of the students' off-diagonal mass that goes to label-sharing teachers next to the share such
-teachers have among all teachers (what a uniform c would give).
+teachers have among all teachers (what a uniform c would give). When every client holds every label (the
+Dirichlet setting) label *sets* say little, so it also prints the Pearson correlation, over all off-diagonal
+(student, teacher) pairs, between W[n, m] and the cosine similarity of the two clients' label distributions
+(rebuilt from the run's config: the federation is deterministic in it).
 
     python benchmarks/ktpfl_coefficients.py [suite.yaml]
 """
@@ -16,6 +19,11 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
+from pflbed.config import load_config
+from pflbed.data import load_source
+from pflbed.federation.federation import build_federation
 from pflbed.results.bench import Bench, load_suite
 
 ALGORITHMS = ("ktpfl", "sim_pfl", "topk_pfl", "fedmd")
@@ -25,6 +33,12 @@ def read_coefficients(path: Path) -> tuple[list[set[str]], list[list[float]]]:
     with path.open() as f:
         rows = list(csv.reader(f))[1:]
     return [set(r[2].split()) for r in rows], [[float(v) for v in r[3:]] for r in rows]
+
+
+def read_order(path: Path) -> list[int]:
+    """Client ids in the CSV's row order (rows and columns share it)."""
+    with path.open() as f:
+        return [int(r[0].lstrip("c")) for r in list(csv.reader(f))[1:]]
 
 
 def summarize(labels: list[set[str]], w: list[list[float]]) -> tuple[str, str, str, str]:
@@ -45,15 +59,30 @@ def summarize(labels: list[set[str]], w: list[list[float]]) -> tuple[str, str, s
     return mean(share, ".4f"), mean(none, ".4f"), mean(mass, ".0%"), mean(frac, ".0%")
 
 
+def prior_correlation(run_dir: Path, order: list[int], w: list[list[float]]) -> str:
+    """Pearson r between W[n, m] and cos(P_n(y), P_m(y)) over the off-diagonal pairs, clients in CSV order."""
+    cfg = load_config(run_dir / "config.yaml")
+    fed = build_federation(load_source(cfg.dataset), cfg.federation, cfg.seed)
+    priors = torch.stack([fed.clients[c].prior.double() for c in order])
+    unit = priors / priors.norm(dim=1, keepdim=True)
+    sim, mat = unit @ unit.T, torch.tensor(w, dtype=torch.double)
+    off = ~torch.eye(len(order), dtype=torch.bool)
+    if float(mat[off].std()) < 1e-9:  # a constant W (FedMD) has no correlation with anything
+        return "—"
+    return f"{float(torch.corrcoef(torch.stack([mat[off], sim[off]]))[0, 1]):+.2f}"
+
+
 def main(suite_path: str = "benchmarks/suites/fmnist_ktpfl.yaml") -> None:
     bench = Bench(load_suite(suite_path))
     print("| run | W, label-sharing teacher | W, no common label | off-diagonal mass on sharing "
-          "| uniform c would give |")
-    print("|---|---|---|---|---|")
+          "| uniform c would give | r(W, label-distribution cosine) |")
+    print("|---|---|---|---|---|---|")
     for name in ALGORITHMS:
         for table, (setting, method, seed), path in bench.cell_files(f"plots/{name}_coefficients.csv"):
-            s, n, mass, frac = summarize(*read_coefficients(path))
-            print(f"| {table.name}/{setting or '-'}/{method}/seed{seed} | {s} | {n} | {mass} | {frac} |")
+            labels, w = read_coefficients(path)
+            s, n, mass, frac = summarize(labels, w)
+            r = prior_correlation(path.parent.parent, read_order(path), w)
+            print(f"| {table.name}/{setting or '-'}/{method}/seed{seed} | {s} | {n} | {mass} | {frac} | {r} |")
 
 
 if __name__ == "__main__":
