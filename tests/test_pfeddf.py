@@ -57,3 +57,19 @@ def test_finetuning_beats_feddf_under_label_skew():
     p = pflbed.run({**PCFG, "federation": fed}, write=False).summary["final"]["pfl_acc"]
     g = pflbed.run({**CFG, "federation": fed}, write=False).summary["final"]["pfl_acc"]
     assert p > g + 0.05
+
+
+def test_finetuning_defaults_to_the_local_epochs():
+    """The paper fine-tunes for "several epochs": by default as many as the clients' local training."""
+    train = {**PCFG["train"], "local_epochs": 2}
+
+    def personal(**opts) -> dict[str, torch.Tensor]:
+        algo = prepare(validate_config({**PCFG, "train": train, "algorithm": {**PFEDDF, **opts}}))
+        server = algo.init_server()
+        payload = algo.configure(1, server, [1])[1]
+        _, state = algo.client_update(payload, algo.init_client(1), algo.ctx.client_data(1), _cctx(1))
+        return algo.personal_model(server, state).params
+
+    default, two, one = personal(), personal(finetune_epochs=2), personal(finetune_epochs=1)
+    assert all(torch.equal(default[k], two[k]) for k in two)
+    assert any(not torch.equal(default[k], one[k]) for k in one if one[k].is_floating_point())
