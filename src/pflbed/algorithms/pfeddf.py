@@ -27,8 +27,7 @@ Deviations from the KT-pFL paper's pFedDF:
     model g_T is never delivered to the clients in this engine. With one architecture, `eval.finetune: [ft]`
     additionally reports the paper's protocol exactly (fine-tuning g_T).
   - "Several epochs" is unspecified in the paper; `finetune_epochs` defaults to the local epochs E (the paper's own
-    E is 20). An earlier default of one epoch — not "several" — left pFedDF 3–9 points below FedMD with two labels
-    per client (benchmarks/results/README.md).
+    E is 20); one epoch, an earlier default, is not "several" (the suite figures for both: benchmarks/results).
   - Fine-tuning costs client compute in every participating round (`finetune_epochs` extra epochs), not once.
   - Plus all of FedDF's deviations (see `feddf`).
 
