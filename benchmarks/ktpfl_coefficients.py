@@ -15,13 +15,14 @@ Dirichlet setting) label *sets* say little, so it also prints the Pearson correl
 from __future__ import annotations
 
 import csv
+import functools
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from pflbed.config import load_config
+from pflbed.config import DatasetConfig, FederationConfig, load_config
 from pflbed.data import load_source
 from pflbed.federation.federation import build_federation
 from pflbed.results.bench import Bench, load_suite
@@ -29,16 +30,12 @@ from pflbed.results.bench import Bench, load_suite
 ALGORITHMS = ("ktpfl", "sim_pfl", "topk_pfl", "fedmd")
 
 
-def read_coefficients(path: Path) -> tuple[list[set[str]], list[list[float]]]:
+def read_coefficients(path: Path) -> tuple[list[int], list[set[str]], list[list[float]]]:
+    """(client ids in the CSV's row order — rows and columns share it —, their label sets, W)."""
     with path.open() as f:
         rows = list(csv.reader(f))[1:]
-    return [set(r[2].split()) for r in rows], [[float(v) for v in r[3:]] for r in rows]
-
-
-def read_order(path: Path) -> list[int]:
-    """Client ids in the CSV's row order (rows and columns share it)."""
-    with path.open() as f:
-        return [int(r[0].lstrip("c")) for r in list(csv.reader(f))[1:]]
+    ids = [int(r[0].lstrip("c")) for r in rows]
+    return ids, [set(r[2].split()) for r in rows], [[float(v) for v in r[3:]] for r in rows]
 
 
 def summarize(labels: list[set[str]], w: list[list[float]]) -> tuple[str, str, str, str]:
@@ -59,11 +56,19 @@ def summarize(labels: list[set[str]], w: list[list[float]]) -> tuple[str, str, s
     return mean(share, ".4f"), mean(none, ".4f"), mean(mass, ".0%"), mean(frac, ".0%")
 
 
+@functools.cache
+def client_priors(dataset: str, federation: str, seed: int) -> dict[int, torch.Tensor]:
+    """Every client's label distribution; runs of one setting and seed share the federation, so it is built once."""
+    fed_cfg = FederationConfig.model_validate_json(federation)
+    fed = build_federation(load_source(DatasetConfig.model_validate_json(dataset)), fed_cfg, seed)
+    return {c: client.prior.double() for c, client in enumerate(fed.clients)}
+
+
 def prior_correlation(run_dir: Path, order: list[int], w: list[list[float]]) -> str:
     """Pearson r between W[n, m] and cos(P_n(y), P_m(y)) over the off-diagonal pairs, clients in CSV order."""
     cfg = load_config(run_dir / "config.yaml")
-    fed = build_federation(load_source(cfg.dataset), cfg.federation, cfg.seed)
-    priors = torch.stack([fed.clients[c].prior.double() for c in order])
+    prior = client_priors(cfg.dataset.model_dump_json(), cfg.federation.model_dump_json(), cfg.seed)
+    priors = torch.stack([prior[c] for c in order])
     unit = priors / priors.norm(dim=1, keepdim=True)
     sim, mat = unit @ unit.T, torch.tensor(w, dtype=torch.double)
     off = ~torch.eye(len(order), dtype=torch.bool)
@@ -79,9 +84,9 @@ def main(suite_path: str = "benchmarks/suites/fmnist_ktpfl.yaml") -> None:
     print("|---|---|---|---|---|---|")
     for name in ALGORITHMS:
         for table, (setting, method, seed), path in bench.cell_files(f"plots/{name}_coefficients.csv"):
-            labels, w = read_coefficients(path)
+            order, labels, w = read_coefficients(path)
             s, n, mass, frac = summarize(labels, w)
-            r = prior_correlation(path.parent.parent, read_order(path), w)
+            r = prior_correlation(path.parent.parent, order, w)
             print(f"| {table.name}/{setting or '-'}/{method}/seed{seed} | {s} | {n} | {mass} | {frac} | {r} |")
 
 
