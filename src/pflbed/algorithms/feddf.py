@@ -77,6 +77,7 @@ from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.ktpfl import DEFAULT_ARCHITECTURES
 from pflbed.algorithms.training import (
+    architecture_of,
     finetune_epochs,
     get_params,
     index_batches,
@@ -194,8 +195,7 @@ class FedDF(Algorithm):
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def arch_of(self, cid: int) -> str:
-        """Contiguous equal blocks of client ids per entry of `architectures` (the `ktpfl` rule)."""
-        return self.blocks[cid * len(self.blocks) // self.n_total]
+        return architecture_of(cid, self.blocks, self.n_total)
 
     def global_params(self, server: Tensors, arch: str) -> Tensors:
         """Architecture `arch`'s global model from the server state (cached per server dict, so that evaluation

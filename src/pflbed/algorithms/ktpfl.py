@@ -114,8 +114,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.training import finetune_epochs, get_params, load_params, local_sgd, weighted_mean
-from pflbed.engine import rng
+from pflbed.algorithms.training import (
+    architecture_of,
+    finetune_epochs,
+    fresh_client_params,
+    get_params,
+    load_params,
+    local_sgd,
+    weighted_mean,
+)
 from pflbed.errors import ConfigError
 from pflbed.models import MODELS, BlockNet
 
@@ -209,21 +216,12 @@ class KTpFL(Algorithm):
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def arch_of(self, cid: int) -> str:
-        """Contiguous equal blocks of client ids per architecture (documented in the module docstring)."""
         if self.homogeneous:
             return self.ctx.cfg.model.name
-        archs = self.opts.architectures
-        return archs[cid * len(archs) // self.n_total]
+        return architecture_of(cid, self.opts.architectures, self.n_total)
 
     def _fresh_params(self, cid: int) -> Tensors:
-        """A new random initialization of client `cid`'s architecture, seeded by the client id alone."""
-        model = self.models[self.arch_of(cid)]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rng.derive_seed(self.ctx.seed, rng.INIT, 1 + cid))
-            for m in model.modules():
-                if m is not model and hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-        return get_params(model)
+        return fresh_client_params(self.models[self.arch_of(cid)], self.ctx.seed, cid)
 
     def _public_x(self, rnd: int) -> torch.Tensor:
         idx = kd.public_batch(self.ctx.federation.public, self.opts.public_batch, self.ctx.seed, rnd)

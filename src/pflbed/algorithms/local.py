@@ -1,24 +1,64 @@
 """Local-only training: every client trains its own model and nothing is shared.
 
-The lower reference every PFL paper reports. All clients start from the same initial model; a client trains only
-in the rounds it is sampled (the same schedule, epochs and lr as the federated methods), so its compute budget
-matches theirs. There is no generic model (G-FL is null).
+The lower reference every PFL paper reports. A client trains only in the rounds it is sampled (the same schedule,
+epochs and lr as the federated methods), so its compute budget matches theirs. There is no generic model (G-FL is
+null).
+
+Options (`algorithm.<key>`):
+  - `architectures` (default none: every client uses `model.name` and starts from the run's initial model): a
+    heterogeneous federation by the rule of `ktpfl` / `feddf` — client c gets architectures[⌊c·A / N⌋] and its own
+    random initialization, seeded as theirs. It is the no-transfer control of the knowledge-transfer family: on the
+    same config a KT-pFL / FedMD client starts from the same weights and runs the same local training, so the
+    difference to Local is what the transfer adds. New clients then train their architecture from scratch.
 """
 
 from __future__ import annotations
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
-from pflbed.algorithms.training import train_from
+from collections.abc import Iterator
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.training import architecture_of, finetune_epochs, fresh_client_params, train_from
+from pflbed.models import MODELS, BlockNet
+
+
+class LocalOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    architectures: list[str] | None = Field(None, min_length=1, description="heterogeneous clients (ktpfl's rule)")
+
+    @model_validator(mode="after")
+    def _check_architectures(self) -> LocalOptions:
+        unknown = [a for a in self.architectures or [] if a not in MODELS]
+        if unknown:
+            raise ValueError(f"architectures: unknown models {unknown}; known: {sorted(MODELS)}")
+        return self
 
 
 class LocalOnly(Algorithm):
     name = "local"
+    Config = LocalOptions
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.archs = self.opts.architectures
+        self.models: dict[str, BlockNet] = {ctx.cfg.model.name: ctx.model}
+        for a in self.archs or []:
+            self.models.setdefault(a, ctx.new_model(a))
+
+    def arch_of(self, cid: int) -> str:
+        if self.archs is None:
+            return self.ctx.cfg.model.name
+        return architecture_of(cid, self.archs, len(self.ctx.federation.clients))
 
     def init_server(self) -> Tensors:
         return {}
 
     def init_client(self, cid: int) -> Tensors:
-        return dict(self.ctx.initial_params)
+        if self.archs is None:
+            return dict(self.ctx.initial_params)
+        return {"cid": torch.tensor(cid), **fresh_client_params(self.models[self.arch_of(cid)], self.ctx.seed, cid)}
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: {} for c in cids}
@@ -26,10 +66,28 @@ class LocalOnly(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        return {}, train_from(self.ctx.model, state, data, self.ctx.cfg.train, cctx.generator)
+        model = self.models[self.arch_of(data.cid)]
+        params = train_from(model, self._params(state), data, self.ctx.cfg.train, cctx.generator)
+        return {}, ({"cid": state["cid"], **params} if "cid" in state else params)
+
+    @staticmethod
+    def _params(state: Tensors) -> Tensors:
+        return {k: v for k, v in state.items() if k != "cid"}
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return server
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        return Predictor(self.ctx.model, state)
+        model = self.models[self.arch_of(int(state["cid"]))] if "cid" in state else self.ctx.model
+        return Predictor(model, self._params(state))
+
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        """A new client has nothing to start from but an untrained model: train from scratch on its own data."""
+        model = self.models[self.arch_of(data.cid)]
+        start = self.ctx.initial_params if self.archs is None else fresh_client_params(model, self.ctx.seed, data.cid)
+        yield from finetune_epochs(model, dict(start), data, budget, generator)
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
+        return None

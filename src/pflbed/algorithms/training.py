@@ -10,6 +10,7 @@ from torch import nn
 
 from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
 from pflbed.config import TrainConfig
+from pflbed.engine import rng
 from pflbed.models import BlockNet
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -27,6 +28,24 @@ def get_params(model: nn.Module, keys: Iterable[str] | None = None) -> Tensors:
     """Detached copies of the model's state (all of it, or `keys`)."""
     state = model.state_dict()
     return {k: state[k].clone() for k in (keys if keys is not None else state)}
+
+
+def architecture_of(cid: int, architectures: list[str], n_clients: int) -> str:
+    """Heterogeneous federations: contiguous equal blocks of client ids per architecture (20 clients, 4
+    architectures: 0–4 the first, 5–9 the second, …), new clients included in the id range — one rule for every
+    algorithm, so that the same config gives every client the same model in all of them."""
+    return architectures[cid * len(architectures) // n_clients]
+
+
+def fresh_client_params(model: nn.Module, seed: int, cid: int) -> Tensors:
+    """A new random initialization of `model` seeded by (run seed, client id) alone: heterogeneous clients build
+    their models independently, and two algorithms on the same config start each client from the same weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng.derive_seed(seed, rng.INIT, 1 + cid))
+        for m in model.modules():
+            if m is not model and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return get_params(model)
 
 
 def index_batches(
