@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -192,7 +193,7 @@ def test_all_personal_masks_are_local_only_training_from_then_on():
     after1 = algo._globals(hist[0]["server"])
     assert all(torch.equal(algo._globals(hist[-1]["server"])[k], v) for k, v in after1.items())
     assert all(r[k].numel() == 0 for r in hist[-1]["replies"].values() for k in algo.keys)  # nothing shared
-    local = LocalOnly(algo.ctx)
+    local = LocalOnly(replace(algo.ctx, options=LocalOnly.Config()))
     for c in algo.ctx.federation.participated:
         state = dict(after1)
         for rnd in (2, 3):
