@@ -17,23 +17,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.training import architecture_of, finetune_epochs, fresh_client_params, train_from
-from pflbed.models import MODELS, BlockNet
+from pflbed.models import BlockNet, ModelNames
 
 
 class LocalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    architectures: list[str] | None = Field(None, min_length=1, description="heterogeneous clients (ktpfl's rule)")
-
-    @model_validator(mode="after")
-    def _check_architectures(self) -> LocalOptions:
-        unknown = [a for a in self.architectures or [] if a not in MODELS]
-        if unknown:
-            raise ValueError(f"architectures: unknown models {unknown}; known: {sorted(MODELS)}")
-        return self
+    architectures: ModelNames | None = Field(None, min_length=1, description="heterogeneous clients (ktpfl's rule)")
 
 
 class LocalOnly(Algorithm):
@@ -45,7 +38,8 @@ class LocalOnly(Algorithm):
         self.archs = self.opts.architectures
         self.models: dict[str, BlockNet] = {ctx.cfg.model.name: ctx.model}
         for a in self.archs or []:
-            self.models.setdefault(a, ctx.new_model(a))
+            if a not in self.models:
+                self.models[a] = ctx.new_model(a)
 
     def arch_of(self, cid: int) -> str:
         if self.archs is None:

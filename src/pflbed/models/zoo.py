@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from pydantic import AfterValidator
 from torch import nn
 
 from pflbed.models.blocks import BlockNet
@@ -356,3 +358,14 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> Bl
     except KeyError:
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
     return factory(input_shape, num_classes)
+
+
+def _known(names: list[str]) -> list[str]:
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; known: {sorted(MODELS)}")
+    return names
+
+
+ModelNames = Annotated[list[str], AfterValidator(_known)]
+"""An option listing zoo models (e.g. `architectures`): names outside the zoo fail config validation."""
