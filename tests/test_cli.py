@@ -127,3 +127,143 @@ def test_data_show_prints_partition_and_writes_heatmap(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rot270" in out and "new" in out and "class-balanced" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- bad input and unsafe run directories (each gives exit 2, one line, nothing written) ---------------------------
+BOUNDS = {
+    "threads beyond 4 × cores": (["--set", "executor.threads=1000000"], "executor.threads"),
+    "batch size beyond int32": (["--set", "train.batch_size=100000000000000000000"], "train.batch_size"),
+    "infinite alpha": (["--set", "federation.alpha=.inf"], "federation.alpha"),
+    "lr read as inf": (["--set", "train.lr=1.0e+400"], "train.lr"),
+    "nan lr": (["--set", "train.lr=.nan"], "train.lr"),
+    "negative seed": (["--set", "seed=-1"], "seed"),
+    "more labels per client than classes": (
+        ["--set", "federation.partition=classes", "--set", "federation.classes_per_client=11"],
+        "federation.classes_per_client",
+    ),
+    "non-finite algorithm option": (["--set", "algorithm.name=fedrod", "--set", "algorithm.personal_lr=.inf"],
+                                    "algorithm.personal_lr"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDS))
+def test_out_of_range_values_are_one_line_exit_2_and_write_nothing(case, tmp_path, capsys):
+    extra, expected = BOUNDS[case]
+    out = tmp_path / "run"
+    assert main(["run", *FAST, *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("pflbed: error:") and expected in err, err
+    assert not out.exists()
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("pflbed: error:"), err
+    return err
+
+
+def test_config_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("train:\n  rounds: 3 # r\xe9sum\xe9\n".encode("latin-1"))
+    assert main(["run", "-c", str(bad), "--out", str(tmp_path / "run")]) == 2
+    assert str(bad) in _one_error_line(capsys) and not (tmp_path / "run").exists()
+
+
+def test_out_under_an_existing_file_is_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 2
+    assert "is a file" in _one_error_line(capsys)
+
+
+def test_unwritable_out_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import pflbed.results.rundir as rundir
+
+    # Root ignores permission bits, so simulate both ways a location can be unwritable: access() says no
+    # (read-only mount), or creating the directory fails anyway.
+    monkeypatch.setattr(rundir.os, "access", lambda *a: False)
+    assert main(["run", *FAST, "--out", str(tmp_path / "ro" / "run")]) == 2
+    assert "not writable" in _one_error_line(capsys)
+    monkeypatch.undo()
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(rundir.Path, "mkdir", refuse)
+    assert main(["run", *FAST, "--out", str(tmp_path / "ro2")]) == 2
+    assert "cannot write" in _one_error_line(capsys)
+    assert not (tmp_path / "ro2").exists()
+
+
+def test_finished_run_is_never_overwritten_silently(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    before = (out / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert main(["run", *FAST, "--out", str(out)]) == 2  # the very same command again
+    err = _one_error_line(capsys)
+    assert "finished" in err and "--force" in err
+    assert (out / "summary.json").read_bytes() == before
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0  # resume: says so, changes nothing
+    assert "already finished" in capsys.readouterr().out
+    assert (out / "summary.json").read_bytes() == before
+    assert main(["run", *FAST, "--set", "seed=1", "--out", str(out), "--force"]) == 0  # explicit: replaced
+    assert json.loads((out / "summary.json").read_text())["seed"] == 1
+
+
+def test_unfinished_run_points_to_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    (out / "summary.json").unlink()  # as if killed after the last checkpoint
+    assert main(["run", *FAST, "--out", str(out)]) == 2
+    assert "--resume" in _one_error_line(capsys)
+
+
+def test_final_state_is_saved_and_loads_without_pickled_code(tmp_path):
+    import torch
+
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--set", "train.checkpoint_every=10", "--out", str(out)]) == 0  # 3 rounds < 10
+    blob = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert blob["round"] == 3 and blob["server"] and len(blob["clients"]) > 0
+
+
+def test_corrupt_checkpoint_says_how_to_recover(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    (out / "summary.json").unlink()
+    (out / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 2
+    err = _one_error_line(capsys)
+    assert "unreadable checkpoint" in err and "delete" in err and "--resume" in err
+
+
+def test_diverging_run_stops_with_exit_3_naming_round_and_client(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*FAST, "--set", "train.rounds=6", "--set", "train.checkpoint_every=1"]
+    assert main(["run", *args, "--set", "train.lr=1e4", "--out", str(out)]) == 3
+    err = _one_error_line(capsys)
+    assert "diverged in round 1" in err and "client" in err and "non-finite" in err
+    assert not (out / "summary.json").exists()
+    # Divergence after some good rounds: the metrics so far and the last good checkpoint are kept.
+    out2 = tmp_path / "later"
+    assert main(["run", *args, "--set", "train.lr=5", "--out", str(out2)]) == 3
+    err = _one_error_line(capsys)
+    rnd = int(err.split("diverged in round ")[1].split(":")[0])
+    assert rnd > 1, "this lr should diverge after at least one good round"
+    import torch
+
+    logged = [json.loads(x)["round"] for x in (out2 / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, rnd))
+    assert torch.load(out2 / "checkpoints" / "last.pt", weights_only=True)["round"] == rnd - 1
+    assert not (out2 / "summary.json").exists()
+
+
+def test_summary_records_provenance(tmp_path):
+    import torch
+
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    p = json.loads((out / "summary.json").read_text())["provenance"]
+    assert p["torch"] == torch.__version__ and p["device"] == "cpu" and p["cpu"]
+    assert p["threads"] == 1  # the small-model default (engine.threads.choose_threads)

@@ -45,10 +45,9 @@ def make_tree(root: Path, domains: dict[str, list[str]] | None = None) -> Path:
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     root = make_tree(tmp_path / "pacs")
-    # Noise that must be ignored: hidden entries, non-image files, stray files at the domain and root level.
+    # Noise that must be ignored: hidden entries, stray files at the domain and root level.
     (root / ".hidden").mkdir()
     (root / "art" / ".DS_Store").write_bytes(b"\0")
-    (root / "art" / "red" / "notes.txt").write_text("not an image")
     (root / "art" / "red" / ".thumb.png").write_bytes(b"garbage")
     (root / "README").write_text("readme")
     (root / "photo" / "index.csv").write_text("x")
@@ -67,6 +66,15 @@ def assert_one_line_naming(exc: pytest.ExceptionInfo[DataError], path: Path) -> 
     message = str(exc.value)
     assert str(path) in message
     assert "\n" not in message
+
+
+def test_non_image_file_in_a_class_folder_is_named_not_skipped(tree: Path) -> None:
+    """Skipping it silently would hide a half-copied tree (e.g. a .webp export or a stray archive)."""
+    stray = tree / "art" / "red" / "notes.txt"
+    stray.write_text("not an image")
+    with pytest.raises(DataError, match="not an image file") as exc:
+        load_domain_folders(tree, image_size=8)
+    assert_one_line_naming(exc, stray)
 
 
 def test_shapes_labels_domains_and_order(tree: Path) -> None:
@@ -157,7 +165,7 @@ def test_cache_returns_same_object_and_sees_changes(tree: Path) -> None:
 def test_empty_class_folder(tree: Path) -> None:
     empty = tree / "photo" / "green2"
     empty.mkdir()
-    (empty / "readme.txt").write_text("no images here")
+    (empty / ".keep").write_text("hidden: ignored")
     with pytest.raises(DataError, match="no images") as exc:
         load_domain_folders(tree)
     assert_one_line_naming(exc, empty)

@@ -17,10 +17,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return _load(path, overrides)
 
 
-def run(config: Any = None, out: str | Path | None = None, *, write: bool = True, progress: bool = False):
-    """Run one experiment from a `Config`, a dict of config keys, or None (the embedded default)."""
+def run(
+    config: Any = None, out: str | Path | None = None, *, write: bool = True, progress: bool = False,
+    force: bool = False,
+):  # fmt: skip
+    """Run one experiment from a `Config`, a dict of config keys, or None (the embedded default).
+
+    A run already in `out` is refused (`PflbedError`) unless `force`; a diverging run raises `DivergedError`."""
     from pflbed.config import Config, validate_config
     from pflbed.engine.loop import run as _run
 
     cfg = config if isinstance(config, Config) else validate_config(dict(config or {}))
-    return _run(cfg, Path(out) if out else None, write=write, progress=progress)
+    return _run(cfg, Path(out) if out else None, write=write, progress=progress, force=force)

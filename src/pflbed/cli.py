@@ -1,14 +1,16 @@
-"""`pflbed` command line. User errors print one line and exit with code 2."""
+"""`pflbed` command line. User errors print one line and exit with code 2; a run that diverges (non-finite loss
+or parameters) prints one line and exits with code 3; Ctrl-C exits with 130."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from pflbed.errors import PflbedError
+from pflbed.errors import DivergedError, PflbedError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
     r.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    r.add_argument("--force", action="store_true",
+                   help="replace the run already in --out (finished, unfinished or of another config)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
     b.add_argument("-c", "--config", required=True, help="suite YAML file")
@@ -64,12 +68,18 @@ def _cmd_run(args: argparse.Namespace) -> None:
     if args.resume:
         if args.out and args.out != args.resume:
             raise PflbedError("--out and --resume name different directories; --resume continues in place")
+        if args.force:
+            raise PflbedError("--force and --resume contradict each other: --force starts over, --resume continues")
         given = load_config(args.config, args.overrides) if (args.config or args.overrides) else None
-        _, cfg = RunDir.for_resume(args.resume, given)
+        rundir, cfg = RunDir.for_resume(args.resume, given)
+        if rundir.finished:
+            print_table(json.loads((rundir.path / "summary.json").read_text()))
+            Console(soft_wrap=True).print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
+            return
         result = run(cfg, args.resume, progress=not args.no_progress, resume=True)
     else:
         cfg = load_config(args.config, args.overrides)
-        result = run(cfg, args.out, progress=not args.no_progress)
+        result = run(cfg, args.out, progress=not args.no_progress, force=args.force)
     print_table(result.summary)
     Console().print(f"results: {result.out}")
 
@@ -124,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data}[args.command](args)
+    except DivergedError as e:
+        print(f"pflbed: error: {e}", file=sys.stderr)
+        return e.exit_code
     except PflbedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the run needs vanished or the disk filled up mid-run: name it, no traceback
+        print(f"pflbed: error: {e.filename or 'I/O'}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pflbed: interrupted", file=sys.stderr)

@@ -7,17 +7,32 @@ validated by the algorithm's own `Config` model once the name is known.
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.errors import ConfigError
 
+# Bounds every numeric field shares (README, "Configuration"): floats must be finite, and counts must fit the int32
+# index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
+INT_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
+
+
+def max_threads() -> int:
+    """Upper bound of `executor.threads`: four per core. More only oversubscribes (and huge counts crash torch)."""
+    return 4 * (os.cpu_count() or 1)
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+Count = Annotated[int, Field(ge=1, le=INT_MAX)]
 
 
 class DatasetConfig(_Strict):
@@ -27,7 +42,7 @@ class DatasetConfig(_Strict):
     domains: list[str] | None = Field(
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
-    image_size: int = Field(32, ge=1, description="folder datasets: images are resized to this square size")
+    image_size: int = Field(32, ge=1, le=4096, description="folder datasets: images are resized to this square size")
 
 
 class ModelConfig(_Strict):
@@ -50,8 +65,8 @@ class PflbedSplitConfig(_Strict):
     new: float = Field(0.2, ge=0, le=1)
     val: float = Field(0.05, gt=0, le=1)
     test: float = Field(0.15, gt=0, le=1)
-    clients_per_domain: int = Field(20, ge=1)
-    new_clients_per_domain: int = Field(10, ge=0)
+    clients_per_domain: int = Field(20, ge=1, le=INT_MAX)
+    new_clients_per_domain: int = Field(10, ge=0, le=INT_MAX)
 
     @model_validator(mode="after")
     def _check(self) -> PflbedSplitConfig:
@@ -72,18 +87,19 @@ class FederationConfig(_Strict):
         "shared class-balanced val/test sets, participated and new clients per domain (federation.pflbed)",
     )
     pflbed: PflbedSplitConfig = Field(default_factory=PflbedSplitConfig)
-    clients: int = Field(20, ge=1)
+    clients: int = Field(20, ge=1, le=INT_MAX)
     partition: Literal["iid", "dirichlet", "classes"] = "dirichlet"
     alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (partition=dirichlet, and pflbed)")
-    classes_per_client: int = Field(2, ge=1, description="labels per client (partition=classes)")
-    min_size: int = Field(10, ge=1, description="minimum samples per client (partition=dirichlet)")
+    classes_per_client: int = Field(2, ge=1, le=INT_MAX, description="labels per client (partition=classes)")
+    min_size: int = Field(10, ge=1, le=INT_MAX, description="minimum samples per client (partition=dirichlet)")
     sample_fraction: float = Field(1.0, gt=0, le=1, description="fraction of participated clients per round")
-    new_clients: int = Field(0, ge=0, description="clients held out of training (evaluated as new clients)")
+    new_clients: int = Field(0, ge=0, le=INT_MAX, description="clients held out of training (evaluated as new clients)")
     public: int = Field(
-        0, ge=0, description="hold out this many training-pool samples as public (unlabelled) data, held by no client"
+        0, ge=0, le=INT_MAX,
+        description="hold out this many training-pool samples as public (unlabelled) data, held by no client",
     )
     train_per_client: int | None = Field(
-        None, ge=1, description="keep at most this many training samples per client (e.g. FedSelect's 100)"
+        None, ge=1, le=INT_MAX, description="keep at most this many training samples per client (e.g. FedSelect's 100)"
     )
     val_fraction: float = Field(0.1, ge=0, lt=1)
     test_fraction: float = Field(0.2, gt=0, lt=1)
@@ -98,13 +114,15 @@ class FederationConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    rounds: int = Field(30, ge=1)
-    local_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(32, ge=1)
+    rounds: int = Field(30, ge=1, le=1_000_000)
+    local_epochs: int = Field(1, ge=1, le=100_000)
+    batch_size: Count = 32
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    checkpoint_every: int = Field(10, ge=0, description="checkpoint every N rounds for --resume (0: never)")
+    checkpoint_every: int = Field(
+        10, ge=0, le=INT_MAX, description="checkpoint every N rounds for --resume (0: only the final state)"
+    )
 
 
 class NewClientsConfig(_Strict):
@@ -114,7 +132,7 @@ class NewClientsConfig(_Strict):
     fractions: list[float] = Field(
         default_factory=lambda: [0.5, 1.0], description="training-data fractions, reported as S, M, L"
     )
-    epochs: int = Field(20, ge=1)
+    epochs: int = Field(20, ge=1, le=100_000)
     lrs: list[float] = Field(default_factory=lambda: [0.005, 0.01, 0.05], min_length=1)
     zero_shot: bool = Field(True, description="also evaluate with no adaptation, where the method allows it")
 
@@ -128,7 +146,7 @@ class NewClientsConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    every: int = Field(5, ge=1, description="evaluate every N rounds (the last round always)")
+    every: int = Field(5, ge=1, le=INT_MAX, description="evaluate every N rounds (the last round always)")
     pfl_test: Literal["local", "global"] = Field(
         "local",
         description="P-FL test data: the client's own test split, or the global balanced test set "
@@ -139,11 +157,12 @@ class EvalConfig(_Strict):
         description="at the final round, also personalize the generic model per client: ft = full fine-tune, "
         "lp = linear probe (head only)",
     )
-    ft_epochs: int = Field(1, ge=1)
+    ft_epochs: int = Field(1, ge=1, le=100_000)
     ft_lr: float = Field(0.01, gt=0)
-    batch_size: int = Field(1024, ge=1, description="inference batch size")
+    batch_size: int = Field(1024, ge=1, le=INT_MAX, description="inference batch size")
     test_subsample: int | None = Field(
-        None, ge=1, description="intermediate evaluations use at most this many shared-test samples per class"
+        None, ge=1, le=INT_MAX,
+        description="intermediate evaluations use at most this many shared-test samples per class",
     )
     new_clients: NewClientsConfig = Field(default_factory=NewClientsConfig)
 
@@ -152,8 +171,17 @@ class ExecutorConfig(_Strict):
     name: Literal["loop"] = "loop"
     strict: bool = Field(False, description="round-trip every payload, reply and client state through bytes")
     threads: int | None = Field(
-        None, ge=1, description="torch CPU threads (default: torch's); use 1 when several runs share the machine"
+        None,
+        description="torch CPU threads, 1 to 4 × cores; unset (auto): 1 for small models (measured fastest, and "
+        "safe when several runs share the machine), all cores for large ones (engine.threads.choose_threads)",
     )
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= max_threads():
+            raise ValueError(f"must be unset (auto) or 1 to {max_threads()} (4 × this machine's cores)")
+        return v
 
 
 class AlgorithmConfig(BaseModel):
@@ -164,7 +192,7 @@ class AlgorithmConfig(BaseModel):
 
 
 class Config(_Strict):
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
@@ -223,9 +251,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except OSError as e:
             raise ConfigError(f"{p}: cannot read config ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -248,7 +278,23 @@ def validate_config(tree: dict[str, Any]) -> Config:
 
     algo_cls = get_algorithm(cfg.algorithm.name)
     try:
-        algo_cls.Config.model_validate(cfg.algorithm_options())
+        options = algo_cls.Config.model_validate(cfg.algorithm_options())
     except ValidationError as e:
         raise ConfigError(_first_error(e, "algorithm.")) from None
+    _check_numbers(options.model_dump(), "algorithm.")
     return cfg
+
+
+def _check_numbers(tree: dict[str, Any], prefix: str) -> None:
+    """The shared bounds for every algorithm's options (each algorithm adds its own lower bounds): floats finite,
+    integers within the int32 range. Checked here once, so a new algorithm gets them without writing them."""
+    for key, v in tree.items():
+        field = f"{prefix}{key}"
+        values = v if isinstance(v, list) else [v]
+        for x in values:
+            if isinstance(x, dict):
+                _check_numbers(x, f"{field}.")
+            elif isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{field}: must be a finite number (got {x!r})")
+            elif isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
+                raise ConfigError(f"{field}: must be at most {INT_MAX} in magnitude (got {x})")

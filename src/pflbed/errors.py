@@ -15,3 +15,22 @@ class ConfigError(PflbedError):
 
 class DataError(PflbedError):
     """A missing, unreadable or corrupt data file, or an impossible federation of the data."""
+
+
+class DivergedError(PflbedError):
+    """Training produced a non-finite loss or parameter. The CLI exits with code 3 (not 2: the input was valid)."""
+
+    exit_code = 3
+
+    def __init__(
+        self, rnd: int, where: str, run_dir: str | None = None, checkpoint_round: int | None = None,
+        evaluated_round: int | None = None,
+    ) -> None:  # fmt: skip
+        self.round, self.where = rnd, where
+        kept = ""
+        if run_dir is not None:
+            kept = (f"; metrics up to round {evaluated_round} are in {run_dir}/metrics.jsonl" if evaluated_round
+                    else "; no evaluation was logged yet")  # fmt: skip
+            if checkpoint_round:
+                kept += f", the last good state (round {checkpoint_round}) in {run_dir}/checkpoints/last.pt"
+        super().__init__(f"diverged in round {rnd}: {where}{kept} — lower train.lr (or the algorithm's own lrs)")

@@ -110,8 +110,8 @@ class Predictor:
 
         load_params(self.model, self.params)
         self.model.eval()
-        with torch.no_grad():
-            return torch.cat([fn(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+        with torch.no_grad():  # an empty x (a client without validation data) still gives an empty output
+            return torch.cat([fn(x[i : i + batch_size]) for i in range(0, max(len(x), 1), batch_size)])
 
     def logits(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
         return self._batched(self.model, x, batch_size)

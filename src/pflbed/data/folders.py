@@ -109,7 +109,13 @@ def _scan(root: Path) -> _Tree:
     for d, (domain, classes) in enumerate(zip(domains, per_domain, strict=True)):
         for name in classes:  # already sorted, and global indices follow the same order
             folder = root / domain / name
-            images = [e.path for e in _entries(folder) if _is_image(e)]
+            entries = _entries(folder)
+            stray = next((e for e in entries if not _is_image(e)), None)
+            if stray is not None:  # skipping it silently would hide a half-copied or mixed-up tree
+                exts = ", ".join(sorted(IMAGE_EXTENSIONS))
+                raise DataError(f"{_show(stray.path)}: not an image file ({exts}); class folders hold only images "
+                                "(hidden files are ignored): move it out of the tree")  # fmt: skip
+            images = [e.path for e in entries]
             if not images:
                 exts = ", ".join(sorted(IMAGE_EXTENSIONS))
                 raise DataError(f"{_show(folder)}: class folder has no images ({exts})")

@@ -10,6 +10,7 @@ import torch
 
 from pflbed.algorithms.base import Algorithm, ClientContext, Tensors
 from pflbed.engine import rng, wire
+from pflbed.engine.guard import check_client
 
 
 class LoopExecutor:
@@ -37,6 +38,7 @@ class LoopExecutor:
             reply, new_state = self.algo.client_update(payload, state, ctx.client_data(cid), cctx)
             if self.strict:
                 reply, new_state = wire.roundtrip(reply), wire.roundtrip(new_state)
+            check_client(rnd, cid, reply, new_state)
             replies[cid] = reply
             self.states[cid] = new_state
         return replies

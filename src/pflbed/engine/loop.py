@@ -21,6 +21,9 @@ from pflbed.config import Config
 from pflbed.data import load_source
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
+from pflbed.engine.guard import check_server
+from pflbed.engine.threads import choose_threads, provenance
+from pflbed.errors import DivergedError
 from pflbed.evaluation.evaluate import evaluate, evaluate_personalized, subsampled
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.federation import build_federation, sample_clients
@@ -39,29 +42,35 @@ class RunResult:
     executor: LoopExecutor
 
 
-def prepare(cfg: Config) -> Algorithm:
-    """Load data, build the federation and the initial model, and instantiate the algorithm."""
-    if cfg.executor.threads:
-        torch.set_num_threads(cfg.executor.threads)  # oversubscribed cores slow small models by orders of magnitude
+def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
+    """Load data, build the federation and the initial model, and instantiate the algorithm.
+
+    Torch threads: `executor.threads` if set, else the caller's `threads` (a bench worker's one thread), else the
+    model-size policy of `choose_threads` (oversubscribed cores slow small models by orders of magnitude).
+    """
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
     model = build_model(cfg.model.name, source.input_shape, source.num_classes)
+    torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
     ctx = Context(cfg, source, fed, options, model, initial_params=get_params(model))
     return algo_cls(ctx)
 
 
 def run(
-    cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False
-) -> RunResult:
+    cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
+    force: bool = False, threads: int | None = None,
+) -> RunResult:  # fmt: skip
     """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
 
-    With `resume`, continue from the run directory's last checkpoint (or from the start if it has none).
+    With `resume`, continue from the run directory's last checkpoint (or from the start if it has none). An
+    existing run in `out` is refused unless `force` (see `RunDir.check`). A non-finite loss or parameter stops
+    the run with `DivergedError`, keeping the metrics logged so far and the last checkpoint.
     """
-    algo = prepare(cfg)
-    rundir = RunDir.check(out or default_out(cfg), cfg) if write else None
+    algo = prepare(cfg, threads)
+    rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
     saved = load_checkpoint(rundir.path) if (rundir and resume) else None
     if rundir and not resume:
         rundir.start(cfg)
@@ -80,6 +89,7 @@ def run(
         timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
     quick = subsampled(algo.ctx, cfg.eval.test_subsample)
+    checkpointed = saved["round"] if saved else None
     with _progress(progress) as bar:
         task = bar.add_task(f"{cfg.algorithm.name} on {cfg.dataset.name}", total=cfg.train.rounds, status="")
         bar.update(task, completed=first - 1)
@@ -87,8 +97,14 @@ def run(
             t0 = time.perf_counter()
             cids = sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction)
             payloads = algo.configure(rnd, server, cids)
-            replies = executor.run(rnd, payloads)
-            server = algo.aggregate(rnd, server, replies, {c: fed.num_train(c) for c in cids})
+            try:
+                replies = executor.run(rnd, payloads)
+                server = algo.aggregate(rnd, server, replies, {c: fed.num_train(c) for c in cids})
+                check_server(rnd, server)
+            except DivergedError as e:
+                logged = history[-1]["round"] if history else None
+                raise DivergedError(e.round, e.where, str(rundir.path) if rundir else None, checkpointed,
+                                    logged) from None  # fmt: skip
             comm = {"up_bytes_per_round": sum(wire.num_bytes(r) for r in replies.values()),
                     "down_bytes_per_round": sum(wire.num_bytes(p) for p in payloads.values())}  # fmt: skip
             timing["train_s"] += time.perf_counter() - t0
@@ -107,10 +123,11 @@ def run(
                 bar.update(task, status=_status(record))
             bar.update(task, advance=1)
             every = cfg.train.checkpoint_every
-            if rundir and every and rnd % every == 0 and rnd < cfg.train.rounds:
+            if rundir and ((every and rnd % every == 0) or rnd == cfg.train.rounds):  # always the final state
                 timing["wall_s"] = wall_before + time.perf_counter() - t_start
                 save_checkpoint(rundir.path, rnd, server, executor.states, history, timing,
                                 {"per_client": per_client})  # fmt: skip
+                checkpointed = rnd
         t1 = time.perf_counter()
         finetuned = {}
         methods = cfg.eval.finetune if algo.generic_model(server) is not None else []
@@ -125,6 +142,7 @@ def run(
     timing["s_per_round"] = timing["train_s"] / cfg.train.rounds
     timing = {k: round(v, 4) for k, v in timing.items()}
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
+    summary["provenance"] = provenance()
     if rundir:
         files = algo.artifacts(server, executor.state, rundir.path / "plots")
         if files:

@@ -294,12 +294,8 @@ def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict
     """Run (or resume) one cell; returns its final figures and seconds taken."""
     from pflbed.engine.loop import run as run_one
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    res = run_one(cfg, path, progress=False, resume=path.exists())
+    res = run_one(cfg, path, progress=False, resume=path.exists(), threads=threads)
     return res.summary["final"], time.perf_counter() - t0
 
 

@@ -49,7 +49,10 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             raise ValueError(f"format {blob.get('format')}")
     except Exception as e:
         reason = " ".join(str(e).split())[:80]
-        raise PflbedError(f"{path}: unreadable checkpoint ({type(e).__name__}: {reason})") from None
+        raise PflbedError(
+            f"{path}: unreadable checkpoint ({type(e).__name__}: {reason}); to start the run over, delete that file "
+            f"and run 'pflbed run --resume {run_dir}' again (or rerun it with --force)"
+        ) from None
     return {
         "round": int(blob["round"]), "server": blob["server"],
         "clients": {int(c): s for c, s in blob["clients"].items()},

@@ -1,13 +1,17 @@
-"""Run directories: `config.yaml` (resolved), `metrics.jsonl` (one line per evaluation), `summary.json`.
+"""Run directories: `config.yaml` (resolved), `metrics.jsonl` (one line per evaluation), `summary.json`,
+`checkpoints/last.pt` (the last checkpointed round; the final state once the run is finished), `plots/`.
 
 The directory is created only after the config, data and federation have been validated, so bad input never
-leaves a half-written run behind. A directory that holds a run of a *different* config is refused.
+leaves a half-written run behind. An existing run is never replaced silently: a finished one (it has
+`summary.json`), an unfinished one (continue it with `--resume`) and one of another config are all refused
+unless the caller passes `force`, which removes the old run's files (and only those) first.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +33,54 @@ class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    @property
+    def finished(self) -> bool:
+        return (self.path / "summary.json").is_file()
+
     @classmethod
-    def check(cls, path: Path, cfg: Config) -> RunDir:
-        """Refuse a directory that is a file or holds another config's run; create nothing yet."""
+    def check(cls, path: Path, cfg: Config, *, force: bool = False, resume: bool = False) -> RunDir:
+        """Refuse a path that cannot hold this run, or holds a run that `force` does not allow replacing; create
+        nothing yet. With `resume`, an unfinished run of the same config is the expected case."""
         if path.exists() and not path.is_dir():
             raise PflbedError(f"--out {path}: exists and is not a directory")
+        ancestor = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" always do
+        if not ancestor.is_dir():
+            raise PflbedError(f"--out {path}: {ancestor} is a file, not a directory")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise PflbedError(f"--out {path}: {ancestor} is not writable")
+        run = cls(path)
         existing = path / "config.yaml"
-        if existing.exists() and existing.read_text() != config_text(cfg):
-            raise PflbedError(f"--out {path}: holds a run of a different config; choose another --out")
         if path.exists() and not existing.exists() and any(path.iterdir()):
             raise PflbedError(f"--out {path}: is a non-empty directory that holds no pflbed run")
-        return cls(path)
+        if force or not existing.exists():
+            return run
+        if existing.read_text() != config_text(cfg):
+            raise PflbedError(f"--out {path}: holds a run of a different config; choose another --out "
+                              "(or pass --force to replace it)")  # fmt: skip
+        if run.finished:
+            what = "is finished; nothing to resume" if resume else "holds a finished run of this config"
+            raise PflbedError(f"--out {path}: {what}; choose another --out (or pass --force to run it again)")
+        if not resume:
+            raise PflbedError(f"--out {path}: holds an unfinished run of this config; continue it with "
+                              f"'pflbed run --resume {path}' (or pass --force to start over)")  # fmt: skip
+        return run
 
     def start(self, cfg: Config) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "summary.json"):
-            (self.path / stale).unlink(missing_ok=True)
-        _atomic_write(self.path / "config.yaml", config_text(cfg))
+        """Create the directory (removing an earlier run's files, which `check` allowed) and write config.yaml.
+
+        An unwritable location becomes one error line, and what this call created is removed again."""
+        created = not self.path.exists()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for stale in ("metrics.jsonl", "summary.json", "config.yaml"):
+                (self.path / stale).unlink(missing_ok=True)
+            for stale in ("checkpoints", "plots"):
+                shutil.rmtree(self.path / stale, ignore_errors=True)
+            _atomic_write(self.path / "config.yaml", config_text(cfg))
+        except OSError as e:
+            if created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            raise PflbedError(f"--out {self.path}: cannot write the run directory ({e.strerror})") from None
 
     @classmethod
     def for_resume(cls, path: Path, cfg: Config | None) -> tuple[RunDir, Config]:

@@ -1,0 +1,36 @@
+"""Divergence guard: a non-finite value anywhere in a client's reply or state, or in the server state, stops the
+run in the round it appears (instead of training on NaNs to the end and reporting chance accuracy).
+
+A non-finite loss always shows up here: its gradients make the parameters non-finite in the same step. Checking
+the exchanged tensors rather than each algorithm's losses keeps the guard in one place for every algorithm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pflbed.errors import DivergedError
+
+Tensors = dict[str, torch.Tensor]
+
+
+def first_nonfinite(tensors: Tensors) -> str | None:
+    """The first key (in sorted order) of a floating-point tensor holding NaN or ±inf; None if all are finite."""
+    for k in sorted(tensors):
+        v = tensors[k]
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            return k
+    return None
+
+
+def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
+    for what, tensors in (("reply", reply), ("state", state)):
+        key = first_nonfinite(tensors)
+        if key is not None:
+            raise DivergedError(rnd, f"client {cid}'s {what} has non-finite values in '{key}'")
+
+
+def check_server(rnd: int, server: Tensors) -> None:
+    key = first_nonfinite(server)
+    if key is not None:
+        raise DivergedError(rnd, f"the aggregated server state has non-finite values in '{key}'")

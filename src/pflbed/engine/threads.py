@@ -1,0 +1,50 @@
+"""The default torch thread count, and the machine facts a result depends on (`summary.json` → `provenance`).
+
+Why one thread for small models: a client's step on LeNet-5 / the FedAvg CNN / an MLP is a few milliseconds of
+small matrix work; torch's intra-op threads then spend more time synchronising than computing, and on a machine
+that is busy with anything else they wait for each other's cores. `benchmarks/threads.py` measures it side by
+side (README, "Configuration"): one thread is faster for every small zoo model, by 1.5–20× on a loaded 2-core
+machine. Only models above `LARGE_MODEL_PARAMS` get all cores. The choice depends on the model alone (never on
+the load), so the same config always runs with the same thread count — results are bit-identical only then.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+import torch
+
+LARGE_MODEL_PARAMS = 5_000_000
+
+
+def choose_threads(model: torch.nn.Module) -> int:
+    params = sum(p.numel() for p in model.parameters())
+    return 1 if params < LARGE_MODEL_PARAMS else (os.cpu_count() or 1)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; elsewhere what the platform module knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance() -> dict[str, object]:
+    """What a bit-for-bit comparison of two results needs to know about where they ran."""
+    return {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+    }
