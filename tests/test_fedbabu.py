@@ -39,30 +39,57 @@ def test_clients_train_and_upload_only_the_body():
         assert all(torch.allclose(reply[k], get_params(m)[k], atol=1e-6) for k in body)
         replies[c] = reply
     c0, c1 = replies
-    new = algo.aggregate(1, server, replies, {c0: 1.0, c1: 1.0})
+    new = algo.aggregate(1, server, replies, {c0: 1.0, c1: 3.0})  # FedAvg on the body, weighted by |D_m|
     assert set(new) == set(m.state_dict()) and all(torch.equal(new[k], init[k]) for k in head)
-    assert all(torch.allclose(new[k], (replies[c0][k] + replies[c1][k]) / 2, atol=1e-6) for k in body)
+    assert all(torch.allclose(new[k], 0.25 * replies[c0][k] + 0.75 * replies[c1][k], atol=1e-6) for k in body)
 
 
 @pytest.mark.parametrize(("finetune", "method", "trained"), [("full", "ft", "all"), ("head", "ft", "head"),
                                                              ("full", "lp", "head")])  # fmt: skip
 def test_personalization_is_fine_tuning_of_the_global_model(finetune, method, trained):
+    """Personalization fine-tunes the GLOBAL model (trained body + fixed initial head, as held by the server): `ft`
+    with finetune=full trains body and head (the paper's main results), finetune=head and `lp` the head alone on the
+    frozen body — each checked against plain SGD from the server model with the same batches."""
     algo = make(finetune=finetune)
     m = algo.ctx.model
     server = algo.init_server()
+    server = {k: v + 0.05 * torch.randn(v.shape, generator=gen(9)) for k, v in server.items()}  # a trained model
     data = algo.ctx.client_data(algo.ctx.federation.participated[0])
-    p = last(algo.personalize(server, data, Budget(method, 1, 0.1, 8), gen(0))).params
+    p = last(algo.personalize(server, data, Budget(method, 2, 0.1, 8, momentum=0.5), gen(0))).params
+    blocks = m.block_names() if trained == "all" else m.head_blocks()
+    load_params(m, server)
+    local_sgd(m, data, epochs=2, batch_size=8, lr=0.1, momentum=0.5, generator=gen(0), params=block_params(m, blocks))
+    ref = get_params(m)
+    assert all(torch.allclose(p[k], ref[k], atol=1e-5) for k in ref)
     changed = {k for k in server if not torch.equal(server[k], p[k])}
-    assert changed == set(m.state_keys(m.block_names() if trained == "all" else m.head_blocks()))
+    assert changed == set(m.state_keys(blocks))
 
 
-def test_fedbabu_end_to_end_head_never_moves_and_ft_is_reported():
-    cfg = {**TINY, "eval": {**TINY["eval"], "finetune": ["ft", "lp"]}, "algorithm": {"name": "fedbabu"}}
+def test_generic_and_per_round_personal_model_are_the_global_model():
+    """G-FL is the server model (trained body + fixed head); the per-round P-FL model is that same global model
+    (FedBABU's personalized model is `final.ft`); clients keep no state."""
+    algo = make()
+    server = {k: v + 1.0 for k, v in algo.init_server().items()}
+    assert algo.generic_model(server).params is server and algo.personal_model(server, {}).params is server
+    assert algo.init_client(0) == {}
+
+
+def test_fedbabu_end_to_end_head_never_moves_and_fine_tuning_personalizes():
+    """Label skew (2 classes per client), 4 rounds: the head stays the initial one and the body trains; the reported
+    FedBABU+FT (`final.ft`) must beat the un-fine-tuned global model on the clients' own test data by a wide margin on
+    this fixed seed (ft about 0.87, lp 0.84, against 0.28) — the fine-tuning, not the federation, personalizes."""
+    fed = {**TINY["federation"], "partition": "classes"}
+    cfg = {
+        **TINY,
+        "federation": fed,
+        "eval": {**TINY["eval"], "finetune": ["ft", "lp"]},
+        "algorithm": {"name": "fedbabu"},
+    }
     res = pflbed.run(cfg, write=False, progress=False)
     algo = res.executor.algo
     m, init = algo.ctx.model, algo.ctx.initial_params
     assert all(torch.equal(res.server[k], init[k]) for k in m.state_keys(m.head_blocks()))
     assert any(not torch.equal(res.server[k], init[k]) for k in m.state_keys(m.body_blocks()))
     f = res.summary["final"]
-    assert f["gfl_acc"] > 0.3 and f["ft"]["pfl_acc"] > 0.3  # 10 classes: chance is 0.1
-    assert f["lp"]["pfl_acc"] is not None
+    assert f["gfl_acc"] is not None and f["ft"]["pfl_acc"] > f["pfl_acc"] + 0.3
+    assert f["lp"]["pfl_acc"] > f["pfl_acc"] + 0.3

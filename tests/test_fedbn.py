@@ -3,10 +3,12 @@ import torch
 from torch import nn
 
 import pflbed
-from pflbed.algorithms.base import Budget
+from pflbed.algorithms.base import Budget, ClientContext, Predictor
+from pflbed.algorithms.training import get_params, load_params, sgd_epochs
 from pflbed.config import validate_config
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.loop import prepare
+from pflbed.evaluation.evaluate import Predictions, client_scores
 from pflbed.federation import sample_clients
 from pflbed.models import MODELS, BlockNet
 
@@ -121,6 +123,40 @@ def test_new_client_personalization_learns_bn(method):
     assert algo.generic_model(new_server) is None and algo.zero_shot(new_server, algo.ctx.client_data(0)) is None
 
 
+def _bn_mlp(input_shape, num_classes):
+    """A tiny model with one BatchNorm1d in the body, fast enough for exact reference runs."""
+    d = int(torch.tensor(input_shape).prod())
+    return BlockNet([("body", nn.Sequential(nn.Flatten(), nn.Linear(d, 8), nn.BatchNorm1d(8), nn.ReLU())),
+                     ("head", nn.Linear(8, num_classes))])  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ft", "lp"])
+def test_new_client_personalization_is_sgd_from_the_server_and_the_initial_bn(monkeypatch, method):
+    """New client: start from the server's shared entries and the *initial* BN entries (not whatever BN the model
+    object last held — here a trained client's), then SGD in training mode with the budget's lr and momentum on
+    every parameter (ft) or on the BN affine parameters + head, found by type (lp)."""
+    monkeypatch.setitem(MODELS, "bn_mlp", _bn_mlp)
+    algo = prepare(validate_config({**CNN_BN, "model": {"name": "bn_mlp"}}))
+    server = {k: v + 0.05 * torch.randn_like(v) for k, v in algo.init_server().items()}
+    c = algo.ctx.federation.participated[0]
+    cctx = ClientContext(1, c, torch.Generator().manual_seed(0))
+    algo.client_update(server, algo.init_client(c), algo.ctx.client_data(c), cctx)  # the model now holds c's BN
+    data = algo.ctx.client_data(1)
+    budget = Budget(method, 2, 0.05, 16, momentum=0.5)
+    got = list(algo.personalize(server, data, budget, torch.Generator().manual_seed(2)))[-1].params
+    ref = _bn_mlp(algo.ctx.source.input_shape, algo.ctx.source.num_classes)
+    load_params(ref, {**server, **algo.init_client(1)})
+    bn = next(m for m in ref.modules() if isinstance(m, nn.BatchNorm1d))
+    params = list(ref.parameters()) if method == "ft" else [*bn.parameters(), *ref.blocks.head.parameters()]
+    for _ in sgd_epochs(ref, data, epochs=2, batch_size=16, lr=0.05, momentum=0.5, params=params,
+                        generator=torch.Generator().manual_seed(2)):  # fmt: skip
+        pass
+    expected = get_params(ref)
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.allclose(got[k], v, atol=1e-6), k
+
+
 def test_fedbn_learns_end_to_end_in_strict_mode():
     cfg = {
         **CNN_BN,
@@ -131,14 +167,18 @@ def test_fedbn_learns_end_to_end_in_strict_mode():
     }  # fmt: skip
     res = pflbed.run(cfg, write=False, progress=False)
     f = res.summary["final"]
-    assert f["pfl_acc"] > 0.3  # 10 balanced classes: chance is 0.1
+    algo = res.executor.algo
+    # reference: the same clients' scores under the initial model that never trained (seed 0: 0.41 vs 0.09)
+    untrained, _ = client_scores({c: Predictor(algo.ctx.model, algo.ctx.initial_params)
+                                  for c in algo.ctx.federation.participated},
+                                 algo.ctx, Predictions(algo.ctx.source, 1024))  # fmt: skip
+    assert f["pfl_acc"] > sum(untrained.values()) / len(untrained) + 0.2
     assert f["gfl_acc"] is None and "ft" not in f  # no global model
     nc = res.summary["new_clients"]
     assert nc["zero_shot"] is None
     assert all(nc["methods"][m]["S"]["last"] > 0.3 for m in ("ft", "lp"))
     comm = res.summary["communication"]
     n_shared = sum(v.numel() * v.element_size() for v in res.server.values())
-    algo = res.executor.algo
     fed = algo.ctx.federation
     bn = algo.ctx.model.module_state_keys(BN_KINDS)
     assert not set(res.server) & set(bn)

@@ -5,8 +5,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pflbed
+from pflbed.algorithms import fedselect
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions, MaskedPhase, eligible_keys
 from pflbed.algorithms.local import LocalOnly
@@ -19,6 +21,7 @@ from pflbed.algorithms.masks import (
     take,
     unpack_bits,
 )
+from pflbed.algorithms.training import get_params, index_batches, load_params
 from pflbed.config import validate_config
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
@@ -260,12 +263,18 @@ def test_bytes_shrink_as_masks_grow_and_match_the_wire_format():
         assert wire.num_bytes(r) == expect
 
 
-def test_end_to_end_learns_writes_iou_artifacts_and_diagnostics(tmp_path):
-    cfg = {**TINY, "algorithm": {"name": "fedselect"}, "federation": {**TINY["federation"], "new_clients": 1}}
+def test_end_to_end_beats_fedavg_under_label_skew_writes_iou_artifacts_and_diagnostics(tmp_path):
+    """Label skew (2 classes per client): FedSelect's personal models (Alg. 1's θ_k^{t+1}) must beat FedAvg's global
+    model on the clients' own test data by a wide margin on this fixed seed (about 0.52 against 0.19); a run whose
+    personal entries were not kept, or whose evaluation used the global values, lands at FedAvg's level."""
+    fed = {**TINY["federation"], "partition": "classes", "new_clients": 1}
+    cfg = {**TINY, "algorithm": {"name": "fedselect"}, "federation": fed}
     cfg["eval"] = {**TINY["eval"], "new_clients": {"epochs": 1, "lrs": [0.05], "fractions": [1.0]}}
     res = pflbed.run(cfg, out=tmp_path / "run")
+    fedavg = pflbed.run({**cfg, "algorithm": {"name": "fedavg"}}, write=False, progress=False).summary["final"]
     final = res.summary["final"]
-    assert final["pfl_acc"] > 0.3 and final["gfl_acc"] is None  # 10 balanced classes: chance is 0.1
+    assert final["gfl_acc"] is None
+    assert final["pfl_acc"] > fedavg["pfl_acc"] + 0.2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("personal_fraction" in rec["diag"] for rec in lines)
     frac = lines[-1]["diag"]["personal_fraction"]
@@ -277,8 +286,17 @@ def test_end_to_end_learns_writes_iou_artifacts_and_diagnostics(tmp_path):
     png, csv_ = (tmp_path / "run" / res.summary["artifacts"][k] for k in ("mask_iou_png", "mask_iou_csv"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = csv_.read_text().splitlines()
-    participated = res.executor.algo.ctx.federation.participated
+    algo = res.executor.algo
+    participated = algo.ctx.federation.participated
     assert len(rows) == 1 + len(participated) and rows[0].startswith("client,majority_class")
+    # Fig. 4: clients sorted by majority class; cell (i, j) = IoU of the two clients' final classifier masks
+    table = [r.split(",") for r in rows[1:]]
+    order, majority = [int(r[0]) for r in table], [int(r[1]) for r in table]
+    assert majority == sorted(majority) and sorted(order) == sorted(participated)
+    keys = algo.iou_keys()
+    masks = [torch.cat([algo._mask(res.executor.state(c), f"mask/{k}", k).reshape(-1) for k in keys]) for c in order]
+    got = torch.tensor([[float(v) for v in r[2:]] for r in table], dtype=torch.float64)
+    assert torch.allclose(got, iou_matrix(masks), atol=1e-6, equal_nan=True)
     assert res.summary["new_clients"] is not None
 
 
@@ -291,3 +309,249 @@ def test_new_client_starts_all_global_and_lp_changes_only_the_head():
     head = set(algo.ctx.model.state_keys(algo.ctx.model.head_blocks()))
     assert {k for k in algo.keys if not torch.equal(p.params[k], server[k])} == head
     assert algo.generic_model(server) is None
+
+
+# --- rules checked against hand-written references ---------------------------------------------------------------
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_local_alt(model, data, personal, *, epochs, lr, momentum, weight_decay, batch_size, generator):
+    """Alg. 2 written out independently of `MaskedPhase`: per epoch, one shuffled pass that moves only the personal
+    entries, then one that moves only the global entries. Each step is torch's SGD rule (d = ∇ + wd·θ,
+    buf = μ·buf + d, θ ← θ − lr·buf) applied to the side's entries only; each side keeps its own momentum buffer
+    across the round's epochs. A side with nothing to train makes no pass and draws no batch."""
+    params = dict(model.named_parameters())
+    own = {k: personal.get(k, torch.zeros(p.shape, dtype=torch.bool)) for k, p in params.items()}
+    sides = [own, {k: ~m for k, m in own.items()}]  # personal pass FIRST, then the global pass
+    buffers: list[dict[str, torch.Tensor]] = [{}, {}]
+    model.train()
+    for _ in range(epochs):
+        for side, buf in zip(sides, buffers, strict=True):
+            if not any(m.any() for m in side.values()):
+                continue
+            for b in index_batches(data.train, batch_size, 1, generator):
+                loss = F.cross_entropy(model(data.x[b]), data.y[b])
+                grads = torch.autograd.grad(loss, list(params.values()))
+                with torch.no_grad():
+                    for (k, p), g in zip(params.items(), grads, strict=True):
+                        d = g + weight_decay * p
+                        buf[k] = d.clone() if k not in buf else momentum * buf[k] + d
+                        p[side[k]] -= lr * buf[k][side[k]]
+    return get_params(model)
+
+
+def top_new_entries(mask: torch.Tensor, delta: torch.Tensor, p: float, alpha: float, largest: bool = True):
+    """Alg. 3 for one tensor, by hand: unless the personal fraction has reached α, add the ⌊p·n_global + ½⌋
+    still-global entries with the largest (or smallest) |Δ|."""
+    n_global = int((~mask).sum())
+    if int(mask.sum()) >= alpha * mask.numel():
+        return mask.clone()
+    score = delta.abs().reshape(-1) * (1 if largest else -1)
+    score = score.masked_fill(mask.reshape(-1), float("-inf"))
+    new = mask.clone().reshape(-1)
+    new[score.topk(math.floor(p * n_global + 0.5)).indices] = True
+    return new.reshape(mask.shape)
+
+
+def trained_from(algo: FedSelect, reply: dict, new_state: dict) -> dict[str, torch.Tensor]:
+    """The client's locally trained model, rebuilt from what it uploaded (global entries) and kept (personal ones)."""
+    out = {}
+    for k in algo.keys:
+        held = f"held/{k}"
+        out[k] = fill(algo._mask(new_state, held, k), new_state[f"v/{k}"], reply[k]) if held in new_state else reply[k]
+    return out
+
+
+def test_client_round_composition_localalt_order_reply_and_gradselect_match_hand_reference():
+    """One client round of Alg. 1 against references written out by hand, on a client whose masks exercise every
+    case: a tensor partly personal with entries that just became personal (start from the fresh global value), one
+    at its α limit (must not grow), one wholly personal (trained only in the personal pass), one wholly global.
+
+    Protects: the payload holds exactly the client's global entries; the start model is server values on entries
+    global in the last training + own values on entries held personal; LocalAlt runs the personal pass BEFORE the
+    global pass, alternating per epoch, each side with its own optimizer kept across epochs (momentum 0.5 and weight
+    decay make any leak or restart visible); the reply holds exactly the entries global during this training plus
+    their packed mask; the client keeps its personal entries; GradSelect grows the mask by the top p of
+    |θ_trained − θ_round_start| among still-global entries, and only below α; the grown mask is stored for the next
+    round (the training mask is what the server learns)."""
+    train = {**TINY["train"], "local_epochs": 2, "momentum": 0.5, "weight_decay": 0.01}
+    p, alpha = 0.25, 0.3
+    algo, _ = drive({"p": p, "alpha": alpha, "eligible": "all"}, 0, train=train)
+    model, init = algo.ctx.model, algo.ctx.initial_params
+    c = algo.ctx.federation.participated[0]
+    data = algo.ctx.client_data(c)
+    g = gen(11)
+    rand = {k: torch.rand(v.shape, generator=g) for k, v in init.items()}
+    w1, wc, bc = "blocks.fc1.1.weight", "blocks.classifier.weight", "blocks.classifier.bias"
+    mask = {w1: rand[w1] < 0.1, wc: rand[wc] < 0.4, bc: torch.ones(10, dtype=torch.bool)}
+    held = {w1: rand[w1] < 0.05, wc: mask[wc], bc: mask[bc]}  # fc1: half its personal entries are new this round
+    assert int(mask[wc].sum()) >= alpha * mask[wc].numel()
+    server = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in init.items()}  # start ≠ initial model
+    own = {k: init[k][m] + 1.0 for k, m in held.items()}  # the client's personal values from its last training
+    for k, m in held.items():
+        server[f"mask/{c}/{k}"] = pack_bits(m)  # what the server learned from the client's last reply
+    state = {"rounds": torch.tensor(4)}
+    for k in mask:
+        state[f"mask/{k}"], state[f"held/{k}"], state[f"v/{k}"] = pack_bits(mask[k]), pack_bits(held[k]), own[k]
+
+    payload = wire.roundtrip(algo.configure(5, server, [c])[c])
+    for k in algo.keys:  # broadcast only into the client's global entries
+        assert torch.equal(payload[k], take(server[k], ~held[k]) if k in held else server[k]), k
+    reply, new_state = algo.client_update(payload, state, data, ClientContext(5, c, gen(5)))
+
+    start = {k: server[k].clone() for k in algo.keys}
+    for k, m in held.items():
+        start[k][m] = own[k]
+    load_params(model, start)
+    t = algo.ctx.cfg.train
+    ref = reference_local_alt(model, data, mask, epochs=2, lr=t.lr, momentum=0.5, weight_decay=0.01,
+                              batch_size=t.batch_size, generator=gen(5))  # fmt: skip
+
+    assert set(reply) == set(algo.keys) | {f"mask/{k}" for k in mask}
+    for k in algo.keys:
+        if k in mask:
+            assert torch.equal(reply[f"mask/{k}"], pack_bits(mask[k])), k
+            assert torch.allclose(reply[k], take(ref[k], ~mask[k]), atol=1e-5), k  # global entries only
+            assert torch.allclose(new_state[f"v/{k}"], take(ref[k], mask[k]), atol=1e-5), k  # personal: kept
+            assert torch.equal(new_state[f"held/{k}"], pack_bits(mask[k])), k
+        else:
+            assert torch.allclose(reply[k], ref[k], atol=1e-5), k
+    assert int(new_state["rounds"]) == 5
+    trained = trained_from(algo, reply, new_state)
+    for k in algo.eligible:
+        expect = top_new_entries(mask.get(k, torch.zeros(init[k].shape, dtype=torch.bool)), trained[k] - start[k], p,
+                                 alpha)  # fmt: skip
+        assert torch.equal(algo._mask(new_state, f"mask/{k}", k), expect), k
+    assert torch.equal(algo._mask(new_state, f"mask/{wc}", wc), mask[wc])  # at the α limit: no growth
+    assert int(algo._mask(new_state, f"mask/{w1}", w1).sum()) > int(mask[w1].sum())
+
+
+def test_official_delta_is_measured_from_the_last_mask_update_on_the_clients_own_round_count(monkeypatch):
+    """Official preset (update_every = 3, delta_from = last_update, weights only): one client taking part in global
+    rounds 2, 3, 5, 6, 7, 9 updates its mask after its own 3rd and 6th rounds — not after global rounds divisible by
+    3 — with Δ measured first from the initial model, then from the model trained at its previous update (not the
+    round's start, not the round before). Only the Linear weights are ranked."""
+    calls: list[tuple[int, str, torch.Tensor]] = []
+    real = fedselect.grow_mask
+    i = 0
+
+    def spy(mask, delta, **kw):
+        calls.append((i, delta.clone()))
+        return real(mask, delta, **kw)
+
+    monkeypatch.setattr(fedselect, "grow_mask", spy)
+    algo, _ = drive({"preset": "official"}, 0)
+    assert algo.eligible == ["blocks.fc1.1.weight", "blocks.fc2.0.weight", "blocks.classifier.weight"]
+    c = algo.ctx.federation.participated[0]
+    data, server, state = algo.ctx.client_data(c), algo.init_server(), {}
+    trained_at = {}
+    for i, rnd in enumerate([2, 3, 5, 6, 7, 9], start=1):
+        payload = algo.configure(rnd, server, [c])[c]
+        reply, state = algo.client_update(payload, state, data, ClientContext(rnd, c, gen(rnd)))
+        trained_at[i] = trained_from(algo, reply, state)
+        server = algo.aggregate(rnd, server, {c: reply}, {c: 1.0})
+    assert [n for n, _ in calls] == [3] * 3 + [6] * 3  # one call per eligible tensor, at the client's 3rd and 6th
+    for (n, delta), k in zip(calls, algo.eligible * 2, strict=True):
+        ref = algo.ctx.initial_params[k] if n == 3 else trained_at[3][k]
+        assert torch.equal(delta, trained_at[n][k] - ref), (n, k)
+
+
+@pytest.mark.parametrize("selection", ["smallest", "random"])
+def test_selection_ablations_reach_the_mask_update(selection):
+    """Table 3's ablations are wired through `client_update`: "smallest" personalizes the least-changed entries;
+    "random" draws a mask of the same size from the client's round generator (the same generator: the same mask;
+    and not the largest-|Δ| one)."""
+    p = 0.25
+    algo, _ = drive({"p": p, "alpha": 1.0, "eligible": "weights", "selection": selection}, 0)
+    c = algo.ctx.federation.participated[0]
+    data, server = algo.ctx.client_data(c), algo.init_server()
+    payload = algo.configure(1, server, [c])[c]
+    reply, state = algo.client_update(payload, {}, data, ClientContext(1, c, gen(1)))
+    for k in algo.eligible:
+        none = torch.zeros(server[k].shape, dtype=torch.bool)
+        got = algo._mask(state, f"mask/{k}", k)
+        assert int(got.sum()) == math.floor(p * got.numel() + 0.5), k
+        largest = top_new_entries(none, reply[k] - server[k], p, 1.0)
+        if selection == "smallest":
+            assert torch.equal(got, top_new_entries(none, reply[k] - server[k], p, 1.0, largest=False)), k
+        else:
+            assert not torch.equal(got, largest), k
+    if selection == "random":
+        _, again = algo.client_update(payload, {}, data, ClientContext(1, c, gen(1)))
+        assert all(torch.equal(again[f"mask/{k}"], state[f"mask/{k}"]) for k in algo.eligible)
+
+
+def test_grow_mask_rounding_and_limit_boundary():
+    """⌊p·n_global + ½⌋ new entries counted among the still-GLOBAL entries (not all n), and growth stops as soon as
+    the personal fraction EQUALS α (Alg. 3: grow while sparsity < α)."""
+    delta = torch.arange(1.0, 11.0)  # 10 entries, |Δ| increasing
+    none = torch.zeros(10, dtype=torch.bool)
+    assert grow_mask(none, delta, rate=0.25, limit=1.0).nonzero().squeeze(1).tolist() == [7, 8, 9]  # 2.5 → 3
+    assert int(grow_mask(none, delta, rate=0.24, limit=1.0).sum()) == 2  # 2.4 → 2
+    two = grow_mask(none, delta, rate=0.2, limit=1.0)
+    assert two.nonzero().squeeze(1).tolist() == [8, 9]
+    grown = grow_mask(two, delta, rate=0.5, limit=1.0)
+    assert grown.nonzero().squeeze(1).tolist() == [4, 5, 6, 7, 8, 9]  # ½ of the 8 global entries, not of all 10
+    assert torch.equal(grow_mask(two, delta, rate=0.5, limit=0.2), two)  # 2/10 = α: stopped
+    assert int(grow_mask(two, delta, rate=0.5, limit=0.21).sum()) == 6  # just below α: grows
+    signed = torch.tensor([-9.0, 1, 2, 3, 4, 5, 6, 7, 8, 0.5])
+    assert grow_mask(none, signed, rate=0.1, limit=1.0).nonzero().squeeze(1).tolist() == [0]  # |Δ|, not Δ
+    a = grow_mask(none, delta, rate=0.5, limit=1.0, selection="random", generator=gen(3))
+    b = grow_mask(none, delta, rate=0.5, limit=1.0, selection="random", generator=gen(3))
+    assert torch.equal(a, b) and int(a.sum()) == 5  # drawn from the given generator
+    r = grow_mask(two, delta, rate=1.0, limit=1.0, selection="random", generator=gen(4))
+    assert bool(r.all())  # random picks among global entries only: all 8 remaining, none twice
+
+
+def test_server_keeps_each_clients_last_mask_and_broadcasts_only_its_global_entries():
+    """The server's per-client masks (Alg. 1's m_k, needed to broadcast into ¬m_k): replaced by a replying client's
+    new mask, dropped when its reply has none, kept for clients not sampled this round; `configure` then sends each
+    client the server's values at exactly its global entries."""
+    algo, _ = drive({"eligible": "weights"}, 0)
+    k = "blocks.classifier.weight"
+    server = algo.init_server()
+    g = gen(2)
+    m = {c: torch.rand(server[k].shape, generator=g) < 0.3 for c in range(3)}
+    for c in range(3):
+        server[f"mask/{c}/{k}"] = pack_bits(m[c])
+    replies = {}
+    for c in (1, 2):
+        replies[c] = {kk: torch.full_like(server[kk], float(c)) for kk in algo.keys}
+    new2 = m[2] | (torch.rand(server[k].shape, generator=g) < 0.2)
+    replies[2][k], replies[2][f"mask/{k}"] = take(replies[2][k], ~new2), pack_bits(new2)  # client 1: no mask now
+    out = algo.aggregate(3, server, replies, {1: 1.0, 2: 1.0})
+    assert torch.equal(out[f"mask/0/{k}"], pack_bits(m[0])) and f"mask/1/{k}" not in out
+    assert torch.equal(out[f"mask/2/{k}"], pack_bits(new2))
+    expect = torch.where(new2, 1.0, 1.5)  # entry personal for client 2: client 1's value alone
+    assert torch.equal(out[k], expect)
+    pay = algo.configure(4, out, [0, 1, 2])
+    assert torch.equal(pay[0][k], take(out[k], ~m[0])) and torch.equal(pay[2][k], take(out[k], ~new2))
+    assert torch.equal(pay[1][k], out[k])
+
+
+def test_personal_fraction_diagnostics_hand_computed():
+    """diag.personal_fraction: per client, personal entries of its CURRENT mask (the one its next round trains with)
+    over each block's parameter count, over all parameters, and over the eligible entries; then the mean over the
+    participated clients (clients without a mask count as 0)."""
+    algo, _ = drive({"eligible": "weights"}, 0)
+    w1, wc = "blocks.fc1.1.weight", "blocks.classifier.weight"
+    m1, mc = torch.zeros(200, 64, dtype=torch.bool), torch.zeros(10, 200, dtype=torch.bool)
+    m1[:20], mc[:, :50] = True, True  # 1280 and 500 personal entries
+    cids = algo.ctx.federation.participated
+    states = {cids[0]: {f"mask/{w1}": pack_bits(m1), f"mask/{wc}": pack_bits(mc), f"held/{wc}": pack_bits(mc[:1])}}
+    diag = algo.diagnostics(1, algo.init_server(), lambda c: states.get(c, {}))
+    size = {"fc1": 64 * 200 + 200, "fc2": 200 * 200 + 200, "classifier": 200 * 10 + 10}
+    one = {"fc1": 1280 / size["fc1"], "fc2": 0.0, "classifier": 500 / size["classifier"],
+           "all": 1780 / sum(size.values()), "eligible": 1780 / (64 * 200 + 200 * 200 + 200 * 10)}  # fmt: skip
+    assert diag["personal_fraction_clients"][str(cids[0])] == pytest.approx(one, abs=1e-6)
+    assert diag["personal_fraction_clients"][str(cids[1])] == dict.fromkeys(one, 0.0)
+    assert diag["personal_fraction"] == pytest.approx({b: v / len(cids) for b, v in one.items()}, abs=1e-6)
+
+
+def test_iou_keys_are_the_classifiers_eligible_tensors():
+    """Fig. 4's IoU is over the classifier layer: the head's eligible tensors, or the topmost block with any under a
+    single-layer ablation that excludes the head."""
+    assert drive({"eligible": "all"}, 0)[0].iou_keys() == ["blocks.classifier.weight", "blocks.classifier.bias"]
+    assert drive({"eligible": "weights"}, 0)[0].iou_keys() == ["blocks.classifier.weight"]
+    assert drive({"eligible": "weights", "layers": "fc1"}, 0)[0].iou_keys() == ["blocks.fc1.1.weight"]

@@ -2,7 +2,13 @@ import pytest
 import torch
 
 import pflbed
+from pflbed.algorithms.base import Budget, ClientContext, Predictor
+from pflbed.algorithms.training import train_from
+from pflbed.config import validate_config
+from pflbed.engine import rng
+from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
+from pflbed.evaluation.evaluate import Predictions, client_scores, last
 
 from .tiny import TINY
 
@@ -20,19 +26,67 @@ def test_local_only_shares_nothing_and_trains_only_sampled_clients():
     for c in algo.ctx.federation.participated:
         moved = any(not torch.equal(states[c][k], algo.ctx.initial_params[k]) for k in states[c])
         assert moved == (c in trained)
+    # reference: the same clients' models had they never trained (seed 0: P-FL 0.38 vs 0.11)
+    fed = algo.ctx.federation
+    untrained, _ = client_scores({c: Predictor(algo.ctx.model, algo.ctx.initial_params) for c in fed.participated},
+                                 algo.ctx, Predictions(algo.ctx.source, 1024))  # fmt: skip
+    assert res.summary["final"]["pfl_acc"] > sum(untrained.values()) / len(untrained) + 0.15
 
 
 def test_local_only_state_equals_plain_sgd_on_own_data():
+    """Round 1: a sampled client's state is the configured SGD (`train_from`) from the initial model on its own
+    data, with the round's client generator — the federated methods' schedule and nothing else."""
     cfg = {**TINY, "train": {**TINY["train"], "rounds": 1}}
     res = pflbed.run({**cfg, "algorithm": {"name": "local"}}, write=False)
     algo = res.executor.algo
     c = next(iter(res.executor.states))
-    from pflbed.algorithms.base import ClientContext
-    from pflbed.engine import rng
-
     gen = torch.Generator().manual_seed(rng.derive_seed(0, rng.CLIENT, 1, c))
-    _, state = algo.client_update({}, dict(algo.ctx.initial_params), algo.ctx.client_data(c), ClientContext(1, c, gen))
+    state = train_from(algo.ctx.new_model(), algo.ctx.initial_params, algo.ctx.client_data(c), algo.ctx.cfg.train, gen)
+    assert set(state) == set(res.executor.states[c])
     assert all(torch.equal(state[k], res.executor.states[c][k]) for k in state)
+
+
+def test_local_client_continues_from_its_own_model_and_uploads_nothing():
+    """Round r trains from the client's own model of its last sampled round (its state), never from the initial
+    model again; the reply is empty and the server state never changes."""
+    algo = prepare(validate_config({**TINY, "algorithm": {"name": "local"}}))
+    c = algo.ctx.federation.participated[0]
+    data, train = algo.ctx.client_data(c), algo.ctx.cfg.train
+    state = algo.init_client(c)
+    assert all(torch.equal(state[k], v) for k, v in algo.ctx.initial_params.items()) and set(state) == set(
+        algo.ctx.initial_params
+    )
+    assert algo.configure(1, {}, [c]) == {c: {}}
+    for rnd in (1, 2):
+        before = dict(state)
+        reply, state = algo.client_update({}, state, data, ClientContext(rnd, c, torch.Generator().manual_seed(rnd)))
+        assert reply == {}
+        expected = train_from(algo.ctx.new_model(), before, data, train, torch.Generator().manual_seed(rnd))
+        assert all(torch.equal(state[k], expected[k]) for k in expected), rnd
+    server = {}
+    assert algo.aggregate(2, server, {c: {}}, {c: 1.0}) is server
+    scored = algo.personal_model(server, state).params  # the client is scored with its own model
+    assert set(scored) == set(state) and all(scored[k] is state[k] for k in state)
+
+
+def test_new_client_trains_from_the_untrained_initial_model():
+    """A new client has nothing to start from but the run's initial model (its own fresh init when heterogeneous):
+    with lr 0 the adapted model is exactly that start."""
+    algo = prepare(validate_config({**TINY, "algorithm": {"name": "local"}}))
+    p = last(algo.personalize({}, algo.ctx.client_data(0), Budget("ft", 1, 0.0, 16), torch.Generator()))
+    assert all(torch.equal(p.params[k], v) for k, v in algo.ctx.initial_params.items())
+    archs = ["lenet5", "mlp"]
+    hetero = prepare(validate_config({**HETERO_CFG, "algorithm": {"name": "local", "architectures": archs}}))
+    for c in (0, 3):
+        p = last(hetero.personalize({}, hetero.ctx.client_data(c), Budget("ft", 1, 0.0, 16), torch.Generator()))
+        init = hetero.init_client(c)
+        assert p.model is hetero.models[hetero.arch_of(c)]
+        assert set(p.params) == set(init) - {"cid"} and all(torch.equal(p.params[k], init[k]) for k in p.params)
+    # heterogeneous clients initialize independently, seeded by (run seed, client id): clients 0 and 1 share an
+    # architecture but not their initial weights
+    a, b = hetero.init_client(0), hetero.init_client(1)
+    assert hetero.arch_of(0) == hetero.arch_of(1)
+    assert not torch.equal(a["blocks.conv1.0.weight"], b["blocks.conv1.0.weight"])
 
 
 HETERO_FED = {**TINY["federation"], "clients": 4, "sample_fraction": 1.0, "public": 200}
@@ -63,7 +117,12 @@ def test_heterogeneous_local_end_to_end_with_new_clients_trained_from_scratch():
            "eval": {**TINY["eval"], "new_clients": {"methods": ["ft"], "fractions": [1.0], "epochs": 2, "lrs": [0.1]}}}
     res = pflbed.run(cfg, write=False)
     algo = res.executor.algo
-    assert res.summary["final"]["pfl_acc"] > 0.3 and res.summary["communication"]["up_bytes_per_round"] == 0
+    # reference: every client's own architecture at its own initialization, never trained (seed 0: 0.45 vs 0.15)
+    fed = algo.ctx.federation
+    untrained, _ = client_scores({c: algo.personal_model({}, algo.init_client(c)) for c in fed.participated},
+                                 algo.ctx, Predictions(algo.ctx.source, 1024))  # fmt: skip
+    assert res.summary["final"]["pfl_acc"] > sum(untrained.values()) / len(untrained) + 0.15
+    assert res.summary["communication"]["up_bytes_per_round"] == 0
     nc = res.summary["new_clients"]
     assert nc["zero_shot"] is None and nc["methods"]["ft"]["S"]["last"] > 0.2  # 10 classes: chance 0.1
     new = algo.ctx.federation.new
