@@ -52,8 +52,10 @@ def run_one(algo: Algorithm, server: Tensors, cid: int, data: ClientData, budget
         if val > best_val:
             best_val, best = val, pred
         last = pred
-    if last is None or best is None:
+    if last is None:
         raise ValueError(f"{algo.name}.personalize yielded no model")
+    if best is None:  # no validation data (val NaN every epoch): the client cannot stop early, so Best = Last
+        best, best_val = last, val
     last_test = client_score(last, cid, ctx, P, "test")
     best_test = last_test if best is last else client_score(best, cid, ctx, P, "test")
     P.store.clear()
@@ -61,7 +63,9 @@ def run_one(algo: Algorithm, server: Tensors, cid: int, data: ClientData, budget
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    """Means over clients, skipping NaN (val figures of clients without validation data), as `summarize` does."""
+    kept = {k: [r[k] for r in rows if r[k] == r[k]] for k in rows[0]}
+    return {k: sum(v) / len(v) if v else float("nan") for k, v in kept.items()}
 
 
 def evaluate_new_clients(algo: Algorithm, server: Tensors) -> dict[str, Any] | None:
