@@ -1,11 +1,15 @@
 """FedDF (Lin et al., NeurIPS 2020): per-architecture FedAvg, then server ensemble distillation on public data."""
 
+import math
+
+import pytest
 import torch
 
 import pflbed
 from pflbed.algorithms import feddf
-from pflbed.algorithms.training import get_params, load_params
+from pflbed.algorithms.training import get_params, load_params, train_from
 from pflbed.config import validate_config
+from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 
 from .tiny import TINY
@@ -90,7 +94,22 @@ def test_zero_server_steps_is_fedavg():
         assert all(torch.equal(out[f"g/{arch}/{k}"], v) for k, v in params.items())
 
 
+def _global(server: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    return {k[len(f"g/{arch}/") :]: v for k, v in server.items() if k.startswith(f"g/{arch}/")}
+
+
+def _logits(model: torch.nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    load_params(model, params)
+    model.eval()
+    with torch.no_grad():
+        return model(x)
+
+
 def test_heterogeneous_end_to_end_strict_learns():
+    """A strict 4-round run against a reference rebuilt by hand from a 3-round run of the same seed: every client
+    trains from its architecture's global model g_3 with its (seed, round 4, id) stream; per architecture the
+    replies are averaged with weights |D_n|; the teacher is the plain mean of all four clients' logits on ξ_4; each
+    fused model then takes `server_steps` Adam steps towards it. The run's g_4 must equal that reference."""
     res = pflbed.run(CFG, write=False)
     algo = res.executor.algo
     f = res.summary["final"]
@@ -104,6 +123,28 @@ def test_heterogeneous_end_to_end_strict_learns():
     for c in range(4):
         p = algo.personal_model(res.server, res.executor.state(c))
         assert p.model is algo.models[algo.arch_of(c)] and p.params is algo.global_params(res.server, algo.arch_of(c))
+    # reference for round 4
+    prev = pflbed.run({**CFG, "train": {**CFG["train"], "rounds": 3}}, write=False).server
+    replies = {}
+    for c in range(4):
+        a = algo.arch_of(c)
+        seed = rng.derive_seed(0, rng.CLIENT, 4, c)
+        torch.manual_seed(seed)
+        replies[c] = train_from(algo.models[a], _global(prev, a), algo.ctx.client_data(c), algo.ctx.cfg.train,
+                                torch.Generator().manual_seed(seed))  # fmt: skip
+    x = algo._public_x(4)
+    teacher = sum(_logits(algo.models[algo.arch_of(c)], replies[c], x) for c in range(4)) / 4
+    n = {c: algo.ctx.federation.num_train(c) for c in range(4)}
+    for i, (a, group) in enumerate((("lenet5", [0, 1]), ("mlp", [2, 3]))):
+        fused = {k: sum(n[c] * replies[c][k] for c in group) / sum(n[c] for c in group) for k in replies[group[0]]}
+        model = algo.models[a]
+        load_params(model, fused)
+        feddf.ensemble_distill(model, x, teacher, steps=20, batch_size=32, lr=1e-3, temperature=1.0,
+                               generator=rng.generator(0, feddf.STREAM, 1, 4, i))  # fmt: skip
+        ref = get_params(model)
+        # atol: Adam's per-coordinate normalization turns float rounding into ~1e-5; wrong rules move O(1e-3)
+        assert all(torch.allclose(res.server[f"g/{a}/{k}"], v, atol=1e-4) for k, v in ref.items())
+        assert any(not torch.allclose(fused[k], v, atol=1e-4) for k, v in ref.items())  # distillation moved it
 
 
 def test_homogeneous_has_a_generic_model():
@@ -112,3 +153,91 @@ def test_homogeneous_has_a_generic_model():
     res = pflbed.run(cfg, write=False)
     f = res.summary["final"]
     assert f["gfl_acc"] is not None and f["gfl_acc"] > 0.2
+
+
+def _student(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 4)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_server_distillation_is_adam_on_kl_of_tempered_softmaxes_with_the_schedule(schedule):
+    """Alg. 1's server step by hand: `steps` Adam steps (lr η; cosine: η_t = η·(1 + cos(πt/steps))/2) on
+    KL(softmax(z̄/T) ‖ softmax(f(x)/T)) over reshuffled batches of the public samples (batch 4, 10 samples:
+    5 steps cross into a second pass)."""
+    g = torch.Generator().manual_seed(0)
+    x, teacher = torch.randn(10, 3, generator=g), 3 * torch.randn(10, 4, generator=g)
+    ref = _student(1)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    rg = torch.Generator().manual_seed(5)
+    batches = [b for _ in range(2) for b in torch.randperm(10, generator=rg).split(4)]
+    t = torch.softmax(teacher / 2.0, dim=1)
+    for step, b in enumerate(batches[:5]):
+        for group in opt.param_groups:
+            group["lr"] = 0.05 * (1 + math.cos(math.pi * step / 5)) / 2 if schedule == "cosine" else 0.05
+        loss = (t[b] * (t[b].log() - torch.log_softmax(ref(x[b]) / 2.0, dim=1))).sum(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model = _student(1)
+    feddf.ensemble_distill(model, x, teacher, steps=5, batch_size=4, lr=0.05, temperature=2.0,
+                           generator=torch.Generator().manual_seed(5), schedule=schedule)  # fmt: skip
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_aggregate_distils_every_fused_model_towards_all_clients_mean_logits():
+    """Step 4: teacher = (1/|S_r|)·Σ_n f(w_n; ξ_r) over *all* replies (both architectures), each architecture's
+    FedAvg model distilled with its own (seed, FedDF stream, round, architecture) batch order; the diagnostics are
+    the mean KL before and after."""
+    algo = prepare(validate_config({**CFG, "algorithm": {**HETERO, "server_steps": 3, "server_lr": 0.01,
+                                                         "temperature": 2.0}}))  # fmt: skip
+    server = algo.init_server()
+    replies = {}
+    for c in range(4):
+        torch.manual_seed(20 + c)
+        replies[c] = get_params(algo.ctx.new_model(algo.arch_of(c)))
+    weights = {0: 10.0, 1: 30.0, 2: 1.0, 3: 3.0}
+    out = algo.aggregate(2, server, replies, weights)
+    x = algo._public_x(2)
+    teacher = sum(_logits(algo.models[algo.arch_of(c)], replies[c], x) for c in range(4)) / 4
+    fused = algo.fuse(replies, weights)
+    before, after = [], []
+    for i, a in enumerate(("lenet5", "mlp")):
+        model = algo.models[a]
+        load_params(model, fused[a])
+        before.append(feddf.distill_kl(model, x, teacher, 2.0))
+        feddf.ensemble_distill(model, x, teacher, steps=3, batch_size=32, lr=0.01, temperature=2.0,
+                               generator=rng.generator(0, feddf.STREAM, 1, 2, i))  # fmt: skip
+        after.append(feddf.distill_kl(model, x, teacher, 2.0))
+        # Adam scales every coordinate's step to ~lr, so float rounding in near-zero gradients shows at ~1e-5;
+        # a wrong rule moves parameters by O(lr) = 1e-2
+        assert all(torch.allclose(out[f"g/{a}/{k}"], v, atol=1e-4) for k, v in get_params(model).items())
+    assert float(out["kl_start"]) == pytest.approx(sum(before) / 2, rel=1e-5)
+    assert float(out["kl_end"]) == pytest.approx(sum(after) / 2, rel=1e-5)
+
+
+def test_architecture_without_a_reply_keeps_its_global_model():
+    """Only architectures with a received model are fused and distilled; the others stay as they were."""
+    algo = prepare(validate_config({**CFG, "algorithm": {**HETERO, "server_steps": 2}}))
+    server = algo.init_server()
+    replies = {c: {k: v + 0.1 for k, v in algo.global_params(server, "mlp").items()} for c in (2, 3)}
+    out = algo.aggregate(1, server, replies, {2: 1.0, 3: 1.0})
+    lenet = algo.global_params(server, "lenet5")
+    assert all(torch.equal(out[f"g/lenet5/{k}"], v) for k, v in lenet.items())
+    assert any(not torch.allclose(out[f"g/mlp/{k}"], v) for k, v in replies[2].items())
+
+
+def test_initial_models_and_documented_defaults():
+    """model.name's architecture starts from the run's initial model, every other one from its own seeded random
+    initialization (seed, init stream, FedDF stream, index); defaults: T = 1, 500 Adam steps at 1e-3, batch 256,
+    cosine schedule."""
+    algo = prepare(validate_config(CFG))
+    server = algo.init_server()
+    assert all(torch.equal(algo.global_params(server, "mlp")[k], v) for k, v in algo.ctx.initial_params.items())
+    torch.manual_seed(rng.derive_seed(0, rng.INIT, feddf.STREAM, 0))
+    lenet = get_params(algo.ctx.new_model("lenet5"))
+    assert all(torch.equal(algo.global_params(server, "lenet5")[k], v) for k, v in lenet.items())
+    d = feddf.FedDFOptions()
+    assert (d.temperature, d.server_steps, d.server_lr, d.server_batch_size, d.server_schedule, d.homogeneous) == (
+        1.0, 500, 1e-3, 256, "cosine", False)  # fmt: skip

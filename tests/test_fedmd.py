@@ -4,20 +4,27 @@ import pflbed
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 
-from .test_ktpfl import CFG, HETERO, _probs
+from .test_ktpfl import CFG, HETERO, _probs, _rows, final_predictions, local_reference_pfl
 
 FEDMD = {**HETERO, "name": "fedmd"}
 
 
 def test_fedmd_target_is_the_uniform_consensus():
+    """t = (1/|A|)·Σ_m s_m for every client: not the incoming c (here non-uniform), not weighted by D_n/D."""
     algo = prepare(validate_config({**CFG, "algorithm": FEDMD}))
     S = _probs(3, 7, 10)
-    T, W = algo.mixing(torch.eye(3, dtype=torch.float64), S, torch.full((3,), 1 / 3, dtype=torch.float64))
-    assert torch.allclose(T, S.mean(0).expand_as(T)) and torch.allclose(W, torch.full_like(W, 1 / 3))
+    T, W = algo.mixing(_rows(3, 1), S, torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64))
+    consensus = (S[0] + S[1] + S[2]) / 3
+    assert all(torch.allclose(T[n], consensus) for n in range(3)) and torch.allclose(W, torch.full_like(W, 1 / 3))
 
 
 def test_fedmd_end_to_end_strict():
+    """Strict run against references: the last round's targets are the uniform mean of the clients' final
+    predictions on ξ_R (recomputed from their stored models), and distilling towards them beats the no-transfer
+    Local control (measured 0.467 vs 0.365) by ≥ 0.05."""
     res = pflbed.run({**CFG, "algorithm": FEDMD}, write=False)
-    assert res.summary["final"]["pfl_acc"] > 0.3
+    assert res.summary["final"]["pfl_acc"] > local_reference_pfl() + 0.05
     assert res.summary["communication"]["up_bytes_per_round"] == 4 * 100 * 10 * 4  # soft predictions only
     assert torch.allclose(res.server["W"], torch.full((4, 4), 0.25, dtype=torch.float64))
+    consensus = final_predictions(res).mean(0).float()
+    assert all(torch.allclose(res.server[f"t/{c}"], consensus, atol=1e-6) for c in res.executor.algo.clients)

@@ -1,10 +1,13 @@
 import csv
+import functools
+import math
 
 import pytest
 import torch
 
 import pflbed
 from pflbed.algorithms import distill as kd
+from pflbed.algorithms import get_algorithm
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 
@@ -15,9 +18,9 @@ HETERO = {"name": "ktpfl", "architectures": ["lenet5", "mlp"], "public_batch": 1
 CFG = {**TINY, "federation": FED, "algorithm": HETERO, "eval": {"every": 4, "finetune": []}}
 
 
-def _probs(*shape: int, seed: int = 0) -> torch.Tensor:
+def _probs(*shape: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.softmax(torch.randn(*shape, generator=g, dtype=torch.float64) * 2, dim=-1)
+    return torch.softmax(torch.randn(*shape, generator=g, dtype=torch.float64) * scale, dim=-1)
 
 
 def test_projection_keeps_rows_valid_weights():
@@ -110,13 +113,44 @@ def test_partial_participation_updates_only_the_sampled_block():
     assert torch.allclose(out[f"t/{a}"].sum(-1), torch.ones(100))  # targets are distributions
 
 
+def final_predictions(res) -> torch.Tensor:
+    """s_m = softmax(z/T) of every client's final (stored) model on the last round's public batch ξ_R — what the
+    clients uploaded in round R, recomputed independently of the run's own replies; shape (clients, B, C), float64."""
+    from pflbed.algorithms.training import load_params
+
+    algo, rounds = res.executor.algo, res.summary["rounds"]
+    x = algo._public_x(rounds)
+    preds = []
+    for c in algo.clients:
+        model = algo.models[algo.arch_of(c)]
+        load_params(model, {k[2:]: v for k, v in res.executor.state(c).items() if k.startswith("w/")})
+        preds.append(kd.soft_predictions(model, x, algo.opts.temperature))
+    return torch.stack(preds).double()
+
+
+@functools.cache
+def local_reference_pfl() -> float:
+    """The no-transfer control on the same config: Local with the same architectures, initial weights and local
+    training as every heterogeneous client of the knowledge-transfer family (measured: 0.365 on this seed)."""
+    cfg = {**CFG, "algorithm": {"name": "local", "architectures": HETERO["architectures"]}}
+    return pflbed.run(cfg, write=False).summary["final"]["pfl_acc"]
+
+
+def data_weights(algo) -> torch.Tensor:
+    sizes = torch.tensor([float(algo.ctx.federation.num_train(c)) for c in algo.clients], dtype=torch.float64)
+    return sizes / sizes.sum()
+
+
 def test_heterogeneous_end_to_end_strict_learns_and_sends_predictions_not_parameters(tmp_path):
+    """A full strict run, checked against references: the last round's c step and targets recomputed from the
+    clients' final models and the c of a (R − 1)-round run of the same seed (exact up to float32 uploads), and the
+    P-FL accuracy against the no-transfer Local control (measured 0.467 vs 0.365: distillation must add ≥ 0.05)."""
     res = pflbed.run(CFG, write=False)
     algo = res.executor.algo
     assert {algo.arch_of(c) for c in range(4)} == {"lenet5", "mlp"}
     assert [algo.arch_of(c) for c in range(4)] == ["lenet5", "lenet5", "mlp", "mlp"]  # contiguous blocks
     f = res.summary["final"]
-    assert f["pfl_acc"] > 0.3 and f["gfl_acc"] is None  # 10 classes: chance is 0.1
+    assert f["pfl_acc"] > local_reference_pfl() + 0.05 and f["gfl_acc"] is None
     comm = res.summary["communication"]
     pred_bytes = 4 * 100 * 10 * 4  # 4 clients × 100 public samples × 10 classes × float32
     assert comm["up_bytes_per_round"] == pred_bytes
@@ -126,6 +160,12 @@ def test_heterogeneous_end_to_end_strict_learns_and_sends_predictions_not_parame
     W = res.server["W"]
     assert torch.allclose(W.sum(1), torch.ones(4, dtype=torch.float64)) and (W >= 0).all()
     assert not torch.allclose(W, torch.full_like(W, 0.25))
+    # reference: round R's c step and targets from round R − 1's c and the uploaded predictions
+    prev = pflbed.run({**CFG, "train": {**CFG["train"], "rounds": 3}}, write=False).server["W"]
+    S = final_predictions(res)
+    assert torch.allclose(W, _eq7_step(prev, S, data_weights(algo), lam=1.0, rho=0.7, lr=0.01), atol=1e-6)
+    T = kd.mix(prev, S)
+    assert all(torch.allclose(res.server[f"t/{c}"], T[i].float(), atol=1e-6) for i, c in enumerate(algo.clients))
     diag = res.history[-1]["diag"]
     assert 0 < diag["c_row_entropy"] <= diag["c_row_entropy_uniform"] + 1e-9
     files = algo.artifacts(res.server, res.executor.state, tmp_path)
@@ -155,15 +195,24 @@ def test_official_preset_runs_with_prediction_only_first_round():
     assert [algo._epochs(r) for r in (2, 3, 4)] == [1, 2, 2]  # ramp counts local trainings
     W = res.server["W"]
     assert torch.allclose(W.sum(1), torch.ones(4, dtype=torch.float64)) and (W > 0).all()
+    # update_then_target: the last targets mix the clients' final predictions with the *updated* (final) c
+    T = kd.mix(W, final_predictions(res))
+    assert all(torch.allclose(res.server[f"t/{c}"], T[i].float(), atol=1e-6) for i, c in enumerate(algo.clients))
     assert res.summary["final"]["pfl_acc"] > 0.2
 
 
 def test_homogeneous_end_to_end():
-    cfg = {**CFG, "algorithm": {"name": "ktpfl", "homogeneous": True, "public_batch": 100, "c_lr": 1.0}}
+    """Homogeneous strict run against references: the personal model and the next payload are Σ_m W[n, m]·w_m of
+    the stored uploads; the last c step equals Eq. 7 applied to the (R − 1)-round run's c with the server's own
+    predictions of the uploaded models on ξ_R; P-FL beats the homogeneous Local control."""
+    from pflbed.algorithms.training import load_params
+
+    cfg = {**CFG, "algorithm": {"name": "ktpfl", "homogeneous": True, "public_batch": 100, "c_lr": 0.1}}
     res = pflbed.run(cfg, write=False)
     algo = res.executor.algo
     f = res.summary["final"]
-    assert f["pfl_acc"] > 0.3
+    local = pflbed.run({**CFG, "algorithm": {"name": "local"}}, write=False).summary["final"]["pfl_acc"]
+    assert f["pfl_acc"] > local + 0.05  # measured 0.713 vs 0.629 for the no-transfer Local control
     n_params = sum(v.numel() * v.element_size() for v in algo.ctx.initial_params.values())
     assert res.summary["communication"]["up_bytes_per_round"] == 4 * n_params  # parameters travel
     W = res.server["W"]
@@ -172,3 +221,335 @@ def test_homogeneous_end_to_end():
     mixed = algo.personal_model(res.server, res.executor.state(c)).params
     expected = sum(float(W[0, j]) * res.server[f"local/{m}/blocks.fc1.1.weight"] for j, m in enumerate(algo.clients))
     assert torch.allclose(mixed["blocks.fc1.1.weight"], expected, atol=1e-6)
+    payload = algo.configure(5, res.server, [c])[c]  # what client n would receive next: the same row-n mix
+    assert torch.allclose(payload["blocks.fc1.1.weight"], expected, atol=1e-6)
+    prev = pflbed.run({**cfg, "train": {**cfg["train"], "rounds": 3}}, write=False).server["W"]
+    preds = []
+    for m in algo.clients:
+        load_params(algo.ctx.model, {k: res.server[f"local/{m}/{k}"] for k in algo.ctx.initial_params})
+        preds.append(kd.soft_predictions(algo.ctx.model, algo._public_x(4), algo.opts.temperature))
+    S = torch.stack(preds).double()
+    assert torch.allclose(W, _eq7_step(prev, S, data_weights(algo), lam=1.0, rho=0.7, lr=0.1), atol=1e-6)
+    assert not torch.allclose(W, prev, atol=1e-3)
+
+
+# --- exact rule checks (each against a hand-written reference, so that a wrong rule goes red) -------------------
+def _algo(**opts):
+    return prepare(validate_config({**CFG, "algorithm": {**HETERO, **opts}}))
+
+
+def _rows(n: int, seed: int) -> torch.Tensor:
+    """A non-uniform row-stochastic matrix (so that the ρ pull towards 1/N is active)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.rand(n, n, generator=g, dtype=torch.float64) + 0.2
+    return W / W.sum(1, keepdim=True)
+
+
+def _kl_sum(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """KL(t ‖ s) summed over classes and over samples (Eq. 2's Σ over x̂ of L_KL), written out by hand."""
+    return (t * (t.log() - s.log())).sum()
+
+
+def test_soft_predictions_are_the_softmax_of_logits_over_t_in_eval_mode():
+    """Eq. 2: s = exp(z_c/T) / Σ exp(z/T), predicted in eval mode (dropout off), no gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5))
+    x = torch.randn(6, 3)
+    z = model[0](x).detach()
+    model.train()
+    s = kd.soft_predictions(model, x, temperature=3.0)
+    assert torch.allclose(s, torch.exp(z / 3) / torch.exp(z / 3).sum(1, keepdim=True), atol=1e-6)
+    assert not s.requires_grad
+
+
+def test_distillation_loss_is_kl_target_to_student_without_t_squared():
+    """Eq. 6: KL(t ‖ softmax(z/T)) — target first; batchmean = Σ classes, mean samples; mean = that / C; no T²."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    t = _probs(5, 4, seed=1)
+    s = torch.softmax(z / 2.0, dim=1)
+    per_sample = (t * (t.log() - s.log())).sum(1)
+    assert torch.allclose(kd.kl_to_target(z, t, 2.0), per_sample.mean())
+    assert torch.allclose(kd.kl_to_target(z, t, 2.0, "mean"), per_sample.mean() / 4)
+
+
+def _linear(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 4).double()
+
+
+@pytest.mark.parametrize(("epochs", "steps", "reduction"), [(2, None, "batchmean"), (1, 4, "mean")])
+def test_distill_is_plain_sgd_on_the_kl_over_shuffled_public_batches(epochs, steps, reduction):
+    """Eq. 6 by hand: reshuffled passes of batch 4 over 10 public samples, SGD (lr 0.3, no momentum) on the KL;
+    `steps` = exactly that many mini-batches (4 steps cross into a second pass), else `epochs` full passes."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    target = _probs(10, 4, seed=2)
+    ref = _linear(1)
+    rg = torch.Generator().manual_seed(5)
+    batches = [b for _ in range(3) for b in torch.randperm(10, generator=rg).split(4)]
+    n_steps = steps if steps is not None else 3 * epochs
+    for b in batches[:n_steps]:
+        s = torch.softmax(ref(x[b]) / 2.0, dim=1)
+        loss = (target[b] * (target[b].log() - s.log())).sum(1).mean() / (4 if reduction == "mean" else 1)
+        ref.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.3 * p.grad
+    model = _linear(1)
+    kd.distill(model, x, target, epochs=epochs, steps=steps, batch_size=4, lr=0.3, temperature=2.0,
+               generator=torch.Generator().manual_seed(5), reduction=reduction)  # fmt: skip
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-12)
+
+
+def test_targets_mix_row_n_of_the_coefficients():
+    """Eq. 2: t_n = Σ_m c_mn·s_m with c_mn stored as W[n, m] (row n = client n's weights over its teachers)."""
+    W, S = _rows(3, 0), _probs(3, 5, 4)
+    T = kd.mix(W, S)
+    for n in range(3):
+        assert torch.allclose(T[n], W[n, 0] * S[0] + W[n, 1] * S[1] + W[n, 2] * S[2])
+
+
+def test_coefficient_objective_is_eq4_written_out():
+    """Eq. 4 with the models fixed: λ·Σ_n (D_n/D)·mean_x KL(t_n ‖ s_n) + ρ·Σ (W − 1/N)²."""
+    W, S = _rows(3, 1), _probs(3, 6, 5, seed=3)
+    w = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    ref = sum(w[n] * _kl_sum(sum(W[n, m] * S[m] for m in range(3)), S[n]) / 6 for n in range(3))
+    ref = 1.5 * ref + 0.7 * ((W - 1 / 3) ** 2).sum()
+    assert torch.allclose(kd.coefficient_objective(W, S, w, lam=1.5, rho=0.7, prior=1 / 3), ref)
+    per = torch.stack([_kl_sum(S[n], S[(n + 1) % 3]) / 6 for n in range(3)])
+    assert torch.allclose(kd.kl_per_client(S, S.roll(-1, 0)), per)  # KL(first ‖ second), samples averaged
+
+
+def test_projection_is_the_euclidean_one_not_a_rescaling():
+    """Rows ← argmin ‖p − v‖ on the simplex = max(v − θ, 0): shifts by θ (rescaling would give 7/12, 5/12)."""
+    W = torch.tensor([[0.7, 0.5, 0.0], [2.0, 0.0, 0.0], [0.2, 0.3, 0.1]], dtype=torch.float64)
+    expected = torch.tensor([[0.6, 0.4, 0.0], [1.0, 0.0, 0.0], [0.2 + 0.4 / 3, 0.3 + 0.4 / 3, 0.1 + 0.4 / 3]],
+                            dtype=torch.float64)  # fmt: skip
+    assert torch.allclose(kd.project_rows_to_simplex(W), expected)
+
+
+def test_power5_step_follows_the_official_loop_exactly():
+    """a = Σ|g|/N, η = 1; five times: a > 0.01 → both ÷5; then a < 0.01 → both ×5 (hand-traced values)."""
+    assert kd.power5_step(torch.full((4,), 1.0)) == pytest.approx(1 / 25)  # 1 → .2 → .04 → .008↑.04 → …
+    assert kd.power5_step(torch.full((4,), 1e-5)) == pytest.approx(5.0**5)  # ×5 in each of the 5 iterations
+    assert kd.power5_step(torch.full((4,), 40.0)) == pytest.approx(5.0**-5)  # ÷5 in each of the 5 iterations
+    assert kd.power5_step(torch.tensor([-1.0, 1.0, -1.0, 1.0])) == pytest.approx(1 / 25)  # |g|, not g
+
+
+def test_presets_resolve_to_the_documented_table():
+    """The module docstring's paper / official table; an explicit option wins over the preset."""
+    paper = _algo().opts
+    assert (paper.temperature, paper.rho, paper.c_grad, paper.c_kl, paper.c_step, paper.c_normalize, paper.order,
+            paper.epoch_ramp, paper.kl_reduction, paper.update_then_target) == (
+        10.0, 0.7, "kl", "sum", "fixed", "simplex", "train_first", False, "batchmean", False)  # fmt: skip
+    assert (paper.lam, paper.c_lr, paper.distill_epochs, paper.distill_lr) == (1.0, 0.01, 1, None)
+    off = _algo(preset="official").opts
+    assert (off.temperature, off.rho, off.c_grad, off.c_kl, off.c_step, off.c_normalize, off.order,
+            off.epoch_ramp, off.kl_reduction, off.update_then_target) == (
+        10.0, 0.7, "mse", "mean", "power5", "softmax5", "distill_first", True, "mean", True)  # fmt: skip
+    assert _algo(preset="official", rho=0.1, order="train_first").opts.rho == 0.1
+    defaults = get_algorithm("ktpfl").Config()
+    assert (defaults.public_batch, defaults.distill_batch_size, defaults.architectures) == (
+        5000, 256, ["lenet5", "alexnet_small", "resnet18", "shufflenetv2"])  # fmt: skip
+
+
+def _eq7_step(V, S, w, *, lam: float, rho: float, lr: float, pool: float = 1.0) -> torch.Tensor:
+    """Eq. 7 by hand: Π_simplex(c − η3·∇[λ·pool·Σ_n (D_n/D)·Σ_x KL(t_n ‖ s_n) + ρ‖c − 1/N‖²]), N = len(V), the
+    gradient by autograd of the objective written out with explicit sums (independent of `distill`)."""
+    n = len(V)
+    Vg = V.clone().requires_grad_(True)
+    kl = sum(w[i] * _kl_sum(sum(Vg[i, m] * S[m] for m in range(n)), S[i]) for i in range(n))
+    (lam * pool * kl + rho * ((Vg - 1 / n) ** 2).sum()).backward()
+    return kd.project_rows_to_simplex(V - lr * Vg.grad)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_paper_c_update_is_the_eq7_gradient_step_then_simplex_projection(pooling):
+    """Eq. 7: c ← Π_simplex(c − η3·∇[λ·Σ_n (D_n/D)·KL(t_n ‖ s_n) + ρ‖c − 1/N‖²]) per row, the KL summed over the
+    public samples (`sum`, Eq. 2 / 4) or averaged (`mean`); λ, ρ, η3 and the D_n/D all non-trivial."""
+    lr = 0.05 if pooling == "sum" else 0.3
+    algo = _algo(c_kl=pooling, lam=1.3, rho=0.4, c_lr=lr)
+    V, S = _rows(4, 2), _probs(4, 6, 5, seed=4)
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    expected = _eq7_step(V, S, w, lam=1.3, rho=0.4, lr=lr, pool=1.0 if pooling == "sum" else 1 / 6)
+    new = algo.update_coefficients(V, S, w)
+    assert torch.allclose(new, expected, atol=1e-12)
+    assert (new - V).abs().max() > 0.01  # the step is visible, not lost in rounding
+
+
+def test_official_c_update_is_mse_gradient_power5_step_softmax5():
+    """The authors' code: per row n, loss_n = mean (s_n − t_n)² + ρ·mean_m (c_nm − 1/N)², step η_n = power5 of the
+    row's gradient (per row, not one for the matrix), then row ← softmax(5·row). No D_n/D: the weights must not
+    matter."""
+    algo = _algo(preset="official")
+    V = torch.tensor([[0.9, 0.05, 0.05], [0.34, 0.33, 0.33], [0.3, 0.3, 0.4]], dtype=torch.float64)
+    S = _probs(3, 5, 4, seed=5, scale=0.2)
+    Vg = V.clone().requires_grad_(True)
+    loss = sum(((S[n] - sum(Vg[n, m] * S[m] for m in range(3))) ** 2).mean()
+               + 0.7 * ((Vg[n] - 1 / 3) ** 2).mean() for n in range(3))  # fmt: skip
+    loss.backward()
+    step = torch.tensor([[kd.power5_step(g)] for g in Vg.grad], dtype=torch.float64)
+    assert len(set(step.flatten().tolist())) > 1  # rows far apart in |gradient| get different steps
+    expected = torch.softmax(5.0 * (V - step * Vg.grad), dim=1)
+    for w in ([1 / 3] * 3, [0.1, 0.1, 0.8]):
+        assert torch.allclose(algo.update_coefficients(V, S, torch.tensor(w, dtype=torch.float64)), expected)
+
+
+@pytest.mark.parametrize("update_first", [False, True])
+def test_targets_use_c_before_its_update_unless_update_then_target(update_first):
+    """Paper (Alg. 1): targets from the current c, then the c step; the official code reverses the two."""
+    algo = _algo(update_then_target=update_first, c_lr=0.05)
+    V, S = _rows(4, 4), _probs(4, 6, 5, seed=6)
+    w = torch.full((4,), 0.25, dtype=torch.float64)
+    T, newV = algo.mixing(V, S, w)
+    stepped = algo.update_coefficients(V, S, w)
+    assert torch.allclose(newV, stepped)
+    assert torch.allclose(T, kd.mix(stepped if update_first else V, S))
+    assert not torch.allclose(T, kd.mix(V if update_first else stepped, S), atol=1e-4)
+
+
+def test_server_starts_from_uniform_coefficients():
+    """c starts at its prior 1/N (the point ρ pulls towards)."""
+    W = _algo().init_server()["W"]
+    assert torch.equal(W, torch.full((4, 4), 0.25, dtype=torch.float64))
+
+
+def test_aggregate_updates_c_with_normalized_data_sizes_and_stores_targets_from_the_old_c():
+    """D_n/D = |D_n| / Σ|D| over the replying clients; t_n = Σ_m W[n, m]·s_m with W before the step, stored for
+    n's next payload together with the round; full participation = update_coefficients on the whole W."""
+    algo = _algo()
+    server = {"W": _rows(4, 5)}
+    S = _probs(4, 100, 10, seed=7, scale=0.3)
+    replies = {c: {"s": S[i].float()} for i, c in enumerate(algo.clients)}
+    sizes = {c: float(10 * (i + 1)) for i, c in enumerate(algo.clients)}
+    out = algo.aggregate(3, server, replies, sizes)
+    Sd = torch.stack([replies[c]["s"] for c in algo.clients]).double()
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    assert torch.allclose(out["W"], algo.update_coefficients(server["W"], Sd, w), atol=1e-12)
+    assert not torch.allclose(out["W"], algo.update_coefficients(server["W"], Sd, torch.full_like(w, 0.25)))
+    T = kd.mix(server["W"], Sd)
+    for i, c in enumerate(algo.clients):
+        assert torch.allclose(out[f"t/{c}"], T[i].float()) and int(out[f"r/{c}"]) == 3
+
+
+def test_partial_participation_rescales_the_block_updates_it_and_writes_it_back():
+    """Only W[A, A] moves: V = W[A, A] / mass_n, one Eq. 7 step with prior 1/|A| (here ½, not ¼), written back ×
+    mass_n; targets mix the replying clients only, with V."""
+    algo = _algo()
+    W0 = _rows(4, 6)
+    a, b = algo.clients[1], algo.clients[3]
+    S = _probs(2, 100, 10, seed=8, scale=0.3)
+    out = algo.aggregate(2, {"W": W0}, {a: {"s": S[0].float()}, b: {"s": S[1].float()}}, {a: 10.0, b: 30.0})
+    idx = torch.tensor([1, 3])
+    block = W0[idx][:, idx]
+    mass = block.sum(1, keepdim=True)
+    V = block / mass
+    Sd = S.float().double()
+    newV = _eq7_step(V, Sd, torch.tensor([0.25, 0.75], dtype=torch.float64), lam=1.0, rho=0.7, lr=0.01)  # 1/N = 1/2
+    expected = W0.clone()
+    expected[1, 1], expected[1, 3], expected[3, 1], expected[3, 3] = (mass * newV).flatten()
+    assert torch.allclose(out["W"], expected, atol=1e-12)
+    T = kd.mix(V, Sd)
+    assert torch.allclose(out[f"t/{a}"], T[0].float()) and torch.allclose(out[f"t/{b}"], T[1].float())
+
+
+def _payload(algo, batch_round: int) -> dict[str, torch.Tensor]:
+    return {"targets": _probs(100, 10, seed=9).float(), "batch_round": torch.tensor(batch_round)}
+
+
+@pytest.mark.parametrize("order", ["train_first", "distill_first"])
+def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order):
+    """Client n in round r: (1) distil towards t_n on ξ_{r'} (r' = batch_round; lr η2 = distill_lr, T, reduction),
+    (2) local CE training, (3) reply s_n = softmax(z/T) on ξ_r; the state is the model after all three."""
+    from pflbed.algorithms.base import ClientContext
+    from pflbed.algorithms.training import get_params, load_params, local_sgd
+
+    algo = _algo(distill_lr=0.03, temperature=4.0, kl_reduction="mean", order=order)
+    cid, t = 2, algo.ctx.cfg.train
+    state, data, payload = algo.init_client(cid), algo.ctx.client_data(cid), _payload(algo, 1)
+    model = algo.models[algo.arch_of(cid)]
+    load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
+    g = torch.Generator().manual_seed(11)
+    kd.distill(model, algo._public_x(1), payload["targets"], epochs=1, batch_size=32, lr=0.03, temperature=4.0,
+               generator=g, reduction="mean")  # fmt: skip
+    local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, generator=g)
+    s_ref, w_ref = kd.soft_predictions(model, algo._public_x(3), 4.0), get_params(model)
+    reply, new = algo.client_update(payload, state, data, ClientContext(3, cid, torch.Generator().manual_seed(11)))
+    assert torch.equal(reply["s"], s_ref)
+    assert all(torch.equal(new[f"w/{k}"], v) for k, v in w_ref.items())
+
+
+@pytest.mark.parametrize(("order", "trains"), [("train_first", True), ("distill_first", False)])
+def test_first_round_trains_then_predicts_or_only_predicts(order, trains):
+    """Round 1 has no targets. train_first: local training, then predict; distill_first (the code's order):
+    a prediction-only exchange on the untrained model."""
+    from pflbed.algorithms.base import ClientContext
+    from pflbed.algorithms.training import load_params
+
+    algo = _algo(order=order)
+    cid = 0
+    state = algo.init_client(cid)
+    reply, new = algo.client_update({}, state, algo.ctx.client_data(cid), ClientContext(1, cid, torch.Generator()))
+    same = all(torch.equal(new[k], state[k]) for k in state)
+    assert same != trains
+    model = algo.models[algo.arch_of(cid)]
+    load_params(model, {k[2:]: v for k, v in new.items() if k.startswith("w/")})
+    assert torch.equal(reply["s"], kd.soft_predictions(model, algo._public_x(1), 10.0))
+
+
+def test_local_epochs_are_fixed_or_ramp_over_local_trainings():
+    """Paper: E every round. epoch_ramp: E = min(k, train.local_epochs) at the k-th local training (distill_first
+    has none in round 1; homogeneous has no prediction-only round)."""
+    train = {**CFG["train"], "local_epochs": 3}
+    mk = lambda **o: prepare(validate_config({**CFG, "train": train, "algorithm": {**HETERO, **o}}))  # noqa: E731
+    assert [mk()._epochs(r) for r in (1, 2, 5)] == [3, 3, 3]
+    assert [mk(epoch_ramp=True)._epochs(r) for r in (1, 2, 3, 4)] == [1, 2, 3, 3]
+    assert [mk(preset="official")._epochs(r) for r in (2, 3, 4, 5)] == [1, 2, 3, 3]
+    assert [mk(preset="official", homogeneous=True)._epochs(r) for r in (1, 2, 3, 4)] == [1, 2, 3, 3]
+
+
+def test_heterogeneous_clients_start_from_their_own_random_initialization():
+    """Clients of one architecture build their models independently (seeded by the run seed and the client id)."""
+    algo = _algo()
+    a, b = algo.init_client(0), algo.init_client(1)  # both lenet5
+    assert algo.arch_of(0) == algo.arch_of(1)
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("w/") and a[k].is_floating_point())
+    assert all(torch.equal(a[k], v) for k, v in _algo().init_client(0).items())
+
+
+def test_homogeneous_payload_is_the_c_mix_and_the_server_predicts_with_the_uploaded_models():
+    """Homogeneous: payload of n = Σ_m W[n, m]·w_m of the last uploads; the aggregate stores the uploads, computes
+    s_m = softmax(f(w_m; ξ_r)/T) itself and takes the same c step as the heterogeneous rule."""
+    from pflbed.algorithms.training import load_params
+
+    algo = _algo(homogeneous=True, temperature=3.0, c_lr=0.5)
+    init = algo.ctx.initial_params
+    uploads = {c: {k: v + 0.01 * (i + 1) if v.is_floating_point() else v for k, v in init.items()}
+               for i, c in enumerate(algo.clients)}  # fmt: skip
+    W = _rows(4, 7)
+    server = {"W": W, **{f"local/{c}/{k}": v for c in algo.clients for k, v in uploads[c].items()}}
+    pay = algo.configure(2, server, [algo.clients[2]])[algo.clients[2]]
+    key = "blocks.fc1.1.weight"
+    assert torch.allclose(pay[key], sum(float(W[2, j]) * uploads[c][key] for j, c in enumerate(algo.clients)))
+    sizes = {c: 5.0 for c in algo.clients}
+    out = algo.aggregate(4, {"W": W}, uploads, sizes)
+    preds = []
+    for c in algo.clients:
+        load_params(algo.ctx.model, uploads[c])
+        preds.append(kd.soft_predictions(algo.ctx.model, algo._public_x(4), 3.0))
+    S = torch.stack(preds).double()
+    assert torch.allclose(out["W"], algo.update_coefficients(W, S, torch.full((4,), 0.25, dtype=torch.float64)))
+    assert all(torch.equal(out[f"local/{c}/{key}"], uploads[c][key]) for c in algo.clients)
+
+
+def test_diagnostics_are_mean_row_entropy_and_mean_self_weight():
+    """c_row_entropy = mean_n H(W[n]) (nats), c_diag = mean_n W[n, n]."""
+    algo = _algo()
+    W = torch.tensor([[1.0, 0, 0, 0], [0.5, 0.5, 0, 0], [0.25] * 4, [0, 0, 0.5, 0.5]], dtype=torch.float64)
+    d = algo.diagnostics(1, {"W": W}, algo.ctx.client_data)
+    h = (0 + math.log(2) + math.log(4) + math.log(2)) / 4
+    assert d["c_row_entropy"] == pytest.approx(h, abs=1e-6) and d["c_diag"] == pytest.approx(0.5625)
+    assert d["c_row_entropy_uniform"] == pytest.approx(math.log(4), abs=1e-6)

@@ -4,7 +4,9 @@ import torch
 
 import pflbed
 from pflbed.algorithms.base import ClientContext
+from pflbed.algorithms.training import get_params, load_params, local_sgd, train_from
 from pflbed.config import validate_config
+from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 
 from .test_feddf import CFG, FED, HETERO
@@ -37,6 +39,9 @@ def test_personal_state_is_the_finetuned_global_and_the_reply_is_feddfs():
 
 
 def test_end_to_end_strict_same_global_models_as_feddf():
+    """Strict run against reference runs: the global models equal FedDF's on the same seed (the reply is FedDF's),
+    and every client's personal model equals, rebuilt by hand, g_3 of a 3-round FedDF run trained (the reply) and
+    then reloaded and fine-tuned for E epochs on the client's (seed, round 4, id) stream."""
     res = pflbed.run(PCFG, write=False)
     ref = pflbed.run(CFG, write=False)
     assert set(res.server) == set(ref.server)
@@ -45,10 +50,21 @@ def test_end_to_end_strict_same_global_models_as_feddf():
     assert f["pfl_acc"] > 0.3 and f["gfl_acc"] is None
     assert res.summary["communication"] == ref.summary["communication"]
     algo = res.executor.algo
+    prev = pflbed.run({**CFG, "train": {**CFG["train"], "rounds": 3}}, write=False).server
+    t = algo.ctx.cfg.train
     for c in range(4):
-        assert any(k.startswith("p/") for k in res.executor.state(c))
+        a = algo.arch_of(c)
+        g3 = {k[len(f"g/{a}/") :]: v for k, v in prev.items() if k.startswith(f"g/{a}/")}
+        model, data = algo.models[a], algo.ctx.client_data(c)
+        seed = rng.derive_seed(0, rng.CLIENT, 4, c)
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        train_from(model, g3, data, t, gen)
+        load_params(model, g3)
+        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, generator=gen)
         p = algo.personal_model(res.server, res.executor.state(c))
-        assert p.model is algo.models[algo.arch_of(c)]
+        assert p.model is algo.models[a]
+        assert all(torch.allclose(p.params[k], v, atol=1e-6) for k, v in get_params(model).items())
 
 
 def test_finetuning_beats_feddf_under_label_skew():
@@ -73,3 +89,25 @@ def test_finetuning_defaults_to_the_local_epochs():
     default, two, one = personal(), personal(finetune_epochs=2), personal(finetune_epochs=1)
     assert all(torch.equal(default[k], two[k]) for k in two)
     assert any(not torch.equal(default[k], one[k]) for k in one if one[k].is_floating_point())
+
+
+def test_personal_model_is_the_received_global_finetuned_after_fedavgs_training_on_the_same_stream():
+    """Exact order: (1) FedDF's local training from the received g (the reply), (2) reload g — not the trained
+    model — and run `finetune_epochs` epochs of SGD at train.lr, the batch order continuing the client's stream."""
+    train = {**PCFG["train"], "local_epochs": 1, "momentum": 0.5}
+    algo = prepare(validate_config({**PCFG, "train": train, "algorithm": {**PFEDDF, "finetune_epochs": 2}}))
+    server = algo.init_server()
+    cid = 3
+    payload = algo.configure(1, server, [cid])[cid]
+    data, t = algo.ctx.client_data(cid), algo.ctx.cfg.train
+    model = algo.models[algo.arch_of(cid)]
+    g = torch.Generator().manual_seed(7)
+    reply_ref = train_from(model, payload, data, t, g)
+    load_params(model, payload)
+    local_sgd(model, data, epochs=2, batch_size=t.batch_size, lr=t.lr, momentum=0.5, weight_decay=t.weight_decay,
+              generator=g)  # fmt: skip
+    personal_ref = get_params(model)
+    reply, state = algo.client_update(payload, algo.init_client(cid), data, _cctx(cid))
+    assert all(torch.equal(reply[k], v) for k, v in reply_ref.items())
+    personal = algo.personal_model(server, state).params
+    assert all(torch.equal(personal[k], v) for k, v in personal_ref.items())
