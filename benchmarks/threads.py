@@ -5,12 +5,16 @@ For every model, the same SGD steps (batch 32, 28×28 or 8×8 inputs, like the c
 alike; the script prints the median step time of each and the ratio. This is the measurement behind the default
 thread policy (`executor.threads` unset → `pflbed.engine.threads.choose_threads`).
 
-    python benchmarks/threads.py [--steps 20] [--repeats 5] [--models lenet5 cnn ...] [--input 28]
+    python benchmarks/threads.py [--steps 20] [--repeats 5] [--models lenet5 cnn ...] [--input 28] [--busy N]
+
+`--busy N` starts N processes that spin on one core each for the duration: a reproducible stand-in for a machine
+shared with other work (another run, a test suite, a browser).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import time
@@ -34,6 +38,11 @@ def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: i
     return (time.perf_counter() - t0) / steps
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -41,9 +50,22 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--input", type=int, default=28, help="square input size (28: Fashion-MNIST, 8: digits)")
     ap.add_argument("--models", nargs="*", default=sorted(MODELS))
+    ap.add_argument("--busy", type=int, default=0, help="spinning processes running alongside (a shared machine)")
     args = ap.parse_args()
     cores = torch.get_num_threads()
-    print(f"cores (torch default threads): {cores}; load average: {os.getloadavg()[0]:.2f}")
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
+    for p in spinners:
+        p.start()
+    try:
+        _measure(args, cores)
+    finally:
+        for p in spinners:
+            p.terminate()
+
+
+def _measure(args: argparse.Namespace, cores: int) -> None:
+    print(f"cores (torch default threads): {cores}; spinning processes alongside: {args.busy}; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'model':<20} {'params':>10} {'1 thread ms':>12} {f'{cores} threads ms':>14} {'speed-up':>9}")
     g = torch.Generator().manual_seed(0)
     for name in args.models:

@@ -148,3 +148,32 @@ def test_fedper_beats_fedavg_under_label_skew_and_personalizes_new_clients():
     base_bytes = sum(v.numel() * v.element_size() for k, v in m.state_dict().items() if k in res.server)
     assert set(res.server) == set(m.state_keys(m.body_blocks()))
     assert res.summary["communication"]["up_bytes_per_round"] == base_bytes * 3  # 3 of 6 sampled, base only
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_evaluation_shares_body_features_only_when_the_body_is_shared(k):
+    """Evaluation caches body features across clients only when the personal part is the head alone (K_P = 1). With
+    K_P = 2 a personal block sits inside the feature extractor, so a shared-feature cache would score every client
+    with the first client's lower block: the shared evaluation must equal scoring each client on its own. The
+    global test set is where clients share an evaluation set (and so where a wrong cache would leak)."""
+    from pflbed.engine.executor import LoopExecutor
+    from pflbed.evaluation.evaluate import Predictions, client_scores, evaluate
+
+    cfg = {**TINY, "eval": {**TINY["eval"], "pfl_test": "global"}, "algorithm": {"name": "fedper",
+                                                                                 "personal_blocks": k}}  # fmt: skip
+    algo = prepare(validate_config(cfg))
+    ex = LoopExecutor(algo)
+    fed = algo.ctx.federation
+    server = algo.init_server()
+    for rnd in (1, 2):
+        cids = fed.participated
+        server = algo.aggregate(rnd, server, ex.run(rnd, algo.configure(rnd, server, cids)),
+                                {c: fed.num_train(c) for c in cids})  # fmt: skip
+    _, shared = evaluate(algo, server, ex.state)
+    alone = {}
+    for c in fed.participated:  # a fresh cache per client: nothing can leak between clients
+        test, _ = client_scores({c: algo.personal_model(server, ex.state(c))}, algo.ctx,
+                                Predictions(algo.ctx.source, 1024))  # fmt: skip
+        alone[c] = test[c]
+    assert shared == alone
+    assert len(set(alone.values())) > 1  # the clients' models really differ

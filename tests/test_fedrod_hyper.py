@@ -213,3 +213,20 @@ def test_personalize_starts_from_the_generated_head(e2e, method):
     # with lr 0 the adapted model is exactly the start: H(a_new; ν̄) on θ̄, ψ̄ (not a zero head)
     p0 = last(algo.personalize(e2e.server, data, Budget(method, 1, 0.0, 8), torch.Generator()))
     assert set(p0.params) == set(start) and all(torch.equal(p0.params[k], v) for k, v in start.items())
+
+
+def test_personalize_draws_batches_from_the_given_generator_only():
+    """A new client's adaptation must depend on the generator the protocol derives from (seed, client, lr), not on
+    torch's global RNG: the same generator gives the same model whatever the global state, another one differs."""
+    algo = _algo()
+    server = algo.init_server()
+    data = algo.ctx.client_data(algo.ctx.federation.participated[0])
+    budget = Budget("ft", 2, 0.1, 4)
+
+    def adapt(seed: int, global_seed: int):
+        torch.manual_seed(global_seed)
+        return last(algo.personalize(server, data, budget, torch.Generator().manual_seed(seed))).params
+
+    a, b, c = adapt(1, 0), adapt(1, 99), adapt(2, 0)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)

@@ -21,6 +21,7 @@ from pflbed.errors import ConfigError
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
 INT_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
+FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
 
 
 def max_threads() -> int:
@@ -28,8 +29,26 @@ def max_threads() -> int:
     return 4 * (os.cpu_count() or 1)
 
 
+def _float_error(x: Any) -> str | None:
+    if isinstance(x, float) and not math.isfinite(x):
+        return f"must be a finite number (got {x!r})"
+    if isinstance(x, float) and abs(x) > FLOAT_MAX:
+        return f"must be within float32's range, ±{FLOAT_MAX:g} (got {x!r})"
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
+        return f"must be at most {INT_MAX} in magnitude (got {x})"
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _float32(cls, v: Any) -> Any:
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, float) and abs(x) > FLOAT_MAX:  # the error line adds "(got …)" itself
+                raise ValueError(f"must be within float32's range, ±{FLOAT_MAX:g}")
+        return v
 
 
 Count = Annotated[int, Field(ge=1, le=INT_MAX)]
@@ -286,15 +305,14 @@ def validate_config(tree: dict[str, Any]) -> Config:
 
 
 def _check_numbers(tree: dict[str, Any], prefix: str) -> None:
-    """The shared bounds for every algorithm's options (each algorithm adds its own lower bounds): floats finite,
-    integers within the int32 range. Checked here once, so a new algorithm gets them without writing them."""
+    """The shared bounds for every algorithm's options (each algorithm adds its own lower bounds): floats finite and
+    within float32's range, integers within the int32 range. Checked here once, so a new algorithm gets them
+    without writing them."""
     for key, v in tree.items():
         field = f"{prefix}{key}"
         values = v if isinstance(v, list) else [v]
         for x in values:
             if isinstance(x, dict):
                 _check_numbers(x, f"{field}.")
-            elif isinstance(x, float) and not math.isfinite(x):
-                raise ConfigError(f"{field}: must be a finite number (got {x!r})")
-            elif isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
-                raise ConfigError(f"{field}: must be at most {INT_MAX} in magnitude (got {x})")
+            elif _float_error(x):
+                raise ConfigError(f"{field}: {_float_error(x)}")

@@ -72,7 +72,7 @@ def class_counts(data: ClientData) -> torch.Tensor:
     return data.prior.to(torch.float64) * data.num_train
 
 
-def log_count_offsets(counts: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+def log_count_offsets(counts: torch.Tensor, gamma: float) -> torch.Tensor:
     """γ·log N_{m,c}, zero counts floored at `COUNT_FLOOR`."""
     return gamma * counts.to(torch.float64).clamp_min(COUNT_FLOOR).log()
 
@@ -150,8 +150,8 @@ def decoupled_epochs(
     gamma: float,
     personal_lr: float,
     generator: torch.Generator,
-) -> float:
-    """One client's local training (Eq. 8 and Eq. 9 together, deviation 2); returns the mean BSM loss.
+) -> None:
+    """One client's local training (Eq. 8 and Eq. 9 together, deviation 2), in place on `net` and the head.
 
     `head(z)` gives h_P's logits; `personal_params` are what the P-loss trains (φ_m, or ν for the hypernetwork).
     """
@@ -159,7 +159,6 @@ def decoupled_epochs(
     kw = dict(momentum=train.momentum, weight_decay=train.weight_decay)
     opt_g = torch.optim.SGD(net.parameters(), lr=train.lr, **kw)
     opt_p = torch.optim.SGD(list(personal_params), lr=personal_lr, **kw)
-    total, steps = torch.zeros(()), 0
     for _ in range(train.local_epochs):
         net.train()
         for b in index_batches(data.train, train.batch_size, 1, generator):
@@ -173,9 +172,6 @@ def decoupled_epochs(
             (loss_g + loss_p).backward()  # disjoint gradients: the stop-gradients separate the two objectives
             opt_g.step()
             opt_p.step()
-            total += loss_g.detach()
-            steps += 1
-    return float(total) / max(steps, 1)
 
 
 def personalize_additive(
