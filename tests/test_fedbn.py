@@ -101,6 +101,9 @@ def test_without_batchnorm_fedbn_is_fedavg():
     assert avg.history == bn.history  # G-FL, P-FL and communication, round by round
     assert avg.summary["final"] == bn.summary["final"]  # FedAvg+FT / +LP included
     assert all(s == {} for s in bn.executor.states.values())  # no client state
+    algo = prepare(validate_config({**cfg, "algorithm": {"name": "fedbn"}}))
+    zs = algo.zero_shot(bn.server, algo.ctx.client_data(0))  # without BN a new client has FedAvg's model
+    assert zs is not None and all(torch.equal(zs.params[k], bn.server[k]) for k in bn.server)
 
 
 @pytest.mark.parametrize("method", ["ft", "lp"])

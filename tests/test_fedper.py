@@ -29,8 +29,10 @@ def sgd(model, data, t, generator, blocks=None, epochs=None):
               weight_decay=t.weight_decay, generator=generator, params=params)  # fmt: skip
 
 
-def test_only_the_base_is_uploaded_and_aggregated():
-    algo = make()
+@pytest.mark.parametrize("train", [None, {"weight_decay": 0.01, "momentum": 0.5}])
+def test_only_the_base_is_uploaded_and_aggregated(train):
+    """The local step is the run's SGD (weight decay and momentum included), on the whole model."""
+    algo = make(train)
     m, t = algo.ctx.model, algo.ctx.cfg.train
     personal = set(m.state_keys(m.head_blocks()))
     server = algo.init_server()
@@ -177,3 +179,21 @@ def test_evaluation_shares_body_features_only_when_the_body_is_shared(k):
         alone[c] = test[c]
     assert shared == alone
     assert len(set(alone.values())) > 1  # the clients' models really differ
+
+
+def test_split_error_names_the_valid_range():
+    with pytest.raises(ConfigError, match=r"algorithm.personal_blocks: the model has \d+ blocks; choose 1 to \d+") as e:
+        make(personal_blocks=99)
+    n = len(prepare(validate_config(TINY)).ctx.model.block_names())
+    assert f"has {n} blocks; choose 1 to {n - 1} (got 99)" in str(e.value)
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "fedper"}, {"name": "fedper", "personal_blocks": 2},
+                                       {"name": "lg_fedavg"}])  # fmt: skip
+def test_new_clients_are_evaluated_with_the_personalized_models(algorithm):
+    """The new-client protocol scores the models `personalize_blocks` yields on each of its paths (head only, a top
+    slice of two blocks, LG-FedAvg's lower blocks), end to end: every yielded predictor must be a usable model."""
+    cfg = {**TINY, "federation": {**TINY["federation"], "new_clients": 1},
+           "eval": {**TINY["eval"], "new_clients": {"epochs": 1, "lrs": [0.05]}}, "algorithm": algorithm}
+    nc = pflbed.run(cfg, write=False).summary["new_clients"]
+    assert set(nc["methods"]) == {"ft", "lp"} and all(0 <= nc["methods"][m]["S"]["last"] <= 1 for m in ("ft", "lp"))

@@ -67,3 +67,13 @@ def test_topk_defaults_are_the_papers():
     """§5.1 footnote 3: K = 5; the client itself counts among its K most similar by default (documented)."""
     d = prepare(validate_config({**CFG, "algorithm": {**HETERO, "name": "topk_pfl"}})).opts
     assert (d.k, d.include_self) == (5, True)
+
+
+def test_topk_without_self_excludes_self_even_with_two_clients():
+    """With two replying clients and include_self false, each target is the *other* client's prediction: the
+    self-exclusion must hold for every n ≥ 2, not only for larger federations."""
+    algo = prepare(validate_config({**CFG, "algorithm": {**TOPK, "k": 1, "include_self": False}}))
+    S, w = _clustered()[[0, 2]], torch.full((2,), 0.5, dtype=torch.float64)
+    T, W = algo.mixing(torch.eye(2, dtype=torch.float64), S, w)
+    assert torch.equal(W, torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64))
+    assert torch.allclose(T[0], S[1]) and torch.allclose(T[1], S[0])
