@@ -535,3 +535,17 @@ def test_new_client_without_validation_data_keeps_last_epoch_as_best():
         "0.3": {"last": 0.625, "best": 0.75, "last_val": 0.5, "best_val": 0.5},
     }
     assert (m["lr_last"], m["last"], m["lr_best"], m["best"], m["delta"]) == (0.2, 0.5, 0.1, 0.5, 0.0)
+
+
+def test_new_client_means_skip_missing_validation_and_survive_when_all_lack_it():
+    """Means over new clients skip NaN validation figures (clients without val data); when no client has val data
+    the mean is NaN, not a crash — test figures still average over everyone."""
+    import math
+
+    from pflbed.evaluation.newclients import _mean
+
+    got = _mean([{"last": 0.5, "last_val": 1.0}, {"last": 0.7, "last_val": float("nan")},
+                 {"last": 0.9, "last_val": 0.0}])  # fmt: skip
+    assert got == {"last": (0.5 + 0.7 + 0.9) / 3, "last_val": 0.5}
+    none = _mean([{"last": 0.2, "last_val": float("nan")}, {"last": 0.4, "last_val": float("nan")}])
+    assert none["last"] == (0.2 + 0.4) / 2 and math.isnan(none["last_val"])
