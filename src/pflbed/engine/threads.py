@@ -1,11 +1,12 @@
 """The default torch thread count, and the machine facts a result depends on (`summary.json` → `provenance`).
 
-Why one thread for small models: a client's step on LeNet-5 / the FedAvg CNN / an MLP is a few milliseconds of
-small matrix work; torch's intra-op threads then spend more time synchronising than computing, and on a machine
-that is busy with anything else they wait for each other's cores. `benchmarks/threads.py` measures it side by
-side (README, "Configuration"): one thread is faster for every small zoo model, by 1.5–20× on a loaded 2-core
-machine. Only models above `LARGE_MODEL_PARAMS` get all cores. The choice depends on the model alone (never on
-the load), so the same config always runs with the same thread count — results are bit-identical only then.
+Why one thread for small models: a client's step on LeNet-5 / the FedAvg CNN / an MLP is milliseconds of small
+matrix work, and torch's intra-op threads stall as soon as anything else wants a core. `benchmarks/threads.py`
+measures it side by side (README, "Configuration"): on an idle 2-core machine all cores are 1.1–1.9× faster, with
+one other busy process 1 thread is 1.1–2.9× faster, under heavier load 5–20×. Small models therefore get one
+thread; models above `LARGE_MODEL_PARAMS`, whose gain from cores grows with the machine, get all cores. The choice
+depends on the model alone (never on the load), so the same config always runs with the same thread count —
+results are bit-identical only then.
 """
 
 from __future__ import annotations
