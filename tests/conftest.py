@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 # Property tests: the same examples in every run by default (a CI failure reproduces locally); `explore` draws
 # fresh ones, many more (HYPOTHESIS_PROFILE=explore python -m pytest tests/test_config_properties.py).
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
-settings.register_profile("default", derandomize=True, database=None, deadline=None, max_examples=60,
+settings.register_profile("default", derandomize=True, database=None, deadline=None, max_examples=150,
                           suppress_health_check=_QUIET)  # fmt: skip
 settings.register_profile("explore", deadline=None, max_examples=300, suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -4,7 +4,7 @@ For every config field (found by walking the `Config` model, so a new field is c
 hypothesis draws values from two pools: the field's cheap valid domain (kept small where the cost of a run grows
 with the value, e.g. rounds and epochs, so a tiny run stays tiny) and junk of every type (None, booleans, text,
 NaN/±inf, huge and negative integers, lists, mappings). Each draw goes through the real command line as
-`--set field=<YAML>`, one to three fields at a time, on top of a tiny run. The property:
+`--set field=<YAML>`, one or two fields at a time, on top of a tiny run. The property:
 
 - exit 0 and a `summary.json`; or
 - exit 2 with exactly one line naming one of the fields set (or the file/path value it names), and no run
@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 
 import yaml
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -129,10 +129,10 @@ def test_every_field_has_a_valid_domain():
 
 
 def _value_for(field: str) -> st.SearchStrategy:
-    return st.one_of(VALID[field], VALID[field], JUNK)  # valid twice as often as junk
+    return st.one_of(*[VALID[field]] * 4, JUNK)  # valid four times as often as junk: most draws reach a run
 
 
-overrides = st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True).flatmap(
+overrides = st.lists(st.sampled_from(FIELDS), min_size=1, max_size=2, unique=True).flatmap(
     lambda fields: st.tuples(*[st.tuples(st.just(f), _value_for(f)) for f in fields])
 )
 
@@ -177,6 +177,7 @@ def test_any_value_runs_or_exits_2_with_one_line_and_no_directory(sets, capsys):
         capsys.readouterr()
         rc = main(["run", *args, "--out", str(out), "--no-progress"])
         err = capsys.readouterr().err.strip()
+        event(f"exit {rc}")  # --hypothesis-show-statistics shows how many draws ran, were refused, diverged
         if rc == 0:
             assert (out / "summary.json").is_file()
         elif rc == 3:
