@@ -254,3 +254,30 @@ def test_summary_records_provenance(tmp_path):
     p = json.loads((out / "summary.json").read_text())["provenance"]
     assert p["torch"] == torch.__version__ and p["device"] == "cpu" and p["cpu"]
     assert p["threads"] == 1  # the small-model default (engine.threads.choose_threads)
+
+
+def test_clients_without_validation_data_are_evaluated(tmp_path):
+    """Hundreds of tiny clients leave some with an empty validation split; the linear probe's shared-feature path
+    then predicts an empty set, which must give an empty prediction, not a crash (seen with 10,000 clients)."""
+    out = tmp_path / "run"
+    args = ["--set", "federation.clients=300", "--set", "federation.min_size=5", "--set", "train.rounds=1",
+            "--set", "federation.sample_fraction=0.02", "--set", "federation.val_fraction=0.05",
+            "--set", "eval.finetune=[lp]"]  # fmt: skip
+    assert main(["run", *FAST, *args, "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["final"]["lp"]["pfl_acc"] is not None
+
+
+def test_divergence_guard_names_the_first_non_finite_tensor_and_ignores_integers():
+    import torch
+
+    from pflbed.engine.guard import check_client, check_server, first_nonfinite
+    from pflbed.errors import DivergedError
+
+    ok = {"a": torch.ones(2), "steps": torch.tensor(7)}
+    assert first_nonfinite(ok) is None
+    bad = {**ok, "c": torch.tensor([1.0, float("inf")]), "b": torch.tensor([float("nan")])}
+    assert first_nonfinite(bad) == "b"
+    with pytest.raises(DivergedError, match="round 4: the aggregated server state has non-finite values in 'b'"):
+        check_server(4, bad)
+    with pytest.raises(DivergedError, match="client 2's state"):
+        check_client(4, 2, ok, bad)
