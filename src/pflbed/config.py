@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -29,13 +29,14 @@ def max_threads() -> int:
     return 4 * (os.cpu_count() or 1)
 
 
-def _float_error(x: Any) -> str | None:
+def _number_error(x: Any) -> str | None:
+    """What is wrong with a number under the shared bounds (None: nothing); the caller adds "(got …)"."""
     if isinstance(x, float) and not math.isfinite(x):
-        return f"must be a finite number (got {x!r})"
+        return "must be a finite number"
     if isinstance(x, float) and abs(x) > FLOAT_MAX:
-        return f"must be within float32's range, ±{FLOAT_MAX:g} (got {x!r})"
+        return f"must be within float32's range, ±{FLOAT_MAX:g}"
     if isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
-        return f"must be at most {INT_MAX} in magnitude (got {x})"
+        return f"must be at most {INT_MAX} in magnitude"
     return None
 
 
@@ -45,13 +46,11 @@ class _Strict(BaseModel):
     @field_validator("*", mode="after")
     @classmethod
     def _float32(cls, v: Any) -> Any:
+        """Floats within float32's range (integers have their own per-field bounds: seeds go up to 2⁶³ − 1)."""
         for x in v if isinstance(v, list) else [v]:
-            if isinstance(x, float) and abs(x) > FLOAT_MAX:  # the error line adds "(got …)" itself
-                raise ValueError(f"must be within float32's range, ±{FLOAT_MAX:g}")
+            if isinstance(x, float) and (error := _number_error(x)):
+                raise ValueError(error)
         return v
-
-
-Count = Annotated[int, Field(ge=1, le=INT_MAX)]
 
 
 class DatasetConfig(_Strict):
@@ -135,7 +134,7 @@ class FederationConfig(_Strict):
 class TrainConfig(_Strict):
     rounds: int = Field(30, ge=1, le=1_000_000)
     local_epochs: int = Field(1, ge=1, le=100_000)
-    batch_size: Count = 32
+    batch_size: int = Field(32, ge=1, le=INT_MAX)
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
@@ -314,5 +313,5 @@ def _check_numbers(tree: dict[str, Any], prefix: str) -> None:
         for x in values:
             if isinstance(x, dict):
                 _check_numbers(x, f"{field}.")
-            elif _float_error(x):
-                raise ConfigError(f"{field}: {_float_error(x)}")
+            elif error := _number_error(x):
+                raise ConfigError(f"{field}: {error} (got {x!r})")

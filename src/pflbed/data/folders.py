@@ -28,6 +28,7 @@ from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.errors import DataError
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
+_EXTS = ", ".join(sorted(IMAGE_EXTENSIONS))  # for error messages
 
 # Fixed per-channel normalization to [-1, 1] rather than statistics of the loaded pixels: a subset of the
 # domains, another copy of the dataset or a test fixture is then normalized exactly like the full dataset, and
@@ -112,13 +113,11 @@ def _scan(root: Path) -> _Tree:
             entries = _entries(folder)
             stray = next((e for e in entries if not _is_image(e)), None)
             if stray is not None:  # skipping it silently would hide a half-copied or mixed-up tree
-                exts = ", ".join(sorted(IMAGE_EXTENSIONS))
-                raise DataError(f"{_show(stray.path)}: not an image file ({exts}); class folders hold only images "
+                raise DataError(f"{_show(stray.path)}: not an image file ({_EXTS}); class folders hold only images "
                                 "(hidden files are ignored): move it out of the tree")  # fmt: skip
             images = [e.path for e in entries]
             if not images:
-                exts = ", ".join(sorted(IMAGE_EXTENSIONS))
-                raise DataError(f"{_show(folder)}: class folder has no images ({exts})")
+                raise DataError(f"{_show(folder)}: class folder has no images ({_EXTS})")
             files.extend((d, index[name], p) for p in images)
     return _Tree(root=str(root), domains=tuple(domains), classes=tuple(all_classes), files=tuple(files))
 
