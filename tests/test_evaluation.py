@@ -20,11 +20,12 @@ from pflbed.evaluation.evaluate import (
     client_scores,
     evaluate,
     evaluate_personalized,
+    last,
     pfl_mode,
     subsampled,
     summarize,
 )
-from pflbed.evaluation.newclients import evaluate_new_clients, run_one, subset
+from pflbed.evaluation.newclients import _mean, evaluate_new_clients, run_one, subset
 from pflbed.federation.federation import ClientSplit, Federation
 
 OFF = 1000  # ids of the shared test split's samples start here
@@ -59,8 +60,11 @@ class Table(Predictor):
     def group(self):
         return self._group if self._group is not None else super().group
 
+    batch_sizes: list[int] = []  # every batch size any table was asked to use (shared by all instances)
+
     def logits(self, x, batch_size=1024):
         self.calls.append(len(x))
+        Table.batch_sizes.append(batch_size)
         return torch.nn.functional.one_hot(self.lut[x[:, 0].long()], K).float()
 
 
@@ -126,6 +130,10 @@ def _mode_ctx(mode: str) -> Context:
     return _ctx(src, fed, eval={"pfl_test": "local" if mode == "domain" else mode})
 
 
+# The trained server state evaluation is given: every model must be built from it (the fakes check identity).
+SERVER = {"trained": torch.zeros(1)}
+
+
 class FakeAlgo:
     """What evaluation calls on an algorithm: a generic model, a personal model per client state, personalize."""
 
@@ -138,14 +146,17 @@ class FakeAlgo:
         self.epochs, self.budgets = epochs, []
 
     def generic_model(self, server):
+        assert server is SERVER
         return self.generic
 
     def personal_model(self, server, state):
+        assert server is SERVER
         return self.models[int(state["cid"])]
 
     def personalize(self, server, data, budget, generator):
         """Epochs 1..E-1 are right nowhere; the last epoch is the client's table model, its group shared by all
         clients (a freed model's id being reused)."""
+        assert server is SERVER
         self.budgets.append((data.cid, budget, generator))
         for _ in range(budget.epochs - 1):
             yield Table(self.ctx.source)
@@ -212,7 +223,7 @@ def test_evaluate_reports_gfl_and_pfl_of_participated_clients(mode, gfl_acc, gfl
     union of val splits (domain val sets under PFLBED, else the participated clients'); P-FL over participated
     clients only, summarized; the per-client dict is the P-FL *test* accuracy."""
     ctx = _mode_ctx(mode)
-    out, test = evaluate(FakeAlgo(ctx), {}, _states, ctx)
+    out, test = evaluate(FakeAlgo(ctx), SERVER, _states, ctx)
     exp_test, exp_val = EXPECTED[mode]
     assert test == pytest.approx(exp_test)
     assert out["gfl_acc"] == pytest.approx(gfl_acc) and out["gfl_val"] == pytest.approx(gfl_val)
@@ -226,11 +237,11 @@ def test_evaluate_without_generic_model_and_with_empty_val_splits():
     pfl_val (mean over the others) and adds nothing to gfl_val's union."""
     src, fed = _fed("local")
     ctx = _ctx(src, fed)
-    out, _ = evaluate(FakeAlgo(ctx, generic=False), {}, _states, ctx)
+    out, _ = evaluate(FakeAlgo(ctx, generic=False), SERVER, _states, ctx)
     assert out["gfl_acc"] is None and out["gfl_val"] is None
     no_val = replace(fed.clients[1], val=torch.zeros(0, dtype=torch.int64))
     ctx = _ctx(src, replace(fed, clients=[fed.clients[0], no_val, fed.clients[2]]))
-    out, _ = evaluate(FakeAlgo(ctx), {}, _states, ctx)
+    out, _ = evaluate(FakeAlgo(ctx), SERVER, _states, ctx)
     assert out["pfl_val"] == pytest.approx(0.5)  # client 0 alone
     assert out["gfl_val"] == pytest.approx(0.5)  # generic right on 26 of 26-27
     assert out["pfl_acc"] == pytest.approx(0.625)  # test figures untouched
@@ -246,7 +257,7 @@ def test_evaluate_personalized_scores_each_clients_last_epoch_with_the_eval_budg
                train={"batch_size": 7, "momentum": 0.5})  # fmt: skip
     algo = FakeAlgo(ctx)
     gens = {c: torch.Generator() for c in (0, 1, 2)}
-    out = evaluate_personalized(algo, {}, "lp", gens.__getitem__)
+    out = evaluate_personalized(algo, SERVER, "lp", gens.__getitem__)
     assert [(c, b) for c, b, _ in algo.budgets] == [(c, Budget("lp", 3, 0.2, 7, 0.5)) for c in (0, 1)]
     assert all(g is gens[c] for c, _, g in algo.budgets)
     assert out == pytest.approx(summarize(*EXPECTED["global"]))
@@ -281,10 +292,11 @@ class Head(Predictor):
 
     def features(self, x, batch_size=1024):
         self.body_calls.append(len(x))
+        Table.batch_sizes.append(batch_size)
         return x.clone()
 
     def classify(self, z, batch_size=1024):
-        return self.table.logits(z)
+        return self.table.logits(z, batch_size)
 
 
 def test_feature_cache_shares_the_body_not_the_head_nor_the_split():
@@ -342,6 +354,13 @@ def test_subsampled_keeps_at_most_per_class_of_the_shared_test_sets_and_leaves_v
     again = subsampled(ctx, 2).federation
     assert torch.equal(again.global_test, view.global_test) and torch.equal(again.domain_test[0], view.domain_test[0])
     assert subsampled(ctx, None) is ctx
+    # the draw itself: one permutation per set from a generator seeded 0 (independent of the run's seed), global
+    # set first, then the domains; each class keeps its first per_class samples in that order
+    gen = torch.Generator().manual_seed(0)
+    for new, old, y in zip([view.global_test, *view.domain_test], [fed.global_test, *fed.domain_test], [ty, py, py],
+                           strict=True):  # fmt: skip
+        order = old[torch.randperm(len(old), generator=gen)]
+        assert torch.equal(new, torch.cat([order[y[order] == c][:2] for c in range(K)]).sort().values)
 
 
 # --- the new-client protocol --------------------------------------------------------------------------------------
@@ -382,11 +401,13 @@ class SeqAlgo:
         self.ctx, self.script, self.zs, self.calls = ctx, script, zero_shot, []
 
     def personalize(self, server, data, budget, generator):
+        assert server is SERVER
         self.calls.append((data.cid, tuple(data.train.tolist()), budget, generator.initial_seed()))
         for val, test, *group in self.script(data.cid, len(data.train), budget.lr):
             yield _scored(self.ctx.source, self.ctx.federation, data.cid, val, test, *group)
 
     def zero_shot(self, server, data):
+        assert server is SERVER
         return None if self.zs is None else _scored(self.ctx.source, self.ctx.federation, data.cid, *self.zs[data.cid])
 
 
@@ -394,7 +415,7 @@ def _run_one(script):
     src, fed = _nc_fed()
     ctx = _ctx(src, fed)
     algo = SeqAlgo(ctx, lambda c, n, lr: script)
-    return run_one(algo, {}, 1, ctx.client_data(1), Budget("ft", len(script), 0.1, 4), torch.Generator(),
+    return run_one(algo, SERVER, 1, ctx.client_data(1), Budget("ft", len(script), 0.1, 4), torch.Generator(),
                    Predictions(src, 4))  # fmt: skip
 
 
@@ -453,7 +474,7 @@ def test_new_clients_lr_chosen_on_validation_separately_for_last_and_best():
     rate for Best maximizes mean best_val (M: .1 → Best .375; on test it would be .3, on last_val .2); Δ = Best − Last.
     """
     ctx = _nc_ctx()
-    out = evaluate_new_clients(_nc_algo(ctx), {})
+    out = evaluate_new_clients(_nc_algo(ctx), SERVER)
     assert out["clients"] == 2 and out["epochs"] == 2 and out["lrs"] == [0.1, 0.2, 0.3]
     assert out["sizes"] == {"S": 0.5, "M": 1.0}
     for method in ("ft", "lp"):
@@ -471,7 +492,7 @@ def test_new_clients_personalize_nested_subsets_with_the_protocol_budget():
     stream per (method, size, lr, client); participated clients never personalize here."""
     ctx = _nc_ctx()
     algo = _nc_algo(ctx)
-    evaluate_new_clients(algo, {})
+    evaluate_new_clients(algo, SERVER)
     assert len(algo.calls) == 2 * 2 * 3 * 2
     for c in (1, 2):
         data = {n: {tr for cid, tr, _, _ in algo.calls if cid == c and len(tr) == n} for n in (2, 4)}
@@ -484,6 +505,13 @@ def test_new_clients_personalize_nested_subsets_with_the_protocol_budget():
     assert {(b.method, b.lr) for *_, b, _ in algo.calls} == {(m, lr) for m in ("ft", "lp") for lr in (0.1, 0.2, 0.3)}
     assert all((b.epochs, b.batch_size, b.momentum) == (2, 5, 0.5) for *_, b, _ in algo.calls)
     assert len({seed for *_, seed in algo.calls}) == len(algo.calls)
+    # the stream keys: run seed, the NEWCLIENT tag, then (1 + method, size, lr, client) — apart from the subset's
+    # (…, 0, client) stream and every other stream tag, and different for another run seed
+    sizes = {2: 0, 4: 1}
+    lrs = {0.1: 0, 0.2: 1, 0.3: 2}
+    for cid, tr, b, seed in algo.calls:
+        keys = (1 + ["ft", "lp"].index(b.method), sizes[len(tr)], lrs[b.lr], cid)
+        assert seed == rng.derive_seed(7, rng.NEWCLIENT, *keys)
 
 
 def test_new_clients_zero_shot_is_the_mean_test_score_of_new_clients():
@@ -491,12 +519,12 @@ def test_new_clients_zero_shot_is_the_mean_test_score_of_new_clients():
     are 0); None when the method has no zero-shot model or the config turns it off; None without new clients."""
     ctx = _nc_ctx(methods=[])
     zs = {0: (1.0, 0.0), 1: (0.0, 0.5), 2: (0.0, 1.0)}
-    out = evaluate_new_clients(_nc_algo(ctx, zs), {})
+    out = evaluate_new_clients(_nc_algo(ctx, zs), SERVER)
     assert out["zero_shot"] == pytest.approx({"acc": 0.75}) and out["methods"] == {}
-    assert evaluate_new_clients(_nc_algo(ctx), {})["zero_shot"] is None
-    assert evaluate_new_clients(_nc_algo(_nc_ctx(methods=[], zero_shot=False), zs), {})["zero_shot"] is None
+    assert evaluate_new_clients(_nc_algo(ctx), SERVER)["zero_shot"] is None
+    assert evaluate_new_clients(_nc_algo(_nc_ctx(methods=[], zero_shot=False), zs), SERVER)["zero_shot"] is None
     no_new = replace(ctx, federation=replace(ctx.federation, new=[]))
-    assert evaluate_new_clients(_nc_algo(no_new, zs), {}) is None
+    assert evaluate_new_clients(_nc_algo(no_new, zs), SERVER) is None
 
 
 def test_hand_built_fixtures_are_consistent():
@@ -525,10 +553,10 @@ def test_new_client_without_validation_data_keeps_last_epoch_as_best():
     fed = replace(fed, clients=[fed.clients[0], fed.clients[1], no_val])
     ctx = _ctx(src, fed, seed=7, eval={"new_clients": {**NC, "methods": ["ft"], "fractions": [1.0]}})
     algo = SeqAlgo(ctx, lambda c, n, lr: M_SCRIPT[lr][c])
-    row = run_one(algo, {}, 2, ctx.client_data(2), Budget("ft", 2, 0.1, 4), torch.Generator(), Predictions(src, 4))
+    row = run_one(algo, SERVER, 2, ctx.client_data(2), Budget("ft", 2, 0.1, 4), torch.Generator(), Predictions(src, 4))
     assert (row["last"], row["best"]) == (0.5, 0.5)  # M_SCRIPT[.1][2]: tests .25 then .5
     assert row["last_val"] != row["last_val"] and row["best_val"] != row["best_val"]  # NaN: no val data
-    m = evaluate_new_clients(algo, {})["methods"]["ft"]["S"]  # the one size (all the data) is named S
+    m = evaluate_new_clients(algo, SERVER)["methods"]["ft"]["S"]  # the one size (all the data) is named S
     assert m["per_lr"] == {
         "0.1": {"last": 0.375, "best": 0.5, "last_val": 0.25, "best_val": 1.0},
         "0.2": {"last": 0.5, "best": 0.5, "last_val": 0.75, "best_val": 0.75},
@@ -542,10 +570,85 @@ def test_new_client_means_skip_missing_validation_and_survive_when_all_lack_it()
     the mean is NaN, not a crash — test figures still average over everyone."""
     import math
 
-    from pflbed.evaluation.newclients import _mean
-
     got = _mean([{"last": 0.5, "last_val": 1.0}, {"last": 0.7, "last_val": float("nan")},
                  {"last": 0.9, "last_val": 0.0}])  # fmt: skip
     assert got == {"last": (0.5 + 0.7 + 0.9) / 3, "last_val": 0.5}
     none = _mean([{"last": 0.2, "last_val": float("nan")}, {"last": 0.4, "last_val": float("nan")}])
     assert none["last"] == (0.2 + 0.4) / 2 and math.isnan(none["last_val"])
+    assert _mean([{"last": 0.25, "last_val": 0.5}]) == {"last": 0.25, "last_val": 0.5}  # a single new client
+
+
+# --- which context, which models, which batch size -----------------------------------------------------------------
+def test_evaluate_scores_on_the_context_it_is_given():
+    """Rule (evaluate.py:evaluate): an explicit ctx (the `subsampled` view of intermediate evaluations) is the one
+    scored, not the algorithm's full context; without one, the algorithm's. The view's global test set keeps
+    positions 0, 4, 5 of which the generic model is right on 0 only (1/3; the full set gives 4/6)."""
+    ctx = _mode_ctx("global")
+    algo = FakeAlgo(ctx)
+    view = replace(ctx, federation=replace(ctx.federation, global_test=torch.tensor([0, 4, 5])))
+    assert evaluate(algo, SERVER, _states, view)[0]["gfl_acc"] == pytest.approx(1 / 3)
+    assert evaluate(algo, SERVER, _states)[0]["gfl_acc"] == pytest.approx(4 / 6)
+
+
+def test_gfl_val_is_missing_not_nan_without_any_validation_data():
+    """No participated client has a val split (and no domain val sets): gfl_val and pfl_val are None — no figure —
+    rather than an accuracy over zero samples (NaN would reach summary.json and the selected-round fallback)."""
+    src, fed = _fed("local")
+    empty = torch.zeros(0, dtype=torch.int64)
+    clients = [replace(fed.clients[0], val=empty), replace(fed.clients[1], val=empty), fed.clients[2]]
+    out, _ = evaluate(FakeAlgo(_ctx(src, fed)), SERVER, _states, _ctx(src, replace(fed, clients=clients)))
+    assert out["gfl_val"] is None and out["pfl_val"] is None
+    assert out["gfl_acc"] == pytest.approx(4 / 6)
+
+
+def test_last_is_the_final_model_and_an_empty_personalization_is_an_error():
+    """Rule (evaluate.py:last, newclients.py:run_one): the personalized model is the last one yielded; a
+    personalization that yields no model is an error, never a silently missing score."""
+    src, _ = _fed("local")
+    a, b = Table(src), Table(src)
+    assert last(iter([a, b])) is b
+    with pytest.raises(ValueError, match="no model"):
+        last(iter([]))
+    with pytest.raises(ValueError, match="no model"):
+        _run_one([])
+
+
+def test_each_distinct_model_is_warmed_over_its_own_clients_samples():
+    """Rule (evaluate.py:_warm): models are grouped by their own identity — each distinct model runs one forward
+    over exactly its own clients' samples (local: client 0 val 2 + test 4, client 1 val 3 + test 2), never over
+    another client's; a feature-keyed predictor (scored per evaluation set instead) is skipped without stopping
+    the warm-up of the models after it."""
+    ctx = _mode_ctx("local")
+    a, b = Table(ctx.source), Table(ctx.source)
+    client_scores({0: a, 1: b}, ctx, Predictions(ctx.source, 4))
+    assert a.calls == [6] and b.calls == [5]
+    body: list[int] = []
+    head, c = Head(Table(ctx.source), body), Table(ctx.source)
+    client_scores({0: head, 1: c}, ctx, Predictions(ctx.source, 4))
+    assert c.calls == [5] and body == [4, 2]  # the head's body: its test set, then its val set
+
+
+def test_every_forward_runs_at_eval_batch_size():
+    """Rule (eval.batch_size, "inference batch size"): G-FL / P-FL evaluation, evaluation-time personalization,
+    the new-client protocol and the shared-body feature path all run their forwards at the configured batch size
+    (3 here), not the predictors' default (1024)."""
+
+    def used() -> set[int]:
+        seen = set(Table.batch_sizes)
+        Table.batch_sizes.clear()
+        return seen
+
+    used()
+    src, fed = _fed("local")
+    ctx = _ctx(src, fed, eval={"batch_size": 3, "ft_epochs": 1})
+    evaluate(FakeAlgo(ctx), SERVER, _states, ctx)
+    assert used() == {3}
+    evaluate_personalized(FakeAlgo(ctx), SERVER, "ft", lambda c: torch.Generator())
+    assert used() == {3}
+    head = Head(Table(src), [])
+    Predictions(src, 3)(head, "train", torch.tensor([0, 1]))
+    assert used() == {3}  # features and head alike
+    src, fed = _nc_fed()
+    nctx = _ctx(src, fed, eval={"batch_size": 3, "new_clients": {**NC, "methods": ["ft"], "lrs": [0.1]}})
+    evaluate_new_clients(_nc_algo(nctx, {1: (0.0, 0.5), 2: (0.0, 1.0)}), SERVER)
+    assert used() == {3}
