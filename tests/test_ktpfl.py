@@ -7,9 +7,10 @@ import torch
 
 import pflbed
 from pflbed.algorithms import distill as kd
-from pflbed.algorithms import get_algorithm
+from pflbed.algorithms import get_algorithm, ktpfl
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 
 from .tiny import TINY
 
@@ -278,28 +279,58 @@ def _linear(seed: int) -> torch.nn.Module:
     return torch.nn.Linear(3, 4).double()
 
 
-@pytest.mark.parametrize(("epochs", "steps", "reduction"), [(2, None, "batchmean"), (1, 4, "mean")])
-def test_distill_is_plain_sgd_on_the_kl_over_shuffled_public_batches(epochs, steps, reduction):
-    """Eq. 6 by hand: reshuffled passes of batch 4 over 10 public samples, SGD (lr 0.3, no momentum) on the KL;
-    `steps` = exactly that many mini-batches (4 steps cross into a second pass), else `epochs` full passes."""
+@pytest.mark.parametrize(("epochs", "steps", "reduction", "momentum"),
+                         [(2, None, "batchmean", 0.0), (1, 4, "mean", 0.0), (1, 4, "batchmean", 0.5)])
+def test_distill_is_plain_sgd_on_the_kl_over_shuffled_public_batches(epochs, steps, reduction, momentum):
+    """Eq. 6 by hand: reshuffled passes of batch 4 over 10 public samples, SGD (lr 0.3; heavy-ball momentum μ when
+    given: b ← μ·b + g, p ← p − lr·b) on the KL; `steps` = exactly that many mini-batches (4 steps cross into a
+    second pass), else `epochs` full passes. The return value is the mean of the step losses."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10, 3, generator=g, dtype=torch.float64)
     target = _probs(10, 4, seed=2)
     ref = _linear(1)
+    buf = [torch.zeros_like(p) for p in ref.parameters()]
     rg = torch.Generator().manual_seed(5)
     batches = [b for _ in range(3) for b in torch.randperm(10, generator=rg).split(4)]
     n_steps = steps if steps is not None else 3 * epochs
+    losses = []
     for b in batches[:n_steps]:
         s = torch.softmax(ref(x[b]) / 2.0, dim=1)
         loss = (target[b] * (target[b].log() - s.log())).sum(1).mean() / (4 if reduction == "mean" else 1)
+        losses.append(float(loss.detach()))
+        ref.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p, v in zip(ref.parameters(), buf, strict=True):
+                v.mul_(momentum).add_(p.grad)
+                p -= 0.3 * v
+    model = _linear(1)
+    mean_loss = kd.distill(model, x, target, epochs=epochs, steps=steps, batch_size=4, lr=0.3, temperature=2.0,
+                           generator=torch.Generator().manual_seed(5), reduction=reduction, momentum=momentum)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-12)
+    assert mean_loss == pytest.approx(sum(losses) / n_steps, rel=1e-6)  # float32 accumulator
+
+
+def test_distill_steps_are_exact_even_with_a_single_public_sample():
+    """`steps` mini-batches exactly, however small the public set: one sample, batch 1, 5 steps = 5 SGD steps on
+    that sample (each pass holds one batch, so 5 passes are needed). One step returns that step's loss."""
+    x, target = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64), _probs(1, 4, seed=3)
+    ref = _linear(2)
+    first = (target * (target.log() - torch.log_softmax(ref(x), dim=1))).sum()
+    one = kd.distill(_linear(2), x, target, epochs=1, steps=1, batch_size=1, lr=0.5, temperature=1.0,
+                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert one == pytest.approx(float(first.detach()), rel=1e-6)
+    for _ in range(5):
+        loss = (target * (target.log() - torch.log_softmax(ref(x), dim=1))).sum()
         ref.zero_grad()
         loss.backward()
         with torch.no_grad():
             for p in ref.parameters():
-                p -= 0.3 * p.grad
-    model = _linear(1)
-    kd.distill(model, x, target, epochs=epochs, steps=steps, batch_size=4, lr=0.3, temperature=2.0,
-               generator=torch.Generator().manual_seed(5), reduction=reduction)  # fmt: skip
+                p -= 0.5 * p.grad
+    model = _linear(2)
+    kd.distill(model, x, target, epochs=1, steps=5, batch_size=1, lr=0.5, temperature=1.0,
+               generator=torch.Generator().manual_seed(0))  # fmt: skip
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-12)
 
@@ -460,22 +491,27 @@ def _payload(algo, batch_round: int) -> dict[str, torch.Tensor]:
     return {"targets": _probs(100, 10, seed=9).float(), "batch_round": torch.tensor(batch_round)}
 
 
-@pytest.mark.parametrize("order", ["train_first", "distill_first"])
-def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order):
-    """Client n in round r: (1) distil towards t_n on ξ_{r'} (r' = batch_round; lr η2 = distill_lr, T, reduction),
-    (2) local CE training, (3) reply s_n = softmax(z/T) on ξ_r; the state is the model after all three."""
+@pytest.mark.parametrize(("order", "steps"), [("train_first", None), ("distill_first", 3)])
+def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order, steps):
+    """Client n in round r: (1) distil towards t_n on ξ_{r'} (r' = batch_round; lr η2 = distill_lr, T, reduction;
+    R passes or exactly `distill_steps` mini-batches), (2) local CE training with train.* (momentum and weight
+    decay included), (3) reply s_n = softmax(z/T) on ξ_r; the state is the model after all three."""
     from pflbed.algorithms.base import ClientContext
     from pflbed.algorithms.training import get_params, load_params, local_sgd
 
-    algo = _algo(distill_lr=0.03, temperature=4.0, kl_reduction="mean", order=order)
+    train = {**CFG["train"], "momentum": 0.5, "weight_decay": 0.01}
+    algo = prepare(validate_config({**CFG, "train": train, "algorithm": {
+        **HETERO, "distill_lr": 0.03, "temperature": 4.0, "kl_reduction": "mean", "order": order,
+        "distill_steps": steps}}))  # fmt: skip
     cid, t = 2, algo.ctx.cfg.train
     state, data, payload = algo.init_client(cid), algo.ctx.client_data(cid), _payload(algo, 1)
     model = algo.models[algo.arch_of(cid)]
     load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
     g = torch.Generator().manual_seed(11)
-    kd.distill(model, algo._public_x(1), payload["targets"], epochs=1, batch_size=32, lr=0.03, temperature=4.0,
-               generator=g, reduction="mean")  # fmt: skip
-    local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, generator=g)
+    kd.distill(model, algo._public_x(1), payload["targets"], epochs=1, steps=steps, batch_size=32, lr=0.03,
+               temperature=4.0, generator=g, reduction="mean")  # fmt: skip
+    local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=0.5, weight_decay=0.01,
+              generator=g)  # fmt: skip
     s_ref, w_ref = kd.soft_predictions(model, algo._public_x(3), 4.0), get_params(model)
     reply, new = algo.client_update(payload, state, data, ClientContext(3, cid, torch.Generator().manual_seed(11)))
     assert torch.equal(reply["s"], s_ref)
@@ -546,10 +582,100 @@ def test_homogeneous_payload_is_the_c_mix_and_the_server_predicts_with_the_uploa
 
 
 def test_diagnostics_are_mean_row_entropy_and_mean_self_weight():
-    """c_row_entropy = mean_n H(W[n]) (nats), c_diag = mean_n W[n, n]."""
+    """c_row_entropy = mean_n H(W[n]) (nats), c_diag = mean_n W[n, n]; reported rounded to 6 decimals."""
     algo = _algo()
     W = torch.tensor([[1.0, 0, 0, 0], [0.5, 0.5, 0, 0], [0.25] * 4, [0, 0, 0.5, 0.5]], dtype=torch.float64)
     d = algo.diagnostics(1, {"W": W}, algo.ctx.client_data)
     h = (0 + math.log(2) + math.log(4) + math.log(2)) / 4
     assert d["c_row_entropy"] == pytest.approx(h, abs=1e-6) and d["c_diag"] == pytest.approx(0.5625)
     assert d["c_row_entropy_uniform"] == pytest.approx(math.log(4), abs=1e-6)
+    W[3, 2:] = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)  # self-weight 2/3: values with many decimals
+    d = algo.diagnostics(1, {"W": W}, algo.ctx.client_data)
+    h3 = -(math.log(1 / 3) / 3 + 2 / 3 * math.log(2 / 3))
+    assert d == {"c_row_entropy": round((math.log(2) + math.log(4) + h3) / 4, 6),
+                 "c_row_entropy_uniform": round(math.log(4), 6), "c_diag": round((1 + 0.5 + 0.25 + 2 / 3) / 4, 6)}
+
+
+def test_power5_step_boundary_and_iteration_count():
+    """The official loop's strict comparisons and its five iterations: a = 0.05 → ÷5 gives exactly 0.01, which is
+    neither > nor < 0.01, so η stays 1/5 (a ≤ would multiply back); a = 1e-9 stays below 0.01 after ×5⁵, yet η
+    stops at 5⁵ because the loop runs five times, not more."""
+    assert kd.power5_step(torch.tensor([0.05], dtype=torch.float64)) == pytest.approx(0.2)
+    assert kd.power5_step(torch.tensor([1e-9], dtype=torch.float64)) == pytest.approx(5.0**5)
+
+
+def test_normalize_rows_scales_to_sum_one_and_makes_empty_rows_uniform():
+    """Rows ÷ their sum (also rows summing below 1); negatives clamp to 0; an all-zero row becomes 1/N."""
+    W = torch.tensor([[0.2, 0.3, 0.0], [0.0, 0.0, 0.0], [-1.0, 0.0, 0.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.4, 0.6, 0.0], [1 / 3] * 3, [1 / 3] * 3], dtype=torch.float64)
+    assert torch.allclose(kd.normalize_rows(W), expected)
+
+
+def test_row_entropy_normalizes_each_row_by_its_own_sum():
+    """H of row / Σ row (nats): (1, 2) → H(⅓, ⅔), (1, 3) → H(¼, ¾) — rows with different sums."""
+    h = kd.row_entropy(torch.tensor([[1.0, 2.0], [1.0, 3.0]], dtype=torch.float64))
+    ent = lambda p: -(p * math.log(p) + (1 - p) * math.log(1 - p))  # noqa: E731
+    assert torch.allclose(h, torch.tensor([ent(1 / 3), ent(0.25)], dtype=torch.float64))
+
+
+def test_public_batch_depends_on_the_seed_and_the_whole_set_keeps_its_order():
+    """ξ_r is drawn from (seed, round): another seed gives another batch; size = |public| returns the set as it is
+    (no permutation); an empty public set is an error, a one-sample set is that sample."""
+    pub = torch.arange(100, 300)
+    assert not torch.equal(kd.public_batch(pub, 50, 0, 3), kd.public_batch(pub, 50, 1, 3))
+    assert torch.equal(kd.public_batch(pub, 200, 0, 3), pub)
+    with pytest.raises(ValueError):
+        kd.public_batch(torch.arange(0), 5, 0, 1)
+    assert torch.equal(kd.public_batch(torch.tensor([7]), 1, 0, 1), torch.tensor([7]))
+
+
+def test_label_set_is_the_labels_holding_at_least_one_cth_of_the_prior():
+    """Labels with prior ≥ 1/C (boundary included), sorted; never empty (the argmax when none qualifies)."""
+    assert ktpfl.label_set(torch.tensor([0.1, 0.5, 0.1, 0.3])) == (1, 3)
+    assert ktpfl.label_set(torch.full((4,), 0.25)) == (0, 1, 2, 3)  # exactly 1/C counts
+    assert ktpfl.label_set(torch.tensor([0.2, 0.3, 0.49, 0.01])) == (1, 2)  # not ≥ 2/C
+    assert ktpfl.label_set(torch.tensor([0.0, 0.0, 0.0])) == (0,)  # no mass at all: the top one
+
+
+def test_ktpfl_needs_public_data():
+    """The soft predictions live on public data: no public set is a configuration error at construction."""
+    with pytest.raises(ConfigError):
+        prepare(validate_config({**CFG, "federation": {**FED, "public": 0}}))
+
+
+def test_eq7_gradient_with_the_adaptive_step_pulls_towards_the_prior_one_over_n():
+    """c_grad = kl with c_step = power5: the step of each row is power5 of that row's Eq. 7 gradient, whose ρ term
+    pulls towards the prior 1/N (N = |A|). With a fixed step the prior's constant shifts a row uniformly and the
+    simplex projection cancels it; through the adaptive step it decides the step size."""
+    algo = _algo(c_step="power5", rho=0.7, lam=0.02)  # a small λ: the ρ term shapes |gradient|
+    V, S = _rows(4, 8), _probs(4, 6, 5, seed=10)
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    Vg = V.clone().requires_grad_(True)
+    kl = sum(w[i] * _kl_sum(sum(Vg[i, m] * S[m] for m in range(4)), S[i]) for i in range(4))
+    (0.02 * kl + 0.7 * ((Vg - 1 / 4) ** 2).sum()).backward()  # c_kl = sum: λ·Σ_x KL
+    step = torch.tensor([[kd.power5_step(g)] for g in Vg.grad], dtype=torch.float64)
+    expected = kd.project_rows_to_simplex(V - step * Vg.grad)
+    assert torch.allclose(algo.update_coefficients(V, S, w), expected, atol=1e-12)
+
+
+def test_artifact_csv_is_the_final_w_with_clients_sorted_by_label_set(tmp_path):
+    """The CSV holds W[n, m] of the server state (6 decimals), rows and columns in the order (label set, id), with
+    each client's architecture and label set; written into a directory created on demand (parents included). Twelve
+    clients, so that the heat-map's size rule (4 + 0.35·n, capped at 24) is exercised beyond a handful."""
+    algo = prepare(validate_config({**CFG, "federation": {**FED, "clients": 12}}))
+    n = len(algo.clients)
+    W = _rows(n, 11)
+    fed = algo.ctx.federation
+    order = sorted(algo.clients, key=lambda c: (ktpfl.label_set(fed.clients[c].prior), c))
+    assert order != sorted(algo.clients)  # the sort is visible on this seed
+    out = tmp_path / "a" / "b"
+    files = algo.artifacts({"W": W}, algo.ctx.client_data, out)
+    assert (out / files["coefficients_png"]).exists()
+    with open(out / files["coefficients_csv"], newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["student \\ teacher", "architecture", "labels", *[f"c{c}" for c in order]]
+    for row, c in zip(rows[1:], order, strict=True):
+        labels = " ".join(map(str, ktpfl.label_set(fed.clients[c].prior)))
+        assert row[:3] == [f"c{c}", algo.arch_of(c), labels]
+        i = algo.index[c]
+        assert [float(v) for v in row[3:]] == [round(float(W[i, algo.index[m]]), 6) for m in order]

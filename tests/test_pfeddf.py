@@ -93,8 +93,9 @@ def test_finetuning_defaults_to_the_local_epochs():
 
 def test_personal_model_is_the_received_global_finetuned_after_fedavgs_training_on_the_same_stream():
     """Exact order: (1) FedDF's local training from the received g (the reply), (2) reload g — not the trained
-    model — and run `finetune_epochs` epochs of SGD at train.lr, the batch order continuing the client's stream."""
-    train = {**PCFG["train"], "local_epochs": 1, "momentum": 0.5}
+    model — and run `finetune_epochs` epochs of SGD at train.lr (train.momentum and train.weight_decay included),
+    the batch order continuing the client's stream."""
+    train = {**PCFG["train"], "local_epochs": 1, "momentum": 0.5, "weight_decay": 0.01}
     algo = prepare(validate_config({**PCFG, "train": train, "algorithm": {**PFEDDF, "finetune_epochs": 2}}))
     server = algo.init_server()
     cid = 3
@@ -104,7 +105,7 @@ def test_personal_model_is_the_received_global_finetuned_after_fedavgs_training_
     g = torch.Generator().manual_seed(7)
     reply_ref = train_from(model, payload, data, t, g)
     load_params(model, payload)
-    local_sgd(model, data, epochs=2, batch_size=t.batch_size, lr=t.lr, momentum=0.5, weight_decay=t.weight_decay,
+    local_sgd(model, data, epochs=2, batch_size=t.batch_size, lr=t.lr, momentum=0.5, weight_decay=0.01,
               generator=g)  # fmt: skip
     personal_ref = get_params(model)
     reply, state = algo.client_update(payload, algo.init_client(cid), data, _cctx(cid))

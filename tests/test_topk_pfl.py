@@ -77,3 +77,12 @@ def test_topk_without_self_excludes_self_even_with_two_clients():
     T, W = algo.mixing(torch.eye(2, dtype=torch.float64), S, w)
     assert torch.equal(W, torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64))
     assert torch.allclose(T[0], S[1]) and torch.allclose(T[1], S[0])
+
+
+def test_topk_without_self_and_a_single_replying_client_keeps_its_own_prediction():
+    """With one replying client there is no other client to choose: the rule falls back to the client itself
+    (W = [[1]], target = its own prediction) instead of an empty selection."""
+    algo = prepare(validate_config({**CFG, "algorithm": {**TOPK, "k": 1, "include_self": False}}))
+    S = _clustered()[[1]]
+    T, W = algo.mixing(torch.eye(1, dtype=torch.float64), S, torch.ones(1, dtype=torch.float64))
+    assert torch.equal(W, torch.ones(1, 1, dtype=torch.float64)) and torch.allclose(T, S)
