@@ -22,8 +22,8 @@ from pflbed.config import Config
 from pflbed.data import load_source
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.guard import check_server
+from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.threads import choose_threads, provenance
 from pflbed.errors import DivergedError
 from pflbed.evaluation.evaluate import evaluate, evaluate_personalized, subsampled

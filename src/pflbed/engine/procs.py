@@ -134,7 +134,7 @@ class WorkerPool:
         return cid, _private(reply), _private(state)
 
     def close(self) -> None:
-        for q, p in zip(self.tasks, self.procs):
+        for q, p in zip(self.tasks, self.procs, strict=True):
             if p.is_alive():
                 _put(q, None)
         for p in self.procs:
