@@ -186,17 +186,24 @@ class EvalConfig(_Strict):
 
 
 class ExecutorConfig(_Strict):
-    name: Literal["loop"] = "loop"
+    name: Literal["loop", "procs"] = Field(
+        "loop", description="loop: clients one after another in this process; procs: a round's clients in parallel "
+        "worker processes (identical results at the same thread count per process)"
+    )
+    workers: int | None = Field(
+        None, description="procs: worker processes, 1 to 4 × cores; unset: one per core (engine.procs)"
+    )
     strict: bool = Field(False, description="round-trip every payload, reply and client state through bytes")
     threads: int | None = Field(
         None,
-        description="torch CPU threads, 1 to 4 × cores; unset (auto): 1 for small models (measured fastest, and "
-        "safe when several runs share the machine), all cores for large ones (engine.threads.choose_threads)",
+        description="torch CPU threads (per process), 1 to 4 × cores; unset (auto): 1 for small models (measured "
+        "fastest, and safe when several runs share the machine), all cores for large ones "
+        "(engine.threads.choose_threads); procs workers: 1",
     )
 
-    @field_validator("threads")
+    @field_validator("threads", "workers")
     @classmethod
-    def _threads(cls, v: int | None) -> int | None:
+    def _per_core(cls, v: int | None) -> int | None:
         if v is not None and not 1 <= v <= max_threads():
             raise ValueError(f"must be unset (auto) or 1 to {max_threads()} (4 × this machine's cores)")
         return v

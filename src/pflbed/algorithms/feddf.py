@@ -20,7 +20,8 @@ Round r (one engine round; only tensors cross the boundary):
   The server builds the client models from the uploaded parameters in model objects it owns (one per
   architecture); nothing is shared with the clients. ξ_r = `public_batch` indices of `federation.public` drawn from
   (seed, r) exactly as in `ktpfl` (`distill.public_batch`); the mini-batch order comes from a generator seeded by
-  (seed, FedDF's stream, r, architecture index), so results do not depend on execution order.
+  (seed, FedDF's stream, r, architecture index), and so are the dropout masks of the distillation (torch's global
+  RNG, forked around it) — so results do not depend on execution order or on which process trained the clients.
 
 Options (`algorithm.<key>`):
   - `architectures` (default KT-pFL's zoo [lenet5, alexnet_small, resnet18, shufflenetv2]): client c gets
@@ -262,10 +263,12 @@ class FedDF(Algorithm):
                 model = self.models[a]
                 load_params(model, params)
                 before.append(distill_kl(model, x, teacher, o.temperature))
-                gen = rng.generator(self.ctx.seed, STREAM, 1, rnd, self.archs.index(a))
-                ensemble_distill(model, x, teacher, steps=o.server_steps, batch_size=o.server_batch_size,
-                                 lr=o.server_lr, temperature=o.temperature, schedule=o.server_schedule,
-                                 generator=gen)  # fmt: skip
+                seed = rng.derive_seed(self.ctx.seed, STREAM, 1, rnd, self.archs.index(a))
+                with torch.random.fork_rng(devices=[]):  # dropout masks from this stream, not from whatever ran last
+                    torch.manual_seed(seed)
+                    ensemble_distill(model, x, teacher, steps=o.server_steps, batch_size=o.server_batch_size,
+                                     lr=o.server_lr, temperature=o.temperature, schedule=o.server_schedule,
+                                     generator=torch.Generator().manual_seed(seed))  # fmt: skip
                 after.append(distill_kl(model, x, teacher, o.temperature))
                 fused[a] = get_params(model)
             out["kl_start"] = torch.tensor(sum(before) / len(before))

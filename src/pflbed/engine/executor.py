@@ -1,7 +1,8 @@
 """Executors decide *where* `client_update` runs; the round loop is the same for all of them.
 
 `LoopExecutor` runs clients one after another in this process, reusing one model object per architecture, and
-keeps the client states. Its strict mode round-trips everything through bytes (see `wire`).
+keeps the client states; `procs.ProcsExecutor` runs them in worker processes and keeps the states the same way.
+Strict mode round-trips everything through bytes (see `wire`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from pflbed.engine import rng, wire
 from pflbed.engine.guard import check_client
 
 
+def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
+    """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs."""
+    ctx = algo.ctx
+    seed = rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid)
+    torch.manual_seed(seed)  # for any randomness an algorithm draws from torch's global RNG
+    cctx = ClientContext(rnd, cid, torch.Generator().manual_seed(seed))
+    return algo.client_update(payload, state, ctx.client_data(cid), cctx)
+
+
 class LoopExecutor:
     def __init__(self, algo: Algorithm, strict: bool = False) -> None:
         self.algo, self.strict = algo, strict
@@ -21,24 +31,27 @@ class LoopExecutor:
     def state(self, cid: int) -> Tensors:
         """A client's state, created by `init_client` the first time it is needed."""
         if cid not in self.states:
-            s = self.algo.init_client(cid)
-            self.states[cid] = wire.roundtrip(s) if self.strict else s
+            self.states[cid] = self.prepare(self.algo.init_client(cid))
         return self.states[cid]
 
-    def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
-        ctx = self.algo.ctx
+    def prepare(self, tensors: Tensors) -> Tensors:
+        """What a client receives: in strict mode a copy that went through bytes."""
+        return wire.roundtrip(tensors) if self.strict else tensors
+
+    def accept(self, rnd: int, done: dict[int, tuple[Tensors, Tensors]]) -> dict[int, Tensors]:
+        """Check the clients' (reply, new state) in client order, keep the states, return the replies."""
         replies: dict[int, Tensors] = {}
-        for cid in sorted(payloads):
-            payload, state = payloads[cid], self.state(cid)
-            if self.strict:
-                payload = wire.roundtrip(payload)
-            seed = rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid)
-            torch.manual_seed(seed)  # for any randomness an algorithm draws from torch's global RNG
-            cctx = ClientContext(rnd, cid, torch.Generator().manual_seed(seed))
-            reply, new_state = self.algo.client_update(payload, state, ctx.client_data(cid), cctx)
-            if self.strict:
-                reply, new_state = wire.roundtrip(reply), wire.roundtrip(new_state)
+        for cid in sorted(done):
+            reply, new_state = (self.prepare(t) for t in done[cid])
             check_client(rnd, cid, reply, new_state)
-            replies[cid] = reply
-            self.states[cid] = new_state
+            replies[cid], self.states[cid] = reply, new_state
         return replies
+
+    def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
+        done: dict[int, tuple[Tensors, Tensors]] = {}
+        for cid in sorted(payloads):
+            done[cid] = update_client(self.algo, rnd, cid, self.prepare(payloads[cid]), self.state(cid))
+        return self.accept(rnd, done)
+
+    def close(self) -> None:
+        """Nothing to release in-process."""

@@ -6,6 +6,7 @@ before the run directory is touched.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pflbed.data import load_source
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.guard import check_server
+from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.threads import choose_threads, provenance
 from pflbed.errors import DivergedError
 from pflbed.evaluation.evaluate import evaluate, evaluate_personalized, subsampled
@@ -59,23 +61,45 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     return algo_cls(ctx)
 
 
+def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[LoopExecutor, WorkerPool | None]:
+    """The configured executor, and the worker pool it started (None: none, or the caller's `pool` was used)."""
+    ex = algo.ctx.cfg.executor
+    if ex.name == "loop":
+        return LoopExecutor(algo, strict=ex.strict), None
+    own = None
+    if pool is None:
+        pool = own = WorkerPool(ex.workers or os.cpu_count() or 1, ex.threads or 1)
+    return ProcsExecutor(algo, pool, strict=ex.strict), own
+
+
 def run(
     cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
-    force: bool = False, threads: int | None = None,
+    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None,
 ) -> RunResult:  # fmt: skip
     """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
 
     With `resume`, continue from the run directory's last checkpoint (or from the start if it has none). An
     existing run in `out` is refused unless `force` (see `RunDir.check`). A non-finite loss or parameter stops
-    the run with `DivergedError`, keeping the metrics logged so far and the last checkpoint.
+    the run with `DivergedError`, keeping the metrics logged so far and the last checkpoint. `pool`: worker
+    processes to reuse for `executor.name: procs` (else the run starts and stops its own).
     """
     algo = prepare(cfg, threads)
     rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
+    executor, own_pool = make_executor(algo, pool)
+    try:
+        return _run(cfg, algo, executor, rundir, progress, resume)
+    finally:
+        if own_pool is not None:
+            own_pool.close()
+
+
+def _run(
+    cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool
+) -> RunResult:
     saved = load_checkpoint(rundir.path) if (rundir and resume) else None
     if rundir and not resume:
         rundir.start(cfg)
     fed = algo.ctx.federation
-    executor = LoopExecutor(algo, strict=cfg.executor.strict)
     if saved:
         server, executor.states, history = saved["server"], saved["clients"], saved["history"]
         timing = saved["timing"]

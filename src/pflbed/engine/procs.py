@@ -1,0 +1,180 @@
+"""The worker-process executor (DESIGN §5, `executor.name: procs`): a round's clients train in parallel processes.
+
+Why processes and not threads: a client's step on the small models PFL papers use is milliseconds of small matrix
+work that torch's intra-op threads parallelize badly (README, "Configuration"); separate processes with one thread
+each keep every core busy on a different client.
+
+How it stays identical to `loop`: a client's update depends only on (payload, state, data, its generator), and the
+generator and torch's global RNG are seeded from (seed, round, client id) exactly as in `LoopExecutor` — so which
+worker runs a client, and in which order, changes nothing. Workers run with the same per-process thread count as the
+loop executor's process, which makes the two bit-identical (the parity tests check it for every algorithm).
+
+What crosses the process boundary and how:
+- the algorithm object (config, data, federation, model template) once per run: `torch.multiprocessing` moves its
+  tensors to shared memory, so the dataset is shared by all workers rather than copied, and each worker builds its
+  models once;
+- per client, the payload and the client's state out, the reply and the new state back, as shared-memory tensors;
+  both sides copy them into private memory on receipt, so no worker can write into another's payload and the
+  executor keeps no shared-memory handle per client (10,000 client states would otherwise hold 10,000 of them).
+Client states live in this process, where evaluation and checkpoints need them.
+
+Clients are assigned to workers before the round, largest training set first to the least-loaded worker (a
+client's cost grows with its samples); the assignment only affects speed.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import traceback
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from pflbed.algorithms.base import Algorithm, Tensors
+from pflbed.engine.executor import LoopExecutor, update_client
+
+_POLL_S = 1.0  # how often a waiting executor checks that its workers are alive
+
+
+def _private(tensors: Tensors) -> Tensors:
+    """Copies in this process's own memory (received tensors live in shared memory)."""
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def _put(q: Any, obj: object) -> None:
+    """Pickle now, in this thread (tensors move to shared memory here), then queue the bytes.
+
+    `Queue.put` would pickle in a background thread per queue; two queues pickling the same tensors at once (the
+    algorithm sent to every worker, one payload to several) race on moving their storage to shared memory, and a
+    worker then reads garbage.
+    """
+    q.put(bytes(ForkingPickler.dumps(obj)))
+
+
+def _get(q: Any, **kw: Any) -> Any:
+    return pickle.loads(q.get(**kw))
+
+
+def _worker(threads: int, tasks: Any, results: Any) -> None:
+    """A worker's loop: receive an algorithm, then clients to update with it, until told to stop (None)."""
+    torch.set_num_threads(threads)
+    algo: Algorithm | None = None
+    while (msg := _get(tasks)) is not None:
+        kind, body = msg
+        if kind == "algorithm":
+            private, (source, federation) = body
+            algo = pickle.loads(private)
+            algo.ctx.source, algo.ctx.federation = source, federation
+            continue
+        rnd, cid, payload, state = body
+        try:
+            reply, new_state = update_client(algo, rnd, cid, _private(payload), _private(state))
+            _put(results, (cid, reply, new_state, None))
+        except BaseException as e:  # report it; the executor raises it in the main process
+            _put(results, (cid, None, None, (type(e).__name__, str(e), traceback.format_exc())))
+
+
+class WorkerError(RuntimeError):
+    """A client update failed in a worker process (the worker's traceback is in the message)."""
+
+
+class WorkerPool:
+    """`workers` processes with `threads` torch threads each; reusable for several runs (one algorithm at a time).
+
+    Started with the "spawn" method: forking a process that already ran torch's thread pools can deadlock, and CUDA
+    cannot be used in forked children at all.
+    """
+
+    def __init__(self, workers: int, threads: int = 1) -> None:
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(workers)]
+        self.procs = [ctx.Process(target=_worker, args=(threads, q, self.results), daemon=True) for q in self.tasks]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def size(self) -> int:
+        return len(self.procs)
+
+    def load(self, algo: Algorithm) -> None:
+        """Send `algo` to every worker: its data and federation shared, everything else (models!) a private copy.
+
+        Model templates are trained in place, so workers sharing one would write into each other's weights.
+        """
+        ctx = algo.ctx
+        shared = ctx.source, ctx.federation
+        ctx.source = ctx.federation = None  # type: ignore[assignment]
+        try:
+            private = pickle.dumps(algo)  # plain pickle: tensors are copied into the bytes
+        finally:
+            ctx.source, ctx.federation = shared
+        for q in self.tasks:
+            _put(q, ("algorithm", (private, shared)))
+
+    def submit(self, worker: int, rnd: int, cid: int, payload: Tensors, state: Tensors) -> None:
+        _put(self.tasks[worker], ("client", (rnd, cid, payload, state)))
+
+    def collect(self) -> tuple[int, Tensors, Tensors]:
+        """The next finished client's (cid, reply, state); raises if the update failed or a worker died."""
+        while True:
+            try:
+                cid, reply, state, error = _get(self.results, timeout=_POLL_S)
+                break
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise WorkerError(f"a worker process died (exit code {dead[0].exitcode})") from None
+        if error is not None:
+            name, message, trace = error
+            raise WorkerError(f"client {cid}: {name}: {message}\n--- worker traceback ---\n{trace}")
+        return cid, _private(reply), _private(state)
+
+    def close(self) -> None:
+        for q, p in zip(self.tasks, self.procs, strict=True):
+            if p.is_alive():
+                _put(q, None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def assign(sizes: dict[int, int], workers: int) -> dict[int, int]:
+    """cid → worker: largest client first to the least-loaded worker (ties: lower cid, lower worker)."""
+    load = [0] * workers
+    out: dict[int, int] = {}
+    for cid in sorted(sizes, key=lambda c: (-sizes[c], c)):
+        w = min(range(workers), key=lambda i: (load[i], i))
+        out[cid] = w
+        load[w] += max(sizes[cid], 1)
+    return out
+
+
+class ProcsExecutor(LoopExecutor):
+    """Runs a round's client updates in a `WorkerPool`; keeps the client states like `LoopExecutor`."""
+
+    def __init__(self, algo: Algorithm, pool: WorkerPool, strict: bool = False) -> None:
+        super().__init__(algo, strict)
+        self.pool = pool
+        pool.load(algo)
+
+    def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
+        fed = self.algo.ctx.federation
+        where = assign({cid: fed.num_train(cid) for cid in payloads}, self.pool.size)
+        for cid in sorted(payloads):
+            self.pool.submit(where[cid], rnd, cid, self.prepare(payloads[cid]), self.state(cid))
+        done: dict[int, tuple[Tensors, Tensors]] = {}
+        while len(done) < len(payloads):
+            cid, reply, state = self.pool.collect()
+            done[cid] = (reply, state)
+        return self.accept(rnd, done)

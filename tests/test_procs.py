@@ -1,0 +1,88 @@
+"""The worker-process executor gives the loop executor's results, bit for bit, for every algorithm."""
+
+import pytest
+import torch
+
+import pflbed
+from pflbed.algorithms import ALGORITHMS
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare, run
+from pflbed.engine.procs import ProcsExecutor, WorkerError, WorkerPool, assign
+from pflbed.errors import ConfigError
+
+from .tiny import TINY
+
+# Public data for the distillation family; few server steps keep FedDF's server distillation short.
+FED = {**TINY["federation"], "public": 64}
+OPTIONS = {"feddf": {"server_steps": 3}, "pfeddf": {"server_steps": 3}}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(2, threads=1) as p:
+        yield p
+
+
+def _cfg(name, executor):
+    algorithm = {"name": name, **OPTIONS.get(name, {})}
+    return validate_config({**TINY, "federation": FED, "algorithm": algorithm, "executor": executor})
+
+
+def _figures(summary):
+    return {k: v for k, v in summary.items() if k not in ("timing", "provenance")}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_procs_equals_loop_bit_for_bit(name, pool):
+    """Same summary, server state and client states as `loop` at one thread per process: a client's update depends
+    on (payload, state, data, seed of (round, client)) only, whichever worker runs it and in whichever order."""
+    torch.set_num_threads(1)
+    loop = run(_cfg(name, {"threads": 1}), write=False, progress=False)
+    procs = run(_cfg(name, {"name": "procs", "workers": 2, "threads": 1}), write=False, progress=False, pool=pool)
+    assert _figures(procs.summary) == _figures(loop.summary)
+    assert _same(procs.server, loop.server)
+    assert procs.executor.states.keys() == loop.executor.states.keys()
+    assert all(_same(procs.executor.states[c], loop.executor.states[c]) for c in loop.executor.states)
+
+
+def test_procs_in_strict_mode_and_with_its_own_pool():
+    """The run starts (and stops) its own workers when given none; strict mode still round-trips through bytes."""
+    torch.set_num_threads(1)
+    cfg = {**TINY, "algorithm": {"name": "fedper"}, "train": {**TINY["train"], "rounds": 2}}
+    loop = pflbed.run({**cfg, "executor": {"strict": True, "threads": 1}}, write=False, progress=False)
+    procs = pflbed.run({**cfg, "executor": {"name": "procs", "workers": 2, "strict": True, "threads": 1}},
+                       write=False, progress=False)  # fmt: skip
+    assert _figures(procs.summary) == _figures(loop.summary)
+
+
+class FailingFedAvg(FedAvg):
+    """FedAvg whose clients fail (importable by the workers, which unpickle it by its module path)."""
+
+    def client_update(self, payload, state, data, cctx):
+        raise ValueError(f"no data for client {data.cid}")
+
+
+def test_a_failing_client_update_is_reported_with_the_client(pool):
+    """An exception in a worker reaches the caller as WorkerError naming the client and the worker's traceback."""
+    algo = FailingFedAvg(prepare(_cfg("fedavg", {"name": "procs", "workers": 2, "threads": 1})).ctx)
+    cids = algo.ctx.federation.participated[:2]
+    with pytest.raises(WorkerError, match=r"client \d+: ValueError: no data for client \d+\n.*worker traceback"):
+        ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
+
+
+def test_assign_balances_by_training_size():
+    """Largest client first to the least-loaded worker: loads 10+1 vs 6+5, deterministic on ties."""
+    where = assign({0: 10, 1: 6, 2: 5, 3: 1}, 2)
+    assert where == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert assign({5: 3, 2: 3}, 2) == {2: 0, 5: 1}
+
+
+@pytest.mark.parametrize("value", [0, 10**6])
+def test_workers_out_of_range_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="executor.workers"):
+        pflbed.config.validate_config({"executor": {"workers": value}})
