@@ -3,7 +3,7 @@ import torch
 
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.partial import block_params
+from pflbed.algorithms.partial import block_params, personalize_blocks
 from pflbed.algorithms.training import get_params, load_params, local_sgd
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
@@ -93,3 +93,18 @@ def test_fedbabu_end_to_end_head_never_moves_and_fine_tuning_personalizes():
     f = res.summary["final"]
     assert f["gfl_acc"] is not None and f["ft"]["pfl_acc"] > f["pfl_acc"] + 0.3
     assert f["lp"]["pfl_acc"] > f["pfl_acc"] + 0.3
+
+
+def test_personalizing_every_block_is_plain_fine_tuning_whatever_the_budget_method():
+    """`personalize_blocks` (partial.py): when the blocks to train are all of them, it is plain fine-tuning of every
+    parameter ("ft") even under an "lp" budget — the block set, not the method name, decides what trains."""
+    algo = make()
+    m = algo.ctx.model
+    server = {k: v + 0.05 * torch.randn(v.shape, generator=gen(9)) for k, v in algo.init_server().items()}
+    data = algo.ctx.client_data(algo.ctx.federation.participated[0])
+    budget = Budget("lp", 2, 0.1, 8, momentum=0.5)
+    p = last(personalize_blocks(m, server, data, budget, gen(0), m.block_names())).params
+    load_params(m, server)
+    local_sgd(m, data, epochs=2, batch_size=8, lr=0.1, momentum=0.5, generator=gen(0))
+    ref = get_params(m)
+    assert all(torch.allclose(p[k], ref[k], atol=1e-5) for k in ref)

@@ -197,3 +197,19 @@ def test_new_clients_are_evaluated_with_the_personalized_models(algorithm):
            "eval": {**TINY["eval"], "new_clients": {"epochs": 1, "lrs": [0.05]}}, "algorithm": algorithm}
     nc = pflbed.run(cfg, write=False).summary["new_clients"]
     assert set(nc["methods"]) == {"ft", "lp"} and all(0 <= nc["methods"][m]["S"]["last"] <= 1 for m in ("ft", "lp"))
+
+
+def test_personal_models_declare_a_shared_body_only_when_k_p_is_the_head():
+    """Evaluation shares body features between predictors of one `feature_key` (Predictor's contract). With K_P = 1
+    every client's body is the server base: all personal models carry one key, tied to that server dict (another
+    server, another key). With K_P = 2 a personal block sits in the body: no key."""
+    for k, shared in ((1, True), (2, False)):
+        algo = make(personal_blocks=k)
+        server = algo.init_server()
+        keys = {algo.personal_model(server, algo.init_client(c)).feature_key for c in (0, 1)}
+        if not shared:
+            assert keys == {None}
+            continue
+        assert len(keys) == 1 and None not in keys
+        other = dict(server)
+        assert algo.personal_model(other, algo.init_client(0)).feature_key not in keys

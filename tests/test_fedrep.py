@@ -114,3 +114,13 @@ def test_fedrep_beats_fedavg_under_label_skew_in_strict_mode():
     fedavg = pflbed.run({**cfg, "algorithm": {"name": "fedavg"}}, write=False, progress=False).summary["final"]
     f = res.summary["final"]
     assert f["gfl_acc"] is None and f["pfl_acc"] > fedavg["pfl_acc"] + 0.25
+
+
+def test_personal_models_declare_the_server_body_as_shared_features():
+    """Every client's body is the server's φ: personal models of one server carry one `feature_key` (evaluation
+    computes body features once, Predictor's contract), and a different server dict gets a different key."""
+    algo = make()
+    server = algo.init_server()
+    keys = {algo.personal_model(server, algo.init_client(c)).feature_key for c in (0, 1)}
+    assert len(keys) == 1 and None not in keys
+    assert algo.personal_model(dict(server), algo.init_client(0)).feature_key not in keys

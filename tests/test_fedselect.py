@@ -1,6 +1,7 @@
 import json
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,18 +11,20 @@ import torch.nn.functional as F
 import pflbed
 from pflbed.algorithms import fedselect
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions, MaskedPhase, eligible_keys
+from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions, MaskedPhase, eligible_keys, local_alt
 from pflbed.algorithms.local import LocalOnly
 from pflbed.algorithms.masks import (
     fill,
     grow_mask,
+    iou,
     iou_matrix,
     masked_mean,
     pack_bits,
+    personal_fraction,
     take,
     unpack_bits,
 )
-from pflbed.algorithms.training import get_params, index_batches, load_params
+from pflbed.algorithms.training import get_params, index_batches, load_params, local_sgd
 from pflbed.config import validate_config
 from pflbed.engine import rng, wire
 from pflbed.engine.executor import LoopExecutor
@@ -555,3 +558,196 @@ def test_iou_keys_are_the_classifiers_eligible_tensors():
     assert drive({"eligible": "all"}, 0)[0].iou_keys() == ["blocks.classifier.weight", "blocks.classifier.bias"]
     assert drive({"eligible": "weights"}, 0)[0].iou_keys() == ["blocks.classifier.weight"]
     assert drive({"eligible": "weights", "layers": "fc1"}, 0)[0].iou_keys() == ["blocks.fc1.1.weight"]
+
+
+# --- rules the mutation run found unguarded ----------------------------------------------------------------------
+def test_iou_matrix_edge_cases_hand_computed():
+    """Fig. 4's IoU as a float64 matrix: no client gives a 0×0 matrix; a pair whose union is ONE entry is a proper
+    IoU (0 or 1, not NaN and not halved); NaN only where both masks are empty."""
+    empty = iou_matrix([])
+    assert empty.shape == (0, 0) and empty.dtype == torch.float64
+    a, z = torch.tensor([0, 1, 0]).bool(), torch.zeros(3, dtype=torch.bool)
+    m = iou_matrix([a, z])
+    assert m.dtype == torch.float64
+    assert m[0, 0].item() == 1.0 and m[0, 1].item() == 0.0 and m[1, 0].item() == 0.0 and math.isnan(m[1, 1])
+
+
+def test_unpack_bits_rejects_a_packed_mask_that_does_not_fit():
+    """A packed mask must be uint8 AND exactly ⌈n/8⌉ bytes; either mismatch is a ValueError (never a silently
+    truncated or re-typed mask)."""
+    ok = pack_bits(torch.ones(10, dtype=torch.bool))  # 2 bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        unpack_bits(torch.cat([ok, ok]), (10,))  # right dtype, too many bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        unpack_bits(ok[:1], (10,))  # right dtype, too few bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        unpack_bits(ok.to(torch.int16), (10,))  # right size, wrong dtype
+
+
+def test_fill_keeps_the_values_dtype():
+    """`fill` places the flat values bit for bit: the result has the values' dtype, also when `outside` is flat."""
+    where = torch.tensor([True, False, True, False])
+    inside = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
+    outside = torch.tensor([0.1, 0.7], dtype=torch.float64)
+    out = fill(where, inside, outside)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, torch.tensor([1 / 3, 0.1, 2 / 3, 0.7], dtype=torch.float64))
+
+
+def test_grow_mask_single_entry_empty_step_limit_edge_and_random_draw():
+    """Alg. 3 edge cases. A one-entry tensor grows like any other (⌊1·1 + ½⌋ = 1 new entry). A step of ⌊p·n + ½⌋ = 0
+    entries returns the mask in its own shape and draws nothing from the generator. The α test is "fraction ≥ α"
+    with a 1e-9 float tolerance, inclusive: a fraction exactly at the tolerance edge counts as reached. "random" is a
+    fresh draw from the given generator — not the largest-|Δ| nor the smallest-|Δ| entries, and seed-dependent."""
+    one = torch.zeros(1, dtype=torch.bool)
+    assert grow_mask(one, torch.tensor([0.5]), rate=1.0, limit=1.0).tolist() == [True]
+    assert not grow_mask(one, torch.tensor([0.5]), rate=1.0, limit=1e-9).any()  # 0 ≥ 1e-9·1 − 1e-9: reached
+
+    none = torch.zeros(2, 5, dtype=torch.bool)
+    delta = torch.arange(10.0).reshape(2, 5)
+    g = gen(0)
+    same = grow_mask(none, delta, rate=0.04, limit=1.0, selection="random", generator=g)  # ⌊0.4 + ½⌋ = 0
+    assert same.shape == (2, 5) and not same.any()
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=gen(0)))  # nothing drawn
+
+    flat = torch.zeros(40, dtype=torch.bool)
+    d = torch.arange(40.0)
+    largest = grow_mask(flat, d, rate=0.25, limit=1.0)
+    smallest = grow_mask(flat, d, rate=0.25, limit=1.0, selection="smallest")
+    draws = [grow_mask(flat, d, rate=0.25, limit=1.0, selection="random", generator=gen(s)) for s in (1, 2)]
+    for r in draws:
+        assert int(r.sum()) == 10 and not torch.equal(r, largest) and not torch.equal(r, smallest)
+    assert not torch.equal(draws[0], draws[1])
+
+
+def test_local_alt_and_masked_phase_report_the_mean_batch_loss_and_leave_other_gradients_alone():
+    """`MaskedPhase.run_pass` returns the mean of its batches' losses and `local_alt` the mean over the passes that
+    ran. With lr = 0 nothing moves, so the reference is the cross-entropy of each shuffled batch at the fixed model
+    (same generator, same batches). A pass runs no backward into parameters it does not train: their `.grad` stays
+    None."""
+    algo, _ = drive({}, 0)
+    model, data = algo.ctx.model, algo.ctx.client_data(0)
+    n = data.num_train
+
+    def reference(batch_size, seed, passes=1):
+        g, means = gen(seed), []
+        with torch.no_grad():
+            for _ in range(passes):
+                losses = [F.cross_entropy(model(data.x[b]), data.y[b]) for b in index_batches(data.train, batch_size,
+                                                                                             1, g)]  # fmt: skip
+                means.append(float(torch.stack(losses).sum()) / len(losses))
+        return sum(means) / len(means), len(losses)
+
+    model.zero_grad(set_to_none=True)
+    head_bias = "blocks.classifier.bias"
+    phase = MaskedPhase(model, {head_bias: None}, lr=0.0, momentum=0.0, weight_decay=0.0)
+    for batch_size in (7, n):  # several batches (uneven last one), then one
+        ref, steps = reference(batch_size, 3)
+        assert steps == (1 if batch_size == n else math.ceil(n / 7))
+        assert phase.run_pass(data, batch_size, gen(3)) == pytest.approx(ref, rel=1e-6)
+    assert all(p.grad is None for k, p in model.named_parameters() if k != head_bias)
+    assert model.blocks.classifier.bias.grad is not None
+
+    train = algo.ctx.cfg.train.model_copy(update={"lr": 0.0, "batch_size": n})  # one batch per pass
+    one_side = local_alt(model, data, {}, epochs=1, train=train, generator=gen(4))  # global pass only
+    assert one_side == pytest.approx(reference(n, 4)[0], rel=1e-6)
+    personal = {head_bias: torch.tensor([True] + [False] * 9)}
+    both = local_alt(model, data, personal, epochs=1, train=train, generator=gen(5))  # personal, then global pass
+    assert both == pytest.approx(reference(n, 5, passes=2)[0], rel=1e-6)
+
+
+def test_diagnostics_fraction_over_blocks_with_several_tensors_rounded_to_six_digits():
+    """diag.personal_fraction with every parameter eligible: a block's count sums ALL its tensors (weight + bias),
+    and the reported numbers are the fractions rounded to 6 decimals (per client, then the mean over clients)."""
+    algo, _ = drive({"eligible": "all"}, 0)
+    wc, bc = "blocks.classifier.weight", "blocks.classifier.bias"
+    mw, mb = torch.zeros(10, 200, dtype=torch.bool), torch.zeros(10, dtype=torch.bool)
+    mw[0, :5], mb[:2] = True, True  # 5 + 2 personal entries
+    cids = algo.ctx.federation.participated
+    states = {cids[0]: {f"mask/{wc}": pack_bits(mw), f"mask/{bc}": pack_bits(mb)}}
+    diag = algo.diagnostics(1, algo.init_server(), lambda c: states.get(c, {}))
+    total = sum(v.numel() for v in algo.ctx.initial_params.values())
+    one = {"fc1": 0.0, "fc2": 0.0, "classifier": 7 / 2010, "all": 7 / total, "eligible": 7 / total}
+    assert diag["personal_fraction_clients"][str(cids[0])] == {b: round(v, 6) for b, v in one.items()}
+    assert diag["personal_fraction"] == {b: round(v / len(cids), 6) for b, v in one.items()}
+
+
+def test_diagnostics_on_a_one_entry_model_with_one_client():
+    """The fractions divide by the true sizes even when a block, the model, the eligible set and the participated
+    clients are each of size ONE (the max(·, 1) guards only stop a division by zero): a one-entry model whose only
+    entry is personal for its only client reports 1.0 everywhere."""
+    algo = FedSelect.__new__(FedSelect)  # only the fields `diagnostics` reads: one block "a", one 1-entry tensor
+    algo.ctx = SimpleNamespace(federation=SimpleNamespace(participated=[7]))
+    algo.param_keys, algo.eligible = ["a.w"], ["a.w"]
+    algo.shapes, algo.block_of = {"a.w": torch.Size([1])}, {"a.w": "a"}
+    state = {"mask/a.w": pack_bits(torch.ones(1, dtype=torch.bool))}
+    diag = algo.diagnostics(1, {}, lambda c: state)
+    assert diag == {"personal_fraction": {"a": 1.0, "all": 1.0, "eligible": 1.0},
+                    "personal_fraction_clients": {"7": {"a": 1.0, "all": 1.0, "eligible": 1.0}}}  # fmt: skip
+
+
+def test_new_client_ft_is_plain_sgd_from_the_global_values_with_the_given_generator():
+    """A new client's `ft` personalization: SGD on every parameter from the server's global values, batches drawn
+    from the generator it is given (reproducible), checked against plain SGD with the same batches."""
+    algo, _ = drive({}, 0)
+    model, init = algo.ctx.model, algo.ctx.initial_params
+    server = {k: v + 0.05 * torch.randn(v.shape, generator=gen(9)) for k, v in init.items()}
+    server["mask/0/blocks.classifier.bias"] = pack_bits(torch.ones(10, dtype=torch.bool))  # not a parameter
+    data = algo.ctx.client_data(algo.ctx.federation.participated[0])
+    got = last(algo.personalize(server, data, Budget("ft", 2, 0.1, 8, momentum=0.5), gen(0))).params
+    load_params(model, algo._globals(server))
+    local_sgd(model, data, epochs=2, batch_size=8, lr=0.1, momentum=0.5, generator=gen(0))
+    ref = get_params(model)
+    assert set(got) == set(algo.keys) and all(torch.allclose(got[k], ref[k], atol=1e-6) for k in ref)
+
+
+def test_mask_iou_csv_is_the_hand_computed_iou_of_the_final_classifier_masks(tmp_path):
+    """Fig. 4's CSV, written by `artifacts` into a folder that does not exist yet (nor does its parent) and again
+    into the same folder (a rerun overwrites): rows and columns are the participated clients sorted by (majority
+    class, id); the majority column is the argmax of the client's class prior; cell (i, j) is the IoU of the two
+    clients' CURRENT classifier masks (weight and bias together), written with 6 decimals. Nested masks (client of
+    rank r holds the first 10·r classifier-weight entries) give IoU = min(r_i, r_j) / max(r_i, r_j); a client with
+    no mask gives 0 against a masked one and an empty cell value (nan) against itself."""
+    algo, _ = drive({"eligible": "all"}, 0)
+    fed = algo.ctx.federation
+    wc, bc = "blocks.classifier.weight", "blocks.classifier.bias"
+    rank = {c: r for r, c in enumerate(sorted(fed.participated))}  # 0 = no mask at all
+    states = {}
+    for c, r in rank.items():
+        m = torch.zeros(10 * 200, dtype=torch.bool)
+        m[: 10 * r] = True
+        no_bias = pack_bits(torch.zeros(10, dtype=torch.bool))
+        states[c] = {f"mask/{wc}": pack_bits(m), f"mask/{bc}": no_bias} if r else {}
+        states[c][f"held/{wc}"] = pack_bits(torch.ones(2000, dtype=torch.bool))  # last training's mask: not plotted
+    out_dir = tmp_path / "run" / "plots"
+    for _ in range(2):
+        files = algo.artifacts(algo.init_server(), lambda c: states[c], out_dir)
+    assert files == {"mask_iou_png": "fedselect_mask_iou.png", "mask_iou_csv": "fedselect_mask_iou.csv"}
+    assert (out_dir / "fedselect_mask_iou.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [line.split(",") for line in (out_dir / "fedselect_mask_iou.csv").read_text().splitlines()]
+    majority = {c: int(fed.clients[c].prior.argmax()) for c in fed.participated}
+    order = sorted(fed.participated, key=lambda c: (majority[c], c))
+    assert rows[0] == ["client", "majority_class", *[f"c{c}" for c in order]]
+    assert [int(r[0]) for r in rows[1:]] == order and [int(r[1]) for r in rows[1:]] == [majority[c] for c in order]
+    for row, ci in zip(rows[1:], order, strict=True):
+        for cell, cj in zip(row[2:], order, strict=True):
+            a, b = rank[ci], rank[cj]
+            expect = float("nan") if max(a, b) == 0 else min(a, b) / max(a, b)
+            assert cell == f"{expect:.6f}", (ci, cj)
+
+
+def test_pairwise_iou_and_personal_fraction_hand_computed():
+    """masks.iou (|a ∧ b| / |a ∨ b|, NaN when both masks are empty) agrees with iou_matrix entry by entry, including
+    a union of ONE entry; masks.personal_fraction is the share of personal entries (a one-entry mask: 0 or 1)."""
+    a, b = torch.tensor([1, 1, 0, 0]).bool(), torch.tensor([0, 1, 1, 0]).bool()
+    single, z = torch.tensor([0, 0, 0, 1]).bool(), torch.zeros(4, dtype=torch.bool)
+    assert iou(a, b) == pytest.approx(1 / 3) and iou(a, a) == 1.0 and iou(a, z) == 0.0
+    assert iou(single, z) == 0.0 and iou(single, single) == 1.0 and math.isnan(iou(z, z))
+    ms = [a, b, single, z]
+    mat = iou_matrix(ms)
+    for i, x in enumerate(ms):
+        for j, y in enumerate(ms):
+            assert (math.isnan(iou(x, y)) and math.isnan(mat[i, j])) or iou(x, y) == pytest.approx(mat[i, j].item())
+    assert personal_fraction(torch.tensor([[1, 0, 0], [0, 0, 0]]).bool()) == pytest.approx(1 / 6)
+    assert personal_fraction(torch.ones(1, dtype=torch.bool)) == 1.0
+    assert personal_fraction(torch.zeros(0, dtype=torch.bool)) == 0.0

@@ -85,7 +85,8 @@ def test_new_client_personalization_trains_the_documented_blocks(method, lp, tra
 
 
 def test_invalid_global_blocks():
-    with pytest.raises(ConfigError, match="global_blocks"):
+    """The error names the option as the user writes it (algorithm.global_blocks)."""
+    with pytest.raises(ConfigError, match=r"^algorithm\.global_blocks: the model has 3 blocks; choose 1 to 2"):
         make(global_blocks=3)
 
 
