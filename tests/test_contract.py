@@ -116,3 +116,79 @@ def test_diagnostics_are_logged_and_artifacts_written(tmp_path):
     assert lines[-1]["diag"]["total"] == float(res.server["total"])
     assert res.summary["artifacts"] == {"total": "plots/total.txt"}
     assert (tmp_path / "run" / "plots" / "total.txt").read_text() == str(float(res.server["total"]))
+
+
+# --- the registry's discovery (`pflbed.algorithms._discover`) ------------------------------------------------------
+HELPER_MODULES = {"base", "training", "partial", "basis", "distill", "masks"}  # shared pieces, no algorithm
+
+
+def _rediscover(monkeypatch, shared=None, extra_dir=None):
+    """Run the registry's discovery again into an empty registry (restored afterwards) and return what it found."""
+    import sys
+
+    import pflbed.algorithms as registry
+
+    monkeypatch.setattr(registry, "ALGORITHMS", {})
+    if shared is not None:
+        monkeypatch.setattr(registry, "_SHARED", shared)
+    if extra_dir is not None:
+        monkeypatch.setattr(registry, "__path__", [*registry.__path__, str(extra_dir)])
+        for p in extra_dir.glob("*.py"):
+            monkeypatch.delitem(sys.modules, f"pflbed.algorithms.{p.stem}", raising=False)
+    try:
+        registry._discover()
+    finally:
+        if extra_dir is not None:  # the temporary modules must not outlive the test
+            for p in extra_dir.glob("*.py"):
+                sys.modules.pop(f"pflbed.algorithms.{p.stem}", None)
+    return registry.ALGORITHMS
+
+
+def test_registry_discovers_exactly_the_algorithm_modules(monkeypatch):
+    """Adding an algorithm is adding one file: every module of the package except the shared helpers registers its
+    one `Algorithm` subclass, under its `name` (= the module's name), as the class defined in that module — not a
+    class it imports (fedrod_hyper imports FedRoD) and not the helper modules."""
+    from pathlib import Path
+
+    import pflbed.algorithms as registry
+
+    found = _rediscover(monkeypatch)
+    files = {p.stem for p in Path(registry.__file__).parent.glob("*.py")} - {"__init__"}
+    assert set(found) == files - HELPER_MODULES and len(found) == 17
+    for name, cls in found.items():
+        assert issubclass(cls, Algorithm) and cls.name == name and cls.__module__ == f"pflbed.algorithms.{name}"
+    assert found["fedrod_hyper"] is not found["fedrod"]
+
+
+def test_registry_skips_shared_and_private_modules(monkeypatch, tmp_path):
+    """Modules named in `_SHARED` and modules starting with `_` are never imported as algorithms; a subclass that
+    does not set its own `name` is not registered (it would shadow its parent's entry)."""
+    (tmp_path / "_private_algo.py").write_text(
+        "from pflbed.algorithms.fedavg import FedAvg\n\nclass Hidden(FedAvg):\n    name = 'toy-private'\n"
+    )
+    (tmp_path / "zz_toy_algo.py").write_text(
+        "from pflbed.algorithms.fedavg import FedAvg\n\n"
+        "class Visible(FedAvg):\n    name = 'toy-visible'\n\nclass Unnamed(FedAvg):\n    pass\n"
+    )
+    found = _rediscover(monkeypatch, extra_dir=tmp_path)
+    assert "toy-visible" in found and found["toy-visible"].__module__ == "pflbed.algorithms.zz_toy_algo"
+    assert "toy-private" not in found
+    assert found["fedavg"].__module__ == "pflbed.algorithms.fedavg"  # not the unnamed subclass
+    import pflbed.algorithms as registry
+
+    found = _rediscover(monkeypatch, shared={*registry._SHARED, "fedavg"})
+    assert "fedavg" not in found and "fedbn" in found
+
+
+def test_unknown_algorithm_is_a_config_error_listing_the_known_names():
+    """get_algorithm: a registered name gives its class; an unknown one is a ConfigError naming the config key and
+    every known algorithm, sorted, so the user sees the valid choices."""
+    import pflbed.algorithms as registry
+    from pflbed.errors import ConfigError
+
+    assert registry.get_algorithm("fedavg") is ALGORITHMS["fedavg"]
+    with pytest.raises(ConfigError) as err:
+        registry.get_algorithm("nope")
+    known = sorted(ALGORITHMS)
+    assert "fedavg" in known and "toy-counting" in known  # toy algorithms registered by the fixture count too
+    assert str(err.value) == f"algorithm.name: unknown algorithm 'nope'; known: {', '.join(known)}"

@@ -155,3 +155,32 @@ def test_intermediate_evaluations_may_use_a_balanced_test_subsample():
         ctx.federation.global_test.tolist()
     )
     assert torch.equal(subsampled(ctx, 5).federation.global_test, view.global_test)  # fixed subset
+
+
+@pytest.mark.parametrize("method", ["ft", "lp"])
+def test_default_personalization_draws_batches_from_the_given_generator_only(method):
+    """`Algorithm.personalize` (FedAvg+FT / +LP): fine-tuning depends on the generator the protocol derives for the
+    client, never on torch's global RNG — same generator, same model whatever the global state; another differs."""
+    from pflbed.algorithms.base import Budget
+    from pflbed.evaluation.evaluate import last
+
+    algo = prepare(validate_config({**TINY, "algorithm": {"name": "fedavg"}}))
+    server, data = algo.init_server(), algo.ctx.client_data(algo.ctx.federation.participated[0])
+
+    def adapt(seed, global_seed):
+        torch.manual_seed(global_seed)
+        gen = torch.Generator().manual_seed(seed)
+        return last(algo.personalize(server, data, Budget(method, 1, 0.1, 8), gen)).params
+
+    a, b, c = adapt(1, 0), adapt(1, 99), adapt(2, 0)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_zero_shot_model_of_a_new_client_is_the_global_model():
+    """`Algorithm.zero_shot` default: a new client without adaptation gets the generic model of the server state."""
+    algo = prepare(validate_config({**TINY, "algorithm": {"name": "fedavg"}}))
+    torch.manual_seed(0)
+    server = {k: v + 0.1 * torch.randn_like(v) for k, v in algo.init_server().items()}
+    zs = algo.zero_shot(server, algo.ctx.client_data(0))
+    assert zs.model is algo.ctx.model and zs.params is server

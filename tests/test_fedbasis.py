@@ -1,3 +1,4 @@
+import csv
 import json
 import math
 import statistics
@@ -16,14 +17,18 @@ from pflbed.algorithms.basis import (
     combine,
     entropy,
     kmeans,
+    kmeans_pp_init,
+    max_entropy,
     mean_pairwise_cosine,
+    mixing_weights,
     sharpen,
     stack_bases,
     stat_update_shares,
 )
-from pflbed.algorithms.fedbasis import FedBasis
-from pflbed.algorithms.training import get_params, weighted_mean
+from pflbed.algorithms.fedbasis import STREAM, FedBasis
+from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.config import validate_config
+from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -679,6 +684,8 @@ def test_diagnostics_are_basis_cosine_and_entropies_of_alpha_star_and_alpha_dagg
     assert d["alpha_entropy"] == pytest.approx((h(a_star[0]) + h(a_star[4])) / 2, abs=1e-5)
     assert d["alpha_sharp_entropy"] == pytest.approx((h(a_dag[0]) + h(a_dag[4])) / 2, abs=1e-5)
     assert d["alpha_entropy_max"] == pytest.approx(math.log(3), abs=1e-6)
+    reported = [d[k] for k in ("basis_cos", "alpha_entropy", "alpha_sharp_entropy", "alpha_entropy_max")]
+    assert all(v == round(v, 6) for v in [*reported, *d["basis_cos_blocks"].values()])  # reported to 6 decimals
     order, labels, table = algo.mixing_table(lambda c: states.get(c, {}))
     assert order == [0, 4] and labels == ["major", "b0", "b1", "b2"]
     assert torch.allclose(table[1], torch.cat([torch.full((2, 1), 0.5), 0.5 * a_dag[4]], 1))
@@ -746,3 +753,377 @@ def test_new_clients_artifacts_and_diagnostics_are_written(tmp_path):
         assert all(sum(vals[i : i + 3]) == pytest.approx(1.0, abs=1e-5) for i in range(0, len(vals), 3))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["diag"]["basis_cos"] is not None and lines[-1]["diag"]["alpha_entropy"] is not None
+
+
+# --- pure functions: contracts of basis.py ------------------------------------------------------------------------
+def test_stack_bases_keys_and_mixing_weights_without_major():
+    """`stack_bases`: one (K, …) tensor per key — of the given keys only, in their order, else of the first basis's
+    keys — holding copies; `mixing_weights`: ½ for v' and ½·α with the major basis, (0, α) without it."""
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
+    b = {"w": torch.tensor([5.0, 6.0]), "n": torch.tensor(4)}
+    both = stack_bases([a, b])
+    assert list(both) == ["w", "n"] and torch.equal(both["w"], torch.tensor([[1.0, 2.0], [5.0, 6.0]]))
+    assert torch.equal(both["n"], torch.tensor([3, 4]))
+    only = stack_bases([a, b], ["n"])
+    assert list(only) == ["n"] and torch.equal(only["n"], torch.tensor([3, 4]))
+    single = stack_bases([a])  # K = 1
+    assert torch.equal(single["w"], torch.tensor([[1.0, 2.0]]))
+    single["w"].add_(1)
+    assert torch.equal(a["w"], torch.tensor([1.0, 2.0]))  # a copy, not a view of the input
+    alpha = torch.tensor([[0.25, 0.75]])
+    w_major, w = mixing_weights(alpha, False)
+    assert w_major == 0.0 and torch.equal(w, alpha)
+    w_major, w = mixing_weights(alpha, True)
+    assert w_major == 0.5 and torch.equal(w, torch.tensor([[0.125, 0.375]]))
+
+
+def test_combine_without_major_takes_counters_from_basis_0_and_accepts_float64_alpha():
+    """Integer batch counters are not mixed: without v' they come from basis 0 (`combine`'s doc). α in float64 on
+    float32 bases gives the float32 combination Σ_k α[k]·v_k."""
+    stacked = {"w": torch.tensor([[1.0, 2.0], [3.0, 5.0]]), "n": torch.tensor([7, 9])}
+    alpha = torch.tensor([[0.25, 0.75]], dtype=torch.float64)
+    out = combine(stacked, alpha, {"w": 0, "n": 0})
+    assert torch.equal(out["n"], torch.tensor(7))
+    assert out["w"].dtype == torch.float32 and torch.equal(out["w"], torch.tensor([2.5, 4.25]))
+
+
+def test_sharpen_rejects_tau_zero_and_works_along_the_last_dimension_of_a_vector():
+    """SHARPEN needs τ > 0 (τ = 0 would be 0/0); it normalizes along the last dimension, also of a 1-D α."""
+    a = torch.tensor([0.2, 0.8])
+    with pytest.raises(ValueError):
+        sharpen(a, 0.0)
+    # α^{1/τ} / Σ α^{1/τ} with τ = ½: (0.04, 0.64) / 0.68
+    assert torch.allclose(sharpen(a, 0.5), torch.tensor([0.04, 0.64]) / 0.68, atol=1e-6)
+
+
+def test_entropy_bound_update_shares_and_cosine_edge_cases():
+    """log K for K ≥ 1 and 0 for no entries; an all-zero coefficient vector moves no basis (no 0/0); the cosine
+    is scale-free, also for vectors shorter than 1."""
+    assert max_entropy(4) == pytest.approx(math.log(4)) and max_entropy(1) == 0.0 and max_entropy(0) == 0.0
+    assert torch.equal(stat_update_shares(torch.zeros(3)), torch.zeros(3))
+    assert torch.allclose(stat_update_shares(torch.tensor([0.5, 0.25, 0.25])), torch.tensor([4 / 3, 2 / 3, 2 / 3]))
+    v = torch.tensor([[3.0, 4.0], [4.0, 3.0], [0.0, 5.0]])  # cosines 24/25, 4/5, 3/5
+    expected = (24 / 25 + 4 / 5 + 3 / 5) / 3
+    assert mean_pairwise_cosine(v) == pytest.approx(expected)
+    assert mean_pairwise_cosine(v * 0.01) == pytest.approx(expected)
+
+
+def ref_kmeans_pp(points: list[float], k: int, g: torch.Generator) -> list[int]:
+    """k-means++ on 1-D points written out: the first centre uniform (`randint` on the generator), then each next
+    centre drawn (`multinomial` on the same generator) with weight D² = squared distance to the nearest chosen
+    centre; once every unchosen point has D² = 0, uniformly among the unchosen."""
+    n = len(points)
+    chosen = [int(torch.randint(n, (1,), generator=g))]
+    while len(chosen) < k:
+        d2 = [0.0 if i in chosen else min((p - points[c]) ** 2 for c in chosen) for i, p in enumerate(points)]
+        if sum(d2) == 0:
+            d2 = [0.0 if i in chosen else 1.0 for i in range(n)]
+        chosen.append(int(torch.multinomial(torch.tensor(d2, dtype=torch.float64), 1, generator=g)))
+    return chosen
+
+
+def test_kmeans_pp_init_is_d2_sampling_from_the_generator():
+    """Arthur & Vassilvitskii's D² seeding, every draw from the given generator (the global RNG is not read): equal
+    to the written-out reference on 1-D points (exact in float; a scale of 1/16 puts Σ D² below 1); duplicates
+    are drawn only once nothing else is left, so k = n gives n distinct indices; k = 1 is allowed."""
+    torch.manual_seed(123)  # the global RNG, which must not matter
+    for scale in (1.0, 1 / 16):
+        pts = [0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0]
+        x = torch.tensor(pts)[:, None] * scale
+        for seed in range(8):
+            ref = ref_kmeans_pp([p * scale for p in pts], 4, gen(seed))
+            assert kmeans_pp_init(x, 4, gen(seed)).tolist() == ref, (scale, seed)
+    same = torch.zeros(5, 2)
+    for seed in range(4):
+        assert sorted(kmeans_pp_init(same, 5, gen(seed)).tolist()) == list(range(5))
+    assert kmeans_pp_init(same, 1, gen(0)).shape == (1,)
+
+
+def test_kmeans_runs_lloyd_steps_from_kmeans_pp_centres_and_refills_empty_clusters():
+    """One Lloyd step from the k-means++ centres of the same generator: nearest centre, then cluster means —
+    `iters = 1` stops there. An emptied cluster takes the point farthest from its centroid (ties: lowest index),
+    never the last member of another cluster."""
+    pts = torch.tensor([0.0, 1.0, 2.0, 4.0, 7.0, 11.0, 16.0, 22.0])[:, None]
+    moved = False
+    for seed in range(5):
+        centres = pts[kmeans_pp_init(pts, 3, gen(seed))]
+        first = (pts - centres.T).abs().argmin(1)  # nearest initial centre (1-D, no ties on these points)
+        means = torch.stack([pts[first == j].mean(0) for j in range(3)])
+        assign, cent = kmeans(pts, 3, 1, gen(seed))
+        assert torch.equal(assign, first) and torch.allclose(cent, means), seed
+        moved |= not torch.equal((pts - means.T).abs().argmin(1), first)  # a second step would change something
+    assert moved
+    k = kmeans(pts, 1, 5, gen(0))  # k = 1: one cluster, the mean
+    assert torch.equal(k[0], torch.zeros(8, dtype=torch.long)) and torch.allclose(k[1], pts.mean(0, keepdim=True))
+    # two locations, three centres: k-means++ must put two centres on one location, one of them ends up empty and
+    # takes the point at distance 0 with the lowest index: point 0 (not one of the far points 2, 3)
+    dup = torch.tensor([[0.0, 0.0], [0.0, 0.0], [10.0, 0.0], [10.0, 0.0]])
+    # a singleton and a pair: the empty cluster must take a member of the pair, not the singleton
+    single = torch.tensor([[0.0, 0.0], [5.0, 0.0], [5.0, 0.0]])
+    for seed, iters in ((0, 1), (1, 1), (2, 10), (3, 10)):
+        a, cent = kmeans(dup, 3, iters, gen(seed))
+        assert a[0] != a[1] and a[2] == a[3] and len(set(a.tolist())) == 3, (seed, a)
+        a, cent = kmeans(single, 3, iters, gen(seed))
+        assert len(set(a.tolist())) == 3 and torch.isfinite(cent).all(), (seed, a)
+
+
+# --- FedBasis: warm-up, statistics, random streams ----------------------------------------------------------------
+def test_a_one_round_warm_up_is_fedavg_and_needs_k_clients_in_that_round():
+    """⌈0.25·4⌉ = 1 warm-up round: the server starts as a plain FedAvg model (v' only), and the k-means at the end
+    of that round clusters that round's local models — K = 4 > the 3 clients it samples is a config error."""
+    algo = make({"K": 3, "warmup_fraction": 0.25})
+    assert algo.warmup_rounds == 1 and algo.pool_from == 1
+    assert set(algo.init_server()) == {f"major.{k}" for k in algo.keys}
+    with pytest.raises(ConfigError, match="algorithm.K"):
+        make({"K": 4, "warmup_fraction": 0.25})
+
+
+def test_warm_up_training_and_personalization_are_fedavg_s_with_the_given_generator():
+    """Before the switch a client trains the FedAvg way (`train_from`, its own generator) and personalization is
+    the plain fine-tuning of the FedAvg model (`finetune_epochs`); mini-batches of 8, so the order matters."""
+    algo = make({"K": 2}, train={**TINY["train"], "batch_size": 8})
+    server = algo.init_server()
+    payload = algo.configure(1, server, [0])[0]
+    data = algo.ctx.client_data(0)
+    torch.manual_seed(11)  # the global RNG, which must not be used
+    reply, state = algo.client_update(payload, {}, data, ClientContext(1, 0, gen(3)))
+    ref = train_from(algo.ctx.model, payload, data, algo.ctx.cfg.train, gen(3))
+    assert state == {} and set(reply) == set(ref) and all(torch.equal(reply[k], ref[k]) for k in ref)
+    budget = Budget("ft", 2, 0.05, 8)
+    torch.manual_seed(12)
+    snaps = [dict(p.params) for p in algo.personalize(server, data, budget, gen(4))]
+    refs = [dict(p.params) for p in finetune_epochs(algo.ctx.model, payload, data, budget, gen(4))]
+    assert len(snaps) == len(refs) == 2
+    for snap, r in zip(snaps, refs, strict=True):
+        assert all(torch.equal(snap[k], r[k]) for k in algo.keys)
+
+
+def combined_stats(algo: FedBasis, stacked, major, alpha: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The float statistics of θ: the bases' (and v') combined with α detached (`ref_theta` on buffer keys)."""
+    keys = [k for k in algo.buffer_keys if stacked[k].is_floating_point()]
+    return ref_theta(algo, stacked, major, alpha.detach(), keys)
+
+
+@pytest.mark.parametrize("major", [True, False])
+def test_a_one_sample_batch_normalizes_with_the_statistics_combined_with_the_current_alpha(major):
+    """A one-sample training batch is normalized with θ's running statistics (SafeBatchNorm), and those are the
+    bases' (½ v' + ½ Σ α_k v_k) combined with the *current* α = softmax(ψ) over the bases, detached — in the ψ step
+    (Eq. 9 step 2) and in new-client personalization (Alg. 2). Reference: the SGD steps written out."""
+    algo = sgd_algo({"major": major, "alpha_epochs": 2})
+    server = random_server(algo)
+    stacked, mj = algo.split(server)
+    full = algo.ctx.client_data(0)
+    data = replace(full, train=full.train[:1])
+
+    def loss(lv):
+        a = torch.softmax(lv["psi"], -1)
+        theta = ref_theta(algo, stacked, mj, a, algo.param_keys)
+        return ref_loss(algo, {**theta, **combined_stats(algo, stacked, mj, a)}, data)
+
+    psi = algo.alpha_step(stacked, mj, data, gen())
+    *_, ref = manual_sgd({"psi": torch.zeros(2, 2)}, loss, 2, {"psi": 0.7}, 0.5, {"psi": 0.0})
+    assert torch.allclose(psi, ref["psi"], atol=1e-5), (psi, ref["psi"])
+    # Alg. 2 ("lp": ψ only) at ψ lr = budget.lr · alpha_lr / train.lr = 0.35; the snapshot: θ and its statistics
+    *_, last = algo.personalize(server, data, Budget("lp", 2, 0.05, FULL_BATCH, momentum=0.5), gen())
+    *_, ref = manual_sgd({"psi": torch.zeros(2, 2)}, loss, 2, {"psi": 0.35}, 0.5, {"psi": 0.0})
+    a = torch.softmax(ref["psi"], -1)
+    expected = {**ref_theta(algo, stacked, mj, a, algo.param_keys), **combined_stats(algo, stacked, mj, a)}
+    assert not torch.allclose(a, torch.full((2, 2), 0.5), atol=1e-3)
+    for k, v in expected.items():
+        assert torch.allclose(last.params[k], v, atol=1e-5), k
+
+
+def test_joint_update_hands_each_batch_s_statistics_back_to_the_bases():
+    """Eq. 7 ablation with `bn_stats="track"`: after one full batch, the bases' statistics combined with the α of
+    that batch (uniform: ψ = 0) equal those of the combined model run as an ordinary module on the batch, and
+    every basis counts the batch; with `"frozen"` no statistic moves."""
+    opts = {"coordinate_descent": False, "alpha_epochs": 1, "basis_epochs": 0}
+    algo = sgd_algo(opts)
+    stacked, mj = algo.split(random_server(algo, seed=3))
+    data = algo.ctx.client_data(0)
+    *_, new, new_major = algo.local_round(stacked, mj, data, gen())
+    uniform = torch.full((2, 2), 0.5)
+    ref = bn_net()
+    ref.load_state_dict(combine(stacked, uniform, algo.group_of, mj))
+    ref.train()
+    ref(data.x[data.train])
+    after = combine(new, uniform, algo.group_of, new_major, algo.buffer_keys)
+    n = "blocks.fc1.2.num_batches_tracked"
+    for k, v in ref.state_dict().items():
+        if k in algo.buffer_keys and v.is_floating_point():
+            assert not torch.allclose(v, mj[k]) and torch.allclose(after[k], v, atol=1e-5), k
+    assert torch.equal(new[n], stacked[n] + 1) and torch.equal(new_major[n], mj[n] + 1)
+    frozen = sgd_algo({**opts, "bn_stats": "frozen"})
+    _, _, new, new_major = frozen.local_round(stacked, mj, data, gen())
+    assert all(torch.equal(new[k], stacked[k]) and torch.equal(new_major[k], mj[k]) for k in frozen.buffer_keys)
+
+
+def test_local_training_and_personalization_draw_only_from_the_given_generator():
+    """Every mini-batch order comes from the client's generator (`engine.rng`: draws keyed by what they are for):
+    the same generator gives the same result whatever the global RNG, another generator another result."""
+    algo = make({"K": 2, "coordinate_descent": False, "alpha_epochs": 1, "basis_epochs": 1})
+    server = random_server(algo)
+    stacked, mj = algo.split(server)
+    data = algo.ctx.client_data(0)  # more than one batch of 16
+
+    def joint(g_seed: int, global_seed: int):
+        torch.manual_seed(global_seed)
+        return algo.local_round(stacked, mj, data, gen(g_seed))
+
+    def personal(g_seed: int, global_seed: int):
+        torch.manual_seed(global_seed)
+        return list(algo.personalize(server, data, Budget("lp", 1, 0.1, 16), gen(g_seed)))[-1].params
+
+    a, b, c = joint(5, 1), joint(5, 2), joint(6, 1)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(a[2][k], b[2][k]) for k in algo.keys)
+    assert not torch.equal(a[0], c[0])
+    a, b, c = personal(5, 1), personal(5, 2), personal(6, 1)
+    w = "blocks.fc1.1.weight"
+    assert all(torch.equal(a[k], b[k]) for k in algo.keys) and not torch.equal(a[w], c[w])
+
+
+def two_bn_net() -> BlockNet:
+    """Two BatchNorm layers, the first with momentum 0: its running statistics never move (Δ = 0)."""
+    still = SafeBatchNorm1d(16, momentum=0.0)
+    return BlockNet(
+        [
+            ("fc1", nn.Sequential(nn.Flatten(), nn.Linear(64, 16, bias=False), still, nn.ReLU())),
+            ("fc2", nn.Sequential(nn.Linear(16, 16, bias=False), SafeBatchNorm1d(16), nn.ReLU())),
+            ("classifier", nn.Linear(16, 10)),
+        ]
+    )
+
+
+def test_statistics_of_every_layer_are_tracked_also_after_a_layer_whose_statistics_did_not_move():
+    """`bn_stats="track"` goes over every statistic: an unchanged one (Δ = 0) and a batch counter are skipped, not
+    the end of the bookkeeping — the second layer's statistics still follow the combined model's."""
+    algo = make({"K": 2, "basis_epochs": 1}, model=two_bn_net(), train={**TINY["train"], "batch_size": FULL_BATCH})
+    stacked, mj = algo.split(random_server(algo, seed=5))
+    data = algo.ctx.client_data(0)
+    alpha = torch.tensor([[0.3, 0.7], [0.6, 0.4], [0.5, 0.5]])
+    new, new_major = algo.basis_step(stacked, mj, alpha, data, gen())
+    ref = two_bn_net()
+    ref.load_state_dict(combine(stacked, alpha, algo.group_of, mj))
+    ref.train()
+    ref(data.x[data.train])
+    after = combine(new, alpha, algo.group_of, new_major, algo.buffer_keys)
+    for k, v in ref.state_dict().items():
+        if k in algo.buffer_keys and v.is_floating_point():
+            assert torch.allclose(after[k], v, atol=1e-5), k
+    assert not torch.allclose(after["blocks.fc2.1.running_mean"], combine(stacked, alpha, algo.group_of, mj)[
+        "blocks.fc2.1.running_mean"])  # fmt: skip
+    for n in ("blocks.fc1.2.num_batches_tracked", "blocks.fc2.1.num_batches_tracked"):
+        assert torch.equal(new[n], stacked[n] + 1) and torch.equal(new_major[n], mj[n] + 1), n
+
+
+def test_without_warm_start_basis_i_is_drawn_from_the_run_seed_s_stream_0_i():
+    """`warmup_fraction = 0`: basis i is the architecture initialized under the seed derived from (run seed,
+    FedBasis's STREAM, 0, i) — stream 0 is the random bases' (module constant), so another run seed gives others."""
+    algo = make({"K": 2, "warmup_fraction": 0.0})
+    server = algo.init_server()
+    for i in range(2):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.derive_seed(algo.ctx.seed, STREAM, 0, i))
+            ref = get_params(algo.ctx.new_model())
+        assert all(torch.equal(server[f"basis{i}.{k}"], ref[k]) for k in algo.keys), i
+    other = make({"K": 2, "warmup_fraction": 0.0}, seed=1).init_server()
+    assert not torch.equal(other["basis0.blocks.fc1.1.weight"], server["basis0.blocks.fc1.1.weight"])
+
+
+def test_switch_k_means_is_seeded_from_the_run_seed_s_stream_1_and_the_round():
+    """§4.4 warm start: the k-means++ seeding is drawn from the generator of (run seed, STREAM, 1, round). Six
+    local models on a regular hexagon split 3 + 3 in three equally good ways, so the seeding decides the bases."""
+    algo = make({"K": 2})
+    w = "blocks.fc1.1.weight"
+    pool = {}
+    for c in range(6):
+        state = {k: v.clone() for k, v in algo.ctx.initial_params.items()}
+        state[w][0, 0] += 10 * math.cos(math.pi * c / 3)
+        state[w][0, 1] += 10 * math.sin(math.pi * c / 3)
+        pool[c] = state
+    points = torch.stack([torch.cat([pool[c][k].reshape(-1) for k in algo.param_keys]) for c in range(6)])
+    splits = set()
+    for rnd in range(1, 7):
+        out = algo.switch(algo.ctx.initial_params, pool, rnd)
+        assign, _ = kmeans(points, 2, algo.opts.kmeans_iters, rng.generator(algo.ctx.seed, STREAM, 1, rnd))
+        clusters = sorted([c for c in range(6) if assign[c] == j] for j in range(2))
+        splits.add(tuple(clusters[0]))
+        for i, members in enumerate(clusters):
+            centroid = sum(pool[c][w] for c in members) / len(members)
+            assert torch.allclose(out[f"basis{i}.{w}"], centroid, atol=1e-5), (rnd, i)
+    assert len(splits) > 1  # the rounds' seedings do not all agree: the test can tell generators apart
+
+
+# --- diagnostics and the Fig. 4 artifacts -------------------------------------------------------------------------
+def test_diagnostics_with_a_single_basis_report_no_cosine():
+    """K = 1: no pair of bases, so `basis_cos` (and per block) is None, not an error; log 1 = 0."""
+    algo = make({"K": 1})
+    d = algo.diagnostics(3, random_server(algo), lambda c: {})
+    assert d["basis_cos"] is None and set(d["basis_cos_blocks"].values()) == {None}
+    assert d["alpha_entropy"] is None and d["alpha_entropy_max"] == 0.0 and d["alpha_clients"] == 0
+
+
+def with_domains(algo: FedBasis, domains: list[int]) -> FedBasis:
+    """The algorithm over a federation whose participated clients 0..n−1 have the given domains."""
+    fed = algo.ctx.federation
+    clients = [replace(fed.clients[c % len(fed.clients)], domain=d) for c, d in enumerate(domains)]
+    fed = replace(fed, clients=clients, participated=list(range(len(domains))), new=[])
+    return FedBasis(replace(algo.ctx, federation=fed))
+
+
+DOMAINS = [1, 0, 1, 0, 2, 0, 1, 2, 0, 0, 1, 2]  # by (domain, id): 1 3 5 8 9 | 0 2 6 10 | 4 7 11
+
+
+def client_alphas(n: int, k: int, groups: int) -> dict[int, dict[str, torch.Tensor]]:
+    g = gen(9)
+    return {c: {"alpha": torch.softmax(torch.randn(groups, k, generator=g), -1)} for c in range(n)}
+
+
+def test_mixing_table_orders_clients_by_domain_then_id_and_without_major_is_alpha():
+    """Fig. 4 table: clients by (domain, id); without the major basis the weights are α† itself (no v' column);
+    no client with an α: an empty (0, groups, bases) table."""
+    algo = with_domains(make({"K": 2, "major": False}), DOMAINS)
+    states = client_alphas(12, 2, 3)
+    order, labels, table = algo.mixing_table(lambda c: states.get(c, {}))
+    assert order == [1, 3, 5, 8, 9, 0, 2, 6, 10, 4, 7, 11] and labels == ["b0", "b1"]
+    assert torch.equal(table, torch.stack([states[c]["alpha"] for c in order]))
+    _, labels, empty = algo.mixing_table(lambda c: {})
+    assert empty.shape == (0, 3, 2)
+    _, labels, empty = with_domains(make({"K": 2}), DOMAINS).mixing_table(lambda c: {})
+    assert labels == ["major", "b0", "b1"] and empty.shape == (0, 3, 3)
+
+
+def test_alpha_artifacts_hold_the_mixing_weights_of_every_client_and_block(tmp_path, monkeypatch):
+    """Fig. 4 artifacts: `fedbasis_alpha.csv` — one row per client (by domain, id): client, domain, then per block
+    ½ (v') and ½·α†[k], 6 decimals — and the heat-map PNG with one panel per block showing exactly that block's
+    weights on a fixed 0–1 scale. Written into a directory created with its parents, again into an existing one."""
+    from matplotlib.figure import Figure
+
+    algo = with_domains(make({"K": 2}), DOMAINS)
+    states = client_alphas(12, 2, 3)
+    figures: list = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (figures.append(fig), savefig(fig, *a, **kw))[1])
+    out = tmp_path / "run" / "artifacts"
+    arts = algo.artifacts(random_server(algo), lambda c: states.get(c, {}), out)
+    assert arts == {"alpha_png": "fedbasis_alpha.png", "alpha_csv": "fedbasis_alpha.csv"}
+    assert (out / "fedbasis_alpha.png").stat().st_size > 0
+    with open(out / "fedbasis_alpha.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["client", "domain"] + [f"{g}/{b}" for g in ("fc1", "fc2", "classifier")
+                                              for b in ("major", "b0", "b1")]  # fmt: skip
+    order = [1, 3, 5, 8, 9, 0, 2, 6, 10, 4, 7, 11]
+    assert [int(r[0]) for r in rows[1:]] == order and [int(r[1]) for r in rows[1:]] == [DOMAINS[c] for c in order]
+    for r, c in zip(rows[1:], order, strict=True):
+        expected = [w for row in states[c]["alpha"].tolist() for w in (0.5, 0.5 * row[0], 0.5 * row[1])]
+        assert [float(v) for v in r[2:]] == pytest.approx(expected, abs=6e-7), c
+    (fig,) = figures
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(fig.axes) == 3 + 1 and len(panels) == 3  # one panel per block, plus the colour bar
+    for j, ax in enumerate(panels):
+        (im,) = ax.images
+        shown = torch.tensor(im.get_array().data)
+        assert torch.allclose(shown[:, 0], torch.full((12,), 0.5)), j
+        assert torch.allclose(shown[:, 1:], torch.stack([0.5 * states[c]["alpha"][j] for c in order])), j
+        assert im.get_clim() == (0, 1), j
+    assert algo.artifacts(random_server(algo), lambda c: states.get(c, {}), out) == arts  # the directory exists

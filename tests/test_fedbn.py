@@ -104,6 +104,8 @@ def test_without_batchnorm_fedbn_is_fedavg():
     algo = prepare(validate_config({**cfg, "algorithm": {"name": "fedbn"}}))
     zs = algo.zero_shot(bn.server, algo.ctx.client_data(0))  # without BN a new client has FedAvg's model
     assert zs is not None and all(torch.equal(zs.params[k], bn.server[k]) for k in bn.server)
+    x = algo.ctx.source.test.x[:50]  # ... and it classifies as FedAvg's global model does
+    assert torch.equal(zs.logits(x), avg.executor.algo.generic_model(avg.server).logits(x))
 
 
 @pytest.mark.parametrize("method", ["ft", "lp"])
@@ -190,3 +192,38 @@ def test_fedbn_learns_end_to_end_in_strict_mode():
         assert torch.equal(v, torch.ones_like(v) if k.endswith(("weight", "running_var")) else torch.zeros_like(v)), k
     sampled = len(sample_clients(0, 4, fed.participated, 0.5))
     assert comm["down_bytes_per_round"] == comm["up_bytes_per_round"] == n_shared * sampled  # BN excluded
+
+
+def test_client_update_is_the_configured_sgd_from_server_and_own_bn(monkeypatch):
+    """Client m: load the server's non-BN entries and its own BN entries, run the configured local SGD with the
+    round's client generator; reply = the non-BN entries, new state = the BN entries (Algorithm 1)."""
+    from pflbed.algorithms.training import train_from
+
+    monkeypatch.setitem(MODELS, "bn_mlp", _bn_mlp)
+    cfg = {**CNN_BN, "model": {"name": "bn_mlp"}, "train": {**TINY["train"], "momentum": 0.5, "local_epochs": 2}}
+    algo = prepare(validate_config(cfg))
+    torch.manual_seed(0)
+    server = {k: v + 0.05 * torch.randn_like(v) for k, v in algo.init_server().items()}
+    own_bn = {k: v + 0.3 * torch.rand_like(v) if v.is_floating_point() else v + 4  # some trained BN state
+              for k, v in algo.init_client(0).items()}  # fmt: skip
+    c = algo.ctx.federation.participated[0]
+    data = algo.ctx.client_data(c)
+    reply, state = algo.client_update(server, own_bn, data, ClientContext(1, c, torch.Generator().manual_seed(6)))
+    ref = train_from(algo.ctx.new_model(), {**server, **own_bn}, data, algo.ctx.cfg.train,
+                     torch.Generator().manual_seed(6))  # fmt: skip
+    assert set(reply) == set(server) and set(state) == set(own_bn)
+    for k, v in {**reply, **state}.items():
+        assert torch.equal(v, ref[k]), k
+
+
+def test_an_incomplete_model_state_is_an_error():
+    """A personal model needs every shared entry (from the server) and every BN entry (from the client): a missing
+    one is a KeyError naming it, never a model silently completed by whatever the model object last held."""
+    algo = prepare(validate_config(CNN_BN))
+    server, bn = algo.init_server(), algo.init_client(0)
+    shared_key, bn_key = next(iter(server)), algo.bn_keys[0]
+    with pytest.raises(KeyError, match=f"incomplete model state, missing.*{bn_key}"):
+        algo.personal_model(server, {k: v for k, v in bn.items() if k != bn_key})
+    with pytest.raises(KeyError, match=f"incomplete model state, missing.*{shared_key}"):
+        algo.personal_model({k: v for k, v in server.items() if k != shared_key}, bn)
+    assert set(algo.personal_model(server, bn).params) == set(algo.ctx.model.state_dict())

@@ -324,3 +324,44 @@ def test_personal_heads_help_under_label_skew():
     generic = algo.generic_model(res.server)
     g, _ = client_scores({c: generic for c in fed.participated}, algo.ctx, Predictions(algo.ctx.source, 1024))
     assert res.summary["final"]["pfl_acc"] > sum(g.values()) / len(g) + 0.05
+
+
+def test_feature_dim_is_the_size_of_one_samples_body_output():
+    """Deviation 5: h_P is Linear(d, C) on the flattened body output, d = the size of ONE sample's body output —
+    here a conv body whose output is (2, 6, 6) per 3×8×8 sample, so d = 72 (not a size of a batch-less input)."""
+    from pflbed.algorithms.fedrod import feature_dim
+
+    net = BlockNet([("body", nn.Conv2d(3, 2, 3)), ("head", nn.Sequential(nn.Flatten(), nn.Linear(72, 4)))])
+    net.train()
+    assert feature_dim(net, (3, 8, 8)) == 72 and net.training  # training mode restored
+
+
+def _assert_cached_predictions_are_each_models_own(preds, source):
+    """One `Predictions` cache shared by predictors on different server states must give every predictor its own
+    predictions: the feature key that shares body features must be tied to the body (the server state)."""
+    from pflbed.evaluation.evaluate import Predictions
+
+    P = Predictions(source, 1024)
+    idx = torch.arange(200)
+    for p in preds:
+        assert torch.equal(P(p, "test", idx), p.logits(source.test.x[idx]).argmax(1))
+
+
+def _two_servers(algo):
+    s1 = algo.init_server()
+    torch.manual_seed(3)
+    s2 = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in s1.items()}
+    return s1, s2
+
+
+def test_cached_body_features_are_keyed_by_the_server_state():
+    """`additive` (personal models) and `personalize` lp declare a shared body with feature_key = (tag, server): two
+    server states alive together (one evaluation cache) must not share features."""
+    algo = _algo()
+    s1, s2 = _two_servers(algo)
+    c = algo.ctx.federation.participated[0]
+    state = {k: torch.randn_like(v) for k, v in algo.init_client(c).items()}
+    personal = [algo.personal_model(s, state) for s in (s1, s2)]
+    data = algo.ctx.client_data(c)
+    lp = [last(algo.personalize(s, data, Budget("lp", 1, 0.1, 16), torch.Generator().manual_seed(0))) for s in (s1, s2)]
+    _assert_cached_predictions_are_each_models_own(personal + lp, algo.ctx.source)

@@ -230,3 +230,26 @@ def test_personalize_draws_batches_from_the_given_generator_only():
     a, b, c = adapt(1, 0), adapt(1, 99), adapt(2, 0)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_cached_body_features_are_keyed_by_the_server_state():
+    """Personal models and lp-personalized predictors declare a shared body keyed by the server state: two server
+    states evaluated with one cache must each keep their own body features (note 7, note 8)."""
+    from .test_fedrod import _assert_cached_predictions_are_each_models_own, _two_servers
+
+    algo = _algo()
+    s1, s2 = _two_servers(algo)
+    c = algo.ctx.federation.participated[0]
+    data = algo.ctx.client_data(c)
+    personal = [algo.personal_model(s, algo.init_client(c)) for s in (s1, s2)]
+    lp = [last(algo.personalize(s, data, Budget("lp", 1, 0.1, 16), torch.Generator().manual_seed(0))) for s in (s1, s2)]
+    _assert_cached_predictions_are_each_models_own(personal + lp, algo.ctx.source)
+
+
+def test_hypernetwork_takes_a_class_distribution_of_any_float_dtype():
+    """a_m may come as float64 (e.g. normalised label counts): H^P converts it to its own dtype, same head."""
+    hyper = _random_hyper(3, 5, 4, seed=2)
+    a = torch.tensor([0.6, 0.3, 0.1])
+    w32, b32 = hyper(a)
+    w64, b64 = hyper(a.double())
+    assert w64.dtype == torch.float32 and torch.equal(w64, w32) and torch.equal(b64, b32)

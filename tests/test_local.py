@@ -134,3 +134,18 @@ def test_heterogeneous_local_end_to_end_with_new_clients_trained_from_scratch():
 def test_unknown_architecture_is_a_config_error():
     with pytest.raises(ConfigError, match="architectures: unknown models"):
         pflbed.run({**HETERO_CFG, "algorithm": {"name": "local", "architectures": ["nope"]}}, write=False)
+
+
+def test_new_client_training_draws_batches_from_the_given_generator_only():
+    """A new client's from-scratch training depends on the generator the protocol derives for it, never on torch's
+    global RNG: the same generator gives the same model whatever the global state, another one a different one."""
+    algo = prepare(validate_config({**TINY, "algorithm": {"name": "local"}}))
+    data = algo.ctx.client_data(0)
+
+    def adapt(seed, global_seed):
+        torch.manual_seed(global_seed)
+        return last(algo.personalize({}, data, Budget("ft", 1, 0.1, 8), torch.Generator().manual_seed(seed))).params
+
+    a, b, c = adapt(1, 0), adapt(1, 99), adapt(2, 0)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)

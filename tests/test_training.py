@@ -181,3 +181,101 @@ def test_finetune_epochs_matches_hand_sgd(method):
     assert set(got) == set(start)
     for k, v in expected.items():
         assert torch.allclose(got[k], v, atol=1e-6), k
+
+
+def test_fresh_client_params_are_seeded_by_run_seed_and_client_only():
+    """fresh_client_params: the model's default init drawn from the (seed, INIT, 1 + cid) stream — a function of
+    (run seed, client id) alone (not of the global RNG or what the model held), never the stream of the run's
+    initial model (seed, INIT) (= key 0, hence the 1 +), different per client and per seed."""
+    from pflbed.algorithms.training import fresh_client_params
+    from pflbed.engine import rng
+
+    def net():
+        return BlockNet([("body", nn.Sequential(nn.Linear(4, 6), nn.ReLU())), ("head", nn.Linear(6, 3))])
+
+    def drawn_from(*keys):  # the stream's default init, written out: the same modules reset in order
+        torch.manual_seed(rng.derive_seed(*keys))
+        return get_params(net())
+
+    model = net()
+    torch.manual_seed(123)
+    global_state = torch.get_rng_state()
+    got = {c: fresh_client_params(model, 7, c) for c in (0, 1, 2)}
+    assert torch.equal(torch.get_rng_state(), global_state)  # the global stream is left where it was
+    for c in (0, 1, 2):
+        expected = drawn_from(7, rng.INIT, 1 + c)
+        assert set(got[c]) == set(expected) and all(torch.equal(got[c][k], expected[k]) for k in expected), c
+    initial = drawn_from(7, rng.INIT)  # the run's initial model on this architecture
+    w = "blocks.body.0.weight"
+    assert all(not torch.equal(got[c][w], initial[w]) for c in (0, 1, 2))
+    assert not torch.equal(fresh_client_params(model, 8, 0)[w], got[0][w])
+
+
+def test_epoch_mean_loss_of_a_single_batch_epoch_is_that_batch_loss():
+    """sgd_epochs yields Σ batch losses / number of batches — also when an epoch is one batch (divide by 1)."""
+    data = _data()  # 10 training samples, batch 16: one batch per epoch
+    torch.manual_seed(3)
+    model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    got = list(sgd_epochs(model, data, epochs=2, batch_size=16, lr=0.1, generator=torch.Generator().manual_seed(1)))
+    expected = _hand_sgd(ref, list(ref.parameters()), data, epochs=2, batch_size=16, lr=0.1, momentum=0.0,
+                         weight_decay=0.0, seed=1)  # fmt: skip
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_local_sgd_returns_the_mean_of_the_epoch_mean_losses(epochs):
+    """local_sgd: `sgd_epochs` to the end, returning the mean over epochs of the per-epoch mean losses."""
+    from pflbed.algorithms.training import local_sgd
+
+    data = _data()
+    torch.manual_seed(4)
+    model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    got = local_sgd(model, data, epochs=epochs, batch_size=4, lr=0.1, generator=torch.Generator().manual_seed(2))
+    means = _hand_sgd(ref, list(ref.parameters()), data, epochs=epochs, batch_size=4, lr=0.1, momentum=0.0,
+                      weight_decay=0.0, seed=2)  # fmt: skip
+    assert got == pytest.approx(sum(means) / epochs, rel=1e-6)
+
+
+def test_weighted_mean_of_one_reply_and_of_integer_tensors():
+    """A round with a single sampled client aggregates to that client's reply; integer tensors of any shape take
+    the element-wise maximum over the replies."""
+    one = {5: {"w": torch.tensor([1.5, -2.0]), "n": torch.tensor([3, 1])}}
+    out = weighted_mean(one, {5: 7.0})
+    assert torch.equal(out["w"], one[5]["w"]) and torch.equal(out["n"], one[5]["n"])
+    two = {0: {"n": torch.tensor([3, 9, 1])}, 1: {"n": torch.tensor([4, 2, 1])}}
+    assert torch.equal(weighted_mean(two, {0: 1.0, 1: 1.0})["n"], torch.tensor([4, 9, 1]))
+
+
+def test_get_params_copies_exactly_the_requested_keys():
+    """get_params(model, keys): detached copies of those state entries only (all of them without `keys`)."""
+    net = _bn_net()
+    keys = ["blocks.head.weight", "blocks.body.1.running_mean"]
+    got = get_params(net, keys)
+    assert list(got) == keys
+    assert all(torch.equal(got[k], net.state_dict()[k]) for k in keys)
+    assert got["blocks.head.weight"].data_ptr() != net.blocks.head.weight.data_ptr()
+    assert set(get_params(net)) == set(net.state_dict())
+
+
+def test_lp_cached_features_are_keyed_by_the_start():
+    """lp predictors declare a shared body keyed by their start state: predictors from two different starts,
+    evaluated with one prediction cache, each keep their own body features."""
+    from types import SimpleNamespace
+
+    from pflbed.evaluation.evaluate import Predictions
+
+    data = _data(n=20)
+    net = _bn_net()
+    gen = torch.Generator().manual_seed(5)  # two starts with clearly different bodies and non-degenerate heads
+    starts = [{k: 2 * torch.randn(v.shape, generator=gen) if k.endswith("weight") else v for k, v in
+               get_params(net).items()} for _ in range(2)]  # fmt: skip
+    preds = [list(finetune_epochs(net, s, data, Budget("lp", 1, 0.1, 4), torch.Generator().manual_seed(0)))[-1]
+             for s in starts]  # fmt: skip
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(9))
+    P = Predictions(SimpleNamespace(test=SimpleNamespace(x=x)), 1024)
+    idx = torch.arange(30)
+    assert not torch.equal(preds[0].logits(x).argmax(1), preds[1].logits(x).argmax(1))
+    for p in preds:
+        assert torch.equal(P(p, "test", idx), p.logits(x).argmax(1))
