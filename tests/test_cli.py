@@ -5,6 +5,7 @@ import json
 import struct
 
 import pytest
+import torch
 
 from pflbed.cli import main
 
@@ -69,6 +70,9 @@ BAD = {
     "bad override": (["--set", "train.lr"], "train.lr"),
     # out of the documented ranges
     "threads beyond 4 × cores": (["--set", "executor.threads=1000000"], "executor.threads"),
+    "unknown device": (["--set", "executor.device=gpu"], "executor.device: must be cpu, cuda, cuda:N"),
+    # cuda:<device count> exists on no machine; with no CUDA at all (cuda:0 here) the message says so
+    "GPU this machine lacks": (["--set", f"executor.device=cuda:{torch.cuda.device_count()}"], "executor.device: "),
     "batch size beyond int32": (["--set", "train.batch_size=100000000000000000000"], "train.batch_size"),
     "infinite alpha": (["--set", "federation.alpha=.inf"], "federation.alpha"),
     "lr read as inf": (["--set", "train.lr=1.0e+400"], "train.lr"),

@@ -120,6 +120,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),
     "executor.threads": st.one_of(st.none(), st.integers(min_value=0, max_value=max_threads() + 1)),
+    "executor.device": st.sampled_from(["cpu", "auto"]),  # cuda: tests/test_device.py (refused without a GPU)
     "algorithm.name": st.sampled_from(sorted(ALGORITHMS)),
 }
 

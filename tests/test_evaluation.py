@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pflbed import rng
 from pflbed.algorithms.base import Budget, Context, Predictor
 from pflbed.config import Config
 from pflbed.data.arrays import ArrayDataset, DataSource
-from pflbed.engine import rng
 from pflbed.evaluation.evaluate import (
     Predictions,
     client_scores,

@@ -40,8 +40,8 @@ def test_one_round_is_weighted_mean_of_local_sgd():
     res = pflbed.run({**cfg, "algorithm": {"name": "fedavg"}}, write=False)
     algo = res.executor.algo
     fed = algo.ctx.federation
+    from pflbed import rng
     from pflbed.algorithms.base import ClientContext
-    from pflbed.engine import rng
 
     replies, weights = {}, {}
     for c in fed.participated:

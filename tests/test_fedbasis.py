@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 import pflbed
+from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext, Predictor
 from pflbed.algorithms.basis import (
     combine,
@@ -28,7 +29,6 @@ from pflbed.algorithms.basis import (
 from pflbed.algorithms.fedbasis import STREAM, FedBasis
 from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.config import validate_config
-from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -959,7 +959,7 @@ def test_joint_update_hands_each_batch_s_statistics_back_to_the_bases():
 
 
 def test_local_training_and_personalization_draw_only_from_the_given_generator():
-    """Every mini-batch order comes from the client's generator (`engine.rng`: draws keyed by what they are for):
+    """Every mini-batch order comes from the client's generator (`pflbed.rng`: draws keyed by what they are for):
     the same generator gives the same result whatever the global RNG, another generator another result."""
     algo = make({"K": 2, "coordinate_descent": False, "alpha_epochs": 1, "basis_epochs": 1})
     server = random_server(algo)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import pflbed
+from pflbed import rng
 from pflbed.algorithms import feddf
 from pflbed.algorithms.training import get_params, load_params, train_from
 from pflbed.config import validate_config
-from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 

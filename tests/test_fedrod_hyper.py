@@ -5,12 +5,12 @@ import torch
 import torch.nn.functional as F
 
 import pflbed
+from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedrod import balanced_softmax_loss, personal_loss
 from pflbed.algorithms.fedrod_hyper import HyperNetwork
 from pflbed.algorithms.training import get_params, load_params
 from pflbed.config import validate_config
-from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 from pflbed.evaluation.evaluate import last
 from pflbed.models import build_model

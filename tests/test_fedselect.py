@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import pflbed
+from pflbed import rng
 from pflbed.algorithms import fedselect
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions, MaskedPhase, eligible_keys, local_alt
@@ -26,7 +27,7 @@ from pflbed.algorithms.masks import (
 )
 from pflbed.algorithms.training import get_params, index_batches, load_params, local_sgd
 from pflbed.config import validate_config
-from pflbed.engine import rng, wire
+from pflbed.engine import wire
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError

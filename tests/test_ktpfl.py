@@ -679,3 +679,64 @@ def test_artifact_csv_is_the_final_w_with_clients_sorted_by_label_set(tmp_path):
         assert row[:3] == [f"c{c}", algo.arch_of(c), labels]
         i = algo.index[c]
         assert [float(v) for v in row[3:]] == [round(float(W[i, algo.index[m]]), 6) for m in order]
+
+
+def test_each_client_trains_and_predicts_with_its_own_architecture():
+    """Heterogeneous models (§5.1): client c holds, trains and is evaluated with the architecture `arch_of(c)`
+    assigns — a LeNet-5 client's weights are LeNet-5 weights, not the run's `model.name` (an MLP here)."""
+    algo = prepare(validate_config(CFG))
+    archs = {algo.arch_of(c) for c in algo.clients}
+    assert archs == {"lenet5", "mlp"}  # both architectures occur, so a swap would show
+    for c in algo.clients:
+        want = algo.ctx.new_model(algo.arch_of(c)).state_dict()
+        state = algo.init_client(c)
+        got = {k.removeprefix("w/"): v.shape for k, v in state.items() if k.startswith("w/")}
+        assert got == {k: v.shape for k, v in want.items()}
+        model = algo.personal_model({}, state).model
+        assert {k: v.shape for k, v in model.state_dict().items()} == got  # the model it is evaluated with
+
+
+def _same_batches_whatever_the_global_rng(algo, server, data):
+    """Fine-tuning's batch order comes from the generator given, not from torch's global RNG (scrambled here)."""
+    from pflbed.algorithms.base import Budget
+
+    tuned = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        g = torch.Generator().manual_seed(0)
+        tuned.append(next(algo.personalize(server, data, Budget("ft", epochs=1, lr=0.1, batch_size=8), g)).params)
+    assert all(torch.equal(tuned[0][k], tuned[1][k]) for k in tuned[0])
+
+
+def test_a_new_client_starts_from_the_uniform_mix_or_from_scratch_on_its_architecture():
+    """New clients (README, KT-pFL row): homogeneous — zero-shot and fine-tuning start from the uniform mix
+    (1/N)·Σ_m w_m of the participants' last uploads; heterogeneous — no zero-shot model, and fine-tuning starts from
+    the client's own fresh weights on the architecture `arch_of` gives it. lr = 0 keeps the start visible."""
+    from pflbed.algorithms.base import Budget
+
+    budget = Budget("ft", epochs=1, lr=0.0, batch_size=8)
+    algo = _algo(homogeneous=True)
+    init = algo.ctx.initial_params
+    server = {f"local/{c}/{k}": v + (i + 1) if v.is_floating_point() else v
+              for i, c in enumerate(algo.clients) for k, v in init.items()}  # fmt: skip
+    n = len(algo.clients)
+    mix = {k: sum(server[f"local/{c}/{k}"] for c in algo.clients) / n if v.is_floating_point() else v
+           for k, v in init.items()}  # fmt: skip
+    data = algo.ctx.client_data(algo.clients[0])
+    zero = algo.zero_shot(server, data)
+    assert zero.model is algo.ctx.model and all(torch.allclose(zero.params[k], mix[k]) for k in mix)
+    first = next(algo.personalize(server, data, budget, torch.Generator().manual_seed(0)))
+    assert all(torch.allclose(first.params[k], mix[k]) for k in mix)
+    _same_batches_whatever_the_global_rng(algo, server, data)
+
+    algo = _algo()
+    one_per_arch = {algo.arch_of(c): c for c in algo.clients}
+    assert len(one_per_arch) == 2  # a LeNet-5 and an MLP client
+    for c in one_per_arch.values():
+        data = algo.ctx.client_data(c)
+        assert algo.zero_shot({}, data) is None
+        first = next(algo.personalize({}, data, budget, torch.Generator().manual_seed(0)))
+        fresh = algo._fresh_params(c)
+        assert first.model is algo.models[algo.arch_of(c)]
+        assert first.params.keys() == fresh.keys() and all(torch.equal(first.params[k], fresh[k]) for k in fresh)
+        _same_batches_whatever_the_global_rng(algo, {}, data)

@@ -2,10 +2,10 @@ import pytest
 import torch
 
 import pflbed
+from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext, Predictor
 from pflbed.algorithms.training import train_from
 from pflbed.config import validate_config
-from pflbed.engine import rng
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import Predictions, client_scores, last

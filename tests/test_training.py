@@ -187,8 +187,8 @@ def test_fresh_client_params_are_seeded_by_run_seed_and_client_only():
     """fresh_client_params: the model's default init drawn from the (seed, INIT, 1 + cid) stream — a function of
     (run seed, client id) alone (not of the global RNG or what the model held), never the stream of the run's
     initial model (seed, INIT) (= key 0, hence the 1 +), different per client and per seed."""
+    from pflbed import rng
     from pflbed.algorithms.training import fresh_client_params
-    from pflbed.engine import rng
 
     def net():
         return BlockNet([("body", nn.Sequential(nn.Linear(4, 6), nn.ReLU())), ("head", nn.Linear(6, 3))])

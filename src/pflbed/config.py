@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # Bounds every numeric field shares (README, "Configuration"): floats must be finite, and counts must fit the int32
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
@@ -201,12 +204,47 @@ class ExecutorConfig(_Strict):
         "(engine.threads.choose_threads); procs workers: 1",
     )
 
+    device: str = Field(
+        "cpu", description="where the data, the models and every tensor of the run live: cpu, cuda (the current "
+        "GPU), cuda:N or auto (cuda when available, else cpu); random draws stay on CPU generators"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        resolve_device(v)  # refuse now (one config line) what `torch.device` would refuse mid-run
+        return v
+
     @field_validator("threads", "workers")
     @classmethod
     def _per_core(cls, v: int | None) -> int | None:
         if v is not None and not 1 <= v <= max_threads():
             raise ValueError(f"must be unset (auto) or 1 to {max_threads()} (4 × this machine's cores)")
         return v
+
+
+def resolve_device(name: str) -> torch.device:
+    """`executor.device` as a `torch.device`: `auto` becomes `cuda` where CUDA is available, else `cpu`.
+
+    Raises ValueError (a config error) for anything else than cpu / cuda / cuda:N / auto, and for a CUDA device this
+    machine does not have — checked at validation, so a run never starts and then fails on its first tensor.
+    """
+    import torch  # late: reading or checking a config needs no torch until a device is asked for
+
+    if name == "auto":
+        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    kind, sep, index = name.partition(":")
+    if kind != "cuda" or (sep and not (index.isascii() and index.isdigit())):
+        raise ValueError("must be cpu, cuda, cuda:N (N = 0, 1, …) or auto")
+    if not torch.cuda.is_available():
+        raise ValueError("CUDA is not available on this machine; use cpu or auto")
+    count = torch.cuda.device_count()
+    if sep and int(index) >= count:
+        raise ValueError(f"no such CUDA device: this machine has {count} (cuda:0 to cuda:{count - 1})")
+    # with its index: tensors report `cuda:0`, never `cuda`, so only an indexed device compares equal to theirs
+    return torch.device("cuda", int(index) if sep else torch.cuda.current_device())
 
 
 class AlgorithmConfig(BaseModel):

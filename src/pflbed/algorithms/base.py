@@ -33,7 +33,12 @@ class NoOptions(BaseModel):
 
 @dataclass
 class Context:
-    """What an algorithm may read: config, data, federation and one reusable model object per architecture."""
+    """What an algorithm may read: config, data, federation and one reusable model object per architecture.
+
+    `device` is where the run's tensors live (`executor.device`): the data, the federation's indices and priors, and
+    the models are on it, so a tensor an algorithm creates belongs there too — take the device from the data, the
+    parameters or `ctx.device`, never from torch's default device. Random generators stay on the CPU.
+    """
 
     cfg: Config
     source: DataSource
@@ -41,13 +46,16 @@ class Context:
     options: BaseModel
     model: BlockNet  # reusable template: load parameters in, train, read them out
     initial_params: Tensors = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def seed(self) -> int:
         return self.cfg.seed
 
     def new_model(self, name: str | None = None) -> BlockNet:
-        return build_model(name or self.cfg.model.name, self.source.input_shape, self.source.num_classes)
+        """A fresh zoo model on `device`, initialized from torch's global (CPU) RNG, which the caller seeds."""
+        name = name or self.cfg.model.name
+        return build_model(name, self.source.input_shape, self.source.num_classes, self.device)
 
     def client_data(self, cid: int) -> ClientData:
         split = self.federation.clients[cid]

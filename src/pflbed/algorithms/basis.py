@@ -27,12 +27,6 @@ def stack_bases(bases: list[Tensors], keys: Iterable[str] | None = None) -> Tens
     return {k: torch.stack([b[k] for b in bases]) for k in keys}
 
 
-def unstack_bases(stacked: Mapping[str, torch.Tensor]) -> list[Tensors]:
-    """The inverse of `stack_bases`: K state dicts of independent, contiguous tensors."""
-    n = next(iter(stacked.values())).shape[0]
-    return [{k: v[i].detach().clone() for k, v in stacked.items()} for i in range(n)]
-
-
 def mixing_weights(alpha: torch.Tensor, major: bool) -> tuple[float, torch.Tensor]:
     """(weight of the major basis, (G, K) weights of the non-major bases) of the combination.
 
@@ -97,7 +91,7 @@ def mean_pairwise_cosine(vectors: torch.Tensor) -> float | None:
     v = vectors.double()
     unit = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
     sims = unit @ unit.T
-    iu = torch.triu_indices(n, n, offset=1)
+    iu = torch.triu_indices(n, n, offset=1, device=v.device)
     return float(sims[iu[0], iu[1]].mean())
 
 
@@ -112,18 +106,19 @@ def kmeans_pp_init(points: torch.Tensor, k: int, generator: torch.Generator) -> 
     n = points.shape[0]
     if not 1 <= k <= n:
         raise ValueError(f"k-means needs 1 <= k <= number of points ({n}), got k = {k}")
-    chosen = [int(torch.randint(n, (1,), generator=generator))]
+    # drawn on the generator's device (the CPU; weights are copied there): the same centres on every device
+    chosen = [int(torch.randint(n, (1,), generator=generator, device=generator.device))]
     d2 = torch.cdist(points, points[chosen[0]][None]).squeeze(1).double() ** 2
     while len(chosen) < k:
-        free = torch.ones(n, dtype=torch.bool)
+        free = torch.ones(n, dtype=torch.bool, device=points.device)
         free[chosen] = False
         weights = d2 * free
         if float(weights.sum()) <= 0:
             weights = free.double()
-        nxt = int(torch.multinomial(weights, 1, generator=generator))
+        nxt = int(torch.multinomial(weights.to(generator.device), 1, generator=generator))
         chosen.append(nxt)
         d2 = torch.minimum(d2, torch.cdist(points, points[nxt][None]).squeeze(1).double() ** 2)
-    return torch.tensor(chosen)
+    return torch.tensor(chosen, device=points.device)
 
 
 def kmeans(points: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +130,7 @@ def kmeans(points: torch.Tensor, k: int, iters: int, generator: torch.Generator)
     """
     x = points  # no float64 copy: n flattened models can be large (80 ResNet-18s are 3.6 GB in float32)
     centroids = x[kmeans_pp_init(points, k, generator)].clone()
-    assign = torch.full((x.shape[0],), -1, dtype=torch.long)
+    assign = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
     for _ in range(max(iters, 1)):
         new = torch.cdist(x, centroids).argmin(1)
         for j in range(k):

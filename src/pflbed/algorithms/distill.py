@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pflbed import rng
 from pflbed.algorithms.training import index_batches
-from pflbed.engine import rng
 
 EPS = 1e-12  # floor of probabilities inside logarithms: a teacher mix may put exactly zero mass on a class
 PUBLIC_STREAM = 101  # rng tag of the public-batch stream (the engine's own tags are 1–4)
@@ -39,7 +39,7 @@ def public_batch(public: torch.Tensor, size: int, seed: int, rnd: int) -> torch.
         raise ValueError("no public data: set federation.public > 0")
     if size >= public.numel():
         return public.clone()
-    perm = torch.randperm(public.numel(), generator=rng.generator(seed, PUBLIC_STREAM, rnd))
+    perm = torch.randperm(public.numel(), generator=rng.generator(seed, PUBLIC_STREAM, rnd), device="cpu")
     return public[perm[:size]]
 
 
@@ -86,9 +86,9 @@ def distill(
     The model is in train mode (as for any SGD step); one optimizer per call.
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    idx = torch.arange(len(x))
+    idx = torch.arange(len(x), device=x.device)
     n_epochs = epochs if steps is None else -(-steps * batch_size // max(len(x), 1)) + 1
-    total, done = torch.zeros(()), 0
+    total, done = torch.zeros((), device=x.device), 0
     model.train()
     for b in index_batches(idx, batch_size, n_epochs, generator):
         if steps is not None and done >= steps:

@@ -122,6 +122,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.func import functional_call
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.basis import (
     combine,
@@ -136,11 +137,10 @@ from pflbed.algorithms.basis import (
     stat_update_shares,
 )
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, train_from, weighted_mean
-from pflbed.engine import rng
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 
-STREAM = 0xFBA5  # FedBasis's own random streams (not one of engine.rng's tags): 0 random bases, 1 k-means
+STREAM = 0xFBA5  # FedBasis's own random streams (not one of pflbed.rng's tags): 0 random bases, 1 k-means
 MAJOR, BASIS, POOL = "major.", "basis", "pool"
 
 
@@ -244,7 +244,7 @@ class FedBasis(Algorithm):
 
     def uniform(self) -> torch.Tensor:
         k = self.opts.K
-        return torch.full((len(self.groups), k), 1.0 / k)
+        return torch.full((len(self.groups), k), 1.0 / k, device=self.ctx.device)
 
     def materialize(
         self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, override: Tensors | None = None
@@ -263,7 +263,7 @@ class FedBasis(Algorithm):
             return {MAJOR + k: v.clone() for k, v in initial.items()}
         bases = []
         for i in range(self.opts.K):  # independent random initializations, off the global RNG
-            with torch.random.fork_rng(devices=[]):
+            with rng.fork(self.ctx.device):
                 torch.manual_seed(rng.derive_seed(self.ctx.seed, STREAM, 0, i))
                 bases.append(get_params(self.ctx.new_model()))
         return self.join(stack_bases(bases, self.keys), dict(initial) if self.opts.major else None)
@@ -386,7 +386,7 @@ class FedBasis(Algorithm):
                     continue
                 coeffs = w[self.group_of[k]].double()
                 if major is not None:
-                    coeffs = torch.cat([torch.tensor([w_major], dtype=torch.float64), coeffs])
+                    coeffs = torch.cat([torch.tensor([w_major], dtype=torch.float64, device=coeffs.device), coeffs])
                 shares = stat_update_shares(coeffs).to(v.dtype)
                 if major is not None:
                     major[k].add_(shares[0] * delta)
@@ -415,7 +415,7 @@ class FedBasis(Algorithm):
     ) -> torch.Tensor:
         """Eq. 9 step 1–2: ψ from 0 (uniform α), `alpha_epochs` epochs of SGD on ψ with V frozen; returns ψ."""
         t = self.ctx.cfg.train
-        psi = torch.zeros(len(self.groups), self.opts.K, requires_grad=True)
+        psi = torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device, requires_grad=True)
         frozen = {k: v.detach() for k, v in stacked.items()}
         frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
         opt = torch.optim.SGD([psi], lr=self.alpha_lr, momentum=t.momentum)
@@ -448,7 +448,7 @@ class FedBasis(Algorithm):
     ) -> tuple[torch.Tensor, Tensors, Tensors | None]:
         """Eq. 7 (ablation "no coordinate descent"): ψ and V together, α = softmax(ψ/τ), for both epoch budgets."""
         t, o = self.ctx.cfg.train, self.opts
-        psi = torch.zeros(len(self.groups), o.K, requires_grad=True)
+        psi = torch.zeros(len(self.groups), o.K, device=self.ctx.device, requires_grad=True)
         stacked, major, leaves = self._trainable(stacked, major)
         opt = torch.optim.SGD([{"params": [psi], "lr": self.alpha_lr, "weight_decay": 0.0},
                                {"params": leaves, "lr": t.lr, "weight_decay": t.weight_decay}],
@@ -505,7 +505,7 @@ class FedBasis(Algorithm):
         stacked, major = self._parts(server)
         frozen = {k: v.detach() for k, v in stacked.items()}
         frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
-        psi = torch.zeros(len(self.groups), self.opts.K, requires_grad=True)
+        psi = torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device, requires_grad=True)
         head: Tensors = {}
         if budget.method == "ft":
             start = self._uniform_params(server)
@@ -569,8 +569,10 @@ class FedBasis(Algorithm):
         rows = []
         for c in order:
             w_major, w = mixing_weights(states[c]["alpha"], self.opts.major)
-            rows.append(torch.cat([torch.full((w.shape[0], 1), w_major), w], 1) if self.opts.major else w)
-        table = torch.stack(rows) if rows else torch.zeros(0, len(self.groups), len(labels))
+            if self.opts.major:
+                w = torch.cat([torch.full((w.shape[0], 1), w_major, device=w.device), w], 1)
+            rows.append(w)
+        table = torch.stack(rows) if rows else torch.zeros(0, len(self.groups), len(labels), device=self.ctx.device)
         return order, labels, table
 
     def artifacts(self, server: Tensors, state_of: Callable[[int], Tensors], out_dir: Path) -> dict[str, str]:
@@ -581,6 +583,7 @@ class FedBasis(Algorithm):
         if not self.has_bases(server):
             return {}
         order, labels, table = self.mixing_table(state_of)
+        table = table.cpu()  # plotted and written from host memory
         if not order:
             return {}
         fed = self.ctx.federation

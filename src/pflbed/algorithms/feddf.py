@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from pflbed import rng
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.ktpfl import DEFAULT_ARCHITECTURES
@@ -86,11 +87,10 @@ from pflbed.algorithms.training import (
     train_from,
     weighted_mean,
 )
-from pflbed.engine import rng
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet, ModelNames
 
-STREAM = 0xFEDDF  # FedDF's own random streams (not one of engine.rng's tags): 0 initial models, 1 server distillation
+STREAM = 0xFEDDF  # FedDF's own random streams (not one of pflbed.rng's tags): 0 initial models, 1 server distillation
 
 
 class FedDFOptions(BaseModel):
@@ -113,7 +113,7 @@ def ensemble_logits(model: nn.Module, params: list[Tensors], x: torch.Tensor, ba
     A sum (not a mean) so that teachers of several architectures can be accumulated; the caller divides by the
     total number of teachers.
     """
-    total = torch.zeros(())
+    total = torch.zeros((), device=x.device)
     model.eval()
     for p in params:
         load_params(model, p)
@@ -153,9 +153,9 @@ def ensemble_distill(
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps) if schedule == "cosine" else None
     n_epochs = math.ceil(steps * batch_size / max(len(x), 1)) + 1
-    total, done = torch.zeros(()), 0
+    total, done = torch.zeros((), device=x.device), 0
     model.train()
-    for b in index_batches(torch.arange(len(x)), batch_size, n_epochs, generator):
+    for b in index_batches(torch.arange(len(x), device=x.device), batch_size, n_epochs, generator):
         if done >= steps:
             break
         loss = kd.kl_to_target(model(x[b]), target[b], temperature)
@@ -206,7 +206,7 @@ class FedDF(Algorithm):
     def _initial(self, i: int, arch: str) -> Tensors:
         if arch == self.ctx.cfg.model.name:
             return dict(self.ctx.initial_params)
-        with torch.random.fork_rng(devices=[]):
+        with rng.fork(self.ctx.device):
             torch.manual_seed(rng.derive_seed(self.ctx.seed, rng.INIT, STREAM, i))
             return get_params(self.ctx.new_model(arch))
 
@@ -222,7 +222,7 @@ class FedDF(Algorithm):
         return server
 
     def init_client(self, cid: int) -> Tensors:
-        return {"cid": torch.tensor(cid)}
+        return {"cid": torch.tensor(cid, device=self.ctx.device)}
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: self.global_params(server, self.arch_of(c)) for c in cids}
@@ -244,7 +244,7 @@ class FedDF(Algorithm):
 
     def teacher_logits(self, x: torch.Tensor, replies: dict[int, Tensors]) -> torch.Tensor:
         """Step 4's teacher: the uniform average of all received client models' logits on `x`."""
-        total = torch.zeros(())
+        total = torch.zeros((), device=x.device)
         for a in self.archs:
             group = [replies[c] for c in sorted(replies) if self.arch_of(c) == a]
             if group:
@@ -264,15 +264,15 @@ class FedDF(Algorithm):
                 load_params(model, params)
                 before.append(distill_kl(model, x, teacher, o.temperature))
                 seed = rng.derive_seed(self.ctx.seed, STREAM, 1, rnd, self.archs.index(a))
-                with torch.random.fork_rng(devices=[]):  # dropout masks from this stream, not from whatever ran last
+                with rng.fork(self.ctx.device):  # dropout masks from this stream, not from whatever ran last
                     torch.manual_seed(seed)
                     ensemble_distill(model, x, teacher, steps=o.server_steps, batch_size=o.server_batch_size,
                                      lr=o.server_lr, temperature=o.temperature, schedule=o.server_schedule,
                                      generator=torch.Generator().manual_seed(seed))  # fmt: skip
                 after.append(distill_kl(model, x, teacher, o.temperature))
                 fused[a] = get_params(model)
-            out["kl_start"] = torch.tensor(sum(before) / len(before))
-            out["kl_end"] = torch.tensor(sum(after) / len(after))
+            out["kl_start"] = torch.tensor(sum(before) / len(before), device=self.ctx.device)
+            out["kl_end"] = torch.tensor(sum(after) / len(after), device=self.ctx.device)
         for a, params in fused.items():
             out.update({f"g/{a}/{k}": v for k, v in params.items()})
         return out

@@ -135,7 +135,8 @@ def feature_dim(model: BlockNet, input_shape: tuple[int, ...]) -> int:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        d = int(math.prod(model.features(torch.zeros(1, *input_shape)).shape[1:]))
+        x = torch.zeros(1, *input_shape, device=next(model.parameters()).device)
+        d = int(math.prod(model.features(x).shape[1:]))
     model.train(was_training)
     return d
 
@@ -200,7 +201,8 @@ def personalize_additive(
         net.eval()  # stays in eval mode: sgd_epochs switches only the head to train mode
         with torch.no_grad():
             feats = net.features(data.x[data.train])
-        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats)), data.val[:0], data.prior)
+        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats), device=feats.device),
+                              data.val[:0], data.prior)  # fmt: skip
         body = {NET + k: v for k, v in server_model.items()}
 
         def forward(z: torch.Tensor) -> torch.Tensor:
@@ -238,7 +240,9 @@ class FedRoD(Algorithm):
         super().__init__(ctx)
         self.model_keys = list(ctx.model.state_dict())
         d = feature_dim(ctx.model, ctx.source.input_shape)
-        self.head = PersonalHead(d, ctx.source.num_classes)
+        with torch.device("cpu"):  # built where the zoo builds models (its init draws from the CPU RNG), then moved
+            self.head = PersonalHead(d, ctx.source.num_classes)
+        self.head.to(ctx.device)
         self.predictor = AdditivePredictor(ctx.model, self.head)
 
     @property

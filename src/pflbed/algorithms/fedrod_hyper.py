@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedrod import (
     FedRoD,
@@ -59,7 +60,6 @@ from pflbed.algorithms.fedrod import (
     unprefixed,
 )
 from pflbed.algorithms.training import get_params, load_params
-from pflbed.engine import rng
 
 HYPER = "hyper."  # server-state prefix of ν
 _INIT_TAG = 1  # keys the hypernetwork's init stream apart from the model's
@@ -100,9 +100,10 @@ class FedRoDHyper(FedRoD):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        with torch.random.fork_rng(devices=[]):
+        with rng.fork(ctx.device), torch.device("cpu"):  # initialized on the CPU like the zoo's models, then moved
             torch.manual_seed(rng.derive_seed(ctx.seed, rng.INIT, _INIT_TAG))
             self.hyper = HyperNetwork(ctx.source.num_classes, self.head.in_features, self.opts.hidden)
+        self.hyper.to(ctx.device)
         self.hyper_init = get_params(self.hyper)
 
     def generate(self, server: Tensors, prior: torch.Tensor) -> Tensors:

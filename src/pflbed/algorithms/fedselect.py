@@ -219,7 +219,7 @@ class MaskedPhase:
         others = [p for k, p in params.items() if k not in train]
         before = [p.requires_grad for p in others]
         anchors = {k: params[k].detach()[m].clone() for k, m in self.frozen.items()}  # the other side moved them
-        total, steps = torch.zeros(()), 0
+        total, steps = torch.zeros((), device=data.x.device), 0
         try:
             for p in others:
                 p.requires_grad_(False)
@@ -285,7 +285,9 @@ class FedSelect(Algorithm):
     def _mask(self, store: Tensors, key: str, k: str) -> torch.Tensor:
         """The bool mask stored packed under `key` for tensor `k`; all zero (all global) when absent."""
         bits = store.get(key)
-        return unpack_bits(bits, self.shapes[k]) if bits is not None else torch.zeros(self.shapes[k], dtype=torch.bool)
+        if bits is None:
+            return torch.zeros(self.shapes[k], dtype=torch.bool, device=self.ctx.device)
+        return unpack_bits(bits, self.shapes[k])
 
     def _globals(self, server: Tensors) -> Tensors:
         return {k: server[k] for k in self.keys}
@@ -332,8 +334,8 @@ class FedSelect(Algorithm):
             else:
                 reply[k] = trained[k]
 
-        rounds = int(state.get("rounds", torch.tensor(0))) + 1
-        new_state: Tensors = {"rounds": torch.tensor(rounds)}
+        rounds = int(state["rounds"]) + 1 if "rounds" in state else 1
+        new_state: Tensors = {"rounds": torch.tensor(rounds, device=self.ctx.device)}
         update = rounds % o.update_every == 0
         new_mask = dict(mask)
         for k in self.eligible:
@@ -363,11 +365,11 @@ class FedSelect(Algorithm):
                 r = replies[c]
                 if f"mask/{k}" in r:
                     glob = ~self._mask(r, f"mask/{k}", k)
-                    values.append(fill(glob, r[k], torch.zeros(self.shapes[k], dtype=r[k].dtype)))
+                    values.append(fill(glob, r[k], torch.zeros(self.shapes[k], dtype=r[k].dtype, device=r[k].device)))
                     shared.append(glob)
                 else:
                     values.append(r[k])
-                    shared.append(torch.ones(self.shapes[k], dtype=torch.bool))
+                    shared.append(torch.ones(self.shapes[k], dtype=torch.bool, device=r[k].device))
             out[k] = masked_mean(server[k], values, shared)
         for c in cids:
             for k in self.eligible:
@@ -438,7 +440,7 @@ class FedSelect(Algorithm):
         keys = self.iou_keys()
         order = sorted(fed.participated, key=lambda c: (int(fed.clients[c].prior.argmax()), c))
         masks = [torch.cat([self._mask(state_of(c), f"mask/{k}", k).reshape(-1) for k in keys]) for c in order]
-        mat = iou_matrix(masks)
+        mat = iou_matrix(masks).cpu()  # plotted and written from host memory
         labels = []
         for c in order:
             prior = fed.clients[c].prior

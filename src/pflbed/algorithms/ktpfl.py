@@ -250,9 +250,9 @@ class KTpFL(Algorithm):
         else:
             G = kd.mse_coefficient_grad(V, S, o.rho)
         if o.c_step == "power5":
-            steps = torch.tensor([kd.power5_step(g) for g in G], dtype=V.dtype)[:, None]
+            steps = torch.tensor([kd.power5_step(g) for g in G], dtype=V.dtype, device=V.device)[:, None]
         else:
-            steps = torch.full((V.shape[0], 1), o.c_lr, dtype=V.dtype)
+            steps = torch.full((V.shape[0], 1), o.c_lr, dtype=V.dtype, device=V.device)
         return self._normalize(V - steps * G)
 
     def mixing(self, V: torch.Tensor, S: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,10 +269,10 @@ class KTpFL(Algorithm):
     # --- federation ------------------------------------------------------------------------------------------
     def init_server(self) -> Tensors:
         n = len(self.clients)
-        return {"W": torch.full((n, n), 1.0 / n, dtype=torch.float64)}
+        return {"W": torch.full((n, n), 1.0 / n, dtype=torch.float64, device=self.ctx.device)}
 
     def init_client(self, cid: int) -> Tensors:
-        state: Tensors = {"cid": torch.tensor(cid)}
+        state: Tensors = {"cid": torch.tensor(cid, device=self.ctx.device)}
         if not self.homogeneous:
             state.update({f"w/{k}": v for k, v in self._fresh_params(cid).items()})
         return state
@@ -325,12 +325,12 @@ class KTpFL(Algorithm):
             S = torch.stack(preds).double()
         else:
             S = torch.stack([replies[c]["s"] for c in cids]).double()
-        idx = torch.tensor([self.index[c] for c in cids])
         W = server["W"].clone()
+        idx = torch.tensor([self.index[c] for c in cids], device=W.device)
         block = W[idx][:, idx]
         mass = block.sum(1, keepdim=True)
         V = block / mass
-        w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64)
+        w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64, device=S.device)
         w = w / w.sum()
         targets, V = self.mixing(V, S, w)
         W[idx[:, None], idx[None, :]] = mass * V
@@ -338,7 +338,7 @@ class KTpFL(Algorithm):
         if not self.homogeneous:
             for i, c in enumerate(cids):
                 out[f"t/{c}"] = targets[i].float()
-                out[f"r/{c}"] = torch.tensor(rnd)
+                out[f"r/{c}"] = torch.tensor(rnd, device=W.device)
         return out
 
     # --- evaluation ------------------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ class KTpFL(Algorithm):
         return Predictor(self.models[self.arch_of(cid)], params)
 
     def _uniform(self, server: Tensors) -> Tensors:
-        return self._mixed(server, torch.full((len(self.clients),), 1.0 / len(self.clients)))
+        return self._mixed(server, torch.full((len(self.clients),), 1.0 / len(self.clients), device="cpu"))
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
         """Homogeneous: the uniform mix (c's prior row); heterogeneous: none (an untrained model)."""
@@ -382,8 +382,8 @@ class KTpFL(Algorithm):
 
         fed = self.ctx.federation
         order = sorted(self.clients, key=lambda c: (label_set(fed.clients[c].prior), c))
-        pos = torch.tensor([self.index[c] for c in order])
-        mat = server["W"][pos][:, pos]
+        pos = torch.tensor([self.index[c] for c in order], device=server["W"].device)
+        mat = server["W"][pos][:, pos].cpu()  # plotted and written from host memory
         names = [f"c{c} ({self.arch_of(c)}): {','.join(map(str, label_set(fed.clients[c].prior)))}" for c in order]
 
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,8 @@ class LocalOnly(Algorithm):
     def init_client(self, cid: int) -> Tensors:
         if self.archs is None:
             return dict(self.ctx.initial_params)
-        return {"cid": torch.tensor(cid), **fresh_client_params(self.models[self.arch_of(cid)], self.ctx.seed, cid)}
+        fresh = fresh_client_params(self.models[self.arch_of(cid)], self.ctx.seed, cid)
+        return {"cid": torch.tensor(cid, device=self.ctx.device), **fresh}
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: {} for c in cids}

@@ -21,7 +21,7 @@ import torch
 
 Selection = Literal["largest", "smallest", "random"]
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device="cpu")  # moved where used
 
 
 # --- wire format -------------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def masked_mean(old: torch.Tensor, values: Sequence[torch.Tensor], shared: Seque
     total = torch.zeros_like(old)
     count = torch.zeros(old.shape, dtype=old.dtype, device=old.device)
     for v, s in zip(values, shared, strict=True):
-        total += torch.where(s, v, torch.zeros((), dtype=v.dtype))
+        total += torch.where(s, v, torch.zeros((), dtype=v.dtype, device=v.device))
         count += s
     return torch.where(count > 0, total / count.clamp(min=1), old)
 
@@ -126,7 +126,7 @@ def grow_mask(
     if k <= 0:
         return out.reshape(mask.shape)
     if selection == "random":
-        score = torch.rand(candidates.numel(), generator=generator)
+        score = torch.rand(candidates.numel(), generator=generator, device="cpu")  # CPU draw: same on every device
     else:
         d = delta.reshape(-1)[candidates].abs()
         score = d if selection == "largest" else -d
@@ -145,7 +145,7 @@ def iou(a: torch.Tensor, b: torch.Tensor) -> float:
 def iou_matrix(masks: Sequence[torch.Tensor]) -> torch.Tensor:
     """Pairwise IoU of flat masks (paper Fig. 4), as a float64 matrix; NaN where both masks are empty."""
     if not masks:
-        return torch.zeros(0, 0, dtype=torch.float64)
+        return torch.zeros(0, 0, dtype=torch.float64, device="cpu")
     m = torch.stack([x.reshape(-1) for x in masks]).to(torch.float64)
     inter = m @ m.T
     sizes = m.sum(1)

@@ -126,7 +126,8 @@ def personalize_blocks(
         model.eval()
         with torch.no_grad():
             feats = run_blocks(model, lower, data.x[data.train])
-        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats)), data.val[:0], data.prior)
+        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats), device=feats.device),
+                              data.val[:0], data.prior)  # fmt: skip
         for _ in sgd_epochs(model, on_feats, forward=lambda z: run_blocks(model, blocks, z), **kw):
             yield Predictor(model, get_params(model))
         return

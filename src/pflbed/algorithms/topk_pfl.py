@@ -35,7 +35,8 @@ class TopKPFL(KTpFL):
         sim = kd.cosine_similarity_matrix(S).to(V.dtype)
         n = sim.shape[0]
         if not self.opts.include_self and n > 1:
-            sim = sim - 3.0 * torch.eye(n, dtype=sim.dtype)  # cosines lie in [-1, 1]: self never makes the cut
+            # cosines lie in [-1, 1]: self never makes the cut
+            sim = sim - 3.0 * torch.eye(n, dtype=sim.dtype, device=sim.device)
             W = kd.topk_rows(sim, min(self.opts.k, n - 1))
         else:
             W = kd.topk_rows(sim, self.opts.k)

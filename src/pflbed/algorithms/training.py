@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
 from pflbed.config import TrainConfig
-from pflbed.engine import rng
 from pflbed.models import BlockNet
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,21 +40,31 @@ def architecture_of(cid: int, architectures: list[str], n_clients: int) -> str:
 
 def fresh_client_params(model: nn.Module, seed: int, cid: int) -> Tensors:
     """A new random initialization of `model` seeded by (run seed, client id) alone: heterogeneous clients build
-    their models independently, and two algorithms on the same config start each client from the same weights."""
-    with torch.random.fork_rng(devices=[]):
+    their models independently, and two algorithms on the same config start each client from the same weights.
+
+    Drawn on the CPU (a copy of a model on another device), like `build_model`'s initialization: one seed gives the
+    same weights on every device. The result is on the model's device.
+    """
+    device = next(model.parameters()).device
+    template = model if device.type == "cpu" else copy.deepcopy(model).cpu()
+    with rng.fork(device):
         torch.manual_seed(rng.derive_seed(seed, rng.INIT, 1 + cid))
-        for m in model.modules():
-            if m is not model and hasattr(m, "reset_parameters"):
+        for m in template.modules():
+            if m is not template and hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-    return get_params(model)
+    return {k: v.to(device) for k, v in get_params(template).items()}
 
 
 def index_batches(
     idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator
 ) -> Iterator[torch.Tensor]:
-    """Shuffled mini-batches of indices, epoch after epoch; the last batch of an epoch may be smaller."""
+    """Shuffled mini-batches of indices, epoch after epoch; the last batch of an epoch may be smaller.
+
+    The permutation is drawn on the generator's device (the CPU: one seed, the same order on every device) and
+    applied to `idx`, so the batches are on `idx`'s device — the data's, since the federation's indices live there.
+    """
     for _ in range(epochs):
-        perm = idx[torch.randperm(len(idx), generator=generator)]
+        perm = idx[torch.randperm(len(idx), generator=generator, device=generator.device)]
         yield from perm.split(batch_size)
 
 
@@ -82,7 +93,7 @@ def sgd_epochs(
     fwd = forward or model
     for _ in range(epochs):
         model.train()  # every epoch: a consumer may have evaluated (eval mode) between two epochs
-        total, steps = torch.zeros(()), 0
+        total, steps = torch.zeros((), device=data.x.device), 0  # a device scalar: no sync per step on a GPU
         for b in index_batches(data.train, batch_size, 1, generator):
             loss = loss_fn(fwd(data.x[b]), data.y[b])
             opt.zero_grad(set_to_none=True)
@@ -121,7 +132,7 @@ def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: 
     """Σ_m w_m·x_m / Σ_m w_m per key. Integer tensors (e.g. BN's batch counters) take the maximum instead."""
     cids = list(replies)
     keys = list(keys) if keys is not None else list(replies[cids[0]])
-    w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64)
+    w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64, device="cpu")  # host numbers
     w = (w / w.sum()).tolist()
     out: Tensors = {}
     for k in keys:
@@ -155,7 +166,8 @@ def finetune_epochs(
         model.eval()
         with torch.no_grad():
             feats = model.features(data.x[data.train])
-        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats)), data.val[:0], data.prior)
+        on_feats = ClientData(data.cid, feats, data.y[data.train], torch.arange(len(feats), device=feats.device),
+                              data.val[:0], data.prior)  # fmt: skip
         head = set(model.state_keys(model.head_blocks()))
         trainable = [p for k, p in model.named_parameters() if k in head]
         body = {k: v for k, v in start.items() if k not in head}

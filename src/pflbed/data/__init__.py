@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.digits import load_digits_source
 from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
@@ -103,7 +105,8 @@ def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[s
 def load_source(dataset: Any) -> DataSource:
     """The data a run's `dataset` config section asks for: a base dataset plus declared transform domains.
 
-    Built-in cross-domain names (`fmnist-rot4`, …) expand to their base dataset and rotation domains.
+    Built-in cross-domain names (`fmnist-rot4`, …) expand to their base dataset and rotation domains. Sources are
+    built in host memory whatever torch's default device (a run moves them to its device: `DataSource.to`).
     """
     base, domains = BUILTIN_DOMAINS.get(dataset.name, (dataset.name, ()))
     options: dict[str, Any] = {"download": True} if dataset.download else {}
@@ -111,6 +114,9 @@ def load_source(dataset: Any) -> DataSource:
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
         options["image_size"] = dataset.image_size
-    source = load_dataset(base, path=dataset.path, **options)
-    domains = tuple(dataset.domains or domains)
-    return with_domains(source, domains, name=dataset.name if not dataset.domains else None) if domains else source
+    with torch.device("cpu"):
+        source = load_dataset(base, path=dataset.path, **options)
+        domains = tuple(dataset.domains or domains)
+        if domains:
+            source = with_domains(source, domains, name=dataset.name if not dataset.domains else None)
+    return source

@@ -7,7 +7,8 @@ per-sample Python, and a client's data is just a tensor of indices.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +23,11 @@ class ArrayDataset:
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
+
+    def to(self, device: torch.device | str) -> ArrayDataset:
+        """`x` and `y` on `device` (what training and evaluation read); `domain` stays where it is, since only the
+        federation's partitioning (NumPy, on the CPU) reads it. No copy where they are already there."""
+        return replace(self, x=self.x.to(device), y=self.y.to(device))
 
 
 @dataclass(frozen=True)
@@ -40,12 +46,19 @@ class DataSource:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train.x.shape[1:])
 
+    def to(self, device: torch.device | str) -> DataSource:
+        """Both splits' samples and labels on `device` (`ArrayDataset.to`); the same object where already there."""
+        train, test = self.train.to(device), self.test.to(device)
+        if train.x is self.train.x and train.y is self.train.y and test.x is self.test.x and test.y is self.test.y:
+            return self
+        return replace(self, train=train, test=test)
+
     def fingerprint(self) -> str:
         """Content hash keying federation caches: name, shapes, every label and a strided pixel sample."""
         h = hashlib.sha256(self.name.encode())
         for split in (self.train, self.test):
             h.update(str(tuple(split.x.shape)).encode())
-            h.update(split.y.numpy().tobytes())
-            flat = split.x.reshape(len(split), int(torch.tensor(split.x.shape[1:]).prod()))
-            h.update(flat[:, :: max(1, flat.shape[1] // 7)].contiguous().numpy().tobytes())
+            h.update(split.y.cpu().numpy().tobytes())
+            flat = split.x.reshape(len(split), math.prod(split.x.shape[1:]))
+            h.update(flat[:, :: max(1, flat.shape[1] // 7)].cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]

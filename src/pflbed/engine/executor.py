@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, ClientContext, Tensors
-from pflbed.engine import rng, wire
+from pflbed.engine import wire
 from pflbed.engine.guard import check_client
 
 
@@ -19,7 +20,7 @@ def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: 
     ctx = algo.ctx
     seed = rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid)
     torch.manual_seed(seed)  # for any randomness an algorithm draws from torch's global RNG
-    cctx = ClientContext(rnd, cid, torch.Generator().manual_seed(seed))
+    cctx = ClientContext(rnd, cid, torch.Generator(device="cpu").manual_seed(seed))  # CPU: same draws on any device
     return algo.client_update(payload, state, ctx.client_data(cid), cctx)
 
 
@@ -35,8 +36,8 @@ class LoopExecutor:
         return self.states[cid]
 
     def prepare(self, tensors: Tensors) -> Tensors:
-        """What a client receives: in strict mode a copy that went through bytes."""
-        return wire.roundtrip(tensors) if self.strict else tensors
+        """What a client receives: in strict mode a copy that went through bytes (back on the run's device)."""
+        return wire.roundtrip(tensors, self.algo.ctx.device) if self.strict else tensors
 
     def accept(self, rnd: int, done: dict[int, tuple[Tensors, Tensors]]) -> dict[int, Tensors]:
         """Check the clients' (reply, new state) in client order, keep the states, return the replies."""

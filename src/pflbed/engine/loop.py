@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from pflbed import rng
 from pflbed.algorithms import get_algorithm
 from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
-from pflbed.config import Config
+from pflbed.config import Config, resolve_device
 from pflbed.data import load_source
-from pflbed.engine import rng, wire
+from pflbed.engine import wire
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.guard import check_server
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
@@ -49,15 +50,20 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
 
     Torch threads: `executor.threads` if set, else the caller's `threads` (a bench worker's one thread), else the
     model-size policy of `choose_threads` (oversubscribed cores slow small models by orders of magnitude).
+
+    Device (`executor.device`): the data and the federation are built on the CPU (partitioning is NumPy, the
+    federation cache is keyed by content) and moved to the device once, here; the model is initialized on the CPU
+    and moved, so one seed gives the same initial weights on every device.
     """
+    device = resolve_device(cfg.executor.device)
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
-    model = build_model(cfg.model.name, source.input_shape, source.num_classes)
+    model = build_model(cfg.model.name, source.input_shape, source.num_classes, device)
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
-    ctx = Context(cfg, source, fed, options, model, initial_params=get_params(model))
+    ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device)
     return algo_cls(ctx)
 
 
@@ -96,7 +102,7 @@ def run(
 def _run(
     cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool
 ) -> RunResult:
-    saved = load_checkpoint(rundir.path) if (rundir and resume) else None
+    saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
     if rundir and not resume:
         rundir.start(cfg)
     fed = algo.ctx.federation
@@ -166,7 +172,7 @@ def _run(
     timing["s_per_round"] = timing["train_s"] / cfg.train.rounds
     timing = {k: round(v, 4) for k, v in timing.items()}
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
-    summary["provenance"] = provenance()
+    summary["provenance"] = provenance(algo.ctx.device)
     if rundir:
         files = algo.artifacts(server, executor.state, rundir.path / "plots")
         if files:

@@ -18,6 +18,10 @@ What crosses the process boundary and how:
   executor keeps no shared-memory handle per client (10,000 client states would otherwise hold 10,000 of them).
 Client states live in this process, where evaluation and checkpoints need them.
 
+On a GPU run (`executor.device`), everything crosses the boundary as CPU tensors and is moved to the device by the
+receiver: the data once per worker, payloads, states and replies per client. CUDA tensors could be shared between
+processes too, but only while their producer keeps them alive — a lifetime rule this executor would have to police.
+
 Clients are assigned to workers before the round, largest training set first to the least-loaded worker (a
 client's cost grows with its samples); the assignment only affects speed.
 """
@@ -39,9 +43,14 @@ from pflbed.engine.executor import LoopExecutor, update_client
 _POLL_S = 1.0  # how often a waiting executor checks that its workers are alive
 
 
-def _private(tensors: Tensors) -> Tensors:
-    """Copies in this process's own memory (received tensors live in shared memory)."""
-    return {k: v.clone() for k, v in tensors.items()}
+def _private(tensors: Tensors, device: torch.device) -> Tensors:
+    """Copies in this process's own memory on the run's `device` (received tensors live in shared CPU memory)."""
+    return {k: v.to(device, copy=True) for k, v in tensors.items()}
+
+
+def _on_cpu(tensors: Tensors) -> Tensors:
+    """What crosses the process boundary: CPU tensors (`torch.multiprocessing` moves them to shared memory)."""
+    return {k: v.cpu() for k, v in tensors.items()}
 
 
 def _put(q: Any, obj: object) -> None:
@@ -62,17 +71,19 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
     """A worker's loop: receive an algorithm, then clients to update with it, until told to stop (None)."""
     torch.set_num_threads(threads)
     algo: Algorithm | None = None
+    device = torch.device("cpu")
     while (msg := _get(tasks)) is not None:
         kind, body = msg
         if kind == "algorithm":
             private, (source, federation) = body
             algo = pickle.loads(private)
-            algo.ctx.source, algo.ctx.federation = source, federation
+            device = algo.ctx.device
+            algo.ctx.source, algo.ctx.federation = source.to(device), federation.to(device)
             continue
         rnd, cid, payload, state = body
         try:
-            reply, new_state = update_client(algo, rnd, cid, _private(payload), _private(state))
-            _put(results, (cid, reply, new_state, None))
+            reply, new_state = update_client(algo, rnd, cid, _private(payload, device), _private(state, device))
+            _put(results, (cid, _on_cpu(reply), _on_cpu(new_state), None))
         except BaseException as e:  # report it; the executor raises it in the main process
             _put(results, (cid, None, None, (type(e).__name__, str(e), traceback.format_exc())))
 
@@ -90,6 +101,7 @@ class WorkerPool:
 
     def __init__(self, workers: int, threads: int = 1) -> None:
         ctx = mp.get_context("spawn")
+        self.device = torch.device("cpu")  # the loaded algorithm's (`load`)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(workers)]
         self.procs = [ctx.Process(target=_worker, args=(threads, q, self.results), daemon=True) for q in self.tasks]
@@ -103,20 +115,23 @@ class WorkerPool:
     def load(self, algo: Algorithm) -> None:
         """Send `algo` to every worker: its data and federation shared, everything else (models!) a private copy.
 
-        Model templates are trained in place, so workers sharing one would write into each other's weights.
+        Model templates are trained in place, so workers sharing one would write into each other's weights. The
+        shared data go as CPU tensors; each worker moves them to the run's device.
         """
         ctx = algo.ctx
+        self.device = ctx.device
         shared = ctx.source, ctx.federation
         ctx.source = ctx.federation = None  # type: ignore[assignment]
         try:
             private = pickle.dumps(algo)  # plain pickle: tensors are copied into the bytes
         finally:
             ctx.source, ctx.federation = shared
+        on_cpu = ctx.source.to("cpu"), ctx.federation.to("cpu")
         for q in self.tasks:
-            _put(q, ("algorithm", (private, shared)))
+            _put(q, ("algorithm", (private, on_cpu)))
 
     def submit(self, worker: int, rnd: int, cid: int, payload: Tensors, state: Tensors) -> None:
-        _put(self.tasks[worker], ("client", (rnd, cid, payload, state)))
+        _put(self.tasks[worker], ("client", (rnd, cid, _on_cpu(payload), _on_cpu(state))))
 
     def collect(self) -> tuple[int, Tensors, Tensors]:
         """The next finished client's (cid, reply, state); raises if the update failed or a worker died."""
@@ -131,7 +146,7 @@ class WorkerPool:
         if error is not None:
             name, message, trace = error
             raise WorkerError(f"client {cid}: {name}: {message}\n--- worker traceback ---\n{trace}")
-        return cid, _private(reply), _private(state)
+        return cid, _private(reply, self.device), _private(state, self.device)
 
     def close(self) -> None:
         for q, p in zip(self.tasks, self.procs, strict=True):

@@ -37,14 +37,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def provenance() -> dict[str, object]:
-    """What a bit-for-bit comparison of two results needs to know about where they ran."""
+def provenance(device: torch.device | None = None) -> dict[str, object]:
+    """What a bit-for-bit comparison of two results needs to know about where they ran (`device`: the run's)."""
+    device = device or torch.device("cpu")
+    extra = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
     return {
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
-        "device": "cpu",
+        "device": str(device),
+        **extra,
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),

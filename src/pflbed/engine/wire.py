@@ -20,16 +20,17 @@ def to_bytes(tensors: Tensors) -> bytes:
     ):
         raise TypeError("a payload, reply or client state must be a dict[str, Tensor]")
     buf = io.BytesIO()
-    torch.save({k: v.detach().contiguous() for k, v in tensors.items()}, buf)
+    torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, buf)  # bytes hold no device
     return buf.getvalue()
 
 
-def from_bytes(blob: bytes) -> Tensors:
-    return torch.load(io.BytesIO(blob), weights_only=True)
+def from_bytes(blob: bytes, device: torch.device | str = "cpu") -> Tensors:
+    """The tensors of `to_bytes`, on `device` (where the receiver reads them)."""
+    return torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
 
 
-def roundtrip(tensors: Tensors) -> Tensors:
-    return from_bytes(to_bytes(tensors))
+def roundtrip(tensors: Tensors, device: torch.device | str = "cpu") -> Tensors:
+    return from_bytes(to_bytes(tensors), device)
 
 
 def num_bytes(tensors: Tensors) -> int:

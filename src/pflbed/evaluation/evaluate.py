@@ -44,7 +44,7 @@ class Predictions:
             return pred.classify(self.feats[key], self.bs).argmax(1)
         out = self.store.get((pred.group, split))
         if out is None:
-            out = self.store[(pred.group, split)] = torch.full((len(x),), -1, dtype=torch.int64)
+            out = self.store[(pred.group, split)] = torch.full((len(x),), -1, dtype=torch.int64, device=x.device)
         missing = idx[out[idx] < 0].unique()
         if len(missing):
             out[missing] = pred.logits(x[missing], self.bs).argmax(1)
@@ -124,10 +124,10 @@ def subsampled(ctx: Context, per_class: int | None) -> Context:
     fed = ctx.federation
     if not per_class:
         return ctx
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # the same subset whatever the device
 
     def sub(idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        idx = idx[torch.randperm(len(idx), generator=gen)]
+        idx = idx[torch.randperm(len(idx), generator=gen, device="cpu")]
         keep = [idx[y[idx] == c][:per_class] for c in range(fed.num_classes)]
         return torch.cat(keep).sort().values
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Tensors
-from pflbed.engine import rng
 from pflbed.evaluation.evaluate import Predictions, client_score
 
 SIZE_NAMES = ("S", "M", "L")
@@ -33,7 +33,7 @@ SIZE_NAMES = ("S", "M", "L")
 
 def subset(data: ClientData, fraction: float, generator: torch.Generator) -> ClientData:
     """The first ⌈fraction·n⌉ of a fixed random order of the client's training indices (S ⊂ M ⊂ L)."""
-    order = data.train[torch.randperm(data.num_train, generator=generator)]
+    order = data.train[torch.randperm(data.num_train, generator=generator, device=generator.device)]
     return replace(data, train=order[: max(1, math.ceil(fraction * data.num_train))])
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +62,22 @@ class Federation:
     domain_val: list[torch.Tensor] = field(default_factory=list)
     domain_test: list[torch.Tensor] = field(default_factory=list)
     # Public data (KT-pFL, FedMD, FedDF): training-pool indices no client holds; algorithms use them unlabelled.
-    public: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    public: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64, device="cpu"))
 
     def num_train(self, cid: int) -> int:
         return int(self.clients[cid].train.numel())
+
+    def to(self, device: torch.device | str) -> Federation:
+        """Every index tensor and class prior on `device`, the data's device, so that indexing the data and
+        weighting by a prior never mixes devices; the same object where they are already there (the CPU)."""
+        device = torch.device(device)
+        if self.global_test.device == device:
+            return self
+        clients = [replace(c, train=c.train.to(device), val=c.val.to(device), test=c.test.to(device),
+                           prior=c.prior.to(device)) for c in self.clients]  # fmt: skip
+        return replace(self, clients=clients, global_test=self.global_test.to(device), public=self.public.to(device),
+                       domain_val=[t.to(device) for t in self.domain_val],
+                       domain_test=[t.to(device) for t in self.domain_test])  # fmt: skip
 
 
 def cache_dir() -> Path:

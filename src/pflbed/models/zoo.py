@@ -351,13 +351,21 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
 }
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
-    """Build a zoo model; its initial weights come from torch's global RNG, which the caller seeds."""
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, device: torch.device | str = "cpu"
+) -> BlockNet:
+    """Build a zoo model on `device`; its initial weights come from torch's global CPU RNG, which the caller seeds.
+
+    The model is built on the CPU whatever the target device (and whatever torch's default device is), then moved:
+    initial weights are then the same numbers on every device for one seed, and CPU runs stay bit-identical.
+    """
     try:
         factory = MODELS[name]
     except KeyError:
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
-    return factory(input_shape, num_classes)
+    with torch.device("cpu"):
+        model = factory(input_shape, num_classes)
+    return model.to(device)
 
 
 def _known(names: list[str]) -> list[str]:

@@ -30,8 +30,8 @@ def save_checkpoint(
     path = checkpoint_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {
-        "format": _FORMAT, "round": rnd, "server": server,
-        "clients": {str(c): s for c, s in states.items()},
+        "format": _FORMAT, "round": rnd, "server": _on_cpu(server),
+        "clients": {str(c): _on_cpu(s) for c, s in states.items()},
         "history": json.dumps(history), "timing": json.dumps(timing), "extra": json.dumps(extra or {}),
     }  # fmt: skip
     tmp = path.with_name(f".last.{os.getpid()}.tmp")
@@ -39,12 +39,18 @@ def save_checkpoint(
     tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint intact
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints hold CPU tensors: a run saved on a GPU resumes on any device (`load_checkpoint`'s `device`)."""
+    return {k: v.cpu() for k, v in tensors.items()}
+
+
+def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[str, Any] | None:
+    """The last checkpoint of `run_dir` (None: none yet), its tensors on `device`, the resumed run's device."""
     path = checkpoint_path(run_dir)
     if not path.exists():
         return None
     try:
-        blob = torch.load(path, weights_only=True)
+        blob = torch.load(path, map_location=device, weights_only=True)
         if blob.get("format") != _FORMAT:
             raise ValueError(f"format {blob.get('format')}")
     except Exception as e:

@@ -1,0 +1,166 @@
+"""Screen mutmut's mutants against each file's own tests, many mutants per pytest process.
+
+`mutmut run` starts one forked test run per mutant and reruns every test that reaches the mutated function —
+for a survivor of the rule code that includes the config property tests and the worker-process parity tests,
+minutes per mutant. This screen instead tests each mutant against the test files of its source file only (the
+table below), switching mutmut's `MUTANT_UNDER_TEST` between `pytest.main` calls of one process, so imports and
+data loading are paid once. A mutant it reports killed is killed by the whole suite too; a survivor here may
+still be killed by another test file, so the score is a lower bound of mutmut's.
+
+    python benchmarks/mutation_screen.py generate                 # mutants/ from src/ (mutmut's own generator)
+    python benchmarks/mutation_screen.py run --shard 0 --shards 2 # one process per core; resumable
+    python benchmarks/mutation_screen.py report                   # per-file table from every results file
+
+Results go to `mutants/screen-<shard>.txt`, one `KILLED|SURVIVED|TIMEOUT <mutant>` line each (a timeout counts
+as killed, as in mutmut). `--skip FILE` leaves out the mutants named in FILE (one per line: e.g. those an earlier
+run already killed with a subset of today's tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import io
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = ROOT / "mutants"
+
+_KT = ["test_ktpfl", "test_fedmd", "test_sim_pfl", "test_topk_pfl"]
+TESTS_FOR = {  # source file under src/pflbed -> test files; default tests/test_<name>.py
+    "algorithms/__init__.py": ["test_contract"],
+    "algorithms/base.py": [
+        "test_contract", "test_fedavg", "test_training", "test_local", "test_evaluation", "test_fedrod_hyper",
+    ],
+    "algorithms/basis.py": ["test_fedbasis"],
+    "algorithms/distill.py": [*_KT, "test_feddf", "test_pfeddf"],
+    "algorithms/masks.py": ["test_fedselect"],
+    "algorithms/partial.py": ["test_fedper", "test_fedrep", "test_lg_fedavg", "test_fedbabu"],
+    "algorithms/training.py": ["test_training", "test_fedavg", "test_local", "test_fedrod"],
+    "algorithms/ktpfl.py": _KT,
+    "algorithms/feddf.py": ["test_feddf", "test_pfeddf"],
+    "evaluation/evaluate.py": ["test_evaluation", "test_metrics"],
+    "evaluation/newclients.py": ["test_evaluation", "test_metrics"],
+    "evaluation/metrics.py": ["test_metrics", "test_evaluation"],
+    "results/summary.py": ["test_summary", "test_evaluation"],
+}
+
+
+def test_files(source: str) -> list[str]:
+    names = TESTS_FOR.get(source, [f"test_{Path(source).stem}"])
+    return [f"tests/{n}.py" for n in names]
+
+
+def all_mutants() -> dict[str, str]:
+    """Mutant name -> its source file (relative to src/pflbed), from mutmut's per-file metadata."""
+    out = {}
+    for meta in sorted(glob.glob(str(MUTANTS / "src/pflbed/**/*.py.meta"), recursive=True)):
+        source = meta.split("/src/pflbed/")[1].removesuffix(".meta")
+        for name in json.loads(Path(meta).read_text())["exit_code_by_key"]:
+            out[name] = source
+    return out
+
+
+def generate() -> None:
+    """mutmut's mutant generation only (its `run` would go on to test every mutant its own way)."""
+    import mutmut.__main__ as mm
+
+    os.chdir(ROOT)
+    mm.set_mutant_under_test("mutant_generation")
+    MUTANTS.mkdir(exist_ok=True)
+    mm.copy_src_dir()
+    mm.copy_also_copy_files()
+    mm.setup_source_paths()
+    mm.store_lines_covered_by_tests()
+    print(mm.create_mutants(os.cpu_count() or 1))
+    print(f"{len(all_mutants())} mutants")
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout
+
+
+def run(shard: int, shards: int, skip: set[str], timeout: int) -> None:
+    os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
+    sys.path.insert(0, str(MUTANTS / "src"))
+    import pytest
+
+    import pflbed
+
+    if not pflbed.__file__.startswith(str(MUTANTS)):
+        sys.exit(f"mutation_screen: imported {pflbed.__file__}, not the mutants/ copy")
+    todo = [(m, s) for m, s in all_mutants().items() if m not in skip][shard::shards]
+    out = MUTANTS / f"screen-{shard}.txt"
+    done = {line.split()[1] for line in out.read_text().splitlines()} if out.exists() else set()
+    signal.signal(signal.SIGALRM, _alarm)
+    with out.open("a") as fh:
+        for name, source in todo:
+            if name in done:
+                continue
+            os.environ["MUTANT_UNDER_TEST"] = name
+            signal.alarm(timeout)
+            try:
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *test_files(source)])
+                verdict = "SURVIVED" if rc == 0 else "KILLED"
+            except _Timeout:
+                verdict = "TIMEOUT"
+            finally:
+                signal.alarm(0)
+            fh.write(f"{verdict} {name}\n")
+            fh.flush()
+
+
+def report(skip: set[str]) -> None:
+    """Per-file table; mutants in `skip` count as killed (the caller vouches for them)."""
+    source_of = all_mutants()
+    verdict = {m: "KILLED" for m in skip if m in source_of}
+    for path in sorted(MUTANTS.glob("screen-*.txt")):
+        for line in path.read_text().splitlines():
+            v, name = line.split()[:2]
+            verdict[name] = v
+    rows = collections.defaultdict(collections.Counter)
+    for name, source in source_of.items():
+        rows[source][verdict.get(name, "untested")] += 1
+        rows[source]["mutants"] += 1
+    print("| file | mutants | killed | survived | untested | score |\n|---|---|---|---|---|---|")
+    total = collections.Counter()
+    for source, c in sorted(rows.items()):
+        total.update(c)
+        killed = c["KILLED"] + c["TIMEOUT"]
+        print(f"| `{source}` | {c['mutants']} | {killed} | {c['SURVIVED']} | {c['untested']} | "
+              f"{100 * killed / c['mutants']:.1f} % |")  # fmt: skip
+    killed = total["KILLED"] + total["TIMEOUT"]
+    print(f"| **all** | {total['mutants']} | {killed} | {total['SURVIVED']} | {total['untested']} | "
+          f"{100 * killed / total['mutants']:.1f} % |")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["generate", "run", "report"])
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--timeout", type=int, default=120, help="seconds per mutant (then it counts as killed)")
+    p.add_argument("--skip", type=Path, help="file of mutant names to leave out (run) / count as killed (report)")
+    a = p.parse_args()
+    skip = set(a.skip.read_text().split()) if a.skip else set()
+    if a.command == "generate":
+        generate()
+    elif a.command == "run":
+        run(a.shard, a.shards, skip, a.timeout)
+    else:
+        report(skip)
+
+
+if __name__ == "__main__":
+    main()

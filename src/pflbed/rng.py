@@ -1,0 +1,30 @@
+"""Derived random streams: every random draw is keyed by what it is for, never by what ran before it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed from (seed, *keys) via NumPy's SeedSequence hashing."""
+    return int(np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def generator(seed: int, *keys: int) -> torch.Generator:
+    """A CPU generator on whatever device the run uses: one seed draws the same numbers everywhere."""
+    return torch.Generator(device="cpu").manual_seed(derive_seed(seed, *keys))
+
+
+def fork(device: torch.device) -> contextlib.AbstractContextManager:
+    """`torch.random.fork_rng` of the CPU's global RNG and, in a run on an accelerator, of that device's: code that
+    reseeds torch's global RNG (`torch.manual_seed` seeds every device) leaves both as they were."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+# Stream tags, so that e.g. round 3 of client 5 never collides with the fine-tuning stream of client 5.
+CLIENT, INIT, FINETUNE, NEWCLIENT = 1, 2, 3, 4
