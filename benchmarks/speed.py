@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.nn.functional as F
+from threads import step_time  # benchmarks/threads.py: the same plain SGD step
 
 from pflbed.config import validate_config
 from pflbed.engine.loop import run
@@ -39,18 +38,9 @@ def config(model: str, executor: dict, rounds: int, batch: int) -> dict:
 
 def centralized_samples_per_s(model: str, batch: int, steps: int = 200) -> float:
     """Plain SGD on one thread: the most any single process can train, with no federation around it."""
-    torch.set_num_threads(1)
     net = build_model(model, (1, 28, 28), 10)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-    net.train()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = F.cross_entropy(net(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return steps * batch / (time.perf_counter() - t0)
+    return batch / step_time(net, x, y, steps, threads=1)
 
 
 def main() -> None:
