@@ -263,12 +263,12 @@ class FedDF(Algorithm):
                 model = self.models[a]
                 load_params(model, params)
                 before.append(distill_kl(model, x, teacher, o.temperature))
-                seed = rng.derive_seed(self.ctx.seed, STREAM, 1, rnd, self.archs.index(a))
+                gen = rng.generator(self.ctx.seed, STREAM, 1, rnd, self.archs.index(a))
                 with rng.fork(self.ctx.device):  # dropout masks from this stream, not from whatever ran last
-                    torch.manual_seed(seed)
+                    torch.manual_seed(gen.initial_seed())
                     ensemble_distill(model, x, teacher, steps=o.server_steps, batch_size=o.server_batch_size,
                                      lr=o.server_lr, temperature=o.temperature, schedule=o.server_schedule,
-                                     generator=torch.Generator().manual_seed(seed))  # fmt: skip
+                                     generator=gen)  # fmt: skip
                 after.append(distill_kl(model, x, teacher, o.temperature))
                 fused[a] = get_params(model)
             out["kl_start"] = torch.tensor(sum(before) / len(before), device=self.ctx.device)
