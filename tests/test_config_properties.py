@@ -79,6 +79,7 @@ VALID: dict[str, st.SearchStrategy] = {
                                                      max_size=4)),  # fmt: skip
     "dataset.image_size": st.integers(min_value=0, max_value=64),
     "model.name": st.sampled_from(sorted(MODELS)),
+    "model.channels_last": st.booleans(),
     "federation.protocol": st.sampled_from(["standard", "pflbed"]),
     "federation.pflbed.participated": unit,
     "federation.pflbed.new": unit,
@@ -119,6 +120,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.name": st.sampled_from(["loop", "procs"]),
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),
+    "executor.batch_clients": st.one_of(st.none(), st.booleans()),
     "executor.threads": st.one_of(st.none(), st.integers(min_value=0, max_value=max_threads() + 1)),
     "executor.device": st.sampled_from(["cpu", "auto"]),  # cuda: tests/test_device.py (refused without a GPU)
     "algorithm.name": st.sampled_from(sorted(ALGORITHMS)),

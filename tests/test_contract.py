@@ -119,7 +119,8 @@ def test_diagnostics_are_logged_and_artifacts_written(tmp_path):
 
 
 # --- the registry's discovery (`pflbed.algorithms._discover`) ------------------------------------------------------
-HELPER_MODULES = {"base", "training", "partial", "basis", "distill", "masks"}  # shared pieces, no algorithm
+# shared pieces, no algorithm
+HELPER_MODULES = {"base", "training", "partial", "basis", "distill", "masks", "local_sgd"}
 
 
 def _rediscover(monkeypatch, shared=None, extra_dir=None):

@@ -315,10 +315,10 @@ def test_feature_cache_shares_the_body_not_the_head_nor_the_split():
     assert body == [3, 3, 3]
 
 
-@pytest.mark.parametrize(("mode", "calls"), [("local", [11]), ("global", [5, 6]), ("domain", [18])])
+@pytest.mark.parametrize(("mode", "calls"), [("local", [11]), ("global", [6, 5]), ("domain", [18])])
 def test_a_shared_model_is_run_once_per_evaluation_set(mode, calls):
     """Rule (evaluate.py:_warm, DESIGN §6): a model shared by every client (FedAvg) runs one batched forward over
-    all pool samples its clients need (local: 5 val + 6 test; global: 5 val, then the 6 shared test samples;
+    all pool samples its clients need (local: 5 val + 6 test; global: the 6 shared test samples, then 5 val;
     domain: 2 × (6 test + 3 val)), not one per client and split."""
     ctx = _mode_ctx(mode)
     shared = Table(ctx.source)
@@ -616,8 +616,8 @@ def test_last_is_the_final_model_and_an_empty_personalization_is_an_error():
 def test_each_distinct_model_is_warmed_over_its_own_clients_samples():
     """Rule (evaluate.py:_warm): models are grouped by their own identity — each distinct model runs one forward
     over exactly its own clients' samples (local: client 0 val 2 + test 4, client 1 val 3 + test 2), never over
-    another client's; a feature-keyed predictor (scored per evaluation set instead) is skipped without stopping
-    the warm-up of the models after it."""
+    another client's; a feature-keyed predictor runs its body once over all of its evaluation sets, without
+    stopping the warm-up of the models after it."""
     ctx = _mode_ctx("local")
     a, b = Table(ctx.source), Table(ctx.source)
     client_scores({0: a, 1: b}, ctx, Predictions(ctx.source, 4))
@@ -625,7 +625,7 @@ def test_each_distinct_model_is_warmed_over_its_own_clients_samples():
     body: list[int] = []
     head, c = Head(Table(ctx.source), body), Table(ctx.source)
     client_scores({0: head, 1: c}, ctx, Predictions(ctx.source, 4))
-    assert c.calls == [5] and body == [4, 2]  # the head's body: its test set, then its val set
+    assert c.calls == [5] and body == [6]  # the head's body: once, over its test and val sets together
 
 
 def test_every_forward_runs_at_eval_batch_size():

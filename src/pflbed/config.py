@@ -68,6 +68,10 @@ class DatasetConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: str = Field("cnn", description="a model of the zoo (pflbed.models.MODELS)")
+    channels_last: bool = Field(
+        False, description="store conv weights channels-last (NHWC): faster convolutions on CPU, float results "
+        "change by rounding, so opt-in (README, \"Speed\")"
+    )
 
     @field_validator("name")
     @classmethod
@@ -180,7 +184,10 @@ class EvalConfig(_Strict):
     )
     ft_epochs: int = Field(1, ge=1, le=100_000)
     ft_lr: float = Field(0.01, gt=0)
-    batch_size: int = Field(1024, ge=1, le=INT_MAX, description="inference batch size")
+    batch_size: int = Field(
+        256, ge=1, le=INT_MAX, description="inference batch size (256: the fastest measured on CPU for the conv models, "
+        "1.5× over 1024; README, \"Speed\")"
+    )
     test_subsample: int | None = Field(
         None, ge=1, le=INT_MAX,
         description="intermediate evaluations use at most this many shared-test samples per class",
@@ -204,10 +211,21 @@ class ExecutorConfig(_Strict):
         "(engine.threads.choose_threads); procs workers: 1",
     )
 
+    batch_clients: bool | None = Field(
+        None, description="executor.name=loop: train a round's plain-SGD clients (FedAvg, FedPer, FedRep, LG-FedAvg, "
+        "FedBABU on models without BatchNorm or dropout) together as one batched computation (engine.batched; equal "
+        "to one by one up to float rounding); unset: on when executor.device is a GPU, off on CPU, where it is slower"
+    )
     device: str = Field(
         "cpu", description="where the data, the models and every tensor of the run live: cpu, cuda (the current "
         "GPU), cuda:N or auto (cuda when available, else cpu); random draws stay on CPU generators"
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> ExecutorConfig:
+        if self.batch_clients and self.name != "loop":
+            raise ValueError("batch_clients applies to executor.name=loop (batched clients run in the loop executor)")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -21,6 +21,9 @@ from pflbed.config import Config
 from pflbed.data.arrays import DataSource
 from pflbed.federation import Federation
 from pflbed.models import BlockNet, build_model
+
+if TYPE_CHECKING:
+    from pflbed.algorithms.local_sgd import LocalSGDPlan
 
 Tensors = dict[str, torch.Tensor]
 
@@ -55,7 +58,8 @@ class Context:
     def new_model(self, name: str | None = None) -> BlockNet:
         """A fresh zoo model on `device`, initialized from torch's global (CPU) RNG, which the caller seeds."""
         name = name or self.cfg.model.name
-        return build_model(name, self.source.input_shape, self.source.num_classes, self.device)
+        m = self.cfg.model
+        return build_model(name, self.source.input_shape, self.source.num_classes, self.device, m.channels_last)
 
     def client_data(self, cid: int) -> ClientData:
         split = self.federation.clients[cid]
@@ -155,7 +159,18 @@ class Algorithm:
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        raise NotImplementedError
+        """Default: run the algorithm's `sgd_plan` on the shared model (algorithms without one override this)."""
+        from pflbed.algorithms.local_sgd import run_plan
+
+        plan = self.sgd_plan(payload, state, data)
+        if plan is None:
+            raise NotImplementedError(f"{self.name} defines neither client_update nor sgd_plan")
+        return run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, cctx.generator)
+
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
+        """The client update as plain local SGD on the run's model (`local_sgd.LocalSGDPlan`), or None when it is
+        anything else. Declaring one lets the engine train many clients together (`executor.batch_clients`)."""
+        return None
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         raise NotImplementedError

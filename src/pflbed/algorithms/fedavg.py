@@ -11,8 +11,9 @@ FedAvg is the global model itself; `eval.finetune` adds the FedAvg+FT / FedAvg+L
 
 from __future__ import annotations
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
-from pflbed.algorithms.training import train_from, weighted_mean
+from pflbed.algorithms.base import Algorithm, ClientData, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.training import weighted_mean
 
 
 class FedAvg(Algorithm):
@@ -24,10 +25,10 @@ class FedAvg(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        return train_from(self.ctx.model, payload, data, self.ctx.cfg.train, cctx.generator), state
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        t = self.ctx.cfg.train
+        every = tuple(self.ctx.model.block_names())
+        return LocalSGDPlan(payload, (Phase(every, t.local_epochs, t.lr),), lambda params: (params, state))
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return weighted_mean(replies, weights)

@@ -38,9 +38,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.partial import blocks_for, personalize_blocks, train_blocks
-from pflbed.algorithms.training import get_params, load_params, weighted_mean
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
+from pflbed.algorithms.training import weighted_mean
 
 
 class FedBABUOptions(BaseModel):
@@ -68,13 +69,13 @@ class FedBABU(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
-        load_params(model, payload)
-        train_blocks(model, data, self.body, epochs=t.local_epochs, lr=t.lr, train=t, generator=cctx.generator)
-        return get_params(model, self.body_keys), state
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        t = self.ctx.cfg.train
+        return LocalSGDPlan(
+            payload,
+            (Phase(tuple(self.body), t.local_epochs, t.lr),),
+            lambda params: (subset(params, self.body_keys), state),
+        )
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return {**server, **weighted_mean(replies, weights, self.body_keys)}

@@ -38,9 +38,10 @@ from collections.abc import Iterator
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset, train_blocks
-from pflbed.algorithms.training import get_params, load_params, weighted_mean
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset
+from pflbed.algorithms.training import weighted_mean
 
 
 class FedPerOptions(BaseModel):
@@ -73,18 +74,15 @@ class FedPer(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
-        load_params(model, {**payload, **state})
-        if self.opts.head_finetune_epochs:
-            train_blocks(model, data, self.personal, epochs=self.opts.head_finetune_epochs, lr=t.lr, train=t,
-                         generator=cctx.generator)  # fmt: skip
-        train_blocks(model, data, model.block_names(), epochs=t.local_epochs, lr=t.lr, train=t,
-                     generator=cctx.generator)  # fmt: skip
-        params = get_params(model)
-        return subset(params, self.base_keys), subset(params, self.personal_keys)
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        t = self.ctx.cfg.train
+        phases = (Phase(tuple(self.personal), self.opts.head_finetune_epochs, t.lr),  # App. A.3 (0: none)
+                  Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr))  # fmt: skip
+        return LocalSGDPlan(
+            {**payload, **state},
+            phases,
+            lambda params: (subset(params, self.base_keys), subset(params, self.personal_keys)),
+        )
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return weighted_mean(replies, weights, self.base_keys)

@@ -35,9 +35,10 @@ from collections.abc import Iterator
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset, train_blocks
-from pflbed.algorithms.training import get_params, load_params, weighted_mean
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
+from pflbed.algorithms.training import weighted_mean
 
 
 class FedRepOptions(BaseModel):
@@ -69,17 +70,15 @@ class FedRep(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
-        load_params(model, {**payload, **state})
-        train_blocks(model, data, self.head, epochs=o.head_epochs, lr=o.head_lr or t.lr, train=t,
-                     generator=cctx.generator)  # fmt: skip
-        train_blocks(model, data, self.body, epochs=o.body_epochs, lr=o.body_lr or t.lr, train=t,
-                     generator=cctx.generator)  # fmt: skip
-        params = get_params(model)
-        return subset(params, self.body_keys), subset(params, self.head_keys)
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        t, o = self.ctx.cfg.train, self.opts
+        phases = (Phase(tuple(self.head), o.head_epochs, o.head_lr or t.lr),
+                  Phase(tuple(self.body), o.body_epochs, o.body_lr or t.lr))  # fmt: skip
+        return LocalSGDPlan(
+            {**payload, **state},
+            phases,
+            lambda params: (subset(params, self.body_keys), subset(params, self.head_keys)),
+        )
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         return weighted_mean(replies, weights, self.body_keys)

@@ -15,12 +15,17 @@ from pflbed.engine import wire
 from pflbed.engine.guard import check_client
 
 
+def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
+    """Client `cid`'s generator in round `rnd`: seeded from (seed, round, client id) alone, on the CPU (the same
+    draws on any device). Torch's global RNG is seeded from the same number (`update_client`)."""
+    return torch.Generator(device="cpu").manual_seed(rng.derive_seed(seed, rng.CLIENT, rnd, cid))
+
+
 def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
     """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs."""
     ctx = algo.ctx
-    seed = rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid)
-    torch.manual_seed(seed)  # for any randomness an algorithm draws from torch's global RNG
-    cctx = ClientContext(rnd, cid, torch.Generator(device="cpu").manual_seed(seed))  # CPU: same draws on any device
+    torch.manual_seed(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid))  # randomness drawn from torch's global RNG
+    cctx = ClientContext(rnd, cid, client_generator(ctx.seed, rnd, cid))
     return algo.client_update(payload, state, ctx.client_data(cid), cctx)
 
 

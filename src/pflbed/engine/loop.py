@@ -22,6 +22,7 @@ from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
 from pflbed.data import load_source
 from pflbed.engine import wire
+from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.guard import check_server
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
@@ -61,7 +62,7 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
-    model = build_model(cfg.model.name, source.input_shape, source.num_classes, device)
+    model = build_model(cfg.model.name, source.input_shape, source.num_classes, device, cfg.model.channels_last)
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
     ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device)
     return algo_cls(ctx)
@@ -71,7 +72,8 @@ def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[Loop
     """The configured executor, and the worker pool it started (None: none, or the caller's `pool` was used)."""
     ex = algo.ctx.cfg.executor
     if ex.name == "loop":
-        return LoopExecutor(algo, strict=ex.strict), None
+        batched = ex.batch_clients if ex.batch_clients is not None else algo.ctx.device.type == "cuda"
+        return (BatchedExecutor if batched else LoopExecutor)(algo, strict=ex.strict), None
     own = None
     if pool is None:
         pool = own = WorkerPool(ex.workers or os.cpu_count() or 1, ex.threads or 1)
@@ -137,6 +139,7 @@ def _run(
                                     logged) from None  # fmt: skip
             comm = {"up_bytes_per_round": sum(wire.num_bytes(r) for r in replies.values()),
                     "down_bytes_per_round": sum(wire.num_bytes(p) for p in payloads.values())}  # fmt: skip
+            del replies, payloads  # a round's replies are the largest thing alive: never two rounds' at once
             timing["train_s"] += time.perf_counter() - t0
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 t1 = time.perf_counter()

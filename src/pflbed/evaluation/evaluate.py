@@ -20,6 +20,7 @@ import torch
 
 from pflbed.algorithms.base import Algorithm, Budget, Context, Predictor, Tensors
 from pflbed.data.arrays import DataSource
+from pflbed.evaluation.heads import classify_all
 from pflbed.evaluation.metrics import accuracy, class_counts, class_weighted_accuracy, client_stats
 
 
@@ -27,17 +28,22 @@ class Predictions:
     """Predicted labels per (predictor group, split), computed lazily, once per sample.
 
     Index tensors passed in must be ones the federation owns (a client's splits, a domain's shared sets): body
-    features of feature-keyed predictors are cached by the index tensor's identity.
+    features of feature-keyed predictors, and the labels `warm_heads` precomputes, are cached by the index
+    tensor's identity.
     """
 
     def __init__(self, source: DataSource, batch_size: int) -> None:
         self.source, self.bs = source, batch_size
         self.store: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
         self.feats: dict[tuple, torch.Tensor] = {}  # body features per (feature_key, split, index tensor)
+        self.labels: dict[tuple, tuple[Predictor, torch.Tensor]] = {}  # `warm_heads` results per (predictor, set)
 
     def __call__(self, pred: Predictor, split: str, idx: torch.Tensor) -> torch.Tensor:
         x = getattr(self.source, split).x
         if pred.feature_key is not None:  # shared frozen body: features once, then only the head
+            hit = self.labels.get((id(pred), split, idx.data_ptr(), idx.numel()))
+            if hit is not None and hit[0] is pred:
+                return hit[1]
             key = (pred.feature_key, split, idx.data_ptr(), idx.numel())
             if key not in self.feats:
                 self.feats[key] = pred.features(x[idx], self.bs)
@@ -50,30 +56,64 @@ class Predictions:
             out[missing] = pred.logits(x[missing], self.bs).argmax(1)
         return out[idx]
 
+    def warm_heads(self, items: list[tuple[Predictor, str, torch.Tensor]]) -> None:
+        """Labels of many heads on one shared body: (predictor, split, pool indices) per item, all predictors of
+        one `feature_key` and model. The body runs once per split over the union of the items' samples; the heads
+        run as one batched operation (`heads.classify_all`)."""
+        first = items[0][0]
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for split in dict.fromkeys(s for _, s, _ in items):
+            union = torch.cat([idx for _, s, idx in items if s == split]).unique()  # sorted
+            tables[split] = union, first.features(getattr(self.source, split).x[union], self.bs)
+        z_of: dict[tuple, torch.Tensor] = {}  # one feature tensor per evaluation set, shared by its clients
+        zs = []
+        for _, split, idx in items:
+            key = (split, idx.data_ptr(), idx.numel())
+            if key not in z_of:
+                union, feats = tables[split]
+                z_of[key] = feats[torch.searchsorted(union, idx)]
+            zs.append(z_of[key])
+        logits = classify_all([p for p, _, _ in items], zs, self.bs)
+        for (p, split, idx), out in zip(items, logits, strict=True):
+            self.labels[(id(p), split, idx.data_ptr(), idx.numel())] = p, out.argmax(1)
+
+    def forget_models(self) -> None:
+        """Drop everything cached per model (keep shared-body features): before scoring the next models."""
+        self.store.clear()
+        self.labels.clear()
+
 
 def pfl_mode(ctx: Context) -> str:
     return "domain" if ctx.federation.domain_test else ctx.cfg.eval.pfl_test
 
 
-def client_score(pred: Predictor, cid: int, ctx: Context, P: Predictions, which: str) -> float:
-    """P-FL accuracy of `pred` for client `cid` on its `which` ("test" or "val") data under the protocol."""
-    fed, y_pool, mode = ctx.federation, ctx.source.train.y, pfl_mode(ctx)
+def needs(cid: int, ctx: Context, which: str) -> tuple[str, torch.Tensor]:
+    """(split, indices) client `cid`'s `which` ("test" or "val") score is computed on under the protocol."""
+    fed, mode = ctx.federation, pfl_mode(ctx)
     cl = fed.clients[cid]
     if mode == "domain":
-        idx = (fed.domain_test if which == "test" else fed.domain_val)[cl.domain]
-        return _weighted(P(pred, "train", idx), y_pool[idx], cl.prior)
+        return "train", (fed.domain_test if which == "test" else fed.domain_val)[cl.domain]
     if mode == "global" and which == "test":
-        gy = getattr(ctx.source, fed.global_split).y[fed.global_test]
-        return _weighted(P(pred, fed.global_split, fed.global_test), gy, cl.prior)
-    idx = cl.test if which == "test" else cl.val
-    return accuracy(P(pred, "train", idx), y_pool[idx])
+        return fed.global_split, fed.global_test
+    return "train", cl.test if which == "test" else cl.val
+
+
+def client_score(pred: Predictor, cid: int, ctx: Context, P: Predictions, which: str) -> float:
+    """P-FL accuracy of `pred` for client `cid` on its `which` ("test" or "val") data under the protocol:
+    class-weighted by the client's prior on shared sets (domain; global test), plain on its own split."""
+    split, idx = needs(cid, ctx, which)
+    labels, y = P(pred, split, idx), getattr(ctx.source, split).y[idx]
+    mode = pfl_mode(ctx)
+    if mode == "domain" or (mode == "global" and which == "test"):
+        return _weighted(labels, y, ctx.federation.clients[cid].prior)
+    return accuracy(labels, y)
 
 
 def client_scores(
     preds: dict[int, Predictor], ctx: Context, P: Predictions
 ) -> tuple[dict[int, float], dict[int, float]]:
     """(test, val) P-FL accuracy per client under the federation's protocol."""
-    _warm(preds, ctx, P, pfl_mode(ctx))
+    _warm(preds, ctx, P)
     test = {c: client_score(p, c, ctx, P, "test") for c, p in preds.items()}
     val = {c: client_score(p, c, ctx, P, "val") for c, p in preds.items()}
     return test, val
@@ -83,23 +123,24 @@ def _weighted(pred: torch.Tensor, y: torch.Tensor, prior: torch.Tensor) -> float
     return class_weighted_accuracy(*class_counts(pred, y, len(prior)), prior)
 
 
-def _warm(preds: dict[int, Predictor], ctx: Context, P: Predictions, mode: str) -> None:
-    """One batched forward per distinct predictor over the pool samples all of its clients need."""
-    fed = ctx.federation
-    groups: dict[tuple[int, int], list[int]] = {}
+def _warm(preds: dict[int, Predictor], ctx: Context, P: Predictions) -> None:
+    """Predict everything the scores will read, with as few forwards as possible.
+
+    A model shared by several clients (same `group`) runs one batched forward per split over all samples its
+    clients need; predictors on one shared body (same `feature_key` and model) run the body once per split and
+    all their heads as one batched operation (`Predictions.warm_heads`).
+    """
+    groups: dict[tuple, list[int]] = {}
     for cid, p in preds.items():
-        groups.setdefault(p.group, []).append(cid)
-    for cids in groups.values():
-        if preds[cids[0]].feature_key is not None:
-            continue  # features are cached per evaluation set instead
-        need: list[torch.Tensor] = []
-        for c in cids:
-            cl = fed.clients[c]
-            if mode == "domain":
-                need += [fed.domain_test[cl.domain], fed.domain_val[cl.domain]]
-            else:
-                need += [cl.val] + ([cl.test] if mode == "local" else [])
-        P(preds[cids[0]], "train", torch.cat(need))
+        key = ("heads", p.feature_key, id(p.model)) if p.feature_key is not None else ("model", p.group)
+        groups.setdefault(key, []).append(cid)
+    for key, cids in groups.items():
+        items = [(preds[c], *needs(c, ctx, which)) for c in cids for which in ("test", "val")]
+        if key[0] == "heads":
+            P.warm_heads(items)
+            continue
+        for split in dict.fromkeys(s for _, s, _ in items):
+            P(preds[cids[0]], split, torch.cat([idx for _, s, idx in items if s == split]))
 
 
 def summarize(test: dict[int, float], val: dict[int, float], prefix: str = "pfl") -> dict:
@@ -183,5 +224,5 @@ def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generat
         p = last(algo.personalize(server, ctx.client_data(c), budget, generator_for(c)))
         t_c, v_c = client_scores({c: p}, ctx, P)
         test[c], val[c] = t_c[c], v_c[c]
-        P.store.clear()
+        P.forget_models()
     return summarize(test, val)

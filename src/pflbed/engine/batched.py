@@ -1,0 +1,132 @@
+"""Batched clients (`executor.batch_clients`): a round's plain-SGD clients trained together, for GPUs.
+
+A GPU spends most of a small model's step launching kernels, not computing; training the round's clients one after
+another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (FedAvg, FedPer, FedRep, LG-FedAvg,
+FedBABU) are stacked: one tensor per parameter with a leading client dimension, and every step runs all clients'
+forward, backward and SGD update as single `torch.func.vmap` calls over `functional_call`.
+
+Same rule as the loop, step for step: each client draws its mini-batch order from its own generator exactly as
+`run_plan` does, and the SGD update is torch.optim.SGD's (weight decay added to the gradient, momentum buffer
+started from the first gradient of each phase, then p ← p − lr·buf). Clients with fewer batches simply stop
+(no update, no weight decay) once theirs run out; a smaller last batch is padded and its padding weighted zero, so a
+client's loss is still the mean over its real samples. Results equal the loop's up to float rounding of the batched
+kernels (tolerance: README, "Speed").
+
+Eligible: models without BatchNorm or dropout (running statistics and random masks are per-client state the
+stacked call does not carry), and clients of the round whose plans have the same phases. Anything else runs
+through the loop, client by client — the executor decides per round.
+
+Measured on CPU it loses to the loop for convolutional models (README, "Speed"), so `batch_clients` is on by
+default only when the run's device is a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from pflbed.algorithms.base import Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.training import index_batches
+from pflbed.config import TrainConfig
+from pflbed.engine.executor import LoopExecutor, client_generator, update_client
+from pflbed.models import BlockNet
+
+_PER_CLIENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+
+
+def batchable_model(model: nn.Module) -> bool:
+    """No per-client running statistics, no random masks, no other buffers: a step is a function of parameters."""
+    return not any(isinstance(m, _PER_CLIENT) for m in model.modules()) and not list(model.buffers())
+
+
+class BatchedExecutor(LoopExecutor):
+    """`LoopExecutor` whose rounds train plain-SGD clients of one plan shape together; the rest one by one."""
+
+    def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
+        algo = self.algo
+        ctx = algo.ctx
+        plans = {c: algo.sgd_plan(self.prepare(payloads[c]), self.state(c), ctx.client_data(c)) for c in payloads}
+        groups: dict[tuple[Phase, ...], list[int]] = {}
+        for c in sorted(plans):
+            if plans[c] is not None and batchable_model(ctx.model):
+                groups.setdefault(plans[c].phases, []).append(c)
+        done: dict[int, tuple[Tensors, Tensors]] = {}
+        for cids in groups.values():
+            if len(cids) > 1:
+                gens = [client_generator(ctx.seed, rnd, c) for c in cids]
+                trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
+                                         ctx.cfg.train, gens)  # fmt: skip
+                done.update({c: plans[c].finish(p) for c, p in zip(cids, trained, strict=True)})
+        for c in sorted(set(payloads) - set(done)):  # the rest exactly as the loop runs them
+            done[c] = update_client(algo, rnd, c, self.prepare(payloads[c]), self.state(c))
+        return self.accept(rnd, done)
+
+
+def train_together(
+    model: BlockNet, plans: list[LocalSGDPlan], datas: list, train: TrainConfig, gens: list[torch.Generator]
+) -> list[Tensors]:
+    """Run the same-shaped `plans` of several clients at once; returns each client's trained full state."""
+    keys = list(plans[0].start)
+    params = {k: torch.stack([p.start[k] for p in plans]) for k in keys}  # new tensors: the starts stay untouched
+    for ph in plans[0].phases:
+        if ph.epochs:
+            _phase(model, params, ph, datas, train, gens)
+    return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
+
+
+def _phase(
+    model: BlockNet, params: Tensors, ph: Phase, datas: list, train: TrainConfig, gens: list[torch.Generator]
+) -> None:
+    trainable = [k for k in model.state_keys(ph.blocks) if k in params]
+    fixed = [k for k in params if k not in set(trainable)]
+    batches = [list(index_batches(d.train, train.batch_size, ph.epochs, g)) for d, g in zip(datas, gens, strict=True)]
+    steps = max(len(b) for b in batches)
+    model.train()
+
+    def loss(p: Tensors, q: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, {**p, **q}, (x,))
+        return (F.cross_entropy(out, y, reduction="none") * w).sum()
+
+    grads_of = vmap(grad(loss))
+    buf: Tensors = {}
+    for s in range(steps):
+        active = [i for i, b in enumerate(batches) if s < len(b)]
+        rows = torch.tensor(active, device=datas[0].x.device)
+        x, y, w = _padded([batches[i][s] for i in active], [datas[i] for i in active], train.batch_size)
+        whole = len(active) == len(batches)
+        p = {k: params[k] if whole else params[k][rows] for k in trainable}
+        q = {k: params[k] if whole else params[k][rows] for k in fixed}
+        g = grads_of(p, q, x, y, w)
+        for k in trainable:  # torch.optim.SGD's update, per client
+            d = g[k].add(p[k], alpha=train.weight_decay) if train.weight_decay else g[k]
+            if train.momentum:
+                if s == 0:  # every client with a batch starts at step 0; one without keeps a zero buffer
+                    buf[k] = d.clone() if whole else torch.zeros_like(params[k]).index_copy_(0, rows, d)
+                else:
+                    d = (buf[k] if whole else buf[k][rows]).mul_(train.momentum).add_(d)
+                    if not whole:
+                        buf[k][rows] = d
+            new = p[k].add(d, alpha=-ph.lr)
+            if whole:
+                params[k] = new
+            else:
+                params[k][rows] = new
+
+
+def _padded(idx: list[torch.Tensor], datas: list, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each client's batch padded to `batch_size` rows (padding: its first sample), and per-row loss weights
+    1/len(batch) on real rows, 0 on padding — so each client's loss is the mean over its real samples."""
+    n = max(len(b) for b in idx)
+    n = min(n, batch_size)
+    rows = []
+    weights = torch.zeros(len(idx), n, device=datas[0].x.device)
+    for r, b in enumerate(idx):
+        weights[r, : len(b)] = 1.0 / len(b)
+        rows.append(torch.cat([b, b[:1].expand(n - len(b))]))
+    sel = torch.stack(rows)
+    x = torch.stack([d.x[r] for d, r in zip(datas, sel, strict=True)])
+    y = torch.stack([d.y[r] for d, r in zip(datas, sel, strict=True)])
+    return x, y, weights

@@ -1,0 +1,101 @@
+"""Many personal heads on one shared body, evaluated as one batched operation.
+
+FedPer, FedRep, FedRoD and every linear probe give each client its own head on a body all clients share. At
+10,000 clients, evaluating them one by one costs a parameter load and a tiny forward per client and split — most
+of a round (README, "Speed"). Here the heads of a group of clients are stacked and run together with
+`torch.func.vmap` over `functional_call`: one call per chunk of clients instead of two per client.
+
+Only the parameters that differ between the predictors (by tensor identity: a state a client trained) are
+stacked; parameters every predictor shares (the server's global head of FedRoD, heads of clients never sampled)
+are loaded into the model once. A predictor class that overrides `classify` is run its own way, one by one.
+Batched and one-by-one results are equal up to float rounding of the batched matrix products.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from pflbed.algorithms.base import Predictor
+from pflbed.algorithms.training import load_params
+
+CHUNK_ELEMENTS = 1 << 23  # stacked parameters + features per chunk of clients (32 MiB of float32)
+
+
+class _Classify(nn.Module):
+    """A module whose forward is `model.classify`, so `functional_call` can swap the head's parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.m.classify(z)
+
+
+def batchable(preds: list[Predictor]) -> bool:
+    """Plain predictors on one model object: their heads differ only by parameters."""
+    first = preds[0]
+    return all(type(p).classify is Predictor.classify and p.model is first.model for p in preds)
+
+
+def varying_keys(preds: list[Predictor]) -> list[str]:
+    """Parameter keys whose tensor is not the same object in every predictor (what must be stacked)."""
+    first = preds[0].params
+    return [k for k, v in first.items() if any(p.params.get(k) is not v for p in preds[1:])]
+
+
+def classify_all(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """Logits of `preds[i]` on features `zs[i]` for every i (features may be one shared tensor object).
+
+    One `classify` per predictor when the group cannot be batched or has a single member; else one vmapped call
+    per chunk of clients, with per-client features padded to the chunk's longest (rows past a client's own are
+    discarded).
+    """
+    if len(preds) == 1 or not batchable(preds):
+        return [p.classify(z, batch_size) for p, z in zip(preds, zs, strict=True)]
+    keys = varying_keys(preds)
+    model = preds[0].model
+    load_params(model, preds[0].params)  # the shared parameters; varying ones are swapped in per client
+    model.eval()
+    if not keys:  # every head the same: one classify over the distinct feature sets together
+        distinct = list({id(z): z for z in zs}.values())
+        start, first_row = 0, {}
+        for z in distinct:
+            first_row[id(z)], start = start, start + len(z)
+        logits = preds[0].classify(torch.cat(distinct), batch_size)
+        return [logits[first_row[id(z)] : first_row[id(z)] + len(z)] for z in zs]
+    head = _Classify(model)
+    per_client = sum(preds[0].params[k].numel() for k in keys)
+    width = math.prod(zs[0].shape[1:])  # elements per feature row
+    shared = all(z is zs[0] for z in zs)  # one evaluation set for all (domain / global protocols)
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(preds):  # chunks of clients whose stacked parameters and padded features fit the budget
+        j, rows = i + 1, len(zs[i])
+        while j < len(preds) and (j + 1 - i) * (per_client + max(rows, len(zs[j])) * width) <= CHUNK_ELEMENTS:
+            rows = max(rows, len(zs[j]))
+            j += 1
+        out += _chunk(head, keys, preds[i:j], zs[i:j], shared)
+        i = j
+    return out
+
+
+def _chunk(
+    head: _Classify, keys: list[str], preds: list[Predictor], zs: list[torch.Tensor], shared: bool
+) -> list[torch.Tensor]:
+    stacked = {f"m.{k}": torch.stack([p.params[k] for p in preds]) for k in keys}
+    call = lambda params, z: functional_call(head, params, (z,))  # noqa: E731
+    with torch.no_grad():
+        if shared:
+            logits = vmap(call, in_dims=(0, None))(stacked, zs[0])
+            return list(logits.unbind(0))
+        n = max(len(z) for z in zs)
+        padded = torch.zeros((len(zs), n, *zs[0].shape[1:]), dtype=zs[0].dtype, device=zs[0].device)
+        for r, z in enumerate(zs):
+            padded[r, : len(z)] = z
+        logits = vmap(call)(stacked, padded)
+        return [logits[r, : len(z)] for r, z in enumerate(zs)]
