@@ -8,7 +8,8 @@
    process, same model and batch size, no federation at all.
 2. Scale. FedPer (personal classifier), `--scale-clients` clients (1,000 and 10,000), 1 % of them per round,
    `eval.every=5`, 10 rounds, each in a fresh process so that its peak RSS is its own: setup seconds, training
-   seconds per round, seconds per evaluation of all clients and per client, evaluation's share of the run, peak RSS.
+   seconds per round, seconds per evaluation of all clients and per client, evaluation's share of the run, peak RSS;
+   with the default layout (nchw) and `model.channels_last` (nhwc).
 3. GPU (only where CUDA is available): FedAvg, 100 clients all participating, 1 local epoch, batch 32, `cnn` —
    seconds per round for loop, batched and procs on the GPU.
 
@@ -64,8 +65,8 @@ def centralized_samples_per_s(model: str, batch: int, steps: int = 200) -> float
 def executors(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     names = list(VARIANTS)
-    print(f"{'model':8s} " + " ".join(f"{n + ' s/round':>15s}" for n in names)
-          + " " + " ".join(f"{'loop÷' + n:>12s}" for n in names[1:]) + f" {'procs worker÷centralized':>25s}")  # fmt: skip
+    head = [f"{n + ' s/round':>15s}" for n in names] + [f"{'loop÷' + n:>12s}" for n in names[1:]]
+    print(f"{'model':8s} " + " ".join(head) + f" {'procs worker÷centralized':>25s}")
     with WorkerPool(a.workers, threads=1) as pool:
         for model in a.models:
             times: dict[str, list[float]] = {n: [] for n in names}
@@ -81,15 +82,15 @@ def executors(a: argparse.Namespace) -> None:
                     samples = sum(fed.num_train(c) for c in fed.participated)
             med = {n: statistics.median(t) for n, t in times.items()}
             per_worker = samples / med["procs"] / a.workers / centralized_samples_per_s(model, a.batch)
-            print(f"{model:8s} " + " ".join(f"{med[n]:15.2f}" for n in names)
-                  + " " + " ".join(f"{med['loop'] / med[n]:12.2f}" for n in names[1:]) + f" {per_worker:25.2f}")  # fmt: skip
+            row = [f"{med[n]:15.2f}" for n in names] + [f"{med['loop'] / med[n]:12.2f}" for n in names[1:]]
+            print(f"{model:8s} " + " ".join(row) + f" {per_worker:25.2f}")
 
 
-def scale_child(clients: int, model: str) -> None:
+def scale_child(clients: int, model: str, channels_last: bool) -> None:
     """One scale measurement in this (fresh) process; prints a JSON line."""
     t0 = time.perf_counter()
     cfg = validate_config({
-        "dataset": {"name": "fmnist"}, "model": {"name": model},
+        "dataset": {"name": "fmnist"}, "model": {"name": model, "channels_last": channels_last},
         "federation": {"clients": clients, "partition": "iid", "sample_fraction": 0.01, "min_size": 1},
         "train": {"rounds": 10, "batch_size": 10, "lr": 0.01, "checkpoint_every": 0},
         "eval": {"every": 5, "finetune": []}, "executor": {"threads": 1}, "algorithm": {"name": "fedper"},
@@ -107,21 +108,23 @@ def scale_child(clients: int, model: str) -> None:
 
 def scale(a: argparse.Namespace) -> None:
     print(f"\nFedPer, {a.scale_model}, 1 % of clients per round, eval.every=5, 10 rounds (fresh process each)")
-    print(f"{'clients':>8s} {'setup s':>8s} {'train s/round':>13s} {'s/eval':>7s} {'ms/eval/client':>14s} "
-          f"{'eval share':>10s} {'peak RSS MB':>11s}")  # fmt: skip
-    for n in a.scale_clients:
-        out = subprocess.run([sys.executable, __file__, "--scale-child", str(n), a.scale_model],
+    print(f"{'clients':>8s} {'layout':>6s} {'setup s':>8s} {'train s/round':>13s} {'s/eval':>7s} "
+          f"{'ms/eval/client':>14s} {'eval share':>10s} {'peak RSS MB':>11s}")  # fmt: skip
+    for n, layout in [(n, layout) for n in a.scale_clients for layout in ("nchw", "nhwc")]:
+        out = subprocess.run([sys.executable, __file__, "--scale-child", str(n), a.scale_model, layout],
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
         m = json.loads(out.strip().splitlines()[-1])
-        print(f"{n:8d} {m['setup_s']:8.1f} {m['train_s_per_round']:13.2f} {m['eval_s']:7.2f} "
-              f"{1000 * m['eval_s'] / m['evaluated']:14.3f} {m['eval_share']:10.2f} {m['peak_rss_mb']:11.0f}")  # fmt: skip
+        print(f"{n:8d} {layout:>6s} {m['setup_s']:8.1f} {m['train_s_per_round']:13.2f} {m['eval_s']:7.2f} "
+              f"{1000 * m['eval_s'] / m['evaluated']:14.3f} {m['eval_share']:10.2f} "
+              f"{m['peak_rss_mb']:11.0f}")  # fmt: skip
 
 
 def gpu(a: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         print("\nGPU: none on this machine")
         return
-    print(f"\nGPU ({torch.cuda.get_device_name()}): FedAvg, 100 clients all participating, 1 local epoch, batch 32, cnn")
+    name = torch.cuda.get_device_name()
+    print(f"\nGPU ({name}): FedAvg, 100 clients all participating, 1 local epoch, batch 32, cnn")
     fed = {"clients": 100, "partition": "dirichlet", "alpha": 0.1}
     runs = {"loop": {"device": "cuda", "batch_clients": False}, "batched": {"device": "cuda", "batch_clients": True},
             "procs": {"device": "cuda", "name": "procs", "workers": a.workers, "threads": 1}}  # fmt: skip
@@ -132,7 +135,7 @@ def gpu(a: argparse.Namespace) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--scale-child"]:
-        scale_child(int(sys.argv[2]), sys.argv[3])
+        scale_child(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "nhwc")
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["lenet5", "cnn"])

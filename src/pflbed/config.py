@@ -185,8 +185,8 @@ class EvalConfig(_Strict):
     ft_epochs: int = Field(1, ge=1, le=100_000)
     ft_lr: float = Field(0.01, gt=0)
     batch_size: int = Field(
-        256, ge=1, le=INT_MAX, description="inference batch size (256: the fastest measured on CPU for the conv models, "
-        "1.5× over 1024; README, \"Speed\")"
+        256, ge=1, le=INT_MAX,
+        description="inference batch size (256: the fastest measured on CPU for the conv models, 1.5× over 1024)",
     )
     test_subsample: int | None = Field(
         None, ge=1, le=INT_MAX,

@@ -64,7 +64,8 @@ class Predictions:
         tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for split in dict.fromkeys(s for _, s, _ in items):
             union = torch.cat([idx for _, s, idx in items if s == split]).unique()  # sorted
-            tables[split] = union, first.features(getattr(self.source, split).x[union], self.bs)
+            x = getattr(self.source, split).x  # gathered a slice at a time: no copy of every sample at once
+            tables[split] = union, torch.cat([first.features(x[u], self.bs) for u in union.split(16 * self.bs)])
         z_of: dict[tuple, torch.Tensor] = {}  # one feature tensor per evaluation set, shared by its clients
         zs = []
         for _, split, idx in items:
