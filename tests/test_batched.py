@@ -1,7 +1,7 @@
 """Batched clients (engine/batched.py) give the loop's results up to float rounding, for every algorithm.
 
 Tolerance: after one step the batched and the one-by-one parameters differ by float32 rounding (≤ 1e-7); the
-tests below allow 1e-5 after several rounds or phases of the tiny configs, far below what any planted wrong rule
+tests below allow 1e-5 after two rounds or several phases of the tiny configs, far below what any planted wrong rule
 (loss weights, momentum, weight decay, a missing phase, a stopped client still updated) moves them.
 """
 
@@ -21,13 +21,13 @@ from pflbed.models import build_model
 from .tiny import TINY
 
 TOL = 1e-5
-FED = {**TINY["federation"], "public": 64}
-LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
+FED = {**TINY["federation"], "public": 64, "sample_fraction": 1.0}
+LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 3}
 
 
 def _cfg(name, batch_clients, **train):
     options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
-    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train},
+    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], "rounds": 2, **train},
                             "algorithm": {"name": name, **options},
                             "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
 
@@ -40,7 +40,8 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_batched_equals_loop_within_tolerance(name, monkeypatch):
     """Plain-SGD algorithms (an `sgd_plan`) are trained together and land within TOL of the loop's parameters and
-    client states; every other algorithm runs client by client in the batched executor, bit-identical."""
+    client states; every other algorithm runs client by client in the batched executor, bit-identical. Two rounds
+    with momentum and weight decay; vmapped convolutions: `test_train_together_is_each_clients_own_sgd`."""
     torch.set_num_threads(1)
     calls = []
     monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))

@@ -1,0 +1,88 @@
+"""Many heads on one body in one batched operation (evaluation/heads.py) = each head run on its own."""
+
+import pytest
+import torch
+
+from pflbed.algorithms.base import Predictor
+from pflbed.evaluation import heads
+from pflbed.evaluation.evaluate import Predictions
+from pflbed.evaluation.heads import classify_all, varying_keys
+from pflbed.models import build_model
+
+torch.manual_seed(0)
+MODEL = build_model("lenet5", (1, 8, 8), 10)
+BASE = {k: v.clone() for k, v in MODEL.state_dict().items()}
+HEAD = MODEL.state_keys(MODEL.head_blocks())
+
+
+def _predictors(n, shared_every=3):
+    """n predictors on MODEL's body: each has its own random head, except every `shared_every`-th, which keeps the
+    base head (the same tensor objects, as clients never sampled share the initial head)."""
+    g = torch.Generator().manual_seed(1)
+    preds = []
+    for i in range(n):
+        own = {k: BASE[k] if i % shared_every == 0 else torch.randn(BASE[k].shape, generator=g) for k in HEAD}
+        preds.append(Predictor(MODEL, {**BASE, **own}, feature_key=("body",)))
+    return preds
+
+
+def _one_by_one(preds, zs):
+    return [p.classify(z) for p, z in zip(preds, zs, strict=True)]
+
+
+def _features(n):
+    return MODEL.eval().features(torch.randn(n, 1, 8, 8))
+
+
+@pytest.mark.parametrize("chunk", [heads.CHUNK_ELEMENTS, 2_000])  # one chunk; many chunks of a few clients
+def test_batched_heads_equal_each_head_alone_on_its_own_features(chunk, monkeypatch):
+    """Per-client features of different lengths (an empty one included: a client without validation data)."""
+    monkeypatch.setattr(heads, "CHUNK_ELEMENTS", chunk)
+    preds = _predictors(7)
+    zs = [_features(n) for n in (3, 5, 0, 1, 4, 2, 6)]
+    got, want = classify_all(preds, zs, 256), _one_by_one(preds, zs)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+    assert len({tuple(w.argmax(1).tolist()) for w in want if len(w)}) > 1  # the heads really differ
+
+
+def test_batched_heads_on_one_shared_evaluation_set():
+    preds, z = _predictors(5), _features(6)
+    got, want = classify_all(preds, [z] * 5, 256), _one_by_one(preds, [z] * 5)
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+
+
+def test_only_the_heads_that_differ_are_stacked_and_identical_heads_run_once():
+    preds = _predictors(4)
+    assert varying_keys(preds) == HEAD
+    assert varying_keys([preds[0], preds[1]]) == HEAD  # only the second differs from the first
+    assert varying_keys([preds[0], preds[0]]) == []
+    same = [Predictor(MODEL, dict(BASE), feature_key=("body",)) for _ in range(3)]
+    zs = [_features(n) for n in (2, 3, 1)]
+    got = classify_all(same, zs, 256)
+    assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, _one_by_one(same, zs), strict=True))
+
+
+def test_a_predictor_with_its_own_classify_is_run_its_own_way():
+    class Doubled(Predictor):
+        def classify(self, z, batch_size=1024):
+            return 2 * super().classify(z, batch_size)
+
+    preds = [Doubled(MODEL, p.params, ("body",)) for p in _predictors(3)]
+    zs = [_features(2)] * 3
+    assert all(torch.equal(g, w) for g, w in zip(classify_all(preds, zs, 256), _one_by_one(preds, zs), strict=True))
+
+
+def test_warm_heads_gives_the_labels_of_the_unwarmed_path():
+    """Predictions.warm_heads (body once over the union, heads batched) = Predictions.__call__ per predictor."""
+    from pflbed.data.arrays import ArrayDataset, DataSource
+
+    x = torch.randn(30, 1, 8, 8)
+    src = DataSource("t", ArrayDataset(x, torch.zeros(30, dtype=torch.long)), ArrayDataset(x[:5], torch.zeros(5)),
+                     10, "generated")  # fmt: skip
+    preds = _predictors(4)
+    idx = [torch.tensor([0, 3, 7]), torch.tensor([3, 4]), torch.tensor([], dtype=torch.long), torch.tensor([9, 1])]
+    warm = Predictions(src, 256)
+    warm.warm_heads([(p, "train", i) for p, i in zip(preds, idx, strict=True)])
+    for p, i in zip(preds, idx, strict=True):
+        assert torch.equal(warm(p, "train", i), Predictions(src, 256)(p, "train", i))
