@@ -62,6 +62,8 @@ class FedPer(Algorithm):
         super().__init__(ctx)
         m = ctx.model
         self.personal, self.base = split_top(m, self.opts.personal_blocks, "personal_blocks")
+        # With K_P = the head, every client's body is the server base: evaluation computes its features once.
+        self.shared_body = self.personal == m.head_blocks()
         self.personal_keys = m.state_keys(self.personal)
         self.base_keys = m.state_keys(self.base)
 
@@ -88,9 +90,8 @@ class FedPer(Algorithm):
         return weighted_mean(replies, weights, self.base_keys)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        # With K_P = the head, every client's body is the server base: evaluation computes its features once.
-        shared_body = self.personal == self.ctx.model.head_blocks()
-        return Predictor(self.ctx.model, {**server, **state}, ("fedper-base", id(server)) if shared_body else None)
+        key = ("fedper-base", id(server)) if self.shared_body else None
+        return Predictor(self.ctx.model, {**server, **state}, key)
 
     def personalize(
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator

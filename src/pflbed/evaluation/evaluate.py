@@ -66,17 +66,28 @@ class Predictions:
             union = torch.cat([idx for _, s, idx in items if s == split]).unique()  # sorted
             x = getattr(self.source, split).x  # gathered a slice at a time: no copy of every sample at once
             tables[split] = union, torch.cat([first.features(x[u], self.bs) for u in union.split(16 * self.bs)])
-        z_of: dict[tuple, torch.Tensor] = {}  # one feature tensor per evaluation set, shared by its clients
-        zs = []
-        for _, split, idx in items:
-            key = (split, idx.data_ptr(), idx.numel())
-            if key not in z_of:
-                union, feats = tables[split]
-                z_of[key] = feats[torch.searchsorted(union, idx)]
-            zs.append(z_of[key])
-        logits = classify_all([p for p, _, _ in items], zs, self.bs)
-        for (p, split, idx), out in zip(items, logits, strict=True):
-            self.labels[(id(p), split, idx.data_ptr(), idx.numel())] = p, out.argmax(1)
+        # One head application per predictor and split: its evaluation sets (test, val) are classified together.
+        sets: dict[tuple[int, str], list[torch.Tensor]] = {}
+        owner: dict[tuple[int, str], Predictor] = {}
+        for p, split, idx in items:
+            sets.setdefault((id(p), split), []).append(idx)
+            owner[(id(p), split)] = p
+        # One feature tensor per distinct combination of sets (clients of one domain share theirs), gathered for
+        # all combinations of a split at once and handed out as views.
+        keys = [(split, *((i.data_ptr(), i.numel()) for i in idxs)) for (_, split), idxs in sets.items()]
+        z_of: dict[tuple, torch.Tensor] = {}
+        for split in tables:
+            distinct = {k: idxs for k, ((_, s), idxs) in zip(keys, sets.items(), strict=True) if s == split}
+            parts = [torch.cat(idxs) if len(idxs) > 1 else idxs[0] for idxs in distinct.values()]
+            union, feats = tables[split]
+            views = feats[torch.searchsorted(union, torch.cat(parts))].split([len(q) for q in parts])
+            z_of.update(zip(distinct, views, strict=True))
+        zs = [z_of[k] for k in keys]
+        logits = classify_all(list(owner.values()), zs, self.bs)
+        for (pid, split), out in zip(sets, logits, strict=True):
+            idxs = sets[(pid, split)]
+            for idx, labels in zip(idxs, out.argmax(1).split([i.numel() for i in idxs]), strict=True):
+                self.labels[(pid, split, idx.data_ptr(), idx.numel())] = owner[(pid, split)], labels
 
     def forget_models(self) -> None:
         """Drop everything cached per model (keep shared-body features): before scoring the next models."""
@@ -115,9 +126,24 @@ def client_scores(
 ) -> tuple[dict[int, float], dict[int, float]]:
     """(test, val) P-FL accuracy per client under the federation's protocol."""
     _warm(preds, ctx, P)
-    test = {c: client_score(p, c, ctx, P, "test") for c, p in preds.items()}
-    val = {c: client_score(p, c, ctx, P, "val") for c, p in preds.items()}
-    return test, val
+    return _scores(preds, ctx, P, "test"), _scores(preds, ctx, P, "val")
+
+
+def _scores(preds: dict[int, Predictor], ctx: Context, P: Predictions, which: str) -> dict[int, float]:
+    """`client_score` of every client. Plain accuracies on the clients' own splits are counted in one pass (the
+    same float32 numbers `accuracy` gives); class-weighted ones per client."""
+    mode = pfl_mode(ctx)
+    if mode == "domain" or (mode == "global" and which == "test"):
+        return {c: client_score(p, c, ctx, P, which) for c, p in preds.items()}
+    idxs = [needs(c, ctx, which)[1] for c in preds]
+    if not idxs:
+        return {}
+    labels = torch.cat([P(p, "train", idx) for p, idx in zip(preds.values(), idxs, strict=True)])
+    right = (labels == ctx.source.train.y[torch.cat(idxs)]).float()
+    sizes = torch.tensor([idx.numel() for idx in idxs], device=right.device)
+    client = torch.repeat_interleave(torch.arange(len(idxs), device=right.device), sizes)
+    correct = torch.zeros(len(idxs), device=right.device).index_add_(0, client, right)
+    return dict(zip(preds, (correct / sizes).tolist(), strict=True))  # 0 / 0: NaN, as `accuracy` of nothing
 
 
 def _weighted(pred: torch.Tensor, y: torch.Tensor, prior: torch.Tensor) -> float:

@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn.utils.rnn import pad_sequence
 
 from pflbed.algorithms.base import Predictor
 from pflbed.algorithms.training import load_params
@@ -71,31 +72,27 @@ def classify_all(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int
     head = _Classify(model)
     per_client = sum(preds[0].params[k].numel() for k in keys)
     width = math.prod(zs[0].shape[1:])  # elements per feature row
+    rows = [z.shape[0] for z in zs]
     shared = all(z is zs[0] for z in zs)  # one evaluation set for all (domain / global protocols)
     out: list[torch.Tensor] = []
     i = 0
     while i < len(preds):  # chunks of clients whose stacked parameters and padded features fit the budget
-        j, rows = i + 1, len(zs[i])
-        while j < len(preds) and (j + 1 - i) * (per_client + max(rows, len(zs[j])) * width) <= CHUNK_ELEMENTS:
-            rows = max(rows, len(zs[j]))
+        j, longest = i + 1, rows[i]
+        while j < len(preds) and (j + 1 - i) * (per_client + max(longest, rows[j]) * width) <= CHUNK_ELEMENTS:
+            longest = max(longest, rows[j])
             j += 1
-        out += _chunk(head, keys, preds[i:j], zs[i:j], shared)
+        out += _chunk(head, keys, preds[i:j], zs[i:j], rows[i:j], shared)
         i = j
     return out
 
 
 def _chunk(
-    head: _Classify, keys: list[str], preds: list[Predictor], zs: list[torch.Tensor], shared: bool
+    head: _Classify, keys: list[str], preds: list[Predictor], zs: list[torch.Tensor], rows: list[int], shared: bool
 ) -> list[torch.Tensor]:
     stacked = {f"m.{k}": torch.stack([p.params[k] for p in preds]) for k in keys}
     call = lambda params, z: functional_call(head, params, (z,))  # noqa: E731
     with torch.no_grad():
         if shared:
-            logits = vmap(call, in_dims=(0, None))(stacked, zs[0])
-            return list(logits.unbind(0))
-        n = max(len(z) for z in zs)
-        padded = torch.zeros((len(zs), n, *zs[0].shape[1:]), dtype=zs[0].dtype, device=zs[0].device)
-        for r, z in enumerate(zs):
-            padded[r, : len(z)] = z
-        logits = vmap(call)(stacked, padded)
-        return [logits[r, : len(z)] for r, z in enumerate(zs)]
+            return list(vmap(call, in_dims=(0, None))(stacked, zs[0]).unbind(0))
+        logits = vmap(call)(stacked, pad_sequence(zs, batch_first=True))  # padding rows are classified, then dropped
+        return [logits[r, :n] for r, n in enumerate(rows)]
