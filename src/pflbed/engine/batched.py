@@ -46,13 +46,16 @@ class BatchedExecutor(LoopExecutor):
     """`LoopExecutor` whose rounds train plain-SGD clients of one plan shape together; the rest one by one."""
 
     def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
-        algo = self.algo
-        ctx = algo.ctx
-        plans = {c: algo.sgd_plan(self.prepare(payloads[c]), self.state(c), ctx.client_data(c)) for c in payloads}
+        algo, ctx = self.algo, self.algo.ctx
+        received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
         groups: dict[tuple[Phase, ...], list[int]] = {}
-        for c in sorted(plans):
-            if plans[c] is not None and batchable_model(ctx.model):
-                groups.setdefault(plans[c].phases, []).append(c)
+        plans: dict[int, LocalSGDPlan] = {}
+        if batchable_model(ctx.model):
+            for c, payload in received.items():
+                plan = algo.sgd_plan(payload, self.state(c), ctx.client_data(c))
+                if plan is not None:
+                    plans[c] = plan
+                    groups.setdefault(plan.phases, []).append(c)
         done: dict[int, tuple[Tensors, Tensors]] = {}
         for cids in groups.values():
             if len(cids) > 1:
@@ -60,8 +63,8 @@ class BatchedExecutor(LoopExecutor):
                 trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
                                          ctx.cfg.train, gens)  # fmt: skip
                 done.update({c: plans[c].finish(p) for c, p in zip(cids, trained, strict=True)})
-        for c in sorted(set(payloads) - set(done)):  # the rest exactly as the loop runs them
-            done[c] = update_client(algo, rnd, c, self.prepare(payloads[c]), self.state(c))
+        for c in sorted(set(received) - set(done)):  # the rest exactly as the loop runs them
+            done[c] = update_client(algo, rnd, c, received[c], self.state(c))
         return self.accept(rnd, done)
 
 
@@ -95,7 +98,7 @@ def _phase(
     for s in range(steps):
         active = [i for i, b in enumerate(batches) if s < len(b)]
         rows = torch.tensor(active, device=datas[0].x.device)
-        x, y, w = _padded([batches[i][s] for i in active], [datas[i] for i in active], train.batch_size)
+        x, y, w = _padded([batches[i][s] for i in active], [datas[i] for i in active])
         whole = len(active) == len(batches)
         p = {k: params[k] if whole else params[k][rows] for k in trainable}
         q = {k: params[k] if whole else params[k][rows] for k in fixed}
@@ -116,11 +119,10 @@ def _phase(
                 params[k][rows] = new
 
 
-def _padded(idx: list[torch.Tensor], datas: list, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each client's batch padded to `batch_size` rows (padding: its first sample), and per-row loss weights
+def _padded(idx: list[torch.Tensor], datas: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each client's batch padded to the longest one's rows (padding: its first sample), and per-row loss weights
     1/len(batch) on real rows, 0 on padding — so each client's loss is the mean over its real samples."""
     n = max(len(b) for b in idx)
-    n = min(n, batch_size)
     rows = []
     weights = torch.zeros(len(idx), n, device=datas[0].x.device)
     for r, b in enumerate(idx):
