@@ -115,10 +115,15 @@ def client_score(pred: Predictor, cid: int, ctx: Context, P: Predictions, which:
     class-weighted by the client's prior on shared sets (domain; global test), plain on its own split."""
     split, idx = needs(cid, ctx, which)
     labels, y = P(pred, split, idx), getattr(ctx.source, split).y[idx]
-    mode = pfl_mode(ctx)
-    if mode == "domain" or (mode == "global" and which == "test"):
+    if class_weighted(ctx, which):
         return _weighted(labels, y, ctx.federation.clients[cid].prior)
     return accuracy(labels, y)
+
+
+def class_weighted(ctx: Context, which: str) -> bool:
+    """Whether `which` scores are class-weighted by the client's prior: on shared sets (domain; global test)."""
+    mode = pfl_mode(ctx)
+    return mode == "domain" or (mode == "global" and which == "test")
 
 
 def client_scores(
@@ -132,8 +137,7 @@ def client_scores(
 def _scores(preds: dict[int, Predictor], ctx: Context, P: Predictions, which: str) -> dict[int, float]:
     """`client_score` of every client. Plain accuracies on the clients' own splits are counted in one pass (the
     same float32 numbers `accuracy` gives); class-weighted ones per client."""
-    mode = pfl_mode(ctx)
-    if mode == "domain" or (mode == "global" and which == "test"):
+    if class_weighted(ctx, which):
         return {c: client_score(p, c, ctx, P, which) for c, p in preds.items()}
     idxs = [needs(c, ctx, which)[1] for c in preds]
     if not idxs:
