@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -135,6 +135,28 @@ class Predictor:
         return self._batched(self.model.classify, z, batch_size)
 
 
+class Aggregator(Protocol):
+    """The server's side of one round (`Algorithm.aggregator`): replies in, one at a time, then the new server."""
+
+    def add(self, cid: int, reply: Tensors) -> None: ...
+
+    def result(self) -> Tensors: ...
+
+
+class _Collected:
+    """The default aggregator: every reply kept, then `Algorithm.aggregate` over all of them."""
+
+    def __init__(self, algo: Algorithm, rnd: int, server: Tensors, weights: dict[int, float]) -> None:
+        self.algo, self.rnd, self.server, self.weights = algo, rnd, server, weights
+        self.replies: dict[int, Tensors] = {}
+
+    def add(self, cid: int, reply: Tensors) -> None:
+        self.replies[cid] = reply
+
+    def result(self) -> Tensors:
+        return self.algo.aggregate(self.rnd, self.server, self.replies, self.weights)
+
+
 class Algorithm:
     """Subclass once per algorithm file. See DESIGN §4 for the life cycle."""
 
@@ -172,8 +194,21 @@ class Algorithm:
         anything else. Declaring one lets the engine train many clients together (`executor.batch_clients`)."""
         return None
 
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> Aggregator:
+        """How the server takes in the round's replies: one at a time, in client order (`weights` names the round's
+        clients). Default: keep them all, then `aggregate`. A server rule that is a running sum (a weighted mean:
+        `training.WeightedMean`) folds each reply in and drops it instead, so a round never holds all its replies
+        — 100 replies of a 1.7M-parameter model are 660 MB."""
+        return _Collected(self, rnd, server, weights)
+
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        raise NotImplementedError
+        """The server rule over all of a round's replies. Define it, or `aggregator` (then this folds through it)."""
+        if type(self).aggregator is Algorithm.aggregator:
+            raise NotImplementedError(f"{self.name} defines neither aggregate nor aggregator")
+        agg = self.aggregator(rnd, server, weights)
+        for c in sorted(replies):
+            agg.add(c, replies[c])
+        return agg.result()
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def generic_model(self, server: Tensors) -> Predictor | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pflbed.algorithms.base import Algorithm, ClientData, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
-from pflbed.algorithms.training import weighted_mean
+from pflbed.algorithms.training import WeightedMean
 
 
 class FedAvg(Algorithm):
@@ -30,8 +30,8 @@ class FedAvg(Algorithm):
         every = tuple(self.ctx.model.block_names())
         return LocalSGDPlan(payload, (Phase(every, t.local_epochs, t.lr),), lambda params: (params, state))
 
-    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        return weighted_mean(replies, weights)
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean(weights)
 
     def generic_model(self, server: Tensors) -> Predictor:
         return Predictor(self.ctx.model, server)

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
-from pflbed.algorithms.training import weighted_mean
+from pflbed.algorithms.training import WeightedMean
 
 
 class FedBABUOptions(BaseModel):
@@ -77,8 +77,8 @@ class FedBABU(Algorithm):
             lambda params: (subset(params, self.body_keys), state),
         )
 
-    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        return {**server, **weighted_mean(replies, weights, self.body_keys)}
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean(weights, self.body_keys, base=server)
 
     def generic_model(self, server: Tensors) -> Predictor:
         return Predictor(self.ctx.model, server)

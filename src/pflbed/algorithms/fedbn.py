@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.training import finetune_epochs, get_params, load_params, sgd_epochs, train_from, weighted_mean
+from pflbed.algorithms.training import WeightedMean, finetune_epochs, get_params, load_params, sgd_epochs, train_from
 
 BN_KINDS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -93,8 +93,8 @@ class FedBN(Algorithm):
         trained = train_from(self.ctx.model, self._full(payload, state), data, self.ctx.cfg.train, cctx.generator)
         return {k: trained[k] for k in self.shared_keys}, {k: trained[k] for k in self.bn_keys}
 
-    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        return weighted_mean(replies, weights, self.shared_keys)
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean(weights, self.shared_keys)
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def generic_model(self, server: Tensors) -> Predictor | None:

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset
-from pflbed.algorithms.training import weighted_mean
+from pflbed.algorithms.training import WeightedMean
 
 
 class FedPerOptions(BaseModel):
@@ -86,8 +86,8 @@ class FedPer(Algorithm):
             lambda params: (subset(params, self.base_keys), subset(params, self.personal_keys)),
         )
 
-    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        return weighted_mean(replies, weights, self.base_keys)
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean(weights, self.base_keys)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         key = ("fedper-base", id(server)) if self.shared_body else None

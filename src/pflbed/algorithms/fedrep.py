@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
-from pflbed.algorithms.training import weighted_mean
+from pflbed.algorithms.training import WeightedMean
 
 
 class FedRepOptions(BaseModel):
@@ -80,8 +80,8 @@ class FedRep(Algorithm):
             lambda params: (subset(params, self.body_keys), subset(params, self.head_keys)),
         )
 
-    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        return weighted_mean(replies, weights, self.body_keys)
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean(weights, self.body_keys)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         # Every client's body is the server's: evaluation computes body features once, then runs each head.

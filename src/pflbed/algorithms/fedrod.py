@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.training import get_params, index_batches, load_params, sgd_epochs, weighted_mean
+from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
 from pflbed.config import TrainConfig
 from pflbed.models import BlockNet
 
@@ -287,8 +287,8 @@ class FedRoD(Algorithm):
                          personal_lr=self.personal_lr, generator=cctx.generator)  # fmt: skip
         return get_params(net), prefixed(PERSONAL, get_params(self.head))
 
-    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        return weighted_mean(replies, weights)  # Eq. 10
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean(weights)  # Eq. 10
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def generic_model(self, server: Tensors) -> Predictor:

@@ -129,22 +129,45 @@ def train_from(
 
 
 def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: Iterable[str] | None = None) -> Tensors:
-    """Σ_m w_m·x_m / Σ_m w_m per key. Integer tensors (e.g. BN's batch counters) take the maximum instead."""
-    cids = list(replies)
-    keys = list(keys) if keys is not None else list(replies[cids[0]])
-    w = torch.tensor([float(weights[c]) for c in cids], dtype=torch.float64, device="cpu")  # host numbers
-    w = (w / w.sum()).tolist()
-    out: Tensors = {}
-    for k in keys:
-        first = replies[cids[0]][k]
-        if first.is_floating_point():
-            acc = torch.zeros_like(first)
-            for c, wc in zip(cids, w, strict=True):
-                acc.add_(replies[c][k], alpha=wc)
-            out[k] = acc
-        else:
-            out[k] = torch.stack([replies[c][k] for c in cids]).amax(0)
-    return out
+    """Σ_m w_m·x_m / Σ_m w_m per key (`WeightedMean` over `replies` in their order)."""
+    agg = WeightedMean({c: weights[c] for c in replies}, keys)
+    for c, reply in replies.items():
+        agg.add(c, reply)
+    return agg.result()
+
+
+class WeightedMean:
+    """Σ_m w_m·x_m / Σ_m w_m per key, one reply at a time (an `Aggregator`): float tensors accumulate w_m/Σw·x_m
+    in the order the replies come, integer tensors (e.g. BN's batch counters) take the maximum. `weights` names
+    every client to come; the normalized weights are computed up front in float64. `keys`: which keys to average
+    (default: all of the first reply's); `base`: tensors the result carries unchanged besides (e.g. a frozen
+    head)."""
+
+    def __init__(self, weights: dict[int, float], keys: Iterable[str] | None = None, base: Tensors | None = None):
+        w = torch.tensor([float(v) for v in weights.values()], dtype=torch.float64, device="cpu")  # host numbers
+        self.w = dict(zip(weights, (w / w.sum()).tolist(), strict=True))
+        self.keys = list(keys) if keys is not None else None
+        self.base = base or {}
+        self.out: Tensors = {}
+        self.added = 0
+
+    def add(self, cid: int, reply: Tensors) -> None:
+        self.added += 1
+        if self.added == 1:
+            self.keys = self.keys if self.keys is not None else list(reply)
+            self.out = {k: torch.zeros_like(reply[k]) if reply[k].is_floating_point() else reply[k].clone()
+                        for k in self.keys}  # fmt: skip
+        for k in self.keys:
+            acc = self.out[k]
+            if acc.is_floating_point():
+                acc.add_(reply[k], alpha=self.w[cid])
+            else:
+                torch.maximum(acc, reply[k], out=acc)
+
+    def result(self) -> Tensors:
+        if not self.added:
+            raise ValueError("no replies to average")
+        return {**self.base, **self.out}
 
 
 def finetune_epochs(

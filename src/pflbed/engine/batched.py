@@ -22,6 +22,8 @@ default only when the run's device is a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,7 +47,7 @@ def batchable_model(model: nn.Module) -> bool:
 class BatchedExecutor(LoopExecutor):
     """`LoopExecutor` whose rounds train plain-SGD clients of one plan shape together; the rest one by one."""
 
-    def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
+    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
         received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
         groups: dict[tuple[Phase, ...], list[int]] = {}
@@ -63,9 +65,10 @@ class BatchedExecutor(LoopExecutor):
                 trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
                                          ctx.cfg.train, gens)  # fmt: skip
                 done.update({c: plans[c].finish(p) for c, p in zip(cids, trained, strict=True)})
-        for c in sorted(set(received) - set(done)):  # the rest exactly as the loop runs them
-            done[c] = update_client(algo, rnd, c, received[c], self.state(c))
-        return self.accept(rnd, done)
+                del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
+        for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
+            out = done.pop(c) if c in done else update_client(algo, rnd, c, received[c], self.state(c))
+            yield c, self.keep(rnd, c, *out)
 
 
 def train_together(

@@ -7,6 +7,8 @@ Strict mode round-trips everything through bytes (see `wire`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from pflbed import rng
@@ -44,20 +46,24 @@ class LoopExecutor:
         """What a client receives: in strict mode a copy that went through bytes (back on the run's device)."""
         return wire.roundtrip(tensors, self.algo.ctx.device) if self.strict else tensors
 
-    def accept(self, rnd: int, done: dict[int, tuple[Tensors, Tensors]]) -> dict[int, Tensors]:
-        """Check the clients' (reply, new state) in client order, keep the states, return the replies."""
-        replies: dict[int, Tensors] = {}
-        for cid in sorted(done):
-            reply, new_state = (self.prepare(t) for t in done[cid])
-            check_client(rnd, cid, reply, new_state)
-            replies[cid], self.states[cid] = reply, new_state
-        return replies
+    def keep(self, rnd: int, cid: int, reply: Tensors, new_state: Tensors) -> Tensors:
+        """Check a client's (reply, new state), keep the state, return the reply."""
+        reply, new_state = self.prepare(reply), self.prepare(new_state)
+        check_client(rnd, cid, reply, new_state)
+        self.states[cid] = new_state
+        return reply
+
+    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
+        """The round's (client, reply) pairs in client order, each one as soon as it is ready: the server folds a
+        reply in and drops it before the next one is trained (`Algorithm.aggregator`), so a round need not hold all
+        its replies at once. A client's own state is the only one its update reads, so keeping it at once is safe."""
+        for cid in sorted(payloads):
+            yield cid, self.keep(rnd, cid, *update_client(self.algo, rnd, cid, self.prepare(payloads[cid]),
+                                                           self.state(cid)))  # fmt: skip
 
     def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
-        done: dict[int, tuple[Tensors, Tensors]] = {}
-        for cid in sorted(payloads):
-            done[cid] = update_client(self.algo, rnd, cid, self.prepare(payloads[cid]), self.state(cid))
-        return self.accept(rnd, done)
+        """All of the round's replies, by client."""
+        return dict(self.stream(rnd, payloads))
 
     def close(self) -> None:
         """Nothing to release in-process."""

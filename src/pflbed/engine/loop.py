@@ -129,17 +129,19 @@ def _run(
             t0 = time.perf_counter()
             cids = sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction)
             payloads = algo.configure(rnd, server, cids)
+            comm = {"up_bytes_per_round": 0, "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}
             try:
-                replies = executor.run(rnd, payloads)
-                server = algo.aggregate(rnd, server, replies, {c: fed.num_train(c) for c in cids})
+                agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in cids})
+                for cid, reply in executor.stream(rnd, payloads):  # replies folded in as they come (weighted means)
+                    comm["up_bytes_per_round"] += wire.num_bytes(reply)
+                    agg.add(cid, reply)
+                server = agg.result()
                 check_server(rnd, server)
             except DivergedError as e:
                 logged = history[-1]["round"] if history else None
                 raise DivergedError(e.round, e.where, str(rundir.path) if rundir else None, checkpointed,
                                     logged) from None  # fmt: skip
-            comm = {"up_bytes_per_round": sum(wire.num_bytes(r) for r in replies.values()),
-                    "down_bytes_per_round": sum(wire.num_bytes(p) for p in payloads.values())}  # fmt: skip
-            del replies, payloads  # a round's replies are the largest thing alive: never two rounds' at once
+            del agg, reply, payloads  # replies and payloads are the largest things alive: never two rounds' at once
             timing["train_s"] += time.perf_counter() - t0
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 t1 = time.perf_counter()

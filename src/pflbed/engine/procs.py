@@ -31,6 +31,7 @@ from __future__ import annotations
 import pickle
 import queue
 import traceback
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -133,8 +134,8 @@ class WorkerPool:
     def submit(self, worker: int, rnd: int, cid: int, payload: Tensors, state: Tensors) -> None:
         _put(self.tasks[worker], ("client", (rnd, cid, _on_cpu(payload), _on_cpu(state))))
 
-    def collect(self) -> tuple[int, Tensors, Tensors]:
-        """The next finished client's (cid, reply, state); raises if the update failed or a worker died."""
+    def collect(self) -> tuple[int, tuple[Tensors, Tensors]]:
+        """The next finished client's (cid, (reply, state)); raises if the update failed or a worker died."""
         while True:
             try:
                 cid, reply, state, error = _get(self.results, timeout=_POLL_S)
@@ -146,7 +147,16 @@ class WorkerPool:
         if error is not None:
             name, message, trace = error
             raise WorkerError(f"client {cid}: {name}: {message}\n--- worker traceback ---\n{trace}")
-        return cid, _private(reply, self.device), _private(state, self.device)
+        return cid, (_private(reply, self.device), _private(state, self.device))
+
+    def discard(self, n: int) -> None:
+        """Collect and drop `n` outstanding results."""
+        for _ in range(n):
+            try:
+                self.collect()
+            except WorkerError:
+                if not all(p.is_alive() for p in self.procs):
+                    return
 
     def close(self) -> None:
         for q, p in zip(self.tasks, self.procs, strict=True):
@@ -183,13 +193,20 @@ class ProcsExecutor(LoopExecutor):
         self.pool = pool
         pool.load(algo)
 
-    def run(self, rnd: int, payloads: dict[int, Tensors]) -> dict[int, Tensors]:
+    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
+        """Results arrive in any order; each is handed on as soon as every client before it has been."""
         fed = self.algo.ctx.federation
         where = assign({cid: fed.num_train(cid) for cid in payloads}, self.pool.size)
-        for cid in sorted(payloads):
+        order = sorted(payloads)
+        for cid in order:
             self.pool.submit(where[cid], rnd, cid, self.prepare(payloads[cid]), self.state(cid))
-        done: dict[int, tuple[Tensors, Tensors]] = {}
-        while len(done) < len(payloads):
-            cid, reply, state = self.pool.collect()
-            done[cid] = (reply, state)
-        return self.accept(rnd, done)
+        early: dict[int, tuple[Tensors, Tensors]] = {}
+        outstanding = len(order)
+        try:
+            for cid in order:
+                while cid not in early:
+                    outstanding -= 1
+                    early.update([self.pool.collect()])  # no name left holding a reply after it is handed on
+                yield cid, self.keep(rnd, cid, *early.pop(cid))
+        finally:  # stopped early (a diverged or failed client): a reused pool must not hand this round's rest on
+            self.pool.discard(outstanding)
