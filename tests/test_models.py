@@ -1,8 +1,10 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pflbed.models import MODELS, BlockNet, build_model, zoo
+from pflbed.models.zoo import MaxPool2x2
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -184,3 +186,20 @@ def test_reduced_width_variants_scale_every_layer():
     assert build_model("alexnet_small_x025", (1, 28, 28), 10).blocks["classifier"].in_features == 1024
     with pytest.raises(ValueError, match="width 1.0 or 0.5"):
         zoo.shufflenetv2((1, 28, 28), 10, width=0.3)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 6, 6), (2, 3, 7, 5), (1, 2, 2, 3)])
+def test_max_pool_2x2_is_max_pool2d_bit_for_bit(shape):
+    """Inference (no gradient) takes the strided-maximum path, training `max_pool2d`: outputs equal bit for bit
+    on maps full of ties and with odd sizes (last row/column dropped), and the gradient goes where `max_pool2d`
+    sends it (the first maximum of each window)."""
+    x = torch.randint(-2, 3, shape).float()
+    pool = MaxPool2x2()
+    with torch.no_grad():
+        assert torch.equal(pool(x), F.max_pool2d(x, 2))
+    assert torch.equal(pool(x.contiguous(memory_format=torch.channels_last)), F.max_pool2d(x, 2))
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(F.max_pool2d(x, 2).shape)
+    pool(a).backward(g)
+    F.max_pool2d(b, 2).backward(g)
+    assert torch.equal(a.grad, b.grad)
