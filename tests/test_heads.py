@@ -86,3 +86,28 @@ def test_warm_heads_gives_the_labels_of_the_unwarmed_path():
     warm.warm_heads([(p, "train", i) for p, i in zip(preds, idx, strict=True)])
     for p, i in zip(preds, idx, strict=True):
         assert torch.equal(warm(p, "train", i), Predictions(src, 256)(p, "train", i))
+
+
+def test_warm_heads_with_several_sets_per_predictor_shared_and_empty_sets():
+    """Two sets per predictor and split (test, val) as evaluation asks for them: sets shared between predictors
+    (a domain's), an empty set (no validation data), the same sets in reverse order (not adjacent rows), and a
+    second split — every set's labels equal the unwarmed path's."""
+    from pflbed.data.arrays import ArrayDataset, DataSource
+
+    x = torch.randn(30, 1, 8, 8)
+    src = DataSource("t", ArrayDataset(x, torch.zeros(30, dtype=torch.long)), ArrayDataset(x[:6], torch.zeros(6)),
+                     10, "generated")  # fmt: skip
+    preds = _predictors(5)
+    test_a, val_a, empty = torch.tensor([0, 3, 7]), torch.tensor([4, 11]), torch.tensor([], dtype=torch.long)
+    sets = [
+        [("train", test_a), ("train", val_a)],
+        [("train", torch.tensor([9, 1])), ("train", empty)],
+        [("train", test_a), ("train", val_a)],  # shares predictor 0's sets
+        [("train", val_a), ("train", test_a)],  # the same sets, other order
+        [("test", torch.tensor([5, 0])), ("train", torch.tensor([2]))],
+    ]
+    items = [(p, split, i) for p, s in zip(preds, sets, strict=True) for split, i in s]
+    warm = Predictions(src, 256)
+    warm.warm_heads(items)
+    for p, split, i in items:
+        assert torch.equal(warm(p, split, i), Predictions(src, 256)(p, split, i))

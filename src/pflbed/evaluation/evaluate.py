@@ -58,36 +58,50 @@ class Predictions:
 
     def warm_heads(self, items: list[tuple[Predictor, str, torch.Tensor]]) -> None:
         """Labels of many heads on one shared body: (predictor, split, pool indices) per item, all predictors of
-        one `feature_key` and model. The body runs once per split over the union of the items' samples; the heads
-        run as one batched operation (`heads.classify_all`)."""
+        one `feature_key` and model, a predictor's items of one split next to each other. The body runs once per
+        split over the union of the items' samples; the heads run as one batched operation (`heads.classify_all`).
+
+        Features are gathered once per distinct index tensor (clients of one domain share theirs), in order of first
+        appearance, so a predictor's evaluation sets of a split (test, val) are adjacent rows: one view each, and
+        predictors with the same sets get the same view object (`classify_all` runs a shared set once).
+        """
         first = items[0][0]
-        tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        span: dict[tuple[str, int, int], tuple[int, int]] = {}  # (split, index tensor) → its rows in `feats[split]`
+        feats: dict[str, torch.Tensor] = {}
         for split in dict.fromkeys(s for _, s, _ in items):
-            union = torch.cat([idx for _, s, idx in items if s == split]).unique()  # sorted
+            distinct = {(s, i.data_ptr(), i.numel()): i for _, s, i in items if s == split}
+            wanted = torch.cat(list(distinct.values()))
+            union = wanted.unique()  # sorted
             x = getattr(self.source, split).x  # gathered a slice at a time: no copy of every sample at once
-            tables[split] = union, torch.cat([first.features(x[u], self.bs) for u in union.split(16 * self.bs)])
-        # One head application per predictor and split: its evaluation sets (test, val) are classified together.
-        sets: dict[tuple[int, str], list[torch.Tensor]] = {}
-        owner: dict[tuple[int, str], Predictor] = {}
+            body = torch.cat([first.features(x[u], self.bs) for u in union.split(16 * self.bs)])
+            feats[split] = body[torch.searchsorted(union, wanted)]
+            start = 0
+            for key, i in distinct.items():
+                span[key], start = (start, start + i.numel()), start + i.numel()
+        # One head application per predictor and split, on the rows of all its sets.
+        groups: dict[tuple[int, str], list[tuple[int, int, int]]] = {}  # (predictor, split) → its sets' keys
+        owner: dict[int, Predictor] = {}
         for p, split, idx in items:
-            sets.setdefault((id(p), split), []).append(idx)
-            owner[(id(p), split)] = p
-        # One feature tensor per distinct combination of sets (clients of one domain share theirs), gathered for
-        # all combinations of a split at once and handed out as views.
-        keys = [(split, *((i.data_ptr(), i.numel()) for i in idxs)) for (_, split), idxs in sets.items()]
-        z_of: dict[tuple, torch.Tensor] = {}
-        for split in tables:
-            distinct = {k: idxs for k, ((_, s), idxs) in zip(keys, sets.items(), strict=True) if s == split}
-            parts = [torch.cat(idxs) if len(idxs) > 1 else idxs[0] for idxs in distinct.values()]
-            union, feats = tables[split]
-            views = feats[torch.searchsorted(union, torch.cat(parts))].split([len(q) for q in parts])
-            z_of.update(zip(distinct, views, strict=True))
-        zs = [z_of[k] for k in keys]
-        logits = classify_all(list(owner.values()), zs, self.bs)
-        for (pid, split), out in zip(sets, logits, strict=True):
-            idxs = sets[(pid, split)]
-            for idx, labels in zip(idxs, out.argmax(1).split([i.numel() for i in idxs]), strict=True):
-                self.labels[(pid, split, idx.data_ptr(), idx.numel())] = owner[(pid, split)], labels
+            groups.setdefault((id(p), split), []).append((idx.data_ptr(), idx.numel()))
+            owner[id(p)] = p
+        views: dict[tuple, torch.Tensor] = {}
+        zs: list[torch.Tensor] = []
+        for (_, split), sets in groups.items():
+            rows = [r for r in (span[(split, *k)] for k in sets) if r[1] > r[0]] or [(0, 0)]  # empty sets: no rows
+            contiguous = len(rows) == 1 or all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+            key = (split, rows[0][0], rows[-1][1]) if contiguous else (split, *rows)
+            if key not in views:
+                f = feats[split]
+                views[key] = f[rows[0][0] : rows[-1][1]] if contiguous else torch.cat([f[a:b] for a, b in rows])
+            zs.append(views[key])
+        logits = classify_all([owner[pid] for pid, _ in groups], zs, self.bs)
+        # argmax over many clients' logits at once (one call per client is most of the cost at 10,000 clients)
+        labels = torch.cat([torch.cat(logits[i : i + 1024]).argmax(1) for i in range(0, len(logits), 1024)])
+        start = 0
+        for (pid, split), sets in groups.items():
+            for ptr, n in sets:
+                self.labels[(pid, split, ptr, n)] = owner[pid], labels[start : start + n]
+                start += n
 
     def forget_models(self) -> None:
         """Drop everything cached per model (keep shared-body features): before scoring the next models."""
