@@ -97,7 +97,12 @@ def test_warm_heads_with_several_sets_per_predictor_shared_and_empty_sets():
     x = torch.randn(30, 1, 8, 8)
     src = DataSource("t", ArrayDataset(x, torch.zeros(30, dtype=torch.long)), ArrayDataset(x[:6], torch.zeros(6)),
                      10, "generated")  # fmt: skip
-    preds = _predictors(5)
+    preds = _predictors(5, shared_every=4)  # predictor 3 (reverse order) has a random head of its own
+    with torch.no_grad():
+        z_mean = MODEL.eval().features(x).mean(0)
+    for p in preds[1:4]:  # heads centred on the mean feature: labels vary from sample to sample (else row mix-ups
+        w = p.params[HEAD[0]]  # would go unseen behind one constant label)
+        p.params[HEAD[1]] = -w @ z_mean
     test_a, val_a, empty = torch.tensor([0, 3, 7]), torch.tensor([4, 11]), torch.tensor([], dtype=torch.long)
     sets = [
         [("train", test_a), ("train", val_a)],
@@ -111,3 +116,4 @@ def test_warm_heads_with_several_sets_per_predictor_shared_and_empty_sets():
     warm.warm_heads(items)
     for p, split, i in items:
         assert torch.equal(warm(p, split, i), Predictions(src, 256)(p, split, i))
+    assert len(Predictions(src, 256)(preds[3], "train", test_a).unique()) > 1
