@@ -86,6 +86,16 @@ def executors(a: argparse.Namespace) -> None:
             print(f"{model:8s} " + " ".join(row) + f" {per_worker:25.2f}")
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM belongs to the process image, whereas `ru_maxrss` keeps
+    the parent's peak across fork and exec (a child started by a 1.5 GB parent would report 1.5 GB)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def scale_child(clients: int, model: str, channels_last: bool) -> None:
     """One scale measurement in this (fresh) process; prints a JSON line."""
     t0 = time.perf_counter()
@@ -102,7 +112,7 @@ def scale_child(clients: int, model: str, channels_last: bool) -> None:
         "clients": clients, "model": model, "total_s": time.perf_counter() - t0, "train_s_per_round": t["s_per_round"],
         "eval_s": t["eval_s"] / evals, "eval_share": t["eval_s"] / (t["eval_s"] + t["train_s"]),
         "setup_s": time.perf_counter() - t0 - t["wall_s"], "evaluated": r.summary["clients"]["participated"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }))  # fmt: skip
 
 

@@ -203,3 +203,25 @@ def test_max_pool_2x2_is_max_pool2d_bit_for_bit(shape):
     pool(a).backward(g)
     F.max_pool2d(b, 2).backward(g)
     assert torch.equal(a.grad, b.grad)
+
+
+def test_inference_rows_bound_the_widest_activation(monkeypatch):
+    """Rows per inference call: `eval.batch_size`, unless the widest layer output of that many rows would pass
+    `ACTIVATION_BYTES` (the CNN's first conv map: 32×28×28 float32 = 100,352 bytes a sample); measured per method,
+    so the head alone (`classify` of 512 features) is not held back by the body's maps."""
+    from pflbed.algorithms.base import Predictor
+    from pflbed.models import inference
+
+    cnn, mlp = build_model("cnn", (1, 28, 28), 10), build_model("mlp", (1, 28, 28), 10)
+    x = torch.randn(5, 1, 28, 28)
+    assert inference.inference_rows(cnn, "features", x, 256) == (1 << 23) // (32 * 28 * 28 * 4) == 83
+    assert inference.inference_rows(cnn, "classify", torch.randn(5, 512), 256) == 256
+    assert inference.inference_rows(mlp, "forward", x, 256) == 256
+    assert inference.inference_rows(mlp, "forward", x[:0], 256) == 256  # nothing to measure: no forward
+    monkeypatch.setattr(inference, "ACTIVATION_BYTES", 3 * 32 * 28 * 28 * 4)
+    fresh = build_model("cnn", (1, 28, 28), 10)  # the cache lives on the model object
+    sizes = []
+    fresh.blocks["conv1"].register_forward_hook(lambda m, i, o: sizes.append(len(o)))
+    pred = Predictor(fresh, {k: v.clone() for k, v in cnn.state_dict().items()})
+    out = pred.logits(torch.randn(7, 1, 28, 28), batch_size=256)
+    assert out.shape == (7, 10) and sizes == [1, 3, 3, 1]  # one measuring row, then 3 + 3 + 1

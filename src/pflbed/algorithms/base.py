@@ -21,6 +21,7 @@ from pflbed.config import Config
 from pflbed.data.arrays import DataSource
 from pflbed.federation import Federation
 from pflbed.models import BlockNet, build_model
+from pflbed.models.inference import inference_rows
 
 if TYPE_CHECKING:
     from pflbed.algorithms.local_sgd import LocalSGDPlan
@@ -117,22 +118,26 @@ class Predictor:
     def group(self) -> tuple[int, int]:
         return id(self.model), id(self.params)
 
-    def _batched(self, fn, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def _batched(self, method: str, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """`getattr(model, method)` over `x` in chunks of at most `batch_size` rows (fewer for models with wide
+        activations: `models.inference.inference_rows`)."""
         from pflbed.algorithms.training import load_params
 
         load_params(self.model, self.params)
         self.model.eval()
+        fn = getattr(self.model, method)
+        rows = inference_rows(self.model, method, x, batch_size)
         with torch.no_grad():  # an empty x (a client without validation data) still gives an empty output
-            return torch.cat([fn(x[i : i + batch_size]) for i in range(0, max(len(x), 1), batch_size)])
+            return torch.cat([fn(x[i : i + rows]) for i in range(0, max(len(x), 1), rows)])
 
     def logits(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-        return self._batched(self.model, x, batch_size)
+        return self._batched("forward", x, batch_size)
 
     def features(self, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-        return self._batched(self.model.features, x, batch_size)
+        return self._batched("features", x, batch_size)
 
     def classify(self, z: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-        return self._batched(self.model.classify, z, batch_size)
+        return self._batched("classify", z, batch_size)
 
 
 class Aggregator(Protocol):
