@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from pflbed.engine.procs import WorkerPool
+
 # Property tests: the same examples in every run by default (a CI failure reproduces locally); `explore` draws
 # fresh ones, many more (HYPOTHESIS_PROFILE=explore python -m pytest tests/test_config_properties.py).
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
@@ -20,3 +22,11 @@ torch.set_num_threads(1)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Federation caches go to a per-session temp dir, never the user's home."""
     monkeypatch.setenv("PFLBED_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """Two worker processes at one thread each, shared by every test of the procs executor (starting them costs
+    seconds). A test that leaves results behind in it breaks the next one: `ProcsExecutor.stream` must not."""
+    with WorkerPool(2, threads=1) as p:
+        yield p

@@ -8,7 +8,7 @@ from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare, run
-from pflbed.engine.procs import ProcsExecutor, WorkerError, WorkerPool, assign
+from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
 from pflbed.errors import ConfigError
 
 from .tiny import TINY
@@ -25,12 +25,6 @@ LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 def _options(name):
     fields = ALGORITHMS[name].Config.model_fields
     return {k: v for k, v in LIGHT.items() if k in fields}
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with WorkerPool(2, threads=1) as p:
-        yield p
 
 
 def _cfg(name, executor):

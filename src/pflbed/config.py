@@ -186,7 +186,8 @@ class EvalConfig(_Strict):
     ft_lr: float = Field(0.01, gt=0)
     batch_size: int = Field(
         256, ge=1, le=INT_MAX,
-        description="inference batch size (256: the fastest measured on CPU for the conv models, 1.5× over 1024)",
+        description="most rows per inference forward; fewer for models whose widest activation would pass 8 MiB "
+        "(pflbed.models.inference: measured fastest on CPU)",
     )
     test_subsample: int | None = Field(
         None, ge=1, le=INT_MAX,
