@@ -58,12 +58,12 @@ class Predictions:
 
     def warm_heads(self, items: list[tuple[Predictor, str, torch.Tensor]]) -> None:
         """Labels of many heads on one shared body: (predictor, split, pool indices) per item, all predictors of
-        one `feature_key` and model, a predictor's items of one split next to each other. The body runs once per
-        split over the union of the items' samples; the heads run as one batched operation (`heads.classify_all`).
+        one `feature_key` and model. The body runs once per split over the union of the items' samples; the heads
+        run as one batched operation (`heads.classify_all`).
 
         Features are gathered once per distinct index tensor (clients of one domain share theirs), in order of first
-        appearance, so a predictor's evaluation sets of a split (test, val) are adjacent rows: one view each, and
-        predictors with the same sets get the same view object (`classify_all` runs a shared set once).
+        appearance, so the sets a predictor lists together (test, val) are usually adjacent rows: one view, shared
+        by every predictor with the same sets (`classify_all` runs a shared set once); other orders are gathered.
         """
         first = items[0][0]
         span: dict[tuple[str, int, int], tuple[int, int]] = {}  # (split, index tensor) → its rows in `feats[split]`
