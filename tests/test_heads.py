@@ -6,7 +6,7 @@ import torch
 from pflbed.algorithms.base import Predictor
 from pflbed.evaluation import heads
 from pflbed.evaluation.evaluate import Predictions
-from pflbed.evaluation.heads import classify_all, varying_keys
+from pflbed.evaluation.heads import classify_all, predict_all, varying_keys
 from pflbed.models import build_model
 
 torch.manual_seed(0)
@@ -71,6 +71,30 @@ def test_a_predictor_with_its_own_classify_is_run_its_own_way():
     preds = [Doubled(MODEL, p.params, ("body",)) for p in _predictors(3)]
     zs = [_features(2)] * 3
     assert all(torch.equal(g, w) for g, w in zip(classify_all(preds, zs, 256), _one_by_one(preds, zs), strict=True))
+
+
+@pytest.mark.parametrize("chunk", [heads.CHUNK_ELEMENTS, 2_000])
+@pytest.mark.parametrize("case", ["own", "shared", "identical", "own_classify"])
+def test_predicted_labels_are_each_predictors_argmax_in_order(case, chunk, monkeypatch):
+    """predict_all (argmax on padded chunks, padding rows masked out) = classify_all's logits' argmax, client by
+    client, whatever the path: own sets of different lengths, one shared set, identical heads, unbatchable."""
+    monkeypatch.setattr(heads, "CHUNK_ELEMENTS", chunk)
+
+    class Doubled(Predictor):
+        def classify(self, z, batch_size=1024):
+            return 2 * super().classify(z, batch_size)
+
+    preds = _predictors(7)
+    zs = [_features(n) for n in (3, 5, 0, 1, 4, 2, 6)]
+    if case == "shared":
+        zs = [zs[-1]] * 7
+    elif case == "identical":
+        preds = [Predictor(MODEL, dict(BASE), feature_key=("body",)) for _ in range(7)]
+    elif case == "own_classify":
+        preds = [Doubled(MODEL, p.params, ("body",)) for p in preds]
+    want = torch.cat([w.argmax(1) for w in classify_all(preds, zs, 256)])
+    assert torch.equal(predict_all(preds, zs, 256), want)
+    assert torch.equal(want, torch.cat([w.argmax(1) for w in _one_by_one(preds, zs)]))
 
 
 def test_warm_heads_gives_the_labels_of_the_unwarmed_path():

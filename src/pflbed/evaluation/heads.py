@@ -14,6 +14,8 @@ Batched and one-by-one results are equal up to float rounding of the batched mat
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -56,8 +58,40 @@ def classify_all(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int
     per chunk of clients, with per-client features padded to the chunk's longest (rows past a client's own are
     discarded).
     """
+    out: list[torch.Tensor] = []
+    for part in _logits(preds, zs, batch_size):
+        out += part if isinstance(part, list) else [part.logits[r, :n] for r, n in enumerate(part.rows)]
+    return out
+
+
+def predict_all(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """Predicted labels of `preds[i]` on `zs[i]` for every i, concatenated in order: `classify_all`'s logits,
+    argmax taken per chunk of clients on the padded block (one call, not one slice and argmax per client: those
+    were most of an evaluation at 10,000 clients)."""
+    out: list[torch.Tensor] = []
+    for part in _logits(preds, zs, batch_size):
+        if isinstance(part, list):
+            out += [torch.cat(part[i : i + 1024]).argmax(1) for i in range(0, len(part), 1024)]
+            continue
+        labels = part.logits.argmax(-1)  # (clients, padded rows)
+        rows = torch.tensor(part.rows, device=labels.device)
+        out.append(labels[torch.arange(labels.shape[1], device=labels.device) < rows[:, None]])  # row-major: in order
+    device = zs[0].device if zs else None
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class _Padded(NamedTuple):
+    """Logits of a chunk of clients, (clients, padded rows, classes); client r's own rows are the first rows[r]."""
+
+    logits: torch.Tensor
+    rows: list[int]
+
+
+def _logits(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int) -> Iterator[list[torch.Tensor] | _Padded]:
+    """The logits of `classify_all`, a chunk at a time: a list per predictor, or one padded block per chunk."""
     if len(preds) == 1 or not batchable(preds):
-        return [p.classify(z, batch_size) for p, z in zip(preds, zs, strict=True)]
+        yield [p.classify(z, batch_size) for p, z in zip(preds, zs, strict=True)]
+        return
     keys = varying_keys(preds)
     model = preds[0].model
     load_params(model, preds[0].params)  # the shared parameters; varying ones are swapped in per client
@@ -68,31 +102,29 @@ def classify_all(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int
         for z in distinct:
             first_row[id(z)], start = start, start + len(z)
         logits = preds[0].classify(torch.cat(distinct), batch_size)
-        return [logits[first_row[id(z)] : first_row[id(z)] + len(z)] for z in zs]
+        yield [logits[first_row[id(z)] : first_row[id(z)] + len(z)] for z in zs]
+        return
     head = _Classify(model)
     per_client = sum(preds[0].params[k].numel() for k in keys)
     width = math.prod(zs[0].shape[1:])  # elements per feature row
     rows = [z.shape[0] for z in zs]
     shared = all(z is zs[0] for z in zs)  # one evaluation set for all (domain / global protocols)
-    out: list[torch.Tensor] = []
     i = 0
     while i < len(preds):  # chunks of clients whose stacked parameters and padded features fit the budget
         j, longest = i + 1, rows[i]
         while j < len(preds) and (j + 1 - i) * (per_client + max(longest, rows[j]) * width) <= CHUNK_ELEMENTS:
             longest = max(longest, rows[j])
             j += 1
-        out += _chunk(head, keys, preds[i:j], zs[i:j], rows[i:j], shared)
+        yield _Padded(_chunk(head, keys, preds[i:j], zs[i:j], shared), rows[i:j])
         i = j
-    return out
 
 
 def _chunk(
-    head: _Classify, keys: list[str], preds: list[Predictor], zs: list[torch.Tensor], rows: list[int], shared: bool
-) -> list[torch.Tensor]:
+    head: _Classify, keys: list[str], preds: list[Predictor], zs: list[torch.Tensor], shared: bool
+) -> torch.Tensor:
     stacked = {f"m.{k}": torch.stack([p.params[k] for p in preds]) for k in keys}
     call = lambda params, z: functional_call(head, params, (z,))  # noqa: E731
     with torch.no_grad():
         if shared:
-            return list(vmap(call, in_dims=(0, None))(stacked, zs[0]).unbind(0))
-        logits = vmap(call)(stacked, pad_sequence(zs, batch_first=True))  # padding rows are classified, then dropped
-        return [logits[r, :n] for r, n in enumerate(rows)]
+            return vmap(call, in_dims=(0, None))(stacked, zs[0])
+        return vmap(call)(stacked, pad_sequence(zs, batch_first=True))  # padding rows are classified, then dropped
