@@ -1,4 +1,5 @@
-"""The one round loop (DESIGN §5): sample → configure → client updates → aggregate → evaluate → log.
+"""One experiment (DESIGN §5): the rounds of `driver.Driver`, with the run directory, checkpoints, progress, timing
+and the final fine-tuning and new-client stages around them.
 
 Everything that can fail on user input (config, data, federation, output directory) is checked in `prepare`
 before the run directory is touched.
@@ -21,16 +22,15 @@ from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
 from pflbed.data import load_source
-from pflbed.engine import wire
 from pflbed.engine.batched import BatchedExecutor
+from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.guard import check_server
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.threads import choose_threads, provenance
 from pflbed.errors import DivergedError
-from pflbed.evaluation.evaluate import evaluate, evaluate_personalized, subsampled
+from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
-from pflbed.federation import build_federation, sample_clients
+from pflbed.federation import build_federation
 from pflbed.models import build_model
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
@@ -120,49 +120,34 @@ def _run(
         server, history, per_client, first = algo.init_server(), [], {}, 1
         timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
-    quick = subsampled(algo.ctx, cfg.eval.test_subsample)
+    driver = Driver(algo, executor)
     checkpointed = saved["round"] if saved else None
     with _progress(progress) as bar:
         task = bar.add_task(f"{cfg.algorithm.name} on {cfg.dataset.name}", total=cfg.train.rounds, status="")
         bar.update(task, completed=first - 1)
-        for rnd in range(first, cfg.train.rounds + 1):
-            t0 = time.perf_counter()
-            cids = sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction)
-            payloads = algo.configure(rnd, server, cids)
-            comm = {"up_bytes_per_round": 0, "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}
-            try:
-                agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in cids})
-                for cid, reply in executor.stream(rnd, payloads):  # replies folded in as they come (weighted means)
-                    comm["up_bytes_per_round"] += wire.num_bytes(reply)
-                    agg.add(cid, reply)
-                server = agg.result()
-                check_server(rnd, server)
-            except DivergedError as e:
-                logged = history[-1]["round"] if history else None
-                raise DivergedError(e.round, e.where, str(rundir.path) if rundir else None, checkpointed,
-                                    logged) from None  # fmt: skip
-            del agg, reply, payloads  # replies and payloads are the largest things alive: never two rounds' at once
-            timing["train_s"] += time.perf_counter() - t0
-            if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
-                t1 = time.perf_counter()
-                final = rnd == cfg.train.rounds
-                scores, per_client = evaluate(algo, server, executor.state, None if final else quick)
-                record = {"round": rnd, **scores, **comm, "full_test": final or quick is algo.ctx}
-                diag = algo.diagnostics(rnd, server, executor.state)
-                if diag:
-                    record["diag"] = diag
-                history.append(record)
-                if rundir:
-                    rundir.log(record)
-                timing["eval_s"] += time.perf_counter() - t1
-                bar.update(task, status=_status(record))
-            bar.update(task, advance=1)
-            every = cfg.train.checkpoint_every
-            if rundir and ((every and rnd % every == 0) or rnd == cfg.train.rounds):  # always the final state
-                timing["wall_s"] = wall_before + time.perf_counter() - t_start
-                save_checkpoint(rundir.path, rnd, server, executor.states, history, timing,
-                                {"per_client": per_client})  # fmt: skip
-                checkpointed = rnd
+        try:
+            for r in driver.rounds(server, first):
+                server = r.server
+                timing["train_s"] += r.train_s
+                timing["eval_s"] += r.eval_s
+                if r.record is not None:
+                    history.append(r.record)
+                    per_client = r.per_client or {}
+                    if rundir:
+                        rundir.log(r.record)
+                    bar.update(task, status=_status(r.record))
+                bar.update(task, advance=1)
+                every = cfg.train.checkpoint_every
+                if rundir and ((every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):  # always the final state
+                    timing["wall_s"] = wall_before + time.perf_counter() - t_start
+                    save_checkpoint(rundir.path, r.rnd, server, executor.states, history, timing,
+                                    {"per_client": per_client})  # fmt: skip
+                    checkpointed = r.rnd
+                del r  # the round's server state lives on in `server` only
+        except DivergedError as e:  # the driver knows the round; the experiment adds what it kept
+            logged = history[-1]["round"] if history else None
+            raise DivergedError(e.round, e.where, str(rundir.path) if rundir else None, checkpointed,
+                                logged) from None  # fmt: skip
         t1 = time.perf_counter()
         finetuned = {}
         methods = cfg.eval.finetune if algo.generic_model(server) is not None else []

@@ -1,0 +1,97 @@
+"""The round driver (DESIGN §5): sample → configure → client work → aggregate → evaluate on schedule.
+
+One driver for every executor — in this process (`loop`, batched clients, `procs`) and inside a Flower ServerApp
+(`flower`): what differs between them is only where `executor.stream` runs the clients. The driver does no I/O.
+The experiment around it (`loop.run`: run directory, checkpoints, progress, the final fine-tuning and new-client
+stages) consumes the rounds it yields, so a Flower ServerApp can drive the same rounds and write the same files.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pflbed.algorithms.base import Algorithm, Context, Tensors
+from pflbed.engine import wire
+from pflbed.engine.guard import check_server
+from pflbed.evaluation.evaluate import evaluate, subsampled
+from pflbed.federation import sample_clients
+
+
+class Executor(Protocol):
+    """Where client updates run. `stream` yields (client, reply) in client order, each as soon as it is ready,
+    and keeps each client's new state, which `state` returns (created by `init_client` on first use)."""
+
+    states: dict[int, Tensors]
+
+    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]: ...
+
+    def state(self, cid: int) -> Tensors: ...
+
+
+@dataclass
+class Round:
+    """What one round produced: the new server state, its evaluation record (None when not evaluated this round)
+    and the per-client P-FL test accuracies of that evaluation."""
+
+    rnd: int
+    server: Tensors
+    record: dict[str, Any] | None
+    per_client: dict[int, float] | None
+    train_s: float
+    eval_s: float
+    comm: dict[str, int] = field(default_factory=dict)
+
+
+class Driver:
+    """Runs rounds of `algo` on `executor`; evaluates every `eval.every` rounds and after the last one.
+
+    Intermediate evaluations score on `subsampled` shared test sets (`eval.test_subsample`), the final one on the
+    full sets (DESIGN §6).
+    """
+
+    def __init__(self, algo: Algorithm, executor: Executor) -> None:
+        self.algo, self.executor = algo, executor
+        self.cfg = algo.ctx.cfg
+        self.quick: Context = subsampled(algo.ctx, self.cfg.eval.test_subsample)
+
+    def rounds(self, server: Tensors, first: int = 1) -> Iterator[Round]:
+        """Rounds `first`…`train.rounds`, starting from `server`. A diverged client or server state raises
+        `DivergedError` (from the executor or `check_server`) with the round it happened in."""
+        for rnd in range(first, self.cfg.train.rounds + 1):
+            t0 = time.perf_counter()
+            server, comm = self.train_round(rnd, server)
+            train_s = time.perf_counter() - t0
+            record = per_client = None
+            t1 = time.perf_counter()
+            if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.train.rounds:
+                record, per_client = self.evaluate(rnd, server, comm)
+            yield Round(rnd, server, record, per_client, train_s, time.perf_counter() - t1, comm)
+
+    def train_round(self, rnd: int, server: Tensors) -> tuple[Tensors, dict[str, int]]:
+        """One round of training: (new server state, bytes sent down and up)."""
+        algo, fed = self.algo, self.algo.ctx.federation
+        cids = sample_clients(self.cfg.seed, rnd, fed.participated, self.cfg.federation.sample_fraction)
+        payloads = algo.configure(rnd, server, cids)
+        comm = {"up_bytes_per_round": 0, "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}
+        agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in cids})
+        for cid, reply in self.executor.stream(rnd, payloads):  # replies folded in as they come (weighted means)
+            comm["up_bytes_per_round"] += wire.num_bytes(reply)
+            agg.add(cid, reply)
+        del payloads  # with `agg` and the replies: the largest things alive, never two rounds' at once
+        server = agg.result()
+        check_server(rnd, server)
+        return server, comm
+
+    def evaluate(self, rnd: int, server: Tensors, comm: dict[str, int]) -> tuple[dict[str, Any], dict[int, float]]:
+        """The round's record (G-FL, P-FL, communication, the algorithm's diagnostics) and per-client P-FL."""
+        final = rnd == self.cfg.train.rounds
+        state: Callable[[int], Tensors] = self.executor.state
+        scores, per_client = evaluate(self.algo, server, state, None if final else self.quick)
+        record = {"round": rnd, **scores, **comm, "full_test": final or self.quick is self.algo.ctx}
+        diag = self.algo.diagnostics(rnd, server, state)
+        if diag:
+            record["diag"] = diag
+        return record, per_client
