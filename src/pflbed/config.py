@@ -7,6 +7,7 @@ validated by the algorithm's own `Config` model once the name is known.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -197,12 +198,23 @@ class EvalConfig(_Strict):
 
 
 class ExecutorConfig(_Strict):
-    name: Literal["loop", "procs"] = Field(
+    name: Literal["loop", "procs", "flower"] = Field(
         "loop", description="loop: clients one after another in this process; procs: a round's clients in parallel "
-        "worker processes (identical results at the same thread count per process)"
+        "worker processes (identical results at the same thread count per process); flower: clients as Flower "
+        "ClientApps in Flower's simulation runtime (the `flower` extra)"
     )
     workers: int | None = Field(
-        None, description="procs: worker processes, 1 to 4 × cores; unset: one per core (engine.procs)"
+        None, description="procs: worker processes; flower: ClientApp processes running at once; 1 to 4 × cores; "
+        "unset: one per core"
+    )
+    supernodes: int | None = Field(
+        None, ge=1, description="flower: simulated SuperNodes; node k serves the clients whose id is k modulo their "
+        "number; unset: one per client"
+    )
+    round_timeout: float | None = Field(
+        None, gt=0, description="flower: seconds a round waits for its replies; clients that have not replied by "
+        "then (or whose node failed) are left out of the round and listed in its record's failed_clients; unset: "
+        "wait for every reply"
     )
     strict: bool = Field(False, description="round-trip every payload, reply and client state through bytes")
     threads: int | None = Field(
@@ -226,6 +238,11 @@ class ExecutorConfig(_Strict):
     def _check(self) -> ExecutorConfig:
         if self.batch_clients and self.name != "loop":
             raise ValueError("batch_clients applies to executor.name=loop (batched clients run in the loop executor)")
+        for key in ("supernodes", "round_timeout"):
+            if getattr(self, key) is not None and self.name != "flower":
+                raise ValueError(f"{key} applies to executor.name=flower")
+        if self.name == "flower" and importlib.util.find_spec("flwr") is None:
+            raise ValueError("executor.name=flower needs the flower extra: pip install 'pflbed[flower]'")
         return self
 
     @field_validator("device")

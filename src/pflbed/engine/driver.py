@@ -9,7 +9,7 @@ stages) consumes the rounds it yields, so a Flower ServerApp can drive the same 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,11 +22,15 @@ from pflbed.federation import sample_clients
 
 class Executor(Protocol):
     """Where client updates run. `stream` yields (client, reply) in client order, each as soon as it is ready,
-    and keeps each client's new state, which `state` returns (created by `init_client` on first use)."""
+    and keeps each client's new state, which `state` returns (created by `init_client` on first use).
+
+    An executor that can lose clients (Flower: a node died, a round timed out) returns from `stream` an iterable
+    with `clients` (those that replied) and `failed` (the rest) known before its first reply is taken.
+    """
 
     states: dict[int, Tensors]
 
-    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]: ...
+    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterable[tuple[int, Tensors]]: ...
 
     def state(self, cid: int) -> Tensors: ...
 
@@ -42,7 +46,7 @@ class Round:
     per_client: dict[int, float] | None
     train_s: float
     eval_s: float
-    comm: dict[str, int] = field(default_factory=dict)
+    comm: dict[str, Any] = field(default_factory=dict)
 
 
 class Driver:
@@ -70,14 +74,21 @@ class Driver:
                 record, per_client = self.evaluate(rnd, server, comm)
             yield Round(rnd, server, record, per_client, train_s, time.perf_counter() - t1, comm)
 
-    def train_round(self, rnd: int, server: Tensors) -> tuple[Tensors, dict[str, int]]:
-        """One round of training: (new server state, bytes sent down and up)."""
+    def train_round(self, rnd: int, server: Tensors) -> tuple[Tensors, dict[str, Any]]:
+        """One round of training: (new server state, bytes sent down and up, and `failed_clients` where some
+        sampled clients did not reply: the server then aggregates over those that did, with their weights)."""
         algo, fed = self.algo, self.algo.ctx.federation
         cids = sample_clients(self.cfg.seed, rnd, fed.participated, self.cfg.federation.sample_fraction)
         payloads = algo.configure(rnd, server, cids)
-        comm = {"up_bytes_per_round": 0, "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}
-        agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in cids})
-        for cid, reply in self.executor.stream(rnd, payloads):  # replies folded in as they come (weighted means)
+        comm: dict[str, Any] = {"up_bytes_per_round": 0,
+                                "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}  # fmt: skip
+        replies = self.executor.stream(rnd, payloads)
+        failed = list(getattr(replies, "failed", []))
+        if failed:
+            comm["failed_clients"] = failed
+        arrived = [c for c in cids if c not in set(failed)]
+        agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in arrived})
+        for cid, reply in replies:  # replies folded in as they come (weighted means)
             comm["up_bytes_per_round"] += wire.num_bytes(reply)
             agg.add(cid, reply)
         del payloads  # with `agg` and the replies: the largest things alive, never two rounds' at once
@@ -85,7 +96,7 @@ class Driver:
         check_server(rnd, server)
         return server, comm
 
-    def evaluate(self, rnd: int, server: Tensors, comm: dict[str, int]) -> tuple[dict[str, Any], dict[int, float]]:
+    def evaluate(self, rnd: int, server: Tensors, comm: dict[str, Any]) -> tuple[dict[str, Any], dict[int, float]]:
         """The round's record (G-FL, P-FL, communication, the algorithm's diagnostics) and per-client P-FL."""
         final = rnd == self.cfg.train.rounds
         state: Callable[[int], Tensors] = self.executor.state

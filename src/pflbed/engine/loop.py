@@ -82,17 +82,23 @@ def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[Loop
 
 def run(
     cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
-    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None,
+    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None, simulation: Any = None,
 ) -> RunResult:  # fmt: skip
     """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
 
     With `resume`, continue from the run directory's last checkpoint (or from the start if it has none). An
     existing run in `out` is refused unless `force` (see `RunDir.check`). A non-finite loss or parameter stops
     the run with `DivergedError`, keeping the metrics logged so far and the last checkpoint. `pool`: worker
-    processes to reuse for `executor.name: procs` (else the run starts and stops its own).
+    processes to reuse for `executor.name: procs` (else the run starts and stops its own). With `executor.name:
+    flower` the same experiment runs inside a Flower ServerApp, in `simulation` (a running
+    `flower.simulation.FlowerSimulation` to reuse) or in a simulation of its own.
     """
     algo = prepare(cfg, threads)
     rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
+    if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
+        from pflbed.flower.simulation import simulate
+
+        return simulate(algo, lambda executor: _run(cfg, algo, executor, rundir, progress, resume), simulation)
     executor, own_pool = make_executor(algo, pool)
     try:
         return _run(cfg, algo, executor, rundir, progress, resume)
