@@ -11,12 +11,22 @@ from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare, run
 from pflbed.errors import ConfigError
+from pflbed.federation import sample_clients
 
 from .tiny import TINY
 
 flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it, so these tests run there
 
-from pflbed.flower.executor import FlowerClientError  # noqa: E402
+import traceback  # noqa: E402
+import uuid  # noqa: E402
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.common.constant import ErrorCode  # noqa: E402
+
+from pflbed.algorithms.training import WeightedMean  # noqa: E402
+from pflbed.engine.executor import update_client  # noqa: E402
+from pflbed.flower import client  # noqa: E402
+from pflbed.flower.executor import FlowerClientError, FlowerRoundError  # noqa: E402
 from pflbed.flower.simulation import FlowerSimulation  # noqa: E402
 
 FED = {**TINY["federation"], "public": 64}
@@ -54,3 +64,121 @@ def test_flower_simulation_equals_loop_bit_for_bit(name, sim):
     assert _figures(flower.summary) == _figures(loop.summary)
     assert _same(flower.server, loop.server)
     assert all(_same(flower.executor.states[c], loop.executor.states[c]) for c in loop.executor.states)
+
+
+class FakeGrid:
+    """A Grid whose nodes run the ClientApp in this process, as Flower's runtime would (an exception in the app
+    becomes an error reply), and lose the clients in `lost` {round: client ids} as a dead node's replies are lost."""
+
+    def __init__(self, partitions=3, lost=None):
+        self.parts, self.lost = partitions, lost or {}
+        self.nodes = [1000 + p for p in range(partitions)]
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, msgs, timeout=None):
+        out = []
+        for msg in msgs:
+            msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            part = self.nodes.index(msg.metadata.dst_node_id)
+            ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=RecordDict(), run_config={},
+                          node_config={client.PARTITION: part, client.PARTITIONS: self.parts})  # fmt: skip
+            conf = msg.content.get("config", {})
+            if "cid" in conf and int(conf["cid"]) in self.lost.get(int(conf["round"]), ()):
+                out.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, "node gone"), reply_to=msg))
+                continue
+            try:
+                out.append(client.app(msg, ctx))
+            except Exception:
+                out.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, traceback.format_exc()), reply_to=msg))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def _task_identity(monkeypatch):
+    """Messages are stamped with the run and task of this process, which Flower's runtime sets; FakeGrid has none."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for key in ("_run_id", "_task_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, key, getattr(TaskIdentity, key) or 1)
+
+
+class FakeSimulation:
+    def __init__(self, grid):
+        self.grid = grid
+
+    def run(self, algo, experiment):
+        from pflbed.flower.executor import FlowerExecutor
+
+        return experiment(FlowerExecutor(algo, self.grid))
+
+
+def _fedavg(**train):
+    return _cfg("fedavg", {"name": "flower", "threads": 1}, **train)
+
+
+def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied():
+    """Rule (driver.train_round): a round whose client 2 is lost aggregates the others' replies with their own
+    weights renormalized (Σ over repliers), keeps client 2's state as it was, and the next record lists it."""
+    torch.set_num_threads(1)
+    cfg = _fedavg(rounds=1)
+    cids = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
+    lost = cids[1]
+    got = run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid(lost={1: [lost]})))
+    algo = prepare(cfg)
+    server = algo.init_server()
+    payloads = algo.configure(1, server, cids)
+    mean = WeightedMean({c: algo.ctx.federation.num_train(c) for c in cids if c != lost})
+    for c in cids:
+        if c != lost:
+            mean.add(c, update_client(algo, 1, c, payloads[c], algo.init_client(c))[0])
+    assert _same(got.server, mean.result())
+    assert got.history[-1]["failed_clients"] == {"1": [lost]}
+    assert lost not in got.executor.states or _same(got.executor.states[lost], algo.init_client(lost))
+    full = run(_cfg("fedavg", {"threads": 1}, rounds=1), write=False, progress=False)
+    assert not _same(got.server, full.server)  # losing a client changes the round (the test can fail)
+    assert "failed_clients" not in full.history[-1]
+
+
+def test_failures_are_listed_per_round_until_the_next_record():
+    cfg = _fedavg(rounds=3)  # evaluated at rounds 2 and 3
+    r1 = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
+    r3 = sample_clients(cfg.seed, 3, list(range(6)), cfg.federation.sample_fraction)
+    got = run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid(lost={1: r1[:1], 3: r3[1:2]})))
+    assert [h.get("failed_clients") for h in got.history] == [{"1": r1[:1]}, {"3": r3[1:2]}]
+
+
+def test_a_round_without_any_reply_stops_the_run():
+    cfg = _fedavg(rounds=1)
+    cids = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
+    with pytest.raises(FlowerRoundError, match="round 1: no client replied"):
+        run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid(lost={1: cids})))
+
+
+def test_an_exception_in_a_client_update_stops_the_run_with_its_traceback(monkeypatch):
+    """A bug is not a lost node: the run stops and says which client failed and where."""
+
+    def broken(algo, rnd, cid, payload, state):
+        raise ValueError(f"broken update of client {cid}")
+
+    monkeypatch.setattr(client, "update_client", broken)
+    with pytest.raises(FlowerClientError, match=r"(?s)client \d+ \(round 1\):.*ValueError: broken update"):
+        run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(FakeGrid()))
+
+
+def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
+    grid = FakeGrid(partitions=3)
+    grid.nodes = grid.nodes[:2]  # partition 2's node never connects
+    monkeypatch.setattr("pflbed.flower.executor.time.sleep", lambda s: None)
+    monkeypatch.setattr("pflbed.flower.executor.time.monotonic", iter(range(0, 10**6, 100)).__next__)
+    with pytest.raises(FlowerRoundError, match=r"partitions \[0, 1\] of \[3\]"):
+        run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+
+
+def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
+    with pytest.raises(ConfigError, match="supernodes applies to executor.name=flower"):
+        validate_config({**TINY, "executor": {"supernodes": 2}})
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "flwr" else object())
+    with pytest.raises(ConfigError, match=r"needs the flower extra: pip install 'pflbed\[flower\]'"):
+        validate_config({**TINY, "executor": {"name": "flower"}})

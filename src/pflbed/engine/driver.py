@@ -46,7 +46,7 @@ class Round:
     per_client: dict[int, float] | None
     train_s: float
     eval_s: float
-    comm: dict[str, Any] = field(default_factory=dict)
+    comm: dict[str, int] = field(default_factory=dict)
 
 
 class Driver:
@@ -60,6 +60,7 @@ class Driver:
         self.algo, self.executor = algo, executor
         self.cfg = algo.ctx.cfg
         self.quick: Context = subsampled(algo.ctx, self.cfg.eval.test_subsample)
+        self.failed: dict[str, list[int]] = {}  # round → sampled clients that did not reply, since the last record
 
     def rounds(self, server: Tensors, first: int = 1) -> Iterator[Round]:
         """Rounds `first`…`train.rounds`, starting from `server`. A diverged client or server state raises
@@ -74,18 +75,19 @@ class Driver:
                 record, per_client = self.evaluate(rnd, server, comm)
             yield Round(rnd, server, record, per_client, train_s, time.perf_counter() - t1, comm)
 
-    def train_round(self, rnd: int, server: Tensors) -> tuple[Tensors, dict[str, Any]]:
-        """One round of training: (new server state, bytes sent down and up, and `failed_clients` where some
-        sampled clients did not reply: the server then aggregates over those that did, with their weights)."""
+    def train_round(self, rnd: int, server: Tensors) -> tuple[Tensors, dict[str, int]]:
+        """One round of training: (new server state, bytes sent down and up). Sampled clients that did not reply
+        are left out: the server aggregates over those that did, with their weights, and the next record lists the
+        lost ones under `failed_clients` (round → client ids)."""
         algo, fed = self.algo, self.algo.ctx.federation
         cids = sample_clients(self.cfg.seed, rnd, fed.participated, self.cfg.federation.sample_fraction)
         payloads = algo.configure(rnd, server, cids)
-        comm: dict[str, Any] = {"up_bytes_per_round": 0,
+        comm: dict[str, int] = {"up_bytes_per_round": 0,
                                 "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}  # fmt: skip
         replies = self.executor.stream(rnd, payloads)
         failed = list(getattr(replies, "failed", []))
         if failed:
-            comm["failed_clients"] = failed
+            self.failed[str(rnd)] = failed
         arrived = [c for c in cids if c not in set(failed)]
         agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in arrived})
         for cid, reply in replies:  # replies folded in as they come (weighted means)
@@ -96,12 +98,14 @@ class Driver:
         check_server(rnd, server)
         return server, comm
 
-    def evaluate(self, rnd: int, server: Tensors, comm: dict[str, Any]) -> tuple[dict[str, Any], dict[int, float]]:
+    def evaluate(self, rnd: int, server: Tensors, comm: dict[str, int]) -> tuple[dict[str, Any], dict[int, float]]:
         """The round's record (G-FL, P-FL, communication, the algorithm's diagnostics) and per-client P-FL."""
         final = rnd == self.cfg.train.rounds
         state: Callable[[int], Tensors] = self.executor.state
         scores, per_client = evaluate(self.algo, server, state, None if final else self.quick)
         record = {"round": rnd, **scores, **comm, "full_test": final or self.quick is self.algo.ctx}
+        if self.failed:  # which clients each round since the last record lost
+            record["failed_clients"], self.failed = self.failed, {}
         diag = self.algo.diagnostics(rnd, server, state)
         if diag:
             record["diag"] = diag
