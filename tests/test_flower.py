@@ -68,9 +68,10 @@ def test_flower_simulation_equals_loop_bit_for_bit(name, sim):
 
 class FakeGrid:
     """A Grid whose nodes run the ClientApp in this process, as Flower's runtime would (an exception in the app
-    becomes an error reply), and lose the clients in `lost` {round: client ids} as a dead node's replies are lost."""
+    becomes an error reply); in round r, the nodes serving a client of `lost[r]` are lost (no reply). One node per
+    client by default, so that a lost client loses only itself."""
 
-    def __init__(self, partitions=3, lost=None):
+    def __init__(self, partitions=6, lost=None):
         self.parts, self.lost = partitions, lost or {}
         self.nodes = [1000 + p for p in range(partitions)]
 
@@ -85,7 +86,7 @@ class FakeGrid:
             ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=RecordDict(), run_config={},
                           node_config={client.PARTITION: part, client.PARTITIONS: self.parts})  # fmt: skip
             conf = msg.content.get("config", {})
-            if "cid" in conf and int(conf["cid"]) in self.lost.get(int(conf["round"]), ()):
+            if "cids" in conf and set(conf["cids"]) & set(self.lost.get(int(conf["round"]), ())):
                 out.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, "node gone"), reply_to=msg))
                 continue
             try:
@@ -163,7 +164,7 @@ def test_an_exception_in_a_client_update_stops_the_run_with_its_traceback(monkey
         raise ValueError(f"broken update of client {cid}")
 
     monkeypatch.setattr(client, "update_client", broken)
-    with pytest.raises(FlowerClientError, match=r"(?s)client \d+ \(round 1\):.*ValueError: broken update"):
+    with pytest.raises(FlowerClientError, match=r"(?s)clients \[\d+\] \(round 1\):.*ValueError: broken update"):
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(FakeGrid()))
 
 

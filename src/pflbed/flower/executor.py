@@ -1,13 +1,13 @@
 """The Flower executor (`executor.name: flower`): a round's client work as Flower messages to SuperNodes.
 
-Runs inside a ServerApp, on its `Grid`, under the same `engine.driver.Driver` as every other executor. Per sampled
-client one TRAIN message goes to the node serving the client's partition (`client.py`), carrying the payload and
-the client's state; the reply carries the reply and the new state, which this executor keeps like `LoopExecutor`
+Runs inside a ServerApp, on its `Grid`, under the same `engine.driver.Driver` as every other executor. Per round
+one TRAIN message goes to each node serving a sampled client's partition (`client.py`), carrying those clients'
+payloads and states; the reply carries their replies and new states, which this executor keeps like `LoopExecutor`
 (states live with the server, where evaluation and checkpoints need them, so a node can restart between rounds
 and lose nothing).
 
-Failures: a client whose reply does not arrive within `executor.round_timeout` seconds, or arrives as an error
-from the runtime (its node became unavailable, its ClientApp process crashed), is left out of the round: the round
+Failures: a client whose node's reply does not arrive within `executor.round_timeout` seconds, or arrives as an
+error from the runtime (the node became unavailable, its ClientApp process crashed), is left out of the round: the round
 completes with the replies that arrived, the server aggregates with the weights of those clients only, and the
 round's record lists the rest in `failed_clients`; their states stay as they were. A round in which no client
 replied stops the run. An exception raised by the client update itself is a bug, not a lost node: it stops the
@@ -56,6 +56,9 @@ class FlowerExecutor(LoopExecutor):
         super().__init__(algo)
         self.grid, self.timeout = grid, round_timeout
         self.config = json.dumps(algo.ctx.cfg.model_dump(mode="json"))
+        # Where a round's time goes (`benchmarks/flower_speed.py`): building and reading records here, waiting for
+        # the replies, and on the nodes the client updates and their records.
+        self.timing = {"server_records_s": 0.0, "wait_s": 0.0, "client_update_s": 0.0, "client_records_s": 0.0}
         self.node_of = self._partitions()
 
     def _partitions(self, wait_s: float = 120.0) -> dict[int, int]:
@@ -88,23 +91,31 @@ class FlowerExecutor(LoopExecutor):
         """Send every client's work, wait for the replies (or the round timeout), then hand them on in client
         order; `Replies.clients` says which clients replied before any reply is taken."""
         parts = len(self.node_of)
-        msgs = []
+        t0 = time.perf_counter()
+        by_node: dict[int, list[int]] = {}
         for cid in sorted(payloads):
-            content = RecordDict({
-                "payload": to_record(payloads[cid]), "state": to_record(self.state(cid)),
-                "config": ConfigRecord({"pflbed-config": self.config, "round": rnd, "cid": cid}),
-            })  # fmt: skip
-            msgs.append(Message(content, dst_node_id=self.node_of[cid % parts], message_type=MessageType.TRAIN,
-                                group_id=str(rnd)))  # fmt: skip
-        arrived: dict[int, Message] = {}
+            by_node.setdefault(self.node_of[cid % parts], []).append(cid)
+        msgs = []
+        for node, cids in by_node.items():
+            content = RecordDict({"config": ConfigRecord({"pflbed-config": self.config, "round": rnd, "cids": cids})})
+            for cid in cids:
+                content[f"payload/{cid}"] = to_record(payloads[cid])
+                content[f"state/{cid}"] = to_record(self.state(cid))
+            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd)))
+        arrived: dict[int, RecordDict] = {}
+        t1 = time.perf_counter()
         replies = list(self.grid.send_and_receive(msgs, timeout=self.timeout))
-        cid_of = {m.metadata.message_id: cid for m, cid in zip(msgs, sorted(payloads), strict=True)}
+        self.timing["server_records_s"] += t1 - t0
+        self.timing["wait_s"] += time.perf_counter() - t1
+        cids_of = {m.metadata.message_id: cids for m, cids in zip(msgs, by_node.values(), strict=True)}
         for reply in replies:
-            cid = cid_of[reply.metadata.reply_to_message_id]
+            cids = cids_of[reply.metadata.reply_to_message_id]
             if not reply.has_error():
-                arrived[cid] = reply
+                arrived.update((c, reply.content) for c in cids)
+                self.timing["client_update_s"] += float(reply.content["config"]["update_s"])
+                self.timing["client_records_s"] += float(reply.content["config"]["records_s"])
             elif reply.error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION):
-                raise FlowerClientError(f"client {cid} (round {rnd}): {reply.error.reason}")  # a bug, not a lost node
+                raise FlowerClientError(f"clients {cids} (round {rnd}): {reply.error.reason}")  # a bug, not a lost node
         clients = sorted(c for c in payloads if c in arrived)
         failed = sorted(c for c in payloads if c not in arrived)
         if not clients:
@@ -113,8 +124,11 @@ class FlowerExecutor(LoopExecutor):
 
         def replies() -> Iterator[tuple[int, Tensors]]:
             for cid in clients:
-                content = arrived.pop(cid).content
-                reply, state = from_record(content["reply"], device), from_record(content["state"], device)
+                t = time.perf_counter()
+                content = arrived.pop(cid)
+                reply = from_record(content[f"reply/{cid}"], device)
+                state = from_record(content[f"state/{cid}"], device)
+                self.timing["server_records_s"] += time.perf_counter() - t
                 yield cid, self.keep(rnd, cid, reply, state)
 
         return Replies(clients, failed, replies())
