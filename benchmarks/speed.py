@@ -125,7 +125,7 @@ def scale(a: argparse.Namespace) -> None:
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
         m = json.loads(out.strip().splitlines()[-1])
         print(f"{n:8d} {layout:>6s} {m['setup_s']:8.1f} {m['train_s_per_round']:13.2f} {m['eval_s']:7.2f} "
-              f"{1000 * m['eval_s'] / m['evaluated']:14.3f} {m['eval_share']:10.2f} "
+              f"{1000 * m['eval_s'] / m['evaluated']:14.3f} {100 * m['eval_share']:9.1f}% "
               f"{m['peak_rss_mb']:11.0f}")  # fmt: skip
 
 
