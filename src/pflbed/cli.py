@@ -40,6 +40,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only every N-th cell starting at the I-th (start N processes, shards 1/N … N/N)")
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
+    f = sub.add_parser("flower", help="run on Flower: a local deployment, or write a Flower app project")
+    f.add_argument("action", choices=["local", "app"],
+                   help="local: run the experiment on a SuperLink and --supernodes SuperNodes started on this machine; "
+                   "app: write a Flower app project for it into --out")  # fmt: skip
+    f.add_argument("-c", "--config", help="YAML config file")
+    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    f.add_argument("--supernodes", type=int, default=2, metavar="N", help="local: SuperNodes to start (default 2)")
+    f.add_argument("--tls", action="store_true", help="local: TLS with a self-signed certificate authority")
+    f.add_argument("--out", type=Path, help="local: run directory (default runs/<algorithm>-<dataset>-seed<seed>); "
+                   "app: the project directory")  # fmt: skip
+    f.add_argument("--run-dir", type=Path, help="app: where the ServerApp writes the run (default: runs/<...>)")
+    f.add_argument("--force", action="store_true", help="local: replace the run already in --out")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
     d.add_argument("--path", help="list: a dataset directory to describe (fmnist files or a folder dataset root)")
@@ -104,6 +116,29 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     console.print(f"tables: {md}, {cs}" + (f" — {left} cells still to run (re-run to continue)" if left else ""))
 
 
+def _cmd_flower(args: argparse.Namespace) -> None:
+    from pflbed.config import load_config
+    from pflbed.results.rundir import default_out
+    from pflbed.results.summary import print_table
+
+    cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
+    if args.action == "app":
+        from pflbed.flower.project import write_app
+
+        if args.out is None:
+            raise PflbedError("flower app: --out DIR (the project directory) is required")
+        app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
+        Console(soft_wrap=True).print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
+        return
+    from pflbed.flower.local import run_local
+
+    cfg = load_config(args.config, [*args.overrides, "executor.name=flower", f"executor.supernodes={args.supernodes}"])
+    out = args.out or default_out(cfg)
+    console = Console(soft_wrap=True)
+    print_table(run_local(cfg, out, args.supernodes, tls=args.tls, force=args.force, log=console.print))
+    console.print(f"results: {out}")
+
+
 def _cmd_data(args: argparse.Namespace) -> None:
     from rich.table import Table
 
@@ -133,13 +168,13 @@ def _cmd_data(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data}[args.command](args)
+        {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower}[args.command](args)
     except DivergedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)
         return e.exit_code
     except PflbedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except OSError as e:  # a file the run needs vanished or the disk filled up mid-run: name it, no traceback
         print(f"pflbed: error: {e.filename or 'I/O'}: {e.strerror or e}", file=sys.stderr)
         return 2

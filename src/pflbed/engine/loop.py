@@ -98,18 +98,21 @@ def run(
     if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
         from pflbed.flower.simulation import simulate
 
-        return simulate(algo, lambda executor: _run(cfg, algo, executor, rundir, progress, resume), simulation)
+        return simulate(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume), simulation)
     executor, own_pool = make_executor(algo, pool)
     try:
-        return _run(cfg, algo, executor, rundir, progress, resume)
+        return experiment(cfg, algo, executor, rundir, progress, resume)
     finally:
         if own_pool is not None:
             own_pool.close()
 
 
-def _run(
+def experiment(
     cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool
 ) -> RunResult:
+    """The experiment around the rounds of `Driver(algo, executor)`: resume from `rundir`'s checkpoint, progress,
+    metrics and checkpoints per round, the final fine-tuning and new-client stages, timing and the summary. Run
+    in this process for `loop` and `procs`, inside a Flower ServerApp for `flower` (`flower.server`)."""
     saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
     if rundir and not resume:
         rundir.start(cfg)

@@ -1,0 +1,50 @@
+"""A Flower app project that runs one pflbed experiment (`pflbed flower app`, and `flower local`'s app).
+
+The project holds no code: its components are pflbed's own ServerApp and ClientApp (`pflbed.flower.server:app`,
+`pflbed.flower.client:app`), so every site needs pflbed installed (with the `flower` extra) and, for datasets read
+from disk, the same data. Its run config carries the experiment's pflbed config (JSON) and the run directory the
+ServerApp writes, on the SuperLink's machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pflbed.config import Config
+
+PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "pflbed-experiment"
+version = "1.0.0"
+description = "A pflbed experiment ({what}) as a Flower app"
+license = "Apache-2.0"
+dependencies = []  # pflbed[flower] must be installed at every site
+
+[tool.flwr.app]
+publisher = "pflbed"
+
+[tool.flwr.app.components]
+serverapp = "pflbed.flower.server:app"
+clientapp = "pflbed.flower.client:app"
+
+[tool.flwr.app.config]
+config = {config}
+out = {out}
+"""
+
+
+def config_json(cfg: Config) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+
+
+def write_app(path: Path, cfg: Config, out: Path) -> Path:
+    """Write the project into `path` (created); returns `path`. `out`: the run directory on the SuperLink's side."""
+    path.mkdir(parents=True, exist_ok=True)
+    what = f"{cfg.algorithm.name} on {cfg.dataset.name}, seed {cfg.seed}"
+    text = PYPROJECT.format(what=what, config=json.dumps(config_json(cfg)), out=json.dumps(str(out)))
+    (path / "pyproject.toml").write_text(text)
+    return path

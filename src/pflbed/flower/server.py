@@ -1,0 +1,32 @@
+"""The ServerApp of a Flower deployment (`pflbed flower local`, `pflbed flower app`).
+
+Its run config names the experiment: `config` (the pflbed config as JSON) and `out` (the run directory, written by
+the ServerApp's process on the SuperLink's machine). The experiment is `engine.loop.experiment` on a
+`FlowerExecutor` over this run's grid — the same rounds, files and summary as any other executor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from pflbed.config import validate_config
+from pflbed.engine.loop import experiment, prepare
+from pflbed.flower.executor import FlowerExecutor
+from pflbed.results.rundir import RunDir, config_text
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = validate_config(json.loads(str(context.run_config["config"])))
+    algo = prepare(cfg, threads=1)
+    out = Path(str(context.run_config["out"]))
+    started = out / "config.yaml"  # `flower local` checked and started the run directory before submitting
+    if not (started.is_file() and started.read_text() == config_text(cfg)):
+        RunDir.check(out, cfg, force=bool(context.run_config.get("force", False)))
+    experiment(cfg, algo, FlowerExecutor(algo, grid, cfg.executor.round_timeout), RunDir(out), False, False)
