@@ -4,6 +4,11 @@ One simulation (`FlowerSimulation`, started once for the module) serves every ex
 runtime and Ray costs seconds.
 """
 
+import json
+import os
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -183,3 +188,52 @@ def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "flwr" else object())
     with pytest.raises(ConfigError, match=r"needs the flower extra: pip install 'pflbed\[flower\]'"):
         validate_config({**TINY, "executor": {"name": "flower"}})
+
+
+def _flower_processes():
+    """Command lines of Flower deployment processes alive on this machine (SuperLink, SuperNodes, their apps)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if any(k in cmd for k in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
+                                      "flwr-clientapp")):  # fmt: skip
+                out.append(cmd)
+    return out
+
+
+def test_local_deployment_with_tls_equals_loop_and_leaves_no_process(tmp_path):
+    """`pflbed flower local --tls`: a real SuperLink and 2 SuperNodes (separate processes, TLS with a generated CA)
+    give the loop's summary, write the usual run directory, and every process they started is gone afterwards."""
+    from pflbed.cli import main
+
+    torch.set_num_threads(1)
+    assert not _flower_processes()
+    out = tmp_path / "run"
+    sets = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "federation.partition=dirichlet",
+            "federation.alpha=1.0", "federation.sample_fraction=0.5", "train.rounds=2", "train.batch_size=16",
+            "train.lr=0.1", "eval.every=2", "eval.finetune=[]", "executor.threads=1"]  # fmt: skip
+    args = ["flower", "local", "--supernodes", "2", "--tls", "--out", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    assert not _flower_processes()
+    assert (out / "config.yaml").exists() and (out / "metrics.jsonl").exists()
+    assert "https://" in (out / "flower" / "superlink.log").read_text()  # TLS was on
+    cfg = validate_config({**TINY, "train": {**TINY["train"], "rounds": 2}, "executor": {"threads": 1}})
+    loop = run(cfg, write=False, progress=False)
+    assert _figures(json.loads((out / "summary.json").read_text())) == _figures(json.loads(json.dumps(loop.summary)))
+
+
+def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
+    from flwr.common.config import validate_config as flwr_validate
+
+    from pflbed.cli import main
+
+    assert main(["flower", "app", "--out", str(tmp_path / "app"), "--set", "train.rounds=3"]) == 0
+    conf = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
+    ok, errors, _ = flwr_validate(conf, check_module=True, project_dir=tmp_path / "app")
+    assert ok, errors
+    pflbed_cfg = json.loads(conf["tool"]["flwr"]["app"]["config"]["config"])
+    assert pflbed_cfg["train"]["rounds"] == 3 and pflbed_cfg["executor"]["name"] == "flower"
