@@ -101,23 +101,28 @@ class FakeGrid:
         return out
 
 
-@pytest.fixture(autouse=True)
-def _task_identity(monkeypatch):
-    """Messages are stamped with the run and task of this process, which Flower's runtime sets; FakeGrid has none."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for key in ("_run_id", "_task_id", "_node_id"):
-        monkeypatch.setattr(TaskIdentity, key, getattr(TaskIdentity, key) or 1)
-
-
 class FakeSimulation:
+    """Runs an experiment on a FakeGrid in this thread. Messages are stamped with the run and task of the process,
+    which Flower's runtime sets: set here for the experiment, and put back afterwards (a real simulation may be
+    running in this process, idle between its experiments, with its own)."""
+
     def __init__(self, grid):
         self.grid = grid
 
     def run(self, algo, experiment):
+        from flwr.supercore.task_identity import TaskIdentity
+
         from pflbed.flower.executor import FlowerExecutor
 
-        return experiment(FlowerExecutor(algo, self.grid))
+        keys = ("_run_id", "_task_id", "_node_id")
+        saved = {k: getattr(TaskIdentity, k) for k in keys}
+        for k in keys:
+            setattr(TaskIdentity, k, 1)
+        try:
+            return experiment(FlowerExecutor(algo, self.grid))
+        finally:
+            for k, v in saved.items():
+                setattr(TaskIdentity, k, v)
 
 
 def _fedavg(**train):
