@@ -36,7 +36,10 @@ def cfg(name: str, executor: dict):
 
 
 def figures(summary: dict) -> dict:
-    return {k: v for k, v in json.loads(json.dumps(summary)).items() if k not in ("timing", "provenance")}
+    """The summary's results: not timing, provenance, nor `artifacts` (paths of the plots a run directory gets, which
+    the deployment writes and the in-memory runs do not)."""
+    skip = ("timing", "provenance", "artifacts")
+    return {k: v for k, v in json.loads(json.dumps(summary)).items() if k not in skip}
 
 
 def main() -> None:

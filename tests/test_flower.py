@@ -196,8 +196,8 @@ def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
 
 
 def _flower_processes():
-    """Command lines of Flower deployment processes alive on this machine (SuperLink, SuperNodes, their apps)."""
-    out = []
+    """{pid: command line} of Flower deployment processes alive on this machine (SuperLink, SuperNodes, their apps)."""
+    out = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
@@ -206,7 +206,7 @@ def _flower_processes():
                 continue
             if any(k in cmd for k in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
                                       "flwr-clientapp")):  # fmt: skip
-                out.append(cmd)
+                out[int(d)] = cmd
     return out
 
 
@@ -216,14 +216,15 @@ def test_local_deployment_with_tls_equals_loop_and_leaves_no_process(tmp_path):
     from pflbed.cli import main
 
     torch.set_num_threads(1)
-    assert not _flower_processes()
+    before = _flower_processes()  # others' (none in CI); this test's own must all be gone afterwards
     out = tmp_path / "run"
     sets = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "federation.partition=dirichlet",
             "federation.alpha=1.0", "federation.sample_fraction=0.5", "train.rounds=2", "train.batch_size=16",
             "train.lr=0.1", "eval.every=2", "eval.finetune=[]", "executor.threads=1"]  # fmt: skip
     args = ["flower", "local", "--supernodes", "2", "--tls", "--out", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
-    assert not _flower_processes()
+    left = {p: c for p, c in _flower_processes().items() if p not in before}
+    assert not left, left
     assert (out / "config.yaml").exists() and (out / "metrics.jsonl").exists()
     assert "https://" in (out / "flower" / "superlink.log").read_text()  # TLS was on
     cfg = validate_config({**TINY, "train": {**TINY["train"], "rounds": 2}, "executor": {"threads": 1}})

@@ -16,7 +16,6 @@ run with the node's traceback.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.engine.executor import LoopExecutor
 from pflbed.errors import PflbedError
 from pflbed.flower.client import PARTITION, PARTITIONS
+from pflbed.flower.project import config_json
 from pflbed.flower.records import from_record, to_record
 
 
@@ -55,7 +55,7 @@ class FlowerExecutor(LoopExecutor):
     def __init__(self, algo: Algorithm, grid: Grid, round_timeout: float | None = None) -> None:
         super().__init__(algo)
         self.grid, self.timeout = grid, round_timeout
-        self.config = json.dumps(algo.ctx.cfg.model_dump(mode="json"))
+        self.config = config_json(algo.ctx.cfg)
         # Where a round's time goes (`benchmarks/flower_speed.py`): building and reading records here, waiting for
         # the replies, and on the nodes the client updates and their records.
         self.timing = {"server_records_s": 0.0, "wait_s": 0.0, "client_update_s": 0.0, "client_records_s": 0.0}
