@@ -25,7 +25,7 @@ class Executor(Protocol):
     and keeps each client's new state, which `state` returns (created by `init_client` on first use).
 
     An executor that can lose clients (Flower: a node died, a round timed out) returns from `stream` an iterable
-    with `clients` (those that replied) and `failed` (the rest) known before its first reply is taken.
+    whose `failed` (the sampled clients that did not reply) is known before its first reply is taken.
     """
 
     states: dict[int, Tensors]
@@ -88,7 +88,8 @@ class Driver:
         failed = list(getattr(replies, "failed", []))
         if failed:
             self.failed[str(rnd)] = failed
-        arrived = [c for c in cids if c not in set(failed)]
+        lost = set(failed)
+        arrived = [c for c in cids if c not in lost]
         agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in arrived})
         for cid, reply in replies:  # replies folded in as they come (weighted means)
             comm["up_bytes_per_round"] += wire.num_bytes(reply)

@@ -42,10 +42,11 @@ class FlowerClientError(RuntimeError):
 
 
 class Replies:
-    """A round's replies as the driver takes them: `clients` (those that replied, in order), then (cid, reply)."""
+    """A round's replies as the driver takes them: `failed` (the sampled clients that did not reply), known before
+    the first reply is taken, then (cid, reply) in client order."""
 
-    def __init__(self, clients: list[int], failed: list[int], it: Iterator[tuple[int, Tensors]]) -> None:
-        self.clients, self.failed, self._it = clients, failed, it
+    def __init__(self, failed: list[int], it: Iterator[tuple[int, Tensors]]) -> None:
+        self.failed, self._it = failed, it
 
     def __iter__(self) -> Iterator[tuple[int, Tensors]]:
         return self._it
@@ -89,7 +90,7 @@ class FlowerExecutor(LoopExecutor):
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Replies:
         """Send every client's work, wait for the replies (or the round timeout), then hand them on in client
-        order; `Replies.clients` says which clients replied before any reply is taken."""
+        order; `Replies.failed` says which clients did not reply before any reply is taken."""
         parts = len(self.node_of)
         t0 = time.perf_counter()
         by_node: dict[int, list[int]] = {}
@@ -131,4 +132,4 @@ class FlowerExecutor(LoopExecutor):
                 self.timing["server_records_s"] += time.perf_counter() - t
                 yield cid, self.keep(rnd, cid, reply, state)
 
-        return Replies(clients, failed, replies())
+        return Replies(failed, replies())
