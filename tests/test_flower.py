@@ -18,7 +18,9 @@ from pflbed.engine.loop import prepare, run
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 
-from .tiny import TINY
+from .tiny import FED, LIGHT, TINY
+from .tiny import figures as _figures
+from .tiny import same_tensors as _same
 
 flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it, so these tests run there
 
@@ -34,9 +36,6 @@ from pflbed.flower import client  # noqa: E402
 from pflbed.flower.executor import FlowerClientError, FlowerRoundError  # noqa: E402
 from pflbed.flower.simulation import FlowerSimulation  # noqa: E402
 
-FED = {**TINY["federation"], "public": 64}
-LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}  # as in test_procs: light zoo
-
 
 @pytest.fixture(scope="module")
 def sim():
@@ -49,14 +48,6 @@ def _cfg(name, executor, **train):
     algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}}
     return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
                             "executor": executor})  # fmt: skip
-
-
-def _figures(summary):
-    return {k: v for k, v in summary.items() if k not in ("timing", "provenance")}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

@@ -11,15 +11,9 @@ from pflbed.engine.loop import prepare, run
 from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
 from pflbed.errors import ConfigError
 
-from .tiny import TINY
-
-# Public data for the distillation family. Their default zoo (ResNet-18, ShuffleNetV2…) would make this test
-# minutes long: two light architectures keep the heterogeneous path (one model per architecture in each worker)
-# at a fraction of the cost, and few server steps keep FedDF's server distillation short. One of them has dropout,
-# so the parity also checks that FedDF's server distillation draws its masks from its own seeded stream (without
-# the reseed, the masks depend on whatever the last client left in torch's global RNG: red here).
-FED = {**TINY["federation"], "public": 64}
-LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
+from .tiny import FED, LIGHT, TINY
+from .tiny import figures as _figures
+from .tiny import same_tensors as _same
 
 
 def _options(name):
@@ -30,14 +24,6 @@ def _options(name):
 def _cfg(name, executor):
     algorithm = {"name": name, **_options(name)}
     return validate_config({**TINY, "federation": FED, "algorithm": algorithm, "executor": executor})
-
-
-def _figures(summary):
-    return {k: v for k, v in summary.items() if k not in ("timing", "provenance")}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

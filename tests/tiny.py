@@ -1,4 +1,7 @@
-"""A tiny, fast experiment config shared by the end-to-end tests (strict executor on)."""
+"""A tiny, fast experiment config shared by the end-to-end tests (strict executor on), and what the executor parity
+tests (procs, Flower) share."""
+
+import torch
 
 TINY = {
     "dataset": {"name": "synthetic"},
@@ -8,3 +11,20 @@ TINY = {
     "eval": {"every": 2, "finetune": []},
     "executor": {"strict": True},
 }
+
+# Public data for the distillation family. Their default zoo (ResNet-18, ShuffleNetV2…) would make the parity tests
+# minutes long: two light architectures keep the heterogeneous path (one model per architecture in each worker)
+# at a fraction of the cost, and few server steps keep FedDF's server distillation short. One of them has dropout,
+# so the parity also checks that FedDF's server distillation draws its masks from its own seeded stream (without
+# the reseed, the masks depend on whatever the last client left in torch's global RNG: red there).
+FED = {**TINY["federation"], "public": 64}
+LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
+
+
+def figures(summary):
+    """A summary's results: everything but timing and provenance."""
+    return {k: v for k, v in summary.items() if k not in ("timing", "provenance")}
+
+
+def same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

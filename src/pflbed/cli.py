@@ -121,7 +121,8 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     from pflbed.results.rundir import default_out
     from pflbed.results.summary import print_table
 
-    cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
+    fixed = ["executor.name=flower"] + ([f"executor.supernodes={args.supernodes}"] if args.action == "local" else [])
+    cfg = load_config(args.config, [*args.overrides, *fixed])
     if args.action == "app":
         from pflbed.flower.project import write_app
 
@@ -132,7 +133,6 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         return
     from pflbed.flower.local import run_local
 
-    cfg = load_config(args.config, [*args.overrides, "executor.name=flower", f"executor.supernodes={args.supernodes}"])
     out = args.out or default_out(cfg)
     console = Console(soft_wrap=True)
     print_table(run_local(cfg, out, args.supernodes, tls=args.tls, force=args.force, log=console.print))

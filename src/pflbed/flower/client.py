@@ -3,10 +3,10 @@
 A node receives, per round, one TRAIN message with the run's config (JSON), the round, and for each sampled client
 it serves the payload and the client's state; it runs `engine.executor.update_client` for each — the very function
 the loop and procs executors run, seeded from (seed, round, client id) alone — and replies with the replies and
-the new states. One message per node rather than per client: in a deployment each message starts a ClientApp
-process (seconds, before any work), so a round costs one start per node, not one per client.
-So the node needs no config file of its own: it builds the run's algorithm (data, federation, model) from the
-config the first time it sees it, once per process, and reuses it.
+the new states. The node needs no config file of its own: it builds the run's algorithm (data, federation, model)
+from the config the first time it sees it, once per process, and reuses it. One message per node rather than per
+client: in a deployment each message starts a ClientApp process (seconds, before any work), so a round costs one
+start per node, not one per client.
 
 A QUERY message asks which partition of the federation the node serves (`partition-id` of its node config):
 the server sends client `cid` to the node serving partition `cid mod num-partitions`.

@@ -53,9 +53,9 @@ class Replies:
 
 
 class FlowerExecutor(LoopExecutor):
-    def __init__(self, algo: Algorithm, grid: Grid, round_timeout: float | None = None) -> None:
+    def __init__(self, algo: Algorithm, grid: Grid) -> None:
         super().__init__(algo)
-        self.grid, self.timeout = grid, round_timeout
+        self.grid, self.timeout = grid, algo.ctx.cfg.executor.round_timeout
         self.config = config_json(algo.ctx.cfg)
         # Where a round's time goes (`benchmarks/flower_speed.py`): building and reading records here, waiting for
         # the replies, and on the nodes the client updates and their records.

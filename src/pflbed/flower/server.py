@@ -29,7 +29,7 @@ def main(grid: Grid, context: Context) -> None:
     started = out / "config.yaml"  # `flower local` checked and started the run directory before submitting
     if not (started.is_file() and started.read_text() == config_text(cfg)):
         RunDir.check(out, cfg, force=bool(context.run_config.get("force", False)))
-    executor = FlowerExecutor(algo, grid, cfg.executor.round_timeout)
+    executor = FlowerExecutor(algo, grid)
     result = experiment(cfg, algo, executor, RunDir(out), False, False)
     timing = {**{k: round(v, 4) for k, v in executor.timing.items()}, "rounds": result.summary["rounds"]}
     (out / "flower").mkdir(exist_ok=True)  # where a round's time went (benchmarks/flower_speed.py)

@@ -68,7 +68,7 @@ class FlowerSimulation:
         def main(grid: Grid, context: Context) -> None:
             while (job := self.jobs.get()) is not None:
                 try:
-                    job.value = job.experiment(FlowerExecutor(job.algo, grid, job.algo.ctx.cfg.executor.round_timeout))
+                    job.value = job.experiment(FlowerExecutor(job.algo, grid))
                 except BaseException as e:  # handed to the caller of `run`
                     job.error = e
                 finally:
