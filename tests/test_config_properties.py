@@ -125,6 +125,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.device": st.sampled_from(["cpu", "auto"]),  # cuda: tests/test_device.py (refused without a GPU)
     "executor.supernodes": st.one_of(st.none(), st.integers(min_value=0, max_value=3)),  # flower: tests/test_flower.py
     "executor.round_timeout": st.one_of(st.none(), st.floats(min_value=0, max_value=100)),
+    "executor.state_dir": st.one_of(st.none(), st.sampled_from(["", "states"])),
     "algorithm.name": st.sampled_from(sorted(ALGORITHMS)),
 }
 

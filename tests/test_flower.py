@@ -18,23 +18,19 @@ from pflbed.engine.loop import prepare, run
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 
-from .tiny import FED, LIGHT, TINY
+from .tiny import TINY, parity_config
 from .tiny import figures as _figures
 from .tiny import same_tensors as _same
 
 flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it, so these tests run there
-
-import traceback  # noqa: E402
-import uuid  # noqa: E402
-
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
-from flwr.common.constant import ErrorCode  # noqa: E402
 
 from pflbed.algorithms.training import WeightedMean  # noqa: E402
 from pflbed.engine.executor import update_client  # noqa: E402
 from pflbed.flower import client  # noqa: E402
 from pflbed.flower.executor import FlowerClientError, FlowerRoundError  # noqa: E402
 from pflbed.flower.simulation import FlowerSimulation  # noqa: E402
+
+from .fake_flower import FakeGrid, FakeSimulation  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,81 +39,20 @@ def sim():
         yield s
 
 
-def _cfg(name, executor, **train):
-    fields = ALGORITHMS[name].Config.model_fields
-    algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}}
-    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
-                            "executor": executor})  # fmt: skip
-
-
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_flower_simulation_equals_loop_bit_for_bit(name, sim):
     """Same summary, server state and client states as `loop` at one thread per process: the ClientApp runs the
     loop's own `update_client` on what crossed as Flower records (NumPy arrays: exact for every dtype used)."""
     torch.set_num_threads(1)
-    loop = run(_cfg(name, {"threads": 1}), write=False, progress=False)
-    flower = run(_cfg(name, {"name": "flower", "threads": 1}), write=False, progress=False, simulation=sim)
+    loop = run(parity_config(name, {"threads": 1}), write=False, progress=False)
+    flower = run(parity_config(name, {"name": "flower", "threads": 1}), write=False, progress=False, simulation=sim)
     assert _figures(flower.summary) == _figures(loop.summary)
     assert _same(flower.server, loop.server)
     assert all(_same(flower.executor.states[c], loop.executor.states[c]) for c in loop.executor.states)
 
 
-class FakeGrid:
-    """A Grid whose nodes run the ClientApp in this process, as Flower's runtime would (an exception in the app
-    becomes an error reply); in round r, the nodes serving a client of `lost[r]` are lost (no reply). One node per
-    client by default, so that a lost client loses only itself."""
-
-    def __init__(self, partitions=6, lost=None):
-        self.parts, self.lost = partitions, lost or {}
-        self.nodes = [1000 + p for p in range(partitions)]
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-    def send_and_receive(self, msgs, timeout=None):
-        out = []
-        for msg in msgs:
-            msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
-            part = self.nodes.index(msg.metadata.dst_node_id)
-            ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=RecordDict(), run_config={},
-                          node_config={client.PARTITION: part, client.PARTITIONS: self.parts})  # fmt: skip
-            conf = msg.content.get("config", {})
-            if "cids" in conf and set(conf["cids"]) & set(self.lost.get(int(conf["round"]), ())):
-                out.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, "node gone"), reply_to=msg))
-                continue
-            try:
-                out.append(client.app(msg, ctx))
-            except Exception:
-                out.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, traceback.format_exc()), reply_to=msg))
-        return out
-
-
-class FakeSimulation:
-    """Runs an experiment on a FakeGrid in this thread. Messages are stamped with the run and task of the process,
-    which Flower's runtime sets: set here for the experiment, and put back afterwards (a real simulation may be
-    running in this process, idle between its experiments, with its own)."""
-
-    def __init__(self, grid):
-        self.grid = grid
-
-    def run(self, algo, experiment):
-        from flwr.supercore.task_identity import TaskIdentity
-
-        from pflbed.flower.executor import FlowerExecutor
-
-        keys = ("_run_id", "_task_id", "_node_id")
-        saved = {k: getattr(TaskIdentity, k) for k in keys}
-        for k in keys:
-            setattr(TaskIdentity, k, 1)
-        try:
-            return experiment(FlowerExecutor(algo, self.grid))
-        finally:
-            for k, v in saved.items():
-                setattr(TaskIdentity, k, v)
-
-
 def _fedavg(**train):
-    return _cfg("fedavg", {"name": "flower", "threads": 1}, **train)
+    return parity_config("fedavg", {"name": "flower", "threads": 1}, **train)
 
 
 def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied():
@@ -138,7 +73,7 @@ def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied():
     assert _same(got.server, mean.result())
     assert got.history[-1]["failed_clients"] == {"1": [lost]}
     assert lost not in got.executor.states or _same(got.executor.states[lost], algo.init_client(lost))
-    full = run(_cfg("fedavg", {"threads": 1}, rounds=1), write=False, progress=False)
+    full = run(parity_config("fedavg", {"threads": 1}, rounds=1), write=False, progress=False)
     assert not _same(got.server, full.server)  # losing a client changes the round (the test can fail)
     assert "failed_clients" not in full.history[-1]
 
@@ -179,8 +114,9 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
 
 
 def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
-    with pytest.raises(ConfigError, match="supernodes applies to executor.name=flower"):
-        validate_config({**TINY, "executor": {"supernodes": 2}})
+    for key, value in (("supernodes", 2), ("round_timeout", 5.0), ("state_dir", "states")):
+        with pytest.raises(ConfigError, match=f"{key} applies to executor.name=flower"):
+            validate_config({**TINY, "executor": {key: value}})
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "flwr" else object())
     with pytest.raises(ConfigError, match=r"needs the flower extra: pip install 'pflbed\[flower\]'"):
         validate_config({**TINY, "executor": {"name": "flower"}})
@@ -201,24 +137,29 @@ def _flower_processes():
     return out
 
 
-def test_local_deployment_with_tls_equals_loop_and_leaves_no_process(tmp_path):
-    """`pflbed flower local --tls`: a real SuperLink and 2 SuperNodes (separate processes, TLS with a generated CA)
-    give the loop's summary, write the usual run directory, and every process they started is gone afterwards."""
+def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_no_process(tmp_path):
+    """`pflbed flower local --tls --auth` with states on the nodes: a real SuperLink and 2 SuperNodes (separate
+    processes, TLS with a generated CA, registered node keys, client states in files on the nodes) give the loop's
+    summary, write the usual run directory, and every process they started is gone afterwards."""
     from pflbed.cli import main
 
     torch.set_num_threads(1)
     before = _flower_processes()  # others' (none in CI); this test's own must all be gone afterwards
-    out = tmp_path / "run"
+    out, states = tmp_path / "run", tmp_path / "states"
     sets = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "federation.partition=dirichlet",
             "federation.alpha=1.0", "federation.sample_fraction=0.5", "train.rounds=2", "train.batch_size=16",
-            "train.lr=0.1", "eval.every=2", "eval.finetune=[]", "executor.threads=1"]  # fmt: skip
-    args = ["flower", "local", "--supernodes", "2", "--tls", "--out", str(out)]
+            "train.lr=0.1", "eval.every=2", "eval.finetune=[]", "executor.threads=1", "algorithm.name=fedper",
+            f"executor.state_dir={states}"]  # fmt: skip
+    args = ["flower", "local", "--supernodes", "2", "--tls", "--auth", "--out", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     left = {p: c for p, c in _flower_processes().items() if p not in before}
     assert not left, left
     assert (out / "config.yaml").exists() and (out / "metrics.jsonl").exists()
     assert "https://" in (out / "flower" / "superlink.log").read_text()  # TLS was on
-    cfg = validate_config({**TINY, "train": {**TINY["train"], "rounds": 2}, "executor": {"threads": 1}})
+    assert (out / "flower" / "register.log").read_text().count("registered successfully") == 2  # both node keys
+    assert len(list(states.glob("*/client-*/round-*.pt"))) >= 3  # the sampled clients' states, on the nodes
+    cfg = validate_config({**TINY, "train": {**TINY["train"], "rounds": 2}, "algorithm": {"name": "fedper"},
+                           "executor": {"threads": 1}})  # fmt: skip
     loop = run(cfg, write=False, progress=False)
     assert _figures(json.loads((out / "summary.json").read_text())) == _figures(json.loads(json.dumps(loop.summary)))
 

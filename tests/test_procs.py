@@ -6,24 +6,13 @@ import torch
 import pflbed
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.config import validate_config
 from pflbed.engine.loop import prepare, run
 from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
 from pflbed.errors import ConfigError
 
-from .tiny import FED, LIGHT, TINY
+from .tiny import TINY, parity_config
 from .tiny import figures as _figures
 from .tiny import same_tensors as _same
-
-
-def _options(name):
-    fields = ALGORITHMS[name].Config.model_fields
-    return {k: v for k, v in LIGHT.items() if k in fields}
-
-
-def _cfg(name, executor):
-    algorithm = {"name": name, **_options(name)}
-    return validate_config({**TINY, "federation": FED, "algorithm": algorithm, "executor": executor})
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
@@ -31,8 +20,9 @@ def test_procs_equals_loop_bit_for_bit(name, pool):
     """Same summary, server state and client states as `loop` at one thread per process: a client's update depends
     on (payload, state, data, seed of (round, client)) only, whichever worker runs it and in whichever order."""
     torch.set_num_threads(1)
-    loop = run(_cfg(name, {"threads": 1}), write=False, progress=False)
-    procs = run(_cfg(name, {"name": "procs", "workers": 2, "threads": 1}), write=False, progress=False, pool=pool)
+    loop = run(parity_config(name, {"threads": 1}), write=False, progress=False)
+    procs_cfg = parity_config(name, {"name": "procs", "workers": 2, "threads": 1})
+    procs = run(procs_cfg, write=False, progress=False, pool=pool)
     assert _figures(procs.summary) == _figures(loop.summary)
     assert _same(procs.server, loop.server)
     assert procs.executor.states.keys() == loop.executor.states.keys()
@@ -58,7 +48,7 @@ class FailingFedAvg(FedAvg):
 
 def test_a_failing_client_update_is_reported_with_the_client(pool):
     """An exception in a worker reaches the caller as WorkerError naming the client and the worker's traceback."""
-    algo = FailingFedAvg(prepare(_cfg("fedavg", {"name": "procs", "workers": 2, "threads": 1})).ctx)
+    algo = FailingFedAvg(prepare(parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1})).ctx)
     cids = algo.ctx.federation.participated[:2]
     with pytest.raises(WorkerError, match=r"client \d+: ValueError: no data for client \d+\n.*worker traceback"):
         ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))

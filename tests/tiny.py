@@ -3,6 +3,9 @@ tests (procs, Flower) share."""
 
 import torch
 
+from pflbed.algorithms import ALGORITHMS
+from pflbed.config import validate_config
+
 TINY = {
     "dataset": {"name": "synthetic"},
     "model": {"name": "mlp"},
@@ -28,3 +31,12 @@ def figures(summary):
 
 def same_tensors(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def parity_config(name, executor, **train):
+    """TINY for algorithm `name` on `executor` (with FED's public data and LIGHT's options where they apply), with
+    `train` overrides: the config of the executor parity tests."""
+    fields = ALGORITHMS[name].Config.model_fields
+    algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}}
+    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
+                            "executor": executor})  # fmt: skip

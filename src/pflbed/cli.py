@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     f.add_argument("--supernodes", type=int, default=2, metavar="N", help="local: SuperNodes to start (default 2)")
     f.add_argument("--tls", action="store_true", help="local: TLS with a self-signed certificate authority")
+    f.add_argument("--auth", action="store_true",
+                   help="local: SuperNode authentication (a key pair per node, registered with the SuperLink)")
     f.add_argument("--out", type=Path, help="local: run directory (default runs/<algorithm>-<dataset>-seed<seed>); "
                    "app: the project directory")  # fmt: skip
     f.add_argument("--run-dir", type=Path, help="app: where the ServerApp writes the run (default: runs/<...>)")
@@ -135,7 +137,7 @@ def _cmd_flower(args: argparse.Namespace) -> None:
 
     out = args.out or default_out(cfg)
     console = Console(soft_wrap=True)
-    print_table(run_local(cfg, out, args.supernodes, tls=args.tls, force=args.force, log=console.print))
+    print_table(run_local(cfg, out, args.supernodes, tls=args.tls, auth=args.auth, force=args.force, log=console.print))
     console.print(f"results: {out}")
 
 

@@ -216,6 +216,12 @@ class ExecutorConfig(_Strict):
         "then (or whose node failed) are left out of the round and listed in its record's failed_clients; unset: "
         "wait for every reply"
     )
+    state_dir: str | None = Field(
+        None, min_length=1, description="flower: keep each client's state on its SuperNode, in files under this "
+        "directory (or the node's state-dir node config), so a node that restarts continues its clients; states "
+        "then travel only when the server evaluates or checkpoints. Unset: states stay with the server and travel "
+        "with each round's messages"
+    )
     strict: bool = Field(False, description="round-trip every payload, reply and client state through bytes")
     threads: int | None = Field(
         None,
@@ -238,7 +244,7 @@ class ExecutorConfig(_Strict):
     def _check(self) -> ExecutorConfig:
         if self.batch_clients and self.name != "loop":
             raise ValueError("batch_clients applies to executor.name=loop (batched clients run in the loop executor)")
-        for key in ("supernodes", "round_timeout"):
+        for key in ("supernodes", "round_timeout", "state_dir"):
             if getattr(self, key) is not None and self.name != "flower":
                 raise ValueError(f"{key} applies to executor.name=flower")
         if self.name == "flower" and importlib.util.find_spec("flwr") is None:

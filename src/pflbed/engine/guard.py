@@ -23,11 +23,15 @@ def first_nonfinite(tensors: Tensors) -> str | None:
     return None
 
 
+def client_diverged(rnd: int, cid: int, what: str, key: str) -> DivergedError:
+    return DivergedError(rnd, f"client {cid}'s {what} has non-finite values in '{key}'")
+
+
 def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
     for what, tensors in (("reply", reply), ("state", state)):
         key = first_nonfinite(tensors)
         if key is not None:
-            raise DivergedError(rnd, f"client {cid}'s {what} has non-finite values in '{key}'")
+            raise client_diverged(rnd, cid, what, key)
 
 
 def check_server(rnd: int, server: Tensors) -> None:

@@ -1,6 +1,7 @@
-"""Self-signed TLS material for a local deployment (`pflbed flower local --tls`): a certificate authority and a
-SuperLink certificate for 127.0.0.1 / localhost signed by it, valid for a day. For real deployments, use
-certificates from your own authority (README, "Run on Flower")."""
+"""Key material for a local deployment: self-signed TLS (`pflbed flower local --tls`: a certificate authority and
+a SuperLink certificate for 127.0.0.1 / localhost signed by it, valid for a day) and SuperNode authentication keys
+(`--auth`: one EC key pair per node, in the OpenSSH formats Flower reads). For real deployments, use certificates
+from your own authority and keys each site generates itself (README, "Run on Flower")."""
 
 from __future__ import annotations
 
@@ -40,4 +41,21 @@ def write_certificates(path: Path) -> tuple[Path, Path, Path]:
     files[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))  # fmt: skip
     files[2].chmod(0o600)
+    return files
+
+
+def write_node_keys(path: Path, nodes: int) -> list[tuple[Path, Path]]:
+    """(private key, public key) of each of `nodes` SuperNodes, written into `path` as `node-<k>` and
+    `node-<k>.pub` (OpenSSH formats; NIST P-384, a curve Flower accepts)."""
+    path.mkdir(parents=True, exist_ok=True)
+    files = []
+    for k in range(nodes):
+        key = ec.generate_private_key(ec.SECP384R1())
+        private, public = path / f"node-{k}", path / f"node-{k}.pub"
+        private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                              serialization.NoEncryption()))  # fmt: skip
+        private.chmod(0o600)
+        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                         serialization.PublicFormat.OpenSSH))  # fmt: skip
+        files.append((private, public))
     return files

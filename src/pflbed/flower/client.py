@@ -8,8 +8,15 @@ from the config the first time it sees it, once per process, and reuses it. One 
 client: in a deployment each message starts a ClientApp process (seconds, before any work), so a round costs one
 start per node, not one per client.
 
-A QUERY message asks which partition of the federation the node serves (`partition-id` of its node config):
-the server sends client `cid` to the node serving partition `cid mod num-partitions`.
+With `executor.state_dir`, the states stay on the node (`node_states.py`): the message carries, instead of each
+client's state, the round of the state the server expects (`versions`), and the reply carries no state — only,
+for a client whose new state is non-finite, its first bad key (`nonfinite/<cid>`), for the server's divergence
+guard. A state the server holds and the node may not (after the server resumed from a checkpoint) still comes in
+the message, and is used instead of the node's.
+
+QUERY messages ask which partition of the federation the node serves (`partition-id` of its node config: the
+server sends client `cid` to the node serving partition `cid mod num-partitions`), or, with a `config`, for the
+node's stored states of some clients (`cids`, `versions`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from flwr.clientapp import ClientApp
 from pflbed.algorithms.base import Algorithm
 from pflbed.config import validate_config
 from pflbed.engine.executor import update_client
+from pflbed.engine.guard import first_nonfinite
 from pflbed.engine.loop import prepare
+from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import from_record, to_record
 
 PARTITION, PARTITIONS = "partition-id", "num-partitions"
@@ -39,28 +48,65 @@ def algorithm(config_json: str) -> Algorithm:
     return prepare(validate_config(json.loads(config_json)), threads=1)
 
 
+def node_states(context: Context, config_json: str, algo: Algorithm) -> NodeStates | None:
+    """Where this node keeps its clients' states (its `state-dir` node config, else `executor.state_dir`); None
+    when they travel with the messages (`executor.state_dir` unset)."""
+    if algo.ctx.cfg.executor.state_dir is None:
+        return None
+    return NodeStates(str(context.node_config.get(NODE_CONFIG_KEY) or algo.ctx.cfg.executor.state_dir),
+                      config_json, algo)  # fmt: skip
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """The updates of the round's clients this node serves, one after another (records `payload/<cid>` and
-    `state/<cid>` in, `reply/<cid>` and `state/<cid>` out)."""
+    `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
     conf = msg.content["config"]
-    algo = algorithm(str(conf["pflbed-config"]))
+    config = str(conf["pflbed-config"])
+    algo = algorithm(config)
     rnd = int(conf["round"])
+    stored = node_states(context, config, algo)
+    cids = [int(c) for c in conf["cids"]]
+    versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True)) if stored else {}
     out = RecordDict()
+    flags: dict[str, str] = {}
     update_s = records_s = 0.0
-    for cid in (int(c) for c in conf["cids"]):
+    for cid in cids:
         t0 = time.perf_counter()
-        payload, state = from_record(msg.content[f"payload/{cid}"]), from_record(msg.content[f"state/{cid}"])
+        payload = from_record(msg.content[f"payload/{cid}"])
+        sent = msg.content.get(f"state/{cid}")
+        state = from_record(sent) if sent is not None or stored is None else stored.load(cid, versions[cid])
         t1 = time.perf_counter()
         reply, new_state = update_client(algo, rnd, cid, payload, state)
         t2 = time.perf_counter()
-        out[f"reply/{cid}"], out[f"state/{cid}"] = to_record(reply), to_record(new_state)
+        out[f"reply/{cid}"] = to_record(reply)
+        if stored is None:
+            out[f"state/{cid}"] = to_record(new_state)
+        else:
+            stored.save(cid, rnd, new_state, keep=versions[cid])
+            bad = first_nonfinite(new_state)
+            if bad is not None:
+                flags[f"nonfinite/{cid}"] = bad
         update_s, records_s = update_s + t2 - t1, records_s + time.perf_counter() - t2 + t1 - t0
-    out["config"] = ConfigRecord({"round": rnd, "update_s": update_s, "records_s": records_s})  # where time goes
+    out["config"] = ConfigRecord({"round": rnd, "update_s": update_s, "records_s": records_s, **flags})
     return Message(out, reply_to=msg)
 
 
 @app.query()
+def query(msg: Message, context: Context) -> Message:
+    """The node's partition, or (with a `config`) the stored states of the clients asked for."""
+    if "config" not in msg.content:
+        return partition(msg, context)
+    conf = msg.content["config"]
+    config = str(conf["pflbed-config"])
+    stored = node_states(context, config, algorithm(config))
+    if stored is None:
+        raise ValueError("client states were asked of a node, but executor.state_dir is unset")
+    out = RecordDict({f"state/{int(c)}": to_record(stored.load(int(c), int(v)))
+                      for c, v in zip(conf["cids"], conf["versions"], strict=True)})  # fmt: skip
+    return Message(out, reply_to=msg)
+
+
 def partition(msg: Message, context: Context) -> Message:
     part = context.node_config.get(PARTITION, 0)
     parts = context.node_config.get(PARTITIONS, 1)

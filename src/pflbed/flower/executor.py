@@ -4,7 +4,11 @@ Runs inside a ServerApp, on its `Grid`, under the same `engine.driver.Driver` as
 one TRAIN message goes to each node serving a sampled client's partition (`client.py`), carrying those clients'
 payloads and states; the reply carries their replies and new states, which this executor keeps like `LoopExecutor`
 (states live with the server, where evaluation and checkpoints need them, so a node can restart between rounds
-and lose nothing).
+and lose nothing). With `executor.state_dir`, the nodes keep the states instead (`node_states.py`): messages carry
+the round of the state each client's node should hold, and the server reads states from the nodes only to
+evaluate or checkpoint, once per client since it last trained. A node that restarts connects with a new node id;
+the server asks every new node which partition it serves before each round, and sends that partition's clients
+to the newest node.
 
 Failures: a client whose node's reply does not arrive within `executor.round_timeout` seconds, or arrives as an
 error from the runtime (the node became unavailable, its ClientApp process crashed), is left out of the round: the round
@@ -25,6 +29,7 @@ from flwr.serverapp import Grid
 
 from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.engine.executor import LoopExecutor
+from pflbed.engine.guard import check_client, client_diverged
 from pflbed.errors import PflbedError
 from pflbed.flower.client import PARTITION, PARTITIONS
 from pflbed.flower.project import config_json
@@ -54,54 +59,115 @@ class Replies:
 
 class FlowerExecutor(LoopExecutor):
     def __init__(self, algo: Algorithm, grid: Grid) -> None:
+        self.on_nodes = algo.ctx.cfg.executor.state_dir is not None
+        self._states: dict[int, Tensors] = {}  # held here: every state, or (on nodes) initial and resumed ones
+        self.version: dict[int, int] = {}  # on nodes: the round of the state each trained client's node holds
+        self.fetched: dict[int, Tensors] = {}  # on nodes: copies read since those clients last trained
         super().__init__(algo)
         self.grid, self.timeout = grid, algo.ctx.cfg.executor.round_timeout
         self.config = config_json(algo.ctx.cfg)
         # Where a round's time goes (`benchmarks/flower_speed.py`): building and reading records here, waiting for
         # the replies, and on the nodes the client updates and their records.
         self.timing = {"server_records_s": 0.0, "wait_s": 0.0, "client_update_s": 0.0, "client_records_s": 0.0}
-        self.node_of = self._partitions()
+        self.node_of: dict[int, int] = {}  # partition id → node id
+        self.parts: set[int] = set()  # the numbers of partitions the nodes declared (one, when they agree)
+        self.asked: set[int] = set()
+        self._partitions()
 
-    def _partitions(self, wait_s: float = 120.0) -> dict[int, int]:
-        """partition id → node id, asked of every connected node; waits (up to `wait_s`) until the connected
-        nodes serve every partition (nodes connect while the ServerApp starts)."""
-        found: dict[int, int] = {}
-        parts: set[int] = set()
-        asked: set[int] = set()
+    @property
+    def states(self) -> dict[int, Tensors]:  # type: ignore[override]
+        """Every client state there is (read from the nodes where they are kept there: checkpoints need them)."""
+        if not self.on_nodes:
+            return self._states
+        self._fetch([c for c in self.version if c not in self.fetched])
+        return {**self._states, **self.fetched}
+
+    @states.setter
+    def states(self, states: dict[int, Tensors]) -> None:
+        """States given to the executor (a resumed checkpoint's): on nodes, sent along when each client next
+        trains, since its node may hold a later version of it."""
+        self._states, self.version, self.fetched = dict(states), {}, {}
+
+    def state(self, cid: int) -> Tensors:
+        if cid in self.version:  # on nodes, trained since this executor started
+            if cid not in self.fetched:  # one read per node for every client not read yet (evaluations read all)
+                self._fetch([c for c in self.version if c not in self.fetched])
+            return self.fetched[cid]
+        if cid not in self._states:
+            self._states[cid] = self.prepare(self.algo.init_client(cid))
+        return self._states[cid]
+
+    def _ask(self) -> None:
+        """Ask the nodes connected since the last call which partition they serve."""
+        new = sorted(set(self.grid.get_node_ids()) - self.asked)
+        asks = [Message(RecordDict({}), dst_node_id=n, message_type=MessageType.QUERY, group_id="partitions")
+                for n in new]  # fmt: skip
+        for reply in self.grid.send_and_receive(asks, timeout=30) if asks else []:
+            if not reply.has_error():
+                info = reply.content["node"]
+                self.node_of[int(info[PARTITION])] = reply.metadata.src_node_id
+                self.parts.add(int(info[PARTITIONS]))
+                self.asked.add(reply.metadata.src_node_id)
+        if len(self.parts) > 1:
+            raise FlowerRoundError(f"the SuperNodes disagree on the number of partitions: {sorted(self.parts)}")
+
+    def _partitions(self, wait_s: float = 120.0) -> None:
+        """Wait (up to `wait_s`) until the connected nodes serve every partition (nodes connect while the ServerApp
+        starts)."""
         deadline = time.monotonic() + wait_s
         while True:
-            new = sorted(set(self.grid.get_node_ids()) - asked)
-            asks = [Message(RecordDict({}), dst_node_id=n, message_type=MessageType.QUERY, group_id="partitions")
-                    for n in new]  # fmt: skip
-            for reply in self.grid.send_and_receive(asks, timeout=30) if asks else []:
-                if not reply.has_error():
-                    info = reply.content["node"]
-                    found[int(info[PARTITION])] = reply.metadata.src_node_id
-                    parts.add(int(info[PARTITIONS]))
-                    asked.add(reply.metadata.src_node_id)
-            if len(parts) > 1:
-                raise FlowerRoundError(f"the SuperNodes disagree on the number of partitions: {sorted(parts)}")
-            if parts and set(found) == set(range(next(iter(parts)))):
-                return found
+            self._ask()
+            if self.parts and set(self.node_of) == set(range(next(iter(self.parts)))):
+                return
             if time.monotonic() > deadline:
-                raise FlowerRoundError(f"after {wait_s:.0f} s, SuperNodes serve partitions {sorted(found)} of "
-                                       f"{sorted(parts) or 'an unknown number'}: some nodes are missing")  # fmt: skip
+                of = sorted(self.parts) or "an unknown number"
+                raise FlowerRoundError(f"after {wait_s:.0f} s, SuperNodes serve partitions {sorted(self.node_of)} "
+                                       f"of {of}: some nodes are missing")  # fmt: skip
             time.sleep(0.2)
+
+    def _by_node(self, cids: list[int]) -> dict[int, list[int]]:
+        by_node: dict[int, list[int]] = {}
+        for cid in sorted(cids):
+            by_node.setdefault(self.node_of[cid % len(self.node_of)], []).append(cid)
+        return by_node
+
+    def _fetch(self, cids: list[int]) -> None:
+        """Read the states of `cids` from their nodes (one QUERY per node) into `fetched`."""
+        if not cids:
+            return
+        self._ask()
+        by_node = self._by_node(cids)
+        msgs = [Message(RecordDict({"config": ConfigRecord({"pflbed-config": self.config, "cids": cs,
+                                                            "versions": [self.version[c] for c in cs]})}),
+                        dst_node_id=node, message_type=MessageType.QUERY, group_id="states")
+                for node, cs in by_node.items()]  # fmt: skip
+        device = self.algo.ctx.device
+        for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
+            if reply.has_error():  # the reason's last line: the error, without the node's traceback
+                reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason.strip() else "no reason"
+                raise FlowerRoundError(f"could not read client states from node {reply.metadata.src_node_id}: {reason}")
+            for key, record in reply.content.array_records.items():
+                self.fetched[int(key.split("/")[1])] = from_record(record, device)
+        missing = sorted(set(cids) - set(self.fetched))
+        if missing:
+            raise FlowerRoundError(f"the nodes holding the states of clients {missing} did not answer")
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Replies:
         """Send every client's work, wait for the replies (or the round timeout), then hand them on in client
         order; `Replies.failed` says which clients did not reply before any reply is taken."""
-        parts = len(self.node_of)
+        self._ask()  # a node that restarted serves its partition again, under a new node id
         t0 = time.perf_counter()
-        by_node: dict[int, list[int]] = {}
-        for cid in sorted(payloads):
-            by_node.setdefault(self.node_of[cid % parts], []).append(cid)
+        by_node = self._by_node(list(payloads))
         msgs = []
         for node, cids in by_node.items():
-            content = RecordDict({"config": ConfigRecord({"pflbed-config": self.config, "round": rnd, "cids": cids})})
+            conf = {"pflbed-config": self.config, "round": rnd, "cids": cids}
+            if self.on_nodes:
+                conf["versions"] = [self.version.get(c, 0) for c in cids]
+            content = RecordDict({"config": ConfigRecord(conf)})
             for cid in cids:
                 content[f"payload/{cid}"] = to_record(payloads[cid])
-                content[f"state/{cid}"] = to_record(self.state(cid))
+                if not self.on_nodes or cid in self._states:  # on nodes: only what the node may not have
+                    content[f"state/{cid}"] = to_record(self.state(cid))
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=str(rnd)))
         arrived: dict[int, RecordDict] = {}
         t1 = time.perf_counter()
@@ -128,8 +194,22 @@ class FlowerExecutor(LoopExecutor):
                 t = time.perf_counter()
                 content = arrived.pop(cid)
                 reply = from_record(content[f"reply/{cid}"], device)
+                if self.on_nodes:
+                    self.timing["server_records_s"] += time.perf_counter() - t
+                    yield cid, self.keep_on_node(rnd, cid, reply, content["config"])
+                    continue
                 state = from_record(content[f"state/{cid}"], device)
                 self.timing["server_records_s"] += time.perf_counter() - t
                 yield cid, self.keep(rnd, cid, reply, state)
 
         return Replies(failed, replies())
+
+    def keep_on_node(self, rnd: int, cid: int, reply: Tensors, conf: ConfigRecord) -> Tensors:
+        """Check a reply whose client's new state stayed on its node, which now holds the state of round `rnd`."""
+        check_client(rnd, cid, reply, {})
+        if f"nonfinite/{cid}" in conf:
+            raise client_diverged(rnd, cid, "state", str(conf[f"nonfinite/{cid}"]))
+        self.version[cid] = rnd
+        self._states.pop(cid, None)
+        self.fetched.pop(cid, None)
+        return reply

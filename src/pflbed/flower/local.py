@@ -3,9 +3,12 @@ processes on 127.0.0.1 — running one experiment, then stopped.
 
 What it does, in order:
 1. checks the run directory as `pflbed run` does, writes the app project (`project.write_app`) and, for `tls`, a
-   self-signed certificate authority and SuperLink certificate (`certificates.py`) under `<out>/flower/`;
-2. starts `flower-superlink` (one port serves its Fleet, Control and runtime APIs) and the SuperNodes, node k with
-   `--node-config "partition-id=k num-partitions=N"`, each in its own process group;
+   self-signed certificate authority and SuperLink certificate, for `auth` a key pair per SuperNode
+   (`certificates.py`), under `<out>/flower/`;
+2. starts `flower-superlink` (one port serves its Fleet, Control and runtime APIs; with `auth`, only registered
+   SuperNodes may connect: each node's public key is registered with `flwr supernode register`) and the
+   SuperNodes, node k with `--node-config "partition-id=k num-partitions=N"` (and its private key), each in its
+   own process group;
 3. submits the app with `flwr run`, against a Flower home of its own (`<out>/flower/home`: no user configuration
    read or changed), and waits for it: the ServerApp (`flower.server`) writes `<out>`'s config, metrics, checkpoints
    and summary;
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from pflbed.config import Config
 from pflbed.errors import PflbedError
-from pflbed.flower.certificates import write_certificates
+from pflbed.flower.certificates import write_certificates, write_node_keys
 from pflbed.flower.project import write_app
 from pflbed.results.rundir import RunDir
 
@@ -106,9 +109,20 @@ def _wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float 
     raise FlowerRunError(f"the SuperLink did not listen on port {port} within {timeout:.0f} s; see {log}")
 
 
-def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, force: bool = False,
-              log=print) -> dict:  # fmt: skip
-    """Run `cfg` on a local deployment of `supernodes` SuperNodes; the run's summary (also in `out`)."""
+def _register(keys: list[tuple[Path, Path]], env: dict[str, str], log: Path) -> None:
+    """Register each SuperNode's public key with the SuperLink (SuperNode authentication)."""
+    with open(log, "w") as f:
+        for _, public in keys:
+            done = subprocess.run([_tool("flwr"), "supernode", "register", str(public), CONNECTION], stdout=f,
+                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
+            if done.returncode != 0:
+                raise FlowerRunError(f"registering the SuperNode key {public} failed; see {log}")
+
+
+def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, auth: bool = False,
+              force: bool = False, log=print) -> dict:  # fmt: skip
+    """Run `cfg` on a local deployment of `supernodes` SuperNodes (`tls`: encrypted connections; `auth`: only the
+    SuperNodes whose keys were registered may connect); the run's summary (also in `out`)."""
     if supernodes < 1:
         raise PflbedError("--supernodes must be at least 1")
     rundir = RunDir.check(out, cfg, force=force)
@@ -130,16 +144,23 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, for
     (home / "config.toml").write_text(flwr_config)
     env = _env(home)
     no_install = ["--disable-runtime-dependency-installation"]
+    keys = write_node_keys(work / "keys", supernodes) if auth else []
     with _processes() as procs:
         link_log = work / "superlink.log"
         link = _start(procs, [_tool("flower-superlink"), *link_tls, "--port", str(port), "--database",
-                              str(work / "superlink.db"), *no_install], link_log, env)  # fmt: skip
+                              str(work / "superlink.db"), *no_install,
+                              *(["--enable-supernode-auth"] if auth else [])], link_log, env)  # fmt: skip
         _wait_for_port(port, link, link_log)
+        if auth:
+            _register(keys, env, work / "register.log")
         for k in range(supernodes):
             node = f"partition-id={k} num-partitions={supernodes}"
-            _start(procs, [_tool("flower-supernode"), *node_tls, "--superlink", f"127.0.0.1:{port}",
+            key = ["--auth-supernode-private-key", str(keys[k][0])] if auth else []
+            _start(procs, [_tool("flower-supernode"), *node_tls, *key, "--superlink", f"127.0.0.1:{port}",
                            "--port", str(free_port()), "--node-config", node], work / f"supernode-{k}.log", env)
-        log(f"SuperLink on 127.0.0.1:{port}{' (TLS)' if tls else ''}, {supernodes} SuperNodes; logs in {work}")
+        security = " and ".join(w for w, on in (("TLS", tls), ("node authentication", auth)) if on)
+        log(f"SuperLink on 127.0.0.1:{port}{f' ({security})' if security else ''}, {supernodes} SuperNodes; "
+            f"logs in {work}")  # fmt: skip
         run_log = work / "run.log"
         with open(run_log, "w") as f:
             done = subprocess.run([_tool("flwr"), "run", str(app), CONNECTION, "--stream"], stdout=f,
