@@ -1,6 +1,7 @@
 """pflbed — personalized federated learning: faithful algorithms, an honest protocol, a fast simulator.
 
-Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, overrides)` builds a config.
+Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, overrides)` builds a config;
+`pflbed.load_run(dir)` loads a trained run (models, predictions, personalization for new clients).
 """
 
 from __future__ import annotations
@@ -29,3 +30,11 @@ def run(
 
     cfg = config if isinstance(config, Config) else validate_config(dict(config or {}))
     return _run(cfg, Path(out) if out else None, write=write, progress=progress, force=force)
+
+
+def load_run(path: str | Path):
+    """A trained run: `.config`, `.summary`, `.generic_model()`, `.personal_model(cid)`, `.predict(x)`,
+    `.personalize(x, y, ...)` (`pflbed.results.trained.TrainedRun`)."""
+    from pflbed.results.trained import load_run as _load
+
+    return _load(path)

@@ -14,7 +14,10 @@ from pflbed.errors import DivergedError, PflbedError
 
 
 def _parser() -> argparse.ArgumentParser:
+    from pflbed import __version__
+
     p = argparse.ArgumentParser(prog="pflbed", description="Personalized federated learning benchmark.")
+    p.add_argument("--version", action="version", version=f"pflbed {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment (default: FedAvg on the embedded digits data)")
     r.add_argument("-c", "--config", help="YAML config file")
@@ -54,12 +57,26 @@ def _parser() -> argparse.ArgumentParser:
                    "app: the project directory")  # fmt: skip
     f.add_argument("--run-dir", type=Path, help="app: where the ServerApp writes the run (default: runs/<...>)")
     f.add_argument("--force", action="store_true", help="local: replace the run already in --out")
+    z = sub.add_parser("personalize", help="personalize a trained run's model for a new client from its samples")
+    z.add_argument("run", type=Path, metavar="RUN", help="a run directory (finished, or with a checkpoint)")
+    z.add_argument("--data", type=Path, required=True, metavar="FILE",
+                   help=".npz with x (raw samples, the dataset's native format) and y, or a folder of class "
+                   "sub-folders 0/, 1/, … of images")  # fmt: skip
+    z.add_argument("--val", type=Path, metavar="FILE", help="validation samples (same formats): keep the best epoch")
+    z.add_argument("--test", type=Path, metavar="FILE", help="test samples (same formats): report the accuracy")
+    z.add_argument("--method", choices=["native", "ft", "lp"], default="native",
+                   help="native: the method's own personalization (default); ft / lp: fine-tune the generic model "
+                   "/ its head")  # fmt: skip
+    z.add_argument("--epochs", type=int, help="default: the run's eval.new_clients.epochs")
+    z.add_argument("--lr", type=float, help="default: the new-client learning rate the run chose on validation")
+    z.add_argument("--seed", type=int, default=0, help="seed of the personalization's batch order")
+    z.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt and summary.json go")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
     d.add_argument("--path", help="list: a dataset directory to describe (fmnist files or a folder dataset root)")
     d.add_argument("-c", "--config", help="show: YAML config whose dataset and federation to show")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    d.add_argument("--png", type=Path, default=Path("partition.png"), help="show: heat-map file")
+    d.add_argument("--png", type=Path, help="show: also draw the partition heat-map into this PNG file")
     return p
 
 
@@ -141,6 +158,33 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     console.print(f"results: {out}")
 
 
+def _cmd_personalize(args: argparse.Namespace) -> None:
+    from pflbed.data.samples import read_samples
+    from pflbed.results.trained import load_run
+
+    run = load_run(args.run)
+    x, y, scale = read_samples(args.data, run.source)
+    val = None
+    if args.val is not None:
+        xv, yv, vscale = read_samples(args.val, run.source)
+        if vscale != scale:
+            raise PflbedError("--data and --val must be of one format (both .npz or both image folders)")
+        val = (xv, yv)
+    model = run.personalize(x, y, method=args.method, epochs=args.epochs, lr=args.lr, val=val, scale=scale,
+                            seed=args.seed)  # fmt: skip
+    if args.test is not None:
+        xt, yt, tscale = read_samples(args.test, run.source)
+        model.info["test_acc"] = model.accuracy(xt, yt, tscale)
+        model.info["test_samples"] = len(yt)
+    out = model.save(args.out)
+    console = Console(soft_wrap=True)
+    what = f"{run.config.algorithm.name} ({args.method}), {len(y)} samples, lr {model.lr:g}"
+    console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept"
+                  + (f", test accuracy {100 * model.info['test_acc']:.2f} %" if "test_acc" in model.info else "")
+                  + f"; {model.seconds:.1f} s")  # fmt: skip
+    console.print(f"model: {out / 'model.pt'}, summary: {out / 'summary.json'}")
+
+
 def _cmd_data(args: argparse.Namespace) -> None:
     from rich.table import Table
 
@@ -154,7 +198,8 @@ def _cmd_data(args: argparse.Namespace) -> None:
         source = load_source(cfg.dataset)
         fed = build_federation(source, cfg.federation, cfg.seed)
         print_partition(source, fed)
-        Console().print(f"heat-map: {plot_partition(source, fed, args.png)}")
+        if args.png is not None:
+            Console(soft_wrap=True).print(f"heat-map: {plot_partition(source, fed, args.png)}")
         return
 
     from pflbed.data import describe_datasets
@@ -170,7 +215,9 @@ def _cmd_data(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower}[args.command](args)
+        commands = {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower,
+                    "personalize": _cmd_personalize}  # fmt: skip
+        commands[args.command](args)
     except DivergedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)
         return e.exit_code

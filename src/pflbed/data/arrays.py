@@ -10,7 +10,10 @@ import hashlib
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
+
+from pflbed.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,34 @@ class DataSource:
     origin: str  # where the data came from (a path, "scikit-learn", "generated"), shown by `pflbed data list`
     pixel_norm: tuple[float, float] = (0.0, 1.0)  # (mean, std) that mapped [0, 1] pixels to `x`
     domain_names: tuple[str, ...] = ()  # names of the values in `domain`, when the data has domains
+    raw_scale: float = 1.0  # raw samples span [0, raw_scale] (digits 16, 8-bit images 255): x = (raw/scale − mean)/std
+    raw_channels_last: bool = False  # raw images are [H, W, C] (decoded image files), `x` is [C, H, W]
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train.x.shape[1:])
+
+    @property
+    def raw_shape(self) -> tuple[int, ...]:
+        """The shape of one raw sample: [H, W] for one-channel images, [H, W, C] for decoded colour images."""
+        shape = self.input_shape
+        if len(shape) == 3 and self.raw_channels_last:
+            return (*shape[1:], shape[0])
+        return shape[1:] if len(shape) == 3 and shape[0] == 1 else shape
+
+    def inputs(self, raw: np.ndarray | torch.Tensor, scale: float | None = None, what: str = "x") -> torch.Tensor:
+        """Raw samples in this dataset's native format (e.g. digits' 8×8 images in 0–16, Fashion-MNIST's 28×28
+        uint8 images) → model inputs, transformed as the loader transformed its own. `scale` overrides the raw
+        range (images read from files span 0–255 whatever the dataset's own range). `what` names the input in
+        errors. Why here: the transform is the loader's, and a trained model is useless without it."""
+        x = torch.as_tensor(np.asarray(raw), dtype=torch.float32)
+        if x.ndim < 1 or tuple(x.shape[1:]) not in (self.raw_shape, self.input_shape):
+            raise DataError(f"{what}: samples of shape {list(x.shape[1:])}, but {self.name} samples are "
+                            f"{list(self.raw_shape)}")  # fmt: skip
+        if tuple(x.shape[1:]) != self.input_shape:
+            x = x.permute(0, 3, 1, 2) if self.raw_channels_last else x.unsqueeze(1)
+        mean, std = self.pixel_norm
+        return ((x / (scale or self.raw_scale) - mean) / std).contiguous()
 
     def to(self, device: torch.device | str) -> DataSource:
         """Both splits' samples and labels on `device` (`ArrayDataset.to`); the same object where already there."""

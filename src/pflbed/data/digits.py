@@ -65,4 +65,5 @@ def _build(test_per_class: int, seed: int) -> DataSource:
         num_classes=NUM_CLASSES,
         origin=ORIGIN,
         pixel_norm=(MEAN, STD),
+        raw_scale=16.0,
     )

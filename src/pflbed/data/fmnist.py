@@ -206,6 +206,7 @@ def _load_cached(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> Dat
         num_classes=NUM_CLASSES,
         origin=directory,
         pixel_norm=(MEAN, STD),
+        raw_scale=255.0,
     )
 
 

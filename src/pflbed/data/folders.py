@@ -172,6 +172,8 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
         num_classes=len(tree.classes),
         origin=tree.root,
         pixel_norm=(0.5, 0.5),
+        raw_scale=255.0,
+        raw_channels_last=True,
         domain_names=tuple(tree.domains),
     )
 

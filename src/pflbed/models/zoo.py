@@ -395,6 +395,7 @@ def build_model(
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
     with torch.device("cpu"):
         model = factory(input_shape, num_classes)
+    model.zoo_name = name  # what rebuilds it (a saved personal model: `results.trained.load_model`)
     model = model.to(device)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 

@@ -1,0 +1,240 @@
+"""A trained run, loaded for use (`pflbed.load_run`, `pflbed personalize`; README, "Use a trained run").
+
+A run directory holds what is needed: `config.yaml` rebuilds the run's data, federation and model (`engine.loop.
+prepare`), and `checkpoints/last.pt` holds the last checkpointed round's server and client states (the final ones
+once the run is finished). From these: the generic model, each participating client's personal model, predictions
+on raw samples (transformed as the run's loader transformed its own data: `DataSource.inputs`), and
+personalization for a new client — the method's own (`Algorithm.personalize`: FedBasis learns its combination
+weights and classifier, FedRoD-hyper starts from the head its hypernetwork generates, FedRep and FedPer train the
+head…), or fine-tuning / a linear probe of the generic model.
+
+Models come back as plain `torch.nn.Module`s in eval mode that take *transformed* inputs; `predict` takes raw ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
+from pflbed.algorithms.training import finetune_epochs, load_params
+from pflbed.config import Config, validate_config
+from pflbed.errors import PflbedError
+from pflbed.models import build_model
+from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
+
+Method = Literal["native", "ft", "lp"]
+MODEL_FILE, SUMMARY_FILE = "model.pt", "summary.json"
+
+
+def _module(pred: Predictor) -> torch.nn.Module:
+    """The predictor's model with its parameters, as a module of its own (the run's model objects are shared)."""
+    model = copy.deepcopy(pred.model)
+    load_params(model, pred.params)
+    return model.eval()
+
+
+def _labels(model: torch.nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(x[i : i + batch_size]).argmax(1) for i in range(0, max(len(x), 1), batch_size)])
+
+
+def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((_labels(model, x) == y).float().mean()) if len(y) else float("nan")
+
+
+@dataclass
+class Personalized:
+    """A model personalized for one new client, with how it was obtained.
+
+    `epochs`: per epoch, its validation accuracy (when validation data was given); `selected_epoch`: the epoch kept
+    (the best on validation, earliest on ties; the last without validation data)."""
+
+    model: torch.nn.Module
+    run: TrainedRun | None
+    method: str
+    lr: float
+    epochs: list[dict[str, float]]
+    selected_epoch: int
+    seconds: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def predict(self, x: np.ndarray | torch.Tensor, scale: float | None = None) -> np.ndarray:
+        """Labels of raw samples (the run's native format; `scale`: their raw range if not the dataset's)."""
+        if self.run is None:
+            raise PflbedError("this personalized model was loaded without its run; pass transformed inputs to .model")
+        return _labels(self.model, self.run.inputs(x, scale)).numpy()
+
+    def accuracy(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor, scale: float | None = None) -> float:
+        """Accuracy on raw samples `x` with labels `y`."""
+        assert self.run is not None
+        labels = self.run._labels_of(y, "test y", len(x))
+        return _accuracy(self.model, self.run.inputs(x, scale, "test x"), labels)
+
+    def save(self, out: Path) -> Path:
+        """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`."""
+        out.mkdir(parents=True, exist_ok=True)
+        arch = getattr(self.model, "zoo_name", None)
+        torch.save({"state_dict": {k: v.cpu() for k, v in self.model.state_dict().items()}, "architecture": arch,
+                    "input_shape": list(self.info["input_shape"]), "num_classes": self.info["num_classes"]},
+                   out / MODEL_FILE)  # fmt: skip
+        summary = {"method": self.method, "lr": self.lr, "selected_epoch": self.selected_epoch,
+                   "epochs": self.epochs, "seconds": round(self.seconds, 3), **self.info}  # fmt: skip
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        return out
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """A model saved by `Personalized.save` (`pflbed personalize --out`), in eval mode; it takes transformed
+    inputs (`load_run(RUN).inputs(raw)`)."""
+    blob = torch.load(Path(path) / MODEL_FILE, weights_only=True)
+    model = build_model(blob["architecture"], tuple(blob["input_shape"]), int(blob["num_classes"]))
+    model.load_state_dict(blob["state_dict"])
+    return model.eval()
+
+
+class TrainedRun:
+    """A run directory, loaded. `config`, `summary` (None while unfinished), `history` (metrics.jsonl), `round`
+    (the checkpoint's)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from pflbed.engine.loop import prepare  # the engine builds what the run built
+
+        self.path = Path(path)
+        conf = self.path / "config.yaml"
+        if not conf.is_file():
+            raise PflbedError(f"{self.path}: not a pflbed run directory (no config.yaml)")
+        if not checkpoint_path(self.path).is_file():
+            raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
+                              "round): nothing to load")  # fmt: skip
+        import yaml
+
+        self.config: Config = validate_config(yaml.safe_load(conf.read_text()))
+        summary = self.path / "summary.json"
+        self.summary: dict[str, Any] | None = json.loads(summary.read_text()) if summary.is_file() else None
+        metrics = self.path / "metrics.jsonl"
+        self.history = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+        self.algo: Algorithm = prepare(self.config)
+        saved = load_checkpoint(self.path, self.algo.ctx.device)
+        assert saved is not None  # checked above
+        self.round: int = saved["round"]
+        self.server, self.states = saved["server"], saved["clients"]
+
+    @property
+    def source(self):
+        return self.algo.ctx.source
+
+    def inputs(self, x: np.ndarray | torch.Tensor, scale: float | None = None, what: str = "x") -> torch.Tensor:
+        """Raw samples → the model's inputs (`DataSource.inputs`), on the run's device."""
+        return self.source.inputs(x, scale, what).to(self.algo.ctx.device)
+
+    def generic_model(self) -> torch.nn.Module | None:
+        """The model scored for G-FL (None for methods without one)."""
+        pred = self.algo.generic_model(self.server)
+        return None if pred is None else _module(pred)
+
+    def personal_model(self, cid: int) -> torch.nn.Module:
+        """Participating client `cid`'s personal model (the one scored for its P-FL)."""
+        fed = self.algo.ctx.federation
+        if cid not in fed.participated:
+            raise PflbedError(f"client {cid} did not participate in this run ({len(fed.participated)} clients did, "
+                              f"{len(fed.new)} held out); personalize a model for a new client instead")  # fmt: skip
+        state = self.states.get(cid)
+        return _module(self.algo.personal_model(self.server, state if state is not None else
+                                                self.algo.init_client(cid)))  # fmt: skip
+
+    def predict(self, x: np.ndarray | torch.Tensor, cid: int | None = None, scale: float | None = None) -> np.ndarray:
+        """Labels of raw samples by client `cid`'s personal model, or by the generic model."""
+        model = self.personal_model(cid) if cid is not None else self.generic_model()
+        if model is None:
+            raise PflbedError(f"{self.config.algorithm.name} has no generic model: pass a client id")
+        return _labels(model, self.inputs(x, scale)).numpy()
+
+    def default_lr(self) -> float:
+        """The learning rate the run chose on validation for new clients (full-size data, fine-tuning), else the
+        first of its grid."""
+        methods = ((self.summary or {}).get("new_clients") or {}).get("methods", {})
+        chosen = methods.get("ft", {}).get("M", {}).get("lr_best")
+        return float(chosen) if chosen is not None else float(self.config.eval.new_clients.lrs[0])
+
+    def personalize(
+        self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor, *, method: Method = "native",
+        epochs: int | None = None, lr: float | None = None, val: tuple[Any, Any] | None = None,
+        scale: float | None = None, seed: int = 0,
+    ) -> Personalized:  # fmt: skip
+        """A personal model for a new client holding raw samples `x` with labels `y`.
+
+        native: the method's own personalization (`Algorithm.personalize`, full budget); ft / lp: fine-tune all of
+        the generic model / its head only. `epochs`, `lr`: default the run's new-client epochs and its learning rate
+        chosen on validation. With `val` = (x, y), every epoch is scored on it and the best is kept."""
+        if method not in ("native", "ft", "lp"):
+            raise PflbedError(f"--method: unknown {method!r}; choose native, ft or lp")
+        ctx, t = self.algo.ctx, self.config.train
+        xs, ys = self.inputs(x, scale, "x"), self._labels_of(y, "y", len(x))
+        if val is not None:
+            xv, yv = self.inputs(val[0], scale, "val x"), self._labels_of(val[1], "val y", len(val[0]))
+        else:
+            xv, yv = xs[:0], ys[:0]
+        epochs = epochs if epochs is not None else self.config.eval.new_clients.epochs
+        lr = lr if lr is not None else self.default_lr()
+        if epochs < 1 or not (lr > 0 and math.isfinite(lr)):
+            raise PflbedError(f"--epochs must be ≥ 1 and --lr > 0 (got {epochs}, {lr})")
+        n = len(ys)
+        prior = torch.bincount(ys, minlength=self.source.num_classes).float()
+        ids = torch.arange(n + len(yv), device=ctx.device)
+        data = ClientData(self._new_cid(), torch.cat([xs, xv]), torch.cat([ys, yv]), ids[:n], ids[n:],
+                          (prior / prior.sum()).to(ctx.device))  # fmt: skip
+        budget = Budget("ft" if method == "native" else method, epochs, lr, t.batch_size, t.momentum)
+        gen = torch.Generator().manual_seed(seed)
+        if method == "native":
+            steps = self.algo.personalize(self.server, data, budget, gen)
+        else:
+            generic = self.algo.generic_model(self.server)
+            if generic is None:
+                raise PflbedError(f"{self.config.algorithm.name} has no generic model to fine-tune: use --method "
+                                  "native")  # fmt: skip
+            steps = finetune_epochs(ctx.model, generic.params, data, budget, gen)
+        t0 = time.perf_counter()
+        history, best, best_val, selected = [], None, -1.0, 0
+        for e, pred in enumerate(steps, 1):
+            model = _module(pred)
+            acc = _accuracy(model, xv, yv)
+            history.append({"epoch": e, "val_acc": acc} if len(yv) else {"epoch": e})
+            if best is None or (len(yv) and acc > best_val) or not len(yv):
+                best, best_val, selected = model, acc, e
+        assert best is not None
+        info = {"run": str(self.path), "algorithm": self.config.algorithm.name, "samples": n, "val_samples": len(yv),
+                "input_shape": list(self.source.input_shape), "num_classes": self.source.num_classes}  # fmt: skip
+        return Personalized(best, self, method, lr, history, selected, time.perf_counter() - t0, info)
+
+    def _labels_of(self, y: Any, what: str, n: int) -> torch.Tensor:
+        labels = torch.as_tensor(np.asarray(y))
+        k = self.source.num_classes
+        if labels.ndim != 1 or len(labels) != n:
+            raise PflbedError(f"{what}: expected {n} labels (one per sample), got shape {list(labels.shape)}")
+        if labels.dtype.is_floating_point and not bool((labels == labels.round()).all()):
+            raise PflbedError(f"{what}: labels must be integers")
+        labels = labels.long()
+        if n and (int(labels.min()) < 0 or int(labels.max()) >= k):
+            raise PflbedError(f"{what}: labels must be in 0…{k - 1} ({self.source.name} has {k} classes), got "
+                              f"{int(labels.min())}…{int(labels.max())}")  # fmt: skip
+        return labels.to(self.algo.ctx.device)
+
+    def _new_cid(self) -> int:
+        """The id a new client takes: the run's first held-out client, else its last client (heterogeneous methods
+        pick the new client's architecture from it)."""
+        fed = self.algo.ctx.federation
+        return fed.new[0] if fed.new else len(fed.clients) - 1
+
+
+def load_run(path: str | Path) -> TrainedRun:
+    """Load the run in directory `path` (see `TrainedRun`)."""
+    return TrainedRun(path)

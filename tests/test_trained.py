@@ -1,0 +1,191 @@
+"""Using a trained run (`pflbed.load_run`, `pflbed personalize`): raw samples are transformed as the loader did,
+the loaded models are the run's final ones, personalization keeps the epoch validation picks, and bad input is one
+line, exit code 2."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import pflbed
+from pflbed.cli import main
+from pflbed.data import load_dataset
+from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.data.digits import MEAN, STD
+from pflbed.errors import DataError, PflbedError
+from pflbed.results.trained import load_model
+
+RUN = {"dataset": {"name": "digits"}, "federation": {"clients": 6, "new_clients": 2, "alpha": 0.3},
+       "train": {"rounds": 3, "lr": 0.05}, "eval": {"every": 3, "finetune": [], "new_clients": {"epochs": 2}},
+       "executor": {"threads": 1}}  # fmt: skip
+
+
+def _raw_digits(x: torch.Tensor) -> np.ndarray:
+    """Digits' raw 8×8 images in 0–16 (integers) back from the loader's normalized tensors."""
+    return torch.round((x[:, 0] * STD + MEAN) * 16).numpy()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name in ("fedavg", "fedper"):
+        torch.set_num_threads(1)
+        result = pflbed.run({**RUN, "algorithm": {"name": name}}, base / name)
+        out[name] = (base / name, result)
+    return out
+
+
+def _client_samples(cid_labels=(1, 4, 7), n=(30, 30, 200)):
+    """A new client's raw digits of three classes: train, val, test (disjoint)."""
+    source = load_dataset("digits")
+    x, y = _raw_digits(source.test.x), source.test.y.numpy()
+    raw_train, y_train = _raw_digits(source.train.x), source.train.y.numpy()
+    keep = np.flatnonzero(np.isin(y_train, cid_labels))
+    rng = np.random.default_rng(0)
+    keep = rng.permutation(keep)
+    tr, va = keep[: n[0]], keep[n[0] : n[0] + n[1]]
+    te = np.flatnonzero(np.isin(y, cid_labels))
+    return (raw_train[tr], y_train[tr]), (raw_train[va], y_train[va]), (x[te], y[te])
+
+
+def test_raw_samples_are_transformed_as_the_loader_did():
+    source = load_dataset("digits")
+    assert source.raw_shape == (8, 8)
+    x = source.inputs(_raw_digits(source.train.x))
+    assert x.shape == source.train.x.shape
+    assert torch.allclose(x, source.train.x, atol=1e-6)
+    assert torch.equal(source.inputs(source.train.x), source.train.x * 0 + source.inputs(source.train.x))
+    with pytest.raises(DataError, match=r"x: samples of shape \[28, 28\], but digits samples are \[8, 8\]"):
+        source.inputs(np.zeros((2, 28, 28)))
+
+
+def test_colour_images_are_read_channels_last():
+    x = torch.rand(3, 3, 4, 5)
+    source = DataSource("folder:t", ArrayDataset(x, torch.zeros(3, dtype=torch.long)), ArrayDataset(x[:0], torch.zeros(
+        0, dtype=torch.long)), 2, "t", pixel_norm=(0.5, 0.5), raw_scale=255.0, raw_channels_last=True)  # fmt: skip
+    raw = (x * 0.5 + 0.5) * 255
+    assert source.raw_shape == (4, 5, 3)
+    assert torch.allclose(source.inputs(raw.permute(0, 2, 3, 1).numpy()), x, atol=1e-5)
+
+
+def test_loaded_models_are_the_runs_final_ones(runs):
+    path, result = runs["fedavg"]
+    run = pflbed.load_run(path)
+    source = run.source
+    expected = result.executor.algo.generic_model(result.server).logits(source.test.x).argmax(1).numpy()
+    assert np.array_equal(run.predict(_raw_digits(source.test.x)), expected)
+    assert run.round == 3 and run.summary["rounds"] == 3 and [h["round"] for h in run.history] == [3]
+
+    path, result = runs["fedper"]
+    run = pflbed.load_run(path)
+    cid = run.algo.ctx.federation.participated[0]
+    algo = result.executor.algo
+    expected = algo.personal_model(result.server, result.executor.states[cid]).logits(source.test.x).argmax(1)
+    init = algo.personal_model(result.server, algo.init_client(cid)).logits(source.test.x).argmax(1)
+    assert not torch.equal(expected, init)  # the personal head matters: a loader ignoring it would fail below
+    assert np.array_equal(run.predict(_raw_digits(source.test.x), cid=cid), expected.numpy())
+    with pytest.raises(PflbedError, match="did not participate"):
+        run.personal_model(run.algo.ctx.federation.new[0])
+
+
+def test_personalization_keeps_the_epoch_validation_picks(runs):
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), val, test = _client_samples()
+    p = run.personalize(x, y, method="ft", epochs=6, lr=0.05, val=val)
+    accs = [e["val_acc"] for e in p.epochs]
+    assert len(accs) == 6 and p.selected_epoch == 1 + int(np.argmax(accs))  # earliest of the best
+    assert p.accuracy(*val) == pytest.approx(accs[p.selected_epoch - 1])  # the kept model is that epoch's
+    last = run.personalize(x, y, method="ft", epochs=6, lr=0.05)
+    assert last.selected_epoch == 6 and "val_acc" not in last.epochs[0]
+    generic = float((run.predict(test[0]) == test[1]).mean())
+    assert last.accuracy(*test) > generic  # three classes only: adapting to them must help
+
+
+def test_selection_rule_is_best_validation_earliest_on_ties(runs, monkeypatch):
+    """Scripted validation accuracies per epoch: the kept model is epoch 2's (0.8, earliest of three ties)."""
+    from pflbed.results import trained
+
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), val, _ = _client_samples()
+    scores = iter([0.5, 0.8, 0.8, 0.3, 0.8, 0.1])
+    made = []
+    real_module = trained._module
+    monkeypatch.setattr(trained, "_accuracy", lambda model, xs, ys: next(scores))
+    monkeypatch.setattr(trained, "_module", lambda pred: made.append(real_module(pred)) or made[-1])
+    p = run.personalize(x, y, method="ft", epochs=6, lr=0.05, val=val)
+    assert p.selected_epoch == 2 and p.model is made[1]
+    assert [e["val_acc"] for e in p.epochs] == [0.5, 0.8, 0.8, 0.3, 0.8, 0.1]
+
+
+def test_native_personalization_is_the_methods_own(runs, monkeypatch):
+    (x, y), val, _ = _client_samples()
+    for name in ("fedper", "fedavg"):
+        run = pflbed.load_run(runs[name][0])
+        called = []
+        real = run.algo.personalize
+
+        def spy(server, data, budget, gen, real=real, called=called):
+            called.append((budget.method, data.num_train, int(data.val.numel()), data.prior.sum().item()))
+            yield from real(server, data, budget, gen)
+
+        monkeypatch.setattr(run.algo, "personalize", spy)
+        run.personalize(x, y, method="native", epochs=1, lr=0.05, val=val)
+        assert called == [("ft", 30, 30, pytest.approx(1.0))]  # trained on the 30 samples, validation apart
+        if name == "fedper":  # no generic model: fine-tuning one is refused, in one line
+            with pytest.raises(PflbedError, match="fedper has no generic model to fine-tune: use --method native"):
+                run.personalize(x, y, method="lp", epochs=1, lr=0.05)
+        else:
+            run.personalize(x, y, method="lp", epochs=1, lr=0.05)
+            assert len(called) == 1  # ft / lp fine-tune the generic model, not the method's own
+
+
+def test_personalize_cli_with_npz_and_image_folders(runs, tmp_path, capsys):
+    (x, y), val, test = _client_samples()
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "test.npz", x=test[0], y=test[1])
+    folder = tmp_path / "val"
+    for i, (img, label) in enumerate(zip(*val, strict=True)):
+        (folder / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.uint8(img * 255 / 16)).save(folder / str(label) / f"{i}.png")
+    out = tmp_path / "p"
+    args = ["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "train.npz"), "--test",
+            str(tmp_path / "test.npz"), "--method", "ft", "--epochs", "3", "--lr", "0.05"]  # fmt: skip
+    args += ["--out", str(out)]
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    model = load_model(out)
+    run = pflbed.load_run(runs["fedavg"][0])
+    acc = float((model(run.inputs(test[0])).argmax(1).numpy() == test[1]).mean())
+    assert summary["test_acc"] == pytest.approx(acc) and summary["selected_epoch"] == 3
+    assert summary["samples"] == 30 and summary["test_samples"] == len(test[1])
+    # an image folder for --val needs an image folder for --data too (their raw ranges differ)
+    assert main([*args[:-2], "--val", str(folder), "--out", str(tmp_path / "q")]) == 2
+    assert "one format" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("arrays", "message"), [
+    ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"x: samples of shape \[28, 28\], but digits samples are"),
+    ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"y: labels must be in 0…9"),
+    ({"x": np.zeros((4, 8, 8)), "y": np.zeros(3)}, r"4 samples in x but 3 labels in y"),
+    ({"x": np.zeros((4, 8, 8))}, r"needs arrays x and y"),
+])  # fmt: skip
+def test_bad_samples_are_one_line_exit_2(runs, tmp_path, capsys, arrays, message):
+    np.savez(tmp_path / "bad.npz", **arrays)
+    args = ["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "bad.npz")]
+    rc = main([*args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and re.search(message, err), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_version_and_data_show_writes_no_picture_unasked(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pflbed {pflbed.__version__}"
+    monkeypatch.chdir(tmp_path)
+    assert main(["data", "show", "--set", "federation.clients=4"]) == 0
+    assert list(tmp_path.iterdir()) == []
