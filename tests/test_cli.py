@@ -30,6 +30,28 @@ def test_run_writes_config_metrics_and_summary(tmp_path, capsys):
     assert "train:\n  rounds: 3" in (out / "config.yaml").read_text()
 
 
+def test_metrics_csv_holds_every_record_with_nested_values_as_columns(tmp_path):
+    """metrics.csv = metrics.jsonl as a table: one row per record, nested values (diagnostics) as dotted columns, a
+    column that appears only in a later record included (empty before)."""
+    import csv
+
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--set", "algorithm.name=fedselect", "--out", str(out)]) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["round"]) for r in rows] == [r["round"] for r in records] == [1, 2, 3]
+    for rec, row in zip(records, rows, strict=True):
+        assert float(row["pfl_acc"]) == rec["pfl_acc"]
+        for k, v in rec["diag"]["personal_fraction"].items():  # nested two deep
+            assert float(row[f"diag.personal_fraction.{k}"]) == v
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:1]))
+    from pflbed.results.rundir import RunDir
+
+    RunDir(out).log({**records[1], "failed_clients": {"2": [0, 3]}})
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [r["failed_clients.2"] for r in rows] == ["", "[0, 3]"]
+
+
 def _without_timing(path):
     s = json.loads(path.read_text())
     s.pop("timing")

@@ -1,4 +1,5 @@
-"""Run directories: `config.yaml` (resolved), `metrics.jsonl` (one line per evaluation), `summary.json`,
+"""Run directories: `config.yaml` (resolved), `metrics.jsonl` (one line per evaluation) and `metrics.csv` (the same
+records as a table), `summary.json`,
 `checkpoints/last.pt` (the last checkpointed round; the final state once the run is finished), `plots/`.
 
 The directory is created only after the config, data and federation have been validated, so bad input never
@@ -9,6 +10,8 @@ unless the caller passes `force`, which removes the old run's files (and only th
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -72,7 +75,7 @@ class RunDir:
         created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            for stale in ("metrics.jsonl", "summary.json", "config.yaml"):
+            for stale in ("metrics.jsonl", "metrics.csv", "summary.json", "config.yaml"):
                 (self.path / stale).unlink(missing_ok=True)
             for stale in ("checkpoints", "plots"):
                 shutil.rmtree(self.path / stale, ignore_errors=True)
@@ -98,14 +101,38 @@ class RunDir:
     def rewrite_metrics(self, history: list[dict[str, Any]]) -> None:
         """Make metrics.jsonl exactly the checkpointed history (drops lines logged after the checkpoint)."""
         _atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+        self._write_csv()
         (self.path / "summary.json").unlink(missing_ok=True)
 
     def log(self, record: dict[str, Any]) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        self._write_csv()
+
+    def _write_csv(self) -> None:
+        """metrics.csv from metrics.jsonl, rewritten whole: a later record may bring a column (a diagnostic, a
+        failed-clients list) that earlier ones lack. Nested values become dotted columns (`diag.mask_iou`), lists
+        JSON text. A few records per run, so rewriting costs nothing."""
+        rows = [_flat(json.loads(x)) for x in (self.path / "metrics.jsonl").read_text().splitlines() if x]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        _atomic_write(self.path / "metrics.csv", buf.getvalue())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, list) else v
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:
