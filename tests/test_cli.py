@@ -307,3 +307,44 @@ def test_divergence_guard_names_the_first_non_finite_tensor_and_ignores_integers
         check_server(4, bad)
     with pytest.raises(DivergedError, match="client 2's state"):
         check_client(4, 2, ok, bad)
+
+
+# --- discovering algorithms and configs; piped output -----------------------------------------------------------
+def test_algorithms_lists_every_algorithm_and_its_options_from_the_option_models(capsys):
+    from pflbed.algorithms import ALGORITHMS
+
+    assert main(["algorithms"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")}
+    assert rows >= set(ALGORITHMS)
+    assert main(["algorithms", "fedbasis"]) == 0
+    out = capsys.readouterr().out
+    tau = next(line for line in out.splitlines() if line.startswith("│ tau "))
+    cells = [c.strip() for c in tau.split("│")[1:-1]]
+    assert cells[:4] == ["tau", "float", "0.1", "> 0, ≤ 1"]
+    assert "Learning Shareable Bases" in out  # the paper, from the algorithm file
+    assert main(["algorithms", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "unknown algorithm 'nope'" in err
+
+
+def test_config_prints_the_resolved_config_that_validates_back(capsys):
+    import yaml
+
+    from pflbed.config import validate_config
+
+    assert main(["config", "--defaults"]) == 0
+    assert validate_config(yaml.safe_load(capsys.readouterr().out)) == validate_config({})
+    assert main(["config", "--set", "train.rounds=7", "--set", "algorithm.name=fedper"]) == 0
+    cfg = validate_config(yaml.safe_load(capsys.readouterr().out))
+    assert cfg.train.rounds == 7 and cfg.algorithm.name == "fedper"
+    assert main(["config", "--defaults", "--set", "train.rounds=7"]) == 2
+
+
+def test_piped_output_does_not_wrap(capsys):
+    """stdout is not a terminal here: table rows keep their content on one line, however long."""
+    assert main(["data", "list"]) == 0
+    assert any("rot0, rot90, rot180, rot270" in line for line in capsys.readouterr().out.splitlines())
+    assert main(["algorithms"]) == 0
+    fedavg = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("│ fedavg "))
+    assert "Communication-Efficient Learning of Deep Networks from Decentralized Data" in fedavg

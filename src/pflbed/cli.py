@@ -8,9 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
 from pflbed.errors import DivergedError, PflbedError
+from pflbed.results.console import console as make_console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--lr", type=float, help="default: the new-client learning rate the run chose on validation")
     z.add_argument("--seed", type=int, default=0, help="seed of the personalization's batch order")
     z.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt and summary.json go")
+    a = sub.add_parser("algorithms", help="the algorithms, their papers and their options (algorithm.<option>)")
+    a.add_argument("name", nargs="?", help="one algorithm: its options with types, defaults, ranges and meaning")
+    c = sub.add_parser("config", help="print the resolved config (YAML) of -c/--set, or the defaults")
+    c.add_argument("-c", "--config", help="YAML config file")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--defaults", action="store_true", help="the default config (what `pflbed run` alone runs)")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
     d.add_argument("--path", help="list: a dataset directory to describe (fmnist files or a folder dataset root)")
@@ -105,21 +110,21 @@ def _cmd_run(args: argparse.Namespace) -> None:
         rundir, cfg = RunDir.for_resume(args.resume, given)
         if rundir.finished:
             print_table(json.loads((rundir.path / "summary.json").read_text()))
-            Console(soft_wrap=True).print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
+            make_console().print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
             return
         result = run(cfg, args.resume, progress=not args.no_progress, resume=True)
     else:
         cfg = load_config(args.config, args.overrides)
         result = run(cfg, args.out, progress=not args.no_progress, force=args.force)
     print_table(result.summary)
-    Console().print(f"results: {result.out}")
+    make_console().print(f"results: {result.out}")
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
     from pflbed.results.bench import Bench, load_suite
 
     bench = Bench(load_suite(args.config))
-    console = Console()
+    console = make_console()
     if args.list:
         pending = {(t.name, c) for t, c in bench.pending()}
         for t, cell in bench.cells():
@@ -148,12 +153,12 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         if args.out is None:
             raise PflbedError("flower app: --out DIR (the project directory) is required")
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
-        Console(soft_wrap=True).print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
+        make_console().print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
         return
     from pflbed.flower.local import run_local
 
     out = args.out or default_out(cfg)
-    console = Console(soft_wrap=True)
+    console = make_console()
     print_table(run_local(cfg, out, args.supernodes, tls=args.tls, auth=args.auth, force=args.force, log=console.print))
     console.print(f"results: {out}")
 
@@ -177,12 +182,50 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
         model.info["test_acc"] = model.accuracy(xt, yt, tscale)
         model.info["test_samples"] = len(yt)
     out = model.save(args.out)
-    console = Console(soft_wrap=True)
+    console = make_console()
     what = f"{run.config.algorithm.name} ({args.method}), {len(y)} samples, lr {model.lr:g}"
     console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept"
                   + (f", test accuracy {100 * model.info['test_acc']:.2f} %" if "test_acc" in model.info else "")
                   + f"; {model.seconds:.1f} s")  # fmt: skip
     console.print(f"model: {out / 'model.pt'}, summary: {out / 'summary.json'}")
+
+
+def _cmd_algorithms(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    from pflbed.algorithms import get_algorithm
+    from pflbed.algorithms.catalog import catalog, options, paper
+
+    console = make_console()
+    if args.name:
+        try:
+            cls = get_algorithm(args.name)
+        except PflbedError as e:
+            raise PflbedError(str(e).replace("algorithm.name", "algorithms NAME")) from None
+        console.print(f"{args.name}: {paper(cls)}")
+        t = Table(title=f"{args.name} options (--set algorithm.<option>=VALUE)")
+        for col in ("option", "type", "default", "range", "meaning"):
+            t.add_column(col)
+        for o in options(cls):
+            t.add_row(o["name"], o["type"], repr(o["default"]), o["range"], o["description"])
+        console.print(t if t.row_count else f"{args.name} has no options of its own")
+        return
+    t = Table(title="algorithms (--set algorithm.name=NAME; `pflbed algorithms NAME` for its options)")
+    for col in ("name", "paper", "options (default)"):
+        t.add_column(col)
+    for a in catalog():
+        cited = a["paper"] if len(a["paper"]) <= 110 else a["paper"][:109] + "…"  # in full: algorithms NAME
+        t.add_row(a["name"], cited, ", ".join(f"{o['name']}={o['default']!r}" for o in a["options"]))
+    console.print(t)
+
+
+def _cmd_config(args: argparse.Namespace) -> None:
+    from pflbed.config import load_config
+    from pflbed.results.rundir import config_text
+
+    if args.defaults and (args.config or args.overrides):
+        raise PflbedError("--defaults prints the defaults: leave out -c and --set")
+    sys.stdout.write(config_text(load_config(args.config, args.overrides)))
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
@@ -199,7 +242,7 @@ def _cmd_data(args: argparse.Namespace) -> None:
         fed = build_federation(source, cfg.federation, cfg.seed)
         print_partition(source, fed)
         if args.png is not None:
-            Console(soft_wrap=True).print(f"heat-map: {plot_partition(source, fed, args.png)}")
+            make_console().print(f"heat-map: {plot_partition(source, fed, args.png)}")
         return
 
     from pflbed.data import describe_datasets
@@ -209,14 +252,14 @@ def _cmd_data(args: argparse.Namespace) -> None:
         t.add_column(col)
     for d in describe_datasets(args.path):
         t.add_row(d["name"], d["error"] or d["location"], str(d["train"] or ""), str(d["test"] or ""), d["domains"])
-    Console().print(t)
+    make_console().print(t)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower,
-                    "personalize": _cmd_personalize}  # fmt: skip
+                    "personalize": _cmd_personalize, "algorithms": _cmd_algorithms, "config": _cmd_config}  # fmt: skip
         commands[args.command](args)
     except DivergedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from pflbed.data.arrays import DataSource
 from pflbed.federation import Federation
+from pflbed.results.console import console as make_console
 
 
 def client_counts(source: DataSource, fed: Federation) -> np.ndarray:
@@ -40,11 +41,11 @@ def print_partition(source: DataSource, fed: Federation, console: Console | None
         cc = " ".join(f"{k}:{n}" for k, n in enumerate(counts[c]) if n)
         t.add_row(str(c), "new" if c in new else "participated", dom, str(len(cl.train)), str(len(cl.val)),
                   str(len(cl.test)), cc)  # fmt: skip
-    (console or Console()).print(t)
+    (console or make_console()).print(t)
     if fed.domain_test:
         sizes = ", ".join(f"{names[d] if names else d}: {len(t)}/{len(v)}"
                           for d, (t, v) in enumerate(zip(fed.domain_test, fed.domain_val, strict=True)))  # fmt: skip
-        (console or Console()).print(f"shared test/val sets per domain (class-balanced): {sizes}")
+        (console or make_console()).print(f"shared test/val sets per domain (class-balanced): {sizes}")
 
 
 def plot_partition(source: DataSource, fed: Federation, path: Path) -> Path:

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pflbed
+from pflbed.results.console import console as make_console
 
 _PFL_KEYS = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val")
 
@@ -60,7 +61,7 @@ def _pct(v: float | None) -> str:
 
 
 def print_table(summary: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     name = _LABELS.get(summary["algorithm"], summary["algorithm"])
     f = summary["final"]
     t = Table(
