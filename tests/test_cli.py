@@ -348,3 +348,20 @@ def test_piped_output_does_not_wrap(capsys):
     assert main(["algorithms"]) == 0
     fedavg = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("│ fedavg "))
     assert "Communication-Efficient Learning of Deep Networks from Decentralized Data" in fedavg
+
+
+def test_redirected_output_logs_each_evaluation_and_stage_as_it_happens(tmp_path, capsys):
+    """stdout is not a terminal: one line per evaluation, and a start and an end line per stage after training."""
+    sets = ["--set", "train.rounds=4", "--set", "eval.every=2", "--set", "federation.new_clients=1",
+            "--set", "eval.new_clients.epochs=1", "--set", "eval.new_clients.lrs=[0.05]"]  # fmt: skip
+    assert main(["run", *[a for a in FAST if a != "--no-progress"], *sets, "--out", str(tmp_path / "r")]) == 0
+    lines = [x.split("] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
+    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [x for x in lines if "evaluated" in x]
+    assert [x.split("round ")[1].split("/")[0] for x in evaluated] == [str(r["round"]) for r in records]
+    assert f"P-FL {100 * records[-1]['pfl_acc']:.1f}" in evaluated[-1]
+    stages = [x.split(": ", 1)[1] for x in lines if "evaluated" not in x]
+    names = ["fine-tuning every client (ft)", "fine-tuning every client (lp)", "personalizing 1 new clients",
+             "artifacts"]  # fmt: skip
+    assert [s.split(":")[0].rstrip("…") for s in stages] == [n for n in names for _ in (0, 1)]
+    assert all(s.endswith("…") for s in stages[::2]) and all(": done in" in s for s in stages[1::2])

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from pflbed import rng
 from pflbed.algorithms import get_algorithm
@@ -26,10 +25,12 @@ from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
+from pflbed.engine.progress import RunProgress
 from pflbed.engine.threads import choose_threads, provenance
 from pflbed.errors import DivergedError
 from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
+from pflbed.evaluation.newclients import work as new_client_work
 from pflbed.federation import build_federation
 from pflbed.models import build_model
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
@@ -131,9 +132,8 @@ def experiment(
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
     driver = Driver(algo, executor)
     checkpointed = saved["round"] if saved else None
-    with _progress(progress) as bar:
-        task = bar.add_task(f"{cfg.algorithm.name} on {cfg.dataset.name}", total=cfg.train.rounds, status="")
-        bar.update(task, completed=first - 1)
+    title = f"{cfg.algorithm.name} on {cfg.dataset.name}"
+    with RunProgress(progress, title, cfg.train.rounds, first - 1) as bar:
         try:
             for r in driver.rounds(server, first):
                 server = r.server
@@ -144,8 +144,7 @@ def experiment(
                     per_client = r.per_client or {}
                     if rundir:
                         rundir.log(r.record)
-                    bar.update(task, status=_status(r.record))
-                bar.update(task, advance=1)
+                bar.round_done(r.rnd, r.record)
                 every = cfg.train.checkpoint_every
                 if rundir and ((every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):  # always the final state
                     timing["wall_s"] = wall_before + time.perf_counter() - t_start
@@ -162,38 +161,28 @@ def experiment(
         methods = cfg.eval.finetune if algo.generic_model(server) is not None else []
         for i, method in enumerate(methods):
             gen_for = lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)  # noqa: E731
-            finetuned[method] = evaluate_personalized(algo, server, method, gen_for)
+            with bar.stage(f"fine-tuning every client ({method})", len(fed.participated)) as tick:
+                finetuned[method] = evaluate_personalized(algo, server, method, gen_for, tick)
         timing["eval_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
-        new_clients = evaluate_new_clients(algo, server)
+        new_clients = None
+        if fed.new:
+            with bar.stage(f"personalizing {len(fed.new)} new clients", new_client_work(algo)) as tick:
+                new_clients = evaluate_new_clients(algo, server, tick)
         timing["new_clients_s"] = time.perf_counter() - t1
+        files = {}
+        if rundir:
+            with bar.stage("artifacts", 1) as tick:
+                files = algo.artifacts(server, executor.state, rundir.path / "plots")
+                tick()
     timing["wall_s"] = wall_before + time.perf_counter() - t_start
     timing["s_per_round"] = timing["train_s"] / cfg.train.rounds
     timing = {k: round(v, 4) for k, v in timing.items()}
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
     summary["provenance"] = provenance(algo.ctx.device)
     if rundir:
-        files = algo.artifacts(server, executor.state, rundir.path / "plots")
         if files:
             summary["artifacts"] = {k: f"plots/{v}" for k, v in files.items()}
         rundir.write_summary(summary)
     return RunResult(summary, history, rundir.path if rundir else None, server, executor)
 
-
-def _status(record: dict[str, Any]) -> str:
-    parts = [f"{k.split('_')[0].upper()} {100 * record[k]:.1f}" for k in ("gfl_acc", "pfl_acc") if record.get(k)]
-    return " · ".join(parts)
-
-
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("round {task.completed}/{task.total}"),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        disable=not enabled,
-        transient=False,
-    )

@@ -284,8 +284,10 @@ def last(predictors: Iterable[Predictor]) -> Predictor:
     return final
 
 
-def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generator_for) -> dict:
-    """P-FL after each participated client personalizes from the trained state (e.g. FedAvg+FT / FedAvg+LP)."""
+def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generator_for,
+                          tick: Callable[[], None] | None = None) -> dict:  # fmt: skip
+    """P-FL after each participated client personalizes from the trained state (e.g. FedAvg+FT / FedAvg+LP);
+    `tick` is called after each client (progress)."""
     ctx = algo.ctx
     e, t = ctx.cfg.eval, ctx.cfg.train
     budget = Budget(method, e.ft_epochs, e.ft_lr, t.batch_size, t.momentum)
@@ -297,4 +299,6 @@ def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generat
         t_c, v_c = client_scores({c: p}, ctx, P)
         test[c], val[c] = t_c[c], v_c[c]
         P.forget_models()
+        if tick is not None:
+            tick()
     return summarize(test, val)

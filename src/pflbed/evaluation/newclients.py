@@ -19,6 +19,7 @@ Zero-shot is the method's `zero_shot` model with no adaptation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -68,7 +69,15 @@ def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) if v else float("nan") for k, v in kept.items()}
 
 
-def evaluate_new_clients(algo: Algorithm, server: Tensors) -> dict[str, Any] | None:
+def work(algo: Algorithm) -> int:
+    """How many client personalizations `evaluate_new_clients` runs (its progress total)."""
+    nc, new = algo.ctx.cfg.eval.new_clients, algo.ctx.federation.new
+    return len(nc.methods) * len(nc.fractions[: len(SIZE_NAMES)]) * len(nc.lrs) * len(new)
+
+
+def evaluate_new_clients(algo: Algorithm, server: Tensors, tick: Callable[[], None] | None = None
+                         ) -> dict[str, Any] | None:  # fmt: skip
+    """The protocol above; `tick` is called after each client personalization (`work` of them)."""
     ctx = algo.ctx
     cfg, fed = ctx.cfg, ctx.federation
     nc = cfg.eval.new_clients
@@ -101,6 +110,8 @@ def evaluate_new_clients(algo: Algorithm, server: Tensors) -> dict[str, Any] | N
                     data = subset(ctx.client_data(c), fraction, rng.generator(cfg.seed, rng.NEWCLIENT, 0, c))
                     gen = rng.generator(cfg.seed, rng.NEWCLIENT, 1 + mi, fi, li, c)
                     rows.append(run_one(algo, server, c, data, budget, gen, P))
+                    if tick is not None:
+                        tick()
                 per_lr[f"{lr:g}"] = _mean(rows)
             lr_last = max(per_lr, key=lambda k: per_lr[k]["last_val"])
             lr_best = max(per_lr, key=lambda k: per_lr[k]["best_val"])
