@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--lr", type=float, help="default: the new-client learning rate the run chose on validation")
     z.add_argument("--seed", type=int, default=0, help="seed of the personalization's batch order")
     z.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt and summary.json go")
+    rp = sub.add_parser("report", help="one run, or several compared, as one self-contained HTML (or Markdown) file")
+    rp.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="finished run directories")
+    rp.add_argument("-o", "--out", type=Path, required=True, metavar="FILE", help="the report file (.html or .md)")
+    rp.add_argument("--format", choices=["html", "md"], help="default: from the file's suffix (.md: md, else html)")
     a = sub.add_parser("algorithms", help="the algorithms, their papers and their options (algorithm.<option>)")
     a.add_argument("name", nargs="?", help="one algorithm: its options with types, defaults, ranges and meaning")
     c = sub.add_parser("config", help="print the resolved config (YAML) of -c/--set, or the defaults")
@@ -190,6 +194,18 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
     console.print(f"model: {out / 'model.pt'}, summary: {out / 'summary.json'}")
 
 
+def _cmd_report(args: argparse.Namespace) -> None:
+    import time
+
+    from pflbed.results.report import write_report
+
+    t0 = time.perf_counter()
+    fmt = args.format or ("md" if args.out.suffix.lower() == ".md" else "html")
+    out = write_report(args.runs, args.out, fmt)
+    size = out.stat().st_size
+    make_console().print(f"report: {out} ({size / 1024:.0f} KiB, {time.perf_counter() - t0:.1f} s)")
+
+
 def _cmd_algorithms(args: argparse.Namespace) -> None:
     from rich.table import Table
 
@@ -259,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower,
-                    "personalize": _cmd_personalize, "algorithms": _cmd_algorithms, "config": _cmd_config}  # fmt: skip
+                    "personalize": _cmd_personalize, "algorithms": _cmd_algorithms, "config": _cmd_config,
+                    "report": _cmd_report}  # fmt: skip
         commands[args.command](args)
     except DivergedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)
