@@ -121,6 +121,29 @@ def test_selection_rule_is_best_validation_earliest_on_ties(runs, monkeypatch):
     assert [e["val_acc"] for e in p.epochs] == [0.5, 0.8, 0.8, 0.3, 0.8, 0.1]
 
 
+def test_learning_rate_is_the_runs_choice_else_chosen_on_validation(runs, monkeypatch):
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), val, _ = _client_samples()
+    tried = []
+    scores = {0.005: 0.4, 0.01: 0.7, 0.05: 0.7, 0.2: 0.1}  # 0.01 and 0.05 tie: the earlier one wins
+
+    def adapt(method, data, lr, epochs, seed, xv, yv):
+        tried.append(lr)
+        return torch.nn.Identity(), [{"epoch": 1}], 1, scores[lr]
+
+    monkeypatch.setattr(run, "_adapt", adapt)
+    chosen = run.summary["new_clients"]["methods"]["ft"]["M"]["lr_best"]
+    assert run.personalize(x, y, val=val).lr == chosen and tried == [chosen]  # the run chose one on validation
+    monkeypatch.setattr(run, "chosen_lr", lambda: None)
+    tried.clear()
+    p = run.personalize(x, y, val=val)
+    assert tried == [0.005, 0.01, 0.05] and p.lr == 0.01 and p.info["lr_val"] == {"0.005": 0.4, "0.01": 0.7,
+                                                                                  "0.05": 0.7}  # fmt: skip
+    tried.clear()
+    assert run.personalize(x, y).lr == 0.005 and tried == [0.005]  # no validation data: nothing to choose on
+    assert run.personalize(x, y, lr=0.2).lr == 0.2
+
+
 def test_native_personalization_is_the_methods_own(runs, monkeypatch):
     (x, y), val, _ = _client_samples()
     for name in ("fedper", "fedavg"):

@@ -158,12 +158,12 @@ class TrainedRun:
             raise PflbedError(f"{self.config.algorithm.name} has no generic model: pass a client id")
         return _labels(model, self.inputs(x, scale)).numpy()
 
-    def default_lr(self) -> float:
-        """The learning rate the run chose on validation for new clients (full-size data, fine-tuning), else the
-        first of its grid."""
+    def chosen_lr(self) -> float | None:
+        """The new-client learning rate the run chose on validation (full-size data, fine-tuning), if it had new
+        clients."""
         methods = ((self.summary or {}).get("new_clients") or {}).get("methods", {})
         chosen = methods.get("ft", {}).get("M", {}).get("lr_best")
-        return float(chosen) if chosen is not None else float(self.config.eval.new_clients.lrs[0])
+        return float(chosen) if chosen is not None else None
 
     def personalize(
         self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor, *, method: Method = "native",
@@ -173,36 +173,51 @@ class TrainedRun:
         """A personal model for a new client holding raw samples `x` with labels `y`.
 
         native: the method's own personalization (`Algorithm.personalize`, full budget); ft / lp: fine-tune all of
-        the generic model / its head only. `epochs`, `lr`: default the run's new-client epochs and its learning rate
-        chosen on validation. With `val` = (x, y), every epoch is scored on it and the best is kept."""
+        the generic model / its head only. `epochs` defaults to the run's new-client epochs. `lr`: given, or the
+        one the run chose on validation for new clients, or else — with `val` — each of the run's new-client grid
+        (`eval.new_clients.lrs`), keeping the best on validation; without either, the grid's first. With `val` =
+        (x, y), every epoch is scored on it and the best epoch is kept (earliest on ties)."""
         if method not in ("native", "ft", "lp"):
             raise PflbedError(f"--method: unknown {method!r}; choose native, ft or lp")
-        ctx, t = self.algo.ctx, self.config.train
+        ctx = self.algo.ctx
         xs, ys = self.inputs(x, scale, "x"), self._labels_of(y, "y", len(x))
         if val is not None:
             xv, yv = self.inputs(val[0], scale, "val x"), self._labels_of(val[1], "val y", len(val[0]))
         else:
             xv, yv = xs[:0], ys[:0]
         epochs = epochs if epochs is not None else self.config.eval.new_clients.epochs
-        lr = lr if lr is not None else self.default_lr()
-        if epochs < 1 or not (lr > 0 and math.isfinite(lr)):
-            raise PflbedError(f"--epochs must be ≥ 1 and --lr > 0 (got {epochs}, {lr})")
+        grid = self.config.eval.new_clients.lrs
+        lrs = [lr] if lr is not None else [c] if (c := self.chosen_lr()) is not None else grid if len(yv) else grid[:1]
+        if epochs < 1 or not all(v > 0 and math.isfinite(v) for v in lrs):
+            raise PflbedError(f"--epochs must be ≥ 1 and --lr > 0 (got {epochs}, {lrs})")
+        if method != "native" and self.algo.generic_model(self.server) is None:
+            raise PflbedError(f"{self.config.algorithm.name} has no generic model to fine-tune: use --method native")
         n = len(ys)
         prior = torch.bincount(ys, minlength=self.source.num_classes).float()
         ids = torch.arange(n + len(yv), device=ctx.device)
         data = ClientData(self._new_cid(), torch.cat([xs, xv]), torch.cat([ys, yv]), ids[:n], ids[n:],
                           (prior / prior.sum()).to(ctx.device))  # fmt: skip
+        t0 = time.perf_counter()
+        tried = [(rate, *self._adapt(method, data, rate, epochs, seed, xv, yv)) for rate in lrs]
+        rate, model, history, selected, score = max(tried, key=lambda t: t[4])  # earliest lr on ties
+        info = {"run": str(self.path), "algorithm": self.config.algorithm.name, "samples": n, "val_samples": len(yv),
+                "input_shape": list(self.source.input_shape), "num_classes": self.source.num_classes}  # fmt: skip
+        if len(tried) > 1:
+            info["lr_val"] = {f"{t[0]:g}": t[4] for t in tried}  # the best-epoch validation accuracy of each lr
+        return Personalized(model, self, method, rate, history, selected, time.perf_counter() - t0, info)
+
+    def _adapt(self, method: str, data: ClientData, lr: float, epochs: int, seed: int, xv: torch.Tensor,
+               yv: torch.Tensor) -> tuple[torch.nn.Module, list[dict[str, float]], int, float]:  # fmt: skip
+        """One personalization: (the kept model, per-epoch history, its epoch, its validation accuracy)."""
+        t = self.config.train
         budget = Budget("ft" if method == "native" else method, epochs, lr, t.batch_size, t.momentum)
         gen = torch.Generator().manual_seed(seed)
         if method == "native":
             steps = self.algo.personalize(self.server, data, budget, gen)
         else:
             generic = self.algo.generic_model(self.server)
-            if generic is None:
-                raise PflbedError(f"{self.config.algorithm.name} has no generic model to fine-tune: use --method "
-                                  "native")  # fmt: skip
-            steps = finetune_epochs(ctx.model, generic.params, data, budget, gen)
-        t0 = time.perf_counter()
+            assert generic is not None  # checked by the caller
+            steps = finetune_epochs(self.algo.ctx.model, generic.params, data, budget, gen)
         history, best, best_val, selected = [], None, -1.0, 0
         for e, pred in enumerate(steps, 1):
             model = _module(pred)
@@ -211,9 +226,7 @@ class TrainedRun:
             if best is None or (len(yv) and acc > best_val) or not len(yv):
                 best, best_val, selected = model, acc, e
         assert best is not None
-        info = {"run": str(self.path), "algorithm": self.config.algorithm.name, "samples": n, "val_samples": len(yv),
-                "input_shape": list(self.source.input_shape), "num_classes": self.source.num_classes}  # fmt: skip
-        return Personalized(best, self, method, lr, history, selected, time.perf_counter() - t0, info)
+        return best, history, selected, best_val
 
     def _labels_of(self, y: Any, what: str, n: int) -> torch.Tensor:
         labels = torch.as_tensor(np.asarray(y))
