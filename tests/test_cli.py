@@ -365,3 +365,19 @@ def test_redirected_output_logs_each_evaluation_and_stage_as_it_happens(tmp_path
              "artifacts"]  # fmt: skip
     assert [s.split(":")[0].rstrip("…") for s in stages] == [n for n in names for _ in (0, 1)]
     assert all(s.endswith("…") for s in stages[::2]) and all(": done in" in s for s in stages[1::2])
+
+
+def test_tensorboard_logs_every_number_of_every_record_at_its_round(tmp_path):
+    pytest.importorskip("tensorboard")  # the tensorboard extra; CI installs it
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--set", "algorithm.name=fedselect", "--set", "log.tensorboard=true",
+                 "--out", str(out)]) == 0  # fmt: skip
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for key, get in (("pfl_acc", lambda r: r["pfl_acc"]),
+                     ("diag/personal_fraction/all", lambda r: r["diag"]["personal_fraction"]["all"])):  # fmt: skip
+        points = [(e.step, e.value) for e in events.Scalars(key)]
+        assert points == [(r["round"], pytest.approx(get(r))) for r in records]

@@ -127,6 +127,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.round_timeout": st.one_of(st.none(), st.floats(min_value=0, max_value=100)),
     "executor.state_dir": st.one_of(st.none(), st.sampled_from(["", "states"])),
     "algorithm.name": st.sampled_from(sorted(ALGORITHMS)),
+    "log.tensorboard": st.booleans(),
 }
 
 

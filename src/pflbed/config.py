@@ -296,6 +296,19 @@ class AlgorithmConfig(BaseModel):
     name: str = "fedavg"
 
 
+class LogConfig(_Strict):
+    tensorboard: bool = Field(
+        False, description="also log every evaluation's figures as TensorBoard scalars into <run>/tensorboard/ (the "
+        "tensorboard extra)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LogConfig:
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("tensorboard needs the tensorboard extra: pip install 'pflbed[tensorboard]'")
+        return self
+
+
 class Config(_Strict):
     seed: int = Field(0, ge=0, le=SEED_MAX)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
@@ -305,6 +318,7 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
 
     def algorithm_options(self) -> dict[str, Any]:
         return dict(self.algorithm.model_extra or {})

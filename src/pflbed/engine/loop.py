@@ -7,6 +7,7 @@ before the run directory is touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from pflbed.models import build_model
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
 from pflbed.results.summary import build_summary
+from pflbed.results.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -133,7 +135,10 @@ def experiment(
     driver = Driver(algo, executor)
     checkpointed = saved["round"] if saved else None
     title = f"{cfg.algorithm.name} on {cfg.dataset.name}"
-    with RunProgress(progress, title, cfg.train.rounds, first - 1) as bar:
+    board = TensorBoardLog(rundir.path / "tensorboard") if (rundir and cfg.log.tensorboard) else None
+    with RunProgress(progress, title, cfg.train.rounds, first - 1) as bar, contextlib.ExitStack() as stack:
+        if board is not None:
+            stack.callback(board.close)
         try:
             for r in driver.rounds(server, first):
                 server = r.server
@@ -144,6 +149,8 @@ def experiment(
                     per_client = r.per_client or {}
                     if rundir:
                         rundir.log(r.record)
+                    if board is not None:
+                        board.log(r.record)
                 bar.round_done(r.rnd, r.record)
                 every = cfg.train.checkpoint_every
                 if rundir and ((every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):  # always the final state
