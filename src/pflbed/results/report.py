@@ -223,7 +223,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px;
 text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
-img{max-width:100%;border:1px solid #eee;margin:.5em 0}pre{background:#f7f7f7;padding:1em;overflow:auto;
+img{max-width:min(100%,900px);border:1px solid #eee;margin:.5em 0}pre{background:#f7f7f7;padding:1em;overflow:auto;
 font-size:12px}h2{border-bottom:1px solid #ddd;padding-bottom:.2em}"""
 
 
