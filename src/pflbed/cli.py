@@ -210,7 +210,7 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from pflbed.algorithms import get_algorithm
-    from pflbed.algorithms.catalog import catalog, options, paper
+    from pflbed.results.catalog import catalog, options, paper
 
     console = make_console()
     if args.name:
