@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import yaml
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
 from pflbed.algorithms.training import finetune_epochs, load_params
@@ -76,7 +77,7 @@ class Personalized:
     def accuracy(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor, scale: float | None = None) -> float:
         """Accuracy on raw samples `x` with labels `y`."""
         assert self.run is not None
-        labels = self.run._labels_of(y, "test y", len(x))
+        labels = self.run.labels(y, "test y", len(x))
         return _accuracy(self.model, self.run.inputs(x, scale, "test x"), labels)
 
     def save(self, out: Path) -> Path:
@@ -115,8 +116,6 @@ class TrainedRun:
         if not checkpoint_path(self.path).is_file():
             raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
                               "round): nothing to load")  # fmt: skip
-        import yaml
-
         self.config: Config = validate_config(yaml.safe_load(conf.read_text()))
         summary = self.path / "summary.json"
         self.summary: dict[str, Any] | None = json.loads(summary.read_text()) if summary.is_file() else None
@@ -180,9 +179,9 @@ class TrainedRun:
         if method not in ("native", "ft", "lp"):
             raise PflbedError(f"--method: unknown {method!r}; choose native, ft or lp")
         ctx = self.algo.ctx
-        xs, ys = self.inputs(x, scale, "x"), self._labels_of(y, "y", len(x))
+        xs, ys = self.inputs(x, scale, "x"), self.labels(y, "y", len(x))
         if val is not None:
-            xv, yv = self.inputs(val[0], scale, "val x"), self._labels_of(val[1], "val y", len(val[0]))
+            xv, yv = self.inputs(val[0], scale, "val x"), self.labels(val[1], "val y", len(val[0]))
         else:
             xv, yv = xs[:0], ys[:0]
         epochs = epochs if epochs is not None else self.config.eval.new_clients.epochs
@@ -228,7 +227,8 @@ class TrainedRun:
         assert best is not None
         return best, history, selected, best_val
 
-    def _labels_of(self, y: Any, what: str, n: int) -> torch.Tensor:
+    def labels(self, y: Any, what: str, n: int) -> torch.Tensor:
+        """`n` integer labels of this run's classes, checked (`what` names them in errors)."""
         labels = torch.as_tensor(np.asarray(y))
         k = self.source.num_classes
         if labels.ndim != 1 or len(labels) != n:
