@@ -20,13 +20,11 @@ Personalization (+FT/+LP, new clients) fine-tunes the global model, as for FedAv
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.training import get_params, load_params, local_sgd
+from pflbed.algorithms.training import proximal_sgd
 
 
 class FedProxOptions(BaseModel):
@@ -45,15 +43,7 @@ class FedProx(FedAvg):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        model, t, mu = self.ctx.model, self.ctx.cfg.train, self.opts.mu
-        load_params(model, payload)
-        params = dict(model.named_parameters())
-        anchor = {k: payload[k].detach() for k in params}  # w^t: fixed during the local solve
-
-        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            prox = sum(((p - anchor[k]) ** 2).sum() for k, p in params.items())
-            return F.cross_entropy(logits, y) + 0.5 * mu * prox
-
-        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
-        return get_params(model), state
+        t = self.ctx.cfg.train
+        new = proximal_sgd(self.ctx.model, payload, payload, self.opts.mu, data, epochs=t.local_epochs, lr=t.lr,
+                           train=t, generator=cctx.generator)  # fmt: skip
+        return new, state
