@@ -1,0 +1,137 @@
+"""SCAFFOLD — Karimireddy, Kale, Mohri, Reddi, Stich & Suresh, "SCAFFOLD: Stochastic Controlled Averaging for
+Federated Learning", ICML 2020 (Algorithm 1).
+
+Server state: the model x and the server control variate c; client state: its control variate c_i (both start at
+zero). A sampled client receives (x, c), starts y ← x and takes K local steps
+
+    y ← y − η_l (g_i(y) − c_i + c)
+
+(here: `train.local_epochs` epochs of mini-batch SGD, K = epochs · ⌈n_i / B⌉ steps, the correction c − c_i added to
+every step's gradient). Then it updates its control variate:
+- option I:  c_i⁺ = ∇f_i(x), the gradient of its loss at the server model (one more pass over its data);
+- option II: c_i⁺ = c_i − c + (x − y) / (K η_l)  (the paper's cheaper choice, the default);
+and replies (y, Δc_i = c_i⁺ − c_i). The server: x ← x + η_g · mean(y − x), c ← c + (1/N) Σ_{i∈S} Δc_i, N the
+number of (participating) clients.
+
+Choice: the mean over the replies is weighted by |D_i| as in FedAvg (the paper averages uniformly over equal-size
+clients); with zero control variates (the first round) and η_g = 1, a round is FedAvg's, bit for bit. BatchNorm
+statistics are averaged with the model. With `train.momentum` > 0 the correction enters the gradient that
+momentum accumulates, and option II's (x − y)/(Kη_l) is then only an estimate of the mean corrected gradient (the
+paper uses plain SGD). Personalization (+FT/+LP, new clients) fine-tunes x, as for FedAvg.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
+
+C = "c/"  # server control variate keys: c/<parameter name>
+DC = "dc/"  # reply: Δc_i per parameter
+
+
+class ScaffoldOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    option: Literal["I", "II"] = Field("II", description="control-variate update: I = gradient at x, II = from y")
+    server_lr: float = Field(1.0, gt=0, description="global step size η_g")
+
+
+class Scaffold(Algorithm):
+    name = "scaffold"
+    Config = ScaffoldOptions
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.params = [k for k, _ in ctx.model.named_parameters()]
+        self.model_keys = list(ctx.initial_params)
+        self._cache: tuple[int, Tensors] | None = None
+
+    def init_server(self) -> Tensors:
+        zeros = {f"{C}{k}": torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}
+        return {**self.ctx.initial_params, **zeros}
+
+    def init_client(self, cid: int) -> Tensors:
+        return {k: torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}  # c_i = 0
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        return {c: server for c in cids}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t = self.ctx.model, self.ctx.cfg.train
+        x = {k: payload[k] for k in self.model_keys}
+        load_params(model, x)
+        named = dict(model.named_parameters())
+        correction = {k: (payload[f"{C}{k}"] - state[k]).detach() for k in self.params}
+
+        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # ∇ = g_i(y) + (c − c_i)
+            return F.cross_entropy(logits, y) + sum((p * correction[k]).sum() for k, p in named.items())
+
+        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
+                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
+        y = get_params(model)
+        if self.opts.option == "II":
+            steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
+            new = {k: state[k] - payload[f"{C}{k}"] + (x[k] - y[k]) / (steps * t.lr) for k in self.params}
+        else:
+            new = self.full_gradient(x, data)
+        return {**y, **{f"{DC}{k}": new[k] - state[k] for k in self.params}}, new
+
+    def full_gradient(self, x: Tensors, data: ClientData) -> Tensors:
+        """∇f_i(x): the mean loss gradient over the client's training samples, at x (option I)."""
+        model, bs = self.ctx.model, self.ctx.cfg.train.batch_size
+        load_params(model, x)
+        model.train()
+        named = dict(model.named_parameters())
+        total = {k: torch.zeros_like(p) for k, p in named.items()}
+        for b in data.train.split(bs):  # order does not matter for a sum
+            grads = torch.autograd.grad(F.cross_entropy(model(data.x[b]), data.y[b], reduction="sum"),
+                                        list(named.values()), allow_unused=True)  # fmt: skip
+            for k, g in zip(named, grads, strict=True):
+                if g is not None:
+                    total[k] += g
+        return {k: v / max(data.num_train, 1) for k, v in total.items()}
+
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _ScaffoldServer:
+        return _ScaffoldServer(self, server, weights)
+
+    def model_part(self, server: Tensors) -> Tensors:
+        """x alone (cached per server state, so evaluation sees one parameter dict and batches its clients)."""
+        if self._cache is None or self._cache[0] != id(server):
+            self._cache = (id(server), {k: server[k] for k in self.model_keys})
+        return self._cache[1]
+
+    def generic_model(self, server: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, self.model_part(server))
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return self.generic_model(server)
+
+
+class _ScaffoldServer:
+    """x ← x + η_g(mean_w(y) − x) (|D_i|-weighted mean), c ← c + Σ Δc_i / N, one reply at a time."""
+
+    def __init__(self, algo: Scaffold, server: Tensors, weights: dict[int, float]) -> None:
+        self.algo, self.server = algo, server
+        self.mean = WeightedMean(weights, keys=algo.model_keys)
+        self.dc = {k: torch.zeros_like(server[f"{C}{k}"]) for k in algo.params}
+
+    def add(self, cid: int, reply: Tensors) -> None:
+        self.mean.add(cid, reply)
+        for k in self.dc:
+            self.dc[k] += reply[f"{DC}{k}"]
+
+    def result(self) -> Tensors:
+        m, eta = self.mean.result(), self.algo.opts.server_lr
+        x = {k: (v + (eta - 1) * (v - self.server[k])) if v.is_floating_point() and eta != 1 else v
+             for k, v in m.items()}  # fmt: skip
+        n = len(self.algo.ctx.federation.participated)
+        c = {f"{C}{k}": self.server[f"{C}{k}"] + self.dc[k] / n for k in self.algo.params}
+        return {**x, **c}

@@ -1,0 +1,97 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020, Alg. 1): corrected local steps y ← y − η(g(y) − c_i + c), control
+variates by option I / II, server x ← x + η_g·mean(y − x) and c ← c + ΣΔc_i / N."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import pflbed
+from pflbed.algorithms.base import ClientContext
+from pflbed.algorithms.training import index_batches, load_params
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+
+from .tiny import TINY, same_tensors
+
+
+def _cfg(name="scaffold", rounds=1, momentum=0.5, **options):
+    return validate_config({**TINY, "train": {**TINY["train"], "rounds": rounds, "momentum": momentum},
+                            "algorithm": {"name": name, **options}, "executor": {"threads": 1}})  # fmt: skip
+
+
+def _random_like(tensors, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: 0.01 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+
+
+def test_first_round_with_zero_control_variates_is_fedavgs_first_round():
+    scaffold = pflbed.run(_cfg(), write=False)
+    fedavg = pflbed.run(_cfg("fedavg"), write=False)
+    algo = prepare(_cfg())
+    assert same_tensors(algo.model_part(scaffold.server), fedavg.server)
+    assert any(float(scaffold.server[f"c/{k}"].abs().sum()) > 0 for k in algo.params)  # c moved, x did not differ
+
+
+def test_local_steps_are_corrected_and_option_ii_updates_the_control_variate():
+    cfg = _cfg(momentum=0.0)
+    algo = prepare(cfg)
+    server = algo.init_server()
+    c = _random_like({k: server[f"c/{k}"] for k in algo.params}, 1)
+    ci = _random_like(algo.init_client(0), 2)
+    payload = {**server, **{f"c/{k}": v for k, v in c.items()}}
+    data = algo.ctx.client_data(0)
+    reply, new_ci = algo.client_update(payload, ci, data, ClientContext(1, 0, torch.Generator().manual_seed(4)))
+
+    model, t = algo.ctx.model, cfg.train
+    load_params(model, {k: server[k] for k in algo.model_keys})
+    model.train()
+    named = dict(model.named_parameters())
+    y = {k: server[k].clone() for k in named}
+    steps = 0
+    for b in index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(4)):
+        load_params(model, y)
+        grads = torch.autograd.grad(F.cross_entropy(model(data.x[b]), data.y[b]), list(named.values()))
+        y = {k: y[k] - t.lr * (g - ci[k] + c[k]) for (k, g) in zip(named, grads, strict=True)}
+        steps += 1
+    assert steps == t.local_epochs * math.ceil(data.num_train / t.batch_size)
+    assert all(torch.allclose(reply[k], y[k], atol=1e-6) for k in named)
+    expected = {k: ci[k] - c[k] + (server[k] - reply[k]) / (steps * t.lr) for k in named}
+    assert all(torch.allclose(new_ci[k], expected[k], atol=1e-5) for k in named)
+    assert all(torch.allclose(reply[f"dc/{k}"], new_ci[k] - ci[k]) for k in named)
+
+
+def test_option_i_control_variate_is_the_full_gradient_at_the_server_model():
+    algo = prepare(_cfg(option="I"))
+    server = algo.init_server()
+    data = algo.ctx.client_data(1)
+    _, new_ci = algo.client_update(server, algo.init_client(1), data, ClientContext(1, 1, torch.Generator()))
+    model = algo.ctx.model
+    load_params(model, {k: server[k] for k in algo.model_keys})
+    model.train()
+    named = dict(model.named_parameters())
+    loss = F.cross_entropy(model(data.x[data.train]), data.y[data.train])
+    grads = dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
+    assert all(torch.allclose(new_ci[k], grads[k], atol=1e-6) for k in named)
+
+
+def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_over_all_clients():
+    algo = prepare(_cfg(server_lr=0.5))
+    server = {**algo.init_server(), **{f"c/{k}": v for k, v in _random_like(
+        {k: algo.ctx.initial_params[k] for k in algo.params}, 3).items()}}  # fmt: skip
+    replies = {}
+    for cid in (0, 2):
+        y = _random_like({k: server[k] for k in algo.model_keys if server[k].is_floating_point()}, 10 + cid)
+        replies[cid] = {**{k: server[k] + y.get(k, 0) for k in algo.model_keys},
+                        **{f"dc/{k}": v for k, v in _random_like(algo.init_client(cid), 20 + cid).items()}}  # fmt: skip
+    weights = {0: 1.0, 2: 3.0}
+    agg = algo.aggregator(1, server, weights)
+    for cid in (0, 2):
+        agg.add(cid, replies[cid])
+    out = agg.result()
+    n = len(algo.ctx.federation.participated)
+    for k in algo.params:
+        mean = 0.25 * replies[0][k] + 0.75 * replies[2][k]
+        assert torch.allclose(out[k], server[k] + 0.5 * (mean - server[k]), atol=1e-6)
+        dc = replies[0][f"dc/{k}"] + replies[2][f"dc/{k}"]
+        assert torch.allclose(out[f"c/{k}"], server[f"c/{k}"] + dc / n, atol=1e-7)
