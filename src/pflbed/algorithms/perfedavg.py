@@ -1,0 +1,104 @@
+"""Per-FedAvg — Fallah, Mokhtari & Ozdaglar, "Personalized Federated Learning with Theoretical Guarantees: A
+Model-Agnostic Meta-Learning Approach", NeurIPS 2020 (Algorithm 1, Eq. 3, §5).
+
+Objective (Eq. 3): min_w (1/n) Σ_i f_i(w − α∇f_i(w)) — a meta-model from which one gradient step of size α on a
+client's data is that client's model. A sampled client runs τ local steps from the global w; each step draws
+independent batches D, D' (and D'' for HF):
+- temporary model: w̃ = w − α ∇f_i(w; D);
+- FO (first-order, §5 "Per-FedAvg (FO)"):  w ← w − β ∇f_i(w̃; D');
+- HF (Hessian-free, §5 "Per-FedAvg (HF)"): w ← w − β (I − α ∇²f_i(w; D'')) ∇f_i(w̃; D'), the Hessian-vector
+  product computed exactly by automatic differentiation.
+The server averages the replies (|D_i|-weighted; the paper's clients are weighted equally). β = `train.lr`.
+
+Personal model (P-FL): one (`personal_steps`) full-batch gradient step of size α on the client's own training data
+from the meta-model — the paper's evaluation, deterministic here (full batch instead of a sampled one). G-FL scores
+the meta-model. New clients (the FedBasis paper's Per-FedAvg+FT): fine-tune the meta-model (FT/LP).
+
+Choices: τ = `train.local_epochs` · ⌈n_i/B⌉ steps, the batches drawn from one shuffled stream (each step consumes
+2 or 3 batches); plain SGD steps (the optimizer's momentum and weight decay are not used by the meta-update);
+α defaults to 0.01 (the paper's α ∈ {0.001, 0.01}; choose on validation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.algorithms.training import get_params, index_batches, load_params
+
+
+class PerFedAvgOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variant: Literal["fo", "hf"] = Field("fo", description="first-order, or Hessian-free (exact Hessian-vector)")
+    alpha: float = Field(0.01, gt=0, description="α: the inner (personalization) step size")
+    personal_steps: int = Field(1, ge=1, description="full-batch α-steps from the meta-model for a client's model")
+
+
+class PerFedAvg(FedAvg):
+    name = "perfedavg"
+    Config = PerFedAvgOptions
+    sgd_plan = Algorithm.sgd_plan  # a meta-update, not plain local SGD
+
+    def init_client(self, cid: int) -> Tensors:
+        return {"cid": torch.tensor(cid, device=self.ctx.device)}  # the personal model needs the client's data
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
+        load_params(model, payload)
+        model.train()
+        named = dict(model.named_parameters())
+        steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
+        batches = index_batches(data.train, t.batch_size, 10**9, cctx.generator)  # drawn as needed
+        for _ in range(steps):
+            w = {k: p.detach().clone() for k, p in named.items()}
+            g = self._grad(data, next(batches))  # ∇f(w; D)
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.sub_(o.alpha * g[k])  # w̃
+            outer = self._grad(data, next(batches))  # ∇f(w̃; D')
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.copy_(w[k])
+            if o.variant == "hf":
+                hv = self._hvp(data, next(batches), outer)  # ∇²f(w; D'')·∇f(w̃; D')
+                outer = {k: outer[k] - o.alpha * hv[k] for k in outer}
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.sub_(t.lr * outer[k])
+        return get_params(model), state
+
+    def _grad(self, data: ClientData, b: torch.Tensor) -> Tensors:
+        named = dict(self.ctx.model.named_parameters())
+        loss = F.cross_entropy(self.ctx.model(data.x[b]), data.y[b])
+        return dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
+
+    def _hvp(self, data: ClientData, b: torch.Tensor, v: Tensors) -> Tensors:
+        named = dict(self.ctx.model.named_parameters())
+        loss = F.cross_entropy(self.ctx.model(data.x[b]), data.y[b])
+        grads = torch.autograd.grad(loss, list(named.values()), create_graph=True)
+        dot = sum((g * v[k]).sum() for g, k in zip(grads, named, strict=True))
+        return dict(zip(named, torch.autograd.grad(dot, list(named.values())), strict=True))
+
+    def adapted(self, server: Tensors, data: ClientData) -> Tensors:
+        """The meta-model after `personal_steps` full-batch gradient steps of size α on `data`'s training set."""
+        model = self.ctx.model
+        load_params(model, server)
+        model.train()
+        named = dict(model.named_parameters())
+        for _ in range(self.opts.personal_steps):
+            g = self._grad(data, data.train)
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.sub_(self.opts.alpha * g[k])
+        return get_params(model)
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, self.adapted(server, self.ctx.client_data(int(state["cid"]))))
