@@ -1,0 +1,91 @@
+"""APFL — Deng, Kamani & Mahdavi, "Adaptive Personalized Federated Learning", arXiv:2003.13461, 2020 (Algorithm 1,
+Eq. 3, 10).
+
+Each client keeps a local model v_i and a mixing weight α_i; its personalized model is the mixture
+v̄_i = α_i v_i + (1 − α_i) w (Eq. 3). In a sampled round it starts from the global w and, per local step on a batch
+ξ, updates simultaneously (all gradients at the step's starting values):
+- w ← w − η ∇f_i(w; ξ)                          (the global model's local copy; the reply)
+- v_i ← v_i − η ∇_v f_i(v̄_i; ξ) = v_i − η α_i ∇f_i(v̄_i; ξ)
+- α_i ← α_i − η_α ⟨v_i − w, ∇f_i(v̄_i; ξ)⟩        (Eq. 10, adaptive α), kept in [0, 1].
+The server averages the w's (|D_i|-weighted). P-FL scores v̄_i = α_i v_i + (1 − α_i) w with the current global w;
+G-FL scores w.
+
+Choices: `train.local_epochs` · ⌈n_i/B⌉ steps of plain SGD at η = `train.lr` (momentum and weight decay unused);
+v_i starts at w^0; `alpha` (initial α_i) 0.5 and `alpha_lr` η_α = η unless set (the paper tunes both); `adaptive`
+false keeps α fixed (the paper's non-adaptive variant). BatchNorm statistics mix like parameters. New clients
+fine-tune w (FT/LP).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch.func import functional_call
+
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.algorithms.training import index_batches
+
+ALPHA = "alpha"
+
+
+class APFLOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    alpha: float = Field(0.5, ge=0, le=1, description="initial mixing weight α_i of the local model")
+    alpha_lr: float | None = Field(None, gt=0, description="η_α (None: train.lr)")
+    adaptive: bool = Field(True, description="learn α_i (Eq. 10); False: keep it fixed")
+
+
+def mixture(v: Tensors, w: Tensors, alpha: torch.Tensor) -> Tensors:
+    """α v + (1 − α) w for floating tensors; integer ones (BatchNorm's counters) from w."""
+    return {k: alpha * v[k] + (1 - alpha) * w[k] if w[k].is_floating_point() else w[k] for k in w}
+
+
+class APFL(FedAvg):
+    name = "apfl"
+    Config = APFLOptions
+    sgd_plan = Algorithm.sgd_plan  # two coupled models and α: not plain local SGD
+
+    def init_client(self, cid: int) -> Tensors:
+        return {**self.ctx.initial_params, ALPHA: torch.tensor(self.opts.alpha, device=self.ctx.device)}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
+        model.train()
+        names = [k for k, _ in model.named_parameters()]
+        w = {k: v.detach().clone() for k, v in payload.items()}
+        v = {k: state[k].detach().clone() for k in payload}
+        alpha = state[ALPHA].detach().clone()
+        eta_a = o.alpha_lr or t.lr
+
+        def loss(params: Tensors, b: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(functional_call(model, params, (data.x[b],)), data.y[b])
+
+        steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
+        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator):
+            wp = {k: w[k].requires_grad_(True) if k in names else w[k] for k in w}
+            gw = torch.autograd.grad(loss(wp, b), [wp[k] for k in names])
+            vp = {k: v[k].requires_grad_(True) if k in names else v[k] for k in v}
+            a = alpha.clone().requires_grad_(o.adaptive)
+            mixed = mixture(vp, {k: w[k].detach() for k in w}, a)
+            inputs = [vp[k] for k in names] + ([a] if o.adaptive else [])
+            grads = torch.autograd.grad(loss(mixed, b), inputs)
+            with torch.no_grad():
+                for k, g in zip(names, gw, strict=True):
+                    w[k] = w[k].detach() - t.lr * g
+                for k, g in zip(names, grads[: len(names)], strict=True):
+                    v[k] = v[k].detach() - t.lr * g
+                if o.adaptive:
+                    alpha = (alpha - eta_a * grads[-1]).clamp(0.0, 1.0)
+            steps -= 1
+        assert steps == 0
+        w = {k: x.detach() for k, x in w.items()}
+        return w, {**{k: x.detach() for k, x in v.items()}, ALPHA: alpha}
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA]))
