@@ -1,0 +1,106 @@
+"""FedDyn — Acar, Zhao, Matas, Mattina, Whatmough & Saligrama, "Federated Learning Based on Dynamic
+Regularization", ICLR 2021 (Algorithm 1).
+
+Client k keeps g_k = ∇L_k(θ_k^{t−1}) (its state; zero at first). Sampled in round t, it solves from θ^{t−1}
+
+    θ_k^t = argmin_θ  L_k(θ) − ⟨g_k, θ⟩ + α/2 · ‖θ − θ^{t−1}‖²
+
+(E epochs of mini-batch SGD on that objective), replies θ_k^t and updates g_k ← g_k − α(θ_k^t − θ^{t−1}). The server
+keeps h (zero at first):
+
+    h^t = h^{t−1} − α · (1/m) Σ_{k∈P_t} (θ_k^t − θ^{t−1}),    θ^t = (1/|P_t|) Σ_{k∈P_t} θ_k^t − h^t / α,
+
+m the number of (participating) clients. Faithful to Algorithm 1, the mean over P_t is uniform, not |D_k|-weighted;
+BatchNorm statistics are averaged (uniformly) with the model and carry no h. `alpha` defaults to 0.01, in the
+paper's grid {0.1, 0.01, 0.001}. Personalization (+FT/+LP, new clients) fine-tunes θ, as for FedAvg.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
+
+H = "h/"
+
+
+class FedDynOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    alpha: float = Field(0.01, gt=0, description="α of the dynamic regularizer")
+
+
+class FedDyn(Algorithm):
+    name = "feddyn"
+    Config = FedDynOptions
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.params = [k for k, _ in ctx.model.named_parameters()]
+        self.model_keys = list(ctx.initial_params)
+        self._cache: tuple[int, Tensors] | None = None
+
+    def init_server(self) -> Tensors:
+        return {**self.ctx.initial_params, **{f"{H}{k}": torch.zeros_like(self.ctx.initial_params[k])
+                                              for k in self.params}}  # fmt: skip
+
+    def init_client(self, cid: int) -> Tensors:
+        return {k: torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}  # g_k = 0
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        theta = self.model_part(server)
+        return {c: theta for c in cids}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t, a = self.ctx.model, self.ctx.cfg.train, self.opts.alpha
+        load_params(model, payload)
+        named = dict(model.named_parameters())
+        prev = {k: payload[k].detach() for k in named}
+
+        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            linear = sum((p * state[k]).sum() for k, p in named.items())
+            prox = sum(((p - prev[k]) ** 2).sum() for k, p in named.items())
+            return F.cross_entropy(logits, y) - linear + 0.5 * a * prox
+
+        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
+                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
+        theta = get_params(model)
+        return theta, {k: state[k] - a * (theta[k] - prev[k]) for k in self.params}
+
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _FedDynServer:
+        return _FedDynServer(self, server, list(weights))
+
+    def model_part(self, server: Tensors) -> Tensors:
+        """θ alone (cached per server state: evaluation sees one parameter dict)."""
+        if self._cache is None or self._cache[0] != id(server):
+            self._cache = (id(server), {k: server[k] for k in self.model_keys})
+        return self._cache[1]
+
+    def generic_model(self, server: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, self.model_part(server))
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return self.generic_model(server)
+
+
+class _FedDynServer:
+    def __init__(self, algo: FedDyn, server: Tensors, cids: list[int]) -> None:
+        self.algo, self.server = algo, server
+        self.mean = WeightedMean(dict.fromkeys(cids, 1.0), keys=algo.model_keys)  # uniform over P_t
+
+    def add(self, cid: int, reply: Tensors) -> None:
+        self.mean.add(cid, reply)
+
+    def result(self) -> Tensors:
+        a, m = self.algo.opts.alpha, len(self.algo.ctx.federation.participated)
+        mean = self.mean.result()
+        s = self.server
+        # (1/m) Σ_{P_t} (θ_k − θ) = (|P_t|/m)(mean − θ)
+        share = len(self.mean.w) / m
+        h = {k: s[f"{H}{k}"] - a * share * (mean[k] - s[k]) for k in self.algo.params}
+        theta = {k: mean[k] - h[k] / a if k in h else mean[k] for k in self.algo.model_keys}
+        return {**theta, **{f"{H}{k}": v for k, v in h.items()}}

@@ -1,0 +1,63 @@
+"""FedDyn (Acar et al., ICLR 2021, Alg. 1): local SGD on L_k(θ) − ⟨g_k, θ⟩ + α/2‖θ − θ^{t−1}‖², then
+g_k ← g_k − α(θ_k − θ^{t−1}); server h ← h − α(1/m)Σ(θ_k − θ^{t−1}), θ ← mean(θ_k) − h/α."""
+
+import torch
+import torch.nn.functional as F
+
+from pflbed.algorithms.base import ClientContext
+from pflbed.algorithms.training import index_batches, load_params
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+
+from .tiny import TINY
+
+A = 0.2
+
+
+def _algo():
+    return prepare(validate_config({**TINY, "train": {**TINY["train"], "momentum": 0.0},
+                                    "algorithm": {"name": "feddyn", "alpha": A},
+                                    "executor": {"threads": 1}}))  # fmt: skip
+
+
+def _noise(tensors, seed, scale=0.01):
+    g = torch.Generator().manual_seed(seed)
+    return {k: scale * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+
+
+def test_client_solves_the_dynamically_regularized_objective_and_updates_its_gradient():
+    algo = _algo()
+    model, t = algo.ctx.model, algo.ctx.cfg.train
+    server, data = algo.init_server(), algo.ctx.client_data(0)
+    theta0 = algo.model_part(server)
+    g_k = _noise(algo.init_client(0), 1)
+    reply, g_new = algo.client_update(theta0, g_k, data, ClientContext(1, 0, torch.Generator().manual_seed(3)))
+    model.train()
+    names = list(g_k)
+    th = {k: theta0[k].clone() for k in names}
+    for b in index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(3)):
+        load_params(model, th)
+        params = dict(model.named_parameters())
+        grads = torch.autograd.grad(F.cross_entropy(model(data.x[b]), data.y[b]), [params[k] for k in names])
+        th = {k: th[k] - t.lr * (g - g_k[k] + A * (th[k] - theta0[k])) for k, g in zip(names, grads, strict=True)}
+    assert all(torch.allclose(reply[k], th[k], atol=1e-6) for k in names)
+    assert all(torch.allclose(g_new[k], g_k[k] - A * (reply[k] - theta0[k]), atol=1e-7) for k in names)
+
+
+def test_server_updates_h_over_all_clients_and_corrects_the_uniform_mean():
+    algo = _algo()
+    server = algo.init_server()
+    server = {**server, **{f"h/{k}": v for k, v in _noise(algo.init_client(0), 2).items()}}
+    theta0 = algo.model_part(server)
+    replies = {c: {k: v + _noise({k: v}, 10 + c, 0.1)[k] if v.is_floating_point() else v
+                   for k, v in theta0.items()} for c in (1, 3)}  # fmt: skip
+    agg = algo.aggregator(1, server, {1: 10.0, 3: 30.0})  # sizes do not weigh: Alg. 1 averages uniformly
+    for c in (1, 3):
+        agg.add(c, replies[c])
+    out = agg.result()
+    m = len(algo.ctx.federation.participated)
+    for k in algo.params:
+        mean = 0.5 * (replies[1][k] + replies[3][k])
+        h = server[f"h/{k}"] - A / m * ((replies[1][k] - theta0[k]) + (replies[3][k] - theta0[k]))
+        assert torch.allclose(out[f"h/{k}"], h, atol=1e-6)
+        assert torch.allclose(out[k], mean - h / A, atol=1e-5)
