@@ -1,0 +1,95 @@
+"""L2GD — Hanzely & Richtárik, "Federated Learning of a Mixture of Global and Local Models", arXiv:2002.05516, 2020
+(Algorithm 1, Eq. 2–3).
+
+Objective (Eq. 2): min_x (1/n) Σ f_i(x_i) + λ · (1/2n) Σ ‖x_i − x̄‖², x̄ the mean of the clients' models x_i: λ = 0
+is Local, λ → ∞ a single global model. Loopless local GD (Algorithm 1) flips one coin per iteration: with
+probability 1 − p every client takes a local step x_i ← x_i − α/(n(1−p)) · ∇f_i(x_i); with probability p every
+client moves toward the mean, x_i ← x_i − αλ/(np) · (x_i − x̄). Communication happens only when an averaging step
+follows a local one.
+
+Rounds here are the coin's runs: a round is a run of averaging steps (length a ~ Geometric(1 − p), ≥ 1) followed by
+a run of local steps (length l ~ Geometric(p), ≥ 1), one communication each. The mean does not move during an
+averaging run, so its a steps contract x_i − x̄ by (1 − θ)^a, θ = αλ/(np). The server draws (a, l) from (seed,
+round) and sends them with x̄; each client applies the contraction, then l mini-batch SGD steps with step
+η = α/(n(1−p)) = `train.lr`, and replies x_i (its state). The server's x̄ is the |D_i|-weighted mean (the paper's
+clients are weighted equally). θ = η·λ·(1 − p)/p must be ≤ 1.
+
+Deviations: the paper assumes every client in every iteration; with `federation.sample_fraction` < 1 a client not
+sampled skips the round (its x_i waits). Stochastic gradients (mini-batches) as in the paper's experiments.
+P-FL scores x_i; G-FL scores x̄; new clients fine-tune x̄ (FT/LP). Defaults p = 0.2, λ = 2 (θ = 0.4 at lr 0.05).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pflbed import rng
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.algorithms.training import get_params, index_batches, load_params
+from pflbed.errors import ConfigError
+
+RUNS = "l2gd/runs"  # payload: (averaging steps a, local steps l) of the round
+_COIN = 0x1260  # the server's coin stream, apart from every client's (rng keys 1–4)
+
+
+class L2GDOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    p: float = Field(0.2, gt=0, lt=1, description="probability of an averaging step")
+    lam: float = Field(2.0, ge=0, description="λ: the penalty on the distance to the mean model")
+
+
+class L2GD(FedAvg):
+    name = "l2gd"
+    Config = L2GDOptions
+    sgd_plan = Algorithm.sgd_plan  # a contraction toward the mean first: not plain local SGD
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        o, lr = self.opts, ctx.cfg.train.lr
+        self.theta = lr * o.lam * (1 - o.p) / o.p
+        if self.theta > 1:
+            raise ConfigError(f"algorithm.lam: the averaging step θ = train.lr·λ·(1 − p)/p = {self.theta:g} must be "
+                              "≤ 1; lower lam or train.lr, or raise p")  # fmt: skip
+
+    def init_client(self, cid: int) -> Tensors:
+        return dict(self.ctx.initial_params)  # x_i^0 = x^0
+
+    def runs(self, rnd: int) -> tuple[int, int]:
+        """(a, l): the round's averaging-run and local-run lengths, drawn from (seed, round)."""
+        coin = rng.generator(self.ctx.seed, _COIN, rnd)
+        u = torch.rand(2, generator=coin, dtype=torch.float64, device="cpu").tolist()  # host numbers
+        p = self.opts.p
+        a = 1 + math.floor(math.log(u[0]) / math.log(p))  # P(a = k) = p^(k−1)(1 − p): the run goes on w.p. p
+        l_ = 1 + math.floor(math.log(u[1]) / math.log(1 - p))  # P(l = k) = (1 − p)^(k−1) p
+        return a, l_
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        payload = {**server, RUNS: torch.tensor(self.runs(rnd), device=self.ctx.device)}
+        return {c: payload for c in cids}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t = self.ctx.model, self.ctx.cfg.train
+        a, l_ = (int(v) for v in payload[RUNS])
+        shrink = (1 - self.theta) ** a
+        x = {k: payload[k] + shrink * (v - payload[k]) if v.is_floating_point() else v for k, v in state.items()}
+        load_params(model, x)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=t.lr)  # plain local steps, η = α/(n(1 − p))
+        batches = index_batches(data.train, t.batch_size, l_, cctx.generator)  # enough for l steps
+        for _, b in zip(range(l_), batches, strict=False):
+            loss = F.cross_entropy(model(data.x[b]), data.y[b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        new = get_params(model)
+        return new, new
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, state)
