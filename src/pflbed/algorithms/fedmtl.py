@@ -1,0 +1,86 @@
+"""Fed-MTL — Smith, Chiang, Sanjabi & Talwalkar, "Federated Multi-Task Learning", NeurIPS 2017 (MOCHA), as the
+personalized-FL baseline tables run it: one model per client, coupled by a task-relationship regularizer.
+
+MOCHA's problem (Eq. 1): min_{W, Ω} Σ_i f_i(w_i) + R(W, Ω), with R(W, Ω) = λ · tr(W Ω Wᵀ) for the clients' models
+W = [w_1 … w_m]. Formulation implemented: Ω fixed to the mean-regularized relationship Ω = I − 11ᵀ/m (MOCHA §3
+lists it among its special cases; Evgeniou & Pontil 2004), so that
+
+    R(W) = λ · Σ_i ‖w_i − w̄‖²,   ∂R/∂w_i = 2λ (w_i − w̄)   (w̄ = (1/m) Σ_j w_j; the w̄-terms cancel).
+
+Why this one: it needs no client's model at the server, only w̄ — which the server keeps exactly from the clients'
+changes — whereas learning Ω (MOCHA's alternating Ω step, Ω ∝ (WᵀW)^{1/2}) needs every client's full model at the
+server each round; and deep-model PFL tables use MOCHA with a fixed relationship for the same reason. Not
+implemented: learning Ω; MOCHA's dual (CoCoA-style) local solver — clients take SGD steps on the primal objective.
+
+A sampled client i receives w̄, runs E epochs of SGD on f_i(w_i) + λ‖w_i − w̄‖² (w̄ fixed) from its own w_i (its
+state; w^0 at first), keeps the result and replies its change Δ_i. The server: w̄ ← w̄ + (1/m) Σ_{i∈S} Δ_i, m the
+number of participating clients — so w̄ is always the mean of every client's current model. P-FL scores w_i; there
+is no generic model (the tables report no G-FL or +FT for Fed-MTL). New clients start from w̄, the task mean, and
+fine-tune (FT/LP). `lam` defaults to 0.1; choose it on validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.training import finetune_epochs, get_params, load_params, local_sgd
+
+
+class FedMTLOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lam: float = Field(0.1, ge=0, description="λ of the relationship regularizer λ·Σ‖w_i − w̄‖²")
+
+
+class FedMTL(Algorithm):
+    name = "fedmtl"
+    Config = FedMTLOptions
+
+    def init_server(self) -> Tensors:
+        return dict(self.ctx.initial_params)  # w̄ = mean of w_i^0 = w^0
+
+    def init_client(self, cid: int) -> Tensors:
+        return dict(self.ctx.initial_params)
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        return {c: server for c in cids}
+
+    def client_update(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> tuple[Tensors, Tensors]:
+        model, t, lam = self.ctx.model, self.ctx.cfg.train, self.opts.lam
+        load_params(model, state)
+        named = dict(model.named_parameters())
+        mean = {k: payload[k].detach() for k in named}
+
+        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits, y) + lam * sum(((p - mean[k]) ** 2).sum() for k, p in named.items())
+
+        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
+                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
+        new = get_params(model)
+        return {k: new[k] - state[k] for k in new if new[k].is_floating_point()}, new
+
+    def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
+        m = len(self.ctx.federation.participated)
+        out = dict(server)
+        for k in server:
+            if server[k].is_floating_point():
+                out[k] = server[k] + sum(r[k] for r in replies.values()) / m
+        return out
+
+    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
+        return Predictor(self.ctx.model, state)
+
+    def personalize(
+        self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
+    ) -> Iterator[Predictor]:
+        """A new task starts from the task mean w̄ and fine-tunes (ft: all parameters; lp: the head)."""
+        yield from finetune_epochs(self.ctx.model, server, data, budget, generator)
+
+    def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
+        return Predictor(self.ctx.model, server)
