@@ -7,9 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from pflbed.cli import main
+from pflbed.errors import PflbedError
 from pflbed.results.checkpoint import checkpoint_path
 
 ARGS = [
@@ -57,3 +59,28 @@ def test_resume_refuses_another_config(tmp_path, capsys):
     assert "\n" not in err and "different config" in err and str(out) in err
     assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a pflbed run directory" in capsys.readouterr().err
+
+
+def test_a_run_written_before_a_config_key_existed_is_still_the_same_config(tmp_path, capsys):
+    """config.yaml compared as configs: a key added since (absent in the file, its default applies) does not make
+    an unfinished run 'another config'; a changed value does."""
+    import yaml
+
+    from pflbed.config import validate_config
+    from pflbed.results.rundir import RunDir, config_text, same_config
+
+    cfg = validate_config({"train": {"rounds": 3}})
+    run = tmp_path / "run"
+    run.mkdir()
+    tree = yaml.safe_load(config_text(cfg))
+    del tree["log"]  # as written before `log` existed
+    tree["executor"].pop("state_dir")
+    (run / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    assert same_config(run / "config.yaml", cfg)
+    assert RunDir.check(run, cfg, resume=True).path == run
+    other = validate_config({"train": {"rounds": 4}})
+    assert not same_config(run / "config.yaml", other)
+    with pytest.raises(PflbedError, match="different config"):
+        RunDir.check(run, other)
+    (run / "config.yaml").write_text("train: {rounds: [\n")  # unreadable: never the same
+    assert not same_config(run / "config.yaml", cfg)

@@ -236,12 +236,12 @@ class Bench:
 
     def stale(self) -> list[Path]:
         """Run directories whose recorded config no longer matches the suite (the suite was edited)."""
-        from pflbed.results.rundir import config_text
+        from pflbed.results.rundir import same_config
 
         out = []
         for t, c in self.cells():
             saved = t.run_dir(*c) / "config.yaml"
-            if saved.exists() and saved.read_text() != config_text(t.cell_config(*c)):
+            if saved.exists() and not same_config(saved, t.cell_config(*c)):
                 out.append(saved.parent)
         return out
 

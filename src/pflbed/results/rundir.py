@@ -32,6 +32,18 @@ def config_text(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def same_config(saved: Path, cfg: Config) -> bool:
+    """Whether the config.yaml at `saved` describes `cfg`: compared as configs, not as text, so a run written before
+    a config key was added (its default then applies) is still the same run; unreadable or invalid: not the same."""
+    from pflbed.config import validate_config
+    from pflbed.errors import PflbedError
+
+    try:
+        return validate_config(yaml.safe_load(saved.read_text()) or {}) == cfg
+    except (OSError, yaml.YAMLError, PflbedError):
+        return False
+
+
 class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -57,7 +69,7 @@ class RunDir:
             raise PflbedError(f"--out {path}: is a non-empty directory that holds no pflbed run")
         if force or not existing.exists():
             return run
-        if existing.read_text() != config_text(cfg):
+        if not same_config(existing, cfg):
             raise PflbedError(f"--out {path}: holds a run of a different config; choose another --out "
                               "(or pass --force to replace it)")  # fmt: skip
         if run.finished:
@@ -94,7 +106,7 @@ class RunDir:
         if not saved.is_file():
             raise PflbedError(f"--resume {path}: not a pflbed run directory (no config.yaml)")
         run_cfg = load_config(saved)
-        if cfg is not None and config_text(cfg) != saved.read_text():
+        if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config")
         return cls(path), run_cfg
 
