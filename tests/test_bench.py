@@ -129,3 +129,15 @@ def test_parallel_jobs_give_the_same_cells_as_one_process(tmp_path):
     for (t, c), (u, d) in zip(a.cells(), b.cells(), strict=True):
         s, r = (json.loads((x.run_dir(*y) / "summary.json").read_text()) for x, y in ((t, c), (u, d)))
         assert s["final"] == r["final"]  # workers use one torch thread, as the test session does
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_diverging_cell_stops_the_bench_with_one_line_in_any_worker_layout(tmp_path, capsys, jobs):
+    """Divergence crosses the worker-process boundary intact (`DivergedError` pickles): exit 3 and one line, no
+    traceback (with --jobs 2 this was a BrokenProcessPool traceback)."""
+    suite = {**SUITE, "out": str(tmp_path / "res"), "seeds": [0],
+             "base": {**SUITE["base"], "train": {**SUITE["base"]["train"], "lr": 1e12}}}  # fmt: skip
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    assert main(["bench", "-c", str(tmp_path / "suite.yaml"), "--jobs", jobs]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("pflbed: error: diverged in round")

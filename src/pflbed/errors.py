@@ -27,6 +27,7 @@ class DivergedError(PflbedError):
         evaluated_round: int | None = None,
     ) -> None:  # fmt: skip
         self.round, self.where = rnd, where
+        self._args = (rnd, where, run_dir, checkpoint_round, evaluated_round)
         kept = ""
         if run_dir is not None:
             kept = (f"; metrics up to round {evaluated_round} are in {run_dir}/metrics.jsonl" if evaluated_round
@@ -34,3 +35,6 @@ class DivergedError(PflbedError):
             if checkpoint_round:
                 kept += f", the last good state (round {checkpoint_round}) in {run_dir}/checkpoints/last.pt"
         super().__init__(f"diverged in round {rnd}: {where}{kept} — lower train.lr (or the algorithm's own lrs)")
+
+    def __reduce__(self):  # rebuilt from its own arguments: it crosses process boundaries (`bench --jobs`, procs)
+        return (type(self), self._args)
