@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import ClientContext, ClientData, Tensors
+from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
 
 H = "h/"
@@ -32,22 +33,10 @@ class FedDynOptions(BaseModel):
     alpha: float = Field(0.01, gt=0, description="α of the dynamic regularizer")
 
 
-class FedDyn(Algorithm):
+class FedDyn(ModelWithExtras):
     name = "feddyn"
     Config = FedDynOptions
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        self.params = [k for k, _ in ctx.model.named_parameters()]
-        self.model_keys = list(ctx.initial_params)
-        self._cache: tuple[int, Tensors] | None = None
-
-    def init_server(self) -> Tensors:
-        return {**self.ctx.initial_params, **{f"{H}{k}": torch.zeros_like(self.ctx.initial_params[k])
-                                              for k in self.params}}  # fmt: skip
-
-    def init_client(self, cid: int) -> Tensors:
-        return {k: torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}  # g_k = 0
+    prefix = H  # h; clients' g_k start at zero too
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         theta = self.model_part(server)
@@ -73,18 +62,6 @@ class FedDyn(Algorithm):
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _FedDynServer:
         return _FedDynServer(self, server, list(weights))
-
-    def model_part(self, server: Tensors) -> Tensors:
-        """θ alone (cached per server state: evaluation sees one parameter dict)."""
-        if self._cache is None or self._cache[0] != id(server):
-            self._cache = (id(server), {k: server[k] for k in self.model_keys})
-        return self._cache[1]
-
-    def generic_model(self, server: Tensors) -> Predictor:
-        return Predictor(self.ctx.model, self.model_part(server))
-
-    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        return self.generic_model(server)
 
 
 class _FedDynServer:

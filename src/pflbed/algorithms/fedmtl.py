@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Predictor, Tensors
-from pflbed.algorithms.training import finetune_epochs, get_params, load_params, local_sgd
+from pflbed.algorithms.training import finetune_epochs, proximal_sgd
 
 
 class FedMTLOptions(BaseModel):
@@ -52,17 +51,9 @@ class FedMTL(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        model, t, lam = self.ctx.model, self.ctx.cfg.train, self.opts.lam
-        load_params(model, state)
-        named = dict(model.named_parameters())
-        mean = {k: payload[k].detach() for k in named}
-
-        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(logits, y) + lam * sum(((p - mean[k]) ** 2).sum() for k, p in named.items())
-
-        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
-        new = get_params(model)
+        t = self.ctx.cfg.train  # λ‖w − w̄‖² is the proximal term μ/2‖w − w̄‖² with μ = 2λ, anchored at w̄
+        new = proximal_sgd(self.ctx.model, state, payload, 2 * self.opts.lam, data, epochs=t.local_epochs, lr=t.lr,
+                           train=t, generator=cctx.generator)  # fmt: skip
         return {k: new[k] - state[k] for k in new if new[k].is_floating_point()}, new
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import ClientContext, ClientData, Tensors
+from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
 
 C = "c/"  # server control variate keys: c/<parameter name>
@@ -42,22 +43,10 @@ class ScaffoldOptions(BaseModel):
     server_lr: float = Field(1.0, gt=0, description="global step size η_g")
 
 
-class Scaffold(Algorithm):
+class Scaffold(ModelWithExtras):
     name = "scaffold"
     Config = ScaffoldOptions
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        self.params = [k for k, _ in ctx.model.named_parameters()]
-        self.model_keys = list(ctx.initial_params)
-        self._cache: tuple[int, Tensors] | None = None
-
-    def init_server(self) -> Tensors:
-        zeros = {f"{C}{k}": torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}
-        return {**self.ctx.initial_params, **zeros}
-
-    def init_client(self, cid: int) -> Tensors:
-        return {k: torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}  # c_i = 0
+    prefix = C  # c; clients' c_i start at zero too
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
@@ -101,18 +90,6 @@ class Scaffold(Algorithm):
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _ScaffoldServer:
         return _ScaffoldServer(self, server, weights)
-
-    def model_part(self, server: Tensors) -> Tensors:
-        """x alone (cached per server state, so evaluation sees one parameter dict and batches its clients)."""
-        if self._cache is None or self._cache[0] != id(server):
-            self._cache = (id(server), {k: server[k] for k in self.model_keys})
-        return self._cache[1]
-
-    def generic_model(self, server: Tensors) -> Predictor:
-        return Predictor(self.ctx.model, self.model_part(server))
-
-    def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        return self.generic_model(server)
 
 
 class _ScaffoldServer:
