@@ -1,6 +1,8 @@
 """`pflbed bench`: cells are ordinary runs, finished cells are skipped, tables are the seeds' mean ± std."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -141,3 +143,41 @@ def test_a_diverging_cell_stops_the_bench_with_one_line_in_any_worker_layout(tmp
     assert main(["bench", "-c", str(tmp_path / "suite.yaml"), "--jobs", jobs]) == 3
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("pflbed: error: diverged in round")
+
+
+def _children(pid):
+    """Pids whose parent is `pid` (from /proc)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_workers_do_not_outlive_a_killed_bench(tmp_path):
+    """`bench --jobs 2` killed outright (SIGKILL: no cleanup of its own): its worker processes exit too, instead of
+    training cells on, orphaned, and holding the cores."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    slow = {**SUITE, "out": str(tmp_path / "res"), "seeds": [0, 1],
+            "base": {**SUITE["base"], "train": {**SUITE["base"]["train"], "rounds": 400}}}  # fmt: skip
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(slow))
+    proc = subprocess.Popen([sys.executable, "-m", "pflbed", "bench", "-c", str(tmp_path / "suite.yaml"), "--jobs",
+                             "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 60
+    spawned = lambda: [c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]  # noqa: E731
+    while len(workers := spawned()) < 2:
+        assert time.time() < deadline and proc.poll() is None, "the workers did not start"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(os.path.exists(f"/proc/{w}") and "spawn_main" in Path(f"/proc/{w}/cmdline").read_text() for w in workers):
+        assert time.time() < deadline, "workers outlived the bench"
+        time.sleep(0.2)

@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -308,15 +309,31 @@ def _run_cells(tasks: list[tuple[Config, Path]], jobs: int) -> Iterator[tuple[di
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_run_cell, cfg, path, 1) for cfg, path in tasks]
-        try:
-            for fut in futures:
-                yield fut.result()
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_exit_with_parent, initargs=(os.getpid(),))  # fmt: skip
+    futures = [pool.submit(_run_cell, cfg, path, 1) for cfg, path in tasks]
+    try:
+        for fut in futures:
+            yield fut.result()
+    except BaseException:  # a failed cell or Ctrl-C: stop the others now, not after their cells finish
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: exit when the bench process is gone (killed: no chance to stop its workers itself), so
+    no orphaned worker keeps training cells and holding the cores."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _get(tree: dict[str, Any], dotted: str) -> float | None:
