@@ -80,6 +80,8 @@ VALID: dict[str, st.SearchStrategy] = {
     "dataset.image_size": st.integers(min_value=0, max_value=64),
     "model.name": st.sampled_from(sorted(MODELS)),
     "model.channels_last": st.booleans(),
+    "model.init_from": st.one_of(st.none(), st.sampled_from(["/nonexistent/model.pt", "/nonexistent"])),
+    "model.init_blocks": st.lists(st.sampled_from(["all", "body", "head", "conv1", "classifier", "fc9"]), max_size=2),
     "federation.protocol": st.sampled_from(["standard", "pflbed"]),
     "federation.pflbed.participated": unit,
     "federation.pflbed.new": unit,
@@ -128,6 +130,16 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.state_dir": st.one_of(st.none(), st.sampled_from(["", "states"])),
     "algorithm.name": st.sampled_from(sorted(ALGORITHMS)),
     "log.tensorboard": st.booleans(),
+    # `pflbed pretrain`'s section: validated by every run, used only by pretrain (tests/test_pretrain.py)
+    "pretrain.split": st.sampled_from(["train", "test", "val"]),
+    "pretrain.domains": st.one_of(st.none(), st.lists(st.sampled_from(["rot0", "clean", "x"]), max_size=2)),
+    "pretrain.samples": st.one_of(st.none(), st.integers(min_value=0, max_value=INT_MAX + 1)),
+    "pretrain.val_fraction": unit,
+    "pretrain.epochs": st.integers(min_value=0, max_value=INT_MAX + 1),
+    "pretrain.batch_size": st.integers(min_value=0, max_value=INT_MAX + 1),
+    "pretrain.lr": st.floats(min_value=0, max_value=1e300),
+    "pretrain.momentum": unit,
+    "pretrain.weight_decay": st.floats(min_value=0, max_value=1e300),
 }
 
 

@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
                    "app: the project directory")  # fmt: skip
     f.add_argument("--run-dir", type=Path, help="app: where the ServerApp writes the run (default: runs/<...>)")
     f.add_argument("--force", action="store_true", help="local: replace the run already in --out")
+    t = sub.add_parser("pretrain", help="train the config's model centrally on a declared source no client uses, "
+                       "for model.init_from")  # fmt: skip
+    t.add_argument("-c", "--config", help="YAML config file (its pretrain section, dataset, model and federation)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    t.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt, summary.json and "
+                   "config.yaml go (then: --set model.init_from=DIR)")  # fmt: skip
+    t.add_argument("--force", action="store_true", help="replace what is in --out")
     z = sub.add_parser("personalize", help="personalize a trained run's model for a new client from its samples")
     z.add_argument("run", type=Path, metavar="RUN", help="a run directory (finished, or with a checkpoint)")
     z.add_argument("--data", type=Path, required=True, metavar="FILE",
@@ -194,6 +201,21 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
     console.print(f"model: {out / 'model.pt'}, summary: {out / 'summary.json'}")
 
 
+def _cmd_pretrain(args: argparse.Namespace) -> None:
+    from pflbed.config import load_config
+    from pflbed.engine.pretrain import pretrain
+
+    cfg = load_config(args.config, args.overrides)
+    console = make_console()
+    s = pretrain(cfg, args.out, force=args.force, log=console.print)
+    src = s["source"]
+    held = "" if s["val_acc"] is None else f", held-out accuracy {100 * s['val_acc']:.2f} %"
+    console.print(f"pretrained {s['model']} on {src['train']} samples of {src['dataset']}'s {src['split']} split "
+                  f"(domains {src['domains'] or 'all'}), disjoint from the federation's data: epoch "
+                  f"{s['selected_epoch']} kept{held}; {s['seconds']:.1f} s")  # fmt: skip
+    console.print(f"model: {args.out / 'model.pt'} (use: --set model.init_from={args.out})")
+
+
 def _cmd_report(args: argparse.Namespace) -> None:
     import time
 
@@ -275,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower,
-                    "personalize": _cmd_personalize, "algorithms": _cmd_algorithms, "config": _cmd_config,
-                    "report": _cmd_report}  # fmt: skip
+                    "personalize": _cmd_personalize, "pretrain": _cmd_pretrain, "algorithms": _cmd_algorithms,
+                    "config": _cmd_config, "report": _cmd_report}  # fmt: skip
         commands[args.command](args)
     except DivergedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)

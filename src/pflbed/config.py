@@ -73,6 +73,14 @@ class ModelConfig(_Strict):
         False, description="store conv weights channels-last (NHWC): faster convolutions on CPU, float results "
         "change by rounding, so opt-in (README, \"Speed\")"
     )
+    init_from: str | None = Field(
+        None, description="start from these weights instead of a random init: a `pflbed pretrain` output "
+        "(its directory or model.pt), a model saved by `pflbed personalize --out`, or a plain state dict (.pt)"
+    )
+    init_blocks: list[str] = Field(
+        default_factory=lambda: ["all"], min_length=1, description="what init_from loads: [all], [body], [head] "
+        "or block names (e.g. [conv1, conv2]); the other blocks keep the seed's random init"
+    )
 
     @field_validator("name")
     @classmethod
@@ -149,6 +157,21 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(
         10, ge=0, le=INT_MAX, description="checkpoint every N rounds for --resume (0: only the final state)"
     )
+
+
+class PretrainConfig(_Strict):
+    """`pflbed pretrain`: centralized training on a declared source that no client and no evaluation of this
+    config's federation uses (checked), for `model.init_from` (README, "Pretrained start")."""
+
+    split: Literal["train", "test"] = Field("test", description="the dataset split the source is drawn from")
+    domains: list[str] | None = Field(None, description="only samples of these domains (datasets with domains)")
+    samples: int | None = Field(None, ge=1, le=INT_MAX, description="at most this many (a seeded draw; None: all)")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="held out of the source to pick the epoch kept")
+    epochs: int = Field(10, ge=1, le=100_000)
+    batch_size: int = Field(64, ge=1, le=INT_MAX)
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
 
 
 class NewClientsConfig(_Strict):
@@ -319,6 +342,7 @@ class Config(_Strict):
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
 
     def algorithm_options(self) -> dict[str, Any]:
         return dict(self.algorithm.model_extra or {})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "DATASETS",
     "ArrayDataset",
     "DataSource",
+    "base_dataset",
     "describe_datasets",
     "download_fmnist",
     "load_dataset",
@@ -100,6 +102,14 @@ def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[s
             row["error"] = str(exc)
         rows.append(row)
     return rows
+
+
+def base_dataset(dataset: Any) -> str:
+    """The dataset whose samples a `dataset` config section draws on, whatever transform domains it adds
+    (`fmnist-rot4` and `fmnist` with `domains` are Fashion-MNIST; sample i of a split is the same image in all of
+    them): what a pretraining source's disjointness is checked on."""
+    base = BUILTIN_DOMAINS.get(dataset.name, (dataset.name, ()))[0]
+    return f"folder:{Path(dataset.path).resolve()}" if base == "folder" and dataset.path else base
 
 
 def load_source(dataset: Any) -> DataSource:

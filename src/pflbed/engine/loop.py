@@ -21,7 +21,7 @@ from pflbed.algorithms import get_algorithm
 from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
-from pflbed.data import load_source
+from pflbed.data import base_dataset, load_source
 from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
@@ -32,8 +32,10 @@ from pflbed.errors import DivergedError
 from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
-from pflbed.federation import build_federation
+from pflbed.federation import Federation, build_federation
+from pflbed.federation.federation import check_disjoint
 from pflbed.models import build_model
+from pflbed.models.pretrained import apply_weights, load_weights
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
 from pflbed.results.summary import build_summary
@@ -66,9 +68,21 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
     model = build_model(cfg.model.name, source.input_shape, source.num_classes, device, cfg.model.channels_last)
+    if cfg.model.init_from:
+        init_model(model, cfg, fed)
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
     ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device)
     return algo_cls(ctx)
+
+
+def init_model(model: torch.nn.Module, cfg: Config, fed: Federation) -> None:
+    """`model.init_from` into `model` (the blocks of `model.init_blocks`), after checking that a recorded pretraining
+    source shares no sample with `fed`. Every algorithm starts from the result (`Context.initial_params`); models an
+    algorithm draws afresh (FedBasis's independent bases without warm-up, other architectures) stay random."""
+    weights = load_weights(cfg.model.init_from)
+    if weights.source is not None:
+        check_disjoint(fed, base_dataset(cfg.dataset), weights.source, "model.init_from")
+    apply_weights(model, weights, cfg.model.init_blocks, cfg.model.name)
 
 
 def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[LoopExecutor, WorkerPool | None]:

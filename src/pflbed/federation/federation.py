@@ -67,6 +67,17 @@ class Federation:
     def num_train(self, cid: int) -> int:
         return int(self.clients[cid].train.numel())
 
+    def used_indices(self) -> dict[str, torch.Tensor]:
+        """Every sample the federation uses, per source split ("train", "test"): the clients' (participated and
+        new) train/val/test indices, the public set, the shared validation and test sets and the global test set.
+        What a pretraining source must avoid (`check_disjoint`)."""
+        train = [t for c in self.clients for t in (c.train, c.val, c.test)] + [self.public]
+        train += [*self.domain_val, *self.domain_test]
+        used = {"train": train, "test": []}
+        used[self.global_split].append(self.global_test)
+        return {k: torch.unique(torch.cat([t.cpu() for t in v])) if v else torch.zeros(0, dtype=torch.int64)
+                for k, v in used.items()}  # fmt: skip
+
     def to(self, device: torch.device | str) -> Federation:
         """Every index tensor and class prior on `device`, the data's device, so that indexing the data and
         weighting by a prior never mixes devices; the same object where they are already there (the CPU)."""
@@ -78,6 +89,21 @@ class Federation:
         return replace(self, clients=clients, global_test=self.global_test.to(device), public=self.public.to(device),
                        domain_val=[t.to(device) for t in self.domain_val],
                        domain_test=[t.to(device) for t in self.domain_test])  # fmt: skip
+
+
+def check_disjoint(fed: Federation, dataset: str, source: dict, what: str) -> None:
+    """Refuse a pretraining `source` (a `pflbed pretrain` record: base dataset, split, sample indices) that shares
+    a sample with what `fed`, a federation of `dataset` (its base dataset name), uses. Sources of other datasets
+    share nothing. Why: a body pretrained on a client's test samples inflates every score built on it."""
+    if source.get("dataset") != dataset:
+        return
+    split = source["split"]
+    shared = np.intersect1d(source["indices"].cpu().numpy(), fed.used_indices()[split].numpy())
+    if len(shared):
+        raise DataError(f"{what}: the pretraining source ({len(source['indices'])} samples of {dataset}'s {split} "
+                        f"split) shares {len(shared)} samples with this federation's client data or evaluation "
+                        "sets; choose a split or domains it does not use (under federation.protocol pflbed all "
+                        "of them come from the train split, so pretrain.split test is free)")  # fmt: skip
 
 
 def cache_dir() -> Path:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 import pflbed
+from pflbed.models.pretrained import model_file
 from pflbed.results.console import console as make_console
 
 _PFL_KEYS = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val")
@@ -40,6 +42,7 @@ def build_summary(
         "algorithm": cfg.algorithm.name,
         "dataset": cfg.dataset.name,
         "model": cfg.model.name,
+        **({"init_from": init_record(cfg)} if cfg.model.init_from else {}),
         "seed": cfg.seed,
         "rounds": cfg.train.rounds,
         "clients": {"participated": len(fed.participated), "new": len(fed.new)},
@@ -51,6 +54,13 @@ def build_summary(
         "communication": {k: last.get(k) for k in ("up_bytes_per_round", "down_bytes_per_round")},
         "timing": timing,
     }
+
+
+def init_record(cfg) -> dict[str, Any]:
+    """The starting weights a run loaded (`model.init_from`): the file, its SHA-256 and the blocks — the config
+    names a path, the hash says which weights it held."""
+    f = model_file(cfg.model.init_from)
+    return {"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "blocks": cfg.model.init_blocks}
 
 
 _LABELS = {"fedavg": "FedAvg", "local": "Local"}

@@ -30,10 +30,11 @@ from pflbed.algorithms.training import finetune_epochs, load_params
 from pflbed.config import Config, validate_config
 from pflbed.errors import PflbedError
 from pflbed.models import build_model
+from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
 
 Method = Literal["native", "ft", "lp"]
-MODEL_FILE, SUMMARY_FILE = "model.pt", "summary.json"
+SUMMARY_FILE = "summary.json"
 
 
 def _module(pred: Predictor) -> torch.nn.Module:
@@ -82,11 +83,8 @@ class Personalized:
 
     def save(self, out: Path) -> Path:
         """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`."""
-        out.mkdir(parents=True, exist_ok=True)
-        arch = getattr(self.model, "zoo_name", None)
-        torch.save({"state_dict": {k: v.cpu() for k, v in self.model.state_dict().items()}, "architecture": arch,
-                    "input_shape": list(self.info["input_shape"]), "num_classes": self.info["num_classes"]},
-                   out / MODEL_FILE)  # fmt: skip
+        save_model(self.model, out, getattr(self.model, "zoo_name", None), self.info["input_shape"],
+                   self.info["num_classes"])  # fmt: skip
         summary = {"method": self.method, "lr": self.lr, "selected_epoch": self.selected_epoch,
                    "epochs": self.epochs, "seconds": round(self.seconds, 3), **self.info}  # fmt: skip
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")

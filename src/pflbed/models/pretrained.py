@@ -1,0 +1,117 @@
+"""Starting weights for a run (`model.init_from`, `model.init_blocks`) and the file `pflbed pretrain` writes.
+
+Why a module of its own: a pretrained start is how the FedBasis paper (an ImageNet ResNet-18) and most practitioners
+begin, and loading it must be strict. A silently skipped key, a body loaded where the head was asked for, or a
+model pretrained on the very samples a client is scored on would each make a table wrong without any error. So:
+every requested key must exist with the model's shape (one-line error naming the field and key otherwise), only
+the requested blocks are written, and a file that records its training source (`pflbed pretrain` writes one)
+carries the sample indices it was trained on, so a run can check they are disjoint from its federation
+(`federation.check_disjoint`).
+
+Accepted files:
+- a `pflbed pretrain` output directory or its `model.pt`, and a model saved by `pflbed personalize --out`: a dict
+  with `state_dict`, `architecture`, `input_shape`, `num_classes` (and `source` for pretrain outputs);
+- a plain state dict (`torch.save(model.state_dict(), path)`), keys as in the zoo model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pflbed.errors import ConfigError
+from pflbed.models.blocks import BlockNet
+
+MODEL_FILE = "model.pt"
+
+
+@dataclass
+class Weights:
+    """Loaded starting weights: the state dict, the architecture it was saved from (None: plain state dict), the
+    training source a pretrain output recorded (None: unknown), and the file's SHA-256 (for the run's summary)."""
+
+    state: dict[str, torch.Tensor]
+    path: Path
+    sha256: str
+    architecture: str | None = None
+    source: dict[str, Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def model_file(path: str | Path) -> Path:
+    """The weights file `path` names: the file itself, or `model.pt` inside a directory."""
+    p = Path(path)
+    return p / MODEL_FILE if p.is_dir() else p
+
+
+def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
+    f = model_file(path)
+    if not f.is_file():
+        hint = " (a directory needs model.pt)" if Path(path).is_dir() else ""
+        raise ConfigError(f"{what}: no such file {f}{hint}")
+    raw = f.read_bytes()
+    try:
+        blob = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
+        raise ConfigError(f"{what}: {f} is not a torch weights file ({type(e).__name__})") from None
+    sha = hashlib.sha256(raw).hexdigest()
+    if isinstance(blob, dict) and isinstance(blob.get("state_dict"), dict):
+        extra = {k: v for k, v in blob.items() if k not in ("state_dict", "architecture", "source")}
+        return Weights(dict(blob["state_dict"]), f, sha, blob.get("architecture"), blob.get("source"), extra)
+    if isinstance(blob, dict) and blob and all(isinstance(k, str) and torch.is_tensor(v) for k, v in blob.items()):
+        return Weights(dict(blob), f, sha)
+    raise ConfigError(f"{what}: {f} holds neither a state dict nor a pflbed model file")
+
+
+def block_selection(model: BlockNet, blocks: list[str], what: str = "model.init_blocks") -> list[str]:
+    """The blocks named by `blocks`: [all], [body], [head], or block names of `model`."""
+    if blocks == ["all"]:
+        return model.block_names()
+    if blocks == ["body"]:
+        return model.body_blocks()
+    if blocks == ["head"]:
+        return model.head_blocks()
+    unknown = [b for b in blocks if b not in model.block_names()]
+    if unknown or len(set(blocks)) != len(blocks):
+        raise ConfigError(f"{what}: {blocks} — use [all], [body], [head] or distinct blocks of "
+                          f"{model.block_names()}")  # fmt: skip
+    return list(blocks)
+
+
+def apply_weights(model: BlockNet, weights: Weights, blocks: list[str], architecture: str) -> list[str]:
+    """Write the selected blocks' parameters and buffers from `weights` into `model` (in place, on its device);
+    returns the keys written. Refuses another architecture, missing keys and shape mismatches."""
+    if weights.architecture is not None and weights.architecture != architecture:
+        raise ConfigError(f"model.init_from: {weights.path} holds a {weights.architecture} model, the run's "
+                          f"model.name is {architecture}")  # fmt: skip
+    keys = model.state_keys(block_selection(model, blocks))
+    own = model.state_dict()
+    missing = [k for k in keys if k not in weights.state]
+    if missing:
+        raise ConfigError(f"model.init_from: {weights.path} has no {missing[0]!r} ({len(missing)} of the "
+                          f"{len(keys)} keys of blocks {blocks} missing)")  # fmt: skip
+    for k in keys:
+        if tuple(weights.state[k].shape) != tuple(own[k].shape):
+            raise ConfigError(f"model.init_from: {k!r} has shape {list(weights.state[k].shape)} in "
+                              f"{weights.path}, the model's is {list(own[k].shape)}")  # fmt: skip
+    with torch.no_grad():
+        for k in keys:
+            own[k].copy_(weights.state[k].to(dtype=own[k].dtype))
+    return keys
+
+
+def save_model(model: torch.nn.Module, out: Path, architecture: str | None, input_shape: tuple[int, ...],
+               num_classes: int, source: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """`out/model.pt` in the format `load_weights` (and `pflbed.load_model`) read."""
+    blob: dict[str, Any] = {"state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                            "architecture": architecture, "input_shape": list(input_shape),
+                            "num_classes": int(num_classes)}  # fmt: skip
+    if source is not None:
+        blob["source"] = source
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(blob, out / MODEL_FILE)
+    return out / MODEL_FILE
