@@ -41,11 +41,13 @@ Interpretations and deviations (everything the slides leave open):
    - `local`: θ*_m, ψ*_m, the client's locally updated body and generic head of its last participated round —
      Algorithm 1's client output {θ*_m, ψ*_m, φ*_m}. The client keeps them in its state (`local.` + the model's
      state-dict keys, BatchNorm statistics included), so the state is a whole model per client (memory, and
-     checkpoint size, grow by clients × model size), and evaluation runs every trained client's own body over its
-     test and validation samples (no features shared between clients; with `eval.pfl_test: global` that is one
-     forward of the global test set per client instead of one in all). A client never sampled has no local body
-     and uses θ̄, ψ̄ (with φ = 0: the generic model). Training, the replies, the server and G-FL are the same
-     under both options; only the P-FL model differs.
+     checkpoint size, grow by clients × model size; under Flower a state travels with the client's task both
+     ways, or with `executor.state_dir` from its node to the server to be evaluated once after each time it
+     trains — traffic outside the communication figures, which count payloads and replies), and evaluation runs
+     every trained client's own body over its test and validation samples (no features shared between clients;
+     with `eval.pfl_test: global` that is one forward of the global test set per client instead of one in all).
+     A client never sampled has no local body and uses θ̄, ψ̄ (with φ = 0: the generic model). Training, the
+     replies, the server and G-FL are the same under both options; only the P-FL model differs.
 9. New clients: `zero_shot` = the generic model (= ŷ_P with φ = 0). `personalize`: "lp" trains h_P (from zeros)
    with the P-loss on frozen f and h_G (features computed once, in eval mode); "ft" trains θ, ψ and φ together
    with plain CE on ŷ_P = h_G(z) + h_P(z) without stop-gradients — a new client minimises its own empirical risk,
