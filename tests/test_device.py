@@ -35,8 +35,8 @@ EVAL = {**TINY["eval"], "finetune": ["ft", "lp"], "new_clients": {"epochs": 1, "
 
 # Every algorithm with its defaults, plus options that take code paths the defaults do not (BatchNorm statistics
 # tracked into FedBasis' bases, its joint update, random mask growth, KT-pFL's official variant and its homogeneous
-# form, TopK without self, subsampled class-weighted evaluation, the PFLBED protocol on transform domains):
-# (id, algorithm options, other config sections).
+# form, TopK without self, subsampled class-weighted evaluation, the PFLBED protocol on transform domains, FedRoD's
+# P-FL on each client's own body): (id, algorithm options, other config sections).
 CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
     (
         "fedbasis-bn",
@@ -50,6 +50,7 @@ CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
     ("topk_pfl-others", {"name": "topk_pfl", "include_self": False, "k": 2}, {}),
     ("fedavg-global-test", {"name": "fedavg"}, {"eval": {**EVAL, "pfl_test": "global", "test_subsample": 5}}),
     ("fedrod-pflbed", {"name": "fedrod"}, {"dataset": {"name": "digits-rot4"}, "federation": PFLBED}),
+    ("fedrod-local-body", {"name": "fedrod", "pfl_body": "local"}, {"eval": {**EVAL, "pfl_test": "global"}}),
 ]
 
 

@@ -21,7 +21,7 @@ from pflbed.engine.loop import prepare
 from pflbed.evaluation.evaluate import last
 from pflbed.models import MODELS, BlockNet, build_model
 
-from .tiny import TINY
+from .tiny import TINY, same_tensors
 
 WITH_NEW = {  # label skew Dir(0.3), as in the slides' setups
     **TINY,
@@ -365,3 +365,125 @@ def test_cached_body_features_are_keyed_by_the_server_state():
     data = algo.ctx.client_data(c)
     lp = [last(algo.personalize(s, data, Budget("lp", 1, 0.1, 16), torch.Generator().manual_seed(0))) for s in (s1, s2)]
     _assert_cached_predictions_are_each_models_own(personal + lp, algo.ctx.source)
+
+
+# --- `pfl_body` (deviation 8): the P-FL model on the server's body or on the client's own ------------------------
+LOCAL_BODIES = {  # label skew; 3 rounds of 3 of the 6 clients: some sampled twice, one last in round 2, two never
+    **TINY,
+    "federation": {**TINY["federation"], "alpha": 0.3},
+    "train": {**TINY["train"], "rounds": 3},
+}
+
+
+def run_recording_replies(monkeypatch, cfg):
+    """A run, and every reply the server took in, by (round, client): θ*_m, ψ*_m as the client uploaded them."""
+    from pflbed.algorithms.fedrod import FedRoD
+
+    replies, make = {}, FedRoD.aggregator
+
+    def aggregator(self, rnd, server, weights):
+        agg = make(self, rnd, server, weights)
+        add = agg.add
+
+        def recording_add(cid, reply):
+            replies[(rnd, cid)] = {k: v.clone() for k, v in reply.items()}
+            add(cid, reply)
+
+        agg.add = recording_add
+        return agg
+
+    monkeypatch.setattr(FedRoD, "aggregator", aggregator)
+    return pflbed.run(cfg, write=False, progress=False), replies
+
+
+def last_rounds(replies, fed, rounds):
+    """Each participated client's last round with a reply (None: never sampled); checks the run has every case."""
+    last = {c: max((r for r, cc in replies if cc == c), default=None) for c in fed.participated}
+    assert None in last.values()  # a client never sampled
+    assert any(r is not None and r < rounds for r in last.values())  # one whose body is older than the server's
+    assert any(sum(cc == c for _, cc in replies) > 1 for c in fed.participated)  # one sampled more than once
+    return last
+
+
+def additive_logits(algo, body, weight, bias, x):
+    """ŷ_P by hand: a fresh model with `body` loaded, h_G(f(x)) + W·f(x) + b, in eval mode."""
+    net = algo.ctx.new_model()
+    load_params(net, {k: body[k] for k in algo.ctx.model.state_dict()})
+    net.eval()
+    with torch.no_grad():
+        z = net.features(x)
+        return net.classify(z) + F.linear(z.flatten(1), weight, bias)
+
+
+def test_local_pfl_body_is_the_clients_own_body_of_its_last_round(monkeypatch):
+    """`pfl_body: local`: client m's P-FL predictor is f, h_G = θ*_m, ψ*_m it uploaded in its last participated
+    round (not θ̄, ψ̄, not another client's, not an older round's) + its φ*_m; a client never sampled gets θ̄, ψ̄
+    with φ = 0, i.e. the generic model. Each reference is computed directly, and shown to differ from the others."""
+    cfg = {**LOCAL_BODIES, "algorithm": {"name": "fedrod", "pfl_body": "local"}}
+    res, replies = run_recording_replies(monkeypatch, cfg)
+    algo, server = res.executor.algo, res.server
+    last = last_rounds(replies, algo.ctx.federation, LOCAL_BODIES["train"]["rounds"])
+    model_keys = set(algo.ctx.model.state_dict())
+    x = algo.ctx.source.test.x[:300]
+    trained = [c for c, r in last.items() if r is not None]
+    for c, r in last.items():
+        state = res.executor.state(c)
+        got = algo.personal_model(server, state)
+        assert got.feature_key is None or r is None  # a client's own body shares no cached features
+        if r is None:
+            assert set(state) == {"personal.weight", "personal.bias"}
+            assert torch.equal(got.logits(x), algo.generic_model(server).logits(x))
+            continue
+        assert set(state) == {"personal.weight", "personal.bias"} | {"local." + k for k in model_keys}
+        w, b = state["personal.weight"], state["personal.bias"]
+        expected = additive_logits(algo, replies[(r, c)], w, b, x)
+        assert torch.allclose(got.logits(x), expected, atol=1e-5), c
+        # the alternatives the rule excludes give other predictions here
+        other = next(o for o in trained if o != c)
+        wrong = [server, replies[(last[other], other)]] + [v for (rr, cc), v in replies.items() if cc == c and rr != r]
+        for body in wrong:
+            assert not torch.allclose(additive_logits(algo, body, w, b, x), expected, atol=1e-3), c
+
+
+def test_pfl_body_changes_the_pfl_model_only():
+    """Training, the server, G-FL, the personal heads and the new-client results are the same under both options
+    (the replies are); `server` keeps φ_m alone in the state and scores it on θ̄, ψ̄, `local` differs in P-FL."""
+    cfg = {**WITH_NEW, "train": {**WITH_NEW["train"], "rounds": 3}}
+    runs = {body: pflbed.run({**cfg, "algorithm": {"name": "fedrod", "pfl_body": body}}, write=False, progress=False)
+            for body in ("server", "local")}  # fmt: skip
+    on_server, on_local = runs["server"], runs["local"]
+    assert same_tensors(on_server.server, on_local.server)
+    assert [h["gfl_acc"] for h in on_server.history] == [h["gfl_acc"] for h in on_local.history]
+    assert on_server.summary["new_clients"] == on_local.summary["new_clients"]
+    assert on_server.summary["communication"] == on_local.summary["communication"]
+    algo = on_server.executor.algo
+    for c, s in on_server.executor.states.items():
+        assert set(s) == {"personal.weight", "personal.bias"}
+        assert all(torch.equal(s[k], on_local.executor.states[c][k]) for k in s)
+        assert algo.personal_model(on_server.server, s).feature_key == ("fedrod-body", id(on_server.server))
+    assert on_server.summary["final"]["pfl_acc"] != on_local.summary["final"]["pfl_acc"]
+
+
+@pytest.mark.parametrize("pfl_test", ["local", "global"])
+def test_local_bodies_are_scored_each_on_its_own_features(pfl_test):
+    """The evaluation (one prediction cache for all clients; the global test set is the same for every client) must
+    give each client the score of its own model, computed alone with a fresh cache: no body features shared
+    between clients with `pfl_body: local`. Test and validation, per client and averaged."""
+    from pflbed.evaluation.evaluate import Predictions, client_score, evaluate
+
+    cfg = {**LOCAL_BODIES, "eval": {**TINY["eval"], "pfl_test": pfl_test},
+           "algorithm": {"name": "fedrod", "pfl_body": "local"}}  # fmt: skip
+    res = pflbed.run(cfg, write=False, progress=False)
+    algo, ctx = res.executor.algo, res.executor.algo.ctx
+    scores, per_client = evaluate(algo, res.server, res.executor.state)
+
+    def alone(c, which):
+        pred = algo.personal_model(res.server, res.executor.state(c))
+        return client_score(pred, c, ctx, Predictions(ctx.source, 1024), which)
+
+    test = {c: alone(c, "test") for c in ctx.federation.participated}
+    val = [alone(c, "val") for c in ctx.federation.participated]
+    assert per_client == test
+    assert scores["pfl_acc"] == pytest.approx(sum(test.values()) / len(test), abs=1e-9)
+    assert scores["pfl_val"] == pytest.approx(sum(v for v in val if v == v) / len(val), abs=1e-9)
+    assert res.summary["final"]["pfl_acc"] == scores["pfl_acc"]

@@ -253,3 +253,69 @@ def test_hypernetwork_takes_a_class_distribution_of_any_float_dtype():
     w32, b32 = hyper(a)
     w64, b64 = hyper(a.double())
     assert w64.dtype == torch.float32 and torch.equal(w64, w32) and torch.equal(b64, b32)
+
+
+def test_local_pfl_body_is_the_clients_own_body_with_the_generated_head(monkeypatch):
+    """`pfl_body: local` (note 7): client m's P-FL predictor is θ*_m, ψ*_m it uploaded in its last participated
+    round (not θ̄, ψ̄, not another client's, not an older round's) with h_P = H(a_m; ν̄) of the final server — the
+    option changes the body only; a client never sampled gets θ̄, ψ̄ and H(a_m; ν̄). The state is a_m plus that
+    body. References computed directly (H's forward by hand)."""
+    from .test_fedrod import LOCAL_BODIES, additive_logits, last_rounds, run_recording_replies
+
+    cfg = {**LOCAL_BODIES, "algorithm": {"name": "fedrod_hyper", "hidden": 8, "pfl_body": "local"}}
+    res, replies = run_recording_replies(monkeypatch, cfg)
+    algo, server = res.executor.algo, res.server
+    last = last_rounds(replies, algo.ctx.federation, LOCAL_BODIES["train"]["rounds"])
+    model_keys = set(algo.ctx.model.state_dict())
+    assert server["hyper.fc2.weight"].abs().sum() > 0  # ν̄ generates non-zero heads
+    x = algo.ctx.source.test.x[:300]
+    n, d = algo.ctx.source.num_classes, algo.head.in_features
+    trained = [c for c, r in last.items() if r is not None]
+    for c, r in last.items():
+        state = res.executor.state(c)
+        a = state["prior"].float()
+        h = (server["hyper.fc1.weight"] @ a + server["hyper.fc1.bias"]).clamp_min(0)
+        out = server["hyper.fc2.weight"] @ h + server["hyper.fc2.bias"]
+        w, b = out[: n * d].view(n, d), out[n * d :]
+        got = algo.personal_model(server, state).logits(x)
+        if r is None:
+            assert set(state) == {"prior"}
+            assert torch.allclose(got, additive_logits(algo, server, w, b, x), atol=1e-5)
+            continue
+        assert set(state) == {"prior"} | {"local." + k for k in model_keys}
+        expected = additive_logits(algo, replies[(r, c)], w, b, x)
+        assert torch.allclose(got, expected, atol=1e-5), c
+        other = next(o for o in trained if o != c)
+        wrong = [server, replies[(last[other], other)]] + [v for (rr, cc), v in replies.items() if cc == c and rr != r]
+        for body in wrong:
+            assert not torch.allclose(additive_logits(algo, body, w, b, x), expected, atol=1e-3), c
+
+
+def test_local_bodies_are_scored_each_on_its_own_features_hyper():
+    """As for the linear variant: one evaluation cache for all clients gives each client its own model's scores
+    on the global test set (shared by all clients) with `pfl_body: local`."""
+    from pflbed.evaluation.evaluate import Predictions, client_score, evaluate
+
+    from .test_fedrod import LOCAL_BODIES
+
+    cfg = {**LOCAL_BODIES, "eval": {**TINY["eval"], "pfl_test": "global"},
+           "algorithm": {"name": "fedrod_hyper", "hidden": 8, "pfl_body": "local"}}  # fmt: skip
+    res = pflbed.run(cfg, write=False, progress=False)
+    algo, ctx = res.executor.algo, res.executor.algo.ctx
+    _, per_client = evaluate(algo, res.server, res.executor.state)
+    alone = {c: client_score(algo.personal_model(res.server, res.executor.state(c)), c, ctx,
+                             Predictions(ctx.source, 1024), "test") for c in ctx.federation.participated}  # fmt: skip
+    assert per_client == alone
+
+
+def test_pfl_body_server_keeps_the_prior_alone_and_training_is_the_same():
+    """Default `server`: the state is a_m alone, trained or not; the server is the same under both options (the
+    replies are)."""
+    cfg = {**TINY, "train": {**TINY["train"], "rounds": 2}}
+    runs = {body: pflbed.run({**cfg, "algorithm": {"name": "fedrod_hyper", "hidden": 8, "pfl_body": body}},
+                             write=False, progress=False) for body in ("server", "local")}  # fmt: skip
+    assert all(set(s) == {"prior"} for s in runs["server"].executor.states.values())
+    assert any(len(s) > 1 for s in runs["local"].executor.states.values())
+    a, b = runs["server"].server, runs["local"].server
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert runs["server"].summary["final"]["gfl_acc"] == runs["local"].summary["final"]["gfl_acc"]

@@ -4,11 +4,10 @@ that restarts continues its clients, a late reply's state is not used, and a res
 import pytest
 import torch
 
-from pflbed.algorithms import ALGORITHMS
 from pflbed.engine.loop import run
 from pflbed.federation import sample_clients
 
-from .tiny import figures, parity_config, same_tensors
+from .tiny import PARITY_CASES, figures, parity_config, same_tensors
 
 flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it
 
@@ -28,7 +27,7 @@ def _loop(name, **train):
     return run(parity_config(name, {"threads": 1}, **train), write=False, progress=False)
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@pytest.mark.parametrize("name", PARITY_CASES)
 def test_states_on_nodes_equal_loop_and_are_on_disk(name, tmp_path):
     """Same summary and server state as `loop`; the states are files on the nodes, equal to the loop's."""
     torch.set_num_threads(1)

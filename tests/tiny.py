@@ -24,6 +24,15 @@ FED = {**TINY["federation"], "public": 64}
 LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 
 
+# Non-default options that change what crosses the executors (a client state holding a whole model): the parity
+# tests run these beside every algorithm's defaults. Case name → (algorithm, options).
+VARIANTS = {
+    "fedrod+local-body": ("fedrod", {"pfl_body": "local"}),
+    "fedrod_hyper+local-body": ("fedrod_hyper", {"pfl_body": "local"}),
+}
+PARITY_CASES = sorted(ALGORITHMS) + sorted(VARIANTS)
+
+
 def figures(summary):
     """A summary's results: everything but timing and provenance."""
     return {k: v for k, v in summary.items() if k not in ("timing", "provenance")}
@@ -34,9 +43,10 @@ def same_tensors(a, b):
 
 
 def parity_config(name, executor, **train):
-    """TINY for algorithm `name` on `executor` (with FED's public data and LIGHT's options where they apply), with
-    `train` overrides: the config of the executor parity tests."""
+    """TINY for algorithm `name` (or a case of VARIANTS) on `executor` (with FED's public data and LIGHT's options
+    where they apply), with `train` overrides: the config of the executor parity tests."""
+    name, options = VARIANTS.get(name, (name, {}))
     fields = ALGORITHMS[name].Config.model_fields
-    algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}}
+    algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}, **options}
     return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
                             "executor": executor})  # fmt: skip

@@ -34,23 +34,35 @@ Interpretations and deviations (everything the slides leave open):
 7. The whole model state dict is uploaded and averaged (Eq. 10 names θ and ψ only): BatchNorm statistics, if a
    model has any, are treated as part of θ and averaged like FedAvg does (integer batch counters take the max).
    They are updated by the only forward through f, the one of the BSM loss.
-8. P-FL model of client m: θ̄, ψ̄ (the current server model) + the client's own φ*_m. Algorithm 1 lists the
-   client's local θ*_m, ψ*_m as its output too; pflbed evaluates the global body (the contract's
-   `personal_model(server, state)`, no per-client copy of the whole model), which is what a client holds at the
-   start of its next round.
+8. P-FL model of client m (option `pfl_body`): the client's own φ*_m on a body f, h_G that is
+   - `server` (default): θ̄, ψ̄, the current server model — what the client holds at the start of its next round.
+     One body for every client: evaluation computes its features once and runs only the heads per client, and
+     the client state is φ_m alone.
+   - `local`: θ*_m, ψ*_m, the client's locally updated body and generic head of its last participated round —
+     Algorithm 1's client output {θ*_m, ψ*_m, φ*_m}. The client keeps them in its state (`local.` + the model's
+     state-dict keys, BatchNorm statistics included), so the state is a whole model per client (memory, and
+     checkpoint size, grow by clients × model size; under Flower a state travels with the client's task both
+     ways, or with `executor.state_dir` from its node to the server to be evaluated once after each time it
+     trains — traffic outside the communication figures, which count payloads and replies), and evaluation runs
+     every trained client's own body over its test and validation samples (no features shared between clients;
+     with `eval.pfl_test: global` that is one forward of the global test set per client instead of one in all).
+     A client never sampled has no local body and uses θ̄, ψ̄ (with φ = 0: the generic model). Training, the
+     replies, the server and G-FL are the same under both options; only the P-FL model differs.
 9. New clients: `zero_shot` = the generic model (= ŷ_P with φ = 0). `personalize`: "lp" trains h_P (from zeros)
    with the P-loss on frozen f and h_G (features computed once, in eval mode); "ft" trains θ, ψ and φ together
    with plain CE on ŷ_P = h_G(z) + h_P(z) without stop-gradients — a new client minimises its own empirical risk,
    the objective of its personal model; the balanced risk is a federation-level objective. Both use the budget's
    lr and momentum and no weight decay, like the library's default personalization. `eval.finetune` (FedRoD+FT/LP
    of participated clients) goes through the same `personalize`, which sees no client state: it also starts from
-   φ = 0, not from the client's trained φ*_m.
+   φ = 0, not from the client's trained φ*_m, and from θ̄, ψ̄ under `pfl_body: local` too (a new client has no
+   local body).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +76,7 @@ from pflbed.models import BlockNet
 
 COUNT_FLOOR = 1e-12  # zero class counts are floored here before the log (deviation 3)
 NET, PERSONAL = "net.", "personal."  # state-dict prefixes of the additive predictor's two parts
+LOCAL = "local."  # client-state prefix of the client's own θ*_m, ψ*_m (`pfl_body: local`, deviation 8)
 
 
 # --- shared pieces (also used by fedrod_hyper) ---------------------------------------------------------------------
@@ -230,6 +243,14 @@ class FedRoDOptions(BaseModel):
 
     gamma: float = Field(1.0, ge=0, description="exponent γ of the class counts in the balanced-softmax loss")
     personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal head (default: train.lr)")
+    pfl_body: Literal["server", "local"] = Field(
+        "server",
+        description="body f, h_G of the P-FL model. server: θ̄, ψ̄ of the server, shared by all clients (features "
+        "computed once per evaluation). local: the client's own θ*_m, ψ*_m from its last participated round "
+        "(Algorithm 1's client output), kept in the client state — a whole model per client in memory and in "
+        "checkpoints, and one body forward per client at evaluation; clients never sampled use θ̄, ψ̄. Training, "
+        "G-FL and new clients are the same under both",
+    )
 
 
 class FedRoD(Algorithm):
@@ -258,14 +279,31 @@ class FedRoD(Algorithm):
     def zero_head(self) -> Tensors:
         return {k: torch.zeros_like(v) for k, v in self.head.state_dict().items()}
 
-    def additive(self, server: Tensors, head: Tensors) -> Predictor:
-        """θ̄, ψ̄ + a personal head (keys `weight`, `bias`) as one predictor.
+    def additive(self, server: Tensors, head: Tensors, body: Tensors | None = None) -> Predictor:
+        """A body f, h_G + a personal head (keys `weight`, `bias`) as one predictor; the body is θ̄, ψ̄ of `server`
+        unless a client's own `body` (model state-dict keys) is given.
 
-        Every client's body is the server's f, so evaluation computes its features once (`feature_key`) and runs
-        only h_G + h_P per client.
+        The server's body is every client's, so evaluation computes its features once (`feature_key`) and runs
+        only h_G + h_P per client. A client's own body is no one else's: no feature key, its own forward.
         """
+        if body is not None:
+            return Predictor(self.predictor, {**prefixed(NET, body), **prefixed(PERSONAL, head)})
         params = {**prefixed(NET, self.model_params(server)), **prefixed(PERSONAL, head)}
         return Predictor(self.predictor, params, feature_key=("fedrod-body", id(server)))
+
+    def local_body(self, reply: Tensors) -> Tensors:
+        """What a client keeps of its upload: θ*_m, ψ*_m (copies, under `local.`) with `pfl_body: local`, else
+        nothing."""
+        if self.opts.pfl_body != "local":
+            return {}
+        return {LOCAL + k: reply[k].clone() for k in self.model_keys}
+
+    def personal_body(self, state: Tensors) -> Tensors | None:
+        """The body of client m's P-FL model if it is not the server's: θ*_m, ψ*_m from the client's state with
+        `pfl_body: local` once it has been sampled; None (the server's θ̄, ψ̄) otherwise."""
+        if self.opts.pfl_body != "local" or LOCAL + self.model_keys[0] not in state:
+            return None
+        return {k: state[LOCAL + k] for k in self.model_keys}
 
     # --- federation ------------------------------------------------------------------------------------------
     def init_server(self) -> Tensors:
@@ -285,7 +323,8 @@ class FedRoD(Algorithm):
         load_params(self.head, unprefixed(PERSONAL, state))
         decoupled_epochs(net, self.head, self.head.parameters(), data, self.ctx.cfg.train, gamma=self.opts.gamma,
                          personal_lr=self.personal_lr, generator=cctx.generator)  # fmt: skip
-        return get_params(net), prefixed(PERSONAL, get_params(self.head))
+        reply = get_params(net)
+        return reply, {**prefixed(PERSONAL, get_params(self.head)), **self.local_body(reply)}
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
         return WeightedMean(weights)  # Eq. 10
@@ -295,7 +334,7 @@ class FedRoD(Algorithm):
         return Predictor(self.ctx.model, self.model_params(server))
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        return self.additive(server, unprefixed(PERSONAL, state))
+        return self.additive(server, unprefixed(PERSONAL, state), self.personal_body(state))  # deviation 8
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
         return self.generic_model(server)  # ŷ_P with h_P at its (zero) initialisation

@@ -3,8 +3,9 @@ Classification", ICLR 2022: adaptive personalized predictors via a hypernetwork 
 "Adaptive Personalized Predictors Via Hypernetworks" and "Algorithm Modification").
 
 Everything generic is FedRoD (linear) — see `fedrod.py` for the balanced-softmax loss, Eq. 7, Eq. 8 and Eq. 10
-and its interpretations 1–3 and 5–7, which hold here unchanged. The personal head is no longer a free parameter
-per client but generated from the client's class distribution a_m:
+and its interpretations 1–3 and 5–7, which hold here unchanged; its option `pfl_body` (interpretation 8) chooses
+the P-FL model's body here too (note 7). The personal head is no longer a free parameter per client but generated
+from the client's class distribution a_m:
 
 - φ_m = H^P(a_m; ν), H^P a hypernetwork of two FC layers with parameters ν;
   ŷ_P = h_G(z; ψ) + h_P(z; H^P(a_m; ν)).
@@ -30,10 +31,13 @@ Interpretations and deviations:
    lr 0.01 the generated heads *lowered* P-FL below the generic model's (78.2 vs 81.2 with a zero head), with
    0.002 / 0.0005 they raised it (83.2 / 83.0, validation 83.9 at 0.0005). The slides give no lr.
 5. ν is uploaded with θ and ψ and averaged with weights |D_m|; the reply is the model state dict plus `hyper.*`.
-6. Nothing learned is kept per client. The client state holds only a_m (a constant the client knows, never
-   uploaded), because `personal_model(server, state)` has no other way to know whose head to generate.
-7. P-FL model of client m: θ̄, ψ̄ and h_P = H^P(a_m; ν̄) with the aggregated ν̄ (not the client's last local
-   ν*_m), i.e. what the client would generate after the latest aggregation.
+6. Nothing learned is kept per client (with the default `pfl_body: server`). The client state holds a_m (a
+   constant the client knows, never uploaded), because `personal_model(server, state)` has no other way to know
+   whose head to generate; with `pfl_body: local` also the client's θ*_m, ψ*_m of its last participated round.
+7. P-FL model of client m: h_P = H^P(a_m; ν̄) with the aggregated ν̄ (not the client's last local ν*_m), i.e.
+   what the client would generate after the latest aggregation, on the body f, h_G that `pfl_body` names: θ̄, ψ̄
+   (`server`), or the client's own θ*_m, ψ*_m (`local`; θ̄, ψ̄ while it has never been sampled). The option
+   chooses the body only: the generated head is H^P(a_m; ν̄) under both.
 8. New clients: `zero_shot` = θ̄, ψ̄, H^P(a_new; ν̄) with no training. `personalize` starts from that generated
    head and trains the head's weight and bias directly ("lp": P-loss on frozen, cached features; "ft": θ, ψ and
    the head with plain CE on ŷ_P, as in the linear variant). ν itself is never adapted by a new client.
@@ -133,13 +137,14 @@ class FedRoDHyper(FedRoD):
         hyper_lr = self.opts.hyper_lr if self.opts.hyper_lr is not None else self.personal_lr / 10
         decoupled_epochs(net, head, hyper.parameters(), data, self.ctx.cfg.train, gamma=self.opts.gamma,
                          personal_lr=hyper_lr, generator=cctx.generator)  # fmt: skip
-        return {**get_params(net), **prefixed(HYPER, get_params(hyper))}, state
+        reply = {**get_params(net), **prefixed(HYPER, get_params(hyper))}
+        return reply, {**state, **self.local_body(reply)} if self.opts.pfl_body == "local" else state
 
     # aggregate: FedRoD's weighted mean over every uploaded key, ν included (modified Eq. 10)
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        return self.additive(server, self.generate(server, state["prior"]))
+        return self.additive(server, self.generate(server, state["prior"]), self.personal_body(state))  # note 7
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
         return self.additive(server, self.generate(server, data.prior))
