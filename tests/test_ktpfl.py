@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pflbed
+from pflbed import rng
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms import get_algorithm, ktpfl
 from pflbed.config import validate_config
@@ -145,13 +146,18 @@ def data_weights(algo) -> torch.Tensor:
 def test_heterogeneous_end_to_end_strict_learns_and_sends_predictions_not_parameters(tmp_path):
     """A full strict run, checked against references: the last round's c step and targets recomputed from the
     clients' final models and the c of a (R − 1)-round run of the same seed (exact up to float32 uploads), and the
-    P-FL accuracy against the no-transfer Local control (measured 0.467 vs 0.365: distillation must add ≥ 0.05)."""
+    P-FL accuracy against untrained models (0.093) and the no-transfer Local control (0.365; KT-pFL 0.373).
+
+    On this tiny config the transfer itself adds little: the models move by ~1e-3 in a distillation (4 steps at
+    T = 10). The 0.467 measured here before the paper preset scored after distillation came from the batch order of
+    local training (the distillation drew from the client's round stream first): with distill_lr 1e-12 that path
+    scored the same 0.467, and on seeds 1 and 2 it was 0.02 below / level with Local."""
     res = pflbed.run(CFG, write=False)
     algo = res.executor.algo
     assert {algo.arch_of(c) for c in range(4)} == {"lenet5", "mlp"}
     assert [algo.arch_of(c) for c in range(4)] == ["lenet5", "lenet5", "mlp", "mlp"]  # contiguous blocks
     f = res.summary["final"]
-    assert f["pfl_acc"] > local_reference_pfl() + 0.05 and f["gfl_acc"] is None
+    assert f["pfl_acc"] > 0.25 and f["pfl_acc"] > local_reference_pfl() - 0.02 and f["gfl_acc"] is None
     comm = res.summary["communication"]
     pred_bytes = 4 * 100 * 10 * 4  # 4 clients × 100 public samples × 10 classes × float32
     assert comm["up_bytes_per_round"] == pred_bytes
@@ -377,11 +383,22 @@ def test_presets_resolve_to_the_documented_table():
             paper.epoch_ramp, paper.kl_reduction, paper.update_then_target) == (
         10.0, 0.7, "kl", "sum", "fixed", "simplex", "train_first", False, "batchmean", False)  # fmt: skip
     assert (paper.lam, paper.c_lr, paper.distill_epochs, paper.distill_lr) == (1.0, 0.01, 1, None)
+    assert (paper.distill_momentum, paper.score) == ("train", "after_distill")  # Alg. 1
     off = _algo(preset="official").opts
     assert (off.temperature, off.rho, off.c_grad, off.c_kl, off.c_step, off.c_normalize, off.order,
             off.epoch_ramp, off.kl_reduction, off.update_then_target) == (
         10.0, 0.7, "mse", "mean", "power5", "softmax5", "distill_first", True, "mean", True)  # fmt: skip
+    assert (off.distill_momentum, off.score) == (0.0, "after_local")
     assert _algo(preset="official", rho=0.1, order="train_first").opts.rho == 0.1
+    assert _algo(preset="official", distill_momentum="train").opts.distill_momentum == "train"
+    pinned = _algo(distill_momentum=0, score="after_local").opts  # the behaviour before Alg. 1's, explicitly
+    assert (pinned.distill_momentum, pinned.score) == (0.0, "after_local")
+    for name in ("fedmd", "sim_pfl", "topk_pfl"):  # the baselines keep the earlier behaviour by default
+        opts = get_algorithm(name).Config()
+        assert (opts.distill_momentum, opts.score) == (0.0, "after_local")
+    for bad in ({"distill_momentum": -0.1}, {"distill_momentum": "local"}, {"score": "after_training"}):
+        with pytest.raises(ConfigError):
+            _algo(**bad)
     defaults = get_algorithm("ktpfl").Config()
     assert (defaults.public_batch, defaults.distill_batch_size, defaults.architectures) == (
         5000, 256, ["lenet5", "alexnet_small", "resnet18", "shufflenetv2"])  # fmt: skip
@@ -491,25 +508,44 @@ def _payload(algo, batch_round: int) -> dict[str, torch.Tensor]:
     return {"targets": _probs(100, 10, seed=9).float(), "batch_round": torch.tensor(batch_round)}
 
 
-@pytest.mark.parametrize(("order", "steps"), [("train_first", None), ("distill_first", 3)])
-def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order, steps):
-    """Client n in round r: (1) distil towards t_n on ξ_{r'} (r' = batch_round; lr η2 = distill_lr, T, reduction;
-    R passes or exactly `distill_steps` mini-batches), (2) local CE training with train.* (momentum and weight
-    decay included), (3) reply s_n = softmax(z/T) on ξ_r; the state is the model after all three."""
+def _keyed_distill(algo, model, cid: int, targets, batch_round: int, momentum: float) -> None:
+    """The reference of `score = after_distill`'s distillation: Eq. 6 by `kd.distill` (hand-checked above) with
+    `momentum`, its batch order and torch's global RNG (dropout) seeded from (seed, DISTILL_STREAM, batch round,
+    client) alone, the global RNG restored afterwards."""
+    o, keys = algo.opts, (algo.ctx.seed, ktpfl.DISTILL_STREAM, batch_round, cid)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng.derive_seed(*keys))
+        kd.distill(model, algo._public_x(batch_round), targets, epochs=o.distill_epochs, steps=o.distill_steps,
+                   batch_size=o.distill_batch_size, lr=o.distill_lr or algo.ctx.cfg.train.lr,
+                   temperature=o.temperature, generator=rng.generator(*keys), reduction=o.kl_reduction,
+                   momentum=momentum)  # fmt: skip
+
+
+@pytest.mark.parametrize(("order", "steps", "score"),
+                         [("train_first", None, "after_distill"), ("distill_first", 3, "after_local")])
+def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order, steps, score):
+    """Client n in round r: (1) distil towards t_n on ξ_{r'} (r' = batch_round; lr η2 = distill_lr, T, reduction,
+    the local optimizer's momentum; R passes or exactly `distill_steps` mini-batches), (2) local CE training with
+    train.* (momentum and weight decay included), (3) reply s_n = softmax(z/T) on ξ_r; the state is the model after
+    all three. after_local: (1) draws from the client's round stream and (2) continues it; after_distill: (1) draws
+    from its own (seed, round r', client) stream and (2) starts the round stream afresh."""
     from pflbed.algorithms.base import ClientContext
     from pflbed.algorithms.training import get_params, load_params, local_sgd
 
     train = {**CFG["train"], "momentum": 0.5, "weight_decay": 0.01}
     algo = prepare(validate_config({**CFG, "train": train, "algorithm": {
         **HETERO, "distill_lr": 0.03, "temperature": 4.0, "kl_reduction": "mean", "order": order,
-        "distill_steps": steps}}))  # fmt: skip
+        "distill_steps": steps, "score": score}}))  # fmt: skip
     cid, t = 2, algo.ctx.cfg.train
     state, data, payload = algo.init_client(cid), algo.ctx.client_data(cid), _payload(algo, 1)
     model = algo.models[algo.arch_of(cid)]
     load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
     g = torch.Generator().manual_seed(11)
-    kd.distill(model, algo._public_x(1), payload["targets"], epochs=1, steps=steps, batch_size=32, lr=0.03,
-               temperature=4.0, generator=g, reduction="mean")  # fmt: skip
+    if score == "after_local":
+        kd.distill(model, algo._public_x(1), payload["targets"], epochs=1, steps=steps, batch_size=32, lr=0.03,
+                   temperature=4.0, generator=g, reduction="mean", momentum=0.5)  # fmt: skip
+    else:
+        _keyed_distill(algo, model, cid, payload["targets"], 1, momentum=0.5)
     local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=0.5, weight_decay=0.01,
               generator=g)  # fmt: skip
     s_ref, w_ref = kd.soft_predictions(model, algo._public_x(3), 4.0), get_params(model)
@@ -740,3 +776,191 @@ def test_a_new_client_starts_from_the_uniform_mix_or_from_scratch_on_its_archite
         assert first.model is algo.models[algo.arch_of(c)]
         assert first.params.keys() == fresh.keys() and all(torch.equal(first.params[k], fresh[k]) for k in fresh)
         _same_batches_whatever_the_global_rng(algo, {}, data)
+
+
+# --- Alg. 1: the distillation's optimizer and the model scored ------------------------------------------------------
+def _with_targets(algo, cid: int) -> dict[str, torch.Tensor]:
+    """A server state holding client `cid`'s pending targets of round 1 (what `aggregate` leaves for it)."""
+    return {"W": algo.init_server()["W"], f"t/{cid}": _payload(algo, 1)["targets"], f"r/{cid}": torch.tensor(1)}
+
+
+def _weights(state) -> dict[str, torch.Tensor]:
+    return {k[2:]: v for k, v in state.items() if k.startswith("w/")}
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("preset", "option", "expected"), [
+    ("paper", None, 0.5), ("paper", 0, 0.0), ("paper", 0.2, 0.2),
+    ("official", None, 0.0), ("official", "train", 0.5)])  # fmt: skip
+def test_distillation_momentum_is_the_local_optimizers_in_the_paper_preset(preset, option, expected):
+    """paper: the distillation runs with train.momentum (the optimizer settings of local training: the authors'
+    code uses one plain SGD for both phases); official (this library's earlier behaviour): 0; a number sets it,
+    `train` asks for train.momentum in either preset. Checked on the distilled model (4 mini-batches, so momentum
+    shows) against the reference with the expected momentum, and not equal to the one with the other momentum."""
+    from pflbed.algorithms.training import get_params, load_params
+
+    opts = {"preset": preset, "score": "after_distill", **({} if option is None else {"distill_momentum": option})}
+    train = {**CFG["train"], "momentum": 0.5}
+    algo = prepare(validate_config({**CFG, "train": train, "algorithm": {**HETERO, **opts}}))
+    cid = 1
+    state, server = algo.init_client(cid), _with_targets(algo, cid)
+    got = algo.personal_model(server, state).params
+
+    def reference(momentum: float) -> dict[str, torch.Tensor]:
+        model = algo.models[algo.arch_of(cid)]
+        load_params(model, _weights(state))
+        _keyed_distill(algo, model, cid, server[f"t/{cid}"], 1, momentum)
+        return get_params(model)
+
+    assert _same(got, reference(expected))
+    assert not _same(got, reference(0.5 if expected == 0.0 else 0.0))
+
+
+def test_paper_scores_each_client_after_distilling_towards_its_last_targets_the_final_round_included():
+    """Alg. 1 returns the model after the distillation. A 3-round run (momentum 0.5): every client's state is its
+    model after round 3's local training, the server holds its targets of round 3 (delivered in a round 4 that
+    never comes); the scored personal model is that state distilled towards them on ξ_3 with momentum 0.5
+    (reference), and the run's final P-FL is the accuracy of those reference models, computed here directly."""
+    from pflbed.algorithms.base import Predictor
+    from pflbed.algorithms.training import get_params, load_params
+    from pflbed.evaluation.evaluate import Predictions, client_scores
+
+    res = pflbed.run({**CFG, "train": {**CFG["train"], "rounds": 3, "momentum": 0.5}}, write=False)
+    algo, server = res.executor.algo, res.server
+    refs = {}
+    for c in algo.clients:
+        state = res.executor.state(c)
+        assert int(server[f"r/{c}"]) == 3
+        model = algo.models[algo.arch_of(c)]
+        load_params(model, _weights(state))
+        _keyed_distill(algo, model, c, server[f"t/{c}"].float(), 3, momentum=0.5)
+        refs[c] = get_params(model)
+        assert _same(algo.personal_model(server, state).params, refs[c])
+        assert not _same(_weights(state), refs[c])  # the distillation moved the model
+    preds = {c: Predictor(algo.models[algo.arch_of(c)], refs[c]) for c in algo.clients}
+    test, _ = client_scores(preds, algo.ctx, Predictions(algo.ctx.source, 1024))
+    assert res.summary["final"]["pfl_acc"] == pytest.approx(sum(test.values()) / len(test), abs=1e-12)
+
+
+def test_the_scored_model_is_the_one_the_client_starts_its_next_local_training_from():
+    """score = after_distill: `personal_model` after round R and the client's own distillation at the start of
+    round R + 1 give the same model bit for bit — dropout masks included (an AlexNet client) — and that round's
+    local training then draws the client's round stream (generator and global RNG) as if nothing ran before it."""
+    from pflbed.algorithms.training import get_params, load_params, local_sgd
+    from pflbed.engine.executor import client_generator, update_client
+
+    train = {**CFG["train"], "rounds": 2, "momentum": 0.5}
+    res = pflbed.run({**CFG, "train": train, "algorithm": {**HETERO, "architectures": ["alexnet_small_x025", "mlp"]}},
+                     write=False)  # fmt: skip
+    algo, server, t = res.executor.algo, res.server, res.executor.algo.ctx.cfg.train
+    payloads = algo.configure(3, server, algo.clients)
+    for c in (0, 2):  # an AlexNet (dropout) client and an MLP client
+        state = res.executor.state(c)
+        scored = algo.personal_model(server, state).params
+        _, new = update_client(algo, 3, c, payloads[c], state)
+        model = algo.models[algo.arch_of(c)]
+        load_params(model, scored)
+        torch.manual_seed(rng.derive_seed(algo.ctx.seed, rng.CLIENT, 3, c))
+        gen = client_generator(algo.ctx.seed, 3, c)
+        local_sgd(model, algo.ctx.client_data(c), epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
+                  momentum=0.5, weight_decay=t.weight_decay, generator=gen)  # fmt: skip
+        assert _same(_weights(new), get_params(model))
+
+
+def _old_client_update(self, payload, state, data, cctx):
+    """`KTpFL.client_update` before `score` and `distill_momentum` existed (heterogeneous path), verbatim."""
+    from pflbed.algorithms.training import get_params, load_params, local_sgd
+
+    o, t = self.opts, self.ctx.cfg.train
+    model = self.models[self.arch_of(data.cid)]
+    sgd = dict(batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+               generator=cctx.generator)  # fmt: skip
+    load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
+    if "targets" in payload:
+        kd.distill(model, self._public_x(int(payload["batch_round"])), payload["targets"].float(),
+                   epochs=o.distill_epochs, steps=o.distill_steps, batch_size=o.distill_batch_size,
+                   lr=o.distill_lr or t.lr, temperature=o.temperature, generator=cctx.generator,
+                   reduction=o.kl_reduction)  # fmt: skip
+    if not (o.order == "distill_first" and cctx.rnd == 1):
+        local_sgd(model, data, epochs=self._epochs(cctx.rnd), **sgd)
+    s = kd.soft_predictions(model, self._public_x(cctx.rnd), o.temperature)
+    return {"s": s}, {"cid": state["cid"], **{f"w/{k}": v for k, v in get_params(model).items()}}
+
+
+def _old_personal_model(self, server, state):
+    """`KTpFL.personal_model` before `score` existed (heterogeneous path): the state as it left local training."""
+    from pflbed.algorithms.base import Predictor
+
+    return Predictor(self.models[self.arch_of(int(state["cid"]))], _weights(state))
+
+
+@pytest.mark.parametrize("options", [{"preset": "official"}, {"distill_momentum": 0, "score": "after_local"}])
+def test_official_preset_and_the_pinned_options_reproduce_the_earlier_code_bit_for_bit(options, monkeypatch):
+    """The official preset, and the paper preset with distill_momentum 0 and score after_local (what the benchmark
+    rows run before Alg. 1's scoring pin), give the earlier code's run: same records, server and client states, bit
+    for bit (train.momentum 0.5, so that a distillation momentum would show; evaluated every round)."""
+    from .tiny import figures, same_tensors
+
+    cfg = {**CFG, "train": {**CFG["train"], "rounds": 3, "momentum": 0.5}, "eval": {**CFG["eval"], "every": 1},
+           "algorithm": {**HETERO, **options}}  # fmt: skip
+    new = pflbed.run(cfg, write=False)
+    monkeypatch.setattr(ktpfl.KTpFL, "client_update", _old_client_update)
+    monkeypatch.setattr(ktpfl.KTpFL, "personal_model", _old_personal_model)
+    old = pflbed.run(cfg, write=False)
+    assert figures(new.summary) == figures(old.summary) and len(new.history) == 3
+    assert [h["pfl_acc"] for h in new.history] == [h["pfl_acc"] for h in old.history]
+    assert same_tensors(new.server, old.server)
+    assert all(same_tensors(new.executor.state(c), old.executor.state(c)) for c in new.executor.algo.clients)
+
+
+def test_resume_and_evaluations_leave_a_paper_run_as_it_is(tmp_path):
+    """Partial participation, momentum 0.5, evaluated every round. Rounds 1–2, a checkpoint written and read back,
+    rounds 3–4 by a new algorithm object and executor: the same records and final states, bit for bit, as four
+    rounds straight (the pending targets are server state; nothing else needs keeping). Evaluating only at the end
+    trains the same models: an evaluation's distillations leave the clients and the RNG as they were."""
+    from pflbed.engine.driver import Driver
+    from pflbed.engine.executor import LoopExecutor
+    from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
+
+    from .tiny import same_tensors
+
+    base = {**CFG, "federation": {**FED, "sample_fraction": 0.5}, "train": {**CFG["train"], "momentum": 0.5}}
+
+    def rounds(every: int, server=None, first: int = 1, stop: int = 4, states=None):
+        algo = prepare(validate_config({**base, "eval": {**CFG["eval"], "every": every}}))
+        ex = LoopExecutor(algo)
+        ex.states = dict(states or {})
+        records = []
+        for r in Driver(algo, ex).rounds(algo.init_server() if server is None else server, first):
+            server = r.server
+            records.append(r.record)
+            if r.rnd == stop:
+                break
+        return server, ex.states, records
+
+    straight, states, records = rounds(1)
+    mid, mid_states, early = rounds(1, stop=2)
+    save_checkpoint(tmp_path, 2, mid, mid_states, [], {})
+    saved = load_checkpoint(tmp_path)
+    resumed, resumed_states, late = rounds(1, saved["server"], 3, 4, saved["clients"])
+    assert same_tensors(resumed, straight) and not same_tensors(mid, straight)
+    assert states.keys() == resumed_states.keys() and all(same_tensors(resumed_states[c], states[c]) for c in states)
+    assert early + late == records and all(r is not None for r in records)
+    quiet, quiet_states, _ = rounds(4)
+    assert same_tensors(quiet, straight) and all(same_tensors(quiet_states[c], states[c]) for c in states)
+
+
+@pytest.mark.parametrize("options", [{"score": "after_local"}, {"distill_momentum": 0.9}, {"preset": "official"}])
+def test_homogeneous_personal_model_is_the_c_mix_whatever_score_and_distill_momentum(options):
+    """Homogeneous KT-pFL has no distillation step: its personal model is already the post-transfer model
+    Σ_m W[n, m]·w_m with the latest W (what the client starts its next round from), in either preset; `score` and
+    `distill_momentum` change nothing."""
+    algo = _algo(homogeneous=True, **options)
+    init = algo.ctx.initial_params
+    server = {"W": _rows(4, 3), **{f"local/{c}/{k}": v + 0.01 * (i + 1) if v.is_floating_point() else v
+                                   for i, c in enumerate(algo.clients) for k, v in init.items()}}  # fmt: skip
+    c = algo.clients[1]
+    assert _same(algo.personal_model(server, algo.init_client(c)).params, algo.configure(5, server, [c])[c])

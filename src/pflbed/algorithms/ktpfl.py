@@ -17,33 +17,53 @@ Round structure (one engine round = one configure → client_update → aggregat
   - round r, payload to client n: its target t_n formed by the server in the aggregate of the round n last
     replied in (r', normally r − 1), and r' itself (`batch_round`). Nothing in round 1.
   - round r, client n: (1) distil on the public batch ξ_{r'} towards t_n (R = `distill_epochs` passes, or
-    `distill_steps` mini-batches; batch `distill_batch_size`, SGD lr `distill_lr`); (2) local CE training on its
-    data (`train.*`, E = `train.local_epochs`); (3) reply s_n = softmax(z/T) on ξ_r (eval mode).
+    `distill_steps` mini-batches; batch `distill_batch_size`, SGD lr `distill_lr`, momentum `distill_momentum`);
+    (2) local CE training on its data (`train.*`, E = `train.local_epochs`); (3) reply s_n = softmax(z/T) on ξ_r
+    (eval mode). The client's state is its model after (2) (what (3) predicted with).
   - round r, aggregate: with the replies S_r, (a) t_n = Σ_m W[n, m]·s_m for every replying n, stored for n's
     next payload; (b) the coefficient update (Eq. 7) on S_r. (`update_then_target` swaps (a) and (b).)
   The public batch ξ_r = `public_batch` indices drawn from `federation.public` by a generator seeded from
   (seed, 101, r), recomputed independently by server and clients; only the round number travels.
   Per client the sequence of operations is exactly the paper's — local_1, predict_1, distil_1, local_2, … — only
-  the cut between engine rounds differs, with one consequence: the last round's distillation never runs (its
-  targets are never delivered), so the evaluated model of the final round is the one after local training.
-  Evaluation in every round sees the models after local training (as the authors' code evaluates them).
+  the cut between engine rounds differs: after round r a client holds its model after local training, and its
+  distillation towards the targets of round r is pending until its next round (the last round's never runs in a
+  client; `score` decides whether evaluation applies it).
+  What is scored (the personal model, `score`):
+  - `after_distill` (paper): Alg. 1's ClientLocalUpdate returns the model after the distillation, so
+    `personal_model(server, state)` applies the pending step — the state's model distilled towards t_n on ξ_{r'}
+    (`t/{n}`, `r/{n}` in the server state) — and scores that. To make it the very model the client will hold, the
+    distillation draws its batch order and torch's global RNG (dropout) from (seed, 102, r', n) alone, never
+    from the client's round stream (which local training then starts afresh), and leaves the caller's global RNG
+    as it was; so evaluating changes nothing, the evaluated model equals the one the client starts its next
+    local training from, bit for bit, and the final round's model is the distilled one too (also for
+    `TrainedRun.personal_model`). Nothing new is kept: a checkpoint holds the state and the pending targets
+    already. Cost: one distillation per client per evaluation (R passes over ξ_{r'}).
+  - `after_local` (official; the authors' code tests its models after local training, before distilling): the
+    state as it left local training; the distillation draws from the client's round stream, which local training
+    continues (this library's behaviour before the option existed, bit for bit).
+  A client that has no targets yet (round 1, or never sampled) is scored as it is.
 
 Options (`algorithm.<key>`; the ones left unset come from `preset`):
   - `preset`: "paper" (default) or "official" (the authors' official code, engine_kt_pfl.py):
-        key                  paper        official
-        temperature T        10           10
-        rho ρ                0.7          0.7
-        c_grad               kl (Eq. 7)   mse (MSE of probabilities per row, no D_n/D, no λ)
-        c_kl                 sum          mean (how the KL of Eq. 2 / 4 pools the public samples)
-        c_step               fixed c_lr   power5 (per-row adaptive step: powers of 5 towards mean |g| ≈ 0.01)
-        c_normalize          simplex      softmax5 (rows ← softmax(5·row) after every update)
-        order                train_first  distill_first
-        epoch_ramp           false        true (E = 1, 2, … up to train.local_epochs; the code caps at 15)
-        kl_reduction         batchmean    mean (torch's element mean = batchmean / C)
-        update_then_target   false        true (targets formed with the freshly updated c)
+        key                  paper          official
+        temperature T        10             10
+        rho ρ                0.7            0.7
+        c_grad               kl (Eq. 7)     mse (MSE of probabilities per row, no D_n/D, no λ)
+        c_kl                 sum            mean (how the KL of Eq. 2 / 4 pools the public samples)
+        c_step               fixed c_lr     power5 (per-row adaptive step: powers of 5 towards mean |g| ≈ 0.01)
+        c_normalize          simplex        softmax5 (rows ← softmax(5·row) after every update)
+        order                train_first    distill_first
+        epoch_ramp           false          true (E = 1, 2, … up to train.local_epochs; the code caps at 15)
+        kl_reduction         batchmean      mean (torch's element mean = batchmean / C)
+        update_then_target   false          true (targets formed with the freshly updated c)
+        distill_momentum     train          0 (SGD momentum of the distillation; train = train.momentum)
+        score                after_distill  after_local (the model scored: see the round structure)
     The paper gives no T; 10 is the code's. ρ = 0.7: Table 4's ρ = 0.7 Fashion-MNIST entry (89.14) is the
     default-setting result of Tables 3, 5 and 6. The code's other settings are not algorithm options: SGD lr 0.02
     without momentum (`train.lr`), local batch 16 (`train.batch_size`), 60 rounds, distillation batch 256.
+    `distill_momentum`: the paper names no optimizer for Eq. 6 beyond η2; the authors' code builds the same plain
+    SGD for both phases, so the paper preset distils with the local optimizer's momentum (`train`); the official
+    preset keeps 0, this library's behaviour before the option existed (the code's own, at its momentum 0).
   - `architectures` (default [lenet5, alexnet_small, resnet18, shufflenetv2], the paper's zoo): client c gets
     architectures[⌊c·A / federation.clients⌋] — contiguous equal blocks over the client ids (20 clients, 4
     architectures: 0–4 lenet5, 5–9 alexnet_small, …), new clients included in the id range.
@@ -51,7 +71,9 @@ Options (`algorithm.<key>`; the ones left unset come from `preset`):
   - `public_batch` (default 5000, or the whole public set if smaller; the paper's text says 3000, its Table 6 and
     the code use 5000), `lam` λ (default 1), `c_lr` η3 (default 0.01, the paper's §5.2.2 value), `distill_epochs`
     R (default 1), `distill_steps` (mini-batches instead of epochs), `distill_lr` η2 (default `train.lr`),
-    `distill_batch_size` (default 256, paper and code).
+    `distill_batch_size` (default 256, paper and code), `distill_momentum` (a number ≥ 0, or `train`),
+    `score` (`after_distill` or `after_local`). The baselines (FedMD, Sim-pFL, TopK-pFL) take the last two as
+    well, defaulting to 0 and `after_local`.
 
 Homogeneous KT-pFL (Table 2; the paper's Appendix C is not in the stored text, so this is an interpretation):
   the collaborative knowledge is the parameters. The server keeps every client's last uploaded model w_m (the
@@ -59,7 +81,8 @@ Homogeneous KT-pFL (Table 2; the paper's Appendix C is not in the stored text, s
   w̄_n = Σ_m W[n, m]·w_m (integer buffers take the maximum); the client trains it locally and uploads it; the
   server then computes s_m = softmax(z/T) of the uploaded models on ξ_r itself (the public data sits on the server,
   as in the paper's Fig. 5 experiment) and updates W by the same rule as above. There is no distillation step.
-  The personal model is w̄_n with the latest W.
+  The personal model is w̄_n with the latest W: already the model after the transfer (what the client starts its
+  next round from), in either preset, so `score` and `distill_momentum` change nothing here.
 
 Interpretations and deviations:
   - Coefficient gradient: KL(t_n ‖ s_n) is summed over the public samples, as Eq. 2 and Eq. 4 write it
@@ -84,8 +107,8 @@ Interpretations and deviations:
     local trainings (E = min(k, train.local_epochs) at the k-th).
   - Not reproduced from the code: the initial pre-training of every client on its private data; grey images
     replicated to 3 channels (the zoo takes 1 channel); separately re-created optimizers are the same here
-    (plain SGD, one optimizer per phase per round). Official LeNet has no conv padding (16·4·4 features); the
-    zoo's `lenet5` pads the first conv (16·5·5).
+    (SGD, one optimizer per phase per round, so momentum restarts; `train.weight_decay` applies to local training
+    only). Official LeNet has no conv padding (16·4·4 features); the zoo's `lenet5` pads the first conv (16·5·5).
   - Client models: heterogeneous clients start from their own random initialization (seeded by (seed, 2, 1 + id),
     like independently built models in the code); homogeneous ones from the run's initial model.
   - New clients (not in the paper): the personal model of a new client is trained from scratch on its own data
@@ -106,12 +129,13 @@ import csv
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pflbed import rng
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.training import (
@@ -130,13 +154,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"temperature": 10.0, "rho": 0.7, "c_grad": "kl", "c_kl": "sum", "c_step": "fixed",
               "c_normalize": "simplex",
               "order": "train_first", "epoch_ramp": False, "kl_reduction": "batchmean",
-              "update_then_target": False},
+              "update_then_target": False, "distill_momentum": "train", "score": "after_distill"},
     "official": {"temperature": 10.0, "rho": 0.7, "c_grad": "mse", "c_kl": "mean", "c_step": "power5",
                  "c_normalize": "softmax5",
                  "order": "distill_first", "epoch_ramp": True, "kl_reduction": "mean",
-                 "update_then_target": True},
+                 "update_then_target": True, "distill_momentum": 0.0, "score": "after_local"},
 }  # fmt: skip
 DEFAULT_ARCHITECTURES = ["lenet5", "alexnet_small", "resnet18", "shufflenetv2"]
+DISTILL_STREAM = 102  # rng tag of the distillation when score = after_distill: (seed, 102, batch round, client)
+Momentum = Annotated[float, Field(ge=0)]
+MOMENTUM_DOC = "SGD momentum of the distillation: a number, or train (= train.momentum, the local optimizer's)"
+SCORE_DOC = (
+    "the model scored as a client's personal model: after_distill (its pending distillation applied, Alg. 1) or "
+    "after_local (as it left local training)"
+)
 
 
 class TransferOptions(BaseModel):
@@ -153,6 +184,8 @@ class TransferOptions(BaseModel):
     distill_steps: int | None = Field(None, ge=1, description="mini-batch steps instead of distill_epochs")
     distill_lr: float | None = Field(None, gt=0, description="η2 (default train.lr)")
     distill_batch_size: int = Field(256, ge=1)
+    distill_momentum: Momentum | Literal["train"] | None = Field(0.0, description=MOMENTUM_DOC)
+    score: Literal["after_distill", "after_local"] | None = Field("after_local", description=SCORE_DOC)
 
 
 class KTpFLOptions(TransferOptions):
@@ -172,6 +205,8 @@ class KTpFLOptions(TransferOptions):
     epoch_ramp: bool | None = Field(None, description="local epochs 1, 2, … up to train.local_epochs")
     kl_reduction: Literal["batchmean", "mean"] | None = Field(None, description="distillation KL reduction")
     update_then_target: bool | None = Field(None, description="form targets with the updated c (the code)")
+    distill_momentum: Momentum | Literal["train"] | None = Field(None, description=MOMENTUM_DOC)
+    score: Literal["after_distill", "after_local"] | None = Field(None, description=SCORE_DOC)
 
     @model_validator(mode="after")
     def _apply_preset(self) -> KTpFLOptions:
@@ -229,6 +264,35 @@ class KTpFL(Algorithm):
         """Homogeneous: Σ_m weights[m]·w_m over the participated clients."""
         models = {c: self._local(server, c) for c in self.clients}
         return weighted_mean(models, {c: float(weights[self.index[c]]) for c in self.clients})
+
+    def distill_towards(
+        self,
+        model: BlockNet,
+        cid: int,
+        targets: torch.Tensor,
+        batch_round: int,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Distil `model` (client `cid`'s, loaded) towards its targets on the public batch ξ_{batch_round} (Eq. 6).
+
+        With `generator` (score = after_local) the draws continue the client's round stream, which local training
+        then goes on with. Without, the batch order and torch's global RNG (dropout) come from
+        (seed, DISTILL_STREAM, batch_round, cid) alone, the caller's global RNG left as it was: the result depends
+        on the targets' round and the client only, so `personal_model` computes the model the client will hold.
+        """
+        o, t = self.opts, self.ctx.cfg.train
+        momentum = t.momentum if o.distill_momentum == "train" else o.distill_momentum
+        x = self._public_x(batch_round)
+        kw = dict(epochs=o.distill_epochs, steps=o.distill_steps, batch_size=o.distill_batch_size,
+                  lr=o.distill_lr or t.lr, temperature=o.temperature, reduction=o.kl_reduction,
+                  momentum=momentum)  # fmt: skip
+        if generator is not None:
+            kd.distill(model, x, targets, generator=generator, **kw)
+            return
+        keys = (self.ctx.seed, DISTILL_STREAM, batch_round, cid)
+        with rng.fork(self.ctx.device), torch.enable_grad():
+            torch.manual_seed(rng.derive_seed(*keys))
+            kd.distill(model, x, targets, generator=rng.generator(*keys), **kw)
 
     def _epochs(self, rnd: int) -> int:
         """Local epochs of this round: train.local_epochs, or the ramp min(k, E) at the k-th local training."""
@@ -301,10 +365,8 @@ class KTpFL(Algorithm):
 
         load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
         if "targets" in payload:  # step ⑤ of the round in which this client last replied
-            kd.distill(model, self._public_x(int(payload["batch_round"])), payload["targets"].float(),
-                       epochs=o.distill_epochs, steps=o.distill_steps, batch_size=o.distill_batch_size,
-                       lr=o.distill_lr or t.lr, temperature=o.temperature, generator=cctx.generator,
-                       reduction=o.kl_reduction)  # fmt: skip
+            own = cctx.generator if o.score == "after_local" else None
+            self.distill_towards(model, data.cid, payload["targets"].float(), int(payload["batch_round"]), own)
         if not (o.order == "distill_first" and cctx.rnd == 1):  # distill_first: round 1 only predicts
             local_sgd(model, data, epochs=self._epochs(cctx.rnd), **sgd)
         s = kd.soft_predictions(model, self._public_x(cctx.rnd), o.temperature)
@@ -347,7 +409,12 @@ class KTpFL(Algorithm):
         if self.homogeneous:
             return Predictor(self.ctx.model, self._mixed(server, server["W"][self.index[cid]]))
         params = {k[2:]: v for k, v in state.items() if k.startswith("w/")}
-        return Predictor(self.models[self.arch_of(cid)], params)
+        model = self.models[self.arch_of(cid)]
+        if self.opts.score == "after_distill" and f"t/{cid}" in server:  # the pending distillation, as Alg. 1
+            load_params(model, params)
+            self.distill_towards(model, cid, server[f"t/{cid}"].float(), int(server[f"r/{cid}"]))
+            params = get_params(model)
+        return Predictor(model, params)
 
     def _uniform(self, server: Tensors) -> Tensors:
         return self._mixed(server, torch.full((len(self.clients),), 1.0 / len(self.clients), device="cpu"))
