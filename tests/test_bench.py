@@ -181,3 +181,14 @@ def test_workers_do_not_outlive_a_killed_bench(tmp_path):
     while any(os.path.exists(f"/proc/{w}") and "spawn_main" in Path(f"/proc/{w}/cmdline").read_text() for w in workers):
         assert time.time() < deadline, "workers outlived the bench"
         time.sleep(0.2)
+
+
+SUITES = sorted((Path(__file__).parent.parent / "benchmarks" / "suites").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SUITES, ids=[p.stem for p in SUITES])
+def test_the_committed_results_match_their_suites(path, monkeypatch):
+    """Every finished cell under benchmarks/results was run with the config its suite gives it today: a changed
+    default or an edited suite would otherwise leave tables that no command reproduces (the bench refuses them)."""
+    monkeypatch.chdir(path.parent.parent.parent)  # suites name their outputs relative to the repository root
+    assert Bench(load_suite(path)).stale() == []
