@@ -20,10 +20,13 @@ def test_fedmd_target_is_the_uniform_consensus():
 
 def test_fedmd_end_to_end_strict():
     """Strict run against references: the last round's targets are the uniform mean of the clients' final
-    predictions on ξ_R (recomputed from their stored models), and distilling towards them beats the no-transfer
-    Local control (measured 0.467 vs 0.365) by ≥ 0.05."""
+    predictions on ξ_R (recomputed from their stored models). P-FL: learned (> 0.25; untrained 0.093) and not
+    below the no-transfer Local control (0.365) by more than 0.02 — on this tiny config a distillation moves the
+    models by ~1e-3, so no transfer margin is claimed (an earlier ≥ 0.05 margin came from the batch order of local
+    training, not from the transfer: see test_ktpfl's end-to-end test)."""
     res = pflbed.run({**CFG, "algorithm": FEDMD}, write=False)
-    assert res.summary["final"]["pfl_acc"] > local_reference_pfl() + 0.05
+    pfl = res.summary["final"]["pfl_acc"]
+    assert pfl > 0.25 and pfl > local_reference_pfl() - 0.02
     assert res.summary["communication"]["up_bytes_per_round"] == 4 * 100 * 10 * 4  # soft predictions only
     assert torch.allclose(res.server["W"], torch.full((4, 4), 0.25, dtype=torch.float64))
     consensus = final_predictions(res).mean(0).float()
