@@ -92,7 +92,7 @@ def pretrain(cfg: Config, out: Path, force: bool = False, log=print) -> dict[str
     model = build_model(cfg.model.name, source.input_shape, source.num_classes, device, cfg.model.channels_last)
     torch.set_num_threads(cfg.executor.threads or choose_threads(model))
     batches = torch.Generator().manual_seed(rng.derive_seed(cfg.seed, STREAM, 2))
-    epochs, best, kept = [], -1.0, copy.deepcopy(model.state_dict())
+    epochs, best, kept, selected = [], None, None, 0
     steps = sgd_epochs(model, data, epochs=p.epochs, batch_size=p.batch_size, lr=p.lr, momentum=p.momentum,
                        weight_decay=p.weight_decay, generator=batches)  # fmt: skip
     for e, loss in enumerate(steps, 1):
@@ -101,15 +101,15 @@ def pretrain(cfg: Config, out: Path, force: bool = False, log=print) -> dict[str
         acc = _accuracy(model, split.x, split.y, data.val) if len(val) else None
         epochs.append({"epoch": e, "train_loss": loss, "val_acc": acc})
         log(f"epoch {e}/{p.epochs}: loss {loss:.4f}" + ("" if acc is None else f", held-out acc {100 * acc:.2f}"))
-        if acc is None or acc > best:
-            best, kept, selected = (acc if acc is not None else best), copy.deepcopy(model.state_dict()), e
+        if acc is None or best is None or acc > best:  # the best held-out epoch, earliest on ties; else the last
+            best, kept, selected = acc, copy.deepcopy(model.state_dict()), e
     model.load_state_dict(kept)
     summary = {
         "pflbed_version": pflbed.__version__, "dataset": cfg.dataset.name, "model": cfg.model.name, "seed": cfg.seed,
         "source": {"dataset": dataset, "split": p.split, "domains": p.domains, "samples": len(idx),
                    "train": len(train), "val": len(val)},
         "checked_against": {"federation": fed.key, "samples_used": {k: len(v) for k, v in fed.used_indices().items()}},
-        "epochs": epochs, "selected_epoch": selected, "val_acc": None if best < 0 else best,
+        "epochs": epochs, "selected_epoch": selected, "val_acc": best,
         "seconds": round(time.perf_counter() - started, 3),
     }  # fmt: skip
     tmp = out.parent / f".{out.name}.tmp"

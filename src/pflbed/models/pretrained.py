@@ -16,8 +16,7 @@ Accepted files:
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,13 @@ MODEL_FILE = "model.pt"
 
 @dataclass
 class Weights:
-    """Loaded starting weights: the state dict, the architecture it was saved from (None: plain state dict), the
-    training source a pretrain output recorded (None: unknown), and the file's SHA-256 (for the run's summary)."""
+    """Loaded starting weights: the state dict, the architecture it was saved from (None: plain state dict) and the
+    training source a pretrain output recorded (None: unknown). The run's summary hashes the file itself."""
 
     state: dict[str, torch.Tensor]
     path: Path
-    sha256: str
     architecture: str | None = None
     source: dict[str, Any] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def model_file(path: str | Path) -> Path:
@@ -53,17 +50,14 @@ def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
     if not f.is_file():
         hint = " (a directory needs model.pt)" if Path(path).is_dir() else ""
         raise ConfigError(f"{what}: no such file {f}{hint}")
-    raw = f.read_bytes()
     try:
         blob = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
         raise ConfigError(f"{what}: {f} is not a torch weights file ({type(e).__name__})") from None
-    sha = hashlib.sha256(raw).hexdigest()
     if isinstance(blob, dict) and isinstance(blob.get("state_dict"), dict):
-        extra = {k: v for k, v in blob.items() if k not in ("state_dict", "architecture", "source")}
-        return Weights(dict(blob["state_dict"]), f, sha, blob.get("architecture"), blob.get("source"), extra)
+        return Weights(dict(blob["state_dict"]), f, blob.get("architecture"), blob.get("source"))
     if isinstance(blob, dict) and blob and all(isinstance(k, str) and torch.is_tensor(v) for k, v in blob.items()):
-        return Weights(dict(blob), f, sha)
+        return Weights(dict(blob), f)
     raise ConfigError(f"{what}: {f} holds neither a state dict nor a pflbed model file")
 
 
