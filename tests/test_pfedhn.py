@@ -140,6 +140,27 @@ def test_initialization_is_drawn_from_pfedhns_own_streams():
     assert not torch.equal(other.init_server()["emb"], server["emb"])
 
 
+def test_start_at_the_initial_model_generates_it_for_every_embedding_then_learns():
+    """Note 5's extension: heads' weights 0 and biases θ⁰, so every client's payload is the run's initial model
+    (e.g. a pretrained body); the trunk is the paper's init from the same stream; after two rounds of replies the
+    generated models have moved, and apart for different clients (weights, trunk and embeddings all learn)."""
+    algo, paper = _algo(start="initial_model"), _algo()
+    server, paper_server = algo.init_server(), paper.init_server()
+    theta0 = {k: p.detach() for k, p in algo.ctx.model.named_parameters()}
+    cids = algo.ctx.federation.participated[:3]
+    for payload in algo.configure(1, server, cids).values():
+        assert same_tensors(payload, {k: algo.ctx.initial_params[k] for k in payload})
+        assert same_tensors(payload, theta0)
+    assert all(torch.equal(server[k], paper_server[k]) for k in server if k.startswith("hn.trunk."))
+    assert torch.equal(server["emb"], paper_server["emb"])
+    for rnd in (1, 2):
+        replies = {c: _random_delta(algo, 10 * rnd + c) for c in cids}
+        server = algo.aggregate(rnd, server, replies, dict.fromkeys(cids, 1.0))
+    a, b = (algo.generate(server, server["emb"][_row(algo, c)]) for c in cids[:2])
+    assert not same_tensors(a, theta0) and not same_tensors(a, b)
+    assert not torch.equal(server["hn.trunk.0.weight"], paper_server["hn.trunk.0.weight"])
+
+
 def test_payload_is_the_generated_model_of_each_clients_own_embedding():
     algo = _algo()
     server = _moved(algo)

@@ -58,6 +58,11 @@ Interpretations and deviations:
 5. Initialization: every layer with PyTorch's default Linear init, the embeddings N(0, 1) (the code's
    nn.Embedding); both drawn on the CPU from pFedHN's own streams (seed, STREAM, 0) and (seed, STREAM, 1), moved to
    `ctx.device`. The target network's initial parameters (`ctx.initial_params`) are not used: θ_i comes from h.
+   Extension (not in the paper), `start: initial_model`: each head's weight starts at zero and its bias at the
+   target network's initial tensor, so h(v; φ⁰) = θ⁰ for every v — the hypernetwork starts by generating the run's
+   initial model, e.g. a pretrained body (`model.init_from`), which the paper's init would overwrite with noise.
+   The first step moves only the heads' weights (their gradient is −Δθ·fᵀ, the trunk's and v's pass through the
+   zero weights); from the second step on, all of φ and v learn.
 6. K = `local_steps` 50: the code's --inner-steps default. The code's inner optimizer (lr 5e-3, momentum 0.9,
    weight decay 5e-5, batch 64) is the run's `train.*` here, as for every algorithm: set those to reproduce it.
    The code draws every inner batch afresh (`next(iter(loader))`, with replacement across steps) and clips
@@ -117,6 +122,9 @@ class PFedHNOptions(BaseModel):
     hn_weight_decay: float = Field(1e-3, ge=0, description="SGD weight decay of φ and the embeddings")
     embed_lr: float | None = Field(None, gt=0, description="SGD lr of the embeddings v_i (default hn_lr)")
     combine: Literal["mean", "sequential"] = Field("mean", description="several replies in one round (note 2)")
+    start: Literal["random", "initial_model"] = Field(
+        "random", description="φ⁰: the paper's random init, or heads generating the initial model (note 5)"
+    )
     new_client: Literal["embedding", "embedding+tune"] = Field(
         "embedding", description="new clients: learn v only, or v then budget.method (ft / lp) from h(v)"
     )
@@ -204,6 +212,11 @@ class PFedHN(Algorithm):
             with rng.fork(self.ctx.device), torch.device("cpu"):
                 torch.manual_seed(rng.derive_seed(self.ctx.seed, STREAM, 0))
                 hyper = HyperNetwork(shapes, self.embed_dim, self.opts.hidden, self.opts.hidden_layers)
+            if self.opts.start == "initial_model":  # h(v; φ⁰) = θ⁰ for every v (note 5)
+                with torch.no_grad():
+                    for k in self.param_names:
+                        hyper.heads[_head(k)].weight.zero_()
+                        hyper.heads[_head(k)].bias.copy_(self.ctx.initial_params[k].flatten())
             self._hyper = hyper.to(self.ctx.device)
         return self._hyper
 
