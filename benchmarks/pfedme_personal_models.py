@@ -9,19 +9,25 @@ suite first) and prints, per cell, the mean accuracy on the clients' own test sp
   steps on f_i(θ) + λ/2‖θ − w‖² at the run's η_p, `--steps` of them) — what a fresh, whole-data personalization of
   the final model gives.
 Clients are grouped by the last round they were sampled in (the schedule is recomputed from the seed), so the
-cost of stale personal models under partial participation shows separately from the one-batch inner solution.
+cost of stale personal models under partial participation shows separately from the one-batch inner solution. The
+suite's FedAvg and Per-FedAvg cells are grouped the same way (their P-FL as scored, from `summary.json`): their
+personal models are computed from the current global model, the contrast. Re-solving needs the checkpoints; it
+runs for the pFedMe cells of `--seeds` (default 0).
 
-    python benchmarks/pfedme_personal_models.py [--suite benchmarks/suites/fmnist_ktpfl_homogeneous.yaml]
+    python benchmarks/pfedme_personal_models.py [--suite …] [--seeds 0 1 2] [--steps 50]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
+from pflbed.config import validate_config
 from pflbed.federation import sample_clients
 from pflbed.results.bench import Bench, load_suite
 from pflbed.results.trained import load_run
@@ -44,53 +50,70 @@ def resolved(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: floa
     model.eval()
 
 
-def cell_figures(path: Path, steps: int) -> dict[str, dict[str, float]]:
-    run = load_run(path)
-    cfg, fed = run.config, run.algo.ctx.federation
-    last = dict.fromkeys(fed.participated, 0)
-    for rnd in range(1, run.round + 1):
-        for c in sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction):
+def last_sampled(cfg, participated: list[int], rounds: int) -> dict[int, int]:
+    """The last round each client was sampled in (0: never), recomputed from the run's seed."""
+    last = dict.fromkeys(participated, 0)
+    for rnd in range(1, rounds + 1):
+        for c in sample_clients(cfg.seed, rnd, participated, cfg.federation.sample_fraction):
             last[c] = rnd
-    rounds = run.round
-    half = rounds // 2
-    groups = {"never sampled": (0, 0), f"last sampled in 1–{half}": (1, half),
-              f"in {half + 1}–{rounds - 1}": (half + 1, rounds - 1), f"in {rounds}": (rounds, rounds)}
-    glob = run.generic_model()
-    assert glob is not None
-    per: dict[int, tuple[float, float, float]] = {}
-    for cid in sorted(fed.participated):
-        data = run.algo.ctx.client_data(cid)
-        test = fed.clients[cid].test
-        x, y = data.x[test], data.y[test]
-        fresh = run.generic_model()
-        assert fresh is not None
-        resolved(fresh, data.x[data.train], data.y[data.train], run.algo.opts.lam, run.algo.opts.personal_lr, steps)
-        per[cid] = (accuracy(run.personal_model(cid), x, y), accuracy(glob, x, y), accuracy(fresh, x, y))
+    return last
+
+
+def grouped(per: dict[int, tuple[float, ...]], last: dict[int, int], rounds: int) -> dict[str, list[float]]:
+    """Mean of each figure over the clients last sampled in: never, each third of the rounds, the last round."""
+    a, b = rounds // 3, 2 * rounds // 3
+    groups = {"never sampled": (0, 0), f"last sampled in 1–{a}": (1, a), f"in {a + 1}–{b}": (a + 1, b),
+              f"in {b + 1}–{rounds - 1}": (b + 1, rounds - 1), f"in {rounds}": (rounds, rounds),
+              "all": (0, rounds)}
     out = {}
     for name, (lo, hi) in groups.items():
         cids = [c for c in per if lo <= last[c] <= hi]
         if cids:
-            out[f"{name} ({len(cids)})"] = {k: 100 * sum(per[c][i] for c in cids) / len(cids)
-                                            for i, k in enumerate(("θ_i", "w", "θ̂_i(w)"))}  # fmt: skip
-    out[f"all ({len(per)})"] = {k: 100 * sum(v[i] for v in per.values()) / len(per)
-                                for i, k in enumerate(("θ_i", "w", "θ̂_i(w)"))}  # fmt: skip
+            out[f"{name} ({len(cids)})"] = [100 * sum(per[c][i] for c in cids) / len(cids)
+                                            for i in range(len(per[cids[0]]))]  # fmt: skip
     return out
+
+
+def cell_figures(path: Path, resolve_steps: int | None) -> tuple[list[str], dict[str, list[float]]]:
+    """Per group: the P-FL the run scored; for pFedMe with `resolve_steps`, also w and θ̂_i(w) (the checkpoint)."""
+    summary = json.loads((path / "summary.json").read_text())
+    cfg = validate_config(yaml.safe_load((path / "config.yaml").read_text()))
+    scored = dict(zip(summary["per_client"]["cid"], summary["per_client"]["pfl_acc"], strict=True))
+    last = last_sampled(cfg, sorted(scored), summary["rounds"])
+    if resolve_steps is None:
+        return ["P-FL"], grouped({c: (a,) for c, a in scored.items()}, last, summary["rounds"])
+    run = load_run(path)
+    fed, opts = run.algo.ctx.federation, run.algo.opts
+    glob = run.generic_model()
+    assert glob is not None
+    per: dict[int, tuple[float, ...]] = {}
+    for cid in sorted(fed.participated):
+        data = run.algo.ctx.client_data(cid)
+        x, y = data.x[fed.clients[cid].test], data.y[fed.clients[cid].test]
+        fresh = run.generic_model()
+        assert fresh is not None
+        resolved(fresh, data.x[data.train], data.y[data.train], opts.lam, opts.personal_lr, resolve_steps)
+        per[cid] = (accuracy(run.personal_model(cid), x, y), accuracy(glob, x, y), accuracy(fresh, x, y))
+    return ["θ_i", "w", "θ̂_i(w)"], grouped(per, last, summary["rounds"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="benchmarks/suites/fmnist_ktpfl_homogeneous.yaml")
     ap.add_argument("--steps", type=int, default=50, help="full-batch steps re-solving the inner problem")
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="seeds whose pFedMe cells are re-solved")
     args = ap.parse_args()
     torch.set_num_threads(1)
     bench = Bench(load_suite(args.suite))
     for table, (setting, method, seed) in bench.cells():
         path = table.run_dir(setting, method, seed)
-        if method != "pFedMe" or not (path / "summary.json").is_file():
+        if method not in ("FedAvg", "Per-FedAvg", "pFedMe") or not (path / "summary.json").is_file():
             continue
-        print(f"{setting} · seed {seed} — accuracy (%) on the clients' test splits", flush=True)
-        for group, accs in cell_figures(path, args.steps).items():
-            print(f"  {group:<28} " + "  ".join(f"{k} {v:6.2f}" for k, v in accs.items()), flush=True)
+        resolve = args.steps if method == "pFedMe" and seed in args.seeds else None
+        names, groups = cell_figures(path, resolve)
+        print(f"{method} · {setting} · seed {seed} — accuracy (%) on the clients' test splits", flush=True)
+        for group, accs in groups.items():
+            print(f"  {group:<28} " + "  ".join(f"{k} {v:6.2f}" for k, v in zip(names, accs, strict=True)), flush=True)
 
 if __name__ == "__main__":
     main()
