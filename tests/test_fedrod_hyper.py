@@ -79,14 +79,14 @@ def test_hypernetwork_init_is_seeded_and_every_generated_head_starts_at_zero():
 @pytest.mark.parametrize(
     ("options", "train", "nu_lr"),
     [
-        ({}, {}, 0.01),  # hyper_lr default: personal_lr / 10, personal_lr default: train.lr (0.1)
-        ({"personal_lr": 0.3, "gamma": 0.5}, {"momentum": 0.5, "weight_decay": 0.01}, 0.03),
+        ({}, {}, 0.05),  # hyper_lr default: personal_lr / 2, personal_lr default: train.lr (0.1)
+        ({"personal_lr": 0.3, "gamma": 0.5}, {"momentum": 0.5, "weight_decay": 0.01}, 0.15),
         ({"hyper_lr": 0.02, "personal_lr": 0.3}, {"local_epochs": 2}, 0.02),
     ],
 )
 def test_client_update_trains_nu_with_the_p_loss_through_the_generated_head(options, train, nu_lr):
     """Modified Eq. 9: ν*_m = SGD on the P-loss of h_G(z) + h_P(z; H(a_m; ν)), the head regenerated from ν at
-    every step, with hyper_lr (default personal_lr / 10, note 4); f and h_G follow Eq. 8 on the same batches.
+    every step, with hyper_lr (default personal_lr / 2, note 4); f and h_G follow Eq. 8 on the same batches.
     Reference written by hand (H's forward and SGD)."""
     algo = _algo(train=train, hidden=8, **options)
     c = algo.ctx.federation.participated[2]
