@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from pflbed.config import validate_config
+from pflbed.config import Config, validate_config
 from pflbed.federation import sample_clients
 from pflbed.results.bench import Bench, load_suite
 from pflbed.results.trained import load_run
@@ -50,7 +50,7 @@ def resolved(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: floa
     model.eval()
 
 
-def last_sampled(cfg, participated: list[int], rounds: int) -> dict[int, int]:
+def last_sampled(cfg: Config, participated: list[int], rounds: int) -> dict[int, int]:
     """The last round each client was sampled in (0: never), recomputed from the run's seed."""
     last = dict.fromkeys(participated, 0)
     for rnd in range(1, rounds + 1):
