@@ -192,3 +192,25 @@ def test_the_committed_results_match_their_suites(path, monkeypatch):
     default or an edited suite would otherwise leave tables that no command reproduces (the bench refuses them)."""
     monkeypatch.chdir(path.parent.parent.parent)  # suites name their outputs relative to the repository root
     assert Bench(load_suite(path)).stale() == []
+
+
+def test_paired_differences_are_per_seed_differences_of_the_same_column(suite_file, capsys):
+    """benchmarks/paired_differences.py: A − B seed by seed, only over the seeds both rows finished."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "paired_differences.py"
+    spec = importlib.util.spec_from_file_location("paired_differences", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = Bench(load_suite(suite_file)).tables[0]
+    fake = {("FedAvg", 0): (0.70, 0.80), ("FedAvg", 1): (0.60, 0.90), ("Local", 0): (None, 0.75),
+            ("Local", 1): (None, 0.95)}  # fmt: skip  # (G-FL, P-FL); FedAvg+FT reads final.ft.pfl_acc
+    for (method, seed), (g, p) in fake.items():
+        d = table.run_dir("a5", method, seed)
+        d.mkdir(parents=True)
+        final = {"gfl_acc": g, "pfl_acc": p, "ft": {"pfl_acc": p - 0.1}}
+        (d / "summary.json").write_text(json.dumps({"final": final}))
+    module.main(str(suite_file), "main", "FedAvg+FT", "Local")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| a5")]
+    # P-FL: FedAvg+FT (0.70, 0.80) − Local (0.75, 0.95) = −5, −15 points; G-FL is null for both rows
+    assert rows == ["| a5 | P-FL | -5.00, -15.00 | -10.00 ± 5.00 (2 seeds) |"]

@@ -1,0 +1,60 @@
+"""Paired differences between two rows of a bench table, seed by seed.
+
+Runs of one setting and seed share the federation, the new clients and every data split, so the per-seed difference
+A − B removes the seed-to-seed spread the two rows have in common; its mean ± std over the seeds both rows finished
+is the figure to quote for "does A beat B" (a table's two independent mean ± std overstate the uncertainty when
+the seeds move both rows alike). Every column the table reports for A is differenced with the same column of B.
+
+    python benchmarks/paired_differences.py SUITE TABLE A B
+    python benchmarks/paired_differences.py benchmarks/suites/fmnist_rot4_pretrained.yaml new_clients FedBasis FedAvg+FT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pflbed.results.bench import Bench, Table, _get, _mean_std, _source, load_suite
+
+
+def seed_values(table: Table, method: str, setting: str, field: str) -> dict[int, float]:
+    """{seed: value of `field`} for the seeds of `method` (or the row it reuses) that finished."""
+    spec = table.spec.methods[method]
+    source_table, source = _source(spec.same_as or method)
+    out = {}
+    for seed in table.seeds:
+        f = table.run_dir(setting, source, seed, source_table) / "summary.json"
+        if f.exists() and (v := _get(json.loads(f.read_text()), field)) is not None:
+            out[seed] = v
+    return out
+
+
+def main(suite_path: str, table_name: str, a: str, b: str) -> None:
+    bench = Bench(load_suite(suite_path))
+    table = next((t for t in bench.tables if t.name == table_name), None)
+    if table is None or a not in table.spec.methods or b not in table.spec.methods:
+        sys.exit(f"{suite_path}: no table {table_name!r} with methods {a!r} and {b!r}")
+    reports = {m: {**table.spec.report, **(table.spec.methods[m].report or {})} for m in (a, b)}
+    scale = table.spec.scale
+    print(f"{a} − {b} ({table_name}; per seed, then mean ± std over the seeds both finished)\n")
+    print("| setting | column | per seed | mean ± std |")
+    print("|---|---|---|---|")
+    for setting in table.spec.settings:
+        for col, field in reports[a].items():
+            field_b = reports[b].get(col)
+            if not field or not field_b:
+                continue
+            va, vb = seed_values(table, a, setting, field), seed_values(table, b, setting, field_b)
+            seeds = sorted(va.keys() & vb.keys())
+            if not seeds:
+                continue
+            diffs = [(va[s] - vb[s]) * scale for s in seeds]
+            mean, std = _mean_std(diffs)
+            per_seed = ", ".join(f"{d:+.2f}" for d in diffs)
+            print(f"| {setting or '-'} | {col} | {per_seed} | {mean:+.2f} ± {std:.2f} ({len(seeds)} seeds) |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 5:
+        sys.exit(__doc__)
+    main(*sys.argv[1:])
