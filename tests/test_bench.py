@@ -214,3 +214,18 @@ def test_paired_differences_are_per_seed_differences_of_the_same_column(suite_fi
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| a5")]
     # P-FL: FedAvg+FT (0.70, 0.80) − Local (0.75, 0.95) = −5, −15 points; G-FL is null for both rows
     assert rows == ["| a5 | P-FL | -5.00, -15.00 | -10.00 ± 5.00 (2 seeds) |"]
+
+
+def test_a_cell_finished_by_another_bench_meanwhile_is_read_not_rerun(suite_file, capsys):
+    """Two benches on overlapping cells: a cell the other one finished after this one planned is skipped, not an
+    error that stops the bench (the run itself refuses a finished directory)."""
+    from pflbed.results.bench import _run_cells
+
+    bench = Bench(load_suite(suite_file))
+    assert main(["bench", "-c", str(suite_file), "--max-cells", "1"]) == 0
+    table, cell = bench.cells()[0]
+    summary = table.run_dir(*cell) / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    final, took = next(_run_cells([(table.cell_config(*cell), table.run_dir(*cell))], jobs=1))
+    assert took is None and final == json.loads(summary.read_text())["final"]
+    assert summary.stat().st_mtime_ns == stamp

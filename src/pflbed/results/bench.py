@@ -269,7 +269,8 @@ class Bench:
         for k, ((table, (setting, method, seed)), (final, took)) in enumerate(zip(todo, _run_cells(tasks, jobs),
                                                                                  strict=True)):  # fmt: skip
             log(f"[{done + k + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: "
-                f"G-FL {_fmt(final.get('gfl_acc'))} P-FL {_fmt(final.get('pfl_acc'))} ({took:.0f} s)")  # fmt: skip
+                f"G-FL {_fmt(final.get('gfl_acc'))} P-FL {_fmt(final.get('pfl_acc'))} "
+                f"({'finished by another process' if took is None else f'{took:.0f} s'})")  # fmt: skip
         return len(todo)
 
     def markdown(self) -> str:
@@ -291,16 +292,21 @@ class Bench:
         return md, cs
 
 
-def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict[str, Any], float]:
-    """Run (or resume) one cell; returns its final figures and seconds taken."""
+def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict[str, Any], float | None]:
+    """Run (or resume) one cell; returns its final figures and seconds taken (None: it was not run here).
+
+    A cell that another process finished after this bench made its plan (a second bench on an overlapping set of
+    cells) is read, not run again: the run would refuse a finished directory and stop the whole bench."""
     from pflbed.engine.loop import run as run_one
 
+    if (path / "summary.json").exists():
+        return json.loads((path / "summary.json").read_text())["final"], None
     t0 = time.perf_counter()
     res = run_one(cfg, path, progress=False, resume=path.exists(), threads=threads)
     return res.summary["final"], time.perf_counter() - t0
 
 
-def _run_cells(tasks: list[tuple[Config, Path]], jobs: int) -> Iterator[tuple[dict[str, Any], float]]:
+def _run_cells(tasks: list[tuple[Config, Path]], jobs: int) -> Iterator[tuple[dict[str, Any], float | None]]:
     """Results in task order; with `jobs` > 1 from a pool of fresh worker processes (yielded as the order allows)."""
     if jobs <= 1:
         for cfg, path in tasks:
