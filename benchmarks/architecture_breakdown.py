@@ -18,7 +18,7 @@ import sys
 
 from pflbed.algorithms.training import architecture_of
 from pflbed.config import load_config
-from pflbed.results.bench import Bench, _mean_std, _source, load_suite
+from pflbed.results.bench import Bench, _mean_std, load_suite
 
 
 def main(suite_path: str, table_name: str) -> None:
@@ -28,15 +28,11 @@ def main(suite_path: str, table_name: str) -> None:
         sys.exit(f"{suite_path}: no table {table_name!r}")
     print("| method | setting | " + "P-FL by architecture (%) | clients at chance | seeds |")
     print("|---|---|---|---|---|")
-    for method, spec in table.spec.methods.items():
-        source_table, source = _source(spec.same_as or method)
+    for method in table.spec.methods:
         for setting in table.spec.settings:
             by_arch: dict[str, list[float]] = {}
             at_chance, seeds = [], 0
-            for seed in table.seeds:
-                run = table.run_dir(setting, source, seed, source_table)
-                if not (run / "summary.json").exists():
-                    continue
+            for run in table.finished_runs(method, setting).values():
                 cfg = load_config(run / "config.yaml")
                 archs, n = cfg.algorithm.architectures, cfg.federation.clients
                 by_class = cfg.federation.partition == "classes"

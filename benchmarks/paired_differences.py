@@ -14,17 +14,14 @@ from __future__ import annotations
 import json
 import sys
 
-from pflbed.results.bench import Bench, Table, _get, _mean_std, _source, load_suite
+from pflbed.results.bench import Bench, Table, _get, _mean_std, load_suite
 
 
 def seed_values(table: Table, method: str, setting: str, field: str) -> dict[int, float]:
     """{seed: value of `field`} for the seeds of `method` (or the row it reuses) that finished."""
-    spec = table.spec.methods[method]
-    source_table, source = _source(spec.same_as or method)
     out = {}
-    for seed in table.seeds:
-        f = table.run_dir(setting, source, seed, source_table) / "summary.json"
-        if f.exists() and (v := _get(json.loads(f.read_text()), field)) is not None:
+    for seed, run in table.finished_runs(method, setting).items():
+        if (v := _get(json.loads((run / "summary.json").read_text()), field)) is not None:
             out[seed] = v
     return out
 
@@ -34,7 +31,7 @@ def main(suite_path: str, table_name: str, a: str, b: str) -> None:
     table = next((t for t in bench.tables if t.name == table_name), None)
     if table is None or a not in table.spec.methods or b not in table.spec.methods:
         sys.exit(f"{suite_path}: no table {table_name!r} with methods {a!r} and {b!r}")
-    reports = {m: {**table.spec.report, **(table.spec.methods[m].report or {})} for m in (a, b)}
+    reports = {m: table.report_of(m) for m in (a, b)}
     scale = table.spec.scale
     print(f"{a} − {b} ({table_name}; per seed, then mean ± std over the seeds both finished)\n")
     print("| setting | column | per seed | mean ± std |")

@@ -162,19 +162,25 @@ class Table:
         return [(st, m, seed) for seed in self.seeds for st in s.settings for m, spec in s.methods.items()
                 if spec.same_as is None]  # fmt: skip
 
+    def finished_runs(self, method: str, setting: str) -> dict[int, Path]:
+        """{seed: run directory} of the seeds of a row that finished, also when the row reuses another's runs."""
+        table, source = _source(self.spec.methods[method].same_as or method)
+        dirs = {seed: self.run_dir(setting, source, seed, table) for seed in self.seeds}
+        return {seed: d for seed, d in dirs.items() if (d / "summary.json").exists()}
+
+    def report_of(self, method: str) -> dict[str, str | None]:
+        """The row's columns → summary fields: the table's, overridden by the method's own."""
+        return {**self.spec.report, **(self.spec.methods[method].report or {})}
+
     def collect(self) -> list[dict[str, Any]]:
         """One row per (method, setting): mean and std over the seeds that finished, per report column."""
         s = self.spec
         rows = []
-        for m, spec in s.methods.items():
-            table, source = _source(spec.same_as or m)
-            report = {**s.report, **(spec.report or {})}
+        for m in s.methods:
+            report = self.report_of(m)
             for st in s.settings:
-                summaries = []
-                for seed in self.seeds:
-                    f = self.run_dir(st, source, seed, table) / "summary.json"
-                    if f.exists():
-                        summaries.append(json.loads(f.read_text()))
+                runs = self.finished_runs(m, st).values()
+                summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
                 row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries)}
                 for col, field in report.items():
                     vals = [v for v in (_get(x, field) for x in summaries) if v is not None] if field else []
