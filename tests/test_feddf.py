@@ -254,7 +254,8 @@ def test_aggregate_distils_every_fused_model_towards_all_clients_mean_logits(sch
         # a wrong rule moves parameters by O(lr) = 1e-2
         assert all(torch.allclose(out[f"g/{a}/{k}"], v, atol=1e-4) for k, v in get_params(model).items())
     assert float(out["kl_start"]) == pytest.approx(sum(before) / 2, rel=1e-5)
-    assert float(out["kl_end"]) == pytest.approx(sum(after) / 2, rel=1e-5)
+    # the same rounding reaches the final KL (seen: 1.6e-5 relative on one CPU); a wrong rule changes it by far more
+    assert float(out["kl_end"]) == pytest.approx(sum(after) / 2, rel=1e-4)
 
 
 def test_architecture_without_a_reply_keeps_its_global_model():
