@@ -23,7 +23,7 @@ from pflbed.results.bench import Bench, _mean_std, load_suite
 
 def main(suite_path: str, table_name: str) -> None:
     bench = Bench(load_suite(suite_path))
-    table = next((t for t in bench.tables if t.name == table_name), None)
+    table = bench.table(table_name)
     if table is None:
         sys.exit(f"{suite_path}: no table {table_name!r}")
     print("| method | setting | " + "P-FL by architecture (%) | clients at chance | seeds |")

@@ -28,11 +28,10 @@ def seed_values(table: Table, method: str, setting: str, field: str) -> dict[int
 
 def main(suite_path: str, table_name: str, a: str, b: str) -> None:
     bench = Bench(load_suite(suite_path))
-    table = next((t for t in bench.tables if t.name == table_name), None)
+    table = bench.table(table_name)
     if table is None or a not in table.spec.methods or b not in table.spec.methods:
         sys.exit(f"{suite_path}: no table {table_name!r} with methods {a!r} and {b!r}")
     reports = {m: table.report_of(m) for m in (a, b)}
-    scale = table.spec.scale
     print(f"{a} − {b} ({table_name}; per seed, then mean ± std over the seeds both finished)\n")
     print("| setting | column | per seed | mean ± std |")
     print("|---|---|---|---|")
@@ -45,6 +44,7 @@ def main(suite_path: str, table_name: str, a: str, b: str) -> None:
             seeds = sorted(va.keys() & vb.keys())
             if not seeds:
                 continue
+            scale = table.spec.column_scale.get(col, table.spec.scale)  # as the tables scale the column
             diffs = [(va[s] - vb[s]) * scale for s in seeds]
             mean, std = _mean_std(diffs)
             per_seed = ", ".join(f"{d:+.2f}" for d in diffs)

@@ -230,6 +230,9 @@ class Bench:
         self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
         self.tables = [Table(n, spec, suite, self.out) for n, spec in suite.tables.items()]
 
+    def table(self, name: str) -> Table | None:
+        return next((t for t in self.tables if t.name == name), None)
+
     def cells(self) -> list[tuple[Table, tuple[str, str, int]]]:
         return [(t, c) for t in self.tables for c in t.cells()]
 
