@@ -1,0 +1,162 @@
+"""Plant a wrong version of each listed rule, one at a time, and check that the method's own tests go red.
+
+mutmut (`benchmarks/mutation_screen.py`) changes operators and constants; it does not write the mistakes a person
+makes when implementing a paper — two phases swapped, a weight dropped, the wrong split selected on, a sign
+flipped in a chain rule. This script plants such mistakes by hand for the personalized-aggregation,
+hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC), each as an exact text
+replacement in a scratch copy of `src/` and `tests/`, and runs `tests/test_<method>.py` against it:
+
+    python benchmarks/planted_rules.py [METHOD ...]     # all plants, or those of the named methods
+
+One line per plant: RED (some test failed: the rule is protected, the first failing test named) or GREEN (no
+test noticed: a gap). A plant whose text no longer occurs exactly once is reported as STALE, so an edit of the
+algorithm cannot silently retire one. Results: `benchmarks/results/planted_rules.txt`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Plant(NamedTuple):
+    method: str  # tests/test_<method>.py and src/pflbed/algorithms/<method>.py
+    what: str
+    old: str
+    new: str
+
+
+# fmt: off
+PLANTS = [
+    # FedAMP (Huang et al. 2021, Alg. 1): ξ_ij = α_k·A'(‖w_i − w_j‖²), ξ_ii = 1 − Σ, client prox pull λ/α_k to u_i
+    Plant("fedamp", "A' without its 1/σ", "alpha_k * math.exp(-d / sigma) / sigma", "alpha_k * math.exp(-d / sigma)"),
+    Plant("fedamp", "distance not squared", "math.exp(-d / sigma) / sigma", "math.exp(-math.sqrt(d) / sigma) / sigma"),
+    Plant("fedamp", "self weight 1 instead of 1 − Σ_j ξ_ij", "row[i] = 1.0 - others", "row[i] = 1.0"),
+    Plant("fedamp", "HeurFedAMP's self weight swapped with the others' share", "row[i] = self_weight",
+          "row[i] = 1.0 - self_weight"),
+    Plant("fedamp", "proximal strength λ·α_k instead of λ/α_k", "self.opts.lam / self.opts.alpha_k",
+          "self.opts.lam * self.opts.alpha_k"),
+    Plant("fedamp", "proximal anchor the initial model instead of u_i",
+          "proximal_sgd(self.ctx.model, payload, payload,",
+          "proximal_sgd(self.ctx.model, payload, self.ctx.initial_params,"),
+    Plant("fedamp", "replies not stored", 'out.update({f"{LOCAL}{c}/{k}": v for k, v in replies[c].items()})', "pass"),
+    Plant("fedamp", "new clients' start weighted, not the uniform mean", "dict.fromkeys(cids, 1.0)",
+          "{c: float(c + 1) for c in cids}"),
+    # FedFomo (Zhang et al. 2021, Eq. 6–7): w_n ∝ max(L(θ_prev) − L(θ_n), 0)/‖θ_n − θ_prev‖, update on deltas
+    Plant("fedfomo", "gain sign flipped", "gain = own_loss - losses", "gain = losses - own_loss"),
+    Plant("fedfomo", "gain not divided by the distance", "gain / torch.where(distances > 0, distances, 1.0)", "gain"),
+    Plant("fedfomo", "negative gains not clipped", ".clamp(min=0.0)", ""),
+    Plant("fedfomo", "weights not normalized", "return raw / total if", "return raw if"),
+    Plant("fedfomo", "models combined instead of their deltas", "acc.add_(m[k] - v, alpha=wn)",
+          "acc.add_(m[k], alpha=wn)"),
+    Plant("fedfomo", "losses on the training split", "idx, prior = validation_data(self.ctx.federation, data)",
+          "idx, prior = data.train, None"),
+    Plant("fedfomo", "affinity added to the transposed entries",
+          "P[i, torch.tensor(cols, dtype=torch.int64, device=P.device)] +=",
+          "P[torch.tensor(cols, dtype=torch.int64, device=P.device), i] +="),
+    Plant("fedfomo", "local training before the federated update (phases swapped)",
+          "start, w = self.federated_update(state, models, data)\n"
+          "        trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)",
+          "pre = train_from(self.ctx.model, state, data, self.ctx.cfg.train, cctx.generator)\n"
+          "        trained, w = self.federated_update(pre, models, data)"),
+    Plant("fedfomo", "ε does not decay", "self.opts.epsilon - self.opts.epsilon_decay * (rnd - 1)",
+          "self.opts.epsilon"),
+    Plant("fedfomo", "greedy downloads the lowest affinities", "key=lambda j: (-affinity[j], tie[j])",
+          "key=lambda j: (affinity[j], tie[j])"),
+    # pFedHN (Shamsian et al. 2021, Alg. 1): φ, v_i step on (∂θ/∂·)ᵀ(θ − θ̃); new clients learn v with φ frozen
+    Plant("pfedhn", "hypernetwork gradient sign flipped", "grad_outputs=[-delta[k] for k in self.param_names]",
+          "grad_outputs=[delta[k] for k in self.param_names]"),
+    Plant("pfedhn", "φ steps on the sum of the replies, not their mean",
+          "step_phi({k: g / len(cids) for k, g in total.items()})", "step_phi(total)"),
+    Plant("pfedhn", "v_i's step divided by the number of replies", "                step_v(c, per_v[c])",
+          "                step_v(c, per_v[c] / len(cids))"),
+    Plant("pfedhn", "reply θ_i − θ̃_i instead of Δθ_i = θ̃_i − θ_i", "reply = {k: trained[k] - payload[k]",
+          "reply = {k: payload[k] - trained[k]"),
+    Plant("pfedhn", "embeddings ignore embed_lr", "lr_v = o.embed_lr if o.embed_lr is not None else o.hn_lr",
+          "lr_v = o.hn_lr"),
+    Plant("pfedhn", "a new client also trains φ", "opt = torch.optim.SGD([v], lr=",
+          "opt = torch.optim.SGD([v, *(p.requires_grad_() for p in phi.values())], lr="),
+    Plant("pfedhn", "+FT / +LP start from the initial embedding, not the learned one",
+          "start = {**self.generate(server, v.detach()), **buffers}",
+          "start = {**self.generate(server, self.embedding(server, data.cid)), **buffers}"),
+    # kNN-Per (Marfoq et al. 2022, Eq. 3–4): λ·p_kNN + (1 − λ)·p_model, kernel exp(−d/T) over the k nearest
+    Plant("knnper", "λ on the wrong side of the interpolation",
+          "return lam * p_knn + (1.0 - lam) * torch.softmax(logits.float(), dim=1)",
+          "return (1.0 - lam) * p_knn + lam * torch.softmax(logits.float(), dim=1)"),
+    Plant("knnper", "logits interpolated instead of probabilities",
+          "(1.0 - lam) * torch.softmax(logits.float(), dim=1)",
+          "(1.0 - lam) * logits.float()"),
+    Plant("knnper", "kernel exp(−d·T) instead of exp(−d/T)", "torch.exp(-(d - d[:, :1]) / temperature)",
+          "torch.exp(-(d - d[:, :1]) * temperature)"),
+    Plant("knnper", "k + 1 neighbours vote", "d, nb = d[:, :kk], nb[:, :kk]", "d, nb = d[:, :kk + 1], nb[:, :kk + 1]"),
+    Plant("knnper", "λ chosen on the client's test split", "idx, weights = validation_data(self.ctx.federation, data)",
+          "idx, weights = self.ctx.federation.clients[data.cid].test, None"),
+    Plant("knnper", "datastore capacity ignored", "size = min(size, o.capacity)", "size = size"),
+    Plant("knnper", "datastore labels misaligned with its features", "keys, data.y[store], 0.0",
+          "keys, data.y[store].roll(1), 0.0"),
+    Plant("knnper", "largest λ on validation ties", "if acc > best_acc:", "if acc >= best_acc:"),
+    # FedPAC (Xu et al. 2023, Eq. 8–13): prototypes count-weighted; α_i from the QP with the variance term
+    Plant("fedpac", "QP without the variance term", "return diff @ diff.T + torch.diag(v_over_n)",
+          "return diff @ diff.T"),
+    Plant("fedpac", "uniform head combination instead of the QP's",
+          "a = simplex_qp(combination_matrix(i, h, v_over_n), tol, max_iter)",
+          "a = torch.full((len(h),), 1.0 / len(h), dtype=torch.float64)"),
+    Plant("fedpac", "global prototypes an unweighted mean",
+          "glob = (counts.unsqueeze(2) * protos).sum(0) / total.clamp_min(1.0).unsqueeze(1)", "glob = protos.mean(0)"),
+    Plant("fedpac", "feature statistics after local training instead of with the received body",
+          '"h": stats["h"], "v": stats["v"]', '"h": local["h"], "v": local["v"]'),
+    Plant("fedpac", "head phase dropped",
+          "        train_blocks(m, data, self.head, epochs=o.head_epochs, lr=o.head_lr or t.lr, train=t,\n"
+          "                     generator=cctx.generator)  # fmt: skip\n", ""),
+    Plant("fedpac", "alignment also on classes without a global prototype", "* mask[y].to(z.dtype)", ""),
+    Plant("fedpac", "h_i = class means, not prior-weighted", "h = sums / max(n, 1)", "h = mean"),
+    Plant("fedpac", "client i's head from column i of α, not row i", 'combine(alpha[i], heads[k])',
+          'combine(alpha[:, i], heads[k])'),
+]
+# fmt: on
+
+
+def run(plant: Plant, scratch: Path) -> str:
+    source = scratch / "src/pflbed/algorithms" / f"{plant.method}.py"
+    text = source.read_text()
+    if text.count(plant.old) != 1:
+        return f"STALE {plant.method}: {plant.what} (the planted text occurs {text.count(plant.old)}×)"
+    source.write_text(text.replace(plant.old, plant.new))
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"tests/test_{plant.method}.py"],
+            cwd=scratch, capture_output=True, text=True, timeout=1200,
+            env={**os.environ, "PYTHONPATH": str(scratch / "src"), "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    finally:
+        source.write_text(text)
+    if r.returncode == 0:
+        return f"GREEN {plant.method}: {plant.what}"
+    failed = next((ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "?")
+    return f"RED   {plant.method}: {plant.what} — {failed.split('::', 1)[-1]}"
+
+
+def main() -> None:
+    only = set(sys.argv[1:])
+    unknown = only - {p.method for p in PLANTS}
+    if unknown:
+        sys.exit(f"planted_rules: no plants for {', '.join(sorted(unknown))}")
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        for part in ("src", "tests"):
+            shutil.copytree(ROOT / part, scratch / part, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "pyproject.toml", scratch)
+        for plant in PLANTS:
+            if not only or plant.method in only:
+                print(run(plant, scratch), flush=True)
+
+
+if __name__ == "__main__":
+    main()
