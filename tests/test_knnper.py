@@ -76,6 +76,17 @@ def test_k_beyond_the_datastore_and_chunks(monkeypatch):
     assert torch.allclose(everything, knn_probs(z, keys, labels, 5, k=30, temperature=3.0))
 
 
+def test_default_kernel_divides_the_distance_by_the_feature_dimension_and_seven_neighbours_vote():
+    """The authors' kernel exp(−d/D) (D = 2 here) and k = 7 as defaults. q = (0, 0): squared distances 1, 1, 4, 4,
+    9, 25 (all six keys vote, k = 7 > 6); weights e^(−1/2)·2, e^(−2)·2, e^(−9/2), e^(−25/2) by key."""
+    opts = knnper.KNNPerOptions()
+    assert (opts.k, opts.temperature) == (7, None)
+    p = knn_probs(torch.tensor([[0.0, 0.0]]), KEYS, LABELS, 3, k=opts.k, temperature=opts.temperature)
+    w = [math.exp(-d / 2) for d in (1, 1, 4, 4, 9, 25)]
+    want = torch.tensor([[w[0] + w[4], w[1] + w[2], w[3] + w[5]]]) / sum(w)
+    assert torch.allclose(p, want, atol=1e-6)
+
+
 # --- the personal model ---------------------------------------------------------------------------------------
 def test_lambda_zero_is_the_global_model_exactly():
     algo = _algo(lam=0.0)
@@ -108,7 +119,8 @@ def test_the_interpolation_is_of_probabilities():
     pred = algo.personal_model(server, algo.init_client(4))
     x = data.x[data.val]
     p_knn = knn_probs(_features(algo, server, data.val), _features(algo, server, data.train.sort().values),
-                      data.y[data.train.sort().values], algo.ctx.source.num_classes, 10, 1.0)  # fmt: skip
+                      data.y[data.train.sort().values], algo.ctx.source.num_classes, algo.opts.k,
+                      algo.opts.temperature)  # fmt: skip
     model_p = torch.softmax(algo.generic_model(server).logits(x), 1)
     assert torch.allclose(pred.logits(x), 0.3 * p_knn + 0.7 * model_p, atol=1e-6)
 
@@ -153,6 +165,22 @@ def test_lambda_is_chosen_on_validation_never_on_test():
     want = algo.opts.lam_grid[accs.index(max(accs))]
     assert want > 0  # the planted case separates validation from test
     assert algo.choose_lam(pred, planted) == want
+
+
+def test_a_tie_on_validation_goes_to_the_smallest_lambda_whatever_the_grid_order():
+    """Planted: each validation label is a class that no λ can predict (the class least likely under both the kNN
+    and the global model), so every λ scores 0 and the tie must go to the smallest λ of the grid."""
+    algo = _algo(lam_grid=[0.6, 0.2, 1.0])
+    server, cid = algo.init_server(), 3
+    data = algo.ctx.client_data(cid)
+    pred = algo.personal_model(server, algo.init_client(cid))
+    p_val, logit_val = pred.parts(data.x[data.val])
+    y = data.y.clone()
+    y[data.val] = (p_val + torch.softmax(logit_val, 1)).argmin(1)
+    planted = replace(data, y=y)
+    for lam in (0.2, 0.6, 1.0):  # the planted labels really are unpredictable at every λ of the grid
+        assert not bool((knnper.mix(p_val, logit_val, lam).argmax(1) == y[data.val]).any())
+    assert algo.choose_lam(pred, planted) == 0.2
 
 
 def test_without_validation_data_lambda_falls_back():
