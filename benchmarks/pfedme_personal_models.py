@@ -10,9 +10,11 @@ suite first) and prints, per cell, the mean accuracy on the clients' own test sp
   the final model gives.
 Clients are grouped by the last round they were sampled in (the schedule is recomputed from the seed), so the
 cost of stale personal models under partial participation shows separately from the one-batch inner solution. The
-suite's FedAvg and Per-FedAvg cells are grouped the same way (their P-FL as scored, from `summary.json`): their
-personal models are computed from the current global model, the contrast. Re-solving needs the checkpoints; it
-runs for the pFedMe cells of `--seeds` (default 0).
+suite's other cells are grouped the same way (their P-FL as scored, from `summary.json`): FedAvg's and
+Per-FedAvg's personal models are computed from the current global model, the contrast; FedAMP's, FedFomo's, pFedHN's
+and KT-pFL's are stored per client and age like pFedMe's. Re-solving needs the checkpoints (cells without them are only grouped); it runs for the pFedMe
+cells of `--seeds` (default 0); for the FedAMP cells of `--seeds`, the cloud-model weights a next round would use
+are printed too (self weight ξ_ii, and the weight on models uploaded long ago).
 
     python benchmarks/pfedme_personal_models.py [--suite …] [--seeds 0 1 2] [--steps 50]
 """
@@ -97,6 +99,24 @@ def cell_figures(path: Path, resolve_steps: int | None) -> tuple[list[str], dict
     return ["θ_i", "w", "θ̂_i(w)"], grouped(per, last, summary["rounds"])
 
 
+def fedamp_weights(path: Path, rounds: int, last: dict[int, int]) -> str:
+    """FedAMP's cloud-model weights a next round would use (from the final checkpoint): each participated client's
+    self weight ξ_ii, and the weight its u_i puts on other clients' models last uploaded ≥ rounds/3 rounds ago."""
+    run = load_run(path)
+    algo, server = run.algo, run.server
+    uploaded, cache = algo.uploaded(server), {}
+    models = {c: algo.stored(server, c) for c in sorted({*uploaded, *last})}
+    self_w, stale = [], []
+    for i in sorted(last):
+        row = algo.weights(rounds + 1, i, {j: models[j] for j in sorted({*uploaded, i})}, cache)
+        self_w.append(row[i])
+        stale.append(sum(w for j, w in row.items() if j != i and last[j] <= rounds - rounds // 3))
+    n = len(self_w)
+    return (f"  FedAMP weights for round {rounds + 1} ({len(uploaded)} stored models): self weight ξ_ii mean "
+            f"{sum(self_w) / n:.3f} (min {min(self_w):.3f}, max {max(self_w):.3f}); weight on models uploaded "
+            f"≥ {rounds // 3} rounds ago, mean {sum(stale) / n:.3f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="benchmarks/suites/fmnist_ktpfl_homogeneous.yaml")
@@ -105,15 +125,23 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     bench = Bench(load_suite(args.suite))
+    seen: set[Path] = set()
     for table, (setting, method, seed) in bench.cells():
         path = table.run_dir(setting, method, seed)
-        if method not in ("FedAvg", "Per-FedAvg", "pFedMe") or not (path / "summary.json").is_file():
+        if path in seen or not (path / "summary.json").is_file():
             continue
-        resolve = args.steps if method == "pFedMe" and seed in args.seeds else None
+        seen.add(path)
+        has_checkpoint = (path / "checkpoints").is_dir()
+        resolve = args.steps if method == "pFedMe" and seed in args.seeds and has_checkpoint else None
         names, groups = cell_figures(path, resolve)
         print(f"{method} · {setting} · seed {seed} — accuracy (%) on the clients' test splits", flush=True)
         for group, accs in groups.items():
             print(f"  {group:<28} " + "  ".join(f"{k} {v:6.2f}" for k, v in zip(names, accs, strict=True)), flush=True)
+        if method == "FedAMP" and seed in args.seeds and has_checkpoint:
+            cfg = validate_config(yaml.safe_load((path / "config.yaml").read_text()))
+            summary = json.loads((path / "summary.json").read_text())
+            rounds = summary["rounds"]
+            print(fedamp_weights(path, rounds, last_sampled(cfg, sorted(summary["per_client"]["cid"]), rounds)))
 
 if __name__ == "__main__":
     main()
