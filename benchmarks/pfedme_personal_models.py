@@ -11,10 +11,12 @@ suite first) and prints, per cell, the mean accuracy on the clients' own test sp
 Clients are grouped by the last round they were sampled in (the schedule is recomputed from the seed), so the
 cost of stale personal models under partial participation shows separately from the one-batch inner solution. The
 suite's other cells are grouped the same way (their P-FL as scored, from `summary.json`): FedAvg's and
-Per-FedAvg's personal models are computed from the current global model, the contrast; FedAMP's, FedFomo's, pFedHN's
-and KT-pFL's are stored per client and age like pFedMe's. Re-solving needs the checkpoints (cells without them are only grouped); it runs for the pFedMe
-cells of `--seeds` (default 0); for the FedAMP cells of `--seeds`, the cloud-model weights a next round would use
-are printed too (self weight ξ_ii, and the weight on models uploaded long ago).
+Per-FedAvg's personal models are computed from the current global model, the contrast; FedAMP's, FedFomo's and
+KT-pFL's are stored per client and age like pFedMe's; pFedHN's come from the current hypernetwork. Re-solving needs
+the checkpoints (cells without them are only grouped); it runs for the pFedMe cells of `--seeds` (default 0). For
+the FedAMP cells of `--seeds` it also prints the cloud-model weights a next round would use (self weight ξ_ii, and
+the weight on models uploaded long ago), for the pFedHN cells how personal the generated models are (each
+client's own, the mean embedding's, another client's).
 
     python benchmarks/pfedme_personal_models.py [--suite …] [--seeds 0 1 2] [--steps 50]
 """
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from pflbed.algorithms.base import Predictor
 from pflbed.config import Config, validate_config
 from pflbed.federation import sample_clients
 from pflbed.results.bench import Bench, load_suite
@@ -117,6 +120,29 @@ def fedamp_weights(path: Path, rounds: int, last: dict[int, int]) -> str:
             f"≥ {rounds // 3} rounds ago, mean {sum(stale) / n:.3f}")  # fmt: skip
 
 
+def pfedhn_models(path: Path) -> str:
+    """How personal pFedHN's models are: mean test accuracy of each client's generated model h(v_i; φ), of the one
+    model generated from the mean embedding, and of the next client's model (clients in id order, cyclic)."""
+    run = load_run(path)
+    algo, server, fed = run.algo, run.server, run.algo.ctx.federation
+    cids = sorted(fed.participated)
+    buffers = algo.initial_buffers()
+
+    def acc(theta, cid: int) -> float:
+        data, test = algo.ctx.client_data(cid), fed.clients[cid].test
+        pred = Predictor(algo.ctx.model, {**theta, **buffers}).logits(data.x[test])
+        return float((pred.argmax(1) == data.y[test]).float().mean())
+
+    mean_model = algo.generate(server, server["emb"].mean(0))
+    own = [acc(algo.generate(server, algo.embedding(server, c)), c) for c in cids]
+    shared = [acc(mean_model, c) for c in cids]
+    other = [acc(algo.generate(server, algo.embedding(server, cids[(k + 1) % len(cids)])), c)
+             for k, c in enumerate(cids)]  # fmt: skip
+    n = len(cids)
+    return (f"  pFedHN: own generated model {100 * sum(own) / n:.2f}, the mean embedding's model "
+            f"{100 * sum(shared) / n:.2f}, the next client's model {100 * sum(other) / n:.2f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="benchmarks/suites/fmnist_ktpfl_homogeneous.yaml")
@@ -137,6 +163,8 @@ def main() -> None:
         print(f"{method} · {setting} · seed {seed} — accuracy (%) on the clients' test splits", flush=True)
         for group, accs in groups.items():
             print(f"  {group:<28} " + "  ".join(f"{k} {v:6.2f}" for k, v in zip(names, accs, strict=True)), flush=True)
+        if method == "pFedHN" and seed in args.seeds and has_checkpoint:
+            print(pfedhn_models(path))
         if method == "FedAMP" and seed in args.seeds and has_checkpoint:
             cfg = validate_config(yaml.safe_load((path / "config.yaml").read_text()))
             summary = json.loads((path / "summary.json").read_text())
