@@ -24,8 +24,9 @@ Defaults and where they come from:
   their ablation varies k over {1, 3, 5, 7, 10}). k larger than the datastore uses the whole datastore.
 - `temperature = None`: T = D, the feature dimension — the authors' code weighs a neighbour at squared distance d
   by exp(−d/(D·s)) with the kernel scale s = 1 (`--kernel_length_scale`, default 1). Dividing by D keeps the
-  kernel's width comparable across feature sizes; a fixed T (e.g. 1, kNN-LM's plain exp(−d)) is the option.
-  With T = 1 and distances between ReLU features in the tens, the vote is in effect the nearest neighbour's.
+  kernel's width comparable across feature sizes; a fixed T (e.g. 1, kNN-LM's plain exp(−d)) is the option. It
+  matters: on LeNet-5's body (D = 84) trained by FedAvg on `fmnist-rot4`, the 7th neighbour of a training sample is
+  a median 2.7 (squared) further than the 1st, so T = 1 weighs it e^−2.7 ≈ 0.07 of the nearest, T = D ≈ 0.97.
 - λ_m: a hyper-parameter of each client (Eq. above), chosen per client on validation data over `lam_grid`
   (default {0, 0.1, …, 1}, the paper's range of λ), the value with the best validation accuracy (the smallest λ
   on ties: the one closest to the global model). Test data is never used — the authors' evaluation script
