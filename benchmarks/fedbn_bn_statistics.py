@@ -53,10 +53,11 @@ def cell(path: Path) -> dict[int, list[tuple[float, float]]]:
     for cid in sorted(fed.participated):
         model = run.personal_model(cid).eval()
         data = ctx.client_data(cid)
-        pair = [client_score(Predictor(ctx.model, {k: v.detach() for k, v in m.state_dict().items()}), cid, ctx, P,
-                             "test") for m in (model, restat(model, data.x[data.train]))]  # fmt: skip
+        # both predictors stay alive until scored: `Predictions` caches labels by the params dict's identity
+        preds = [Predictor(ctx.model, m.state_dict()) for m in (model, restat(model, data.x[data.train]))]
+        scored, restated = (client_score(p, cid, ctx, P, "test") for p in preds)
         P.forget_models()
-        out.setdefault(fed.clients[cid].domain, []).append((pair[0], pair[1]))
+        out.setdefault(fed.clients[cid].domain, []).append((scored, restated))
     return out
 
 
