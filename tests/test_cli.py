@@ -307,6 +307,10 @@ def test_divergence_guard_names_the_first_non_finite_tensor_and_ignores_integers
         check_server(4, bad)
     with pytest.raises(DivergedError, match="client 2's state"):
         check_client(4, 2, ok, bad)
+    # The sum screen: opposite infinities (sum NaN) are caught; finite values whose sum overflows are not flagged.
+    assert first_nonfinite({"x": torch.tensor([float("inf"), float("-inf")])}) == "x"
+    assert first_nonfinite({"x": torch.full((4,), 3e38)}) is None
+    assert first_nonfinite({"x": torch.tensor([60000.0, 60000.0, float("nan")], dtype=torch.float16)}) == "x"
 
 
 # --- discovering algorithms and configs; piped output -----------------------------------------------------------

@@ -18,6 +18,22 @@ def generator(seed: int, *keys: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(derive_seed(seed, *keys))
 
 
+def seed_global(seed: int, device: torch.device) -> None:
+    """Seed torch's global RNG on the CPU and, in a run on an accelerator, on that device: what `torch.manual_seed`
+    does for the devices a run draws from.
+
+    Why not `torch.manual_seed` itself: it also queues a seeding of every other device type (CUDA, XPU, MTIA) that
+    is not initialized, each with a captured stack trace, ≈ 0.8 ms a call on a CPU-only machine. Called before
+    every client update, that was 5 % of a training round at 10,000 clients.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":
+        torch.manual_seed(seed)
+
+
 def fork(device: torch.device) -> contextlib.AbstractContextManager:
     """`torch.random.fork_rng` of the CPU's global RNG and, in a run on an accelerator, of that device's: code that
     reseeds torch's global RNG (`torch.manual_seed` seeds every device) leaves both as they were."""

@@ -26,7 +26,7 @@ def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
 def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
     """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs."""
     ctx = algo.ctx
-    torch.manual_seed(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid))  # randomness drawn from torch's global RNG
+    rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)  # draws from torch's global RNG
     cctx = ClientContext(rnd, cid, client_generator(ctx.seed, rnd, cid))
     return algo.client_update(payload, state, ctx.client_data(cid), cctx)
 

@@ -18,9 +18,21 @@ def first_nonfinite(tensors: Tensors) -> str | None:
     """The first key (in sorted order) of a floating-point tensor holding NaN or ±inf; None if all are finite."""
     for k in sorted(tensors):
         v = tensors[k]
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not finite(v):
             return k
     return None
+
+
+def finite(v: torch.Tensor) -> bool:
+    """Whether every element of `v` is finite, screened by its sum first.
+
+    Why: the guard reads every reply of every client, and on one thread `isfinite(v).all()` costs ~3 ms per
+    million elements (a boolean tensor written, then reduced) against ~0.05 ms for a sum — at 10,000 clients with
+    the CNN it was a quarter of a round. The screen is exact in one direction: a NaN or ±inf anywhere makes the
+    sum NaN or ±inf (inf − inf is NaN). A non-finite sum of finite values (overflow) is sorted out by the
+    element-wise check, so the answer is always the element-wise one.
+    """
+    return bool(torch.isfinite(v.sum())) or bool(torch.isfinite(v).all())
 
 
 def client_diverged(rnd: int, cid: int, what: str, key: str) -> DivergedError:
