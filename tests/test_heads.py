@@ -141,3 +141,21 @@ def test_warm_heads_with_several_sets_per_predictor_shared_and_empty_sets():
     for p, split, i in items:
         assert torch.equal(warm(p, split, i), Predictions(src, 256)(p, split, i))
     assert len(Predictions(src, 256)(preds[3], "train", test_a).unique()) > 1
+    # gather: all items at once = each item's labels concatenated in order; one block, then a mix with an unwarmed
+    # item (the per-item path), then nothing.
+    cold = Predictions(src, 256)
+    want = torch.cat([cold(p, split, i) for p, split, i in items])
+    assert torch.equal(warm.gather(items), want)
+    assert torch.equal(warm.gather(items[::-1]), torch.cat([cold(p, split, i) for p, split, i in items[::-1]]))
+    other = _predictors(2, shared_every=5)[1]
+    mixed = [*items[:3], (other, "train", test_a), *items[3:]]
+    assert torch.equal(warm.gather(mixed), torch.cat([cold(p, split, i) for p, split, i in mixed]))
+    assert warm.gather([]).numel() == 0
+    # A cached entry under another predictor's id (ids are reused once an object dies) is never read as its own.
+    stale = dict(warm.labels)
+    for (pid, split, ptr, n), (_, block, start, rows) in stale.items():
+        if pid == id(preds[1]):
+            warm.labels[(id(other), split, ptr, n)] = (preds[1], block, start, rows)
+    alias = [(other, split, i) for p, split, i in items if p is preds[1]]
+    assert torch.equal(warm.gather(alias), torch.cat([cold(p, split, i) for p, split, i in alias]))
+    assert all(torch.equal(warm(p, s, i), cold(p, s, i)) for p, s, i in alias)

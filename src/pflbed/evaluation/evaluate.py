@@ -38,14 +38,15 @@ class Predictions:
         self.source, self.bs = source, batch_size
         self.store: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
         self.feats: dict[tuple, torch.Tensor] = {}  # body features per (feature_key, split, index tensor)
-        self.labels: dict[tuple, tuple[Predictor, torch.Tensor]] = {}  # `warm_heads` results per (predictor, set)
+        # `warm_heads` results per (predictor, set): (predictor, labels block, first row, rows) — sliced when read
+        self.labels: dict[tuple, tuple[Predictor, torch.Tensor, int, int]] = {}
 
     def __call__(self, pred: Predictor, split: str, idx: torch.Tensor) -> torch.Tensor:
         x = getattr(self.source, split).x
         if pred.feature_key is not None:  # shared frozen body: features once, then only the head
             hit = self.labels.get((id(pred), split, idx.data_ptr(), idx.numel()))
             if hit is not None and hit[0] is pred:
-                return hit[1]
+                return hit[1][hit[2] : hit[2] + hit[3]]
             key = (pred.feature_key, split, idx.data_ptr(), idx.numel())
             if key not in self.feats:
                 self.feats[key] = pred.features(x[idx], self.bs)
@@ -100,8 +101,25 @@ class Predictions:
         start = 0
         for (pid, split), sets in groups.items():
             for ptr, n in sets:
-                self.labels[(pid, split, ptr, n)] = owner[pid], labels[start : start + n]
+                self.labels[(pid, split, ptr, n)] = owner[pid], labels, start, n
                 start += n
+
+    def gather(self, items: list[tuple[Predictor, str, torch.Tensor]]) -> torch.Tensor:
+        """The labels of every (predictor, split, indices) item, concatenated in order: `__call__` of each item,
+        but items `warm_heads` labelled in one block come out of one indexing operation rather than one slice per
+        item (20,000 slices an evaluation at 10,000 clients)."""
+        hits = [self.labels.get((id(p), s, i.data_ptr(), i.numel())) for p, s, i in items]
+        block = hits[0][1] if hits and hits[0] is not None else None
+        one_block = block is not None and all(
+            h is not None and h[1] is block and h[0] is p for h, (p, _, _) in zip(hits, items, strict=True)
+        )
+        if not one_block:  # the per-item path (a hit of another predictor, whose id was reused, is not a hit)
+            return torch.cat([self(p, s, i) for p, s, i in items]) if items else torch.zeros(0, dtype=torch.int64)
+        starts = torch.tensor([h[2] for h in hits], device=block.device)
+        sizes = torch.tensor([h[3] for h in hits], device=block.device)
+        offsets = torch.cumsum(sizes, 0) - sizes  # where each item's rows begin in the output
+        rows = torch.arange(int(sizes.sum()), device=block.device)
+        return block[rows + torch.repeat_interleave(starts - offsets, sizes)]
 
     def forget_models(self) -> None:
         """Drop everything cached per model (keep shared-body features): before scoring the next models."""
@@ -144,19 +162,23 @@ def client_scores(
     preds: dict[int, Predictor], ctx: Context, P: Predictions
 ) -> tuple[dict[int, float], dict[int, float]]:
     """(test, val) P-FL accuracy per client under the federation's protocol."""
-    _warm(preds, ctx, P)
-    return _scores(preds, ctx, P, "test"), _scores(preds, ctx, P, "val")
+    sets = {which: [needs(c, ctx, which) for c in preds] for which in ("test", "val")}
+    _warm(preds, P, sets)
+    return _scores(preds, ctx, P, "test", sets["test"]), _scores(preds, ctx, P, "val", sets["val"])
 
 
-def _scores(preds: dict[int, Predictor], ctx: Context, P: Predictions, which: str) -> dict[int, float]:
-    """`client_score` of every client. Plain accuracies on the clients' own splits are counted in one pass (the
-    same float32 numbers `accuracy` gives); class-weighted ones per client."""
+def _scores(
+    preds: dict[int, Predictor], ctx: Context, P: Predictions, which: str, sets: list[tuple[str, torch.Tensor]]
+) -> dict[int, float]:
+    """`client_score` of every client, given each one's (split, indices) for `which`. Plain accuracies on the
+    clients' own splits are counted in one pass (the same float32 numbers `accuracy` gives); class-weighted ones
+    per client."""
     if class_weighted(ctx, which):
         return {c: client_score(p, c, ctx, P, which) for c, p in preds.items()}
-    idxs = [needs(c, ctx, which)[1] for c in preds]
+    idxs = [idx for _, idx in sets]
     if not idxs:
         return {}
-    labels = torch.cat([P(p, "train", idx) for p, idx in zip(preds.values(), idxs, strict=True)])
+    labels = P.gather([(p, "train", idx) for p, idx in zip(preds.values(), idxs, strict=True)])
     right = (labels == ctx.source.train.y[torch.cat(idxs)]).float()
     sizes = torch.tensor([idx.numel() for idx in idxs], device=right.device)
     client = torch.repeat_interleave(torch.arange(len(idxs), device=right.device), sizes)
@@ -168,24 +190,25 @@ def _weighted(pred: torch.Tensor, y: torch.Tensor, prior: torch.Tensor) -> float
     return class_weighted_accuracy(*class_counts(pred, y, len(prior)), prior)
 
 
-def _warm(preds: dict[int, Predictor], ctx: Context, P: Predictions) -> None:
+def _warm(preds: dict[int, Predictor], P: Predictions, sets: dict[str, list[tuple[str, torch.Tensor]]]) -> None:
     """Predict everything the scores will read, with as few forwards as possible.
 
     A model shared by several clients (same `group`) runs one batched forward per split over all samples its
     clients need; predictors on one shared body (same `feature_key` and model) run the body once per split and
     all their heads as one batched operation (`Predictions.warm_heads`).
     """
-    groups: dict[tuple, list[int]] = {}
-    for cid, p in preds.items():
+    groups: dict[tuple, list[int]] = {}  # positions in `preds`
+    for i, p in enumerate(preds.values()):
         key = ("heads", p.feature_key, id(p.model)) if p.feature_key is not None else ("model", p.group)
-        groups.setdefault(key, []).append(cid)
-    for key, cids in groups.items():
-        items = [(preds[c], *needs(c, ctx, which)) for c in cids for which in ("test", "val")]
+        groups.setdefault(key, []).append(i)
+    pred_list = list(preds.values())
+    for key, pos in groups.items():
+        items = [(pred_list[i], *sets[which][i]) for i in pos for which in ("test", "val")]
         if key[0] == "heads":
             P.warm_heads(items)
             continue
         for split in dict.fromkeys(s for _, s, _ in items):
-            P(preds[cids[0]], split, torch.cat([idx for _, s, idx in items if s == split]))
+            P(pred_list[pos[0]], split, torch.cat([idx for _, s, idx in items if s == split]))
 
 
 def summarize(test: dict[int, float], val: dict[int, float], prefix: str = "pfl") -> dict:
