@@ -9,7 +9,8 @@
 2. Scale. FedPer (personal classifier), `--scale-clients` clients (1,000 and 10,000), 1 % of them per round,
    `eval.every=5`, 10 rounds, each in a fresh process so that its peak RSS is its own: setup seconds, training
    seconds per round, seconds per evaluation of all clients and per client, evaluation's share of the run, peak RSS;
-   with the default layout (nchw) and `model.channels_last` (nhwc).
+   with the default layout (nchw), `model.channels_last` (nhwc), and the default layout on `procs` with 2 workers
+   (procs: training in the workers, evaluation's forwards split over them; its peak RSS is the main process's).
 3. GPU (only where CUDA is available): FedAvg, 100 clients all participating, 1 local epoch, batch 32, `cnn` —
    seconds per round for loop, batched and procs on the GPU.
 
@@ -96,14 +97,22 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def scale_child(clients: int, model: str, channels_last: bool) -> None:
+SCALE_VARIANTS = {  # name → (executor section, model section)
+    "nchw": ({"threads": 1}, {}),
+    "nhwc": ({"threads": 1}, {"channels_last": True}),
+    "procs": ({"name": "procs", "workers": 2, "threads": 1}, {}),
+}
+
+
+def scale_child(clients: int, model: str, variant: str) -> None:
     """One scale measurement in this (fresh) process; prints a JSON line."""
     t0 = time.perf_counter()
+    executor, model_section = SCALE_VARIANTS[variant]
     cfg = validate_config({
-        "dataset": {"name": "fmnist"}, "model": {"name": model, "channels_last": channels_last},
+        "dataset": {"name": "fmnist"}, "model": {"name": model, **model_section},
         "federation": {"clients": clients, "partition": "iid", "sample_fraction": 0.01, "min_size": 1},
         "train": {"rounds": 10, "batch_size": 10, "lr": 0.01, "checkpoint_every": 0},
-        "eval": {"every": 5, "finetune": []}, "executor": {"threads": 1}, "algorithm": {"name": "fedper"},
+        "eval": {"every": 5, "finetune": []}, "executor": executor, "algorithm": {"name": "fedper"},
     })  # fmt: skip
     r = run(cfg, write=False, progress=False)
     t = r.summary["timing"]
@@ -118,13 +127,13 @@ def scale_child(clients: int, model: str, channels_last: bool) -> None:
 
 def scale(a: argparse.Namespace) -> None:
     print(f"\nFedPer, {a.scale_model}, 1 % of clients per round, eval.every=5, 10 rounds (fresh process each)")
-    print(f"{'clients':>8s} {'layout':>6s} {'setup s':>8s} {'train s/round':>13s} {'s/eval':>7s} "
+    print(f"{'clients':>8s} {'variant':>7s} {'setup s':>8s} {'train s/round':>13s} {'s/eval':>7s} "
           f"{'ms/eval/client':>14s} {'eval share':>10s} {'peak RSS MB':>11s}")  # fmt: skip
-    for n, layout in [(n, layout) for n in a.scale_clients for layout in ("nchw", "nhwc")]:
-        out = subprocess.run([sys.executable, __file__, "--scale-child", str(n), a.scale_model, layout],
+    for n, variant in [(n, variant) for n in a.scale_clients for variant in SCALE_VARIANTS]:
+        out = subprocess.run([sys.executable, __file__, "--scale-child", str(n), a.scale_model, variant],
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
         m = json.loads(out.strip().splitlines()[-1])
-        print(f"{n:8d} {layout:>6s} {m['setup_s']:8.1f} {m['train_s_per_round']:13.2f} {m['eval_s']:7.2f} "
+        print(f"{n:8d} {variant:>7s} {m['setup_s']:8.1f} {m['train_s_per_round']:13.2f} {m['eval_s']:7.2f} "
               f"{1000 * m['eval_s'] / m['evaluated']:14.3f} {100 * m['eval_share']:9.1f}% "
               f"{m['peak_rss_mb']:11.0f}")  # fmt: skip
 
@@ -145,7 +154,7 @@ def gpu(a: argparse.Namespace) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--scale-child"]:
-        scale_child(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "nhwc")
+        scale_child(int(sys.argv[2]), sys.argv[3], sys.argv[4])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["lenet5", "cnn"])

@@ -28,6 +28,36 @@ def test_procs_equals_loop_bit_for_bit(name, pool):
     assert all(_same(procs.executor.states[c], loop.executor.states[c]) for c in loop.executor.states)
 
 
+@pytest.mark.parametrize("name, method, widest", [("fedavg", "logits", 3), ("fedper", "features", None)])
+def test_evaluation_forwards_run_in_the_idle_workers_with_the_loops_numbers(name, method, widest, pool, monkeypatch):
+    """Between rounds the workers are idle, so procs runs an evaluation's forwards there: a shared model's logits
+    (FedAvg) or a shared body's features (FedPer), in parts of whole inference chunks, each part whole in one worker
+    — the chunks `loop` runs, hence its records bit for bit. A small eval batch makes the tiny sets many parts; for
+    the logits, an activation budget of 3 rows of the MLP's widest layer (200 floats) makes a chunk 3 rows, so
+    parts of 16 batches (128 rows) would cut chunks."""
+    from pflbed.models import inference
+
+    if widest:
+        monkeypatch.setattr(inference, "ACTIVATION_BYTES", widest * 200 * 4)
+    torch.set_num_threads(1)
+    parts = []
+    real = pool.forward
+
+    def counted(pred, m, split, ps, bs):
+        parts.append((m, ps))
+        return real(pred, m, split, ps, bs)
+
+    monkeypatch.setattr(pool, "forward", counted)
+    small = {"batch_size": 8}
+    loop = run(parity_config(name, {"threads": 1}, small), write=False, progress=False)
+    procs = run(parity_config(name, {"name": "procs", "workers": 2, "threads": 1}, small), write=False,
+                progress=False, pool=pool)  # fmt: skip
+    assert _figures(procs.summary) == _figures(loop.summary)
+    assert parts and {m for m, _ in parts} == {method} and all(len(ps) >= 2 for _, ps in parts)
+    rows = widest or 8
+    assert all(len(p) % rows == 0 for _, ps in parts for p in ps[:-1])  # every part but the last: whole chunks
+
+
 def test_procs_in_strict_mode_and_with_its_own_pool():
     """The run starts (and stops) its own workers when given none; strict mode still round-trips through bytes."""
     torch.set_num_threads(1)
@@ -51,6 +81,26 @@ def test_a_failing_client_update_is_reported_with_the_client(pool):
     cids = algo.ctx.federation.participated[:2]
     with pytest.raises(WorkerError, match=r"client \d+: ValueError: no data for client \d+\n.*worker traceback"):
         ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
+
+
+def test_a_federation_of_many_clients_reaches_the_workers_as_a_copy(pool):
+    """Each tensor shared with the workers holds a file descriptor: 10,000 clients' index tensors passed the
+    open-file limit. The federation goes as plain bytes, only the data is shared: under a soft limit of 256 open
+    files, 400 clients (1,600 index and prior tensors) still load and train."""
+    import resource
+
+    torch.set_num_threads(1)
+    cfg = pflbed.config.validate_config({**TINY, "federation": {"clients": 400, "partition": "iid", "min_size": 1},
+                                         "executor": {"name": "procs", "workers": 2, "threads": 1}})  # fmt: skip
+    algo = prepare(cfg)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        cids = algo.ctx.federation.participated[:4]
+        replies = ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sorted(replies) == sorted(cids)
 
 
 def test_assign_balances_by_training_size():

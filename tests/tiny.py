@@ -42,11 +42,11 @@ def same_tensors(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def parity_config(name, executor, **train):
+def parity_config(name, executor, evaluation=None, **train):
     """TINY for algorithm `name` (or a case of VARIANTS) on `executor` (with FED's public data and LIGHT's options
-    where they apply), with `train` overrides: the config of the executor parity tests."""
+    where they apply), with `evaluation` and `train` overrides: the config of the executor parity tests."""
     name, options = VARIANTS.get(name, (name, {}))
     fields = ALGORITHMS[name].Config.model_fields
     algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}, **options}
     return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
-                            "executor": executor})  # fmt: skip
+                            "eval": {**TINY["eval"], **(evaluation or {})}, "executor": executor})  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from pflbed.algorithms.base import Algorithm, Context, Tensors
 from pflbed.engine import wire
 from pflbed.engine.guard import check_server
-from pflbed.evaluation.evaluate import evaluate, subsampled
+from pflbed.evaluation.evaluate import Forward, evaluate, subsampled
 from pflbed.federation import sample_clients
 
 
@@ -29,6 +29,7 @@ class Executor(Protocol):
     """
 
     states: dict[int, Tensors]
+    forward: Forward | None  # where evaluation forwards may run besides this process (procs: the idle workers)
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterable[tuple[int, Tensors]]: ...
 
@@ -103,7 +104,7 @@ class Driver:
         """The round's record (G-FL, P-FL, communication, the algorithm's diagnostics) and per-client P-FL."""
         final = rnd == self.cfg.train.rounds
         state: Callable[[int], Tensors] = self.executor.state
-        scores, per_client = evaluate(self.algo, server, state, None if final else self.quick)
+        scores, per_client = evaluate(self.algo, server, state, None if final else self.quick, self.executor.forward)
         record = {"round": rnd, **scores, **comm, "full_test": final or self.quick is self.algo.ctx}
         if self.failed:  # which clients each round since the last record lost
             record["failed_clients"], self.failed = self.failed, {}

@@ -15,6 +15,7 @@ from pflbed import rng
 from pflbed.algorithms.base import Algorithm, ClientContext, Tensors
 from pflbed.engine import wire
 from pflbed.engine.guard import check_client
+from pflbed.evaluation.evaluate import Forward
 
 
 def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
@@ -32,6 +33,8 @@ def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: 
 
 
 class LoopExecutor:
+    forward: Forward | None = None  # evaluation forwards run in this process
+
     def __init__(self, algo: Algorithm, strict: bool = False) -> None:
         self.algo, self.strict = algo, strict
         self.states: dict[int, Tensors] = {}

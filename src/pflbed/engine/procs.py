@@ -10,9 +10,9 @@ worker runs a client, and in which order, changes nothing. Workers run with the 
 loop executor's process, which makes the two bit-identical (the parity tests check it for every algorithm).
 
 What crosses the process boundary and how:
-- the algorithm object (config, data, federation, model template) once per run: `torch.multiprocessing` moves its
-  tensors to shared memory, so the dataset is shared by all workers rather than copied, and each worker builds its
-  models once;
+- the algorithm object (config, data, federation, model template) once per run: `torch.multiprocessing` moves the
+  data's tensors to shared memory, so the dataset is shared by all workers rather than copied; the rest, the
+  federation's indices included, is copied, and each worker builds its models once;
 - per client, the payload and the client's state out, the reply and the new state back, as shared-memory tensors;
   both sides copy them into private memory on receipt, so no worker can write into another's payload and the
   executor keeps no shared-memory handle per client (10,000 client states would otherwise hold 10,000 of them).
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from pflbed.algorithms.base import Algorithm, Tensors
+from pflbed.algorithms.base import Algorithm, Predictor, Tensors
 from pflbed.engine.executor import LoopExecutor, update_client
 
 _POLL_S = 1.0  # how often a waiting executor checks that its workers are alive
@@ -69,7 +69,8 @@ def _get(q: Any, **kw: Any) -> Any:
 
 
 def _worker(threads: int, tasks: Any, results: Any) -> None:
-    """A worker's loop: receive an algorithm, then clients to update with it, until told to stop (None)."""
+    """A worker's loop: receive an algorithm, then clients to update with it (or evaluation forwards to run on its
+    data), until told to stop (None)."""
     torch.set_num_threads(threads)
     algo: Algorithm | None = None
     device = torch.device("cpu")
@@ -79,7 +80,17 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
             private, (source, federation) = body
             algo = pickle.loads(private)
             device = algo.ctx.device
-            algo.ctx.source, algo.ctx.federation = source.to(device), federation.to(device)
+            algo.ctx.source, algo.ctx.federation = source.to(device), pickle.loads(federation).to(device)
+            continue
+        if kind == "forward":
+            tag, predictor, method, split, parts, batch_size = body
+            try:
+                pred = pickle.loads(predictor)
+                x = getattr(algo.ctx.source, split).x
+                outs = [getattr(pred, method)(x[p.to(device)], batch_size).cpu() for p in parts]
+                _put(results, (tag, outs, None, None))
+            except BaseException as e:
+                _put(results, (tag, None, None, (type(e).__name__, str(e), traceback.format_exc())))
             continue
         rnd, cid, payload, state = body
         try:
@@ -102,6 +113,7 @@ class WorkerPool:
 
     def __init__(self, workers: int, threads: int = 1) -> None:
         ctx = mp.get_context("spawn")
+        self.threads = threads
         self.device = torch.device("cpu")  # the loaded algorithm's (`load`)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(workers)]
@@ -114,7 +126,7 @@ class WorkerPool:
         return len(self.procs)
 
     def load(self, algo: Algorithm) -> None:
-        """Send `algo` to every worker: its data and federation shared, everything else (models!) a private copy.
+        """Send `algo` to every worker: its data shared, everything else (models!) a private copy.
 
         Model templates are trained in place, so workers sharing one would write into each other's weights. The
         shared data go as CPU tensors; each worker moves them to the run's device.
@@ -127,27 +139,46 @@ class WorkerPool:
             private = pickle.dumps(algo)  # plain pickle: tensors are copied into the bytes
         finally:
             ctx.source, ctx.federation = shared
-        on_cpu = ctx.source.to("cpu"), ctx.federation.to("cpu")
+        # The federation is copied, not shared: it is small (indices and priors) but holds a few tensors per
+        # client, and each shared tensor costs a file descriptor in every process — 10,000 clients exceeded the
+        # open-file limit.
+        on_cpu = ctx.source.to("cpu"), pickle.dumps(ctx.federation.to("cpu"))
         for q in self.tasks:
             _put(q, ("algorithm", (private, on_cpu)))
 
     def submit(self, worker: int, rnd: int, cid: int, payload: Tensors, state: Tensors) -> None:
         _put(self.tasks[worker], ("client", (rnd, cid, _on_cpu(payload), _on_cpu(state))))
 
+    def forward(self, predictor: bytes, method: str, split: str, parts: list[torch.Tensor],
+                batch_size: int) -> list[torch.Tensor]:  # fmt: skip
+        """`getattr(pred, method)(x[part], batch_size)` for every part, x the `split` of the loaded algorithm's data
+        and `pred` the pickled `predictor`: contiguous runs of parts, one run per worker, on the run's device."""
+        per = -(-len(parts) // self.size)
+        runs = [parts[i : i + per] for i in range(0, len(parts), per)]
+        for w, run in enumerate(runs):
+            _put(self.tasks[w], ("forward", (("forward", w), predictor, method, split, [p.cpu() for p in run],
+                                             batch_size)))  # fmt: skip
+        done = [self._next() for _ in runs]  # every run's result taken before any error is raised
+        for _, _, _, error in done:
+            _raise(error, "an evaluation forward")
+        outs = {w: out for (_, w), out, _, _ in done}
+        return [o.to(self.device, copy=True) for w in range(len(runs)) for o in outs[w]]
+
     def collect(self) -> tuple[int, tuple[Tensors, Tensors]]:
         """The next finished client's (cid, (reply, state)); raises if the update failed or a worker died."""
+        cid, reply, state, error = self._next()
+        _raise(error, f"client {cid}")
+        return cid, (_private(reply, self.device), _private(state, self.device))
+
+    def _next(self) -> tuple:
+        """The next (tag, result, result, error) from any worker; raises if a worker died."""
         while True:
             try:
-                cid, reply, state, error = _get(self.results, timeout=_POLL_S)
-                break
+                return _get(self.results, timeout=_POLL_S)
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:
                     raise WorkerError(f"a worker process died (exit code {dead[0].exitcode})") from None
-        if error is not None:
-            name, message, trace = error
-            raise WorkerError(f"client {cid}: {name}: {message}\n--- worker traceback ---\n{trace}")
-        return cid, (_private(reply, self.device), _private(state, self.device))
 
     def discard(self, n: int) -> None:
         """Collect and drop `n` outstanding results."""
@@ -174,6 +205,12 @@ class WorkerPool:
         self.close()
 
 
+def _raise(error: tuple[str, str, str] | None, what: str) -> None:
+    if error is not None:
+        name, message, trace = error
+        raise WorkerError(f"{what}: {name}: {message}\n--- worker traceback ---\n{trace}")
+
+
 def assign(sizes: dict[int, int], workers: int) -> dict[int, int]:
     """cid → worker: largest client first to the least-loaded worker (ties: lower cid, lower worker)."""
     load = [0] * workers
@@ -192,6 +229,16 @@ class ProcsExecutor(LoopExecutor):
         super().__init__(algo, strict)
         self.pool = pool
         pool.load(algo)
+
+    def forward(self, pred: Predictor, method: str, split: str, parts: list[torch.Tensor],
+                batch_size: int) -> list[torch.Tensor] | None:  # fmt: skip
+        """An evaluation's forwards (`evaluation.evaluate.Forward`) split over the workers, idle between rounds; None
+        (run them here) where that would not give this process's numbers or could not pay: workers with another
+        thread count than this process, fewer than two parts or workers. Each part runs whole in one worker with
+        the chunking it has here, so the outputs are bit-identical."""
+        if len(parts) < 2 or self.pool.size < 2 or self.pool.threads != torch.get_num_threads():
+            return None
+        return self.pool.forward(pickle.dumps(pred), method, split, parts, batch_size)
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         """Results arrive in any order; each is handed on as soon as every client before it has been."""

@@ -24,6 +24,12 @@ from pflbed.algorithms.base import Algorithm, Budget, Context, Predictor, Tensor
 from pflbed.data.arrays import DataSource
 from pflbed.evaluation.heads import predict_all
 from pflbed.evaluation.metrics import accuracy, class_counts, class_weighted_accuracy, client_stats
+from pflbed.models.inference import inference_rows
+
+Forward = Callable[[Predictor, str, str, list[torch.Tensor], int], list[torch.Tensor] | None]
+"""Where an evaluation's forwards may run (`engine.procs.ProcsExecutor.forward`): given (predictor, method, split,
+index parts, batch size), `getattr(predictor, method)(x[part], batch size)` for each part, x the split's samples
+— or None, to run them in this process."""
 
 
 class Predictions:
@@ -34,8 +40,8 @@ class Predictions:
     tensor's identity.
     """
 
-    def __init__(self, source: DataSource, batch_size: int) -> None:
-        self.source, self.bs = source, batch_size
+    def __init__(self, source: DataSource, batch_size: int, forward: Forward | None = None) -> None:
+        self.source, self.bs, self.forward = source, batch_size, forward
         self.store: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
         self.feats: dict[tuple, torch.Tensor] = {}  # body features per (feature_key, split, index tensor)
         # `warm_heads` results per (predictor, set): (predictor, labels block, first row, rows) — sliced when read
@@ -56,8 +62,25 @@ class Predictions:
             out = self.store[(pred.group, split)] = torch.full((len(x),), -1, dtype=torch.int64, device=x.device)
         missing = idx[out[idx] < 0].unique()
         if len(missing):
-            out[missing] = pred.logits(x[missing], self.bs).argmax(1)
+            parts = [missing]
+            if self._remote(pred, "logits"):  # parts of whole forward chunks: the same chunks as one call
+                step = max(1, 16 * self.bs // (rows := inference_rows(pred.model, "forward", x, self.bs))) * rows
+                parts = list(missing.split(step))
+            out[missing] = torch.cat(self._run(pred, "logits", split, parts)).argmax(1)
         return out[idx]
+
+    def _remote(self, pred: Predictor, method: str) -> bool:
+        """Whether `method` of `pred` may run through `forward`: there is one, and the method is `Predictor`'s own
+        (a subclass's could depend on this process or on how its inputs are split)."""
+        return self.forward is not None and getattr(type(pred), method) is getattr(Predictor, method)
+
+    def _run(self, pred: Predictor, method: str, split: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`getattr(pred, method)(x[part])` for each part: through `forward` where it may and will, else here."""
+        out = self.forward(pred, method, split, parts, self.bs) if self._remote(pred, method) else None
+        if out is None:
+            x = getattr(self.source, split).x
+            out = [getattr(pred, method)(x[p], self.bs) for p in parts]
+        return out
 
     def warm_heads(self, items: list[tuple[Predictor, str, torch.Tensor]]) -> None:
         """Labels of many heads on one shared body: (predictor, split, pool indices) per item, all predictors of
@@ -75,8 +98,7 @@ class Predictions:
             distinct = {(s, i.data_ptr(), i.numel()): i for _, s, i in items if s == split}
             wanted = torch.cat(list(distinct.values()))
             union = wanted.unique()  # sorted
-            x = getattr(self.source, split).x  # gathered a slice at a time: no copy of every sample at once
-            body = torch.cat([first.features(x[u], self.bs) for u in union.split(16 * self.bs)])
+            body = torch.cat(self._run(first, "features", split, list(union.split(16 * self.bs))))  # a slice at a time
             feats[split] = body[torch.searchsorted(union, wanted)]
             start = 0
             for key, i in distinct.items():
@@ -175,9 +197,9 @@ def _scores(
     per client."""
     if class_weighted(ctx, which):
         return {c: client_score(p, c, ctx, P, which) for c, p in preds.items()}
-    idxs = [idx for _, idx in sets]
-    if not idxs:
+    if not sets:
         return {}
+    idxs = [idx for _, idx in sets]
     labels = P.gather([(p, "train", idx) for p, idx in zip(preds.values(), idxs, strict=True)])
     right = (labels == ctx.source.train.y[torch.cat(idxs)]).float()
     sizes = torch.tensor([idx.numel() for idx in idxs], device=right.device)
@@ -197,11 +219,11 @@ def _warm(preds: dict[int, Predictor], P: Predictions, sets: dict[str, list[tupl
     clients need; predictors on one shared body (same `feature_key` and model) run the body once per split and
     all their heads as one batched operation (`Predictions.warm_heads`).
     """
-    groups: dict[tuple, list[int]] = {}  # positions in `preds`
-    for i, p in enumerate(preds.values()):
+    pred_list = list(preds.values())
+    groups: dict[tuple, list[int]] = {}  # positions in `pred_list`
+    for i, p in enumerate(pred_list):
         key = ("heads", p.feature_key, id(p.model)) if p.feature_key is not None else ("model", p.group)
         groups.setdefault(key, []).append(i)
-    pred_list = list(preds.values())
     for key, pos in groups.items():
         items = [(pred_list[i], *sets[which][i]) for i in pos for which in ("test", "val")]
         if key[0] == "heads":
@@ -247,24 +269,24 @@ def subsampled(ctx: Context, per_class: int | None) -> Context:
 
 
 def evaluate(
-    algo: Algorithm, server: Tensors, states: Callable[[int], Tensors], ctx: Context | None = None
-) -> tuple[dict, dict[int, float]]:
+    algo: Algorithm, server: Tensors, states: Callable[[int], Tensors], ctx: Context | None = None,
+    forward: Forward | None = None,
+) -> tuple[dict, dict[int, float]]:  # fmt: skip
     """One evaluation of the participated clients: (G-FL and P-FL figures, P-FL test accuracy per client).
 
-    `ctx` may be a `subsampled` view of the algorithm's context (cheaper intermediate evaluations). Runs with
-    the cyclic garbage collector paused (`_gc_paused`).
+    `ctx` may be a `subsampled` view of the algorithm's context (cheaper intermediate evaluations); `forward`, where
+    the heavy forwards may run (the executor's). Runs with the cyclic garbage collector paused (`_gc_paused`).
     """
     with _gc_paused():
-        return _evaluate(algo, server, states, ctx)
+        return _evaluate(algo, server, states, ctx, forward)
 
 
 def _evaluate(
-    algo: Algorithm, server: Tensors, states: Callable[[int], Tensors], ctx: Context | None
+    algo: Algorithm, server: Tensors, states: Callable[[int], Tensors], ctx: Context | None, forward: Forward | None
 ) -> tuple[dict, dict[int, float]]:
-
     ctx = ctx or algo.ctx
     fed = ctx.federation
-    P = Predictions(ctx.source, ctx.cfg.eval.batch_size)
+    P = Predictions(ctx.source, ctx.cfg.eval.batch_size, forward)
     out: dict = {"gfl_acc": None, "gfl_val": None}
     generic = algo.generic_model(server)
     if generic is not None:
