@@ -7,6 +7,7 @@ wrong data, weights or epoch changes the number.
 """
 
 import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -303,6 +304,32 @@ def test_predictions_are_cached_per_model_and_split_never_shared():
     P(c, "train", torch.tensor([7, 7, 8]))
     P(c, "train", torch.tensor([8, 9]))
     assert c.calls == [2, 1]
+
+
+def test_a_cache_entry_holds_its_model_and_parameters_so_no_later_model_takes_their_address():
+    """CPython gives a new object the address of one just freed: a cache keyed by `id(params)` would hand a
+    freed model's labels to the next model whose parameter dict lands there. `Predictor.group` holds the model
+    and its parameter dict instead, so neither is freed while its entry is cached."""
+
+    class Params(dict):  # a dict that can be referenced weakly
+        pass
+
+    src, _ = _fed("local")
+    idx = torch.tensor([0, 1, 2, 3, 4, 5])
+    P = Predictions(src, 4)
+    t = Table(src, right_train=[0])
+    t.params = Params()
+    alive = weakref.ref(t.params), weakref.ref(t.model)
+    expected = P(t, "train", idx)
+    del t
+    gc.collect()
+    assert all(r() is not None for r in alive)  # their addresses stay taken while cached
+    u = Table(src, right_train=[1, 2])
+    assert torch.equal(P(u, "train", idx), Predictions(src, 4)(u, "train", idx))
+    assert not torch.equal(P(u, "train", idx), expected)
+    P.forget_models()
+    gc.collect()
+    assert all(r() is None for r in alive)  # and only while cached
 
 
 class Head(Predictor):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pflbed
-from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.base import Budget, ClientContext, Same
 from pflbed.algorithms.fedrod import (
     AdditivePredictor,
     PersonalHead,
@@ -460,7 +460,7 @@ def test_pfl_body_changes_the_pfl_model_only():
     for c, s in on_server.executor.states.items():
         assert set(s) == {"personal.weight", "personal.bias"}
         assert all(torch.equal(s[k], on_local.executor.states[c][k]) for k in s)
-        assert algo.personal_model(on_server.server, s).feature_key == ("fedrod-body", id(on_server.server))
+        assert algo.personal_model(on_server.server, s).feature_key == ("fedrod-body", Same(on_server.server))
     assert on_server.summary["final"]["pfl_acc"] != on_local.summary["final"]["pfl_acc"]
 
 

@@ -95,3 +95,16 @@ def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_o
         assert torch.allclose(out[k], server[k] + 0.5 * (mean - server[k]), atol=1e-6)
         dc = replies[0][f"dc/{k}"] + replies[2][f"dc/{k}"]
         assert torch.allclose(out[f"c/{k}"], server[f"c/{k}"] + dc / n, atol=1e-7)
+
+
+def test_model_part_is_the_given_states_even_at_a_freed_states_address():
+    """Evaluation reads the model part of each round's server state through a one-entry cache. CPython gives a new
+    dict the address of one just freed, so a cache keyed by `id(server)` handed the next round's evaluation the
+    previous round's model (a run's records then depended on the allocator); the cache holds the state instead."""
+    algo = prepare(_cfg())
+    first = algo.init_server()
+    algo.model_part(first)
+    del first
+    nxt = {}  # the allocator's first candidate: the freed state's address, unless the cache holds that state
+    nxt.update({k: v + 1 for k, v in algo.init_server().items()})
+    assert all(algo.model_part(nxt)[k] is nxt[k] for k in algo.model_keys)

@@ -279,3 +279,28 @@ def test_lp_cached_features_are_keyed_by_the_start():
     assert not torch.equal(preds[0].logits(x).argmax(1), preds[1].logits(x).argmax(1))
     for p in preds:
         assert torch.equal(P(p, "test", idx), p.logits(x).argmax(1))
+
+
+def test_lp_features_of_a_freed_start_are_never_read_for_a_later_start():
+    """CPython gives a new dict the address of one just freed. A feature key of the start's id would then score a
+    later client's lp predictor on an earlier client's body features (one prediction cache serves every client
+    of `evaluate_personalized` and of the new-client protocol): the key must hold the start itself."""
+    from types import SimpleNamespace
+
+    from pflbed.evaluation.evaluate import Predictions
+
+    data, net = _data(n=20), _bn_net()
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(9))
+    P = Predictions(SimpleNamespace(test=SimpleNamespace(x=x)), 1024)
+    idx = torch.arange(30)
+    seen = set()
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        start = {k: 2 * torch.randn(v.shape, generator=gen) if k.endswith("weight") else v
+                 for k, v in get_params(net).items()}  # fmt: skip
+        pred = list(finetune_epochs(net, start, data, Budget("lp", 1, 0.1, 4), torch.Generator().manual_seed(0)))[-1]
+        seen.add(pred.logits(x).argmax(1).tolist().__repr__())
+        del start  # only the cache may keep it now
+        assert torch.equal(P(pred, "test", idx), pred.logits(x).argmax(1))
+        P.forget_models()  # as between clients
+    assert len(seen) > 1  # the bodies differ, so a wrong body's features would show

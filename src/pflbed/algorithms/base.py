@@ -29,6 +29,26 @@ if TYPE_CHECKING:
 Tensors = dict[str, torch.Tensor]
 
 
+class Same:
+    """A cache key for one object: equal only to a key of that very object, and holding it.
+
+    `id(obj)` alone is not such a key: once `obj` is freed, a new object may get its address and read the old
+    object's cache entry (a new round's server state would be evaluated with the last round's model). Holding
+    the object keeps its address taken for as long as the key is in a cache.
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+
 class NoOptions(BaseModel):
     """Algorithm-specific options: none."""
 
@@ -115,8 +135,8 @@ class Predictor:
         self.model, self.params, self.feature_key = model, params, feature_key
 
     @property
-    def group(self) -> tuple[int, int]:
-        return id(self.model), id(self.params)
+    def group(self) -> tuple[Same, Same]:
+        return Same(self.model), Same(self.params)
 
     def _batched(self, method: str, x: torch.Tensor, batch_size: int) -> torch.Tensor:
         """`getattr(model, method)` over `x` in chunks of at most `batch_size` rows (fewer for models with wide

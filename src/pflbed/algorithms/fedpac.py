@@ -86,7 +86,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import feature_dim
 from pflbed.algorithms.partial import block_params, blocks_for, frozen, personalize_blocks, subset, train_blocks
 from pflbed.algorithms.training import get_params, index_batches, load_params, weighted_mean
@@ -353,13 +353,13 @@ class FedPAC(Algorithm):
     # --- evaluation and new clients --------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         params = {**self.body_of(server), **self.head_of(server, int(state["cid"]))}
-        return Predictor(self.ctx.model, params, ("fedpac-body", id(server)))
+        return Predictor(self.ctx.model, params, ("fedpac-body", Same(server)))
 
     def start(self, server: Tensors) -> Tensors:
         return {**self.body_of(server), **self.mean_head(server)}
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
-        return Predictor(self.ctx.model, self.start(server), ("fedpac-body", id(server)))
+        return Predictor(self.ctx.model, self.start(server), ("fedpac-body", Same(server)))
 
     def personalize(
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset
 from pflbed.algorithms.training import WeightedMean
@@ -90,7 +90,7 @@ class FedPer(Algorithm):
         return WeightedMean(weights, self.base_keys)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        key = ("fedper-base", id(server)) if self.shared_body else None
+        key = ("fedper-base", Same(server)) if self.shared_body else None
         return Predictor(self.ctx.model, {**server, **state}, key)
 
     def personalize(

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.training import WeightedMean
@@ -85,7 +85,7 @@ class FedRep(Algorithm):
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         # Every client's body is the server's: evaluation computes body features once, then runs each head.
-        return Predictor(self.ctx.model, {**server, **state}, ("fedrep-body", id(server)))
+        return Predictor(self.ctx.model, {**server, **state}, ("fedrep-body", Same(server)))
 
     def personalize(
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
 from pflbed.config import TrainConfig
 from pflbed.models import BlockNet
@@ -289,7 +289,7 @@ class FedRoD(Algorithm):
         if body is not None:
             return Predictor(self.predictor, {**prefixed(NET, body), **prefixed(PERSONAL, head)})
         params = {**prefixed(NET, self.model_params(server)), **prefixed(PERSONAL, head)}
-        return Predictor(self.predictor, params, feature_key=("fedrod-body", id(server)))
+        return Predictor(self.predictor, params, feature_key=("fedrod-body", Same(server)))
 
     def local_body(self, reply: Tensors) -> Tensors:
         """What a client keeps of its upload: θ*_m, ψ*_m (copies, under `local.`) with `pfl_body: local`, else
@@ -343,4 +343,4 @@ class FedRoD(Algorithm):
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
     ) -> Iterator[Predictor]:
         yield from personalize_additive(self.predictor, self.model_params(server), self.zero_head(), data, budget,
-                                        generator, feature_key=("fedrod-body", id(server)))  # fmt: skip
+                                        generator, feature_key=("fedrod-body", Same(server)))  # fmt: skip

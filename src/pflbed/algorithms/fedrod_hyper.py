@@ -56,7 +56,7 @@ from pydantic import Field
 from torch import nn
 
 from pflbed import rng
-from pflbed.algorithms.base import Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import (
     FedRoD,
     FedRoDOptions,
@@ -156,4 +156,4 @@ class FedRoDHyper(FedRoD):
     ) -> Iterator[Predictor]:
         start = self.generate(server, data.prior)
         yield from personalize_additive(self.predictor, self.model_params(server), start, data, budget, generator,
-                                        feature_key=("fedrod-body", id(server)))  # fmt: skip
+                                        feature_key=("fedrod-body", Same(server)))  # fmt: skip

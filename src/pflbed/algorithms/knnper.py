@@ -63,7 +63,6 @@ Choices and deviations:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Annotated, Literal
 
@@ -71,14 +70,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed import rng
-from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import Budget, ClientData, Predictor, Same, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import finetune_epochs, validation_data
 
 Weight = Annotated[float, Field(ge=0, le=1)]
 DATASTORE_STREAM = 105  # rng stream tag of the datastore subsets (ktpfl uses 101)
 CHUNK_ELEMENTS = 1 << 22  # distances held at once: queries per chunk × datastore size
-_serial = itertools.count()
 
 
 class KNNPerOptions(BaseModel):
@@ -138,11 +136,10 @@ class KNNPerPredictor(Predictor):
                  opts: KNNPerOptions, num_classes: int) -> None:  # fmt: skip
         super().__init__(model, params)
         self.keys, self.labels, self.lam, self.opts, self.num_classes = keys, labels, float(lam), opts, num_classes
-        self.serial = next(_serial)
 
     @property
-    def group(self) -> tuple[int, int]:
-        return id(self.model), -1 - self.serial  # one per client: never shares cached predictions with another
+    def group(self) -> tuple[Same, Same]:
+        return Same(self.model), Same(self)  # one per client: never shares cached predictions with another
 
     def parts(self, x: torch.Tensor, batch_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         """(p_kNN, model logits) of `x`."""

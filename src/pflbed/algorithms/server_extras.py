@@ -21,7 +21,7 @@ class ModelWithExtras(Algorithm):
         super().__init__(ctx)
         self.params = [k for k, _ in ctx.model.named_parameters()]
         self.model_keys = list(ctx.initial_params)
-        self._cache: tuple[int, Tensors] | None = None
+        self._cache: tuple[Tensors, Tensors] | None = None  # (server state, its model part)
 
     def zeros(self) -> Tensors:
         return {k: torch.zeros_like(self.ctx.initial_params[k]) for k in self.params}
@@ -33,9 +33,10 @@ class ModelWithExtras(Algorithm):
         return self.zeros()
 
     def model_part(self, server: Tensors) -> Tensors:
-        """The model alone (cached per server state: evaluation sees one parameter dict)."""
-        if self._cache is None or self._cache[0] != id(server):
-            self._cache = (id(server), {k: server[k] for k in self.model_keys})
+        """The model alone (cached per server state, held so that no later state can take its address: evaluation
+        sees one parameter dict)."""
+        if self._cache is None or self._cache[0] is not server:
+            self._cache = (server, {k: server[k] for k in self.model_keys})
         return self._cache[1]
 
     def generic_model(self, server: Tensors) -> Predictor:

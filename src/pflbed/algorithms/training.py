@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflbed import rng
-from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import Budget, ClientData, Predictor, Same, Tensors
 from pflbed.config import TrainConfig
 from pflbed.federation import Federation
 from pflbed.models import BlockNet
@@ -228,6 +228,6 @@ def finetune_epochs(
         trainable = [p for k, p in model.named_parameters() if k in head]
         body = {k: v for k, v in start.items() if k not in head}
         for _ in sgd_epochs(model, on_feats, params=trainable, forward=model.classify, **kw):
-            yield Predictor(model, {**body, **get_params(model, sorted(head))}, feature_key=("body", id(start)))
+            yield Predictor(model, {**body, **get_params(model, sorted(head))}, feature_key=("body", Same(start)))
     else:
         raise ValueError(f"unknown personalization method {budget.method!r}")
