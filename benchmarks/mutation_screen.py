@@ -45,6 +45,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test files; default tests/test_
     "algorithms/training.py": ["test_training", "test_fedavg", "test_local", "test_fedrod"],
     "algorithms/ktpfl.py": _KT,
     "algorithms/feddf.py": ["test_feddf", "test_pfeddf"],
+    "algorithms/local_sgd.py": ["test_fedavg", "test_training", "test_batched"],
+    "algorithms/server_extras.py": ["test_scaffold", "test_feddyn"],
     "evaluation/evaluate.py": ["test_evaluation", "test_metrics"],
     "evaluation/newclients.py": ["test_evaluation", "test_metrics"],
     "evaluation/metrics.py": ["test_metrics", "test_evaluation"],
