@@ -10,8 +10,11 @@ still be killed by another test file, so the score is a lower bound of mutmut's.
     python benchmarks/mutation_screen.py generate                 # mutants/ from src/ (mutmut's own generator)
     python benchmarks/mutation_screen.py run --shard 0 --shards 2 # one process per core; resumable
     python benchmarks/mutation_screen.py report                   # per-file table from every results file
+    python benchmarks/mutation_screen.py run --only survivors.txt --tests test_contract,test_procs --out recheck
+                                                                  # survivors against other test files
 
-Results go to `mutants/screen-<shard>.txt`, one `KILLED|SURVIVED|TIMEOUT <mutant>` line each (a timeout counts
+Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`, which `report` does not
+read), one `KILLED|SURVIVED|TIMEOUT <mutant>` line each (a timeout counts
 as killed, as in mutmut). `--skip FILE` leaves out the mutants named in FILE (one per line: e.g. those an earlier
 run already killed with a subset of today's tests).
 """
@@ -92,7 +95,8 @@ def _alarm(*_):
     raise _Timeout
 
 
-def run(shard: int, shards: int, skip: set[str], timeout: int) -> None:
+def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | None = None,
+        tests: list[str] | None = None, out_name: str = "screen") -> None:
     os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
     sys.path.insert(0, str(MUTANTS / "src"))
     import pytest
@@ -101,8 +105,8 @@ def run(shard: int, shards: int, skip: set[str], timeout: int) -> None:
 
     if not pflbed.__file__.startswith(str(MUTANTS)):
         sys.exit(f"mutation_screen: imported {pflbed.__file__}, not the mutants/ copy")
-    todo = [(m, s) for m, s in all_mutants().items() if m not in skip][shard::shards]
-    out = MUTANTS / f"screen-{shard}.txt"
+    todo = [(m, s) for m, s in all_mutants().items() if m not in skip and (only is None or m in only)][shard::shards]
+    out = MUTANTS / f"{out_name}-{shard}.txt"
     done = {line.split()[1] for line in out.read_text().splitlines()} if out.exists() else set()
     signal.signal(signal.SIGALRM, _alarm)
     with out.open("a") as fh:
@@ -113,7 +117,8 @@ def run(shard: int, shards: int, skip: set[str], timeout: int) -> None:
             signal.alarm(timeout)
             try:
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *test_files(source)])
+                    files = [f"tests/{n}.py" for n in tests] if tests else test_files(source)
+                    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *files])
                 verdict = "SURVIVED" if rc == 0 else "KILLED"
             except _Timeout:
                 verdict = "TIMEOUT"
@@ -154,12 +159,16 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--timeout", type=int, default=120, help="seconds per mutant (then it counts as killed)")
     p.add_argument("--skip", type=Path, help="file of mutant names to leave out (run) / count as killed (report)")
+    p.add_argument("--only", type=Path, help="file of the mutant names to run (run)")
+    p.add_argument("--tests", help="comma-separated test modules to run instead of each file's own (run)")
+    p.add_argument("--out", default="screen", help="results file prefix under mutants/ (run)")
     a = p.parse_args()
     skip = set(a.skip.read_text().split()) if a.skip else set()
     if a.command == "generate":
         generate()
     elif a.command == "run":
-        run(a.shard, a.shards, skip, a.timeout)
+        only = set(a.only.read_text().split()) if a.only else None
+        run(a.shard, a.shards, skip, a.timeout, only, a.tests.split(",") if a.tests else None, a.out)
     else:
         report(skip)
 

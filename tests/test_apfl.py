@@ -1,20 +1,22 @@
 """APFL (Deng et al., 2020, Alg. 1, Eq. 3, 10): per step, w ← w − η∇f(w); v ← v − ηα∇f(v̄); α ← α − η_α⟨v − w, ∇f(v̄)⟩
 with v̄ = αv + (1 − α)w, all at the step's starting values; P-FL scores v̄ with the global w."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
 from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.training import index_batches
+from pflbed.algorithms.training import index_batches, load_params
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 
 from .tiny import TINY
 
 
-def _algo(**options):
-    return prepare(validate_config({**TINY, "algorithm": {"name": "apfl", "alpha": 0.3, "alpha_lr": 0.5, **options},
+def _algo(model=TINY["model"], train=TINY["train"], **options):
+    algorithm = {"name": "apfl", "alpha": 0.3, "alpha_lr": 0.5, **options}
+    return prepare(validate_config({**TINY, "model": model, "train": train, "algorithm": algorithm,
                                     "executor": {"threads": 1}}))  # fmt: skip
 
 
@@ -55,3 +57,44 @@ def test_fixed_alpha_and_the_personal_model_is_the_mixture_with_the_global_model
     for k, x in other.items():
         if x.is_floating_point():
             assert torch.allclose(pred.params[k], 0.3 * new[k] + 0.7 * x)
+
+
+@pytest.mark.parametrize(("sign", "bound"), [(-1.0, 1.0), (1.0, 0.0)])
+def test_alpha_is_kept_in_zero_one(sign, bound):
+    """One full-batch step with a huge η_α: v = w ∓ s∇f(w) makes ⟨v − w, ∇f(v̄)⟩ negative (α rises past 1) or
+    positive (α falls below 0); α stops at the bound."""
+    algo = _algo(train={**TINY["train"], "batch_size": 10_000, "local_epochs": 1}, alpha_lr=1e6)
+    model = algo.ctx.model
+    server, data = algo.init_server(), algo.ctx.client_data(0)
+    names = [k for k, _ in model.named_parameters()]
+    load_params(model, server)
+    model.train()
+    params = dict(model.named_parameters())
+    g = torch.autograd.grad(F.cross_entropy(model(data.x[data.train]), data.y[data.train]), [params[k] for k in names])
+    v = {**server, **{k: server[k] + sign * 0.1 * gk for k, gk in zip(names, g, strict=True)}}
+    _, new = algo.client_update(server, {**v, "alpha": torch.tensor(0.5)}, data,
+                                ClientContext(1, 0, torch.Generator().manual_seed(1)))  # fmt: skip
+    assert float(new["alpha"]) == bound
+
+
+def test_with_batchnorm_only_parameters_mix_and_the_personal_statistics_are_tracked():
+    """BatchNorm (the module docstring): v̄'s running statistics and counters are v_i's own, updated by v̄'s
+    training forwards, and w's by w's; the personal model mixes the parameters alone, on the run's model."""
+    algo = _algo(model={"name": "cnn_bn"})
+    model = algo.ctx.model
+    server, data = algo.init_server(), algo.ctx.client_data(0)
+    state = algo.init_client(0)
+    reply, new = algo.client_update(server, state, data, ClientContext(1, 0, torch.Generator().manual_seed(2)))
+    names = {k for k, _ in model.named_parameters()}
+    stats = [k for k in server if k not in names]
+    assert any(not server[k].is_floating_point() for k in stats)  # counters among them
+    for k in stats:
+        assert new[k].dtype == server[k].dtype and reply[k].dtype == server[k].dtype
+        assert not torch.equal(new[k], state[k]) and not torch.equal(reply[k], server[k])  # both tracked
+        assert not torch.equal(new[k], reply[k]) or not new[k].is_floating_point()  # on different forwards
+    pred = algo.personal_model(reply, new)
+    assert pred.model is model
+    a = new["alpha"]
+    for k in server:
+        want = new[k] if k in stats else a * new[k] + (1 - a) * reply[k]
+        assert torch.equal(pred.params[k], want), k

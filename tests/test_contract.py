@@ -193,3 +193,33 @@ def test_unknown_algorithm_is_a_config_error_listing_the_known_names():
     known = sorted(ALGORITHMS)
     assert "fedavg" in known and "toy-counting" in known  # toy algorithms registered by the fixture count too
     assert str(err.value) == f"algorithm.name: unknown algorithm 'nope'; known: {', '.join(known)}"
+
+
+BN_ROUND_OPTIONS = {
+    "fedbasis": {"K": 2},  # one warm-up round trains 3 clients
+    "pfedme": {"beta": 0.5},  # β = 1 returns the mean itself, skipping the mixing rule
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ALGORITHMS if not n.startswith("toy-")))
+def test_every_algorithm_keeps_each_entrys_type_through_a_round_on_a_batchnorm_model(name):
+    """BatchNorm's counters are integers: a server rule or a client update that treats every entry as a parameter
+    (averaging, extrapolating or mixing it) turns them into floats, or fails on them. One round of each
+    algorithm on `cnn_bn`: every server and client-state entry keeps its initial dtype and shape."""
+    from .tiny import parity_config
+
+    cfg = parity_config(name, {"threads": 1}, evaluation={"every": 100}, rounds=1).model_dump(mode="json")
+    cfg["model"] = {"name": "cnn_bn"}
+    cfg["algorithm"].update(BN_ROUND_OPTIONS.get(name, {}))
+    r = pflbed.run(cfg, write=False, progress=False)
+    algo = r.executor.algo
+
+    def kinds(tensors):
+        return {k: (v.dtype, v.shape) for k, v in tensors.items()}
+
+    before = kinds(algo.init_server())
+    after = kinds(r.server)
+    assert {k: after[k] for k in before if k in after} == {k: before[k] for k in after if k in before}
+    for c, state in r.executor.states.items():
+        first = kinds(algo.init_client(c))
+        assert {k: v for k, v in kinds(state).items() if k in first} == {k: first[k] for k in state if k in first}

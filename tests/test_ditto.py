@@ -78,3 +78,18 @@ def test_a_large_lambda_holds_the_personal_model_at_the_global_one():
     assert abs(ditto.history[-1]["pfl_acc"] - fedavg.history[-2]["pfl_acc"]) < 1e-3
     local = pflbed.run(_cfg(lam=0.0, fraction=1.0).model_dump(mode="json") | every, write=False)
     assert abs(local.history[-1]["pfl_acc"] - fedavg.history[-2]["pfl_acc"]) > 1e-3  # λ = 0 is not held there
+
+
+def test_personal_epochs_count_the_personal_update_not_the_global_one():
+    """`personal_epochs` sets the personal update's epochs whatever `train.local_epochs` is: 0 leaves v_k as it was
+    (the reply is still FedAvg's update), and 2 go on from where 1 stops."""
+    _, server, data, v = _setup(0.7)
+    steps = {}
+    for epochs in (0, 1, 2):
+        algo = prepare(_cfg(lam=0.7, personal_epochs=epochs))
+        reply, personal = algo.client_update(server, v, data, ClientContext(1, 0, torch.Generator().manual_seed(5)))
+        assert same_tensors(reply, train_from(algo.ctx.model, server, data, algo.ctx.cfg.train,
+                                              torch.Generator().manual_seed(5)))  # fmt: skip
+        steps[epochs] = personal
+    assert same_tensors(steps[0], v)
+    assert not same_tensors(steps[1], v) and not same_tensors(steps[2], steps[1])

@@ -1,6 +1,7 @@
 """FedDyn (Acar et al., ICLR 2021, Alg. 1): local SGD on L_k(θ) − ⟨g_k, θ⟩ + α/2‖θ − θ^{t−1}‖², then
 g_k ← g_k − α(θ_k − θ^{t−1}); server h ← h − α(1/m)Σ(θ_k − θ^{t−1}), θ ← mean(θ_k) − h/α."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -14,8 +15,9 @@ from .tiny import TINY
 A = 0.2
 
 
-def _algo():
-    return prepare(validate_config({**TINY, "train": {**TINY["train"], "momentum": 0.0},
+def _algo(momentum=0.0, weight_decay=0.0):
+    train = {**TINY["train"], "momentum": momentum, "weight_decay": weight_decay}
+    return prepare(validate_config({**TINY, "train": train,
                                     "algorithm": {"name": "feddyn", "alpha": A},
                                     "executor": {"threads": 1}}))  # fmt: skip
 
@@ -25,8 +27,10 @@ def _noise(tensors, seed, scale=0.01):
     return {k: scale * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
 
 
-def test_client_solves_the_dynamically_regularized_objective_and_updates_its_gradient():
-    algo = _algo()
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.5, 0.01)])
+def test_client_solves_the_dynamically_regularized_objective_and_updates_its_gradient(momentum, weight_decay):
+    """The paper's plain SGD steps; `train.momentum` and `train.weight_decay` apply as in every local optimizer."""
+    algo = _algo(momentum, weight_decay)
     model, t = algo.ctx.model, algo.ctx.cfg.train
     server, data = algo.init_server(), algo.ctx.client_data(0)
     theta0 = algo.model_part(server)
@@ -35,11 +39,15 @@ def test_client_solves_the_dynamically_regularized_objective_and_updates_its_gra
     model.train()
     names = list(g_k)
     th = {k: theta0[k].clone() for k in names}
+    buf: dict = {}
     for b in index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(3)):
         load_params(model, th)
         params = dict(model.named_parameters())
         grads = torch.autograd.grad(F.cross_entropy(model(data.x[b]), data.y[b]), [params[k] for k in names])
-        th = {k: th[k] - t.lr * (g - g_k[k] + A * (th[k] - theta0[k])) for k, g in zip(names, grads, strict=True)}
+        for k, g in zip(names, grads, strict=True):
+            d = g - g_k[k] + A * (th[k] - theta0[k]) + weight_decay * th[k]
+            buf[k] = momentum * buf[k] + d if k in buf else d
+            th[k] = th[k] - t.lr * buf[k]
     assert all(torch.allclose(reply[k], th[k], atol=1e-6) for k in names)
     assert all(torch.allclose(g_new[k], g_k[k] - A * (reply[k] - theta0[k]), atol=1e-7) for k in names)
 

@@ -5,12 +5,12 @@ import torch
 import torch.nn.functional as F
 
 import pflbed
-from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.training import index_batches, load_params
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.training import finetune_epochs, index_batches, load_params
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 
-from .tiny import TINY
+from .tiny import TINY, same_tensors
 
 LAM = 0.4
 
@@ -50,3 +50,24 @@ def test_the_server_model_is_always_the_mean_of_every_clients_model():
             mean = sum(s[k] for s in states) / len(states)
             assert torch.allclose(v, mean, atol=1e-6), k
     assert algo.generic_model(r.server) is None and r.summary["final"].get("gfl_acc") is None
+
+
+def test_a_new_task_starts_from_the_task_mean():
+    """Zero-shot, a new client predicts with w̄; personalizing, it fine-tunes from w̄ with its own data, budget and
+    generator (the epochs `finetune_epochs` yields from w̄)."""
+    algo = prepare(_cfg())
+    g = torch.Generator().manual_seed(3)
+    server = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+              for k, v in algo.init_server().items()}  # fmt: skip
+    data = algo.ctx.client_data(2)
+    x = data.x[data.train]
+    zero = algo.zero_shot(server, data)
+    load_params(algo.ctx.model, server)
+    algo.ctx.model.eval()
+    with torch.no_grad():
+        assert torch.equal(zero.logits(x), algo.ctx.model(x))
+    budget = Budget("ft", 2, 0.05, 4)
+    got = [p.params for p in algo.personalize(server, data, budget, torch.Generator().manual_seed(6))]
+    want = [p.params for p in finetune_epochs(algo.ctx.model, server, data, budget, torch.Generator().manual_seed(6))]
+    assert len(got) == 2 and all(same_tensors(a, b) for a, b in zip(got, want, strict=True))
+    assert not same_tensors(got[0], server)

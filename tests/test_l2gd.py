@@ -55,5 +55,27 @@ def test_client_contracts_toward_the_mean_then_takes_its_local_steps():
 
 
 def test_an_averaging_step_beyond_the_mean_is_refused():
+    """θ = 1 lands on the mean (allowed); any θ > 1 overshoots it."""
+    assert _algo(p=0.5, lam=10.0).theta == 1.0  # lr 0.1
     with pytest.raises(ConfigError, match=r"algorithm.lam: the averaging step θ .* must be ≤ 1"):
+        _algo(p=0.5, lam=10.01)
+    with pytest.raises(ConfigError, match=r"θ = .* = 9 must be ≤ 1; lower lam or train.lr, or raise p"):
         _algo(p=0.1, lam=10.0)
+
+
+def test_the_two_runs_are_independent_and_drawn_from_the_seed():
+    """a and l come from two independent uniforms of the round's coin, which the run's seed sets: with p = 0.2,
+    P(a ≥ 2) = 0.2 and P(l ≥ 2) = 0.8, so both hold in 16 % of rounds (20 % if one uniform drew both)."""
+    algo = _algo(p=0.2)
+    draws = [algo.runs(r) for r in range(1, 4001)]
+    both = sum(a >= 2 and l_ >= 2 for a, l_ in draws) / len(draws)
+    assert both == pytest.approx(0.16, abs=0.02)
+    other = prepare(validate_config({**TINY, "seed": 1, "algorithm": {"name": "l2gd", "p": 0.2},
+                                     "executor": {"threads": 1}}))  # fmt: skip
+    assert [other.runs(r) for r in range(1, 41)] != draws[:40]
+
+
+def test_a_client_starts_at_the_initial_model():
+    algo = _algo()
+    assert all(torch.equal(v, algo.ctx.initial_params[k]) for k, v in algo.init_client(3).items())
+    assert algo.init_client(3).keys() == algo.ctx.initial_params.keys()

@@ -3,6 +3,7 @@ variates by option I / II, server x ← x + η_g·mean(y − x) and c ← c + Σ
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -15,8 +16,9 @@ from pflbed.engine.loop import prepare
 from .tiny import TINY, same_tensors
 
 
-def _cfg(name="scaffold", rounds=1, momentum=0.5, **options):
-    return validate_config({**TINY, "train": {**TINY["train"], "rounds": rounds, "momentum": momentum},
+def _cfg(name="scaffold", rounds=1, momentum=0.5, weight_decay=0.0, **options):
+    train = {**TINY["train"], "rounds": rounds, "momentum": momentum, "weight_decay": weight_decay}
+    return validate_config({**TINY, "train": train,
                             "algorithm": {"name": name, **options}, "executor": {"threads": 1}})  # fmt: skip
 
 
@@ -33,8 +35,10 @@ def test_first_round_with_zero_control_variates_is_fedavgs_first_round():
     assert any(float(scaffold.server[f"c/{k}"].abs().sum()) > 0 for k in algo.params)  # c moved, x did not differ
 
 
-def test_local_steps_are_corrected_and_option_ii_updates_the_control_variate():
-    cfg = _cfg(momentum=0.0)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_local_steps_are_corrected_and_option_ii_updates_the_control_variate(weight_decay):
+    """Plain SGD steps y ← y − η(g − c_i + c), with `train.weight_decay` as in every local optimizer."""
+    cfg = _cfg(momentum=0.0, weight_decay=weight_decay)
     algo = prepare(cfg)
     server = algo.init_server()
     c = _random_like({k: server[f"c/{k}"] for k in algo.params}, 1)
@@ -52,7 +56,7 @@ def test_local_steps_are_corrected_and_option_ii_updates_the_control_variate():
     for b in index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(4)):
         load_params(model, y)
         grads = torch.autograd.grad(F.cross_entropy(model(data.x[b]), data.y[b]), list(named.values()))
-        y = {k: y[k] - t.lr * (g - ci[k] + c[k]) for (k, g) in zip(named, grads, strict=True)}
+        y = {k: y[k] - t.lr * (g + weight_decay * y[k] - ci[k] + c[k]) for (k, g) in zip(named, grads, strict=True)}
         steps += 1
     assert steps == t.local_epochs * math.ceil(data.num_train / t.batch_size)
     assert all(torch.allclose(reply[k], y[k], atol=1e-6) for k in named)
@@ -75,8 +79,9 @@ def test_option_i_control_variate_is_the_full_gradient_at_the_server_model():
     assert all(torch.allclose(new_ci[k], grads[k], atol=1e-6) for k in named)
 
 
-def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_over_all_clients():
-    algo = prepare(_cfg(server_lr=0.5))
+@pytest.mark.parametrize("eta", [0.5, 2.0])
+def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_over_all_clients(eta):
+    algo = prepare(_cfg(server_lr=eta))
     server = {**algo.init_server(), **{f"c/{k}": v for k, v in _random_like(
         {k: algo.ctx.initial_params[k] for k in algo.params}, 3).items()}}  # fmt: skip
     replies = {}
@@ -92,7 +97,7 @@ def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_o
     n = len(algo.ctx.federation.participated)
     for k in algo.params:
         mean = 0.25 * replies[0][k] + 0.75 * replies[2][k]
-        assert torch.allclose(out[k], server[k] + 0.5 * (mean - server[k]), atol=1e-6)
+        assert torch.allclose(out[k], server[k] + eta * (mean - server[k]), atol=1e-6)
         dc = replies[0][f"dc/{k}"] + replies[2][f"dc/{k}"]
         assert torch.allclose(out[f"c/{k}"], server[f"c/{k}"] + dc / n, atol=1e-7)
 

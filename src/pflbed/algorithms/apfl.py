@@ -12,8 +12,11 @@ G-FL scores w.
 
 Choices: `train.local_epochs` · ⌈n_i/B⌉ steps of plain SGD at η = `train.lr` (momentum and weight decay unused);
 v_i starts at w^0; `alpha` (initial α_i) 0.5 and `alpha_lr` η_α = η unless set (the paper tunes both); `adaptive`
-false keeps α fixed (the paper's non-adaptive variant). BatchNorm statistics mix like parameters. New clients
-fine-tune w (FT/LP).
+false keeps α fixed (the paper's non-adaptive variant). New clients fine-tune w (FT/LP).
+
+BatchNorm (the paper's models have none): only parameters mix. v̄'s running statistics and counters are its own,
+kept in v_i's entries and updated by v̄'s training forwards; w's by w's. Mixing statistics like parameters would
+leave v_i's never updated (the forwards run on the mixture) and describe the features of no model.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ class APFLOptions(BaseModel):
     adaptive: bool = Field(True, description="learn α_i (Eq. 10); False: keep it fixed")
 
 
-def mixture(v: Tensors, w: Tensors, alpha: torch.Tensor) -> Tensors:
-    """α v + (1 − α) w for floating tensors; integer ones (BatchNorm's counters) from w."""
-    return {k: alpha * v[k] + (1 - alpha) * w[k] if w[k].is_floating_point() else w[k] for k in w}
+def mixture(v: Tensors, w: Tensors, alpha: torch.Tensor, params: list[str]) -> Tensors:
+    """v̄: α v + (1 − α) w for the parameters `params`; every other entry (BatchNorm's statistics) v's own."""
+    return {**v, **{k: alpha * v[k] + (1 - alpha) * w[k] for k in params}}
 
 
 class APFL(FedAvg):
@@ -72,7 +75,7 @@ class APFL(FedAvg):
             gw = torch.autograd.grad(loss(wp, b), [wp[k] for k in names])
             vp = {k: v[k].requires_grad_(True) if k in names else v[k] for k in v}
             a = alpha.clone().requires_grad_(o.adaptive)
-            mixed = mixture(vp, {k: w[k].detach() for k in w}, a)
+            mixed = mixture(vp, {k: w[k].detach() for k in names}, a, names)  # v's statistics: updated in place
             inputs = [vp[k] for k in names] + ([a] if o.adaptive else [])
             grads = torch.autograd.grad(loss(mixed, b), inputs)
             with torch.no_grad():
@@ -88,4 +91,5 @@ class APFL(FedAvg):
         return w, {**{k: x.detach() for k, x in v.items()}, ALPHA: alpha}
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA]))
+        params = [k for k, _ in self.ctx.model.named_parameters()]
+        return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA], params))
