@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.fedamp import cosine, heur_row
 from pflbed.algorithms.training import finetune_epochs, index_batches, load_params, weighted_mean
 from pflbed.config import validate_config
 from pflbed.engine.executor import update_client
@@ -97,6 +98,25 @@ def test_heur_weights_are_a_fixed_self_weight_and_a_cosine_softmax_of_the_others
     assert _rest_is(u[1], zero, algo)
 
 
+def test_cosine_is_over_all_keys_flattened_together_and_zero_for_a_zero_model():
+    g = torch.Generator().manual_seed(0)
+    a = {"x": torch.randn(3, 4, generator=g), "y": torch.randn(5, generator=g), "z": torch.randn(2, generator=g)}
+    b = {k: torch.randn(v.shape, generator=g) for k, v in a.items()}
+    flat = lambda t: torch.cat([t["x"].flatten(), t["y"]]).double()  # noqa: E731 - "z" left out
+    assert cosine(a, b, ["x", "y"]) == pytest.approx(float(F.cosine_similarity(flat(a), flat(b), dim=0)), abs=1e-12)
+    zero = {k: torch.zeros_like(v) for k, v in a.items()}
+    assert cosine(zero, b, ["x", "y"]) == 0.0 and cosine(a, zero, ["x", "y"]) == 0.0
+
+
+def test_heur_row_alone_keeps_its_model_and_a_tiny_sigma_does_not_overflow():
+    """Alone in the pool, ξ_ii = 1. σ·cos up to 10⁴ (HeurFedAMP's σ is a temperature the user may push): the
+    softmax is shifted by its maximum, so the row stays finite and sums to 1."""
+    assert heur_row(3, {3: 1.0}, 5.0, 0.3) == {3: 1.0}
+    row = heur_row(0, {0: 1.0, 1: 1.0, 2: 0.999}, 1e4, 0.3)
+    assert math.fsum(row.values()) == pytest.approx(1.0) and row[0] == 0.3
+    assert row[1] == pytest.approx(0.7 / (1 + math.exp(-10.0))) and row[2] == pytest.approx(0.7 - row[1])
+
+
 def test_client_update_is_sgd_on_the_proximal_objective_with_strength_lam_over_alpha_k_from_and_at_u():
     """The reply equals SGD written out by hand on CE + μ/2·‖w − u‖² with μ = λ/α_k = 0.3/0.6 = 0.5 (not λ·α_k =
     0.18, not the paper's coefficient λ/(2α_k) = 0.25 passed as μ), starting from u and anchored at u, where u is
@@ -167,6 +187,7 @@ def test_alpha_k_too_large_for_sigma_and_the_clients_is_refused_before_the_run()
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("algorithm.alpha_k")
     assert all(name in msg for name in ("algorithm.sigma", "algorithm.weight_check=each_round", "variant=heur"))
+    assert "alpha_k·(N − 1)/sigma = 0.21·5/1 = 1.05 > 1 with N = 6 participated clients" in msg
     _algo(alpha_k=0.21, sigma=1.0, variant="heur")
     _algo(alpha_k=0.21, sigma=1.0, weight_check="each_round")
 

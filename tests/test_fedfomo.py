@@ -278,3 +278,41 @@ def test_a_strict_run_has_personal_models_no_global_model_and_affinity_rows_of_w
     for c in algo.clients:  # the server's copy of each client's model is the client's personal model
         state = res.executor.state(c)
         assert all(torch.equal(res.server[f"local/{c}/{k}"], state[k]) for k in algo.keys)
+
+
+def test_first_order_weights_at_the_edges_zero_distance_nan_loss_infinite_gain():
+    """The docstring's edge cases: a zero distance gives 0 even with a gain; a NaN loss gives 0; an infinite gain
+    (a subnormal distance) takes all the weight, shared equally if several are infinite."""
+    w = first_order_weights(torch.tensor(1.0, dtype=F64), torch.tensor([0.5, 0.5], dtype=F64),
+                            torch.tensor([0.0, 1.0], dtype=F64))  # fmt: skip
+    assert w.tolist() == [0.0, 1.0]
+    w = first_order_weights(torch.tensor(1.0, dtype=F64), torch.tensor([float("nan"), 0.5], dtype=F64),
+                            torch.tensor([1.0, 1.0], dtype=F64))  # fmt: skip
+    assert w.tolist() == [0.0, 1.0]
+    w = first_order_weights(torch.tensor(1.0, dtype=F64), torch.tensor([0.5, 0.0, 0.2, 2.0], dtype=F64),
+                            torch.tensor([1e-320, 1.0, 1e-320, 1.0], dtype=F64))  # fmt: skip
+    assert w.tolist() == [0.5, 0.0, 0.5, 0.0]
+
+
+def test_picks_differ_between_clients_and_ties_break_from_the_seed_not_torchs_global_rng():
+    """Two clients choosing among the same candidates draw from their own (seed, round, client) streams: their
+    explored orders differ. With every affinity tied (round 2 of a run: P is zero), the greedy order is the
+    seeded random tie-break — the same under any state of torch's global RNG, and not one order for all."""
+    algo = _algo(M=4, epsilon=1.0, epsilon_decay=0.0)
+    candidates, flat = list(range(10, 20)), [0.0] * 10
+    assert algo.choose(3, 0, candidates, flat) != algo.choose(3, 1, candidates, flat)
+    greedy = _algo(M=4, epsilon=0.0)
+    torch.manual_seed(1)
+    first = [greedy.choose(2, c, candidates, flat) for c in range(4)]
+    torch.manual_seed(2)
+    assert [greedy.choose(2, c, candidates, flat) for c in range(4)] == first
+    assert len({tuple(p) for p in first}) > 1
+
+
+def test_diagnostics_count_federated_updates_and_partners():
+    """P's sum (each federated update adds 1) and the mean number of clients each row has ever taken in."""
+    algo = _algo()
+    server = algo.init_server()
+    server["P"][0, 1], server["P"][0, 2], server["P"][3, 1] = 0.25, 0.75, 1.0
+    d = algo.diagnostics(5, server, lambda c: {})
+    assert d == {"federated_updates": 2.0, "partners_per_client": pytest.approx(3 / 6)}

@@ -4,6 +4,7 @@ bodies, sample-count-weighted global prototypes and, per client, simplex weights
 
 import itertools
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -292,3 +293,13 @@ def test_an_uninformative_variance_term_changes_the_weights():
     a = algo.aggregate(1, algo.init_server(), base, w)[f"{HEAD}0/{k}"]
     b = algo.aggregate(1, algo.init_server(), big, w)[f"{HEAD}0/{k}"]
     assert (b - base[0][k]).abs().max() < (a - base[0][k]).abs().max()
+
+
+@pytest.mark.parametrize("c", [1e-3, 1 / 3, 1.0, 1e3])
+def test_simplex_qp_is_scale_free(c):
+    """argmin over the simplex of αᵀ(c·p)α does not depend on c > 0: for p = [[1, .2], [.2, 3]], α_1 =
+    (p22 − p12)/(p11 − 2p12 + p22) = 2.8/3.6, whether p's entries are small (an early round's class statistics),
+    at most exactly 1 (c = 1/3) or large."""
+    p = c * torch.tensor([[1.0, 0.2], [0.2, 3.0]], dtype=torch.float64)
+    a = simplex_qp(p)
+    assert a.tolist() == pytest.approx([2.8 / 3.6, 0.8 / 3.6], abs=1e-7)
