@@ -79,12 +79,14 @@ def test_three_client_weights_match_a_brute_force_grid_over_the_simplex():
     v = torch.tensor([0.4, 1.5, 0.2], dtype=torch.float64)
     alpha = combination_weights(h, v, 1e-12, 50000)
     steps = 300
-    grid = [(a / steps, b / steps, (steps - a - b) / steps) for a in range(steps + 1) for b in range(steps + 1 - a)]
+    grid = torch.tensor([(a / steps, b / steps, (steps - a - b) / steps) for a in range(steps + 1)
+                         for b in range(steps + 1 - a)], dtype=torch.float64)  # fmt: skip
     for i in range(3):
-        values = [bound(p, i, h, v) for p in grid]
-        best = min(range(len(grid)), key=values.__getitem__)
-        assert bound(alpha[i].tolist(), i, h, v) <= values[best] + 1e-9
-        assert torch.allclose(alpha[i], torch.tensor(grid[best], dtype=torch.float64), atol=2.0 / steps)
+        values = ((grid @ (h[i] - h)) ** 2).sum(1) + (grid**2) @ v  # `bound` at every grid point at once
+        best = int(values.argmin())
+        assert bound(grid[best].tolist(), i, h, v) == pytest.approx(float(values[best]), rel=1e-12)
+        assert bound(alpha[i].tolist(), i, h, v) <= float(values[best]) + 1e-9
+        assert torch.allclose(alpha[i], grid[best], atol=2.0 / steps)
 
 
 def test_weights_are_on_the_simplex_and_certified_optimal():
