@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.fedpac import HEAD, class_statistics, combination_weights, project_simplex, simplex_qp
+from pflbed.algorithms.fedpac import (
+    HEAD,
+    class_statistics,
+    combination_weights,
+    fw_gap,
+    project_simplex,
+    simplex_qp,
+)
 from pflbed.algorithms.partial import block_params
 from pflbed.algorithms.training import get_params, index_batches, load_params, local_sgd
 from pflbed.config import validate_config
@@ -161,7 +168,7 @@ def test_body_phase_trains_only_the_body():
     assert any(not torch.equal(reply[k], payload[k]) for k in algo.body_keys)
 
 
-def hand_body_phase(algo, payload, data, g, lam, lr, batch_size, epochs=1):
+def hand_body_phase(algo, payload, data, g, lam, lr, batch_size, epochs=1, weight_decay=0.0):
     """The body phase by hand: per batch, autograd of CE + λ·(1/B)·Σ_b mask[y_b]·‖f(x_b) − c_{y_b}‖² (the payload's
     GLOBAL prototypes, a Python loop over samples) w.r.t. the body only, plain SGD step."""
     m = algo.ctx.model
@@ -176,7 +183,7 @@ def hand_body_phase(algo, payload, data, g, lam, lr, batch_size, epochs=1):
         grads = torch.autograd.grad(loss, body)
         with torch.no_grad():
             for p, gr in zip(body, grads, strict=True):
-                p -= lr * gr
+                p -= lr * (gr + weight_decay * p)
     return get_params(m)
 
 
@@ -305,3 +312,48 @@ def test_simplex_qp_is_scale_free(c):
     p = c * torch.tensor([[1.0, 0.2], [0.2, 3.0]], dtype=torch.float64)
     a = simplex_qp(p)
     assert a.tolist() == pytest.approx([2.8 / 3.6, 0.8 / 3.6], abs=1e-7)
+
+
+def test_the_body_phase_applies_train_weight_decay():
+    lam, lr, wd = 0.7, 0.05, 0.02
+    algo = make({"lr": lr, "weight_decay": wd}, head_epochs=0, body_epochs=1, lam=lam, align_reduction="sum")
+    c, payload = payload_with_protos(algo, seed=3)
+    data = algo.ctx.client_data(c)
+    reply, _ = algo.client_update(payload, algo.init_client(c), data, ClientContext(1, c, gen(9)))
+    load_params(algo.ctx.model, {k: payload[k] for k in (*algo.body_keys, *algo.head_keys)})
+    ref = hand_body_phase(algo, payload, data, gen(9), lam, lr, algo.ctx.cfg.train.batch_size, weight_decay=wd)
+    assert all(torch.allclose(reply[k], ref[k], atol=1e-6) for k in algo.body_keys)
+
+
+def test_class_statistics_by_hand_with_a_single_sample_class_and_an_absent_one():
+    """Counts, per-class means (absent class: zero), h = sums/n and V = E‖f‖² − ‖h‖²_F, written out."""
+    z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+    s = class_statistics(z, torch.tensor([0, 0, 1, 2]), 4)
+    assert s["count"].tolist() == [2, 1, 1, 0] and float(s["n"]) == 4
+    assert s["proto"].tolist() == [[2, 3], [5, 6], [7, 8], [0, 0]]
+    assert s["h"].tolist() == [[1.0, 1.5], [1.25, 1.5], [1.75, 2.0], [0, 0]]
+    assert float(s["v"]) == pytest.approx(204 / 4 - (1 + 2.25 + 1.5625 + 2.25 + 3.0625 + 4))
+    one = class_statistics(torch.tensor([[1.0, 2.0]]), torch.tensor([1]), 2)
+    assert one["h"].tolist() == [[0, 0], [1, 2]] and float(one["v"]) == 0.0
+
+
+def test_min_weight_zeroes_small_weights_and_renormalizes():
+    """The official code's pruning (`min_weight`): weights below it become 0, the rest are scaled to sum to 1."""
+    g = gen(11)
+    h = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    v = torch.rand(6, generator=g, dtype=torch.float64)
+    full = combination_weights(h, v, 1e-12, 50000)
+    cut = float(full[full > 0].min()) * 1.01  # drops at least the smallest positive weight of the matrix
+    pruned = combination_weights(h, v, 1e-12, 50000, min_weight=cut)
+    kept = torch.where(full >= cut, full, torch.zeros_like(full))
+    assert torch.allclose(pruned, kept / kept.sum(1, keepdim=True), atol=1e-12)
+    assert (pruned == 0).sum() > (full == 0).sum()
+
+
+def test_frank_wolfe_gap_by_hand():
+    """g = 2pα; gap = gᵀα − min_j g_j: zero at the optimum, and written out at the uniform weights."""
+    p = torch.tensor([[1.0, 0.2], [0.2, 3.0]], dtype=torch.float64)
+    u = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    g = 2 * p @ u  # (1.2, 3.2)
+    assert fw_gap(p, u) == pytest.approx(float(g @ u) - 1.2)
+    assert fw_gap(p, torch.tensor([2.8 / 3.6, 0.8 / 3.6], dtype=torch.float64)) == pytest.approx(0.0, abs=1e-12)
