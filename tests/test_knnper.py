@@ -254,3 +254,57 @@ def test_every_client_is_evaluated_with_its_own_predictor():
     avg = pflbed.run(_cfg("fedavg"), write=False)
     assert knn.summary["final"]["gfl_acc"] == avg.summary["final"]["gfl_acc"]
     assert knn.summary["final"]["pfl_acc"] != avg.summary["final"]["pfl_acc"]
+
+
+def test_distances_of_close_points_and_an_empty_or_single_key_datastore():
+    """Distances below 1 are themselves (only negative rounding is clipped); no key gives zero probabilities, one
+    key gives its label; a query far from every key does not underflow (weights are relative to the nearest)."""
+    g = torch.Generator().manual_seed(0)
+    q, s = 0.1 * torch.randn(5, 3, generator=g), 0.1 * torch.randn(4, 3, generator=g)
+    assert torch.allclose(knnper.pairwise_distances(q, s, "sqeuclidean"), torch.cdist(q, s) ** 2, atol=1e-7)
+    assert torch.allclose(knnper.pairwise_distances(q, s, "euclidean"), torch.cdist(q, s), atol=1e-6)
+    assert torch.equal(knn_probs(q, s[:0], LABELS[:0], 3, k=3, temperature=1.0), torch.zeros(5, 3))
+    assert torch.equal(knn_probs(q, s[:1], LABELS[2:3], 3, k=3, temperature=1.0), torch.tensor([[0.0, 1.0, 0.0]] * 5))
+    far = knn_probs(torch.tensor([[300.0, 0.0]]), KEYS, LABELS, 3, k=2, temperature=1.0)  # d = 297², 298²
+    assert torch.allclose(far, torch.tensor([[1.0, 0.0, 0.0]]))  # weights 1 and e^(−595): the nearest's class
+
+
+def test_datastore_subsets_depend_on_seed_and_client_and_a_small_fraction_keeps_one_sample():
+    """The random subset is drawn from (seed, client): the same training split under another client id or another
+    seed gives another subset; a fraction smaller than one sample still stores one."""
+    algo = _algo(capacity=5)
+    data = algo.ctx.client_data(0)
+    mine = algo.datastore_indices(data)
+    assert not torch.equal(mine, algo.datastore_indices(replace(data, cid=1)))
+    other_seed = prepare(validate_config({**_cfg(capacity=5).model_dump(mode="json"), "seed": 1}))
+    assert not torch.equal(mine, other_seed.datastore_indices(data))
+    assert _algo(capacity_fraction=1e-3).datastore_indices(data).numel() == 1
+
+
+def test_lambda_is_chosen_on_class_weighted_validation_accuracy_when_the_set_is_shared(monkeypatch):
+    """On a shared validation set (PFLBED: the domain's), each sample weighs the client's prior of its class:
+    acc(λ) = Σ w_y·right / Σ w_y. With all of the client's prior on one class, the choice follows that class's
+    samples alone — a class is picked where that differs from the unweighted choice. All-zero weights on the
+    set's classes fall back to plain accuracy."""
+    algo = _algo()
+    server, cid = algo.init_server(), 3
+    data = algo.ctx.client_data(cid)
+    pred = algo.personal_model(server, algo.init_client(cid))
+    idx = data.train  # stands in for a shared validation set
+    p_knn, logits = pred.parts(data.x[idx])
+    y = data.y[idx]
+    grid = sorted(algo.opts.lam_grid)
+
+    def best(w):
+        accs = [float((w[y] * (knnper.mix(p_knn, logits, lam).argmax(1) == y).double()).sum() / w[y].sum())
+                for lam in grid]  # fmt: skip
+        return grid[accs.index(max(accs))]
+
+    classes = algo.ctx.source.num_classes
+    plain = best(torch.ones(classes, dtype=torch.float64))
+    one_hot = [torch.eye(classes, dtype=torch.float64)[c] for c in y.unique().tolist()]
+    differing = [w for w in one_hot if best(w) != plain]
+    assert differing  # the test separates weighted from unweighted accuracy
+    for w in (differing[0] / (10 * len(y)), torch.zeros(classes, dtype=torch.float64)):  # a prior: Σ_y w_y < 1
+        monkeypatch.setattr(knnper, "validation_data", lambda fed, d, w=w: (idx, w.float()))
+        assert algo.choose_lam(pred, data) == (best(w) if w.sum() > 0 else plain)

@@ -223,8 +223,11 @@ def test_local_update_is_k_sgd_steps_and_the_reply_is_the_delta(steps, train):
         assert reply[k].abs().max() > 0, k
 
 
-def test_local_update_in_epoch_mode_runs_train_local_epochs():
-    algo = _algo(train={"local_epochs": 2}, local_steps=None)
+@pytest.mark.parametrize("train", [{}, {"momentum": 0.5, "weight_decay": 0.01, "lr": 0.05}])
+def test_local_update_in_epoch_mode_runs_train_local_epochs(train):
+    """⌈n/B⌉ batches per epoch, `train.local_epochs` epochs, with the `train.*` optimizer."""
+    algo = _algo(train={"local_epochs": 2, **train}, local_steps=None)
+    t = algo.ctx.cfg.train
     c = algo.ctx.federation.participated[0]
     data = algo.ctx.client_data(c)
     payload = algo.configure(1, _moved(algo), [c])[c]
@@ -232,7 +235,7 @@ def test_local_update_in_epoch_mode_runs_train_local_epochs():
         payload, algo.init_client(c), data, ClientContext(1, c, torch.Generator().manual_seed(2))
     )
     steps = 2 * -(-data.num_train // 16)  # two epochs of ⌈n/B⌉ batches
-    want = _hand_local_sgd(algo.ctx.model, payload, data, steps, 0.1, 0.0, 0.0, 16, 2)
+    want = _hand_local_sgd(algo.ctx.model, payload, data, steps, t.lr, t.momentum, t.weight_decay, 16, 2)
     assert all(torch.allclose(reply[k], want[k] - payload[k], atol=1e-6) for k in want)
 
 
