@@ -10,13 +10,13 @@ still be killed by another test file, so the score is a lower bound of mutmut's.
     python benchmarks/mutation_screen.py generate                 # mutants/ from src/ (mutmut's own generator)
     python benchmarks/mutation_screen.py run --shard 0 --shards 2 # one process per core; resumable
     python benchmarks/mutation_screen.py report                   # per-file table from every results file
-    python benchmarks/mutation_screen.py run --only survivors.txt --tests test_contract,test_procs --out recheck
+    python benchmarks/mutation_screen.py run --only survivors.txt --tests test_contract --out screen-r
                                                                   # survivors against other test files
 
-Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`, which `report` does not
-read), one `KILLED|SURVIVED|TIMEOUT <mutant>` line each (a timeout counts
-as killed, as in mutmut). `--skip FILE` leaves out the mutants named in FILE (one per line: e.g. those an earlier
-run already killed with a subset of today's tests).
+Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`; `report` reads every
+`screen-*` file in name order, a later verdict replacing an earlier one), one `KILLED|SURVIVED|TIMEOUT <mutant>`
+line each (a timeout counts as killed, as in mutmut). `--skip FILE` leaves out the mutants named in FILE (one per
+line: e.g. those an earlier run already killed with a subset of today's tests).
 """
 
 from __future__ import annotations
