@@ -10,8 +10,8 @@ still be killed by another test file, so the score is a lower bound of mutmut's.
     python benchmarks/mutation_screen.py generate                 # mutants/ from src/ (mutmut's own generator)
     python benchmarks/mutation_screen.py run --shard 0 --shards 2 # one process per core; resumable
     python benchmarks/mutation_screen.py report                   # per-file table from every results file
-    python benchmarks/mutation_screen.py run --only survivors.txt --tests test_contract --out screen-r
-                                                                  # survivors against other test files
+    python benchmarks/mutation_screen.py run --only survivors.txt --tests test_contract --keyword "{stem}" \
+        --out screen-r                                            # survivors against other tests of their file
 
 Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`; `report` reads every
 `screen-*` file in name order, a later verdict replacing an earlier one), one `KILLED|SURVIVED|TIMEOUT <mutant>`
@@ -96,7 +96,7 @@ def _alarm(*_):
 
 
 def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | None = None,
-        tests: list[str] | None = None, out_name: str = "screen") -> None:
+        tests: list[str] | None = None, out_name: str = "screen", keyword: str | None = None) -> None:
     os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
     sys.path.insert(0, str(MUTANTS / "src"))
     import pytest
@@ -118,8 +118,9 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             try:
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                     files = [f"tests/{n}.py" for n in tests] if tests else test_files(source)
-                    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *files])
-                verdict = "SURVIVED" if rc == 0 else "KILLED"
+                    k = ["-k", keyword.format(stem=Path(source).stem)] if keyword else []
+                    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files])
+                verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing
             except _Timeout:
                 verdict = "TIMEOUT"
             finally:
@@ -135,7 +136,8 @@ def report(skip: set[str]) -> None:
     for path in sorted(MUTANTS.glob("screen-*.txt")):
         for line in path.read_text().splitlines():
             v, name = line.split()[:2]
-            verdict[name] = v
+            if v != "NOTESTS":  # a run that tested nothing leaves the earlier verdict
+                verdict[name] = v
     rows = collections.defaultdict(collections.Counter)
     for name, source in source_of.items():
         rows[source][verdict.get(name, "untested")] += 1
@@ -162,13 +164,14 @@ def main() -> None:
     p.add_argument("--only", type=Path, help="file of the mutant names to run (run)")
     p.add_argument("--tests", help="comma-separated test modules to run instead of each file's own (run)")
     p.add_argument("--out", default="screen", help="results file prefix under mutants/ (run)")
+    p.add_argument("--keyword", help="pytest -k expression; {stem} is the mutated file's name (run)")
     a = p.parse_args()
     skip = set(a.skip.read_text().split()) if a.skip else set()
     if a.command == "generate":
         generate()
     elif a.command == "run":
         only = set(a.only.read_text().split()) if a.only else None
-        run(a.shard, a.shards, skip, a.timeout, only, a.tests.split(",") if a.tests else None, a.out)
+        run(a.shard, a.shards, skip, a.timeout, only, a.tests.split(",") if a.tests else None, a.out, a.keyword)
     else:
         report(skip)
 

@@ -198,6 +198,7 @@ def test_unknown_algorithm_is_a_config_error_listing_the_known_names():
 BN_ROUND_OPTIONS = {
     "fedbasis": {"K": 2},  # one warm-up round trains 3 clients
     "pfedme": {"beta": 0.5},  # β = 1 returns the mean itself, skipping the mixing rule
+    "scaffold": {"server_lr": 2.0},  # η_g = 1 skips the extrapolation
 }
 
 

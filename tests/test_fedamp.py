@@ -276,7 +276,9 @@ def test_a_new_client_starts_from_the_uniform_mean_of_the_stored_models():
     assert same_tensors(algo.zero_shot(algo.init_server(), algo.ctx.client_data(0)).params, algo.ctx.initial_params)
     w0, w3 = _shifted(algo, first=1.0), _shifted(algo, last=3.0)
     server = _stored(algo, {0: w0, 3: w3})
-    mean = algo.zero_shot(server, algo.ctx.client_data(5)).params
+    zero = algo.zero_shot(server, algo.ctx.client_data(5))
+    mean = zero.params
+    assert zero.model is algo.ctx.model
     a, b = _entries(algo.ctx.initial_params, algo)
     assert _entries(mean, algo) == pytest.approx((a + 0.5, b + 1.5), abs=1e-6)
     assert _rest_is(mean, algo.ctx.initial_params, algo)

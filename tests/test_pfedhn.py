@@ -22,7 +22,7 @@ from torch.func import functional_call
 import pflbed
 from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.pfedhn import STREAM, HyperNetwork, PFedHNOptions
+from pflbed.algorithms.pfedhn import EMB, STREAM, HyperNetwork, PFedHNOptions
 from pflbed.algorithms.training import finetune_epochs
 from pflbed.config import validate_config
 from pflbed.engine import wire
@@ -503,9 +503,10 @@ def test_a_new_client_learns_only_its_embedding_with_the_hypernetwork_frozen(ini
 @pytest.mark.parametrize("method", ["ft", "lp"])
 def test_embedding_then_tune_fine_tunes_from_the_learned_embeddings_model(method):
     """`embedding+tune` (pFedHN+FT / +LP): the embedding phase (`new_embed_epochs`, not reported), then
-    `finetune_epochs` with `budget.method` from h(v*; φ) — lp moves only the head — one model per tuning epoch."""
-    algo = _new_client_algo(new_client="embedding+tune", new_embed_epochs=2, new_embed_lr=0.5)
-    plain = _new_client_algo(new_embed_lr=0.5)
+    `finetune_epochs` with `budget.method` from h(v*; φ) — lp moves only the head — one model per tuning epoch.
+    `new_embed_epochs` (3) counts the embedding phase of `embedding+tune` only: plain `embedding` ignores it."""
+    algo = _new_client_algo(new_client="embedding+tune", new_embed_epochs=3, new_embed_lr=0.5)
+    plain = _new_client_algo(new_embed_lr=0.5, new_embed_epochs=1)
     server = _moved(algo)
     before = {k: v.clone() for k, v in server.items()}
     data = algo.ctx.client_data(algo.ctx.federation.new[1])
@@ -513,7 +514,7 @@ def test_embedding_then_tune_fine_tunes_from_the_learned_embeddings_model(method
     models = list(algo.personalize(server, data, budget, torch.Generator().manual_seed(3)))
     assert same_tensors(server, before) and len(models) == 2
     g = torch.Generator().manual_seed(3)
-    start = last(plain.personalize(server, data, Budget(method, 2, 0.05, 8), g)).params
+    start = last(plain.personalize(server, data, Budget(method, 3, 0.05, 8), g)).params
     ref = [p.params for p in finetune_epochs(plain.ctx.model, dict(start), data, budget, g)]
     assert all(same_tensors(a.params, b) for a, b in zip(models, ref, strict=True))
     changed = {k for k in start if not torch.equal(models[-1].params[k], start[k])}
@@ -573,3 +574,14 @@ def test_pfedhn_learns_end_to_end_in_strict_mode_and_reports_new_clients(e2e):
     buf = io.BytesIO()
     torch.save(e2e.server, buf)  # the whole server state is plain tensors
     assert all(isinstance(v, torch.Tensor) for v in e2e.server.values())
+
+
+def test_diagnostics_report_the_mean_distance_of_the_embeddings_to_their_mean():
+    algo = _algo()
+    server = algo.init_server()
+    server[EMB] = torch.zeros_like(server[EMB])
+    server[EMB][:, 0] = 1.0
+    server[EMB][0, 0], server[EMB][1, 0] = 4.5, -2.5  # column means (1, 0, …): distances 3.5, 3.5, 0, …
+    d = algo.diagnostics(1, server, lambda c: {})
+    n = len(server[EMB])
+    assert n == 6 and d["emb_spread"] == round(7.0 / 6, 6) and d["embed_dim"] == server[EMB].shape[1] > 1

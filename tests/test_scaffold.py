@@ -2,6 +2,7 @@
 variates by option I / II, server x ← x + η_g·mean(y − x) and c ← c + ΣΔc_i / N."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,10 +66,13 @@ def test_local_steps_are_corrected_and_option_ii_updates_the_control_variate(wei
     assert all(torch.allclose(reply[f"dc/{k}"], new_ci[k] - ci[k]) for k in named)
 
 
-def test_option_i_control_variate_is_the_full_gradient_at_the_server_model():
+@pytest.mark.parametrize("samples", [None, 1])
+def test_option_i_control_variate_is_the_full_gradient_at_the_server_model(samples):
+    """The mean gradient over the client's training samples (all of them; also a client holding one)."""
     algo = prepare(_cfg(option="I"))
     server = algo.init_server()
     data = algo.ctx.client_data(1)
+    data = replace(data, train=data.train[:samples])
     _, new_ci = algo.client_update(server, algo.init_client(1), data, ClientContext(1, 1, torch.Generator()))
     model = algo.ctx.model
     load_params(model, {k: server[k] for k in algo.model_keys})
