@@ -316,3 +316,22 @@ def test_diagnostics_count_federated_updates_and_partners():
     server["P"][0, 1], server["P"][0, 2], server["P"][3, 1] = 0.25, 0.75, 1.0
     d = algo.diagnostics(5, server, lambda c: {})
     assert d == {"federated_updates": 2.0, "partners_per_client": pytest.approx(3 / 6)}
+
+
+def test_the_validation_loss_weighs_each_sample_by_the_clients_prior_of_its_class():
+    """L_i on a shared (domain) validation set: Σ_b w_{y_b}·CE_b / Σ_b w_{y_b}, in eval mode and float64; plain
+    mean without weights."""
+    algo = _algo()
+    data = algo.ctx.client_data(0)
+    x, y = data.x[data.train], data.y[data.train]
+    params = algo.ctx.initial_params
+    model = algo.ctx.model
+    load_params(model, params)
+    model.eval()
+    with torch.no_grad():
+        ce = F.cross_entropy(model(x).double(), y, reduction="none")
+    prior = torch.linspace(0.1, 1.0, algo.ctx.source.num_classes, dtype=F64)
+    sw = prior[y]
+    assert float(algo.loss(params, x, y, sw)) == pytest.approx(float((sw * ce).sum() / sw.sum()), rel=1e-12)
+    assert float(algo.loss(params, x, y, None)) == pytest.approx(float(ce.mean()), rel=1e-12)
+    assert abs(float((sw * ce).sum() / sw.sum()) - float(ce.mean())) > 1e-4  # the weights matter here

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pflbed.algorithms.base import ClientContext
+from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedpac import (
     HEAD,
     class_statistics,
@@ -17,12 +17,12 @@ from pflbed.algorithms.fedpac import (
     project_simplex,
     simplex_qp,
 )
-from pflbed.algorithms.partial import block_params
+from pflbed.algorithms.partial import block_params, blocks_for, personalize_blocks
 from pflbed.algorithms.training import get_params, index_batches, load_params, local_sgd
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 
-from .tiny import TINY
+from .tiny import TINY, same_tensors
 
 
 def make(train: dict | None = None, **opts):
@@ -379,3 +379,26 @@ def test_weights_are_certified_optimal_across_sizes_scales_and_corner_optima():
             p = diff @ diff.T + torch.diag(v)
             grad = 2 * p @ alpha[j]
             assert float(grad @ alpha[j] - grad.min()) <= tol * float(p.abs().max()) * (1 + 1e-9), (i, j)
+
+
+def test_a_new_client_starts_from_the_body_and_the_sample_share_weighted_mean_head():
+    """Zero-shot: the aggregated body with the mean of the round's heads weighted by n_i/n (0.8 / 0.2); FT / LP
+    personalize from there with the client's data, budget and generator (`personalize_blocks`: LP the head)."""
+    algo = make()
+    C = algo.num_classes
+    replies = hand_replies(algo, {0: (40, [4.0] * C, 1), 3: (10, [1.0] * C, 2)})
+    out = algo.aggregate(1, algo.init_server(), replies, {0: 40.0, 3: 10.0})
+    zero = algo.zero_shot(out, algo.ctx.client_data(5))
+    assert zero.model is algo.ctx.model and zero.feature_key is not None
+    for k in algo.head_keys:
+        assert torch.allclose(zero.params[k], 0.8 * replies[0][k] + 0.2 * replies[3][k], atol=1e-6)
+    assert all(zero.params[k] is out[k] for k in algo.body_keys)
+    data = algo.ctx.client_data(5)
+    for method in ("ft", "lp"):
+        budget = Budget(method, 2, 0.05, 8)
+        got = [p.params for p in algo.personalize(out, data, budget, gen(4))]
+        blocks = blocks_for(budget, algo.ctx.model, lp=algo.head)
+        want = [p.params for p in personalize_blocks(algo.ctx.model, dict(zero.params), data, budget, gen(4), blocks)]
+        assert len(got) == 2 and all(same_tensors(a, b) for a, b in zip(got, want, strict=True))
+        moved = {k for k in zero.params if not torch.equal(got[-1][k], zero.params[k])}
+        assert moved == (set(algo.head_keys) if method == "lp" else set(zero.params))
