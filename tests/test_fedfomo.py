@@ -335,3 +335,20 @@ def test_the_validation_loss_weighs_each_sample_by_the_clients_prior_of_its_clas
     assert float(algo.loss(params, x, y, sw)) == pytest.approx(float((sw * ce).sum() / sw.sum()), rel=1e-12)
     assert float(algo.loss(params, x, y, None)) == pytest.approx(float(ce.mean()), rel=1e-12)
     assert abs(float((sw * ce).sum() / sw.sum()) - float(ce.mean())) > 1e-4  # the weights matter here
+
+
+def test_the_federated_update_measures_every_loss_with_the_validation_weights():
+    """The own model's loss and each candidate's are measured on the same (x, y) with the same per-sample
+    weights `validation` returns (a domain-set client's prior)."""
+    algo = _algo()
+    data = algo.ctx.client_data(0)
+    x, y = data.x[data.train], data.y[data.train]
+    sw = torch.linspace(0.5, 1.5, len(y), dtype=F64)
+    algo.validation = lambda d: (x, y, sw)
+    seen = []
+    real = algo.loss
+    algo.loss = lambda params, xx, yy, w: seen.append(w) or real(params, xx, yy, w)
+    own = algo.ctx.initial_params
+    models = [_shifted(own, algo.keys[0], 0, 0.5), _shifted(own, algo.keys[0], 1, -0.5)]
+    algo.federated_update(own, models, data)
+    assert len(seen) == 3 and all(w is sw for w in seen)

@@ -270,9 +270,14 @@ def test_combined_head_is_the_alpha_combination_of_the_rounds_heads():
     algo = make()
     C = algo.num_classes
     replies = hand_replies(algo, {0: (40, [4.0] * C, 1), 3: (10, [1.0] * C, 2)})
+    replies[0]["v"] = torch.tensor(0.3, dtype=torch.float64)  # V below 1 (only negative V is clipped, to 0) …
+    replies[3]["h"] = replies[0]["h"] + 0.01 * torch.randn(replies[0]["h"].shape, generator=gen(8), dtype=torch.float64)
+    # … and close statistics h, so that the variance terms decide α
     weights = {0: 40.0, 3: 10.0}
     server = algo.init_server()
     out = algo.aggregate(1, server, replies, weights)
+    added = {k for k in out if k not in server}  # the repliers' heads; the replies' statistics stay out
+    assert added == {f"{HEAD}{c}/{k}" for c in (0, 3) for k in algo.head_keys}
     r0, r1 = replies[0], replies[3]
     dist = float(((r0["h"] - r1["h"]) ** 2).sum())
     v0, v1 = float(r0["v"]) / 40, float(r1["v"]) / 10

@@ -308,3 +308,12 @@ def test_lambda_is_chosen_on_class_weighted_validation_accuracy_when_the_set_is_
     for w in (differing[0] / (10 * len(y)), torch.zeros(classes, dtype=torch.float64)):  # a prior: Σ_y w_y < 1
         monkeypatch.setattr(knnper, "validation_data", lambda fed, d, w=w: (idx, w.float()))
         assert algo.choose_lam(pred, data) == (best(w) if w.sum() > 0 else plain)
+
+
+def test_a_single_sample_datastore_still_votes():
+    """capacity 1, λ = 1: the predictor is the kNN model of one stored sample — its label everywhere."""
+    algo = _algo(capacity=1, lam=1.0)
+    cid = 2
+    pred = algo.personal_model(algo.init_server(), algo.init_client(cid))
+    x = algo.ctx.client_data(cid).x[:20]
+    assert len(pred.keys) == 1 and torch.equal(pred.logits(x).argmax(1), pred.labels.expand(20))
