@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch.func import functional_call
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import index_batches
 
@@ -52,6 +52,10 @@ class APFL(FedAvg):
     Config = APFLOptions
     sgd_plan = Algorithm.sgd_plan  # two coupled models and α: not plain local SGD
 
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.params = [k for k, _ in ctx.model.named_parameters()]  # the entries that mix
+
     def init_client(self, cid: int) -> Tensors:
         return {**self.ctx.initial_params, ALPHA: torch.tensor(self.opts.alpha, device=self.ctx.device)}
 
@@ -60,7 +64,7 @@ class APFL(FedAvg):
     ) -> tuple[Tensors, Tensors]:
         model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
         model.train()
-        names = [k for k, _ in model.named_parameters()]
+        names = self.params
         w = {k: v.detach().clone() for k, v in payload.items()}
         v = {k: state[k].detach().clone() for k in payload}
         alpha = state[ALPHA].detach().clone()
@@ -91,5 +95,4 @@ class APFL(FedAvg):
         return w, {**{k: x.detach() for k, x in v.items()}, ALPHA: alpha}
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        params = [k for k, _ in self.ctx.model.named_parameters()]
-        return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA], params))
+        return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA], self.params))
