@@ -54,11 +54,11 @@ CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
 ]
 
 
-def _cfg(algorithm, device="cpu", **sections):
+def _cfg(algorithm, device="cpu", executor=None, **sections):
     fields = ALGORITHMS[algorithm["name"]].Config.model_fields
     options = {**{k: v for k, v in LIGHT.items() if k in fields}, **algorithm}
-    tree = {**TINY, "federation": FED, "eval": EVAL, "algorithm": options,
-            "executor": {**TINY["executor"], "device": device, "threads": 1}, **sections}  # fmt: skip
+    executor = {**TINY["executor"], "device": device, "threads": 1, **(executor or {})}
+    tree = {**TINY, "federation": FED, "eval": EVAL, "algorithm": options, "executor": executor, **sections}
     return validate_config(tree)
 
 

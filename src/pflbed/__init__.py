@@ -32,9 +32,10 @@ def run(
     return _run(cfg, Path(out) if out else None, write=write, progress=progress, force=force)
 
 
-def load_run(path: str | Path):
+def load_run(path: str | Path, device: str | None = None):
     """A trained run: `.config`, `.summary`, `.generic_model()`, `.personal_model(cid)`, `.predict(x)`,
-    `.personalize(x, y, ...)` (`pflbed.results.trained.TrainedRun`)."""
+    `.personalize(x, y, ...)` (`pflbed.results.trained.TrainedRun`), on `device` (unset: the run's own where this
+    machine has it, else the CPU)."""
     from pflbed.results.trained import load_run as _load
 
-    return _load(path)
+    return _load(path, device)

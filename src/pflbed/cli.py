@@ -117,7 +117,9 @@ def _cmd_run(args: argparse.Namespace) -> None:
             raise PflbedError("--out and --resume name different directories; --resume continues in place")
         if args.force:
             raise PflbedError("--force and --resume contradict each other: --force starts over, --resume continues")
-        given = load_config(args.config, args.overrides) if (args.config or args.overrides) else None
+        # -c: the whole config again (checked against the run's); --set alone: changes to the run's own config
+        given = load_config(args.config or args.resume / "config.yaml", args.overrides) \
+            if (args.config or args.overrides) else None  # fmt: skip
         rundir, cfg = RunDir.for_resume(args.resume, given)
         if rundir.finished:
             print_table(json.loads((rundir.path / "summary.json").read_text()))

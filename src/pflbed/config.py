@@ -57,6 +57,24 @@ class _Strict(BaseModel):
         return v
 
 
+class SyntheticConfig(_Strict):
+    """`dataset.name: synthetic`: Gaussian classes of any input shape (`data.synthetic`). Sized like a real
+    benchmark (3×32×32, 10 classes, 50,000 samples: CIFAR-10's compute, no download) it measures speed."""
+
+    shape: list[int] = Field(default_factory=lambda: [1, 8, 8], min_length=1, description="input shape: [3, 32, 32]")
+    num_classes: int = Field(10, ge=2, le=INT_MAX)
+    n_train: int = Field(2000, ge=2, le=INT_MAX, description="training pool size (partitioned among the clients)")
+    n_test: int = Field(500, ge=2, le=INT_MAX, description="global test set size (class-balanced)")
+    separation: float = Field(2.0, ge=0, description="distance between class means, in noise standard deviations / 2")
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(s < 1 or s > INT_MAX for s in v):
+            raise ValueError("every size must be at least 1")
+        return v
+
+
 class DatasetConfig(_Strict):
     name: Literal["fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder"] = "digits"
     path: str | None = Field(None, description="directory with the dataset files (fmnist); overrides the look-up")
@@ -65,6 +83,7 @@ class DatasetConfig(_Strict):
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
     image_size: int = Field(32, ge=1, le=4096, description="folder datasets: images are resized to this square size")
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic: its shape and sizes")
 
 
 class ModelConfig(_Strict):

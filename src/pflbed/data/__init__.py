@@ -124,6 +124,8 @@ def load_source(dataset: Any) -> DataSource:
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
         options["image_size"] = dataset.image_size
+    elif base == "synthetic":
+        options.update(dataset.synthetic.model_dump())
     with torch.device("cpu"):
         source = load_dataset(base, path=dataset.path, **options)
         domains = tuple(dataset.domains or domains)

@@ -32,16 +32,41 @@ def config_text(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+# Where a run computes, not what: a run checkpointed on a GPU may continue on a CPU and the reverse, with other
+# thread or worker counts. Each changes floats by rounding at most (`procs` not even that), never the experiment.
+PLACEMENT = ("device", "threads", "workers", "batch_clients")
+
+
+def _placed_anywhere(tree: dict[str, Any]) -> dict[str, Any]:
+    executor = {k: v for k, v in (tree.get("executor") or {}).items() if k not in PLACEMENT}
+    return {**tree, "executor": executor}
+
+
 def same_config(saved: Path, cfg: Config) -> bool:
     """Whether the config.yaml at `saved` describes `cfg`: compared as configs, not as text, so a run written before
-    a config key was added (its default then applies) is still the same run; unreadable or invalid: not the same."""
-    from pflbed.config import validate_config
-    from pflbed.errors import PflbedError
-
+    a config key was added (its default then applies) is still the same run; `PLACEMENT` keys are not compared;
+    unreadable or invalid: not the same."""
     try:
-        return validate_config(yaml.safe_load(saved.read_text()) or {}) == cfg
+        run = yaml.safe_load(saved.read_text()) or {}
+        return _placed_anywhere(run_config(run).to_dict()) == _placed_anywhere(cfg.to_dict())
     except (OSError, yaml.YAMLError, PflbedError):
         return False
+
+
+def run_config(tree: dict[str, Any], placement: Config | None = None) -> Config:
+    """A run's saved config tree, validated here: its `PLACEMENT` keys replaced by `placement`'s when given, else
+    its device made the CPU where the saved one does not exist on this machine (a GPU run loaded on a laptop)."""
+    from pflbed.config import resolve_device, validate_config
+
+    executor = dict(tree.get("executor") or {})
+    if placement is not None:
+        executor.update({k: getattr(placement.executor, k) for k in PLACEMENT})
+    else:
+        try:
+            resolve_device(str(executor.get("device", "cpu")))
+        except ValueError:
+            executor["device"] = "cpu"
+    return validate_config({**tree, "executor": executor})
 
 
 class RunDir:
@@ -100,15 +125,17 @@ class RunDir:
     @classmethod
     def for_resume(cls, path: Path, cfg: Config | None) -> tuple[RunDir, Config]:
         """Open an existing run dir to continue it; `cfg`, if given, must equal the run's own config."""
-        from pflbed.config import load_config
-
         saved = path / "config.yaml"
         if not saved.is_file():
             raise PflbedError(f"--resume {path}: not a pflbed run directory (no config.yaml)")
-        run_cfg = load_config(saved)
         if cfg is not None and not same_config(saved, cfg):
-            raise PflbedError(f"--resume {path}: the run was started with a different config")
-        return cls(path), run_cfg
+            raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
+                              f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip
+        try:
+            tree = yaml.safe_load(saved.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise PflbedError(f"{saved}: unreadable ({type(e).__name__})") from None
+        return cls(path), run_config(tree, cfg)
 
     def rewrite_metrics(self, history: list[dict[str, Any]]) -> None:
         """Make metrics.jsonl exactly the checkpointed history (drops lines logged after the checkpoint)."""

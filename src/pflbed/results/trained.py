@@ -27,11 +27,12 @@ import yaml
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
 from pflbed.algorithms.training import finetune_epochs, load_params
-from pflbed.config import Config, validate_config
+from pflbed.config import Config
 from pflbed.errors import PflbedError
 from pflbed.models import build_model
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
+from pflbed.results.rundir import run_config
 
 Method = Literal["native", "ft", "lp"]
 SUMMARY_FILE = "summary.json"
@@ -104,7 +105,7 @@ class TrainedRun:
     """A run directory, loaded. `config`, `summary` (None while unfinished), `history` (metrics.jsonl), `round`
     (the checkpoint's)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, device: str | None = None) -> None:
         from pflbed.engine.loop import prepare  # the engine builds what the run built
 
         self.path = Path(path)
@@ -114,7 +115,10 @@ class TrainedRun:
         if not checkpoint_path(self.path).is_file():
             raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
                               "round): nothing to load")  # fmt: skip
-        self.config: Config = validate_config(yaml.safe_load(conf.read_text()))
+        tree = yaml.safe_load(conf.read_text()) or {}
+        if device is not None:
+            tree = {**tree, "executor": {**(tree.get("executor") or {}), "device": device}}
+        self.config: Config = run_config(tree)  # a GPU run loads on the CPU where this machine has no GPU
         summary = self.path / "summary.json"
         self.summary: dict[str, Any] | None = json.loads(summary.read_text()) if summary.is_file() else None
         metrics = self.path / "metrics.jsonl"
@@ -246,6 +250,7 @@ class TrainedRun:
         return fed.new[0] if fed.new else len(fed.clients) - 1
 
 
-def load_run(path: str | Path) -> TrainedRun:
-    """Load the run in directory `path` (see `TrainedRun`)."""
-    return TrainedRun(path)
+def load_run(path: str | Path, device: str | None = None) -> TrainedRun:
+    """Load the run in directory `path` (see `TrainedRun`) onto `device` (cpu, cuda, cuda:N, auto); unset: the
+    run's own device where this machine has it, else the CPU."""
+    return TrainedRun(path, device)

@@ -1,0 +1,327 @@
+"""GPU: one command that proves the CUDA paths and measures the simulator on a GPU.
+
+1. Correctness: the test suite's `cuda`-marked tests (tests/test_cuda.py) on the device — every algorithm in
+   `loop`, batched clients and `procs` (two workers sharing the device) against the CPU and each other, a checkpoint
+   crossing devices both ways, a GPU run loaded and personalized on the CPU — with each comparison's measured
+   differences tabulated.
+2. Speed on CIFAR-shaped generated data (3×32×32, 10 classes: CIFAR-10's compute, no download): FedAvg, FedPer,
+   FedRoD, FedSelect and FedBasis, 100 clients × 500 training samples all participating, 1 local epoch, batch 32,
+   McMahan's CNN and ResNet-18 — seconds per round for `loop`, batched clients and `procs` (k workers on the one
+   GPU); the centralized limit (plain SGD of the same model and batch on the device, samples/s) and each round's
+   share of it; GPU utilisation (sampled) and peak memory.
+3. pfl-research's benchmark shape: 1,000 users × 50 images, cohort 50, batch 10, 1 local epoch, a 2-conv CNN.
+
+Rounds are timed one by one with the device synchronized at both ends; the first round of each case is a warm-up
+(CUDA context, cuDNN heuristics, allocator) and reported apart. Cases run in priority order, each written to the
+results as it finishes, and the ones that would start after `--budget-s` are listed as skipped.
+
+    python benchmarks/gpu.py                                  # on a GPU: writes benchmarks/results/gpu.{txt,json}
+    python benchmarks/gpu.py --device cpu --quick             # the same end to end on a CPU, small (CI-sized)
+
+Output: `<out>/gpu.txt` (tables) and `<out>/gpu.json` (every figure, the GPU's name), `<out>/gpu_tests.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pflbed.config import validate_config
+from pflbed.engine import batched
+from pflbed.engine.driver import Driver
+from pflbed.engine.loop import make_executor, prepare
+from pflbed.engine.procs import WorkerPool
+from pflbed.models import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Sampler:
+    """GPU utilisation and memory in use (all processes: `procs` workers too), sampled every 20 ms by NVML."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.util: list[int] = []
+        self.mem: list[int] = []
+        self.handle = None
+        if device.type == "cuda" and importlib.util.find_spec("pynvml"):
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        self.stop = threading.Event()
+
+    def __enter__(self) -> Sampler:
+        if self.handle is not None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.util.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+            self.mem.append(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.handle is not None:
+            self.thread.join()
+
+    def figures(self) -> dict[str, float | None]:
+        return {"util_pct": statistics.mean(self.util) if self.util else None,
+                "nvml_peak_mem_mb": max(self.mem) / 2**20 if self.mem else None}  # fmt: skip
+
+
+def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, shape: str) -> dict:
+    """The measured experiment: `shape` = "paper" (the seeds' 100 × 500) or "pflr" (pfl-research's 1,000 × 50)."""
+    clients, per_client, fraction, batch = (100, 500, 1.0, 32) if shape == "paper" else (1000, 50, 0.05, 10)
+    if a.quick:
+        clients, per_client = max(4, clients // 25), max(10, per_client // 25)
+    # val 10 % and test 10 % of each client's samples: per_client / 0.8 samples each, per_client of them to train
+    n_train = int(clients * per_client / 0.8)
+    return validate_config({
+        "dataset": {"name": "synthetic", "synthetic": {"shape": [3, 32, 32], "n_train": n_train, "n_test": 1000}},
+        "model": {"name": model},
+        "federation": {"clients": clients, "partition": "iid", "sample_fraction": fraction, "val_fraction": 0.1,
+                       "test_fraction": 0.1},
+        "train": {"rounds": a.rounds, "batch_size": batch, "lr": 0.01, "checkpoint_every": 0},
+        "eval": {"every": 10**6, "finetune": []},
+        "executor": {"device": a.device, "threads": 1, **executor},
+        "algorithm": {"name": algorithm},
+    })  # fmt: skip
+
+
+def time_rounds(cfg, pool: WorkerPool | None) -> dict:
+    """Seconds of each training round (device synchronized), samples trained, whether clients ran batched."""
+    calls = []
+    real = batched.train_together
+
+    def counted(*args, **kw):
+        calls.append(len(args[1]))
+        return real(*args, **kw)
+
+    batched.train_together = counted
+    try:
+        algo = prepare(cfg)
+        device = algo.ctx.device
+        executor, own = make_executor(algo, pool)
+        driver = Driver(algo, executor)
+        server = algo.init_server()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        with Sampler(device) as sampler:
+            for rnd in range(1, cfg.train.rounds + 1):
+                if rnd == 2:
+                    sampler.util.clear()  # utilisation of the timed rounds only
+                sync(device)
+                t0 = time.perf_counter()
+                server, _ = driver.train_round(rnd, server)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+        if own is not None:
+            own.close()
+    finally:
+        batched.train_together = real
+    fed = algo.ctx.federation
+    per_round = len(fed.participated) * cfg.federation.sample_fraction
+    samples = round(per_round * statistics.mean(fed.num_train(c) for c in fed.participated))
+    timed = times[1:] or times
+    out = {"warmup_s": times[0], "s_per_round": statistics.median(timed), "rounds_timed": len(timed),
+           "samples_per_round": samples, "batched_clients": max(calls, default=0), **sampler.figures()}  # fmt: skip
+    out["samples_per_s"] = samples / out["s_per_round"]
+    if device.type == "cuda":
+        out["torch_peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def centralized(model: str, batch: int, device: torch.device, steps: int) -> float:
+    """Plain SGD steps of `model` at `batch` on `device`, data resident there: the most one device trains."""
+    torch.manual_seed(0)
+    net = build_model(model, (3, 32, 32), 10, device)
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net.train()
+
+    def step() -> None:
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(max(3, steps // 10)):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def run_tests(a: argparse.Namespace, out: Path) -> dict:
+    """tests/test_cuda.py on the device; the per-comparison differences it reports, summarized."""
+    report = out / "gpu_parity.jsonl"
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "PFLBED_TEST_DEVICE": a.device, "PFLBED_CUDA_REPORT": str(report)}
+    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
+    if a.quick:
+        cmd += ["-k", "fedavg or fedper or resume or loads"]
+    if importlib.util.find_spec("xdist") and a.test_workers > 1:
+        cmd += ["-n", str(a.test_workers)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.tests_timeout_s)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after {a.tests_timeout_s} s", -1
+    (out / "gpu_tests.log").write_text(log if isinstance(log, str) else log.decode())
+    lines = [json.loads(x) for x in report.read_text().splitlines()] if report.exists() else []
+    by_test: dict[str, dict] = {}
+    for r in lines:
+        t = by_test.setdefault(r["test"], {"comparisons": 0, "max_figure_gap": 0.0, "max_state_gap": 0.0,
+                                           "bit_equal": 0, "worst": "", "int_figures_differ": 0})  # fmt: skip
+        t["comparisons"] += 1
+        t["bit_equal"] += r["bit_equal"]
+        t["int_figures_differ"] += bool(r["int_figures_differ"])
+        if r["figure_gap"] >= t["max_figure_gap"]:
+            t["max_figure_gap"], t["worst"] = r["figure_gap"], f"{r['case']} ({r['figure']})"
+        t["max_state_gap"] = max(t["max_state_gap"], r["state_gap"])
+    tail = [x for x in log.splitlines() if x.strip()][-1:] if log else []
+    return {"exit_code": rc, "seconds": time.perf_counter() - t0, "result": tail[0] if tail else "", "by_test": by_test,
+            "comparisons": lines}  # fmt: skip
+
+
+def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """(shape, algorithm, model, executor) in priority order: FedAvg's CNN first, then pfl-research's shape, the
+    other algorithms on the CNN, then ResNet-18 (BatchNorm: batched clients do not apply, it would run the loop)."""
+    cnn, resnet = a.models
+    execs = ["loop", "batched", "procs"]
+    out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
+    out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
+    out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in ("loop", "procs")]
+    return out
+
+
+EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="tiny federations, a test subset: the script end to end")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per case; the first is the warm-up")
+    ap.add_argument("--workers", type=int, default=4, help="procs: worker processes sharing the device")
+    ap.add_argument("--models", nargs=2, default=["cnn", "resnet18"], metavar=("CNN", "RESNET"))
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed"])
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case after this many seconds")
+    ap.add_argument("--tests-timeout-s", type=float, default=240.0)
+    ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests, where installed")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.workers = min(a.rounds, 2), min(a.workers, 2)
+        if a.models == ["cnn", "resnet18"]:
+            a.models = ["cnn", "resnet18_x025"]
+    t_start = time.perf_counter()
+    device = torch.device(a.device)
+    a.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    result: dict = {"device": a.device, "gpu": gpu, "torch": torch.__version__, "quick": a.quick,
+                    "python": platform.python_version(), "cpu_count": os.cpu_count(),
+                    "args": vars(a) | {"out": str(a.out)}}  # fmt: skip
+    result["tests"] = None if "tests" in a.skip else run_tests(a, a.out)
+    result["speed"], result["skipped"] = [], []
+    if "speed" not in a.skip:
+        steps = 20 if a.quick else 200
+        result["centralized"] = {m: {b: centralized(m, b, device, steps) for b in (32, 10)} for m in a.models}
+        with WorkerPool(a.workers, threads=1) as pool:
+            for shape, alg, model, ex in cases(a):
+                if time.perf_counter() - t_start > a.budget_s:
+                    result["skipped"].append(f"{shape} {alg} {model} {ex}")
+                    continue
+                executor = EXECUTORS.get(ex, {"name": "procs", "workers": a.workers})
+                try:
+                    m = time_rounds(config(alg, model, executor, a, shape), pool if ex == "procs" else None)
+                except Exception as e:  # a failed case is a result too; the next ones still run
+                    m = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                m.update(shape=shape, algorithm=alg, model=model, executor=ex)
+                batch = 32 if shape == "paper" else 10
+                if "samples_per_s" in m:
+                    m["of_centralized"] = m["samples_per_s"] / result["centralized"][model][batch]
+                result["speed"].append(m)
+                write(result, a.out)
+                print(line(m), flush=True)
+    result["seconds"] = time.perf_counter() - t_start
+    write(result, a.out)
+    print((a.out / "gpu.txt").read_text())
+    tests = result["tests"]
+    sys.exit(1 if tests and tests["exit_code"] != 0 else 0)
+
+
+def line(m: dict) -> str:
+    head = f"{m['shape']:5s} {m['algorithm']:9s} {m['model']:14s} {m['executor']:7s}"
+    if "error" in m:
+        return f"{head} ERROR {m['error']}"
+    util = f"{m['util_pct']:5.0f}" if m.get("util_pct") is not None else "    -"
+    mem = m.get("nvml_peak_mem_mb") or m.get("torch_peak_mem_mb")
+    mem_s = f"{mem:8.0f}" if mem is not None else "       -"
+    return (f"{head} {m['s_per_round']:9.3f} {m['warmup_s']:8.2f} {m['samples_per_s']:11.0f} "
+            f"{m.get('of_centralized', float('nan')):6.2f} {m['batched_clients']:7d} {util} {mem_s}")  # fmt: skip
+
+
+def write(result: dict, out: Path) -> None:
+    (out / "gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    rows = [f"device: {result['device']} ({result['gpu'] or 'no GPU'}), torch {result['torch']}, "
+            f"{result['cpu_count']} CPU cores{', quick' if result['quick'] else ''}"]  # fmt: skip
+    if t := result.get("tests"):
+        rows += ["", f"cuda tests: exit {t['exit_code']}, {t['result']} ({t['seconds']:.0f} s)",
+                 f"{'comparison':24s} {'n':>4s} {'bit-equal':>9s} {'max figure gap':>14s} {'max state gap':>13s} "
+                 f"{'int differ':>10s}  worst"]  # fmt: skip
+        for name, s in t["by_test"].items():
+            rows.append(f"{name:24s} {s['comparisons']:4d} {s['bit_equal']:9d} {s['max_figure_gap']:14.2e} "
+                        f"{s['max_state_gap']:13.2e} {s['int_figures_differ']:10d}  {s['worst']}")  # fmt: skip
+    if c := result.get("centralized"):
+        rows += ["", "centralized limit (plain SGD, data on the device), samples/s: "
+                 + ", ".join(f"{m} batch {b}: {v:.0f}" for m, d in c.items() for b, v in d.items())]  # fmt: skip
+    if result.get("speed"):
+        rows += ["", "paper: 100 clients × 500 samples, all per round, batch 32; pflr: 1,000 users × 50, cohort 50, "
+                 "batch 10; 1 local epoch; s/round = median of the timed rounds (first round: warm-up, apart)",
+                 f"{'shape':5s} {'algorithm':9s} {'model':14s} {'exec':7s} {'s/round':>9s} {'warm-up':>8s} "
+                 f"{'samples/s':>11s} {'÷cent.':>6s} {'batched':>7s} {'util%':>5s} {'peak MB':>8s}"]  # fmt: skip
+        rows += [line(m) for m in result["speed"]]
+        loops = {(m["shape"], m["algorithm"], m["model"]): m for m in result["speed"] if m["executor"] == "loop"
+                 and "s_per_round" in m}  # fmt: skip
+        ratios = [f"{m['shape']} {m['algorithm']} {m['model']} {m['executor']}: "
+                  f"{loops[(m['shape'], m['algorithm'], m['model'])]['s_per_round'] / m['s_per_round']:.2f}×"
+                  for m in result["speed"] if m["executor"] != "loop" and "s_per_round" in m
+                  and (m["shape"], m["algorithm"], m["model"]) in loops]  # fmt: skip
+        if ratios:
+            rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
+    if result.get("skipped"):
+        rows += ["", "skipped (time budget): " + "; ".join(result["skipped"])]
+    (out / "gpu.txt").write_text("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

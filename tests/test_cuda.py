@@ -1,0 +1,186 @@
+"""The CUDA paths, marked `cuda`: every algorithm on a GPU in every executor, and runs that cross devices.
+
+Skipped where torch sees no GPU; `benchmarks/gpu.py` runs them on one (`python -m pytest -m cuda`). With
+`PFLBED_TEST_DEVICE=cpu` they run with the CPU standing in for the GPU: that checks the harness itself on any machine
+(`benchmarks/gpu.py --device cpu --quick`), not the GPU.
+
+What is compared, and how closely. A GPU runs the same rules with other kernels: other summation orders, and cuDNN
+convolutions in TF32 by default. So a GPU run is not the CPU run bit for bit, and its differences grow over rounds
+of training; a discrete choice on a near tie (a selected round, a mask threshold, a top-k neighbour) can even flip.
+Asserted, on the tiny runs of `test_device.CASES` (4 rounds, every algorithm and the option paths the defaults miss):
+- device vs CPU, batched vs one by one: every float figure of the summary within `FIGURE_TOL` (absolute for
+  accuracies, relative above 1) and the server state within `STATE_TOL` (largest difference over the largest value
+  of each tensor); integer figures (a round chosen on validation) are reported, not asserted;
+- `procs` (two workers sharing the device) vs `loop` on the same device: the same tolerances; whether they were
+  equal bit for bit is reported.
+`PFLBED_CUDA_REPORT=FILE` appends one JSON line per comparison with the measured differences (what
+`benchmarks/gpu.py` tabulates), so a tolerance is a measured figure, not a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import pflbed
+from pflbed.engine.loop import run
+from pflbed.engine.procs import WorkerPool
+
+from .test_device import CASES, _cfg
+
+FIGURE_TOL = 0.05  # accuracies: a few test samples of the tiny runs' local test sets
+STATE_TOL = 5e-3
+
+DEVICE = os.environ.get("PFLBED_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE is None, reason="no CUDA device")]
+IDS = [c[0] for c in CASES]
+
+
+def _leaves(tree, prefix=""):
+    """(dotted key, value) of every number in a summary, lists indexed."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}{i}.")
+    elif isinstance(tree, int | float) and not isinstance(tree, bool):
+        yield prefix[:-1], tree
+
+
+def _figure_gap(a: dict, b: dict) -> tuple[float, str, list[str]]:
+    """Largest difference of float figures (relative above 1; NaN on both sides counts as equal), where, and the
+    integer figures that differ."""
+    fa = {k: v for k, v in _leaves(a) if not k.startswith(("timing", "provenance"))}
+    fb = {k: v for k, v in _leaves(b) if not k.startswith(("timing", "provenance"))}
+    assert fa.keys() == fb.keys(), sorted(fa.keys() ^ fb.keys())
+    worst, where, ints = 0.0, "", []
+    for k in fa:
+        x, y = fa[k], fb[k]
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                ints.append(f"{k}: {x} vs {y}")
+            continue
+        if math.isnan(x) and math.isnan(y):
+            continue
+        gap = abs(x - y) / max(1.0, abs(x)) if not (math.isnan(x) or math.isnan(y)) else math.inf
+        if gap > worst:
+            worst, where = gap, k
+    return worst, where, ints
+
+
+def _state_gap(a: dict, b: dict) -> tuple[float, bool]:
+    """Largest difference of float tensors relative to each tensor's largest magnitude; whether all are equal."""
+    assert a.keys() == b.keys()
+    worst, equal = 0.0, True
+    for k in a:
+        x, y = a[k].detach().cpu(), b[k].detach().cpu()
+        equal = equal and torch.equal(x, y)
+        if x.is_floating_point() and x.numel():
+            scale = max(float(x.abs().max()), 1e-12)
+            worst = max(worst, float((x - y).abs().max()) / scale)
+    return worst, equal
+
+
+def _compare(test: str, case: str, a, b) -> None:
+    gap, where, ints = _figure_gap(a.summary, b.summary)
+    state, equal = _state_gap(a.server, b.server)
+    states = [_state_gap(a.executor.states[c], b.executor.states[c]) for c in a.executor.states]
+    equal = equal and a.executor.states.keys() == b.executor.states.keys() and all(e for _, e in states)
+    state = max([state, *(g for g, _ in states)])
+    line = {"test": test, "case": case, "device": DEVICE, "figure_gap": gap, "figure": where, "state_gap": state,
+            "bit_equal": equal, "int_figures_differ": ints}  # fmt: skip
+    if report := os.environ.get("PFLBED_CUDA_REPORT"):
+        with open(report, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    assert gap <= FIGURE_TOL, line
+    assert state <= STATE_TOL, line
+
+
+def _case(case_id):
+    _, algorithm, sections = next(c for c in CASES if c[0] == case_id)
+    return algorithm, sections
+
+
+@pytest.fixture(scope="module")
+def device_pool():
+    """Two workers sharing the device (each its own CUDA context)."""
+    with WorkerPool(2, threads=1) as p:
+        yield p
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_a_device_run_matches_the_cpu_run(case):
+    algorithm, sections = _case(case)
+    cpu = run(_cfg(algorithm, "cpu", **sections), write=False, progress=False)
+    dev = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
+    assert all(v.device.type == torch.device(DEVICE).type for v in dev.server.values())
+    _compare("device_vs_cpu", case, cpu, dev)
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_batched_clients_on_the_device_match_one_by_one(case):
+    algorithm, sections = _case(case)
+    one = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
+    both = run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **sections), write=False, progress=False)
+    _compare("batched_vs_loop", case, one, both)
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_procs_workers_sharing_the_device_match_the_loop(case, device_pool):
+    algorithm, sections = _case(case)
+    loop = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
+    procs = run(_cfg(algorithm, DEVICE, {"name": "procs", "workers": 2}, **sections), write=False, progress=False,
+                pool=device_pool)  # fmt: skip
+    _compare("procs_vs_loop", case, loop, procs)
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("first, second", [(DEVICE, "cpu"), ("cpu", DEVICE)], ids=["device-to-cpu", "cpu-to-device"])
+def test_a_checkpoint_resumes_on_the_other_device(first, second, tmp_path, monkeypatch):
+    """Rounds 1–2 on one device, checkpointed, interrupted; resumed on the other (only the placement changes, which
+    resuming allows): its states on the new device, and its figures those of the uninterrupted run."""
+    from pflbed.engine import driver
+
+    algorithm = {"name": "fedper"}
+    tree = {"train": {"rounds": 4, "batch_size": 16, "lr": 0.1, "checkpoint_every": 2}}
+    out = tmp_path / "run"
+    real = driver.Driver.train_round
+
+    def stop_at_three(self, rnd, server):
+        if rnd == 3:
+            raise _Stop
+        return real(self, rnd, server)
+
+    monkeypatch.setattr(driver.Driver, "train_round", stop_at_three)
+    with pytest.raises(_Stop):
+        run(_cfg(algorithm, first, **tree), out, progress=False)
+    monkeypatch.setattr(driver.Driver, "train_round", real)
+    assert not (out / "summary.json").exists()
+    resumed = run(_cfg(algorithm, second, **tree), out, progress=False, resume=True)
+    assert all(v.device.type == torch.device(second).type for v in resumed.server.values())
+    straight = run(_cfg(algorithm, first, **tree), write=False, progress=False)
+    _compare(f"resume_{first}_to_{second}", "fedper", straight, resumed)
+
+
+def test_a_device_run_loads_and_personalizes_on_the_cpu(tmp_path):
+    """`load_run` of a run made on the device, onto the CPU: its generic model predicts what the run scored, and a
+    new client is personalized there."""
+    out = tmp_path / "run"
+    made = run(_cfg({"name": "fedavg"}, DEVICE), out, progress=False)
+    loaded = pflbed.load_run(out, device="cpu")
+    assert all(v.device.type == "cpu" for v in loaded.server.values())
+    assert _state_gap(made.server, loaded.server) == (0.0, True)
+    test = loaded.algo.ctx.source.test
+    acc = float((torch.as_tensor(loaded.predict(test.x)) == test.y).float().mean())
+    assert acc == pytest.approx(made.summary["final"]["gfl_acc"], abs=FIGURE_TOL)
+    x, y = test.x[:40], test.y[:40]
+    personal = loaded.personalize(x, y, method="ft", epochs=1, lr=0.05)
+    assert next(personal.model.parameters()).device.type == "cpu"
