@@ -47,6 +47,9 @@ from pflbed.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
+# FedBasis replaces train.local_epochs by its ψ and V steps' own epochs (5 each by default): one each here, so its
+# round passes over the client's data twice (once per step) where the others pass once.
+ONE_EPOCH = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1}}
 
 
 def sync(device: torch.device) -> None:
@@ -102,10 +105,11 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
         "model": {"name": model},
         "federation": {"clients": clients, "partition": "iid", "sample_fraction": fraction, "val_fraction": 0.1,
                        "test_fraction": 0.1},
-        "train": {"rounds": a.rounds, "batch_size": batch, "lr": 0.01, "checkpoint_every": 0},
+        "train": {"rounds": a.rounds if model == a.models[0] else a.big_rounds, "batch_size": batch, "lr": 0.01,
+                  "checkpoint_every": 0},
         "eval": {"every": 10**6, "finetune": []},
         "executor": {"device": a.device, "threads": 1, **executor},
-        "algorithm": {"name": algorithm},
+        "algorithm": {"name": algorithm, **ONE_EPOCH.get(algorithm, {})},
     })  # fmt: skip
 
 
@@ -217,12 +221,16 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
+    out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
     out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in ("loop", "procs")]
     return out
 
 
-EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True}}
+# `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run)
+EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
+             "loop-fast": {"batch_clients": False, "deterministic": False},
+             "batched-fast": {"batch_clients": True, "deterministic": False}}  # fmt: skip
 
 
 def main() -> None:
@@ -231,6 +239,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny federations, a test subset: the script end to end")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per case; the first is the warm-up")
+    ap.add_argument("--big-rounds", type=int, default=2, help="rounds per ResNet case (one timed after the warm-up)")
     ap.add_argument("--workers", type=int, default=4, help="procs: worker processes sharing the device")
     ap.add_argument("--models", nargs=2, default=["cnn", "resnet18"], metavar=("CNN", "RESNET"))
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed"])
@@ -239,7 +248,7 @@ def main() -> None:
     ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests, where installed")
     a = ap.parse_args()
     if a.quick:
-        a.rounds, a.workers = min(a.rounds, 2), min(a.workers, 2)
+        a.rounds, a.big_rounds, a.workers = min(a.rounds, 2), min(a.big_rounds, 2), min(a.workers, 2)
         if a.models == ["cnn", "resnet18"]:
             a.models = ["cnn", "resnet18_x025"]
     t_start = time.perf_counter()

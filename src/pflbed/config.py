@@ -281,6 +281,11 @@ class ExecutorConfig(_Strict):
         "cpu", description="where the data, the models and every tensor of the run live: cpu, cuda (the current "
         "GPU), cuda:N or auto (cuda when available, else cpu); random draws stay on CPU generators"
     )
+    deterministic: bool = Field(
+        True, description="on a GPU: reproducible kernels (cuDNN, cuBLAS and torch's deterministic modes), so one "
+        "config and seed give the same figures run after run; false: the faster defaults, whose figures vary by "
+        "float rounding from run to run (README, \"GPU\"). No effect on a CPU"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ExecutorConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import torch
@@ -40,6 +41,28 @@ def fork(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cpu":
         return torch.random.fork_rng(devices=[])
     return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+def deterministic_kernels(device: torch.device, on: bool) -> None:
+    """On a GPU, choose reproducible kernels (`executor.deterministic`): the same config and seed then give the
+    same figures run after run on the same GPU and software, as on a CPU.
+
+    Why it is needed: by default cuDNN picks convolution algorithms whose weight gradients accumulate with atomics,
+    in an order that varies run to run, and cuBLAS likewise with more than one workspace. The differences are float
+    rounding, but training grows them: two GPU runs of FedBasis on a BatchNorm LeNet differed by 5 % of a parameter's
+    magnitude after four rounds (benchmarks/results/gpu.txt). Torch's deterministic mode makes cuDNN, cuBLAS (with
+    a fixed workspace, set here before its first use) and torch's own scatter-style kernels deterministic; an op
+    with no deterministic kernel warns instead of failing. Off: the faster defaults. The setting is per process
+    (torch's flags are global), so each `procs` worker applies it too. Nothing changes on the CPU, whose kernels are
+    deterministic already.
+    """
+    if device.type != "cuda":
+        return
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(on, warn_only=True)
 
 
 # Stream tags, so that e.g. round 3 of client 5 never collides with the fine-tuning stream of client 5.

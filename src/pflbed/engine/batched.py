@@ -88,8 +88,8 @@ def _phase(
 ) -> None:
     trainable = [k for k in model.state_keys(ph.blocks) if k in params]
     fixed = [k for k in params if k not in set(trainable)]
-    batches = [list(index_batches(d.train, train.batch_size, ph.epochs, g)) for d, g in zip(datas, gens, strict=True)]
-    steps = max(len(b) for b in batches)
+    rows, weights, active = _schedule(datas, train.batch_size, ph.epochs, gens)
+    pool_x, pool_y = datas[0].x, datas[0].y
     model.train()
 
     def loss(p: Tensors, q: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -98,40 +98,55 @@ def _phase(
 
     grads_of = vmap(grad(loss))
     buf: Tensors = {}
-    for s in range(steps):
-        active = [i for i, b in enumerate(batches) if s < len(b)]
-        rows = torch.tensor(active, device=datas[0].x.device)
-        x, y, w = _padded([batches[i][s] for i in active], [datas[i] for i in active])
-        whole = len(active) == len(batches)
-        p = {k: params[k] if whole else params[k][rows] for k in trainable}
-        q = {k: params[k] if whole else params[k][rows] for k in fixed}
+    for s, live in enumerate(active):
+        whole = live is None
+        sel = None if whole else torch.tensor(live, device=pool_x.device)
+        r, w = (rows[s], weights[s]) if whole else (rows[s][sel], weights[s][sel])
+        x, y = pool_x[r], pool_y[r]  # one gather for every client's batch
+        p = {k: params[k] if whole else params[k][sel] for k in trainable}
+        q = {k: params[k] if whole else params[k][sel] for k in fixed}
         g = grads_of(p, q, x, y, w)
         for k in trainable:  # torch.optim.SGD's update, per client
             d = g[k].add(p[k], alpha=train.weight_decay) if train.weight_decay else g[k]
             if train.momentum:
                 if s == 0:  # every client with a batch starts at step 0; one without keeps a zero buffer
-                    buf[k] = d.clone() if whole else torch.zeros_like(params[k]).index_copy_(0, rows, d)
+                    buf[k] = d.clone() if whole else torch.zeros_like(params[k]).index_copy_(0, sel, d)
                 else:
-                    d = (buf[k] if whole else buf[k][rows]).mul_(train.momentum).add_(d)
+                    d = (buf[k] if whole else buf[k][sel]).mul_(train.momentum).add_(d)
                     if not whole:
-                        buf[k][rows] = d
+                        buf[k][sel] = d
             new = p[k].add(d, alpha=-ph.lr)
             if whole:
                 params[k] = new
             else:
-                params[k][rows] = new
+                params[k][sel] = new
 
 
-def _padded(idx: list[torch.Tensor], datas: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each client's batch padded to the longest one's rows (padding: its first sample), and per-row loss weights
-    1/len(batch) on real rows, 0 on padding — so each client's loss is the mean over its real samples."""
-    n = max(len(b) for b in idx)
-    rows = []
-    weights = torch.zeros(len(idx), n, device=datas[0].x.device)
-    for r, b in enumerate(idx):
-        weights[r, : len(b)] = 1.0 / len(b)
-        rows.append(torch.cat([b, b[:1].expand(n - len(b))]))
-    sel = torch.stack(rows)
-    x = torch.stack([d.x[r] for d, r in zip(datas, sel, strict=True)])
-    y = torch.stack([d.y[r] for d, r in zip(datas, sel, strict=True)])
-    return x, y, weights
+def _schedule(
+    datas: list, batch_size: int, epochs: int, gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None]]:
+    """Every step's batch of every client, built once on the CPU and moved to the device in one copy.
+
+    Returns `rows` [steps, clients, width] (indices into the shared pool; a batch shorter than `width` is padded
+    with its first sample), `weights` of the same shape (1/len(batch) on real rows, 0 on padding and on steps after
+    a client's last: each client's loss is the mean over its real samples) and, per step, the clients that still
+    have a batch (None: all). Why up front: building the batches step by step costs a few small device operations
+    per client and step, which on a GPU took longer than the step itself. The batches are `index_batches`' on
+    the same generators — the loop's, sample for sample.
+    """
+    per_client = [list(index_batches(d.train.cpu(), batch_size, epochs, g)) for d, g in zip(datas, gens, strict=True)]
+    steps = max(len(b) for b in per_client)
+    width = max(len(x) for b in per_client for x in b)
+    rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
+    weights = torch.zeros(steps, len(datas), width)
+    for c, batches in enumerate(per_client):
+        for s, b in enumerate(batches):
+            rows[s, c, : len(b)] = b
+            rows[s, c, len(b) :] = b[0]
+            weights[s, c, : len(b)] = 1.0 / len(b)
+    active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
+              for s in range(steps)]  # fmt: skip
+    device = datas[0].x.device
+    if any(d.x is not datas[0].x or d.y is not datas[0].y for d in datas):
+        raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
+    return rows.to(device), weights.to(device), active

@@ -62,6 +62,7 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     and moved, so one seed gives the same initial weights on every device.
     """
     device = resolve_device(cfg.executor.device)
+    rng.deterministic_kernels(device, cfg.executor.deterministic)
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
     algo_cls = get_algorithm(cfg.algorithm.name)

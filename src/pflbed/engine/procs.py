@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.multiprocessing as mp
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Predictor, Tensors
 from pflbed.engine.executor import LoopExecutor, update_client
 
@@ -118,6 +119,7 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
             private, (source, federation) = body
             algo = pickle.loads(private)
             device = algo.ctx.device
+            rng.deterministic_kernels(device, algo.ctx.cfg.executor.deterministic)
             algo.ctx.source, algo.ctx.federation = source.to(device), pickle.loads(federation).to(device)
             continue
         if kind == "forward":

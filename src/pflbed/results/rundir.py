@@ -34,7 +34,7 @@ def config_text(cfg: Config) -> str:
 
 # Where a run computes, not what: a run checkpointed on a GPU may continue on a CPU and the reverse, with other
 # thread or worker counts. Each changes floats by rounding at most (`procs` not even that), never the experiment.
-PLACEMENT = ("device", "threads", "workers", "batch_clients")
+PLACEMENT = ("device", "threads", "workers", "batch_clients", "deterministic")
 
 
 def _placed_anywhere(tree: dict[str, Any]) -> dict[str, Any]:
