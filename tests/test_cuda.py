@@ -113,7 +113,15 @@ def device_pool():
         yield p
 
 
-@pytest.mark.parametrize("case", IDS)
+# Cases whose tiny 4-round trajectory is chaotic, so that float rounding alone moves it past any useful tolerance:
+# FedBasis on a BatchNorm LeNet. Measured on an H100: two GPU runs of it with the default (non-deterministic)
+# kernels differed by 4.7e-2 of a tensor's magnitude; GPU vs CPU by < 1e-3 once and by 0.32 (one test sample of a
+# 19-sample client) another time. Its device path is still checked — bit for bit between loop, batched and procs
+# on the device, with deterministic kernels — just not against the CPU.
+CHAOTIC = {"fedbasis-bn"}
+
+
+@pytest.mark.parametrize("case", [c for c in IDS if c not in CHAOTIC])
 def test_a_device_run_matches_the_cpu_run(case):
     algorithm, sections = _case(case)
     cpu = run(_cfg(algorithm, "cpu", **sections), write=False, progress=False)
@@ -124,6 +132,7 @@ def test_a_device_run_matches_the_cpu_run(case):
 
 @pytest.mark.parametrize("case", IDS)
 def test_batched_clients_on_the_device_match_one_by_one(case):
+    """Within tolerance where clients ran batched; bit for bit elsewhere (the loop's code, deterministic kernels)."""
     algorithm, sections = _case(case)
     one = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
     both = run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **sections), write=False, progress=False)
@@ -137,6 +146,8 @@ def test_procs_workers_sharing_the_device_match_the_loop(case, device_pool):
     procs = run(_cfg(algorithm, DEVICE, {"name": "procs", "workers": 2}, **sections), write=False, progress=False,
                 pool=device_pool)  # fmt: skip
     _compare("procs_vs_loop", case, loop, procs)
+    if torch.device(DEVICE).type == "cuda":  # measured on an H100: every case bit for bit, as on the CPU
+        assert _state_gap(loop.server, procs.server) == (0.0, True)
 
 
 class _Stop(Exception):
