@@ -281,6 +281,11 @@ class ExecutorConfig(_Strict):
         "cpu", description="where the data, the models and every tensor of the run live: cpu, cuda (the current "
         "GPU), cuda:N or auto (cuda when available, else cpu); random draws stay on CPU generators"
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forwards and backwards under torch.autocast in bfloat16 (parameters, optimizer "
+        "updates and exchanged tensors stay float32) — faster on GPUs with bf16 tensor cores, and it changes "
+        "results (README, \"GPU\"); fp32: plain float32"
+    )
     deterministic: bool = Field(
         True, description="on a GPU: reproducible kernels (cuDNN, cuBLAS and torch's deterministic modes), so one "
         "config and seed give the same figures run after run; false: the faster defaults, whose figures vary by "

@@ -33,7 +33,7 @@ from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
-from pflbed.engine.executor import LoopExecutor, client_generator, update_client
+from pflbed.engine.executor import LoopExecutor, client_generator, precision, update_client
 from pflbed.models import BlockNet
 
 _PER_CLIENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
@@ -62,8 +62,9 @@ class BatchedExecutor(LoopExecutor):
         for cids in groups.values():
             if len(cids) > 1:
                 gens = [client_generator(ctx.seed, rnd, c) for c in cids]
-                trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
-                                         ctx.cfg.train, gens)  # fmt: skip
+                with precision(algo):
+                    trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
+                                             ctx.cfg.train, gens)  # fmt: skip
                 done.update({c: plans[c].finish(p) for c, p in zip(cids, trained, strict=True)})
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time

@@ -7,6 +7,7 @@ Strict mode round-trips everything through bytes (see `wire`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -24,12 +25,25 @@ def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(rng.derive_seed(seed, rng.CLIENT, rnd, cid))
 
 
+def precision(algo: Algorithm) -> contextlib.AbstractContextManager:
+    """`executor.precision`: bf16 runs training under `torch.autocast` (matrix products and convolutions in
+    bfloat16; parameters, their updates and everything exchanged stay float32); fp32: nothing.
+
+    Where: around every client update (wherever it runs), batched clients, and the final fine-tuning and
+    new-client stages (their training and their scoring). Not around the server's rules or the rounds'
+    evaluation: a weighted mean or a coefficient product computed as a matrix product would be rounded to
+    bfloat16's 8 bits every round, and the rounds' figures are scored in float32."""
+    ctx = algo.ctx
+    return torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.executor.precision == "bf16")
+
+
 def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
     """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs."""
     ctx = algo.ctx
     rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)  # draws from torch's global RNG
     cctx = ClientContext(rnd, cid, client_generator(ctx.seed, rnd, cid))
-    return algo.client_update(payload, state, ctx.client_data(cid), cctx)
+    with precision(algo):
+        return algo.client_update(payload, state, ctx.client_data(cid), cctx)
 
 
 class LoopExecutor:

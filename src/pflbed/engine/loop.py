@@ -24,7 +24,7 @@ from pflbed.config import Config, resolve_device
 from pflbed.data import base_dataset, load_source
 from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
-from pflbed.engine.executor import LoopExecutor
+from pflbed.engine.executor import LoopExecutor, precision
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.progress import RunProgress
 from pflbed.engine.threads import choose_threads, provenance
@@ -183,13 +183,14 @@ def experiment(
         methods = cfg.eval.finetune if algo.generic_model(server) is not None else []
         for i, method in enumerate(methods):
             gen_for = lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)  # noqa: E731
-            with bar.stage(f"fine-tuning every client ({method})", len(fed.participated)) as tick:
+            with bar.stage(f"fine-tuning every client ({method})", len(fed.participated)) as tick, precision(algo):
                 finetuned[method] = evaluate_personalized(algo, server, method, gen_for, tick)
         timing["eval_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
         new_clients = None
         if fed.new:
-            with bar.stage(f"personalizing {len(fed.new)} new clients", new_client_work(algo)) as tick:
+            with bar.stage(f"personalizing {len(fed.new)} new clients", new_client_work(algo)) as tick, \
+                    precision(algo):  # fmt: skip
                 new_clients = evaluate_new_clients(algo, server, tick)
         timing["new_clients_s"] = time.perf_counter() - t1
         files = {}
