@@ -98,6 +98,7 @@ def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_o
     for cid in (0, 2):
         agg.add(cid, replies[cid])
     out = agg.result()
+    assert out.keys() == server.keys()  # the state carries x and c only: the replies' Δc_i are not kept
     n = len(algo.ctx.federation.participated)
     for k in algo.params:
         mean = 0.25 * replies[0][k] + 0.75 * replies[2][k]
@@ -160,6 +161,7 @@ def test_server_lr_steps_the_parameters_and_leaves_the_batchnorm_statistics_at_t
     for cid in (0, 2):
         agg.add(cid, replies[cid])
     out = agg.result()
+    assert out.keys() == server.keys()
     buffers = [k for k in algo.model_keys if k not in algo.params]
     assert any(k.endswith("running_var") for k in buffers) and any(k.endswith("running_mean") for k in buffers)
     for k in buffers:
