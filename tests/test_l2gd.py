@@ -5,11 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import pflbed
 from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.training import index_batches, load_params
+from pflbed.algorithms.training import index_batches, load_params, weighted_mean
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
+from pflbed.federation import sample_clients
 
 from .tiny import TINY
 
@@ -79,3 +81,34 @@ def test_a_client_starts_at_the_initial_model():
     algo = _algo()
     assert all(torch.equal(v, algo.ctx.initial_params[k]) for k, v in algo.init_client(3).items())
     assert algo.init_client(3).keys() == algo.ctx.initial_params.keys()
+
+
+def test_the_mean_is_the_size_weighted_mean_of_the_rounds_repliers_only():
+    """x̄ after round 2 is Σ |D_i| x_i / Σ |D_i| over the clients sampled in round 2 (their replies are their states):
+    not uniform over them, and without the clients that trained in round 1 only."""
+    cfg = validate_config({**TINY, "train": {**TINY["train"], "rounds": 2}, "algorithm": {"name": "l2gd"},
+                           "executor": {"threads": 1}})  # fmt: skip
+    r = pflbed.run(cfg, write=False)
+    fed = r.executor.algo.ctx.federation
+    first, second = (sample_clients(cfg.seed, rnd, fed.participated, cfg.federation.sample_fraction) for rnd in (1, 2))
+    sizes = {c: fed.num_train(c) for c in second}
+    assert set(first) - set(second) and len(set(sizes.values())) > 1
+    mean = weighted_mean({c: r.executor.states[c] for c in second}, sizes)
+    assert all(torch.allclose(r.server[k], mean[k], atol=1e-6) for k in mean)
+    uniform = weighted_mean({c: r.executor.states[c] for c in second}, dict.fromkeys(second, 1.0))
+    assert not all(torch.allclose(r.server[k], uniform[k], atol=1e-6) for k in mean)
+
+
+def test_momentum_and_weight_decay_are_not_used():
+    """Algorithm 1's local steps are plain gradient steps: `train.momentum` and `train.weight_decay` change nothing
+    (documented)."""
+    out = []
+    for train in ({}, {"momentum": 0.9, "weight_decay": 0.1}):
+        algo = prepare(validate_config({**TINY, "train": {**TINY["train"], **train}, "algorithm": {"name": "l2gd"},
+                                        "executor": {"threads": 1}}))  # fmt: skip
+        rnd = next(r for r in range(1, 100) if algo.runs(r)[1] >= 3)  # a few local steps for momentum to act on
+        server = algo.init_server()
+        payload = algo.configure(rnd, server, [1])[1]
+        out.append(algo.client_update(payload, algo.init_client(1), algo.ctx.client_data(1),
+                                      ClientContext(rnd, 1, torch.Generator().manual_seed(3))))  # fmt: skip
+    assert all(torch.equal(out[0][0][k], out[1][0][k]) for k in out[0][0])

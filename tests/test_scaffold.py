@@ -98,6 +98,7 @@ def test_server_rule_steps_x_by_the_global_lr_and_adds_the_mean_control_change_o
     for cid in (0, 2):
         agg.add(cid, replies[cid])
     out = agg.result()
+    assert out.keys() == server.keys()  # the state carries x and c only: the replies' Δc_i are not kept
     n = len(algo.ctx.federation.participated)
     for k in algo.params:
         mean = 0.25 * replies[0][k] + 0.75 * replies[2][k]
@@ -117,3 +118,65 @@ def test_model_part_is_the_given_states_even_at_a_freed_states_address():
     nxt = {}  # the allocator's first candidate: the freed state's address, unless the cache holds that state
     nxt.update({k: v + 1 for k, v in algo.init_server().items()})
     assert all(algo.model_part(nxt)[k] is nxt[k] for k in algo.model_keys)
+
+
+# --- BatchNorm statistics under η_g ≠ 1 ----------------------------------------------------------------------------
+# One round of the synthetic data on `cnn_bn` (6 clients, half of them per round, lr 0.1, batch 16).
+BN_RUN = {"dataset": {"name": "synthetic"}, "model": {"name": "cnn_bn"},
+          "federation": {"clients": 6, "sample_fraction": 0.5}, "train": {"rounds": 1, "lr": 0.1, "batch_size": 16},
+          "eval": {"finetune": []}, "executor": {"threads": 1}}  # fmt: skip
+
+
+def bn_replies(algo, server, cids, seed):
+    """Replies around `server` on a BatchNorm model: parameters moved, running variances well below the server's
+    (extrapolating them past the server's would make them negative), counters advanced by unequal amounts."""
+    g = torch.Generator().manual_seed(seed)
+    replies = {}
+    for i, cid in enumerate(cids):
+        r = {}
+        for k in algo.ctx.initial_params:
+            v = server[k]
+            if not v.is_floating_point():
+                r[k] = v + 3 + 7 * i
+            elif k.endswith("running_var"):
+                r[k] = 0.05 + 0.25 * torch.rand(v.shape, generator=g)
+            else:
+                r[k] = v + 0.1 * torch.randn(v.shape, generator=g)
+        replies[cid] = r
+    return replies
+
+
+@pytest.mark.parametrize("eta", [0.5, 2.0])
+def test_server_lr_steps_the_parameters_and_leaves_the_batchnorm_statistics_at_their_mean(eta):
+    """η_g extrapolates (η_g > 1) or damps the trainable parameters only: running means and variances are statistics
+    of the clients' data, not a descent direction, and take the |D_i|-weighted mean (η_g = 2 on them left most
+    variances negative); the batch counters take the maximum."""
+    cfg = validate_config({**BN_RUN, "algorithm": {"name": "scaffold", "server_lr": eta}})
+    algo = prepare(cfg)
+    server = algo.init_server()
+    replies = bn_replies(algo, server, (0, 2), 5)
+    for r in replies.values():
+        r.update({f"dc/{k}": torch.zeros_like(server[f"c/{k}"]) for k in algo.params})
+    agg = algo.aggregator(1, server, {0: 1.0, 2: 3.0})
+    for cid in (0, 2):
+        agg.add(cid, replies[cid])
+    out = agg.result()
+    assert out.keys() == server.keys()
+    buffers = [k for k in algo.model_keys if k not in algo.params]
+    assert any(k.endswith("running_var") for k in buffers) and any(k.endswith("running_mean") for k in buffers)
+    for k in buffers:
+        if server[k].is_floating_point():
+            assert torch.allclose(out[k], 0.25 * replies[0][k] + 0.75 * replies[2][k], atol=1e-7)
+        else:
+            assert out[k].dtype == server[k].dtype and torch.equal(out[k], torch.maximum(replies[0][k], replies[2][k]))
+    assert all(bool((out[k] > 0).all()) for k in buffers if k.endswith("running_var"))
+    for k in algo.params:
+        mean = 0.25 * replies[0][k] + 0.75 * replies[2][k]
+        assert torch.allclose(out[k], server[k] + eta * (mean - server[k]), atol=1e-6)
+
+
+def test_a_round_at_server_lr_2_on_a_batchnorm_model_keeps_every_variance_positive():
+    """The run that left 544 of 608 running variances negative (G-FL at chance, exit 0) when η_g stepped them too."""
+    r = pflbed.run({**BN_RUN, "algorithm": {"name": "scaffold", "server_lr": 2.0}}, write=False)
+    var = [v for k, v in r.server.items() if k.endswith("running_var")]
+    assert sum(v.numel() for v in var) == 608 and all(bool((v > 0).all()) for v in var)

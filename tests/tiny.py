@@ -29,6 +29,7 @@ LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 VARIANTS = {
     "fedrod+local-body": ("fedrod", {"pfl_body": "local"}),
     "fedrod_hyper+local-body": ("fedrod_hyper", {"pfl_body": "local"}),
+    "pfedme+all-clients": ("pfedme", {"train_clients": "all"}),  # unsampled clients train too, and reply nothing
 }
 PARITY_CASES = sorted(ALGORITHMS) + sorted(VARIANTS)
 

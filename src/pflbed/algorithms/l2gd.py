@@ -11,12 +11,15 @@ Rounds here are the coin's runs: a round is a run of averaging steps (length a ~
 a run of local steps (length l ~ Geometric(p), ≥ 1), one communication each. The mean does not move during an
 averaging run, so its a steps contract x_i − x̄ by (1 − θ)^a, θ = αλ/(np). The server draws (a, l) from (seed,
 round) and sends them with x̄; each client applies the contraction, then l mini-batch SGD steps with step
-η = α/(n(1−p)) = `train.lr`, and replies x_i (its state). The server's x̄ is the |D_i|-weighted mean (the paper's
-clients are weighted equally). θ = η·λ·(1 − p)/p must be ≤ 1.
+η = α/(n(1−p)) = `train.lr`, and replies x_i (its state). θ = η·λ·(1 − p)/p must be ≤ 1.
 
 Deviations: the paper assumes every client in every iteration; with `federation.sample_fraction` < 1 a client not
-sampled skips the round (its x_i waits). Stochastic gradients (mini-batches) as in the paper's experiments.
-P-FL scores x_i; G-FL scores x̄; new clients fine-tune x̄ (FT/LP). Defaults p = 0.2, λ = 2 (θ = 0.4 at lr 0.05).
+sampled skips the round (its x_i waits). The server's x̄ is the |D_i|-weighted mean of the round's repliers' x_i
+only (the paper's x̄ is the equally weighted mean of all n clients' x_i): a client that skips the round does not
+enter it, so with sampling x̄ is the mean over the sample, and it equals the paper's (up to the weighting) only at
+`sample_fraction` 1 with no lost replies. Stochastic gradients (mini-batches) as in the paper's experiments; the
+local steps are Algorithm 1's plain gradient steps: `train.momentum` and `train.weight_decay` are not used. P-FL
+scores x_i; G-FL scores x̄; new clients fine-tune x̄ (FT/LP). Defaults p = 0.2, λ = 2 (θ = 0.4 at lr 0.05).
 """
 
 from __future__ import annotations

@@ -5,22 +5,36 @@ Each client's personalized model θ_i solves the Moreau-envelope inner problem (
 
     θ̂_i(w) = argmin_θ f_i(θ) + λ/2 · ‖θ − w‖²,
 
-and the local model w_i descends the envelope. A sampled client copies the global w^t into w_i (and θ_i), then
-for each of R local steps draws a batch D and
+and the local model w_i descends the envelope. A client copies the global w^t into w_i (and θ_i), then for each
+of R local steps draws a batch D and
 1. approximately solves the inner problem on D: K steps θ ← θ − η_p (∇f_i(θ; D) + λ(θ − w_i)) (Eq. 7),
 2. updates w_i ← w_i − η λ (w_i − θ) (Eq. 8).
 It replies w_i and keeps θ_i, its personalized model (P-FL). The server mixes (Alg. 1, line 10):
 w ← (1 − β) w + β · mean(w_i); β = 1 is plain averaging, β > 1 the paper's acceleration. G-FL scores w.
 
-Choices: R = `train.local_epochs` · ⌈n_i/B⌉; η = `train.lr`; the mean is |D_i|-weighted (the paper's clients are
-weighted equally). Defaults follow the paper's MNIST setting: λ = 15, K = 5, η_p = 0.01 (`personal_lr`), β = 1;
-choose them on validation. A client not yet sampled has θ_i = w^0. New clients fine-tune w (FT/LP; the paper
-defines no new-client procedure).
+Which clients train (`train_clients`):
+- `sampled` (default): only the round's sampled clients (`federation.sample_fraction`) train, and all of them reply.
+- `all`: Alg. 1 (lines 3–9) and the authors' code — every participated client receives w^t and trains, so every
+  θ_i moves each round; only the sampled ones reply, and the server mixes their w_i. A client outside the sample
+  keeps its θ_i and replies nothing. A round then costs 1/`sample_fraction` times the local computation.
+The default stays `sampled` so that a round's computation matches the other algorithms' at the same
+`sample_fraction` (an equal-budget comparison, and what a cross-device client that was not selected can do); the
+two modes coincide at `sample_fraction` 1.
+
+Choices: R = `train.local_epochs` · ⌈n_i/B⌉; η = `train.lr`; the mean is |D_i|-weighted, as in the authors' code
+(Alg. 1 weights the sampled clients equally). Eq. 7–8 are plain gradient steps: `train.momentum` and
+`train.weight_decay` are not used. β mixes the trainable parameters only (the authors' code mixes
+`model.parameters()`): BatchNorm running statistics take the plain weighted mean of the replies, the batch counters
+their maximum — mixing them with β > 1 extrapolated running variances below zero (one round on `cnn_bn` at β = 2:
+604 of 608 negative, G-FL at chance). Defaults follow the paper's MNIST setting: λ = 15, K = 5, η_p = 0.01
+(`personal_lr`), β = 1; choose them on validation. A client not yet trained has θ_i = w^0. New clients fine-tune w
+(FT/LP; the paper defines no new-client procedure).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +44,8 @@ from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predict
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params
 
+KEEP = "pfedme/keep"  # payload flag (`train_clients: all`): a client outside the round's sample, which replies nothing
+
 
 class PFedMeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -37,6 +53,7 @@ class PFedMeOptions(BaseModel):
     K: int = Field(5, ge=1, description="steps solving the inner problem per local step")
     personal_lr: float = Field(0.01, gt=0, description="η_p: step size of the inner problem")
     beta: float = Field(1.0, gt=0, description="β: server mixing w ← (1 − β)w + β·mean(w_i)")
+    train_clients: Literal["sampled", "all"] = Field("sampled", description="who trains: the sampled clients, or all")
 
 
 class PFedMe(FedAvg):
@@ -44,14 +61,24 @@ class PFedMe(FedAvg):
     Config = PFedMeOptions
     sgd_plan = Algorithm.sgd_plan  # a bi-level update, not plain local SGD
 
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.params = [k for k, _ in ctx.model.named_parameters()]
+
     def init_client(self, cid: int) -> Tensors:
         return dict(self.ctx.initial_params)  # θ_i before the client's first round
+
+    def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
+        if self.opts.train_clients == "sampled":
+            return {c: server for c in cids}
+        sampled, keep = set(cids), {**server, KEEP: torch.ones((), device=self.ctx.device)}
+        return {c: server if c in sampled else keep for c in self.ctx.federation.participated}
 
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
         model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
-        load_params(model, payload)  # θ_i ← w^t
+        load_params(model, {k: payload[k] for k in self.ctx.initial_params})  # θ_i ← w^t
         model.train()
         named = dict(model.named_parameters())
         local = {k: payload[k].detach().clone() for k in named}  # w_i ← w^t
@@ -68,27 +95,31 @@ class PFedMe(FedAvg):
             steps -= 1
         assert steps == 0
         theta = get_params(model)
+        if KEEP in payload:
+            return {}, theta  # not in the round's sample: θ_i moved, w_i stays with the client
         return {**theta, **local}, theta  # reply: w_i (with θ's BatchNorm statistics); state: θ_i
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _Mix:
-        return _Mix(WeightedMean(weights), server, self.opts.beta)
+        return _Mix(WeightedMean(weights), server, self.opts.beta, self.params)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, state)
 
 
 class _Mix:
-    """w ← (1 − β)·w + β·mean(w_i): the mean itself for β = 1."""
+    """w ← (1 − β)·w + β·mean(w_i) on the parameters (the mean itself for β = 1), the mean on the buffers. Replies of
+    clients outside `weights` (trained outside the sample) are not aggregated; with none of the sample's, w stays."""
 
-    def __init__(self, mean: WeightedMean, server: Tensors, beta: float) -> None:
+    def __init__(self, mean: WeightedMean, server: Tensors, beta: float, params: list[str]) -> None:
         self.mean, self.server, self.beta = mean, server, beta
+        self.mixed = set(params) if beta != 1 else set()
 
     def add(self, cid: int, reply: Tensors) -> None:
-        self.mean.add(cid, reply)
+        if cid in self.mean.w:
+            self.mean.add(cid, reply)
 
     def result(self) -> Tensors:
+        if not self.mean.added:
+            return dict(self.server)
         m = self.mean.result()
-        if self.beta == 1:
-            return m
-        return {k: (1 - self.beta) * self.server[k] + self.beta * v if v.is_floating_point() else v
-                for k, v in m.items()}  # fmt: skip
+        return {k: (1 - self.beta) * self.server[k] + self.beta * v if k in self.mixed else v for k, v in m.items()}

@@ -14,8 +14,11 @@ and replies (y, Δc_i = c_i⁺ − c_i). The server: x ← x + η_g · mean(y �
 number of (participating) clients.
 
 Choice: the mean over the replies is weighted by |D_i| as in FedAvg (the paper averages uniformly over equal-size
-clients); with zero control variates (the first round) and η_g = 1, a round is FedAvg's, bit for bit. BatchNorm
-statistics are averaged with the model. With `train.momentum` > 0 the correction enters the gradient that
+clients); with zero control variates (the first round) and η_g = 1, a round is FedAvg's, bit for bit. η_g steps
+the trainable parameters only: BatchNorm running statistics (buffers, which the paper's models do not have) take
+the plain weighted mean of the replies, and the batch counters their maximum, as in FedAvg — extrapolating them
+(η_g > 1) drove running variances negative (one round on `cnn_bn` at η_g = 2: 544 of 608 below zero, G-FL at
+chance). With `train.momentum` > 0 the correction enters the gradient that
 momentum accumulates, and option II's (x − y)/(Kη_l) is then only an estimate of the mean corrected gradient (the
 paper uses plain SGD). Personalization (+FT/+LP, new clients) fine-tunes x, as for FedAvg.
 """
@@ -93,11 +96,13 @@ class Scaffold(ModelWithExtras):
 
 
 class _ScaffoldServer:
-    """x ← x + η_g(mean_w(y) − x) (|D_i|-weighted mean), c ← c + Σ Δc_i / N, one reply at a time."""
+    """x ← x + η_g(mean_w(y) − x) (|D_i|-weighted mean) on the parameters, the mean itself on the buffers (BatchNorm
+    statistics), c ← c + Σ Δc_i / N, one reply at a time."""
 
     def __init__(self, algo: Scaffold, server: Tensors, weights: dict[int, float]) -> None:
         self.algo, self.server = algo, server
         self.mean = WeightedMean(weights, keys=algo.model_keys)
+        self.stepped = set(algo.params) if algo.opts.server_lr != 1 else set()
         self.dc = {k: torch.zeros_like(server[f"{C}{k}"]) for k in algo.params}
 
     def add(self, cid: int, reply: Tensors) -> None:
@@ -107,8 +112,7 @@ class _ScaffoldServer:
 
     def result(self) -> Tensors:
         m, eta = self.mean.result(), self.algo.opts.server_lr
-        x = {k: (v + (eta - 1) * (v - self.server[k])) if v.is_floating_point() and eta != 1 else v
-             for k, v in m.items()}  # fmt: skip
+        x = {k: v + (eta - 1) * (v - self.server[k]) if k in self.stepped else v for k, v in m.items()}
         n = len(self.algo.ctx.federation.participated)
         c = {f"{C}{k}": self.server[f"{C}{k}"] + self.dc[k] / n for k in self.algo.params}
         return {**x, **c}

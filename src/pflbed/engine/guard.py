@@ -1,5 +1,8 @@
 """Divergence guard: a non-finite value anywhere in a client's reply or state, or in the server state, stops the
-run in the round it appears (instead of training on NaNs to the end and reporting chance accuracy).
+run in the round it appears (instead of training on NaNs to the end and reporting chance accuracy). So does a
+negative BatchNorm running variance (a key ending in `running_var`): training only ever averages squares into it,
+so a negative one comes from a rule that extrapolated the statistics; it is finite, yet normalizing by
+√(var + ε) then gives NaN or huge activations, and the model scores at chance.
 
 A non-finite loss always shows up here: its gradients make the parameters non-finite in the same step. Checking
 the exchanged tensors rather than each algorithm's losses keeps the guard in one place for every algorithm.
@@ -35,6 +38,19 @@ def finite(v: torch.Tensor) -> bool:
     return bool(torch.isfinite(v.sum())) or bool(torch.isfinite(v).all())
 
 
+def first_negative_variance(tensors: Tensors) -> str | None:
+    """The first key (in sorted order) of a BatchNorm running variance (`running_var`, under any prefix) holding a
+    negative value; None if there is none."""
+    for k in sorted(tensors):
+        v = tensors[k]
+        if (k == "running_var" or k.endswith(".running_var")) and isinstance(v, torch.Tensor) and bool((v < 0).any()):
+            return k
+    return None
+
+
+NEGATIVE_VARIANCE = "negative BatchNorm running variances"
+
+
 def client_diverged(rnd: int, cid: int, what: str, key: str) -> DivergedError:
     return DivergedError(rnd, f"client {cid}'s {what} has non-finite values in '{key}'")
 
@@ -44,9 +60,15 @@ def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
         key = first_nonfinite(tensors)
         if key is not None:
             raise client_diverged(rnd, cid, what, key)
+        key = first_negative_variance(tensors)
+        if key is not None:
+            raise DivergedError(rnd, f"client {cid}'s {what} has {NEGATIVE_VARIANCE} in '{key}'")
 
 
 def check_server(rnd: int, server: Tensors) -> None:
     key = first_nonfinite(server)
     if key is not None:
         raise DivergedError(rnd, f"the aggregated server state has non-finite values in '{key}'")
+    key = first_negative_variance(server)
+    if key is not None:
+        raise DivergedError(rnd, f"the aggregated server state has {NEGATIVE_VARIANCE} in '{key}'")
