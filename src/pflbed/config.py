@@ -240,10 +240,12 @@ class EvalConfig(_Strict):
 
 
 class ExecutorConfig(_Strict):
-    name: Literal["loop", "procs", "flower"] = Field(
-        "loop", description="loop: clients one after another in this process; procs: a round's clients in parallel "
-        "worker processes (identical results at the same thread count per process); flower: clients as Flower "
-        "ClientApps in Flower's simulation runtime (the `flower` extra)"
+    name: Literal["auto", "loop", "procs", "flower"] = Field(
+        "auto", description="auto: the fastest of loop and procs for the run (engine.auto: batched loop on a GPU, "
+        "procs on a multi-core CPU when the run's training outweighs the workers' start-up, loop otherwise; the "
+        "figures are the same either way); loop: clients one after another in this process; procs: a round's "
+        "clients in parallel worker processes (identical results at the same thread count per process); flower: "
+        "clients as Flower ClientApps in Flower's simulation runtime (the `flower` extra)"
     )
     workers: int | None = Field(
         None, description="procs: worker processes; flower: ClientApp processes running at once; 1 to 4 × cores; "
@@ -294,8 +296,9 @@ class ExecutorConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ExecutorConfig:
-        if self.batch_clients and self.name != "loop":
-            raise ValueError("batch_clients applies to executor.name=loop (batched clients run in the loop executor)")
+        if self.batch_clients and self.name not in ("loop", "auto"):
+            raise ValueError("batch_clients applies to executor.name=loop or auto (batched clients run in the loop "
+                             "executor)")  # fmt: skip
         for key in ("supernodes", "round_timeout", "state_dir"):
             if getattr(self, key) is not None and self.name != "flower":
                 raise ValueError(f"{key} applies to executor.name=flower")

@@ -22,6 +22,7 @@ from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
 from pflbed.data import base_dataset, load_source
+from pflbed.engine.auto import choose_executor
 from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, precision
@@ -89,7 +90,8 @@ def init_model(model: torch.nn.Module, cfg: Config, fed: Federation) -> None:
 def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[LoopExecutor, WorkerPool | None]:
     """The configured executor, and the worker pool it started (None: none, or the caller's `pool` was used)."""
     ex = algo.ctx.cfg.executor
-    if ex.name == "loop":
+    name = "loop" if ex.batch_clients else choose_executor(ex, algo.ctx)
+    if name == "loop":
         batched = ex.batch_clients if ex.batch_clients is not None else algo.ctx.device.type == "cuda"
         return (BatchedExecutor if batched else LoopExecutor)(algo, strict=ex.strict), None
     own = None

@@ -35,10 +35,13 @@ def config_text(cfg: Config) -> str:
 # Where a run computes, not what: a run checkpointed on a GPU may continue on a CPU and the reverse, with other
 # thread or worker counts. Each changes floats by rounding at most (`procs` not even that), never the experiment.
 PLACEMENT = ("device", "threads", "workers", "batch_clients", "deterministic")
+IN_PROCESS = ("auto", "loop", "procs")  # executors driven from this process; the same figures (`procs` bit for bit)
 
 
 def _placed_anywhere(tree: dict[str, Any]) -> dict[str, Any]:
     executor = {k: v for k, v in (tree.get("executor") or {}).items() if k not in PLACEMENT}
+    if executor.get("name") in IN_PROCESS:  # their figures are the same: a run may continue on another
+        executor.pop("name")
     return {**tree, "executor": executor}
 
 
@@ -61,6 +64,8 @@ def run_config(tree: dict[str, Any], placement: Config | None = None) -> Config:
     executor = dict(tree.get("executor") or {})
     if placement is not None:
         executor.update({k: getattr(placement.executor, k) for k in PLACEMENT})
+        if executor.get("name", "auto") in IN_PROCESS and placement.executor.name in IN_PROCESS:
+            executor["name"] = placement.executor.name
     else:
         try:
             resolve_device(str(executor.get("device", "cpu")))
