@@ -43,19 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
     f = sub.add_parser("flower", help="run on Flower: a local deployment, or write a Flower app project")
-    f.add_argument("action", choices=["local", "app"],
-                   help="local: run the experiment on a SuperLink and --supernodes SuperNodes started on this machine; "
-                   "app: write a Flower app project for it into --out")  # fmt: skip
-    f.add_argument("-c", "--config", help="YAML config file")
-    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    f.add_argument("--supernodes", type=int, default=2, metavar="N", help="local: SuperNodes to start (default 2)")
-    f.add_argument("--tls", action="store_true", help="local: TLS with a self-signed certificate authority")
-    f.add_argument("--auth", action="store_true",
-                   help="local: SuperNode authentication (a key pair per node, registered with the SuperLink)")
-    f.add_argument("--out", type=Path, help="local: run directory (default runs/<algorithm>-<dataset>-seed<seed>); "
-                   "app: the project directory")  # fmt: skip
-    f.add_argument("--run-dir", type=Path, help="app: where the ServerApp writes the run (default: runs/<...>)")
-    f.add_argument("--force", action="store_true", help="local: replace the run already in --out")
+    fa = f.add_subparsers(dest="action", required=True, metavar="{local,app}")
+    fl = fa.add_parser("local", help="run the experiment on a SuperLink and --supernodes SuperNodes started on this "
+                       "machine")  # fmt: skip
+    fp = fa.add_parser("app", help="write a Flower app project for the experiment into --out")
+    for g in (fl, fp):
+        g.add_argument("-c", "--config", help="YAML config file")
+        g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set train.rounds=5 (repeatable)")  # fmt: skip
+    fl.add_argument("--supernodes", type=int, default=2, metavar="N", help="SuperNodes to start (default 2)")
+    fl.add_argument("--tls", action="store_true", help="TLS with a self-signed certificate authority")
+    fl.add_argument("--auth", action="store_true",
+                    help="SuperNode authentication (a key pair per node, registered with the SuperLink)")
+    fl.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
+    fl.add_argument("--force", action="store_true", help="replace the run already in --out")
+    fp.add_argument("--out", type=Path, required=True, help="the project directory")
+    fp.add_argument("--run-dir", type=Path, help="where the ServerApp writes the run (default: runs/<...>)")
     t = sub.add_parser("pretrain", help="train the config's model centrally on a declared source no client uses, "
                        "for model.init_from")  # fmt: skip
     t.add_argument("-c", "--config", help="YAML config file (its pretrain section, dataset, model and federation)")
@@ -161,8 +164,6 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     if args.action == "app":
         from pflbed.flower.project import write_app
 
-        if args.out is None:
-            raise PflbedError("flower app: --out DIR (the project directory) is required")
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
         make_console().print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
         return
