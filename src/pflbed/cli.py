@@ -189,17 +189,27 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
         val = (xv, yv)
     model = run.personalize(x, y, method=args.method, epochs=args.epochs, lr=args.lr, val=val, scale=scale,
                             seed=args.seed)  # fmt: skip
+    scored = ""  # the kept model's accuracy and, beside it, that of the unadapted model it started from
     if args.test is not None:
         xt, yt, tscale = read_samples(args.test, run.source)
         model.info["test_acc"] = model.accuracy(xt, yt, tscale)
+        model.info["zero_shot_test_acc"] = model.zero_shot_accuracy(xt, yt, tscale)
         model.info["test_samples"] = len(yt)
+        scored = _with_zero_shot("test", model.info["test_acc"], model.info["zero_shot_test_acc"])
+    elif val is not None:
+        kept = model.epochs[model.selected_epoch - 1]["val_acc"]
+        scored = _with_zero_shot("validation", kept, model.zero_shot_accuracy(*val, scale))
     out = model.save(args.out)
     console = make_console()
     what = f"{run.config.algorithm.name} ({args.method}), {len(y)} samples, lr {model.lr:g}"
-    console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept"
-                  + (f", test accuracy {100 * model.info['test_acc']:.2f} %" if "test_acc" in model.info else "")
-                  + f"; {model.seconds:.1f} s")  # fmt: skip
+    console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept{scored}; "
+                  f"{model.seconds:.1f} s")  # fmt: skip
     console.print(f"model: {out / 'model.pt'}, summary: {out / 'summary.json'}")
+
+
+def _with_zero_shot(split: str, acc: float, zero_shot: float | None) -> str:
+    start = "the method has no zero-shot model" if zero_shot is None else f"zero-shot {100 * zero_shot:.2f} %"
+    return f", {split} accuracy {100 * acc:.2f} % ({start})"
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> None:
