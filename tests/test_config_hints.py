@@ -13,6 +13,7 @@ HINTS = {
     "key in its section": (["train.round=3"], "train.round: unknown key; did you mean train.rounds?"),
     "section name": (["trian.rounds=3"], "trian: unknown key; did you mean train.rounds?"),
     "nested section": (["federation.pflbed.particpated=0.5"], "did you mean federation.pflbed.participated?"),
+    "key a longer one holds": (["train.epochs=3"], "train.epochs: unknown key; did you mean train.local_epochs?"),
     "key of another section": (["train.alpha=1"], "train.alpha: unknown key; did you mean federation.alpha?"),
     "choice": (["federation.partition=dirichlett"], "(got 'dirichlett'); did you mean dirichlet?"),
     "model": (["model.name=cn"], "(got 'cn'); did you mean cnn?"),
@@ -42,6 +43,9 @@ def test_no_suggestion_where_nothing_is_close():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["xyz=1"])
     assert str(e.value) == "xyz: unknown key"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.name=nope"])  # 0.6 similar to knnper: too far to be a typo of it
+    assert "did you mean" not in str(e.value)
 
 
 def test_the_suggestion_stays_one_line_exit_2(tmp_path, capsys):

@@ -358,10 +358,21 @@ OWN_DATA = ("for your own images: dataset.name=folder, dataset.path=DIR holding 
             "domain folder is enough) and federation.protocol=pflbed")  # fmt: skip
 
 
+def closest(word: Any, options: Any) -> str | None:
+    """The option `word` most likely misspells (difflib, similarity ≥ 0.7), else the closest option containing it
+    (`epochs` → `local_epochs`); None when nothing is near."""
+    word, options = str(word), [str(o) for o in options]
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.7)
+    containing = [o for o in options if len(word) >= 3 and word in o]
+    if not close and containing:
+        close = difflib.get_close_matches(word, containing, n=1, cutoff=0)
+    return close[0] if close else None
+
+
 def did_you_mean(word: Any, options: Any) -> str:
-    """"; did you mean X?" for the option closest to `word` (difflib), or "" when none is close."""
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
+    """"; did you mean X?" for the option `word` most likely meant (`closest`), or "" when none is near."""
+    close = closest(word, options)
+    return f"; did you mean {close}?" if close else ""
 
 
 def then(message: str, more: str) -> str:
@@ -409,14 +420,13 @@ def _unknown_key_hint(model: type[BaseModel], parts: list[str], prefix: str, giv
     section = _section(model, parent)
     if section is None:
         return ""
-    close = difflib.get_close_matches(leaf, list(section.model_fields), n=1, cutoff=0.6)
+    close = closest(leaf, section.model_fields)
     if close:
-        dotted = prefix + ".".join([*parent, close[0]])
-        sub = _model_class(section.model_fields[close[0]].annotation)
+        dotted = prefix + ".".join([*parent, close])
+        sub = _model_class(section.model_fields[close].annotation)
         if sub is not None and isinstance(given, dict) and len(given) == 1:
             key = str(next(iter(given)))
-            inner = difflib.get_close_matches(key, list(sub.model_fields), n=1, cutoff=0.6)
-            dotted += f".{inner[0] if inner else key}"
+            dotted += f".{closest(key, sub.model_fields) or key}"
         return f"; did you mean {dotted}?"
     elsewhere = [f for f in _fields(model) if f.rsplit(".", 1)[-1] == leaf]
     return f"; did you mean {prefix}{elsewhere[0]}?" if len(elsewhere) == 1 else ""
