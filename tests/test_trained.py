@@ -190,6 +190,32 @@ def test_personalize_cli_with_npz_and_image_folders(runs, tmp_path, capsys):
     assert "one format" in capsys.readouterr().err
 
 
+def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_one(runs, tmp_path, capsys):
+    """The unadapted model personalization started from is scored on the same samples: the generic model for ft,
+    nothing for a method without a zero-shot model (FedPer: a new client has no personal layers yet)."""
+    (x, y), val, test = _client_samples()
+    for name, split in (("train", (x, y)), ("val", val), ("test", test)):
+        np.savez(tmp_path / f"{name}.npz", x=split[0], y=split[1])
+    base = ["--data", str(tmp_path / "train.npz"), "--epochs", "2", "--lr", "0.05"]
+    assert main(["personalize", str(runs["fedavg"][0]), *base, "--method", "ft", "--test", str(tmp_path / "test.npz"),
+                 "--out", str(tmp_path / "a")]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    run = pflbed.load_run(runs["fedavg"][0])
+    generic = float((run.generic_model()(run.inputs(test[0])).argmax(1).numpy() == test[1]).mean())
+    assert summary["zero_shot_test_acc"] == pytest.approx(generic)
+    assert f"test accuracy {100 * summary['test_acc']:.2f} % (zero-shot {100 * generic:.2f} %)" in printed
+    assert main(["personalize", str(runs["fedavg"][0]), *base, "--val", str(tmp_path / "val.npz"),
+                 "--out", str(tmp_path / "b")]) == 0  # fmt: skip
+    printed = " ".join(capsys.readouterr().out.split())
+    generic_val = float((run.generic_model()(run.inputs(val[0])).argmax(1).numpy() == val[1]).mean())
+    assert "validation accuracy" in printed and f"(zero-shot {100 * generic_val:.2f} %)" in printed
+    assert main(["personalize", str(runs["fedper"][0]), *base, "--test", str(tmp_path / "test.npz"),
+                 "--out", str(tmp_path / "c")]) == 0  # fmt: skip
+    assert "(the method has no zero-shot model)" in " ".join(capsys.readouterr().out.split())
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["zero_shot_test_acc"] is None
+
+
 @pytest.mark.parametrize(("arrays", "message"), [
     ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"x: samples of shape \[28, 28\], but digits samples are"),
     ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"y: labels must be in 0…9"),

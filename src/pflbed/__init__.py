@@ -4,22 +4,23 @@ Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, 
 `pflbed.load_run(dir)` loads a trained run (models, predictions, personalization for new clients).
 """
 
-from __future__ import annotations
+from pathlib import Path as _Path
+from typing import Any as _Any
 
-from pathlib import Path
-from typing import Any
-
+__all__ = ["__version__", "load_config", "load_run", "run"]
 __version__ = "0.1.0"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+def load_config(path: str | _Path | None = None, overrides: list[str] | None = None):
+    """A validated `Config` from an optional YAML file and `key=value` overrides (`ConfigError`: one line naming
+    the field)."""
     from pflbed.config import load_config as _load
 
     return _load(path, overrides)
 
 
 def run(
-    config: Any = None, out: str | Path | None = None, *, write: bool = True, progress: bool = False,
+    config: _Any = None, out: str | _Path | None = None, *, write: bool = True, progress: bool = False,
     force: bool = False,
 ):  # fmt: skip
     """Run one experiment from a `Config`, a dict of config keys, or None (the embedded default).
@@ -29,10 +30,10 @@ def run(
     from pflbed.engine.loop import run as _run
 
     cfg = config if isinstance(config, Config) else validate_config(dict(config or {}))
-    return _run(cfg, Path(out) if out else None, write=write, progress=progress, force=force)
+    return _run(cfg, _Path(out) if out else None, write=write, progress=progress, force=force)
 
 
-def load_run(path: str | Path, device: str | None = None):
+def load_run(path: str | _Path, device: str | None = None):
     """A trained run: `.config`, `.summary`, `.generic_model()`, `.personal_model(cid)`, `.predict(x)`,
     `.personalize(x, y, ...)` (`pflbed.results.trained.TrainedRun`), on `device` (unset: the run's own where this
     machine has it, else the CPU)."""

@@ -1,11 +1,14 @@
 """`pflbed` command line. User errors print one line and exit with code 2; a run that diverges (non-finite loss
-or parameters) prints one line and exits with code 3; Ctrl-C exits with 130."""
+or parameters) prints one line and exits with code 3; a Flower deployment that fails (`flower local`) prints the
+cause and exits with code 4; Ctrl-C says which round is checkpointed and how to continue, and exits with 130."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pflbed.errors import DivergedError, PflbedError
@@ -43,19 +46,25 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
     f = sub.add_parser("flower", help="run on Flower: a local deployment, or write a Flower app project")
-    f.add_argument("action", choices=["local", "app"],
-                   help="local: run the experiment on a SuperLink and --supernodes SuperNodes started on this machine; "
-                   "app: write a Flower app project for it into --out")  # fmt: skip
-    f.add_argument("-c", "--config", help="YAML config file")
-    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    f.add_argument("--supernodes", type=int, default=2, metavar="N", help="local: SuperNodes to start (default 2)")
-    f.add_argument("--tls", action="store_true", help="local: TLS with a self-signed certificate authority")
-    f.add_argument("--auth", action="store_true",
-                   help="local: SuperNode authentication (a key pair per node, registered with the SuperLink)")
-    f.add_argument("--out", type=Path, help="local: run directory (default runs/<algorithm>-<dataset>-seed<seed>); "
-                   "app: the project directory")  # fmt: skip
-    f.add_argument("--run-dir", type=Path, help="app: where the ServerApp writes the run (default: runs/<...>)")
-    f.add_argument("--force", action="store_true", help="local: replace the run already in --out")
+    fa = f.add_subparsers(dest="action", required=True, metavar="{local,app}")
+    fl = fa.add_parser("local", help="run the experiment on a SuperLink and --supernodes SuperNodes started on this "
+                       "machine")  # fmt: skip
+    fp = fa.add_parser("app", help="write a Flower app project for the experiment into --out")
+    for g in (fl, fp):
+        g.add_argument("-c", "--config", help="YAML config file")
+        g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set train.rounds=5 (repeatable)")  # fmt: skip
+    fl.add_argument("--supernodes", type=int, metavar="N",
+                    help="SuperNodes to start (default 2; with --resume, the run's own)")
+    fl.add_argument("--tls", action="store_true", help="TLS with a self-signed certificate authority")
+    fl.add_argument("--auth", action="store_true",
+                    help="SuperNode authentication (a key pair per node, registered with the SuperLink)")
+    fl.add_argument("--out", type=Path, help="run directory (default runs/<algorithm>-<dataset>-seed<seed>)")
+    fl.add_argument("--force", action="store_true", help="replace the run already in --out")
+    fl.add_argument("--resume", type=Path, metavar="DIR",
+                    help="continue the deployment's run in DIR from its last checkpoint (with the same --tls/--auth)")
+    fp.add_argument("--out", type=Path, required=True, help="the project directory")
+    fp.add_argument("--run-dir", type=Path, help="where the ServerApp writes the run (default: runs/<...>)")
     t = sub.add_parser("pretrain", help="train the config's model centrally on a declared source no client uses, "
                        "for model.init_from")  # fmt: skip
     t.add_argument("-c", "--config", help="YAML config file (its pretrain section, dataset, model and federation)")
@@ -106,29 +115,74 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a command that can be continued: `describe()` says what is kept and the command to continue."""
+
+    def __init__(self, describe: Callable[[], str]) -> None:
+        super().__init__()
+        self.describe = describe
+
+
+@contextlib.contextmanager
+def _continuable(out: Path, again: str, rounds: int) -> Iterator[None]:
+    """Ctrl-C inside becomes `Interrupted`, describing the run in `out`: its checkpointed round and `again`."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(lambda: _interrupted_run(out, again, rounds)) from None
+
+
+def _interrupted_run(out: Path, again: str, rounds: int) -> str:
+    from pflbed.results.checkpoint import checkpoint_path, checkpoint_round
+
+    if (out / "summary.json").is_file():
+        return f"interrupted after the run finished; results in {out}"
+    if not (out / "config.yaml").is_file():
+        return f"interrupted before the run started; nothing was written to {out}"
+    rnd = checkpoint_round(out)
+    if rnd is None:
+        return f"interrupted before the first checkpoint (train.checkpoint_every); '{again}' starts the run over"
+    return f"interrupted; round {rnd} of {rounds} is checkpointed in {checkpoint_path(out)}; continue with '{again}'"
+
+
+def _resume_flags(args: argparse.Namespace) -> None:
+    if args.out and args.out != args.resume:
+        raise PflbedError("--out and --resume name different directories; --resume continues in place")
+    if args.force:
+        raise PflbedError("--force and --resume contradict each other: --force starts over, --resume continues")
+
+
+def _finished(rundir) -> bool:
+    """Print a finished run's results and say so (--resume on a finished run changes nothing)."""
+    from pflbed.results.summary import print_table
+
+    if rundir.finished:
+        print_table(json.loads((rundir.path / "summary.json").read_text()))
+        make_console().print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
+    return rundir.finished
+
+
 def _cmd_run(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
     from pflbed.engine.loop import run
-    from pflbed.results.rundir import RunDir
+    from pflbed.results.rundir import RunDir, default_out
     from pflbed.results.summary import print_table
 
     if args.resume:
-        if args.out and args.out != args.resume:
-            raise PflbedError("--out and --resume name different directories; --resume continues in place")
-        if args.force:
-            raise PflbedError("--force and --resume contradict each other: --force starts over, --resume continues")
+        _resume_flags(args)
         # -c: the whole config again (checked against the run's); --set alone: changes to the run's own config
         given = load_config(args.config or args.resume / "config.yaml", args.overrides) \
             if (args.config or args.overrides) else None  # fmt: skip
         rundir, cfg = RunDir.for_resume(args.resume, given)
-        if rundir.finished:
-            print_table(json.loads((rundir.path / "summary.json").read_text()))
-            make_console().print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
+        if _finished(rundir):
             return
-        result = run(cfg, args.resume, progress=not args.no_progress, resume=True)
+        with _continuable(args.resume, f"pflbed run --resume {args.resume}", cfg.train.rounds):
+            result = run(cfg, args.resume, progress=not args.no_progress, resume=True)
     else:
         cfg = load_config(args.config, args.overrides)
-        result = run(cfg, args.out, progress=not args.no_progress, force=args.force)
+        out = args.out or default_out(cfg)
+        with _continuable(out, f"pflbed run --resume {out}", cfg.train.rounds):
+            result = run(cfg, out, progress=not args.no_progress, force=args.force)
     print_table(result.summary)
     make_console().print(f"results: {result.out}")
 
@@ -146,7 +200,14 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if not args.table_only:
         if args.jobs < 1:
             raise PflbedError("--jobs must be at least 1")
-        bench.run(args.max_cells, log=console.print, shard=args.shard, jobs=args.jobs)
+        again = " ".join(["pflbed bench -c", args.config, *(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
+                          *(["--shard", "/".join(map(str, args.shard))] if args.shard != (1, 1) else []),
+                          *(["--max-cells", str(args.max_cells)] if args.max_cells is not None else [])])
+        try:
+            bench.run(args.max_cells, log=console.print, shard=args.shard, jobs=args.jobs)
+        except KeyboardInterrupt:
+            raise Interrupted(lambda: f"interrupted; finished cells are kept and an interrupted cell continues from "
+                              f"its checkpoint: continue with '{again}'") from None  # fmt: skip
     md, cs = bench.write_tables()
     console.print(md.read_text())
     left = len(bench.pending())
@@ -158,21 +219,42 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     from pflbed.results.rundir import default_out
     from pflbed.results.summary import print_table
 
-    fixed = ["executor.name=flower"] + ([f"executor.supernodes={args.supernodes}"] if args.action == "local" else [])
-    cfg = load_config(args.config, [*args.overrides, *fixed])
     if args.action == "app":
         from pflbed.flower.project import write_app
 
-        if args.out is None:
-            raise PflbedError("flower app: --out DIR (the project directory) is required")
+        cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
         make_console().print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
         return
-    from pflbed.flower.local import run_local
+    from pflbed.flower.local import resume_command, run_local
+    from pflbed.results.rundir import RunDir
 
-    out = args.out or default_out(cfg)
+    def fixed(supernodes: int | None) -> list[str]:
+        return ["executor.name=flower", f"executor.supernodes={2 if supernodes is None else supernodes}"]
+
+    if args.resume:
+        _resume_flags(args)
+        _, cfg = RunDir.for_resume(args.resume, None)
+        if cfg.executor.name != "flower" or cfg.executor.supernodes is None:
+            raise PflbedError(f"--resume {args.resume}: not a run of 'pflbed flower local'; continue it with "
+                              f"'pflbed run --resume {args.resume}'")  # fmt: skip
+        given = args.config or args.overrides or args.supernodes is not None
+        supernodes = cfg.executor.supernodes if args.supernodes is None else args.supernodes
+        given_cfg = load_config(args.config, [*args.overrides, *fixed(supernodes)]) if given else None
+        rundir, cfg = RunDir.for_resume(args.resume, given_cfg)
+        if _finished(rundir):
+            return
+        out = args.resume
+    else:
+        cfg = load_config(args.config, [*args.overrides, *fixed(args.supernodes)])
+        out = args.out or default_out(cfg)
     console = make_console()
-    print_table(run_local(cfg, out, args.supernodes, tls=args.tls, auth=args.auth, force=args.force, log=console.print))
+    supernodes = cfg.executor.supernodes
+    assert supernodes is not None  # set by `fixed`, or checked on resume
+    with _continuable(out, resume_command(out, args.tls, args.auth), cfg.train.rounds):
+        summary = run_local(cfg, out, supernodes, tls=args.tls, auth=args.auth, force=args.force,
+                            resume=bool(args.resume), log=console.print)  # fmt: skip
+    print_table(summary)
     console.print(f"results: {out}")
 
 
@@ -190,17 +272,27 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
         val = (xv, yv)
     model = run.personalize(x, y, method=args.method, epochs=args.epochs, lr=args.lr, val=val, scale=scale,
                             seed=args.seed)  # fmt: skip
+    scored = ""  # the kept model's accuracy and, beside it, that of the unadapted model it started from
     if args.test is not None:
         xt, yt, tscale = read_samples(args.test, run.source)
         model.info["test_acc"] = model.accuracy(xt, yt, tscale)
+        model.info["zero_shot_test_acc"] = model.zero_shot_accuracy(xt, yt, tscale)
         model.info["test_samples"] = len(yt)
+        scored = _with_zero_shot("test", model.info["test_acc"], model.info["zero_shot_test_acc"])
+    elif val is not None:
+        kept = model.epochs[model.selected_epoch - 1]["val_acc"]
+        scored = _with_zero_shot("validation", kept, model.zero_shot_accuracy(*val, scale))
     out = model.save(args.out)
     console = make_console()
     what = f"{run.config.algorithm.name} ({args.method}), {len(y)} samples, lr {model.lr:g}"
-    console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept"
-                  + (f", test accuracy {100 * model.info['test_acc']:.2f} %" if "test_acc" in model.info else "")
-                  + f"; {model.seconds:.1f} s")  # fmt: skip
+    console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept{scored}; "
+                  f"{model.seconds:.1f} s")  # fmt: skip
     console.print(f"model: {out / 'model.pt'}, summary: {out / 'summary.json'}")
+
+
+def _with_zero_shot(split: str, acc: float, zero_shot: float | None) -> str:
+    start = "the method has no zero-shot model" if zero_shot is None else f"zero-shot {100 * zero_shot:.2f} %"
+    return f", {split} accuracy {100 * acc:.2f} % ({start})"
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> None:
@@ -311,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file the run needs vanished or the disk filled up mid-run: name it, no traceback
         print(f"pflbed: error: {e.filename or 'I/O'}: {e.strerror or e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pflbed: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"pflbed: {e.describe() if isinstance(e, Interrupted) else 'interrupted'}", file=sys.stderr)
         return 130
     return 0
 

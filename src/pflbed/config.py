@@ -7,11 +7,13 @@ validated by the algorithm's own `Config` model once the name is known.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import os
+import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -383,17 +385,113 @@ class Config(_Strict):
         return self.model_dump(mode="json")
 
 
-def _first_error(err: ValidationError, prefix: str = "") -> str:
+# Said where `dataset.name` names no built-in dataset: the way to train on data of one's own (README, "Datasets").
+OWN_DATA = ("for your own images: dataset.name=folder, dataset.path=DIR holding DIR/<domain>/<class>/<image> (one "
+            "domain folder is enough) and federation.protocol=pflbed")  # fmt: skip
+
+
+def closest(word: Any, options: Any) -> str | None:
+    """The option `word` most likely misspells (difflib, similarity ≥ 0.7), else the closest option containing it
+    (`epochs` → `local_epochs`); None when nothing is near."""
+    word, options = str(word), [str(o) for o in options]
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.7)
+    containing = [o for o in options if len(word) >= 3 and word in o]
+    if not close and containing:
+        close = difflib.get_close_matches(word, containing, n=1, cutoff=0)
+    return close[0] if close else None
+
+
+def did_you_mean(word: Any, options: Any) -> str:
+    """"; did you mean X?" for the option `word` most likely meant (`closest`), or "" when none is near."""
+    close = closest(word, options)
+    return f"; did you mean {close}?" if close else ""
+
+
+def then(message: str, more: str) -> str:
+    """`message` followed by the clause `more` (without its separator): after a question, as a new sentence."""
+    return f"{message} {more[:1].upper()}{more[1:]}" if message.endswith("?") else f"{message}; {more}"
+
+
+def _section(model: type[BaseModel] | None, path: list[str]) -> type[BaseModel] | None:
+    """The model class of the section at `path` under `model` (None: no such section)."""
+    for part in path:
+        info = model.model_fields.get(part) if model is not None else None
+        if info is None:
+            return None
+        model = _model_class(info.annotation)
+    return model
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _literals(annotation: Any) -> list[Any]:
+    """The values of the Literal inside `annotation` (through list[…] and … | None), empty if none."""
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    if get_origin(annotation) in (list, Union, types.UnionType):
+        return [v for a in get_args(annotation) for v in _literals(a)]
+    return []
+
+
+def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key under `model`, sections and their fields."""
+    out = []
+    for name, info in model.model_fields.items():
+        out.append(f"{prefix}{name}")
+        if (sub := _model_class(info.annotation)) is not None:
+            out += _fields(sub, f"{prefix}{name}.")
+    return out
+
+
+def _unknown_key_hint(model: type[BaseModel], parts: list[str], prefix: str, given: Any) -> str:
+    """A near miss among the keys of the section (`train.round` → `train.rounds`; `trian: {rounds: 3}` →
+    `train.rounds`), or the same key in another section (`train.alpha` → `federation.alpha`)."""
+    parent, leaf = parts[:-1], parts[-1]
+    section = _section(model, parent)
+    if section is None:
+        return ""
+    close = closest(leaf, section.model_fields)
+    if close:
+        dotted = prefix + ".".join([*parent, close])
+        sub = _model_class(section.model_fields[close].annotation)
+        if sub is not None and isinstance(given, dict) and len(given) == 1:
+            key = str(next(iter(given)))
+            dotted += f".{closest(key, sub.model_fields) or key}"
+        return f"; did you mean {dotted}?"
+    elsewhere = [f for f in _fields(model) if f.rsplit(".", 1)[-1] == leaf]
+    return f"; did you mean {prefix}{elsewhere[0]}?" if len(elsewhere) == 1 else ""
+
+
+def _first_error(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """The first validation error as one line naming the dotted field; with `model` (the validated class), a
+    near-miss suggestion for an unknown key or an unknown choice."""
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+    parts = [str(p) for p in e["loc"] if not str(p).startswith("function-after")]
+    loc = ".".join(parts)
     field = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
     if e["type"] == "extra_forbidden":
-        return f"{field}: unknown key"
+        return f"{field}: unknown key" + (_unknown_key_hint(model, parts, prefix, e.get("input")) if model else "")
     msg = e["msg"].removeprefix("Value error, ")
     got = repr(e.get("input"))
     if e["type"] == "model_type" or isinstance(e.get("input"), dict) or len(got) > 80:
         return f"{field}: {msg}"  # a whole section (model-level checks) would not fit on one readable line
-    return f"{field}: {msg} (got {got})"
+    hint = ""
+    if field == "model.name" and e["type"] == "value_error":
+        from pflbed.models import MODELS
+
+        hint = did_you_mean(e.get("input"), MODELS)
+    if e["type"] == "literal_error" and model is not None:
+        section = _section(model, [p for p in parts[:-1] if not p.isdigit()])
+        info = section.model_fields.get(parts[-1]) if section else None
+        if info is None and len(parts) > 1 and parts[-1].isdigit():  # an item of a list of choices
+            section = _section(model, parts[:-2])
+            info = section.model_fields.get(parts[-2]) if section else None
+        if info is not None:
+            hint = did_you_mean(e.get("input"), _literals(info.annotation))
+    message = f"{field}: {msg} (got {got}){hint}"
+    return then(message, OWN_DATA) if field == "dataset.name" else message
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -448,16 +546,29 @@ def validate_config(tree: dict[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_first_error(e)) from None
+        raise ConfigError(_first_error(e, model=Config)) from None
     from pflbed.algorithms import get_algorithm  # late: algorithms import the engine-facing types
 
     algo_cls = get_algorithm(cfg.algorithm.name)
     try:
         options = algo_cls.Config.model_validate(cfg.algorithm_options())
     except ValidationError as e:
-        raise ConfigError(_first_error(e, "algorithm.")) from None
+        message = _first_error(e, "algorithm.", algo_cls.Config)
+        if e.errors()[0]["type"] == "extra_forbidden":
+            message = _algorithm_options_hint(message, cfg.algorithm.name, str(e.errors()[0]["loc"][0]))
+        raise ConfigError(message) from None
     _check_numbers(options.model_dump(), "algorithm.")
     return cfg
+
+
+def _algorithm_options_hint(message: str, name: str, key: str) -> str:
+    """`message` about an unknown `algorithm.<key>`, with the options `name` takes and the algorithms taking `key`."""
+    from pflbed.algorithms import ALGORITHMS
+
+    own = list(ALGORITHMS[name].Config.model_fields)
+    message = then(message, f"options of {name}: {', '.join(own)}" if own else f"{name} has no options of its own")
+    takers = sorted(n for n, c in ALGORITHMS.items() if key in c.Config.model_fields)
+    return f"{message}; {key} is an option of {', '.join(takers)}" if takers else message
 
 
 def _check_numbers(tree: dict[str, Any], prefix: str) -> None:

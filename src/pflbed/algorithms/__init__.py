@@ -34,8 +34,11 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
+        from pflbed.config import did_you_mean
+
         known = ", ".join(sorted(ALGORITHMS))
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {known}") from None
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {known}"
+                          f"{did_you_mean(name, ALGORITHMS)}") from None  # fmt: skip
 
 
 _discover()

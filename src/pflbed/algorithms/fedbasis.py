@@ -1,6 +1,7 @@
-"""FedBasis — "Learning Shareable Bases for Personalized Federated Image Classification" (the stored text,
-`papers/fedbasis-pflbed.txt`, is the double-blind review copy: authors "Anonymous", no venue line; cited here by
-its title). Implemented: §4.1 (Eq. 4–6), §4.2 (Eq. 8–9: coordinate descent and sharpening), §4.4 (layer-wise
+"""FedBasis — "Learning Shareable Bases for Personalized Federated Image Classification" (cited by its title: the
+version implemented is the double-blind review copy, which names no authors and no venue).
+
+Implemented: §4.1 (Eq. 4–6), §4.2 (Eq. 8–9: coordinate descent and sharpening), §4.4 (layer-wise
 combinations, the major basis, the FedAvg/k-means warm start), §6 (setup: K, τ, 5 + 5 local epochs, 30 % warm
 start, "the combinations and the whole classifier" for new clients), App. A (Alg. 1 training, Alg. 2 new client),
 Table 3 ablations (coordinate descent, major basis, τ), Fig. 2 (collapse diagnostics) and Fig. 4 (α heat-map).

@@ -1,5 +1,5 @@
 """FedPer — Arivazhagan, Aggarwal, Singh & Choudhary, "Federated Learning with Personalization Layers",
-arXiv:1912.00818, 2019 (papers/fedper.txt).
+arXiv:1912.00818, 2019.
 
 Model (Eq. 1): ŷ = f(x; W_B, W_Pj) — K_B shared *base* layers followed by K_P *personalization* layers private to
 client j. K_P counts blocks from the top (§4.3: K_P = 1 is the classifier alone, K_P = 2 adds the block below it).

@@ -1,5 +1,5 @@
 """FedRoD (linear) — Chen & Chao, "On Bridging Generic and Personalized Federated Learning for Image
-Classification", ICLR 2022 (Federated Robust Decoupling), Algorithm 1. Spec: papers/fedrod-slides.txt.
+Classification", ICLR 2022 (Federated Robust Decoupling), Algorithm 1, as the authors' slides present it.
 
 Model: shared feature extractor z = f(x; θ) (the BlockNet body), generic head ŷ_G = h_G(z; ψ) (the BlockNet head)
 and a personal head h_P(z; φ_m) per client; the personalized prediction is additive, ŷ_P = h_G(z; ψ) + h_P(z; φ_m).

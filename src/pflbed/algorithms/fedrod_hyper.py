@@ -1,5 +1,5 @@
 """FedRoD (hyper) — Chen & Chao, "On Bridging Generic and Personalized Federated Learning for Image
-Classification", ICLR 2022: adaptive personalized predictors via a hypernetwork (papers/fedrod-slides.txt,
+Classification", ICLR 2022: adaptive personalized predictors via a hypernetwork (the authors' slides,
 "Adaptive Personalized Predictors Via Hypernetworks" and "Algorithm Modification").
 
 Everything generic is FedRoD (linear) — see `fedrod.py` for the balanced-softmax loss, Eq. 7, Eq. 8 and Eq. 10

@@ -49,7 +49,10 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
 
 def _check_name(name: str) -> Callable[..., DataSource]:
     if name not in DATASETS:
-        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
+        from pflbed.config import OWN_DATA, did_you_mean, then
+
+        known = f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}{did_you_mean(name, DATASETS)}"
+        raise DataError(then(known, OWN_DATA))
     return DATASETS[name]
 
 

@@ -2,9 +2,10 @@
 processes on 127.0.0.1 — running one experiment, then stopped.
 
 What it does, in order:
-1. checks the run directory as `pflbed run` does, writes the app project (`project.write_app`) and, for `tls`, a
-   self-signed certificate authority and SuperLink certificate, for `auth` a key pair per SuperNode
-   (`certificates.py`), under `<out>/flower/`;
+1. checks the run directory as `pflbed run` does (with `resume`: an unfinished run of this config, continued from
+   its last checkpoint), writes the app project (`project.write_app`) and, for `tls`, a self-signed certificate
+   authority and SuperLink certificate, for `auth` a key pair per SuperNode (`certificates.py`), under
+   `<out>/flower/`; every path handed to Flower is absolute (Flower refuses relative certificate paths);
 2. starts `flower-superlink` (one port serves its Fleet, Control and runtime APIs; with `auth`, only registered
    SuperNodes may connect: each node's public key is registered with `flwr supernode register`) and the
    SuperNodes, node k with `--node-config "partition-id=k num-partitions=N"` (and its private key), each in its
@@ -12,11 +13,14 @@ What it does, in order:
 3. submits the app with `flwr run`, against a Flower home of its own (`<out>/flower/home`: no user configuration
    read or changed), and waits for it: the ServerApp (`flower.server`) writes `<out>`'s config, metrics, checkpoints
    and summary;
-4. stops every process it started — process groups, so the processes Flower itself starts (SuperExec, ServerApp,
-   ClientApps) go too — also after a failure or Ctrl-C.
+4. stops every process it started — their process groups and the groups of every process they started, so the
+   processes Flower itself starts go too (ClientApps in their SuperNode's group; the SuperExec, and with it the
+   ServerApp, in a group of its own) — also after a failure or Ctrl-C.
 
-Flower's logs land in `<out>/flower/*.log`. Runtime dependency installation is disabled everywhere: the sites run
-the pflbed that is installed, with no network.
+Flower's logs land in `<out>/flower/*.log`. A deployment that fails (a process that does not start, a run that does
+not finish) raises `FlowerRunError` (exit code 4) with the cause read from the logs and the command that continues
+the run. Runtime dependency installation is disabled everywhere: the sites run the pflbed that is installed, with no
+network.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,9 +48,37 @@ CONNECTION = "pflbed-local"
 
 
 class FlowerRunError(PflbedError):
-    """The deployment's run did not finish (its logs are named in the message)."""
+    """The deployment did not finish: a Flower process failed to start or the run stopped (the message gives the
+    cause from the logs, names them, and says how to continue). Exit code 4: neither bad input (2) nor a diverged
+    run (3)."""
+
+    exit_code = 4
+
+
+class FlowerDivergedError(FlowerRunError):
+    """The deployment's run diverged (a non-finite loss or parameter): exit code 3, as any diverged run."""
 
     exit_code = 3
+
+
+def resume_command(out: Path, tls: bool, auth: bool) -> str:
+    """The command that continues the deployment's run in `out` with the same security."""
+    return f"pflbed flower local --resume {out}" + " --tls" * tls + " --auth" * auth
+
+
+def failure_reason(log: Path) -> str:
+    """The cause of a failed `flwr run`, from its log: the text of Flower's error panel, else the last exception
+    line (a ServerApp's traceback), else the log's last line."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    panel = [line.strip("│ ").strip() for line in lines if line.startswith("│")]
+    if panel:
+        return " ".join(p for p in panel if p)
+    errors = [line.strip() for line in lines if re.match(r"\s*(\w+\.)*\w*(Error|Exception)\b:", line)]
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return " ".join((errors[-1] if errors else last).split())[:300] or "no output"
 
 
 def free_port() -> int:
@@ -64,30 +98,67 @@ def _tool(name: str) -> str:
     return str(path) if path.exists() else name
 
 
+def _descendants(roots: list[int]) -> set[int]:
+    """The live descendants of the processes `roots` (read from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{d}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    found, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _groups(procs: list[subprocess.Popen]) -> set[int]:
+    """The process groups of the started processes and of all their descendants: Flower starts some in groups of
+    their own (the SuperLink's SuperExec, and with it the ServerApp), which an orphaned child would keep alive."""
+    groups = {p.pid for p in procs}
+    for pid in _descendants([p.pid for p in procs]):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            groups.add(os.getpgid(pid))
+    groups.discard(os.getpgrp())  # never this process's own group
+    return groups
+
+
+def _signal(groups: set[int], sig: int) -> None:
+    for g in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(g, sig)
+
+
+def _alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _processes() -> Iterator[list[subprocess.Popen]]:
-    """Started processes, each the leader of its own process group; all groups terminated (then killed) on exit."""
+    """Started processes, each the leader of its own process group; on exit, those groups and the groups of every
+    process they started are terminated (then killed), and this returns once all are gone."""
     procs: list[subprocess.Popen] = []
     try:
         yield procs
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
+        groups = _groups(procs)  # before any exits: an orphan's parent is no longer its started ancestor
+        _signal(groups, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.1, deadline - time.monotonic()))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # the group's stragglers too
+        _signal(groups, signal.SIGKILL)  # the stragglers
+        for p in procs:
             p.wait()
-        for p in procs:  # return only once every process of every group is gone
-            while time.monotonic() < deadline + 10:
-                try:
-                    os.killpg(p.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
+        while any(_alive(g) for g in groups) and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
 
 
 def _start(procs: list[subprocess.Popen], cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -101,7 +172,8 @@ def _wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise FlowerRunError(f"the SuperLink exited at start (code {proc.returncode}); see {log}")
+            raise FlowerRunError(f"the SuperLink exited at start (code {proc.returncode}): {failure_reason(log)}; "
+                                 f"see {log}")  # fmt: skip
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -116,22 +188,32 @@ def _register(keys: list[tuple[Path, Path]], env: dict[str, str], log: Path) -> 
             done = subprocess.run([_tool("flwr"), "supernode", "register", str(public), CONNECTION], stdout=f,
                                   stderr=subprocess.STDOUT, env=env)  # fmt: skip
             if done.returncode != 0:
-                raise FlowerRunError(f"registering the SuperNode key {public} failed; see {log}")
+                raise FlowerRunError(f"registering the SuperNode key {public} failed: {failure_reason(log)}; "
+                                     f"see {log}")  # fmt: skip
 
 
 def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, auth: bool = False,
-              force: bool = False, log=print) -> dict:  # fmt: skip
+              force: bool = False, resume: bool = False, log=print) -> dict:  # fmt: skip
     """Run `cfg` on a local deployment of `supernodes` SuperNodes (`tls`: encrypted connections; `auth`: only the
-    SuperNodes whose keys were registered may connect); the run's summary (also in `out`)."""
+    SuperNodes whose keys were registered may connect); the run's summary (also in `out`). With `resume`, continue
+    the unfinished run in `out` from its last checkpoint on a fresh SuperLink and SuperNodes."""
     if supernodes < 1:
         raise PflbedError("--supernodes must be at least 1")
-    rundir = RunDir.check(out, cfg, force=force)
-    rundir.start(cfg)
-    work = out / "flower"
+    again = resume_command(out, tls, auth)
+    rundir = RunDir.check(out, cfg, force=force, resume=resume, resume_with=again)
+    if not resume:
+        rundir.start(cfg)
+    shown = out / "flower"  # as the user gave it, for messages; Flower gets absolute paths
+    work = out.resolve() / "flower"
     home = work / "home"
+    if resume:  # the failed deployment's SuperLink state and Flower home go; the run directory stays
+        for stale in ("home", "app"):
+            shutil.rmtree(work / stale, ignore_errors=True)
+        for db in work.glob("superlink.db*"):
+            db.unlink()
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    app = write_app(work / "app", cfg, out.resolve())
+    app = write_app(work / "app", cfg, out.resolve(), resume=resume)
     link_tls: list[str] = ["--insecure"]
     node_tls: list[str] = ["--insecure"]
     connection = f'address = "127.0.0.1:{port}"\ninsecure = true\n'
@@ -160,13 +242,32 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
                            "--port", str(free_port()), "--node-config", node], work / f"supernode-{k}.log", env)
         security = " and ".join(w for w, on in (("TLS", tls), ("node authentication", auth)) if on)
         log(f"SuperLink on 127.0.0.1:{port}{f' ({security})' if security else ''}, {supernodes} SuperNodes; "
-            f"logs in {work}")  # fmt: skip
+            f"logs in {shown}")  # fmt: skip
         run_log = work / "run.log"
         with open(run_log, "w") as f:
             done = subprocess.run([_tool("flwr"), "run", str(app), CONNECTION, "--stream"], stdout=f,
                                   stderr=subprocess.STDOUT, env=env)  # fmt: skip
     summary = out / "summary.json"
     if done.returncode != 0 or not summary.exists():
-        raise FlowerRunError(f"the Flower run did not finish (flwr run exit code {done.returncode}); see {run_log} "
-                             f"and {work / 'superlink.log'}")  # fmt: skip
+        raise failed(run_log, out, again)
     return json.loads(summary.read_text())
+
+
+def failed(run_log: Path, out: Path, again: str) -> FlowerRunError:
+    """The error for a deployment whose run did not finish: the cause from `run_log`, where the logs are, and (unless
+    it diverged, where the lr must change first) from which round and with which command it continues."""
+    reason = failure_reason(run_log)
+    logs = f"(logs: {out / 'flower'}/run.log, superlink.log, supernode-*.log)"
+    diverged = "pflbed.errors.DivergedError: "
+    if reason.startswith(diverged):
+        return FlowerDivergedError(f"{reason.removeprefix(diverged)} {logs}")
+    return FlowerRunError(f"the Flower deployment's run did not finish: {reason} {logs}; {_continue(out, again)}")
+
+
+def _continue(out: Path, again: str) -> str:
+    """How to continue the run in `out`: from which checkpoint, with which command."""
+    from pflbed.results.checkpoint import checkpoint_round
+
+    rnd = checkpoint_round(out)
+    where = f"round {rnd} is checkpointed" if rnd else "no round was checkpointed yet (it starts over)"
+    return f"{where}; fix the cause, then continue with '{again}'"

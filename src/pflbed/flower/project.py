@@ -34,6 +34,7 @@ clientapp = "pflbed.flower.client:app"
 [tool.flwr.app.config]
 config = {config}
 out = {out}
+resume = {resume}
 """
 
 
@@ -41,10 +42,12 @@ def config_json(cfg: Config) -> str:
     return json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
 
 
-def write_app(path: Path, cfg: Config, out: Path) -> Path:
-    """Write the project into `path` (created); returns `path`. `out`: the run directory on the SuperLink's side."""
+def write_app(path: Path, cfg: Config, out: Path, resume: bool = False) -> Path:
+    """Write the project into `path` (created); returns `path`. `out`: the run directory on the SuperLink's side;
+    `resume`: the ServerApp continues the run there from its last checkpoint."""
     path.mkdir(parents=True, exist_ok=True)
     what = f"{cfg.algorithm.name} on {cfg.dataset.name}, seed {cfg.seed}"
-    text = PYPROJECT.format(what=what, config=json.dumps(config_json(cfg)), out=json.dumps(str(out)))
+    text = PYPROJECT.format(what=what, config=json.dumps(config_json(cfg)), out=json.dumps(str(out)),
+                          resume=json.dumps(resume))
     (path / "pyproject.toml").write_text(text)
     return path

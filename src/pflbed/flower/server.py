@@ -1,7 +1,8 @@
 """The ServerApp of a Flower deployment (`pflbed flower local`, `pflbed flower app`).
 
-Its run config names the experiment: `config` (the pflbed config as JSON) and `out` (the run directory, written by
-the ServerApp's process on the SuperLink's machine). The experiment is `engine.loop.experiment` on a
+Its run config names the experiment: `config` (the pflbed config as JSON), `out` (the run directory, written by
+the ServerApp's process on the SuperLink's machine) and `resume` (continue the run in `out` from its last
+checkpoint: `pflbed flower local --resume`). The experiment is `engine.loop.experiment` on a
 `FlowerExecutor` over this run's grid — the same rounds, files and summary as any other executor.
 """
 
@@ -26,11 +27,12 @@ def main(grid: Grid, context: Context) -> None:
     cfg = validate_config(json.loads(str(context.run_config["config"])))
     algo = prepare(cfg, threads=1)
     out = Path(str(context.run_config["out"]))
+    resume = bool(context.run_config.get("resume", False))
     started = out / "config.yaml"  # `flower local` checked and started the run directory before submitting
     if not (started.is_file() and started.read_text() == config_text(cfg)):
-        RunDir.check(out, cfg, force=bool(context.run_config.get("force", False)))
+        RunDir.check(out, cfg, force=bool(context.run_config.get("force", False)), resume=resume)
     executor = FlowerExecutor(algo, grid)
-    result = experiment(cfg, algo, executor, RunDir(out), False, False)
+    result = experiment(cfg, algo, executor, RunDir(out), False, resume)
     timing = {**{k: round(v, 4) for k, v in executor.timing.items()}, "rounds": result.summary["rounds"]}
     (out / "flower").mkdir(exist_ok=True)  # where a round's time went (benchmarks/flower_speed.py)
     (out / "flower" / "executor_timing.json").write_text(json.dumps(timing, indent=1) + "\n")

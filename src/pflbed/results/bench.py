@@ -110,7 +110,7 @@ def load_suite(path: str | Path) -> Suite:
     try:
         return Suite.model_validate(tree or {})
     except ValidationError as e:
-        raise ConfigError(f"{p}: {_first_error(e)}") from None
+        raise ConfigError(f"{p}: {_first_error(e, model=Suite)}") from None
 
 
 def _source(same_as: str) -> tuple[str | None, str]:

@@ -44,6 +44,15 @@ def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in tensors.items()}
 
 
+def checkpoint_round(run_dir: Path) -> int | None:
+    """The round of `run_dir`'s last checkpoint, read without loading its tensors (memory-mapped); None where
+    there is none or it cannot be read."""
+    try:
+        return int(torch.load(checkpoint_path(run_dir), mmap=True, weights_only=True)["round"])
+    except Exception:
+        return None
+
+
 def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[str, Any] | None:
     """The last checkpoint of `run_dir` (None: none yet), its tensors on `device`, the resumed run's device."""
     path = checkpoint_path(run_dir)

@@ -83,9 +83,11 @@ class RunDir:
         return (self.path / "summary.json").is_file()
 
     @classmethod
-    def check(cls, path: Path, cfg: Config, *, force: bool = False, resume: bool = False) -> RunDir:
+    def check(cls, path: Path, cfg: Config, *, force: bool = False, resume: bool = False,
+              resume_with: str | None = None) -> RunDir:  # fmt: skip
         """Refuse a path that cannot hold this run, or holds a run that `force` does not allow replacing; create
-        nothing yet. With `resume`, an unfinished run of the same config is the expected case."""
+        nothing yet. With `resume`, an unfinished run of the same config is the expected case. `resume_with`: the
+        command that continues an unfinished run there (default `pflbed run --resume PATH`)."""
         if path.exists() and not path.is_dir():
             raise PflbedError(f"--out {path}: exists and is not a directory")
         ancestor = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" always do
@@ -107,7 +109,8 @@ class RunDir:
             raise PflbedError(f"--out {path}: {what}; choose another --out (or pass --force to run it again)")
         if not resume:
             raise PflbedError(f"--out {path}: holds an unfinished run of this config; continue it with "
-                              f"'pflbed run --resume {path}' (or pass --force to start over)")  # fmt: skip
+                              f"'{resume_with or f'pflbed run --resume {path}'}' (or pass --force to start "
+                              "over)")  # fmt: skip
         return run
 
     def start(self, cfg: Config) -> None:

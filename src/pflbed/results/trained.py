@@ -59,7 +59,9 @@ class Personalized:
     """A model personalized for one new client, with how it was obtained.
 
     `epochs`: per epoch, its validation accuracy (when validation data was given); `selected_epoch`: the epoch kept
-    (the best on validation, earliest on ties; the last without validation data)."""
+    (the best on validation, earliest on ties; the last without validation data); `zero_shot`: the model the
+    personalization started from, unadapted (the method's zero-shot model for `native`, the generic model for ft /
+    lp; None where the method has none: Local, FedPer, FedRep, … whose new clients start with untrained parts)."""
 
     model: torch.nn.Module
     run: TrainedRun | None
@@ -69,6 +71,7 @@ class Personalized:
     selected_epoch: int
     seconds: float
     info: dict[str, Any] = field(default_factory=dict)
+    zero_shot: torch.nn.Module | None = None
 
     def predict(self, x: np.ndarray | torch.Tensor, scale: float | None = None) -> np.ndarray:
         """Labels of raw samples (the run's native format; `scale`: their raw range if not the dataset's)."""
@@ -81,6 +84,15 @@ class Personalized:
         assert self.run is not None
         labels = self.run.labels(y, "test y", len(x))
         return _accuracy(self.model, self.run.inputs(x, scale, "test x"), labels)
+
+    def zero_shot_accuracy(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor,
+                           scale: float | None = None) -> float | None:  # fmt: skip
+        """Accuracy of the unadapted start (`zero_shot`) on raw samples `x` with labels `y`; None without one."""
+        if self.zero_shot is None:
+            return None
+        assert self.run is not None
+        labels = self.run.labels(y, "test y", len(x))
+        return _accuracy(self.zero_shot, self.run.inputs(x, scale, "test x"), labels)
 
     def save(self, out: Path) -> Path:
         """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`."""
@@ -201,11 +213,14 @@ class TrainedRun:
         t0 = time.perf_counter()
         tried = [(rate, *self._adapt(method, data, rate, epochs, seed, xv, yv)) for rate in lrs]
         rate, model, history, selected, score = max(tried, key=lambda t: t[4])  # earliest lr on ties
+        seconds = time.perf_counter() - t0
+        start = self.algo.zero_shot(self.server, data) if method == "native" else self.algo.generic_model(self.server)
+        zero_shot = _module(start) if start is not None else None  # where personalization started, unadapted
         info = {"run": str(self.path), "algorithm": self.config.algorithm.name, "samples": n, "val_samples": len(yv),
                 "input_shape": list(self.source.input_shape), "num_classes": self.source.num_classes}  # fmt: skip
         if len(tried) > 1:
             info["lr_val"] = {f"{t[0]:g}": t[4] for t in tried}  # the best-epoch validation accuracy of each lr
-        return Personalized(model, self, method, rate, history, selected, time.perf_counter() - t0, info)
+        return Personalized(model, self, method, rate, history, selected, seconds, info, zero_shot)
 
     def _adapt(self, method: str, data: ClientData, lr: float, epochs: int, seed: int, xv: torch.Tensor,
                yv: torch.Tensor) -> tuple[torch.nn.Module, list[dict[str, float]], int, float]:  # fmt: skip

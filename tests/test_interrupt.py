@@ -1,0 +1,62 @@
+"""Ctrl-C: the message says which round is checkpointed and the exact command that continues, which then works."""
+
+import json
+
+from pflbed.cli import main
+from pflbed.results.rundir import RunDir
+
+FAST = ["--set", "dataset.name=synthetic", "--set", "model.name=mlp", "--set", "federation.clients=5",
+        "--set", "train.rounds=4", "--set", "train.checkpoint_every=2", "--set", "eval.every=1",
+        "--set", "eval.finetune=[]", "--set", "executor.threads=1", "--no-progress"]  # fmt: skip
+
+
+def _interrupt_at(monkeypatch, rnd):
+    """Ctrl-C as round `rnd`'s record is logged (after round `rnd` - 1's checkpoint)."""
+    real = RunDir.log
+
+    def log(self, record):
+        if record["round"] == rnd:
+            raise KeyboardInterrupt
+        real(self, record)
+
+    monkeypatch.setattr(RunDir, "log", log)
+
+
+def test_ctrl_c_names_the_checkpointed_round_and_the_resume_command(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, 3)
+    assert main(["run", *FAST, "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pflbed: interrupted; round 2 of 4 is checkpointed in {out}/checkpoints/last.pt; continue with "
+                   f"'pflbed run --resume {out}'")  # fmt: skip
+    monkeypatch.undo()
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0  # the command it gave
+    assert [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_ctrl_c_before_any_checkpoint_or_before_the_run_started(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, 1)
+    assert main(["run", *FAST, "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == (f"pflbed: interrupted before the first checkpoint "
+                                               f"(train.checkpoint_every); 'pflbed run --resume {out}' starts the "
+                                               "run over")  # fmt: skip
+    monkeypatch.setattr("pflbed.engine.loop.prepare", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    fresh = tmp_path / "fresh"
+    assert main(["run", *FAST, "--out", str(fresh)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == f"pflbed: interrupted before the run started; nothing was written to {fresh}"
+
+
+def test_ctrl_c_in_a_bench_says_how_to_continue(tmp_path, monkeypatch, capsys):
+    from pflbed.results import bench
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: s\n")
+    monkeypatch.setattr(bench, "load_suite", lambda path: object())
+    monkeypatch.setattr(bench, "Bench", lambda s: type("B", (), {"run": lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt)})())  # fmt: skip
+    assert main(["bench", "-c", str(suite), "--jobs", "2", "--shard", "2/3"]) == 130
+    assert capsys.readouterr().err.strip() == (f"pflbed: interrupted; finished cells are kept and an interrupted cell "
+                                               f"continues from its checkpoint: continue with 'pflbed bench -c "
+                                               f"{suite} --jobs 2 --shard 2/3'")  # fmt: skip
