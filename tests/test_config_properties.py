@@ -78,6 +78,11 @@ VALID: dict[str, st.SearchStrategy] = {
                                                                       "noise", "blur", "contrast", "invert", "x"]),
                                                      max_size=4)),  # fmt: skip
     "dataset.image_size": st.integers(min_value=0, max_value=64),
+    "dataset.synthetic.shape": st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3),
+    "dataset.synthetic.num_classes": st.integers(min_value=0, max_value=12),
+    "dataset.synthetic.n_train": st.integers(min_value=0, max_value=3000),
+    "dataset.synthetic.n_test": st.integers(min_value=0, max_value=600),
+    "dataset.synthetic.separation": st.floats(min_value=-1, max_value=10),
     "model.name": st.sampled_from(sorted(MODELS)),
     "model.channels_last": st.booleans(),
     "model.init_from": st.one_of(st.none(), st.sampled_from(["/nonexistent/model.pt", "/nonexistent"])),
@@ -119,7 +124,9 @@ VALID: dict[str, st.SearchStrategy] = {
     "eval.new_clients.epochs": few(2),
     "eval.new_clients.lrs": st.lists(st.floats(min_value=0, max_value=10), max_size=3),
     "eval.new_clients.zero_shot": st.booleans(),
-    "executor.name": st.sampled_from(["loop", "procs"]),
+    "executor.name": st.sampled_from(["auto", "loop", "procs"]),
+    "executor.precision": st.sampled_from(["fp32", "bf16", "fp16"]),
+    "executor.deterministic": st.booleans(),
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),
     "executor.batch_clients": st.one_of(st.none(), st.booleans()),
@@ -153,7 +160,8 @@ def test_every_field_has_a_valid_domain():
 # 34,372 local epochs), so their junk leaves out 1 … 10^6 (larger values are refused by the config's bounds).
 COSTLY = {"train.rounds", "train.local_epochs", "eval.ft_epochs", "eval.new_clients.epochs", "federation.clients",
           "federation.train_per_client", "federation.pflbed.clients_per_domain",
-          "federation.pflbed.new_clients_per_domain", "federation.new_clients"}  # fmt: skip
+          "federation.pflbed.new_clients_per_domain", "federation.new_clients", "dataset.synthetic.n_train",
+          "dataset.synthetic.n_test", "dataset.synthetic.num_classes"}  # fmt: skip
 CHEAP_JUNK = JUNK.filter(lambda v: isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10**6)
 
 

@@ -22,10 +22,8 @@ def test_negative_running_variances_are_found_under_any_prefix_and_nothing_else_
     with pytest.raises(DivergedError, match="round 3: the aggregated server state has negative BatchNorm running "
                                             "variances in 'a.running_var' — lower"):  # fmt: skip
         check_server(3, bad)
-    with pytest.raises(DivergedError, match="round 3: client 5's reply has negative BatchNorm running variances in"):
-        check_client(3, 5, bad, ok)
-    with pytest.raises(DivergedError, match="client 5's state has negative BatchNorm running variances in"):
-        check_client(3, 5, ok, bad)
+    # a reply or a client state may hold changes (FedMTL's Δ_i, SCAFFOLD's control variates): negative is fine there
+    check_client(3, 5, bad, bad)
     nan = {**bad, "z.running_var": torch.tensor([float("nan")])}
     with pytest.raises(DivergedError, match="non-finite values in 'z.running_var'"):  # NaN is reported as such
         check_server(3, nan)

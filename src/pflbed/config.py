@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
 INT_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
+SYNTHETIC_MAX_VALUES = 2**28  # generated samples × their size: 1 GiB of float32 (CIFAR-10's size is 2**27.5)
 FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
 
 
@@ -75,6 +76,13 @@ class SyntheticConfig(_Strict):
         if any(s < 1 or s > INT_MAX for s in v):
             raise ValueError("every size must be at least 1")
         return v
+
+    @model_validator(mode="after")
+    def _fits(self) -> SyntheticConfig:
+        if (self.n_train + self.n_test) * math.prod(self.shape) > SYNTHETIC_MAX_VALUES:
+            raise ValueError(f"(n_train + n_test) × the shape's size must be at most {SYNTHETIC_MAX_VALUES:,} values "
+                             "(1 GiB of float32)")  # fmt: skip
+        return self
 
 
 class DatasetConfig(_Strict):

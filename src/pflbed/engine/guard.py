@@ -1,8 +1,8 @@
 """Divergence guard: a non-finite value anywhere in a client's reply or state, or in the server state, stops the
 run in the round it appears (instead of training on NaNs to the end and reporting chance accuracy). So does a
-negative BatchNorm running variance (a key ending in `running_var`): training only ever averages squares into it,
-so a negative one comes from a rule that extrapolated the statistics; it is finite, yet normalizing by
-√(var + ε) then gives NaN or huge activations, and the model scores at chance.
+negative BatchNorm running variance in the server state (a key ending in `running_var`): training only ever
+averages squares into it, so a negative one comes from a server rule that extrapolated the statistics; it is
+finite, yet normalizing by √(var + ε) then gives NaN or huge activations, and the model scores at chance.
 
 A non-finite loss always shows up here: its gradients make the parameters non-finite in the same step. Checking
 the exchanged tensors rather than each algorithm's losses keeps the guard in one place for every algorithm.
@@ -56,13 +56,12 @@ def client_diverged(rnd: int, cid: int, what: str, key: str) -> DivergedError:
 
 
 def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
+    """Non-finite values only: a reply or a client state may hold changes rather than models (FedMTL replies
+    w_i' − w_i, SCAFFOLD's control variates are differences), whose `running_var` entries may well be negative."""
     for what, tensors in (("reply", reply), ("state", state)):
         key = first_nonfinite(tensors)
         if key is not None:
             raise client_diverged(rnd, cid, what, key)
-        key = first_negative_variance(tensors)
-        if key is not None:
-            raise DivergedError(rnd, f"client {cid}'s {what} has {NEGATIVE_VARIANCE} in '{key}'")
 
 
 def check_server(rnd: int, server: Tensors) -> None:
