@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -210,7 +211,7 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
         if r["figure_gap"] >= t["max_figure_gap"]:
             t["max_figure_gap"], t["worst"] = r["figure_gap"], f"{r['case']} ({r['figure']})"
         t["max_state_gap"] = max(t["max_state_gap"], r["state_gap"])
-    tail = [x for x in log.splitlines() if x.strip()][-1:] if log else []
+    tail = [x for x in log.splitlines() if re.search(r"\d+ (passed|failed|error)", x)][-1:]  # pytest's closing line
     return {"exit_code": rc, "seconds": time.perf_counter() - t0, "result": tail[0] if tail else "", "by_test": by_test,
             "comparisons": lines}  # fmt: skip
 
