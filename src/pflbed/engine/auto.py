@@ -2,7 +2,7 @@
 
 The rule (measured: README, "Speed", and benchmarks/auto_executor.py, benchmarks/gpu.py):
 - on a GPU: `loop`, whose round trains the plain-SGD clients batched (`executor.batch_clients` is on there by
-  default) — FedAvg's CNN at 100 clients ran 7.3× faster than client by client on an H100, and 4.4× faster than
+  default) — FedAvg's CNN at 100 clients ran 7.3× faster than client by client on an H100, and 3.9× faster than
   `procs` with 4 workers sharing it;
 - on a CPU with several cores: `procs` (one single-threaded worker per core) when the round trains at least two
   clients and the run's training is worth the workers' start-up — at least `PROCS_MIN_MACS` multiply-accumulates
