@@ -190,7 +190,7 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
     env = {**os.environ, "PFLBED_TEST_DEVICE": a.device, "PFLBED_CUDA_REPORT": str(report)}
     cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
     if a.quick:
-        cmd += ["-k", "fedavg or fedper or resume or loads"]
+        cmd += ["-k", "fedavg-global-test or resume or loads"]
     if importlib.util.find_spec("xdist") and a.test_workers > 1:
         cmd += ["-n", str(a.test_workers)]
     t0 = time.perf_counter()
@@ -221,6 +221,9 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     other algorithms on the CNN, then ResNet-18 (BatchNorm: batched clients do not apply, it would run the loop)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
+    if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNet once each
+        return [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, "batched")] + \
+            [("paper", alg, cnn, "loop") for alg in ALGORITHMS[1:]] + [("paper", "fedavg", resnet, "procs")]
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
@@ -286,7 +289,10 @@ def main() -> None:
     write(result, a.out)
     print((a.out / "gpu.txt").read_text())
     tests = result["tests"]
-    sys.exit(1 if tests and tests["exit_code"] != 0 else 0)
+    failed = [f"{m['algorithm']} {m['model']} {m['executor']}: {m['error']}" for m in result["speed"] if "error" in m]
+    if failed:
+        print("failed cases:\n" + "\n".join(failed), file=sys.stderr)
+    sys.exit(1 if (tests and tests["exit_code"] != 0) or failed else 0)
 
 
 def line(m: dict) -> str:
