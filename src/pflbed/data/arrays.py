@@ -18,18 +18,21 @@ from pflbed.errors import DataError
 
 @dataclass(frozen=True)
 class ArrayDataset:
-    """Features `x` (float32 [N, C, H, W] or [N, D], normalized), labels `y` (int64 [N]), optional domains."""
+    """Features `x` (float32 [N, C, H, W] or [N, D], normalized), labels `y` (int64 [N]), optional domains and
+    users (int64 [N]: indices into `DataSource.domain_names` / `DataSource.user_names`)."""
 
     x: torch.Tensor
     y: torch.Tensor
     domain: torch.Tensor | None = None
+    user: torch.Tensor | None = None  # the writer/owner of each sample, where the data has one (FEMNIST's writers)
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
     def to(self, device: torch.device | str) -> ArrayDataset:
-        """`x` and `y` on `device` (what training and evaluation read); `domain` stays where it is, since only the
-        federation's partitioning (NumPy, on the CPU) reads it. No copy where they are already there."""
+        """`x` and `y` on `device` (what training and evaluation read); `domain` and `user` stay where they are,
+        since only the federation's partitioning (NumPy, on the CPU) reads them. No copy where they are already
+        there."""
         return replace(self, x=self.x.to(device), y=self.y.to(device))
 
 
@@ -46,6 +49,7 @@ class DataSource:
     domain_names: tuple[str, ...] = ()  # names of the values in `domain`, when the data has domains
     raw_scale: float = 1.0  # raw samples span [0, raw_scale] (digits 16, 8-bit images 255): x = (raw/scale − mean)/std
     raw_channels_last: bool = False  # raw images are [H, W, C] (decoded image files), `x` is [C, H, W]
+    user_names: tuple[str, ...] = ()  # names of the values in `user`, when the data has users
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -88,4 +92,6 @@ class DataSource:
             h.update(split.y.cpu().numpy().tobytes())
             flat = split.x.reshape(len(split), math.prod(split.x.shape[1:]))
             h.update(flat[:, :: max(1, flat.shape[1] // 7)].cpu().contiguous().numpy().tobytes())
+            if split.user is not None:  # only where present: the fingerprints of user-less data stay as they were
+                h.update(split.user.cpu().numpy().tobytes())
         return h.hexdigest()[:16]
