@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pflbed.data import DATASETS, DataSource, describe_datasets, fmnist, load_dataset, synthetic
+from pflbed.data import DATASETS, DataSource, describe_datasets, fmnist, load_dataset, store, synthetic
 from pflbed.data.digits import load_digits_source
 from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
 from pflbed.data.fmnist import download_fmnist, load_fmnist
@@ -161,10 +161,11 @@ def test_fmnist_count_mismatch(isolated_env: Path) -> None:
 
 
 def test_fmnist_listing_does_not_download(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fmnist, "_fetch", lambda url, dest: pytest.fail("network used"))
+    monkeypatch.setattr(store, "_download", lambda *a, **k: pytest.fail("network used"))
     rows = {row["name"]: row for row in describe_datasets()}
     assert set(rows) == set(DATASETS) | set(BUILTIN_DOMAINS)
-    assert rows["fmnist"]["location"] == "not found" and rows["fmnist"]["train"] is None
+    assert rows["fmnist"]["location"].startswith("not found: ") and rows["fmnist"]["train"] is None
+    assert "dataset-fashion-mnist" in rows["fmnist"]["location"]  # the one line that says how to get it
     assert rows["digits"]["train"] == 1497 and rows["digits"]["test"] == 300
     directory = make_fmnist_dir(isolated_env / "fm")
     monkeypatch.setenv("PFLBED_DATA", str(directory))
@@ -172,26 +173,36 @@ def test_fmnist_listing_does_not_download(isolated_env: Path, monkeypatch: pytes
     assert (fm["location"], fm["train"], fm["test"]) == (str(directory), 20, 10)
 
 
+def _mirror(directory: Path, payloads: dict[str, bytes]) -> str:
+    """A local `file://` mirror holding `payloads`; its base URL."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in payloads.items():
+        (directory / name).write_bytes(data)
+    return directory.as_uri() + "/"
+
+
 def test_download_rejects_wrong_checksum(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fmnist, "_fetch", lambda url, dest: dest.write_bytes(b"not the dataset"))
+    base = _mirror(isolated_env / "mirror", {name: b"not the dataset" for name in fmnist.SHA256})
+    monkeypatch.setattr(fmnist, "BASE_URL", base)
     dest = isolated_env / "dl"
-    with pytest.raises(DataError, match="SHA-256 mismatch") as info:
+    with pytest.raises(DataError, match="SHA256 checksum mismatch") as info:
         download_fmnist(dest)
-    assert "train-images-idx3-ubyte.gz" in str(info.value)
-    assert list(dest.iterdir()) == []  # neither the bad file nor its temporary copy is left behind
+    assert "train-images-idx3-ubyte.gz" in str(info.value) and "\n" not in str(info.value)
+    assert not dest.exists()  # neither the bad file, its temporary copy, nor the directory is left behind
 
 
 def test_download_keeps_verified_files(isolated_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     payloads = {name: f"payload {name}".encode() for name in fmnist.SHA256}
     monkeypatch.setattr(fmnist, "SHA256", {n: hashlib.sha256(p).hexdigest() for n, p in payloads.items()})
+    monkeypatch.setattr(fmnist, "BASE_URL", _mirror(isolated_env / "mirror", payloads))
     fetched: list[str] = []
+    real = store._download
 
-    def fake_fetch(url: str, dest: Path) -> None:
-        name = url.rsplit("/", 1)[1]
-        fetched.append(name)
-        dest.write_bytes(payloads[name])
+    def counting(url: str, *args: Any, **kwargs: Any) -> Any:
+        fetched.append(url)
+        return real(url, *args, **kwargs)
 
-    monkeypatch.setattr(fmnist, "_fetch", fake_fetch)
+    monkeypatch.setattr(store, "_download", counting)
     dest = download_fmnist(isolated_env / "dl")
     assert sorted(p.name for p in dest.iterdir()) == sorted(payloads)
     assert len(fetched) == 4
@@ -267,8 +278,8 @@ def regenerate_uncached(**kwargs: Any) -> DataSource:
 
 
 def test_registry_errors() -> None:
-    with pytest.raises(DataError, match="known datasets: digits, fmnist, folder, synthetic"):
-        load_dataset("mnist")
+    with pytest.raises(DataError, match="known datasets: .*digits, .*fmnist, folder, .*synthetic"):
+        load_dataset("kmnist")
     with pytest.raises(DataError, match="unknown option"):
         load_dataset("synthetic", classes=3)
     with pytest.raises(DataError, match="takes no path"):

@@ -14,18 +14,14 @@ A directory qualifies when it holds all four files, each either gzipped or raw.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import tempfile
-import urllib.error
-import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pflbed.data import store
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.idx import read_idx, read_idx_shape
 from pflbed.errors import DataError
@@ -125,53 +121,20 @@ def fmnist_sizes(directory: Path) -> tuple[int, int]:
     return tuple(read_idx_shape(files[FILES[s][1]])[0] for s in ("train", "test"))  # type: ignore[return-value]
 
 
-def _fetch(url: str, dest: Path) -> None:
-    """Stream `url` into `dest`. Kept separate so tests can replace the network with a stub."""
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, dest.open("wb") as out:
-            shutil.copyfileobj(response, out, length=1 << 20)
-    except (urllib.error.URLError, OSError) as exc:
-        reason = " ".join(str(getattr(exc, "reason", exc)).split())
-        raise DataError(f"{url}: download failed ({reason})") from None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def remotes() -> list[store.Remote]:
+    """The four official files, each with its pinned SHA-256 (read at call time: tests point BASE_URL elsewhere)."""
+    return [store.Remote(BASE_URL + name, f"sha256:{digest}") for name, digest in SHA256.items()]
 
 
 def download_fmnist(dest_dir: str | os.PathLike[str] | None = None) -> Path:
     """Download the four official .gz files into `dest_dir` (default: `cache_dir()`) and return it.
 
-    Each file goes to a temporary name in the destination directory, is checked against its pinned SHA-256
-    and only then renamed into place (atomic on one filesystem), so an interrupted or tampered download never
-    leaves a file that a later load would pick up. Files already present with the right digest are kept.
+    Through pooch (`store.fetch`): each file goes to a temporary name, is checked against its pinned SHA-256 and
+    only then renamed into place, so an interrupted or tampered download never leaves a file that a later load
+    would pick up; a failure removes whatever this call wrote. Files already present with the right digest are
+    kept, not fetched again.
     """
-    dest = Path(dest_dir).expanduser() if dest_dir is not None else cache_dir()
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"{dest}: cannot create download directory ({exc.strerror or exc})") from None
-    for name, expected in SHA256.items():
-        target = dest / name
-        if target.is_file() and _sha256(target) == expected:
-            continue
-        url = BASE_URL + name
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            _fetch(url, tmp)
-            got = _sha256(tmp)
-            if got != expected:
-                raise DataError(f"{url}: SHA-256 mismatch (got {got}, expected {expected}); discarded")
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return dest
+    return store.fetch(remotes(), Path(dest_dir).expanduser() if dest_dir is not None else cache_dir())
 
 
 def _split(files: dict[str, Path], split: str) -> ArrayDataset:

@@ -1,0 +1,260 @@
+"""Where a dataset's files are found, and how its official archive is fetched, verified and unpacked.
+
+Look-up, for dataset `name` (the first directory that holds the dataset's files wins, so `origin` always says
+which copy a run used):
+
+1. the `path` argument (`dataset.path`): authoritative, no fallback;
+2. `$PFLBED_DATA/<name>`;
+3. the download cache, `$PFLBED_CACHE/<name>` (default `~/.cache/pflbed/<name>`).
+
+Each directory is also tried with the official archive's own top folder appended (`cifar-10-batches-py`,
+`CIFAR-10-C`, …), and `$PFLBED_DATA/<top folder>` is tried as well, so unpacking the archive into any of them is
+all it takes.
+
+Downloads happen only on request (`dataset.download=true`) and go through pooch: each file is streamed to a
+temporary name, checked against its pinned digest (SHA-256, or the MD5 the publisher lists where that is all it
+lists) and only then renamed into place. An archive is unpacked into a temporary folder beside its destination
+and moved into place only once complete; the archive is then deleted. Any failure — a checksum mismatch, a
+truncated archive, a network error — is one `DataError` naming the file, and leaves nothing behind that this
+call wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import urllib.parse
+import urllib.request
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pflbed.errors import DataError
+
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def cache_root() -> Path:
+    """`$PFLBED_CACHE`, else `~/.cache/pflbed`."""
+    return Path(os.environ.get("PFLBED_CACHE") or str(Path.home() / ".cache" / "pflbed")).expanduser()
+
+
+def cache_dir(name: str) -> Path:
+    """Where dataset `name` is downloaded to when no `path` is given."""
+    return cache_root() / name
+
+
+def candidates(name: str, path: str | os.PathLike[str] | None, tops: Sequence[str] = ()) -> list[Path]:
+    """Directories to try for dataset `name`, in look-up order (see the module docstring)."""
+
+    def with_tops(directory: Path) -> list[Path]:
+        return [directory, *(directory / t for t in tops)]
+
+    if path is not None:
+        return with_tops(Path(path).expanduser())
+    dirs: list[Path] = []
+    env = os.environ.get("PFLBED_DATA")
+    if env:
+        root = Path(env).expanduser()
+        dirs += [*with_tops(root / name), *(root / t for t in tops)]
+    return dirs + with_tops(cache_dir(name))
+
+
+def find(
+    name: str, path: str | os.PathLike[str] | None, tops: Sequence[str], holds: Callable[[Path], bool]
+) -> Path | None:
+    """The first candidate directory for which `holds(directory)` is true, or None; never downloads."""
+    for directory in candidates(name, path, tops):
+        if directory.is_dir() and holds(directory):
+            return directory
+    return None
+
+
+def not_found(name: str, title: str, path: str | os.PathLike[str] | None, how: str) -> DataError:
+    """The one-line error for a dataset that no candidate directory holds: where it looked, how to get it."""
+    if path is not None:
+        where = str(Path(path).expanduser())
+    else:
+        env = os.environ.get("PFLBED_DATA")
+        where = f"{Path(env).expanduser() / name}, {cache_dir(name)}" if env else f"{cache_dir(name)}; no PFLBED_DATA"
+    return DataError(f"dataset {name} ({title}) not found (looked in {where}); {how}")
+
+
+def has_any(*names: str) -> Callable[[Path], bool]:
+    """A `holds` test: the directory holds at least one of the files `names` (each also tried with `.gz`)."""
+    return lambda d: any((d / n).is_file() or (d / f"{n}.gz").is_file() for n in names)
+
+
+def file_in(directory: Path, stem: str, what: str, gz: bool = True) -> Path:
+    """`directory/stem`, raw if present (cheaper to read) else gzipped (when `gz`); a one-line error naming it if
+    neither is there."""
+    for name in (stem, f"{stem}.gz") if gz else (stem,):
+        if (directory / name).is_file():
+            return directory / name
+    missing = f"{directory / stem}: no such file{f' (nor {stem}.gz)' if gz else ''}"
+    raise DataError(f"{missing}: the {what} copy in {directory} is incomplete")
+
+
+def stamp(paths: Iterable[Path]) -> tuple[tuple[str, int, int], ...]:
+    """(path, mtime_ns, size) per file: part of a load cache's key, so a replaced file misses the cache."""
+    out = []
+    for p in sorted(paths):
+        try:
+            st = p.stat()
+        except OSError as exc:
+            raise DataError(f"{p}: cannot stat ({exc.strerror or one_line(exc)})") from None
+        out.append((str(p), st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+# --- downloads ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One file of an official distribution: its URL and pinned digest (`"sha256:<hex>"` or `"md5:<hex>"`)."""
+
+    url: str
+    known_hash: str
+    fname: str = ""  # the local file name; default: the URL's last path component
+
+    @property
+    def name(self) -> str:
+        return self.fname or urllib.parse.urlparse(self.url).path.rsplit("/", 1)[-1]
+
+    @property
+    def is_archive(self) -> bool:
+        return self.name.endswith(ARCHIVE_SUFFIXES)
+
+
+def _download(url: str, output_file: Any, pooch: Any, check_only: bool = False) -> Any:
+    """pooch downloader: `file://` URLs are copied (local mirrors, tests); anything else goes to pooch's HTTP one."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        source = Path(urllib.request.url2pathname(parsed.path))
+        if check_only:
+            return source.is_file()
+        try:
+            shutil.copyfile(source, output_file)
+        except OSError as exc:
+            raise DataError(f"{url}: download failed ({exc.strerror or one_line(exc)})") from None
+        return None
+    from pooch import HTTPDownloader
+
+    return HTTPDownloader(progressbar=False, timeout=60)(url, output_file, pooch, check_only=check_only)
+
+
+def _retrieve(remote: Remote, dest: Path) -> Path:
+    """`remote` into `dest` via pooch, verified; kept if already there with the right digest."""
+    import pooch
+    import requests
+
+    target = dest / remote.name
+    try:
+        got = pooch.retrieve(remote.url, known_hash=remote.known_hash, fname=remote.name, path=dest,
+                             downloader=_download, progressbar=False)  # fmt: skip
+    except ValueError as exc:  # pooch: the digest of the downloaded file differs from the pinned one
+        algorithm = remote.known_hash.split(":", 1)[0].upper()
+        found = re.search(r"expected (\w+), got (\w+)", str(exc))
+        detail = f"got {found[2]}, expected {found[1]}" if found else one_line(exc)
+        raise DataError(f"{target}: {algorithm} checksum mismatch ({detail}) for {remote.url}; discarded") from None
+    except (requests.RequestException, OSError) as exc:
+        raise DataError(f"{target}: download of {remote.url} failed ({one_line(exc)})") from None
+    return Path(got)
+
+
+def _unpack(archive: Path, dest: Path) -> list[Path]:
+    """Unpack `archive` into `dest` all or nothing: into a hidden temporary folder first, then moved into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{archive.name}.", suffix=".unpack", dir=dest))
+    try:
+        try:
+            if archive.name.endswith(".zip"):
+                with zipfile.ZipFile(archive) as zf:
+                    zf.extractall(tmp)
+            else:
+                with tarfile.open(archive) as tf:
+                    tf.extractall(tmp, filter="data")  # refuses absolute paths, `..` and links out of the tree
+        except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError) as exc:
+            raise DataError(f"{archive}: truncated or corrupt archive ({one_line(exc)}); nothing unpacked") from None
+        tops = sorted(tmp.iterdir())
+        clash = next((dest / t.name for t in tops if (dest / t.name).exists()), None)
+        if clash is not None:
+            raise DataError(f"{clash}: already exists (an incomplete copy?); move it away to unpack {archive.name}")
+        moved = []
+        for top in tops:
+            os.replace(top, dest / top.name)
+            moved.append(dest / top.name)
+        return moved
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fetch(remotes: Sequence[Remote], dest: str | os.PathLike[str]) -> Path:
+    """Fetch `remotes` into `dest` (each verified), unpack archives there, and return `dest`.
+
+    All or nothing: on any failure, every file and folder this call created is removed again (files that were
+    already there, verified, stay), so a later look-up never finds a half-written copy.
+    """
+    dest = Path(dest).expanduser()
+    created_dirs = [p for p in (dest, *dest.parents) if not p.exists()]
+    written: list[Path] = []
+    try:
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"{dest}: cannot create download directory ({exc.strerror or one_line(exc)})") from None
+        for remote in remotes:
+            existed = (dest / remote.name).exists()
+            got = _retrieve(remote, dest)
+            if not existed:
+                written.append(got)
+            if remote.is_archive:
+                written += _unpack(got, dest)
+                if not existed:  # a verified archive the user put there stays; one this call fetched goes
+                    got.unlink()
+    except BaseException:
+        for path in reversed(written):
+            _remove(path)
+        for directory in created_dirs:  # innermost first
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+    return dest
+
+
+def locate(
+    name: str, title: str, path: str | os.PathLike[str] | None, tops: Sequence[str], holds: Callable[[Path], bool],
+    how: str, download: bool = False, remotes: Sequence[Remote] = (),
+) -> Path:  # fmt: skip
+    """The directory holding dataset `name`; with `download`, fetched into `path` (or the cache) if none does.
+
+    `remotes` empty means there is no official archive: `download` then says how to get the data instead.
+    """
+    directory = find(name, path, tops, holds)
+    if directory is None and download:
+        if not remotes:
+            raise DataError(f"dataset {name} ({title}) not found and has no official archive to download; {how}")
+        fetch(remotes, Path(path).expanduser() if path is not None else cache_dir(name))
+        directory = find(name, path, tops, holds)
+    if directory is None:
+        raise not_found(name, title, path, how)
+    return directory
