@@ -86,13 +86,26 @@ class SyntheticConfig(_Strict):
 
 
 class DatasetConfig(_Strict):
-    name: Literal["fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder"] = "digits"
-    path: str | None = Field(None, description="directory with the dataset files (fmnist); overrides the look-up")
-    download: bool = Field(False, description="fmnist: download (SHA-256 verified) if no local copy is found")
+    name: Literal[
+        "fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder",
+        "cifar10", "cifar100", "cifar10c", "mnist", "emnist", "femnist", "tinyimagenet", "miniimagenet",
+        "officehome", "pacs", "domainnet",
+    ] = "digits"  # fmt: skip
+    path: str | None = Field(None, description="directory with the dataset files; overrides the look-up")
+    download: bool = Field(False, description="download the official archive (checksum-verified) if no local copy "
+                           "is found")  # fmt: skip
+    label: Literal["fine", "coarse"] | None = Field(None, description="cifar100: fine (100 classes, default) or "
+                                                    "coarse (20 superclasses)")  # fmt: skip
+    corruptions: list[str] | None = Field(None, description="cifar10c: the corruptions (domains); default all 19")
+    severity: int | None = Field(None, ge=1, le=5, description="cifar10c: corruption severity 1–5 (default 5)")
+    split: Literal["byclass", "bymerge", "balanced", "letters", "digits", "mnist"] | None = Field(
+        None, description="emnist: the split (default balanced)"
+    )
     domains: list[str] | None = Field(
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
-    image_size: int = Field(32, ge=1, le=4096, description="folder datasets: images are resized to this square size")
+    image_size: int = Field(32, ge=1, le=4096, description="folder, officehome, pacs, domainnet: images are resized "
+                            "to this square size")  # fmt: skip
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic: its shape and sizes")
 
 

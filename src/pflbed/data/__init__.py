@@ -15,13 +15,24 @@ from typing import Any
 import torch
 
 from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.data.catalog import DESCRIBE
+from pflbed.data.cifar import load_cifar10, load_cifar100
+from pflbed.data.cifar10c import load_cifar10c
 from pflbed.data.digits import load_digits_source
 from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
 from pflbed.data.domains import with_domains
+from pflbed.data.emnist import load_emnist
+from pflbed.data.femnist import load_femnist
+from pflbed.data.fmnist import HOW_TO_GET as FMNIST_HOW_TO_GET
 from pflbed.data.fmnist import download_fmnist, find_fmnist, fmnist_sizes, load_fmnist
 from pflbed.data.folders import describe_domain_folders, load_domain_folders
 from pflbed.data.idx import read_idx
+from pflbed.data.miniimagenet import load_miniimagenet
+from pflbed.data.mnist import load_mnist
+from pflbed.data.named_folders import BENCHMARKS as NAMED_FOLDERS
+from pflbed.data.named_folders import load_domainnet, load_officehome, load_pacs
 from pflbed.data.synthetic import make_synthetic
+from pflbed.data.tinyimagenet import load_tinyimagenet
 from pflbed.errors import DataError
 
 __all__ = [
@@ -44,7 +55,21 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
     "digits": load_digits_source,
     "synthetic": make_synthetic,
     "folder": load_domain_folders,
+    "cifar10": load_cifar10,
+    "cifar100": load_cifar100,
+    "cifar10c": load_cifar10c,
+    "mnist": load_mnist,
+    "emnist": load_emnist,
+    "femnist": load_femnist,
+    "tinyimagenet": load_tinyimagenet,
+    "miniimagenet": load_miniimagenet,
+    "officehome": load_officehome,
+    "pacs": load_pacs,
+    "domainnet": load_domainnet,
 }
+
+# `dataset` config fields passed to the loaders that take them (when set): dataset-specific options.
+LOADER_OPTIONS = ("label", "corruptions", "severity", "split")
 
 
 def _check_name(name: str) -> Callable[..., DataSource]:
@@ -76,11 +101,11 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, **option
 
 
 def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """One row per dataset for `pflbed data list`: name, location ("not found" if absent), sizes, domains.
+    """One row per dataset for `pflbed data list`: name, location (or "not found: <how to get it>"), sizes where a
+    header or a listing gives them, domains.
 
-    Never downloads and never decodes Fashion-MNIST pixels (sizes come from the IDX headers). A damaged copy
-    is still listed, with its `error`, so the user sees which directory to fix. The folder dataset is described
-    only when `path` is given.
+    Never downloads and never decodes pixels. A damaged copy is still listed, with its `error`, so the user sees
+    which directory to fix. The folder dataset is described only when `path` is given.
     """
     rows: list[dict[str, Any]] = []
     for name in [*DATASETS, *BUILTIN_DOMAINS]:
@@ -93,6 +118,10 @@ def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[s
                 if directory is not None:
                     row["location"] = str(directory)
                     row["train"], row["test"] = fmnist_sizes(directory)
+                else:
+                    row["location"] = f"not found: {FMNIST_HOW_TO_GET}"
+            elif base in DESCRIBE:
+                row.update(DESCRIBE[base](path))
             elif base == "folder":
                 row["location"] = "dataset.path (a <domain>/<class>/<image> tree)"
                 if path is not None:
@@ -127,8 +156,11 @@ def load_source(dataset: Any) -> DataSource:
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
         options["image_size"] = dataset.image_size
+    elif base in NAMED_FOLDERS:
+        options["image_size"] = dataset.image_size
     elif base == "synthetic":
         options.update(dataset.synthetic.model_dump())
+    options.update({k: getattr(dataset, k) for k in LOADER_OPTIONS if getattr(dataset, k, None) is not None})
     with torch.device("cpu"):
         source = load_dataset(base, path=dataset.path, **options)
         domains = tuple(dataset.domains or domains)

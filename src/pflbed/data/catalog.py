@@ -1,0 +1,95 @@
+"""`pflbed data list` rows for the file-backed datasets: where each was found, its sizes where a header or a
+listing gives them cheaply, or the one line that says how to get it. Never downloads, never decodes pixels."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pflbed.data import cifar, cifar10c, emnist, femnist, miniimagenet, mnist, named_folders, tinyimagenet
+from pflbed.data.tinyimagenet import scan as scan_tiny
+
+PathArg = str | os.PathLike[str] | None
+
+
+def _row(found: Path | None, how: str, **sizes: Any) -> dict[str, Any]:
+    if found is None:
+        return {"location": f"not found: {how}"}
+    return {"location": str(found), **sizes}
+
+
+def _cifar(name: str) -> Callable[[PathArg], dict[str, Any]]:
+    return lambda path: _row(cifar.find_cifar(name, path), cifar.how_to_get(name))
+
+
+def _cifar10c(path: PathArg) -> dict[str, Any]:
+    found = cifar10c.find_cifar10c(path)
+    if found is None:
+        return _row(None, cifar10c.HOW_TO_GET)
+    n = cifar10c.sizes(found)
+    present = [c for c in cifar10c.CORRUPTIONS if (found / f"{c}.npy").is_file()]
+    domains = f"{len(present)} of {len(cifar10c.CORRUPTIONS)} corruptions (one severity of 1–5 per run)"
+    return _row(found, "", train=n * len(present), test=0, domains=domains)
+
+
+def _mnist(path: PathArg) -> dict[str, Any]:
+    found = mnist.find_mnist(path)
+    if found is None:
+        return _row(None, mnist.HOW_TO_GET)
+    train, test = mnist.idx_sizes(found, mnist.FILES, mnist.TITLE)
+    return _row(found, "", train=train, test=test)
+
+
+def _emnist(path: PathArg) -> dict[str, Any]:
+    found = emnist.find_emnist(path)  # the default split, balanced
+    if found is None:
+        return _row(None, emnist.HOW_TO_GET)
+    train, test = emnist.sizes(found)
+    return _row(found, "", train=train, test=test, domains="split balanced (default)")
+
+
+def _femnist(path: PathArg) -> dict[str, Any]:
+    found = femnist.find_femnist(path)
+    if found is None:
+        return _row(None, femnist.HOW_TO_GET)
+    shards = femnist.shards(found) or {}
+    layout = "LEAF train/ + test/" if "train" in shards else "LEAF all_data/"
+    return _row(found, "", domains=f"{layout}, {sum(len(v) for v in shards.values())} shards")
+
+
+def _tiny(path: PathArg) -> dict[str, Any]:
+    found = tinyimagenet.find_tinyimagenet(path)
+    if found is None:
+        return _row(None, tinyimagenet.HOW_TO_GET)
+    _, train, val = scan_tiny(found)
+    return _row(found, "", train=len(train), test=len(val))
+
+
+def _mini(path: PathArg) -> dict[str, Any]:
+    return _row(miniimagenet.find_miniimagenet(path), miniimagenet.HOW_TO_GET)
+
+
+def _named(name: str) -> Callable[[PathArg], dict[str, Any]]:
+    def describe(path: PathArg) -> dict[str, Any]:
+        found = named_folders.find_named(name, path)
+        if found is None:
+            return _row(None, named_folders.how_to_get(name))
+        tree = named_folders.check_tree(name, found)
+        return _row(found, "", train=tree["total"], test=0, domains=", ".join(tree["domains"]))
+
+    return describe
+
+
+DESCRIBE: dict[str, Callable[[PathArg], dict[str, Any]]] = {
+    "cifar10": _cifar("cifar10"),
+    "cifar100": _cifar("cifar100"),
+    "cifar10c": _cifar10c,
+    "mnist": _mnist,
+    "emnist": _emnist,
+    "femnist": _femnist,
+    "tinyimagenet": _tiny,
+    "miniimagenet": _mini,
+    **{name: _named(name) for name in named_folders.BENCHMARKS},
+}
