@@ -24,6 +24,23 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PFLBED_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def _no_network_downloads(monkeypatch):
+    """Tests never download: a dataset fetch from anything but a `file://` mirror fails at once, so a config that
+    asks for `dataset.download=true` is exercised without the network (and without a 3 GB surprise)."""
+    from pflbed.data import store
+    from pflbed.errors import DataError
+
+    real = store._download
+
+    def local_only(url, *args, **kwargs):
+        if not url.startswith("file://"):
+            raise DataError(f"{url}: network downloads are off in tests")
+        return real(url, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_download", local_only)
+
+
 @pytest.fixture(scope="session")
 def pool():
     """Two worker processes at one thread each, shared by every test of the procs executor (starting them costs

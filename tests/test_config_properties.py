@@ -78,6 +78,10 @@ VALID: dict[str, st.SearchStrategy] = {
                                                                       "noise", "blur", "contrast", "invert", "x"]),
                                                      max_size=4)),  # fmt: skip
     "dataset.image_size": st.integers(min_value=0, max_value=64),
+    "dataset.label": st.one_of(st.none(), st.sampled_from(["fine", "coarse", "middle"])),
+    "dataset.corruptions": st.one_of(st.none(), st.lists(st.sampled_from(["fog", "snow", "smog"]), max_size=2)),
+    "dataset.severity": st.one_of(st.none(), st.integers(min_value=0, max_value=6)),
+    "dataset.split": st.one_of(st.none(), st.sampled_from(["balanced", "letters", "words"])),
     "dataset.synthetic.shape": st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3),
     "dataset.synthetic.num_classes": st.integers(min_value=0, max_value=12),
     "dataset.synthetic.n_train": st.integers(min_value=0, max_value=3000),
