@@ -144,10 +144,7 @@ def _download(url: str, output_file: Any, pooch: Any, check_only: bool = False) 
         source = Path(urllib.request.url2pathname(parsed.path))
         if check_only:
             return source.is_file()
-        try:
-            shutil.copyfile(source, output_file)
-        except OSError as exc:
-            raise DataError(f"{url}: download failed ({exc.strerror or one_line(exc)})") from None
+        shutil.copyfile(source, output_file)  # an OSError is reported by `_retrieve`, naming the file
         return None
     from pooch import HTTPDownloader
 
@@ -168,7 +165,7 @@ def _retrieve(remote: Remote, dest: Path) -> Path:
         found = re.search(r"expected (\w+), got (\w+)", str(exc))
         detail = f"got {found[2]}, expected {found[1]}" if found else one_line(exc)
         raise DataError(f"{target}: {algorithm} checksum mismatch ({detail}) for {remote.url}; discarded") from None
-    except (requests.RequestException, OSError) as exc:
+    except (requests.RequestException, OSError, DataError) as exc:
         raise DataError(f"{target}: download of {remote.url} failed ({one_line(exc)})") from None
     return Path(got)
 
