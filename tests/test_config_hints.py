@@ -24,7 +24,7 @@ HINTS = {
     "another algorithm's option": (["algorithm.mu=0.1"],
                                    "algorithm.mu: unknown key; fedavg has no options of its own; mu is an option of "
                                    "fedprox"),
-    "dataset": (["dataset.name=cifar10"], f"(got 'cifar10'); for your own images: {OWN_DATA}"),
+    "dataset": (["dataset.name=svhn"], f"(got 'svhn'); for your own images: {OWN_DATA}"),
     "dataset near miss": (["dataset.name=fmnst"], f"did you mean fmnist? For your own images: {OWN_DATA}"),
 }  # fmt: skip
 
