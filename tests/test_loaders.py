@@ -96,16 +96,20 @@ def test_malicious_pickle_is_refused_and_never_run(env: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_cifar_truncated_or_missing_batch_is_named(env: Path, damage: str) -> None:
+def test_cifar_truncated_or_missing_batch_is_named(env: Path, capsys, damage: str) -> None:
     d = fx.make_cifar10(env / "c10")
     victim = d / "data_batch_3"
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:5000])
     else:
         victim.unlink()
-    with pytest.raises(DataError, match="truncated or corrupt pickle" if damage == "truncate" else "no such file") as i:
+    expected = "truncated or corrupt pickle" if damage == "truncate" else "no such file"
+    with pytest.raises(DataError, match=expected) as i:
         load_dataset("cifar10", path=d)
     one_line_naming(i, victim)
+    assert main(["data", "show", "--set", "dataset.name=cifar10", "--set", f"dataset.path={d}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error: ") and str(victim) in err and expected in err and "\n" not in err
 
 
 def test_safepickle_reads_numpy_pickles_of_today(tmp_path: Path) -> None:
@@ -413,6 +417,7 @@ def test_data_list_finds_each_fixture_or_says_how_to_get_it(env: Path, monkeypat
     fx.make_cifar10c(data, per_severity=4, corruptions=("fog",))
     fx.make_mnist(data / "mnist")
     fx.make_emnist(data / "emnist", split="balanced")
+    fx.make_emnist(data / "emnist", split="letters", n_train=26, n_test=26)
     fx.make_femnist_all_data(data / "femnist")
     fx.make_tinyimagenet(data / "tinyimagenet", size=8)
     fx.make_miniimagenet(data / "miniimagenet", per_class=6, side=4)
@@ -423,7 +428,7 @@ def test_data_list_finds_each_fixture_or_says_how_to_get_it(env: Path, monkeypat
     assert rows["cifar10c"]["location"] == str(data / "CIFAR-10-C") and rows["cifar10c"]["train"] == 4
     assert rows["cifar10c"]["domains"].startswith("1 of 19 corruptions")
     assert (rows["mnist"]["train"], rows["mnist"]["test"]) == (40, 20)
-    assert (rows["emnist"]["train"], rows["emnist"]["test"]) == (60, 30)
+    assert (rows["emnist"]["train"], rows["emnist"]["test"]) == (60, 30) and "balanced" in rows["emnist"]["domains"]
     assert (rows["tinyimagenet"]["train"], rows["tinyimagenet"]["test"]) == (18, 9)
     assert rows["pacs"]["domains"] == "photo, sketch" and rows["pacs"]["train"] == 14
     for name in ("femnist", "miniimagenet"):

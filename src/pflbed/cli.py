@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--defaults", action="store_true", help="the default config (what `pflbed run` alone runs)")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
-    d.add_argument("--path", help="list: a dataset directory to describe (fmnist files or a folder dataset root)")
+    d.add_argument("--path", help="list: a dataset directory to describe (any file-backed dataset's files, or a "
+                   "folder dataset root)")
     d.add_argument("-c", "--config", help="show: YAML config whose dataset and federation to show")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--png", type=Path, help="show: also draw the partition heat-map into this PNG file")

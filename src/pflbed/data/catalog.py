@@ -43,11 +43,14 @@ def _mnist(path: PathArg) -> dict[str, Any]:
 
 
 def _emnist(path: PathArg) -> dict[str, Any]:
-    found = emnist.find_emnist(path)  # the default split, balanced
+    splits = list(emnist.SPLITS)
+    found = next((d for s in splits if (d := emnist.find_emnist(path, s)) is not None), None)
     if found is None:
         return _row(None, emnist.HOW_TO_GET)
-    train, test = emnist.sizes(found)
-    return _row(found, "", train=train, test=test, domains="split balanced (default)")
+    here = [s for s in splits if emnist._holds(s)(found)]
+    split = "balanced" if "balanced" in here else here[0]
+    train, test = emnist.sizes(found, split)
+    return _row(found, "", train=train, test=test, domains=f"sizes of split {split}; splits here: {', '.join(here)}")
 
 
 def _femnist(path: PathArg) -> dict[str, Any]:
