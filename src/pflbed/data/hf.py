@@ -247,6 +247,8 @@ def _pixels(ds: Any, column: str, image_size: int | None, what: str) -> tuple[np
         raise DataError(f"dataset.hf.image_column: the arrays of {what} differ in shape; store them as images and set "
                         "dataset.hf.image_size to resize them")  # fmt: skip
     colour = False
+    if x.ndim == 1:
+        raise DataError(f"dataset.hf.image_column: {column!r} of {what} holds one number per sample, not pixels")
     if x.ndim == 4:
         if x.shape[-1] in (1, 3):
             colour = x.shape[-1] == 3

@@ -224,8 +224,9 @@ def natural(users: np.ndarray, clients: int, min_samples: int, seed: int) -> lis
     ids, counts = np.unique(users, return_counts=True)
     kept = ids[counts >= min_samples]
     if clients > len(kept):
-        raise DataError(f"federation.clients: {clients} clients, but {len(kept)} of the {len(ids)} users have at "
-                        f"least federation.min_samples {min_samples} samples")  # fmt: skip
+        raise DataError(f"federation.clients: {clients} clients, but federation.partition natural finds {len(kept)} "
+                        f"users (of {len(ids)}) with at least federation.min_samples {min_samples} samples"
+                        )  # fmt: skip
     if clients < len(kept):
         kept = np.sort(np.random.default_rng([seed, 0x05E2]).choice(kept, clients, replace=False))
     order = np.argsort(users, kind="stable")  # positions grouped by user, ascending within each user
