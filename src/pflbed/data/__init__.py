@@ -20,6 +20,7 @@ from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
 from pflbed.data.domains import with_domains
 from pflbed.data.fmnist import download_fmnist, find_fmnist, fmnist_sizes, load_fmnist
 from pflbed.data.folders import describe_domain_folders, load_domain_folders
+from pflbed.data.hf import load_hf
 from pflbed.data.idx import read_idx
 from pflbed.data.synthetic import make_synthetic
 from pflbed.errors import DataError
@@ -44,6 +45,7 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
     "digits": load_digits_source,
     "synthetic": make_synthetic,
     "folder": load_domain_folders,
+    "hf": load_hf,
 }
 
 
@@ -93,6 +95,8 @@ def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[s
                 if directory is not None:
                     row["location"] = str(directory)
                     row["train"], row["test"] = fmnist_sizes(directory)
+            elif base == "hf":
+                row["location"] = "dataset.hf.id or dataset.path (a Hugging Face dataset, offline)"
             elif base == "folder":
                 row["location"] = "dataset.path (a <domain>/<class>/<image> tree)"
                 if path is not None:
@@ -112,6 +116,10 @@ def base_dataset(dataset: Any) -> str:
     (`fmnist-rot4` and `fmnist` with `domains` are Fashion-MNIST; sample i of a split is the same image in all of
     them): what a pretraining source's disjointness is checked on."""
     base = BUILTIN_DOMAINS.get(dataset.name, (dataset.name, ()))[0]
+    if base == "hf":
+        local = dataset.path or (dataset.hf.id if Path(dataset.hf.id).expanduser().is_dir() else None)
+        where = Path(local).expanduser().resolve() if local else dataset.hf.id
+        return f"hf:{where}:{dataset.hf.subset or ''}:{','.join(dataset.hf.splits)}"
     return f"folder:{Path(dataset.path).resolve()}" if base == "folder" and dataset.path else base
 
 
@@ -129,6 +137,8 @@ def load_source(dataset: Any) -> DataSource:
         options["image_size"] = dataset.image_size
     elif base == "synthetic":
         options.update(dataset.synthetic.model_dump())
+    elif base == "hf":
+        options.update(dataset.hf.model_dump())
     with torch.device("cpu"):
         source = load_dataset(base, path=dataset.path, **options)
         domains = tuple(dataset.domains or domains)

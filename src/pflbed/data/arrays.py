@@ -18,18 +18,22 @@ from pflbed.errors import DataError
 
 @dataclass(frozen=True)
 class ArrayDataset:
-    """Features `x` (float32 [N, C, H, W] or [N, D], normalized), labels `y` (int64 [N]), optional domains."""
+    """Features `x` (float32 [N, C, H, W] or [N, D], normalized), labels `y` (int64 [N]), optional domains and
+    optional per-sample user ids `user` (int64 [N]: the writer, speaker or account a sample comes from, which
+    `federation.partition: natural` turns into clients)."""
 
     x: torch.Tensor
     y: torch.Tensor
     domain: torch.Tensor | None = None
+    user: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
     def to(self, device: torch.device | str) -> ArrayDataset:
-        """`x` and `y` on `device` (what training and evaluation read); `domain` stays where it is, since only the
-        federation's partitioning (NumPy, on the CPU) reads it. No copy where they are already there."""
+        """`x` and `y` on `device` (what training and evaluation read); `domain` and `user` stay where they are,
+        since only the federation's partitioning (NumPy, on the CPU) reads them. No copy where they are already
+        there."""
         return replace(self, x=self.x.to(device), y=self.y.to(device))
 
 

@@ -35,6 +35,7 @@ from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
 from pflbed.federation import Federation, build_federation
 from pflbed.federation.federation import check_disjoint
+from pflbed.federation.manifest import check_fractions
 from pflbed.models import build_model
 from pflbed.models.pretrained import apply_weights, load_weights
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
@@ -66,6 +67,7 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     rng.deterministic_kernels(device, cfg.executor.deterministic)
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
+    check_fractions(fed, cfg)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
