@@ -104,7 +104,8 @@ class ModelConfig(_Strict):
     )
     init_from: str | None = Field(
         None, description="start from these weights instead of a random init: a `pflbed pretrain` output "
-        "(its directory or model.pt), a model saved by `pflbed personalize --out`, or a plain state dict (.pt)"
+        "(its directory or model.pt), a model saved by `pflbed personalize --out`, a plain state dict (.pt), or for "
+        "resnet18_imagenet a torchvision/timm ResNet-18 state dict (.pt/.pth; its classifier is replaced by the run's)"
     )
     init_blocks: list[str] = Field(
         default_factory=lambda: ["all"], min_length=1, description="what init_from loads: [all], [body], [head] "
