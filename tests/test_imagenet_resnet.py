@@ -210,3 +210,34 @@ def test_our_own_resnet18_imagenet_state_dict_still_loads(tmp_path):
     saved = build_model("resnet18_imagenet", (3, 16, 16), 10).state_dict()
     params = prepare(_cfg(tmp_path, saved)).ctx.initial_params
     assert all(torch.equal(params[k], v) for k, v in saved.items())
+
+
+def test_folder_images_with_imagenet_normalization(tmp_path):
+    from pflbed.data.folders import IMAGENET_MEAN, IMAGENET_STD, load_domain_folders
+
+    from .test_folders import CLASSES, COLOURS, make_tree
+
+    root = make_tree(tmp_path / "pacs")
+    plain = load_domain_folders(root, image_size=8)
+    source = load_domain_folders(root, image_size=8, normalize="imagenet")
+    assert source is not plain and source is load_domain_folders(root, image_size=8, normalize="imagenet")
+    mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
+    for c, name in enumerate(CLASSES):
+        expected = (torch.tensor(COLOURS[name], dtype=torch.float32) / 255 - mean) / std
+        png = source.train.x[c * 3 + 1]  # b.PNG: exact colours
+        torch.testing.assert_close(png.mean(dim=(1, 2)), expected, atol=1e-6, rtol=0)
+    raw = (source.train.x[:4] * std.view(3, 1, 1) + mean.view(3, 1, 1)) * 255  # what `pflbed personalize` reads
+    torch.testing.assert_close(source.inputs(raw.permute(0, 2, 3, 1).numpy()), source.train.x[:4], atol=1e-5,
+                               rtol=0)  # fmt: skip
+    assert source.pixel_norm == (IMAGENET_MEAN, IMAGENET_STD) and plain.pixel_norm == (0.5, 0.5)
+
+
+def test_dataset_normalize_is_for_folder_datasets():
+    from pflbed.data import load_source
+    from pflbed.errors import DataError
+
+    cfg = validate_config({"dataset": {"name": "digits", "normalize": "imagenet"}})
+    with pytest.raises(DataError, match="dataset.normalize: imagenet applies to folder datasets"):
+        load_source(cfg.dataset)
+    with pytest.raises(ConfigError, match="dataset.normalize"):
+        validate_config({"dataset": {"normalize": "cifar"}})

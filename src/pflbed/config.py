@@ -93,6 +93,10 @@ class DatasetConfig(_Strict):
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
     image_size: int = Field(32, ge=1, le=4096, description="folder datasets: images are resized to this square size")
+    normalize: Literal["symmetric", "imagenet"] = Field(
+        "symmetric", description="folder datasets: pixels to [-1, 1] (symmetric) or standardized with ImageNet's "
+        "channel mean/std (imagenet: for ImageNet-pretrained weights, with image_size 224)"
+    )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic: its shape and sizes")
 
 
