@@ -93,11 +93,25 @@ class DatasetConfig(_Strict):
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
     image_size: int = Field(32, ge=1, le=4096, description="folder datasets: images are resized to this square size")
+    augment: list[Literal["crop", "flip"]] = Field(
+        default_factory=list, description="training mini-batches of client data: crop (random crop with 4-pixel "
+        "padding), flip (random horizontal flip); none or [] for no augmentation (pflbed.data.augment)"
+    )
     normalize: Literal["symmetric", "imagenet"] = Field(
         "symmetric", description="folder datasets: pixels to [-1, 1] (symmetric) or standardized with ImageNet's "
         "channel mean/std (imagenet: for ImageNet-pretrained weights, with image_size 224)"
     )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic: its shape and sizes")
+
+
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment(cls, v: object) -> object:
+        if v is None or v == "none":
+            return []
+        if isinstance(v, list) and len(set(map(str, v))) != len(v):
+            raise ValueError("each of crop, flip at most once")
+        return v
 
 
 class ModelConfig(_Strict):
