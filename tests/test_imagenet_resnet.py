@@ -241,3 +241,11 @@ def test_dataset_normalize_is_for_folder_datasets():
         load_source(cfg.dataset)
     with pytest.raises(ConfigError, match="dataset.normalize"):
         validate_config({"dataset": {"normalize": "cifar"}})
+
+
+def test_inference_rows_are_bounded_on_the_cpu_only():
+    from pflbed.models.inference import inference_rows
+
+    m = build_model("resnet18_imagenet", (3, 224, 224), 10)
+    assert inference_rows(m, "forward", torch.empty(4, 3, 224, 224, device="meta"), 256) == 256  # a GPU's rows
+    assert inference_rows(m, "forward", torch.zeros(4, 3, 224, 224), 256) == 2  # 8 MiB / 64×112×112 floats
