@@ -86,6 +86,8 @@ VALID: dict[str, st.SearchStrategy] = {
     "dataset.hf.user_column": st.one_of(st.none(), st.sampled_from(["writer", ""])),
     "dataset.hf.image_size": st.one_of(st.none(), st.integers(min_value=0, max_value=64)),
     "dataset.hf.normalize": st.lists(st.floats(min_value=-1, max_value=2), max_size=3),
+    "dataset.normalize": st.sampled_from(["symmetric", "imagenet", "x"]),
+    "dataset.augment": st.one_of(st.just("none"), st.lists(st.sampled_from(["crop", "flip", "rot"]), max_size=2)),
     "dataset.synthetic.shape": st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3),
     "dataset.synthetic.num_classes": st.integers(min_value=0, max_value=12),
     "dataset.synthetic.n_train": st.integers(min_value=0, max_value=3000),

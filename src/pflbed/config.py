@@ -133,6 +133,14 @@ class DatasetConfig(_Strict):
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
     image_size: int = Field(32, ge=1, le=4096, description="folder datasets: images are resized to this square size")
+    augment: list[Literal["crop", "flip"]] = Field(
+        default_factory=list, description="training mini-batches of client data: crop (random crop with 4-pixel "
+        "padding), flip (random horizontal flip); none or [] for no augmentation (pflbed.data.augment)"
+    )
+    normalize: Literal["symmetric", "imagenet"] = Field(
+        "symmetric", description="folder datasets: pixels to [-1, 1] (symmetric) or standardized with ImageNet's "
+        "channel mean/std (imagenet: for ImageNet-pretrained weights, with image_size 224)"
+    )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic: its shape and sizes")
     hf: HfConfig = Field(default_factory=HfConfig, description="hf: which Hugging Face dataset, splits and columns")
 
@@ -147,6 +155,16 @@ class DatasetConfig(_Strict):
         return self
 
 
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment(cls, v: object) -> object:
+        if v is None or v == "none":
+            return []
+        if isinstance(v, list) and len(set(map(str, v))) != len(v):
+            raise ValueError("each of crop, flip at most once")
+        return v
+
+
 class ModelConfig(_Strict):
     name: str = Field("cnn", description="a model of the zoo (pflbed.models.MODELS)")
     channels_last: bool = Field(
@@ -155,7 +173,8 @@ class ModelConfig(_Strict):
     )
     init_from: str | None = Field(
         None, description="start from these weights instead of a random init: a `pflbed pretrain` output "
-        "(its directory or model.pt), a model saved by `pflbed personalize --out`, or a plain state dict (.pt)"
+        "(its directory or model.pt), a model saved by `pflbed personalize --out`, a plain state dict (.pt), or for "
+        "resnet18_imagenet a torchvision/timm ResNet-18 state dict (.pt/.pth; its classifier is replaced by the run's)"
     )
     init_blocks: list[str] = Field(
         default_factory=lambda: ["all"], min_length=1, description="what init_from loads: [all], [body], [head] "

@@ -225,7 +225,8 @@ class MaskedPhase:
                 p.requires_grad_(False)
             self.model.train()
             for b in index_batches(data.train, batch_size, 1, generator):
-                loss = F.cross_entropy(self.model(data.x[b]), data.y[b])
+                x, y = data.batch(b, generator)
+                loss = F.cross_entropy(self.model(x), y)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 self.opt.step()

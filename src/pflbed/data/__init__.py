@@ -135,6 +135,10 @@ def load_source(dataset: Any) -> DataSource:
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
         options["image_size"] = dataset.image_size
+        options["normalize"] = getattr(dataset, "normalize", "symmetric")
+    elif getattr(dataset, "normalize", "symmetric") != "symmetric":
+        raise DataError(f"dataset.normalize: {dataset.normalize} applies to folder datasets; {dataset.name} has its "
+                        "own normalization")  # fmt: skip
     elif base == "synthetic":
         options.update(dataset.synthetic.model_dump())
     elif base == "hf":

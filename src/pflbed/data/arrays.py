@@ -46,7 +46,8 @@ class DataSource:
     test: ArrayDataset
     num_classes: int
     origin: str  # where the data came from (a path, "scikit-learn", "generated"), shown by `pflbed data list`
-    pixel_norm: tuple[float, float] = (0.0, 1.0)  # (mean, std) that mapped [0, 1] pixels to `x`
+    # (mean, std) that mapped [0, 1] pixels to `x`: one number each, or one per channel (ImageNet normalization)
+    pixel_norm: tuple[float | tuple[float, ...], float | tuple[float, ...]] = (0.0, 1.0)
     domain_names: tuple[str, ...] = ()  # names of the values in `domain`, when the data has domains
     raw_scale: float = 1.0  # raw samples span [0, raw_scale] (digits 16, 8-bit images 255): x = (raw/scale − mean)/std
     raw_channels_last: bool = False  # raw images are [H, W, C] (decoded image files), `x` is [C, H, W]
@@ -74,7 +75,8 @@ class DataSource:
                             f"{list(self.raw_shape)}")  # fmt: skip
         if tuple(x.shape[1:]) != self.input_shape:
             x = x.permute(0, 3, 1, 2) if self.raw_channels_last else x.unsqueeze(1)
-        mean, std = self.pixel_norm
+        mean, std = (v if isinstance(v, float | int) else torch.tensor(v).view(-1, *[1] * (x.ndim - 2))
+                     for v in self.pixel_norm)  # fmt: skip
         return ((x / (scale or self.raw_scale) - mean) / std).contiguous()
 
     def to(self, device: torch.device | str) -> DataSource:

@@ -22,6 +22,7 @@ from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
 from pflbed.data import base_dataset, load_source
+from pflbed.data.augment import make_augment
 from pflbed.engine.auto import choose_executor
 from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
@@ -75,7 +76,8 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     if cfg.model.init_from:
         init_model(model, cfg, fed)
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
-    ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device)
+    augment = make_augment(cfg.dataset.augment, source.input_shape, source.pixel_norm)
+    ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
     return algo_cls(ctx)
 
 
