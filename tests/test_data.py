@@ -278,7 +278,7 @@ def regenerate_uncached(**kwargs: Any) -> DataSource:
 
 
 def test_registry_errors() -> None:
-    with pytest.raises(DataError, match="known datasets: .*digits, .*fmnist, folder, .*synthetic"):
+    with pytest.raises(DataError, match="known datasets: .*digits, .*fmnist, folder, hf, .*synthetic"):
         load_dataset("kmnist")
     with pytest.raises(DataError, match="unknown option"):
         load_dataset("synthetic", classes=3)

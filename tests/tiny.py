@@ -24,12 +24,15 @@ FED = {**TINY["federation"], "public": 64}
 LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 
 
-# Non-default options that change what crosses the executors (a client state holding a whole model): the parity
-# tests run these beside every algorithm's defaults. Case name → (algorithm, options).
+# Non-default options that change what crosses the executors (a client state holding a whole model) or what a
+# client draws from its generator: the parity tests run these beside every algorithm's defaults. Case name →
+# (algorithm, options) or (algorithm, options, config sections replaced).
 VARIANTS = {
     "fedrod+local-body": ("fedrod", {"pfl_body": "local"}),
     "fedrod_hyper+local-body": ("fedrod_hyper", {"pfl_body": "local"}),
     "pfedme+all-clients": ("pfedme", {"train_clients": "all"}),  # unsampled clients train too, and reply nothing
+    # crop offsets and flips drawn from each client's generator between its batches, wherever the client runs
+    "fedavg+augment": ("fedavg", {}, {"dataset": {**TINY["dataset"], "augment": ["crop", "flip"]}}),
 }
 PARITY_CASES = sorted(ALGORITHMS) + sorted(VARIANTS)
 
@@ -46,8 +49,9 @@ def same_tensors(a, b):
 def parity_config(name, executor, evaluation=None, **train):
     """TINY for algorithm `name` (or a case of VARIANTS) on `executor` (with FED's public data and LIGHT's options
     where they apply), with `evaluation` and `train` overrides: the config of the executor parity tests."""
-    name, options = VARIANTS.get(name, (name, {}))
+    name, options, *sections = VARIANTS.get(name, (name, {}))
     fields = ALGORITHMS[name].Config.model_fields
     algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}, **options}
     return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
-                            "eval": {**TINY["eval"], **(evaluation or {})}, "executor": executor})  # fmt: skip
+                            "eval": {**TINY["eval"], **(evaluation or {})}, "executor": executor,
+                            **(sections[0] if sections else {})})  # fmt: skip

@@ -97,12 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--defaults", action="store_true", help="the default config (what `pflbed run` alone runs)")
     d = sub.add_parser("data", help="datasets")
-    d.add_argument("action", choices=["list", "show"], help="list: datasets found; show: a config's partition")
+    d.add_argument("action", choices=["list", "show", "export"],
+                   help="list: datasets found; show: a config's partition; export OUT: write it as a partition "
+                   "manifest (run it with --set federation.manifest=OUT)")  # fmt: skip
+    d.add_argument("out", nargs="?", type=Path, metavar="OUT", help="export: the manifest file to write (JSON)")
     d.add_argument("--path", help="list: a dataset directory to describe (any file-backed dataset's files, or a "
                    "folder dataset root)")
-    d.add_argument("-c", "--config", help="show: YAML config whose dataset and federation to show")
+    d.add_argument("-c", "--config", help="show, export: YAML config whose dataset and federation to use")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--png", type=Path, help="show: also draw the partition heat-map into this PNG file")
+    d.add_argument("--force", action="store_true", help="export: replace an existing OUT")
     return p
 
 
@@ -364,6 +368,12 @@ def _cmd_config(args: argparse.Namespace) -> None:
 def _cmd_data(args: argparse.Namespace) -> None:
     from rich.table import Table
 
+    if (args.out is not None) != (args.action == "export"):
+        raise PflbedError("data export needs OUT, the manifest file to write" if args.action == "export"
+                          else f"data {args.action} takes no OUT (only data export does)")  # fmt: skip
+    if args.action == "export":
+        _data_export(args)
+        return
     if args.action == "show":
         from pflbed.config import load_config
         from pflbed.data import load_source
@@ -386,6 +396,25 @@ def _cmd_data(args: argparse.Namespace) -> None:
     for d in describe_datasets(args.path):
         t.add_row(d["name"], d["error"] or d["location"], str(d["train"] or ""), str(d["test"] or ""), d["domains"])
     make_console().print(t)
+
+
+def _data_export(args: argparse.Namespace) -> None:
+    from pflbed.config import load_config
+    from pflbed.data import load_source
+    from pflbed.federation import build_federation
+    from pflbed.federation.manifest import manifest, write_manifest
+
+    cfg = load_config(args.config, args.overrides)
+    if args.out.is_dir():
+        raise PflbedError(f"{args.out}: is a directory; give the manifest file to write")
+    if args.out.exists() and not args.force:
+        raise PflbedError(f"{args.out} exists; --force replaces it")
+    source = load_source(cfg.dataset)
+    fed = build_federation(source, cfg.federation, cfg.seed)
+    out = write_manifest(args.out, manifest(cfg, source, fed))
+    make_console().print(f"manifest: {out} ({len(fed.participated)} participated and {len(fed.new)} new clients of "
+                         f"{cfg.dataset.name}, fingerprint {source.fingerprint()}); run it with --set "
+                         f"federation.manifest={out}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,11 +85,51 @@ class SyntheticConfig(_Strict):
         return self
 
 
+class HfConfig(_Strict):
+    """`dataset.name: hf`: a Hugging Face dataset read with the `datasets` library (the `hf` extra), offline only:
+    from a `save_to_disk` directory (`dataset.path`, or `id` naming one) or the Hugging Face cache (`data.hf`)."""
+
+    id: str | None = Field(None, min_length=1, description="the dataset's Hub id (read from the Hugging Face cache) "
+                           "or a local directory (save_to_disk output, or data files)")  # fmt: skip
+    subset: str | None = Field(None, min_length=1, description="the dataset's configuration name, where it has several")
+    splits: list[str] = Field(
+        default_factory=lambda: ["train", "test"], min_length=1, max_length=2,
+        description="[train split, test split]: the split partitioned into clients and the global test split; one "
+        "name: no test split (federation.protocol pflbed)",
+    )
+    image_column: str = Field("image", min_length=1, description="images (PIL images or arrays of pixels)")
+    label_column: str = Field("label", min_length=1, description="labels (ClassLabel, integers or strings)")
+    user_column: str | None = Field(
+        None, min_length=1, description="per-sample user ids (integers or strings): federation.partition natural"
+    )
+    image_size: int | None = Field(
+        None, ge=1, le=4096, description="resize every image to this square size; unset: images must share one size"
+    )
+    normalize: list[float] = Field(
+        default_factory=lambda: [0.5, 0.5], min_length=2, max_length=2,
+        description="[mean, std]: x = (pixel / 255 − mean) / std (float arrays: pixel already in [0, 1])",
+    )
+
+    @field_validator("normalize")
+    @classmethod
+    def _std(cls, v: list[float]) -> list[float]:
+        if v[1] <= 0:
+            raise ValueError("the std (second value) must be > 0")
+        return v
+
+    @field_validator("splits")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or not all(v):
+            raise ValueError("two different, non-empty split names: [train, test] (or one: [train])")
+        return v
+
+
 class DatasetConfig(_Strict):
     name: Literal[
         "fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder",
         "cifar10", "cifar100", "cifar10c", "mnist", "emnist", "femnist", "tinyimagenet", "miniimagenet",
-        "officehome", "pacs", "domainnet",
+        "officehome", "pacs", "domainnet", "hf",
     ] = "digits"  # fmt: skip
     path: str | None = Field(None, description="directory with the dataset files; overrides the look-up")
     download: bool = Field(False, description="download the official archive (checksum-verified) if no local copy "
@@ -106,7 +146,37 @@ class DatasetConfig(_Strict):
     )
     image_size: int = Field(32, ge=1, le=4096, description="folder, officehome, pacs, domainnet: images are resized "
                             "to this square size")  # fmt: skip
+    augment: list[Literal["crop", "flip"]] = Field(
+        default_factory=list, description="training mini-batches of client data: crop (random crop with 4-pixel "
+        "padding), flip (random horizontal flip); none or [] for no augmentation (pflbed.data.augment)"
+    )
+    normalize: Literal["symmetric", "imagenet"] = Field(
+        "symmetric", description="folder datasets (folder, officehome, pacs, domainnet): pixels to [-1, 1] "
+        "(symmetric) or standardized with ImageNet's channel mean/std (imagenet: for ImageNet-pretrained weights, "
+        "with image_size 224)"
+    )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="synthetic: its shape and sizes")
+    hf: HfConfig = Field(default_factory=HfConfig, description="hf: which Hugging Face dataset, splits and columns")
+
+    @model_validator(mode="after")
+    def _check(self) -> DatasetConfig:
+        if self.name == "hf":
+            if self.hf.id is None and self.path is None:
+                raise ValueError("dataset.name hf needs dataset.hf.id (a Hub id in the Hugging Face cache, or a local "
+                                 "directory) or dataset.path (a save_to_disk directory)")  # fmt: skip
+            if importlib.util.find_spec("datasets") is None:
+                raise ValueError("dataset.name hf needs the hf extra: pip install 'pflbed[hf]'")
+        return self
+
+
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment(cls, v: object) -> object:
+        if v is None or v == "none":
+            return []
+        if isinstance(v, list) and len(set(map(str, v))) != len(v):
+            raise ValueError("each of crop, flip at most once")
+        return v
 
 
 class ModelConfig(_Strict):
@@ -117,7 +187,8 @@ class ModelConfig(_Strict):
     )
     init_from: str | None = Field(
         None, description="start from these weights instead of a random init: a `pflbed pretrain` output "
-        "(its directory or model.pt), a model saved by `pflbed personalize --out`, or a plain state dict (.pt)"
+        "(its directory or model.pt), a model saved by `pflbed personalize --out`, a plain state dict (.pt), or for "
+        "resnet18_imagenet a torchvision/timm ResNet-18 state dict (.pt/.pth; its classifier is replaced by the run's)"
     )
     init_blocks: list[str] = Field(
         default_factory=lambda: ["all"], min_length=1, description="what init_from loads: [all], [body], [head] "
@@ -164,10 +235,18 @@ class FederationConfig(_Strict):
     )
     pflbed: PflbedSplitConfig = Field(default_factory=PflbedSplitConfig)
     clients: int = Field(20, ge=1, le=INT_MAX)
-    partition: Literal["iid", "dirichlet", "classes"] = "dirichlet"
+    partition: Literal["iid", "dirichlet", "classes", "natural"] = Field(
+        "dirichlet", description="natural: each user of the data (dataset.hf.user_column, a dataset's writers, else "
+        "its domains) is one client; federation.clients of them are drawn (seeded)"
+    )
     alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (partition=dirichlet, and pflbed)")
     classes_per_client: int = Field(2, ge=1, le=INT_MAX, description="labels per client (partition=classes)")
     min_size: int = Field(10, ge=1, le=INT_MAX, description="minimum samples per client (partition=dirichlet)")
+    min_samples: int = Field(10, ge=1, le=INT_MAX, description="partition=natural: users with fewer samples dropped")
+    manifest: str | None = Field(
+        None, min_length=1, description="a partition manifest (`pflbed data export`): run on its clients instead of "
+        "partitioning; refused unless made from the same data"
+    )
     sample_fraction: float = Field(1.0, gt=0, le=1, description="fraction of participated clients per round")
     new_clients: int = Field(0, ge=0, le=INT_MAX, description="clients held out of training (evaluated as new clients)")
     public: int = Field(

@@ -70,18 +70,19 @@ class APFL(FedAvg):
         alpha = state[ALPHA].detach().clone()
         eta_a = o.alpha_lr or t.lr
 
-        def loss(params: Tensors, b: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(functional_call(model, params, (data.x[b],)), data.y[b])
+        def loss(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(functional_call(model, params, (x,)), y)
 
         steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
         for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator):
+            x, y = data.batch(b, cctx.generator)  # one (augmented) batch for w's and v̄'s gradients
             wp = {k: w[k].requires_grad_(True) if k in names else w[k] for k in w}
-            gw = torch.autograd.grad(loss(wp, b), [wp[k] for k in names])
+            gw = torch.autograd.grad(loss(wp, x, y), [wp[k] for k in names])
             vp = {k: v[k].requires_grad_(True) if k in names else v[k] for k in v}
             a = alpha.clone().requires_grad_(o.adaptive)
             mixed = mixture(vp, {k: w[k].detach() for k in names}, a, names)  # v's statistics: updated in place
             inputs = [vp[k] for k in names] + ([a] if o.adaptive else [])
-            grads = torch.autograd.grad(loss(mixed, b), inputs)
+            grads = torch.autograd.grad(loss(mixed, x, y), inputs)
             with torch.no_grad():
                 for k, g in zip(names, gw, strict=True):
                     w[k] = w[k].detach() - t.lr * g

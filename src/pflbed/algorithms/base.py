@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pflbed.config import Config
 from pflbed.data.arrays import DataSource
+from pflbed.data.augment import Augment
 from pflbed.federation import Federation
 from pflbed.models import BlockNet, build_model
 from pflbed.models.inference import inference_rows
@@ -71,6 +72,7 @@ class Context:
     model: BlockNet  # reusable template: load parameters in, train, read them out
     initial_params: Tensors = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    augment: Augment | None = None  # `dataset.augment`, applied by `ClientData.batch`
 
     @property
     def seed(self) -> int:
@@ -84,12 +86,16 @@ class Context:
 
     def client_data(self, cid: int) -> ClientData:
         split = self.federation.clients[cid]
-        return ClientData(cid, self.source.train.x, self.source.train.y, split.train, split.val, split.prior)
+        return ClientData(cid, self.source.train.x, self.source.train.y, split.train, split.val, split.prior,
+                          self.augment)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ClientData:
-    """A client's view of the training pool: the pool's tensors plus this client's indices into them."""
+    """A client's view of the training pool: the pool's tensors plus this client's indices into them.
+
+    Training loops take their mini-batches through `batch`, which applies the run's augmentation (`augment`,
+    `dataset.augment`); everything else (evaluation, validation, cached features) reads `x` directly."""
 
     cid: int
     x: torch.Tensor
@@ -97,10 +103,17 @@ class ClientData:
     train: torch.Tensor
     val: torch.Tensor
     prior: torch.Tensor
+    augment: Augment | None = None
 
     @property
     def num_train(self) -> int:
         return int(self.train.numel())
+
+    def batch(self, b: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training mini-batch of pool indices `b`: samples (augmented where the run augments, the random
+        choices drawn from `generator` — the one `b` was drawn from) and labels."""
+        x = self.x[b]
+        return (x if self.augment is None else self.augment(x, generator)), self.y[b]
 
 
 @dataclass(frozen=True)

@@ -357,12 +357,13 @@ class FedBasis(Algorithm):
         model, bs = self.ctx.model, batch_size or self.ctx.cfg.train.batch_size
         model.train()
         for b in index_batches(data.train, bs, epochs, generator):
+            x, y = data.batch(b, generator)
             a = alpha()
             with torch.no_grad():
                 before = combine(stacked, a.detach(), self.group_of, major, self.buffer_keys)
             running = {k: v.clone() for k, v in before.items()}
-            out = functional_call(model, {**params(), **running}, (data.x[b],))
-            loss = F.cross_entropy(out, data.y[b])
+            out = functional_call(model, {**params(), **running}, (x,))
+            loss = F.cross_entropy(out, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -249,7 +249,7 @@ def aligned_body_epochs(
         for _ in range(epochs):
             model.train()
             for b in index_batches(data.train, batch_size, 1, generator):
-                x, y = data.x[b], data.y[b]
+                x, y = data.batch(b, generator)
                 z = model.features(x)
                 loss = F.cross_entropy(model.classify(z), y)
                 if lam:

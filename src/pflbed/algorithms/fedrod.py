@@ -176,7 +176,7 @@ def decoupled_epochs(
     for _ in range(train.local_epochs):
         net.train()
         for b in index_batches(data.train, train.batch_size, 1, generator):
-            x, y = data.x[b], data.y[b]
+            x, y = data.batch(b, generator)
             z = net.features(x)
             g = net.classify(z)
             loss_g = balanced_softmax_loss(g, y, counts, gamma)  # Eq. 8: θ, ψ

@@ -218,20 +218,21 @@ class MaskedPhase:
         train = set(self.names)
         others = [p for k, p in params.items() if k not in train]
         before = [p.requires_grad for p in others]
-        anchors = {k: params[k].detach()[m].clone() for k, m in self.frozen.items()}  # the other side moved them
+        anchors = {k: params[k].detach().clone() for k in self.frozen}  # the other side moved them
         total, steps = torch.zeros((), device=data.x.device), 0
         try:
             for p in others:
                 p.requires_grad_(False)
             self.model.train()
             for b in index_batches(data.train, batch_size, 1, generator):
-                loss = F.cross_entropy(self.model(data.x[b]), data.y[b])
+                x, y = data.batch(b, generator)
+                loss = F.cross_entropy(self.model(x), y)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 self.opt.step()
-                with torch.no_grad():
+                with torch.no_grad():  # `where`, not `p[m] = …`: boolean indexing syncs with a GPU every step
                     for k, m in self.frozen.items():
-                        params[k][m] = anchors[k]
+                        params[k].copy_(torch.where(m, anchors[k], params[k]))
                 total += loss.detach()
                 steps += 1
         finally:

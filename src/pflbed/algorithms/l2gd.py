@@ -87,7 +87,8 @@ class L2GD(FedAvg):
         opt = torch.optim.SGD(model.parameters(), lr=t.lr)  # plain local steps, η = α/(n(1 − p))
         batches = index_batches(data.train, t.batch_size, l_, cctx.generator)  # enough for l steps
         for _, b in zip(range(l_), batches, strict=False):
-            loss = F.cross_entropy(model(data.x[b]), data.y[b])
+            x, y = data.batch(b, cctx.generator)
+            loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -59,30 +59,34 @@ class PerFedAvg(FedAvg):
         batches = index_batches(data.train, t.batch_size, 10**9, cctx.generator)  # drawn as needed
         for _ in range(steps):
             w = {k: p.detach().clone() for k, p in named.items()}
-            g = self._grad(data, next(batches))  # ∇f(w; D)
+            g = self._grad(data, next(batches), cctx.generator)  # ∇f(w; D)
             with torch.no_grad():
                 for k, p in named.items():
                     p.sub_(o.alpha * g[k])  # w̃
-            outer = self._grad(data, next(batches))  # ∇f(w̃; D')
+            outer = self._grad(data, next(batches), cctx.generator)  # ∇f(w̃; D')
             with torch.no_grad():
                 for k, p in named.items():
                     p.copy_(w[k])
             if o.variant == "hf":
-                hv = self._hvp(data, next(batches), outer)  # ∇²f(w; D'')·∇f(w̃; D')
+                hv = self._hvp(data, next(batches), outer, cctx.generator)  # ∇²f(w; D'')·∇f(w̃; D')
                 outer = {k: outer[k] - o.alpha * hv[k] for k in outer}
             with torch.no_grad():
                 for k, p in named.items():
                     p.sub_(t.lr * outer[k])
         return get_params(model), state
 
-    def _grad(self, data: ClientData, b: torch.Tensor) -> Tensors:
+    def _grad(self, data: ClientData, b: torch.Tensor, generator: torch.Generator | None = None) -> Tensors:
+        """∇f on the samples `b`: a training mini-batch (augmented, drawn from `generator`) or, without a
+        generator, as they are (the personal adaptation's full batch)."""
         named = dict(self.ctx.model.named_parameters())
-        loss = F.cross_entropy(self.ctx.model(data.x[b]), data.y[b])
+        x, y = data.batch(b, generator) if generator is not None else (data.x[b], data.y[b])
+        loss = F.cross_entropy(self.ctx.model(x), y)
         return dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
 
-    def _hvp(self, data: ClientData, b: torch.Tensor, v: Tensors) -> Tensors:
+    def _hvp(self, data: ClientData, b: torch.Tensor, v: Tensors, generator: torch.Generator) -> Tensors:
         named = dict(self.ctx.model.named_parameters())
-        loss = F.cross_entropy(self.ctx.model(data.x[b]), data.y[b])
+        x, y = data.batch(b, generator)
+        loss = F.cross_entropy(self.ctx.model(x), y)
         grads = torch.autograd.grad(loss, list(named.values()), create_graph=True)
         dot = sum((g * v[k]).sum() for g, k in zip(grads, named, strict=True))
         return dict(zip(named, torch.autograd.grad(dot, list(named.values())), strict=True))

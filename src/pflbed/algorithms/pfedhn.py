@@ -179,7 +179,8 @@ def sgd_steps(model: nn.Module, data: ClientData, steps: int, train: TrainConfig
     opt = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     model.train()
     for b in islice(index_batches(data.train, train.batch_size, epochs, generator), steps):
-        loss = F.cross_entropy(model(data.x[b]), data.y[b])
+        x, y = data.batch(b, generator)
+        loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -353,8 +354,9 @@ class PFedHN(Algorithm):
         for _ in range(epochs):
             model.train()
             for b in index_batches(data.train, budget.batch_size, 1, generator):
+                x, y = data.batch(b, generator)
                 theta = self.theta(phi, v[None])[0]
-                loss = F.cross_entropy(functional_call(model, {**theta, **buffers}, (data.x[b],)), data.y[b])
+                loss = F.cross_entropy(functional_call(model, {**theta, **buffers}, (x,)), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

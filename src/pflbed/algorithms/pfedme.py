@@ -84,8 +84,9 @@ class PFedMe(FedAvg):
         local = {k: payload[k].detach().clone() for k in named}  # w_i ← w^t
         steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
         for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator):
+            x, y = data.batch(b, cctx.generator)
             for _ in range(o.K):  # Eq. 7 on the batch
-                grads = torch.autograd.grad(F.cross_entropy(model(data.x[b]), data.y[b]), list(named.values()))
+                grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(named.values()))
                 with torch.no_grad():
                     for (k, p), g in zip(named.items(), grads, strict=True):
                         p.sub_(o.personal_lr * (g + o.lam * (p - local[k])))

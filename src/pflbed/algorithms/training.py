@@ -95,7 +95,8 @@ def sgd_epochs(
     loss_fn: LossFn = F.cross_entropy,
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[float]:
-    """Mini-batch SGD on the client's training indices, yielding the mean loss after each epoch.
+    """Mini-batch SGD on the client's training indices, yielding the mean loss after each epoch. Batches come
+    through `ClientData.batch` (the run's augmentation, drawn from `generator` after each batch's indices).
 
     `params` restricts what the optimizer updates; `forward` replaces `model(x)` (e.g. a head on cached
     features). One optimizer for all epochs, created per call: FedAvg clients start each round without
@@ -108,7 +109,8 @@ def sgd_epochs(
         model.train()  # every epoch: a consumer may have evaluated (eval mode) between two epochs
         total, steps = torch.zeros((), device=data.x.device), 0  # a device scalar: no sync per step on a GPU
         for b in index_batches(data.train, batch_size, 1, generator):
-            loss = loss_fn(fwd(data.x[b]), data.y[b])
+            x, y = data.batch(b, generator)
+            loss = loss_fn(fwd(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -26,6 +26,7 @@ from pflbed.data.femnist import load_femnist
 from pflbed.data.fmnist import HOW_TO_GET as FMNIST_HOW_TO_GET
 from pflbed.data.fmnist import download_fmnist, find_fmnist, fmnist_sizes, load_fmnist
 from pflbed.data.folders import describe_domain_folders, load_domain_folders
+from pflbed.data.hf import load_hf
 from pflbed.data.idx import read_idx
 from pflbed.data.miniimagenet import load_miniimagenet
 from pflbed.data.mnist import load_mnist
@@ -66,6 +67,7 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
     "officehome": load_officehome,
     "pacs": load_pacs,
     "domainnet": load_domainnet,
+    "hf": load_hf,
 }
 
 # `dataset` config fields passed to the loaders that take them (when set): dataset-specific options.
@@ -122,6 +124,8 @@ def describe_datasets(path: str | os.PathLike[str] | None = None) -> list[dict[s
                     row["location"] = f"not found: {FMNIST_HOW_TO_GET}"
             elif base in DESCRIBE:
                 row.update(DESCRIBE[base](path))
+            elif base == "hf":
+                row["location"] = "dataset.hf.id or dataset.path (a Hugging Face dataset, offline)"
             elif base == "folder":
                 row["location"] = "dataset.path (a <domain>/<class>/<image> tree)"
                 if path is not None:
@@ -141,6 +145,10 @@ def base_dataset(dataset: Any) -> str:
     (`fmnist-rot4` and `fmnist` with `domains` are Fashion-MNIST; sample i of a split is the same image in all of
     them): what a pretraining source's disjointness is checked on."""
     base = BUILTIN_DOMAINS.get(dataset.name, (dataset.name, ()))[0]
+    if base == "hf":
+        local = dataset.path or (dataset.hf.id if Path(dataset.hf.id).expanduser().is_dir() else None)
+        where = Path(local).expanduser().resolve() if local else dataset.hf.id
+        return f"hf:{where}:{dataset.hf.subset or ''}:{','.join(dataset.hf.splits)}"
     return f"folder:{Path(dataset.path).resolve()}" if base == "folder" and dataset.path else base
 
 
@@ -156,10 +164,17 @@ def load_source(dataset: Any) -> DataSource:
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
         options["image_size"] = dataset.image_size
+        options["normalize"] = getattr(dataset, "normalize", "symmetric")
     elif base in NAMED_FOLDERS:
         options["image_size"] = dataset.image_size
+        options["normalize"] = getattr(dataset, "normalize", "symmetric")
+    elif getattr(dataset, "normalize", "symmetric") != "symmetric":
+        raise DataError(f"dataset.normalize: {dataset.normalize} applies to folder datasets; {dataset.name} has its "
+                        "own normalization")  # fmt: skip
     elif base == "synthetic":
         options.update(dataset.synthetic.model_dump())
+    elif base == "hf":
+        options.update(dataset.hf.model_dump())
     options.update({k: getattr(dataset, k) for k in LOADER_OPTIONS if getattr(dataset, k, None) is not None})
     with torch.device("cpu"):
         source = load_dataset(base, path=dataset.path, **options)

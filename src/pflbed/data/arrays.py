@@ -19,12 +19,14 @@ from pflbed.errors import DataError
 @dataclass(frozen=True)
 class ArrayDataset:
     """Features `x` (float32 [N, C, H, W] or [N, D], normalized), labels `y` (int64 [N]), optional domains and
-    users (int64 [N]: indices into `DataSource.domain_names` / `DataSource.user_names`)."""
+    optional per-sample user ids `user` (int64 [N]: the writer, speaker or account a sample comes from, which
+    `federation.partition: natural` turns into clients; names, where the data has them, in
+    `DataSource.user_names`)."""
 
     x: torch.Tensor
     y: torch.Tensor
     domain: torch.Tensor | None = None
-    user: torch.Tensor | None = None  # the writer/owner of each sample, where the data has one (FEMNIST's writers)
+    user: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -45,7 +47,8 @@ class DataSource:
     test: ArrayDataset
     num_classes: int
     origin: str  # where the data came from (a path, "scikit-learn", "generated"), shown by `pflbed data list`
-    pixel_norm: tuple[float, float] = (0.0, 1.0)  # (mean, std) that mapped [0, 1] pixels to `x`
+    # (mean, std) that mapped [0, 1] pixels to `x`: one number each, or one per channel (ImageNet normalization)
+    pixel_norm: tuple[float | tuple[float, ...], float | tuple[float, ...]] = (0.0, 1.0)
     domain_names: tuple[str, ...] = ()  # names of the values in `domain`, when the data has domains
     raw_scale: float = 1.0  # raw samples span [0, raw_scale] (digits 16, 8-bit images 255): x = (raw/scale − mean)/std
     raw_channels_last: bool = False  # raw images are [H, W, C] (decoded image files), `x` is [C, H, W]
@@ -74,7 +77,8 @@ class DataSource:
                             f"{list(self.raw_shape)}")  # fmt: skip
         if tuple(x.shape[1:]) != self.input_shape:
             x = x.permute(0, 3, 1, 2) if self.raw_channels_last else x.unsqueeze(1)
-        mean, std = self.pixel_norm
+        mean, std = (v if isinstance(v, float | int) else torch.tensor(v).view(-1, *[1] * (x.ndim - 2))
+                     for v in self.pixel_norm)  # fmt: skip
         return ((x / (scale or self.raw_scale) - mean) / std).contiguous()
 
     def to(self, device: torch.device | str) -> DataSource:
@@ -92,6 +96,4 @@ class DataSource:
             h.update(split.y.cpu().numpy().tobytes())
             flat = split.x.reshape(len(split), math.prod(split.x.shape[1:]))
             h.update(flat[:, :: max(1, flat.shape[1] // 7)].cpu().contiguous().numpy().tobytes())
-            if split.user is not None:  # only where present: the fingerprints of user-less data stay as they were
-                h.update(split.user.cpu().numpy().tobytes())
         return h.hexdigest()[:16]

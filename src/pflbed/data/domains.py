@@ -81,14 +81,14 @@ def assign_domains(labels: torch.Tensor, num_domains: int, generator: torch.Gene
 
 def _apply(split: ArrayDataset, domains: tuple[str, ...], norm: tuple[float, float], gen: torch.Generator):
     if len(split) == 0:
-        return replace(split, domain=split.y.clone())
+        return ArrayDataset(split.x, split.y, split.y.clone(), split.user)
     domain = assign_domains(split.y, len(domains), gen)
     x = split.x.clone()
     for d, name in enumerate(domains):
         idx = (domain == d).nonzero().squeeze(1)
         if len(idx):
             x[idx] = TRANSFORMS[name](split.x[idx], norm, gen)
-    return replace(split, x=x, domain=domain)
+    return ArrayDataset(x, split.y, domain, split.user)
 
 
 def with_domains(source: DataSource, domains: tuple[str, ...] | list[str], name: str | None = None) -> DataSource:

@@ -30,11 +30,16 @@ from pflbed.errors import DataError
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
 _EXTS = ", ".join(sorted(IMAGE_EXTENSIONS))  # for error messages
 
-# Fixed per-channel normalization to [-1, 1] rather than statistics of the loaded pixels: a subset of the
-# domains, another copy of the dataset or a test fixture is then normalized exactly like the full dataset, and
-# a model trained on one load means the same thing on another.
+# Fixed per-channel normalization rather than statistics of the loaded pixels: a subset of the domains, another
+# copy of the dataset or a test fixture is then normalized exactly like the full dataset, and a model trained on
+# one load means the same thing on another. `symmetric` (the default) maps pixels to [-1, 1]; `imagenet` is the
+# ImageNet training set's channel mean and standard deviation, what ImageNet-pretrained weights (torchvision's,
+# timm's ResNet-18 for `resnet18_imagenet`) expect (`dataset.normalize`).
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+NORMALIZATIONS = {"symmetric": (MEAN, STD), "imagenet": (IMAGENET_MEAN, IMAGENET_STD)}
 
 # What Pillow raises on a file it cannot decode: UnidentifiedImageError (an OSError) for an unknown format,
 # OSError for truncated or broken data, SyntaxError/ValueError/EOFError from some format plugins, and
@@ -146,8 +151,8 @@ def _decode(path: str, size: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=4)
-def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: int) -> DataSource:
-    """Decode once per (tree, file identity, size); callers share the result and must not modify it."""
+def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: int, normalize: str) -> DataSource:
+    """Decode once per (tree, file identity, size, normalization); callers share the result and must not modify it."""
     del stamp  # only part of the cache key
     n, s = len(tree.files), image_size
     # Preallocated and filled in place: for DomainNet-sized pools a list of per-image tensors plus a final
@@ -155,8 +160,9 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
     x = torch.empty((n, 3, s, s), dtype=torch.float32)
     for i, (_, _, path) in enumerate(tree.files):
         x[i] = torch.from_numpy(_decode(path, s)).permute(2, 0, 1)
-    mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1)
+    means, stds = NORMALIZATIONS[normalize]
+    mean = torch.tensor(means, dtype=torch.float32).view(1, 3, 1, 1)
+    std = torch.tensor(stds, dtype=torch.float32).view(1, 3, 1, 1)
     x.div_(255.0).sub_(mean).div_(std)
     y = torch.tensor([c for _, c, _ in tree.files], dtype=torch.int64)
     domain = torch.tensor([d for d, _, _ in tree.files], dtype=torch.int64)
@@ -171,15 +177,16 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
         test=empty,
         num_classes=len(tree.classes),
         origin=tree.root,
-        pixel_norm=(0.5, 0.5),
+        pixel_norm=(0.5, 0.5) if normalize == "symmetric" else (means, stds),
         raw_scale=255.0,
         raw_channels_last=True,
         domain_names=tuple(tree.domains),
     )
 
 
-def load_domain_folders(path: str | os.PathLike[str], image_size: int = 32) -> DataSource:
-    """Load `root/<domain>/<class>/<image>` as one pool: x float32 [N, 3, S, S] in [-1, 1], y and domain int64.
+def load_domain_folders(path: str | os.PathLike[str], image_size: int = 32, normalize: str = "symmetric") -> DataSource:
+    """Load `root/<domain>/<class>/<image>` as one pool: x float32 [N, 3, S, S] (`normalize`: `symmetric` in
+    [-1, 1], `imagenet` standardized with ImageNet's channel mean and standard deviation), y and domain int64.
 
     Order is domain, class, file name (all sorted); domain `d` is the d-th sorted domain folder name and class
     `c` the c-th name of the sorted union of class folders. `test` is empty ([0, 3, S, S]): the protocol
@@ -187,8 +194,10 @@ def load_domain_folders(path: str | os.PathLike[str], image_size: int = 32) -> D
     """
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
         raise DataError(f"{_show(Path(path))}: image_size must be a positive integer, got {image_size!r}")
+    if normalize not in NORMALIZATIONS:
+        raise DataError(f"{_show(Path(path))}: normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
     tree = _scan(_root(path))
-    return _load_cached(tree, _stamp(tree), image_size)
+    return _load_cached(tree, _stamp(tree), image_size, normalize)
 
 
 def describe_domain_folders(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -79,11 +79,13 @@ def check_tree(name: str, directory: Path) -> dict:
 _NAMED: dict[tuple[str, int], tuple[DataSource, DataSource]] = {}
 
 
-def load_named(name: str, path: str | os.PathLike[str] | None, image_size: int, download: bool) -> DataSource:
+def load_named(
+    name: str, path: str | os.PathLike[str] | None, image_size: int, download: bool, normalize: str
+) -> DataSource:
     b = BENCHMARKS[name]
     directory = store.locate(name, b.title, path, b.tops, _holds(name), how_to_get(name), download)
     check_tree(name, directory)
-    pool = load_domain_folders(directory, image_size=image_size)
+    pool = load_domain_folders(directory, image_size=image_size, normalize=normalize)
     key = (name, id(pool))
     if key not in _NAMED:  # the same object for an unchanged tree, as the pool itself is
         while len(_NAMED) >= 4:  # the folder loader keeps 4 pools: keep no more alive here
@@ -92,16 +94,25 @@ def load_named(name: str, path: str | os.PathLike[str] | None, image_size: int, 
     return _NAMED[key][1]
 
 
-def load_officehome(path: str | os.PathLike[str] | None = None, image_size: int = 32, download: bool = False):
+def load_officehome(
+    path: str | os.PathLike[str] | None = None, image_size: int = 32, download: bool = False,
+    normalize: str = "symmetric",
+) -> DataSource:
     """Office-Home (Venkateswara et al. 2017): 4 domains, 65 classes; x float32 [N, 3, S, S], one pool."""
-    return load_named("officehome", path, image_size, download)
+    return load_named("officehome", path, image_size, download, normalize)
 
 
-def load_pacs(path: str | os.PathLike[str] | None = None, image_size: int = 32, download: bool = False):
+def load_pacs(
+    path: str | os.PathLike[str] | None = None, image_size: int = 32, download: bool = False,
+    normalize: str = "symmetric",
+) -> DataSource:
     """PACS (Li et al. 2017): 4 domains, 7 classes; x float32 [N, 3, S, S], one pool."""
-    return load_named("pacs", path, image_size, download)
+    return load_named("pacs", path, image_size, download, normalize)
 
 
-def load_domainnet(path: str | os.PathLike[str] | None = None, image_size: int = 32, download: bool = False):
+def load_domainnet(
+    path: str | os.PathLike[str] | None = None, image_size: int = 32, download: bool = False,
+    normalize: str = "symmetric",
+) -> DataSource:
     """DomainNet (Peng et al. 2019): 6 domains, 345 classes; x float32 [N, 3, S, S], one pool."""
-    return load_named("domainnet", path, image_size, download)
+    return load_named("domainnet", path, image_size, download, normalize)

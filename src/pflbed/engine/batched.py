@@ -5,12 +5,14 @@ another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (FedAv
 FedBABU) are stacked: one tensor per parameter with a leading client dimension, and every step runs all clients'
 forward, backward and SGD update as single `torch.func.vmap` calls over `functional_call`.
 
-Same rule as the loop, step for step: each client draws its mini-batch order from its own generator exactly as
-`run_plan` does, and the SGD update is torch.optim.SGD's (weight decay added to the gradient, momentum buffer
-started from the first gradient of each phase, then p ← p − lr·buf). Clients with fewer batches simply stop
-(no update, no weight decay) once theirs run out; a smaller last batch is padded and its padding weighted zero, so a
-client's loss is still the mean over its real samples. Results equal the loop's up to float rounding of the batched
-kernels (tolerance: README, "Speed").
+Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
+batch's crop offsets and flips right after its indices — from its own generator exactly as `run_plan` does; the
+augmentation is applied to every client's batch in one call, so each client sees the loop's augmented batches
+exactly; and the SGD update is torch.optim.SGD's (weight decay added to the gradient, momentum buffer started from
+the first gradient of each phase, then p ← p − lr·buf). Clients with fewer batches simply stop (no update, no
+weight decay) once theirs run out; a smaller last batch is padded and its padding weighted zero, so a client's loss
+is still the mean over its real samples. Results equal the loop's up to float rounding of the batched kernels
+(tolerance: README, "Speed").
 
 Eligible: models without BatchNorm or dropout (running statistics and random masks are per-client state the
 stacked call does not carry), and clients of the round whose plans have the same phases. Anything else runs
@@ -89,8 +91,8 @@ def _phase(
 ) -> None:
     trainable = [k for k in model.state_keys(ph.blocks) if k in params]
     fixed = [k for k in params if k not in set(trainable)]
-    rows, weights, active = _schedule(datas, train.batch_size, ph.epochs, gens)
-    pool_x, pool_y = datas[0].x, datas[0].y
+    rows, weights, active, draws = _schedule(datas, train.batch_size, ph.epochs, gens)
+    pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
     model.train()
 
     def loss(p: Tensors, q: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,9 @@ def _phase(
         sel = None if whole else torch.tensor(live, device=pool_x.device)
         r, w = (rows[s], weights[s]) if whole else (rows[s][sel], weights[s][sel])
         x, y = pool_x[r], pool_y[r]  # one gather for every client's batch
+        if augment is not None:  # every client's batch at once, with the choices each client's generator drew
+            d = draws[s] if whole else draws[s][sel]
+            x = augment.apply(x.flatten(0, 1), d.flatten(0, 1)).view(x.shape)
         p = {k: params[k] if whole else params[k][sel] for k in trainable}
         q = {k: params[k] if whole else params[k][sel] for k in fixed}
         g = grads_of(p, q, x, y, w)
@@ -125,29 +130,43 @@ def _phase(
 
 def _schedule(
     datas: list, batch_size: int, epochs: int, gens: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None]]:
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None]:
     """Every step's batch of every client, built once on the CPU and moved to the device in one copy.
 
     Returns `rows` [steps, clients, width] (indices into the shared pool; a batch shorter than `width` is padded
     with its first sample), `weights` of the same shape (1/len(batch) on real rows, 0 on padding and on steps after
-    a client's last: each client's loss is the mean over its real samples) and, per step, the clients that still
-    have a batch (None: all). Why up front: building the batches step by step costs a few small device operations
-    per client and step, which on a GPU took longer than the step itself. The batches are `index_batches`' on
-    the same generators — the loop's, sample for sample.
+    a client's last: each client's loss is the mean over its real samples), per step the clients that still
+    have a batch (None: all), and with augmentation each row's random choices `draws` [steps, clients, width, 3]
+    (`Augment.draw`'s, drawn right after the batch's indices, as `ClientData.batch` draws them; None without).
+    Why up front: building the batches step by step costs a few small device operations per client and step,
+    which on a GPU took longer than the step itself. The batches are `index_batches`' on the same generators — the
+    loop's, sample for sample.
     """
-    per_client = [list(index_batches(d.train.cpu(), batch_size, epochs, g)) for d, g in zip(datas, gens, strict=True)]
+    augment = datas[0].augment
+    per_client: list[list[torch.Tensor]] = []
+    drawn: list[list[torch.Tensor]] = []
+    for d, g in zip(datas, gens, strict=True):
+        per_client.append([])
+        drawn.append([])
+        for b in index_batches(d.train.cpu(), batch_size, epochs, g):  # lazily: a batch, then its choices
+            per_client[-1].append(b)
+            if augment is not None:
+                drawn[-1].append(augment.draw(len(b), g))
     steps = max(len(b) for b in per_client)
     width = max(len(x) for b in per_client for x in b)
     rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
+    draws = torch.zeros(steps, len(datas), width, 3, dtype=torch.long) if augment is not None else None
     weights = torch.zeros(steps, len(datas), width)
     for c, batches in enumerate(per_client):
         for s, b in enumerate(batches):
             rows[s, c, : len(b)] = b
             rows[s, c, len(b) :] = b[0]
             weights[s, c, : len(b)] = 1.0 / len(b)
+            if draws is not None:
+                draws[s, c, : len(b)] = drawn[c][s]
     active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
               for s in range(steps)]  # fmt: skip
     device = datas[0].x.device
-    if any(d.x is not datas[0].x or d.y is not datas[0].y for d in datas):
+    if any(d.x is not datas[0].x or d.y is not datas[0].y or d.augment is not augment for d in datas):
         raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
-    return rows.to(device), weights.to(device), active
+    return rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None

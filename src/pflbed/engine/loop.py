@@ -22,6 +22,7 @@ from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
 from pflbed.data import base_dataset, load_source
+from pflbed.data.augment import make_augment
 from pflbed.engine.auto import choose_executor
 from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
@@ -35,6 +36,7 @@ from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
 from pflbed.federation import Federation, build_federation
 from pflbed.federation.federation import check_disjoint
+from pflbed.federation.manifest import check_fractions
 from pflbed.models import build_model
 from pflbed.models.pretrained import apply_weights, load_weights
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
@@ -66,6 +68,7 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     rng.deterministic_kernels(device, cfg.executor.deterministic)
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
+    check_fractions(fed, cfg)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
@@ -73,7 +76,8 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     if cfg.model.init_from:
         init_model(model, cfg, fed)
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
-    ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device)
+    augment = make_augment(cfg.dataset.augment, source.input_shape, source.pixel_norm)
+    ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
     return algo_cls(ctx)
 
 

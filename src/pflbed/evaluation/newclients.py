@@ -18,7 +18,6 @@ Zero-shot is the method's `zero_shot` model with no adaptation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -28,14 +27,14 @@ import torch
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Tensors
 from pflbed.evaluation.evaluate import Predictions, client_score
+from pflbed.federation.federation import draw_subset, new_client_train
 
 SIZE_NAMES = ("S", "M", "L")
 
 
 def subset(data: ClientData, fraction: float, generator: torch.Generator) -> ClientData:
     """The first ⌈fraction·n⌉ of a fixed random order of the client's training indices (S ⊂ M ⊂ L)."""
-    order = data.train[torch.randperm(data.num_train, generator=generator, device=generator.device)]
-    return replace(data, train=order[: max(1, math.ceil(fraction * data.num_train))])
+    return replace(data, train=draw_subset(data.train, fraction, generator))
 
 
 def run_one(algo: Algorithm, server: Tensors, cid: int, data: ClientData, budget: Budget, gen: torch.Generator,
@@ -107,7 +106,7 @@ def evaluate_new_clients(algo: Algorithm, server: Tensors, tick: Callable[[], No
                 budget = Budget(method, nc.epochs, lr, t.batch_size, t.momentum)
                 rows = []
                 for c in fed.new:
-                    data = subset(ctx.client_data(c), fraction, rng.generator(cfg.seed, rng.NEWCLIENT, 0, c))
+                    data = replace(ctx.client_data(c), train=new_client_train(fed, c, fi, fraction, cfg.seed))
                     gen = rng.generator(cfg.seed, rng.NEWCLIENT, 1 + mi, fi, li, c)
                     rows.append(run_one(algo, server, c, data, budget, gen, P))
                     if tick is not None:

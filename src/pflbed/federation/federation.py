@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pflbed import rng as streams
 from pflbed.config import FederationConfig
 from pflbed.data.arrays import DataSource
 from pflbed.errors import DataError
@@ -63,6 +65,10 @@ class Federation:
     domain_test: list[torch.Tensor] = field(default_factory=list)
     # Public data (KT-pFL, FedMD, FedDF): training-pool indices no client holds; algorithms use them unlabelled.
     public: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64, device="cpu"))
+    # New clients' S/M/L training subsets fixed by a manifest (client id → one index tensor per size, for the
+    # `new_fractions` they were made for); empty: drawn from the run's seed (`new_client_train`).
+    new_subsets: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    new_fractions: list[float] = field(default_factory=list)
 
     def num_train(self, cid: int) -> int:
         return int(self.clients[cid].train.numel())
@@ -88,7 +94,23 @@ class Federation:
                            prior=c.prior.to(device)) for c in self.clients]  # fmt: skip
         return replace(self, clients=clients, global_test=self.global_test.to(device), public=self.public.to(device),
                        domain_val=[t.to(device) for t in self.domain_val],
-                       domain_test=[t.to(device) for t in self.domain_test])  # fmt: skip
+                       domain_test=[t.to(device) for t in self.domain_test],
+                       new_subsets={c: [t.to(device) for t in v] for c, v in self.new_subsets.items()})  # fmt: skip
+
+
+def draw_subset(train: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """The first ⌈fraction·n⌉ (at least one) of a fixed random order of the indices `train` (S ⊂ M ⊂ L)."""
+    order = train[torch.randperm(int(train.numel()), generator=generator, device=generator.device)]
+    return order[: max(1, math.ceil(fraction * int(train.numel())))]
+
+
+def new_client_train(fed: Federation, cid: int, size: int, fraction: float, seed: int) -> torch.Tensor:
+    """New client `cid`'s training indices for size number `size` (S, M, L) at `fraction`: the federation's own
+    subset where a manifest fixed one, else `draw_subset` from the client's stream of the run's seed."""
+    fixed = fed.new_subsets.get(cid)
+    if fixed is not None:
+        return fixed[size]
+    return draw_subset(fed.clients[cid].train, fraction, streams.generator(seed, streams.NEWCLIENT, 0, cid))
 
 
 def check_disjoint(fed: Federation, dataset: str, source: dict, what: str) -> None:
@@ -112,6 +134,9 @@ def cache_dir() -> Path:
 
 def federation_key(source: DataSource, cfg: FederationConfig, seed: int) -> str:
     spec = {k: v for k, v in cfg.model_dump(mode="json").items() if k in _PARTITION_KEYS}
+    if cfg.partition == "natural" and cfg.protocol == "standard":  # the users decide the clients
+        users, kind = natural_users(source)
+        spec.update(min_samples=cfg.min_samples, users=[kind, hashlib.sha256(users.tobytes()).hexdigest()[:16]])
     blob = json.dumps({"data": source.fingerprint(), "fed": spec, "seed": seed, "v": _FORMAT}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -120,6 +145,11 @@ _MEMORY: dict[str, Federation] = {}
 
 
 def build_federation(source: DataSource, cfg: FederationConfig, seed: int, use_disk_cache: bool = True) -> Federation:
+    """The federation `cfg` makes of `source` with `seed`, or the one its manifest (`federation.manifest`) holds."""
+    if cfg.manifest is not None:
+        from pflbed.federation.manifest import read_manifest
+
+        return read_manifest(cfg.manifest, source)
     key = federation_key(source, cfg, seed)
     if key in _MEMORY:
         return _MEMORY[key]
@@ -151,7 +181,9 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
     if cfg.clients > len(pool):
         raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(pool)} samples")
     pool_labels = labels[pool]
-    if cfg.partition == "iid":
+    if cfg.partition == "natural":
+        parts = natural(natural_users(source)[0][pool], cfg.clients, cfg.min_samples, seed)
+    elif cfg.partition == "iid":
         parts = partition.iid(pool_labels, cfg.clients, rng)
     elif cfg.partition == "dirichlet":
         parts = partition.dirichlet(pool_labels, cfg.clients, cfg.alpha, cfg.min_size, rng)
@@ -172,6 +204,35 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
     participated = [c for c in range(cfg.clients) if c not in set(new)]
     return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng), source.num_classes, key,
                       public=torch.from_numpy(public.astype(np.int64)))  # fmt: skip
+
+
+def natural_users(source: DataSource) -> tuple[np.ndarray, str]:
+    """Each training sample's user for `partition: natural`, and what they are: the data's own per-sample users
+    (a Hugging Face `user_column`, a dataset's writers), else its domains (one client per domain)."""
+    if source.train.user is not None:
+        return source.train.user.cpu().numpy().astype(np.int64), "user"
+    if source.train.domain is not None:
+        return source.train.domain.cpu().numpy().astype(np.int64), "domain"
+    raise DataError(f"federation.partition: natural needs per-sample users, and {source.name!r} has none: set "
+                    "dataset.hf.user_column, or use a dataset with writers or domains")  # fmt: skip
+
+
+def natural(users: np.ndarray, clients: int, min_samples: int, seed: int) -> list[np.ndarray]:
+    """One client per user (positions into `users`, ascending): users with fewer than `min_samples` samples are
+    dropped; of the rest, `clients` users are drawn from the seed's own stream (all when there are that many), and
+    client ids follow the users' order (the smallest user id is client 0)."""
+    ids, counts = np.unique(users, return_counts=True)
+    kept = ids[counts >= min_samples]
+    if clients > len(kept):
+        raise DataError(f"federation.clients: {clients} clients, but federation.partition natural finds {len(kept)} "
+                        f"users (of {len(ids)}) with at least federation.min_samples {min_samples} samples"
+                        )  # fmt: skip
+    if clients < len(kept):
+        kept = np.sort(np.random.default_rng([seed, 0x05E2]).choice(kept, clients, replace=False))
+    order = np.argsort(users, kind="stable")  # positions grouped by user, ascending within each user
+    ordered = users[order]
+    starts, ends = np.searchsorted(ordered, kept, "left"), np.searchsorted(ordered, kept, "right")
+    return [order[a:b] for a, b in zip(starts, ends, strict=True)]
 
 
 def _client(tr: np.ndarray, va: np.ndarray, te: np.ndarray, labels: np.ndarray, k: int, domain: int = 0) -> ClientSplit:

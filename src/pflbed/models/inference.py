@@ -5,6 +5,10 @@ rows than at 256 (its first conv map is 100 KB a sample: past ~128 rows the maps
 (19 KB a sample) and the MLP are fastest at 256–512. One batch size cannot serve both, so each model's rows per
 forward are bounded by `ACTIVATION_BYTES` of its widest activation. Rows per forward never change a prediction's
 definition, only how many samples share a call.
+
+The bound is a CPU cache effect, so it applies to inputs on the CPU only; on a GPU every call takes
+`eval.batch_size` rows (a 224-px ImageNet ResNet-18's first map, 3.2 MB a sample, would otherwise be evaluated two
+samples a call).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ def inference_rows(model: nn.Module, method: str, x: torch.Tensor, batch_size: i
     The widest output is measured once per (model object, method, row shape) by a one-row forward with hooks on
     the leaf modules, and kept on the model (the run reuses its model objects).
     """
-    if len(x) == 0:
+    if len(x) == 0 or x.device.type != "cpu":
         return batch_size
     cache: dict = model.__dict__.setdefault("_inference_rows", {})
     key = (method, tuple(x.shape[1:]), x.dtype, batch_size)

@@ -11,7 +11,12 @@ carries the sample indices it was trained on, so a run can check they are disjoi
 Accepted files:
 - a `pflbed pretrain` output directory or its `model.pt`, and a model saved by `pflbed personalize --out`: a dict
   with `state_dict`, `architecture`, `input_shape`, `num_classes` (and `source` for pretrain outputs);
-- a plain state dict (`torch.save(model.state_dict(), path)`), keys as in the zoo model.
+- a plain state dict (`torch.save(model.state_dict(), path)`), keys as in the zoo model;
+- for `resnet18_imagenet`: a torchvision or timm ResNet-18 state dict (their ImageNet weights, `.pt` / `.pth`, also
+  under a `state_dict` entry or with DataParallel's `module.` prefix). Its keys are mapped to the zoo's
+  (`torchvision_resnet18_key`: conv1/bn1 → the stem, layerI.J.* → the same residual block, downsample → shortcut);
+  its 1000-class `fc` is dropped, so the classifier stays the run's own, freshly initialized for its classes. BN
+  counters (`num_batches_tracked`) that old checkpoints lack keep the model's value.
 """
 
 from __future__ import annotations
@@ -61,6 +66,89 @@ def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
     raise ConfigError(f"{what}: {f} holds neither a state dict nor a pflbed model file")
 
 
+IMAGENET_RESNET18 = "resnet18_imagenet"
+_TV_STEM = {"stem.0.": "conv1.", "stem.1.": "bn1."}
+_TV_MARKERS = ("conv1.weight", "bn1.weight", "layer1.0.conv1.weight")
+
+
+def torchvision_resnet18_key(key: str) -> str:
+    """The torchvision / timm ResNet-18 state-dict key of the `resnet18_imagenet` key `key`.
+
+    `blocks.stem.0.*` (the 7×7 conv) ↔ `conv1.*`, `blocks.stem.1.*` (its BN) ↔ `bn1.*`, `blocks.layerI.J.*` ↔
+    `layerI.J.*` with the projection `shortcut` ↔ `downsample`, `blocks.classifier.*` ↔ `fc.*`.
+    """
+    k = key.removeprefix("blocks.")
+    for ours, theirs in _TV_STEM.items():
+        if k.startswith(ours):
+            return theirs + k[len(ours) :]
+    if k.startswith("classifier."):
+        return "fc." + k[len("classifier.") :]
+    return k.replace(".shortcut.", ".downsample.")
+
+
+def is_torchvision_resnet(state: dict[str, torch.Tensor]) -> bool:
+    """Whether `state` has the key layout of a torchvision / timm ResNet (any depth)."""
+    return all(k in state for k in _TV_MARKERS)
+
+
+def _strip_module_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DataParallel / DistributedDataParallel checkpoints prefix every key with `module.`."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k[len("module.") :]: v for k, v in state.items()}
+    return state
+
+
+def from_torchvision_resnet18(model: BlockNet, weights: Weights) -> Weights:
+    """`weights` (a torchvision / timm ResNet-18 state dict) with the zoo's keys, without the classifier.
+
+    Strict: every mapped key but the classifier's must be there with the model's shape (a missing BN counter keeps
+    the model's), and no other key may be (a deeper ResNet's blocks, a ResNet-D stem); errors name the file's key.
+    """
+    state, own = weights.state, model.state_dict()
+    head = set(model.state_keys(model.head_blocks()))
+    mapped = {torchvision_resnet18_key(k): k for k in own if k not in head}
+    extra = [k for k in state if k not in mapped and not k.startswith("fc.")]
+    if extra:
+        raise ConfigError(f"model.init_from: {weights.path} is a torchvision/timm ResNet state dict but not "
+                          f"ResNet-18's: unexpected key {extra[0]!r} ({len(extra)} in all)")  # fmt: skip
+    out: dict[str, torch.Tensor] = {}
+    for theirs, ours in mapped.items():
+        if theirs not in state:
+            if theirs.endswith("num_batches_tracked"):
+                out[ours] = own[ours].detach().clone()
+                continue
+            raise ConfigError(f"model.init_from: {weights.path} has no {theirs!r} (a torchvision/timm ResNet-18 "
+                              f"key, loaded into {ours!r})")  # fmt: skip
+        if tuple(state[theirs].shape) != tuple(own[ours].shape):
+            raise ConfigError(f"model.init_from: {theirs!r} has shape {list(state[theirs].shape)} in {weights.path}, "
+                              f"the model's {ours!r} is {list(own[ours].shape)}")  # fmt: skip
+        out[ours] = state[theirs]
+    return Weights(out, weights.path, IMAGENET_RESNET18, weights.source)
+
+
+def _imagenet_start(model: BlockNet, weights: Weights, architecture: str) -> tuple[Weights, bool]:
+    """(weights with the zoo's keys, whether they came from a torchvision / timm ResNet-18). Plain state dicts for
+    `resnet18_imagenet`: the zoo's own keys as they are, torchvision / timm ones mapped, anything else refused in
+    one line. Other models: a torchvision / timm ResNet is refused by name."""
+    if weights.architecture is not None:
+        return weights, False
+    state = _strip_module_prefix(weights.state)
+    weights = Weights(state, weights.path, None, weights.source) if state is not weights.state else weights
+    tv = is_torchvision_resnet(state)
+    if architecture != IMAGENET_RESNET18:
+        if tv:
+            raise ConfigError(f"model.init_from: {weights.path} holds a torchvision/timm ResNet state dict, which "
+                              f"loads into model.name {IMAGENET_RESNET18}; the run's is {architecture}")  # fmt: skip
+        return weights, False
+    if tv:
+        return from_torchvision_resnet18(model, weights), True
+    if not any(k in state for k in model.state_dict()):
+        raise ConfigError(f"model.init_from: {weights.path} holds neither a {IMAGENET_RESNET18} state dict (keys "
+                          "'blocks.stem.0.weight', …) nor a torchvision/timm ResNet-18 one (keys 'conv1.weight', "
+                          "'bn1.weight', 'layer1.0.conv1.weight', …)")  # fmt: skip
+    return weights, False
+
+
 def block_selection(model: BlockNet, blocks: list[str], what: str = "model.init_blocks") -> list[str]:
     """The blocks named by `blocks`: [all], [body], [head], or block names of `model`."""
     if blocks == ["all"]:
@@ -82,7 +170,14 @@ def apply_weights(model: BlockNet, weights: Weights, blocks: list[str], architec
     if weights.architecture is not None and weights.architecture != architecture:
         raise ConfigError(f"model.init_from: {weights.path} holds a {weights.architecture} model, the run's "
                           f"model.name is {architecture}")  # fmt: skip
+    weights, imagenet = _imagenet_start(model, weights, architecture)
     keys = model.state_keys(block_selection(model, blocks))
+    if imagenet:  # the file's 1000-class classifier is dropped: the run keeps its own
+        head = set(model.state_keys(model.head_blocks()))
+        keys = [k for k in keys if k not in head]
+        if not keys:
+            raise ConfigError(f"model.init_blocks: {blocks} selects only the classifier, which a torchvision/timm "
+                              "ResNet-18 state dict does not provide (its fc is replaced by the run's)")  # fmt: skip
     own = model.state_dict()
     missing = [k for k in keys if k not in weights.state]
     if missing:

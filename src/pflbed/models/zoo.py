@@ -3,12 +3,12 @@
 Fully connected sizes are computed by a dummy forward so every model works on 28×28 (Fashion-MNIST) and 8×8
 (digits) inputs alike.
 
-BatchNorm models (`cnn_bn`, `resnet18`) use `SafeBatchNorm1d`/`SafeBatchNorm2d`, subclasses of torch's layers
-(so selection by type, `BlockNet.module_state_keys((nn.BatchNorm1d, nn.BatchNorm2d))`, finds them). Deviation
-from plain BatchNorm: in training mode, a batch holding a single value per channel (a last mini-batch of one
-sample reaching a fully connected BN or a 1×1 feature map) cannot be normalized by its own statistics — torch
-raises an error — so such a batch is normalized with the running statistics, which it leaves unchanged. Every
-other batch is handled exactly as by torch's BatchNorm.
+BatchNorm models (`cnn_bn`, `resnet18`, `resnet18_imagenet`, …) use `SafeBatchNorm1d`/`SafeBatchNorm2d`,
+subclasses of torch's layers (so selection by type, `BlockNet.module_state_keys((nn.BatchNorm1d, nn.BatchNorm2d))`,
+finds them). Deviation from plain BatchNorm: in training mode, a batch holding a single value per channel (a last
+mini-batch of one sample reaching a fully connected BN or a 1×1 feature map) cannot be normalized by its own
+statistics — torch raises an error — so such a batch is normalized with the running statistics, which it leaves
+unchanged. Every other batch is handled exactly as by torch's BatchNorm.
 """
 
 from __future__ import annotations
@@ -227,6 +227,39 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int, width: float = 1.0)
     return BlockNet(blocks)
 
 
+
+def resnet18_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """ResNet-18, ImageNet variant (He et al., CVPR 2016, Table 1): the network of torchvision's and timm's
+    ImageNet-pretrained ResNet-18 weights, which `model.init_from` loads (`models.pretrained`).
+
+    stem conv7×7(64, stride 2, padding 3) → BN → ReLU → max-pool 3×3 (stride 2, padding 1) → layer1..layer4, two
+    `BasicBlock`s each, 64/128/256/512 channels, first-block strides 1/2/2/2 (1×1 conv → BN projection shortcuts
+    where the shape changes) → global average pool → linear classifier. Blocks: stem, layer1, layer2, layer3, layer4,
+    pool, classifier (the head), as in `resnet18`. 11,689,512 parameters for 3 channels and 1000 classes (the
+    ImageNet network), 11,181,642 for 10 classes.
+
+    Made for 224×224 inputs (7×7 maps reach the pool); the adaptive pool takes any size: 64×64 inputs reach it as
+    2×2 maps, inputs of 32 px or less as 1×1. Deviations: the stem takes the data's channel count (ImageNet weights
+    need 3); initialization is torch's default, as for the zoo's other models (torchvision draws convs Kaiming-normal
+    in fan-out mode), which a pretrained start replaces.
+    """
+    c = input_shape[0]
+    widths, strides = (64, 128, 256, 512), (1, 2, 2, 2)
+    blocks: list[tuple[str, nn.Module]] = [
+        ("stem", nn.Sequential(nn.Conv2d(c, 64, 7, stride=2, padding=3, bias=False), SafeBatchNorm2d(64), nn.ReLU(),
+                               nn.MaxPool2d(3, stride=2, padding=1)))  # fmt: skip
+    ]
+    cin = 64
+    for i, (w, s) in enumerate(zip(widths, strides, strict=True), start=1):
+        blocks.append((f"layer{i}", nn.Sequential(BasicBlock(cin, w, s), BasicBlock(w, w, 1))))
+        cin = w
+    blocks += [
+        ("pool", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())),
+        ("classifier", nn.Linear(cin, num_classes)),
+    ]
+    return BlockNet(blocks)
+
+
 # --- KT-pFL's heterogeneous zoo ----------------------------------------------------------------------------------
 def _pool_if_room(size: int) -> tuple[nn.Module, int]:
     """A 2×2 max-pool, or the identity where the map is already 1×1 (so 8×8 inputs survive every pool)."""
@@ -363,6 +396,7 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "cnn_bn": fedavg_cnn_bn,
     "lenet5_bn": lenet5_bn,
     "resnet18": resnet18,
+    "resnet18_imagenet": resnet18_imagenet,
     "alexnet_small": alexnet_small,
     "shufflenetv2": shufflenetv2,
     # reduced-width variants of KT-pFL's zoo, for heterogeneous federations on CPU budgets

@@ -209,7 +209,7 @@ class TrainedRun:
         prior = torch.bincount(ys, minlength=self.source.num_classes).float()
         ids = torch.arange(n + len(yv), device=ctx.device)
         data = ClientData(self._new_cid(), torch.cat([xs, xv]), torch.cat([ys, yv]), ids[:n], ids[n:],
-                          (prior / prior.sum()).to(ctx.device))  # fmt: skip
+                          (prior / prior.sum()).to(ctx.device), ctx.augment)  # fmt: skip
         t0 = time.perf_counter()
         tried = [(rate, *self._adapt(method, data, rate, epochs, seed, xv, yv)) for rate in lrs]
         rate, model, history, selected, score = max(tried, key=lambda t: t[4])  # earliest lr on ties

@@ -1,0 +1,212 @@
+"""`dataset.name: hf`: Hugging Face datasets read offline with `datasets`, on datasets saved to disk here with known
+pixel patterns, labels and users; their runs, `pflbed data show`, and one-line errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+datasets = pytest.importorskip("datasets")
+
+from PIL import Image  # noqa: E402
+
+from pflbed.cli import main  # noqa: E402
+from pflbed.config import load_config  # noqa: E402
+from pflbed.data import load_dataset, load_source  # noqa: E402
+from pflbed.errors import DataError  # noqa: E402
+
+H, W = 4, 5  # not square: a transposed image would not fit
+LABEL_NAMES = ["cat", "ant", "bee"]  # a ClassLabel's ids stay its own, not re-sorted by name
+
+
+def pattern(i: int) -> np.ndarray:
+    """Image i: pixel (r, c) = 10·r + c + i (mod 256), distinct at every position."""
+    r, c = np.mgrid[0:H, 0:W]
+    return ((10 * r + c + i) % 256).astype(np.uint8)
+
+
+def writer(i: int) -> str:
+    return ["w3", "w1", "w2"][i % 3]
+
+
+def fixture_split(n: int, offset: int):
+    idx = range(offset, offset + n)
+    return datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(pattern(i)) for i in idx], "label": [i % 3 for i in idx],
+         "writer": [writer(i) for i in idx]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=LABEL_NAMES),
+                                    "writer": datasets.Value("string")}),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A DatasetDict on disk: 90 train and 30 test grey images with known pixels, ClassLabel labels, string users."""
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    datasets.DatasetDict({"train": fixture_split(90, 0), "test": fixture_split(30, 1000)}).save_to_disk(str(path))
+    return path
+
+
+def test_pixels_labels_and_users_of_a_saved_dataset(hf_dir):
+    """Images → float32 [N, 1, H, W] with x = (p/255 − mean)/std, sample order kept; ClassLabel ids kept; string users
+    numbered in sorted order (w1 → 0, w2 → 1, w3 → 2); the test split is the global test split."""
+    s = load_dataset("hf", path=hf_dir, user_column="writer")
+    assert s.train.x.dtype == torch.float32 and s.train.x.shape == (90, 1, H, W) and s.test.x.shape == (30, 1, H, W)
+    for split, offset in ((s.train, 0), (s.test, 1000)):
+        for j in (0, 1, 7, len(split) - 1):
+            want = (torch.from_numpy(pattern(offset + j)).float() / 255 - 0.5) / 0.5
+            assert torch.equal(split.x[j, 0], want), j
+    assert s.train.y.tolist() == [i % 3 for i in range(90)] and s.num_classes == 3
+    assert s.train.user.tolist() == [{"w1": 0, "w2": 1, "w3": 2}[writer(i)] for i in range(90)]
+    assert s.train.user.dtype == torch.int64 and s.train.domain is None
+    assert s.pixel_norm == (0.5, 0.5) and s.raw_scale == 255.0 and s.raw_shape == (H, W)
+    # normalize: (mean, std) of the user's choice; raw samples map like the loader's own (personalize's inputs)
+    t = load_dataset("hf", path=hf_dir, normalize=[0.25, 2.0])
+    assert torch.equal(t.train.x[3, 0], (torch.from_numpy(pattern(3)).float() / 255 - 0.25) / 2.0)
+    assert torch.equal(t.inputs(pattern(3)[None]), t.train.x[3:4]) and t.train.user is None
+
+
+def test_labels_as_strings_or_integers_and_a_train_split_only(tmp_path):
+    """String labels are numbered in sorted order over both splits (a class only in the test split included);
+    integer labels are used as they are; one split name: no test split."""
+    def split(labels):
+        return datasets.Dataset.from_dict({"image": [pattern(i) for i in range(len(labels))], "label": labels})
+
+    path = tmp_path / "s"
+    datasets.DatasetDict({"train": split(["dog", "cat", "dog"]), "test": split(["emu", "cat"])}).save_to_disk(str(path))
+    s = load_dataset("hf", path=path)
+    assert s.train.y.tolist() == [1, 0, 1] and s.test.y.tolist() == [2, 0] and s.num_classes == 3
+    ints = tmp_path / "i"
+    datasets.DatasetDict({"train": split([4, 0, 2]), "test": split([1, 1])}).save_to_disk(str(ints))
+    s = load_dataset("hf", path=ints)
+    assert s.train.y.tolist() == [4, 0, 2] and s.num_classes == 5
+    only = load_dataset("hf", path=ints, splits=["test"])
+    assert only.train.y.tolist() == [1, 1] and len(only.test) == 0 and only.test.x.shape[1:] == only.train.x.shape[1:]
+
+
+def test_colour_images_and_pixel_arrays(tmp_path):
+    """RGB images → [N, 3, H, W] with the channels in order; the same pixels as arrays [N, H, W, 3] give the same
+    tensor; float arrays are taken as already in [0, 1] (no division by 255)."""
+    rgb = [np.stack([pattern(i), pattern(i + 50), pattern(i + 100)], axis=-1) for i in range(6)]
+    labels = [0, 1, 0, 1, 0, 1]
+    datasets.Dataset.from_dict({"image": [Image.fromarray(a) for a in rgb], "label": labels}).save_to_disk(
+        str(tmp_path / "img"))
+    datasets.Dataset.from_dict({"image": np.stack(rgb), "label": labels}).save_to_disk(str(tmp_path / "arr"))
+    floats = np.stack([p.astype(np.float32) / 255 for p in map(pattern, range(6))])
+    datasets.Dataset.from_dict({"image": floats, "label": labels}).save_to_disk(str(tmp_path / "f"))
+    img = load_dataset("hf", path=tmp_path / "img", splits=["train"])
+    assert img.train.x.shape == (6, 3, H, W) and img.raw_channels_last and img.raw_shape == (H, W, 3)
+    assert torch.equal(img.train.x[2, 1], (torch.from_numpy(pattern(52)).float() / 255 - 0.5) / 0.5)  # G = channel 1
+    arr = load_dataset("hf", path=tmp_path / "arr", splits=["train"])
+    assert torch.equal(arr.train.x, img.train.x)
+    f = load_dataset("hf", path=tmp_path / "f", splits=["train"], normalize=[0.0, 1.0])
+    assert f.raw_scale == 1.0 and torch.allclose(f.train.x[:, 0], torch.from_numpy(floats), atol=0)
+
+
+def test_images_of_different_sizes_need_image_size(tmp_path):
+    imgs = [Image.fromarray(np.full((4, 4), 10, np.uint8)), Image.fromarray(np.full((6, 3), 200, np.uint8))]
+    datasets.Dataset.from_dict({"image": imgs, "label": [0, 1]}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(DataError, match=r"dataset\.hf\.image_column: images of .* differ in size .*image_size"):
+        load_dataset("hf", path=tmp_path / "d", splits=["train"])
+    s = load_dataset("hf", path=tmp_path / "d", splits=["train"], image_size=8)
+    assert s.train.x.shape == (2, 1, 8, 8) and s.train.x[1].eq((200 / 255 - 0.5) / 0.5).all()
+
+
+def test_reads_a_dataset_from_the_hugging_face_cache_offline(tmp_path, monkeypatch):
+    """`dataset.hf.id` as a Hub id: read from the Hugging Face cache (never the network), as `datasets` left it."""
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    for split, n in (("train", 6), ("test", 4)):
+        datasets.Dataset.from_dict({"image": [pattern(i) for i in range(n)], "label": [i % 2 for i in range(n)]}
+                                   ).to_parquet(str(tmp_path / f"{split}.parquet"))  # fmt: skip
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    files = DataFilesDict.from_patterns({s: [str(tmp_path / f"{s}.parquet")] for s in ("train", "test")})
+    Parquet(cache_dir=str(cache), dataset_name="tiny", data_files=files, hash="0").download_and_prepare()
+    (built,) = cache.glob("tiny/*/*/0")  # what a download of `tester/tiny` leaves: <namespace>___<name>/default/…
+    target = cache / "tester___tiny" / "default" / "0.0.0" / "0"
+    target.parent.mkdir(parents=True)
+    built.rename(target)
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    try:
+        datasets.load_dataset("tester/tiny")
+    except Exception:  # noqa: BLE001
+        pytest.skip("this version of datasets lays out its cache differently")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # the loader switches the Hub off by itself
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    s = load_dataset("hf", id="tester/tiny")
+    assert len(s.train) == 6 and len(s.test) == 4 and torch.equal(s.train.x[5, 0], (torch.from_numpy(pattern(5))
+                                                                                    .float() / 255 - 0.5) / 0.5)
+    with pytest.raises(DataError, match=r"^dataset\.hf\.id: cannot read 'tester/other' offline .*save_to_disk"):
+        load_dataset("hf", id="tester/other")
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["dataset.hf.image_column=img"], "dataset.hf.image_column: no column 'img' in .*'s train split; its columns: "
+                                      "image, label, writer"),
+    (["dataset.hf.label_column=writer", "dataset.hf.image_column=label"],
+     "dataset.hf.image_column: 'label' .*not pixels"),
+    (["dataset.hf.splits=[train, validation]"], "dataset.hf.splits: .* has no split 'validation'; its splits: train, "
+                                                "test"),
+    (["dataset.hf.user_column=user", "federation.partition=natural"], "dataset.hf.user_column: no column 'user'"),
+    (["federation.partition=natural"], "federation.partition: natural needs per-sample users"),
+    (["federation.partition=natural", "dataset.hf.user_column=writer"], "federation.clients: 4 clients, but "
+     "federation.partition natural finds 3 users"),
+    (["dataset.path=/nonexistent/hf"], "dataset.path: /nonexistent/hf: no such directory"),
+])  # fmt: skip
+def test_bad_columns_splits_and_paths_are_one_line_exit_2_nothing_written(hf_dir, tmp_path, capsys, sets, message):
+    import re
+
+    out = tmp_path / "run"
+    args = ["run", "--set", "dataset.name=hf", "--set", f"dataset.path={hf_dir}", "--set", "federation.clients=4",
+            "--set", "train.rounds=1", "--no-progress", "--out", str(out)]  # fmt: skip
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(message, err), err
+    assert not out.exists()
+
+
+def test_missing_id_and_missing_extra_are_config_errors(monkeypatch, capsys):
+    assert main(["run", "--set", "dataset.name=hf", "--no-progress"]) == 2
+    assert "dataset.name hf needs dataset.hf.id" in capsys.readouterr().err
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    assert main(["config", "--set", "dataset.name=hf", "--set", "dataset.hf.id=x/y"]) == 2
+    assert "pip install 'pflbed[hf]'" in capsys.readouterr().err
+
+
+def test_labels_outside_the_classes_are_refused(tmp_path):
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    datasets.Dataset.from_dict({"image": [Image.fromarray(pattern(0))] * 2, "label": [0, -1]}, features=feats
+                               ).save_to_disk(str(tmp_path / "d"))  # fmt: skip
+    with pytest.raises(DataError, match=r"label -1 in .* is outside 0…1 \(−1: no label\)"):
+        load_dataset("hf", path=tmp_path / "d", splits=["train"])
+
+
+def test_run_and_data_show_on_a_saved_dataset(hf_dir, tmp_path, capsys):
+    """One round of `pflbed run` on the fixture with a natural partition (one client per writer) and a new client,
+    then `pflbed data show` of the same config."""
+    cfg = tmp_path / "hf.yaml"
+    cfg.write_text(f"dataset: {{name: hf, path: {hf_dir}, hf: {{user_column: writer}}}}\nmodel: {{name: mlp}}\n"
+                   "federation: {clients: 3, partition: natural, new_clients: 1}\n"
+                   "train: {rounds: 1, batch_size: 8}\neval: {every: 1, finetune: [ft], new_clients: {epochs: 1, "
+                   "lrs: [0.05]}}\nexecutor: {strict: true}\n")  # fmt: skip
+    out = tmp_path / "run"
+    assert main(["run", "-c", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["dataset"] == "hf" and s["clients"] == {"participated": 2, "new": 1} and 0 <= s["final"]["pfl_acc"] <= 1
+    capsys.readouterr()
+    assert main(["data", "show", "-c", str(cfg)]) == 0
+    shown = capsys.readouterr().out
+    assert "hf: 2 participated + 1 new clients" in shown
+    source = load_source(load_config(cfg).dataset)
+    assert source.origin.startswith(str(hf_dir))
