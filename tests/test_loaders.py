@@ -303,6 +303,18 @@ def test_femnist_all_data_keeps_writers_and_splits_each(env: Path) -> None:
     assert load_dataset("femnist", path=env) is source
 
 
+def test_femnist_writers_are_the_clients_of_a_natural_partition(env: Path) -> None:
+    from pflbed.config import FederationConfig
+    from pflbed.federation import build_federation
+
+    fx.make_femnist_all_data(env, users=6, per_user=12, files=2)
+    source = load_dataset("femnist", path=env)
+    fed = build_federation(source, FederationConfig(partition="natural", clients=6, min_samples=5), seed=0)
+    user = source.train.user
+    owners = [set(user[torch.cat([c.train, c.val, c.test])].tolist()) for c in fed.clients]
+    assert owners == [{u} for u in range(6)]  # client k holds exactly writer k's samples
+
+
 def test_femnist_leaf_train_test_layout(env: Path) -> None:
     train = {"w2": fx.femnist_user_data(2, 5), "w1": fx.femnist_user_data(1, 4)}
     fx.write_leaf_json(env / "train" / "a_train.json", train)
