@@ -67,7 +67,8 @@ def load_pickle(path: str | Path, what: str) -> Any:
         raise DataError(f"{path}: no such file") from None
     except (EOFError, pickle.UnpicklingError) as exc:
         raise DataError(f"{path}: truncated or corrupt pickle ({_one_line(exc)})") from None
-    except (OSError, zlib.error, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError) as exc:
+    except (OSError, zlib.error, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError,
+            ImportError) as exc:  # ImportError: a NumPy 2 pickle read with NumPy 1
         raise DataError(f"{path}: not a readable {what} pickle ({_one_line(exc)})") from None
 
 
