@@ -115,11 +115,12 @@ def knn_probs(
     if n == 0 or len(z) == 0:
         return out
     kk = min(k, n)
-    z, keys = z.flatten(1), keys.flatten(1)
+    z, keys = z.flatten(1).float(), keys.flatten(1).float()  # float32 distances under `executor.precision=bf16` too
     t = float(keys.shape[1]) if temperature is None else temperature
     rows = max(1, CHUNK_ELEMENTS // n)
     for i in range(0, len(z), rows):
-        d = pairwise_distances(z[i : i + rows], keys, distance)
+        with torch.autocast(z.device.type, enabled=False):
+            d = pairwise_distances(z[i : i + rows], keys, distance)
         d, nb = torch.sort(d, dim=1, stable=True)
         d, nb = d[:, :kk], nb[:, :kk]
         w = torch.exp(-(d - d[:, :1]) / t)  # ∝ exp(−d/T); the nearest neighbour weighs 1
