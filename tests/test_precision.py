@@ -107,6 +107,6 @@ def test_every_algorithm_runs_in_bf16(name):
     options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
     executor = {"threads": 1, "precision": "bf16"}
     cfg = validate_config({**TINY, "federation": FED, "algorithm": {"name": name, **options},
-                           "train": {**TINY["train"], "rounds": 1}, "executor": executor})  # fmt: skip
+                           "executor": executor})  # fmt: skip
     r = run(cfg, write=False, progress=False)
     assert all(v.dtype != torch.bfloat16 for v in r.server.values())
