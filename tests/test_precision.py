@@ -105,8 +105,9 @@ def test_every_algorithm_runs_in_bf16(name):
     from .test_device import FED, LIGHT
 
     options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
+    options.update({"K": 2} if name == "fedbasis" else {})  # two rounds: one warm-up round of 2 clients
     executor = {"threads": 1, "precision": "bf16"}
     cfg = validate_config({**TINY, "federation": FED, "algorithm": {"name": name, **options},
-                           "executor": executor})  # fmt: skip
+                           "train": {**TINY["train"], "rounds": 2}, "executor": executor})  # fmt: skip
     r = run(cfg, write=False, progress=False)
     assert all(v.dtype != torch.bfloat16 for v in r.server.values())
