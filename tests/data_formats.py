@@ -305,6 +305,21 @@ def make_miniimagenet(root: Path, classes_per_split: int = 2, per_class: int = 1
     return root
 
 
+# --- DomainBed-layout image trees (PACS, Office-Home, DomainNet) ---------------------------------------------
+
+
+def make_domain_tree(root: Path, domains: tuple[str, ...], classes: int, per_class: int = 1, size: int = 4) -> Path:
+    """`root/<domain>/class_<c>/<i>.png`: `per_class` PNGs of `size` px per class and domain, red = class index,
+    green = 40 × domain index (class folders sort in class order)."""
+    for d, domain in enumerate(domains):
+        for c in range(classes):
+            folder = root / domain / f"class_{c:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                (folder / f"{i}.png").write_bytes(png_bytes((c % 256, 40 * d % 256, i % 256), size=size))
+    return root
+
+
 # --- archives ------------------------------------------------------------------------------------------------
 
 
