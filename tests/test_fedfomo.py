@@ -218,6 +218,21 @@ def test_exploration_is_drawn_from_seed_round_and_client_and_decays_linearly_to_
     assert all(picks(algo, r) == (2, 4) for r in range(5, 15))  # ε decayed to 0: greedy
 
 
+def test_each_download_slot_tosses_its_own_exploration_coin():
+    """ε-greedy per slot: with ε = 0.5 each of the M = 2 slots explores or exploits on its own coin, so about half
+    the draws mix the two (one slot the greedy pick, the other a random one), and about a quarter are greedy in
+    both slots. One coin per client would make a draw all-greedy or all-random (mixed only when a random order
+    happens to start with the top candidate: ≈ 5 % of draws; all-greedy ≈ 50 %)."""
+    algo = _algo(M=2, epsilon=0.5, epsilon_decay=0.0)
+    candidates = list(range(100, 120))
+    affinity = [float(20 - j) for j in range(20)]  # greedy order: 100, 101, …
+    picks = [algo.choose(r, c, candidates, affinity) for r in range(1, 41) for c in range(5)]
+    greedy = [(p[0] == 100, p[1] == (101 if p[0] == 100 else 100)) for p in picks]
+    mixed = sum(a != b for a, b in greedy) / len(picks)
+    both = sum(a and b for a, b in greedy) / len(picks)
+    assert 0.35 < mixed < 0.65 and 0.15 < both < 0.4
+
+
 # --- validation data, new clients, a whole run ----------------------------------------------------------------
 def test_a_client_without_validation_data_uses_its_domain_set_weighted_by_its_prior_else_its_training_split():
     algo = _algo(federation={"val_fraction": 0.0})
