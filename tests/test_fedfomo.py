@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedfomo import IDS, WEIGHTS, first_order_weights
+from pflbed.algorithms.fedfomo import GAINS, IDS, WEIGHTS, affinity_deltas, first_order_weights
 from pflbed.algorithms.training import finetune_epochs, load_params, train_from
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 
 from .tiny import TINY
 
@@ -76,7 +77,7 @@ def test_three_clients_weights_are_clipped_gains_over_distance_normalized_and_co
     key = algo.param_keys[0]
     models = [_shifted(own, key, (0, 0), 2.0), _shifted(own, key, (0, 1), 0.5), _shifted(own, key, (0, 2), 1.0)]
     _fake_losses(algo, {id(own): 2.0, id(models[0]): 1.0, id(models[1]): 1.5, id(models[2]): 2.5})
-    new, w = algo.federated_update(own, models, algo.ctx.client_data(0))
+    new, w, _ = algo.federated_update(own, models, algo.ctx.client_data(0))
     assert torch.allclose(w, torch.tensor([1 / 3, 2 / 3, 0.0], dtype=F64), atol=1e-12)
     expected = own[key].clone()
     expected[0, 0] += 2 / 3  # (1/3)·2
@@ -94,7 +95,7 @@ def test_when_no_model_lowers_the_validation_loss_the_client_keeps_its_model():
     key = algo.param_keys[0]
     models = [_shifted(own, key, (0, 0), 1.0), _shifted(own, key, (0, 1), 3.0), {k: v.clone() for k, v in own.items()}]
     _fake_losses(algo, {id(own): 1.0, id(models[0]): 1.0, id(models[1]): 4.0, id(models[2]): 1.0})
-    new, w = algo.federated_update(own, models, algo.ctx.client_data(0))
+    new, w, _ = algo.federated_update(own, models, algo.ctx.client_data(0))
     assert torch.equal(w, torch.zeros(3, dtype=F64))
     assert all(torch.equal(new[k], own[k]) for k in own)
 
@@ -111,7 +112,7 @@ def test_weights_are_measured_on_the_validation_split_with_real_losses():
     g = torch.Generator().manual_seed(9)
     models.append({k: v + 3.0 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
                    for k, v in own.items()})  # fmt: skip
-    _, w = algo.federated_update(own, models, data)
+    _, w, _ = algo.federated_update(own, models, data)
 
     dists = [_dist(m, own, algo.param_keys) for m in models]
 
@@ -140,7 +141,7 @@ def test_client_update_is_the_federated_update_then_local_training():
     state, data = algo.init_client(cid), algo.ctx.client_data(cid)
     reply, new_state = algo.client_update(payload, state, data, ClientContext(2, cid, torch.Generator().manual_seed(7)))
     models = [algo.stored(server, int(n)) for n in payload[IDS]]
-    start, w = algo.federated_update(state, models, data)
+    start, w, _ = algo.federated_update(state, models, data)
     assert bool((w > 0).any()) and bool((w == 0).any())  # a real federated step, some models clipped
     expected = train_from(algo.ctx.model, start, data, algo.ctx.cfg.train, torch.Generator().manual_seed(7))
     assert all(torch.equal(reply[k], expected[k]) and torch.equal(new_state[k], expected[k]) for k in expected)
@@ -367,3 +368,89 @@ def test_the_federated_update_measures_every_loss_with_the_validation_weights():
     models = [_shifted(own, algo.keys[0], 0, 0.5), _shifted(own, algo.keys[0], 1, -0.5)]
     algo.federated_update(own, models, data)
     assert len(seen) == 3 and all(w is sw for w in seen)
+
+
+# --- the authors' rules as options: signed affinity, the latest round's pool ----------------------------------------
+def test_the_authors_affinity_adds_signed_gains_over_the_absolute_sum():
+    """δ / |Σδ|: 0.5, 1, −0.5 (sum 1) stay; 1, −3 (sum −2) → 0.5, −1.5; a zero sum is raised by 1e-9; infinite
+    gains take the whole increment with their sign; an all-zero row adds nothing."""
+
+    def f(*g):
+        return affinity_deltas(torch.tensor(g, dtype=F64)).tolist()
+
+    assert f(0.5, 1.0, -0.5) == [0.5, 1.0, -0.5]
+    assert f(1.0, -3.0) == [0.5, -1.5]
+    assert f(2e-10, -1e-10) == pytest.approx([2e-10 / 1.1e-9, -1e-10 / 1.1e-9], rel=1e-12)
+    assert f(1.0, -1.0) == pytest.approx([1e9, -1e9], rel=1e-12)
+    assert f(float("inf"), 1.0, float("-inf"), float("inf")) == [1 / 3, 0.0, -1 / 3, 1 / 3]
+    assert f(0.0, 0.0) == [0.0, 0.0]
+
+
+def _three_candidates(algo):
+    """The three-model example above for client 0, as clients 1, 2, 3 (gains 0.5, 1, −0.5), aggregated."""
+    own = algo.init_client(0)
+    key = algo.param_keys[0]
+    models = [_shifted(own, key, (0, 0), 2.0), _shifted(own, key, (0, 1), 0.5), _shifted(own, key, (0, 2), 1.0)]
+    _fake_losses(algo, {id(own): 2.0, id(models[0]): 1.0, id(models[1]): 1.5, id(models[2]): 2.5})
+    _, w, gains = algo.federated_update(own, models, algo.ctx.client_data(0))
+    server = _uploaded_server(algo, [0.0] * 6)
+    replies = {0: {**own, WEIGHTS: w, IDS: torch.tensor([1, 2, 3]), GAINS: gains},
+               4: {**own, WEIGHTS: torch.zeros(1, dtype=F64), IDS: torch.tensor([3]),
+                   GAINS: torch.tensor([-2.0], dtype=F64)},  # only a harmful model: no federated update
+               5: {**own, WEIGHTS: torch.zeros(0, dtype=F64), IDS: torch.zeros(0, dtype=torch.int64),
+                   GAINS: torch.zeros(0, dtype=F64)}}  # nothing downloaded  # fmt: skip
+    return algo.aggregate(2, server, replies, dict.fromkeys(replies, 1.0)), gains
+
+
+@pytest.mark.parametrize("rule", ["weights", "deltas"])
+def test_a_harmful_model_ranks_below_never_tried_ones_only_under_the_authors_affinity(rule):
+    """`weights`: P[0, ·] += w = 1/3, 2/3, 0 — the model that raised the loss ties with the never-tried clients 4
+    and 5. `deltas`: P[0, ·] += δ/|Σδ| = 0.5, 1, −0.5 — it ranks last in every greedy draw. The update itself
+    uses the clipped weights under both."""
+    algo = _algo(M=5, epsilon=0.0, affinity=rule)
+    out, gains = _three_candidates(algo)
+    assert torch.allclose(gains, torch.tensor([0.5, 1.0, -0.5], dtype=F64), atol=1e-12)
+    added = [0.5, 1.0, -0.5] if rule == "deltas" else [1 / 3, 2 / 3, 0.0]
+    assert torch.allclose(out["P"][0, 1:4], torch.tensor(added, dtype=F64), atol=1e-12)
+    assert out["P"][4, 3] == (-1.0 if rule == "deltas" else 0.0)  # −2 / |−2|
+    assert float(out["P"].abs().sum() - out["P"][0].abs().sum() - out["P"][4, 3].abs()) == 0.0
+    lasts = {algo.configure(r, out, [0])[0][IDS].tolist()[-1] for r in range(2, 12)}
+    assert lasts == {3} if rule == "deltas" else lasts != {3}
+    if rule == "deltas":
+        assert out["updates"].tolist() == [1, 0, 0, 0, 0, 0]
+        assert algo.diagnostics(2, out, lambda c: {})["federated_updates"] == 1.0
+    else:
+        assert "updates" not in out
+
+
+def test_the_authors_pool_is_the_latest_rounds_uploaders():
+    """`candidates: last_round`: client 0 downloads only from the clients whose last upload is the latest round's
+    (2, 3, 5 uploaded in round 3; 1 and 4 earlier); `uploaded` (default): from all five. Nobody uploaded: none.
+    New clients draw on the same pool."""
+    pools = {}
+    for pool in ("uploaded", "last_round"):
+        algo = _algo(M=5, epsilon=0.0, candidates=pool)
+        assert algo.configure(1, algo.init_server(), [0])[0][IDS].numel() == 0
+        server = _uploaded_server(algo, [0.0] * 6)
+        server["last_upload"] = torch.tensor([0, 2, 3, 3, 1, 3])
+        pools[pool] = sorted(algo.configure(4, server, [0])[0][IDS].tolist())
+        seen = []
+        algo.federated_update = lambda own, models, data, seen=seen: seen.append(len(models)) or (own, None, None)
+        algo.zero_shot(server, algo.ctx.client_data(0))
+        assert seen == [len(pools[pool])]  # client 0 has no stored model: like a new client, it draws on the pool
+    assert pools == {"uploaded": [1, 2, 3, 4, 5], "last_round": [2, 3, 5]}
+
+
+@pytest.mark.parametrize("key, value", [("affinity", "signed"), ("candidates", "latest")])
+def test_an_unknown_rule_is_a_config_error(key, value):
+    with pytest.raises(ConfigError, match=f"algorithm.{key}"):
+        validate_config(_tree(**{key: value}))
+
+
+def test_a_strict_run_with_the_authors_rules():
+    """Both options together through the engine: P holds signed entries, the counter the federated updates."""
+    res = pflbed.run(_tree(fraction=0.5, federation={"partition": "iid"}, affinity="deltas",
+                           candidates="last_round"), write=False)  # fmt: skip
+    assert res.summary["final"]["pfl_acc"] is not None
+    assert res.history[-1]["diag"]["federated_updates"] == float(res.server["updates"].sum())
+    assert float(res.server["P"].abs().sum()) > 0
