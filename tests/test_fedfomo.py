@@ -281,9 +281,11 @@ def test_a_strict_run_has_personal_models_no_global_model_and_affinity_rows_of_w
     """Each reply's weights sum to 1 (or 0), so P's rows are whole numbers, at most the client's rounds after the
     first. IID clients: other models do lower a client's validation loss now and then (P is not all zero; under
     this config's Dirichlet labels they never do, and FedFomo stays Local)."""
-    res = pflbed.run(_tree(fraction=1.0, federation={"partition": "iid"}), write=False)
+    tree = _tree(fraction=1.0, federation={"partition": "iid"})
+    res = pflbed.run({**tree, "eval": {**tree["eval"], "finetune": ["ft", "lp"]}}, write=False)
     f = res.summary["final"]
     assert f["gfl_acc"] is None and f["pfl_acc"] is not None
+    assert "ft" not in f and "lp" not in f  # no generic model: `eval.finetune` does not run
     P = res.server["P"]
     assert (P >= 0).all() and float(P.sum()) > 0
     rows = P.sum(1)
