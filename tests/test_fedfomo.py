@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedfomo import GAINS, IDS, WEIGHTS, affinity_deltas, first_order_weights
+from pflbed.algorithms.fedfomo import IDS, WEIGHTS, affinity_deltas, first_order_weights
 from pflbed.algorithms.training import finetune_epochs, load_params, train_from
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
@@ -389,18 +389,24 @@ def test_the_authors_affinity_adds_signed_gains_over_the_absolute_sum():
 
 
 def _three_candidates(algo):
-    """The three-model example above for client 0, as clients 1, 2, 3 (gains 0.5, 1, −0.5), aggregated."""
+    """The three-model example above for client 0, as clients 1, 2, 3 (gains 0.5, 1, −0.5); client 4 received only
+    a harmful model (gain −2), client 5 nothing. Each reply comes from `client_update` (which normalizes the gains
+    under `deltas`), then one aggregation."""
     own = algo.init_client(0)
     key = algo.param_keys[0]
     models = [_shifted(own, key, (0, 0), 2.0), _shifted(own, key, (0, 1), 0.5), _shifted(own, key, (0, 2), 1.0)]
     _fake_losses(algo, {id(own): 2.0, id(models[0]): 1.0, id(models[1]): 1.5, id(models[2]): 2.5})
     _, w, gains = algo.federated_update(own, models, algo.ctx.client_data(0))
+    measured = {0: ([1, 2, 3], w, gains), 4: ([3], torch.zeros(1, dtype=F64), torch.tensor([-2.0], dtype=F64)),
+                5: ([], torch.zeros(0, dtype=F64), torch.zeros(0, dtype=F64))}  # fmt: skip
+    replies = {}
+    for c, (ids, wc, gc) in measured.items():
+        algo.federated_update = lambda own, models, data, wc=wc, gc=gc: (dict(own), wc, gc)
+        payload = {IDS: torch.tensor(ids, dtype=torch.int64),
+                   **{f"m/{s}/{k}": v for s in range(len(ids)) for k, v in own.items()}}  # fmt: skip
+        cctx = ClientContext(2, c, torch.Generator().manual_seed(c))
+        replies[c], _ = algo.client_update(payload, own, algo.ctx.client_data(c), cctx)
     server = _uploaded_server(algo, [0.0] * 6)
-    replies = {0: {**own, WEIGHTS: w, IDS: torch.tensor([1, 2, 3]), GAINS: gains},
-               4: {**own, WEIGHTS: torch.zeros(1, dtype=F64), IDS: torch.tensor([3]),
-                   GAINS: torch.tensor([-2.0], dtype=F64)},  # only a harmful model: no federated update
-               5: {**own, WEIGHTS: torch.zeros(0, dtype=F64), IDS: torch.zeros(0, dtype=torch.int64),
-                   GAINS: torch.zeros(0, dtype=F64)}}  # nothing downloaded  # fmt: skip
     return algo.aggregate(2, server, replies, dict.fromkeys(replies, 1.0)), gains
 
 

@@ -31,8 +31,8 @@ Round structure (one engine round):
     first round differs: every client of the federation trains one local epoch and a random subset of the
     sampled size uploads (a round of non-sampled clients is outside the engine's contract: not reproduced).
   - client: weights on the validation split → θ_i^t → local training → reply (`{param}` of the trained model,
-    `fomo/w`, `fomo/ids`; with `affinity: deltas` also the signed gains `fomo/gain`); the client state is the
-    trained model (θ_i for the next time it is sampled).
+    `fomo/w`, `fomo/ids`; with `affinity: deltas` also the normalized signed gains `fomo/gain`, always finite);
+    the client state is the trained model (θ_i for the next time it is sampled).
   - aggregate: store each reply's model under `local/{cid}/`, add its weights (or its normalized gains) to
     P[i, ids].
 
@@ -304,8 +304,8 @@ class FedFomo(Algorithm):
         start, w, gains = self.federated_update(state, models, data)
         trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)
         reply = {**trained, WEIGHTS: w, IDS: payload[IDS]}
-        if self.opts.affinity == "deltas":
-            reply[GAINS] = gains
+        if self.opts.affinity == "deltas":  # normalized here: finite, so a reply never looks diverged
+            reply[GAINS] = affinity_deltas(gains)
         return reply, trained
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
@@ -317,7 +317,7 @@ class FedFomo(Algorithm):
             out.update({f"local/{c}/{k}": reply[k] for k in self.keys})
             cols = [self.index[int(n)] for n in reply[IDS].tolist()]
             if cols:
-                added = affinity_deltas(reply[GAINS].to(P.dtype)) if deltas else reply[WEIGHTS].to(P.dtype)
+                added = (reply[GAINS] if deltas else reply[WEIGHTS]).to(P.dtype)
                 P[i, torch.tensor(cols, dtype=torch.int64, device=P.device)] += added
             if updates is not None and bool(reply[WEIGHTS].sum() > 0):
                 updates[i] += 1
