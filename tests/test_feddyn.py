@@ -116,6 +116,12 @@ def test_the_mean_model_starts_as_the_initial_model_and_leaves_training_alone():
     algo = _algo(eval_model="mean")
     server = algo.init_server()
     assert all(torch.equal(algo.generic_model(server).params[k], v) for k, v in algo.ctx.initial_params.items())
+    bn = prepare(validate_config({**_tree(eval_model="mean"), "model": {"name": "cnn_bn"}}))
+    out, mean = _aggregated(bn)  # BatchNorm statistics: no h, no stored mean — θ's are the mean already
+    scored = bn.generic_model(out).params
+    assert scored.keys() == set(bn.model_keys) and set(bn.model_keys) > set(bn.params)
+    assert all(torch.equal(scored[k], out[k]) and torch.allclose(out[k].double(), mean[k].double())
+               for k in bn.model_keys if k not in bn.params)  # fmt: skip
     runs = {m: pflbed.run({**_tree(eval_model=m), "train": {**TINY["train"], "rounds": 2}}, write=False,
                           progress=False) for m in ("cloud", "mean")}  # fmt: skip
     cloud, mean = runs["cloud"], runs["mean"]

@@ -427,6 +427,10 @@ def test_a_harmful_model_ranks_below_never_tried_ones_only_under_the_authors_aff
     if rule == "deltas":
         assert out["updates"].tolist() == [1, 0, 0, 0, 0, 0]
         assert algo.diagnostics(2, out, lambda c: {})["federated_updates"] == 1.0
+        reply = {**algo.init_client(0), WEIGHTS: torch.tensor([1.0], dtype=F64), IDS: torch.tensor([2]),
+                 "fomo/gain": torch.tensor([1.0], dtype=F64)}  # fmt: skip
+        again = algo.aggregate(3, out, {0: reply}, {0: 1.0})  # a later round counts on
+        assert again["updates"].tolist() == [2, 0, 0, 0, 0, 0] and float(again["P"][0, 2]) == pytest.approx(2.0)
     else:
         assert "updates" not in out
 
@@ -447,6 +451,24 @@ def test_the_authors_pool_is_the_latest_rounds_uploaders():
         algo.zero_shot(server, algo.ctx.client_data(0))
         assert seen == [len(pools[pool])]  # client 0 has no stored model: like a new client, it draws on the pool
     assert pools == {"uploaded": [1, 2, 3, 4, 5], "last_round": [2, 3, 5]}
+    algo = _algo(candidates="last_round")
+    server = _uploaded_server(algo, [0.0] * 6)
+    server["last_upload"] = torch.tensor([0, 1, 0, 1, 0, 0])  # after round 1
+    assert algo.pool(server) == [1, 3]
+
+
+def test_called_with_an_uploaded_clients_data_the_start_is_its_own_stored_model():
+    """The path the engine never takes (`eval.finetune` does not run without a generic model), as documented:
+    θ_prev is the client's stored model, the candidates the other stored models."""
+    algo = _algo()
+    server = _uploaded_server(algo, [0.0] * 6)
+    key = algo.param_keys[0]
+    server[f"local/2/{key}"] = server[f"local/2/{key}"] + 1.0
+    seen = []
+    algo.federated_update = lambda own, models, data: seen.append((own, len(models))) or (own, None, None)
+    algo.zero_shot(server, algo.ctx.client_data(2))
+    (own, n), = seen
+    assert n == 5 and all(torch.equal(own[k], server[f"local/2/{k}"]) for k in algo.keys)
 
 
 @pytest.mark.parametrize("key, value", [("affinity", "signed"), ("candidates", "latest")])
