@@ -62,14 +62,25 @@ PLANTS = [
           "P[i, torch.tensor(cols, dtype=torch.int64, device=P.device)] +=",
           "P[torch.tensor(cols, dtype=torch.int64, device=P.device), i] +="),
     Plant("fedfomo", "local training before the federated update (phases swapped)",
-          "start, w = self.federated_update(state, models, data)\n"
+          "start, w, gains = self.federated_update(state, models, data)\n"
           "        trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)",
           "pre = train_from(self.ctx.model, state, data, self.ctx.cfg.train, cctx.generator)\n"
-          "        trained, w = self.federated_update(pre, models, data)"),
+          "        trained, w, gains = self.federated_update(pre, models, data)"),
     Plant("fedfomo", "ε does not decay", "self.opts.epsilon - self.opts.epsilon_decay * (rnd - 1)",
           "self.opts.epsilon"),
     Plant("fedfomo", "greedy downloads the lowest affinities", "key=lambda j: (-affinity[j], tie[j])",
           "key=lambda j: (affinity[j], tie[j])"),
+    Plant("fedfomo", "one exploration coin per client instead of one per download slot",
+          'coins = torch.rand(max(m, 1), generator=g, dtype=torch.float64, device="cpu").tolist()',
+          'coins = torch.rand(1, generator=g, dtype=torch.float64, device="cpu").tolist() * max(m, 1)'),
+    Plant("fedfomo", "authors' affinity (deltas) adds the clipped weights",
+          "added = (reply[GAINS] if deltas else reply[WEIGHTS]).to(P.dtype)", "added = reply[WEIGHTS].to(P.dtype)"),
+    Plant("fedfomo", "authors' gains sent unnormalized", "reply[GAINS] = affinity_deltas(gains)",
+          "reply[GAINS] = gains"),
+    Plant("fedfomo", "authors' affinity normalized by the signed sum, not its absolute value",
+          "norm = gains.sum().abs()", "norm = gains.sum()"),
+    Plant("fedfomo", "authors' pool (last_round) is every client that ever uploaded",
+          "latest > 0 and seen[self.index[c]] == latest", "seen[self.index[c]] > 0"),
     # pFedHN (Shamsian et al. 2021, Alg. 1): φ, v_i step on (∂θ/∂·)ᵀ(θ − θ̃); new clients learn v with φ frozen
     Plant("pfedhn", "hypernetwork gradient sign flipped", "grad_outputs=[-delta[k] for k in self.param_names]",
           "grad_outputs=[delta[k] for k in self.param_names]"),

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedfomo import IDS, WEIGHTS, first_order_weights
+from pflbed.algorithms.fedfomo import IDS, WEIGHTS, affinity_deltas, first_order_weights
 from pflbed.algorithms.training import finetune_epochs, load_params, train_from
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 
 from .tiny import TINY
 
@@ -76,7 +77,7 @@ def test_three_clients_weights_are_clipped_gains_over_distance_normalized_and_co
     key = algo.param_keys[0]
     models = [_shifted(own, key, (0, 0), 2.0), _shifted(own, key, (0, 1), 0.5), _shifted(own, key, (0, 2), 1.0)]
     _fake_losses(algo, {id(own): 2.0, id(models[0]): 1.0, id(models[1]): 1.5, id(models[2]): 2.5})
-    new, w = algo.federated_update(own, models, algo.ctx.client_data(0))
+    new, w, _ = algo.federated_update(own, models, algo.ctx.client_data(0))
     assert torch.allclose(w, torch.tensor([1 / 3, 2 / 3, 0.0], dtype=F64), atol=1e-12)
     expected = own[key].clone()
     expected[0, 0] += 2 / 3  # (1/3)·2
@@ -94,7 +95,7 @@ def test_when_no_model_lowers_the_validation_loss_the_client_keeps_its_model():
     key = algo.param_keys[0]
     models = [_shifted(own, key, (0, 0), 1.0), _shifted(own, key, (0, 1), 3.0), {k: v.clone() for k, v in own.items()}]
     _fake_losses(algo, {id(own): 1.0, id(models[0]): 1.0, id(models[1]): 4.0, id(models[2]): 1.0})
-    new, w = algo.federated_update(own, models, algo.ctx.client_data(0))
+    new, w, _ = algo.federated_update(own, models, algo.ctx.client_data(0))
     assert torch.equal(w, torch.zeros(3, dtype=F64))
     assert all(torch.equal(new[k], own[k]) for k in own)
 
@@ -111,7 +112,7 @@ def test_weights_are_measured_on_the_validation_split_with_real_losses():
     g = torch.Generator().manual_seed(9)
     models.append({k: v + 3.0 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
                    for k, v in own.items()})  # fmt: skip
-    _, w = algo.federated_update(own, models, data)
+    _, w, _ = algo.federated_update(own, models, data)
 
     dists = [_dist(m, own, algo.param_keys) for m in models]
 
@@ -140,7 +141,7 @@ def test_client_update_is_the_federated_update_then_local_training():
     state, data = algo.init_client(cid), algo.ctx.client_data(cid)
     reply, new_state = algo.client_update(payload, state, data, ClientContext(2, cid, torch.Generator().manual_seed(7)))
     models = [algo.stored(server, int(n)) for n in payload[IDS]]
-    start, w = algo.federated_update(state, models, data)
+    start, w, _ = algo.federated_update(state, models, data)
     assert bool((w > 0).any()) and bool((w == 0).any())  # a real federated step, some models clipped
     expected = train_from(algo.ctx.model, start, data, algo.ctx.cfg.train, torch.Generator().manual_seed(7))
     assert all(torch.equal(reply[k], expected[k]) and torch.equal(new_state[k], expected[k]) for k in expected)
@@ -218,6 +219,21 @@ def test_exploration_is_drawn_from_seed_round_and_client_and_decays_linearly_to_
     assert all(picks(algo, r) == (2, 4) for r in range(5, 15))  # ε decayed to 0: greedy
 
 
+def test_each_download_slot_tosses_its_own_exploration_coin():
+    """ε-greedy per slot: with ε = 0.5 each of the M = 2 slots explores or exploits on its own coin, so about half
+    the draws mix the two (one slot the greedy pick, the other a random one), and about a quarter are greedy in
+    both slots. One coin per client would make a draw all-greedy or all-random (mixed only when a random order
+    happens to start with the top candidate: ≈ 5 % of draws; all-greedy ≈ 50 %)."""
+    algo = _algo(M=2, epsilon=0.5, epsilon_decay=0.0)
+    candidates = list(range(100, 120))
+    affinity = [float(20 - j) for j in range(20)]  # greedy order: 100, 101, …
+    picks = [algo.choose(r, c, candidates, affinity) for r in range(1, 41) for c in range(5)]
+    greedy = [(p[0] == 100, p[1] == (101 if p[0] == 100 else 100)) for p in picks]
+    mixed = sum(a != b for a, b in greedy) / len(picks)
+    both = sum(a and b for a, b in greedy) / len(picks)
+    assert 0.35 < mixed < 0.65 and 0.15 < both < 0.4
+
+
 # --- validation data, new clients, a whole run ----------------------------------------------------------------
 def test_a_client_without_validation_data_uses_its_domain_set_weighted_by_its_prior_else_its_training_split():
     algo = _algo(federation={"val_fraction": 0.0})
@@ -265,9 +281,11 @@ def test_a_strict_run_has_personal_models_no_global_model_and_affinity_rows_of_w
     """Each reply's weights sum to 1 (or 0), so P's rows are whole numbers, at most the client's rounds after the
     first. IID clients: other models do lower a client's validation loss now and then (P is not all zero; under
     this config's Dirichlet labels they never do, and FedFomo stays Local)."""
-    res = pflbed.run(_tree(fraction=1.0, federation={"partition": "iid"}), write=False)
+    tree = _tree(fraction=1.0, federation={"partition": "iid"})
+    res = pflbed.run({**tree, "eval": {**tree["eval"], "finetune": ["ft", "lp"]}}, write=False)
     f = res.summary["final"]
     assert f["gfl_acc"] is None and f["pfl_acc"] is not None
+    assert "ft" not in f and "lp" not in f  # no generic model: `eval.finetune` does not run
     P = res.server["P"]
     assert (P >= 0).all() and float(P.sum()) > 0
     rows = P.sum(1)
@@ -352,3 +370,117 @@ def test_the_federated_update_measures_every_loss_with_the_validation_weights():
     models = [_shifted(own, algo.keys[0], 0, 0.5), _shifted(own, algo.keys[0], 1, -0.5)]
     algo.federated_update(own, models, data)
     assert len(seen) == 3 and all(w is sw for w in seen)
+
+
+# --- the authors' rules as options: signed affinity, the latest round's pool ----------------------------------------
+def test_the_authors_affinity_adds_signed_gains_over_the_absolute_sum():
+    """δ / |Σδ|: 0.5, 1, −0.5 (sum 1) stay; 1, −3 (sum −2) → 0.5, −1.5; a zero sum is raised by 1e-9; infinite
+    gains take the whole increment with their sign; an all-zero row adds nothing."""
+
+    def f(*g):
+        return affinity_deltas(torch.tensor(g, dtype=F64)).tolist()
+
+    assert f(0.5, 1.0, -0.5) == [0.5, 1.0, -0.5]
+    assert f(1.0, -3.0) == [0.5, -1.5]
+    assert f(2e-10, -1e-10) == pytest.approx([2e-10 / 1.1e-9, -1e-10 / 1.1e-9], rel=1e-12)
+    assert f(1.0, -1.0) == pytest.approx([1e9, -1e9], rel=1e-12)
+    assert f(float("inf"), 1.0, float("-inf"), float("inf")) == [1 / 3, 0.0, -1 / 3, 1 / 3]
+    assert f(0.0, 0.0) == [0.0, 0.0]
+
+
+def _three_candidates(algo):
+    """The three-model example above for client 0, as clients 1, 2, 3 (gains 0.5, 1, −0.5); client 4 received only
+    a harmful model (gain −2), client 5 nothing. Each reply comes from `client_update` (which normalizes the gains
+    under `deltas`), then one aggregation."""
+    own = algo.init_client(0)
+    key = algo.param_keys[0]
+    models = [_shifted(own, key, (0, 0), 2.0), _shifted(own, key, (0, 1), 0.5), _shifted(own, key, (0, 2), 1.0)]
+    _fake_losses(algo, {id(own): 2.0, id(models[0]): 1.0, id(models[1]): 1.5, id(models[2]): 2.5})
+    _, w, gains = algo.federated_update(own, models, algo.ctx.client_data(0))
+    measured = {0: ([1, 2, 3], w, gains), 4: ([3], torch.zeros(1, dtype=F64), torch.tensor([-2.0], dtype=F64)),
+                5: ([], torch.zeros(0, dtype=F64), torch.zeros(0, dtype=F64))}  # fmt: skip
+    replies = {}
+    for c, (ids, wc, gc) in measured.items():
+        algo.federated_update = lambda own, models, data, wc=wc, gc=gc: (dict(own), wc, gc)
+        payload = {IDS: torch.tensor(ids, dtype=torch.int64),
+                   **{f"m/{s}/{k}": v for s in range(len(ids)) for k, v in own.items()}}  # fmt: skip
+        cctx = ClientContext(2, c, torch.Generator().manual_seed(c))
+        replies[c], _ = algo.client_update(payload, own, algo.ctx.client_data(c), cctx)
+    server = _uploaded_server(algo, [0.0] * 6)
+    return algo.aggregate(2, server, replies, dict.fromkeys(replies, 1.0)), gains
+
+
+@pytest.mark.parametrize("rule", ["weights", "deltas"])
+def test_a_harmful_model_ranks_below_never_tried_ones_only_under_the_authors_affinity(rule):
+    """`weights`: P[0, ·] += w = 1/3, 2/3, 0 — the model that raised the loss ties with the never-tried clients 4
+    and 5. `deltas`: P[0, ·] += δ/|Σδ| = 0.5, 1, −0.5 — it ranks last in every greedy draw. The update itself
+    uses the clipped weights under both."""
+    algo = _algo(M=5, epsilon=0.0, affinity=rule)
+    out, gains = _three_candidates(algo)
+    assert torch.allclose(gains, torch.tensor([0.5, 1.0, -0.5], dtype=F64), atol=1e-12)
+    added = [0.5, 1.0, -0.5] if rule == "deltas" else [1 / 3, 2 / 3, 0.0]
+    assert torch.allclose(out["P"][0, 1:4], torch.tensor(added, dtype=F64), atol=1e-12)
+    assert out["P"][4, 3] == (-1.0 if rule == "deltas" else 0.0)  # −2 / |−2|
+    assert float(out["P"].abs().sum() - out["P"][0].abs().sum() - out["P"][4, 3].abs()) == 0.0
+    lasts = {algo.configure(r, out, [0])[0][IDS].tolist()[-1] for r in range(2, 12)}
+    assert lasts == {3} if rule == "deltas" else lasts != {3}
+    if rule == "deltas":
+        assert out["updates"].tolist() == [1, 0, 0, 0, 0, 0]
+        assert algo.diagnostics(2, out, lambda c: {})["federated_updates"] == 1.0
+        reply = {**algo.init_client(0), WEIGHTS: torch.tensor([1.0], dtype=F64), IDS: torch.tensor([2]),
+                 "fomo/gain": torch.tensor([1.0], dtype=F64)}  # fmt: skip
+        again = algo.aggregate(3, out, {0: reply}, {0: 1.0})  # a later round counts on
+        assert again["updates"].tolist() == [2, 0, 0, 0, 0, 0] and float(again["P"][0, 2]) == pytest.approx(2.0)
+    else:
+        assert "updates" not in out
+
+
+def test_the_authors_pool_is_the_latest_rounds_uploaders():
+    """`candidates: last_round`: client 0 downloads only from the clients whose last upload is the latest round's
+    (2, 3, 5 uploaded in round 3; 1 and 4 earlier); `uploaded` (default): from all five. Nobody uploaded: none.
+    New clients draw on the same pool."""
+    pools = {}
+    for pool in ("uploaded", "last_round"):
+        algo = _algo(M=5, epsilon=0.0, candidates=pool)
+        assert algo.configure(1, algo.init_server(), [0])[0][IDS].numel() == 0
+        server = _uploaded_server(algo, [0.0] * 6)
+        server["last_upload"] = torch.tensor([0, 2, 3, 3, 1, 3])
+        pools[pool] = sorted(algo.configure(4, server, [0])[0][IDS].tolist())
+        seen = []
+        algo.federated_update = lambda own, models, data, seen=seen: seen.append(len(models)) or (own, None, None)
+        algo.zero_shot(server, algo.ctx.client_data(0))
+        assert seen == [len(pools[pool])]  # client 0 has no stored model: like a new client, it draws on the pool
+    assert pools == {"uploaded": [1, 2, 3, 4, 5], "last_round": [2, 3, 5]}
+    algo = _algo(candidates="last_round")
+    server = _uploaded_server(algo, [0.0] * 6)
+    server["last_upload"] = torch.tensor([0, 1, 0, 1, 0, 0])  # after round 1
+    assert algo.pool(server) == [1, 3]
+
+
+def test_called_with_an_uploaded_clients_data_the_start_is_its_own_stored_model():
+    """The path the engine never takes (`eval.finetune` does not run without a generic model), as documented:
+    θ_prev is the client's stored model, the candidates the other stored models."""
+    algo = _algo()
+    server = _uploaded_server(algo, [0.0] * 6)
+    key = algo.param_keys[0]
+    server[f"local/2/{key}"] = server[f"local/2/{key}"] + 1.0
+    seen = []
+    algo.federated_update = lambda own, models, data: seen.append((own, len(models))) or (own, None, None)
+    algo.zero_shot(server, algo.ctx.client_data(2))
+    (own, n), = seen
+    assert n == 5 and all(torch.equal(own[k], server[f"local/2/{k}"]) for k in algo.keys)
+
+
+@pytest.mark.parametrize("key, value", [("affinity", "signed"), ("candidates", "latest")])
+def test_an_unknown_rule_is_a_config_error(key, value):
+    with pytest.raises(ConfigError, match=f"algorithm.{key}"):
+        validate_config(_tree(**{key: value}))
+
+
+def test_a_strict_run_with_the_authors_rules():
+    """Both options together through the engine: P holds signed entries, the counter the federated updates."""
+    res = pflbed.run(_tree(fraction=0.5, federation={"partition": "iid"}, affinity="deltas",
+                           candidates="last_round"), write=False)  # fmt: skip
+    assert res.summary["final"]["pfl_acc"] is not None
+    assert res.history[-1]["diag"]["federated_updates"] == float(res.server["updates"].sum())
+    assert float(res.server["P"].abs().sum()) > 0

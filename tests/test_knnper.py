@@ -317,3 +317,37 @@ def test_a_single_sample_datastore_still_votes():
     pred = algo.personal_model(algo.init_server(), algo.init_client(cid))
     x = algo.ctx.client_data(cid).x[:20]
     assert len(pred.keys) == 1 and torch.equal(pred.logits(x).argmax(1), pred.labels.expand(20))
+
+
+def test_eval_finetune_rows_exist_only_where_something_is_fine_tuned():
+    """`new_client = "knn"` tunes nothing: `eval.finetune` is skipped (its rows would be kNN-Per relabeled);
+    `"ft+knn"` reports kNN-Per on the fine-tuned / probed model under `final.ft` / `final.lp`, and those differ
+    from the un-tuned kNN-Per figure."""
+    ev = {**TINY["eval"], "finetune": ["ft", "lp"], "ft_epochs": 2, "ft_lr": 0.2}
+    tree = {**TINY, "train": {**TINY["train"], "rounds": 2}, "eval": ev, "executor": {"threads": 1}}
+    knn = pflbed.run({**tree, "algorithm": {"name": "knnper"}}, write=False)
+    assert "ft" not in knn.summary["final"] and "lp" not in knn.summary["final"]
+    tuned = pflbed.run({**tree, "algorithm": {"name": "knnper", "new_client": "ft+knn"}}, write=False)
+    f = tuned.summary["final"]
+    assert f["pfl_acc"] == knn.summary["final"]["pfl_acc"]  # training and the un-tuned kNN-Per are the same
+    assert f["ft"]["pfl_acc"] is not None and f["lp"]["pfl_acc"] is not None
+    assert f["ft"]["pfl_acc"] != f["pfl_acc"]
+    assert knn.executor.algo.finetune_methods(knn.server, ["ft", "lp"]) == []
+    assert tuned.executor.algo.finetune_methods(tuned.server, ["lp"]) == ["lp"]
+
+
+def test_pfl_val_is_the_best_validation_accuracy_over_the_lambda_grid():
+    """The docstring's caveat, checked: a client's validation score is the maximum over `lam_grid` of its
+    validation accuracy (λ was tuned on the same data), at least every single λ's."""
+    algo = _algo()
+    server = algo.init_server()
+    P = Predictions(algo.ctx.source, 256)
+    for c in algo.ctx.federation.participated[:3]:
+        chosen = client_score(algo.personal_model(server, algo.init_client(c)), c, algo.ctx, P, "val")
+        data = algo.ctx.client_data(c)
+        each = []
+        for lam in algo.opts.lam_grid:
+            pred = algo.knn_model(server, data)
+            pred.lam = lam
+            each.append(client_score(pred, c, algo.ctx, P, "val"))
+        assert chosen == pytest.approx(max(each), abs=1e-9)

@@ -547,14 +547,17 @@ def e2e():
     torch.set_num_threads(1)
     algorithm = {"name": "pfedhn", "hidden": 16, "local_steps": 10, "hn_lr": 0.05}
     train = {**WITH_NEW["train"], "rounds": 8}
-    return pflbed.run({**WITH_NEW, "train": train, "algorithm": algorithm}, write=False, progress=False)
+    ev = {**WITH_NEW["eval"], "finetune": ["ft", "lp"]}  # asked for, never run: no generic model
+    return pflbed.run({**WITH_NEW, "train": train, "eval": ev, "algorithm": algorithm}, write=False, progress=False)
 
 
 def test_pfedhn_learns_end_to_end_in_strict_mode_and_reports_new_clients(e2e):
-    """The generated personal models beat the initial hypernetwork's (P-FL), G-FL is absent, and the new-client
-    protocol reports zero-shot and per-size figures."""
+    """The generated personal models beat the initial hypernetwork's (P-FL), G-FL is absent (and with it the
+    participated clients' `eval.finetune` rows), and the new-client protocol reports zero-shot and per-size
+    figures."""
     f = e2e.summary["final"]
     assert f["gfl_acc"] is None and f["pfl_acc"] > 0.3  # 10 classes: chance 0.1
+    assert "ft" not in f and "lp" not in f
     algo = e2e.executor.algo
     src, fed = algo.ctx.source.train, algo.ctx.federation
 

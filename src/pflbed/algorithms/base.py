@@ -256,6 +256,13 @@ class Algorithm:
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         raise NotImplementedError
 
+    def finetune_methods(self, server: Tensors, methods: list[str]) -> list[str]:
+        """Which of `eval.finetune`'s methods run on the participated clients at the final round (reported under
+        `final.<method>`): every one where there is a generic model to personalize from, none otherwise. An
+        algorithm whose `personalize` tunes nothing overrides this, so that no row repeats its P-FL figure under
+        a fine-tuning label."""
+        return list(methods) if self.generic_model(server) is not None else []
+
     def personalize(
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
     ) -> Iterator[Predictor]:

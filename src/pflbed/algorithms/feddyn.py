@@ -12,31 +12,63 @@ keeps h (zero at first):
 
 m the number of (participating) clients. Faithful to Algorithm 1, the mean over P_t is uniform, not |D_k|-weighted;
 BatchNorm statistics are averaged (uniformly) with the model and carry no h. `alpha` defaults to 0.01, in the
-paper's grid {0.1, 0.01, 0.001}. Personalization (+FT/+LP, new clients) fine-tunes θ, as for FedAvg.
+paper's grid {0.1, 0.01, 0.001}.
+
+Which model is scored (`eval_model`): the clients always start from θ^t, Algorithm 1's server model (the "cloud"
+model of the authors' code). G-FL and P-FL (FedDyn has no personal model: P-FL scores the same model) and every
+personalization (+FT/+LP, new clients, zero-shot) use
+- `cloud` (default): θ^t = mean − h^t/α, the model Algorithm 1 returns;
+- `mean`: the round's uniform mean (1/|P_t|) Σ_{k∈P_t} θ_k^t of the client models — the model the authors' code
+  evaluates for its reported figures (its `avg_model`; it also logs the mean of every client's latest model, not
+  offered here). The mean is kept in the server state (`mean/<parameter>`, the initial model before round 1) and
+  never sent; BatchNorm statistics are the same in both (they carry no h).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import ClientContext, ClientData, Tensors
+from pflbed.algorithms.base import ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
 
-H = "h/"
+H, MEAN = "h/", "mean/"
 
 
 class FedDynOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     alpha: float = Field(0.01, gt=0, description="α of the dynamic regularizer")
+    eval_model: Literal["cloud", "mean"] = Field("cloud", description="the model scored and personalized: θ = "
+                                                 "mean − h/α (Alg. 1), or the round's mean of the client models "
+                                                 "(the authors' reported figures)")  # fmt: skip
 
 
 class FedDyn(ModelWithExtras):
     name = "feddyn"
     Config = FedDynOptions
     prefix = H  # h; clients' g_k start at zero too
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._mean_cache: tuple[Tensors, Tensors] | None = None  # (server state, its mean model)
+
+    def init_server(self) -> Tensors:
+        server = super().init_server()
+        if self.opts.eval_model == "mean":
+            server.update({f"{MEAN}{k}": self.ctx.initial_params[k].clone() for k in self.params})
+        return server
+
+    def generic_model(self, server: Tensors) -> Predictor:
+        if self.opts.eval_model == "cloud":
+            return super().generic_model(server)
+        if self._mean_cache is None or self._mean_cache[0] is not server:  # one dict per server state (batching)
+            mean = {k: server[f"{MEAN}{k}"] if k in self.params else server[k] for k in self.model_keys}
+            self._mean_cache = (server, mean)
+        return Predictor(self.ctx.model, self._mean_cache[1])
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         theta = self.model_part(server)
@@ -80,4 +112,5 @@ class _FedDynServer:
         share = len(self.mean.w) / m
         h = {k: s[f"{H}{k}"] - a * share * (mean[k] - s[k]) for k in self.algo.params}
         theta = {k: mean[k] - h[k] / a if k in h else mean[k] for k in self.algo.model_keys}
-        return {**theta, **{f"{H}{k}": v for k, v in h.items()}}
+        kept = {f"{MEAN}{k}": mean[k] for k in self.algo.params} if self.algo.opts.eval_model == "mean" else {}
+        return {**theta, **{f"{H}{k}": v for k, v in h.items()}, **kept}

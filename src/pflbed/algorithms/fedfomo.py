@@ -17,18 +17,24 @@ epochs of SGD on its training split) and uploads the trained model with its weig
 
 The server keeps the latest uploaded model of every client (`local/{cid}/{param}`) and the affinity matrix P
 (`P[i, n]`: how much client i has gained from client n's models). After each round P[i, n] ← P[i, n] + w_n for
-the models client i received. The M models sent to client i are chosen ε-greedily from P's row i: each of the M
+the models client i received (`affinity: weights`, the default; `deltas` is the authors' code's rule, below). The
+M models sent to client i are chosen ε-greedily from P's row i: each of the M
 download slots explores with probability ε_t (a model chosen uniformly among those not yet picked) and otherwise
 exploits (the not-yet-picked model of highest P[i, n]; ties, e.g. the all-zero P of the first rounds, broken at
 random). ε decays linearly over the rounds: ε_t = max(0, ε − δ·(t − 1)).
 
 Round structure (one engine round):
-  - configure: for client i, candidates are the clients ≠ i that have uploaded at least once (their latest
-    model); up to M are chosen as above. Payload: `m/{slot}/{param}` and `fomo/ids` (the slots' client ids).
-    In round 1 nobody has uploaded: every client only trains locally (the authors' first round, too).
+  - configure: for client i, candidates are the clients ≠ i in the pool (`candidates`: every client that has
+    uploaded at least once, the default, or the authors' latest round's uploaders; their latest models); up to M
+    are chosen as above. Payload: `m/{slot}/{param}` and `fomo/ids` (the slots' client ids). In round 1 nobody
+    has uploaded: the round's sampled clients only train locally (`train.local_epochs`) and upload. The authors'
+    first round differs: every client of the federation trains one local epoch and a random subset of the
+    sampled size uploads (a round of non-sampled clients is outside the engine's contract: not reproduced).
   - client: weights on the validation split → θ_i^t → local training → reply (`{param}` of the trained model,
-    `fomo/w`, `fomo/ids`); the client state is the trained model (θ_i for the next time it is sampled).
-  - aggregate: store each reply's model under `local/{cid}/`, add its weights to P[i, ids].
+    `fomo/w`, `fomo/ids`; with `affinity: deltas` also the normalized signed gains `fomo/gain`, always finite);
+    the client state is the trained model (θ_i for the next time it is sampled).
+  - aggregate: store each reply's model under `local/{cid}/`, add its weights (or its normalized gains) to
+    P[i, ids].
 
 Choices (the paper leaves them open or they follow from our contract):
   - θ_i^{t−1} is the client's own latest model (its state: the model it trained and uploaded last time; the run's
@@ -62,29 +68,45 @@ Defaults:
     here the split is the federation's: set `federation.val_fraction: 0.2` for the same fraction.
   - Local training: `train.*` (the authors use SGD lr 0.1 with 0.99 decay per round, 5 local epochs, batch 50).
 
+The authors' code, as options (the defaults are the rules above):
+  - `affinity: deltas`: P[i, n] += δ_n / |Σ_m δ_m| over the models client i received, δ_n = (L_i(θ_i^{t−1}) −
+    L_i(θ_n)) / ‖θ_n − θ_i^{t−1}‖ the *signed* gain before clipping (a |Σ| below 1e-9 is raised by 1e-9, as there).
+    A model that raised the client's loss adds a negative amount and ranks below the never-tried ones (P = 0);
+    under `weights` it adds 0 and ties with them, so the greedy slots keep offering it until an exploration or a
+    tie-break passes it over. Edge cases: δ = 0 for a zero distance or a NaN loss (a diverged candidate adds 0
+    here: the authors' code would write NaN into P); infinite gains take the whole increment, sign(δ)/count each.
+    The update itself still uses the clipped weights w. The server then also counts, per client, the updates
+    that took in other models (`updates`), for the diagnostics.
+  - `candidates: last_round`: the download pool is the clients that uploaded in the latest round with an upload
+    (the authors' `uploaded_clients`: the previous round's participants), instead of every client that ever
+    uploaded. New clients draw on the same pool.
+
 Not reproduced from the authors' code (it differs from the paper's rule): its released commands measure the gains
 against the client's model *before* its last local training (`--baseline_model first_model`) and count the
 client's freshly trained model among the candidates (so that model can receive weight); its hierarchical variant
 also clusters the clients into sub-federations.
 
-New clients (the paper defines none; also used for `eval.finetune` of participated clients): the same first-order
-rule as one FedFomo update with every stored model as a candidate — θ_prev is the client's own stored model (the
-run's initial model for a client that never uploaded, e.g. a new client), the weights come from its validation
-data (the fallback above included), and the result is its zero-shot model; `personalize` fine-tunes it (FT/LP,
-`training.finetune_epochs`). If no stored model improves on θ_prev, the start is θ_prev.
+New clients (the paper defines none): the same first-order rule as one FedFomo update with every stored model of
+the pool as a candidate — θ_prev is the run's initial model (a new client never uploaded), the weights come from
+its validation data (the fallback above included), and the result is its zero-shot model; `personalize`
+fine-tunes it (FT/LP, `training.finetune_epochs`). If no stored model improves on θ_prev, the start is θ_prev.
+`eval.finetune` does not run for the participated clients (FedFomo has no generic model, and the engine
+fine-tunes participated clients only from one); called with a participated client's data, `personalize` would
+start from that client's stored model instead — a path the engine never takes.
 
-Diagnostics: `diag.federated_updates` (the sum of P: the number of client updates so far that took in other
-models, since each such reply's weights sum to 1) and `diag.partners_per_client` (mean count of clients n with
-P[i, n] > 0).
+Diagnostics: `diag.federated_updates` (the number of client updates so far that took in other models: the sum
+of P under `affinity: weights`, since each such reply's weights sum to 1; the `updates` counter under `deltas`)
+and `diag.partners_per_client` (mean count of clients n with P[i, n] > 0: under `deltas`, those that helped more
+than they harmed).
 
 Communication: down M models per client (fewer while fewer clients have uploaded) and M client ids; up one model
-and M weights and ids.
+and M weights and ids (with `affinity: deltas`, also M gains).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +117,7 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData,
 from pflbed.algorithms.training import finetune_epochs, train_from, validation_data
 
 _STREAM = 0xF0A0  # the server's model-sampling stream, apart from the engine's tags (1–4)
-IDS, WEIGHTS = "fomo/ids", "fomo/w"
+IDS, WEIGHTS, GAINS, UPDATES = "fomo/ids", "fomo/w", "fomo/gain", "updates"
 
 
 class FedFomoOptions(BaseModel):
@@ -103,6 +125,20 @@ class FedFomoOptions(BaseModel):
     M: int = Field(5, ge=1, description="other clients' models each sampled client downloads per round")
     epsilon: float = Field(0.3, ge=0, le=1, description="ε: initial exploration probability per download slot")
     epsilon_decay: float = Field(0.05, ge=0, description="δ: ε_t = max(0, ε − δ·(t − 1)) in round t")
+    affinity: Literal["weights", "deltas"] = Field("weights", description="P[i, n] += the update's weight w_n, or "
+                                                   "the authors' signed gain δ_n/|Σδ| (harmful models go "
+                                                   "negative)")  # fmt: skip
+    candidates: Literal["uploaded", "last_round"] = Field("uploaded", description="download pool: every client "
+                                                          "that ever uploaded, or the authors' latest round's "
+                                                          "uploaders")  # fmt: skip
+
+
+def signed_gains(own_loss: torch.Tensor, losses: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
+    """δ_n = (L(θ_prev) − L(θ_n)) / ‖θ_n − θ_prev‖, signed: > 0 for a model that lowers the loss, < 0 for one that
+    raises it. A zero distance (the model is θ_prev) or a NaN (a NaN loss) gives 0; ±∞ stay."""
+    gain = own_loss - losses
+    raw = torch.where(distances > 0, gain / torch.where(distances > 0, distances, 1.0), 0.0)
+    return torch.where(torch.isnan(raw), 0.0, raw)
 
 
 def first_order_weights(own_loss: torch.Tensor, losses: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
@@ -111,13 +147,23 @@ def first_order_weights(own_loss: torch.Tensor, losses: torch.Tensor, distances:
     All zeros when no model lowers the loss (the client keeps its model). A zero distance (the model is θ_prev)
     or a non-finite loss gives 0; an infinite gain takes all the weight (the limit of the normalization).
     """
-    gain = own_loss - losses
-    raw = torch.where(distances > 0, gain / torch.where(distances > 0, distances, 1.0), 0.0)
-    raw = torch.where(torch.isnan(raw), 0.0, raw).clamp(min=0.0)
+    raw = signed_gains(own_loss, losses, distances).clamp(min=0.0)
     if bool(torch.isinf(raw).any()):
         raw = torch.isinf(raw).to(raw.dtype)
     total = raw.sum()
     return raw / total if bool(total > 0) else torch.zeros_like(raw)
+
+
+def affinity_deltas(gains: torch.Tensor) -> torch.Tensor:
+    """The authors' affinity increments: the signed gains δ_n divided by |Σ_m δ_m| (a sum below 1e-9 in absolute
+    value raised by 1e-9, as their code does), so a model that raised the loss adds a negative amount. Infinite
+    gains take the whole increment (the limit of the normalization): sign(δ_n)/(their count) each, 0 for the rest.
+    """
+    inf = torch.isinf(gains)
+    if bool(inf.any()):
+        return torch.where(inf, torch.sign(gains), 0.0) / inf.sum()
+    norm = gains.sum().abs()
+    return gains / (norm + 1e-9 if bool(norm < 1e-9) else norm)
 
 
 def combine(own: Tensors, models: list[Tensors], weights: torch.Tensor) -> Tensors:
@@ -170,17 +216,20 @@ class FedFomo(Algorithm):
         """‖a − b‖ over the trainable parameters, flattened together (float64)."""
         return torch.sqrt(sum(((a[k].to(torch.float64) - b[k].to(torch.float64)) ** 2).sum() for k in self.param_keys))
 
-    def federated_update(self, own: Tensors, models: list[Tensors], data: ClientData) -> tuple[Tensors, torch.Tensor]:
-        """(θ_i^t, w): the first-order weights of `models` against `own` on the client's validation data, and the
-        combined model."""
+    def federated_update(
+        self, own: Tensors, models: list[Tensors], data: ClientData
+    ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
+        """(θ_i^t, w, δ): the combined model, the first-order weights of `models` against `own` on the client's
+        validation data, and the signed gains they come from."""
         if not models:
-            return dict(own), torch.zeros(0, dtype=torch.float64, device=self.ctx.device)
+            none = torch.zeros(0, dtype=torch.float64, device=self.ctx.device)
+            return dict(own), none, none
         x, y, sw = self.validation(data)
         own_loss = self.loss(own, x, y, sw)
         losses = torch.stack([self.loss(m, x, y, sw) for m in models])
         distances = torch.stack([self.distance(m, own) for m in models])
         w = first_order_weights(own_loss, losses, distances)
-        return combine(own, models, w), w
+        return combine(own, models, w), w, signed_gains(own_loss, losses, distances)
 
     # --- model sampling --------------------------------------------------------------------------------------
     def epsilon(self, rnd: int) -> float:
@@ -214,17 +263,29 @@ class FedFomo(Algorithm):
         seen = server["last_upload"].tolist()
         return [c for c in self.clients if seen[self.index[c]] > 0]
 
+    def pool(self, server: Tensors) -> list[int]:
+        """The clients whose stored models may be downloaded: every one that uploaded (`uploaded`), or those of
+        the latest round with an upload (`last_round`), in client order."""
+        if self.opts.candidates == "uploaded":
+            return self.uploaded(server)
+        seen = server["last_upload"].tolist()
+        latest = max(seen, default=0)
+        return [c for c in self.clients if latest > 0 and seen[self.index[c]] == latest]
+
     # --- federation ------------------------------------------------------------------------------------------
     def init_server(self) -> Tensors:
         n, dev = len(self.clients), self.ctx.device
-        return {"P": torch.zeros((n, n), dtype=torch.float64, device=dev),
-                "last_upload": torch.zeros(n, dtype=torch.int64, device=dev)}  # fmt: skip
+        server = {"P": torch.zeros((n, n), dtype=torch.float64, device=dev),
+                  "last_upload": torch.zeros(n, dtype=torch.int64, device=dev)}  # fmt: skip
+        if self.opts.affinity == "deltas":  # P's sum no longer counts the federated updates: a counter does
+            server[UPDATES] = torch.zeros(n, dtype=torch.int64, device=dev)
+        return server
 
     def init_client(self, cid: int) -> Tensors:
         return dict(self.ctx.initial_params)  # θ_i^0: the run's initial model
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
-        available = self.uploaded(server)
+        available = self.pool(server)
         payloads: dict[int, Tensors] = {}
         for c in cids:
             candidates = [n for n in available if n != c]
@@ -240,21 +301,30 @@ class FedFomo(Algorithm):
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
         models = [{k: payload[f"m/{s}/{k}"] for k in self.keys} for s in range(len(payload[IDS]))]
-        start, w = self.federated_update(state, models, data)
+        start, w, gains = self.federated_update(state, models, data)
         trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)
-        return {**trained, WEIGHTS: w, IDS: payload[IDS]}, trained
+        reply = {**trained, WEIGHTS: w, IDS: payload[IDS]}
+        if self.opts.affinity == "deltas":  # normalized here: finite, so a reply never looks diverged
+            reply[GAINS] = affinity_deltas(gains)
+        return reply, trained
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
-        out = dict(server)
+        out, deltas = dict(server), self.opts.affinity == "deltas"
         P, last = server["P"].clone(), server["last_upload"].clone()
+        updates = server[UPDATES].clone() if deltas else None
         for c in sorted(replies):
             reply, i = replies[c], self.index[c]
             out.update({f"local/{c}/{k}": reply[k] for k in self.keys})
             cols = [self.index[int(n)] for n in reply[IDS].tolist()]
             if cols:
-                P[i, torch.tensor(cols, dtype=torch.int64, device=P.device)] += reply[WEIGHTS].to(P.dtype)
+                added = (reply[GAINS] if deltas else reply[WEIGHTS]).to(P.dtype)
+                P[i, torch.tensor(cols, dtype=torch.int64, device=P.device)] += added
+            if updates is not None and bool(reply[WEIGHTS].sum() > 0):
+                updates[i] += 1
             last[i] = rnd
         out["P"], out["last_upload"] = P, last
+        if updates is not None:
+            out[UPDATES] = updates
         return out
 
     # --- evaluation ------------------------------------------------------------------------------------------
@@ -263,9 +333,8 @@ class FedFomo(Algorithm):
 
     def start_for(self, server: Tensors, data: ClientData) -> Tensors:
         """One FedFomo update of the client's stored model (θ^0 if it has none) over every other stored model."""
-        available = self.uploaded(server)
-        own = self.stored(server, data.cid) if data.cid in available else dict(self.ctx.initial_params)
-        models = [self.stored(server, n) for n in available if n != data.cid]
+        own = self.stored(server, data.cid) if data.cid in self.uploaded(server) else dict(self.ctx.initial_params)
+        models = [self.stored(server, n) for n in self.pool(server) if n != data.cid]
         return self.federated_update(own, models, data)[0]
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
@@ -281,5 +350,6 @@ class FedFomo(Algorithm):
         """How much federating happened: every reply whose weights are not all zero adds exactly 1 to P, so P's
         sum counts the client updates that took in other models (0: FedFomo has behaved as Local so far)."""
         P = server["P"]
-        return {"federated_updates": round(float(P.sum()), 6),
+        updates = float(server[UPDATES].sum()) if UPDATES in server else float(P.sum())
+        return {"federated_updates": round(updates, 6),
                 "partners_per_client": round(float((P > 0).sum(1).to(torch.float64).mean()), 6)}  # fmt: skip

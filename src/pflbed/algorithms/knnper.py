@@ -54,9 +54,15 @@ Choices and deviations:
   `new_client = "knn"` (default) yields one predictor, the frozen global features over the new client's own
   training data (there are no epochs to spend; Last = Best); `"ft+knn"` first fine-tunes the global model with the
   budget (`training.finetune_epochs`, FT or LP) and after every epoch yields the kNN-Per predictor built on the
-  fine-tuned model's features and head. Zero-shot = the global model. The participated clients' `eval.finetune`
-  evaluations go through the same `personalize`: with `new_client = "knn"` their +FT/+LP rows repeat kNN-Per
-  (nothing is fine-tuned), so leave `eval.finetune` empty or use `"ft+knn"`.
+  fine-tuned model's features and head. Zero-shot = the global model.
+- `eval.finetune` (the participated clients, final round) goes through the same `personalize`. With
+  `new_client = "knn"` it would fine-tune nothing and report kNN-Per itself under `final.ft` / `final.lp`, so it is
+  skipped (`finetune_methods`: no such rows in the summary). With `"ft+knn"` the rows are kNN-Per on the model
+  fine-tuned (ft) or linearly probed (lp) with the `eval.ft_*` budget: kNN-Per+FT / kNN-Per+LP.
+- P-FL validation (`pfl_val`, which selects the reported round): each client's accuracy at its tuned λ, i.e. the
+  maximum over `lam_grid` of its validation accuracy — the same data chose λ, so it is optimistic (more so the
+  larger the grid and the smaller the validation set), and a round is selected on that optimistic figure. The
+  test figures are not affected (λ never sees test data). A fixed `lam` makes `pfl_val` an unbiased estimate.
 - Cost: `personal_model` rebuilds the client's datastore (one forward over its training samples) and tunes λ
   (one forward over its validation samples) at every evaluation; nothing but the client id is kept in its state.
 """
@@ -218,6 +224,10 @@ class KNNPer(FedAvg):
     # --- evaluation and new clients --------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return self.knn_model(server, self.ctx.client_data(int(state["cid"])))
+
+    def finetune_methods(self, server: Tensors, methods: list[str]) -> list[str]:
+        """None with `new_client = "knn"` (nothing would be fine-tuned: the rows would be kNN-Per relabeled)."""
+        return [] if self.opts.new_client == "knn" else super().finetune_methods(server, methods)
 
     def personalize(
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator

@@ -14,6 +14,20 @@ Personal model (P-FL): one (`personal_steps`) full-batch gradient step of size �
 from the meta-model — the paper's evaluation, deterministic here (full batch instead of a sampled one). G-FL scores
 the meta-model. New clients (the FedBasis paper's Per-FedAvg+FT): fine-tune the meta-model (FT/LP).
 
+The α-step of the personal model is taken in train mode, like the α-steps of training: Eq. 3 scores
+f_i(w − α∇f_i(w)) with the same ∇f_i the local meta-updates differentiate through, so a step in eval mode would
+adapt the meta-model by a map it was never trained for (the paper's MLPs have neither dropout nor BatchNorm, so it
+does not say). What that means for such layers:
+- dropout: each α-step draws its masks; they come from torch's global RNG seeded from (seed, stream 0x9EFA, client
+  id) for the step and restored after it, so a client's personal model is a function of (server state, client
+  data, seed) alone — the same in every executor, evaluation and process, whatever ran before. The round is not
+  a key (the personal model is built from the server state, which already differs per round).
+- BatchNorm: the gradient normalizes with the statistics of the client's training split (the full batch), as every
+  training step normalizes with its batch's; the forward also moves the running statistics one momentum step
+  (torch's default 0.1) toward that split's per α-step and counts the batch, and the personal model predicts
+  with those running statistics: 0.9·the meta-model's + 0.1·the client's, a mild personalization of the
+  statistics. The meta-model (server state) itself is never changed.
+
 Choices: τ = `train.local_epochs` · ⌈n_i/B⌉ steps, the batches drawn from one shuffled stream (each step consumes
 2 or 3 batches); plain SGD steps (the optimizer's momentum and weight decay are not used by the meta-update);
 α defaults to 0.01 (the paper's α ∈ {0.001, 0.01}; choose on validation).
@@ -28,9 +42,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import get_params, index_batches, load_params
+
+PERSONAL_STREAM = 0x9EFA  # the personal α-step's dropout stream, apart from the engine's tags (1–4)
 
 
 class PerFedAvgOptions(BaseModel):
@@ -92,16 +109,19 @@ class PerFedAvg(FedAvg):
         return dict(zip(named, torch.autograd.grad(dot, list(named.values())), strict=True))
 
     def adapted(self, server: Tensors, data: ClientData) -> Tensors:
-        """The meta-model after `personal_steps` full-batch gradient steps of size α on `data`'s training set."""
-        model = self.ctx.model
+        """The meta-model after `personal_steps` full-batch gradient steps of size α on `data`'s training set, in
+        train mode; dropout masks from the (seed, client) stream, torch's global RNG restored afterwards."""
+        model, dev = self.ctx.model, self.ctx.device
         load_params(model, server)
         model.train()
         named = dict(model.named_parameters())
-        for _ in range(self.opts.personal_steps):
-            g = self._grad(data, data.train)
-            with torch.no_grad():
-                for k, p in named.items():
-                    p.sub_(self.opts.alpha * g[k])
+        with rng.fork(dev):
+            rng.seed_global(rng.derive_seed(self.ctx.seed, PERSONAL_STREAM, data.cid), dev)
+            for _ in range(self.opts.personal_steps):
+                g = self._grad(data, data.train)
+                with torch.no_grad():
+                    for k, p in named.items():
+                        p.sub_(self.opts.alpha * g[k])
         return get_params(model)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:

@@ -69,13 +69,15 @@ Interpretations and deviations:
    gradient norms at 50 on both sides; neither is part of Algorithm 1 — not done here.
 7. BatchNorm statistics (models with buffers; the paper's LeNet has none) are not generated: each client keeps
    its own, from the initial model's, in its state (`buf.<name>`), never uploaded, and its personal model uses
-   them. New clients and `eval.finetune` start from the initial model's buffers.
+   them. New clients start from the initial model's buffers.
 8. Evaluation. P-FL of client i: h(v_i; φ) with its current embedding (a client never sampled: its initial one).
-   G-FL: none (the method has no global model; `generic_model` is None).
+   G-FL: none (the method has no global model; `generic_model` is None), so `eval.finetune` does not run: the
+   engine fine-tunes participated clients only from a generic model.
 9. New clients (`personalize`, `zero_shot`; §5.3: a novel client learns only its embedding, φ frozen):
    - start embedding `new_embedding_init`: `mean` (default) of the participated clients' embeddings, or `random`
-     (a fresh N(0, 1) draw from (seed, STREAM, 2, client)); a participated client (`eval.finetune`) starts from its
-     own. `zero_shot` = h(start; φ).
+     (a fresh N(0, 1) draw from (seed, STREAM, 2, client)). Called with a participated client's data,
+     `personalize` would start from that client's own embedding — a path the engine never takes (see 8).
+     `zero_shot` = h(start; φ).
    - `new_client: embedding` (default; the FedBasis paper's "pFedHN" row): `budget.epochs` epochs of mini-batch
      SGD on the client's cross-entropy of h(v; φ) with respect to v only (φ detached, never written), lr
      `new_embed_lr` (default `budget.lr`), `budget.momentum`, no weight decay, batches from the given generator;

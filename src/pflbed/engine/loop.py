@@ -186,7 +186,7 @@ def experiment(
                                 logged) from None  # fmt: skip
         t1 = time.perf_counter()
         finetuned = {}
-        methods = cfg.eval.finetune if algo.generic_model(server) is not None else []
+        methods = algo.finetune_methods(server, list(cfg.eval.finetune))
         for i, method in enumerate(methods):
             gen_for = lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)  # noqa: E731
             with bar.stage(f"fine-tuning every client ({method})", len(fed.participated)) as tick, precision(algo):
