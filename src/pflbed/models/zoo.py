@@ -216,16 +216,18 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int, width: float = 1.0)
         ("stem", nn.Sequential(nn.Conv2d(c, widths[0], 3, padding=1, bias=False), SafeBatchNorm2d(widths[0]),
                                nn.ReLU()))  # fmt: skip
     ]
-    cin = widths[0]
+    return BlockNet(blocks + _resnet_stages(widths, strides, num_classes))
+
+
+def _resnet_stages(widths: tuple[int, ...], strides: tuple[int, ...], num_classes: int) -> list[tuple[str, nn.Module]]:
+    """ResNet-18's layer1..layer4 (two `BasicBlock`s each) after a stem of `widths[0]` channels, then the global
+    average pool and the linear classifier: what the CIFAR and the ImageNet variants share."""
+    blocks, cin = [], widths[0]
     for i, (w, s) in enumerate(zip(widths, strides, strict=True), start=1):
         blocks.append((f"layer{i}", nn.Sequential(BasicBlock(cin, w, s), BasicBlock(w, w, 1))))
         cin = w
-    blocks += [
-        ("pool", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())),
-        ("classifier", nn.Linear(cin, num_classes)),
-    ]
-    return BlockNet(blocks)
-
+    pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return [*blocks, ("pool", pool), ("classifier", nn.Linear(cin, num_classes))]
 
 
 def resnet18_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
@@ -249,15 +251,7 @@ def resnet18_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNe
         ("stem", nn.Sequential(nn.Conv2d(c, 64, 7, stride=2, padding=3, bias=False), SafeBatchNorm2d(64), nn.ReLU(),
                                nn.MaxPool2d(3, stride=2, padding=1)))  # fmt: skip
     ]
-    cin = 64
-    for i, (w, s) in enumerate(zip(widths, strides, strict=True), start=1):
-        blocks.append((f"layer{i}", nn.Sequential(BasicBlock(cin, w, s), BasicBlock(w, w, 1))))
-        cin = w
-    blocks += [
-        ("pool", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())),
-        ("classifier", nn.Linear(cin, num_classes)),
-    ]
-    return BlockNet(blocks)
+    return BlockNet(blocks + _resnet_stages(widths, strides, num_classes))
 
 
 # --- KT-pFL's heterogeneous zoo ----------------------------------------------------------------------------------
