@@ -24,7 +24,8 @@ from pflbed.config import ExecutorConfig
 from pflbed.engine.threads import LARGE_MODEL_PARAMS
 
 # Below this much training, the workers' start-up (spawning processes that import torch, shipping the data) costs
-# more than the second core saves. Measured on 2 cores: benchmarks/auto_executor.py (README, "Speed").
+# more than the second core saves. Measured on 2 cores, idle (benchmarks/results/auto_executor.txt): loop won at
+# 147 GMAC (loop ÷ procs 0.96), procs at 442 GMAC (1.20×) and 1.5 TMAC (1.51×).
 PROCS_MIN_MACS = 2e11
 
 
