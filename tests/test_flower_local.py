@@ -50,9 +50,9 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
     which round is checkpointed and the deployment's own `--resume` command, which finishes the run as `loop` would."""
     before = _flower_processes()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    # five rounds, checkpointed each: Ctrl-C lands after round 1's checkpoint with rounds still to run (with two,
+    # four rounds, checkpointed each: Ctrl-C lands after round 1's checkpoint with rounds still to run (with two,
     # a busy machine could deliver it after the last round, and the run would simply finish)
-    sets = [s if not s.startswith("train.rounds=") else "train.rounds=5" for s in SETS]
+    sets = [s if not s.startswith("train.rounds=") else "train.rounds=4" for s in SETS]
     args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "pflbed", "flower", "local", "--supernodes", "2", "--tls", "--out", "run", *args]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -64,10 +64,10 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     rnd = checkpoint_round(tmp_path / "run")
-    assert err.strip().splitlines()[-1] == (f"pflbed: interrupted; round {rnd} of 5 is checkpointed in "
+    assert err.strip().splitlines()[-1] == (f"pflbed: interrupted; round {rnd} of 4 is checkpointed in "
                                             "run/checkpoints/last.pt; continue with 'pflbed flower local --resume "
                                             "run --tls'")  # fmt: skip
-    assert 1 <= rnd < 5 and not (tmp_path / "run" / "summary.json").exists()
+    assert 1 <= rnd < 4 and not (tmp_path / "run" / "summary.json").exists()
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     assert main(["flower", "local", "--resume", "run", "--tls"]) == 0
