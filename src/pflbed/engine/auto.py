@@ -21,7 +21,7 @@ from torch import nn
 
 from pflbed.algorithms.base import Context
 from pflbed.config import ExecutorConfig
-from pflbed.engine.threads import LARGE_MODEL_PARAMS
+from pflbed.engine.threads import choose_threads
 
 # Below this much training, the workers' start-up (spawning processes that import torch, shipping the data) costs
 # more than the second core saves. Measured on 2 cores, idle (benchmarks/results/auto_executor.txt): loop won at
@@ -75,6 +75,6 @@ def choose_executor(ex: ExecutorConfig, ctx: Context) -> str:
         return ex.name
     if ctx.device.type != "cpu" or (os.cpu_count() or 1) < 2 or clients_per_round(ctx) < 2:
         return "loop"
-    if sum(p.numel() for p in ctx.model.parameters()) >= LARGE_MODEL_PARAMS and ex.threads is None:
+    if ex.threads is None and choose_threads(ctx.model) > 1:  # the default thread policy gives it every core
         return "loop"
     return "procs" if training_macs(ctx) >= PROCS_MIN_MACS else "loop"

@@ -143,6 +143,8 @@ def _schedule(
     loop's, sample for sample.
     """
     augment = datas[0].augment
+    if any(d.x is not datas[0].x or d.y is not datas[0].y or d.augment is not augment for d in datas):
+        raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
     per_client: list[list[torch.Tensor]] = []
     drawn: list[list[torch.Tensor]] = []
     for d, g in zip(datas, gens, strict=True):
@@ -167,6 +169,4 @@ def _schedule(
     active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
               for s in range(steps)]  # fmt: skip
     device = datas[0].x.device
-    if any(d.x is not datas[0].x or d.y is not datas[0].y or d.augment is not augment for d in datas):
-        raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
     return rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None
