@@ -206,3 +206,18 @@ def test_deterministic_kernels_repeat_a_device_run_bit_for_bit(case):
     b = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
     assert _state_gap(a.server, b.server) == (0.0, True)
     assert all(_state_gap(a.executor.states[c], b.executor.states[c])[1] for c in a.executor.states)
+
+
+@pytest.mark.parametrize("case", ["fedavg", "fedper"])
+def test_flower_clientapps_sharing_the_device_match_the_loop(case):
+    """`executor.name: flower` on the device: Ray worker processes, each given a share of the GPU (without one, Ray
+    hides the GPU from them), run the loop's update on the device: the loop's figures and states."""
+    pytest.importorskip("flwr")  # the `flower` extra
+    from pflbed.flower.simulation import FlowerSimulation
+
+    algorithm, sections = _case(case)
+    loop = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
+    with FlowerSimulation(supernodes=2, workers=2, gpu=torch.device(DEVICE).type == "cuda") as sim:
+        flower = run(_cfg(algorithm, DEVICE, {"name": "flower"}, **sections), write=False, progress=False,
+                     simulation=sim)  # fmt: skip
+    _compare("flower_vs_loop", case, loop, flower)

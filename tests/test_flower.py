@@ -27,7 +27,7 @@ from pflbed.algorithms.training import WeightedMean  # noqa: E402
 from pflbed.engine.executor import update_client  # noqa: E402
 from pflbed.flower import client  # noqa: E402
 from pflbed.flower.executor import FlowerClientError, FlowerRoundError  # noqa: E402
-from pflbed.flower.simulation import FlowerSimulation  # noqa: E402
+from pflbed.flower.simulation import FlowerSimulation, simulate  # noqa: E402
 
 from .fake_flower import FakeGrid, FakeSimulation  # noqa: E402
 
@@ -110,6 +110,21 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
     monkeypatch.setattr("pflbed.flower.executor.time.monotonic", iter(range(0, 10**6, 100)).__next__)
     with pytest.raises(FlowerRoundError, match=r"partitions \[0, 1\] of \[3\]"):
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+
+
+def test_clientapps_ask_ray_for_a_share_of_the_gpu_only_for_a_gpu_run(monkeypatch):
+    """Ray sets CUDA_VISIBLE_DEVICES to empty in a worker that asks for no GPU, so a GPU run's ClientApps each ask
+    for 1 / workers of it; a CPU run's ask for none. A simulation serves only runs on its kind of device."""
+    backends = []
+    monkeypatch.setattr("pflbed.flower.simulation.run_simulation", lambda **kw: backends.append(kw["backend_config"]))
+    for gpu, share in ((True, 1 / 3), (False, 0.0)):
+        with FlowerSimulation(supernodes=4, workers=3, gpu=gpu) as s:
+            s.thread.join()
+        assert backends.pop()["client_resources"] == {"num_cpus": 1, "num_gpus": share}
+    gpu_sim = FlowerSimulation.__new__(FlowerSimulation)  # not started: the check comes first
+    gpu_sim.gpu_share = 0.5
+    with pytest.raises(ValueError, match="gpu=True cannot serve a run on cpu"):
+        simulate(prepare(_fedavg(rounds=1)), lambda ex: None, gpu_sim)
 
 
 def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):

@@ -9,6 +9,9 @@ keeps worker processes: starting Flower's runtime (and Ray under it) costs secon
 starts it once. Its ServerApp serves experiments one after another until the simulation is closed. Flower runs
 the ServerApp in a thread of this process and the ClientApps in `workers` Ray worker processes of one CPU each;
 every ClientApp process builds each run's algorithm once (`flower.client.algorithm`).
+
+On a GPU the workers share it: each asks Ray for 1 / `workers` of one GPU. Ray hides every GPU from a worker that asks
+for none (it sets `CUDA_VISIBLE_DEVICES` to empty), so a ClientApp without that share could not train on the device.
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ class _Job:
 
 
 class FlowerSimulation:
-    """A running Flower simulation with `supernodes` SuperNodes and `workers` ClientApp processes."""
+    """A running Flower simulation with `supernodes` SuperNodes and `workers` ClientApp processes, which share one
+    GPU where `gpu` is set (the runs it serves then use `cuda`)."""
 
-    def __init__(self, supernodes: int, workers: int | None = None) -> None:
+    def __init__(self, supernodes: int, workers: int | None = None, gpu: bool = False) -> None:
         self.supernodes = supernodes
         self.workers = max(1, min(workers or os.cpu_count() or 1, supernodes))
+        self.gpu_share = 1.0 / self.workers if gpu else 0.0
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name="flower-simulation", daemon=True)
@@ -74,7 +79,7 @@ class FlowerSimulation:
                 finally:
                     job.done.set()
 
-        backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        backend = {"client_resources": {"num_cpus": 1, "num_gpus": self.gpu_share},
                    "init_args": {"num_cpus": self.workers, "include_dashboard": False, "log_to_driver": False,
                                  "logging_level": logging.ERROR}}  # fmt: skip
         try:
@@ -108,9 +113,13 @@ class FlowerSimulation:
 
 def simulate(algo: Algorithm, experiment: Experiment, simulation: FlowerSimulation | None = None) -> Any:
     """`experiment(executor)` in `simulation`, or in a simulation of its own (`executor.supernodes`, default one
-    per client; `executor.workers` ClientApp processes, default one per core)."""
+    per client; `executor.workers` ClientApp processes, default one per core; sharing the run's GPU, if any)."""
     if simulation is not None:
+        if (algo.ctx.device.type == "cuda") != (simulation.gpu_share > 0):
+            raise ValueError(f"a Flower simulation started with gpu={simulation.gpu_share > 0} cannot serve a run on "
+                             f"{algo.ctx.device}")  # fmt: skip
         return simulation.run(algo, experiment)
     ex = algo.ctx.cfg.executor
-    with FlowerSimulation(ex.supernodes or len(algo.ctx.federation.clients), ex.workers) as sim:
+    gpu = algo.ctx.device.type == "cuda"
+    with FlowerSimulation(ex.supernodes or len(algo.ctx.federation.clients), ex.workers, gpu=gpu) as sim:
         return sim.run(algo, experiment)
