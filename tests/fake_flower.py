@@ -21,8 +21,9 @@ class FakeGrid:
       that has built nothing yet (nothing kept in memory survives).
     """
 
-    def __init__(self, partitions=6, lost=None, late=None, restart=None):
+    def __init__(self, partitions=6, lost=None, late=None, restart=None, node_configs=None):
         self.parts, self.lost, self.late, self.restart = partitions, lost or {}, late or {}, restart or {}
+        self.node_configs = node_configs or {}  # partition → more node config (a site's data=, state-dir=)
         self.nodes = [1000 + p for p in range(partitions)]
         self.trained = 0  # the last round of which a node received work
 
@@ -41,7 +42,8 @@ class FakeGrid:
                 continue
             part = self.nodes.index(msg.metadata.dst_node_id)
             ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=RecordDict(), run_config={},
-                          node_config={client.PARTITION: part, client.PARTITIONS: self.parts})  # fmt: skip
+                          node_config={client.PARTITION: part, client.PARTITIONS: self.parts,
+                                       **self.node_configs.get(part, {})})  # fmt: skip
             conf = msg.content.get("config", {})
             rnd = int(conf.get("round", 0))
             self.trained = max(self.trained, rnd)

@@ -466,6 +466,34 @@ class LogConfig(_Strict):
         return self
 
 
+class SitesConfig(_Strict):
+    """A Flower deployment whose clients' data stays on the sites (`pflbed.flower.sites`)."""
+
+    local: bool = Field(False, description="the clients' data is on the SuperNodes (each one's `data` node config): "
+                        "the server holds none, and every figure but a server-side G-FL is computed on the sites. "
+                        "Needs executor.name=flower")  # fmt: skip
+    input_shape: list[int] | None = Field(None, description="local: one sample's shape, e.g. [1, 28, 28]; every "
+                                          "site's data is checked against it")  # fmt: skip
+    num_classes: int | None = Field(None, ge=2, le=100_000, description="local: the label space 0…num_classes−1; "
+                                    "every site's labels are checked against it")  # fmt: skip
+    test: str | None = Field(None, min_length=1, description="local: a test set on the server (.npz with x and y) "
+                             "for G-FL; unset: G-FL is the sample-weighted mean of the sites' figures for the "
+                             "generic model on their own test data")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _check(self) -> SitesConfig:
+        if not self.local:
+            for key in ("input_shape", "num_classes", "test"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} applies to sites.local=true")
+        elif self.input_shape is None or self.num_classes is None:
+            raise ValueError("local needs sites.input_shape and sites.num_classes (what the server knows of the "
+                             "sites' data)")  # fmt: skip
+        if self.input_shape is not None and not (1 <= len(self.input_shape) <= 4 and min(self.input_shape) >= 1):
+            raise ValueError("input_shape must be 1 to 4 positive sizes, e.g. [1, 28, 28]")
+        return self
+
+
 class Config(_Strict):
     seed: int = Field(0, ge=0, le=SEED_MAX)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
@@ -477,6 +505,31 @@ class Config(_Strict):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
+    sites: SitesConfig = Field(default_factory=SitesConfig)
+
+    @model_validator(mode="after")
+    def _sites(self) -> Config:
+        """What a deployment with the data on the sites cannot do (yet): each refused with the key that asks it."""
+        if not self.sites.local:
+            return self
+        refused = {
+            "executor.name": (self.executor.name != "flower", "sites.local needs executor.name=flower"),
+            "executor.state_dir": (self.executor.state_dir is not None, "a site keeps its clients' states in its own "
+                                   "state-dir node config; the server does not choose it"),
+            "federation.protocol": (self.federation.protocol == "pflbed", "PFLBED's shared domain val/test sets "
+                                    "are not on the sites"),
+            "federation.new_clients": (self.federation.new_clients > 0, "a site that joins after training "
+                                       "personalizes on its own (pflbed personalize)"),
+            "federation.public": (self.federation.public > 0, "public data is not on the sites"),
+            "federation.manifest": (self.federation.manifest is not None, "the sites hold the data"),
+            "eval.pfl_test": (self.eval.pfl_test != "local", "a site scores its clients on its own test data"),
+            "model.init_from": (self.model.init_from is not None, "the sites would each need the weights file"),
+            "dataset.path": (self.dataset.path is not None, "the server holds no client data"),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{key} does not apply with sites.local=true: {why}")
+        return self
 
     def algorithm_options(self) -> dict[str, Any]:
         return dict(self.algorithm.model_extra or {})

@@ -104,11 +104,16 @@ class Driver:
         """The round's record (G-FL, P-FL, communication, the algorithm's diagnostics) and per-client P-FL."""
         final = rnd == self.cfg.train.rounds
         state: Callable[[int], Tensors] = self.executor.state
-        scores, per_client = evaluate(self.algo, server, state, None if final else self.quick, self.executor.forward)
+        on_sites = getattr(self.executor, "evaluate_on_sites", None)  # the data is on the sites: they score
+        if on_sites is not None:
+            scores, per_client = on_sites(server, None if final else self.quick)
+        else:
+            scores, per_client = evaluate(self.algo, server, state, None if final else self.quick,
+                                          self.executor.forward)  # fmt: skip
         record = {"round": rnd, **scores, **comm, "full_test": final or self.quick is self.algo.ctx}
         if self.failed:  # which clients each round since the last record lost
             record["failed_clients"], self.failed = self.failed, {}
-        diag = self.algo.diagnostics(rnd, server, state)
+        diag = None if on_sites is not None else self.algo.diagnostics(rnd, server, state)
         if diag:
             record["diag"] = diag
         return record, per_client

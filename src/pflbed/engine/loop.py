@@ -21,7 +21,7 @@ from pflbed.algorithms import get_algorithm
 from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
 from pflbed.config import Config, resolve_device
-from pflbed.data import base_dataset, load_source
+from pflbed.data import DataSource, base_dataset, load_source
 from pflbed.data.augment import make_augment
 from pflbed.engine.auto import choose_executor
 from pflbed.engine.batched import BatchedExecutor
@@ -64,11 +64,18 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
     federation cache is keyed by content) and moved to the device once, here; the model is initialized on the CPU
     and moved, so one seed gives the same initial weights on every device.
     """
-    device = resolve_device(cfg.executor.device)
-    rng.deterministic_kernels(device, cfg.executor.deterministic)
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
     check_fractions(fed, cfg)
+    return build_algorithm(cfg, source, fed, threads)
+
+
+def build_algorithm(cfg: Config, source: DataSource, fed: Federation, threads: int | None = None,
+                    context: type[Context] = Context) -> Algorithm:  # fmt: skip
+    """`prepare`'s algorithm over a given data source and federation (a Flower site's or server's: `flower.sites`),
+    its context of class `context`."""
+    device = resolve_device(cfg.executor.device)
+    rng.deterministic_kernels(device, cfg.executor.deterministic)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
@@ -77,7 +84,7 @@ def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
         init_model(model, cfg, fed)
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
     augment = make_augment(cfg.dataset.augment, source.input_shape, source.pixel_norm)
-    ctx = Context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
+    ctx = context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
     return algo_cls(ctx)
 
 
@@ -189,8 +196,12 @@ def experiment(
         methods = algo.finetune_methods(server, list(cfg.eval.finetune))
         for i, method in enumerate(methods):
             gen_for = lambda c, i=i: rng.generator(cfg.seed, rng.FINETUNE, i, c)  # noqa: E731
+            on_sites = getattr(executor, "personalize_on_sites", None)  # the data is on the sites
             with bar.stage(f"fine-tuning every client ({method})", len(fed.participated)) as tick, precision(algo):
-                finetuned[method] = evaluate_personalized(algo, server, method, gen_for, tick)
+                if on_sites is not None:
+                    finetuned[method] = on_sites(server, method, i)
+                else:
+                    finetuned[method] = evaluate_personalized(algo, server, method, gen_for, tick)
         timing["eval_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
         new_clients = None
@@ -200,7 +211,7 @@ def experiment(
                 new_clients = evaluate_new_clients(algo, server, tick)
         timing["new_clients_s"] = time.perf_counter() - t1
         files = {}
-        if rundir:
+        if rundir and not hasattr(executor, "evaluate_on_sites"):  # plots of client states: not on the server
             with bar.stage("artifacts", 1) as tick:
                 files = algo.artifacts(server, executor.state, rundir.path / "plots")
                 tick()
@@ -209,6 +220,7 @@ def experiment(
     timing = {k: round(v, 4) for k, v in timing.items()}
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
     summary["provenance"] = provenance(algo.ctx.device)
+    summary.update(getattr(executor, "summary_extra", {}))
     if rundir:
         if files:
             summary["artifacts"] = {k: f"plots/{v}" for k, v in files.items()}

@@ -199,7 +199,7 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -
             tr = np.sort(cap_rng.choice(tr, cfg.train_per_client, replace=False))
         if len(tr) == 0:
             raise DataError(f"federation: client {cid} has no training samples; lower federation.clients")
-        clients.append(_client(tr, va, te, labels, source.num_classes))
+        clients.append(client_split(tr, va, te, labels, source.num_classes))
     new = sorted(int(c) for c in rng.choice(cfg.clients, cfg.new_clients, replace=False))
     participated = [c for c in range(cfg.clients) if c not in set(new)]
     return Federation(clients, participated, new, balanced_subset(source.test.y.numpy(), rng), source.num_classes, key,
@@ -235,7 +235,10 @@ def natural(users: np.ndarray, clients: int, min_samples: int, seed: int) -> lis
     return [order[a:b] for a, b in zip(starts, ends, strict=True)]
 
 
-def _client(tr: np.ndarray, va: np.ndarray, te: np.ndarray, labels: np.ndarray, k: int, domain: int = 0) -> ClientSplit:
+def client_split(
+    tr: np.ndarray, va: np.ndarray, te: np.ndarray, labels: np.ndarray, k: int, domain: int = 0
+) -> ClientSplit:
+    """A client of train / val / test positions `tr`, `va`, `te`, its prior from the training labels."""
     prior = np.bincount(labels[tr], minlength=k).astype(np.float32)
     tensors = (torch.from_numpy(a.astype(np.int64)) for a in (tr, va, te))
     return ClientSplit(*tensors, prior=torch.from_numpy(prior / prior.sum()), domain=domain)
@@ -244,7 +247,7 @@ def _client(tr: np.ndarray, va: np.ndarray, te: np.ndarray, labels: np.ndarray, 
 def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator, key: str) -> Federation:
     split = pflbed_split(source, cfg, rng)
     labels, empty = source.train.y.numpy(), np.zeros(0, dtype=np.int64)
-    clients = [_client(tr, empty, empty, labels, source.num_classes, d) for tr, d in split.clients]
+    clients = [client_split(tr, empty, empty, labels, source.num_classes, d) for tr, d in split.clients]
     as_t = [torch.from_numpy(a.astype(np.int64)) for a in split.domain_test]
     return Federation(
         clients, split.participated, split.new, torch.cat(as_t), source.num_classes, key, global_split="train",

@@ -35,6 +35,8 @@ from pflbed.engine.guard import first_nonfinite
 from pflbed.engine.loop import prepare
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import from_record, to_record
+from pflbed.flower.site_eval import evaluate_site
+from pflbed.flower.site_node import check_clients, site_algorithm_of, site_config, site_report
 
 PARTITION, PARTITIONS = "partition-id", "num-partitions"
 
@@ -63,10 +65,14 @@ def train(msg: Message, context: Context) -> Message:
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
     conf = msg.content["config"]
     config = str(conf["pflbed-config"])
-    algo = algorithm(config)
     rnd = int(conf["round"])
-    stored = node_states(context, config, algo)
     cids = [int(c) for c in conf["cids"]]
+    if site_config(dict(context.node_config), config) is not None:  # the site's own data and state directory
+        algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
+        check_clients(algo, cids)
+    else:
+        algo = algorithm(config)
+        stored = node_states(context, config, algo)
     versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True)) if stored else {}
     out = RecordDict()
     flags: dict[str, str] = {}
@@ -99,12 +105,32 @@ def query(msg: Message, context: Context) -> Message:
         return partition(msg, context)
     conf = msg.content["config"]
     config = str(conf["pflbed-config"])
+    if msg.metadata.group_id == "site":  # a site-local run's start-up: what this site holds
+        info = json.dumps(site_report(context, config))
+        return Message(RecordDict({"site": ConfigRecord({"report": info})}), reply_to=msg)
     stored = node_states(context, config, algorithm(config))
     if stored is None:
         raise ValueError("client states were asked of a node, but executor.state_dir is unset")
     out = RecordDict({f"state/{int(c)}": to_record(stored.load(int(c), int(v)))
                       for c, v in zip(conf["cids"], conf["versions"], strict=True)})  # fmt: skip
     return Message(out, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """A site-local run's evaluation of this site's clients (`site_eval.evaluate_site`): numbers, no samples."""
+    conf = msg.content["config"]
+    config = str(conf["pflbed-config"])
+    if site_config(dict(context.node_config), config) is None:
+        raise ValueError("an evaluation was asked of a node that holds no data of its own")
+    algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
+    cids = [int(c) for c in conf["cids"]]
+    check_clients(algo, cids)
+    versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True))
+    server = from_record(msg.content["server"], algo.ctx.device)
+    method = str(conf["method"]) or None
+    scores = evaluate_site(algo, server, lambda c: stored.load(c, versions[c]), cids, method, int(conf["method-index"]))
+    return Message(RecordDict({"scores": ConfigRecord({"json": json.dumps(scores)})}), reply_to=msg)
 
 
 def partition(msg: Message, context: Context) -> Message:

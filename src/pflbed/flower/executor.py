@@ -58,6 +58,8 @@ class Replies:
 
 
 class FlowerExecutor(LoopExecutor):
+    extra_conf: dict = {}  # more of the run that every TRAIN message tells its node (`SiteExecutor`: the sites)
+
     def __init__(self, algo: Algorithm, grid: Grid) -> None:
         self.on_nodes = algo.ctx.cfg.executor.state_dir is not None
         self._states: dict[int, Tensors] = {}  # held here: every state, or (on nodes) initial and resumed ones
@@ -160,7 +162,7 @@ class FlowerExecutor(LoopExecutor):
         by_node = self._by_node(list(payloads))
         msgs = []
         for node, cids in by_node.items():
-            conf = {"pflbed-config": self.config, "round": rnd, "cids": cids}
+            conf = {"pflbed-config": self.config, "round": rnd, "cids": cids, **self.extra_conf}
             if self.on_nodes:
                 conf["versions"] = [self.version.get(c, 0) for c in cids]
             content = RecordDict({"config": ConfigRecord(conf)})

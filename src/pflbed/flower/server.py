@@ -17,6 +17,8 @@ from flwr.serverapp import Grid, ServerApp
 from pflbed.config import validate_config
 from pflbed.engine.loop import experiment, prepare
 from pflbed.flower.executor import FlowerExecutor
+from pflbed.flower.site_executor import SiteExecutor, discover_sites
+from pflbed.flower.sites import server_algorithm
 from pflbed.results.rundir import RunDir, config_text
 
 app = ServerApp()
@@ -25,13 +27,18 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = validate_config(json.loads(str(context.run_config["config"])))
-    algo = prepare(cfg, threads=1)
+    if cfg.sites.local:  # the data is on the sites: ask them what they hold; the server loads none
+        sizes = discover_sites(grid, cfg)
+        algo = server_algorithm(cfg, sizes)
+        executor: FlowerExecutor = SiteExecutor(algo, grid, sizes)
+    else:
+        algo = prepare(cfg, threads=1)
+        executor = FlowerExecutor(algo, grid)
     out = Path(str(context.run_config["out"]))
     resume = bool(context.run_config.get("resume", False))
     started = out / "config.yaml"  # `flower local` checked and started the run directory before submitting
     if not (started.is_file() and started.read_text() == config_text(cfg)):
         RunDir.check(out, cfg, force=bool(context.run_config.get("force", False)), resume=resume)
-    executor = FlowerExecutor(algo, grid)
     result = experiment(cfg, algo, executor, RunDir(out), False, resume)
     timing = {**{k: round(v, 4) for k, v in executor.timing.items()}, "rounds": result.summary["rounds"]}
     (out / "flower").mkdir(exist_ok=True)  # where a round's time went (benchmarks/flower_speed.py)

@@ -1,0 +1,286 @@
+"""Deployments whose clients' data stays on the sites (`sites.local`): what a site holds, and the two contexts.
+
+A site is a SuperNode that declares its data in its own node config — never in the server's config:
+- `data=PATH`: the site's samples: an `.npz` file with `x` (the model's inputs, [N, *input shape]) and `y`
+  (integer labels), or a directory holding `train.npz` and optionally `val.npz` and `test.npz`;
+- `val=PATH`, `test=PATH`: optional `.npz` files of the same kind (else a seeded, stratified split of the site's
+  data, `federation.val_fraction` / `test_fraction`, as a simulated client's);
+- `clients=N` (default 1): how many clients the site holds — one in cross-silo; several for a fleet of devices,
+  each file then divided among them (stratified, seeded);
+- `state-dir=DIR`: where its clients' states are kept (default `pflbed-states` in the node's working directory);
+- `partition-id=K`: the site's number (0…sites − 1), which orders the client ids.
+Files are read with `numpy.load(allow_pickle=False)`: a site never unpickles anything.
+
+The server knows only what the sites report at start-up (`report`): clients, their training-sample counts, the
+input shape and the labels present; it checks them against `sites.input_shape` and `sites.num_classes`. Client ids
+are global: the clients of site 0 first, then site 1's, and so on, so a client's seeds — (seed, round, client id) —
+are those of the simulated client with the same id.
+
+Two contexts come out of this module:
+- a site's (`site_algorithm`): the run's algorithm over a pool holding only the site's own samples, whose
+  federation lists every client of the deployment with only the site's own clients' splits filled in;
+- the server's (`server_algorithm`): the same algorithm over no client data at all — its federation knows each
+  client's training-sample count (the weights of the server's means) and nothing else, and `client_data` raises.
+
+Trust: a site takes from the server's config only what a server may decide (algorithm, model, training, evaluation,
+seeds). `refuse_server_paths` turns away a config that names a path or a download (`SERVER_MAY_NOT`), which would
+let a remote server choose what a site reads or writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pflbed import rng
+from pflbed.algorithms.base import Algorithm, ClientData, Context
+from pflbed.config import Config
+from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.engine.loop import build_algorithm
+from pflbed.errors import DataError, PflbedError
+from pflbed.federation.federation import ClientSplit, Federation, client_split
+from pflbed.federation.partition import split_local
+
+DATA, VAL, TEST, CLIENTS = "data", "val", "test", "clients"
+
+# Keys of a run's config that name a file or directory, or a download: a site refuses a server config that sets
+# any of them (their defaults are unset / false).
+SERVER_MAY_NOT = ("dataset.path", "dataset.download", "dataset.hf.id", "model.init_from", "federation.manifest",
+                  "executor.state_dir")  # fmt: skip
+
+
+class SiteError(PflbedError):
+    """A site's data, or what the server asks of a site, is refused (one line naming the site or the key)."""
+
+
+@dataclass(frozen=True)
+class SiteFiles:
+    """What a site read: its samples, and optional val and test sets."""
+
+    data: ArrayDataset
+    val: ArrayDataset | None
+    test: ArrayDataset | None
+    origin: str
+
+
+def read_npz(path: Path, what: str) -> ArrayDataset:
+    """`x` (float32) and `y` (int64) of an `.npz` file, read without unpickling."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if "x" not in f or "y" not in f:
+                raise SiteError(f"{what} {path}: an .npz with arrays x (samples) and y (labels) is needed; it has "
+                                f"{', '.join(f.files) or 'none'}")  # fmt: skip
+            x, y = f["x"], f["y"]
+    except SiteError:
+        raise
+    except (OSError, ValueError) as e:
+        raise SiteError(f"{what} {path}: not a readable .npz file ({e})") from None
+    if not np.issubdtype(x.dtype, np.number) or not np.issubdtype(y.dtype, np.integer):
+        raise SiteError(f"{what} {path}: x must be numbers and y integers (got {x.dtype} and {y.dtype})")
+    if x.ndim < 2 or y.shape != (len(x),):
+        raise SiteError(f"{what} {path}: x must be [N, *sample shape] and y [N] (got {x.shape} and {y.shape})")
+    x_t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return ArrayDataset(x_t, torch.from_numpy(y.astype(np.int64)))
+
+
+def read_site(node_config: dict[str, Any]) -> SiteFiles | None:
+    """The site's data from its node config (None: the node declares none)."""
+    if DATA not in node_config:
+        return None
+    path = Path(str(node_config[DATA])).expanduser()
+    files = {DATA: path, VAL: node_config.get(VAL), TEST: node_config.get(TEST)}
+    if path.is_dir():
+        for key, name in ((DATA, "train.npz"), (VAL, "val.npz"), (TEST, "test.npz")):
+            if (path / name).is_file() and (key == DATA or files[key] is None):
+                files[key] = path / name
+        if files[DATA] == path:
+            raise SiteError(f"data {path}: a directory must hold train.npz (and optionally val.npz, test.npz)")
+    elif not path.is_file():
+        raise SiteError(f"data {path}: no such file or directory")
+    read = {k: read_npz(Path(str(v)).expanduser(), k) if v is not None else None for k, v in files.items()}
+    return SiteFiles(read[DATA], read[VAL], read[TEST], str(path))
+
+
+def num_clients(node_config: dict[str, Any]) -> int:
+    n = node_config.get(CLIENTS, 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SiteError(f"clients={n!r} in the node config: a positive integer is needed")
+    return n
+
+
+def refuse_server_paths(cfg: Config) -> None:
+    """Refuse a server config that sets a key the server may not decide for a site (`SERVER_MAY_NOT`)."""
+    tree = cfg.model_dump(mode="json")
+    for key in SERVER_MAY_NOT:
+        value: Any = tree
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value not in (None, False):
+            raise SiteError(f"the server's config sets {key}={value!r}: a site reads and writes only what its own node "
+                            "config names, so it refuses the run")  # fmt: skip
+
+
+def _parts(n: int, k: int, seed: int, site: int, stream: int) -> list[np.ndarray]:
+    """Positions 0…n−1 divided among `k` clients at random (seeded by the run's seed, the site and the file)."""
+    if k == 1:
+        return [np.arange(n)]
+    order = rng.generator(seed, rng.SITE, site, stream)
+    perm = torch.randperm(n, generator=order).numpy()
+    return [np.sort(p) for p in np.array_split(perm, k)]
+
+
+def site_splits(files: SiteFiles, clients: int, cfg: Config, site: int) -> tuple[ArrayDataset, list[tuple]]:
+    """The site's pool (data, then val, then test samples) and each client's (train, val, test) positions in it."""
+    f = cfg.federation
+    pools = [d for d in (files.data, files.val, files.test) if d is not None]
+    x, y = torch.cat([d.x for d in pools]), torch.cat([d.y for d in pools])
+    labels = y.numpy()
+    n_data, n_val = len(files.data), len(files.val) if files.val is not None else 0
+    data_parts = _parts(n_data, clients, cfg.seed, site, 0)
+    val_parts = [p + n_data for p in _parts(n_val, clients, cfg.seed, site, 1)] if files.val is not None else None
+    test_parts = None
+    if files.test is not None:
+        test_parts = [p + n_data + n_val for p in _parts(len(files.test), clients, cfg.seed, site, 2)]
+    out = []
+    for c, part in enumerate(data_parts):
+        own_val = 0.0 if val_parts is not None else f.val_fraction
+        own_test = 0.0 if test_parts is not None else f.test_fraction
+        split = np.random.default_rng([cfg.seed, rng.SITE, site, c])
+        tr, va, te = split_local(part, labels, own_val, own_test, split) if own_val or own_test else (part, None, None)
+        va = val_parts[c] if val_parts is not None else va
+        te = test_parts[c] if test_parts is not None else te
+        empty = np.zeros(0, dtype=np.int64)
+        out.append((tr, empty if va is None else va, empty if te is None else te))
+        if len(tr) == 0:
+            raise SiteError(f"site {site}: client {c} of {clients} has no training samples; lower clients=")
+    return ArrayDataset(x, y), out
+
+
+def report(files: SiteFiles, clients: int, cfg: Config, site: int) -> dict[str, Any]:
+    """What the site tells the server at start-up: its clients' training-sample counts, the sample shape and the
+    labels present (no sample, no per-client label count)."""
+    pool, splits = site_splits(files, clients, cfg, site)
+    return {"num_train": [len(tr) for tr, _, _ in splits], "input_shape": list(pool.x.shape[1:]),
+            "labels": sorted({int(v) for v in pool.y.unique().tolist()})}  # fmt: skip
+
+
+def check_report(cfg: Config, site: int, info: dict[str, Any]) -> None:
+    """Refuse a site whose data does not fit the run's input shape and label space (one line naming it)."""
+    shape, k = list(cfg.sites.input_shape or []), cfg.sites.num_classes or 0
+    if list(info["input_shape"]) != shape:
+        raise SiteError(f"site {site}: its samples have shape {list(info['input_shape'])}, the run's sites."
+                        f"input_shape is {shape}")  # fmt: skip
+    outside = [v for v in info["labels"] if not 0 <= v < k]
+    if outside:
+        raise SiteError(f"site {site}: labels {outside[:5]} are outside the run's label space 0…{k - 1} "
+                        "(sites.num_classes)")  # fmt: skip
+
+
+def _nowhere(k: int) -> ClientSplit:
+    """A client whose data is elsewhere: no samples, and a prior of NaN, which poisons whatever reads it."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    return ClientSplit(empty, empty, empty, torch.full((k,), math.nan))
+
+
+def _federation(clients: list[ClientSplit], k: int, key: str) -> Federation:
+    n = len(clients)
+    return Federation(clients, list(range(n)), [], torch.zeros(0, dtype=torch.int64), k, key)
+
+
+@dataclass(frozen=True)
+class SitesFederation(Federation):
+    """The server's federation: each client's training-sample count, reported by its site; no indices."""
+
+    sizes: tuple[int, ...] = ()
+
+    def num_train(self, cid: int) -> int:
+        return self.sizes[cid]
+
+
+def offsets(sizes: list[list[int]]) -> list[int]:
+    """The first global client id of each site (sites in partition order)."""
+    return [sum(len(s) for s in sizes[:k]) for k in range(len(sizes))]
+
+
+def _source(cfg: Config, train: ArrayDataset, test: ArrayDataset, origin: str) -> DataSource:
+    return DataSource(cfg.dataset.name, train, test, int(cfg.sites.num_classes or 0), origin)
+
+
+def _empty(shape: list[int]) -> ArrayDataset:
+    return ArrayDataset(torch.zeros(0, *shape), torch.zeros(0, dtype=torch.int64))
+
+
+def site_algorithm(cfg: Config, files: SiteFiles, clients: int, site: int, sizes: list[list[int]],
+                   device: str = "cpu") -> Algorithm:  # fmt: skip
+    """The run's algorithm on site `site` (of the deployment whose sites hold `sizes`, training-sample counts per
+    client), over the site's own data."""
+    if len(sizes[site]) != clients:
+        raise SiteError(f"site {site}: the server counts {len(sizes[site])} clients here, the node config {clients}")
+    pool, splits = site_splits(files, clients, cfg, site)
+    k = int(cfg.sites.num_classes or 0)
+    first = offsets(sizes)[site]
+    everyone = [_nowhere(k) for _ in range(sum(len(s) for s in sizes))]
+    for c, (tr, va, te) in enumerate(splits):
+        everyone[first + c] = client_split(tr, va, te, pool.y.numpy(), k)
+    fed = _federation(everyone, k, f"site-{site}")
+    source = _source(cfg, pool, _empty(list(pool.x.shape[1:])), files.origin)
+    return build_algorithm(replace_device(cfg, device), source, fed, threads=1)
+
+
+def own_clients(algo: Algorithm) -> list[int]:
+    """The clients whose data this context holds."""
+    return [c for c, s in enumerate(algo.ctx.federation.clients) if s.train.numel()]
+
+
+def replace_device(cfg: Config, device: str) -> Config:
+    return cfg if cfg.executor.device == device else cfg.model_copy(update={"executor": cfg.executor.model_copy(
+        update={"device": device})})  # fmt: skip
+
+
+class ServerContext(Context):
+    """The server's context: client data is on the sites."""
+
+    def client_data(self, cid: int) -> ClientData:
+        raise SiteError(f"client {cid}'s data is on its site; {self.cfg.algorithm.name} asked for it on the server")
+
+
+def server_algorithm(cfg: Config, sizes: list[list[int]]) -> Algorithm:
+    """The run's algorithm on the server: no client data; `sites.test` (if set) as the global test set."""
+    k = int(cfg.sites.num_classes or 0)
+    shape = list(cfg.sites.input_shape or [])
+    flat = [n for s in sizes for n in s]
+    test = _empty(shape)
+    if cfg.sites.test is not None:
+        test = read_npz(Path(cfg.sites.test).expanduser(), "sites.test")
+        if list(test.x.shape[1:]) != shape or (len(test.y) and not 0 <= int(test.y.min()) <= int(test.y.max()) < k):
+            raise DataError(f"sites.test {cfg.sites.test}: samples of shape {shape} and labels 0…{k - 1} are needed")
+    fed = SitesFederation([_nowhere(k) for _ in flat], list(range(len(flat))), [],
+                          torch.arange(len(test)), k, "sites", sizes=tuple(flat))  # fmt: skip
+    return build_algorithm(cfg, _source(cfg, _empty(shape), test, "the sites"), fed, threads=1,
+                           context=ServerContext)
+
+
+def export_sites(cfg: Config, out: Path) -> list[Path]:
+    """Write each participated client of `cfg`'s simulated federation as a site directory `out/site-<cid>` holding
+    `train.npz`, `val.npz` and `test.npz` — exactly the samples the simulated client trains, validates and is
+    tested on, in the same order — so that a site-local deployment over them can be compared with the simulation."""
+    from pflbed.data import load_source
+    from pflbed.federation import build_federation
+
+    source = load_source(cfg.dataset)
+    fed = build_federation(source, cfg.federation, cfg.seed)
+    x, y = source.train.x, source.train.y
+    dirs = []
+    for cid in fed.participated:
+        d = out / f"site-{cid}"
+        d.mkdir(parents=True, exist_ok=True)
+        split = fed.clients[cid]
+        for name, idx in (("train", split.train), ("val", split.val), ("test", split.test)):
+            np.savez(d / f"{name}.npz", x=x[idx].cpu().numpy(), y=y[idx].cpu().numpy())
+        dirs.append(d)
+    return dirs
