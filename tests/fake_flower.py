@@ -7,7 +7,7 @@ import uuid
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
-from pflbed.flower import client
+from pflbed.flower import client, site_node
 
 
 class FakeGrid:
@@ -31,6 +31,7 @@ class FakeGrid:
         for part in self.restart.pop(self.trained + 1, ()):
             self.nodes[part] = max(self.nodes) + 1
             client.algorithm.cache_clear()
+            site_node._algorithm.cache_clear()
         return list(self.nodes)
 
     def send_and_receive(self, msgs, timeout=None):

@@ -3,6 +3,10 @@ and the trust boundary. In-process, on the faked Flower runtime (`fake_flower.Fa
 real node code with each site's own node config."""
 
 
+import contextlib
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +19,7 @@ flwr = pytest.importorskip("flwr")
 
 from pflbed.flower import client  # noqa: E402
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
-from pflbed.flower.sites import export_sites, server_algorithm  # noqa: E402
+from pflbed.flower.sites import SiteError, export_sites, server_algorithm  # noqa: E402
 
 from .fake_flower import FakeGrid  # noqa: E402
 
@@ -40,8 +44,9 @@ def _site_cfg(tree, test=None):
                                       **({"test": str(test)} if test else {})}})  # fmt: skip
 
 
-def run_sites(cfg, grid):
-    """What the ServerApp does for a site-local run (`flower.server.main`), on `grid`."""
+@contextlib.contextmanager
+def _server_task():
+    """Messages stamped as Flower's runtime stamps a ServerApp's (as `fake_flower.FakeSimulation` does)."""
     from flwr.supercore.task_identity import TaskIdentity
 
     keys = ("_run_id", "_task_id", "_node_id")
@@ -49,12 +54,23 @@ def run_sites(cfg, grid):
     for k in keys:
         setattr(TaskIdentity, k, 1)
     try:
-        sizes = discover_sites(grid, cfg)
-        algo = server_algorithm(cfg, sizes)
-        return experiment(cfg, algo, SiteExecutor(algo, grid, sizes), None, False, False)
+        yield
     finally:
         for k, v in saved.items():
             setattr(TaskIdentity, k, v)
+
+
+def _discover(grid, cfg):
+    with _server_task():
+        return discover_sites(grid, cfg)
+
+
+def run_sites(cfg, grid, rundir=None, resume=False):
+    """What the ServerApp does for a site-local run (`flower.server.main`), on `grid`."""
+    with _server_task():
+        sizes = discover_sites(grid, cfg)
+        algo = server_algorithm(cfg, sizes)
+        return experiment(cfg, algo, SiteExecutor(algo, grid, sizes), rundir, False, resume)
 
 
 def _sites(tmp_path, cfg):
@@ -65,7 +81,6 @@ def _sites(tmp_path, cfg):
 
 def _server_test(tmp_path, cfg):
     """The simulation's global test set, written for the server (`sites.test`)."""
-    import numpy as np
 
     from pflbed.data import load_source
     from pflbed.federation import build_federation
@@ -96,3 +111,195 @@ def test_a_site_local_run_gives_the_simulation_s_figures(name, tmp_path):
     assert b.pop("gfl_source") == "sites.test (on the server)"
     assert a == b
     assert all(torch.equal(sim.server[k], sites.server[k]) for k in sim.server)
+
+
+def test_the_server_loads_no_data_and_g_fl_from_the_sites_is_their_sample_weighted_mean(tmp_path, monkeypatch):
+    """No `sites.test`: G-FL is the generic model's accuracy over the union of the sites' test data, i.e. the
+    sample-weighted mean of the sites' own figures. The server's process reads no dataset (every loader fails)."""
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    dirs, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    client.algorithm.cache_clear()
+    # the sites read their .npz files; the server process must not open any dataset
+    import pflbed.data as data
+    import pflbed.engine.loop as loop
+
+    def no_data(*a, **kw):
+        raise AssertionError("the server loaded a dataset")
+
+    for mod, name in ((data, "load_source"), (loop, "load_source"), (data, "load_dataset")):
+        monkeypatch.setattr(mod, name, no_data)
+    result = run_sites(cfg, grid)
+    assert result.summary["gfl_source"] == "the sites' test data, sample-weighted"
+    generic = result.executor.algo.generic_model(result.server)
+    right = n = 0
+    for d in dirs:
+
+        f = np.load(d / "test.npz")
+        pred = generic.logits(torch.from_numpy(f["x"]), 64).argmax(1)
+        right, n = right + int((pred == torch.from_numpy(f["y"])).sum()), n + len(f["y"])
+    assert result.summary["final"]["gfl_acc"] == pytest.approx(right / n, abs=1e-7)
+    assert result.summary["final"]["gfl_acc"] != result.summary["final"]["pfl_acc"]  # not the personal figure
+
+
+def test_sites_restarted_mid_run_continue_from_their_own_state_directories(tmp_path):
+    """Sites 0 and 2 restart after round 2 (new node ids, nothing in memory): they read their clients' states from
+    their state directories, and the run's figures are the uninterrupted run's."""
+    tree = _tree("fedper", eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    straight = run_sites(_site_cfg(tree), grid)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "again", validate_config(tree))
+    grid.restart = {3: [0, 2]}
+    restarted = run_sites(_site_cfg(tree), grid)
+    assert grid.nodes[0] != 1000 and grid.nodes[2] != 1002  # the restarts happened
+    assert figures(restarted.summary) == figures(straight.summary)
+
+
+def test_a_resumed_server_asks_each_site_for_the_state_version_it_checkpointed(tmp_path):
+    """The server's checkpoints hold, per client, only the round of the state its site keeps; a server resumed
+    from round 2 continues as if never stopped."""
+    from pflbed.errors import PflbedError
+    from pflbed.results.rundir import RunDir
+
+    tree = _tree("fedper", eval={"every": 2, "finetune": []}, train={**TINY["train"], "checkpoint_every": 1})
+    cfg = _site_cfg(tree)
+    _, grid = _sites(tmp_path, validate_config(tree))
+    straight = run_sites(cfg, grid)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "again", validate_config(tree))
+    out = tmp_path / "run"
+    real = SiteExecutor.stream
+
+    def stop_in_round_3(self, rnd, payloads):
+        if rnd == 3:
+            raise PflbedError("stopped")
+        return real(self, rnd, payloads)
+
+    SiteExecutor.stream = stop_in_round_3
+    try:
+        with pytest.raises(PflbedError, match="stopped"):
+            run_sites(cfg, grid, RunDir.check(out, cfg))
+    finally:
+        SiteExecutor.stream = real
+    saved = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert {k for s in saved["clients"].values() for k in s} == {"site.version"}  # no state left its site
+    resumed = run_sites(cfg, grid, RunDir(out), resume=True)
+    assert figures(resumed.summary) == figures(straight.summary)
+
+
+def test_a_site_of_several_clients_without_val_and_test_files_splits_its_data(tmp_path):
+    """clients=2 and only train.npz: each client gets a seeded share, split train / val / test as a simulated
+    client's; the server counts them among the run's clients, in site order."""
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    dirs, _ = _sites(tmp_path, validate_config(tree))
+    for d in dirs[2:]:
+        (d / "val.npz").unlink()
+        (d / "test.npz").unlink()
+    nodes = {0: {"data": str(dirs[0])}, 1: {"data": str(dirs[1])},
+             2: {"data": str(dirs[2] / "train.npz"), "clients": 2}}  # fmt: skip
+    grid = FakeGrid(partitions=3, node_configs={k: {**v, "state-dir": str(tmp_path / f"s{k}")}
+                                                for k, v in nodes.items()})  # fmt: skip
+    cfg = _site_cfg(tree)  # 4 clients: 1 + 1 + 2
+    sizes = _discover(grid, cfg)
+    n2 = len(np.load(dirs[2] / "train.npz")["y"])
+    assert [len(s) for s in sizes] == [1, 1, 2] and sum(sizes[2]) < n2 and sum(sizes[2]) > 0.6 * n2
+    result = run_sites(cfg, grid)
+    assert len(result.history[-1]) and not math.isnan(result.summary["final"]["pfl_acc"])
+
+
+def _tampered(cfg, **sections):
+    """The config JSON a server that skips pflbed's own validation could send."""
+    import json
+
+    tree = cfg.model_dump(mode="json")
+    for key, value in sections.items():
+        section, field = key.split("__")
+        tree[section][field] = value
+    return json.dumps(tree, sort_keys=True)
+
+
+@pytest.mark.parametrize("key, value", [("dataset__path", "/etc"), ("executor__state_dir", "/tmp/elsewhere"),
+                                        ("model__init_from", "/root/weights.pt"), ("dataset__download", True),
+                                        ("federation__manifest", "/srv/manifest.json")])  # fmt: skip
+def test_a_site_refuses_a_server_that_names_a_path_or_a_download(key, value, tmp_path):
+    """A server that sends a path (or a download) in its config: the node refuses the work with one line naming the
+    key, reads nothing and writes nothing; the run stops with that line."""
+    from pflbed.flower.executor import FlowerClientError
+
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    with _server_task():
+        sizes = discover_sites(grid, cfg)
+        algo = server_algorithm(cfg, sizes)
+        ex = SiteExecutor(algo, grid, sizes)
+        ex.config = _tampered(cfg, **{key: value})  # the planted server
+        with pytest.raises(FlowerClientError, match=key.replace("__", ".")):
+            experiment(cfg, algo, ex, None, False, False)
+    assert not any(tmp_path.glob("states-*"))  # nothing written on the sites
+
+
+def test_a_site_refuses_a_run_that_is_not_site_local_and_a_data_less_node_a_site_local_one():
+    from pflbed.flower.site_node import site_config
+
+    tree = _tree("fedavg")
+    plain = validate_config({**tree, "executor": {"name": "flower"}})
+    with pytest.raises(SiteError, match=r"this site holds its own data .* not site-local"):
+        site_config({"data": "/data/site.npz"}, _tampered(plain))
+    assert site_config({}, _tampered(plain)) is None  # a simulated client: the run's own data, as before
+    with pytest.raises(SiteError, match="names no data="):
+        site_config({}, _tampered(_site_cfg(tree)))
+
+
+def _labels(d, y):
+    f = dict(np.load(d / "train.npz"))
+    np.savez(d / "train.npz", x=f["x"], y=y(f["y"]))
+
+
+def test_a_site_whose_labels_or_samples_do_not_fit_is_refused_with_its_number(tmp_path):
+    tree = _tree("fedavg")
+    dirs, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    k = cfg.sites.num_classes
+    _labels(dirs[2], lambda y: np.where(np.arange(len(y)) == 0, k, y))  # one label outside 0…k−1
+    with pytest.raises(SiteError, match=rf"site 2: labels \[{k}\] are outside the run's label space 0…{k - 1}"):
+        _discover(grid, cfg)
+    _labels(dirs[2], lambda y: np.minimum(y, k - 1))
+    f = dict(np.load(dirs[1] / "val.npz"))
+    np.savez(dirs[1] / "val.npz", x=f["x"][:, :, :4], y=f["y"])
+    with pytest.raises(SiteError, match=r"site 1 .*val .*val.npz: samples of shape \[1, 4, 8\], but the site's data"):
+        _discover(grid, cfg)
+    for name in ("train", "test"):
+        f = dict(np.load(dirs[1] / f"{name}.npz"))
+        np.savez(dirs[1] / f"{name}.npz", x=f["x"][:, :, :4], y=f["y"])
+    with pytest.raises(SiteError, match=r"site 1: its samples have shape \[1, 4, 8\], the run's sites.input_shape"):
+        _discover(grid, cfg)
+
+
+def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_asked_for_others(tmp_path):
+    from pflbed.flower.site_node import check_clients
+
+    tree = _tree("fedavg")
+    _, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg({**tree, "federation": {**tree["federation"], "clients": 5}})
+    with pytest.raises(SiteError, match=r"federation.clients is 5, but the sites hold 4 clients .*clients=4"):
+        _discover(grid, cfg)
+    with _server_task():
+        sizes = discover_sites(grid, _site_cfg(tree))
+    from pflbed.flower.sites import read_site, site_algorithm
+
+    algo = site_algorithm(_site_cfg(tree), read_site({"data": str(tmp_path / "sites" / "site-1")}), 1, 1, sizes)
+    check_clients(algo, [1])
+    with pytest.raises(SiteError, match=r"clients \[0, 2\], which it does not hold"):
+        check_clients(algo, [0, 1, 2])
+
+
+def test_the_server_context_refuses_client_data():
+    cfg = _site_cfg(_tree("fedavg"))
+    algo = server_algorithm(cfg, [[30], [40], [50], [60]])
+    assert [algo.ctx.federation.num_train(c) for c in range(4)] == [30, 40, 50, 60]
+    with pytest.raises(SiteError, match="client 2's data is on its site"):
+        algo.ctx.client_data(2)
+    assert len(algo.ctx.source.train) == 0
+    assert torch.isnan(algo.ctx.federation.clients[0].prior).all()

@@ -103,6 +103,12 @@ def read_site(node_config: dict[str, Any]) -> SiteFiles | None:
     elif not path.is_file():
         raise SiteError(f"data {path}: no such file or directory")
     read = {k: read_npz(Path(str(v)).expanduser(), k) if v is not None else None for k, v in files.items()}
+    shape = tuple(read[DATA].x.shape[1:])
+    for key in (VAL, TEST):
+        other = read[key]
+        if other is not None and tuple(other.x.shape[1:]) != shape:
+            raise SiteError(f"{key} {files[key]}: samples of shape {list(other.x.shape[1:])}, but the site's data "
+                            f"has {list(shape)}")  # fmt: skip
     return SiteFiles(read[DATA], read[VAL], read[TEST], str(path))
 
 
