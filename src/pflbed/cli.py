@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
     f = sub.add_parser("flower", help="run on Flower: a local deployment, or write a Flower app project")
-    fa = f.add_subparsers(dest="action", required=True, metavar="{local,app}")
+    fa = f.add_subparsers(dest="action", required=True, metavar="{local,app,sites}")
     fl = fa.add_parser("local", help="run the experiment on a SuperLink and --supernodes SuperNodes started on this "
                        "machine")  # fmt: skip
     fp = fa.add_parser("app", help="write a Flower app project for the experiment into --out")
@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set train.rounds=5 (repeatable)")  # fmt: skip
     fl.add_argument("--supernodes", type=int, metavar="N",
                     help="SuperNodes to start (default 2; with --resume, the run's own)")
+    fl.add_argument("--site-data", type=Path, nargs="+", metavar="DIR",
+                    help="keep the data on the sites: one SuperNode per DIR, each DIR one client's data (train.npz, "
+                    "optionally val.npz and test.npz: x, y), which only that node reads; sets sites.local, "
+                    "federation.clients and (unless set) sites.input_shape and sites.num_classes from the files")
     fl.add_argument("--tls", action="store_true", help="TLS with a self-signed certificate authority")
     fl.add_argument("--auth", action="store_true",
                     help="SuperNode authentication (a key pair per node, registered with the SuperLink)")
@@ -63,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--force", action="store_true", help="replace the run already in --out")
     fl.add_argument("--resume", type=Path, metavar="DIR",
                     help="continue the deployment's run in DIR from its last checkpoint (with the same --tls/--auth)")
+    fs = fa.add_parser("sites", help="write each client of the config's federation as a site directory (its "
+                       "train, val and test samples), to try --site-data or to give each machine its data")
+    fs.add_argument("-c", "--config", help="YAML config file")
+    fs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    fs.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the site-<client> directories go")
     fp.add_argument("--out", type=Path, required=True, help="the project directory")
     fp.add_argument("--run-dir", type=Path, help="where the ServerApp writes the run (default: runs/<...>)")
     t = sub.add_parser("pretrain", help="train the config's model centrally on a declared source no client uses, "
@@ -231,11 +240,31 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
         make_console().print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
         return
+    if args.action == "sites":
+        from pflbed.flower.sites import export_sites
+
+        dirs = export_sites(load_config(args.config, args.overrides), args.out)
+        make_console().print(f"{len(dirs)} site directories in {args.out}; try them with: pflbed flower local "
+                             f"--site-data {args.out}/site-*")  # fmt: skip
+        return
     from pflbed.flower.local import resume_command, run_local
     from pflbed.results.rundir import RunDir
 
+    sites = args.site_data
+    if sites is not None and args.supernodes is not None and args.supernodes != len(sites):
+        raise PflbedError(f"--supernodes {args.supernodes} but {len(sites)} --site-data directories (one node each)")
+
     def fixed(supernodes: int | None) -> list[str]:
+        if sites is not None:
+            return ["executor.name=flower", f"executor.supernodes={len(sites)}", "sites.local=true",
+                    f"federation.clients={len(sites)}"]  # fmt: skip
         return ["executor.name=flower", f"executor.supernodes={2 if supernodes is None else supernodes}"]
+
+    def described() -> list[str]:  # what the files say, before the user's own --set (which wins)
+        from pflbed.flower.sites import describe_sites
+
+        shape, classes = describe_sites(sites)
+        return [f"sites.input_shape={list(shape)}", f"sites.num_classes={classes}"]
 
     if args.resume:
         _resume_flags(args)
@@ -245,20 +274,24 @@ def _cmd_flower(args: argparse.Namespace) -> None:
                               f"'pflbed run --resume {args.resume}'")  # fmt: skip
         given = args.config or args.overrides or args.supernodes is not None
         supernodes = cfg.executor.supernodes if args.supernodes is None else args.supernodes
+        if cfg.sites.local and sites is None:
+            raise PflbedError(f"--resume {args.resume}: the run keeps its data on the sites; give their directories "
+                              "again with --site-data")  # fmt: skip
         given_cfg = load_config(args.config, [*args.overrides, *fixed(supernodes)]) if given else None
         rundir, cfg = RunDir.for_resume(args.resume, given_cfg)
         if _finished(rundir):
             return
         out = args.resume
     else:
-        cfg = load_config(args.config, [*args.overrides, *fixed(args.supernodes)])
+        inferred = described() if sites is not None else []
+        cfg = load_config(args.config, [*inferred, *args.overrides, *fixed(args.supernodes)])
         out = args.out or default_out(cfg)
     console = make_console()
     supernodes = cfg.executor.supernodes
     assert supernodes is not None  # set by `fixed`, or checked on resume
-    with _continuable(out, resume_command(out, args.tls, args.auth), cfg.train.rounds):
+    with _continuable(out, resume_command(out, args.tls, args.auth, sites), cfg.train.rounds):
         summary = run_local(cfg, out, supernodes, tls=args.tls, auth=args.auth, force=args.force,
-                            resume=bool(args.resume), log=console.print)  # fmt: skip
+                            resume=bool(args.resume), site_data=sites, log=console.print)  # fmt: skip
     print_table(summary)
     console.print(f"results: {out}")
 

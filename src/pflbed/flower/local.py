@@ -61,9 +61,10 @@ class FlowerDivergedError(FlowerRunError):
     exit_code = 3
 
 
-def resume_command(out: Path, tls: bool, auth: bool) -> str:
-    """The command that continues the deployment's run in `out` with the same security."""
-    return f"pflbed flower local --resume {out}" + " --tls" * tls + " --auth" * auth
+def resume_command(out: Path, tls: bool, auth: bool, site_data: list[Path] | None = None) -> str:
+    """The command that continues the deployment's run in `out` with the same security (and sites)."""
+    sites = f" --site-data {' '.join(map(str, site_data))}" if site_data else ""
+    return f"pflbed flower local --resume {out}" + " --tls" * tls + " --auth" * auth + sites
 
 
 def failure_reason(log: Path) -> str:
@@ -193,13 +194,18 @@ def _register(keys: list[tuple[Path, Path]], env: dict[str, str], log: Path) -> 
 
 
 def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, auth: bool = False,
-              force: bool = False, resume: bool = False, log=print) -> dict:  # fmt: skip
+              force: bool = False, resume: bool = False, site_data: list[Path] | None = None,
+              log=print) -> dict:  # fmt: skip
     """Run `cfg` on a local deployment of `supernodes` SuperNodes (`tls`: encrypted connections; `auth`: only the
     SuperNodes whose keys were registered may connect); the run's summary (also in `out`). With `resume`, continue
-    the unfinished run in `out` from its last checkpoint on a fresh SuperLink and SuperNodes."""
+    the unfinished run in `out` from its last checkpoint on a fresh SuperLink and SuperNodes. `site_data`: one
+    directory per SuperNode, its site's own data (`sites.local`); each site keeps its clients' states in
+    `<out>/flower/site-<k>-states`."""
     if supernodes < 1:
         raise PflbedError("--supernodes must be at least 1")
-    again = resume_command(out, tls, auth)
+    if site_data is not None and len(site_data) != supernodes:
+        raise PflbedError(f"{len(site_data)} --site-data directories for {supernodes} SuperNodes")
+    again = resume_command(out, tls, auth, site_data)
     rundir = RunDir.check(out, cfg, force=force, resume=resume, resume_with=again)
     if not resume:
         rundir.start(cfg)
@@ -237,6 +243,9 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
             _register(keys, env, work / "register.log")
         for k in range(supernodes):
             node = f"partition-id={k} num-partitions={supernodes}"
+            if site_data is not None:  # TOML strings: the node config parser's format
+                data, states = site_data[k].resolve(), work / f"site-{k}-states"
+                node += f" data={json.dumps(str(data))} state-dir={json.dumps(str(states))}"
             key = ["--auth-supernode-private-key", str(keys[k][0])] if auth else []
             _start(procs, [_tool("flower-supernode"), *node_tls, *key, "--superlink", f"127.0.0.1:{port}",
                            "--port", str(free_port()), "--node-config", node], work / f"supernode-{k}.log", env)

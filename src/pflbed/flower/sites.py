@@ -271,6 +271,20 @@ def server_algorithm(cfg: Config, sizes: list[list[int]]) -> Algorithm:
                            context=ServerContext)
 
 
+def describe_sites(dirs: list[Path]) -> tuple[tuple[int, ...], int]:
+    """(sample shape, number of classes: the largest label + 1) of site directories on this machine: what
+    `pflbed flower local --site-data` fills in when the config does not say."""
+    shapes, top = set(), 0
+    for d in dirs:
+        files = read_site({DATA: str(d)})
+        assert files is not None
+        shapes.add(tuple(files.data.x.shape[1:]))
+        top = max([top, *(int(f.y.max()) for f in (files.data, files.val, files.test) if f is not None and len(f))])
+    if len(shapes) != 1:
+        raise SiteError(f"the --site-data directories hold samples of different shapes: {sorted(shapes)}")
+    return shapes.pop(), max(2, top + 1)
+
+
 def export_sites(cfg: Config, out: Path) -> list[Path]:
     """Write each participated client of `cfg`'s simulated federation as a site directory `out/site-<cid>` holding
     `train.npz`, `val.npz` and `test.npz` — exactly the samples the simulated client trains, validates and is
