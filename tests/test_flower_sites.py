@@ -29,7 +29,7 @@ ALGOS = {"fedavg": {}, "fedper": {}, "fedrod": {}, "fedselect": {}, "fedbasis": 
 def _tree(name, **over):
     tree = {**TINY, "federation": {**TINY["federation"], "clients": 4, "sample_fraction": 0.75},
             "algorithm": {"name": name, **ALGOS.get(name, {})}, "executor": {"threads": 1},
-            "eval": {"every": 2, "finetune": ["ft"]}}  # fmt: skip
+            "eval": {"every": 2, "finetune": ["ft", "lp"]}}  # fmt: skip
     tree.update(over)
     return tree
 
@@ -62,15 +62,15 @@ def _server_task():
 
 def _discover(grid, cfg):
     with _server_task():
-        return discover_sites(grid, cfg)
+        return discover_sites(grid, cfg)[0]
 
 
 def run_sites(cfg, grid, rundir=None, resume=False):
     """What the ServerApp does for a site-local run (`flower.server.main`), on `grid`."""
     with _server_task():
-        sizes = discover_sites(grid, cfg)
+        sizes, nodes = discover_sites(grid, cfg)
         algo = server_algorithm(cfg, sizes)
-        return experiment(cfg, algo, SiteExecutor(algo, grid, sizes), rundir, False, resume)
+        return experiment(cfg, algo, SiteExecutor(algo, grid, sizes, nodes), rundir, False, resume)
 
 
 def _sites(tmp_path, cfg):
@@ -231,9 +231,9 @@ def test_a_site_refuses_a_server_that_names_a_path_or_a_download(key, value, tmp
     _, grid = _sites(tmp_path, validate_config(tree))
     cfg = _site_cfg(tree)
     with _server_task():
-        sizes = discover_sites(grid, cfg)
+        sizes, nodes = discover_sites(grid, cfg)
         algo = server_algorithm(cfg, sizes)
-        ex = SiteExecutor(algo, grid, sizes)
+        ex = SiteExecutor(algo, grid, sizes, nodes)
         ex.config = _tampered(cfg, **{key: value})  # the planted server
         with pytest.raises(FlowerClientError, match=key.replace("__", ".")):
             experiment(cfg, algo, ex, None, False, False)
@@ -268,7 +268,7 @@ def test_a_site_whose_labels_or_samples_do_not_fit_is_refused_with_its_number(tm
     _labels(dirs[2], lambda y: np.minimum(y, k - 1))
     f = dict(np.load(dirs[1] / "val.npz"))
     np.savez(dirs[1] / "val.npz", x=f["x"][:, :, :4], y=f["y"])
-    with pytest.raises(SiteError, match=r"site 1 .*val .*val.npz: samples of shape \[1, 4, 8\], but the site's data"):
+    with pytest.raises(SiteError, match=r"site 1: val .*val.npz: samples of shape \[1, 4, 8\], but the site's data"):
         _discover(grid, cfg)
     for name in ("train", "test"):
         f = dict(np.load(dirs[1] / f"{name}.npz"))
@@ -286,7 +286,7 @@ def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_a
     with pytest.raises(SiteError, match=r"federation.clients is 5, but the sites hold 4 clients .*clients=4"):
         _discover(grid, cfg)
     with _server_task():
-        sizes = discover_sites(grid, _site_cfg(tree))
+        sizes = discover_sites(grid, _site_cfg(tree))[0]
     from pflbed.flower.sites import read_site, site_algorithm
 
     algo = site_algorithm(_site_cfg(tree), read_site({"data": str(tmp_path / "sites" / "site-1")}), 1, 1, sizes)

@@ -107,7 +107,8 @@ def query(msg: Message, context: Context) -> Message:
     config = str(conf["pflbed-config"])
     if msg.metadata.group_id == "site":  # a site-local run's start-up: what this site holds
         info = json.dumps(site_report(context, config))
-        return Message(RecordDict({"site": ConfigRecord({"report": info})}), reply_to=msg)
+        node = partition(msg, context).content["node"]
+        return Message(RecordDict({"node": node, "site": ConfigRecord({"report": info})}), reply_to=msg)
     stored = node_states(context, config, algorithm(config))
     if stored is None:
         raise ValueError("client states were asked of a node, but executor.state_dir is unset")
@@ -128,8 +129,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     check_clients(algo, cids)
     versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True))
     server = from_record(msg.content["server"], algo.ctx.device)
-    method = str(conf["method"]) or None
-    scores = evaluate_site(algo, server, lambda c: stored.load(c, versions[c]), cids, method, int(conf["method-index"]))
+    state = lambda c: stored.load(c, versions[c])  # noqa: E731
+    scores = {}
+    if bool(conf["round"]):  # the round's figures
+        scores[""] = evaluate_site(algo, server, state, cids)
+    for i, method in json.loads(str(conf["methods"])):  # final personalizations (+FT, +LP), by their index
+        scores[method] = evaluate_site(algo, server, state, cids, method, i)
     return Message(RecordDict({"scores": ConfigRecord({"json": json.dumps(scores)})}), reply_to=msg)
 
 

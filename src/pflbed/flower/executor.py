@@ -71,9 +71,10 @@ class FlowerExecutor(LoopExecutor):
         # Where a round's time goes (`benchmarks/flower_speed.py`): building and reading records here, waiting for
         # the replies, and on the nodes the client updates and their records.
         self.timing = {"server_records_s": 0.0, "wait_s": 0.0, "client_update_s": 0.0, "client_records_s": 0.0}
-        self.node_of: dict[int, int] = {}  # partition id → node id
-        self.parts: set[int] = set()  # the numbers of partitions the nodes declared (one, when they agree)
-        self.asked: set[int] = set()
+        if not hasattr(self, "node_of"):  # a subclass may know the nodes already (`SiteExecutor`)
+            self.node_of: dict[int, int] = {}  # partition id → node id
+            self.parts: set[int] = set()  # the numbers of partitions the nodes declared (one, when they agree)
+            self.asked: set[int] = set()
         self._partitions()
 
     @property

@@ -28,9 +28,9 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     cfg = validate_config(json.loads(str(context.run_config["config"])))
     if cfg.sites.local:  # the data is on the sites: ask them what they hold; the server loads none
-        sizes = discover_sites(grid, cfg)
+        sizes, nodes = discover_sites(grid, cfg)
         algo = server_algorithm(cfg, sizes)
-        executor: FlowerExecutor = SiteExecutor(algo, grid, sizes)
+        executor: FlowerExecutor = SiteExecutor(algo, grid, sizes, nodes)
     else:
         algo = prepare(cfg, threads=1)
         executor = FlowerExecutor(algo, grid)

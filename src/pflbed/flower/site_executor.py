@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import json
 import time
-from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -38,18 +37,29 @@ def _error(reply: Message) -> str:
     return reason.splitlines()[-1] if reason else "no reason"
 
 
-def discover_sites(grid: Grid, cfg: Config, wait_s: float = 120.0) -> list[list[int]]:
-    """Every site's clients' training-sample counts, in partition order, once a node serves each partition."""
+def discover_sites(grid: Grid, cfg: Config, wait_s: float = 120.0) -> tuple[list[list[int]], dict[int, int]]:
+    """Every site's clients' training-sample counts, in partition order, and the node serving each site: one
+    question to each node as it connects (which site it is, and what it holds), until every site has answered."""
     nodes: dict[int, int] = {}
     parts: set[int] = set()
+    sizes: dict[int, list[int]] = {}
+    asked: set[int] = set()
+    conf = ConfigRecord({"pflbed-config": config_json(cfg)})
     deadline = time.monotonic() + wait_s
     while True:
-        asks = [Message(RecordDict({}), dst_node_id=n, message_type=MessageType.QUERY, group_id="partitions")
-                for n in grid.get_node_ids() if n not in nodes.values()]  # fmt: skip
-        for reply in grid.send_and_receive(asks, timeout=30) if asks else []:
-            if not reply.has_error():
-                nodes[int(reply.content["node"][PARTITION])] = reply.metadata.src_node_id
-                parts.add(int(reply.content["node"][PARTITIONS]))
+        new = [n for n in grid.get_node_ids() if n not in asked]
+        asks = [Message(RecordDict({"config": conf}), dst_node_id=n, message_type=MessageType.QUERY, group_id="site")
+                for n in new]  # fmt: skip
+        for reply in grid.send_and_receive(asks, timeout=120) if asks else []:
+            if reply.has_error():
+                raise SiteError(f"node {reply.metadata.src_node_id} refused the run or could not read its data: "
+                                f"{_error(reply)}")  # fmt: skip
+            k = int(reply.content["node"][PARTITION])
+            parts.add(int(reply.content["node"][PARTITIONS]))
+            info = json.loads(str(reply.content["site"]["report"]))
+            check_report(cfg, k, info)
+            nodes[k], sizes[k] = reply.metadata.src_node_id, [int(n) for n in info["num_train"]]
+            asked.add(reply.metadata.src_node_id)
         if len(parts) > 1:
             raise FlowerRoundError(f"the sites disagree on their number: {sorted(parts)}")
         if parts and set(nodes) == set(range(next(iter(parts)))):
@@ -57,31 +67,18 @@ def discover_sites(grid: Grid, cfg: Config, wait_s: float = 120.0) -> list[list[
         if time.monotonic() > deadline:
             raise FlowerRoundError(f"after {wait_s:.0f} s, sites {sorted(nodes)} of {sorted(parts) or '?'} connected")
         time.sleep(0.2)
-    conf = ConfigRecord({"pflbed-config": config_json(cfg)})
-    asks = [Message(RecordDict({"config": conf}), dst_node_id=nodes[k], message_type=MessageType.QUERY,
-                    group_id="site") for k in sorted(nodes)]  # fmt: skip
-    sizes: dict[int, list[int]] = {}
-    site_of = {nodes[k]: k for k in nodes}
-    for reply in grid.send_and_receive(asks, timeout=120):
-        k = site_of[reply.metadata.src_node_id]
-        if reply.has_error():
-            raise SiteError(f"site {k} refused the run or could not read its data: {_error(reply)}")
-        info = json.loads(str(reply.content["site"]["report"]))
-        check_report(cfg, k, info)
-        sizes[k] = [int(n) for n in info["num_train"]]
-    if set(sizes) != set(nodes):
-        raise FlowerRoundError(f"sites {sorted(set(nodes) - set(sizes))} did not say what they hold")
     total = sum(len(s) for s in sizes.values())
     if total != cfg.federation.clients:
         raise SiteError(f"federation.clients is {cfg.federation.clients}, but the sites hold {total} clients "
                         f"({', '.join(str(len(sizes[k])) for k in sorted(sizes))}): set federation.clients={total}")
-    return [sizes[k] for k in sorted(sizes)]
+    return [sizes[k] for k in sorted(sizes)], nodes
 
 
 class SiteExecutor(FlowerExecutor):
-    def __init__(self, algo: Algorithm, grid: Grid, sizes: list[list[int]]) -> None:
+    def __init__(self, algo: Algorithm, grid: Grid, sizes: list[list[int]], nodes: dict[int, int]) -> None:
         self.sizes, self.first = sizes, offsets(sizes)
         self.extra_conf = {"site-sizes": json.dumps(sizes)}
+        self.node_of, self.parts, self.asked = dict(nodes), {len(sizes)}, set(nodes.values())  # `discover_sites`'s
         super().__init__(algo, grid)
         self.on_nodes = True
         has_test = algo.ctx.federation.global_test.numel() > 0
@@ -108,15 +105,15 @@ class SiteExecutor(FlowerExecutor):
             by_node.setdefault(self.node_of[bisect.bisect_right(self.first, cid) - 1], []).append(cid)
         return by_node
 
-    def _ask_sites(self, server: Tensors, method: str, index: int) -> list[dict[str, Any]]:
-        """Every site's `evaluate_site` numbers for all its clients."""
+    def _ask_sites(self, server: Tensors, round_figures: bool, methods: list[tuple[int, str]]) -> list[dict]:
+        """Every site's `evaluate_site` numbers for all its clients: {"": the round's, method: a personalization's}."""
         self._ask()
         record = to_record(server)
         msgs = []
         by_node = self._by_node(list(self.algo.ctx.federation.participated))
         for node, cids in by_node.items():
             conf = {"pflbed-config": self.config, "cids": cids, "versions": [self.version.get(c, 0) for c in cids],
-                    "method": method, "method-index": index, **self.extra_conf}  # fmt: skip
+                    "round": round_figures, "methods": json.dumps(methods), **self.extra_conf}  # fmt: skip
             content = RecordDict({"config": ConfigRecord(conf), "server": record})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.EVALUATE, group_id="evaluate"))
         out = []
@@ -130,7 +127,8 @@ class SiteExecutor(FlowerExecutor):
 
     def evaluate_on_sites(self, server: Tensors, quick: Context | None) -> tuple[dict, dict[int, float]]:
         """A round's figures, scored on the sites; G-FL on the server's test set where it has one (`quick`: its
-        subsampled view, for an intermediate evaluation)."""
+        subsampled view, for an intermediate evaluation). The final evaluation (`quick` None) asks the sites for the
+        run's final personalizations in the same message, one start of each site's ClientApp fewer."""
         ctx = quick or self.algo.ctx
         generic = self.algo.generic_model(server)
         gfl = None
@@ -138,9 +136,18 @@ class SiteExecutor(FlowerExecutor):
             idx = ctx.federation.global_test
             labels = Predictions(ctx.source, ctx.cfg.eval.batch_size)(generic, "test", idx)
             gfl = accuracy(labels, ctx.source.test.y[idx])
-        return combine(self._ask_sites(server, "", 0), gfl, generic is not None)
+        methods = []
+        if quick is None:
+            methods = list(enumerate(self.algo.finetune_methods(server, list(self.algo.ctx.cfg.eval.finetune))))
+        sites = self._ask_sites(server, True, methods)
+        self.personalized = (server, {m: [s[m] for s in sites] for _, m in methods})
+        return combine([s[""] for s in sites], gfl, generic is not None)
 
     def personalize_on_sites(self, server: Tensors, method: str, index: int) -> dict:
-        """P-FL of a final personalization (+FT, +LP), each site personalizing and scoring its own clients."""
-        figures = combine(self._ask_sites(server, method, index), None, False)[0]
+        """P-FL of a final personalization (+FT, +LP), each site personalizing and scoring its own clients (asked
+        with the final evaluation, where that was of this server state)."""
+        asked_with, done = getattr(self, "personalized", (None, {}))
+        sites = done[method] if asked_with is server and method in done else \
+            [s[method] for s in self._ask_sites(server, False, [(index, method)])]  # fmt: skip
+        figures = combine(sites, None, False)[0]
         return {k: v for k, v in figures.items() if not k.startswith("gfl_")}  # as `evaluate_personalized`

@@ -15,6 +15,7 @@ from typing import Any
 
 from pflbed.algorithms.base import Algorithm
 from pflbed.config import Config, validate_config
+from pflbed.errors import PflbedError
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.sites import (
     DATA,
@@ -78,9 +79,13 @@ def check_clients(algo: Algorithm, cids: list[int]) -> None:
 def site_report(context: Any, config_json: str) -> dict[str, Any]:
     """What the site tells the server at start-up (`sites.report`)."""
     node = _node(context)
-    cfg = site_config(node, config_json)
-    if cfg is None:
-        raise SiteError("the server asked for this node's data, but its config names no data=")
-    files = read_site(node)
-    assert files is not None
-    return report(files, num_clients(node), cfg, int(node.get(PARTITION, 0)))
+    site = int(node.get(PARTITION, 0))
+    try:
+        cfg = site_config(node, config_json)
+        if cfg is None:
+            raise SiteError("the server asked for this node's data, but its config names no data=")
+        files = read_site(node)
+        assert files is not None
+        return report(files, num_clients(node), cfg, site)
+    except PflbedError as e:  # which site, in the one line the server shows
+        raise SiteError(f"site {site}: {e}") from None
