@@ -303,3 +303,25 @@ def test_the_server_context_refuses_client_data():
         algo.ctx.client_data(2)
     assert len(algo.ctx.source.train) == 0
     assert torch.isnan(algo.ctx.federation.clients[0].prior).all()
+
+
+def test_a_new_site_personalizes_the_trained_run_on_its_own_data_with_no_other_data_present(tmp_path):
+    """`load_run` of a site-local run directory (the server's state only; no dataset anywhere): a new site
+    personalizes the trained model on its samples with the algorithm's own personalization; a participating
+    client's personal model is on its site, so asking the run for it says so."""
+    import pflbed
+    from pflbed.results.rundir import RunDir
+
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    dirs, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    run_sites(cfg, grid, RunDir.check(tmp_path / "run", cfg))
+    loaded = pflbed.load_run(tmp_path / "run")
+    f = np.load(dirs[1] / "train.npz")
+    t = np.load(dirs[1] / "test.npz")
+    personal = loaded.personalize(f["x"], f["y"], epochs=2, lr=0.05)
+    acc = personal.accuracy(t["x"], t["y"])
+    start = personal.zero_shot_accuracy(t["x"], t["y"])
+    assert acc > start  # fine-tuning on the site's own (skewed) data helps on its own test data
+    with pytest.raises(Exception, match="personal model stayed on its site"):
+        loaded.personal_model(1)

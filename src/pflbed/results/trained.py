@@ -135,11 +135,19 @@ class TrainedRun:
         self.summary: dict[str, Any] | None = json.loads(summary.read_text()) if summary.is_file() else None
         metrics = self.path / "metrics.jsonl"
         self.history = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-        self.algo: Algorithm = prepare(self.config)
+        self.algo: Algorithm = prepare(self.config) if not self.config.sites.local else self._without_data()
         saved = load_checkpoint(self.path, self.algo.ctx.device)
         assert saved is not None  # checked above
         self.round: int = saved["round"]
         self.server, self.states = saved["server"], saved["clients"]
+
+    def _without_data(self) -> Algorithm:
+        """A run whose data stayed on the sites (`sites.local`): the server's context, with no client data (and
+        without the server's own test set, which the machine loading the run may not have)."""
+        from pflbed.flower.sites import server_algorithm
+
+        cfg = self.config.model_copy(update={"sites": self.config.sites.model_copy(update={"test": None})})
+        return server_algorithm(cfg, [[1]] * cfg.federation.clients)  # sample counts: the server's means only
 
     @property
     def source(self):
@@ -157,6 +165,9 @@ class TrainedRun:
     def personal_model(self, cid: int) -> torch.nn.Module:
         """Participating client `cid`'s personal model (the one scored for its P-FL)."""
         fed = self.algo.ctx.federation
+        if self.config.sites.local:
+            raise PflbedError(f"client {cid}'s personal model stayed on its site (sites.local): the run holds the "
+                              "server's state only; a site personalizes it with its own data")  # fmt: skip
         if cid not in fed.participated:
             raise PflbedError(f"client {cid} did not participate in this run ({len(fed.participated)} clients did, "
                               f"{len(fed.new)} held out); personalize a model for a new client instead")  # fmt: skip
