@@ -152,6 +152,11 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.round_timeout": st.one_of(st.none(), st.floats(min_value=0, max_value=100)),
     "executor.state_dir": st.one_of(st.none(), st.sampled_from(["", "states"])),
     "algorithm.name": st.sampled_from(sorted(ALGORITHMS)),
+    # a deployment with the data on the sites: refused without executor.name=flower (tests/test_flower_sites.py)
+    "sites.local": st.booleans(),
+    "sites.input_shape": st.one_of(st.none(), st.lists(st.integers(min_value=0, max_value=9), max_size=5)),
+    "sites.num_classes": st.one_of(st.none(), st.integers(min_value=0, max_value=12)),
+    "sites.test": st.one_of(st.none(), st.sampled_from(["", "/nonexistent/test.npz"])),
     "log.tensorboard": st.booleans(),
     # `pflbed pretrain`'s section: validated by every run, used only by pretrain (tests/test_pretrain.py)
     "pretrain.split": st.sampled_from(["train", "test", "val"]),

@@ -2,7 +2,8 @@
 
 The project holds no code: its components are pflbed's own ServerApp and ClientApp (`pflbed.flower.server:app`,
 `pflbed.flower.client:app`), so every site needs pflbed installed (with the `flower` extra) and, for datasets read
-from disk, the same data. Its run config carries the experiment's pflbed config (JSON) and the run directory the
+from disk, the same data — or, with `sites.local`, each site its own data, named in its own node config
+(`flower.sites`). Its run config carries the experiment's pflbed config (JSON) and the run directory the
 ServerApp writes, on the SuperLink's machine.
 """
 
@@ -22,7 +23,7 @@ name = "pflbed-experiment"
 version = "1.0.0"
 description = "A pflbed experiment ({what}) as a Flower app"
 license = "Apache-2.0"
-dependencies = []  # pflbed[flower] must be installed at every site
+dependencies = []  # pflbed[flower] must be installed at every site (sites.local: each with its data= node config)
 
 [tool.flwr.app]
 publisher = "pflbed"
