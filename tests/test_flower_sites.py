@@ -289,7 +289,8 @@ def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_a
         sizes = discover_sites(grid, _site_cfg(tree))[0]
     from pflbed.flower.sites import read_site, site_algorithm
 
-    algo = site_algorithm(_site_cfg(tree), read_site({"data": str(tmp_path / "sites" / "site-1")}), 1, 1, sizes)
+    files = read_site({"data": str(tmp_path / "sites" / "site-1")}, _site_cfg(tree))
+    algo = site_algorithm(_site_cfg(tree), files, 1, 1, sizes)
     check_clients(algo, [1])
     with pytest.raises(SiteError, match=r"clients \[0, 2\], which it does not hold"):
         check_clients(algo, [0, 1, 2])
@@ -325,3 +326,40 @@ def test_a_new_site_personalizes_the_trained_run_on_its_own_data_with_no_other_d
     assert acc > start  # fine-tuning on the site's own (skewed) data helps on its own test data
     with pytest.raises(Exception, match="personal model stayed on its site"):
         loaded.personal_model(1)
+
+
+def _images(root, k, n, seed):
+    """`root/<class>/<i>.png`: n random 8×8 grey images of each class 0…k−1; their pixels, in file order."""
+    from PIL import Image
+
+    g = np.random.default_rng(seed)
+    pixels = []
+    for c in range(k):
+        (root / str(c)).mkdir(parents=True)
+        for i in range(n):
+            img = g.integers(0, 256, (8, 8), dtype=np.uint8)
+            Image.fromarray(img).save(root / str(c) / f"{i:02d}.png")
+            pixels.append(img)
+    return np.stack(pixels)
+
+
+def test_a_site_of_image_folders_is_read_as_pflbed_s_folder_datasets_and_trains_beside_npz_sites(tmp_path):
+    """data=DIR with train/ and test/ folders of class sub-folders 0/, 1/, …: images resized to the run's input shape,
+    pixels to [0, 1] and normalized as the folder datasets (symmetric: to [-1, 1]), labels from the folder names."""
+    from pflbed.flower.sites import read_site
+
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    dirs, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    k = cfg.sites.num_classes
+    site = tmp_path / "images"
+    raw = _images(site / "train", k, 12, 0)
+    _images(site / "test", k, 3, 1)
+    files = read_site({"data": str(site)}, cfg)
+    assert files.val is None and len(files.test) == 3 * k
+    assert torch.equal(files.data.x, ((torch.from_numpy(raw).float() / 255 - 0.5) / 0.5).unsqueeze(1))
+    assert files.data.y.tolist() == [c for c in range(k) for _ in range(12)]
+    grid.node_configs[3] = {**grid.node_configs[3], "data": str(site)}  # the last site: images
+    result = run_sites(cfg, grid)
+    assert _discover(grid, cfg)[3] == [len(files.data) - round(0.1 * len(files.data))]  # val: 10 % of its data
+    assert not math.isnan(result.summary["final"]["pfl_acc"])

@@ -23,7 +23,7 @@ def read_samples(path: str | Path, source: DataSource) -> tuple[np.ndarray, np.n
     """(x, y, scale): raw samples, labels, and their raw range where it is not the dataset's own (images: 255)."""
     path = Path(path)
     if path.is_dir():
-        return (*_read_folder(path, source), 255.0)
+        return (*read_image_folder(path, source), 255.0)
     if not path.is_file():
         raise DataError(f"{path}: no such file or folder")
     try:
@@ -39,7 +39,7 @@ def read_samples(path: str | Path, source: DataSource) -> tuple[np.ndarray, np.n
     return x, y, None
 
 
-def _read_folder(path: Path, source: DataSource) -> tuple[np.ndarray, np.ndarray]:
+def read_image_folder(path: Path, source: DataSource) -> tuple[np.ndarray, np.ndarray]:
     from PIL import Image, UnidentifiedImageError
 
     shape = source.raw_shape

@@ -55,7 +55,7 @@ def site_config(node: dict[str, Any], config_json: str) -> Config | None:
 def _algorithm(config_json: str, sizes_json: str, node: tuple) -> Algorithm:
     conf = dict(node)
     cfg = validate_config(json.loads(config_json))
-    files = read_site(conf)
+    files = read_site(conf, cfg)
     assert files is not None
     return site_algorithm(cfg, files, num_clients(conf), int(conf.get(PARTITION, 0)), json.loads(sizes_json),
                           str(conf.get("device", "cpu")))  # fmt: skip
@@ -84,7 +84,7 @@ def site_report(context: Any, config_json: str) -> dict[str, Any]:
         cfg = site_config(node, config_json)
         if cfg is None:
             raise SiteError("the server asked for this node's data, but its config names no data=")
-        files = read_site(node)
+        files = read_site(node, cfg)
         assert files is not None
         return report(files, num_clients(node), cfg, site)
     except PflbedError as e:  # which site, in the one line the server shows

@@ -88,28 +88,64 @@ def read_npz(path: Path, what: str) -> ArrayDataset:
     return ArrayDataset(x_t, torch.from_numpy(y.astype(np.int64)))
 
 
-def read_site(node_config: dict[str, Any]) -> SiteFiles | None:
-    """The site's data from its node config (None: the node declares none)."""
+def _image_source(cfg: Config) -> DataSource:
+    """What turns a site's images into the model's inputs: resized to `sites.input_shape`, pixels to [0, 1], then
+    normalized as pflbed's folder datasets (`dataset.normalize`: symmetric to [-1, 1], or ImageNet's statistics)."""
+    from pflbed.data.folders import NORMALIZATIONS
+
+    shape = list(cfg.sites.input_shape or [])
+    if len(shape) != 3 or shape[0] not in (1, 3):
+        raise SiteError(f"image folders need sites.input_shape [1 or 3, H, W], not {shape}")
+    mean, std = (tuple(v[: shape[0]]) for v in NORMALIZATIONS[cfg.dataset.normalize])
+    empty = _empty(shape)
+    return DataSource("site images", empty, empty, int(cfg.sites.num_classes or 0), "site", (mean, std),
+                      raw_scale=255.0, raw_channels_last=shape[0] == 3)  # fmt: skip
+
+
+def _read(path: Path, what: str, cfg: Config) -> ArrayDataset:
+    """An `.npz` file, or a folder of class sub-folders `0/`, `1/`, … of images."""
+    if path.is_dir():
+        from pflbed.data.samples import read_image_folder
+
+        source = _image_source(cfg)
+        try:
+            raw, y = read_image_folder(path, source)
+        except DataError as e:
+            raise SiteError(f"{what} {e}") from None
+        return ArrayDataset(source.inputs(raw, 255.0, what), torch.from_numpy(y))
+    if not path.is_file():
+        raise SiteError(f"{what} {path}: no such file or directory")
+    return read_npz(path, what)
+
+
+def read_site(node_config: dict[str, Any], cfg: Config) -> SiteFiles | None:
+    """The site's data from its node config (None: the node declares none). `data` is an `.npz` file, a folder of
+    class sub-folders of images, or a directory holding `train` (`train.npz` or a `train/` image folder) and
+    optionally `val` and `test` of the same kind; `val` and `test` node configs name further files or folders."""
     if DATA not in node_config:
         return None
     path = Path(str(node_config[DATA])).expanduser()
-    files = {DATA: path, VAL: node_config.get(VAL), TEST: node_config.get(TEST)}
-    if path.is_dir():
-        for key, name in ((DATA, "train.npz"), (VAL, "val.npz"), (TEST, "test.npz")):
-            if (path / name).is_file() and (key == DATA or files[key] is None):
-                files[key] = path / name
-        if files[DATA] == path:
-            raise SiteError(f"data {path}: a directory must hold train.npz (and optionally val.npz, test.npz)")
-    elif not path.is_file():
+    files: dict[str, Path | None] = {DATA: path, VAL: None, TEST: None}
+    for key in (VAL, TEST):
+        if node_config.get(key) is not None:
+            files[key] = Path(str(node_config[key])).expanduser()
+    if not path.exists():
         raise SiteError(f"data {path}: no such file or directory")
-    read = {k: read_npz(Path(str(v)).expanduser(), k) if v is not None else None for k, v in files.items()}
-    shape = tuple(read[DATA].x.shape[1:])
+    for name in ("train", "val", "test"):  # a directory of splits: name.npz or a name/ image folder
+        key = DATA if name == "train" else name
+        found = next((p for p in (path / f"{name}.npz", path / name) if p.exists()), None) if path.is_dir() else None
+        if found is not None and (key == DATA or files[key] is None):
+            files[key] = found
+    read = {k: _read(v, k, cfg) if v is not None else None for k, v in files.items()}
+    data = read[DATA]
+    assert data is not None
+    shape = tuple(data.x.shape[1:])
     for key in (VAL, TEST):
         other = read[key]
         if other is not None and tuple(other.x.shape[1:]) != shape:
             raise SiteError(f"{key} {files[key]}: samples of shape {list(other.x.shape[1:])}, but the site's data "
                             f"has {list(shape)}")  # fmt: skip
-    return SiteFiles(read[DATA], read[VAL], read[TEST], str(path))
+    return SiteFiles(data, read[VAL], read[TEST], str(path))
 
 
 def num_clients(node_config: dict[str, Any]) -> int:
@@ -276,7 +312,10 @@ def describe_sites(dirs: list[Path]) -> tuple[tuple[int, ...], int]:
     `pflbed flower local --site-data` fills in when the config does not say."""
     shapes, top = set(), 0
     for d in dirs:
-        files = read_site({DATA: str(d)})
+        if not (d / "train.npz").is_file() and d.suffix != ".npz":
+            raise SiteError(f"{d}: image folders do not say the run's input shape; --set sites.input_shape and "
+                            "sites.num_classes")  # fmt: skip
+        files = read_site({DATA: str(d)}, Config())
         assert files is not None
         shapes.add(tuple(files.data.x.shape[1:]))
         top = max([top, *(int(f.y.max()) for f in (files.data, files.val, files.test) if f is not None and len(f))])
