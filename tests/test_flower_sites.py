@@ -363,3 +363,18 @@ def test_a_site_of_image_folders_is_read_as_pflbed_s_folder_datasets_and_trains_
     result = run_sites(cfg, grid)
     assert _discover(grid, cfg)[3] == [len(files.data) - round(0.1 * len(files.data))]  # val: 10 % of its data
     assert not math.isnan(result.summary["final"]["pfl_acc"])
+
+
+def test_a_site_may_hold_a_dataset_pflbed_loads_with_the_run_s_preprocessing(tmp_path):
+    """dataset=NAME in the node config: the loader's train split is the site's data, its test split the site's
+    test data (here the embedded digits, which need no files)."""
+    from pflbed.data import load_source
+    from pflbed.flower.sites import read_site
+
+    cfg = validate_config({"executor": {"name": "flower"},
+                           "sites": {"local": True, "input_shape": [1, 8, 8], "num_classes": 10}})  # fmt: skip
+    files = read_site({"dataset": "digits"}, cfg)
+    digits = load_source(validate_config({}).dataset)
+    assert torch.equal(files.data.x, digits.train.x) and torch.equal(files.test.y, digits.test.y)
+    with pytest.raises(SiteError, match=r"dataset=cifar10: "):  # no CIFAR-10 files here: one line naming it
+        read_site({"dataset": "cifar10", "data": str(tmp_path)}, cfg)

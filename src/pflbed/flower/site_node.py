@@ -19,6 +19,7 @@ from pflbed.errors import PflbedError
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.sites import (
     DATA,
+    DATASET,
     SiteError,
     num_clients,
     own_clients,
@@ -39,7 +40,7 @@ def _node(context: Any) -> dict[str, Any]:
 def site_config(node: dict[str, Any], config_json: str) -> Config | None:
     """The server's config as this node accepts it; None where the node holds no data (a simulated client)."""
     cfg = validate_config(json.loads(config_json))
-    if DATA not in node:
+    if DATA not in node and DATASET not in node:
         if cfg.sites.local:
             raise SiteError("the run keeps the data on the sites (sites.local=true), but this node's config names "
                             "no data=")  # fmt: skip

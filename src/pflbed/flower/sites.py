@@ -2,7 +2,10 @@
 
 A site is a SuperNode that declares its data in its own node config — never in the server's config:
 - `data=PATH`: the site's samples: an `.npz` file with `x` (the model's inputs, [N, *input shape]) and `y`
-  (integer labels), or a directory holding `train.npz` and optionally `val.npz` and `test.npz`;
+  (integer labels), a folder of class sub-folders `0/`, `1/`, … of images, or a directory holding `train`
+  (`train.npz` or a `train/` image folder) and optionally `val` and `test` of the same kind;
+- `dataset=NAME` (optional): instead, a dataset pflbed loads (e.g. `hf` for a Hugging Face dataset saved to disk,
+  `cifar10`, `femnist`), its files at `data=PATH`, with the run's preprocessing options;
 - `val=PATH`, `test=PATH`: optional `.npz` files of the same kind (else a seeded, stratified split of the site's
   data, `federation.val_fraction` / `test_fraction`, as a simulated client's);
 - `clients=N` (default 1): how many clients the site holds — one in cross-silo; several for a fleet of devices,
@@ -46,7 +49,7 @@ from pflbed.errors import DataError, PflbedError
 from pflbed.federation.federation import ClientSplit, Federation, client_split
 from pflbed.federation.partition import split_local
 
-DATA, VAL, TEST, CLIENTS = "data", "val", "test", "clients"
+DATA, VAL, TEST, CLIENTS, DATASET = "data", "val", "test", "clients", "dataset"
 
 # Keys of a run's config that name a file or directory, or a download: a site refuses a server config that sets
 # any of them (their defaults are unset / false).
@@ -118,10 +121,30 @@ def _read(path: Path, what: str, cfg: Config) -> ArrayDataset:
     return read_npz(path, what)
 
 
+def _named(name: str, path: Any, cfg: Config) -> SiteFiles:
+    """A dataset pflbed loads (`dataset=NAME`, its files at `data=PATH`), with the run's preprocessing options
+    (`dataset.*`, e.g. image_size, normalize, hf columns): its train split is the site's data, its test split (if
+    any) the site's test data."""
+    from pflbed.config import DatasetConfig
+    from pflbed.data import load_source
+
+    tree = cfg.dataset.model_dump(mode="json")
+    tree.update(name=name, path=None if path is None else str(Path(str(path)).expanduser()), download=False)
+    tree["hf"] = {**tree["hf"], "id": None}
+    try:
+        source = load_source(DatasetConfig.model_validate(tree))
+    except (PflbedError, ValueError) as e:
+        raise SiteError(f"dataset={name}: {e}") from None
+    test = source.test if len(source.test) else None
+    return SiteFiles(source.train, None, test, f"{name} ({source.origin})")
+
+
 def read_site(node_config: dict[str, Any], cfg: Config) -> SiteFiles | None:
     """The site's data from its node config (None: the node declares none). `data` is an `.npz` file, a folder of
     class sub-folders of images, or a directory holding `train` (`train.npz` or a `train/` image folder) and
     optionally `val` and `test` of the same kind; `val` and `test` node configs name further files or folders."""
+    if DATASET in node_config:
+        return _named(str(node_config[DATASET]), node_config.get(DATA), cfg)
     if DATA not in node_config:
         return None
     path = Path(str(node_config[DATA])).expanduser()
