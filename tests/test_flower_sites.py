@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
 from pflbed.engine.loop import experiment, run
 
@@ -100,9 +101,28 @@ def _no_diag(tree):
     return [_no_diag(v) for v in tree] if isinstance(tree, list) else tree
 
 
+PUBLIC = {"feddf", "fedmd", "ktpfl", "pfeddf", "sim_pfl", "topk_pfl"}  # exchange predictions on public data
+
+
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_a_site_local_run_gives_the_simulation_s_figures(name, tmp_path):
-    tree = _tree(name)
+    """The five seeds' systems, 4 rounds, +FT and +LP: every figure and the server state bit for bit."""
+    _parity(_tree(name), tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(set(ALGORITHMS) - set(ALGOS)))
+def test_every_other_algorithm_gives_the_simulation_s_figures_or_is_refused_for_its_public_data(name, tmp_path):
+    """Two rounds of every other algorithm: bit for bit, or — those that exchange predictions on public data — one
+    line saying why they cannot run site-local."""
+    tree = _tree(name, train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": ["ft"]})
+    if name in PUBLIC:
+        with pytest.raises(SiteError, match=f"{name} cannot keep the data on the sites .* public data"):
+            server_algorithm(_site_cfg(tree), [[10]] * 4)
+        return
+    _parity(tree, tmp_path)
+
+
+def _parity(tree, tmp_path):
     sim = run(validate_config(tree), write=False, progress=False)
     client.algorithm.cache_clear()
     _, grid = _sites(tmp_path, validate_config(tree))

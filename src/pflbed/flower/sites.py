@@ -45,7 +45,7 @@ from pflbed.algorithms.base import Algorithm, ClientData, Context
 from pflbed.config import Config
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.engine.loop import build_algorithm
-from pflbed.errors import DataError, PflbedError
+from pflbed.errors import ConfigError, DataError, PflbedError
 from pflbed.federation.federation import ClientSplit, Federation, client_split
 from pflbed.federation.partition import split_local
 
@@ -326,8 +326,14 @@ def server_algorithm(cfg: Config, sizes: list[list[int]]) -> Algorithm:
             raise DataError(f"sites.test {cfg.sites.test}: samples of shape {shape} and labels 0…{k - 1} are needed")
     fed = SitesFederation([_nowhere(k) for _ in flat], list(range(len(flat))), [],
                           torch.arange(len(test)), k, "sites", sizes=tuple(flat))  # fmt: skip
-    return build_algorithm(cfg, _source(cfg, _empty(shape), test, "the sites"), fed, threads=1,
-                           context=ServerContext)
+    try:
+        return build_algorithm(cfg, _source(cfg, _empty(shape), test, "the sites"), fed, threads=1,
+                               context=ServerContext)  # fmt: skip
+    except ConfigError as e:
+        if "public data" not in str(e):
+            raise
+        raise SiteError(f"{cfg.algorithm.name} cannot keep the data on the sites (sites.local): it exchanges "
+                        "predictions on public data, which a site-local run does not have") from None
 
 
 def describe_sites(dirs: list[Path]) -> tuple[tuple[int, ...], int]:
