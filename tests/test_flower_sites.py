@@ -4,6 +4,7 @@ real node code with each site's own node config."""
 
 
 import contextlib
+import json
 import math
 
 import numpy as np
@@ -230,7 +231,6 @@ def test_a_site_of_several_clients_without_val_and_test_files_splits_its_data(tm
 
 def _tampered(cfg, **sections):
     """The config JSON a server that skips pflbed's own validation could send."""
-    import json
 
     tree = cfg.model_dump(mode="json")
     for key, value in sections.items():
@@ -398,3 +398,22 @@ def test_a_site_may_hold_a_dataset_pflbed_loads_with_the_run_s_preprocessing(tmp
     assert torch.equal(files.data.x, digits.train.x) and torch.equal(files.test.y, digits.test.y)
     with pytest.raises(SiteError, match=r"dataset=cifar10: "):  # no CIFAR-10 files here: one line naming it
         read_site({"dataset": "cifar10", "data": str(tmp_path)}, cfg)
+
+
+def test_the_app_project_of_a_site_local_run_gives_each_site_a_node_config_flower_reads(tmp_path, capsys):
+    """`pflbed flower app` with sites.local: beside pyproject.toml, a site.toml that Flower's own node-config parser
+    reads, naming only node-side keys (the run's config in pyproject.toml names no path)."""
+    import tomllib
+
+    from flwr.common.config import parse_config_args
+
+    from pflbed.cli import main
+
+    main(["flower", "app", "--set", "sites.local=true", "--set", "sites.input_shape=[1,28,28]", "--set",
+          "sites.num_classes=10", "--set", "federation.clients=3", "--out", str(tmp_path / "app")])  # fmt: skip
+    node = parse_config_args([str(tmp_path / "app" / "site.toml")])
+    assert node == {"partition-id": 0, "num-partitions": 3, "data": "/path/to/this/site/data",
+                    "state-dir": "/path/to/this/site/states"}  # fmt: skip
+    run_config = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    cfg = validate_config(json.loads(run_config["config"]))
+    assert cfg.sites.local and cfg.dataset.path is None and cfg.executor.state_dir is None

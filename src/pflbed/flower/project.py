@@ -39,6 +39,18 @@ resume = {resume}
 """
 
 
+SITE_TOML = """# A site's SuperNode config, for
+#   flower-supernode --superlink HOST:PORT --root-certificates ca.crt --node-config site.toml
+# Only this file decides what the site reads and writes; the server's config names no path.
+partition-id = 0                        # this site's number: 0 … num-partitions − 1
+num-partitions = {n}                      # how many sites ({n} clients in all: one per site, unless `clients` says)
+data = "/path/to/this/site/data"        # train.npz (+ val.npz, test.npz): x {shape}, y in 0…{top}; or image folders
+state-dir = "/path/to/this/site/states" # where its clients' states live
+# clients = 1                           # clients this site holds
+# device = "cpu"                        # or "cuda"
+"""
+
+
 def config_json(cfg: Config) -> str:
     return json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
 
@@ -51,4 +63,7 @@ def write_app(path: Path, cfg: Config, out: Path, resume: bool = False) -> Path:
     text = PYPROJECT.format(what=what, config=json.dumps(config_json(cfg)), out=json.dumps(str(out)),
                           resume=json.dumps(resume))
     (path / "pyproject.toml").write_text(text)
+    if cfg.sites.local:  # what each site writes for its own SuperNode (`--node-config site.toml`)
+        (path / "site.toml").write_text(SITE_TOML.format(n=cfg.federation.clients, shape=cfg.sites.input_shape,
+                                                         top=(cfg.sites.num_classes or 0) - 1))  # fmt: skip
     return path

@@ -115,9 +115,9 @@ def simulate(algo: Algorithm, experiment: Experiment, simulation: FlowerSimulati
     """`experiment(executor)` in `simulation`, or in a simulation of its own (`executor.supernodes`, default one
     per client; `executor.workers` ClientApp processes, default one per core; sharing the run's GPU, if any)."""
     if simulation is not None:
-        if (algo.ctx.device.type == "cuda") != (simulation.gpu_share > 0):
-            raise ValueError(f"a Flower simulation started with gpu={simulation.gpu_share > 0} cannot serve a run on "
-                             f"{algo.ctx.device}")  # fmt: skip
+        gpu = getattr(simulation, "gpu_share", 0.0) > 0  # any object with `run` may stand in (tests' fakes)
+        if (algo.ctx.device.type == "cuda") != gpu:
+            raise ValueError(f"a Flower simulation started with gpu={gpu} cannot serve a run on {algo.ctx.device}")
         return simulation.run(algo, experiment)
     ex = algo.ctx.cfg.executor
     gpu = algo.ctx.device.type == "cuda"
