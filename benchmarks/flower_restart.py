@@ -1,5 +1,6 @@
 """A SuperNode killed and restarted during a local deployment (`pflbed flower local`), with client states kept on
-the nodes (`executor.state_dir`): what the run logs, and how its results compare with `loop`.
+the nodes (`executor.state_dir`) — or, with `--site-data`, a site of a deployment whose data stays on the sites
+(`--site-data`, one client per site, 4 sites) — : what the run logs, and how its results compare with `loop`.
 
 FedPer (personal heads: the state a node must not lose) on the embedded digits, 20 clients, `--rounds` rounds,
 evaluated every round, 2 SuperNodes, `executor.round_timeout=--timeout`. When the record of `--kill-after` appears,
@@ -7,7 +8,7 @@ SuperNode 1's process group is killed (SIGKILL); `--down` seconds later the same
 (same node config and state directory; a new process, so nothing in memory survives). Printed: each record's
 failed clients and P-FL, the final figures next to `loop`'s, and whether any Flower process is left.
 
-    python benchmarks/flower_restart.py [--rounds 5] [--kill-after 2] [--down 5] [--timeout 90] [--auth]
+    python benchmarks/flower_restart.py [--rounds 5] [--kill-after 2] [--down 5] [--timeout 90] [--auth] [--site-data]
 """
 
 from __future__ import annotations
@@ -50,13 +51,27 @@ def main() -> None:
     ap.add_argument("--down", type=float, default=5.0)
     ap.add_argument("--timeout", type=float, default=90.0)
     ap.add_argument("--auth", action="store_true")
+    ap.add_argument("--site-data", action="store_true", help="4 sites, each one client's data (sites.local)")
     a = ap.parse_args()
     sets = {"algorithm.name": "fedper", "train.rounds": a.rounds, "eval.every": 1, "eval.finetune": "[]",
             "executor.threads": 1, "executor.round_timeout": a.timeout}  # fmt: skip
+    base = {"algorithm": {"name": "fedper"}, "train": {"rounds": a.rounds}, "eval": {"every": 1, "finetune": []},
+            "executor": {"threads": 1}}  # fmt: skip
+    if a.site_data:
+        sets["federation.clients"] = 4
+        base["federation"] = {"clients": 4}
     with tempfile.TemporaryDirectory() as tmp:
         out, states = Path(tmp) / "run", Path(tmp) / "states"
-        sets["executor.state_dir"] = states
-        args = [sys.executable, "-m", "pflbed", "flower", "local", "--supernodes", "2", "--out", str(out),
+        nodes = ["--supernodes", "2"]
+        if a.site_data:
+            from pflbed.flower.sites import export_sites
+
+            dirs = export_sites(validate_config(base), Path(tmp) / "sites")
+            nodes = ["--site-data", *map(str, dirs)]
+            states = out / "flower"
+        else:
+            sets["executor.state_dir"] = states
+        args = [sys.executable, "-m", "pflbed", "flower", "local", *nodes, "--out", str(out),
                 *(["--auth"] if a.auth else [])]  # fmt: skip
         args += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
         before = set(processes("flower-"))
@@ -88,15 +103,14 @@ def main() -> None:
                     p.wait()
         history = records(out / "metrics.jsonl")
         summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
-        files = len(list(states.glob("*/client-*/round-*.pt")))
+        files = len(list(states.glob("*/*/client-*/round-*.pt" if a.site_data else "*/client-*/round-*.pt")))
         time.sleep(1)
         left = set(processes("flower-")) - before
     torch.set_num_threads(1)
-    loop = run(validate_config({"algorithm": {"name": "fedper"}, "train": {"rounds": a.rounds},
-                                "eval": {"every": 1, "finetune": []}, "executor": {"threads": 1}}),
-               write=False, progress=False)  # fmt: skip
-    print(f"FedPer, digits, 20 clients, {a.rounds} rounds, 2 SuperNodes{' (auth)' if a.auth else ''}, states on the "
-          f"nodes; SuperNode 1 killed at {killed:.0f} s (after the round-{a.kill_after} record), restarted "
+    loop = run(validate_config(base), write=False, progress=False)
+    layout = "4 sites holding their own data (--site-data)" if a.site_data else "20 clients, 2 SuperNodes"
+    print(f"FedPer, digits, {layout}, {a.rounds} rounds{' (auth)' if a.auth else ''}, states on the nodes; "
+          f"SuperNode 1 killed at {killed:.0f} s (after the round-{a.kill_after} record), restarted "
           f"{a.down:.0f} s later; round timeout {a.timeout:.0f} s")  # fmt: skip
     print(f"deployment exit code {code}, {wall:.0f} s; {files} state files on the nodes at the end")
     print("| round | failed clients (round: ids) | P-FL % | loop P-FL % |\n|---|---|---|---|")

@@ -115,7 +115,7 @@ def test_a_site_local_run_gives_the_simulation_s_figures(name, tmp_path):
 def test_every_other_algorithm_gives_the_simulation_s_figures_or_is_refused_for_its_public_data(name, tmp_path):
     """Two rounds of every other algorithm: bit for bit, or — those that exchange predictions on public data — one
     line saying why they cannot run site-local."""
-    tree = _tree(name, train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": ["ft"]})
+    tree = _tree(name, train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": []})
     if name in PUBLIC:
         with pytest.raises(SiteError, match=f"{name} cannot keep the data on the sites .* public data"):
             server_algorithm(_site_cfg(tree), [[10]] * 4)
@@ -417,3 +417,47 @@ def test_the_app_project_of_a_site_local_run_gives_each_site_a_node_config_flowe
     run_config = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     cfg = validate_config(json.loads(run_config["config"]))
     assert cfg.sites.local and cfg.dataset.path is None and cfg.executor.state_dir is None
+
+
+def test_the_report_of_a_site_local_run_draws_no_partition_of_the_config_s_dataset(tmp_path):
+    """The clients' data is the sites' own: a partition heat-map rebuilt from the config's dataset would show data
+    the run never used, so the report has none."""
+    from pflbed.results.report import partition_png, read_run
+    from pflbed.results.rundir import RunDir
+
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    run_sites(cfg, grid, RunDir.check(tmp_path / "run", cfg))
+    assert partition_png(read_run(tmp_path / "run")) is None
+    sim = tmp_path / "sim"
+    run(validate_config(tree), sim, progress=False)
+    assert partition_png(read_run(sim)) is not None  # the same config simulated: its partition is the run's
+
+
+def test_an_evaluation_waits_for_a_site_that_is_down_and_the_run_continues_when_it_is_back(tmp_path):
+    """Site 1's node is unreachable when the round-2 evaluation is sent, and back (under a new node id, nothing in
+    memory) a moment later: the evaluation asks it again and the run's figures are the uninterrupted run's."""
+    from flwr.app import Error, Message
+    from flwr.common.constant import ErrorCode
+
+    tree = _tree("fedper", eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    straight = run_sites(_site_cfg(tree), grid)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "again", validate_config(tree))
+    real, down = grid.send_and_receive, []
+
+    def flaky(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for i, m in enumerate(msgs):
+            if m.metadata.message_type == "evaluate" and m.metadata.dst_node_id == grid.nodes[1] and not down:
+                down.append(m.metadata.dst_node_id)
+                grid.nodes[1] = max(grid.nodes) + 1  # it restarts under a new node id
+                client.algorithm.cache_clear()
+                replies[i] = Message(Error(ErrorCode.NODE_UNAVAILABLE, "node gone"), reply_to=m)
+        return replies
+
+    grid.send_and_receive = flaky
+    again = run_sites(_site_cfg(tree), grid)
+    assert down and figures(again.summary) == figures(straight.summary)

@@ -16,6 +16,7 @@ import time
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from pflbed.algorithms.base import Algorithm, Context, Tensors
@@ -106,24 +107,41 @@ class SiteExecutor(FlowerExecutor):
         return by_node
 
     def _ask_sites(self, server: Tensors, round_figures: bool, methods: list[tuple[int, str]]) -> list[dict]:
-        """Every site's `evaluate_site` numbers for all its clients: {"": the round's, method: a personalization's}."""
-        self._ask()
+        """Every site's `evaluate_site` numbers for all its clients: {"": the round's, method: a personalization's}.
+        A site that cannot be reached (its node is down, or restarting under a new node id) is asked again until
+        it answers or `executor.round_timeout` (default 120 s) has passed: scores need every site."""
         record = to_record(server)
-        msgs = []
-        by_node = self._by_node(list(self.algo.ctx.federation.participated))
-        for node, cids in by_node.items():
-            conf = {"pflbed-config": self.config, "cids": cids, "versions": [self.version.get(c, 0) for c in cids],
-                    "round": round_figures, "methods": json.dumps(methods), **self.extra_conf}  # fmt: skip
-            content = RecordDict({"config": ConfigRecord(conf), "server": record})
-            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.EVALUATE, group_id="evaluate"))
-        out = []
-        for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
-            if reply.has_error():
-                raise FlowerRoundError(f"node {reply.metadata.src_node_id} could not evaluate: {_error(reply)}")
-            out.append(json.loads(str(reply.content["scores"]["json"])))
-        if len(out) != len(msgs):
-            raise FlowerRoundError(f"{len(msgs) - len(out)} sites did not return their evaluation")
-        return out
+        by_site: dict[int, list[int]] = {}
+        for cid in self.algo.ctx.federation.participated:
+            by_site.setdefault(bisect.bisect_right(self.first, cid) - 1, []).append(cid)
+        answers: dict[int, dict] = {}
+        deadline = time.monotonic() + (self.timeout or 120.0)
+        while len(answers) < len(by_site):
+            self._ask()  # a restarted site serves its partition again, under a new node id
+            msgs, sites = [], []
+            for site, cids in by_site.items():
+                if site in answers:
+                    continue
+                conf = {"pflbed-config": self.config, "cids": cids, "versions": [self.version.get(c, 0) for c in cids],
+                        "round": round_figures, "methods": json.dumps(methods), **self.extra_conf}  # fmt: skip
+                content = RecordDict({"config": ConfigRecord(conf), "server": record})
+                msgs.append(Message(content, dst_node_id=self.node_of[site], message_type=MessageType.EVALUATE,
+                                    group_id="evaluate"))  # fmt: skip
+                sites.append(site)
+            replies = self.grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.monotonic()))
+            site_of = {m.metadata.message_id: k for m, k in zip(msgs, sites, strict=True)}  # ids set by sending
+            for reply in replies:
+                site = site_of[reply.metadata.reply_to_message_id]
+                if not reply.has_error():
+                    answers[site] = json.loads(str(reply.content["scores"]["json"]))
+                elif reply.error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION):
+                    raise FlowerRoundError(f"site {site} could not evaluate: {_error(reply)}")
+            if len(answers) < len(by_site):
+                if time.monotonic() > deadline:
+                    missing = sorted(set(by_site) - set(answers))
+                    raise FlowerRoundError(f"sites {missing} could not be reached to evaluate their clients")
+                time.sleep(1.0)
+        return [answers[k] for k in sorted(answers)]
 
     def evaluate_on_sites(self, server: Tensors, quick: Context | None) -> tuple[dict, dict[int, float]]:
         """A round's figures, scored on the sites; G-FL on the server's test set where it has one (`quick`: its

@@ -161,6 +161,8 @@ def partition_png(run: RunData) -> bytes | None:
 
     try:
         cfg = validate_config(yaml.safe_load(run.config_text))
+        if cfg.sites.local:  # the clients' data is the sites' own: no partition of the config's dataset
+            return None
         source = load_source(cfg.dataset)
         fed = build_federation(source, cfg.federation, cfg.seed)
     except PflbedError:
