@@ -65,7 +65,7 @@ class SyntheticConfig(_Strict):
     benchmark (3×32×32, 10 classes, 50,000 samples: CIFAR-10's compute, no download) it measures speed."""
 
     shape: list[int] = Field(default_factory=lambda: [1, 8, 8], min_length=1, description="input shape: [3, 32, 32]")
-    num_classes: int = Field(10, ge=2, le=INT_MAX)
+    num_classes: int = Field(10, ge=2, le=INT_MAX, description="classes of the generated data")
     n_train: int = Field(2000, ge=2, le=INT_MAX, description="training pool size (partitioned among the clients)")
     n_test: int = Field(500, ge=2, le=INT_MAX, description="global test set size (class-balanced)")
     separation: float = Field(2.0, ge=0, description="distance between class means, in noise standard deviations / 2")
@@ -130,7 +130,8 @@ class DatasetConfig(_Strict):
         "fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder",
         "cifar10", "cifar100", "cifar10c", "mnist", "emnist", "femnist", "tinyimagenet", "miniimagenet",
         "officehome", "pacs", "domainnet", "hf",
-    ] = "digits"  # fmt: skip
+    ] = Field("digits", description="the dataset (Datasets in the user guide; `pflbed data list` says which are "
+                                    "found where)")  # fmt: skip
     path: str | None = Field(None, description="directory with the dataset files; overrides the look-up")
     download: bool = Field(False, description="download the official archive (checksum-verified) if no local copy "
                            "is found")  # fmt: skip
@@ -208,12 +209,13 @@ class ModelConfig(_Strict):
 class PflbedSplitConfig(_Strict):
     """PFLBED split of each domain (FedBasis paper §5): fractions of the domain's samples, clients per portion."""
 
-    participated: float = Field(0.6, ge=0, le=1)
-    new: float = Field(0.2, ge=0, le=1)
-    val: float = Field(0.05, gt=0, le=1)
-    test: float = Field(0.15, gt=0, le=1)
-    clients_per_domain: int = Field(20, ge=1, le=INT_MAX)
-    new_clients_per_domain: int = Field(10, ge=0, le=INT_MAX)
+    participated: float = Field(0.6, ge=0, le=1, description="PFLBED: share of each domain's clients that train")
+    new: float = Field(0.2, ge=0, le=1, description="PFLBED: share of each domain's clients held out as new clients")
+    val: float = Field(0.05, gt=0, le=1,
+        description="PFLBED: share of each domain's pool kept as its shared validation set")
+    test: float = Field(0.15, gt=0, le=1, description="PFLBED: share of each domain's pool kept as its shared test set")
+    clients_per_domain: int = Field(20, ge=1, le=INT_MAX, description="PFLBED: clients per domain")
+    new_clients_per_domain: int = Field(10, ge=0, le=INT_MAX, description="PFLBED: new clients per domain")
 
     @model_validator(mode="after")
     def _check(self) -> PflbedSplitConfig:
@@ -234,7 +236,7 @@ class FederationConfig(_Strict):
         "shared class-balanced val/test sets, participated and new clients per domain (federation.pflbed)",
     )
     pflbed: PflbedSplitConfig = Field(default_factory=PflbedSplitConfig)
-    clients: int = Field(20, ge=1, le=INT_MAX)
+    clients: int = Field(20, ge=1, le=INT_MAX, description="number of clients (standard protocol)")
     partition: Literal["iid", "dirichlet", "classes", "natural"] = Field(
         "dirichlet", description="natural: each user of the data (dataset.hf.user_column, a dataset's writers, else "
         "its domains) is one client; federation.clients of them are drawn (seeded)"
@@ -256,8 +258,10 @@ class FederationConfig(_Strict):
     train_per_client: int | None = Field(
         None, ge=1, le=INT_MAX, description="keep at most this many training samples per client (e.g. FedSelect's 100)"
     )
-    val_fraction: float = Field(0.1, ge=0, lt=1)
-    test_fraction: float = Field(0.2, gt=0, lt=1)
+    val_fraction: float = Field(0.1, ge=0, lt=1,
+        description="each client's share of its samples kept as its validation split")
+    test_fraction: float = Field(0.2, gt=0, lt=1,
+        description="each client's share of its samples kept as its test split")
 
     @model_validator(mode="after")
     def _check(self) -> FederationConfig:
@@ -269,12 +273,12 @@ class FederationConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    rounds: int = Field(30, ge=1, le=1_000_000)
-    local_epochs: int = Field(1, ge=1, le=100_000)
-    batch_size: int = Field(32, ge=1, le=INT_MAX)
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    rounds: int = Field(30, ge=1, le=1_000_000, description="communication rounds")
+    local_epochs: int = Field(1, ge=1, le=100_000, description="local epochs per round")
+    batch_size: int = Field(32, ge=1, le=INT_MAX, description="client mini-batch size")
+    lr: float = Field(0.05, gt=0, description="client SGD learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (restarts each round)")
+    weight_decay: float = Field(0.0, ge=0, description="client SGD weight decay")
     checkpoint_every: int = Field(
         10, ge=0, le=INT_MAX, description="checkpoint every N rounds for --resume (0: only the final state)"
     )
@@ -288,22 +292,25 @@ class PretrainConfig(_Strict):
     domains: list[str] | None = Field(None, description="only samples of these domains (datasets with domains)")
     samples: int | None = Field(None, ge=1, le=INT_MAX, description="at most this many (a seeded draw; None: all)")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="held out of the source to pick the epoch kept")
-    epochs: int = Field(10, ge=1, le=100_000)
-    batch_size: int = Field(64, ge=1, le=INT_MAX)
-    lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
+    epochs: int = Field(10, ge=1, le=100_000,
+        description="pflbed pretrain: epochs (the best on its validation share is kept)")
+    batch_size: int = Field(64, ge=1, le=INT_MAX, description="pflbed pretrain: mini-batch size")
+    lr: float = Field(0.01, gt=0, description="pflbed pretrain: SGD learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="pflbed pretrain: SGD momentum")
+    weight_decay: float = Field(5e-4, ge=0, description="pflbed pretrain: SGD weight decay")
 
 
 class NewClientsConfig(_Strict):
     """The new-client protocol (FedBasis paper §5 / Table 2): personalize held-out clients after training."""
 
-    methods: list[Literal["ft", "lp"]] = Field(default_factory=lambda: ["ft", "lp"])
+    methods: list[Literal["ft", "lp"]] = Field(default_factory=lambda: ["ft", "lp"],
+        description="how new clients personalize: ft (fine-tune all) and / or lp (the head only)")
     fractions: list[float] = Field(
         default_factory=lambda: [0.5, 1.0], description="training-data fractions, reported as S, M, L"
     )
-    epochs: int = Field(20, ge=1, le=100_000)
-    lrs: list[float] = Field(default_factory=lambda: [0.005, 0.01, 0.05], min_length=1)
+    epochs: int = Field(20, ge=1, le=100_000, description="new clients: personalization epochs")
+    lrs: list[float] = Field(default_factory=lambda: [0.005, 0.01, 0.05], min_length=1,
+        description="new clients: the learning rates tried, the best chosen on each client's validation data")
     zero_shot: bool = Field(True, description="also evaluate with no adaptation, where the method allows it")
 
     @model_validator(mode="after")
@@ -327,8 +334,8 @@ class EvalConfig(_Strict):
         description="at the final round, also personalize the generic model per client: ft = full fine-tune, "
         "lp = linear probe (head only)",
     )
-    ft_epochs: int = Field(1, ge=1, le=100_000)
-    ft_lr: float = Field(0.01, gt=0)
+    ft_epochs: int = Field(1, ge=1, le=100_000, description="+FT / +LP after training: epochs")
+    ft_lr: float = Field(0.01, gt=0, description="+FT / +LP after training: learning rate")
     batch_size: int = Field(
         256, ge=1, le=INT_MAX,
         description="most rows per inference forward; fewer for models whose widest activation would pass 8 MiB "
@@ -495,7 +502,8 @@ class SitesConfig(_Strict):
 
 
 class Config(_Strict):
-    seed: int = Field(0, ge=0, le=SEED_MAX)
+    seed: int = Field(0, ge=0, le=SEED_MAX,
+        description="seeds the federation, the initial model, client sampling and every client's RNG")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)

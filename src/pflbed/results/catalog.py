@@ -5,6 +5,8 @@ listing can never disagree with what the config validates."""
 from __future__ import annotations
 
 import sys
+import types
+import typing
 from typing import Any
 
 import annotated_types
@@ -22,8 +24,26 @@ def paper(cls: type[Algorithm]) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
+def type_name(annotation: Any) -> str:
+    """A field's type as a reader wants it: `list[str] | None`, validators (`Annotated` metadata) left out."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return type_name(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__name__
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+    return str(annotation).replace("typing.", "")
+
+
 def _type(info: FieldInfo) -> str:
-    return str(info.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return type_name(info.annotation)
 
 
 def _range(info: FieldInfo) -> str:
