@@ -52,3 +52,14 @@ def test_the_site_builds_strictly(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     html = (tmp_path / "site" / "algorithms" / "fedbasis" / "index.html").read_text()
     assert "Learning Shareable Bases" in html
+
+
+def test_the_readme_is_a_landing_page_whose_links_resolve():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    links = [t for t in re.findall(r"\]\(([^)]+)\)", text) if not t.startswith(("http://", "https://", "#"))]
+    assert len(links) > len(ALGORITHMS)  # every algorithm links to its page
+    missing = [t for t in links if not (ROOT / t.split("#")[0]).exists()]
+    assert not missing, missing
