@@ -238,7 +238,7 @@ def _cmd_flower(args: argparse.Namespace) -> None:
 
         cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
-        make_console().print(f"Flower app project: {app}/pyproject.toml (README, 'Run on Flower')")
+        make_console().print(f"Flower app project: {app}/pyproject.toml (docs/guide/flower.md)")
         return
     if args.action == "sites":
         from pflbed.flower.sites import export_sites

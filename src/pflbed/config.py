@@ -23,7 +23,7 @@ from pflbed.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-# Bounds every numeric field shares (README, "Configuration"): floats must be finite, and counts must fit the int32
+# Bounds every numeric field shares (docs/guide/configuration.md): floats must be finite, and counts must fit the int32
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
 INT_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
@@ -184,7 +184,7 @@ class ModelConfig(_Strict):
     name: str = Field("cnn", description="a model of the zoo (pflbed.models.MODELS)")
     channels_last: bool = Field(
         False, description="store conv weights channels-last (NHWC): faster convolutions on CPU, float results "
-        "change by rounding, so opt-in (README, \"Speed\")"
+        "change by rounding, so opt-in (docs/guide/speed.md)"
     )
     init_from: str | None = Field(
         None, description="start from these weights instead of a random init: a `pflbed pretrain` output "
@@ -286,7 +286,7 @@ class TrainConfig(_Strict):
 
 class PretrainConfig(_Strict):
     """`pflbed pretrain`: centralized training on a declared source that no client and no evaluation of this
-    config's federation uses (checked), for `model.init_from` (README, "Pretrained start")."""
+    config's federation uses (checked), for `model.init_from` (docs/guide/after-the-run.md, "Pretrained start")."""
 
     split: Literal["train", "test"] = Field("test", description="the dataset split the source is drawn from")
     domains: list[str] | None = Field(None, description="only samples of these domains (datasets with domains)")
@@ -395,12 +395,12 @@ class ExecutorConfig(_Strict):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: forwards and backwards under torch.autocast in bfloat16 (parameters, optimizer "
         "updates and exchanged tensors stay float32) — faster on GPUs with bf16 tensor cores, and it changes "
-        "results (README, \"GPU\"); fp32: plain float32"
+        "results (docs/guide/gpu.md); fp32: plain float32"
     )
     deterministic: bool = Field(
         True, description="on a GPU: reproducible kernels (cuDNN, cuBLAS and torch's deterministic modes), so one "
         "config and seed give the same figures run after run; false: the faster defaults, whose figures vary by "
-        "float rounding from run to run (README, \"GPU\"). No effect on a CPU"
+        "float rounding from run to run (docs/guide/gpu.md). No effect on a CPU"
     )
 
     @model_validator(mode="after")
@@ -546,7 +546,7 @@ class Config(_Strict):
         return self.model_dump(mode="json")
 
 
-# Said where `dataset.name` names no built-in dataset: the way to train on data of one's own (README, "Datasets").
+# Said where `dataset.name` names no built-in dataset: the way to train on data of one's own (docs/guide/datasets.md).
 OWN_DATA = ("for your own images: dataset.name=folder, dataset.path=DIR holding DIR/<domain>/<class>/<image> (one "
             "domain folder is enough) and federation.protocol=pflbed")  # fmt: skip
 

@@ -1,6 +1,6 @@
 """`executor.name: auto` (the default): the fastest executor for the run, which never changes its figures.
 
-The rule (measured: README, "Speed", and benchmarks/auto_executor.py, benchmarks/gpu.py):
+The rule (measured: docs/guide/speed.md, and benchmarks/auto_executor.py, benchmarks/gpu.py):
 - on a GPU: `loop`, whose round trains the plain-SGD clients batched (`executor.batch_clients` is on there by
   default) — FedAvg's CNN at 100 clients ran 7.3× faster than client by client on an H100, and 3.9× faster than
   `procs` with 4 workers sharing it;

@@ -12,13 +12,13 @@ exactly; and the SGD update is torch.optim.SGD's (weight decay added to the grad
 the first gradient of each phase, then p ← p − lr·buf). Clients with fewer batches simply stop (no update, no
 weight decay) once theirs run out; a smaller last batch is padded and its padding weighted zero, so a client's loss
 is still the mean over its real samples. Results equal the loop's up to float rounding of the batched kernels
-(tolerance: README, "Speed").
+(tolerance: docs/guide/speed.md).
 
 Eligible: models without BatchNorm or dropout (running statistics and random masks are per-client state the
 stacked call does not carry), and clients of the round whose plans have the same phases. Anything else runs
 through the loop, client by client — the executor decides per round.
 
-Measured on CPU it loses to the loop for convolutional models (README, "Speed"), so `batch_clients` is on by
+Measured on CPU it loses to the loop for convolutional models (docs/guide/speed.md), so `batch_clients` is on by
 default only when the run's device is a GPU.
 """
 

@@ -1,7 +1,7 @@
 """The worker-process executor (DESIGN §5, `executor.name: procs`): a round's clients train in parallel processes.
 
 Why processes and not threads: a client's step on the small models PFL papers use is milliseconds of small matrix
-work that torch's intra-op threads parallelize badly (README, "Configuration"); separate processes with one thread
+work that torch's intra-op threads parallelize badly (docs/guide/configuration.md); separate processes with one thread
 each keep every core busy on a different client.
 
 How it stays identical to `loop`: a client's update depends only on (payload, state, data, its generator), and the

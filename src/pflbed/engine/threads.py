@@ -2,7 +2,7 @@
 
 Why one thread for small models: a client's step on LeNet-5 / the FedAvg CNN / an MLP is milliseconds of small
 matrix work, and torch's intra-op threads stall as soon as anything else wants a core. `benchmarks/threads.py`
-measures it side by side (README, "Configuration"): on an idle 2-core machine all cores are 1.1–1.9× faster, with
+measures it side by side (docs/guide/configuration.md): on an idle 2-core machine all cores are 1.1–1.9× faster, with
 one other busy process 1 thread is 1.1–2.9× faster, under heavier load 5–20×. Small models therefore get one
 thread; models above `LARGE_MODEL_PARAMS`, whose gain from cores grows with the machine, get all cores. The choice
 depends on the model alone (never on the load), so the same config always runs with the same thread count —

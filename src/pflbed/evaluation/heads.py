@@ -2,7 +2,7 @@
 
 FedPer, FedRep, FedRoD and every linear probe give each client its own head on a body all clients share. At
 10,000 clients, evaluating them one by one costs a parameter load and a tiny forward per client and split — most
-of a round (README, "Speed"). Here the heads of a group of clients are stacked and run together with
+of a round (docs/guide/speed.md). Here the heads of a group of clients are stacked and run together with
 `torch.func.vmap` over `functional_call`: one call per chunk of clients instead of two per client.
 
 Only the parameters that differ between the predictors (by tensor identity: a state a client trained) are

@@ -1,7 +1,7 @@
 """Partition manifests: a run's federation as a JSON file (`pflbed data export`), and a federation read back from one
 (`federation.manifest`), so that a split travels between runs, tools and papers exactly.
 
-The schema (README, "Partition manifests") holds every index a run's data use: per client its train / val / test
+The schema (docs/guide/datasets.md) holds every index a run's data use: per client its train / val / test
 indices into the training split, its class prior and domain; which clients take part and which are new; the new
 clients' S/M/L training subsets; the global (or per-domain) test and validation sets and the public samples. Its
 dataset fingerprint (`DataSource.fingerprint`) ties it to the data it indexes: a manifest is refused on other data.

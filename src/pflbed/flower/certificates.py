@@ -1,7 +1,7 @@
 """Key material for a local deployment: self-signed TLS (`pflbed flower local --tls`: a certificate authority and
 a SuperLink certificate for 127.0.0.1 / localhost signed by it, valid for a day) and SuperNode authentication keys
 (`--auth`: one EC key pair per node, in the OpenSSH formats Flower reads). For real deployments, use certificates
-from your own authority and keys each site generates itself (README, "Run on Flower")."""
+from your own authority and keys each site generates itself (docs/guide/flower.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`summary.json` and the printed results table (schema documented in the README)."""
+"""`summary.json` and the printed results table (schema: docs/guide/metrics.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A trained run, loaded for use (`pflbed.load_run`, `pflbed personalize`; README, "Use a trained run").
+"""A trained run, loaded for use (`pflbed.load_run`, `pflbed personalize`; docs/guide/after-the-run.md).
 
 A run directory holds what is needed: `config.yaml` rebuilds the run's data, federation and model (`engine.loop.
 prepare`), and `checkpoints/last.pt` holds the last checkpointed round's server and client states (the final ones
