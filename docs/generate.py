@@ -31,6 +31,24 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _markdown(doc: str) -> str:
+    """A docstring as Markdown: a list that follows a line of text directly needs a blank line before it."""
+    out: list[str] = []
+    for line in doc.splitlines():
+        item = line.lstrip().startswith(("- ", "* ")) and not line.startswith(" ")
+        if item and out and out[-1].strip() and not out[-1].lstrip().startswith(("- ", "* ")) and \
+                not out[-1].startswith(" "):  # fmt: skip
+            out.append("")
+        out.append(line)
+    return "\n".join(out)
+
+
+def _code_cell(value: Any) -> str:
+    """A table cell in code font: a `|` would split the cell (and escaped it shows its backslash), so unions read
+    "or"."""
+    return "`" + str(value).replace(" | ", " or ").replace("|", "/").replace("\n", " ") + "`"
+
+
 def algorithm_page(name: str) -> str:
     cls = ALGORITHMS[name]
     doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
@@ -40,13 +58,14 @@ def algorithm_page(name: str) -> str:
              "## Options\n"]  # fmt: skip
     if rows:
         lines.append("| option (`algorithm.<option>`) | type | default | range | meaning |\n|---|---|---|---|---|")
-        lines += [f"| `{o['name']}` | `{_cell(o['type'])}` | `{_cell(repr(o['default']))}` | {_cell(o['range'])} "
+        lines += [f"| `{o['name']}` | {_code_cell(o['type'])} | {_code_cell(repr(o['default']))} | {_cell(o['range'])} "
                   f"| {_cell(o['description'])} |" for o in rows]  # fmt: skip
         lines.append("")
     else:
         lines.append(f"{name} has no options of its own: it uses `train.*` and `eval.*`.\n")
     lines += ["## The implementation, as its file states it\n",
-              f"From `src/pflbed/algorithms/{Path(inspect.getfile(cls)).name}` (`{cls.__module__}`):\n", doc, ""]
+              f"From `src/pflbed/algorithms/{Path(inspect.getfile(cls)).name}` (`{cls.__module__}`):\n",
+              _markdown(doc), ""]
     return "\n".join(lines)
 
 
@@ -89,7 +108,7 @@ def config_page() -> str:
              "work together: [Configuration](../guide/configuration.md).\n",
              "| key | type | default | meaning |\n|---|---|---|---|"]  # fmt: skip
     for key, typ, default, meaning in config_keys():
-        lines.append(f"| `{key}` | `{_cell(typ)}` | `{_cell(repr(default))}` | {_cell(meaning)} |")
+        lines.append(f"| `{key}` | {_code_cell(typ)} | {_code_cell(repr(default))} | {_cell(meaning)} |")
     return "\n".join(lines) + "\n"
 
 
