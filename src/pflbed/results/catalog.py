@@ -46,7 +46,8 @@ def _type(info: FieldInfo) -> str:
     return type_name(info.annotation)
 
 
-def _range(info: FieldInfo) -> str:
+def bounds(info: FieldInfo) -> str:
+    """A field's bounds as text (`≥ 1, ≤ 100000`), empty where it has none."""
     parts = [f"{sign} {getattr(m, type_.__name__.lower())}" for m in info.metadata for type_, sign in _BOUNDS
              if isinstance(m, type_)]  # fmt: skip
     return ", ".join(parts)
@@ -57,7 +58,7 @@ def options(cls: type[Algorithm]) -> list[dict[str, Any]]:
     rows = []
     for name, info in cls.Config.model_fields.items():
         default = info.get_default(call_default_factory=True)
-        rows.append({"name": name, "type": _type(info), "default": default, "range": _range(info),
+        rows.append({"name": name, "type": _type(info), "default": default, "range": bounds(info),
                      "description": info.description or ""})  # fmt: skip
     return rows
 
