@@ -34,7 +34,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        from pflbed.config import did_you_mean
+        from pflbed.hints import did_you_mean
 
         known = ", ".join(sorted(ALGORITHMS))
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {known}"
