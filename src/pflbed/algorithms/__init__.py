@@ -9,7 +9,7 @@ import pkgutil
 from pflbed.algorithms.base import Algorithm
 from pflbed.errors import ConfigError
 
-_SHARED = {"base", "training", "partial"}  # modules with shared pieces, not algorithms
+_SHARED = {"base", "common", "training", "partial"}  # modules with shared pieces, not algorithms
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
