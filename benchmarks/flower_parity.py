@@ -17,9 +17,9 @@ import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
-from pflbed.engine.loop import run
 from pflbed.flower.local import run_local
 from pflbed.flower.simulation import FlowerSimulation
+from pflbed.runs import run
 
 TINY = {  # tests/tiny.py, with the light zoo of tests/test_procs.py for the distillation family
     "dataset": {"name": "synthetic"}, "model": {"name": "mlp"},

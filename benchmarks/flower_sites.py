@@ -28,9 +28,9 @@ import torch
 
 from pflbed.config import validate_config
 from pflbed.engine import wire
-from pflbed.engine.loop import run
 from pflbed.flower.local import run_local
 from pflbed.flower.sites import export_sites
+from pflbed.runs import run
 
 ALGOS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
 FIGURES = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val", "gfl_val")

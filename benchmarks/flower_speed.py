@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from pflbed.config import validate_config
-from pflbed.engine.loop import run
 from pflbed.engine.procs import WorkerPool
 from pflbed.flower.local import run_local
 from pflbed.flower.simulation import FlowerSimulation
+from pflbed.runs import run
 
 
 def figures(summary: dict) -> dict:

@@ -32,9 +32,9 @@ import torch
 from threads import step_time  # benchmarks/threads.py: the same plain SGD step
 
 from pflbed.config import validate_config
-from pflbed.engine.loop import run
 from pflbed.engine.procs import WorkerPool
 from pflbed.models import build_model
+from pflbed.runs import run
 
 VARIANTS = {  # name → (executor section, model section)
     "loop": ({"threads": 1}, {}),

@@ -15,8 +15,9 @@ from pflbed.data.augment import Augment, make_augment
 from pflbed.engine import driver
 from pflbed.engine.batched import train_together
 from pflbed.engine.executor import client_generator
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
+from pflbed.runs import run
 
 from .tiny import TINY, figures, parity_config
 

@@ -14,9 +14,10 @@ from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
 from pflbed.engine.executor import LoopExecutor, client_generator
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import build_model
+from pflbed.runs import run
 
 from .tiny import TINY
 

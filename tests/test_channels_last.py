@@ -5,8 +5,9 @@ import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.models import MODELS, build_model
+from pflbed.runs import run
 
 from .tiny import TINY
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import pflbed
-from pflbed.engine.loop import run
 from pflbed.engine.procs import WorkerPool
+from pflbed.runs import run
 
 from .test_device import CASES, _cfg
 

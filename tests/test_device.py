@@ -21,9 +21,10 @@ from torch.overrides import TorchFunctionMode
 import pflbed
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import resolve_device, validate_config
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.federation import federation
+from pflbed.runs import run
 
 from .tiny import TINY
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
+from pflbed.runs import run
 
 from .tiny import PARITY_CASES, TINY, parity_config
 from .tiny import figures as _figures

@@ -14,9 +14,9 @@ import torch
 
 from pflbed.cli import main
 from pflbed.config import load_config
-from pflbed.engine.loop import run
 from pflbed.results.checkpoint import checkpoint_round
 from pflbed.results.rundir import config_text
+from pflbed.runs import run
 
 from .tiny import figures
 

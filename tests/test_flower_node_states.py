@@ -4,8 +4,8 @@ that restarts continues its clients, a late reply's state is not used, and a res
 import pytest
 import torch
 
-from pflbed.engine.loop import run
 from pflbed.federation import sample_clients
+from pflbed.runs import run
 
 from .tiny import PARITY_CASES, figures, parity_config, same_tensors
 

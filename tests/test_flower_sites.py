@@ -13,7 +13,8 @@ import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
-from pflbed.engine.loop import experiment, run
+from pflbed.engine.loop import experiment
+from pflbed.runs import run
 
 from .tiny import TINY, figures
 

@@ -10,8 +10,8 @@ import torch
 from pflbed.cli import main
 from pflbed.config import load_config
 from pflbed.data import load_source
-from pflbed.engine.loop import run
 from pflbed.errors import DataError
+from pflbed.runs import run
 
 pytest.importorskip("flwr")  # the `flower` extra
 

@@ -15,7 +15,8 @@ from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.perfedavg import PERSONAL_STREAM, PerFedAvg
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
+from pflbed.runs import run
 
 from .tiny import TINY, figures, same_tensors
 

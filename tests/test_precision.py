@@ -11,8 +11,8 @@ from torch import nn
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.fedamp import FedAMP
 from pflbed.config import validate_config
-from pflbed.engine.loop import run
 from pflbed.errors import ConfigError
+from pflbed.runs import run
 
 from .tiny import TINY
 

@@ -5,9 +5,10 @@ import torch
 
 import pflbed
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
 from pflbed.errors import ConfigError
+from pflbed.runs import run
 
 from .tiny import PARITY_CASES, TINY, parity_config
 from .tiny import figures as _figures

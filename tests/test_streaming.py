@@ -12,9 +12,10 @@ from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import WeightedMean, weighted_mean
 from pflbed.config import validate_config
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare, run
+from pflbed.engine.loop import prepare
 from pflbed.engine.procs import ProcsExecutor
 from pflbed.federation import sample_clients
+from pflbed.runs import run
 
 from .tiny import TINY
 

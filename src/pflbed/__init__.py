@@ -7,8 +7,9 @@ Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, 
 from pathlib import Path as _Path
 from typing import Any as _Any
 
+from pflbed.version import __version__
+
 __all__ = ["__version__", "load_config", "load_run", "run"]
-__version__ = "0.1.0"
 
 
 def load_config(path: str | _Path | None = None, overrides: list[str] | None = None):
@@ -27,7 +28,7 @@ def run(
 
     A run already in `out` is refused (`PflbedError`) unless `force`; a diverging run raises `DivergedError`."""
     from pflbed.config import Config, validate_config
-    from pflbed.engine.loop import run as _run
+    from pflbed.runs import run as _run
 
     cfg = config if isinstance(config, Config) else validate_config(dict(config or {}))
     return _run(cfg, _Path(out) if out else None, write=write, progress=progress, force=force)

@@ -178,9 +178,9 @@ def _finished(rundir) -> bool:
 
 def _cmd_run(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
-    from pflbed.engine.loop import run
     from pflbed.results.rundir import RunDir, default_out
     from pflbed.results.summary import print_table
+    from pflbed.runs import run
 
     if args.resume:
         _resume_flags(args)

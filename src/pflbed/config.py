@@ -7,7 +7,6 @@ validated by the algorithm's own `Config` model once the name is known.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import os
@@ -19,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.errors import ConfigError
+from pflbed.hints import closest, did_you_mean, then
 
 if TYPE_CHECKING:
     import torch
@@ -549,28 +549,6 @@ class Config(_Strict):
 # Said where `dataset.name` names no built-in dataset: the way to train on data of one's own (docs/guide/datasets.md).
 OWN_DATA = ("for your own images: dataset.name=folder, dataset.path=DIR holding DIR/<domain>/<class>/<image> (one "
             "domain folder is enough) and federation.protocol=pflbed")  # fmt: skip
-
-
-def closest(word: Any, options: Any) -> str | None:
-    """The option `word` most likely misspells (difflib, similarity ≥ 0.7), else the closest option containing it
-    (`epochs` → `local_epochs`); None when nothing is near."""
-    word, options = str(word), [str(o) for o in options]
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.7)
-    containing = [o for o in options if len(word) >= 3 and word in o]
-    if not close and containing:
-        close = difflib.get_close_matches(word, containing, n=1, cutoff=0)
-    return close[0] if close else None
-
-
-def did_you_mean(word: Any, options: Any) -> str:
-    """"; did you mean X?" for the option `word` most likely meant (`closest`), or "" when none is near."""
-    close = closest(word, options)
-    return f"; did you mean {close}?" if close else ""
-
-
-def then(message: str, more: str) -> str:
-    """`message` followed by the clause `more` (without its separator): after a question, as a new sentence."""
-    return f"{message} {more[:1].upper()}{more[1:]}" if message.endswith("?") else f"{message}; {more}"
 
 
 def _section(model: type[BaseModel] | None, path: list[str]) -> type[BaseModel] | None:

@@ -9,7 +9,7 @@ import pkgutil
 from pflbed.algorithms.base import Algorithm
 from pflbed.errors import ConfigError
 
-_SHARED = {"base", "training", "partial"}  # modules with shared pieces, not algorithms
+_SHARED = {"base", "common", "training", "partial"}  # modules with shared pieces, not algorithms
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
@@ -34,7 +34,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        from pflbed.config import did_you_mean
+        from pflbed.hints import did_you_mean
 
         known = ", ".join(sorted(ALGORITHMS))
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {known}"

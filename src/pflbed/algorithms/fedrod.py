@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +71,10 @@ from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
-from pflbed.config import TrainConfig
 from pflbed.models import BlockNet
+
+if TYPE_CHECKING:
+    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
 
 COUNT_FLOOR = 1e-12  # zero class counts are floored here before the log (deviation 3)
 NET, PERSONAL = "net.", "personal."  # state-dict prefixes of the additive predictor's two parts

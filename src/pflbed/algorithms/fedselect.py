@@ -111,7 +111,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -121,9 +121,11 @@ from torch import nn
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.masks import fill, grow_mask, iou_matrix, masked_mean, pack_bits, take, unpack_bits
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params, weighted_mean
-from pflbed.config import TrainConfig
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
+
+if TYPE_CHECKING:
+    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"p": 0.25, "alpha": 0.3, "update_every": 1, "eligible": "all", "delta_from": "round_start"},

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pflbed.algorithms.base import ClientData, Tensors
+from pflbed.algorithms.common import ClientData, Tensors
 from pflbed.algorithms.partial import train_blocks
 from pflbed.algorithms.training import get_params, load_params
-from pflbed.config import TrainConfig
 from pflbed.models import BlockNet
+
+if TYPE_CHECKING:
+    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
 
 
 @dataclass(frozen=True)

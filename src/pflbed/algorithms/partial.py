@@ -8,15 +8,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from pflbed.algorithms.base import Budget, ClientData, Predictor, Tensors
+from pflbed.algorithms.common import Budget, ClientData, Predictor, Tensors
 from pflbed.algorithms.training import finetune_epochs, get_params, load_params, local_sgd, sgd_epochs
-from pflbed.config import TrainConfig
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
+
+if TYPE_CHECKING:
+    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
 
 
 def split_top(model: BlockNet, k: int, option: str) -> tuple[list[str], list[str]]:

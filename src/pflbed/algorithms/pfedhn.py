@@ -93,7 +93,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +104,9 @@ from torch.func import functional_call
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params, local_sgd
-from pflbed.config import TrainConfig
+
+if TYPE_CHECKING:
+    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
 
 STREAM = 0x9FED  # pFedHN's own random streams (not one of pflbed.rng's tags): 0 φ, 1 embeddings, 2 new clients
 HN = "hn."  # server state: φ under hn.<hypernetwork parameter>

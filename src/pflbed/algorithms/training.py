@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pflbed import rng
-from pflbed.algorithms.base import Budget, ClientData, Predictor, Same, Tensors
-from pflbed.config import TrainConfig
+from pflbed.algorithms.common import Budget, ClientData, Predictor, Same, Tensors, load_params
 from pflbed.federation import Federation
 from pflbed.models import BlockNet
 
+if TYPE_CHECKING:
+    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def load_params(model: nn.Module, params: Tensors) -> None:
-    """Copy `params` (a subset of the state dict is fine) into the model in place."""
-    state = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for k, v in params.items():
-            state[k].copy_(v)
 
 
 def get_params(model: nn.Module, keys: Iterable[str] | None = None) -> Tensors:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from pflbed.engine.executor import LoopExecutor, precision
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.progress import RunProgress
 from pflbed.engine.threads import choose_threads, provenance
-from pflbed.errors import DivergedError
+from pflbed.errors import DivergedError, PflbedError
 from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
@@ -113,7 +114,8 @@ def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[Loop
 
 def run(
     cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
-    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None, simulation: Any = None,
+    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None,
+    host: Callable[[Algorithm, Callable[[LoopExecutor], RunResult]], RunResult] | None = None,
 ) -> RunResult:  # fmt: skip
     """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
 
@@ -121,15 +123,17 @@ def run(
     existing run in `out` is refused unless `force` (see `RunDir.check`). A non-finite loss or parameter stops
     the run with `DivergedError`, keeping the metrics logged so far and the last checkpoint. `pool`: worker
     processes to reuse for `executor.name: procs` (else the run starts and stops its own). With `executor.name:
-    flower` the same experiment runs inside a Flower ServerApp, in `simulation` (a running
-    `flower.simulation.FlowerSimulation` to reuse) or in a simulation of its own.
+    flower` the same experiment runs inside a Flower ServerApp: `host(algo, experiment)` runs `experiment` (a
+    function of the executor) there. The engine does not import Flower: `pflbed.runs.run` (what `pflbed.run` and
+    the CLI call) passes Flower's simulation as the host.
     """
+    if cfg.executor.name == "flower" and host is None:
+        raise PflbedError("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts "
+                          "the experiment in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
     algo = prepare(cfg, threads)
     rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
     if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
-        from pflbed.flower.simulation import simulate
-
-        return simulate(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume), simulation)
+        return host(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume))
     executor, own_pool = make_executor(algo, pool)
     try:
         return experiment(cfg, algo, executor, rundir, progress, resume)

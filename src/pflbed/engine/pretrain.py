@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import yaml
 
-import pflbed
 from pflbed import rng
 from pflbed.algorithms.base import ClientData
 from pflbed.algorithms.training import sgd_epochs
@@ -40,6 +39,7 @@ from pflbed.federation import build_federation
 from pflbed.federation.federation import check_disjoint
 from pflbed.models import build_model
 from pflbed.models.pretrained import save_model
+from pflbed.version import __version__
 
 STREAM = 0x9E7  # pretraining's own random streams: 0 the sample draw, 1 the held-out split, 2 batches, 3 init
 
@@ -105,7 +105,7 @@ def pretrain(cfg: Config, out: Path, force: bool = False, log=print) -> dict[str
             best, kept, selected = acc, copy.deepcopy(model.state_dict()), e
     model.load_state_dict(kept)
     summary = {
-        "pflbed_version": pflbed.__version__, "dataset": cfg.dataset.name, "model": cfg.model.name, "seed": cfg.seed,
+        "pflbed_version": __version__, "dataset": cfg.dataset.name, "model": cfg.model.name, "seed": cfg.seed,
         "source": {"dataset": dataset, "split": p.split, "domains": p.domains, "samples": len(idx),
                    "train": len(train), "val": len(val)},
         "checked_against": {"federation": fed.key, "samples_used": {k: len(v) for k, v in fed.used_indices().items()}},

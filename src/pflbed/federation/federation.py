@@ -12,16 +12,19 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pflbed import rng as streams
-from pflbed.config import FederationConfig
 from pflbed.data.arrays import DataSource
 from pflbed.errors import DataError
 from pflbed.federation import partition
 from pflbed.federation.pflbed import pflbed_split
+
+if TYPE_CHECKING:
+    from pflbed.config import FederationConfig  # annotations only: config imports the algorithms, which import this
 
 _PARTITION_KEYS = (
     "protocol",
@@ -142,25 +145,6 @@ def federation_key(source: DataSource, cfg: FederationConfig, seed: int) -> str:
 
 
 _MEMORY: dict[str, Federation] = {}
-
-
-def build_federation(source: DataSource, cfg: FederationConfig, seed: int, use_disk_cache: bool = True) -> Federation:
-    """The federation `cfg` makes of `source` with `seed`, or the one its manifest (`federation.manifest`) holds."""
-    if cfg.manifest is not None:
-        from pflbed.federation.manifest import read_manifest
-
-        return read_manifest(cfg.manifest, source)
-    key = federation_key(source, cfg, seed)
-    if key in _MEMORY:
-        return _MEMORY[key]
-    path = cache_dir() / "federations" / f"{key}.pt"
-    fed = _load_cached(path, key) if use_disk_cache else None
-    if fed is None:
-        fed = _partition(source, cfg, seed, key)
-        if use_disk_cache:
-            _save_cached(fed, path)
-    _MEMORY[key] = fed
-    return fed
 
 
 def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -> Federation:

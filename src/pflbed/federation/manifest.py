@@ -13,15 +13,17 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from pflbed.config import Config
 from pflbed.data.arrays import DataSource
 from pflbed.errors import ConfigError, DataError
 from pflbed.federation.federation import _PARTITION_KEYS, ClientSplit, Federation, new_client_train
+
+if TYPE_CHECKING:
+    from pflbed.config import Config  # annotations only: config imports the algorithms, which import this
 
 FORMAT = "pflbed-federation"
 VERSION = 1

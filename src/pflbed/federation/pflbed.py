@@ -13,13 +13,16 @@ as weights, which avoids the train/test P(y) mismatch of small per-client splits
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pflbed.config import FederationConfig
 from pflbed.data.arrays import DataSource
 from pflbed.errors import DataError
 from pflbed.federation import partition
+
+if TYPE_CHECKING:
+    from pflbed.config import FederationConfig  # annotations only: config imports the algorithms, which import this
 
 
 @dataclass

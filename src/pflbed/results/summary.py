@@ -8,9 +8,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-import pflbed
 from pflbed.models.pretrained import model_file
 from pflbed.results.console import console as make_console
+from pflbed.version import __version__
 
 _PFL_KEYS = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val")
 
@@ -38,7 +38,7 @@ def build_summary(
     if "diag" in last:  # the algorithm's own diagnostics at the final round (e.g. FedBasis's collapse signals)
         final["diag"] = last["diag"]
     return {
-        "pflbed_version": pflbed.__version__,
+        "pflbed_version": __version__,
         "algorithm": cfg.algorithm.name,
         "dataset": cfg.dataset.name,
         "model": cfg.model.name,

@@ -1,0 +1,33 @@
+"""Run one experiment on any executor: the engine's own (`loop`, `procs`, `auto`), or Flower (`executor.name:
+flower`). This sits above both the engine and `pflbed.flower` (which builds on the engine), so the engine never
+imports Flower; `pflbed.run` and `pflbed run` come here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pflbed.engine import loop
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pflbed.config import Config
+    from pflbed.engine.procs import WorkerPool
+
+
+def run(
+    cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
+    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None, simulation: Any = None,
+) -> loop.RunResult:  # fmt: skip
+    """`pflbed.engine.loop.run` (every argument but `simulation` means what it means there), with `executor.name:
+    flower` hosted inside a Flower ServerApp, in `simulation` (a running `flower.simulation.FlowerSimulation` to
+    reuse) or in a simulation of its own."""
+    host = None
+    if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
+        def host(algo, experiment):
+            from pflbed.flower.simulation import simulate  # after prepare and the run directory's check, as before
+
+            return simulate(algo, experiment, simulation)
+
+    return loop.run(cfg, out, write=write, progress=progress, resume=resume, force=force, threads=threads, pool=pool,
+                    host=host)  # fmt: skip
