@@ -12,8 +12,9 @@ import pflbed
 from pflbed import rng
 from pflbed.algorithms import fedselect
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions, MaskedPhase, eligible_keys, local_alt
+from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions
 from pflbed.algorithms.local import LocalOnly
+from pflbed.algorithms.masked_training import MaskedPhase, eligible_keys, local_alt
 from pflbed.algorithms.masks import (
     fill,
     grow_mask,
