@@ -667,10 +667,10 @@ def test_public_batch_depends_on_the_seed_and_the_whole_set_keeps_its_order():
 
 def test_label_set_is_the_labels_holding_at_least_one_cth_of_the_prior():
     """Labels with prior ≥ 1/C (boundary included), sorted; never empty (the argmax when none qualifies)."""
-    assert ktpfl.label_set(torch.tensor([0.1, 0.5, 0.1, 0.3])) == (1, 3)
-    assert ktpfl.label_set(torch.full((4,), 0.25)) == (0, 1, 2, 3)  # exactly 1/C counts
-    assert ktpfl.label_set(torch.tensor([0.2, 0.3, 0.49, 0.01])) == (1, 2)  # not ≥ 2/C
-    assert ktpfl.label_set(torch.tensor([0.0, 0.0, 0.0])) == (0,)  # no mass at all: the top one
+    assert kd.label_set(torch.tensor([0.1, 0.5, 0.1, 0.3])) == (1, 3)
+    assert kd.label_set(torch.full((4,), 0.25)) == (0, 1, 2, 3)  # exactly 1/C counts
+    assert kd.label_set(torch.tensor([0.2, 0.3, 0.49, 0.01])) == (1, 2)  # not ≥ 2/C
+    assert kd.label_set(torch.tensor([0.0, 0.0, 0.0])) == (0,)  # no mass at all: the top one
 
 
 def test_ktpfl_needs_public_data():
@@ -702,7 +702,7 @@ def test_artifact_csv_is_the_final_w_with_clients_sorted_by_label_set(tmp_path):
     n = len(algo.clients)
     W = _rows(n, 11)
     fed = algo.ctx.federation
-    order = sorted(algo.clients, key=lambda c: (ktpfl.label_set(fed.clients[c].prior), c))
+    order = sorted(algo.clients, key=lambda c: (kd.label_set(fed.clients[c].prior), c))
     assert order != sorted(algo.clients)  # the sort is visible on this seed
     out = tmp_path / "a" / "b"
     files = algo.artifacts({"W": W}, algo.ctx.client_data, out)
@@ -711,7 +711,7 @@ def test_artifact_csv_is_the_final_w_with_clients_sorted_by_label_set(tmp_path):
         rows = list(csv.reader(fh))
     assert rows[0] == ["student \\ teacher", "architecture", "labels", *[f"c{c}" for c in order]]
     for row, c in zip(rows[1:], order, strict=True):
-        labels = " ".join(map(str, ktpfl.label_set(fed.clients[c].prior)))
+        labels = " ".join(map(str, kd.label_set(fed.clients[c].prior)))
         assert row[:3] == [f"c{c}", algo.arch_of(c), labels]
         i = algo.index[c]
         assert [float(v) for v in row[3:]] == [round(float(W[i, algo.index[m]]), 6) for m in order]

@@ -14,6 +14,8 @@ server side (mixing, coefficient updates) and the client side (prediction, disti
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -206,3 +208,42 @@ def topk_rows(W: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.zeros_like(W)
     out.scatter_(1, W.topk(k, dim=1).indices, 1.0 / k)
     return out
+
+
+def label_set(prior: torch.Tensor) -> tuple[int, ...]:
+    """The client's majority labels: those with at least 1/C of its training distribution (at least the top one)."""
+    c = len(prior)
+    labels = sorted(int(i) for i in torch.nonzero(prior >= 1.0 / c).flatten())
+    return tuple(labels) if labels else (int(prior.argmax()),)
+
+
+def write_coefficients(name: str, rows: list[tuple[int, str, tuple[int, ...]]], mat: torch.Tensor,
+                       out_dir: Path) -> dict[str, str]:  # fmt: skip
+    """The mixing-weight matrix `mat` (student n × teacher m, in the order of `rows`: client, architecture, label
+    set) as `<name>_coefficients.csv` and a heat-map `<name>_coefficients.png` in `out_dir`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [f"c{c} ({arch}): {','.join(map(str, labels))}" for c, arch, labels in rows]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_name, png_name = f"{name}_coefficients.csv", f"{name}_coefficients.png"
+    with open(out_dir / csv_name, "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["student \\ teacher", "architecture", "labels", *[f"c{c}" for c, _, _ in rows]])
+        for i, (c, arch, labels) in enumerate(rows):
+            wr.writerow([f"c{c}", arch, " ".join(map(str, labels)), *[f"{v:.6f}" for v in mat[i].tolist()]])
+    n = len(rows)
+    side = min(4 + 0.35 * n, 24)
+    fig = Figure(figsize=(side + 1.5, side))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    im = ax.imshow(mat.numpy(), cmap="viridis")
+    ax.set_xticks(range(n), names, rotation=90, fontsize=7)
+    ax.set_yticks(range(n), names, fontsize=7)
+    ax.set_xlabel("teacher m")
+    ax.set_ylabel("student n")
+    ax.set_title(f"{name}: mixing weights W[n, m] (final)\nclients sorted by label set", fontsize=9)
+    fig.colorbar(im, ax=ax, label="weight")
+    fig.tight_layout()
+    fig.savefig(out_dir / png_name, dpi=120)
+    return {"coefficients_png": png_name, "coefficients_csv": csv_name}

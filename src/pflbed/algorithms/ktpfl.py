@@ -125,7 +125,6 @@ label set (the labels holding at least 1/C of the client's training distribution
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -214,13 +213,6 @@ class KTpFLOptions(TransferOptions):
             if getattr(self, key) is None:
                 setattr(self, key, value)
         return self
-
-
-def label_set(prior: torch.Tensor) -> tuple[int, ...]:
-    """The client's majority labels: those with at least 1/C of its training distribution (at least the top one)."""
-    c = len(prior)
-    labels = sorted(int(i) for i in torch.nonzero(prior >= 1.0 / c).flatten())
-    return tuple(labels) if labels else (int(prior.argmax()),)
 
 
 class KTpFL(Algorithm):
@@ -444,36 +436,9 @@ class KTpFL(Algorithm):
 
     def artifacts(self, server: Tensors, state_of: Callable[[int], Tensors], out_dir: Path) -> dict[str, str]:
         """The final coefficient matrix, clients sorted by label set (heat-map PNG + CSV)."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
         fed = self.ctx.federation
-        order = sorted(self.clients, key=lambda c: (label_set(fed.clients[c].prior), c))
+        order = sorted(self.clients, key=lambda c: (kd.label_set(fed.clients[c].prior), c))
         pos = torch.tensor([self.index[c] for c in order], device=server["W"].device)
         mat = server["W"][pos][:, pos].cpu()  # plotted and written from host memory
-        names = [f"c{c} ({self.arch_of(c)}): {','.join(map(str, label_set(fed.clients[c].prior)))}" for c in order]
-
-        out_dir.mkdir(parents=True, exist_ok=True)
-        csv_name, png_name = f"{self.name}_coefficients.csv", f"{self.name}_coefficients.png"
-        with open(out_dir / csv_name, "w", newline="") as f:
-            wr = csv.writer(f)
-            wr.writerow(["student \\ teacher", "architecture", "labels", *[f"c{c}" for c in order]])
-            for i, c in enumerate(order):
-                labels = " ".join(map(str, label_set(fed.clients[c].prior)))
-                wr.writerow([f"c{c}", self.arch_of(c), labels, *[f"{v:.6f}" for v in mat[i].tolist()]])
-
-        n = len(order)
-        side = min(4 + 0.35 * n, 24)
-        fig = Figure(figsize=(side + 1.5, side))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        im = ax.imshow(mat.numpy(), cmap="viridis")
-        ax.set_xticks(range(n), names, rotation=90, fontsize=7)
-        ax.set_yticks(range(n), names, fontsize=7)
-        ax.set_xlabel("teacher m")
-        ax.set_ylabel("student n")
-        ax.set_title(f"{self.name}: mixing weights W[n, m] (final)\nclients sorted by label set", fontsize=9)
-        fig.colorbar(im, ax=ax, label="weight")
-        fig.tight_layout()
-        fig.savefig(out_dir / png_name, dpi=120)
-        return {"coefficients_png": png_name, "coefficients_csv": csv_name}
+        rows = [(c, self.arch_of(c), kd.label_set(fed.clients[c].prior)) for c in order]
+        return kd.write_coefficients(self.name, rows, mat, out_dir)
