@@ -100,10 +100,14 @@ class SiteExecutor(FlowerExecutor):
         raise SiteError(f"client {cid}'s state is on its site; {self.algo.ctx.cfg.algorithm.name} asked for it on "
                         "the server")  # fmt: skip
 
+    def site(self, cid: int) -> int:
+        """The site holding client `cid` (sites hold consecutive ids, in site order)."""
+        return bisect.bisect_right(self.first, cid) - 1
+
     def _by_node(self, cids: list[int]) -> dict[int, list[int]]:
         by_node: dict[int, list[int]] = {}
         for cid in sorted(cids):
-            by_node.setdefault(self.node_of[bisect.bisect_right(self.first, cid) - 1], []).append(cid)
+            by_node.setdefault(self.node_of[self.site(cid)], []).append(cid)
         return by_node
 
     def _ask_sites(self, server: Tensors, round_figures: bool, methods: list[tuple[int, str]]) -> list[dict]:
@@ -113,7 +117,7 @@ class SiteExecutor(FlowerExecutor):
         record = to_record(server)
         by_site: dict[int, list[int]] = {}
         for cid in self.algo.ctx.federation.participated:
-            by_site.setdefault(bisect.bisect_right(self.first, cid) - 1, []).append(cid)
+            by_site.setdefault(self.site(cid), []).append(cid)
         answers: dict[int, dict] = {}
         deadline = time.monotonic() + (self.timeout or 120.0)
         while len(answers) < len(by_site):

@@ -37,9 +37,15 @@ def _node(context: Any) -> dict[str, Any]:
     return dict(context.node_config)
 
 
+@lru_cache(maxsize=4)
+def _validated(config_json: str) -> Config:
+    """The config a message carries, validated once per process (every TRAIN message carries it)."""
+    return validate_config(json.loads(config_json))
+
+
 def site_config(node: dict[str, Any], config_json: str) -> Config | None:
     """The server's config as this node accepts it; None where the node holds no data (a simulated client)."""
-    cfg = validate_config(json.loads(config_json))
+    cfg = _validated(config_json)
     if DATA not in node and DATASET not in node:
         if cfg.sites.local:
             raise SiteError("the run keeps the data on the sites (sites.local=true), but this node's config names "
@@ -55,7 +61,7 @@ def site_config(node: dict[str, Any], config_json: str) -> Config | None:
 @lru_cache(maxsize=4)
 def _algorithm(config_json: str, sizes_json: str, node: tuple) -> Algorithm:
     conf = dict(node)
-    cfg = validate_config(json.loads(config_json))
+    cfg = _validated(config_json)
     files = read_site(conf, cfg)
     assert files is not None
     return site_algorithm(cfg, files, num_clients(conf), int(conf.get(PARTITION, 0)), json.loads(sizes_json),
