@@ -227,14 +227,34 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
+    out += [("paper", "fedavg", cnn, e) for e in ("loop-bf16", "batched-bf16")]
     out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in ("loop", "procs")]
+    out += [("paper", "fedavg", resnet, "loop-bf16")]
     return out
 
 
-# `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run)
+def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """`--cases shape/algorithm/model/executor …` in the order given (a short device lease measures what is still
+    missing first); otherwise every case of `cases`."""
+    if not a.cases:
+        return cases(a)
+    out = []
+    for text in a.cases:
+        parts = tuple(text.split("/"))
+        if len(parts) != 4 or parts[0] not in ("paper", "pflr") or parts[1] not in ALGORITHMS \
+                or parts[2] not in a.models or parts[3] not in (*EXECUTORS, "procs"):
+            raise SystemExit(f"--cases: {text!r} is not shape/algorithm/model/executor, e.g. paper/fedavg/cnn/loop")
+        out.append(parts)
+    return out
+
+
+# `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run);
+# `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates)
 EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
              "loop-fast": {"batch_clients": False, "deterministic": False},
-             "batched-fast": {"batch_clients": True, "deterministic": False}}  # fmt: skip
+             "batched-fast": {"batch_clients": True, "deterministic": False},
+             "loop-bf16": {"batch_clients": False, "precision": "bf16"},
+             "batched-bf16": {"batch_clients": True, "precision": "bf16"}}  # fmt: skip
 
 
 def main() -> None:
@@ -246,6 +266,8 @@ def main() -> None:
     ap.add_argument("--big-rounds", type=int, default=2, help="rounds per ResNet case (one timed after the warm-up)")
     ap.add_argument("--workers", type=int, default=4, help="procs: worker processes sharing the device")
     ap.add_argument("--models", nargs=2, default=["cnn", "resnet18"], metavar=("CNN", "RESNET"))
+    ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
+                    help="measure only these speed cases, in this order (default: all, in priority order)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed"])
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case after this many seconds")
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
@@ -269,7 +291,7 @@ def main() -> None:
         steps = 20 if a.quick else 200
         result["centralized"] = {m: {b: centralized(m, b, device, steps) for b in (32, 10)} for m in a.models}
         with WorkerPool(a.workers, threads=1) as pool:
-            for shape, alg, model, ex in cases(a):
+            for shape, alg, model, ex in chosen_cases(a):
                 if time.perf_counter() - t_start > a.budget_s:
                     result["skipped"].append(f"{shape} {alg} {model} {ex}")
                     continue
@@ -296,7 +318,7 @@ def main() -> None:
 
 
 def line(m: dict) -> str:
-    head = f"{m['shape']:5s} {m['algorithm']:9s} {m['model']:14s} {m['executor']:7s}"
+    head = f"{m['shape']:5s} {m['algorithm']:9s} {m['model']:14s} {m['executor']:12s}"
     if "error" in m:
         return f"{head} ERROR {m['error']}"
     util = f"{m['util_pct']:5.0f}" if m.get("util_pct") is not None else "    -"
@@ -323,7 +345,7 @@ def write(result: dict, out: Path) -> None:
     if result.get("speed"):
         rows += ["", "paper: 100 clients × 500 samples, all per round, batch 32; pflr: 1,000 users × 50, cohort 50, "
                  "batch 10; 1 local epoch; s/round = median of the timed rounds (first round: warm-up, apart)",
-                 f"{'shape':5s} {'algorithm':9s} {'model':14s} {'exec':7s} {'s/round':>9s} {'warm-up':>8s} "
+                 f"{'shape':5s} {'algorithm':9s} {'model':14s} {'exec':12s} {'s/round':>9s} {'warm-up':>8s} "
                  f"{'samples/s':>11s} {'÷cent.':>6s} {'batched':>7s} {'util%':>5s} {'peak MB':>8s}"]  # fmt: skip
         rows += [line(m) for m in result["speed"]]
         loops = {(m["shape"], m["algorithm"], m["model"]): m for m in result["speed"] if m["executor"] == "loop"
