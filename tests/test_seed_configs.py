@@ -116,7 +116,7 @@ def test_seed_config_validates_and_documents_itself(path: Path):
     assert cfg.dataset.name in WRITERS and cfg.executor.device == "auto"
     header = path.read_text(encoding="utf-8").split("\nseed:")[0]
     for part in ("Paper's figure:", "Paper's budget:", "Deviations", "Data:", "Estimated time on one GPU:",
-                 "benchmarks/results/gpu.txt", f"pflbed run -c benchmarks/configs/seeds/{path.name}"):  # fmt: skip
+                 "benchmarks/results/gpu_h100.txt", f"pflbed run -c benchmarks/configs/seeds/{path.name}"):  # fmt: skip
         assert part in header, f"{path.name}: its comment block lacks {part!r}"
 
 

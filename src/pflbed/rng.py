@@ -50,7 +50,7 @@ def deterministic_kernels(device: torch.device, on: bool) -> None:
     Why it is needed: by default cuDNN picks convolution algorithms whose weight gradients accumulate with atomics,
     in an order that varies run to run, and cuBLAS likewise with more than one workspace. The differences are float
     rounding, but training grows them: two GPU runs of FedBasis on a BatchNorm LeNet differed by 5 % of a parameter's
-    magnitude after four rounds (benchmarks/results/gpu.txt). Torch's deterministic mode makes cuDNN, cuBLAS (with
+    magnitude after four rounds (benchmarks/results/gpu_h100.txt). Torch's deterministic mode makes cuDNN, cuBLAS (with
     a fixed workspace, set here before its first use) and torch's own scatter-style kernels deterministic; an op
     with no deterministic kernel warns instead of failing. Off: the faster defaults. The setting is per process
     (torch's flags are global), so each `procs` worker applies it too. Nothing changes on the CPU, whose kernels are

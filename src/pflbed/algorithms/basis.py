@@ -153,9 +153,13 @@ def stat_update_shares(coeffs: torch.Tensor) -> torch.Tensor:
     Δv_i = c_i·Δ / Σ_j c_j². It is proportional to c_i, like the gradient a basis receives (paper Eq. 8:
     ∇v_k = α[k]·∇θ), so a basis a client does not use (c_i = 0) keeps its statistics, while the combination
     tracks exactly the running statistics a single model would have accumulated.
+
+    Along the last dimension, so a (G, n) matrix gives every coefficient group's shares at once. Computed on the
+    tensors' device without reading a value back (FedBasis calls it every training batch: a host read there would
+    stall a GPU each time); all-zero coefficients give zero shares.
     """
-    total = float((coeffs.double() ** 2).sum())
-    return coeffs / total if total > 0 else torch.zeros_like(coeffs)
+    total = (coeffs.double() ** 2).sum(-1, keepdim=True)
+    return (coeffs / total.clamp_min(torch.finfo(torch.float64).tiny)).to(coeffs.dtype)
 
 
 def flatten(params: Mapping[str, torch.Tensor], keys: Iterable[str]) -> torch.Tensor:

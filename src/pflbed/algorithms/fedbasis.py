@@ -373,23 +373,24 @@ class FedBasis(Algorithm):
     def _track(
         self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, before: Tensors, after: Tensors
     ) -> None:
-        """Distribute Δ = after − before of each combined statistic over the bases: Δv_i = c_i·Δ / Σ_j c_j²."""
+        """Distribute Δ = after − before of each combined statistic over the bases: Δv_i = c_i·Δ / Σ_j c_j².
+
+        Every step stays on the device (no value read back per statistic: a ResNet-18 has 40 of them per batch)."""
         w_major, w = mixing_weights(alpha, major is not None)
+        coeffs = w.double()
+        if major is not None:
+            coeffs = torch.cat([coeffs.new_full((coeffs.shape[0], 1), w_major), coeffs], 1)
+        shares_of = stat_update_shares(coeffs)  # (groups, [v'] + bases)
         with torch.no_grad():
             for k in self.buffer_keys:
                 delta = after[k] - before[k]
-                if not delta.any():
-                    continue
                 v = stacked[k]
                 if not v.is_floating_point():  # batch counters: every basis counts the batches
                     v.add_(delta)
                     if major is not None:
                         major[k].add_(delta)
                     continue
-                coeffs = w[self.group_of[k]].double()
-                if major is not None:
-                    coeffs = torch.cat([torch.tensor([w_major], dtype=torch.float64, device=coeffs.device), coeffs])
-                shares = stat_update_shares(coeffs).to(v.dtype)
+                shares = shares_of[self.group_of[k]].to(v.dtype)
                 if major is not None:
                     major[k].add_(shares[0] * delta)
                     shares = shares[1:]
