@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from markdown.extensions.toc import slugify
 from pydantic import BaseModel
 
 from pflbed.algorithms import ALGORITHMS
@@ -49,6 +51,41 @@ def _code_cell(value: Any) -> str:
     return "`" + str(value).replace(" | ", " or ").replace("|", "/").replace("\n", " ") + "`"
 
 
+def _row_key(row: str) -> str | None:
+    """The algorithm a results-table row is about, as lowercase letters and digits ("LG-FedAvg+FT" → "lgfedavg",
+    "FedRoD (hyper)" → "fedrodhyper"); None for a difference row ("KT-pFL − FedMD") — it is about two."""
+    cell = row.strip().strip("|").split("|")[0].strip().strip("*`").strip()
+    if " − " in cell or " - " in cell:
+        return None
+    flat = re.sub(r"[^a-z0-9]", "", cell.lower())
+    if flat.startswith("fedrodhyper"):
+        return "fedrodhyper"
+    return re.sub(r"[^a-z0-9]", "", re.split(r"\+| \(|,| α| ·| λ", cell)[0].lower())
+
+
+def measured_results(name: str) -> list[str]:
+    """The rows of the results pages (docs/results/*.md) that name `name`, under their section's heading and the
+    table's header, each section linked: an algorithm's page shows its measurements without a copy to drift."""
+    key = re.sub(r"[^a-z0-9]", "", name)
+    out: list[str] = []
+    for page in sorted(p for p in (DOCS / "results").glob("*.md") if p.name != "index.md"):
+        heading, table = "", []
+        lines = page.read_text().splitlines() + [""]
+        for line in lines:
+            if line.startswith("|"):
+                table.append(line)
+                continue
+            rows = [r for r in table[2:] if _row_key(r) == key]
+            if rows:
+                title = heading.lstrip("#").strip()
+                link = f"../results/{page.name}#{slugify(title.replace('`', ''), '-')}"
+                out += [f"**[{title}]({link})**\n", table[0], table[1], *rows, ""]
+            table = []
+            if line.startswith("#"):
+                heading = line
+    return out
+
+
 def algorithm_page(name: str) -> str:
     cls = ALGORITHMS[name]
     doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
@@ -65,7 +102,14 @@ def algorithm_page(name: str) -> str:
         lines.append(f"{name} has no options of its own: it uses `train.*` and `eval.*`.\n")
     lines += ["## The implementation, as its file states it\n",
               f"From `src/pflbed/algorithms/{Path(inspect.getfile(cls)).name}` (`{cls.__module__}`):\n",
-              _markdown(doc), ""]
+              _markdown(doc), "", "## Measured results\n"]
+    measured = measured_results(name)
+    if measured:
+        lines += ["The rows of the [results](../results/index.md) tables that name it (+FT / +LP rows included), "
+                  "each under its table's heading: the setting, the protocol and the other methods are there.\n",
+                  *measured]
+    else:
+        lines.append("No table of the [results](../results/index.md) names it yet.\n")
     return "\n".join(lines)
 
 
@@ -74,9 +118,15 @@ def algorithm_index() -> str:
              "Every algorithm is one file under `src/pflbed/algorithms/`, citing its paper and the equations it "
              "implements and stating every deviation. Choose one with `--set algorithm.name=NAME`; `pflbed "
              "algorithms` lists them and `pflbed algorithms NAME` its options. The notes and measured results of "
-             "each are on its page; the results tables are under [Results](../results.md).\n",
-             "| name | paper |\n|---|---|"]  # fmt: skip
-    lines += [f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} |" for n in sorted(ALGORITHMS)]
+             "each are on its page; the results tables are under [Results](../results/index.md).\n",
+             "At a glance: each algorithm's options with their defaults, and the results pages whose tables "
+             "measure it.\n",
+             "| name | paper | options (defaults) | measured in |\n|---|---|---|---|"]  # fmt: skip
+    for n in sorted(ALGORITHMS):
+        opts = ", ".join(f"`{o['name']}={o['default']!r}`" for o in options(ALGORITHMS[n])) or "—"
+        pages = sorted({m.split("](../results/")[1].split("#")[0] for m in measured_results(n) if m.startswith("**[")})
+        where = ", ".join(f"[{p.removesuffix('.md')}](../results/{p})" for p in pages) or "—"
+        lines.append(f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} | {_cell(opts)} | {where} |")
     return "\n".join(lines) + "\n"
 
 

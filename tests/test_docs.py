@@ -63,3 +63,23 @@ def test_the_readme_is_a_landing_page_whose_links_resolve():
     assert len(links) > len(ALGORITHMS)  # every algorithm links to its page
     missing = [t for t in links if not (ROOT / t.split("#")[0]).exists()]
     assert not missing, missing
+
+
+@pytest.mark.parametrize(("row", "key"), [
+    ("| LG-FedAvg+FT | 1 |", "lgfedavg"), ("| **FedRoD (hyper)** | 1 |", "fedrodhyper"), ("| FedRoD-hyper | 1 |",
+     "fedrodhyper"), ("| FedRoD (linear) | 1 |", "fedrod"), ("| FedSelect α = 0.3 | 1 |", "fedselect"),
+    ("| KT-pFL − FedMD | 1 |", None), ("| Per-FedAvg, α 0.003 | 1 |", "perfedavg"), ("| `fedavg` | 1 |", "fedavg"),
+])  # fmt: skip
+def test_a_results_row_is_attributed_to_the_algorithm_it_names(row, key):
+    assert generate._row_key(row) == key
+
+
+def test_an_algorithm_page_repeats_exactly_the_results_rows_that_name_it():
+    """Rows of docs/results/*.md reach the page of the algorithm they name, and no other algorithm's rows do."""
+    page = generate.algorithm_page("fedselect")
+    measured = page.split("## Measured results", 1)[1]
+    assert "| FedSelect α = 0.3 | **93.20 ± 1.55** |" in measured  # docs/results/fedselect.md
+    assert "](../results/fedselect.md#fedselect-fashion-mnist-10-clients-2-classes" in measured
+    rows = [r for r in measured.splitlines() if r.startswith("|") and not r.startswith("|---")]
+    headers = {r for r in rows if generate._row_key(r) in ("method", "cells", "algorithm")}
+    assert rows and all(generate._row_key(r) == "fedselect" for r in rows if r not in headers)

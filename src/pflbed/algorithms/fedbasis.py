@@ -92,7 +92,7 @@ Interpretations (the paper leaves these open):
     counterpart). One SGD optimizer (`budget.momentum`) for ψ and head, kept across epochs: the head at `budget.lr`,
     ψ at `budget.lr · alpha_lr / train.lr` — the ratio ψ was trained with, so an LR sweep scales both alike. (ψ at
     the weights' lr barely moves: ∂L/∂ψ_k = α_k·(v_k − θ)·∇_θL is small when the bases are close, which is why
-    `alpha_lr` exists; measured on fmnist-rot4, see benchmarks/results/README.md.) After
+    `alpha_lr` exists; measured on fmnist-rot4, see the results pages, docs/results/fedbasis.md.) After
     every epoch the combination is materialized into one ordinary state dict of `ctx.model` (a fresh snapshot).
     BatchNorm statistics of that model are the bases' combined with the current α (the bases are frozen).
     `eval.finetune` (FedBasis+FT/LP on participated clients) runs the same procedure, from uniform α.
