@@ -42,6 +42,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test files; default tests/test_
         "test_contract", "test_fedavg", "test_training", "test_local", "test_evaluation", "test_fedrod_hyper",
     ],
     "algorithms/basis.py": ["test_fedbasis"],
+    "algorithms/basis_plots.py": ["test_fedbasis"],
     "algorithms/distill.py": [*_KT, "test_feddf", "test_pfeddf"],
     "algorithms/masks.py": ["test_fedselect"],
     "algorithms/partial.py": ["test_fedper", "test_fedrep", "test_lg_fedavg", "test_fedbabu"],

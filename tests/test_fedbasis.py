@@ -25,7 +25,9 @@ from pflbed.algorithms.basis import (
     sharpen,
     stack_bases,
     stat_update_shares,
+    track_statistics,
 )
+from pflbed.algorithms.basis_plots import mixing_table
 from pflbed.algorithms.fedbasis import STREAM, FedBasis
 from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.config import validate_config
@@ -185,6 +187,27 @@ def test_kmeans_returns_k_non_empty_clusters_even_from_duplicate_models():
     for seed in range(3):
         assign, cent = kmeans(pts, 2, 10, gen(seed))
         assert sorted(set(assign.tolist())) == [0, 1] and torch.isfinite(cent).all()
+
+
+def test_track_statistics_moves_the_combination_by_the_update_and_leaves_an_unused_basis_alone():
+    """`basis.track_statistics` on hand-built statistics (c = ½ for v', ½·α for the bases): afterwards the
+    combined running mean is exactly `after` (Δ split by c_i / Σ c_j²); the basis with α = 0 keeps its statistic
+    bit for bit; a batch counter grows by the whole count in v' and in every basis, used or not; a running
+    variance whose share would take v' below zero (share 0.5 / 0.40625 > 1) is floored at 0."""
+    g = gen(3)
+    stacked = {"mean": torch.randn(3, 4, generator=g), "var": torch.full((3, 4), 10.0),
+               "n": torch.tensor([5, 6, 7])}  # fmt: skip
+    major = {"mean": torch.randn(4, generator=g), "var": torch.full((4,), 0.01), "n": torch.tensor(9)}
+    group_of, alpha = dict.fromkeys(stacked, 0), torch.tensor([[0.0, 0.25, 0.75]])
+    before = combine(stacked, alpha, group_of, major)
+    after = {"mean": before["mean"] + torch.randn(4, generator=g), "var": torch.zeros(4), "n": before["n"] + 2}
+    unused, var_major = stacked["mean"][0].clone(), major["var"].clone()
+    assert track_statistics(stacked, major, alpha, before, after, list(stacked), group_of, {"var"}) is None
+    assert torch.allclose(combine(stacked, alpha, group_of, major)["mean"], after["mean"], atol=1e-6)
+    assert torch.equal(stacked["mean"][0], unused)
+    assert stacked["n"].tolist() == [7, 8, 9] and int(major["n"]) == 11
+    assert float(var_major[0] - 0.5 / 0.40625 * before["var"][0]) < 0  # the unfloored share would go negative
+    assert torch.equal(major["var"], torch.zeros(4)) and bool((stacked["var"] > 0).all())
 
 
 # --- gradients and coordinate descent ------------------------------------------------------------------------------
@@ -686,7 +709,8 @@ def test_diagnostics_are_basis_cosine_and_entropies_of_alpha_star_and_alpha_dagg
     assert d["alpha_entropy_max"] == pytest.approx(math.log(3), abs=1e-6)
     reported = [d[k] for k in ("basis_cos", "alpha_entropy", "alpha_sharp_entropy", "alpha_entropy_max")]
     assert all(v == round(v, 6) for v in [*reported, *d["basis_cos_blocks"].values()])  # reported to 6 decimals
-    order, labels, table = algo.mixing_table(lambda c: states.get(c, {}))
+    order, labels, table = mixing_table({c: s["alpha"] for c, s in states.items()}, dict.fromkeys(states, 0), 3,
+                                        True, 2)  # fmt: skip
     assert order == [0, 4] and labels == ["major", "b0", "b1", "b2"]
     assert torch.allclose(table[1], torch.cat([torch.full((2, 1), 0.5), 0.5 * a_dag[4]], 1))
 
@@ -1080,16 +1104,16 @@ def client_alphas(n: int, k: int, groups: int) -> dict[int, dict[str, torch.Tens
 
 
 def test_mixing_table_orders_clients_by_domain_then_id_and_without_major_is_alpha():
-    """Fig. 4 table: clients by (domain, id); without the major basis the weights are α† itself (no v' column);
-    no client with an α: an empty (0, groups, bases) table."""
-    algo = with_domains(make({"K": 2, "major": False}), DOMAINS)
+    """Fig. 4 table (`basis_plots.mixing_table`): clients by (domain, id); without the major basis the weights are
+    α† itself (no v' column); no client with an α: an empty (0, groups, bases) table."""
     states = client_alphas(12, 2, 3)
-    order, labels, table = algo.mixing_table(lambda c: states.get(c, {}))
+    alphas, domain = {c: s["alpha"] for c, s in states.items()}, dict(enumerate(DOMAINS))
+    order, labels, table = mixing_table(alphas, domain, 2, False, 3)
     assert order == [1, 3, 5, 8, 9, 0, 2, 6, 10, 4, 7, 11] and labels == ["b0", "b1"]
     assert torch.equal(table, torch.stack([states[c]["alpha"] for c in order]))
-    _, labels, empty = algo.mixing_table(lambda c: {})
+    _, labels, empty = mixing_table({}, domain, 2, False, 3)
     assert empty.shape == (0, 3, 2)
-    _, labels, empty = with_domains(make({"K": 2}), DOMAINS).mixing_table(lambda c: {})
+    _, labels, empty = mixing_table({}, domain, 2, True, 3)
     assert labels == ["major", "b0", "b1"] and empty.shape == (0, 3, 3)
 
 

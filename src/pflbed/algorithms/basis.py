@@ -1,8 +1,12 @@
-"""Pure tensor functions behind FedBasis (`pflbed.algorithms.fedbasis`): combining basis models, sharpening
-combination vectors, k-means over flattened models, and the collapse diagnostics of the paper's Fig. 2.
+"""The machinery behind FedBasis (`pflbed.algorithms.fedbasis`), as functions: combining basis models, sharpening
+combination vectors, training through a combination (the mini-batch loop, trainable copies of the bases, and the
+hand-back of BatchNorm statistics to them), the k-means warm start, and the collapse diagnostics of the paper's
+Fig. 2.
 
 Kept free of any `Algorithm` so that each piece can be tested on hand-built tensors, and so that the
-combination used in training, in evaluation and in the tests is one and the same function.
+combination used in training, in evaluation and in the tests is one and the same function; the algorithm file
+keeps what the paper specifies (the steps of Eq. 9, Alg. 2, the schedule, the wire format). The Fig. 4
+mixing-weight table and its heat-map/CSV writer are in `pflbed.algorithms.basis_plots`.
 
 Conventions: K non-major bases are held *stacked*, one tensor of shape (K, *shape) per state key; combination
 coefficients are a (G, K) matrix, one row per coefficient group (a block of the model, or G = 1 for one vector
@@ -12,9 +16,16 @@ for the whole network); `group_of` maps each state key to its row.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from pflbed.algorithms.common import ClientData
+from pflbed.algorithms.training import index_batches, weighted_mean
 
 Tensors = dict[str, torch.Tensor]
 
@@ -170,3 +181,195 @@ def flatten(params: Mapping[str, torch.Tensor], keys: Iterable[str]) -> torch.Te
 def max_entropy(k: int) -> float:
     """Entropy of the uniform vector over k entries (the collapsed state)."""
     return math.log(k) if k > 0 else 0.0
+
+
+def track_statistics(
+    stacked: Tensors,
+    major: Tensors | None,
+    alpha: torch.Tensor,
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    keys: Iterable[str],
+    group_of: Mapping[str, int],
+    var_keys: Container[str],
+) -> None:
+    """Hand one batch's update of the combined running statistics back to the bases, in place.
+
+    A training forward updates only the fresh combined copies (`combine` never aliases the bases), from `before`
+    to `after`. Without this the bases would keep their warm-start statistics forever while their weights move
+    on, and every combined model would normalize with stale moments. Each float statistic's Δ = after − before is
+    split by `stat_update_shares` over the coefficients c_i of the combination (½ for v', ½·α[g, k] for v_k;
+    α alone without a major basis): Δv_i = c_i·Δ / Σ_j c_j², so the combination follows exactly the EMA a single
+    model would have, and a basis with c_i = 0 keeps its statistics (like its weights: ∇v_k = α[k]·∇θ = 0).
+
+    Integer tensors (BatchNorm's batch counters) are counts, not weights: every basis (and v') adds the whole Δ,
+    whatever its coefficient — it counts every batch of every client it was sent to. A running variance (a key
+    in `var_keys`) is floored at 0 afterwards: a share c_i / Σ_j c_j² can exceed 1 (v' with uniform α over K = 4
+    gets 1.6·Δ), so a shrinking combined variance could push a basis's below zero.
+
+    Every step stays on the tensors' device, with no value read back per statistic (a ResNet-18 has 40 of them
+    per batch: a host read each would stall a GPU each time).
+    """
+    w_major, w = mixing_weights(alpha, major is not None)
+    coeffs = w.double()
+    if major is not None:
+        coeffs = torch.cat([coeffs.new_full((coeffs.shape[0], 1), w_major), coeffs], 1)
+    shares_of = stat_update_shares(coeffs)  # (groups, [v'] + bases)
+    with torch.no_grad():
+        for k in keys:
+            delta = after[k] - before[k]
+            v = stacked[k]
+            if not v.is_floating_point():  # batch counters: every basis counts the batches
+                v.add_(delta)
+                if major is not None:
+                    major[k].add_(delta)
+                continue
+            shares = shares_of[group_of[k]].to(v.dtype)
+            if major is not None:
+                major[k].add_(shares[0] * delta)
+                shares = shares[1:]
+            v.add_(shares.view(-1, *([1] * delta.dim())) * delta)
+            if k in var_keys:
+                v.clamp_min_(0)
+                if major is not None:
+                    major[k].clamp_min_(0)
+
+
+def detached(
+    stacked: Mapping[str, torch.Tensor], major: Mapping[str, torch.Tensor] | None
+) -> tuple[Tensors, Tensors | None]:
+    """The bases cut from the autograd graph (views, no copies): frozen for a step, or handed on after one."""
+    frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
+    return {k: v.detach() for k, v in stacked.items()}, frozen_major
+
+
+def trainable_copies(
+    stacked: Mapping[str, torch.Tensor], major: Mapping[str, torch.Tensor] | None, param_keys: Sequence[str]
+) -> tuple[Tensors, Tensors | None, list[torch.Tensor]]:
+    """(stacked bases, major basis, leaves): detached copies whose parameters are leaves that require grad.
+
+    Why copies: the bases come from a payload that other clients of the round (and the server state) share, and
+    the optimizer updates its leaves in place. The statistics are plain copies, not leaves: they are never
+    trained, only tracked by `track_statistics`. `leaves` lists the parameters in the order of `param_keys`, first
+    those of the stacked bases, then those of the major basis (if any) — the optimizer's parameter order.
+    """
+    named = set(param_keys)
+
+    def leaf(k: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        return t.requires_grad_(True) if k in named else t
+
+    copies = {k: leaf(k, v) for k, v in stacked.items()}
+    major_copy = {k: leaf(k, v) for k, v in major.items()} if major is not None else None
+    leaves = [copies[k] for k in param_keys] + ([major_copy[k] for k in param_keys] if major_copy else [])
+    return copies, major_copy, leaves
+
+
+def sgd_through_combination(
+    model: nn.Module,
+    data: ClientData,
+    params: Callable[[], Tensors],
+    alpha: Callable[[], torch.Tensor],
+    stacked: Tensors,
+    major: Tensors | None,
+    opt: torch.optim.Optimizer,
+    *,
+    epochs: int,
+    batch_size: int,
+    generator: torch.Generator,
+    group_of: Mapping[str, int],
+    buffer_keys: Sequence[str],
+    var_keys: Container[str],
+    track: bool,
+) -> None:
+    """Mini-batch SGD (cross-entropy) through the combined model θ(α, V), run by `functional_call` on `model`.
+
+    θ's parameters come from `params()`, rebuilt every batch so that the gradient reaches whatever the caller
+    made a leaf (ψ inside `alpha`, the bases of `trainable_copies`, or both); `opt` steps those. Its statistics
+    (`buffer_keys`) are combined from `stacked`/`major` with α detached — statistics are not trained — into fresh
+    copies, so the forward's in-place running-statistic update never reaches the bases, nor the template `model`
+    (whose own tensors `functional_call` never reads or writes: one shared model serves every client). With
+    `track`, each batch's update of those copies is handed back to the bases by `track_statistics`; without it
+    the bases keep their statistics (a frozen V). Batches: `epochs` passes over the client's training indices,
+    through `ClientData.batch` (the run's augmentation, drawn from `generator`).
+    """
+    model.train()
+    for b in index_batches(data.train, batch_size, epochs, generator):
+        x, y = data.batch(b, generator)
+        a = alpha()
+        with torch.no_grad():
+            before = combine(stacked, a.detach(), group_of, major, buffer_keys)
+        running = {k: v.clone() for k, v in before.items()}
+        out = functional_call(model, {**params(), **running}, (x,))
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if track:
+            track_statistics(stacked, major, a.detach(), before, running, buffer_keys, group_of, var_keys)
+
+
+def kmeans_bases(
+    pool: Mapping[int, Tensors], param_keys: Sequence[str], keys: Sequence[str], k: int, iters: int,
+    generator: torch.Generator,
+) -> Tensors:  # fmt: skip
+    """The warm start's K bases (paper §4.4): centroids of a k-means over the clients' local models, stacked.
+
+    `pool` maps client ids to full state dicts. The clustering runs on the flattened *parameters* only
+    (`param_keys`: BatchNorm statistics have large magnitudes and would dominate the distances without being
+    learned), unweighted ("cluster {θ_m} into K clusters"). A centroid is the plain mean of its members' full
+    state dicts over `keys` (statistics included; integer counters take the maximum, as `weighted_mean`).
+    Clusters are numbered by their lowest client id, so the bases do not depend on the order k-means++ happened
+    to seed them in (only on the partition), and a rerun with the same `generator` gives the same bases.
+    """
+    cids = sorted(pool)
+    points = torch.stack([flatten(pool[c], param_keys) for c in cids])
+    assign, _ = kmeans(points, k, iters, generator)
+    del points  # n flattened models: freed before the centroids are built
+    clusters = [[c for c, a in zip(cids, assign.tolist(), strict=True) if a == j] for j in range(k)]
+    clusters.sort(key=min)
+    centroids = [weighted_mean({c: pool[c] for c in members}, dict.fromkeys(members, 1.0), keys)
+                 for members in clusters]  # fmt: skip
+    return stack_bases(centroids, keys)
+
+
+def collapse_diagnostics(
+    stacked: Mapping[str, torch.Tensor],
+    param_keys: Sequence[str],
+    blocks: Mapping[str, Sequence[str]],
+    alpha_star: Sequence[torch.Tensor],
+    alpha_dagger: Sequence[torch.Tensor],
+) -> dict[str, Any]:
+    """The collapse signals of the paper's Fig. 2, as reported per evaluation (values rounded to 6 decimals).
+
+    `basis_cos`: mean pairwise cosine similarity of the K non-major bases' flattened parameters (`param_keys`;
+    statistics and v' excluded: the question is whether the *learned* bases stay distinct), and
+    `basis_cos_blocks`: the same per block (`blocks`: block name → its parameter keys, in the model's order; a
+    block without parameters is left out). `alpha_entropy` / `alpha_sharp_entropy`: mean entropy (nats) of the
+    clients' α* / α† (one (groups, K) matrix each, in the same client order), over clients and groups — None
+    without clients; `alpha_entropy_max` = log K is the value of a collapsed, uniform combination;
+    `alpha_clients`: how many clients entered the means.
+    """
+    k = next(iter(stacked.values())).shape[0]
+
+    def cosine(keys: Sequence[str]) -> float | None:
+        mat = torch.stack([torch.cat([stacked[key][i].reshape(-1).float() for key in keys]) for i in range(k)])
+        return _round6(mean_pairwise_cosine(mat))
+
+    everything = cosine(param_keys)
+    per_block = {b: cosine(keys) for b, keys in blocks.items() if keys}
+    ent = [float(entropy(a).mean()) for a in alpha_star]
+    sharp = [float(entropy(a).mean()) for a in alpha_dagger]
+    return {
+        "basis_cos": everything,
+        "basis_cos_blocks": per_block,
+        "alpha_entropy": _round6(sum(ent) / len(ent)) if ent else None,
+        "alpha_sharp_entropy": _round6(sum(sharp) / len(sharp)) if sharp else None,
+        "alpha_entropy_max": _round6(max_entropy(k)),
+        "alpha_clients": len(alpha_star),
+    }
+
+
+def _round6(x: float | None) -> float | None:
+    """Six decimals, as the diagnostics are reported (metrics, summary.json): stable to compare across runs."""
+    return None if x is None else round(x, 6)

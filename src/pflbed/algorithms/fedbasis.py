@@ -111,33 +111,29 @@ first), clients ordered by domain then id, as PNG heat-map and CSV.
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch.func import functional_call
 
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.basis import (
+    collapse_diagnostics,
     combine,
-    entropy,
-    flatten,
-    kmeans,
-    max_entropy,
-    mean_pairwise_cosine,
-    mixing_weights,
+    detached,
+    kmeans_bases,
+    sgd_through_combination,
     sharpen,
     stack_bases,
-    stat_update_shares,
+    trainable_copies,
 )
-from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, train_from, weighted_mean
+from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
+from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 
@@ -180,7 +176,8 @@ class FedBasis(Algorithm):
         self.groups = model.block_names() if o.layerwise else ["all"]
         self.group_of = {k: (gi if o.layerwise else 0) for gi, b in enumerate(model.block_names())
                          for k in model.state_keys([b])}  # fmt: skip
-        self.block_of = {k: b for b in model.block_names() for k in model.state_keys([b])}
+        block_of = {k: b for b in model.block_names() for k in model.state_keys([b])}
+        self.block_params = {b: [k for k in self.param_keys if block_of[k] == b] for b in model.block_names()}
         self.var_keys = {f"{n}.running_var" for n, m in model.named_modules()
                          if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_var is not None}  # fmt: skip
         head = set(model.state_keys(model.head_blocks()))
@@ -325,93 +322,22 @@ class FedBasis(Algorithm):
 
     def switch(self, glob: Tensors, pool: dict[int, Tensors], rnd: int) -> Tensors:
         """End of the warm start (§4.4): v' ← FedAvg global model, v_k ← k-means centroids of the local models."""
-        cids = sorted(pool)
-        points = torch.stack([flatten(pool[c], self.param_keys) for c in cids])
         gen = rng.generator(self.ctx.seed, STREAM, 1, rnd)
-        assign, _ = kmeans(points, self.opts.K, self.opts.kmeans_iters, gen)
-        del points
-        clusters = [[c for c, a in zip(cids, assign.tolist(), strict=True) if a == j] for j in range(self.opts.K)]
-        clusters.sort(key=min)  # number the bases by their lowest client id: independent of the seeding order
-        centroids = [weighted_mean({c: pool[c] for c in members}, dict.fromkeys(members, 1.0), self.keys)
-                     for members in clusters]  # fmt: skip
-        return self.join(stack_bases(centroids, self.keys), glob if self.opts.major else None)
+        bases = kmeans_bases(pool, self.param_keys, self.keys, self.opts.K, self.opts.kmeans_iters, gen)
+        return self.join(bases, glob if self.opts.major else None)
 
     # --- local training ----------------------------------------------------------------------------------------
     def _run(
-        self,
-        params: Callable[[], Tensors],
-        stacked: Tensors,
-        major: Tensors | None,
-        alpha: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer,
-        data: ClientData,
-        epochs: int,
-        generator: torch.Generator,
-        track: bool,
+        self, params: Callable[[], Tensors], stacked: Tensors, major: Tensors | None, alpha: Callable[[], torch.Tensor],
+        opt: torch.optim.Optimizer, data: ClientData, epochs: int, generator: torch.Generator, track: bool,
         batch_size: int | None = None,
-    ) -> None:
-        """Mini-batch SGD through the combined model: θ's parameters from `params()` (rebuilt every batch, so the
-        gradient reaches ψ and/or V), its statistics combined from `stacked`/`major` with α detached. With `track`,
-        each batch's running-statistic update is handed back to the bases (see module doc). Batch size: `train`'s,
-        or `batch_size` (personalization budgets)."""
-        model, bs = self.ctx.model, batch_size or self.ctx.cfg.train.batch_size
-        model.train()
-        for b in index_batches(data.train, bs, epochs, generator):
-            x, y = data.batch(b, generator)
-            a = alpha()
-            with torch.no_grad():
-                before = combine(stacked, a.detach(), self.group_of, major, self.buffer_keys)
-            running = {k: v.clone() for k, v in before.items()}
-            out = functional_call(model, {**params(), **running}, (x,))
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if track:
-                self._track(stacked, major, a.detach(), before, running)
-
-    def _track(
-        self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, before: Tensors, after: Tensors
-    ) -> None:
-        """Distribute Δ = after − before of each combined statistic over the bases: Δv_i = c_i·Δ / Σ_j c_j².
-
-        Every step stays on the device (no value read back per statistic: a ResNet-18 has 40 of them per batch)."""
-        w_major, w = mixing_weights(alpha, major is not None)
-        coeffs = w.double()
-        if major is not None:
-            coeffs = torch.cat([coeffs.new_full((coeffs.shape[0], 1), w_major), coeffs], 1)
-        shares_of = stat_update_shares(coeffs)  # (groups, [v'] + bases)
-        with torch.no_grad():
-            for k in self.buffer_keys:
-                delta = after[k] - before[k]
-                v = stacked[k]
-                if not v.is_floating_point():  # batch counters: every basis counts the batches
-                    v.add_(delta)
-                    if major is not None:
-                        major[k].add_(delta)
-                    continue
-                shares = shares_of[self.group_of[k]].to(v.dtype)
-                if major is not None:
-                    major[k].add_(shares[0] * delta)
-                    shares = shares[1:]
-                v.add_(shares.view(-1, *([1] * delta.dim())) * delta)
-                if k in self.var_keys:
-                    v.clamp_min_(0)
-                    if major is not None:
-                        major[k].clamp_min_(0)
-
-    def _trainable(self, stacked: Tensors, major: Tensors | None) -> tuple[Tensors, Tensors | None, list]:
-        """Copies of the bases with their parameters as leaves that require grad (statistics as plain copies)."""
-        named = set(self.param_keys)
-
-        def leaf(k: str, t: torch.Tensor) -> torch.Tensor:
-            t = t.detach().clone()
-            return t.requires_grad_(True) if k in named else t
-
-        stacked = {k: leaf(k, v) for k, v in stacked.items()}
-        major = {k: leaf(k, v) for k, v in major.items()} if major is not None else None
-        leaves = [stacked[k] for k in self.param_keys] + ([major[k] for k in self.param_keys] if major else [])
-        return stacked, major, leaves
+    ) -> None:  # fmt: skip
+        """`sgd_through_combination` over this model's keys (see module doc); batch size `train`'s, or `batch_size`
+        (personalization budgets)."""
+        sgd_through_combination(self.ctx.model, data, params, alpha, stacked, major, opt, epochs=epochs,
+                                batch_size=batch_size or self.ctx.cfg.train.batch_size, generator=generator,
+                                group_of=self.group_of, buffer_keys=self.buffer_keys, var_keys=self.var_keys,
+                                track=track)  # fmt: skip
 
     def alpha_step(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
@@ -419,8 +345,7 @@ class FedBasis(Algorithm):
         """Eq. 9 step 1–2: ψ from 0 (uniform α), `alpha_epochs` epochs of SGD on ψ with V frozen; returns ψ."""
         t = self.ctx.cfg.train
         psi = torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device, requires_grad=True)
-        frozen = {k: v.detach() for k, v in stacked.items()}
-        frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
+        frozen, frozen_major = detached(stacked, major)
         opt = torch.optim.SGD([psi], lr=self.alpha_lr, momentum=t.momentum)
 
         def params() -> Tensors:
@@ -436,7 +361,7 @@ class FedBasis(Algorithm):
         """Eq. 9 step 4: `basis_epochs` epochs of SGD on every basis (and v') with α = α† frozen."""
         t = self.ctx.cfg.train
         alpha = alpha.detach()
-        stacked, major, leaves = self._trainable(stacked, major)
+        stacked, major, leaves = trainable_copies(stacked, major, self.param_keys)
         opt = torch.optim.SGD(leaves, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
         def params() -> Tensors:
@@ -444,7 +369,7 @@ class FedBasis(Algorithm):
 
         self._run(params, stacked, major, lambda: alpha, opt, data, self.opts.basis_epochs, gen,
                   track=self.opts.bn_stats == "track")  # fmt: skip
-        return self._detached(stacked), self._detached(major) if major is not None else None
+        return detached(stacked, major)
 
     def joint_step(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
@@ -452,7 +377,7 @@ class FedBasis(Algorithm):
         """Eq. 7 (ablation "no coordinate descent"): ψ and V together, α = softmax(ψ/τ), for both epoch budgets."""
         t, o = self.ctx.cfg.train, self.opts
         psi = torch.zeros(len(self.groups), o.K, device=self.ctx.device, requires_grad=True)
-        stacked, major, leaves = self._trainable(stacked, major)
+        stacked, major, leaves = trainable_copies(stacked, major, self.param_keys)
         opt = torch.optim.SGD([{"params": [psi], "lr": self.alpha_lr, "weight_decay": 0.0},
                                {"params": leaves, "lr": t.lr, "weight_decay": t.weight_decay}],
                               lr=t.lr, momentum=t.momentum)  # fmt: skip
@@ -465,11 +390,7 @@ class FedBasis(Algorithm):
 
         self._run(params, stacked, major, alpha, opt, data, o.alpha_epochs + o.basis_epochs, gen,
                   track=o.bn_stats == "track")  # fmt: skip
-        return psi.detach(), self._detached(stacked), self._detached(major) if major is not None else None
-
-    @staticmethod
-    def _detached(tensors: Tensors) -> Tensors:
-        return {k: v.detach() for k, v in tensors.items()}
+        return (psi.detach(), *detached(stacked, major))
 
     # --- evaluation --------------------------------------------------------------------------------------------
     def _uniform_params(self, server: Tensors) -> Tensors:
@@ -506,8 +427,7 @@ class FedBasis(Algorithm):
         if budget.method not in ("ft", "lp"):
             raise ValueError(f"unknown personalization method {budget.method!r}")
         stacked, major = self._parts(server)
-        frozen = {k: v.detach() for k, v in stacked.items()}
-        frozen_major = {k: v.detach() for k, v in major.items()} if major is not None else None
+        frozen, frozen_major = detached(stacked, major)
         psi = torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device, requires_grad=True)
         head: Tensors = {}
         if budget.method == "ft":
@@ -540,84 +460,18 @@ class FedBasis(Algorithm):
         """Fig. 2's collapse signals: basis cosine similarity and combination entropy."""
         if not self.has_bases(server):
             return {"phase": "warmup"}
-        stacked, _ = self._parts(server)
-        flat = torch.stack([torch.cat([stacked[k][i].reshape(-1).float() for k in self.param_keys])
-                            for i in range(self.opts.K)])  # fmt: skip
-        per_block: dict[str, float | None] = {}
-        for b in self.ctx.model.block_names():
-            keys = [k for k in self.param_keys if self.block_of[k] == b]
-            if keys:
-                mat = torch.stack([torch.cat([stacked[k][i].reshape(-1).float() for k in keys])
-                                   for i in range(self.opts.K)])  # fmt: skip
-                per_block[b] = _round(mean_pairwise_cosine(mat))
         states = self.client_alphas(state_of)
-        ent = [float(entropy(s["alpha_star"]).mean()) for s in states.values()]
-        sharp = [float(entropy(s["alpha"]).mean()) for s in states.values()]
-        return {
-            "phase": "bases",
-            "basis_cos": _round(mean_pairwise_cosine(flat)),
-            "basis_cos_blocks": per_block,
-            "alpha_entropy": _round(sum(ent) / len(ent)) if ent else None,
-            "alpha_sharp_entropy": _round(sum(sharp) / len(sharp)) if sharp else None,
-            "alpha_entropy_max": _round(max_entropy(self.opts.K)),
-            "alpha_clients": len(states),
-        }
-
-    def mixing_table(self, state_of: Callable[[int], Tensors]) -> tuple[list[int], list[str], torch.Tensor]:
-        """(clients ordered by domain then id, basis labels, (clients, groups, bases) mixing weights incl. v')."""
-        fed = self.ctx.federation
-        states = self.client_alphas(state_of)
-        order = sorted(states, key=lambda c: (fed.clients[c].domain, c))
-        labels = (["major"] if self.opts.major else []) + [f"b{i}" for i in range(self.opts.K)]
-        rows = []
-        for c in order:
-            w_major, w = mixing_weights(states[c]["alpha"], self.opts.major)
-            if self.opts.major:
-                w = torch.cat([torch.full((w.shape[0], 1), w_major, device=w.device), w], 1)
-            rows.append(w)
-        table = torch.stack(rows) if rows else torch.zeros(0, len(self.groups), len(labels), device=self.ctx.device)
-        return order, labels, table
+        alpha_star, alpha_dagger = [s["alpha_star"] for s in states.values()], [s["alpha"] for s in states.values()]
+        diag = collapse_diagnostics(self._parts(server)[0], self.param_keys, self.block_params, alpha_star,
+                                    alpha_dagger)  # fmt: skip
+        return {"phase": "bases", **diag}
 
     def artifacts(self, server: Tensors, state_of: Callable[[int], Tensors], out_dir: Path) -> dict[str, str]:
         """Fig. 4: the final mixing weights per client × block (major basis first), as PNG heat-map and CSV."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
         if not self.has_bases(server):
             return {}
-        order, labels, table = self.mixing_table(state_of)
-        table = table.cpu()  # plotted and written from host memory
-        if not order:
-            return {}
-        fed = self.ctx.federation
-        domains = [fed.clients[c].domain for c in order]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        csv_name, png_name = "fedbasis_alpha.csv", "fedbasis_alpha.png"
-        with open(out_dir / csv_name, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["client", "domain", *[f"{g}/{b}" for g in self.groups for b in labels]])
-            for i, c in enumerate(order):
-                w.writerow([c, domains[i], *[f"{v:.6f}" for v in table[i].reshape(-1).tolist()]])
-
-        n, g = len(order), len(self.groups)
-        fig = Figure(figsize=(1.5 + g * (0.35 * len(labels) + 0.9), min(2.0 + 0.22 * n, 24)))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(1, g, squeeze=False)[0]
-        im = None
-        ylabels = [f"c{c} d{d}" for c, d in zip(order, domains, strict=True)]
-        cuts = [i - 0.5 for i in range(1, n) if domains[i] != domains[i - 1]]
-        for j, ax in enumerate(axes):
-            im = ax.imshow(table[:, j, :].numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            ax.set_title(self.groups[j], fontsize=8)
-            ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
-            ax.set_yticks(range(n), ylabels if j == 0 else [""] * n, fontsize=6)
-            for y in cuts:
-                ax.axhline(y, color="white", lw=1)
-        fig.suptitle("FedBasis mixing weights per client and block (final α†; clients by domain, id)", fontsize=9)
-        fig.colorbar(im, ax=list(axes), label="weight in θ")
-        fig.savefig(out_dir / png_name, dpi=120)
-        return {"alpha_png": png_name, "alpha_csv": csv_name}
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 6)
+        alphas = {c: s["alpha"] for c, s in self.client_alphas(state_of).items()}
+        domain = {c: self.ctx.federation.clients[c].domain for c in alphas}
+        order, labels, table = mixing_table(alphas, domain, self.opts.K, self.opts.major, len(self.groups),
+                                            self.ctx.device)  # fmt: skip
+        return write_mixing_weights(order, [domain[c] for c in order], self.groups, labels, table, out_dir)
