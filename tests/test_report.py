@@ -87,6 +87,16 @@ def test_a_logged_round_0_is_plotted(runs, tmp_path):
     assert "Round 0 (before training) is logged for zero" in curves_note([run])
 
 
+def test_a_logged_loss_gets_its_own_panel(runs, tmp_path):
+    """pflbed's records hold no loss; a record that does (`train_loss`) gets a panel, in its own unit."""
+    run = read_run(_copy_with_records(runs[0], tmp_path / "loss", lambda recs: [
+        {**r, "train_loss": 2.0 / r["round"]} for r in recs]))  # fmt: skip
+    assert not any(p.ylabel == "loss" for p in panels([read_run(runs[0])]))
+    loss = _panel([run], "train_loss")
+    assert (loss.title, loss.ylabel, loss.series[0].rounds, loss.series[0].values) == ("train loss", "loss", [2, 4],
+                                                                                      [1.0, 0.5])  # fmt: skip
+
+
 def test_communication_up_and_down_are_apart_in_mb_from_the_records(runs, tmp_path):
     def distinct(recs):  # up ≠ down, and changing over rounds: a swap or a wrong scale shows
         return [{**r, "up_bytes_per_round": 2_500_000 * r["round"], "down_bytes_per_round": 7_000_000} for r in recs]
