@@ -1,18 +1,27 @@
-"""`pflbed report`: the tables hold the runs' figures, the curves the runs' records, the HTML is one file with every
-figure embedded, the Markdown's figures exist where it points, and a run that cannot be reported is one line."""
+"""`pflbed report`: the tables hold the runs' figures, the curves the runs' records (round 0 only where logged, up
+and down communication apart, in MB), the config shows what differs from the defaults and between the runs, the
+partition heat-map's labels fit for 100 clients, the HTML is one file with every figure inlined and nothing fetched,
+the Markdown's figures exist where it points, and a run that cannot be reported is one line."""
 
 import base64
 import json
 import re
+import shutil
 
 import pytest
 
 import pflbed
 from pflbed.cli import main
-from pflbed.results.report import comparison, figures, read_run
+from pflbed.results.config_diff import config_diff, diff_rows
+from pflbed.results.report import comparison, curves_note, figures, panels, read_run
+from pflbed.results.report_figures import curves_svg
 
-RUN = {"dataset": {"name": "synthetic"}, "model": {"name": "mlp"}, "federation": {"clients": 5},
-       "train": {"rounds": 4}, "eval": {"every": 2, "finetune": ["ft"]}, "executor": {"threads": 1}}  # fmt: skip
+RUN = {"dataset": {"name": "synthetic", "synthetic": {"n_train": 1000}}, "model": {"name": "mlp"},
+       "federation": {"clients": 5}, "train": {"rounds": 4}, "eval": {"every": 2, "finetune": ["ft"]},
+       "executor": {"threads": 1}}  # fmt: skip
+# RUN's keys that are not pflbed's defaults (train.rounds 30, model cnn, …); algorithm.name fedavg is the default
+CHANGED = {"dataset.name", "dataset.synthetic.n_train", "model.name", "federation.clients", "train.rounds",
+           "eval.every", "eval.finetune", "executor.threads"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +30,21 @@ def runs(tmp_path_factory):
     pflbed.run({**RUN, "algorithm": {"name": "fedavg"}}, base / "fedavg")
     pflbed.run({**RUN, "algorithm": {"name": "fedselect"}}, base / "fedselect")
     return [base / "fedavg", base / "fedselect"]
+
+
+def _records(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _copy_with_records(run, dest, edit):
+    """A copy of `run` whose metrics.jsonl is `edit(records)`."""
+    shutil.copytree(run, dest)
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(_records(run))))
+    return dest
+
+
+def _panel(data, key):
+    return next(p for p in panels(data) if p.key == key)
 
 
 def test_comparison_rows_are_the_summaries(runs):
@@ -33,36 +57,135 @@ def test_comparison_rows_are_the_summaries(runs):
         assert cell["P-FL"] == f"{100 * f['pfl_acc']:.2f}" and cell["± std"] == f"{100 * f['pfl_acc_std']:.2f}"
         assert cell["selected round"] == str(r.summary["selected"]["round"])
         assert cell["G-FL"] == (f"{100 * f['gfl_acc']:.2f}" if f.get("gfl_acc") is not None else "—")
+        comm = r.summary["communication"]
+        assert cell["MB/round up / down"] == (f"{comm['up_bytes_per_round'] / 1e6:.3g} / "
+                                              f"{comm['down_bytes_per_round'] / 1e6:.3g}")  # fmt: skip
     fedavg = dict(zip(header, rows[0], strict=True))
     assert fedavg["+FT P-FL"] == f"{100 * data[0].summary['final']['ft']['pfl_acc']:.2f}"
 
 
-def test_curves_are_the_records(runs):
+def test_curves_are_the_records_and_round_0_is_not_made_up(runs):
+    """pflbed evaluates after rounds 2 and 4 here, never before training: the curves start at round 2."""
     r = read_run(runs[0])
-    records = [json.loads(x) for x in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    records = _records(runs[0])
     assert r.curve("pfl_acc") == ([x["round"] for x in records], [x["pfl_acc"] for x in records])
     assert r.curve("pfl_acc")[0] == [2, 4]
+    p = _panel([r], "pfl_acc")
+    assert p.series[0].rounds == [2, 4] and p.series[0].values == [100 * x["pfl_acc"] for x in records]
+    assert "No run logged an evaluation before training" in curves_note([r])
 
 
-def test_html_report_is_one_file_with_every_figure_embedded(runs, tmp_path, capsys):
+def test_a_logged_round_0_is_plotted(runs, tmp_path):
+    """A record of round 0 (the model before training) is a point of every curve it has figures for."""
+    zero = {"round": 0, "gfl_acc": 0.1, "pfl_acc": 0.125, "pfl_val": 0.1, "up_bytes_per_round": 0,
+            "down_bytes_per_round": 0}  # fmt: skip
+    run = read_run(_copy_with_records(runs[0], tmp_path / "zero", lambda recs: [zero, *recs]))
+    p = _panel([run], "pfl_acc")
+    assert p.series[0].rounds == [0, 2, 4] and p.series[0].values[0] == 12.5
+    assert _panel([run], "gfl_acc").series[0].rounds[0] == 0
+    assert "round 0 · P-FL test: 12.50 %" in curves_svg(panels([run]), [(run.name, "#000")])
+    assert "Round 0 (before training) is logged for zero" in curves_note([run])
+
+
+def test_a_logged_loss_gets_its_own_panel(runs, tmp_path):
+    """pflbed's records hold no loss; a record that does (`train_loss`) gets a panel, in its own unit."""
+    run = read_run(_copy_with_records(runs[0], tmp_path / "loss", lambda recs: [
+        {**r, "train_loss": 2.0 / r["round"]} for r in recs]))  # fmt: skip
+    assert not any(p.ylabel == "loss" for p in panels([read_run(runs[0])]))
+    loss = _panel([run], "train_loss")
+    assert (loss.title, loss.ylabel, loss.series[0].rounds, loss.series[0].values) == ("train loss", "loss", [2, 4],
+                                                                                      [1.0, 0.5])  # fmt: skip
+
+
+def test_communication_up_and_down_are_apart_in_mb_from_the_records(runs, tmp_path):
+    def distinct(recs):  # up ≠ down, and changing over rounds: a swap or a wrong scale shows
+        return [{**r, "up_bytes_per_round": 2_500_000 * r["round"], "down_bytes_per_round": 7_000_000} for r in recs]
+
+    data = [read_run(runs[0]), read_run(_copy_with_records(runs[1], tmp_path / "comm", distinct))]
+    up, down = _panel(data, "up_bytes_per_round"), _panel(data, "down_bytes_per_round")
+    assert up.title == "up (clients → server)" and down.title == "down (server → clients)"
+    assert up.ylabel == down.ylabel == "MB per round" and up.unit == "MB"
+    real = _records(runs[0])
+    assert up.series[0].values == [x["up_bytes_per_round"] / 1e6 for x in real]
+    assert down.series[0].values == [x["down_bytes_per_round"] / 1e6 for x in real]
+    assert up.series[1].rounds == [2, 4] and up.series[1].values == [5.0, 10.0] and down.series[1].values == [7.0, 7.0]
+    svg = curves_svg(panels(data), [(r.name, "#000") for r in data])
+    assert "comm · round 4 · up (clients → server): 10.00 MB" in svg
+    assert "comm · round 4 · down (server → clients): 7.00 MB" in svg
+
+
+def test_config_diff_lists_exactly_the_changed_keys(runs):
+    """Every key of config.yaml is there (resolved); only those off their default are shown, nested ones dotted."""
+    assert set(config_diff(read_run(runs[0]).config())) == CHANGED  # fedavg: the default algorithm
+    fedselect = config_diff(read_run(runs[1]).config())
+    assert set(fedselect) == CHANGED | {"algorithm.name"} and fedselect["dataset.synthetic.n_train"] == 1000
+    planted = {"train": {"lr": 0.05, "rounds": 4}, "dataset": {"synthetic": {"n_train": 1000}}}  # lr: the default
+    assert config_diff(planted) == {"train.rounds": 4, "dataset.synthetic.n_train": 1000}
+    # an algorithm's options against that algorithm's defaults (fedselect's p defaults to 0.25)
+    options = {"algorithm": {"name": "fedselect", "p": 0.25, "alpha": 0.5}}
+    assert config_diff(options) == {"algorithm.name": "fedselect", "algorithm.alpha": 0.5}
+
+
+def test_keys_that_differ_between_runs_are_marked(runs, tmp_path):
+    header, rows = diff_rows([(p.name, read_run(p).config()) for p in runs])
+    assert header == ["key", "fedavg", "fedselect", "default"]
+    assert {row[0] for row, _ in rows} == CHANGED | {"algorithm.name"}
+    assert [row for row, differs in rows if differs] == [["algorithm.name", "fedavg", "fedselect", "fedavg"]]
     out = tmp_path / "r.html"
     assert main(["report", *map(str, runs), "-o", str(out)]) == 0
     page = out.read_text()
-    assert not re.search(r"""(src|href)=['"](?!data:)""", page)  # nothing fetched from anywhere
+    marked = re.findall(r"<tr class='differs'><td>([^<]+)</td>", page)
+    assert marked == ["algorithm.name"]
+    assert re.search(r"<details><summary>full config of fedselect</summary><pre>[^<]*algorithm:\n  name: fedselect",
+                     page)  # the full config, folded away  # fmt: skip
+
+
+def test_partition_heat_map_labels_fit_for_100_clients():
+    from pflbed.config import validate_config
+    from pflbed.data import load_source
+    from pflbed.federation import build_federation
+    from pflbed.results.partition_plot import partition_figure
+
+    def labels(clients):
+        cfg = validate_config({"dataset": {"name": "synthetic"}, "federation": {"clients": clients}})
+        source = load_source(cfg.dataset)
+        fig = partition_figure(source, build_federation(source, cfg.federation, cfg.seed))
+        heat, bar = fig.axes[0], fig.axes[1]
+        fig.draw_without_rendering()
+        boxes = [t.get_window_extent() for t in heat.get_xticklabels() if t.get_text()]
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:], strict=False)), "client labels overlap"
+        assert bar.get_ylabel() == "training samples"  # the colour bar reads off the counts
+        return [t.get_text() for t in heat.get_xticklabels()]
+
+    assert labels(5) == ["0", "1", "2", "3", "4"]  # few clients: every one named
+    thinned = labels(100)
+    assert 5 <= len(thinned) <= 25 and thinned[:2] in (["0", "5"], ["0", "10"])
+
+
+def test_html_report_is_one_file_with_every_figure_inlined_and_nothing_fetched(runs, tmp_path):
+    out = tmp_path / "r.html"
+    assert main(["report", *map(str, runs), "-o", str(out)]) == 0
+    page = out.read_text()
+    links = re.findall(r"""(?:src|href)\s*=\s*['"]([^'"]*)""", page)
+    assert links and all(v.startswith(("data:", "#")) for v in links)  # embedded, or a reference inside the page
+    assert not re.search(r"url\(\s*['\"]?(?!#|data:)|@import|<script|<link|<iframe", page, re.I)
+    data = [read_run(p) for p in runs]
+    figs = figures(data)
+    assert "curves" in {f.name for f in figs} and "per-client" in {f.name for f in figs}
+    svgs = [f for f in figs if isinstance(f.data, str)]
+    assert page.count("<svg") == len(svgs) == 2 and "<?xml" not in page and "<!DOCTYPE svg" not in page
     images = re.findall(r"src='data:image/png;base64,([^']+)'", page)
-    figs = figures([read_run(p) for p in runs])
-    assert len(images) == len(figs) and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
-    names = {f.name for f in figs}
-    assert {"curve-gfl_acc", "curve-pfl_acc", "curve-pfl_val", "per-client", "communication"} <= names
-    assert sum(n.startswith("partition-") for n in names) == 1  # both runs share one federation
+    assert len(images) == len(figs) - len(svgs) and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
+    assert sum(f.name.startswith("partition-") for f in figs) == 1  # both runs share one federation
     artifacts = json.loads((runs[1] / "summary.json").read_text())["artifacts"]
     assert artifacts
     for rel in artifacts.values():  # the algorithm's own plots, byte for byte
         if rel.endswith(".png"):
             assert base64.b64encode((runs[1] / rel).read_bytes()).decode() in images
-    row = read_run(runs[1]).summary["final"]["pfl_acc"]
+    points = sum(len(s.rounds) for p in panels(data) for s in p.series)
+    assert len(re.findall(r"<g><title>[^<]+ · round \d+ · [^<]+</title><use ", page)) == points  # a tooltip each
+    row = data[1].summary["final"]["pfl_acc"]
     assert f"<td>{100 * row:.2f}</td>" in page
-    assert "algorithm:\n  name: fedselect" in page  # the config
 
 
 def test_markdown_report_points_at_figures_that_exist(runs, tmp_path):
@@ -71,7 +194,10 @@ def test_markdown_report_points_at_figures_that_exist(runs, tmp_path):
     text = out.read_text()
     paths = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     assert paths and all((tmp_path / p).is_file() for p in paths)
+    assert (tmp_path / "r_files" / "curves.svg").read_text().startswith("<svg")
     assert "| fedselect | fedselect | synthetic | 4 |" in text
+    assert "| **algorithm.name** ≠ | fedavg | fedselect | fedavg |" in text
+    assert "| train.rounds | 4 | 4 | 30 |" in text
 
 
 def test_an_unfinished_run_is_one_line_exit_2(tmp_path, runs, capsys):

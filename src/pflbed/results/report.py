@@ -1,14 +1,22 @@
 """`pflbed report RUN [RUN ...]`: one run, or several side by side, as a single self-contained HTML page (figures
-embedded as data URIs: it opens from a file, mails as one attachment and needs no network) or as Markdown (figures
-in a folder beside it).
+inlined: it opens from a file, mails as one attachment and needs no network) or as Markdown (figures in a folder
+beside it).
 
-Contents: a comparison table (final and validation-selected figures, new clients, time), learning curves per round
-(G-FL, P-FL, P-FL on validation; runs overlaid), the histogram of per-client P-FL, communication per round, the
-partition heat-map (rebuilt from the run's config: the same federation, bit for bit), timing, the algorithm's own
-artifacts (`plots/`: FedSelect's mask IoU, FedBasis's α, KT-pFL's coefficients…) and each run's config.
+Contents, in reading order: a comparison table (final and validation-selected figures, new clients,
+communication, time); the config as its differences from pflbed's defaults (keys that differ between the runs
+marked; each full config folded away below); the learning curves as one grid of small panels sharing the round
+axis (G-FL and P-FL on test and validation, the 10th-percentile client, any loss the records hold, and the bytes
+sent up and down per round), runs overlaid in one colour each; the per-client P-FL histogram; the partition
+heat-map (rebuilt from the run's config: the same federation, bit for bit); the algorithm's own plots (`plots/`:
+FedSelect's mask IoU, FedBasis's α, KT-pFL's coefficients…); timing.
 
-The figures are drawn from `ReportData`, which reads the run directories and nothing else; tests check the data
-and the rendered tables against the files.
+Round 0: the curves hold exactly the evaluations in metrics.jsonl. pflbed's engine evaluates after rounds
+`eval.every`, 2·`eval.every`, … and the last, never before training, so its runs' curves start at the first
+evaluated round; a record of round 0 (from a run or a tool that logs one) is plotted like any other, and none is
+made up. The round axis starts at 0 either way, so a late first evaluation shows as such.
+
+Data and drawing are kept apart: `RunData` holds what the run directory says and nothing else, `panels` and
+`config_diff.diff_rows` derive what is shown from it (tests check them against the files), `report_figures` draws.
 """
 
 from __future__ import annotations
@@ -17,13 +25,20 @@ import base64
 import html
 import io
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pflbed.errors import PflbedError
+from pflbed.results.config_diff import diff_rows
+from pflbed.results.report_figures import Panel, Series, curves_svg, histogram_svg, run_colour
 
-CURVES = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"))
+ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
+            ("gfl_val", "G-FL validation"), ("pfl_acc_p10", "P-FL test, 10th-percentile client"))  # fmt: skip
+COMMUNICATION = (("up_bytes_per_round", "up (clients → server)"), ("down_bytes_per_round", "down (server → clients)"))
+MB = 1e6  # communication in MB (10⁶ bytes), as stated on the axes
 
 
 @dataclass
@@ -36,9 +51,18 @@ class RunData:
     artifacts: dict[str, Path] = field(default_factory=dict)
 
     def curve(self, key: str) -> tuple[list[int], list[float]]:
-        """(rounds, values) of a metric over the evaluations that logged it."""
-        points = [(r["round"], r[key]) for r in self.history if r.get(key) is not None]
+        """(rounds, values) of a metric over the evaluations that logged it, round 0 included where logged."""
+        points = [(r["round"], r[key]) for r in self.history if _number(r.get(key))]
         return [p[0] for p in points], [p[1] for p in points]
+
+    def config(self) -> dict[str, Any]:
+        import yaml
+
+        return yaml.safe_load(self.config_text) or {}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def read_run(path: Path) -> RunData:
@@ -55,153 +79,107 @@ def read_run(path: Path) -> RunData:
 
 
 def _pct(v: Any) -> str:
-    return f"{100 * v:.2f}" if isinstance(v, (int, float)) else "—"
+    return f"{100 * v:.2f}" if _number(v) else "—"
+
+
+def _mb(v: Any) -> str:
+    return f"{v / MB:.3g}" if _number(v) else "—"
 
 
 def comparison(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
-    """The comparison table: header and one row per run (accuracies in %)."""
+    """The comparison table: header and one row per run (accuracies in %, communication in MB per round)."""
     header = ["run", "algorithm", "dataset", "rounds", "G-FL", "P-FL", "± std", "P-FL p10", "selected round",
-              "P-FL at selected", "+FT P-FL", "+LP P-FL", "new clients M ft best", "wall s"]  # fmt: skip
+              "P-FL at selected", "+FT P-FL", "+LP P-FL", "new clients M ft best", "MB/round up / down",
+              "wall s"]  # fmt: skip
     rows = []
     for r in runs:
         s, f = r.summary, r.summary["final"]
         sel = s.get("selected") or {}
         ft = ((s.get("new_clients") or {}).get("methods") or {}).get("ft", {}).get("M", {})
+        comm = s.get("communication") or {}
         rows.append([r.name, s["algorithm"], s["dataset"], str(s["rounds"]), _pct(f.get("gfl_acc")),
                      _pct(f.get("pfl_acc")), _pct(f.get("pfl_acc_std")), _pct(f.get("pfl_acc_p10")),
                      str(sel.get("round", "—")), _pct(sel.get("pfl_acc")), _pct((f.get("ft") or {}).get("pfl_acc")),
                      _pct((f.get("lp") or {}).get("pfl_acc")), _pct(ft.get("best")),
+                     f"{_mb(comm.get('up_bytes_per_round'))} / {_mb(comm.get('down_bytes_per_round'))}",
                      f"{s.get('timing', {}).get('wall_s', float('nan')):.1f}"])  # fmt: skip
     return header, rows
 
 
 # --- figures -----------------------------------------------------------------------------------------------------
-def _figure(draw, width: float = 7.0, height: float = 3.6) -> bytes:
-    import matplotlib
+def panels(runs: list[RunData]) -> list[Panel]:
+    """The learning-curve panels the runs have data for, each run in its colour (`run_colour`, by position)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    def panel(key: str, title: str, ylabel: str, unit: str, scale: Callable[[float], float]) -> Panel:
+        series = [Series(r.name, run_colour(i), xs, [scale(y) for y in ys])
+                  for i, r in enumerate(runs) for xs, ys in [r.curve(key)] if xs]  # fmt: skip
+        return Panel(key, title, ylabel, unit, series)
 
-    fig, ax = plt.subplots(figsize=(width, height))
-    draw(ax)
-    if ax.get_xlabel() == "round":
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def curves_png(runs: list[RunData], key: str, label: str) -> bytes | None:
-    if not any(r.curve(key)[0] for r in runs):
-        return None
-
-    def draw(ax) -> None:
-        for r in runs:
-            xs, ys = r.curve(key)
-            if xs:
-                ax.plot(xs, [100 * y for y in ys], marker="o", markersize=3, label=r.name)
-        ax.set_xlabel("round")
-        ax.set_ylabel(f"{label} accuracy %")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-
-    return _figure(draw)
-
-
-def histogram_png(runs: list[RunData]) -> bytes | None:
-    data = [(r.name, r.summary.get("per_client", {}).get("pfl_acc") or []) for r in runs]
-    if not any(v for _, v in data):
-        return None
-
-    def draw(ax) -> None:
-        for name, values in data:
-            if values:
-                ax.hist([100 * v for v in values], bins=20, range=(0, 100), alpha=0.5, label=name)
-        ax.set_xlabel("P-FL test accuracy of a client %")
-        ax.set_ylabel("clients")
-        ax.set_title("per-client P-FL (final round)")
-        ax.legend(fontsize=8)
-
-    return _figure(draw)
-
-
-def communication_png(runs: list[RunData]) -> bytes | None:
-    if not any(r.curve("up_bytes_per_round")[0] for r in runs):
-        return None
-
-    def draw(ax) -> None:
-        for r in runs:
-            for key, style in (("up_bytes_per_round", "-"), ("down_bytes_per_round", "--")):
-                xs, ys = r.curve(key)
-                if xs:
-                    ax.plot(xs, [y / 2**20 for y in ys], style, marker="o", markersize=3,
-                            label=f"{r.name} {key.split('_')[0]}")  # fmt: skip
-        ax.set_xlabel("round")
-        ax.set_ylabel("MiB per round")
-        ax.set_title("communication (up: clients → server, down: server → clients)")
-        ax.legend(fontsize=8)
-
-    return _figure(draw)
-
-
-def partition_png(run: RunData) -> bytes | None:
-    """The run's partition heat-map, rebuilt from its config (None if its data cannot be loaded here)."""
-    import tempfile
-
-    import yaml
-
-    from pflbed.config import validate_config
-    from pflbed.data import load_source
-    from pflbed.federation import build_federation
-    from pflbed.results.partition_plot import plot_partition
-
-    try:
-        cfg = validate_config(yaml.safe_load(run.config_text))
-        if cfg.sites.local:  # the clients' data is the sites' own: no partition of the config's dataset
-            return None
-        source = load_source(cfg.dataset)
-        fed = build_federation(source, cfg.federation, cfg.seed)
-    except PflbedError:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        return plot_partition(source, fed, Path(tmp) / "p.png").read_bytes()
+    losses = sorted({k for r in runs for rec in r.history for k, v in rec.items() if "loss" in k and _number(v)})
+    out = [panel(key, title, "accuracy %", "%", lambda y: 100 * y) for key, title in ACCURACY]
+    out += [panel(key, key.replace("_", " "), "loss", "", float) for key in losses]
+    out += [panel(key, title, "MB per round", "MB", lambda y: y / MB) for key, title in COMMUNICATION]
+    return [p for p in out if p.series]
 
 
 @dataclass
 class Figure:
     name: str
     title: str
-    png: bytes
+    section: str  # curves, clients, algorithm
+    data: bytes | str  # PNG bytes, or SVG text
+
+    @property
+    def ext(self) -> str:
+        return "svg" if isinstance(self.data, str) else "png"
+
+
+def partition_png(run: RunData) -> bytes | None:
+    """The run's partition heat-map, rebuilt from its config (None if its data cannot be loaded here)."""
+    from pflbed.config import validate_config
+    from pflbed.data import load_source
+    from pflbed.federation import build_federation
+    from pflbed.results.partition_plot import DPI, partition_figure
+
+    try:
+        cfg = validate_config(run.config())
+        if cfg.sites.local:  # the clients' data is the sites' own: no partition of the config's dataset
+            return None
+        source = load_source(cfg.dataset)
+        fed = build_federation(source, cfg.federation, cfg.seed)
+    except PflbedError:
+        return None
+    fig = partition_figure(source, fed)  # selects the Agg backend before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def figures(runs: list[RunData]) -> list[Figure]:
-    out = [Figure(f"curve-{key}", label, png) for key, label in CURVES
-           if (png := curves_png(runs, key, label)) is not None]  # fmt: skip
-    for name, title, png in (("per-client", "per-client P-FL", histogram_png(runs)),
-                             ("communication", "communication per round", communication_png(runs))):  # fmt: skip
-        if png is not None:
-            out.append(Figure(name, title, png))
-    seen: set[str] = set()
+    out = []
+    if grid := panels(runs):
+        out.append(Figure("curves", "learning curves", "curves",
+                          curves_svg(grid, [(r.name, run_colour(i)) for i, r in enumerate(runs)])))  # fmt: skip
+    hist = [(r.name, run_colour(i), [100 * v for v in r.summary.get("per_client", {}).get("pfl_acc") or []])
+            for i, r in enumerate(runs)]  # fmt: skip
+    if any(v for *_, v in hist):
+        out.append(Figure("per-client", "per-client P-FL", "clients", histogram_svg(hist)))
+    federations: dict[str, list[RunData]] = {}  # one heat-map per distinct federation, named by its runs
     for r in runs:
-        same = {k: v for k, v in _config(r).items() if k in ("seed", "dataset", "federation")}
-        key = json.dumps(same, sort_keys=True)  # one heat-map per distinct federation
-        if key not in seen and (png := partition_png(r)) is not None:
-            seen.add(key)
-            out.append(Figure(f"partition-{r.name}", f"partition of {r.name}", png))
+        same = {k: v for k, v in r.config().items() if k in ("seed", "dataset", "federation")}
+        federations.setdefault(json.dumps(same, sort_keys=True), []).append(r)
+    for group in federations.values():
+        if (png := partition_png(group[0])) is not None:
+            title = f"partition of {', '.join(r.name for r in group)}" + (" (one federation)" if len(group) > 1 else "")
+            out.append(Figure(f"partition-{group[0].name}", title, "clients", png))
+    for r in runs:
         for k, path in r.artifacts.items():
             if path.suffix.lower() == ".png":
-                out.append(Figure(f"{r.name}-{k}", f"{r.name}: {k} ({path.name})", path.read_bytes()))
+                out.append(Figure(f"{r.name}-{k}", f"{r.name}: {k} ({path.name})", "algorithm", path.read_bytes()))
     return out
-
-
-def _config(run: RunData) -> dict[str, Any]:
-    import yaml
-
-    return yaml.safe_load(run.config_text) or {}
 
 
 def _timing_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
@@ -209,11 +187,31 @@ def _timing_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     return ["run", *keys], [[r.name, *(f"{r.summary['timing'].get(k, float('nan')):.2f}" for k in keys)] for r in runs]
 
 
+def curves_note(runs: list[RunData], inline: bool = True) -> str:
+    """What the curves' points are, said under them: which rounds, whether round 0 is among them; `inline`: the
+    SVG is in the page, so its tooltips show (an SVG shown as an image, as Markdown does, shows none)."""
+    zero = [r.name for r in runs if any(rec.get("round") == 0 for rec in r.history)]
+    note = "Each point is an evaluation (every eval.every rounds and the last)"
+    note += "; hover a point for its value, zoom the page for detail. " if inline else ". "
+    note += (f"Round 0 (before training) is logged for {', '.join(zero)}. " if zero else
+             "No run logged an evaluation before training (round 0), so each curve starts at its first evaluated "
+             "round. ")  # fmt: skip
+    if any(rec.get("full_test") is False for r in runs for rec in r.history):
+        note += "Intermediate evaluations score a subsample of the shared test sets (eval.test_subsample). "
+    return note + "Communication in MB (10⁶ bytes) per round: up = clients → server, down = server → clients."
+
+
+SECTIONS = (("curves", "Learning curves"), ("clients", "Clients"), ("algorithm", "The algorithm's own plots"))
+
+
 # --- rendering ---------------------------------------------------------------------------------------------------
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
+def _html_table(header: list[str], rows: list[list[str]], marked: list[bool] | None = None, cls: str = "") -> str:
+    """A table; the rows whose `marked` is true get class `differs` (highlighted)."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    marked = marked or [False] * len(rows)
+    body = "".join(("<tr class='differs'>" if m else "<tr>") + "".join(f"<td>{html.escape(c)}</td>" for c in row)
+                   + "</tr>" for row, m in zip(rows, marked, strict=True))  # fmt: skip
+    return f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -222,44 +220,85 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px;
+def _inline_svg(svg: str) -> str:
+    """The SVG scaled to the page's width, never above its own size (pt → px)."""
+    m = re.search(r'width="([\d.]+)pt" height="([\d.]+)pt"', svg)
+    if m is None:
+        return svg
+    style = f'style="width:100%;height:auto;max-width:{float(m.group(1)) * 4 / 3:.0f}px"'
+    return svg[: m.start()] + style + svg[m.end() :]
+
+
+def _config_intro(runs: list[RunData], rows: list[tuple[list[str], bool]]) -> str:
+    differ = [row[0] for row, d in rows if d]
+    text = "Keys whose value is not pflbed's default (nested keys dotted); the rest is at its default."
+    if differ:
+        text += f" Differ between the runs (highlighted): {', '.join(differ)}."
+    elif len(runs) > 1:
+        text += " The runs' configs are the same."
+    return text
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 7px;
 text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
-img{max-width:min(100%,900px);border:1px solid #eee;margin:.5em 0}pre{background:#f7f7f7;padding:1em;overflow:auto;
-font-size:12px}h2{border-bottom:1px solid #ddd;padding-bottom:.2em}"""
+table.cfg td{text-align:left;font-family:ui-monospace,monospace}tr.differs td{background:#fff1c2;font-weight:600}
+img{max-width:100%;margin:.5em 0}svg{display:block;margin:.5em 0}pre{background:#f7f7f7;padding:1em;
+overflow:auto;font-size:12px}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+p.note{color:#555;font-size:13px;max-width:70em}summary{cursor:pointer;color:#444;margin:.3em 0}"""
 
 
 def render_html(runs: list[RunData], figs: list[Figure]) -> str:
     title = "pflbed report: " + ", ".join(r.name for r in runs)
+    cfg_header, cfg = diff_rows([(r.name, r.config()) for r in runs])
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
              "<h2>Comparison</h2>", _html_table(*comparison(runs)),
-             "<p>Accuracies in %. G-FL: the generic model on the shared test set; P-FL: each client's personal model "
-             "on its own test data, mean over clients; the selected round is the evaluation with the best P-FL on "
-             "validation.</p>"]  # fmt: skip
-    parts.append("<h2>Figures</h2>")
-    for f in figs:
-        data = base64.b64encode(f.png).decode()
-        parts.append(f"<h3>{html.escape(f.title)}</h3><img alt='{html.escape(f.title)}' "
-                     f"src='data:image/png;base64,{data}'>")  # fmt: skip
-    parts += ["<h2>Timing (seconds)</h2>", _html_table(*_timing_rows(runs)), "<h2>Configs</h2>"]
+             "<p class='note'>Accuracies in %. G-FL: the generic model on the shared test set; P-FL: each client's "
+             "personal model on its own test data, mean over clients; the selected round is the evaluation with the "
+             "best P-FL on validation. Communication: MB (10⁶ bytes) per round, of the last round.</p>",
+             "<h2>Config</h2>", f"<p class='note'>{html.escape(_config_intro(runs, cfg))}</p>",
+             _html_table(cfg_header, [c for c, _ in cfg], [d for _, d in cfg], " class='cfg'")]  # fmt: skip
     for r in runs:
-        parts.append(f"<h3>{html.escape(r.name)}</h3><pre>{html.escape(r.config_text)}</pre>")
-    parts.append("</body></html>")
+        parts.append(f"<details><summary>full config of {html.escape(r.name)}</summary>"
+                     f"<pre>{html.escape(r.config_text)}</pre></details>")  # fmt: skip
+    for section, heading in SECTIONS:
+        shown = [f for f in figs if f.section == section]
+        if shown:
+            parts.append(f"<h2>{heading}</h2>")
+        if section == "curves" and shown:
+            parts.append(f"<p class='note'>{html.escape(curves_note(runs))}</p>")
+        for f in shown:
+            if f.section != "curves" and f.name != "per-client":  # those two carry their title inside
+                parts.append(f"<h3>{html.escape(f.title)}</h3>")
+            if isinstance(f.data, str):
+                parts.append(_inline_svg(f.data))
+            else:
+                data = base64.b64encode(f.data).decode()
+                parts.append(f"<img alt='{html.escape(f.title)}' src='data:image/png;base64,{data}'>")
+    parts += ["<h2>Timing (seconds)</h2>", _html_table(*_timing_rows(runs)), "</body></html>"]
     return "\n".join(parts)
 
 
 def render_markdown(runs: list[RunData], figs: list[Figure], figure_dir: Path, relative_to: Path) -> str:
     figure_dir.mkdir(parents=True, exist_ok=True)
+    cfg_header, cfg = diff_rows([(r.name, r.config()) for r in runs])
+    cfg_rows = [[f"**{c[0]}** ≠", *c[1:]] if d else c for c, d in cfg]
     parts = ["# pflbed report: " + ", ".join(r.name for r in runs), "", "## Comparison", "",
-             _md_table(*comparison(runs)), "", "## Figures", ""]  # fmt: skip
-    for f in figs:
-        path = figure_dir / f"{f.name}.png"
-        path.write_bytes(f.png)
-        parts += [f"### {f.title}", "", f"![{f.title}]({path.relative_to(relative_to).as_posix()})", ""]
-    parts += ["## Timing (seconds)", "", _md_table(*_timing_rows(runs)), "", "## Configs", ""]
+             _md_table(*comparison(runs)), "", "## Config", "", _config_intro(runs, cfg).replace("highlighted",
+             "marked ≠"), "", _md_table(cfg_header, cfg_rows), ""]  # fmt: skip
     for r in runs:
-        parts += [f"### {r.name}", "", "```yaml", r.config_text.rstrip(), "```", ""]
+        parts += [f"<details><summary>full config of {r.name}</summary>", "", "```yaml", r.config_text.rstrip(),
+                  "```", "", "</details>", ""]  # fmt: skip
+    for section, heading in SECTIONS:
+        shown = [f for f in figs if f.section == section]
+        parts += [f"## {heading}", ""] if shown else []
+        parts += [curves_note(runs, inline=False), ""] if section == "curves" and shown else []
+        for f in shown:
+            path = figure_dir / f"{f.name}.{f.ext}"
+            path.write_text(f.data) if isinstance(f.data, str) else path.write_bytes(f.data)
+            parts += [f"### {f.title}", "", f"![{f.title}]({path.relative_to(relative_to).as_posix()})", ""]
+    parts += ["## Timing (seconds)", "", _md_table(*_timing_rows(runs)), ""]
     return "\n".join(parts)
 
 
