@@ -21,7 +21,7 @@ from pflbed.flower.local import run_local
 from pflbed.flower.simulation import FlowerSimulation
 from pflbed.runs import run
 
-TINY = {  # tests/tiny.py, with the light zoo of tests/test_procs.py for the distillation family
+TINY = {  # tests/tiny.py, with the light zoo of tests/engine/test_procs.py for the distillation family
     "dataset": {"name": "synthetic"}, "model": {"name": "mlp"},
     "federation": {"clients": 6, "partition": "dirichlet", "alpha": 1.0, "sample_fraction": 0.5, "public": 64},
     "train": {"rounds": 4, "batch_size": 16, "lr": 0.1}, "eval": {"every": 2, "finetune": []},

@@ -1,6 +1,6 @@
 """GPU: one command that proves the CUDA paths and measures the simulator on a GPU.
 
-1. Correctness: the test suite's `cuda`-marked tests (tests/test_cuda.py) on the device — every algorithm in
+1. Correctness: the test suite's `cuda`-marked tests (tests/engine/test_cuda.py) on the device — every algorithm in
    `loop`, batched clients and `procs` (two workers sharing the device) against the CPU and each other, a checkpoint
    crossing devices both ways, a GPU run loaded and personalized on the CPU — with each comparison's measured
    differences tabulated.
@@ -184,11 +184,11 @@ def centralized(model: str, batch: int, device: torch.device, steps: int) -> flo
 
 
 def run_tests(a: argparse.Namespace, out: Path) -> dict:
-    """tests/test_cuda.py on the device; the per-comparison differences it reports, summarized."""
+    """tests/engine/test_cuda.py on the device; the per-comparison differences it reports, summarized."""
     report = out / "gpu_parity.jsonl"
     report.unlink(missing_ok=True)
     env = {**os.environ, "PFLBED_TEST_DEVICE": a.device, "PFLBED_CUDA_REPORT": str(report)}
-    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
+    cmd = [sys.executable, "-m", "pytest", "tests/engine/test_cuda.py", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
     if a.quick:
         cmd += ["-k", "fedavg-global-test or resume or loads"]
     if importlib.util.find_spec("xdist") and a.test_workers > 1:

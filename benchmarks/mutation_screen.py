@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "mutants"
 
 _KT = ["test_ktpfl", "test_fedmd", "test_sim_pfl", "test_topk_pfl"]
-TESTS_FOR = {  # source file under src/pflbed -> test files; default tests/test_<name>.py
+TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<folder>/test_<name>.py (test_files)
     "algorithms/__init__.py": ["test_contract"],
     "algorithms/base.py": [
         "test_contract", "test_fedavg", "test_training", "test_local", "test_evaluation", "test_fedrod_hyper",
@@ -58,9 +58,22 @@ TESTS_FOR = {  # source file under src/pflbed -> test files; default tests/test_
 }
 
 
+def test_path(name: str) -> str:
+    """A test module by its name (`test_contract`): `tests/<folder>/<name>.py`. Test module names are unique
+    across tests/'s folders (tests/algorithms/, tests/engine/, tests/evaluation/, ...)."""
+    found = sorted((ROOT / "tests").glob(f"*/{name}.py"))
+    if len(found) != 1:
+        sys.exit(f"mutation_screen: {len(found)} test modules named {name} under tests/*/")
+    return found[0].relative_to(ROOT).as_posix()
+
+
 def test_files(source: str) -> list[str]:
-    names = TESTS_FOR.get(source, [f"test_{Path(source).stem}"])
-    return [f"tests/{n}.py" for n in names]
+    """The test files of a source file under src/pflbed: the table's, else the one that mirrors it
+    (`algorithms/fedavg.py` -> `tests/algorithms/test_fedavg.py`; a top-level module's are in tests/project/)."""
+    if source in TESTS_FOR:
+        return [test_path(n) for n in TESTS_FOR[source]]
+    folder = Path(source).parent.as_posix()
+    return [f"tests/{'project' if folder == '.' else folder}/test_{Path(source).stem}.py"]
 
 
 def all_mutants() -> dict[str, str]:
@@ -98,6 +111,7 @@ def _alarm(*_):
 
 def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | None = None,
         tests: list[str] | None = None, out_name: str = "screen", keyword: str | None = None) -> None:
+    files_given = [test_path(n) for n in tests] if tests else None  # before chdir: a misspelt name stops here
     os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
     sys.path.insert(0, str(MUTANTS / "src"))
     import pytest
@@ -118,7 +132,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             signal.alarm(timeout)
             try:
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    files = [f"tests/{n}.py" for n in tests] if tests else test_files(source)
+                    files = files_given or test_files(source)
                     k = ["-k", keyword.format(stem=Path(source).stem)] if keyword else []
                     rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files])
                 verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing

@@ -4,7 +4,7 @@ mutmut (`benchmarks/mutation_screen.py`) changes operators and constants; it doe
 makes when implementing a paper — two phases swapped, a weight dropped, the wrong split selected on, a sign
 flipped in a chain rule. This script plants such mistakes by hand for the personalized-aggregation,
 hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC), each as an exact text
-replacement in a scratch copy of `src/` and `tests/`, and runs `tests/test_<method>.py` against it:
+replacement in a scratch copy of `src/` and `tests/`, and runs `tests/algorithms/test_<method>.py` against it:
 
     python benchmarks/planted_rules.py [METHOD ...]     # all plants, or those of the named methods
 
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Plant(NamedTuple):
-    method: str  # tests/test_<method>.py and src/pflbed/algorithms/<method>.py
+    method: str  # tests/algorithms/test_<method>.py and src/pflbed/algorithms/<method>.py
     what: str
     old: str
     new: str
@@ -137,6 +137,11 @@ PLANTS = [
 # fmt: on
 
 
+def test_file(method: str) -> str:
+    """The method's own test file, relative to the repository (an algorithm's tests live in tests/algorithms/)."""
+    return f"tests/algorithms/test_{method}.py"
+
+
 def run(plant: Plant, scratch: Path) -> str:
     source = scratch / "src/pflbed/algorithms" / f"{plant.method}.py"
     text = source.read_text()
@@ -145,7 +150,7 @@ def run(plant: Plant, scratch: Path) -> str:
     source.write_text(text.replace(plant.old, plant.new))
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"tests/test_{plant.method}.py"],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file(plant.method)],
             cwd=scratch, capture_output=True, text=True, timeout=1200,
             env={**os.environ, "PYTHONPATH": str(scratch / "src"), "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
@@ -162,6 +167,9 @@ def main() -> None:
     unknown = only - {p.method for p in PLANTS}
     if unknown:
         sys.exit(f"planted_rules: no plants for {', '.join(sorted(unknown))}")
+    missing = sorted(f for f in {test_file(p.method) for p in PLANTS} if not (ROOT / f).is_file())
+    if missing:
+        sys.exit(f"planted_rules: no test file {', '.join(missing)}")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         for part in ("src", "tests"):

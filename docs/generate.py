@@ -5,7 +5,7 @@ and the configuration reference (every key of the config models, with its defaul
     python docs/generate.py           # (re)write docs/algorithms/*.md and docs/reference/config.md
     python docs/generate.py --check   # exit 1, naming the stale pages, if the committed pages differ from the code
 
-The pages are committed (the README links to them, and they read on GitHub too); `tests/test_docs.py` fails when
+The pages are committed (the README links to them, and they read on GitHub too); `tests/project/test_docs.py` fails when
 one is stale, so they cannot drift from the code.
 """
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from pflbed.engine.procs import WorkerPool
 
 # Property tests: the same examples in every run by default (a CI failure reproduces locally); `explore` draws
-# fresh ones, many more (HYPOTHESIS_PROFILE=explore python -m pytest tests/test_config_properties.py).
+# fresh ones, many more (HYPOTHESIS_PROFILE=explore python -m pytest tests/project/test_config_properties.py).
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
 settings.register_profile("default", derandomize=True, database=None, deadline=None, max_examples=150,
                           suppress_health_check=_QUIET)  # fmt: skip

@@ -7,7 +7,7 @@ The rule (measured: docs/guide/speed.md, and benchmarks/auto_executor.py, benchm
 - on a CPU with several cores: `procs` (one single-threaded worker per core) when the round trains at least two
   clients and the run's training is worth the workers' start-up — at least `PROCS_MIN_MACS` multiply-accumulates
   (`training_macs`); `loop` otherwise (a test-sized run would spend longer starting workers than training).
-`procs` gives `loop`'s figures bit for bit at one thread per process (tests/test_procs.py), so the choice only
+`procs` gives `loop`'s figures bit for bit at one thread per process (tests/engine/test_procs.py), so the choice only
 changes speed. A model whose forward the default thread policy would run on all cores (`engine.threads`) keeps
 `loop`: its steps already use every core.
 """

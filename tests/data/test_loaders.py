@@ -1,0 +1,462 @@
+"""File-format loaders (CIFAR, CIFAR-10-C, MNIST, EMNIST, FEMNIST, Tiny ImageNet, miniImageNet, Office-Home /
+PACS / DomainNet) on small files written in each published format (`tests/data_formats.py`).
+
+The fixtures' pixels encode what they are (label, row, column, channel, severity, writer), so a loader that
+swaps channels, transposes, mislabels or shifts a split fails here. Downloads go to `file://` mirrors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pflbed.cli import main
+from pflbed.data import (
+    DATASETS,
+    cifar,
+    cifar10c,
+    describe_datasets,
+    emnist,
+    load_dataset,
+    store,
+    tinyimagenet,
+)
+from pflbed.data.arrays import DataSource
+from pflbed.data.safepickle import load_pickle
+from pflbed.errors import DataError
+
+from .. import data_formats as fx
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty cache and no PFLBED_DATA: look-ups see only what a test writes."""
+    monkeypatch.delenv("PFLBED_DATA", raising=False)
+    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def raw(source: DataSource, x: torch.Tensor) -> np.ndarray:
+    """Model inputs back to 0–255 pixels (rounded), [N, C, H, W]."""
+    mean, std = source.pixel_norm
+    return np.rint((x.numpy() * std + mean) * source.raw_scale).astype(np.int64)
+
+
+def one_line_naming(exc: pytest.ExceptionInfo, path: Path | str) -> str:
+    message = str(exc.value)
+    assert str(path) in message and "\n" not in message, message
+    return message
+
+
+# --- CIFAR -----------------------------------------------------------------------------------------------------
+
+
+def test_cifar10_channels_orientation_labels_and_order(env: Path) -> None:
+    d = fx.make_cifar10(env / "c10", per_batch=20, n_test=20)
+    source = load_dataset("cifar10", path=d)
+    assert source.name == "cifar10" and source.num_classes == 10 and source.origin == str(d)
+    assert source.train.x.shape == (100, 3, 32, 32) and source.test.x.shape == (20, 3, 32, 32)
+    # batch b (0-based) holds labels (j + b) % 10, in file order data_batch_1 … 5
+    expected = np.concatenate([(np.arange(20) + b) % 10 for b in range(5)])
+    assert np.array_equal(source.train.y.numpy(), expected)
+    assert np.array_equal(source.test.y.numpy(), (np.arange(20) + 5) % 10)
+    px = raw(source, source.train.x)
+    assert np.array_equal(px[:, 0], np.broadcast_to(expected[:, None, None], (100, 32, 32)))  # red = label
+    assert np.array_equal(px[7, 1], np.broadcast_to((np.arange(32) * 4)[:, None], (32, 32)))  # green = row
+    assert np.array_equal(px[7, 2], np.broadcast_to((np.arange(32) * 8 + 7)[None, :], (32, 32)))  # blue = column
+    assert load_dataset("cifar10", path=d) is source  # cached per unchanged files
+
+
+def test_cifar100_fine_and_coarse_labels(env: Path) -> None:
+    fx.make_cifar100(env, n_train=200, n_test=100)
+    fine = load_dataset("cifar100", path=env / "cifar-100-python")
+    coarse = load_dataset("cifar100", path=env, label="coarse")  # the archive's folder is found inside path
+    assert (fine.num_classes, coarse.num_classes, coarse.name) == (100, 20, "cifar100-coarse")
+    assert np.array_equal(fine.train.y.numpy(), np.arange(200) % 100)
+    assert np.array_equal(coarse.train.y.numpy(), np.arange(200) % 100 // 5)
+    assert np.array_equal(raw(fine, fine.test.x)[:, 0, 5, 5], np.arange(100))
+    assert torch.equal(fine.train.x, coarse.train.x)
+    with pytest.raises(DataError, match="cifar100 has labels fine or coarse"):
+        load_dataset("cifar100", path=env, label="middle")
+
+
+def test_malicious_pickle_is_refused_and_never_run(env: Path) -> None:
+    d = fx.make_cifar10(env / "c10")
+    marker = env / "owned"
+    (d / "data_batch_2").write_bytes(fx.evil_pickle(f"touch {marker}"))
+    with pytest.raises(DataError, match="refused: the pickle calls (posix|os|nt).system") as info:
+        load_dataset("cifar10", path=d)
+    one_line_naming(info, d / "data_batch_2")
+    assert not marker.exists()
+    assert main(["data", "show", "--set", "dataset.name=cifar10", "--set", f"dataset.path={d}"]) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_cifar_truncated_or_missing_batch_is_named(env: Path, capsys, damage: str) -> None:
+    d = fx.make_cifar10(env / "c10")
+    victim = d / "data_batch_3"
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:5000])
+    else:
+        victim.unlink()
+    expected = "truncated or corrupt pickle" if damage == "truncate" else "no such file"
+    with pytest.raises(DataError, match=expected) as i:
+        load_dataset("cifar10", path=d)
+    one_line_naming(i, victim)
+    assert main(["data", "show", "--set", "dataset.name=cifar10", "--set", f"dataset.path={d}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error: ") and str(victim) in err and expected in err and "\n" not in err
+
+
+def test_safepickle_reads_numpy_pickles_of_today(tmp_path: Path) -> None:
+    """Protocol 2 to 5 pickles of arrays (as Python 3 writes them: miniImageNet's cache) load; the values match."""
+    import pickle
+
+    blob = {"image_data": np.arange(24, dtype=np.uint8).reshape(2, 2, 2, 3), "class_dict": {"n1": [0, 1]}}
+    for protocol in (2, 4, 5):
+        path = tmp_path / f"p{protocol}.pkl"
+        path.write_bytes(pickle.dumps(blob, protocol=protocol))
+        got = load_pickle(path, "test")
+        assert np.array_equal(got["image_data"], blob["image_data"]) and got["class_dict"] == {"n1": [0, 1]}
+
+
+# --- downloads (file:// mirrors) --------------------------------------------------------------------------------
+
+
+def _mirror_cifar10(env: Path, monkeypatch: pytest.MonkeyPatch, digest: str | None = None, cut: int = 0) -> Path:
+    src = fx.make_cifar10(env / "src")
+    (env / "mirror").mkdir()
+    archive = fx.tar_gz(src, env / "mirror" / "cifar-10-python.tar.gz")
+    if cut:
+        archive.write_bytes(archive.read_bytes()[:-cut])
+    md5 = digest or hashlib.md5(archive.read_bytes()).hexdigest()
+    spec = {**cifar.SPECS["cifar10"], "remote": store.Remote(archive.as_uri(), f"md5:{md5}")}
+    monkeypatch.setitem(cifar.SPECS, "cifar10", spec)
+    return archive
+
+
+def test_download_fetches_verifies_unpacks_once(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _mirror_cifar10(env, monkeypatch)
+    calls: list[str] = []
+    real = store._download
+    monkeypatch.setattr(store, "_download", lambda url, *a, **k: calls.append(url) or real(url, *a, **k))
+    source = load_dataset("cifar10", download=True)
+    cache = env / "cache" / "cifar10"
+    assert source.origin == str(cache / "cifar-10-batches-py") and len(source.train) == 100
+    assert sorted(p.name for p in cache.iterdir()) == ["cifar-10-batches-py"]  # the archive is gone once unpacked
+    assert load_dataset("cifar10", download=True) is source and len(calls) == 1  # found: not fetched again
+
+
+@pytest.mark.parametrize("fault", ["checksum", "truncated"])
+def test_bad_download_leaves_nothing_and_exits_2(env: Path, monkeypatch: pytest.MonkeyPatch, capsys, fault: str):
+    if fault == "checksum":
+        archive = _mirror_cifar10(env, monkeypatch, digest="0" * 32)
+        expected = "MD5 checksum mismatch"
+    else:  # a pinned digest that matches a truncated archive: unpacking must still fail cleanly
+        archive = _mirror_cifar10(env, monkeypatch, cut=3000)
+        expected = "truncated or corrupt archive"
+    with pytest.raises(DataError, match=expected) as info:
+        load_dataset("cifar10", download=True)
+    one_line_naming(info, archive.name)
+    assert not (env / "cache" / "cifar10").exists()  # no archive, no temporary file, no half-unpacked folder
+    rc = main(["data", "show", "--set", "dataset.name=cifar10", "--set", "dataset.download=true"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and expected in err and archive.name in err and "\n" not in err
+    assert not (env / "cache" / "cifar10").exists()
+
+
+def test_download_of_a_zip_into_path(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = fx.make_tinyimagenet(env / "src", size=8)
+    archive = fx.zip_dir(src, env / "tiny-imagenet-200.zip")
+    md5 = hashlib.md5(archive.read_bytes()).hexdigest()
+    monkeypatch.setattr(tinyimagenet, "REMOTE", store.Remote(archive.as_uri(), f"md5:{md5}"))
+    source = load_dataset("tinyimagenet", path=env / "dest", download=True, image_size=8)
+    assert source.origin == str(env / "dest" / "tiny-imagenet-200") and len(source.train) == 18
+
+
+def test_no_official_archive_says_how_to_get_it(env: Path) -> None:
+    with pytest.raises(DataError, match="no official archive.*LEAF"):
+        load_dataset("femnist", download=True)
+
+
+# --- look-up ----------------------------------------------------------------------------------------------------
+
+
+def test_lookup_order_path_then_env_then_cache(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fx.make_mnist(env / "cache" / "mnist", n_train=10)
+    assert load_dataset("mnist").origin == str(env / "cache" / "mnist")
+    fx.make_mnist(env / "data" / "mnist" / "MNIST" / "raw", n_train=20)
+    monkeypatch.setenv("PFLBED_DATA", str(env / "data"))
+    assert len(load_dataset("mnist").train) == 20
+    fx.make_mnist(env / "mine", n_train=30)
+    assert len(load_dataset("mnist", path=env / "mine").train) == 30
+    with pytest.raises(DataError, match="dataset mnist .*not found .*looked in .*nowhere.*download=true"):
+        load_dataset("mnist", path=env / "nowhere")
+
+
+# --- CIFAR-10-C -------------------------------------------------------------------------------------------------
+
+
+def test_cifar10c_domains_severity_pixels(env: Path) -> None:
+    d = fx.make_cifar10c(env, per_severity=20, corruptions=("fog", "snow", "brightness"))
+    source = load_dataset("cifar10c", path=d, corruptions=["snow", "fog"], severity=2)
+    assert source.domain_names == ("snow", "fog") and source.num_classes == 10 and len(source.test) == 0
+    assert source.train.x.shape == (40, 3, 32, 32)
+    assert np.array_equal(source.train.domain.numpy(), np.repeat([0, 1], 20))
+    px = raw(source, source.train.x)
+    corruption = np.repeat([fx.CORRUPTIONS.index("snow"), fx.CORRUPTIONS.index("fog")], 20)
+    assert np.array_equal(px[:, 0, 0, 0], corruption)  # red: which file
+    assert (px[:, 1, 0, 0] == 2).all()  # green: the severity-2 block, not another
+    assert np.array_equal(px[:, 2, 0, 0], source.train.y.numpy())  # blue: the image's own label
+    assert np.array_equal(source.train.y.numpy(), np.tile(np.arange(20) % 10, 2))
+    assert (px[:, :, 1, 0] == 200).all() and (px[:, :, 0, 1] == 100).all()  # upright, channels last → first
+
+
+def test_cifar10c_options_and_damage(env: Path) -> None:
+    d = fx.make_cifar10c(env, per_severity=5, corruptions=("fog",))
+    with pytest.raises(DataError, match="dataset.corruptions: unknown \\['smog'\\]"):
+        load_dataset("cifar10c", path=d, corruptions=["smog"])
+    with pytest.raises(DataError, match="dataset.severity"):
+        load_dataset("cifar10c", path=d, corruptions=["fog"], severity=6)
+    with pytest.raises(DataError, match="no such file") as info:
+        load_dataset("cifar10c", path=d, corruptions=["fog", "snow"])
+    one_line_naming(info, d / "snow.npy")
+    (d / "fog.npy").write_bytes((d / "fog.npy").read_bytes()[:1000])
+    with pytest.raises(DataError, match="truncated") as info:
+        load_dataset("cifar10c", path=d, corruptions=["fog"])
+    one_line_naming(info, d / "fog.npy")
+
+
+def test_cifar10c_runs_the_pflbed_protocol(env: Path, capsys) -> None:
+    d = fx.make_cifar10c(env, per_severity=200, corruptions=("fog", "snow"))
+    args = ["--set", "dataset.name=cifar10c", "--set", f"dataset.path={d}", "--set", "dataset.corruptions=[fog, snow]",
+            "--set", "federation.protocol=pflbed", "--set", "federation.pflbed.clients_per_domain=2",
+            "--set", "federation.pflbed.new_clients_per_domain=0", "--set", "federation.min_size=2",
+            "--set", "model.name=mlp", "--set", "train.rounds=1", "--set", "eval.finetune=[]"]  # fmt: skip
+    assert main(["data", "show", *args]) == 0
+    out = capsys.readouterr().out
+    assert "fog" in out and "snow" in out
+    assert main(["run", *args, "--out", str(env / "run"), "--no-progress"]) == 0
+    assert (env / "run" / "summary.json").is_file()
+
+
+# --- MNIST / EMNIST ---------------------------------------------------------------------------------------------
+
+
+def test_mnist_upright_and_labelled(env: Path) -> None:
+    source = load_dataset("mnist", path=fx.make_mnist(env / "m", n_train=40, n_test=20))
+    assert source.train.x.shape == (40, 1, 28, 28) and np.array_equal(source.test.y.numpy(), np.arange(20) % 10)
+    px = raw(source, source.train.x)[:, 0]
+    assert (px[:, 0, :] == 255).all() and (px[:, 1:27, 0] == 100).all()
+
+
+def test_emnist_images_upright_and_letters_from_zero(env: Path) -> None:
+    """EMNIST stores each image transposed; the loader must return it upright (bright top row, dim left column),
+    and letters' labels 1..26 must come back as 0..25."""
+    d = fx.make_emnist(env, split="letters", n_train=60, n_test=30)
+    source = load_dataset("emnist", path=env, split="letters")
+    assert source.origin == str(d) and source.name == "emnist-letters" and source.num_classes == 26
+    px = raw(source, source.train.x)[:, 0]
+    assert (px[:, 0, :27] == 255).all() and (px[:, 1:27, 0] == 100).all() and (px[:, 1:27, 1:27] == 0).all()
+    assert np.array_equal(px[:, 27, 27], np.arange(60) % 250)  # the images stay in file order
+    assert np.array_equal(source.train.y.numpy(), np.arange(60) % 26)
+    assert int(source.test.y.min()) == 0 and int(source.test.y.max()) == 25
+
+
+@pytest.mark.parametrize(("split", "k"), [("byclass", 62), ("bymerge", 47), ("balanced", 47), ("digits", 10),
+                                          ("mnist", 10)])  # fmt: skip
+def test_emnist_splits(env: Path, split: str, k: int) -> None:
+    fx.make_emnist(env, split=split, n_train=70, n_test=10)
+    source = load_dataset("emnist", path=env, split=split)
+    assert source.num_classes == k and int(source.train.y.max()) == min(k, 70) - 1
+
+
+def test_emnist_bad_split_and_label_out_of_range(env: Path) -> None:
+    d = fx.make_emnist(env, split="letters")
+    with pytest.raises(DataError, match="dataset.split"):
+        emnist.load_emnist(env, split="words")
+    fx.write_idx_gz(d / "emnist-letters-test-labels-idx1-ubyte.gz", np.zeros(30, dtype=np.uint8))
+    with pytest.raises(DataError, match="label 0 out of range 1..26") as info:
+        load_dataset("emnist", path=env, split="letters")
+    one_line_naming(info, d / "emnist-letters-test-labels-idx1-ubyte.gz")
+
+
+# --- FEMNIST ----------------------------------------------------------------------------------------------------
+
+
+def test_femnist_all_data_keeps_writers_and_splits_each(env: Path) -> None:
+    fx.make_femnist_all_data(env, users=6, per_user=12, files=2)
+    source = load_dataset("femnist", path=env)
+    names = tuple(f"f{u:04d}_{u:02d}" for u in range(6))
+    assert source.user_names == names and source.num_classes == 62
+    assert (len(source.train), len(source.test)) == (6 * 11, 6 * 1)  # round(10 % of 12) = 1 test sample per writer
+    for split in (source.train, source.test):
+        px = split.x.numpy()[:, 0] * 0.5 + 0.5
+        users = split.user.numpy()
+        assert np.allclose(px[:, 0, 0], users / 100) and np.allclose(px[:, 0, 1], 1)  # writer u's own images, upright
+        assert np.isin(split.y.numpy() - users, np.arange(12)).all()  # labels (u + j) % 62 of writer u
+    assert source.train.user.dtype == torch.int64
+    assert load_dataset("femnist", path=env) is source
+
+
+def test_femnist_writers_are_the_clients_of_a_natural_partition(env: Path) -> None:
+    from pflbed.config import FederationConfig
+    from pflbed.federation import build_federation
+
+    fx.make_femnist_all_data(env, users=6, per_user=12, files=2)
+    source = load_dataset("femnist", path=env)
+    fed = build_federation(source, FederationConfig(partition="natural", clients=6, min_samples=5), seed=0)
+    user = source.train.user
+    owners = [set(user[torch.cat([c.train, c.val, c.test])].tolist()) for c in fed.clients]
+    assert owners == [{u} for u in range(6)]  # client k holds exactly writer k's samples
+
+
+def test_femnist_leaf_train_test_layout(env: Path) -> None:
+    train = {"w2": fx.femnist_user_data(2, 5), "w1": fx.femnist_user_data(1, 4)}
+    fx.write_leaf_json(env / "train" / "a_train.json", train)
+    fx.write_leaf_json(env / "test" / "a_test.json", {"w1": fx.femnist_user_data(1, 2)})
+    source = load_dataset("femnist", path=env)
+    assert source.user_names == ("w1", "w2") and (len(source.train), len(source.test)) == (9, 2)
+    assert np.array_equal(source.train.user.numpy(), [0] * 4 + [1] * 5) and (source.test.user.numpy() == 0).all()
+    assert np.array_equal(source.train.y.numpy(), [1, 2, 3, 4, 2, 3, 4, 5, 6])
+
+
+def test_femnist_truncated_shard_is_named(env: Path) -> None:
+    d = fx.make_femnist_all_data(env, users=2, per_user=3, files=1)
+    shard = d / "all_data_0.json"
+    shard.write_text(shard.read_text()[:-40])
+    with pytest.raises(DataError, match="truncated") as info:
+        load_dataset("femnist", path=env)
+    one_line_naming(info, shard)
+
+
+# --- Tiny ImageNet, miniImageNet --------------------------------------------------------------------------------
+
+
+def test_tinyimagenet_classes_val_annotations_and_pixels(env: Path) -> None:
+    d = fx.make_tinyimagenet(env, wnids=("n03", "n01", "n02"), per_class=6, val_per_class=3, size=16)
+    source = load_dataset("tinyimagenet", path=env, image_size=16)
+    assert source.origin == str(d) and source.num_classes == 3 and source.input_shape == (3, 16, 16)
+    assert (len(source.train), len(source.test)) == (18, 9)
+    px = raw(source, source.train.x)
+    assert np.array_equal(source.train.y.numpy(), np.repeat([0, 1, 2], 6))  # sorted wnids: n01, n02, n03
+    assert np.array_equal(px[1:, 0, 5, 5], 40 * source.train.y.numpy()[1:])  # red = 40 · class (0: greyscale)
+    assert (px[1:, 2, 5, 5] == 200).all() and (px[1:, :, 15, 0] == 255).all()  # blue; bottom-left marker: upright
+    assert len(set(px[0, :, 5, 5])) == 1  # the greyscale JPEG came back as three equal channels
+    # val: file val_k belongs to wnid k % 3 of wnids.txt's order (n03, n01, n02) -> sorted classes 2, 0, 1
+    assert sorted(source.test.y.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert np.array_equal(raw(source, source.test.x)[:, 0, 5, 5], 40 * source.test.y.numpy())
+
+
+def test_tinyimagenet_missing_val_image_is_named(env: Path) -> None:
+    d = fx.make_tinyimagenet(env, size=8)
+    (d / "val" / "images" / "val_4.JPEG").unlink()
+    with pytest.raises(DataError, match="no such file") as info:
+        load_dataset("tinyimagenet", path=d)
+    one_line_naming(info, d / "val" / "images" / "val_4.JPEG")
+
+
+def test_miniimagenet_pools_classes_and_holds_out_a_sixth(env: Path) -> None:
+    fx.make_miniimagenet(env, classes_per_split=2, per_class=12, side=10)
+    source = load_dataset("miniimagenet", path=env)
+    assert source.num_classes == 6 and (len(source.train), len(source.test)) == (60, 12)
+    px = raw(source, source.train.x)
+    assert np.array_equal(px[:, 0, 3, 3], 10 * source.train.y.numpy())  # red = 10 · class
+    assert np.array_equal(px[:10, 1, 3, 3], np.arange(10))  # class 0's first 10 rows train, in class_dict order
+    assert np.array_equal(raw(source, source.test.x)[:2, 1, 3, 3], [10, 11])  # its last 2 rows test
+    assert (px[:, 2, 3, 3] == 7).all() and (px[:, :, 9, 0] == 255).all()  # blue; bottom-left marker
+
+
+def test_miniimagenet_refuses_malicious_pickle(env: Path) -> None:
+    fx.make_miniimagenet(env, classes_per_split=1, per_class=6, side=4)
+    marker = env / "owned"
+    (env / "mini-imagenet-cache-val.pkl").write_bytes(fx.evil_pickle(f"touch {marker}"))
+    with pytest.raises(DataError, match="refused") as info:
+        load_dataset("miniimagenet", path=env)
+    one_line_naming(info, env / "mini-imagenet-cache-val.pkl")
+    assert not marker.exists()
+
+
+# --- Office-Home, PACS, DomainNet -------------------------------------------------------------------------------
+
+
+def make_named_tree(root: Path, domains: tuple[str, ...], classes: int, per_class: int = 1) -> Path:
+    for d, domain in enumerate(domains):
+        for c in range(classes):
+            for i in range(per_class):
+                path = root / domain / f"class_{c:03d}" / f"{i}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(fx.png_bytes((c % 256, 40 * d, 0), size=4))
+    return root
+
+
+def test_pacs_by_name(env: Path) -> None:
+    root = make_named_tree(env / "PACS", ("art_painting", "cartoon", "photo", "sketch"), 7, per_class=2)
+    source = load_dataset("pacs", path=env, image_size=4)  # found in the PACS folder inside path
+    assert source.name == "pacs" and source.num_classes == 7 and source.origin == str(root.resolve())
+    assert source.domain_names == ("art_painting", "cartoon", "photo", "sketch") and len(source.train) == 56
+    assert load_dataset("pacs", path=env, image_size=4) is source
+
+
+def test_officehome_real_world_spelling_and_wrong_trees(env: Path) -> None:
+    root = make_named_tree(env / "oh", ("Art", "Real_World"), 65)
+    assert load_dataset("officehome", path=root, image_size=4).domain_names == ("Art", "Real_World")
+    make_named_tree(env / "oh", ("Sketches",), 65)
+    with pytest.raises(DataError, match="not a Office-Home domain folder") as info:
+        load_dataset("officehome", path=root, image_size=4)
+    one_line_naming(info, root.resolve() / "Sketches")
+    small = make_named_tree(env / "dn", ("clipart", "real"), 3)
+    with pytest.raises(DataError, match="3 class folders .* DomainNet has 345"):
+        load_dataset("domainnet", path=small, image_size=4)
+
+
+# --- listing ----------------------------------------------------------------------------------------------------
+
+
+def test_data_list_finds_each_fixture_or_says_how_to_get_it(env: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(store, "_download", lambda *a, **k: pytest.fail("network used"))
+    rows = {r["name"]: r for r in describe_datasets()}
+    for name in ("cifar10", "cifar100", "cifar10c", "mnist", "emnist", "femnist", "tinyimagenet", "miniimagenet",
+                 "officehome", "pacs", "domainnet"):  # fmt: skip
+        assert rows[name]["location"].startswith("not found: ") and rows[name]["error"] is None, rows[name]
+    assert "dataset.download=true" in rows["cifar10"]["location"] and "LEAF" in rows["femnist"]["location"]
+    data = env / "data"
+    fx.make_cifar10(data / "cifar10")
+    fx.make_cifar10c(data, per_severity=4, corruptions=("fog",))
+    fx.make_mnist(data / "mnist")
+    fx.make_emnist(data / "emnist", split="balanced")
+    fx.make_emnist(data / "emnist", split="letters", n_train=26, n_test=26)
+    fx.make_femnist_all_data(data / "femnist")
+    fx.make_tinyimagenet(data / "tinyimagenet", size=8)
+    fx.make_miniimagenet(data / "miniimagenet", per_class=6, side=4)
+    make_named_tree(data / "pacs" / "PACS", ("photo", "sketch"), 7)
+    monkeypatch.setenv("PFLBED_DATA", str(data))
+    rows = {r["name"]: r for r in describe_datasets()}
+    assert rows["cifar10"]["location"] == str(data / "cifar10" / "cifar-10-batches-py")
+    assert rows["cifar10c"]["location"] == str(data / "CIFAR-10-C") and rows["cifar10c"]["train"] == 4
+    assert rows["cifar10c"]["domains"].startswith("1 of 19 corruptions")
+    assert (rows["mnist"]["train"], rows["mnist"]["test"]) == (40, 20)
+    assert (rows["emnist"]["train"], rows["emnist"]["test"]) == (60, 30) and "balanced" in rows["emnist"]["domains"]
+    assert (rows["tinyimagenet"]["train"], rows["tinyimagenet"]["test"]) == (18, 9)
+    assert rows["pacs"]["domains"] == "photo, sketch" and rows["pacs"]["train"] == 14
+    for name in ("femnist", "miniimagenet"):
+        assert rows[name]["location"].startswith(str(data / name)), rows[name]
+    assert set(rows) >= set(DATASETS)
+    assert main(["data", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "CIFAR-10-C" in out and "cifar-10-batches-py" in out
+
+
+def test_removing_a_fixture_copy_is_seen(env: Path) -> None:
+    """The loaders' caches key on the files: a copy replaced on disk is read again."""
+    d = fx.make_mnist(env / "m", n_train=10)
+    first = load_dataset("mnist", path=d)
+    shutil.rmtree(d)
+    fx.make_mnist(d, n_train=30)
+    assert len(load_dataset("mnist", path=d).train) == 30 and len(first.train) == 10
+    assert cifar10c.CORRUPTIONS == fx.CORRUPTIONS

@@ -1,0 +1,47 @@
+"""The divergence guard on BatchNorm running variances: training only averages squares into them, so a negative one
+comes from a rule that extrapolated the statistics, and it stops the run like a non-finite value."""
+
+import pytest
+import torch
+
+import pflbed
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.engine.guard import check_client, check_server, first_negative_variance
+from pflbed.errors import DivergedError
+
+from ..algorithms.test_scaffold import BN_RUN
+
+
+def test_negative_running_variances_are_found_under_any_prefix_and_nothing_else_is():
+    ok = {"blocks.fc.weight": -torch.ones(3), "bn.running_mean": -torch.ones(2), "bn.running_var": torch.zeros(2),
+          "bn.num_batches_tracked": torch.tensor(-1), "not_running_var": -torch.ones(1)}  # fmt: skip
+    assert first_negative_variance(ok) is None  # zero is a valid variance; other keys may be negative
+    bad = {**ok, "buf.b.running_var": torch.tensor([1.0, -1e-6]), "a.running_var": torch.tensor([-2.0, 1.0])}
+    assert first_negative_variance(bad) == "a.running_var"  # sorted order, like the non-finite check
+    assert first_negative_variance({"running_var": torch.tensor([-1.0])}) == "running_var"
+    with pytest.raises(DivergedError, match="round 3: the aggregated server state has negative BatchNorm running "
+                                            "variances in 'a.running_var' — lower"):  # fmt: skip
+        check_server(3, bad)
+    # a reply or a client state may hold changes (FedMTL's Δ_i, SCAFFOLD's control variates): negative is fine there
+    check_client(3, 5, bad, bad)
+    nan = {**bad, "z.running_var": torch.tensor([float("nan")])}
+    with pytest.raises(DivergedError, match="non-finite values in 'z.running_var'"):  # NaN is reported as such
+        check_server(3, nan)
+
+
+def test_a_server_rule_that_makes_a_variance_negative_stops_the_run(monkeypatch):
+    """A round whose aggregate holds a negative running variance (what extrapolating the statistics gave, finite
+    and silent: G-FL at chance, exit 0) raises DivergedError in that round."""
+    aggregator = FedAvg.aggregator
+
+    def extrapolated(self, rnd, server, weights):
+        mean = aggregator(self, rnd, server, weights)
+        result = mean.result
+        mean.result = lambda: {k: 2 * v - 3 * server[k] if k.endswith("running_var") else v
+                               for k, v in result().items()}  # fmt: skip
+        return mean
+
+    monkeypatch.setattr(FedAvg, "aggregator", extrapolated)
+    message = r"diverged in round 1: the aggregated server state has negative BatchNorm running variances in 'blocks"
+    with pytest.raises(DivergedError, match=message):
+        pflbed.run({**BN_RUN, "algorithm": {"name": "fedavg"}}, write=False)

@@ -1,0 +1,117 @@
+"""The worker-process executor gives the loop executor's results, bit for bit, for every algorithm."""
+
+import pytest
+import torch
+
+import pflbed
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.engine.loop import prepare
+from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
+from pflbed.errors import ConfigError
+from pflbed.runs import run
+
+from ..tiny import PARITY_CASES, TINY, parity_config
+from ..tiny import figures as _figures
+from ..tiny import same_tensors as _same
+
+
+@pytest.mark.parametrize("name", PARITY_CASES)
+def test_procs_equals_loop_bit_for_bit(name, pool):
+    """Same summary, server state and client states as `loop` at one thread per process: a client's update depends
+    on (payload, state, data, seed of (round, client)) only, whichever worker runs it and in whichever order."""
+    torch.set_num_threads(1)
+    loop = run(parity_config(name, {"threads": 1}), write=False, progress=False)
+    procs_cfg = parity_config(name, {"name": "procs", "workers": 2, "threads": 1})
+    procs = run(procs_cfg, write=False, progress=False, pool=pool)
+    assert _figures(procs.summary) == _figures(loop.summary)
+    assert _same(procs.server, loop.server)
+    assert procs.executor.states.keys() == loop.executor.states.keys()
+    assert all(_same(procs.executor.states[c], loop.executor.states[c]) for c in loop.executor.states)
+
+
+@pytest.mark.parametrize("name, method, widest", [("fedavg", "logits", 3), ("fedper", "features", None)])
+def test_evaluation_forwards_run_in_the_idle_workers_with_the_loops_numbers(name, method, widest, pool, monkeypatch):
+    """Between rounds the workers are idle, so procs runs an evaluation's forwards there: a shared model's logits
+    (FedAvg) or a shared body's features (FedPer), in parts of whole inference chunks, each part whole in one worker
+    — the chunks `loop` runs, hence its records bit for bit. A small eval batch makes the tiny sets many parts; for
+    the logits, an activation budget of 3 rows of the MLP's widest layer (200 floats) makes a chunk 3 rows, so
+    parts of 16 batches (128 rows) would cut chunks."""
+    from pflbed.models import inference
+
+    if widest:
+        monkeypatch.setattr(inference, "ACTIVATION_BYTES", widest * 200 * 4)
+    torch.set_num_threads(1)
+    parts = []
+    real = pool.forward
+
+    def counted(pred, m, split, ps, bs):
+        parts.append((m, ps))
+        return real(pred, m, split, ps, bs)
+
+    monkeypatch.setattr(pool, "forward", counted)
+    small = {"batch_size": 8}
+    loop = run(parity_config(name, {"threads": 1}, small), write=False, progress=False)
+    procs = run(parity_config(name, {"name": "procs", "workers": 2, "threads": 1}, small), write=False,
+                progress=False, pool=pool)  # fmt: skip
+    assert _figures(procs.summary) == _figures(loop.summary)
+    assert parts and {m for m, _ in parts} == {method} and all(len(ps) >= 2 for _, ps in parts)
+    rows = widest or 8
+    assert all(len(p) % rows == 0 for _, ps in parts for p in ps[:-1])  # every part but the last: whole chunks
+
+
+def test_procs_in_strict_mode_and_with_its_own_pool():
+    """The run starts (and stops) its own workers when given none; strict mode still round-trips through bytes."""
+    torch.set_num_threads(1)
+    cfg = {**TINY, "algorithm": {"name": "fedper"}, "train": {**TINY["train"], "rounds": 2}}
+    loop = pflbed.run({**cfg, "executor": {"strict": True, "threads": 1}}, write=False, progress=False)
+    procs = pflbed.run({**cfg, "executor": {"name": "procs", "workers": 2, "strict": True, "threads": 1}},
+                       write=False, progress=False)  # fmt: skip
+    assert _figures(procs.summary) == _figures(loop.summary)
+
+
+class FailingFedAvg(FedAvg):
+    """FedAvg whose clients fail (importable by the workers, which unpickle it by its module path)."""
+
+    def client_update(self, payload, state, data, cctx):
+        raise ValueError(f"no data for client {data.cid}")
+
+
+def test_a_failing_client_update_is_reported_with_the_client(pool):
+    """An exception in a worker reaches the caller as WorkerError naming the client and the worker's traceback."""
+    algo = FailingFedAvg(prepare(parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1})).ctx)
+    cids = algo.ctx.federation.participated[:2]
+    with pytest.raises(WorkerError, match=r"client \d+: ValueError: no data for client \d+\n.*worker traceback"):
+        ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
+
+
+def test_a_federation_of_many_clients_reaches_the_workers_as_a_copy(pool):
+    """Each tensor shared with the workers holds a file descriptor: 10,000 clients' index tensors passed the
+    open-file limit. The federation goes as plain bytes, only the data is shared: under a soft limit of 256 open
+    files, 400 clients (1,600 index and prior tensors) still load and train."""
+    import resource
+
+    torch.set_num_threads(1)
+    cfg = pflbed.config.validate_config({**TINY, "federation": {"clients": 400, "partition": "iid", "min_size": 1},
+                                         "executor": {"name": "procs", "workers": 2, "threads": 1}})  # fmt: skip
+    algo = prepare(cfg)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        cids = algo.ctx.federation.participated[:4]
+        replies = ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sorted(replies) == sorted(cids)
+
+
+def test_assign_balances_by_training_size():
+    """Largest client first to the least-loaded worker: loads 10+1 vs 6+5, deterministic on ties."""
+    where = assign({0: 10, 1: 6, 2: 5, 3: 1}, 2)
+    assert where == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert assign({5: 3, 2: 3}, 2) == {2: 0, 5: 1}
+
+
+@pytest.mark.parametrize("value", [0, 10**6])
+def test_workers_out_of_range_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="executor.workers"):
+        pflbed.config.validate_config({"executor": {"workers": value}})

@@ -1,0 +1,214 @@
+"""Partition manifests: `pflbed data export OUT` writes a run's federation; `federation.manifest: OUT` runs on it,
+identically to the original run; a manifest of other data, a missing or malformed one: one line, exit 2, nothing
+written."""
+
+import json
+from dataclasses import fields
+
+import pytest
+import torch
+import yaml
+
+from pflbed.cli import main
+from pflbed.config import validate_config
+from pflbed.data import load_source
+from pflbed.federation import build_federation
+from pflbed.federation.federation import new_client_train
+from pflbed.federation.manifest import manifest, read_manifest
+
+from ..tiny import TINY, figures
+
+NEW = {"epochs": 2, "lrs": [0.05], "fractions": [0.3, 1.0]}
+STANDARD = {**TINY, "federation": {**TINY["federation"], "new_clients": 2, "public": 40, "val_fraction": 0.2},
+            "train": {**TINY["train"], "rounds": 2}, "eval": {"every": 1, "finetune": ["ft"], "new_clients": NEW}}
+PFLBED = {**STANDARD, "dataset": {"name": "digits-rot4"},
+          "federation": {"protocol": "pflbed", "alpha": 1.0, "min_size": 5, "sample_fraction": 0.5,
+                         "pflbed": {"clients_per_domain": 2, "new_clients_per_domain": 1}}}  # fmt: skip
+CASES = {"standard": STANDARD, "pflbed": PFLBED}
+
+
+def _write(tmp_path, tree, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _export(tmp_path, tree, *extra):
+    out = tmp_path / "manifest.json"
+    assert main(["data", "export", str(out), "-c", str(_write(tmp_path, tree)), *extra]) == 0
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if hasattr(a, "__dataclass_fields__"):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+    return a == b
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_manifest_reads_back_as_the_federation_it_was_exported_from(tmp_path, case):
+    """Every index set (clients' train / val / test, public, global and per-domain sets), prior, domain and role
+    comes back bit-equal; the new clients' S/M subsets are those the run would draw from its seed."""
+    cfg = validate_config(CASES[case])
+    source = load_source(cfg.dataset)
+    fed = build_federation(source, cfg.federation, cfg.seed)
+    back = read_manifest(_export(tmp_path, CASES[case]), source)
+    for f in fields(fed):
+        if f.name not in ("key", "new_subsets", "new_fractions"):
+            assert _same(getattr(back, f.name), getattr(fed, f.name)), f.name
+    assert back.new_fractions == [0.3, 1.0] and sorted(back.new_subsets) == fed.new and fed.new
+    for c in fed.new:
+        for i, f in enumerate(back.new_fractions):
+            assert torch.equal(back.new_subsets[c][i], new_client_train(fed, c, i, f, cfg.seed))
+            assert torch.equal(new_client_train(back, c, i, f, seed=12345), back.new_subsets[c][i])  # fixed: any seed
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_on_its_exported_manifest_is_the_original_run(tmp_path, case):
+    """run → data export → run with federation.manifest: the same summary (but timing) and the same metrics."""
+    cfg = _write(tmp_path, CASES[case])
+    assert main(["run", "-c", str(cfg), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    out = _export(tmp_path, CASES[case])
+    assert main(["run", "-c", str(cfg), "--set", f"federation.manifest={out}", "--out", str(tmp_path / "b"),
+                 "--no-progress"]) == 0  # fmt: skip
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
+    assert figures(a) == figures(b) and a["new_clients"] is not None
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == (tmp_path / "b" / "metrics.jsonl").read_text()
+
+
+def test_the_new_clients_personalize_on_the_manifests_subsets(tmp_path, monkeypatch):
+    """A manifest's S/M subsets, not the seed's draws, are what each new client trains on."""
+    from pflbed.evaluation import newclients
+    from pflbed.runs import run
+
+    m = json.loads(_export(tmp_path, STANDARD).read_text())
+    clients = m["new_client_subsets"]["clients"]
+    for c, sizes in clients.items():
+        train = m["clients"][int(c)]["train"]
+        sizes["S"], sizes["M"] = train[-2:], train[:3]
+    (tmp_path / "edited.json").write_text(json.dumps(m))
+    seen: dict = {}
+
+    def record(algo, server, cid, data, budget, gen, P):
+        seen.setdefault(cid, []).append(data.train.tolist())
+        return {"last": 0.5, "best": 0.5, "last_val": 0.5, "best_val": 0.5}
+
+    monkeypatch.setattr(newclients, "run_one", record)
+    cfg = validate_config({**STANDARD, "federation": {**STANDARD["federation"],
+                                                      "manifest": str(tmp_path / "edited.json")}})  # fmt: skip
+    run(cfg, write=False, progress=False)
+    assert seen.keys() == {int(c) for c in clients}
+    for c, got in seen.items():  # methods ft and lp, per size
+        want = [clients[str(c)]["S"], clients[str(c)]["M"]]
+        assert got == want * 2
+
+
+def _err(capsys):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error:") and "\n" not in err, err
+    return err
+
+
+def test_other_new_client_fractions_than_the_manifests_are_refused(tmp_path, capsys):
+    out = _export(tmp_path, STANDARD)
+    run = tmp_path / "run"
+    assert main(["run", "-c", str(_write(tmp_path, STANDARD)), "--set", f"federation.manifest={out}", "--set",
+                 "eval.new_clients.fractions=[0.5]", "--out", str(run), "--no-progress"]) == 2  # fmt: skip
+    assert "eval.new_clients.fractions: [0.5], but the new-client subsets of federation.manifest are for [0.3, 1.0]" \
+        in _err(capsys)  # fmt: skip
+    assert not run.exists()
+
+
+def _edit(change):
+    def apply(m, path):
+        change(m)
+        path.write_text(json.dumps(m))
+
+    return apply
+
+
+BAD = {
+    "missing file": (lambda m, path: None, "no such file"),
+    "a directory": (lambda m, path: path.mkdir(), "is a directory"),
+    "invalid JSON": (lambda m, path: path.write_text('{"format": "pflbed-federation",\n "clients": [1, 2'),
+                     r"not a partition manifest \(invalid JSON at line 2\)"),
+    "not UTF-8": (lambda m, path: path.write_bytes(b"\xff\xfe{}"), "not UTF-8"),
+    "not a manifest": (lambda m, path: path.write_text("[1, 2, 3]"), r"not a partition manifest \(no \"format\""),
+    "other version": (_edit(lambda m: m.update(version=99)), "manifest version 99; this pflbed reads version 1"),
+    "other data": (_edit(lambda m: m["dataset"].update(fingerprint="0123456789abcdef")),
+                   "made for dataset 'synthetic' with fingerprint 0123456789abcdef, but this config's dataset "
+                   r"\('synthetic'\) has fingerprint [0-9a-f]{16}; a manifest runs only on the data it was exported"),
+    "no clients": (_edit(lambda m: m.pop("clients")), "malformed manifest: 'clients' missing"),
+    "index out of range": (_edit(lambda m: m["clients"][1]["test"].append(10**6)),
+                           r"client 1's test holds index 1000000, outside 0…1999"),
+    "index twice": (_edit(lambda m: m["clients"][0]["train"].append(m["clients"][0]["train"][0])),
+                    "client 0's train holds an index twice"),
+    "not integers": (_edit(lambda m: m["clients"][2].update(val=[1.5])), "client 2's val must be a list of integer"),
+    "empty train": (_edit(lambda m: m["clients"][3].update(train=[])), "client 3 has no training samples"),
+    "wrong prior": (_edit(lambda m: m["clients"][0].update(prior=[0.1] * 10)),
+                    "client 0's prior is not the class distribution of its train indices"),
+    "a client in both roles": (_edit(lambda m: m["participated"].append(m["new"][0])),
+                               "every client must be either participated or new"),
+    "a subset outside the client": (_edit(lambda m: m["new_client_subsets"]["clients"][str(m["new"][0])].update(
+        S=m["clients"][m["participated"][0]]["train"][:2])), "subsets must be non-empty parts of its train indices"),
+    "global test out of range": (_edit(lambda m: m.update(global_test=[0, 500])),
+                                 r"global_test holds index 500, outside 0…499"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD)
+@pytest.mark.parametrize("command", ["run", "show"])
+def test_a_bad_manifest_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, case, command):
+    good = json.loads(_export(tmp_path, STANDARD).read_text())
+    path = tmp_path / "bad.json"
+    change, message = BAD[case]
+    change(good, path)
+    cfg = str(_write(tmp_path, STANDARD))
+    capsys.readouterr()
+    out = tmp_path / "run"
+    args = ["--set", f"federation.manifest={path}"]
+    argv = ["run", "-c", cfg, *args, "--out", str(out), "--no-progress"] if command == "run" else \
+        ["data", "show", "-c", cfg, *args, "--png", str(tmp_path / "p.png")]  # fmt: skip
+    assert main(argv) == 2
+    import re
+
+    err = _err(capsys)
+    assert err.startswith(f"pflbed: error: federation.manifest: {path}: ") and re.search(message, err), err
+    assert not out.exists() and not (tmp_path / "p.png").exists()
+
+
+def test_export_needs_out_refuses_to_replace_one_and_writes_nothing_on_a_bad_config(tmp_path, capsys):
+    cfg = str(_write(tmp_path, STANDARD))
+    assert main(["data", "export", "-c", cfg]) == 2
+    assert "data export needs OUT" in _err(capsys)
+    out = _export(tmp_path, STANDARD)
+    before = out.read_text()
+    assert main(["data", "export", str(out), "-c", cfg]) == 2
+    assert f"{out} exists; --force replaces it" in _err(capsys) and out.read_text() == before
+    assert main(["data", "export", str(out), "-c", cfg, "--force", "--set", "seed=1"]) == 0
+    assert json.loads(out.read_text())["made_with"]["seed"] == 1
+    bad = tmp_path / "other.json"
+    assert main(["data", "export", str(bad), "-c", cfg, "--set", "federation.clients=100000"]) == 2
+    assert "federation.clients" in _err(capsys) and not bad.exists()
+    assert main(["data", "show", str(bad)]) == 2
+    assert "data show takes no OUT" in _err(capsys)
+
+
+def test_the_manifest_schema(tmp_path):
+    """The documented top-level keys and client fields; one line per client."""
+    out = _export(tmp_path, STANDARD)
+    m = json.loads(out.read_text())
+    assert list(m) == ["format", "version", "dataset", "made_with", "global_split", "global_test", "public",
+                       "domain_val", "domain_test", "participated", "new", "clients", "new_client_subsets"]
+    assert set(m["dataset"]) == {"name", "fingerprint", "train", "test", "num_classes"}
+    assert all(set(c) == {"train", "val", "test", "prior", "domain"} for c in m["clients"])
+    assert m["new_client_subsets"]["sizes"] == {"S": 0.3, "M": 1.0}
+    assert len(out.read_text().splitlines()) == 13 + len(m["clients"]) + 3
+    source = load_source(validate_config(STANDARD).dataset)
+    assert manifest(validate_config(STANDARD), source, read_manifest(out, source)) == m  # re-export: the same file

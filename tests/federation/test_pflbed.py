@@ -1,0 +1,137 @@
+"""PFLBED protocol: the split, domain transforms and the class-weighted domain evaluation."""
+
+import numpy as np
+import pytest
+import torch
+
+import pflbed
+from pflbed.config import DatasetConfig, FederationConfig
+from pflbed.data import load_source
+from pflbed.data.domains import TRANSFORMS, with_domains
+from pflbed.data.synthetic import make_synthetic
+from pflbed.errors import DataError
+from pflbed.federation import build_federation
+
+from ..tiny import TINY
+
+
+def _rot4(n_train=4000):
+    return with_domains(make_synthetic(n_train=n_train, n_test=200, seed=3), ["rot0", "rot90", "rot180", "rot270"])
+
+
+PF = {"protocol": "pflbed", "alpha": 0.3, "min_size": 5,
+      "pflbed": {"clients_per_domain": 4, "new_clients_per_domain": 2}}  # fmt: skip
+
+
+def test_pflbed_split_properties():
+    src = _rot4()
+    fed = build_federation(src, FederationConfig(**PF), seed=0, use_disk_cache=False)
+    y, dom = src.train.y, src.train.domain
+    assert len(fed.participated) == 16 and len(fed.new) == 8
+    assert fed.domain_test and len(fed.domain_test) == len(fed.domain_val) == 4
+    all_shared = torch.cat(fed.domain_test + fed.domain_val)
+    assert len(all_shared.unique()) == len(all_shared)  # test and val sets disjoint
+    for d in range(4):
+        n_d = int((dom == d).sum())
+        for idx, frac in ((fed.domain_test[d], 0.15), (fed.domain_val[d], 0.05)):
+            counts = torch.bincount(y[idx], minlength=10)
+            assert (counts == counts[0]).all() and counts[0] == int(frac * n_d / 10)  # class-balanced
+            assert (dom[idx] == d).all()
+    shared = set(all_shared.tolist())
+    seen: set[int] = set()
+    for cl in fed.clients:
+        train = set(cl.train.tolist())
+        assert train.isdisjoint(shared) and train.isdisjoint(seen)  # no leak, no overlap between clients
+        seen |= train
+        assert (dom[cl.train] == cl.domain).all()  # every client from one domain
+        assert torch.allclose(cl.prior, torch.bincount(y[cl.train], minlength=10).float() / len(cl.train))
+    for d in range(4):  # participated ≈ 60 %, new ≈ 20 % of the domain
+        n_d = int((dom == d).sum())
+        part = sum(len(fed.clients[c].train) for c in fed.participated if fed.clients[c].domain == d)
+        new = sum(len(fed.clients[c].train) for c in fed.new if fed.clients[c].domain == d)
+        assert abs(part - 0.6 * n_d) <= 1 and abs(new - 0.2 * n_d) <= 1
+
+
+def test_pflbed_errors():
+    with pytest.raises(DataError, match="needs a dataset with domains"):
+        build_federation(make_synthetic(), FederationConfig(**PF), 0, use_disk_cache=False)
+    with pytest.raises(DataError, match="class-balanced"):
+        build_federation(_rot4(120), FederationConfig(**PF), 0, use_disk_cache=False)
+
+
+def test_fractions_over_one_is_a_config_error():
+    from pflbed.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="federation.pflbed: .*exceeds 1"):
+        pflbed.load_config(overrides=["federation.pflbed.participated=0.9"])
+
+
+def test_rotation_domains_are_exact_and_balanced():
+    base = make_synthetic(n_train=400, n_test=200, seed=3)
+    src = _rot4(400)
+    d = src.train.domain
+    assert torch.equal(src.train.x[d == 0], base.train.x[d == 0])
+    assert torch.equal(src.train.x[d == 1], torch.rot90(base.train.x[d == 1], 1, dims=(-2, -1)))
+    for c in range(10):  # each class spread evenly over the domains
+        counts = torch.bincount(d[src.train.y == c], minlength=4)
+        assert counts.max() - counts.min() <= 1
+    assert torch.equal(_rot4(400).train.x, src.train.x)  # deterministic
+
+
+def test_invert_is_one_minus_pixel_in_normalized_space():
+    x = torch.rand(2, 1, 4, 4)
+    mean, std = 0.3, 0.4
+    inv = TRANSFORMS["invert"]((x - mean) / std, (mean, std), torch.Generator())
+    assert torch.allclose(inv * std + mean, 1 - x, atol=1e-6)
+
+
+def test_builtin_digits_rot4_and_unknown_transform():
+    src = load_source(DatasetConfig(name="digits-rot4"))
+    assert src.domain_names == ("rot0", "rot90", "rot180", "rot270") and src.train.domain is not None
+    with pytest.raises(DataError, match="dataset.domains"):
+        load_source(DatasetConfig(name="digits", domains=["rot45"]))
+
+
+def test_pflbed_run_reports_domain_weighted_pfl_and_new_clients():
+    cfg = {**TINY, "dataset": {"name": "digits-rot4"},
+           "federation": {**PF, "pflbed": {"clients_per_domain": 2, "new_clients_per_domain": 1}},
+           "eval": {"every": 2, "finetune": [], "new_clients": {"epochs": 2, "lrs": [0.01, 0.05]}}}  # fmt: skip
+    res = pflbed.run(cfg, write=False)
+    nc = res.summary["new_clients"]
+    assert nc["clients"] == 4 and set(nc["methods"]) == {"ft", "lp"} and nc["zero_shot"] is not None
+    for r in nc["methods"]["ft"].values():
+        assert set(r["per_lr"]) == {"0.01", "0.05"}
+        assert r["delta"] == pytest.approx(r["best"] - r["last"])
+        assert r["last"] == r["per_lr"][f"{r['lr_last']:g}"]["last"]
+    # P-FL under PFLBED is the class-weighted accuracy on the client's domain test set: recompute one client.
+    algo = res.executor.algo
+    fed, src = algo.ctx.federation, algo.ctx.source
+    c = fed.participated[0]
+    cl = fed.clients[c]
+    idx = fed.domain_test[cl.domain]
+    pred = algo.personal_model(res.server, {}).logits(src.train.x[idx]).argmax(1)
+    w = cl.prior[src.train.y[idx]].double()
+    expected = float((w * (pred == src.train.y[idx]).double()).sum() / w.sum())
+    assert res.summary["per_client"]["pfl_acc"][0] == pytest.approx(expected)
+    assert np.isclose(res.summary["final"]["pfl_acc"], np.mean(res.summary["per_client"]["pfl_acc"]))
+
+
+def test_folder_dataset_runs_end_to_end_under_pflbed(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for d, dom in enumerate(("photo", "sketch")):
+        for c, cls in enumerate(("cat", "dog", "fish")):
+            folder = tmp_path / "tree" / dom / cls
+            folder.mkdir(parents=True)
+            for i in range(40):
+                base = np.full((10, 10, 3), 40 + 80 * c, dtype=np.uint8)
+                img = np.clip(base + rng.integers(0, 30, base.shape) + 60 * d, 0, 255).astype(np.uint8)
+                Image.fromarray(img).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
+    cfg = {**TINY, "dataset": {"name": "folder", "path": str(tmp_path / "tree"), "image_size": 8},
+           "federation": {**PF, "pflbed": {"clients_per_domain": 2, "new_clients_per_domain": 1}},
+           "eval": {"every": 2, "finetune": [],
+                    "new_clients": {"epochs": 1, "lrs": [0.05], "methods": ["lp"]}}}  # fmt: skip
+    res = pflbed.run(cfg, write=False)
+    assert res.summary["dataset"] == "folder" and res.summary["clients"] == {"participated": 4, "new": 2}
+    assert res.summary["final"]["gfl_acc"] > 1 / 3  # 3 well-separated colours: better than chance

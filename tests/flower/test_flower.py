@@ -1,0 +1,165 @@
+"""pflbed on Flower's simulation runtime (`executor.name: flower`) gives the loop executor's results, bit for bit.
+
+One simulation (`FlowerSimulation`, started once for the module) serves every experiment here: starting Flower's
+runtime and Ray costs seconds.
+"""
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
+from pflbed.federation import sample_clients
+from pflbed.runs import run
+
+from ..tiny import PARITY_CASES, TINY, parity_config
+from ..tiny import figures as _figures
+from ..tiny import same_tensors as _same
+
+flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it, so these tests run there
+
+from pflbed.algorithms.training import WeightedMean  # noqa: E402
+from pflbed.engine.executor import update_client  # noqa: E402
+from pflbed.flower import client  # noqa: E402
+from pflbed.flower.executor import FlowerClientError, FlowerRoundError  # noqa: E402
+from pflbed.flower.simulation import FlowerSimulation, simulate  # noqa: E402
+
+from ..fake_flower import FakeGrid, FakeSimulation  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sim():
+    with FlowerSimulation(supernodes=3, workers=2) as s:
+        yield s
+
+
+@pytest.mark.parametrize("name", PARITY_CASES)
+def test_flower_simulation_equals_loop_bit_for_bit(name, sim):
+    """Same summary, server state and client states as `loop` at one thread per process: the ClientApp runs the
+    loop's own `update_client` on what crossed as Flower records (NumPy arrays: exact for every dtype used)."""
+    torch.set_num_threads(1)
+    loop = run(parity_config(name, {"threads": 1}), write=False, progress=False)
+    flower = run(parity_config(name, {"name": "flower", "threads": 1}), write=False, progress=False, simulation=sim)
+    assert _figures(flower.summary) == _figures(loop.summary)
+    assert _same(flower.server, loop.server)
+    assert all(_same(flower.executor.states[c], loop.executor.states[c]) for c in loop.executor.states)
+
+
+def _fedavg(**train):
+    return parity_config("fedavg", {"name": "flower", "threads": 1}, **train)
+
+
+def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied():
+    """Rule (driver.train_round): a round whose client 2 is lost aggregates the others' replies with their own
+    weights renormalized (Σ over repliers), keeps client 2's state as it was, and the next record lists it."""
+    torch.set_num_threads(1)
+    cfg = _fedavg(rounds=1)
+    cids = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
+    lost = cids[1]
+    got = run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid(lost={1: [lost]})))
+    algo = prepare(cfg)
+    server = algo.init_server()
+    payloads = algo.configure(1, server, cids)
+    mean = WeightedMean({c: algo.ctx.federation.num_train(c) for c in cids if c != lost})
+    for c in cids:
+        if c != lost:
+            mean.add(c, update_client(algo, 1, c, payloads[c], algo.init_client(c))[0])
+    assert _same(got.server, mean.result())
+    assert got.history[-1]["failed_clients"] == {"1": [lost]}
+    assert lost not in got.executor.states or _same(got.executor.states[lost], algo.init_client(lost))
+    full = run(parity_config("fedavg", {"threads": 1}, rounds=1), write=False, progress=False)
+    assert not _same(got.server, full.server)  # losing a client changes the round (the test can fail)
+    assert "failed_clients" not in full.history[-1]
+
+
+def test_failures_are_listed_per_round_until_the_next_record():
+    cfg = _fedavg(rounds=3)  # evaluated at rounds 2 and 3
+    r1 = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
+    r3 = sample_clients(cfg.seed, 3, list(range(6)), cfg.federation.sample_fraction)
+    got = run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid(lost={1: r1[:1], 3: r3[1:2]})))
+    assert [h.get("failed_clients") for h in got.history] == [{"1": r1[:1]}, {"3": r3[1:2]}]
+
+
+def test_a_round_without_any_reply_stops_the_run():
+    cfg = _fedavg(rounds=1)
+    cids = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
+    with pytest.raises(FlowerRoundError, match="round 1: no client replied"):
+        run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid(lost={1: cids})))
+
+
+def test_an_exception_in_a_client_update_stops_the_run_with_its_traceback(monkeypatch):
+    """A bug is not a lost node: the run stops and says which client failed and where."""
+
+    def broken(algo, rnd, cid, payload, state):
+        raise ValueError(f"broken update of client {cid}")
+
+    monkeypatch.setattr(client, "update_client", broken)
+    with pytest.raises(FlowerClientError, match=r"(?s)clients \[\d+\] \(round 1\):.*ValueError: broken update"):
+        run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(FakeGrid()))
+
+
+def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
+    grid = FakeGrid(partitions=3)
+    grid.nodes = grid.nodes[:2]  # partition 2's node never connects
+    monkeypatch.setattr("pflbed.flower.executor.time.sleep", lambda s: None)
+    monkeypatch.setattr("pflbed.flower.executor.time.monotonic", iter(range(0, 10**6, 100)).__next__)
+    with pytest.raises(FlowerRoundError, match=r"partitions \[0, 1\] of \[3\]"):
+        run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+
+
+def test_clientapps_ask_ray_for_a_share_of_the_gpu_only_for_a_gpu_run(monkeypatch):
+    """Ray sets CUDA_VISIBLE_DEVICES to empty in a worker that asks for no GPU, so a GPU run's ClientApps each ask
+    for 1 / workers of it; a CPU run's ask for none. A simulation serves only runs on its kind of device."""
+    backends = []
+    monkeypatch.setattr("pflbed.flower.simulation.run_simulation", lambda **kw: backends.append(kw["backend_config"]))
+    for gpu, share in ((True, 1 / 3), (False, 0.0)):
+        with FlowerSimulation(supernodes=4, workers=3, gpu=gpu) as s:
+            s.thread.join()
+        assert backends.pop()["client_resources"] == {"num_cpus": 1, "num_gpus": share}
+    gpu_sim = FlowerSimulation.__new__(FlowerSimulation)  # not started: the check comes first
+    gpu_sim.gpu_share = 0.5
+    with pytest.raises(ValueError, match="gpu=True cannot serve a run on cpu"):
+        simulate(prepare(_fedavg(rounds=1)), lambda ex: None, gpu_sim)
+
+
+def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
+    for key, value in (("supernodes", 2), ("round_timeout", 5.0), ("state_dir", "states")):
+        with pytest.raises(ConfigError, match=f"{key} applies to executor.name=flower"):
+            validate_config({**TINY, "executor": {key: value}})
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "flwr" else object())
+    with pytest.raises(ConfigError, match=r"needs the flower extra: pip install 'pflbed\[flower\]'"):
+        validate_config({**TINY, "executor": {"name": "flower"}})
+
+
+def _flower_processes():
+    """{pid: command line} of Flower deployment processes alive on this machine (SuperLink, SuperNodes, their apps)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if any(k in cmd for k in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
+                                      "flwr-clientapp")):  # fmt: skip
+                out[int(d)] = cmd
+    return out
+
+
+def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
+    from flwr.common.config import validate_config as flwr_validate
+
+    from pflbed.cli import main
+
+    assert main(["flower", "app", "--out", str(tmp_path / "app"), "--set", "train.rounds=3"]) == 0
+    conf = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
+    ok, errors, _ = flwr_validate(conf, check_module=True, project_dir=tmp_path / "app")
+    assert ok, errors
+    pflbed_cfg = json.loads(conf["tool"]["flwr"]["app"]["config"]["config"])
+    assert pflbed_cfg["train"]["rounds"] == 3 and pflbed_cfg["executor"]["name"] == "flower"

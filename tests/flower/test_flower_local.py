@@ -1,0 +1,147 @@
+"""`pflbed flower local` as the README writes it: a relative `--out` with TLS, node authentication and states on the
+nodes, Ctrl-C and `--resume` of the deployment itself, and a failed deployment's one-line cause, exit code and
+advice."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pflbed.cli import main
+from pflbed.config import load_config
+from pflbed.results.checkpoint import checkpoint_round
+from pflbed.results.rundir import config_text
+from pflbed.runs import run
+
+from ..tiny import figures
+
+pytest.importorskip("flwr")  # the `flower` extra
+
+from pflbed.flower import local  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+SETS = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "federation.alpha=1.0",
+        "federation.sample_fraction=0.5", "train.rounds=2", "train.batch_size=16", "train.lr=0.1",
+        "train.checkpoint_every=1", "eval.every=2", "eval.finetune=[]", "executor.threads=1"]  # fmt: skip
+ARGS = [a for s in SETS for a in ("--set", s)]
+
+
+def _flower_processes() -> set[int]:
+    found = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if any(k in cmd for k in (b"flower-superlink", b"flower-supernode", b"flower-superexec", b"flwr-serverapp",
+                                      b"flwr-clientapp")):  # fmt: skip
+                found.add(int(d))
+    return found
+
+
+def test_tls_auth_node_states_and_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deployment(tmp_path,
+                                                                                                       monkeypatch):
+    """The README's TLS command with node authentication, client states held on the nodes and a relative `--out`
+    (Flower wants absolute certificate paths): a real SuperLink and 2 SuperNodes (separate processes, a generated CA,
+    registered node keys) run; Ctrl-C says which round is checkpointed and the deployment's own `--resume` command,
+    which finishes the run with the loop's figures, the states in files on the nodes and no process left behind."""
+    before = _flower_processes()  # others' (none in CI); this test's own must all be gone afterwards
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    # four rounds, checkpointed each: Ctrl-C lands after round 1's checkpoint with rounds still to run (with two,
+    # a busy machine could deliver it after the last round, and the run would simply finish)
+    states = tmp_path / "states"
+    sets = [s if not s.startswith("train.rounds=") else "train.rounds=4" for s in SETS]
+    sets += ["algorithm.name=fedper", f"executor.state_dir={states}"]
+    args = [a for s in sets for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "pflbed", "flower", "local", "--supernodes", "2", "--tls", "--auth", "--out", "run",
+           *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while checkpoint_round(tmp_path / "run") is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    rnd = checkpoint_round(tmp_path / "run")
+    assert err.strip().splitlines()[-1] == (f"pflbed: interrupted; round {rnd} of 4 is checkpointed in "
+                                            "run/checkpoints/last.pt; continue with 'pflbed flower local --resume "
+                                            "run --tls --auth'")  # fmt: skip
+    assert 1 <= rnd < 4 and not (tmp_path / "run" / "summary.json").exists()
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)
+    assert main(["flower", "local", "--resume", "run", "--tls", "--auth"]) == 0
+    assert not _flower_processes() - before
+    work = tmp_path / "run" / "flower"
+    assert "https://" in (work / "superlink.log").read_text()  # TLS was on
+    assert (work / "register.log").read_text().count("registered successfully") == 2  # both node keys
+    assert len(list(states.glob("*/client-*/round-*.pt"))) >= 3  # the sampled clients' states, on the nodes
+    loop = run(load_config(None, sets[:-1]), write=False, progress=False)  # the loop holds states in memory
+    assert figures(json.loads((tmp_path / "run" / "summary.json").read_text())) == figures(
+        json.loads(json.dumps(loop.summary))
+    )
+
+
+def test_a_failed_deployment_says_why_where_the_logs_are_and_how_to_continue(tmp_path, monkeypatch, capsys):
+    """A run that stops inside Flower (here: a broken app config, so the ServerApp refuses it) is one line with
+    Flower's cause, exit code 4 (not 3, "diverged"), and the deployment's own `--resume`; rerunning the same
+    command points there too, not at `pflbed run --resume` (which would continue in the simulation)."""
+    real = local.write_app
+
+    def broken(path, cfg, out, resume=False):
+        app = real(path, cfg, out, resume)
+        (app / "pyproject.toml").write_text((app / "pyproject.toml").read_text().replace("config = ", "config = 1\n"
+                                                                                         "broken = ", 1))  # fmt: skip
+        return app
+
+    monkeypatch.setattr(local, "write_app", broken)
+    monkeypatch.chdir(tmp_path)
+    args = ["flower", "local", "--supernodes", "1", "--out", "run", *ARGS]
+    assert main(args) == 4
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    assert err.startswith("pflbed: error: the Flower deployment's run did not finish: pflbed.errors.ConfigError: "
+                          "config: ")  # fmt: skip
+    assert "(logs: run/flower/run.log, superlink.log, supernode-*.log)" in err
+    assert err.endswith("no round was checkpointed yet (it starts over); fix the cause, then continue with "
+                        "'pflbed flower local --resume run'")  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "continue it with 'pflbed flower local --resume run'" in err and "pflbed run --resume" not in err
+
+
+def test_the_cause_is_read_from_flowers_log(tmp_path):
+    """Flower's error panel, or the ServerApp's exception; a divergence inside the deployment keeps exit code 3 and
+    its own advice (lower the lr), since resuming it unchanged would diverge again."""
+    log = tmp_path / "run.log"
+    log.write_text("╭─ Error ───╮\n│ Failed to parse the Flower    │\n│ configuration file. │\n╰──────╯\n")
+    e = local.failed(log, tmp_path / "run", "pflbed flower local --resume run")
+    assert e.exit_code == 4 and "did not finish: Failed to parse the Flower configuration file. (logs:" in str(e)
+    log.write_text("Traceback (most recent call last):\n  File x\npflbed.errors.DivergedError: diverged in round 2: "
+                   "client 0's reply — lower train.lr\nERROR : Exit Code: 201\n")  # fmt: skip
+    e = local.failed(log, tmp_path / "run", "pflbed flower local --resume run")
+    assert e.exit_code == 3 and str(e).startswith("diverged in round 2: client 0's reply — lower train.lr (logs:")
+    assert "--resume" not in str(e)
+
+
+def test_resume_takes_only_a_deployment_run_and_a_finished_one_is_left_alone(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--no-progress", "--out", str(out), *ARGS]) == 0
+    capsys.readouterr()
+    assert main(["flower", "local", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"not a run of 'pflbed flower local'; continue it with 'pflbed run --resume {out}'" in err
+    done = tmp_path / "done"  # a finished deployment run
+    done.mkdir()
+    (done / "config.yaml").write_text(config_text(load_config(None, [*SETS, "executor.name=flower",
+                                                                     "executor.supernodes=2"])))  # fmt: skip
+    (done / "summary.json").write_text((out / "summary.json").read_text())
+    assert main(["flower", "local", "--resume", str(done)]) == 0
+    assert "already finished: nothing to resume" in capsys.readouterr().out

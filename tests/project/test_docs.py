@@ -1,0 +1,85 @@
+"""The documentation site: its generated pages are those of the code, every algorithm and every config key has its
+page or row, and the site builds with `mkdocs build --strict` (the `docs` extra; CI installs it)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pflbed.algorithms import ALGORITHMS
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "docs"))
+
+import generate  # noqa: E402  (docs/generate.py)
+
+
+def test_the_committed_generated_pages_are_those_of_the_code():
+    stale = [str(p.relative_to(ROOT)) for p, text in generate.pages().items() if not p.is_file() or p.read_text()
+             != text]  # fmt: skip
+    assert not stale, f"stale pages: {stale}; run python docs/generate.py"
+
+
+def test_every_algorithm_has_a_page_in_the_site_s_navigation_and_every_config_key_a_row():
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    algorithms = next(v for item in nav for k, v in item.items() if k == "Algorithms")
+    pages = {next(iter(i.values())) if isinstance(i, dict) else i for i in algorithms}
+    assert {f"algorithms/{n}.md" for n in ALGORITHMS} <= pages
+    reference = (ROOT / "docs" / "reference" / "config.md").read_text()
+    keys = [k for k, *_ in generate.config_keys()]
+    assert len(keys) > 90 and all(f"| `{k}` |" in reference for k in keys)
+    assert "| `sites.local` |" in reference and "| `executor.precision` |" in reference
+
+
+def test_a_page_goes_stale_when_the_code_changes(monkeypatch):
+    """The freshness check can fail: an option description changed in the code makes its page stale."""
+    from pflbed.algorithms.fedper import FedPer
+
+    field = FedPer.Config.model_fields["personal_blocks"]
+    monkeypatch.setattr(field, "description", "changed")
+    page = generate.algorithm_page("fedper")
+    assert "changed" in page and page != (ROOT / "docs" / "algorithms" / "fedper.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="the docs extra: pip install -e '.[docs]'")
+def test_the_site_builds_strictly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1",
+                                                                           **__import__("os").environ})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    html = (tmp_path / "site" / "algorithms" / "fedbasis" / "index.html").read_text()
+    assert "Learning Shareable Bases" in html
+
+
+def test_the_readme_is_a_landing_page_whose_links_resolve():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    links = [t for t in re.findall(r"\]\(([^)]+)\)", text) if not t.startswith(("http://", "https://", "#"))]
+    assert len(links) > len(ALGORITHMS)  # every algorithm links to its page
+    missing = [t for t in links if not (ROOT / t.split("#")[0]).exists()]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize(("row", "key"), [
+    ("| LG-FedAvg+FT | 1 |", "lgfedavg"), ("| **FedRoD (hyper)** | 1 |", "fedrodhyper"), ("| FedRoD-hyper | 1 |",
+     "fedrodhyper"), ("| FedRoD (linear) | 1 |", "fedrod"), ("| FedSelect α = 0.3 | 1 |", "fedselect"),
+    ("| KT-pFL − FedMD | 1 |", None), ("| Per-FedAvg, α 0.003 | 1 |", "perfedavg"), ("| `fedavg` | 1 |", "fedavg"),
+])  # fmt: skip
+def test_a_results_row_is_attributed_to_the_algorithm_it_names(row, key):
+    assert generate._row_key(row) == key
+
+
+def test_an_algorithm_page_repeats_exactly_the_results_rows_that_name_it():
+    """Rows of docs/results/*.md reach the page of the algorithm they name, and no other algorithm's rows do."""
+    page = generate.algorithm_page("fedselect")
+    measured = page.split("## Measured results", 1)[1]
+    assert "| FedSelect α = 0.3 | **93.20 ± 1.55** |" in measured  # docs/results/fedselect.md
+    assert "](../results/fedselect.md#fedselect-fashion-mnist-10-clients-2-classes" in measured
+    rows = [r for r in measured.splitlines() if r.startswith("|") and not r.startswith("|---")]
+    headers = {r for r in rows if generate._row_key(r) in ("method", "cells", "algorithm")}
+    assert rows and all(generate._row_key(r) == "fedselect" for r in rows if r not in headers)

@@ -1,0 +1,55 @@
+"""What a user meets first: the package namespace, `--help` pages, `pflbed algorithms`, the shipped configs."""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import pflbed
+from pflbed.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_package_namespace_is_its_api():
+    """`dir(pflbed)` shows the API and the subpackages, no stray imports (`Any`, `Path`, `annotations`)."""
+    public = {n for n in dir(pflbed) if not n.startswith("_") and not inspect.ismodule(getattr(pflbed, n))}
+    assert public == set(pflbed.__all__) - {"__version__"} == {"load_config", "load_run", "run"}
+    assert all(hasattr(pflbed, n) for n in pflbed.__all__)
+
+
+@pytest.mark.parametrize("action, own, other", [("local", "--supernodes", "--run-dir"),
+                                                ("app", "--run-dir", "--supernodes")])  # fmt: skip
+def test_flower_subcommands_have_their_own_help(action, own, other, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["flower", action, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: pflbed flower {action}") and own in out and other not in out
+
+
+def _file_references(text: str) -> set[str]:
+    """Tokens that look like a path to a file (`dir/name.ext`)."""
+    return set(re.findall(r"[\w.-]+(?:/[\w.-]+)+\.(?:txt|pdf|md|tex|py|yaml)\b", text))
+
+
+def test_algorithms_cite_papers_and_name_no_missing_file(capsys):
+    """`pflbed algorithms NAME` prints the paper's citation: any file it names exists in the repository."""
+    from pflbed.algorithms import ALGORITHMS
+
+    for name in ALGORITHMS:
+        assert main(["algorithms", name]) == 0
+        out = capsys.readouterr().out
+        missing = [f for f in _file_references(out) if not (ROOT / f).exists() and not (ROOT / "src" / f).exists()]
+        assert not missing, (name, missing)
+        assert "Spec:" not in out and "papers/" not in out, name
+
+
+def test_shipped_configs_describe_themselves_in_user_terms():
+    """The comments of benchmarks/configs and benchmarks/suites say what a config runs, not why it was written."""
+    files = sorted(f for d in ("configs", "suites") for f in (ROOT / "benchmarks" / d).glob("*.yaml"))
+    assert files
+    for f in files:
+        comments = "\n".join(line for line in f.read_text().splitlines() if line.lstrip().startswith("#"))
+        assert not re.search(r"\bissue\b|acceptance", comments, re.IGNORECASE), f

@@ -1,0 +1,231 @@
+"""`pflbed bench`: cells are ordinary runs, finished cells are skipped, tables are the seeds' mean ± std."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pflbed.cli import main
+from pflbed.results.bench import Bench, load_suite
+
+from ..tiny import TINY
+
+TABLE = {
+    "settings": {"a0.5": {"federation.alpha": 0.5}, "a5": {"federation.alpha": 5.0}},
+    "methods": {
+        "FedAvg": {"set": {"algorithm.name": "fedavg"}},
+        "FedAvg+FT": {"same_as": "FedAvg", "report": {"G-FL": None, "P-FL": "final.ft.pfl_acc"}},
+        "Local": {"set": {"algorithm.name": "local"}},
+    },
+}
+SUITE = {
+    "name": "tiny",
+    "base": {**TINY, "train": {**TINY["train"], "rounds": 2, "checkpoint_every": 0},
+             "eval": {"every": 2, "finetune": ["ft"]}},
+    "seeds": [0, 1],
+    "tables": {"main": TABLE, "other": {"base": {"federation": {"clients": 4}}, "seeds": [3],
+                                        "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}},
+                                        "report": {"up": "communication.up_bytes_per_round"},
+                                        "column_scale": {"up": 0.001}},
+               "reuse": {"settings": {"a5": {}}, "methods": {"Local": {"same_as": "main/Local"}}}},
+}  # fmt: skip
+
+
+@pytest.fixture
+def suite_file(tmp_path):
+    f = tmp_path / "suite.yaml"
+    f.write_text(yaml.safe_dump({**SUITE, "out": str(tmp_path / "out")}))
+    return f
+
+
+def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
+    bench = Bench(load_suite(suite_file))
+    assert len(bench.cells()) == 9  # 2 settings × 2 methods with runs × 2 seeds (FedAvg+FT reuses FedAvg), + 1
+    assert main(["bench", "-c", str(suite_file), "--max-cells", "3"]) == 0
+    assert len(bench.pending()) == 6 and "6 cells still to run" in " ".join(capsys.readouterr().out.split())
+    main_t, other, reuse = bench.tables
+    first = main_t.run_dir("a0.5", "FedAvg", 0) / "summary.json"
+    stamp = first.stat().st_mtime_ns
+    assert main(["bench", "-c", str(suite_file)]) == 0
+    assert bench.pending() == [] and first.stat().st_mtime_ns == stamp  # finished cells are not re-run
+
+    rows = {(r["method"], r["setting"]): r for r in main_t.collect()}
+    s = [json.loads((main_t.run_dir("a5", "FedAvg", k) / "summary.json").read_text()) for k in (0, 1)]
+    mean_ft = 100 * (s[0]["final"]["ft"]["pfl_acc"] + s[1]["final"]["ft"]["pfl_acc"]) / 2
+    assert rows[("FedAvg+FT", "a5")]["P-FL"][0] == pytest.approx(mean_ft)
+    assert rows[("FedAvg+FT", "a5")]["G-FL"] is None and rows[("Local", "a5")]["G-FL"] is None
+    assert reuse.collect()[0]["P-FL"] == rows[("Local", "a5")]["P-FL"]  # another table's runs, not new ones
+    assert len(bench.cell_files("summary.json")) == 9 and bench.cell_files("plots/none.png") == []
+    other_summary = json.loads((other.run_dir("", "FedAvg", 3) / "summary.json").read_text())
+    assert other_summary["clients"]["participated"] == 4
+    up = other.collect()[0]["up"]
+    assert up == (pytest.approx(other_summary["communication"]["up_bytes_per_round"] / 1000), 0.0)
+    md = (tmp_path / "out" / "table.md").read_text().splitlines()
+    assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL | seeds |" in md
+    assert sum("±" in line for line in md) == 5  # 3 rows of the main table + 1 of each other table
+    csv_lines = (tmp_path / "out" / "table.csv").read_text().splitlines()
+    assert csv_lines[0] == "table,method,setting,column,mean,std,seeds,wall_s"
+    assert len(csv_lines) == 1 + 3 * 2 * 2 + 1 + 2
+
+
+def test_bad_suites_are_one_line_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "Nope"}}}}}))
+    assert main(["bench", "-c", str(bad)]) == 2
+    assert "same_as" in capsys.readouterr().err
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "nope/FedAvg"}}}}}))
+    assert main(["bench", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "no table 'nope'" in err and "{" not in err  # the message, not the whole suite
+    clash = {"A ✓": {"set": {"algorithm.name": "fedavg"}}, "A ✗": {"set": {"algorithm.name": "local"}}}
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": clash}}}))
+    assert main(["bench", "-c", str(bad)]) == 2
+    assert "would share the run directory 'A'" in capsys.readouterr().err
+    bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"set": {"train.epochs": 3}}}}}}))
+    assert main(["bench", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "train.epochs: unknown key" in err and "X" in err
+
+
+def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):
+    assert main(["bench", "-c", str(suite_file), "--max-cells", "1"]) == 0
+    tree = yaml.safe_load(suite_file.read_text())
+    tree["base"]["train"]["lr"] = 0.2
+    suite_file.write_text(yaml.safe_dump(tree))
+    assert main(["bench", "-c", str(suite_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "another version of the suite" in err
+
+
+def test_report_paths_may_cross_keys_with_dots():
+    from pflbed.results.bench import _get
+
+    tree = {"new_clients": {"per_lr": {"0.005": {"last": 0.5}, "0.05": {"last": 0.7}}}, "flag": True}
+    assert _get(tree, "new_clients.per_lr.0.005.last") == 0.5
+    assert _get(tree, "new_clients.per_lr.0.05.last") == 0.7
+    assert _get(tree, "new_clients.per_lr.0.1.last") is None and _get(tree, "flag") is None
+
+
+def test_shards_split_the_cells_without_overlap(suite_file, capsys):
+    assert main(["bench", "-c", str(suite_file), "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
+    bench = Bench(load_suite(suite_file))
+    ran = [bench.run(max_cells=None, log=lambda _: None, shard=(k, 3)) for k in (1, 2, 3)]
+    assert ran == [3, 3, 3] and bench.pending() == []
+    with pytest.raises(SystemExit):
+        main(["bench", "-c", str(suite_file), "--shard", "3/2"])
+    assert "argument --shard: need 1 <= I <= N" in capsys.readouterr().err
+
+
+def test_parallel_jobs_give_the_same_cells_as_one_process(tmp_path):
+    one, two = (tmp_path / n for n in ("one", "two"))
+    for out in (one, two):
+        (out / "suite.yaml").parent.mkdir()
+        (out / "suite.yaml").write_text(yaml.safe_dump({**SUITE, "out": str(out / "res"), "seeds": [0]}))
+    assert main(["bench", "-c", str(one / "suite.yaml")]) == 0
+    assert main(["bench", "-c", str(two / "suite.yaml"), "--jobs", "2"]) == 0
+    a, b = (Bench(load_suite(out / "suite.yaml")) for out in (one, two))
+    assert b.pending() == [] and len(b.cells()) == len(a.cells())
+    for (t, c), (u, d) in zip(a.cells(), b.cells(), strict=True):
+        s, r = (json.loads((x.run_dir(*y) / "summary.json").read_text()) for x, y in ((t, c), (u, d)))
+        assert s["final"] == r["final"]  # workers use one torch thread, as the test session does
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_diverging_cell_stops_the_bench_with_one_line_in_any_worker_layout(tmp_path, capsys, jobs):
+    """Divergence crosses the worker-process boundary intact (`DivergedError` pickles): exit 3 and one line, no
+    traceback (with --jobs 2 this was a BrokenProcessPool traceback)."""
+    suite = {**SUITE, "out": str(tmp_path / "res"), "seeds": [0],
+             "base": {**SUITE["base"], "train": {**SUITE["base"]["train"], "lr": 1e12}}}  # fmt: skip
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    assert main(["bench", "-c", str(tmp_path / "suite.yaml"), "--jobs", jobs]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("pflbed: error: diverged in round")
+
+
+def _children(pid):
+    """Pids whose parent is `pid` (from /proc)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_workers_do_not_outlive_a_killed_bench(tmp_path):
+    """`bench --jobs 2` killed outright (SIGKILL: no cleanup of its own): its worker processes exit too, instead of
+    training cells on, orphaned, and holding the cores."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    slow = {**SUITE, "out": str(tmp_path / "res"), "seeds": [0, 1],
+            "base": {**SUITE["base"], "train": {**SUITE["base"]["train"], "rounds": 400}}}  # fmt: skip
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(slow))
+    proc = subprocess.Popen([sys.executable, "-m", "pflbed", "bench", "-c", str(tmp_path / "suite.yaml"), "--jobs",
+                             "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 60
+    spawned = lambda: [c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]  # noqa: E731
+    while len(workers := spawned()) < 2:
+        assert time.time() < deadline and proc.poll() is None, "the workers did not start"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(os.path.exists(f"/proc/{w}") and "spawn_main" in Path(f"/proc/{w}/cmdline").read_text() for w in workers):
+        assert time.time() < deadline, "workers outlived the bench"
+        time.sleep(0.2)
+
+
+SUITES = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "suites").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SUITES, ids=[p.stem for p in SUITES])
+def test_the_committed_results_match_their_suites(path, monkeypatch):
+    """Every finished cell under benchmarks/results was run with the config its suite gives it today: a changed
+    default or an edited suite would otherwise leave tables that no command reproduces (the bench refuses them)."""
+    monkeypatch.chdir(path.parent.parent.parent)  # suites name their outputs relative to the repository root
+    assert Bench(load_suite(path)).stale() == []
+
+
+def test_paired_differences_are_per_seed_differences_of_the_same_column(suite_file, capsys):
+    """benchmarks/paired_differences.py: A − B seed by seed, only over the seeds both rows finished."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "paired_differences.py"
+    spec = importlib.util.spec_from_file_location("paired_differences", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = Bench(load_suite(suite_file)).tables[0]
+    fake = {("FedAvg", 0): (0.70, 0.80), ("FedAvg", 1): (0.60, 0.90), ("Local", 0): (None, 0.75),
+            ("Local", 1): (None, 0.95)}  # fmt: skip  # (G-FL, P-FL); FedAvg+FT reads final.ft.pfl_acc
+    for (method, seed), (g, p) in fake.items():
+        d = table.run_dir("a5", method, seed)
+        d.mkdir(parents=True)
+        final = {"gfl_acc": g, "pfl_acc": p, "ft": {"pfl_acc": p - 0.1}}
+        (d / "summary.json").write_text(json.dumps({"final": final}))
+    module.main(str(suite_file), "main", "FedAvg+FT", "Local")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| a5")]
+    # P-FL: FedAvg+FT (0.70, 0.80) − Local (0.75, 0.95) = −5, −15 points; G-FL is null for both rows
+    assert rows == ["| a5 | P-FL | -5.00, -15.00 | -10.00 ± 5.00 (2 seeds) |"]
+
+
+def test_a_cell_finished_by_another_bench_meanwhile_is_read_not_rerun(suite_file, capsys):
+    """Two benches on overlapping cells: a cell the other one finished after this one planned is skipped, not an
+    error that stops the bench (the run itself refuses a finished directory)."""
+    from pflbed.results.bench import _run_cells
+
+    bench = Bench(load_suite(suite_file))
+    assert main(["bench", "-c", str(suite_file), "--max-cells", "1"]) == 0
+    table, cell = bench.cells()[0]
+    summary = table.run_dir(*cell) / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    final, took = next(_run_cells([(table.cell_config(*cell), table.run_dir(*cell))], jobs=1))
+    assert took is None and final == json.loads(summary.read_text())["final"]
+    assert summary.stat().st_mtime_ns == stamp
