@@ -102,13 +102,14 @@ def test_an_unknown_precision_is_a_config_error():
 def test_every_algorithm_runs_in_bf16(name):
     """Each algorithm's own computations meet autocast's bfloat16 outputs (kNN-Per's datastore distances failed
     on a scatter of mixed dtypes before they were computed in float32)."""
-    from .test_device import FED, LIGHT
+    from .test_device import EVAL, FED, LIGHT
 
     options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
     options.update({"K": 2} if name == "fedbasis" else {})  # two rounds: one warm-up round of 2 clients
     options.update({"hidden": 16, "hidden_layers": 1, "local_steps": 2} if name == "pfedhn" else {})  # default: 25 s
     executor = {"threads": 1, "precision": "bf16"}
-    cfg = validate_config({**TINY, "federation": FED, "algorithm": {"name": name, **options},
+    # the new-client protocol (ft and lp) on a one-epoch budget: its code paths, not the default 240 epochs
+    cfg = validate_config({**TINY, "federation": FED, "eval": EVAL, "algorithm": {"name": name, **options},
                            "train": {**TINY["train"], "rounds": 2}, "executor": executor})  # fmt: skip
     r = run(cfg, write=False, progress=False)
     assert all(v.dtype != torch.bfloat16 for v in r.server.values())
