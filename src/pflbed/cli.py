@@ -364,7 +364,7 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from pflbed.algorithms import get_algorithm
-    from pflbed.results.catalog import catalog, options, paper
+    from pflbed.results.catalog import catalog, options, paper, shared_search
 
     console = make_console()
     if args.name:
@@ -374,11 +374,12 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
             raise PflbedError(str(e).replace("algorithm.name", "algorithms NAME")) from None
         console.print(f"{args.name}: {paper(cls)}")
         t = Table(title=f"{args.name} options (--set algorithm.<option>=VALUE)")
-        for col in ("option", "type", "default", "range", "meaning"):
+        for col in ("option", "type", "default", "range", "meaning", "search (pflbed tune)"):
             t.add_column(col)
         for o in options(cls):
-            t.add_row(o["name"], o["type"], repr(o["default"]), o["range"], o["description"])
+            t.add_row(o["name"], o["type"], repr(o["default"]), o["range"], o["description"], o["search"])
         console.print(t if t.row_count else f"{args.name} has no options of its own")
+        console.print(f"search space (pflbed tune): {shared_search()}, and the options with a search column")
         return
     t = Table(title="algorithms (--set algorithm.name=NAME; `pflbed algorithms NAME` for its options)")
     for col in ("name", "paper", "options (default)"):
