@@ -113,6 +113,8 @@ def test_a_two_method_study_finishes_and_writes_the_table(tmp_path, capsys):
     assert "algorithm.mu" in rows["FedProx"]["chosen"] and "train.momentum" not in rows["FedProx"]["chosen"]
     md = (out / "table.md").read_text()
     assert "| FedProx | 2 (" in md and "P-FL default | P-FL tuned" in md and "plots/FedAvg-history.png" in md
+    page = (out / "report.html").read_text()  # self-contained: the plots embedded
+    assert page.count("data:image/png;base64,") == sum(len(r["plots"]) for r in rows.values()) >= 2
     # every trial is an ordinary run directory: pflbed report reads it
     trial = next((out / "trials" / "FedAvg").iterdir())
     assert main(["report", str(trial), "-o", str(tmp_path / "r.md")]) == 0

@@ -431,15 +431,13 @@ class Tuner:
                     plt.close("all")
         return self.plots
 
-    def markdown(self, rows: list[dict[str, Any]]) -> str:
+    def table(self, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+        """The table's header and cells: per method the budget, the best trial, the chosen values, and each test
+        column of the default and of the tuned configuration side by side."""
         cols = list(dict.fromkeys(c for r in rows for c in r["default"]))
         head = ["method", "budget (complete / pruned)", "objective (best, trial)", "chosen values"]
-        head += [f"{c} {w}" for c in cols for w in ("default", "tuned")] + ["seeds"]
-        lines = [f"## {self.suite.name}: default vs tuned", "",
-                 f"Test figures (%), mean ± std over seeds {self.suite.seeds}, of each method's default "
-                 f"configuration and of the configuration its study chose on validation ({self.suite.tune.sampler}, "
-                 f"pruner {self.suite.tune.pruner}, trials on seed {self.seed}).", "",
-                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+        head += [f"{c} {w}" for c in cols for w in ("default", "tuned")] + ["seeds (default/tuned)"]
+        out = []
         for r in rows:
             chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
             best = "—" if r["best_value"] is None else f"{r['objective']} {_pct(r['best_value'])} (#{r['best_trial']})"
@@ -450,8 +448,20 @@ class Tuner:
                     cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
             s = r["seeds"]
             cells.append(f"{s['default']}/{s['tuned']} of {s['of']}")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "Search spaces:", ""]
+            out.append(cells)
+        return head, out
+
+    def _intro(self) -> str:
+        t = self.suite.tune
+        return (f"Test figures (%), mean ± std over seeds {self.suite.seeds}, of each method's default configuration "
+                f"and of the configuration its study chose on validation ({t.sampler}, pruner {t.pruner}, trials on "
+                f"seed {self.seed}); the objective is the validation figure of the round selected on validation.")
+
+    def markdown(self, rows: list[dict[str, Any]]) -> str:
+        from pflbed.results.report import _md_table
+
+        lines = [f"## {self.suite.name}: default vs tuned", "", self._intro(), "", _md_table(*self.table(rows)), "",
+                 "Search spaces:", ""]  # fmt: skip
         for r in rows:
             lines.append(f"- {r['method']}: " + (", ".join(f"`{k}` {t}" for k, t in r["space"].items()) or "none"))
         for r in rows:
@@ -460,11 +470,37 @@ class Tuner:
                 lines += [f"![{r['method']} {kind}]({p})" for kind, p in r["plots"].items()]
         return "\n".join(lines) + "\n"
 
+    def html(self, rows: list[dict[str, Any]]) -> str:
+        """The table and the plots as one self-contained HTML file (the plots embedded)."""
+        import base64
+        import html
+
+        from pflbed.results.report import STYLE, _html_table
+
+        title = f"pflbed tune: {self.suite.name}"
+        parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                 f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+                 f"<h2>Default vs tuned</h2><p>{html.escape(self._intro())}</p>", _html_table(*self.table(rows)),
+                 "<h2>Search spaces</h2><ul>"]  # fmt: skip
+        parts += [f"<li>{html.escape(r['method'])}: " + html.escape(", ".join(f"{k} {t}" for k, t in
+                                                                             r["space"].items()) or "none") + "</li>"
+                  for r in rows]  # fmt: skip
+        parts.append("</ul>")
+        for r in rows:
+            if r["plots"]:
+                parts.append(f"<h2>{html.escape(r['method'])}</h2>")
+            for kind, p in r["plots"].items():
+                data = base64.b64encode((self.out / p).read_bytes()).decode()
+                parts.append(f"<img alt='{html.escape(r['method'])} {kind}' src='data:image/png;base64,{data}'>")
+        return "\n".join(parts + ["</body></html>"])
+
     def write_tables(self) -> tuple[Path, Path]:
+        """table.md (plots linked), table.json and report.html (self-contained) in the tune directory."""
         self.draw()
         rows = self.rows()
         self.out.mkdir(parents=True, exist_ok=True)
         md, js = self.out / "table.md", self.out / "table.json"
+        (self.out / "report.html").write_text(self.html(rows))
         md.write_text(self.markdown(rows))
         js.write_text(json.dumps({"suite": self.suite.name, "seeds": self.suite.seeds, "trial_seed": self.seed,
                                   "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
