@@ -25,7 +25,8 @@ budget and the chosen values.
     report: {P-FL: selected.pfl_acc, G-FL: selected.gfl_acc}   # test columns (summary fields) of the table
 
 A space is `{low: L, high: H}` (`log: true` for log-uniform, `int: true` for integers) or `{choices: [...]}`.
-Keys a method fixes in its `set` are not tuned for it.
+A method's `set` (over `base`) is its default configuration, which the table compares with the tuned one; a key in
+both `set` and the space is tuned (from the space); `null` in a space fixes a declared key at its default.
 
 Storage: an SQLite file `study.db` in the tune directory by default; `--storage URL` takes any Optuna storage, and
 `pflbed tune --worker` on other machines joins the same studies (Optuna's distributed mode). A killed `pflbed tune`
@@ -167,7 +168,7 @@ class Method:
                     space.pop(key, None)
                 else:
                     space[key] = parse_space(value, f"{where}.{key}")
-        self.space: dict[str, Space] = {k: s for k, s in space.items() if k not in spec.set}
+        self.space: dict[str, Space] = space
         for key, s in self.space.items():  # every bound must make a valid config: names the key, not a trial
             for v in (s.options if hasattr(s, "options") else (s.low, s.high)):
                 try:
