@@ -232,3 +232,18 @@ def test_a_diverged_trial_counts_as_pruned_toward_the_budget(tmp_path):
     assert tuner.run_trials(max_trials=3, log=lambda *_: None) == 2  # the budget, then stop
     trials = tuner.study(tuner.methods[0]).get_trials()
     assert [t.state for t in trials] == [TrialState.PRUNED] * 2 and all("diverged" in t.user_attrs for t in trials)
+
+
+def test_objective_values_are_validation_figures():
+    from pflbed.results.tune import objective_value
+
+    history = [{"round": 1, "pfl_val": 0.5, "pfl_acc": 0.9, "gfl_val": 0.7, "gfl_acc": 0.1},
+               {"round": 2, "pfl_val": 0.6, "pfl_acc": 0.2, "gfl_val": 0.7, "gfl_acc": 0.3}]  # fmt: skip
+    per_lr = {"0.01": {"best_val": 0.4, "best": 0.99}, "0.1": {"best_val": 0.8, "best": 0.01}}
+    nc = {"methods": {"ft": {"S": {"lr_best": 0.1, "per_lr": per_lr}, "L": {"lr_best": 0.01, "per_lr": per_lr}}}}
+    summary = {"new_clients": nc, "final": {"ft": {"pfl_val": 0.45, "pfl_acc": 0.95}}}
+    assert objective_value(summary, history, "pfl_val") == 0.6
+    assert objective_value(summary, history, "gfl_val") == 0.7  # round 1: the earliest of ties
+    assert objective_value(summary, history, "new_val") == pytest.approx((0.8 + 0.4) / 2)
+    assert objective_value(summary, history, "final.ft.pfl_val") == 0.45
+    assert objective_value({"new_clients": None}, history, "new_val") is None
