@@ -145,6 +145,7 @@ def test_trials_are_scored_on_validation_never_on_test(tmp_path, monkeypatch):
         assert [t.intermediate_values[h["round"]] for h in history] == pytest.approx(running)
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
 def test_a_restarted_study_continues_without_repeating_trials(tmp_path):
     f = write(tmp_path, suite(tmp_path, 3))
     assert main(["tune", "-c", f, "--max-trials", "1"]) == 0
@@ -184,6 +185,7 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
     assert not (tuner.out / "table.md").exists()  # workers only run trials
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
 def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
     study = tuner.study(tuner.methods[0])
@@ -247,3 +249,31 @@ def test_objective_values_are_validation_figures():
     assert objective_value(summary, history, "new_val") == pytest.approx((0.8 + 0.4) / 2)
     assert objective_value(summary, history, "final.ft.pfl_val") == 0.45
     assert objective_value({"new_clients": None}, history, "new_val") is None
+
+
+def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):
+    """A real kill (SIGKILL mid-trial): the next `pflbed tune` fails the dead trial, runs its parameters again and
+    stops at the budget."""
+    import signal
+    import time
+
+    tree = suite(tmp_path, 1)
+    tree["base"] = {**BASE, "train": {**BASE["train"], "rounds": 60}, "eval": {"every": 10, "finetune": []}}
+    f = write(tmp_path, tree)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "pflbed", "tune", "-c", f, "--worker"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    metrics = tmp_path / "out" / "trials" / "FedAvg" / "trial0000" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:  # round 10
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    tuner = Tuner(load_tune_suite(f))
+    study = tuner.study(tuner.methods[0])
+    (killed,) = study.get_trials()
+    assert killed.state == TrialState.RUNNING and killed.user_attrs["pid"] == proc.pid
+    assert main(["tune", "-c", f, "--worker"]) == 0
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert trials[1].params == killed.params and trials[1].user_attrs["retry_of"] == 0
