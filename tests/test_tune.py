@@ -277,3 +277,14 @@ def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert trials[1].params == killed.params and trials[1].user_attrs["retry_of"] == 0
+
+
+TUNE_SUITES = sorted(p for p in (ROOT / "benchmarks" / "suites").glob("*.yaml")
+                     if "tune" in yaml.safe_load(p.read_text()))  # fmt: skip
+
+
+@pytest.mark.parametrize("path", TUNE_SUITES, ids=[p.stem for p in TUNE_SUITES])
+def test_the_committed_tune_suites_validate(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    tuner = Tuner(load_tune_suite(path))
+    assert len({m.budget for m in tuner.methods}) == 1 and all(m.space for m in tuner.methods)
