@@ -45,6 +45,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only every N-th cell starting at the I-th (start N processes, shards 1/N … N/N)")
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
+    u = sub.add_parser("tune", help="fair hyperparameter search (Optuna): the same trial budget per method, chosen on "
+                       "validation, then default vs tuned over seeds")  # fmt: skip
+    u.add_argument("-c", "--config", required=True, help="tune suite YAML file (docs/guide/tuning.md)")
+    u.add_argument("--storage", metavar="URL", help="Optuna storage URL shared by workers (default: SQLite "
+                   "study.db in the tune directory)")  # fmt: skip
+    u.add_argument("--worker", action="store_true", help="only run trials of the suite's studies in --storage (as "
+                   "many workers as machines), then stop; the main `pflbed tune` does the re-runs and the table")
+    u.add_argument("--max-trials", type=int, metavar="N", help="run at most N trials here, then stop (resumable)")
+    u.add_argument("--jobs", type=int, default=1, metavar="N", help="final re-runs: N at a time (as bench --jobs)")
+    u.add_argument("--table-only", action="store_true", help="only (re)write the table and plots")
     f = sub.add_parser("flower", help="run on Flower: a local deployment, or write a Flower app project")
     fa = f.add_subparsers(dest="action", required=True, metavar="{local,app,sites}")
     fl = fa.add_parser("local", help="run the experiment on a SuperLink and --supernodes SuperNodes started on this "
@@ -228,6 +238,37 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     console.print(f"tables: {md}, {cs}" + (f" — {left} cells still to run (re-run to continue)" if left else ""))
 
 
+def _cmd_tune(args: argparse.Namespace) -> None:
+    from pflbed.results.tune import Tuner, load_tune_suite, optuna_module
+
+    suite = load_tune_suite(args.config)
+    optuna_module()  # a missing Optuna: one line, before anything runs
+    tuner = Tuner(suite, storage=args.storage)
+    console = make_console()
+    if args.jobs < 1 or (args.max_trials is not None and args.max_trials < 0):
+        raise PflbedError("--jobs must be at least 1 and --max-trials at least 0")
+    if args.worker and args.table_only:
+        raise PflbedError("--worker runs trials only; --table-only writes the table: give one")
+    again = " ".join(["pflbed tune -c", args.config, *(["--storage", args.storage] if args.storage else []),
+                      *(["--worker"] if args.worker else [])])  # fmt: skip
+    try:
+        if not args.table_only:
+            tuner.run_trials(args.max_trials, worker=args.worker, log=console.print)
+        if args.worker:
+            return
+        unfinished = [m.name for m in tuner.methods if tuner.counts(tuner.study(m))[0] < m.budget]
+        if not args.table_only and not unfinished:
+            bench, _ = tuner.bench()
+            bench.run(log=console.print, jobs=args.jobs)
+    except KeyboardInterrupt:
+        raise Interrupted(lambda: f"interrupted; finished trials and re-runs are kept: continue with '{again}'"
+                          ) from None  # fmt: skip
+    md, js = tuner.write_tables()
+    console.print(md.read_text())
+    note = f" — studies still short of their budget: {', '.join(unfinished)} (re-run to continue)" if unfinished else ""
+    console.print(f"tables: {md}, {js}; study: {tuner.storage_url}{note}")
+
+
 def _cmd_flower(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
     from pflbed.results.rundir import default_out
@@ -364,7 +405,7 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from pflbed.algorithms import get_algorithm
-    from pflbed.results.catalog import catalog, options, paper
+    from pflbed.results.catalog import catalog, options, paper, shared_search
 
     console = make_console()
     if args.name:
@@ -374,11 +415,12 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
             raise PflbedError(str(e).replace("algorithm.name", "algorithms NAME")) from None
         console.print(f"{args.name}: {paper(cls)}")
         t = Table(title=f"{args.name} options (--set algorithm.<option>=VALUE)")
-        for col in ("option", "type", "default", "range", "meaning"):
+        for col in ("option", "type", "default", "range", "meaning", "search (pflbed tune)"):
             t.add_column(col)
         for o in options(cls):
-            t.add_row(o["name"], o["type"], repr(o["default"]), o["range"], o["description"])
+            t.add_row(o["name"], o["type"], repr(o["default"]), o["range"], o["description"], o["search"])
         console.print(t if t.row_count else f"{args.name} has no options of its own")
+        console.print(f"search space (pflbed tune): {shared_search()}, and the options with a search column")
         return
     t = Table(title="algorithms (--set algorithm.name=NAME; `pflbed algorithms NAME` for its options)")
     for col in ("name", "paper", "options (default)"):
@@ -455,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower,
                     "personalize": _cmd_personalize, "pretrain": _cmd_pretrain, "algorithms": _cmd_algorithms,
-                    "config": _cmd_config, "report": _cmd_report}  # fmt: skip
+                    "config": _cmd_config, "report": _cmd_report, "tune": _cmd_tune}  # fmt: skip
         commands[args.command](args)
     except DivergedError as e:
         print(f"pflbed: error: {e}", file=sys.stderr)

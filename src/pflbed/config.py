@@ -12,13 +12,14 @@ import math
 import os
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.errors import ConfigError
 from pflbed.hints import closest, did_you_mean, then
+from pflbed.search import IntSearch, Search, Space
 
 if TYPE_CHECKING:
     import torch
@@ -273,6 +274,9 @@ class FederationConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    # tuned for every method by `pflbed tune` (pflbed.search)
+    search: ClassVar[dict[str, Space]] = {"lr": Search(1e-3, 0.3, log=True), "local_epochs": IntSearch(1, 5),
+                                          "momentum": Search(0.0, 0.9)}  # fmt: skip
     rounds: int = Field(30, ge=1, le=1_000_000, description="communication rounds")
     local_epochs: int = Field(1, ge=1, le=100_000, description="local epochs per round")
     batch_size: int = Field(32, ge=1, le=INT_MAX, description="client mini-batch size")

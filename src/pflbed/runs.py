@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pflbed.engine import loop
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     from pflbed.config import Config
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 def run(
     cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
     force: bool = False, threads: int | None = None, pool: WorkerPool | None = None, simulation: Any = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> loop.RunResult:  # fmt: skip
     """`pflbed.engine.loop.run` (every argument but `simulation` means what it means there), with `executor.name:
     flower` hosted inside a Flower ServerApp, in `simulation` (a running `flower.simulation.FlowerSimulation` to
@@ -30,4 +32,4 @@ def run(
             return simulate(algo, experiment, simulation)
 
     return loop.run(cfg, out, write=write, progress=progress, resume=resume, force=force, threads=threads, pool=pool,
-                    host=host)  # fmt: skip
+                    host=host, on_record=on_record)  # fmt: skip

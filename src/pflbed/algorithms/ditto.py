@@ -20,15 +20,19 @@ defines no new-client procedure; they fine-tune the global model (FT/LP), as the
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import proximal_sgd, train_from
+from pflbed.search import Search, Space
 
 
 class DittoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"lam": Search(1e-3, 10.0, log=True)}  # the paper's grid: 0.01…2
     lam: float = Field(0.1, ge=0, description="λ of the personal objective F_k(v) + λ/2·‖v − w^t‖² (0: Local)")
     personal_epochs: int | None = Field(None, ge=0, description="epochs of the personal update (None: "
                                         "train.local_epochs)")  # fmt: skip

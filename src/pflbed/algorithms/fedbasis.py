@@ -114,7 +114,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -136,6 +136,7 @@ from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
 from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
+from pflbed.search import IntSearch, Search, Space
 
 STREAM = 0xFBA5  # FedBasis's own random streams (not one of pflbed.rng's tags): 0 random bases, 1 k-means
 MAJOR, BASIS, POOL = "major.", "basis", "pool"
@@ -145,6 +146,7 @@ class FedBasisOptions(BaseModel):
     """FedBasis options; defaults are the paper's setup (§6)."""
 
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"K": IntSearch(2, 8), "tau": Search(0.02, 1.0, log=True)}
     K: int = Field(4, ge=1, description="number of non-major bases")
     tau: float = Field(0.1, gt=0, le=1, description="sharpening temperature (1: no sharpening)")
     major: bool = Field(True, description="keep the major basis: θ = ½·v' + ½·Σ α_k v_k")

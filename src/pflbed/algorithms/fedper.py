@@ -34,6 +34,7 @@ Interpretations and deviations:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,12 +43,14 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset
 from pflbed.algorithms.training import WeightedMean
+from pflbed.search import Space
 
 
 class FedPerOptions(BaseModel):
     """FedPer options."""
 
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {}  # nothing beyond the shared train.* (K_P is an architecture choice)
     personal_blocks: int = Field(1, ge=1, description="K_P: top blocks kept personal (1 = the classifier)")
     head_finetune_epochs: int = Field(
         0, ge=0, description="App. A.3: epochs training the personal layers alone (base frozen) at the start of a round"

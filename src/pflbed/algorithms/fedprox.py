@@ -20,15 +20,19 @@ Personalization (+FT/+LP, new clients) fine-tunes the global model, as for FedAv
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import proximal_sgd
+from pflbed.search import Search, Space
 
 
 class FedProxOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"mu": Search(1e-4, 1.0, log=True)}  # the paper's grid spans 0.001…1
     mu: float = Field(0.01, ge=0, description="μ of the proximal term μ/2·‖w − w^t‖² (0: FedAvg)")
 
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,7 @@ from torch import nn
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
 from pflbed.models import BlockNet
+from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
     from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
@@ -242,6 +243,7 @@ def unprefixed(prefix: str, tensors: Tensors) -> Tensors:
 # --- the algorithm ------------------------------------------------------------------------------------------------
 class FedRoDOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"gamma": Search(0.0, 1.0), "personal_lr": Search(1e-3, 0.3, log=True)}
 
     gamma: float = Field(1.0, ge=0, description="exponent γ of the class counts in the balanced-softmax loss")
     personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal head (default: train.lr)")

@@ -111,7 +111,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -120,6 +120,7 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData,
 from pflbed.algorithms.masked_training import eligible_keys, local_alt
 from pflbed.algorithms.masks import fill, grow_mask, iou_matrix, masked_mean, pack_bits, take, unpack_bits
 from pflbed.algorithms.training import finetune_epochs, get_params, load_params, weighted_mean
+from pflbed.search import Search, Space
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"p": 0.25, "alpha": 0.3, "update_every": 1, "eligible": "all", "delta_from": "round_start"},
@@ -132,6 +133,7 @@ class FedSelectOptions(BaseModel):
     """FedSelect options; the ones left unset take the value of `preset`."""
 
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"p": Search(0.05, 0.5), "alpha": Search(0.1, 0.9)}
     preset: Literal["paper", "official"] = Field("paper", description="defaults for the unset options")
     p: float | None = Field(None, ge=0, le=1, description="personalization rate: share of global entries selected")
     alpha: float | None = Field(None, ge=0, le=1, description="personalization limit per tensor (0: FedAvg)")

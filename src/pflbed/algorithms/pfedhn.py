@@ -93,7 +93,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,7 @@ from torch.func import functional_call
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params, local_sgd
+from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
     from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
@@ -117,6 +118,7 @@ BUF = "buf."  # client state: the client's own buffers (BatchNorm statistics), b
 
 class PFedHNOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"hn_lr": Search(1e-3, 0.1, log=True)}
     embed_dim: int | None = Field(None, ge=1, le=100_000, description="d of v_i (default ⌊1 + n/4⌋, n clients)")
     hidden: int = Field(100, ge=1, le=100_000, description="units per hidden layer of the hypernetwork")
     hidden_layers: int = Field(3, ge=1, le=100, description="hidden layers (Linear + ReLU) before the heads")

@@ -116,6 +116,7 @@ def run(
     cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
     force: bool = False, threads: int | None = None, pool: WorkerPool | None = None,
     host: Callable[[Algorithm, Callable[[LoopExecutor], RunResult]], RunResult] | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunResult:  # fmt: skip
     """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
 
@@ -125,7 +126,9 @@ def run(
     processes to reuse for `executor.name: procs` (else the run starts and stops its own). With `executor.name:
     flower` the same experiment runs inside a Flower ServerApp: `host(algo, experiment)` runs `experiment` (a
     function of the executor) there. The engine does not import Flower: `pflbed.runs.run` (what `pflbed.run` and
-    the CLI call) passes Flower's simulation as the host.
+    the CLI call) passes Flower's simulation as the host. `on_record` is called with each evaluation's record once
+    it is logged (`pflbed tune` reports the validation curve to its pruner there; an exception it raises stops the
+    run, which keeps its metrics and last checkpoint).
     """
     if cfg.executor.name == "flower" and host is None:
         raise PflbedError("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts "
@@ -133,17 +136,18 @@ def run(
     algo = prepare(cfg, threads)
     rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
     if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
-        return host(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume))
+        return host(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume, on_record))
     executor, own_pool = make_executor(algo, pool)
     try:
-        return experiment(cfg, algo, executor, rundir, progress, resume)
+        return experiment(cfg, algo, executor, rundir, progress, resume, on_record)
     finally:
         if own_pool is not None:
             own_pool.close()
 
 
 def experiment(
-    cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool
+    cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """The experiment around the rounds of `Driver(algo, executor)`: resume from `rundir`'s checkpoint, progress,
     metrics and checkpoints per round, the final fine-tuning and new-client stages, timing and the summary. Run
@@ -183,6 +187,8 @@ def experiment(
                         rundir.log(r.record)
                     if board is not None:
                         board.log(r.record)
+                    if on_record is not None:
+                        on_record(r.record)
                 bar.round_done(r.rnd, r.record)
                 every = cfg.train.checkpoint_every
                 if rundir and ((every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):  # always the final state

@@ -14,6 +14,8 @@ from pydantic.fields import FieldInfo
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm
+from pflbed.config import TrainConfig
+from pflbed.search import declared
 
 _BOUNDS = ((annotated_types.Ge, "≥"), (annotated_types.Gt, ">"), (annotated_types.Le, "≤"), (annotated_types.Lt, "<"))
 
@@ -54,13 +56,20 @@ def bounds(info: FieldInfo) -> str:
 
 
 def options(cls: type[Algorithm]) -> list[dict[str, Any]]:
-    """Each option: name, type, default, range (bounds, empty if none) and description."""
-    rows = []
+    """Each option: name, type, default, range (bounds, empty if none), description and search space (`pflbed
+    tune`'s, as text; empty if the option is not tuned)."""
+    rows, space = [], declared(cls.Config)
     for name, info in cls.Config.model_fields.items():
         default = info.get_default(call_default_factory=True)
         rows.append({"name": name, "type": _type(info), "default": default, "range": bounds(info),
-                     "description": info.description or ""})  # fmt: skip
+                     "description": info.description or "",
+                     "search": space[name].text() if name in space else ""})  # fmt: skip
     return rows
+
+
+def shared_search() -> str:
+    """The search space of the shared `train.*` keys, tuned for every method, as one line of text."""
+    return ", ".join(f"train.{k}: {s.text()}" for k, s in declared(TrainConfig).items())
 
 
 def catalog() -> list[dict[str, Any]]:

@@ -15,9 +15,10 @@ from pflbed.version import __version__
 _PFL_KEYS = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val")
 
 
-def select_round(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The evaluation with the best *validation* accuracy (P-FL val, else G-FL val); earliest on ties."""
-    key = "pfl_val" if any(h.get("pfl_val") is not None for h in history) else "gfl_val"
+def select_round(history: list[dict[str, Any]], key: str | None = None) -> dict[str, Any]:
+    """The evaluation with the best *validation* accuracy (P-FL val, else G-FL val; or the record field `key`);
+    earliest on ties."""
+    key = key or ("pfl_val" if any(h.get("pfl_val") is not None for h in history) else "gfl_val")
     best = max(history, key=lambda h: (h.get(key) if h.get(key) is not None else float("-inf"), -h["round"]))
     return {"round": best["round"], "criterion": key, "gfl_acc": best.get("gfl_acc"), "pfl_acc": best.get("pfl_acc")}
 

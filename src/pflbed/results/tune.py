@@ -1,0 +1,550 @@
+"""`pflbed tune`: a fair hyperparameter search on Optuna — the same budget for every method, chosen on validation.
+
+Protocol. Each method gets one Optuna study over its own search space (the `search` declarations of `train.*` and
+of its algorithm's options, `pflbed.search`, narrowed or extended by the suite) with the same number of trials
+(`tune.trials`, all on the run seed `tune.seed`). A trial is an ordinary run directory; its value is the
+*validation* figure of the round selected on validation (`objective`: `pfl_val`, `gfl_val`, `new_val` — the new
+clients' validation figure under PFLBED — or a summary field ending in `_val`), never a test figure. The pruner
+sees the validation curve (the best validation figure so far, at every evaluation round); a diverged trial counts
+as pruned. Then the best configuration of each method and its default configuration are re-run over the suite's
+seeds by `pflbed bench`'s machinery, and the table gives their test figures (mean ± std) side by side with the
+budget and the chosen values.
+
+    name: tune_digits
+    base: {dataset: {name: digits}, train: {rounds: 10}}   # run config keys, as in a bench suite
+    seeds: [0, 1, 2]                                       # the final re-runs (default and tuned)
+    tune:
+      trials: 20                # per method; a method's own `trials` must match unless unequal_budgets: true
+      sampler: tpe              # tpe | random
+      pruner: median            # median | hyperband | none
+      objective: pfl_val        # pfl_val | gfl_val | new_val | a summary field ending in _val
+      space: {train.momentum: null}                        # drop (null), narrow or add a key, for every method
+    methods:
+      FedAvg: {set: {algorithm.name: fedavg}, objective: gfl_val}
+      FedProx: {set: {algorithm.name: fedprox}, space: {algorithm.mu: {low: 0.001, high: 0.1, log: true}}}
+    report: {P-FL: selected.pfl_acc, G-FL: selected.gfl_acc}   # test columns (summary fields) of the table
+
+A space is `{low: L, high: H}` (`log: true` for log-uniform, `int: true` for integers) or `{choices: [...]}`.
+A method's `set` (over `base`) is its default configuration, which the table compares with the tuned one; a key in
+both `set` and the space is tuned (from the space); `null` in a space fixes a declared key at its default.
+
+Storage: an SQLite file `study.db` in the tune directory by default; `--storage URL` takes any Optuna storage, and
+`pflbed tune --worker` on other machines joins the same studies (Optuna's distributed mode). A killed `pflbed tune`
+continues where it stopped: finished trials (complete or pruned) count toward the budget, the trials a dead process
+left running on this machine are marked failed and their parameters queued again (on other machines Optuna's
+heartbeat does the same after its grace period), and a trial begun when the budget was already taken by others
+fails as surplus, so a study never holds more than its budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pflbed.config import Config, TrainConfig, _first_error, set_dotted, validate_config
+from pflbed.errors import ConfigError, DivergedError, PflbedError
+from pflbed.results.bench import Bench, MethodSpec, Suite, TableSpec, _get, _merge, _slug
+from pflbed.search import Space, declared, parse_space
+
+CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
+OBJECTIVES = (*CURVES, "new_val")
+
+
+def _check_objective(v: str | None) -> str | None:
+    if v is None or v in OBJECTIVES or v.rsplit(".", 1)[-1].endswith("_val"):
+        return v
+    raise ValueError(f"not a validation figure; give one of {', '.join(OBJECTIVES)} or a summary field "
+                     "ending in _val (never a test figure)")  # fmt: skip
+
+
+class TuneSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    trials: int = Field(ge=1, le=100_000, description="trials per method (the budget)")
+    sampler: Literal["tpe", "random"] = "tpe"
+    pruner: Literal["median", "hyperband", "none"] = "median"
+    objective: str = Field("pfl_val", description="validation figure maximized (never a test figure)")
+    seed: int | None = Field(None, description="run seed of the trials and seed of the sampler (default: seeds[0])")
+    unequal_budgets: bool = Field(False, description="allow a method its own number of trials")
+    space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned), all methods")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        return _check_objective(v)
+
+
+class TuneMethod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
+    trials: int | None = Field(None, ge=1, le=100_000, description="only with tune.unequal_budgets: true")
+    objective: str | None = None
+    space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned)")
+    report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str | None) -> str | None:
+        return _check_objective(v)
+
+
+class TuneSuite(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    base: dict[str, Any] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    tune: TuneSpec
+    methods: dict[str, TuneMethod] = Field(min_length=1)
+    report: dict[str, str] = Field(default_factory=lambda: {"P-FL": "selected.pfl_acc", "G-FL": "selected.gfl_acc"})
+    out: str | None = Field(None, description="tune directory (default benchmarks/results/<name>)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TuneSuite:
+        dirs: dict[str, str] = {}
+        for m in self.methods:
+            if _slug(m) in dirs:
+                raise ValueError(f"methods {dirs[_slug(m)]!r} and {m!r} would share the directory {_slug(m)!r}")
+            dirs[_slug(m)] = m
+        return self
+
+
+def load_tune_suite(path: str | Path) -> TuneSuite:
+    p = Path(path)
+    try:
+        tree = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read suite ({e.strerror})") from None
+    except yaml.YAMLError:
+        raise ConfigError(f"{p}: invalid YAML") from None
+    if isinstance(tree, dict) and "tune" not in tree:
+        raise ConfigError(f"{p}: tune: missing (trials per method, …); `pflbed bench` runs suites without one")
+    try:
+        return TuneSuite.model_validate(tree or {})
+    except ValidationError as e:
+        raise ConfigError(f"{p}: {_first_error(e, model=TuneSuite)}") from None
+
+
+def optuna_module():
+    """Optuna, imported on first use (the core does not need it)."""
+    try:
+        import optuna
+    except ImportError:
+        raise PflbedError("pflbed tune needs Optuna: pip install 'pflbed[tune]'") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    return optuna
+
+
+class _Surplus(Exception):
+    """A trial begun when others had already taken the whole budget (it ends as FAIL, not counted)."""
+
+
+class Method:
+    """One method of a tune suite: its config, its search space, its objective and its study."""
+
+    def __init__(self, name: str, spec: TuneMethod, tuner: Tuner) -> None:
+        self.name, self.spec, self.tuner = name, spec, tuner
+        suite = tuner.suite
+        self.budget = spec.trials or suite.tune.trials
+        self.objective = spec.objective or suite.tune.objective
+        self.dir = tuner.out / "trials" / _slug(name)
+        default = self.config(suite.tune.seed if suite.tune.seed is not None else suite.seeds[0], {})
+        from pflbed.algorithms import get_algorithm
+
+        space = {f"train.{k}": s for k, s in declared(TrainConfig).items()}
+        space |= {f"algorithm.{k}": s for k, s in declared(get_algorithm(default.algorithm.name).Config).items()}
+        for where, extra in (("tune.space", suite.tune.space), (f"methods.{name}.space", spec.space)):
+            for key, value in extra.items():
+                if value is None:
+                    space.pop(key, None)
+                else:
+                    space[key] = parse_space(value, f"{where}.{key}")
+        self.space: dict[str, Space] = space
+        for key, s in self.space.items():  # every bound must make a valid config: names the key, not a trial
+            for v in (s.options if hasattr(s, "options") else (s.low, s.high)):
+                try:
+                    self.config(0, {key: v})
+                except ConfigError as e:
+                    raise ConfigError(f"methods.{name}.space.{key}: {v!r} does not validate ({e})") from None
+
+    def config(self, seed: int, params: dict[str, Any]) -> Config:
+        tree = _merge(self.tuner.suite.base, {})
+        for key, value in {**self.spec.set, **params, "seed": seed}.items():
+            set_dotted(tree, key, value)
+        try:
+            return validate_config(tree)
+        except ConfigError as e:
+            raise ConfigError(f"methods.{self.name}: {e}") from None
+
+    @property
+    def study_name(self) -> str:
+        return f"{self.tuner.suite.name}/{self.name}"
+
+
+class Tuner:
+    def __init__(self, suite: TuneSuite, root: Path | None = None, storage: str | None = None) -> None:
+        t = suite.tune
+        for m, spec in suite.methods.items():  # equal budgets, unless the suite says otherwise
+            if spec.trials is not None and spec.trials != t.trials and not t.unequal_budgets:
+                raise ConfigError(f"methods.{m}.trials: {spec.trials} trials against tune.trials {t.trials}: every "
+                                  "method gets the same budget (say tune.unequal_budgets: true to allow it)")
+        self.suite = suite
+        self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
+        self.storage_url = storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
+        self.seed = suite.tune.seed if suite.tune.seed is not None else suite.seeds[0]
+        self.methods = [Method(n, spec, self) for n, spec in suite.methods.items()]
+        self._storage = None
+        self._surplus = False
+        self.plots: dict[str, dict[str, str]] = {}
+
+    # --- studies -------------------------------------------------------------------------------------------------
+    def storage(self):
+        if self._storage is None:
+            optuna = optuna_module()
+            url = self.storage_url
+            if url.startswith("sqlite:///"):
+                Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            if url.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "mysql", "postgresql"):
+                kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+                retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)  # Optuna ≥ 4.9
+                callback = ({"heartbeat_stale_trial_callback": retry(max_retry=1)} if retry is not None else
+                            {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)})
+                self._storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=30,
+                                                           grace_period=120, **callback)  # fmt: skip
+            else:
+                self._storage = url
+        return self._storage
+
+    def study(self, method: Method, worker: bool = False):
+        optuna = optuna_module()
+        t = self.suite.tune
+        seed = None if worker else self.seed + self.methods.index(method)
+        sampler = (optuna.samplers.TPESampler(seed=seed, constant_liar=True) if t.sampler == "tpe"
+                   else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
+        pruner = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2),
+                  "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=1),
+                  "none": optuna.pruners.NopPruner}[t.pruner]()  # fmt: skip
+        try:
+            return optuna.create_study(storage=self.storage(), study_name=method.study_name, sampler=sampler,
+                                       pruner=pruner, direction="maximize", load_if_exists=True)  # fmt: skip
+        except Exception as e:  # a storage URL optuna cannot open: one line
+            if isinstance(e, PflbedError):
+                raise
+            raise PflbedError(f"--storage {self.storage_url}: {type(e).__name__}: {e}") from None
+
+    def counts(self, study) -> tuple[int, int]:
+        """(finished trials: complete or pruned, running trials)."""
+        from optuna.trial import TrialState
+
+        states = [t.state for t in study.get_trials(deepcopy=False)]
+        return (sum(s in (TrialState.COMPLETE, TrialState.PRUNED) for s in states),
+                sum(s == TrialState.RUNNING for s in states))  # fmt: skip
+
+    def recover(self, study) -> int:
+        """Trials left RUNNING by a dead process of this machine: marked failed, their parameters queued again."""
+        from optuna.trial import TrialState
+
+        host, n = socket.gethostname(), 0
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            pid = t.user_attrs.get("pid")
+            if t.user_attrs.get("host") != host or pid is None or _alive(pid):
+                continue
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+            n += 1
+        return n
+
+    def run_trials(self, max_trials: int | None = None, worker: bool = False, log=print) -> int:
+        """Trials until every study holds its budget (at most `max_trials` here); returns how many ran here.
+
+        The main process waits for trials other workers are running (the final re-runs need finished studies); a
+        worker (`worker`) stops when nothing is left to start."""
+        ran = 0
+        for method in self.methods:
+            study = self.study(method, worker)
+            if self.recover(study):
+                log(f"{method.name}: re-queued the trials a stopped process left running")
+            while max_trials is None or ran < max_trials:
+                done, running = self.counts(study)
+                if done >= method.budget:
+                    break
+                if done + running >= method.budget:  # the rest is running elsewhere
+                    if worker:
+                        break
+                    time.sleep(2)
+                    with contextlib.suppress(Exception):
+                        optuna_module().storages.fail_stale_trials(study)
+                    self.recover(study)
+                    continue
+                self._surplus = False
+                study.optimize(lambda trial, m=method: self._objective(m, trial, log), n_trials=1,
+                               catch=(_Surplus,))  # fmt: skip
+                ran += not self._surplus
+        return ran
+
+    def _objective(self, method: Method, trial, log) -> float:
+        optuna = optuna_module()
+        from optuna.trial import TrialState
+
+        from pflbed.runs import run
+
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", os.getpid())
+        ahead = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                             TrialState.RUNNING))
+                 if t.number < trial.number]  # fmt: skip
+        if len(ahead) >= method.budget:
+            trial.set_user_attr("surplus", True)
+            self._surplus = True
+            raise _Surplus
+        params = {k: s.suggest(trial, k) for k, s in method.space.items()}
+        cfg = method.config(self.seed, params)
+        path = method.dir / f"trial{trial.number:04d}"
+        trial.set_user_attr("run_dir", str(path.relative_to(self.out)))
+        best = -math.inf
+
+        def report(record: dict[str, Any]) -> None:
+            nonlocal best
+            v = record.get(method.objective) if method.objective in CURVES else None
+            if v is None or v != v:
+                return
+            best = max(best, v)
+            trial.report(best, record["round"])
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"pruned at round {record['round']}")
+
+        t0 = time.perf_counter()
+        shown = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in params.items())
+        head = f"{method.name} trial {trial.number} ({shown})"
+        try:
+            res = run(cfg, path, progress=False, force=True, on_record=report)
+        except optuna.TrialPruned:
+            log(f"{head}: pruned, best {method.objective} {_pct(best)} ({time.perf_counter() - t0:.0f} s)")
+            raise
+        except DivergedError as e:
+            trial.set_user_attr("diverged", e.round)
+            log(f"{head}: diverged in round {e.round}: counted as pruned")
+            raise optuna.TrialPruned(f"diverged in round {e.round}") from None
+        value = objective_value(res.summary, res.history, method.objective)
+        if value is None:
+            raise PflbedError(f"methods.{method.name}: the run has no {method.objective} (objective: pick a "
+                              "validation figure the method reports)")  # fmt: skip
+        log(f"{head}: {method.objective} {_pct(value)} ({time.perf_counter() - t0:.0f} s)")
+        return value
+
+    # --- final re-runs and the table -----------------------------------------------------------------------------
+    def best(self, method: Method) -> Any:
+        from optuna.trial import TrialState
+
+        study = self.study(method)
+        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        return max(done, key=lambda t: (t.value, -t.number)) if done else None
+
+    def bench(self) -> tuple[Bench, dict[str, str]]:
+        """The final re-runs as a bench suite: per method its default and its tuned configuration (labelled by the
+        chosen trial, so a better trial found later runs anew), over the suite's seeds; and method → tuned row."""
+        default, tuned, rows = {}, {}, {}
+        for m in self.methods:
+            report = {**self.suite.report, **(m.spec.report or {})}
+            default[m.name] = MethodSpec(set=m.spec.set, report=report)
+            best = self.best(m)
+            if best is not None:
+                rows[m.name] = label = f"{m.name} trial{best.number}"
+                tuned[label] = MethodSpec(set={**m.spec.set, **best.params}, report=report)
+        tables = {"default": TableSpec(methods=default, report=self.suite.report)}
+        if tuned:
+            tables["tuned"] = TableSpec(methods=tuned, report=self.suite.report)
+        suite = Suite(name=self.suite.name, base=self.suite.base, seeds=self.suite.seeds, tables=tables,
+                      out=str(self.out / "final"))  # fmt: skip
+        return Bench(suite), rows
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per method: budget, trials, chosen values and objective, default and tuned test figures."""
+        from optuna.trial import TrialState
+
+        bench, tuned_label = self.bench()
+        default_rows = {r["method"]: r for r in bench.table("default").collect()}
+        tuned_t = bench.table("tuned")
+        tuned_rows = {r["method"]: r for r in tuned_t.collect()} if tuned_t else {}
+        out = []
+        for m in self.methods:
+            study = self.study(m)
+            states = [t.state for t in study.get_trials(deepcopy=False)]
+            best = self.best(m)
+            cols = {**self.suite.report, **(m.spec.report or {})}
+            d, t = default_rows[m.name], tuned_rows.get(tuned_label.get(m.name, ""), {})
+            out.append({
+                "method": m.name, "objective": m.objective, "budget": m.budget,
+                "complete": sum(s == TrialState.COMPLETE for s in states),
+                "pruned": sum(s == TrialState.PRUNED for s in states),
+                "best_trial": None if best is None else best.number,
+                "best_value": None if best is None else best.value,
+                "chosen": {} if best is None else best.params,
+                "space": {k: s.text() for k, s in m.space.items()},
+                "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
+                "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
+                "plots": self.plots.get(m.name, {}),
+            })  # fmt: skip
+        return out
+
+    def draw(self) -> dict[str, dict[str, str]]:
+        """Optuna's matplotlib plots per method (optimization history; parameter importances from 2 trials on), as
+        PNGs under plots/; method → {kind: path relative to the tune directory}."""
+        optuna = optuna_module()
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from optuna.trial import TrialState
+        from optuna.visualization import matplotlib as vis
+
+        (self.out / "plots").mkdir(parents=True, exist_ok=True)
+        self.plots = {}
+        for m in self.methods:
+            study = self.study(m)
+            done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            kinds = {"history": vis.plot_optimization_history}
+            if len(done) >= 2 and m.space:
+                kinds["importance"] = vis.plot_param_importances
+            for kind, plot in kinds.items():
+                if not done:
+                    continue
+                path = Path("plots") / f"{_slug(m.name)}-{kind}.png"
+                try:
+                    ax = plot(study)
+                    ax.set_title(f"{m.name}: {ax.get_title(loc='left')}", loc="left")
+                    ax.figure.set_size_inches(7, 4)
+                    ax.figure.tight_layout()
+                    ax.figure.savefig(self.out / path, dpi=90)
+                    self.plots.setdefault(m.name, {})[kind] = str(path)
+                except (ValueError, RuntimeError, optuna.exceptions.OptunaError):
+                    pass  # e.g. importances of a parameter that never varied
+                finally:
+                    plt.close("all")
+        return self.plots
+
+    def table(self, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+        """The table's header and cells: per method the budget, the best trial, the chosen values, and each test
+        column of the default and of the tuned configuration side by side."""
+        cols = list(dict.fromkeys(c for r in rows for c in r["default"]))
+        head = ["method", "budget (complete / pruned)", "objective (best, trial)", "chosen values"]
+        head += [f"{c} {w}" for c in cols for w in ("default", "tuned")] + ["seeds (default/tuned)"]
+        out = []
+        for r in rows:
+            chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
+            best = "—" if r["best_value"] is None else f"{r['objective']} {_pct(r['best_value'])} (#{r['best_trial']})"
+            cells = [r["method"], f"{r['budget']} ({r['complete']} / {r['pruned']})", best, chosen]
+            for c in cols:
+                for w in ("default", "tuned"):
+                    v = r[w].get(c)
+                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
+            s = r["seeds"]
+            cells.append(f"{s['default']}/{s['tuned']} of {s['of']}")
+            out.append(cells)
+        return head, out
+
+    def _intro(self) -> str:
+        t = self.suite.tune
+        return (f"Test figures (%), mean ± std over seeds {self.suite.seeds}, of each method's default configuration "
+                f"and of the configuration its study chose on validation ({t.sampler}, pruner {t.pruner}, trials on "
+                f"seed {self.seed}); the objective is the validation figure of the round selected on validation.")
+
+    def markdown(self, rows: list[dict[str, Any]]) -> str:
+        from pflbed.results.report import _md_table
+
+        lines = [f"## {self.suite.name}: default vs tuned", "", self._intro(), "", _md_table(*self.table(rows)), "",
+                 "Search spaces:", ""]  # fmt: skip
+        for r in rows:
+            lines.append(f"- {r['method']}: " + (", ".join(f"`{k}` {t}" for k, t in r["space"].items()) or "none"))
+        for r in rows:
+            if r["plots"]:
+                lines += ["", f"### {r['method']}", ""]
+                lines += [f"![{r['method']} {kind}]({p})" for kind, p in r["plots"].items()]
+        return "\n".join(lines) + "\n"
+
+    def html(self, rows: list[dict[str, Any]]) -> str:
+        """The table and the plots as one self-contained HTML file (the plots embedded)."""
+        import base64
+        import html
+
+        from pflbed.results.report import STYLE, _html_table
+
+        title = f"pflbed tune: {self.suite.name}"
+        parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                 f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+                 f"<h2>Default vs tuned</h2><p>{html.escape(self._intro())}</p>", _html_table(*self.table(rows)),
+                 "<h2>Search spaces</h2><ul>"]  # fmt: skip
+        parts += [f"<li>{html.escape(r['method'])}: " + html.escape(", ".join(f"{k} {t}" for k, t in
+                                                                             r["space"].items()) or "none") + "</li>"
+                  for r in rows]  # fmt: skip
+        parts.append("</ul>")
+        for r in rows:
+            if r["plots"]:
+                parts.append(f"<h2>{html.escape(r['method'])}</h2>")
+            for kind, p in r["plots"].items():
+                data = base64.b64encode((self.out / p).read_bytes()).decode()
+                parts.append(f"<img alt='{html.escape(r['method'])} {kind}' src='data:image/png;base64,{data}'>")
+        return "\n".join(parts + ["</body></html>"])
+
+    def write_tables(self) -> tuple[Path, Path]:
+        """table.md (plots linked), table.json and report.html (self-contained) in the tune directory."""
+        self.draw()
+        rows = self.rows()
+        self.out.mkdir(parents=True, exist_ok=True)
+        md, js = self.out / "table.md", self.out / "table.json"
+        (self.out / "report.html").write_text(self.html(rows))
+        md.write_text(self.markdown(rows))
+        js.write_text(json.dumps({"suite": self.suite.name, "seeds": self.suite.seeds, "trial_seed": self.seed,
+                                  "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
+                                  "storage": self.storage_url, "methods": rows}, indent=2) + "\n")  # fmt: skip
+        return md, js
+
+
+def objective_value(summary: dict[str, Any], history: list[dict[str, Any]], objective: str) -> float | None:
+    """A finished run's validation figure: `pfl_val` / `gfl_val` at the round selected on that same figure (the
+    best, earliest on ties); `new_val` = the new clients' validation figure (Best-by-validation, at the rate chosen
+    on validation, mean over the sizes, of the first new-client method); else the summary field `objective`."""
+    from pflbed.results.summary import select_round
+
+    if objective in CURVES:
+        if not any(h.get(objective) is not None for h in history):
+            return None
+        rnd = select_round(history, objective)["round"]
+        v = next(h for h in history if h["round"] == rnd).get(objective)
+    elif objective == "new_val":
+        nc = summary.get("new_clients")
+        if not nc or not nc.get("methods"):
+            return None
+        per_size = next(iter(nc["methods"].values()))
+        vals = [r["per_lr"][f"{r['lr_best']:g}"]["best_val"] for r in per_size.values()]
+        v = sum(vals) / len(vals)
+    else:
+        v = _get(summary, objective)
+    return None if v is None or v != v else float(v)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pct(v: float) -> str:
+    return "—" if v is None or v == -math.inf else f"{100 * v:.2f}"
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

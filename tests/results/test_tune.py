@@ -1,0 +1,290 @@
+"""`pflbed tune` (issue 39): search spaces declared where the options live, studies on validation only, equal
+budgets, resumable and shared studies."""
+
+from __future__ import annotations
+
+import pytest
+
+from pflbed.algorithms import ALGORITHMS
+from pflbed.config import TrainConfig
+from pflbed.errors import ConfigError
+from pflbed.search import Choice, IntSearch, Search, check_declared, declared, parse_space
+
+
+def test_declared_search_names_are_options_of_their_model():
+    for name, cls in ALGORITHMS.items():
+        check_declared(cls.Config, f"algorithms.{name}")
+        for key, space in declared(cls.Config).items():  # every declared value validates as the option
+            for v in ([space.low, space.high] if not isinstance(space, Choice) else list(space.options)):
+                cls.Config.model_validate({key: v})
+    check_declared(TrainConfig, "train")
+    assert set(declared(TrainConfig)) == {"lr", "local_epochs", "momentum"}
+    wanted = {"fedprox": {"mu"}, "ditto": {"lam"}, "fedselect": {"alpha", "p"}, "fedbasis": {"K", "tau"},
+              "pfedhn": {"hn_lr"}}  # fmt: skip
+    for name, keys in wanted.items():
+        assert keys <= set(declared(ALGORITHMS[name].Config)), name
+    assert declared(ALGORITHMS["fedprox"].Config)["mu"].log
+
+
+def test_a_declaration_naming_no_option_is_caught():
+    from typing import ClassVar
+
+    from pydantic import BaseModel
+
+    class Opts(BaseModel):
+        search: ClassVar[dict] = {"nu": Search(0.1, 1.0)}
+        mu: float = 0.1
+
+    with pytest.raises(ConfigError, match="'nu' is not an option"):
+        check_declared(Opts, "x")
+
+
+def test_parse_space_forms_and_errors():
+    assert parse_space({"low": 1e-3, "high": 1, "log": True}, "w") == Search(1e-3, 1.0, True)
+    assert parse_space({"low": 1, "high": 4, "int": True}, "w") == IntSearch(1, 4)
+    assert parse_space([1, "a"], "w") == Choice([1, "a"])
+    for bad in ({"low": 0, "high": 1, "log": True}, {"low": 2, "high": 1}, {"lo": 1}, 3):
+        with pytest.raises(ConfigError, match="^w: "):
+            parse_space(bad, "w")
+
+
+def test_algorithms_name_shows_the_search_space(capsys):
+    from pflbed.cli import main
+
+    assert main(["algorithms", "fedbasis"]) == 0
+    out = capsys.readouterr().out
+    tau = next(line for line in out.splitlines() if line.startswith("│ tau "))
+    assert [c.strip() for c in tau.split("│")[1:-1]][5] == "log-uniform [0.02, 1]"
+    assert "train.lr: log-uniform [0.001, 0.3]" in out
+
+
+# --- studies -------------------------------------------------------------------------------------------------------
+optuna = pytest.importorskip("optuna")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import yaml  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
+
+from pflbed.cli import main  # noqa: E402
+from pflbed.results.tune import Tuner, TuneSuite, _Surplus, load_tune_suite  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {"clients": 3},
+        "train": {"rounds": 2, "checkpoint_every": 0}, "eval": {"every": 1, "finetune": []},
+        "executor": {"threads": 1}}  # fmt: skip
+
+
+def suite(tmp_path, trials=2, methods=None, **tune):
+    return {"name": "t", "out": str(tmp_path / "out"), "base": BASE, "seeds": [0],
+            "tune": {"trials": trials, "pruner": "none", **tune},
+            "methods": methods or {"FedAvg": {"set": {"algorithm.name": "fedavg"}}}}  # fmt: skip
+
+
+def write(tmp_path, tree) -> str:
+    f = tmp_path / "suite.yaml"
+    f.write_text(yaml.safe_dump(tree))
+    return str(f)
+
+
+def finished(tuner, method):
+    study = tuner.study(method)
+    return study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def test_a_two_method_study_finishes_and_writes_the_table(tmp_path, capsys):
+    methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}},
+               "FedProx": {"set": {"algorithm.name": "fedprox"}, "space": {"train.momentum": None}}}  # fmt: skip
+    f = write(tmp_path, suite(tmp_path, 2, methods))
+    assert main(["tune", "-c", f]) == 0
+    out = tmp_path / "out"
+    table = json.loads((out / "table.json").read_text())
+    rows = {r["method"]: r for r in table["methods"]}
+    assert set(rows) == {"FedAvg", "FedProx"}
+    for r in rows.values():
+        assert r["budget"] == 2 and r["complete"] + r["pruned"] == 2
+        assert r["default"]["P-FL"] is not None and r["tuned"]["P-FL"] is not None  # default vs tuned
+        assert r["seeds"] == {"default": 1, "tuned": 1, "of": 1}
+        assert (out / r["plots"]["history"]).exists()
+    assert "algorithm.mu" in rows["FedProx"]["chosen"] and "train.momentum" not in rows["FedProx"]["chosen"]
+    md = (out / "table.md").read_text()
+    assert "| FedProx | 2 (" in md and "P-FL default | P-FL tuned" in md and "plots/FedAvg-history.png" in md
+    page = (out / "report.html").read_text()  # self-contained: the plots embedded
+    assert page.count("data:image/png;base64,") == sum(len(r["plots"]) for r in rows.values()) >= 2
+    # every trial is an ordinary run directory: pflbed report reads it
+    trial = next((out / "trials" / "FedAvg").iterdir())
+    assert main(["report", str(trial), "-o", str(tmp_path / "r.md")]) == 0
+
+
+def test_trials_are_scored_on_validation_never_on_test(tmp_path, monkeypatch):
+    """Validation made the mirror image of test (val = 1 − test): the objective and every pruner report must be the
+    validation figure at the round selected on validation; a study scored on a test figure fails here."""
+    import pflbed.engine.driver as driver
+
+    real = driver.evaluate
+
+    def mirrored(*args, **kwargs):
+        scores, per_client = real(*args, **kwargs)
+        return {**scores, "pfl_val": 1 - scores["pfl_acc"], "gfl_val": 1 - scores["gfl_acc"]}, per_client
+
+    monkeypatch.setattr(driver, "evaluate", mirrored)
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, pruner="median")))
+    tuner.run_trials(log=lambda *_: None)
+    trials = finished(tuner, tuner.methods[0])
+    assert len(trials) == 2
+    for t in trials:
+        history = [json.loads(line) for line in (tuner.out / t.user_attrs["run_dir"] / "metrics.jsonl").open()]
+        val = max(h["pfl_val"] for h in history)
+        assert t.value == pytest.approx(val)
+        assert all(t.value != pytest.approx(h["pfl_acc"]) for h in history)
+        running = [max(h["pfl_val"] for h in history[: k + 1]) for k in range(len(history))]
+        assert [t.intermediate_values[h["round"]] for h in history] == pytest.approx(running)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_a_restarted_study_continues_without_repeating_trials(tmp_path):
+    f = write(tmp_path, suite(tmp_path, 3))
+    assert main(["tune", "-c", f, "--max-trials", "1"]) == 0
+    tuner = Tuner(load_tune_suite(f))
+    (first,) = finished(tuner, tuner.methods[0])
+    stamp = (tuner.out / first.user_attrs["run_dir"] / "summary.json").stat().st_mtime_ns
+    # a process killed mid-trial: its trial stays RUNNING, owned by a process that no longer exists
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    study = tuner.study(tuner.methods[0])
+    killed = study.ask({"train.lr": optuna.distributions.FloatDistribution(1e-3, 0.3, log=True)})
+    killed.set_user_attr("host", __import__("socket").gethostname())
+    killed.set_user_attr("pid", dead.pid)
+    assert main(["tune", "-c", f]) == 0
+    trials = study.get_trials()
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(done) == 3 and [t.number for t in trials if t.state == TrialState.FAIL] == [killed.number]
+    retry = next(t for t in done if t.user_attrs.get("retry_of") == killed.number)  # its parameters, queued again
+    assert retry.params["train.lr"] == killed.params["train.lr"]
+    assert (tuner.out / first.user_attrs["run_dir"] / "summary.json").stat().st_mtime_ns == stamp  # not re-run
+    assert len(list((tuner.out / "trials" / "FedAvg").iterdir())) == 3  # the killed trial never got a run dir
+
+
+def test_two_workers_share_one_sqlite_study(tmp_path):
+    f = write(tmp_path, suite(tmp_path, 4))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "pflbed", "tune", "-c", f, "--worker"]
+    procs = [subprocess.Popen(cmd + extra, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for extra in (["--max-trials", "2"], [])]  # fmt: skip
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stdout.read().decode()
+    tuner = Tuner(load_tune_suite(f))
+    trials = tuner.study(tuner.methods[0]).get_trials()
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(done) == 4  # the budget, not one trial more
+    assert {t.user_attrs["pid"] for t in done} == {p.pid for p in procs}  # both ran trials of the one study
+    assert not (tuner.out / "table.md").exists()  # workers only run trials
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
+    study = tuner.study(tuner.methods[0])
+    for _ in range(2):  # two trials running elsewhere take the budget
+        study.ask()
+    late = study.ask()
+    with pytest.raises(_Surplus):
+        tuner._objective(tuner.methods[0], late, lambda *_: None)
+    assert tuner.run_trials(worker=True) == 0 and not (tuner.out / "trials").exists()
+
+
+def test_equal_budgets_are_enforced(tmp_path, capsys):
+    methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}},
+               "FedProx": {"set": {"algorithm.name": "fedprox"}, "trials": 3}}  # fmt: skip
+    assert main(["tune", "-c", write(tmp_path, suite(tmp_path, 2, methods))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "methods.FedProx.trials: 3 trials against tune.trials 2" in err
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods, unequal_budgets=True)))
+    assert [m.budget for m in tuner.methods] == [2, 3]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"tune": {"trials": 2, "objective": "selected.pfl_acc"}}, "tune.objective: not a validation figure"),
+    ({"tune": {"trials": 0}}, "tune.trials: "),
+    ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.nu": {"low": 1, "high": 2}}}}},
+     "methods.P.space.algorithm.nu: "),
+    ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.mu": {"low": -1, "high": 1}}}}},
+     "methods.P.space.algorithm.mu: -1.0 does not validate"),
+    ({"methods": {"P": {"space": {"train.lr": {"lo": 1}}}}}, "methods.P.space.train.lr: unknown keys"),
+])  # fmt: skip
+def test_bad_suites_fail_in_one_line_naming_the_field(tmp_path, capsys, change, message):
+    assert main(["tune", "-c", write(tmp_path, {**suite(tmp_path), **change})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
+
+
+def test_without_optuna_tune_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    assert main(["tune", "-c", write(tmp_path, suite(tmp_path))]) == 2
+    assert capsys.readouterr().err.strip() == "pflbed: error: pflbed tune needs Optuna: pip install 'pflbed[tune]'"
+
+
+def test_a_diverged_trial_counts_as_pruned_toward_the_budget(tmp_path):
+    methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}, "space": {"train.lr": {"choices": [1.0e30]}}}}
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
+    assert tuner.run_trials(max_trials=3, log=lambda *_: None) == 2  # the budget, then stop
+    trials = tuner.study(tuner.methods[0]).get_trials()
+    assert [t.state for t in trials] == [TrialState.PRUNED] * 2 and all("diverged" in t.user_attrs for t in trials)
+
+
+def test_objective_values_are_validation_figures():
+    from pflbed.results.tune import objective_value
+
+    history = [{"round": 1, "pfl_val": 0.5, "pfl_acc": 0.9, "gfl_val": 0.7, "gfl_acc": 0.1},
+               {"round": 2, "pfl_val": 0.6, "pfl_acc": 0.2, "gfl_val": 0.7, "gfl_acc": 0.3}]  # fmt: skip
+    per_lr = {"0.01": {"best_val": 0.4, "best": 0.99}, "0.1": {"best_val": 0.8, "best": 0.01}}
+    nc = {"methods": {"ft": {"S": {"lr_best": 0.1, "per_lr": per_lr}, "L": {"lr_best": 0.01, "per_lr": per_lr}}}}
+    summary = {"new_clients": nc, "final": {"ft": {"pfl_val": 0.45, "pfl_acc": 0.95}}}
+    assert objective_value(summary, history, "pfl_val") == 0.6
+    assert objective_value(summary, history, "gfl_val") == 0.7  # round 1: the earliest of ties
+    assert objective_value(summary, history, "new_val") == pytest.approx((0.8 + 0.4) / 2)
+    assert objective_value(summary, history, "final.ft.pfl_val") == 0.45
+    assert objective_value({"new_clients": None}, history, "new_val") is None
+
+
+def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):
+    """A real kill (SIGKILL mid-trial): the next `pflbed tune` fails the dead trial, runs its parameters again and
+    stops at the budget."""
+    import signal
+    import time
+
+    tree = suite(tmp_path, 1)
+    tree["base"] = {**BASE, "train": {**BASE["train"], "rounds": 60}, "eval": {"every": 10, "finetune": []}}
+    f = write(tmp_path, tree)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "pflbed", "tune", "-c", f, "--worker"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    metrics = tmp_path / "out" / "trials" / "FedAvg" / "trial0000" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:  # round 10
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    tuner = Tuner(load_tune_suite(f))
+    study = tuner.study(tuner.methods[0])
+    (killed,) = study.get_trials()
+    assert killed.state == TrialState.RUNNING and killed.user_attrs["pid"] == proc.pid
+    assert main(["tune", "-c", f, "--worker"]) == 0
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert trials[1].params == killed.params and trials[1].user_attrs["retry_of"] == 0
+
+
+TUNE_SUITES = sorted(p for p in (ROOT / "benchmarks" / "suites").glob("*.yaml")
+                     if "tune" in yaml.safe_load(p.read_text()))  # fmt: skip
+
+
+@pytest.mark.parametrize("path", TUNE_SUITES, ids=[p.stem for p in TUNE_SUITES])
+def test_the_committed_tune_suites_validate(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    tuner = Tuner(load_tune_suite(path))
+    assert len({m.budget for m in tuner.methods}) == 1 and all(m.space for m in tuner.methods)
