@@ -99,14 +99,19 @@ class Suite(BaseModel):
         return self
 
 
-def load_suite(path: str | Path) -> Suite:
-    p = Path(path)
+def read_suite_file(p: Path) -> Any:
+    """A suite file's YAML tree; an unreadable or malformed file is one ConfigError naming it."""
     try:
-        tree = yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_text())
     except OSError as e:
         raise ConfigError(f"{p}: cannot read suite ({e.strerror})") from None
     except yaml.YAMLError:
         raise ConfigError(f"{p}: invalid YAML") from None
+
+
+def load_suite(path: str | Path) -> Suite:
+    p = Path(path)
+    tree = read_suite_file(p)
     try:
         return Suite.model_validate(tree or {})
     except ValidationError as e:

@@ -48,12 +48,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.config import Config, TrainConfig, _first_error, set_dotted, validate_config
 from pflbed.errors import ConfigError, DivergedError, PflbedError
-from pflbed.results.bench import Bench, MethodSpec, Suite, TableSpec, _get, _merge, _slug
+from pflbed.results.bench import Bench, MethodSpec, Suite, TableSpec, _get, _merge, _slug, read_suite_file
 from pflbed.search import Space, declared, parse_space
 
 CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
@@ -119,12 +118,7 @@ class TuneSuite(BaseModel):
 
 def load_tune_suite(path: str | Path) -> TuneSuite:
     p = Path(path)
-    try:
-        tree = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read suite ({e.strerror})") from None
-    except yaml.YAMLError:
-        raise ConfigError(f"{p}: invalid YAML") from None
+    tree = read_suite_file(p)
     if isinstance(tree, dict) and "tune" not in tree:
         raise ConfigError(f"{p}: tune: missing (trials per method, …); `pflbed bench` runs suites without one")
     try:
@@ -218,8 +212,15 @@ class Tuner:
                 retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)  # Optuna ≥ 4.9
                 callback = ({"heartbeat_stale_trial_callback": retry(max_retry=1)} if retry is not None else
                             {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)})
-                self._storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=30,
-                                                           grace_period=120, **callback)  # fmt: skip
+                for attempt in range(6):
+                    try:
+                        self._storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=30,
+                                                                   grace_period=120, **callback)  # fmt: skip
+                        break
+                    except Exception as e:  # workers creating one new database's tables at once: the loser waits
+                        if attempt == 5 or type(e).__name__ not in ("IntegrityError", "OperationalError"):
+                            raise
+                        time.sleep(0.5 * (attempt + 1))
             else:
                 self._storage = url
         return self._storage
