@@ -152,6 +152,33 @@ def _flower_processes():
     return out
 
 
+def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_no_process(tmp_path):
+    """`pflbed flower local --tls --auth` with states on the nodes: a real SuperLink and 2 SuperNodes (separate
+    processes, TLS with a generated CA, registered node keys, client states in files on the nodes) give the loop's
+    summary, write the usual run directory, and every process they started is gone afterwards."""
+    from pflbed.cli import main
+
+    torch.set_num_threads(1)
+    before = _flower_processes()  # others' (none in CI); this test's own must all be gone afterwards
+    out, states = tmp_path / "run", tmp_path / "states"
+    sets = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "federation.partition=dirichlet",
+            "federation.alpha=1.0", "federation.sample_fraction=0.5", "train.rounds=2", "train.batch_size=16",
+            "train.lr=0.1", "eval.every=2", "eval.finetune=[]", "executor.threads=1", "algorithm.name=fedper",
+            f"executor.state_dir={states}"]  # fmt: skip
+    args = ["flower", "local", "--supernodes", "2", "--tls", "--auth", "--out", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    left = {p: c for p, c in _flower_processes().items() if p not in before}
+    assert not left, left
+    assert (out / "config.yaml").exists() and (out / "metrics.jsonl").exists()
+    assert "https://" in (out / "flower" / "superlink.log").read_text()  # TLS was on
+    assert (out / "flower" / "register.log").read_text().count("registered successfully") == 2  # both node keys
+    assert len(list(states.glob("*/client-*/round-*.pt"))) >= 3  # the sampled clients' states, on the nodes
+    cfg = validate_config({**TINY, "train": {**TINY["train"], "rounds": 2}, "algorithm": {"name": "fedper"},
+                           "executor": {"threads": 1}})  # fmt: skip
+    loop = run(cfg, write=False, progress=False)
+    assert _figures(json.loads((out / "summary.json").read_text())) == _figures(json.loads(json.dumps(loop.summary)))
+
+
 def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
     from flwr.common.config import validate_config as flwr_validate
 
