@@ -234,7 +234,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 
 def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    """`--cases shape/algorithm/model/executor …` in the order given (a short device lease measures what is still
+    """`--cases shape/algorithm/model/executor …` in the order given (a short GPU allocation measures what is still
     missing first); otherwise every case of `cases`."""
     if not a.cases:
         return cases(a)
