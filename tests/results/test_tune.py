@@ -288,3 +288,16 @@ def test_the_committed_tune_suites_validate(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     tuner = Tuner(load_tune_suite(path))
     assert len({m.budget for m in tuner.methods}) == 1 and all(m.space for m in tuner.methods)
+
+
+def test_a_restarted_study_draws_new_parameters_not_the_first_process_s_again(tmp_path):
+    """Each `pflbed tune` process builds its sampler anew: seeded like the first one, it would draw the first
+    process's parameters again and spend the budget on a repeat. Two processes (two Tuners) of one study, one trial
+    each: their parameters differ."""
+    tree = suite(tmp_path, 2)
+    first = Tuner(TuneSuite.model_validate(tree))
+    assert first.run_trials(max_trials=1, log=lambda *_: None) == 1
+    second = Tuner(TuneSuite.model_validate(tree))  # a restart: a fresh sampler on the same study
+    assert second.run_trials(max_trials=1, log=lambda *_: None) == 1
+    a, b = finished(second, second.methods[0])
+    assert a.params != b.params

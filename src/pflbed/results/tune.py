@@ -228,7 +228,13 @@ class Tuner:
     def study(self, method: Method, worker: bool = False):
         optuna = optuna_module()
         t = self.suite.tune
-        seed = None if worker else self.seed + self.methods.index(method)
+        seed = None
+        if not worker:  # a restarted process continues with a fresh stream, not the first one's draws again
+            try:
+                held = len(optuna.load_study(study_name=method.study_name, storage=self.storage()).trials)
+            except KeyError:  # no such study yet
+                held = 0
+            seed = self.seed + self.methods.index(method) + 7919 * held
         sampler = (optuna.samplers.TPESampler(seed=seed, constant_liar=True) if t.sampler == "tpe"
                    else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
         pruner = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2),
