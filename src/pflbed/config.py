@@ -251,6 +251,11 @@ class FederationConfig(_Strict):
         "partitioning; refused unless made from the same data"
     )
     sample_fraction: float = Field(1.0, gt=0, le=1, description="fraction of participated clients per round")
+    sampling: Literal["fixed", "poisson"] | None = Field(
+        None, description="how a round's clients are drawn: fixed (exactly round(sample_fraction × participated), "
+        "without replacement) or poisson (each participated client independently with probability "
+        "sample_fraction, as privacy's accountant assumes); default: poisson with privacy, fixed otherwise"
+    )
     new_clients: int = Field(0, ge=0, le=INT_MAX, description="clients held out of training (evaluated as new clients)")
     public: int = Field(
         0, ge=0, le=INT_MAX,
@@ -477,6 +482,34 @@ class LogConfig(_Strict):
         return self
 
 
+class PrivacyConfig(_Strict):
+    """Client-level differential privacy (`pflbed.privacy`): the shared part of each reply clipped, their sum noised."""
+
+    clip: float | None = Field(None, gt=0, description="client-level DP: each client's update of the shared "
+                               "parameters is clipped to this L2 norm C (unset: no DP)")  # fmt: skip
+    noise_multiplier: float | None = Field(None, ge=0, description="σ: Gaussian noise of standard deviation σ·C is "
+                                           "added to the sum of the round's clipped updates")  # fmt: skip
+    target_epsilon: float | None = Field(None, gt=0, description="instead of noise_multiplier: the ε to reach at "
+                                         "delta after train.rounds rounds (σ derived by the accountant)")  # fmt: skip
+    delta: float = Field(1e-5, gt=0, lt=1, description="δ of the (ε, δ) guarantee reported")
+    @property
+    def enabled(self) -> bool:
+        return self.clip is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> PrivacyConfig:
+        if self.clip is None:
+            for key in ("noise_multiplier", "target_epsilon"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} needs privacy.clip (the norm each client's update is clipped to)")
+        elif (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("clip needs exactly one of privacy.noise_multiplier and privacy.target_epsilon")
+        if (self.clip is not None or self.noise_multiplier is not None or self.target_epsilon is not None) and \
+                importlib.util.find_spec("opacus") is None:  # fmt: skip
+            raise ValueError("privacy needs the privacy extra (Opacus's accountants): pip install 'pflbed[privacy]'")
+        return self
+
+
 class SitesConfig(_Strict):
     """A Flower deployment whose clients' data stays on the sites (`pflbed.flower.sites`)."""
 
@@ -518,6 +551,19 @@ class Config(_Strict):
     log: LogConfig = Field(default_factory=LogConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     sites: SitesConfig = Field(default_factory=SitesConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+
+    @model_validator(mode="after")
+    def _privacy(self) -> Config:
+        """Privacy's accountant assumes Poisson sampling of clients: fixed-size sampling with it is refused."""
+        if self.privacy.enabled and self.federation.sampling == "fixed":
+            raise ValueError("federation.sampling: privacy's accountant assumes Poisson sampling of clients; "
+                             "use federation.sampling=poisson (the default with privacy)")  # fmt: skip
+        return self
+
+    def poisson_sampling(self) -> bool:
+        """Whether a round's clients are drawn independently (`federation.sampling`, default: with privacy)."""
+        return (self.federation.sampling or ("poisson" if self.privacy.enabled else "fixed")) == "poisson"
 
     @model_validator(mode="after")
     def _sites(self) -> Config:
@@ -701,6 +747,17 @@ def validate_config(tree: dict[str, Any]) -> Config:
             message = _algorithm_options_hint(message, cfg.algorithm.name, str(e.errors()[0]["loc"][0]))
         raise ConfigError(message) from None
     _check_numbers(options.model_dump(), "algorithm.")
+    if cfg.privacy.enabled and algo_cls.dp_refused is not None:
+        raise ConfigError(f"privacy.clip: client-level DP does not apply to {cfg.algorithm.name}: "
+                          f"{algo_cls.dp_refused}")  # fmt: skip
+    if cfg.privacy.target_epsilon is not None:
+        from pflbed.privacy import noise_multiplier
+
+        try:  # derived here, so that an unreachable target is refused before anything runs
+            noise_multiplier(cfg.privacy.target_epsilon, cfg.privacy.delta, cfg.federation.sample_fraction,
+                             cfg.train.rounds)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"privacy.target_epsilon: {e}") from None
     return cfg
 
 

@@ -66,4 +66,4 @@ def deterministic_kernels(device: torch.device, on: bool) -> None:
 
 
 # Stream tags, so that e.g. round 3 of client 5 never collides with the fine-tuning stream of client 5.
-CLIENT, INIT, FINETUNE, NEWCLIENT, SITE = 1, 2, 3, 4, 5
+CLIENT, INIT, FINETUNE, NEWCLIENT, SITE, PRIVACY = 1, 2, 3, 4, 5, 6

@@ -99,6 +99,11 @@ class Algorithm:
 
     name: ClassVar[str]
     Config: ClassVar[type[BaseModel]] = NoOptions
+    # Client-level DP (`pflbed.privacy`): None declares that every reply entry is the client's new value of the
+    # payload entry of the same name (the same payload for every client), and that the server reads the replies only
+    # through their weighted mean, so clipping each client's change and noising their sum protects all that leaves
+    # a client; otherwise why DP does not apply (`privacy.clip` is then refused with this line).
+    dp_refused: ClassVar[str | None] = "its replies are not declared to be updates of a model shared by every client"
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx

@@ -18,6 +18,7 @@ from pflbed.algorithms.training import WeightedMean
 
 class FedAvg(Algorithm):
     name = "fedavg"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
 
     def init_server(self) -> Tensors:
         return dict(self.ctx.initial_params)

@@ -55,6 +55,7 @@ class FedBABUOptions(BaseModel):
 
 class FedBABU(Algorithm):
     name = "fedbabu"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
     Config = FedBABUOptions
 
     def __init__(self, ctx: Context) -> None:

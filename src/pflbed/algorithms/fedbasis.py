@@ -198,7 +198,8 @@ class FedBasis(Algorithm):
         cfg, fed, k = self.ctx.cfg, self.ctx.federation, self.opts.K
         seen: set[int] = set()
         for r in range(self.warmup_rounds, 0, -1):
-            seen |= set(sample_clients(cfg.seed, r, fed.participated, cfg.federation.sample_fraction))
+            seen |= set(sample_clients(cfg.seed, r, fed.participated, cfg.federation.sample_fraction,
+                                       cfg.poisson_sampling()))
             if len(seen) >= k:
                 return r
         raise ConfigError(

@@ -56,6 +56,7 @@ BN_KINDS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.Batc
 
 class FedBN(Algorithm):
     name = "fedbn"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

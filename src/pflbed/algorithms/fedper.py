@@ -59,6 +59,7 @@ class FedPerOptions(BaseModel):
 
 class FedPer(Algorithm):
     name = "fedper"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
     Config = FedPerOptions
 
     def __init__(self, ctx: Context) -> None:

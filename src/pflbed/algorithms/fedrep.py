@@ -53,6 +53,7 @@ class FedRepOptions(BaseModel):
 
 class FedRep(Algorithm):
     name = "fedrep"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
     Config = FedRepOptions
 
     def __init__(self, ctx: Context) -> None:

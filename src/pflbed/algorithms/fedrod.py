@@ -259,6 +259,7 @@ class FedRoDOptions(BaseModel):
 
 class FedRoD(Algorithm):
     name = "fedrod"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
     Config = FedRoDOptions
 
     def __init__(self, ctx: Context) -> None:

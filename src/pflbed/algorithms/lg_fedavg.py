@@ -63,6 +63,7 @@ class LGFedAvgOptions(BaseModel):
 
 class LGFedAvg(Algorithm):
     name = "lg_fedavg"
+    dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
     Config = LGFedAvgOptions
 
     def __init__(self, ctx: Context) -> None:

@@ -35,7 +35,7 @@ from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
-from pflbed.engine.executor import LoopExecutor, client_generator, precision, update_client
+from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
 from pflbed.models import BlockNet
 
 _PER_CLIENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
@@ -67,7 +67,9 @@ class BatchedExecutor(LoopExecutor):
                 with precision(algo):
                     trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
                                              ctx.cfg.train, gens)  # fmt: skip
-                done.update({c: plans[c].finish(p) for c, p in zip(cids, trained, strict=True)})
+                for c, p in zip(cids, trained, strict=True):
+                    reply, new_state = plans[c].finish(p)
+                    done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
             out = done.pop(c) if c in done else update_client(algo, rnd, c, received[c], self.state(c))

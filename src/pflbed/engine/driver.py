@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pflbed import privacy
 from pflbed.algorithms.base import Algorithm, Context, Tensors
 from pflbed.engine import wire
 from pflbed.engine.guard import check_server
@@ -62,6 +63,7 @@ class Driver:
         self.cfg = algo.ctx.cfg
         self.quick: Context = subsampled(algo.ctx, self.cfg.eval.test_subsample)
         self.failed: dict[str, list[int]] = {}  # round → sampled clients that did not reply, since the last record
+        self.dp = privacy.mechanism(self.cfg, len(algo.ctx.federation.participated))
 
     def rounds(self, server: Tensors, first: int = 1) -> Iterator[Round]:
         """Rounds `first`…`train.rounds`, starting from `server`. A diverged client or server state raises
@@ -81,19 +83,29 @@ class Driver:
         are left out: the server aggregates over those that did, with their weights, and the next record lists the
         lost ones under `failed_clients` (round → client ids)."""
         algo, fed = self.algo, self.algo.ctx.federation
-        cids = sample_clients(self.cfg.seed, rnd, fed.participated, self.cfg.federation.sample_fraction)
+        cids = sample_clients(self.cfg.seed, rnd, fed.participated, self.cfg.federation.sample_fraction,
+                              self.cfg.poisson_sampling())  # fmt: skip
         payloads = algo.configure(rnd, server, cids)
         comm: dict[str, int] = {"up_bytes_per_round": 0,
                                 "down_bytes_per_round": sum(map(wire.num_bytes, payloads.values()))}  # fmt: skip
-        replies = self.executor.stream(rnd, payloads)
+        if not cids and self.dp is None:  # Poisson sampling drew no one: nothing to aggregate
+            return server, comm
+        replies = self.executor.stream(rnd, payloads) if cids else iter(())
         failed = list(getattr(replies, "failed", []))
         if failed:
             self.failed[str(rnd)] = failed
         lost = set(failed)
         arrived = [c for c in cids if c not in lost]
-        agg = algo.aggregator(rnd, server, {c: fed.num_train(c) for c in arrived})
+        weights: dict[int, float] = {c: fed.num_train(c) for c in arrived}
+        if self.dp is not None:  # uniform weights; the clipped replies shifted so that their mean is the release
+            first = cids[0] if cids else fed.participated[0]  # no one drawn: the payload's shape, for the noise
+            shared = payloads[first] if cids else algo.configure(rnd, server, [first])[first]
+            replies = self.dp.replies(self.cfg.seed, rnd, shared, iter(replies), len(arrived))
+            weights = {c: 1.0 for c in arrived} if arrived else {-1: 1.0}
+        agg = algo.aggregator(rnd, server, weights)
         for cid, reply in replies:  # replies folded in as they come (weighted means)
-            comm["up_bytes_per_round"] += wire.num_bytes(reply)
+            if cid >= 0:
+                comm["up_bytes_per_round"] += wire.num_bytes(reply)
             agg.add(cid, reply)
         del payloads  # with `agg` and the replies: the largest things alive, never two rounds' at once
         server = agg.result()
@@ -111,6 +123,8 @@ class Driver:
             scores, per_client = evaluate(self.algo, server, state, None if final else self.quick,
                                           self.executor.forward)  # fmt: skip
         record = {"round": rnd, **scores, **comm, "full_test": final or self.quick is self.algo.ctx}
+        if self.dp is not None:
+            record["privacy"] = self.dp.record(rnd)
         if self.failed:  # which clients each round since the last record lost
             record["failed_clients"], self.failed = self.failed, {}
         diag = None if on_sites is not None else self.algo.diagnostics(rnd, server, state)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pflbed import rng
+from pflbed import privacy, rng
 from pflbed.algorithms.base import Algorithm, ClientContext, Tensors
 from pflbed.engine import wire
 from pflbed.engine.guard import check_client
@@ -38,12 +38,22 @@ def precision(algo: Algorithm) -> contextlib.AbstractContextManager:
 
 
 def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
-    """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs."""
+    """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs.
+    With `privacy.clip`, the reply leaves it clipped (`private`): on the client, so that with a Flower deployment
+    no unclipped update ever reaches the server."""
     ctx = algo.ctx
     rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)  # draws from torch's global RNG
     cctx = ClientContext(rnd, cid, client_generator(ctx.seed, rnd, cid))
     with precision(algo):
-        return algo.client_update(payload, state, ctx.client_data(cid), cctx)
+        reply, new_state = algo.client_update(payload, state, ctx.client_data(cid), cctx)
+    return private(algo, payload, reply), new_state
+
+
+def private(algo: Algorithm, payload: Tensors, reply: Tensors) -> Tensors:
+    """The reply as it may leave the client: its update of the shared model clipped to `privacy.clip` (DP-FedAvg,
+    `pflbed.privacy`); unchanged without privacy."""
+    clip = algo.ctx.cfg.privacy.clip
+    return reply if clip is None else privacy.clip_reply(payload, reply, clip)
 
 
 class LoopExecutor:

@@ -270,8 +270,14 @@ def _load_cached(path: Path, key: str) -> Federation | None:
         return None
 
 
-def sample_clients(seed: int, rnd: int, participated: list[int], fraction: float) -> list[int]:
-    """Clients trained in round `rnd`: a fixed stream per seed, identical for every algorithm and on resume."""
-    m = max(1, round(fraction * len(participated)))
+def sample_clients(seed: int, rnd: int, participated: list[int], fraction: float, poisson: bool = False) -> list[int]:
+    """Clients trained in round `rnd`: a fixed stream per seed, identical for every algorithm and on resume.
+
+    Fixed: round(fraction × N) clients (at least one) without replacement. Poisson (`federation.sampling`): each
+    client independently with probability `fraction` — what privacy's accountant assumes; a round may then have
+    none."""
     rng = np.random.default_rng([seed, rnd, 0x5A4D])
+    if poisson:
+        return sorted(int(c) for c, u in zip(participated, rng.random(len(participated)), strict=True) if u < fraction)
+    m = max(1, round(fraction * len(participated)))
     return sorted(int(c) for c in rng.choice(participated, m, replace=False))

@@ -103,7 +103,17 @@ def comparison(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
                      _pct((f.get("lp") or {}).get("pfl_acc")), _pct(ft.get("best")),
                      f"{_mb(comm.get('up_bytes_per_round'))} / {_mb(comm.get('down_bytes_per_round'))}",
                      f"{s.get('timing', {}).get('wall_s', float('nan')):.1f}"])  # fmt: skip
+    if any("privacy" in r.summary for r in runs):  # client-level DP: the guarantee each run ended with
+        header.append("DP ε (δ)")
+        for r, row in zip(runs, rows, strict=True):
+            row.append(_epsilon(r.summary.get("privacy")))
     return header, rows
+
+
+def _epsilon(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return "no DP"
+    return f"{'∞' if p['epsilon'] is None else format(p['epsilon'], '.2f')} ({p['delta']:g})"
 
 
 # --- figures -----------------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def build_summary(
         "per_client": {"cid": list(per_client), "pfl_acc": list(per_client.values())},
         "new_clients": new_clients,
         "communication": {k: last.get(k) for k in ("up_bytes_per_round", "down_bytes_per_round")},
+        **({"privacy": last["privacy"]} if "privacy" in last else {}),  # the guarantee after the last round
         "timing": timing,
     }
 
@@ -107,6 +108,11 @@ def print_table(summary: dict[str, Any], console: Console | None = None) -> None
         f"P-FL {_pct(s['pfl_acc'])}"
     )
     print_new_clients(summary, console)
+    if p := summary.get("privacy"):
+        eps = "∞ (no noise)" if p["epsilon"] is None else f"{p['epsilon']:.2f}"
+        console.print(f"client-level DP: ε = {eps} at δ = {p['delta']:g} after {p['rounds']} rounds (σ = "
+                      f"{p['noise_multiplier']:.3f}, C = {p['clip']:g}, q = {p['sampling_rate']:g}, Poisson, "
+                      f"{p['accountant'].upper()})")  # fmt: skip
     console.print(
         f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
         f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation"
