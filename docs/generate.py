@@ -104,6 +104,7 @@ def algorithm_page(name: str) -> str:
     lines.append(f"Search space of [`pflbed tune`](../guide/tuning.md): {_cell(shared_search())}"
                  + (", and the options above with a search column" if any(o["search"] for o in rows) else "")
                  + " (a tune suite may narrow or extend it).\n")
+    lines.append(f"[Client-level DP](../guide/privacy.md) (`privacy.clip`): {_dp(cls)}\n")
     lines += ["## The implementation, as its file states it\n",
               f"From `src/pflbed/algorithms/{Path(inspect.getfile(cls)).name}` (`{cls.__module__}`):\n",
               _markdown(doc), "", "## Measured results\n"]
@@ -125,13 +126,23 @@ def algorithm_index() -> str:
              "each are on its page; the results tables are under [Results](../results/index.md).\n",
              "At a glance: each algorithm's options with their defaults, and the results pages whose tables "
              "measure it.\n",
-             "| name | paper | options (defaults) | measured in |\n|---|---|---|---|"]  # fmt: skip
+             "| name | paper | options (defaults) | [client-level DP](../guide/privacy.md) | measured in |\n"
+             "|---|---|---|---|---|"]  # fmt: skip
     for n in sorted(ALGORITHMS):
         opts = ", ".join(f"`{o['name']}={o['default']!r}`" for o in options(ALGORITHMS[n])) or "—"
         pages = sorted({m.split("](../results/")[1].split("#")[0] for m in measured_results(n) if m.startswith("**[")})
         where = ", ".join(f"[{p.removesuffix('.md')}](../results/{p})" for p in pages) or "—"
-        lines.append(f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} | {_cell(opts)} | {where} |")
+        dp = "yes" if ALGORITHMS[n].dp_refused is None else "refused"
+        lines.append(f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} | {_cell(opts)} | {dp} | {where} |")
     return "\n".join(lines) + "\n"
+
+
+def _dp(cls: type) -> str:
+    """Whether `privacy.clip` applies to an algorithm (its `dp_refused` declaration), and why not where refused."""
+    if cls.dp_refused is None:
+        return ("applies: each client's update of the shared entries is clipped where the client runs, and the "
+                "server noises their sum.")  # fmt: skip
+    return f"refused, because {cls.dp_refused}."
 
 
 def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, Any, str, str]]:

@@ -33,6 +33,8 @@ VARIANTS = {
     "pfedme+all-clients": ("pfedme", {"train_clients": "all"}),  # unsampled clients train too, and reply nothing
     # crop offsets and flips drawn from each client's generator between its batches, wherever the client runs
     "fedavg+augment": ("fedavg", {}, {"dataset": {**TINY["dataset"], "augment": ["crop", "flip"]}}),
+    # client-level DP: clipped where the client runs, Poisson sampling, noised by the server (test_privacy.py)
+    "fedper+dp": ("fedper", {}, {"privacy": {"clip": 0.5, "noise_multiplier": 0.8}}),
 }
 PARITY_CASES = sorted(ALGORITHMS) + sorted(VARIANTS)
 

@@ -15,13 +15,13 @@ data, composed over the rounds and accounted by Opacus's RDP accountant (Mironov
 PRV accountant, tighter, is not offered: at small σ it ran out of memory or did not return within minutes.
 
 What is shared: an algorithm declares (`Algorithm.dp_refused` is None) that each reply entry is the client's new
-value of the payload entry of the same name, and that its server reads the replies only through their mean. Then
-personal entries (heads, masks, coefficients) never leave the client and need no protection; the shared ones are
-clipped together, as one vector, on the client (`clip_reply`, in every executor and on a Flower node), and the
-server (`noise_replies`, in the round driver) adds the noise once per round, from the (seed, round) stream. The
-algorithm's own server rule (a weighted mean, server momentum, …) then runs on replies whose uniform mean is exactly
-the release above: post-processing, so it costs no privacy. Weights are uniform under DP (a client's size would
-scale its influence past C).
+value of the payload entry of the same name (a payload may hold more, e.g. FedBABU's fixed head), and that its
+server reads the replies only through their mean. Then personal entries (heads, masks, coefficients) never leave
+the client and need no protection; the shared ones are clipped together, as one vector, on the client
+(`clip_reply`, in every executor and on a Flower node), and the server (`Mechanism.replies`, in the round driver)
+adds the noise once per round, from the (seed, round) stream. The algorithm's own server rule (a weighted mean,
+pFedMe's mixing, …) then runs on replies whose uniform mean is exactly the release above: post-processing, so it
+costs no privacy. Weights are uniform under DP (a client's size would scale its influence past C).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def update_norm(payload: Tensors, reply: Tensors) -> float:
 def clip_reply(payload: Tensors, reply: Tensors, clip: float) -> Tensors:
     """The reply with its update clipped to norm `clip`: payload + Δ·min(1, C/‖Δ‖). A reply within the norm is
     returned as it is (not rebuilt from payload + Δ, whose rounding would change it)."""
-    wrong = sorted(set(reply) ^ set(payload)) + [k for k in reply if not reply[k].is_floating_point()]
+    wrong = [k for k in reply if k not in payload or not reply[k].is_floating_point()]
     if wrong:
-        raise ValueError(f"privacy: reply entries {wrong} are not float updates of the payload's entries, one for "
-                         "one; an algorithm with such replies must not declare DP support (dp_refused)")  # fmt: skip
+        raise ValueError(f"privacy: reply entries {wrong} are not float updates of payload entries; an algorithm "
+                         "with such replies must not declare DP support (dp_refused)")  # fmt: skip
     norm = update_norm(payload, reply)
     if norm <= clip:
         return reply

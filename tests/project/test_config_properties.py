@@ -159,6 +159,12 @@ VALID: dict[str, st.SearchStrategy] = {
     "sites.num_classes": st.one_of(st.none(), st.integers(min_value=0, max_value=12)),
     "sites.test": st.one_of(st.none(), st.sampled_from(["", "/nonexistent/test.npz"])),
     "log.tensorboard": st.booleans(),
+    "federation.sampling": st.sampled_from([None, "fixed", "poisson", "uniform"]),
+    # client-level DP: the clip with a noise level, or a target ε (tests/engine/test_privacy.py)
+    "privacy.clip": st.one_of(st.none(), st.floats(min_value=0, max_value=10)),
+    "privacy.noise_multiplier": st.one_of(st.none(), st.floats(min_value=0, max_value=5)),
+    "privacy.target_epsilon": st.one_of(st.none(), st.floats(min_value=0, max_value=20)),
+    "privacy.delta": st.floats(min_value=0, max_value=1),
     # `pflbed pretrain`'s section: validated by every run, used only by pretrain (tests/engine/test_pretrain.py)
     "pretrain.split": st.sampled_from(["train", "test", "val"]),
     "pretrain.domains": st.one_of(st.none(), st.lists(st.sampled_from(["rot0", "clean", "x"]), max_size=2)),

@@ -143,6 +143,10 @@ def heur_row(i: int, cos: dict[int, float], sigma: float, self_weight: float) ->
 
 class FedAMP(Algorithm):
     name = "fedamp"
+    dp_refused = (
+        "the server builds each client's model from every other client's model one by one (attention "
+        "over pairs of models), not from their mean"
+    )
     Config = FedAMPOptions
     sgd_plan = Algorithm.sgd_plan  # the proximal term needs u_i in every step: not plain local SGD
 

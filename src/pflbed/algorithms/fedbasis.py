@@ -165,6 +165,10 @@ class FedBasisOptions(BaseModel):
 
 class FedBasis(Algorithm):
     name = "fedbasis"
+    dp_refused = (
+        "each client's update of the bases is weighted by its personal coefficients, which the server "
+        "reads client by client"
+    )
     Config = FedBasisOptions
     opts: FedBasisOptions
 

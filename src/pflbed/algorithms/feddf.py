@@ -171,6 +171,10 @@ def ensemble_distill(
 
 class FedDF(Algorithm):
     name = "feddf"
+    dp_refused = (
+        "the server distils from each client's model one by one on public data (an ensemble of "
+        "individual models), not from their mean"
+    )
     Config = FedDFOptions
 
     def __init__(self, ctx: Context) -> None:

@@ -49,6 +49,7 @@ class FedDynOptions(BaseModel):
 
 class FedDyn(ModelWithExtras):
     name = "feddyn"
+    dp_refused = None  # replies: the model's new values; the server reads their (uniform) mean only
     Config = FedDynOptions
     prefix = H  # h; clients' g_k start at zero too
 

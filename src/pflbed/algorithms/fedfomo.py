@@ -183,6 +183,7 @@ def combine(own: Tensors, models: list[Tensors], weights: torch.Tensor) -> Tenso
 
 class FedFomo(Algorithm):
     name = "fedfomo"
+    dp_refused = "the server hands clients each other's individual models, which each client weighs on its own data"
     Config = FedFomoOptions
 
     def __init__(self, ctx: Context) -> None:

@@ -37,6 +37,7 @@ class FedMTLOptions(BaseModel):
 
 class FedMTL(Algorithm):
     name = "fedmtl"
+    dp_refused = "the server's task-relationship update reads every client's model one by one, not their mean"
     Config = FedMTLOptions
 
     def init_server(self) -> Tensors:

@@ -262,6 +262,10 @@ def aligned_body_epochs(
 # --- the algorithm -------------------------------------------------------------------------------------------------
 class FedPAC(Algorithm):
     name = "fedpac"
+    dp_refused = (
+        "replies carry each client's class-wise feature centroids and statistics, which the server "
+        "combines client by client"
+    )
     Config = FedPACOptions
 
     def __init__(self, ctx: Context) -> None:

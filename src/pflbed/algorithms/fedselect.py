@@ -162,6 +162,10 @@ class FedSelectOptions(BaseModel):
 
 class FedSelect(Algorithm):
     name = "fedselect"
+    dp_refused = (
+        "the server averages each entry over the clients whose personal masks kept it: the counts reveal "
+        "the masks, and no single shared update is averaged"
+    )
     Config = FedSelectOptions
 
     def __init__(self, ctx: Context) -> None:

@@ -217,6 +217,10 @@ class KTpFLOptions(TransferOptions):
 
 class KTpFL(Algorithm):
     name = "ktpfl"
+    dp_refused = (
+        "replies are soft predictions on public data, not a parameter update, and the server weighs each "
+        "client's own"
+    )
     Config = KTpFLOptions
 
     def __init__(self, ctx: Context) -> None:

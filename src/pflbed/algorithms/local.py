@@ -31,6 +31,7 @@ class LocalOptions(BaseModel):
 
 class LocalOnly(Algorithm):
     name = "local"
+    dp_refused = "nothing leaves a client, so there is nothing for DP to protect"
     Config = LocalOptions
 
     def __init__(self, ctx: Context) -> None:

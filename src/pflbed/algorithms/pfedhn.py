@@ -199,6 +199,7 @@ def own_buffers(state: Tensors) -> Tensors:
 
 class PFedHN(Algorithm):
     name = "pfedhn"
+    dp_refused = "the server holds each client's embedding and trains its hypernetwork on each client's own update"
     Config = PFedHNOptions
 
     def __init__(self, ctx: Context) -> None:

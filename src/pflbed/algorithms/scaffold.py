@@ -48,6 +48,10 @@ class ScaffoldOptions(BaseModel):
 
 class Scaffold(ModelWithExtras):
     name = "scaffold"
+    dp_refused = (
+        "each reply also carries the client's control-variate change, a second update that the clip and "
+        "the noise would have to bound too"
+    )
     Config = ScaffoldOptions
     prefix = C  # c; clients' c_i start at zero too
 

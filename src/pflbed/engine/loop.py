@@ -31,7 +31,7 @@ from pflbed.engine.executor import LoopExecutor, precision
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
 from pflbed.engine.progress import RunProgress
 from pflbed.engine.threads import choose_threads, provenance
-from pflbed.errors import DivergedError, PflbedError
+from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
@@ -86,7 +86,16 @@ def build_algorithm(cfg: Config, source: DataSource, fed: Federation, threads: i
     torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
     augment = make_augment(cfg.dataset.augment, source.input_shape, source.pixel_norm)
     ctx = context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
-    return algo_cls(ctx)
+    algo = algo_cls(ctx)
+    if cfg.privacy.enabled and fed.participated:  # before anything runs: what the clients would send
+        first = fed.participated[0]
+        ints = sorted(k for k, v in algo.configure(1, algo.init_server(), [first])[first].items()
+                      if not v.is_floating_point())  # fmt: skip
+        if ints:
+            raise ConfigError(f"privacy.clip: {cfg.algorithm.name} on {cfg.model.name} sends integer entries that "
+                              f"cannot be clipped or noised ({', '.join(ints[:3])}); use a model without "
+                              "BatchNorm, or fedbn, which keeps BatchNorm on the clients")  # fmt: skip
+    return algo
 
 
 def init_model(model: torch.nn.Module, cfg: Config, fed: Federation) -> None:

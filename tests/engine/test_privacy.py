@@ -1,0 +1,233 @@
+"""Client-level DP (`pflbed.privacy`, `privacy.*`): the mechanism checked by hand on a tiny federation, the
+algorithms' declarations checked against what they send, the accounting against Opacus's own figure."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from pflbed import privacy, rng
+from pflbed.algorithms import ALGORITHMS
+from pflbed.algorithms.common import ClientContext
+from pflbed.config import validate_config
+from pflbed.engine.driver import Driver
+from pflbed.engine.executor import LoopExecutor, update_client
+from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
+from pflbed.federation import sample_clients
+
+from ..tiny import TINY
+
+DP = {"clip": 0.5, "noise_multiplier": 0.8}
+SUPPORTED = sorted(n for n, c in ALGORITHMS.items() if c.dp_refused is None)
+
+
+def config(name="fedavg", privacy_=DP, **sections):
+    tree = {**TINY, "algorithm": {"name": name}, "privacy": privacy_, **sections}
+    return validate_config(tree)
+
+
+def test_clip_scales_the_update_to_norm_c_and_keeps_a_small_one_bit_for_bit():
+    w = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([[0.0]])}
+    big = {"a": torch.tensor([4.0, 6.0]), "b": torch.tensor([[12.0]])}  # Δ = (3, 4, 12): norm 13
+    clipped = privacy.clip_reply(w, big, 1.3)
+    assert torch.allclose(clipped["a"], torch.tensor([1.3, 2.4]))
+    assert torch.allclose(clipped["b"], torch.tensor([[1.2]]))
+    assert math.isclose(privacy.update_norm(w, clipped), 1.3, rel_tol=1e-6)
+    small = {"a": torch.tensor([1.5, 2.0]), "b": torch.tensor([[0.5]])}
+    assert privacy.clip_reply(w, small, 1.3) is small
+
+
+def test_clip_refuses_a_reply_that_is_not_an_update_of_the_payload_entry_for_entry():
+    w = {"a": torch.zeros(2)}
+    with pytest.raises(ValueError, match="not float updates"):
+        privacy.clip_reply(w, {"a": torch.ones(2), "extra": torch.ones(1)}, 1.0)
+    assert privacy.clip_reply({**w, "fixed": torch.ones(1)}, {"a": torch.ones(2) * 3}, 1.0)["a"].norm() == \
+        pytest.approx(1.0)  # a payload may hold more than the reply updates (FedBABU's fixed head)
+    with pytest.raises(ValueError, match="not float updates"):
+        privacy.clip_reply({"n": torch.tensor(3)}, {"n": torch.tensor(4)}, 1.0)
+
+
+def test_one_round_by_hand_clip_each_client_then_sum_then_one_noise_over_the_expected_count():
+    """w_1 = w_0 + (Σ_k clip(Δ_k) + z_1) / (qN), z_1 from the (seed, round) stream: recomputed here from the
+    clients' own unclipped updates. Planted: clipping the sum instead of each update, noise per client, weights by
+    size, a denominator of the actual count — each gives another w_1."""
+    for seed in range(20):  # a seed whose first Poisson draw is neither empty nor qN: the denominator matters
+        cfg = config(seed=seed, train={**TINY["train"], "rounds": 1})
+        algo = prepare(cfg)
+        fed = algo.ctx.federation
+        m_bar = cfg.federation.sample_fraction * len(fed.participated)
+        cids = sample_clients(cfg.seed, 1, fed.participated, cfg.federation.sample_fraction, poisson=True)
+        if 0 < len(cids) != m_bar:
+            break
+    w0 = algo.init_server()
+    raw = {}
+    for c in cids:  # the clients' updates, unclipped (the algorithm's own client_update)
+        state = algo.init_client(c)
+        gen = torch.Generator().manual_seed(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c))
+        rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), torch.device("cpu"))
+        reply, _ = algo.client_update(w0, state, algo.ctx.client_data(c), ClientContext(1, c, gen))
+        raw[c] = {k: reply[k] - w0[k] for k in reply}
+    norms = {c: math.sqrt(sum(float((d**2).sum()) for d in raw[c].values())) for c in cids}
+    assert all(n > DP["clip"] for n in norms.values())  # every client is clipped: the clip is tested
+    g = torch.Generator().manual_seed(rng.derive_seed(cfg.seed, rng.PRIVACY, 1))
+    z = {k: torch.randn(w0[k].shape, generator=g) * DP["noise_multiplier"] * DP["clip"] for k in sorted(w0)}
+    expected = {k: w0[k] + (sum(raw[c][k] * (DP["clip"] / norms[c]) for c in cids) + z[k]) / m_bar for k in w0}
+    server, _ = Driver(algo, LoopExecutor(algo)).train_round(1, w0)
+    for k in w0:
+        torch.testing.assert_close(server[k], expected[k], rtol=1e-5, atol=1e-6)
+    # the noise is the round's own: the same round draws the same numbers, the next round others
+    k = sorted(w0)[0]
+    assert torch.equal(privacy.noise(cfg.seed, 1, w0, 1.0)[k], privacy.noise(cfg.seed, 1, w0, 1.0)[k])
+    assert not torch.equal(privacy.noise(cfg.seed, 1, w0, 1.0)[k], privacy.noise(cfg.seed, 2, w0, 1.0)[k])
+
+
+def test_the_update_leaves_the_client_clipped_in_update_client():
+    """Clipping happens where the client runs (every executor and a Flower node call `update_client`)."""
+    cfg = config()
+    algo = prepare(cfg)
+    w0 = algo.init_server()
+    reply, _ = update_client(algo, 1, 0, w0, algo.init_client(0))
+    assert privacy.update_norm(w0, reply) <= DP["clip"] * (1 + 1e-6)
+
+
+def test_personal_entries_get_no_noise_and_no_clip():
+    """FedPer's head stays on the client: under DP (huge noise, tiny clip) each client's head after its first round
+    equals the head it trains without DP (the same start, the same batches); only the shared body is noised.
+    Planted: noising or clipping the client's state turns this red."""
+    loud = {"clip": 1e-3, "noise_multiplier": 50.0}
+    heads = []
+    for p in (loud, {}):
+        cfg = config("fedper", p, train={**TINY["train"], "rounds": 1}, federation={**TINY["federation"],
+                     "sampling": "poisson"})  # fmt: skip
+        algo = prepare(cfg)
+        ex = LoopExecutor(algo)
+        server, _ = Driver(algo, ex).train_round(1, algo.init_server())
+        heads.append((ex.states, server))
+    (dp_states, dp_server), (plain_states, plain_server) = heads
+    assert dp_states.keys() == plain_states.keys() and dp_states
+    for c in dp_states:
+        assert all(torch.equal(dp_states[c][k], plain_states[c][k]) for k in dp_states[c]), c
+    assert all(not torch.equal(dp_server[k], plain_server[k]) for k in dp_server)  # the body is noised
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_a_declared_algorithm_replies_updates_of_one_shared_payload_and_reads_only_their_mean(name):
+    """The declaration `dp_refused = None` checked against what the algorithm does: each client's payload is the
+    same shared entries, its reply updates exactly those (float), and the server rule gives the same new state
+    when every reply is replaced by the replies' uniform mean — so noising the mean protects all it reads."""
+    cfg = validate_config({**TINY, "algorithm": {"name": name}, "federation": {**TINY["federation"],
+                          "sample_fraction": 1.0}})  # fmt: skip
+    algo = prepare(cfg)
+    fed = algo.ctx.federation
+    server = algo.init_server()
+    cids = fed.participated[:3]
+    payloads = algo.configure(1, server, cids)
+    replies = {}
+    for c in cids:
+        p = payloads[c]
+        assert p.keys() == payloads[cids[0]].keys() and all(torch.equal(p[k], payloads[cids[0]][k]) for k in p)
+        replies[c], _ = update_client(algo, 1, c, p, algo.init_client(c))
+        assert replies[c] and replies[c].keys() <= p.keys(), name
+        assert all(v.is_floating_point() for v in replies[c].values()), name
+    mean = {k: sum(replies[c][k] for c in cids) / len(cids) for k in replies[cids[0]]}
+    uniform = dict.fromkeys(cids, 1.0)
+    direct = algo.aggregate(1, server, replies, uniform)
+    via_mean = algo.aggregate(1, server, {c: mean for c in cids}, uniform)
+    assert direct.keys() == via_mean.keys()
+    for k in direct:
+        torch.testing.assert_close(direct[k], via_mean[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in ALGORITHMS.items() if c.dp_refused is not None))
+def test_an_algorithm_without_the_declaration_is_refused_with_its_reason(name):
+    with pytest.raises(ConfigError, match=rf"privacy.clip: client-level DP does not apply to {name}: "):
+        config(name)
+    assert len(ALGORITHMS[name].dp_refused) > 20
+
+
+def test_privacy_keys_are_checked_together():
+    with pytest.raises(ConfigError, match="noise_multiplier needs privacy.clip"):
+        config(privacy_={"noise_multiplier": 1.0})
+    with pytest.raises(ConfigError, match="exactly one of"):
+        config(privacy_={"clip": 1.0})
+    with pytest.raises(ConfigError, match="exactly one of"):
+        config(privacy_={"clip": 1.0, "noise_multiplier": 1.0, "target_epsilon": 2.0})
+    with pytest.raises(ConfigError, match="federation.sampling: privacy's accountant assumes Poisson"):
+        config(federation={**TINY["federation"], "sampling": "fixed"})
+    with pytest.raises(ConfigError, match="privacy.target_epsilon: 0.001 is out of reach"):
+        config(privacy_={"clip": 1.0, "target_epsilon": 0.001})
+
+
+def test_epsilon_is_the_accountants_own_for_the_same_q_sigma_and_steps():
+    from opacus.accountants import RDPAccountant
+
+    mech = privacy.Mechanism(clip=1.0, sigma=1.1, rate=0.3, clients=50, delta=1e-5)
+    acc = RDPAccountant()
+    for _ in range(7):
+        acc.step(noise_multiplier=1.1, sample_rate=0.3)
+    assert mech.epsilon(7) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12)
+    assert mech.epsilon(7) < mech.epsilon(8)
+    assert math.isinf(privacy.Mechanism(1.0, 0.0, 0.3, 50, 1e-5).epsilon(3))
+
+
+def test_target_epsilon_derives_sigma_that_reaches_it():
+    sigma = privacy.noise_multiplier(4.0, 1e-5, 0.5, 10)
+    eps = privacy.Mechanism(1.0, sigma, 0.5, 20, 1e-5).epsilon(10)
+    assert 4.0 * 0.99 <= eps <= 4.0
+
+
+def test_poisson_sampling_draws_each_client_independently_with_probability_q():
+    participated = list(range(200))
+    sizes = [len(sample_clients(0, r, participated, 0.1, poisson=True)) for r in range(1, 201)]
+    assert abs(sum(sizes) / len(sizes) - 20) < 1.5 and len(set(sizes)) > 5  # varies round to round, mean qN
+    assert sample_clients(0, 3, participated, 0.1, poisson=True) == sample_clients(0, 3, participated, 0.1, True)
+
+
+def test_a_round_that_draws_no_one_still_releases_noise():
+    """Under DP a round with no client releases w + z/qN, never w bare (that would tell that no one was drawn)."""
+    cfg = config()
+    mech = privacy.Mechanism(1.0, 2.0, 0.5, 6, 1e-5)
+    w = {"a": torch.zeros(3)}
+    out = list(mech.replies(cfg.seed, 4, w, iter(()), 0))
+    assert [c for c, _ in out] == [-1]
+    torch.testing.assert_close(out[0][1]["a"], privacy.noise(cfg.seed, 4, w, 2.0)["a"] / 3.0)
+
+
+def test_batched_clients_give_the_loops_dp_run(tmp_path):
+    """Batched clients clip where they finish (`engine.batched`); procs and Flower: the `fedper+dp` case of the
+    parity tests (tests/tiny.py's VARIANTS)."""
+    from pflbed.engine.loop import run
+
+    base = {**TINY, "privacy": DP, "executor": {**TINY["executor"], "name": "loop"}}
+    loop = run(validate_config(base), tmp_path / "loop")
+    batched = run(validate_config({**base, "executor": {**TINY["executor"], "batch_clients": True}}), tmp_path / "b")
+    for k in loop.server:  # batched clients round differently (tests/engine/test_batched.py)
+        torch.testing.assert_close(batched.server[k], loop.server[k], rtol=1e-4, atol=1e-5)
+    assert loop.summary["privacy"] == batched.summary["privacy"]
+
+
+def test_epsilon_is_logged_every_evaluation_and_in_the_summary(tmp_path):
+    from pflbed.engine.loop import run
+
+    result = run(config(), tmp_path / "r")
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    eps = [r["privacy"]["epsilon"] for r in records if "privacy" in r]
+    assert len(eps) == len([r for r in records if "round" in r]) >= 2 and eps == sorted(eps)
+    assert result.summary["privacy"]["epsilon"] == eps[-1]
+    mech = privacy.Mechanism(DP["clip"], DP["noise_multiplier"], 0.5, 6, 1e-5)
+    assert eps[-1] == pytest.approx(mech.epsilon(TINY["train"]["rounds"]))
+
+
+def test_integer_entries_in_what_clients_receive_are_refused_before_the_run(tmp_path):
+    """BatchNorm's batch counters cannot be clipped or noised: FedAvg on a BatchNorm model is refused with one line,
+    before a run directory exists; FedBN, which keeps BatchNorm on the clients, runs."""
+    from pflbed.engine.loop import run
+
+    bn = {**TINY, "model": {"name": "lenet5_bn"}, "dataset": {"name": "synthetic", "synthetic": {"shape": [1, 28, 28]}},
+          "privacy": DP, "train": {**TINY["train"], "rounds": 1}}  # fmt: skip
+    with pytest.raises(ConfigError, match="fedavg on lenet5_bn sends integer entries .*num_batches_tracked"):
+        run(validate_config(bn), tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()
+    assert run(validate_config({**bn, "algorithm": {"name": "fedbn"}}), tmp_path / "bn").summary["privacy"]
