@@ -142,8 +142,10 @@ def noise_multiplier(target_epsilon: float, delta: float, rate: float, rounds: i
                          f"δ = {delta:g} after {rounds} rounds at sampling rate {rate:g}")  # fmt: skip
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=rate,
-                                      steps=rounds, accountant="rdp", epsilon_tolerance=0.005))  # fmt: skip
+    with warnings.catch_warnings():  # as in `_epsilon`
+        warnings.simplefilter("ignore", UserWarning)
+        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=rate,
+                                          steps=rounds, accountant="rdp", epsilon_tolerance=0.005))  # fmt: skip
 
 
 def mechanism(cfg: Config, participated: int) -> Mechanism | None:

@@ -216,6 +216,9 @@ def test_epsilon_is_logged_every_evaluation_and_in_the_summary(tmp_path):
     eps = [r["privacy"]["epsilon"] for r in records if "privacy" in r]
     assert len(eps) == len([r for r in records if "round" in r]) >= 2 and eps == sorted(eps)
     assert result.summary["privacy"]["epsilon"] == eps[-1]
+    by_round = {int(r): e for rec in records if "privacy" in rec for r, e in rec["privacy"]["epsilon_by_round"].items()}
+    assert sorted(by_round) == list(range(1, TINY["train"]["rounds"] + 1))  # every round, each once
+    assert all(by_round[r] < by_round[r + 1] for r in range(1, TINY["train"]["rounds"]))
     mech = privacy.Mechanism(DP["clip"], DP["noise_multiplier"], 0.5, 6, 1e-5)
     assert eps[-1] == pytest.approx(mech.epsilon(TINY["train"]["rounds"]))
 

@@ -53,7 +53,8 @@ def build_summary(
         "per_client": {"cid": list(per_client), "pfl_acc": list(per_client.values())},
         "new_clients": new_clients,
         "communication": {k: last.get(k) for k in ("up_bytes_per_round", "down_bytes_per_round")},
-        **({"privacy": last["privacy"]} if "privacy" in last else {}),  # the guarantee after the last round
+        **({"privacy": {k: v for k, v in last["privacy"].items() if k != "epsilon_by_round"}}
+           if "privacy" in last else {}),  # the guarantee after the last round
         "timing": timing,
     }
 
