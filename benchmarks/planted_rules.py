@@ -3,7 +3,8 @@
 mutmut (`benchmarks/mutation_screen.py`) changes operators and constants; it does not write the mistakes a person
 makes when implementing a paper — two phases swapped, a weight dropped, the wrong split selected on, a sign
 flipped in a chain rule. This script plants such mistakes by hand for the personalized-aggregation,
-hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC), each as an exact text
+hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC) and client-level DP
+(`privacy`, guarded by tests/engine/test_privacy.py), each as an exact text
 replacement in a scratch copy of `src/` and `tests/`, and runs `tests/algorithms/test_<method>.py` against it:
 
     python benchmarks/planted_rules.py [METHOD ...]     # all plants, or those of the named methods
@@ -27,10 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Plant(NamedTuple):
-    method: str  # tests/algorithms/test_<method>.py and src/pflbed/algorithms/<method>.py
+    method: str  # tests/algorithms/test_<method>.py and src/pflbed/algorithms/<method>.py, unless `source` says
     what: str
     old: str
     new: str
+    source: str | None = None  # another file (relative to src/pflbed/), for a rule outside the algorithms
+
+
+# Rules outside the algorithms, with the test file that guards each (`test_file`)
+TESTS = {"privacy": "tests/engine/test_privacy.py"}
 
 
 # fmt: off
@@ -116,6 +122,27 @@ PLANTS = [
     Plant("knnper", "datastore labels misaligned with its features", "keys, data.y[store], 0.0",
           "keys, data.y[store].roll(1), 0.0"),
     Plant("knnper", "largest λ on validation ties", "if acc > best_acc:", "if acc >= best_acc:"),
+    # client-level DP (McMahan et al. 2018, DP-FedAvg; pflbed.privacy): clip each client's update on the client,
+    # sum, one N(0, σ²C²) per round from the (seed, round) stream, over the expected count qN, uniform weights
+    Plant("privacy", "no clip", "    if norm <= clip:\n        return reply\n", "    return reply\n", "privacy.py"),
+    Plant("privacy", "noise drawn per client", "* scale + z[k] / m_bar for k in reply}",
+          "* scale + z[k] / m_bar * (1 + 0.5 * (cid % 2)) for k in reply}", "privacy.py"),
+    Plant("privacy", "the actual count as denominator, not qN", "        scale = count / m_bar\n",
+          "        scale = 1.0\n", "privacy.py"),
+    Plant("privacy", "one noise for every round", "g = rng.generator(seed, rng.PRIVACY, rnd)",
+          "g = rng.generator(seed, rng.PRIVACY, 1)", "privacy.py"),
+    Plant("privacy", "ε of one round fewer", "accountant.history = [(sigma, rate, rounds)]",
+          "accountant.history = [(sigma, rate, max(1, rounds - 1))]", "privacy.py"),
+    Plant("privacy", "clients weighted by size under DP", "weights = {c: 1.0 for c in arrived} if arrived else",
+          "weights = weights if arrived else", "engine/driver.py"),
+    Plant("privacy", "no clip where the client runs (update_client)",
+          "    return private(algo, payload, reply), new_state", "    return reply, new_state", "engine/executor.py"),
+    Plant("privacy", "noise on the personal state", "    return private(algo, payload, reply), new_state",
+          "    return private(algo, payload, reply), ({k: v + 1e-3 for k, v in new_state.items()} "
+          "if algo.ctx.cfg.privacy.clip else new_state)", "engine/executor.py"),
+    Plant("privacy", "the personal state clipped too", "    return private(algo, payload, reply), new_state",
+          "    return private(algo, payload, reply), (private(algo, {k: v * 0 for k, v in new_state.items()}, "
+          "new_state) if new_state else new_state)", "engine/executor.py"),
     # FedPAC (Xu et al. 2023, Eq. 8–13): prototypes count-weighted; α_i from the QP with the variance term
     Plant("fedpac", "QP without the variance term", "return diff @ diff.T + torch.diag(v_over_n)",
           "return diff @ diff.T"),
@@ -139,11 +166,11 @@ PLANTS = [
 
 def test_file(method: str) -> str:
     """The method's own test file, relative to the repository (an algorithm's tests live in tests/algorithms/)."""
-    return f"tests/algorithms/test_{method}.py"
+    return TESTS.get(method, f"tests/algorithms/test_{method}.py")
 
 
 def run(plant: Plant, scratch: Path) -> str:
-    source = scratch / "src/pflbed/algorithms" / f"{plant.method}.py"
+    source = scratch / "src/pflbed" / (plant.source or f"algorithms/{plant.method}.py")
     text = source.read_text()
     if text.count(plant.old) != 1:
         return f"STALE {plant.method}: {plant.what} (the planted text occurs {text.count(plant.old)}×)"
