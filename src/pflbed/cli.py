@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep the data on the sites: one SuperNode per DIR, each DIR one client's data (train.npz, "
                     "optionally val.npz and test.npz: x, y), which only that node reads; sets sites.local, "
                     "federation.clients and (unless set) sites.input_shape and sites.num_classes from the files")
+    fl.add_argument("--secagg", action="store_true", help="with --site-data: secure aggregation (Flower's SecAgg+), "
+                    "the server learns only the round's mean update; sets sites.secagg")  # fmt: skip
     fl.add_argument("--tls", action="store_true", help="TLS with a self-signed certificate authority")
     fl.add_argument("--auth", action="store_true",
                     help="SuperNode authentication (a key pair per node, registered with the SuperLink)")
@@ -292,13 +294,16 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     from pflbed.results.rundir import RunDir
 
     sites = args.site_data
+    if args.secagg and sites is None:
+        raise PflbedError("--secagg needs --site-data: secure aggregation protects the sites' updates, and without "
+                          "--site-data the server holds all the data")  # fmt: skip
     if sites is not None and args.supernodes is not None and args.supernodes != len(sites):
         raise PflbedError(f"--supernodes {args.supernodes} but {len(sites)} --site-data directories (one node each)")
 
     def fixed(supernodes: int | None) -> list[str]:
         if sites is not None:
             return ["executor.name=flower", f"executor.supernodes={len(sites)}", "sites.local=true",
-                    f"federation.clients={len(sites)}"]  # fmt: skip
+                    f"federation.clients={len(sites)}", *(["sites.secagg=true"] if args.secagg else [])]  # fmt: skip
         return ["executor.name=flower", f"executor.supernodes={2 if supernodes is None else supernodes}"]
 
     def described() -> list[str]:  # what the files say, before the user's own --set (which wins)

@@ -520,6 +520,8 @@ class SitesConfig(_Strict):
                                           "site's data is checked against it")  # fmt: skip
     num_classes: int | None = Field(None, ge=2, le=100_000, description="local: the label space 0…num_classes−1; "
                                     "every site's labels are checked against it")  # fmt: skip
+    secagg: bool = Field(False, description="local: secure aggregation (Flower's SecAgg+): the server learns only "
+                         "the round's mean update of the shared model, not a site's (guide: privacy)")  # fmt: skip
     test: str | None = Field(None, min_length=1, description="local: a test set on the server (.npz with x and y) "
                              "for G-FL; unset: G-FL is the sample-weighted mean of the sites' figures for the "
                              "generic model on their own test data")  # fmt: skip
@@ -530,6 +532,9 @@ class SitesConfig(_Strict):
             for key in ("input_shape", "num_classes", "test"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"{key} applies to sites.local=true")
+            if self.secagg:
+                raise ValueError("secagg applies to sites.local=true: with the data on the server, it would protect "
+                                 "nothing the server does not hold already")  # fmt: skip
         elif self.input_shape is None or self.num_classes is None:
             raise ValueError("local needs sites.input_shape and sites.num_classes (what the server knows of the "
                              "sites' data)")  # fmt: skip
@@ -747,6 +752,9 @@ def validate_config(tree: dict[str, Any]) -> Config:
             message = _algorithm_options_hint(message, cfg.algorithm.name, str(e.errors()[0]["loc"][0]))
         raise ConfigError(message) from None
     _check_numbers(options.model_dump(), "algorithm.")
+    if cfg.sites.secagg and algo_cls.dp_refused is not None:
+        raise ConfigError(f"sites.secagg: SecAgg+ gives the server only the mean of the replies, and "
+                          f"{cfg.algorithm.name} needs more: {algo_cls.dp_refused}")  # fmt: skip
     if cfg.privacy.enabled and algo_cls.dp_refused is not None:
         raise ConfigError(f"privacy.clip: client-level DP does not apply to {cfg.algorithm.name}: "
                           f"{algo_cls.dp_refused}")  # fmt: skip

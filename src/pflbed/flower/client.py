@@ -27,14 +27,17 @@ from functools import lru_cache
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
 from pflbed.algorithms.base import Algorithm
 from pflbed.config import validate_config
 from pflbed.engine.executor import update_client
 from pflbed.engine.guard import first_nonfinite
 from pflbed.engine.loop import prepare
+from pflbed.flower import secagg_node as secagg
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import from_record, to_record
+from pflbed.flower.secagg_node import secagg_if_asked
 from pflbed.flower.site_eval import evaluate_site
 from pflbed.flower.site_node import check_clients, site_algorithm_of, site_config, site_report
 
@@ -59,7 +62,7 @@ def node_states(context: Context, config_json: str, algo: Algorithm) -> NodeStat
                       config_json, algo)  # fmt: skip
 
 
-@app.train()
+@app.train(mods=[secagg_if_asked])
 def train(msg: Message, context: Context) -> Message:
     """The updates of the round's clients this node serves, one after another (records `payload/<cid>` and
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
@@ -74,6 +77,8 @@ def train(msg: Message, context: Context) -> Message:
         algo = algorithm(config)
         stored = node_states(context, config, algo)
     versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True)) if stored else {}
+    if secagg.asked(msg):  # SecAgg+'s masked-vector step: one update for the site, its states kept here
+        return secure_train(msg, algo, stored, rnd, cids, versions)
     out = RecordDict()
     flags: dict[str, str] = {}
     update_s = records_s = 0.0
@@ -96,6 +101,24 @@ def train(msg: Message, context: Context) -> Message:
         update_s, records_s = update_s + t2 - t1, records_s + time.perf_counter() - t2 + t1 - t0
     out["config"] = ConfigRecord({"round": rnd, "update_s": update_s, "records_s": records_s, **flags})
     return Message(out, reply_to=msg)
+
+
+def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: int, cids: list[int],
+                 versions: dict[int, int]) -> Message:  # fmt: skip
+    """The site's clients' updates from the round's shared payload, as one weighted update for SecAgg+ to mask
+    (`secagg.site_update`); their new states stay on the site, each non-finite one flagged."""
+    if stored is None:
+        raise ValueError("secure aggregation keeps the clients' states on the sites (sites.local)")
+    payload = from_record(msg.content[secagg.SHARED], algo.ctx.device)
+    replies, flags = [], {}
+    for cid in cids:
+        reply, new_state = update_client(algo, rnd, cid, payload, stored.load(cid, versions[cid]))
+        stored.save(cid, rnd, new_state, keep=versions[cid])
+        bad = first_nonfinite(new_state)
+        if bad is not None:
+            flags[f"nonfinite/{cid}"] = bad
+        replies.append((reply, secagg.client_weight(algo, algo.ctx.client_data(cid).num_train)))
+    return Message(fitres_to_recorddict(secagg.site_update(payload, replies, flags), False), reply_to=msg)
 
 
 @app.query()

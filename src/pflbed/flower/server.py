@@ -17,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 from pflbed.config import validate_config
 from pflbed.engine.loop import experiment, prepare
 from pflbed.flower.executor import FlowerExecutor
+from pflbed.flower.secagg import SecAggExecutor
 from pflbed.flower.site_executor import SiteExecutor, discover_sites
 from pflbed.flower.sites import server_algorithm
 from pflbed.results.rundir import RunDir, config_text
@@ -30,7 +31,8 @@ def main(grid: Grid, context: Context) -> None:
     if cfg.sites.local:  # the data is on the sites: ask them what they hold; the server loads none
         sizes, nodes = discover_sites(grid, cfg)
         algo = server_algorithm(cfg, sizes)
-        executor: FlowerExecutor = SiteExecutor(algo, grid, sizes, nodes)
+        kind = SecAggExecutor if cfg.sites.secagg else SiteExecutor
+        executor: FlowerExecutor = kind(algo, grid, sizes, nodes)
     else:
         algo = prepare(cfg, threads=1)
         executor = FlowerExecutor(algo, grid)

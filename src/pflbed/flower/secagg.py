@@ -1,0 +1,149 @@
+"""Secure aggregation on a site-local deployment (`sites.secagg`, `pflbed flower local --site-data … --secagg`).
+
+With the data on the sites, a site's reply is its client's update of the shared model. With SecAgg+ (Bell et al.,
+CCS 2020, as Flower implements it: `SecAggPlusWorkflow` on the server, `secaggplus_mod` on the nodes) the server
+learns only the round's weighted mean of those updates: each site masks its update with pairwise masks that cancel
+in the sum and with a private mask whose seed is secret-shared among the others, so one missing site can be
+unmasked without revealing any other.
+
+What crosses, per round, every site taking part (a site with no client sampled sends a zero update of weight zero):
+- four messages: the protocol's setup, key sharing, masked update (the payloads go with this one) and unmasking;
+- the update: Δ̄_s = Σ_c w_c (reply_c − payload) / Σ_c w_c over the site's sampled clients, w_c = its training
+  samples (uniform under `privacy`, whose clip is applied to each reply first, where the client runs), quantized
+  with Flower's defaults (each entry clipped to ±8, 2²² levels, stochastic rounding) and masked;
+- in clear: the weight Σ_c w_c, the names of the updated entries and each client's finiteness flag.
+
+The server gets Σ_s W_s Δ̄_s / Σ_s W_s = the round's weighted mean update, hands each arrived client that mean as
+its reply (so the algorithm's server rule, which reads only the replies' mean, `Algorithm.dp_refused`, sees the
+mean of the plain deployment up to the quantization), and with `privacy` the driver adds the noise as always.
+Algorithms whose server needs each reply (`dp_refused` set) are refused. The quantization error of one entry is at
+most (2·8/2²²)·max W / mean W per site (3.8·10⁻⁶ for equal sites); Flower draws its rounding noise unseeded, so a
+SecAgg+ run is not bit-reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.serverapp import Grid
+
+from pflbed.algorithms.base import Tensors
+from pflbed.engine.guard import check_client
+from pflbed.flower.executor import FlowerRoundError, Replies, client_diverged
+from pflbed.flower.records import to_record
+from pflbed.flower.secagg_node import CLIP_RANGE, SHARED, client_weight
+from pflbed.flower.site_executor import SiteExecutor
+
+
+class _Capture(Strategy):
+    """The protocol's strategy: every site takes part; the unmasked mean and each site's clear metrics are kept."""
+
+    def __init__(self, grid: Grid, nodes: list[int]) -> None:
+        self.grid, self.nodes = grid, nodes
+        self.results: list | None = None
+
+    def initialize_parameters(self, client_manager):  # noqa: ANN001, ANN201
+        return None
+
+    def configure_fit(self, server_round, parameters, client_manager):  # noqa: ANN001, ANN201
+        return [(GridClientProxy(n, self.grid, 0), FitIns(Parameters([], ""), {})) for n in self.nodes]
+
+    def aggregate_fit(self, server_round, results, failures):  # noqa: ANN001, ANN201
+        self.results = results
+        return None, {}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):  # noqa: ANN001, ANN201
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):  # noqa: ANN001, ANN201
+        return None, {}
+
+    def evaluate(self, server_round, parameters):  # noqa: ANN001, ANN201
+        return None
+
+
+class _Workflow(SecAggPlusWorkflow):
+    """Flower's SecAgg+ whose masked-vector stage carries pflbed's TRAIN content for each site."""
+
+    def __init__(self, contents: dict[int, RecordDict], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.contents = contents
+
+    def collect_masked_vectors_stage(self, grid, context, state) -> bool:  # noqa: ANN001
+        state.nid_to_fitins = {nid: self.contents[nid] for nid in state.nid_to_fitins}
+        return super().collect_masked_vectors_stage(grid, context, state)
+
+
+class SecAggExecutor(SiteExecutor):
+    """`SiteExecutor` whose rounds run through SecAgg+: the server sees the round's mean update, not the replies."""
+
+    def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Replies:
+        self._ask()
+        t0 = time.perf_counter()
+        by_node = self._by_node(list(payloads))
+        nodes = sorted(set(self.node_of.values()))
+        if len(nodes) < 2:
+            raise FlowerRoundError("secure aggregation needs at least two sites")
+        fed = self.algo.ctx.federation
+        first = payloads[min(payloads)]  # every client's payload is the same (`Algorithm.dp_refused` is None)
+        shared = to_record(first)
+        contents, weight = {}, {}
+        for node in nodes:
+            cids = by_node.get(node, [])
+            conf = {"pflbed-config": self.config, "round": rnd, "cids": cids, **self.extra_conf,
+                    "versions": [self.version.get(c, 0) for c in cids]}  # fmt: skip
+            contents[node] = RecordDict({"config": ConfigRecord(conf), SHARED: shared})
+            weight[node] = sum(client_weight(self.algo, fed.num_train(c)) for c in cids)
+        capture = _Capture(self.grid, nodes)
+        context = LegacyContext(Context(0, 0, {}, RecordDict(), {}), strategy=capture)
+        context.state.config_records["config"] = ConfigRecord({"current_round": rnd})
+        context.state.array_records["parameters"] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
+        workflow = _Workflow(contents, num_shares=1.0, reconstruction_threshold=0.5,
+                             max_weight=float(max(max(weight.values()), 1)), clipping_range=CLIP_RANGE,
+                             timeout=self.timeout)  # fmt: skip
+        t1 = time.perf_counter()
+        workflow(self.grid, context)
+        self.timing["server_records_s"] += t1 - t0
+        self.timing["wait_s"] += time.perf_counter() - t1
+        if not capture.results:
+            raise FlowerRoundError(f"round {rnd}: secure aggregation did not complete (too few sites replied)")
+        replied = {proxy.node_id: fitres for proxy, fitres in capture.results}
+        arrived = sorted(c for node, fitres in replied.items() for c in by_node.get(node, []))
+        failed = sorted(c for c in payloads if c not in set(arrived))
+        if not arrived:
+            raise FlowerRoundError(f"round {rnd}: no client replied (failed: {failed})")
+        return Replies(failed, self._replies(rnd, payloads, replied, arrived))
+
+    def _replies(self, rnd: int, payloads: dict[int, Tensors], replied: dict, arrived: list[int]
+                 ) -> Iterator[tuple[int, Tensors]]:  # fmt: skip
+        """Each arrived client's reply: the payload plus the round's unmasked mean update (one for all)."""
+        metrics = [f.metrics for f in replied.values() if f.num_examples > 0]
+        keys = json.loads(str(metrics[0]["keys"]))
+        beyond = sum(int(m["beyond_range"]) for m in metrics)
+        if beyond:
+            raise FlowerRoundError(f"round {rnd}: {beyond} entries of the sites' updates exceed SecAgg+'s range "
+                                   f"±{CLIP_RANGE:g}, where it clips; lower train.lr or use privacy.clip")  # fmt: skip
+        base = payloads[arrived[0]]
+        update = dict(zip(sorted(base), parameters_to_ndarrays(next(iter(replied.values())).parameters), strict=True))
+        mean = {k: base[k] + torch.from_numpy(np.asarray(update[k], dtype=np.float32)).to(base[k].device)
+                for k in keys}  # fmt: skip
+        flags = {k: v for m in metrics for k, v in m.items() if k.startswith("nonfinite/")}
+        for cid in arrived:
+            check_client(rnd, cid, mean, {})
+            if f"nonfinite/{cid}" in flags:
+                raise client_diverged(rnd, cid, "state", str(flags[f"nonfinite/{cid}"]))
+            self.version[cid] = rnd
+            self._states.pop(cid, None)
+            self.fetched.pop(cid, None)
+            yield cid, mean
