@@ -1,4 +1,4 @@
-"""What client-level DP costs per round: the same runs with and without `privacy.*`, side by side.
+"""What client-level DP and secure aggregation cost per round: the same runs with and without each, side by side.
 
 Both arms draw clients by Poisson sampling (`federation.sampling=poisson`), so the same clients train the same
 batches in both and the difference is DP's own work alone: each client's update clipped where it ran (one norm over
@@ -6,13 +6,22 @@ the shared entries, a rescale where above C) and the round's noise drawn and add
 repeat by repeat; printed: median training seconds per round (`summary.json` → `timing.s_per_round`, evaluation
 excluded) of each arm and DP ÷ plain.
 
-    python benchmarks/privacy_overhead.py [--repeats 3] [--rounds 10]
+SecAgg+ (`--secagg`): a site-local Flower deployment (`pflbed flower local --site-data`) of 4 sites (Fashion-MNIST,
+the McMahan CNN, FedAvg, ≤ 300 training samples a site, `--deployment-rounds` rounds), plain and with `--secagg`,
+alternating; printed: median training seconds per round of each and their ratio, and the largest difference of the
+secure run's final server state from the plain one's (SecAgg+'s quantization).
+
+    python benchmarks/privacy_overhead.py [--repeats 3] [--rounds 10] [--secagg] [--deployment-rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+from pathlib import Path
+
+import torch
 
 from pflbed.config import validate_config
 from pflbed.runs import run
@@ -32,6 +41,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--algorithms", nargs="*", default=["fedavg", "fedper"])
+    ap.add_argument("--secagg", action="store_true", help="also plain vs SecAgg+ site-local deployments")
+    ap.add_argument("--deployment-rounds", type=int, default=3)
     a = ap.parse_args()
     print(f"FMNIST LeNet-5, 1000 clients, Poisson q = 0.1, {a.rounds} rounds, 1 thread; DP: C = 1, σ = 1")
     print(f"{'algorithm':10s} {'plain s/round':>13s} {'DP s/round':>10s} {'DP÷plain':>8s}")
@@ -45,6 +56,38 @@ def main() -> None:
                 times[arm].append(result.summary["timing"]["s_per_round"])
         plain, dp = statistics.median(times["plain"]), statistics.median(times["dp"])
         print(f"{name:10s} {plain:13.3f} {dp:10.3f} {dp / plain:8.3f}", flush=True)
+    if a.secagg:
+        secagg(a.repeats, a.deployment_rounds)
+
+
+def secagg(repeats: int, rounds: int) -> None:
+    """Plain vs `--secagg` site-local deployments, alternating; s/round and the final states' largest gap."""
+    from pflbed.flower.local import run_local
+    from pflbed.flower.sites import export_sites
+
+    sites = 4
+    base = {"dataset": {"name": "fmnist"}, "model": {"name": "cnn"},
+            "federation": {"clients": sites, "partition": "dirichlet", "alpha": 0.5, "train_per_client": 300},
+            "train": {"rounds": rounds, "checkpoint_every": 0}, "eval": {"every": rounds, "finetune": []},
+            "executor": {"threads": 1}}  # fmt: skip
+    quiet = lambda *_: None  # noqa: E731
+    times: dict[str, list[float]] = {"plain": [], "secagg": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = export_sites(validate_config(base), Path(tmp) / "sites")
+        flower = {**base, "executor": {"name": "flower", "supernodes": sites, "threads": 1}}
+        servers = {}
+        for i in range(repeats):
+            for arm in times:
+                site = {"local": True, "input_shape": [1, 28, 28], "num_classes": 10, "secagg": arm == "secagg"}
+                out = Path(tmp) / f"{arm}-{i}"
+                summary = run_local(validate_config({**flower, "sites": site}), out, sites, site_data=dirs, log=quiet)
+                times[arm].append(summary["timing"]["s_per_round"])
+                servers[arm] = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["server"]
+        gap = max(float((servers["secagg"][k] - servers["plain"][k]).abs().max()) for k in servers["plain"])
+    plain, secure = statistics.median(times["plain"]), statistics.median(times["secagg"])
+    print(f"\nsite-local deployment, {sites} sites, FMNIST CNN, FedAvg, {rounds} rounds")
+    print(f"{'plain s/round':>13s} {'SecAgg+ s/round':>15s} {'SecAgg+÷plain':>13s} {'max state gap':>13s}")
+    print(f"{plain:13.2f} {secure:15.2f} {secure / plain:13.2f} {gap:13.2e}", flush=True)
 
 
 if __name__ == "__main__":
