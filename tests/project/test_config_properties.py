@@ -158,6 +158,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "sites.input_shape": st.one_of(st.none(), st.lists(st.integers(min_value=0, max_value=9), max_size=5)),
     "sites.num_classes": st.one_of(st.none(), st.integers(min_value=0, max_value=12)),
     "sites.test": st.one_of(st.none(), st.sampled_from(["", "/nonexistent/test.npz"])),
+    "sites.secagg": st.booleans(),  # refused without sites.local (tests/flower/test_flower_secagg.py)
     "log.tensorboard": st.booleans(),
     "federation.sampling": st.sampled_from([None, "fixed", "poisson", "uniform"]),
     # client-level DP: the clip with a noise level, or a target ε (tests/engine/test_privacy.py)
