@@ -327,6 +327,9 @@ def test_algorithms_lists_every_algorithm_and_its_options_from_the_option_models
     cells = [c.strip() for c in tau.split("│")[1:-1]]
     assert cells[:4] == ["tau", "float", "0.1", "> 0, ≤ 1"]
     assert "Learning Shareable Bases" in out  # the paper, from the algorithm file
+    assert "SecAgg+ (sites.secagg): refused, because each client's update of the bases" in " ".join(out.split())
+    assert main(["algorithms", "fedrep"]) == 0
+    assert "SecAgg+ (sites.secagg): apply" in capsys.readouterr().out
     assert main(["algorithms", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "unknown algorithm 'nope'" in err
