@@ -3,7 +3,7 @@
 Both arms draw clients by Poisson sampling (`federation.sampling=poisson`), so the same clients train the same
 batches in both and the difference is DP's own work alone: each client's update clipped where it ran (one norm over
 the shared entries, a rescale where above C) and the round's noise drawn and added on the server. Arms alternate
-repeat by repeat; printed: median training seconds per round (`summary.json` → `timing.s_per_round`, evaluation
+repeat by repeat (first one, then the other first); printed: median training seconds per round (`summary.json` → `timing.s_per_round`, evaluation
 excluded) of each arm and DP ÷ plain.
 
 SecAgg+ (`--secagg`): a site-local Flower deployment (`pflbed flower local --site-data`) of 4 sites (Fashion-MNIST,
@@ -48,8 +48,8 @@ def main() -> None:
     print(f"{'algorithm':10s} {'plain s/round':>13s} {'DP s/round':>10s} {'DP÷plain':>8s}")
     for name in a.algorithms:
         times: dict[str, list[float]] = {"plain": [], "dp": []}
-        for _ in range(a.repeats):
-            for arm in times:
+        for i in range(a.repeats):
+            for arm in list(times)[:: 1 if i % 2 == 0 else -1]:  # the order alternates too
                 tree = {**SETUP, "algorithm": {"name": name}, "train": {**SETUP["train"], "rounds": a.rounds},
                         **({"privacy": DP} if arm == "dp" else {})}  # fmt: skip
                 result = run(validate_config(tree), write=False, progress=False)
@@ -77,7 +77,7 @@ def secagg(repeats: int, rounds: int) -> None:
         flower = {**base, "executor": {"name": "flower", "supernodes": sites, "threads": 1}}
         servers = {}
         for i in range(repeats):
-            for arm in times:
+            for arm in list(times)[:: 1 if i % 2 == 0 else -1]:
                 site = {"local": True, "input_shape": [1, 28, 28], "num_classes": 10, "secagg": arm == "secagg"}
                 out = Path(tmp) / f"{arm}-{i}"
                 summary = run_local(validate_config({**flower, "sites": site}), out, sites, site_data=dirs, log=quiet)
