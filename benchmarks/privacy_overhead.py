@@ -3,8 +3,8 @@
 Both arms draw clients by Poisson sampling (`federation.sampling=poisson`), so the same clients train the same
 batches in both and the difference is DP's own work alone: each client's update clipped where it ran (one norm over
 the shared entries, a rescale where above C) and the round's noise drawn and added on the server. Arms alternate
-repeat by repeat (first one, then the other first); printed: median training seconds per round (`summary.json` → `timing.s_per_round`, evaluation
-excluded) of each arm and DP ÷ plain.
+repeat by repeat, and so does which runs first; printed: median training seconds per round (`summary.json` →
+`timing.s_per_round`, evaluation excluded) of each arm and DP ÷ plain.
 
 SecAgg+ (`--secagg`): a site-local Flower deployment (`pflbed flower local --site-data`) of 4 sites (Fashion-MNIST,
 the McMahan CNN, FedAvg, ≤ 300 training samples a site, `--deployment-rounds` rounds), plain and with `--secagg`,
