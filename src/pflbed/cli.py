@@ -141,6 +141,12 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
+class DivergedCells(PflbedError):
+    """Some cells of a bench diverged: the others ran and the tables are written; exit code 3, as a diverged run."""
+
+    exit_code = 3
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a command that can be continued: `describe()` says what is kept and the command to continue."""
 
@@ -238,6 +244,10 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     console.print(md.read_text())
     left = len(bench.pending())
     console.print(f"tables: {md}, {cs}" + (f" — {left} cells still to run (re-run to continue)" if left else ""))
+    diverged = bench.diverged()
+    if diverged:  # results of their cells (the tables say so), and still a failure of the command
+        raise DivergedCells(f"{len(diverged)} cell(s) diverged, e.g. {diverged[0]} (its diverged.json says where; "
+                            "delete a cell's directory to run it anew)")  # fmt: skip
 
 
 def _cmd_tune(args: argparse.Namespace) -> None:

@@ -134,15 +134,29 @@ def test_parallel_jobs_give_the_same_cells_as_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
-def test_a_diverging_cell_stops_the_bench_with_one_line_in_any_worker_layout(tmp_path, capsys, jobs):
-    """Divergence crosses the worker-process boundary intact (`DivergedError` pickles): exit 3 and one line, no
-    traceback (with --jobs 2 this was a BrokenProcessPool traceback)."""
-    suite = {**SUITE, "out": str(tmp_path / "res"), "seeds": [0],
-             "base": {**SUITE["base"], "train": {**SUITE["base"]["train"], "lr": 1e12}}}  # fmt: skip
+def test_a_diverging_cell_is_a_result_and_the_others_still_run_in_any_worker_layout(tmp_path, capsys, jobs):
+    """A cell that diverges is recorded (`diverged.json`: its round), the bench runs the rest, the table says
+    "diverged" where it has no figure, a re-run does not run it again, and the command ends with exit 3 and one
+    line. Divergence crosses the worker-process boundary intact (`DivergedError` pickles; with --jobs 2 this was
+    once a BrokenProcessPool traceback)."""
+    suite = {**SUITE, "out": str(tmp_path / "res"), "seeds": [0]}
+    wild = next(iter(suite["tables"]["main"]["methods"]))  # its lr makes it diverge; the others train normally
+    methods = {m: ({"set": {**s["set"], "train.lr": 1e12}} if m == wild else s)
+               for m, s in suite["tables"]["main"]["methods"].items()}  # fmt: skip
+    suite["tables"] = {"main": {**suite["tables"]["main"], "settings": {"a5": {"federation.alpha": 5.0}},
+                                "methods": methods}}  # fmt: skip
     (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
     assert main(["bench", "-c", str(tmp_path / "suite.yaml"), "--jobs", jobs]) == 3
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("pflbed: error: diverged in round")
+    out, err = capsys.readouterr()
+    assert "\n" not in err.strip() and "1 cell(s) diverged" in err and "diverged in round" in out
+    bench = Bench(load_suite(tmp_path / "suite.yaml"))
+    assert bench.pending() == [] and len(bench.diverged()) == 1
+    assert json.loads((bench.diverged()[0] / "diverged.json").read_text())["round"] >= 1
+    table = (tmp_path / "res" / "table.md").read_text().splitlines()
+    row = next(line for line in table if line.startswith(f"| {wild} "))
+    assert "diverged" in row and row.endswith("0/1, 1 diverged |")
+    assert main(["bench", "-c", str(tmp_path / "suite.yaml")]) == 3  # nothing re-run: same line
+    assert "diverged in round" not in capsys.readouterr().out
 
 
 def _children(pid):

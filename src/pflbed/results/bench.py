@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
-from pflbed.errors import ConfigError, PflbedError
+from pflbed.errors import ConfigError, DivergedError, PflbedError
 
 
 class MethodSpec(BaseModel):
@@ -173,6 +173,12 @@ class Table:
         dirs = {seed: self.run_dir(setting, source, seed, table) for seed in self.seeds}
         return {seed: d for seed, d in dirs.items() if (d / "summary.json").exists()}
 
+    def diverged_runs(self, method: str, setting: str) -> list[Path]:
+        """The run directories of a row whose run diverged (`DIVERGED`), also when the row reuses another's runs."""
+        table, source = _source(self.spec.methods[method].same_as or method)
+        dirs = [self.run_dir(setting, source, seed, table) for seed in self.seeds]
+        return [d for d in dirs if (d / DIVERGED).exists()]
+
     def report_of(self, method: str) -> dict[str, str | None]:
         """The row's columns → summary fields: the table's, overridden by the method's own."""
         return {**self.spec.report, **(self.spec.methods[method].report or {})}
@@ -186,7 +192,8 @@ class Table:
             for st in s.settings:
                 runs = self.finished_runs(m, st).values()
                 summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
-                row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries)}
+                row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries),
+                                       "diverged": len(self.diverged_runs(m, st))}  # fmt: skip
                 for col, field in report.items():
                     vals = [v for v in (_get(x, field) for x in summaries) if v is not None] if field else []
                     k = s.column_scale.get(col, s.scale)
@@ -212,8 +219,11 @@ class Table:
             for st in settings:
                 for c in cols:
                     v = by[(m, st)].get(c)
-                    cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
-            cells.append(f"{min(by[(m, st)]['seeds'] for st in settings)}/{len(self.seeds)}")
+                    gone = by[(m, st)]["diverged"]
+                    cells.append(("diverged" if gone else "—") if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
+            gone = sum(by[(m, st)]["diverged"] for st in settings)
+            cells.append(f"{min(by[(m, st)]['seeds'] for st in settings)}/{len(self.seeds)}"
+                         + (f", {gone} diverged" if gone else ""))  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
@@ -247,7 +257,13 @@ class Bench:
         return [(t, c, p) for t, c, p in found if p.exists()]
 
     def pending(self) -> list[tuple[Table, tuple[str, str, int]]]:
-        return [(t, c) for t, c in self.cells() if not (t.run_dir(*c) / "summary.json").exists()]
+        """Cells with neither a summary nor a record of having diverged (`DIVERGED`: deterministic, it would
+        diverge again; delete the cell's directory to run it anew)."""
+        return [(t, c) for t, c in self.cells() if not any((t.run_dir(*c) / f).exists() for f in
+                                                           ("summary.json", DIVERGED))]  # fmt: skip
+
+    def diverged(self) -> list[Path]:
+        return [t.run_dir(*c) for t, c in self.cells() if (t.run_dir(*c) / DIVERGED).exists()]
 
     def stale(self) -> list[Path]:
         """Run directories whose recorded config no longer matches the suite (the suite was edited)."""
@@ -282,8 +298,9 @@ class Bench:
         tasks = [(configs[(t.name, c)], t.run_dir(*c)) for t, c in todo]
         for k, ((table, (setting, method, seed)), (final, took)) in enumerate(zip(todo, _run_cells(tasks, jobs),
                                                                                  strict=True)):  # fmt: skip
-            log(f"[{done + k + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: "
-                f"G-FL {_fmt(final.get('gfl_acc'))} P-FL {_fmt(final.get('pfl_acc'))} "
+            figures = f"diverged in round {final['diverged']}" if "diverged" in final else \
+                f"G-FL {_fmt(final.get('gfl_acc'))} P-FL {_fmt(final.get('pfl_acc'))}"  # fmt: skip
+            log(f"[{done + k + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: {figures} "
                 f"({'finished by another process' if took is None else f'{took:.0f} s'})")  # fmt: skip
         return len(todo)
 
@@ -306,6 +323,9 @@ class Bench:
         return md, cs
 
 
+DIVERGED = "diverged.json"  # in a cell's run directory: the run diverged (its round and message)
+
+
 def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict[str, Any], float | None]:
     """Run (or resume) one cell; returns its final figures and seconds taken (None: it was not run here).
 
@@ -316,7 +336,11 @@ def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict
     if (path / "summary.json").exists():
         return json.loads((path / "summary.json").read_text())["final"], None
     t0 = time.perf_counter()
-    res = run_one(cfg, path, progress=False, resume=path.exists(), threads=threads)
+    try:
+        res = run_one(cfg, path, progress=False, resume=path.exists(), threads=threads)
+    except DivergedError as e:  # a result of the cell, not the end of the suite: recorded, and the others run
+        (path / DIVERGED).write_text(json.dumps({"round": e.round, "error": str(e)}) + "\n")
+        return {"diverged": e.round}, time.perf_counter() - t0
     return res.summary["final"], time.perf_counter() - t0
 
 
