@@ -111,12 +111,14 @@ class Mechanism:
             return math.inf
         return _epsilon(self.sigma, self.rate, rounds, self.delta)
 
-    def record(self, rounds: int) -> dict[str, Any]:
-        """What `metrics.jsonl` and `summary.json` say of the guarantee after `rounds` rounds."""
-        eps = self.epsilon(rounds)
+    def record(self, rounds: int, since: int) -> dict[str, Any]:
+        """What `metrics.jsonl` says of the guarantee after `rounds` rounds, with ε after each round since round
+        `since` (the previous evaluation) under `epsilon_by_round`; `summary.json` keeps the rest."""
+        by_round = {str(r): self.epsilon(r) for r in range(since + 1, rounds + 1)}
+        eps = by_round[str(rounds)]
         return {"epsilon": eps if math.isfinite(eps) else None, "delta": self.delta, "noise_multiplier": self.sigma,
                 "clip": self.clip, "sampling_rate": self.rate, "expected_clients": self.expected_clients,
-                "rounds": rounds, "accountant": "rdp", "sampling": "poisson"}  # fmt: skip
+                "rounds": rounds, "accountant": "rdp", "sampling": "poisson", "epsilon_by_round": by_round}  # fmt: skip
 
 
 def _epsilon(sigma: float, rate: float, rounds: int, delta: float) -> float:

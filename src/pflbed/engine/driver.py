@@ -123,10 +123,8 @@ class Driver:
             scores, per_client = evaluate(self.algo, server, state, None if final else self.quick,
                                           self.executor.forward)  # fmt: skip
         record = {"round": rnd, **scores, **comm, "full_test": final or self.quick is self.algo.ctx}
-        if self.dp is not None:  # ε after this round, and after each round since the last evaluation
-            every = self.cfg.eval.every
-            since = range((rnd - 1) // every * every + 1, rnd + 1)
-            record["privacy"] = {**self.dp.record(rnd), "epsilon_by_round": {str(r): self.dp.epsilon(r) for r in since}}
+        if self.dp is not None:  # ε after this round, and after each round since the previous evaluation
+            record["privacy"] = self.dp.record(rnd, since=(rnd - 1) // self.cfg.eval.every * self.cfg.eval.every)
         if self.failed:  # which clients each round since the last record lost
             record["failed_clients"], self.failed = self.failed, {}
         diag = None if on_sites is not None else self.algo.diagnostics(rnd, server, state)

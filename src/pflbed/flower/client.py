@@ -37,7 +37,6 @@ from pflbed.engine.loop import prepare
 from pflbed.flower import secagg_node as secagg
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import from_record, to_record
-from pflbed.flower.secagg_node import secagg_if_asked
 from pflbed.flower.site_eval import evaluate_site
 from pflbed.flower.site_node import check_clients, site_algorithm_of, site_config, site_report
 
@@ -62,7 +61,7 @@ def node_states(context: Context, config_json: str, algo: Algorithm) -> NodeStat
                       config_json, algo)  # fmt: skip
 
 
-@app.train(mods=[secagg_if_asked])
+@app.train(mods=[secagg.secagg_if_asked])
 def train(msg: Message, context: Context) -> Message:
     """The updates of the round's clients this node serves, one after another (records `payload/<cid>` and
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""

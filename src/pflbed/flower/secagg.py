@@ -39,8 +39,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.serverapp import Grid
 
 from pflbed.algorithms.base import Tensors
-from pflbed.engine.guard import check_client
-from pflbed.flower.executor import FlowerRoundError, Replies, client_diverged
+from pflbed.flower.executor import FlowerRoundError, Replies
 from pflbed.flower.records import to_record
 from pflbed.flower.secagg_node import CLIP_RANGE, SHARED, client_weight
 from pflbed.flower.site_executor import SiteExecutor
@@ -139,11 +138,5 @@ class SecAggExecutor(SiteExecutor):
         mean = {k: base[k] + torch.from_numpy(np.asarray(update[k], dtype=np.float32)).to(base[k].device)
                 for k in keys}  # fmt: skip
         flags = {k: v for m in metrics for k, v in m.items() if k.startswith("nonfinite/")}
-        for cid in arrived:
-            check_client(rnd, cid, mean, {})
-            if f"nonfinite/{cid}" in flags:
-                raise client_diverged(rnd, cid, "state", str(flags[f"nonfinite/{cid}"]))
-            self.version[cid] = rnd
-            self._states.pop(cid, None)
-            self.fetched.pop(cid, None)
-            yield cid, mean
+        for cid in arrived:  # each client's new state stayed on its site, as with the plain site executor
+            yield cid, self.keep_on_node(rnd, cid, mean, flags)
