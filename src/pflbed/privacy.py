@@ -114,9 +114,9 @@ class Mechanism:
     def record(self, rounds: int, since: int) -> dict[str, Any]:
         """What `metrics.jsonl` says of the guarantee after `rounds` rounds, with ε after each round since round
         `since` (the previous evaluation) under `epsilon_by_round`; `summary.json` keeps the rest."""
-        by_round = {str(r): self.epsilon(r) for r in range(since + 1, rounds + 1)}
-        eps = by_round[str(rounds)]
-        return {"epsilon": eps if math.isfinite(eps) else None, "delta": self.delta, "noise_multiplier": self.sigma,
+        # ε = ∞ (no noise) is written null: JSON has no infinity
+        by_round = {str(r): e if math.isfinite(e := self.epsilon(r)) else None for r in range(since + 1, rounds + 1)}
+        return {"epsilon": by_round[str(rounds)], "delta": self.delta, "noise_multiplier": self.sigma,
                 "clip": self.clip, "sampling_rate": self.rate, "expected_clients": self.expected_clients,
                 "rounds": rounds, "accountant": "rdp", "sampling": "poisson", "epsilon_by_round": by_round}  # fmt: skip
 

@@ -55,7 +55,10 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
     sets = [s if not s.startswith("train.rounds=") else "train.rounds=4" for s in SETS]
     args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "pflbed", "flower", "local", "--supernodes", "2", "--tls", "--out", "run", *args]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a background shell starts jobs with it ignored, and Python then
+    # installs no Ctrl-C handler (the run would go on to the end)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + 300
     while checkpoint_round(tmp_path / "run") is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
