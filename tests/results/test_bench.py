@@ -133,6 +133,18 @@ def test_parallel_jobs_give_the_same_cells_as_one_process(tmp_path):
         assert s["final"] == r["final"]  # workers use one torch thread, as the test session does
 
 
+def test_a_jobs_worker_runs_an_auto_cell_with_loop_and_keeps_a_chosen_executor():
+    """--jobs workers hold a core each: `auto` there would start `procs` workers beside the other jobs'."""
+    from pflbed.config import validate_config
+    from pflbed.results.bench import _one_core
+
+    auto = validate_config({**TINY, "executor": {"name": "auto", "threads": 1}})
+    assert _one_core(auto).executor.name == "loop" and auto.executor.name == "auto"
+    assert _one_core(auto).model_dump(exclude={"executor"}) == auto.model_dump(exclude={"executor"})
+    procs = validate_config({**TINY, "executor": {"name": "procs", "workers": 2}})
+    assert _one_core(procs) is procs
+
+
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_a_diverging_cell_is_a_result_and_the_others_still_run_in_any_worker_layout(tmp_path, capsys, jobs):
     """A cell that diverges is recorded (`diverged.json`: its round), the bench runs the rest, the table says
