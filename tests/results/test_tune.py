@@ -105,11 +105,19 @@ def test_a_two_method_study_finishes_and_writes_the_table(tmp_path, capsys):
     table = json.loads((out / "table.json").read_text())
     rows = {r["method"]: r for r in table["methods"]}
     assert set(rows) == {"FedAvg", "FedProx"}
+    tuner = Tuner(load_tune_suite(f))
     for r in rows.values():
         assert r["budget"] == 2 and r["complete"] + r["pruned"] == 2
         assert r["default"]["P-FL"] is not None and r["tuned"]["P-FL"] is not None  # default vs tuned
         assert r["seeds"] == {"default": 1, "tuned": 1, "of": 1}
         assert (out / r["plots"]["history"]).exists()
+        # compute: the trials' running times (Optuna's), and the re-runs' wall times (2 runs, one seed each)
+        study = tuner.study(next(m for m in tuner.methods if m.name == r["method"]))
+        spans = [(t.datetime_complete - t.datetime_start).total_seconds() for t in study.get_trials()]
+        assert r["seconds"]["search"] == pytest.approx(sum(spans)) and len(spans) == 2
+        walls = [json.loads(p.read_text())["timing"]["wall_s"] for p in (out / "final").rglob("summary.json")
+                 if f"/{r['method']}" in str(p)]  # fmt: skip
+        assert len(walls) == 2 and r["seconds"]["reruns"] == pytest.approx(sum(walls))
     assert "algorithm.mu" in rows["FedProx"]["chosen"] and "train.momentum" not in rows["FedProx"]["chosen"]
     md = (out / "table.md").read_text()
     assert "| FedProx | 2 (" in md and "P-FL default | P-FL tuned" in md and "plots/FedAvg-history.png" in md

@@ -399,6 +399,8 @@ class Tuner:
                 "space": {k: s.text() for k, s in m.space.items()},
                 "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
+                "seconds": {"search": _trial_seconds(study),
+                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in (d, t) if r)},
                 "plots": self.plots.get(m.name, {}),
             })  # fmt: skip
         return out
@@ -444,7 +446,8 @@ class Tuner:
         column of the default and of the tuned configuration side by side."""
         cols = list(dict.fromkeys(c for r in rows for c in r["default"]))
         head = ["method", "budget (complete / pruned)", "objective (best, trial)", "chosen values"]
-        head += [f"{c} {w}" for c in cols for w in ("default", "tuned")] + ["seeds (default/tuned)"]
+        head += [f"{c} {w}" for c in cols for w in ("default", "tuned")] + ["seeds (default/tuned)",
+                                                                          "search / re-runs (min)"]
         out = []
         for r in rows:
             chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
@@ -456,19 +459,23 @@ class Tuner:
                     cells.append("—" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
             s = r["seeds"]
             cells.append(f"{s['default']}/{s['tuned']} of {s['of']}")
+            cells.append(f"{r['seconds']['search'] / 60:.0f} / {r['seconds']['reruns'] / 60:.0f}")
             out.append(cells)
         return head, out
 
-    def _intro(self) -> str:
+    def _intro(self, rows: list[dict[str, Any]]) -> str:
         t = self.suite.tune
+        search, reruns = (sum(r["seconds"][k] for r in rows) / 60 for k in ("search", "reruns"))
         return (f"Test figures (%), mean ± std over seeds {self.suite.seeds}, of each method's default configuration "
                 f"and of the configuration its study chose on validation ({t.sampler}, pruner {t.pruner}, trials on "
-                f"seed {self.seed}); the objective is the validation figure of the round selected on validation.")
+                f"seed {self.seed}); the objective is the validation figure of the round selected on validation. "
+                f"Compute: {search:.0f} min of trials (their running times summed) and {reruns:.0f} min of re-runs "
+                f"(each run's wall time), {search + reruns:.0f} min in all.")
 
     def markdown(self, rows: list[dict[str, Any]]) -> str:
         from pflbed.results.report import _md_table
 
-        lines = [f"## {self.suite.name}: default vs tuned", "", self._intro(), "", _md_table(*self.table(rows)), "",
+        lines = [f"## {self.suite.name}: default vs tuned", "", self._intro(rows), "", _md_table(*self.table(rows)), "",
                  "Search spaces:", ""]  # fmt: skip
         for r in rows:
             lines.append(f"- {r['method']}: " + (", ".join(f"`{k}` {t}" for k, t in r["space"].items()) or "none"))
@@ -488,7 +495,7 @@ class Tuner:
         title = f"pflbed tune: {self.suite.name}"
         parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                  f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-                 f"<h2>Default vs tuned</h2><p>{html.escape(self._intro())}</p>", _html_table(*self.table(rows)),
+                 f"<h2>Default vs tuned</h2><p>{html.escape(self._intro(rows))}</p>", _html_table(*self.table(rows)),
                  "<h2>Search spaces</h2><ul>"]  # fmt: skip
         parts += [f"<li>{html.escape(r['method'])}: " + html.escape(", ".join(f"{k} {t}" for k, t in
                                                                              r["space"].items()) or "none") + "</li>"
@@ -514,6 +521,13 @@ class Tuner:
                                   "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
                                   "storage": self.storage_url, "methods": rows}, indent=2) + "\n")  # fmt: skip
         return md, js
+
+
+def _trial_seconds(study) -> float:
+    """The study's trials' running time, summed (Optuna's start and end of each finished, pruned or failed trial):
+    its wall time when one process ran the trials one after another, pauses between resumptions left out."""
+    return sum((t.datetime_complete - t.datetime_start).total_seconds() for t in study.get_trials(deepcopy=False)
+               if t.datetime_start is not None and t.datetime_complete is not None)  # fmt: skip
 
 
 def objective_value(summary: dict[str, Any], history: list[dict[str, Any]], objective: str) -> float | None:
