@@ -133,8 +133,9 @@ def test_parallel_jobs_give_the_same_cells_as_one_process(tmp_path):
         assert s["final"] == r["final"]  # workers use one torch thread, as the test session does
 
 
-def test_a_jobs_worker_runs_an_auto_cell_with_loop_and_keeps_a_chosen_executor():
-    """--jobs workers hold a core each: `auto` there would start `procs` workers beside the other jobs'."""
+def test_a_jobs_worker_runs_an_in_process_cell_with_loop_and_leaves_flower_alone():
+    """--jobs workers hold a core each: `procs` (or `auto` choosing it) there would start workers beside the other
+    jobs'."""
     from pflbed.config import validate_config
     from pflbed.results.bench import _one_core
 
@@ -142,7 +143,9 @@ def test_a_jobs_worker_runs_an_auto_cell_with_loop_and_keeps_a_chosen_executor()
     assert _one_core(auto).executor.name == "loop" and auto.executor.name == "auto"
     assert _one_core(auto).model_dump(exclude={"executor"}) == auto.model_dump(exclude={"executor"})
     procs = validate_config({**TINY, "executor": {"name": "procs", "workers": 2}})
-    assert _one_core(procs) is procs
+    assert _one_core(procs).executor.name == "loop"
+    flower = validate_config({**TINY, "executor": {"name": "flower"}})
+    assert _one_core(flower) is flower
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])

@@ -368,9 +368,10 @@ def _run_cells(tasks: list[tuple[Config, Path]], jobs: int) -> Iterator[tuple[di
 
 
 def _one_core(cfg: Config) -> Config:
-    """A `--jobs` worker holds one core: `executor.name: auto` would start `procs` workers there, beside the other
-    jobs' (measured: 6 processes on 2 cores), so it runs the cell with `loop`, whose figures `procs` gives anyway."""
-    if cfg.executor.name != "auto":
+    """A `--jobs` worker holds one core: `procs` (or `auto` choosing it) would start workers there, beside the other
+    jobs' (measured: 6 processes on 2 cores), so it runs the cell with `loop`, whose figures `procs` gives bit for
+    bit; other executors (Flower's) are left as they are."""
+    if cfg.executor.name not in ("auto", "procs"):
         return cfg
     return cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"name": "loop"})})
 
