@@ -219,7 +219,7 @@ class Table:
             for st in settings:
                 for c in cols:
                     v = by[(m, st)].get(c)
-                    gone = by[(m, st)]["diverged"]
+                    gone = by[(m, st)]["diverged"] and not by[(m, st)]["seeds"]  # no seed left to give a figure
                     cells.append(("diverged" if gone else "—") if v is None else f"{v[0]:.2f} ± {v[1]:.2f}")
             gone = sum(by[(m, st)]["diverged"] for st in settings)
             cells.append(f"{min(by[(m, st)]['seeds'] for st in settings)}/{len(self.seeds)}"
