@@ -48,10 +48,3 @@ def pool():
     with WorkerPool(2, threads=1) as p:
         yield p
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In parallel runs (`-n N`, `--dist loadgroup`) the Flower tests share one worker, one after another: they count
-    the machine's Flower processes before and after a deployment, which another worker's deployment would change."""
-    for item in items:
-        if item.nodeid.startswith("tests/flower/"):
-            item.add_marker(pytest.mark.xdist_group("flower"))

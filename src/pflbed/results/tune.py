@@ -524,10 +524,13 @@ class Tuner:
 
 
 def _trial_seconds(study) -> float:
-    """The study's trials' running time, summed (Optuna's start and end of each finished, pruned or failed trial):
-    its wall time when one process ran the trials one after another, pauses between resumptions left out."""
-    return sum((t.datetime_complete - t.datetime_start).total_seconds() for t in study.get_trials(deepcopy=False)
-               if t.datetime_start is not None and t.datetime_complete is not None)  # fmt: skip
+    """The study's trials' running time, summed (Optuna's start and end of each complete or pruned trial): its wall
+    time when one process ran them one after another, pauses between resumptions left out. Failed trials are left
+    out too: one a stopped process left running is marked failed when the study resumes, hours later perhaps."""
+    from optuna.trial import TrialState
+
+    return sum((t.datetime_complete - t.datetime_start).total_seconds()
+               for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
 
 def objective_value(summary: dict[str, Any], history: list[dict[str, Any]], objective: str) -> float | None:
