@@ -71,7 +71,7 @@ import yaml  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from pflbed.cli import main  # noqa: E402
-from pflbed.results.tune import Tuner, TuneSuite, _Surplus, load_tune_suite  # noqa: E402
+from pflbed.results.tune import Tuner, TuneSuite, _Surplus, _trial_seconds, load_tune_suite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {"clients": 3},
@@ -285,6 +285,9 @@ def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
     assert trials[1].params == killed.params and trials[1].user_attrs["retry_of"] == 0
+    # the compute counts the trial that ran to its end, not the killed one (failed only at this resume)
+    done = trials[1].datetime_complete - trials[1].datetime_start
+    assert _trial_seconds(study) == done.total_seconds()
 
 
 TUNE_SUITES = sorted(p for p in (ROOT / "benchmarks" / "suites").glob("*.yaml")
