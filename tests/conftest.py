@@ -47,4 +47,3 @@ def pool():
     seconds). A test that leaves results behind in it breaks the next one: `ProcsExecutor.stream` must not."""
     with WorkerPool(2, threads=1) as p:
         yield p
-

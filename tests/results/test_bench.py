@@ -148,6 +148,19 @@ def test_a_jobs_worker_runs_an_in_process_cell_with_loop_and_leaves_flower_alone
     assert _one_core(flower) is flower
 
 
+def test_a_table_says_diverged_only_where_no_seed_finished(suite_file, monkeypatch):
+    """One seed of two diverged: the figures come from the other, and a column the method never reports stays
+    "—"; with every seed diverged, the cells say "diverged"."""
+    table = Bench(load_suite(suite_file)).table("main")
+    fig = (50.0, 1.0)
+    rows = [{"method": m, "setting": st, "seeds": n, "diverged": 2 - n, "G-FL": None, "P-FL": fig if n else None,
+             "wall_s": 1.0} for m, n in (("FedAvg", 1), ("FedAvg+FT", 0), ("Local", 2)) for st in ("a0.5", "a5")]
+    monkeypatch.setattr(table, "collect", lambda: rows)
+    lines = {line.split(" | ")[0]: line for line in table.markdown().splitlines() if line.startswith("| ")}
+    assert lines["| FedAvg"].startswith("| FedAvg | — | 50.00 ± 1.00 | — | 50.00 ± 1.00 |")
+    assert lines["| FedAvg+FT"].startswith("| FedAvg+FT | diverged | diverged | diverged | diverged |")
+
+
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_a_diverging_cell_is_a_result_and_the_others_still_run_in_any_worker_layout(tmp_path, capsys, jobs):
     """A cell that diverges is recorded (`diverged.json`: its round), the bench runs the rest, the table says
