@@ -67,8 +67,8 @@ def noise(seed: int, rnd: int, like: Tensors, std: float) -> Tensors:
     """z_t: N(0, std²) per entry of `like`'s tensors, drawn on the CPU from the (seed, round) stream in key order —
     the same numbers on any executor, device or resume."""
     g = rng.generator(seed, rng.PRIVACY, rnd)
-    return {k: (torch.randn(like[k].shape, generator=g, dtype=torch.float32) * std).to(like[k].device, like[k].dtype)
-            for k in sorted(like)}  # fmt: skip
+    cpu = {k: torch.randn(like[k].shape, generator=g, dtype=torch.float32, device="cpu") * std for k in sorted(like)}
+    return {k: z.to(like[k].device, like[k].dtype) for k, z in cpu.items()}
 
 
 @dataclass(frozen=True)

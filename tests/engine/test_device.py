@@ -32,12 +32,14 @@ from ..tiny import TINY
 FED = {**TINY["federation"], "public": 64, "new_clients": 1}  # a new client: the new-client protocol runs too
 LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 3}
 PFLBED = {"protocol": "pflbed", "pflbed": {"clients_per_domain": 2, "new_clients_per_domain": 1}}  # domains
+DP = {"clip": 0.5, "noise_multiplier": 0.8}  # client-level DP: clipped replies, noise drawn on the CPU
 EVAL = {**TINY["eval"], "finetune": ["ft", "lp"], "new_clients": {"epochs": 1, "lrs": [0.05], "fractions": [1.0]}}
 
 # Every algorithm with its defaults, plus options that take code paths the defaults do not (BatchNorm statistics
 # tracked into FedBasis' bases, its joint update, random mask growth, KT-pFL's official variant and its homogeneous
 # form, TopK without self, subsampled class-weighted evaluation, the PFLBED protocol on transform domains, FedRoD's
-# P-FL on each client's own body): (id, algorithm options, other config sections).
+# P-FL on each client's own body, client-level DP on a global and on a partly personal model): (id, algorithm
+# options, other config sections).
 CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
     (
         "fedbasis-bn",
@@ -52,6 +54,8 @@ CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
     ("fedavg-global-test", {"name": "fedavg"}, {"eval": {**EVAL, "pfl_test": "global", "test_subsample": 5}}),
     ("fedrod-pflbed", {"name": "fedrod"}, {"dataset": {"name": "digits-rot4"}, "federation": PFLBED}),
     ("fedrod-local-body", {"name": "fedrod", "pfl_body": "local"}, {"eval": {**EVAL, "pfl_test": "global"}}),
+    ("fedavg-dp", {"name": "fedavg"}, {"privacy": DP}),
+    ("fedper-dp", {"name": "fedper"}, {"privacy": DP}),
 ]
 
 
