@@ -5,9 +5,7 @@ runtime and Ray costs seconds.
 """
 
 import json
-import os
 import tomllib
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from pflbed.runs import run
 from ..tiny import PARITY_CASES, TINY, parity_config
 from ..tiny import figures as _figures
 from ..tiny import same_tensors as _same
+from .processes import marked_processes
 
 flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it, so these tests run there
 
@@ -137,29 +136,13 @@ def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
         validate_config({**TINY, "executor": {"name": "flower"}})
 
 
-def _flower_processes():
-    """{pid: command line} of Flower deployment processes alive on this machine (SuperLink, SuperNodes, their apps)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if any(k in cmd for k in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
-                                      "flwr-clientapp")):  # fmt: skip
-                out[int(d)] = cmd
-    return out
-
-
-def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_no_process(tmp_path):
+def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_no_process(tmp_path, deployment_mark):
     """`pflbed flower local --tls --auth` with states on the nodes: a real SuperLink and 2 SuperNodes (separate
     processes, TLS with a generated CA, registered node keys, client states in files on the nodes) give the loop's
     summary, write the usual run directory, and every process they started is gone afterwards."""
     from pflbed.cli import main
 
     torch.set_num_threads(1)
-    before = _flower_processes()  # others' (none in CI); this test's own must all be gone afterwards
     out, states = tmp_path / "run", tmp_path / "states"
     sets = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "federation.partition=dirichlet",
             "federation.alpha=1.0", "federation.sample_fraction=0.5", "train.rounds=2", "train.batch_size=16",
@@ -167,8 +150,7 @@ def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_n
             f"executor.state_dir={states}"]  # fmt: skip
     args = ["flower", "local", "--supernodes", "2", "--tls", "--auth", "--out", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
-    left = {p: c for p, c in _flower_processes().items() if p not in before}
-    assert not left, left
+    assert not (left := marked_processes(deployment_mark)), left  # every process it started is gone
     assert (out / "config.yaml").exists() and (out / "metrics.jsonl").exists()
     assert "https://" in (out / "flower" / "superlink.log").read_text()  # TLS was on
     assert (out / "flower" / "register.log").read_text().count("registered successfully") == 2  # both node keys

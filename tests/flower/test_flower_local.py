@@ -19,6 +19,7 @@ from pflbed.results.rundir import config_text
 from pflbed.runs import run
 
 from ..tiny import figures
+from .processes import marked_processes
 
 pytest.importorskip("flwr")  # the `flower` extra
 
@@ -31,24 +32,11 @@ SETS = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=6", "fed
 ARGS = [a for s in SETS for a in ("--set", s)]
 
 
-def _flower_processes() -> set[int]:
-    found = set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if any(k in cmd for k in (b"flower-superlink", b"flower-supernode", b"flower-superexec", b"flwr-serverapp",
-                                      b"flwr-clientapp")):  # fmt: skip
-                found.add(int(d))
-    return found
-
-
-def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deployment(tmp_path, monkeypatch):
+def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deployment(
+    tmp_path, monkeypatch, deployment_mark
+):
     """The README's TLS command with a relative `--out` (Flower wants absolute certificate paths) runs; Ctrl-C says
     which round is checkpointed and the deployment's own `--resume` command, which finishes the run as `loop` would."""
-    before = _flower_processes()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     # four rounds, checkpointed each: Ctrl-C lands after round 1's checkpoint with rounds still to run (with two,
     # a busy machine could deliver it after the last round, and the run would simply finish)
@@ -63,6 +51,7 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
     while checkpoint_round(tmp_path / "run") is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
+    assert marked_processes(deployment_mark)  # the deployment's processes carry the mark (the check below can fail)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -74,7 +63,7 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     assert main(["flower", "local", "--resume", "run", "--tls"]) == 0
-    assert not _flower_processes() - before
+    assert not (left := marked_processes(deployment_mark)), left
     assert "https://" in (tmp_path / "run" / "flower" / "superlink.log").read_text()  # TLS was on
     loop = run(load_config(None, sets), write=False, progress=False)
     assert figures(json.loads((tmp_path / "run" / "summary.json").read_text())) == figures(
