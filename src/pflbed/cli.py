@@ -278,7 +278,7 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     md, js = tuner.write_tables()
     console.print(md.read_text())
     note = f" — studies still short of their budget: {', '.join(unfinished)} (re-run to continue)" if unfinished else ""
-    console.print(f"tables: {md}, {js}; study: {tuner.storage_url}{note}")
+    console.print(f"tables: {md}, {js}; study: {tuner.storage_shown}{note}")
 
 
 def _cmd_flower(args: argparse.Namespace) -> None:

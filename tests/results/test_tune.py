@@ -71,7 +71,14 @@ import yaml  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from pflbed.cli import main  # noqa: E402
-from pflbed.results.tune import Tuner, TuneSuite, _Surplus, _trial_seconds, load_tune_suite  # noqa: E402
+from pflbed.results.tune import (  # noqa: E402
+    Tuner,
+    TuneSuite,
+    _Surplus,
+    _trial_seconds,
+    load_tune_suite,
+    shown_storage,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {"clients": 3},
@@ -105,6 +112,7 @@ def test_a_two_method_study_finishes_and_writes_the_table(tmp_path, capsys):
     table = json.loads((out / "table.json").read_text())
     rows = {r["method"]: r for r in table["methods"]}
     assert set(rows) == {"FedAvg", "FedProx"}
+    assert table["storage"] == "study.db"  # the default, in the tune directory: no path of this machine
     tuner = Tuner(load_tune_suite(f))
     for r in rows.values():
         assert r["budget"] == 2 and r["complete"] + r["pruned"] == 2
@@ -312,3 +320,20 @@ def test_a_restarted_study_draws_new_parameters_not_the_first_process_s_again(tm
     assert second.run_trials(max_trials=1, log=lambda *_: None) == 1
     a, b = finished(second, second.methods[0])
     assert a.params != b.params
+
+
+def test_a_storage_url_is_shown_without_its_password():
+    """table.json and error lines name the storage; a database password must not travel with them."""
+    assert shown_storage("postgresql://user:s3cret@db-host:5432/pflbed") == "postgresql://user:***@db-host:5432/pflbed"
+    assert shown_storage("mysql+pymysql://u:p:q@h/d") == "mysql+pymysql://u:***@h/d"
+    for kept in ("postgresql://user@db-host/pflbed", "sqlite:////data/study.db"):
+        assert shown_storage(kept) == kept
+
+
+def test_a_storage_that_cannot_be_opened_is_one_line_without_its_password(tmp_path, capsys):
+    f = write(tmp_path, suite(tmp_path))
+    assert main(["tune", "-c", f, "--storage", "postgresql://user:s3cret@127.0.0.1:1/none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error: --storage postgresql://user:***@127.0.0.1:1/none: "), err
+    assert "s3cret" not in err and "\n" not in err, err
+    assert not (tmp_path / "out" / "trials").exists()

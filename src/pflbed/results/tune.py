@@ -42,6 +42,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 import time
 import warnings
@@ -184,6 +185,12 @@ class Method:
         return f"{self.tuner.suite.name}/{self.name}"
 
 
+def shown_storage(url: str) -> str:
+    """A storage URL as the table and messages show it: without its password (`postgresql://user:***@host/db`), so
+    that a committed table.json or a pasted error line does not hand out the database's credentials."""
+    return re.sub(r"^([^:/]+://[^:/@]*):[^@]*@", r"\1:***@", url)
+
+
 class Tuner:
     def __init__(self, suite: TuneSuite, root: Path | None = None, storage: str | None = None) -> None:
         t = suite.tune
@@ -194,6 +201,7 @@ class Tuner:
         self.suite = suite
         self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
         self.storage_url = storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
+        self.storage_shown = "study.db" if storage is None else shown_storage(storage)
         self.seed = suite.tune.seed if suite.tune.seed is not None else suite.seeds[0]
         self.methods = [Method(n, spec, self) for n, spec in suite.methods.items()]
         self._storage = None
@@ -219,7 +227,7 @@ class Tuner:
                         break
                     except Exception as e:  # workers creating one new database's tables at once: the loser waits
                         if attempt == 5 or type(e).__name__ not in ("IntegrityError", "OperationalError"):
-                            raise
+                            raise PflbedError(f"--storage {self.storage_shown}: {type(e).__name__}: {e}") from None
                         time.sleep(0.5 * (attempt + 1))
             else:
                 self._storage = url
@@ -246,7 +254,7 @@ class Tuner:
         except Exception as e:  # a storage URL optuna cannot open: one line
             if isinstance(e, PflbedError):
                 raise
-            raise PflbedError(f"--storage {self.storage_url}: {type(e).__name__}: {e}") from None
+            raise PflbedError(f"--storage {self.storage_shown}: {type(e).__name__}: {e}") from None
 
     def counts(self, study) -> tuple[int, int]:
         """(finished trials: complete or pruned, running trials)."""
@@ -519,7 +527,7 @@ class Tuner:
         md.write_text(self.markdown(rows))
         js.write_text(json.dumps({"suite": self.suite.name, "seeds": self.suite.seeds, "trial_seed": self.seed,
                                   "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
-                                  "storage": self.storage_url, "methods": rows}, indent=2) + "\n")  # fmt: skip
+                                  "storage": self.storage_shown, "methods": rows}, indent=2) + "\n")  # fmt: skip
         return md, js
 
 
