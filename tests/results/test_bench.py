@@ -44,12 +44,14 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     bench = Bench(load_suite(suite_file))
     assert len(bench.cells()) == 9  # 2 settings × 2 methods with runs × 2 seeds (FedAvg+FT reuses FedAvg), + 1
     assert main(["bench", "-c", str(suite_file), "--max-cells", "3"]) == 0
-    assert len(bench.pending()) == 6 and "6 cells still to run" in " ".join(capsys.readouterr().out.split())
+    log = " ".join(capsys.readouterr().out.split())
+    assert len(bench.pending()) == 6 and "6 cells still to run" in log
     main_t, other, reuse = bench.tables
     first = main_t.run_dir("a0.5", "FedAvg", 0) / "summary.json"
     stamp = first.stat().st_mtime_ns
     assert main(["bench", "-c", str(suite_file)]) == 0
     assert bench.pending() == [] and first.stat().st_mtime_ns == stamp  # finished cells are not re-run
+    log += " " + " ".join(capsys.readouterr().out.split())
 
     rows = {(r["method"], r["setting"]): r for r in main_t.collect()}
     s = [json.loads((main_t.run_dir("a5", "FedAvg", k) / "summary.json").read_text()) for k in (0, 1)]
@@ -62,6 +64,7 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     assert other_summary["clients"]["participated"] == 4
     up = other.collect()[0]["up"]
     assert up == (pytest.approx(other_summary["communication"]["up_bytes_per_round"] / 1000), 0.0)
+    assert f"other · - · FedAvg · seed 3: up {up[0]:.2f} (" in log  # a cell is logged with its table's columns
     md = (tmp_path / "out" / "table.md").read_text().splitlines()
     assert "| method | a0.5 G-FL | a0.5 P-FL | a5 G-FL | a5 P-FL | seeds |" in md
     assert sum("±" in line for line in md) == 5  # 3 rows of the main table + 1 of each other table

@@ -183,6 +183,18 @@ class Table:
         """The row's columns → summary fields: the table's, overridden by the method's own."""
         return {**self.spec.report, **(self.spec.methods[method].report or {})}
 
+    def figures(self, method: str, run_dir: Path) -> str:
+        """A finished cell's report columns, as its row shows them (`P-FL 90.30 G-FL 84.45`): a method reporting
+        another field (FedAvg+FT's fine-tuned P-FL) is logged with that field, not with the run's plain one."""
+        summary = json.loads((run_dir / "summary.json").read_text())
+        shown = []
+        for col, field in self.report_of(method).items():
+            if field is None:
+                continue
+            v, k = _get(summary, field), self.spec.column_scale.get(col, self.spec.scale)
+            shown.append(f"{col} {'—' if v is None else f'{v * k:.2f}'}")
+        return " ".join(shown)
+
     def collect(self) -> list[dict[str, Any]]:
         """One row per (method, setting): mean and std over the seeds that finished, per report column."""
         s = self.spec
@@ -299,7 +311,7 @@ class Bench:
         for k, ((table, (setting, method, seed)), (final, took)) in enumerate(zip(todo, _run_cells(tasks, jobs),
                                                                                  strict=True)):  # fmt: skip
             figures = f"diverged in round {final['diverged']}" if "diverged" in final else \
-                f"G-FL {_fmt(final.get('gfl_acc'))} P-FL {_fmt(final.get('pfl_acc'))}"  # fmt: skip
+                table.figures(method, tasks[k][1])  # fmt: skip
             log(f"[{done + k + 1}/{total}] {table.name} · {setting or '-'} · {method} · seed {seed}: {figures} "
                 f"({'finished by another process' if took is None else f'{took:.0f} s'})")  # fmt: skip
         return len(todo)
@@ -410,5 +422,3 @@ def _mean_std(vals: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
 
 
-def _fmt(v: float | None) -> str:
-    return "—" if v is None else f"{100 * v:.2f}"
