@@ -420,5 +420,3 @@ def _get(tree: dict[str, Any], dotted: str) -> float | None:
 def _mean_std(vals: list[float]) -> tuple[float, float]:
     m = sum(vals) / len(vals)
     return m, math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
-
-

@@ -227,7 +227,7 @@ class Tuner:
                         break
                     except Exception as e:  # workers creating one new database's tables at once: the loser waits
                         if attempt == 5 or type(e).__name__ not in ("IntegrityError", "OperationalError"):
-                            raise PflbedError(f"--storage {self.storage_shown}: {type(e).__name__}: {e}") from None
+                            raise self._storage_error(e) from None
                         time.sleep(0.5 * (attempt + 1))
             else:
                 self._storage = url
@@ -254,7 +254,11 @@ class Tuner:
         except Exception as e:  # a storage URL optuna cannot open: one line
             if isinstance(e, PflbedError):
                 raise
-            raise PflbedError(f"--storage {self.storage_shown}: {type(e).__name__}: {e}") from None
+            raise self._storage_error(e) from None
+
+    def _storage_error(self, e: Exception) -> PflbedError:
+        """A storage Optuna cannot open, as one line that names it without its password."""
+        return PflbedError(f"--storage {self.storage_shown}: {type(e).__name__}: {e}")
 
     def counts(self, study) -> tuple[int, int]:
         """(finished trials: complete or pruned, running trials)."""
