@@ -3,7 +3,6 @@ and the trust boundary. In-process, on the faked Flower runtime (`fake_flower.Fa
 real node code with each site's own node config."""
 
 
-import contextlib
 import json
 import math
 
@@ -22,64 +21,10 @@ flwr = pytest.importorskip("flwr")
 
 from pflbed.flower import client  # noqa: E402
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
-from pflbed.flower.sites import SiteError, export_sites, server_algorithm  # noqa: E402
+from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
 from ..fake_flower import FakeGrid  # noqa: E402
-
-ALGOS = {"fedavg": {}, "fedper": {}, "fedrod": {}, "fedselect": {}, "fedbasis": {"K": 2}}
-
-
-def _tree(name, **over):
-    tree = {**TINY, "federation": {**TINY["federation"], "clients": 4, "sample_fraction": 0.75},
-            "algorithm": {"name": name, **ALGOS.get(name, {})}, "executor": {"threads": 1},
-            "eval": {"every": 2, "finetune": ["ft", "lp"]}}  # fmt: skip
-    tree.update(over)
-    return tree
-
-
-def _site_cfg(tree, test=None):
-    from pflbed.data import load_source
-
-    source = load_source(validate_config(tree).dataset)
-    return validate_config({**tree, "executor": {"name": "flower", "threads": 1},
-                            "sites": {"local": True, "input_shape": list(source.input_shape),
-                                      "num_classes": source.num_classes,
-                                      **({"test": str(test)} if test else {})}})  # fmt: skip
-
-
-@contextlib.contextmanager
-def _server_task():
-    """Messages stamped as Flower's runtime stamps a ServerApp's (as `fake_flower.FakeSimulation` does)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    keys = ("_run_id", "_task_id", "_node_id")
-    saved = {k: getattr(TaskIdentity, k) for k in keys}
-    for k in keys:
-        setattr(TaskIdentity, k, 1)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(TaskIdentity, k, v)
-
-
-def _discover(grid, cfg):
-    with _server_task():
-        return discover_sites(grid, cfg)[0]
-
-
-def run_sites(cfg, grid, rundir=None, resume=False):
-    """What the ServerApp does for a site-local run (`flower.server.main`), on `grid`."""
-    with _server_task():
-        sizes, nodes = discover_sites(grid, cfg)
-        algo = server_algorithm(cfg, sizes)
-        return experiment(cfg, algo, SiteExecutor(algo, grid, sizes, nodes), rundir, False, resume)
-
-
-def _sites(tmp_path, cfg):
-    dirs = export_sites(cfg, tmp_path / "sites")
-    nodes = {k: {"data": str(d), "state-dir": str(tmp_path / f"states-{k}")} for k, d in enumerate(dirs)}
-    return dirs, FakeGrid(partitions=len(dirs), node_configs=nodes)
+from .site_setup import ALGOS, _discover, _server_task, _site_cfg, _sites, _tampered, _tree, run_sites  # noqa: E402
 
 
 def _server_test(tmp_path, cfg):
@@ -230,14 +175,6 @@ def test_a_site_of_several_clients_without_val_and_test_files_splits_its_data(tm
     assert len(result.history[-1]) and not math.isnan(result.summary["final"]["pfl_acc"])
 
 
-def _tampered(cfg, **sections):
-    """The config JSON a server that skips pflbed's own validation could send."""
-
-    tree = cfg.model_dump(mode="json")
-    for key, value in sections.items():
-        section, field = key.split("__")
-        tree[section][field] = value
-    return json.dumps(tree, sort_keys=True)
 
 
 @pytest.mark.parametrize("key, value", [("dataset__path", "/etc"), ("executor__state_dir", "/tmp/elsewhere"),
