@@ -14,14 +14,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from pflbed.private_files import private_dir, write_private_bytes
+
 
 def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
 def write_certificates(path: Path) -> tuple[Path, Path, Path]:
-    """(CA certificate, SuperLink certificate, SuperLink key) written as PEM files into `path`."""
-    path.mkdir(parents=True, exist_ok=True)
+    """(CA certificate, SuperLink certificate, SuperLink key) written as PEM files into `path` (a 0700 directory;
+    the key created 0600, never readable by others even for a moment: `private_files`)."""
+    private_dir(path)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("pflbed local CA")).issuer_name(_name("pflbed local CA"))
@@ -38,23 +41,22 @@ def write_certificates(path: Path) -> tuple[Path, Path, Path]:
     files = path / "ca.crt", path / "superlink.pem", path / "superlink.key"
     files[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
-    files[2].chmod(0o600)
+    write_private_bytes(files[2], key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))  # fmt: skip
     return files
 
 
 def write_node_keys(path: Path, nodes: int) -> list[tuple[Path, Path]]:
     """(private key, public key) of each of `nodes` SuperNodes, written into `path` as `node-<k>` and
-    `node-<k>.pub` (OpenSSH formats; NIST P-384, a curve Flower accepts)."""
-    path.mkdir(parents=True, exist_ok=True)
+    `node-<k>.pub` (OpenSSH formats; NIST P-384, a curve Flower accepts); the directory 0700, private keys 0600
+    from their creation."""
+    private_dir(path)
     files = []
     for k in range(nodes):
         key = ec.generate_private_key(ec.SECP384R1())
         private, public = path / f"node-{k}", path / f"node-{k}.pub"
-        private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                              serialization.NoEncryption()))  # fmt: skip
-        private.chmod(0o600)
+        write_private_bytes(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                       serialization.NoEncryption()))  # fmt: skip
         public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                          serialization.PublicFormat.OpenSSH))  # fmt: skip
         files.append((private, public))

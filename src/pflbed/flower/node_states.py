@@ -11,18 +11,20 @@ runs never read each other's states) and the state directory is the node's `stat
 `executor.state_dir` (relative paths are relative to the node's working directory). A node keeps at most two
 versions of a client: the one the server expects, and the one it just wrote. The older one is needed when the
 server drops the new one (its reply came after the round timeout): the server then still expects the older one.
-Writes go to a temporary file renamed into place, so a node killed mid-write leaves the previous version intact.
+Writes go to a new private file (0600, created with `O_EXCL` under a random name, in 0700 directories:
+`private_files`) renamed into place, so no other local user can read a state, and a node killed mid-write leaves
+the previous version intact.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
 
 from pflbed.algorithms.base import Algorithm, Tensors
+from pflbed.private_files import private_dir, save_private
 
 NODE_CONFIG_KEY = "state-dir"
 
@@ -52,10 +54,8 @@ class NodeStates:
     def save(self, cid: int, rnd: int, state: Tensors, keep: int) -> None:
         """Write client `cid`'s state of round `rnd`; delete its versions other than `rnd` and `keep`."""
         path = self._path(cid, rnd)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, tmp)  # clone: no shared storage
-        os.replace(tmp, path)
+        private_dir(path.parent)
+        save_private({k: v.detach().cpu().clone() for k, v in state.items()}, path)  # clone: no shared storage
         for old in path.parent.glob("round-*.pt"):
             if old.name not in (path.name, f"round-{keep}.pt"):
                 old.unlink(missing_ok=True)

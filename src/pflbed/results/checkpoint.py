@@ -8,13 +8,13 @@ file holds only tensors, strings and numbers, so it loads with `torch.load(..., 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pflbed.errors import PflbedError
+from pflbed.private_files import private_dir, save_private
 
 _FORMAT = 1
 
@@ -28,15 +28,13 @@ def save_checkpoint(
     history: list[dict[str, Any]], timing: dict[str, float], extra: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     path = checkpoint_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # it holds client states: private, as a node's state files
     blob = {
         "format": _FORMAT, "round": rnd, "server": _on_cpu(server),
         "clients": {str(c): _on_cpu(s) for c, s in states.items()},
         "history": json.dumps(history), "timing": json.dumps(timing), "extra": json.dumps(extra or {}),
     }  # fmt: skip
-    tmp = path.with_name(f".last.{os.getpid()}.tmp")
-    torch.save(blob, tmp)
-    tmp.replace(path)  # atomic: a kill mid-write leaves the previous checkpoint intact
+    save_private(blob, path)  # atomic: a kill mid-write leaves the previous checkpoint intact
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
