@@ -9,7 +9,8 @@ a result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -31,6 +32,7 @@ from pflbed.models import BlockNet, build_model
 if TYPE_CHECKING:
     from pflbed.algorithms.local_sgd import LocalSGDPlan
     from pflbed.config import Config  # annotations only: config imports the algorithms
+
 
 class NoOptions(BaseModel):
     """Algorithm-specific options: none."""
@@ -104,6 +106,10 @@ class Algorithm:
     # through their weighted mean, so clipping each client's change and noising their sum protects all that leaves
     # a client; otherwise why DP does not apply (`privacy.clip` is then refused with this line).
     dp_refused: ClassVar[str | None] = "its replies are not declared to be updates of a model shared by every client"
+    # Server-state entries that belong to one client: a regular expression matched at the start of a key, its first
+    # group the client's id (e.g. r"local/(\d+)/"). None: every entry is shared. A site-local run sends each site
+    # only the shared entries and its own clients' (`server_view`).
+    client_entries: ClassVar[str | None] = None
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -160,6 +166,22 @@ class Algorithm:
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         raise NotImplementedError
 
+    def server_view(self, server: Tensors, cids: Collection[int]) -> Tensors:
+        """The part of the server state that a site holding clients `cids` receives to evaluate them
+        (`sites.local`): the shared entries and, of the per-client ones (`client_entries`), only those of `cids`.
+
+        Why: a site is trusted with its own clients, not with the others'. Their latest models, heads or masks in
+        the server state are theirs, and a site given the whole state could rebuild another client's personal
+        model. The view must evaluate `cids` exactly as the whole state does (`personal_model`, `generic_model`
+        and, for the final +FT/+LP, `personalize` read only shared entries and those of the client evaluated); an
+        algorithm whose per-client parts are rows of a shared tensor overrides this and blanks the other rows
+        (`own_rows`). Not for new clients: their start may mix every client's entries on the server.
+        """
+        if self.client_entries is None:
+            return server
+        pattern, keep = re.compile(self.client_entries), {int(c) for c in cids}
+        return {k: v for k, v in server.items() if (m := pattern.match(k)) is None or int(m.group(1)) in keep}
+
     def finetune_methods(self, server: Tensors, methods: list[str]) -> list[str]:
         """Which of `eval.finetune`'s methods run on the participated clients at the final round (reported under
         `final.<method>`): every one where there is a generic model to personalize from, none otherwise. An
@@ -200,3 +222,11 @@ class Algorithm:
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
         """A new client's model with no adaptation (None where the method has none). Default: the generic model."""
         return self.generic_model(server)
+
+
+def own_rows(table: torch.Tensor, rows: Collection[int]) -> torch.Tensor:
+    """`table` with every row but `rows` zeroed: a per-client table (one row per client) as a site may see it,
+    its own clients' rows only (`Algorithm.server_view`). The shape stays, so row indices keep their meaning."""
+    keep = torch.zeros(len(table), dtype=torch.bool, device=table.device)
+    keep[list(rows)] = True
+    return torch.where(keep.view(-1, *[1] * (table.dim() - 1)), table, torch.zeros_like(table))

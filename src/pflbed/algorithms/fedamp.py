@@ -68,6 +68,11 @@ models after 1–3 local epochs from a common start: 0.02–0.6 for `cnn` on dig
 (μ = 1, a FedProx-strength pull). HeurFedAMP: `self_weight` 0.5 and `heur_sigma` 10. Choose them on validation.
 
 Communication: down one model per client (u_i), up one model.
+
+Site-local runs (`sites.local`): a site evaluating its clients receives, of the server state, only their own stored
+models `local/<cid>/` (`client_entries`): a client's P-FL model is its own upload, and with no generic model there
+is no final +FT/+LP on the sites. Another client's stored model never reaches a site as such: only mixed into u_i,
+the training payload, by design.
 """
 
 from __future__ import annotations
@@ -148,6 +153,7 @@ class FedAMP(Algorithm):
         "over pairs of models), not from their mean"
     )
     Config = FedAMPOptions
+    client_entries = rf"{LOCAL}(\d+)/"
     sgd_plan = Algorithm.sgd_plan  # the proximal term needs u_i in every step: not plain local SGD
 
     def __init__(self, ctx: Context) -> None:

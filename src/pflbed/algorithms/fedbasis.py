@@ -107,6 +107,10 @@ flattened parameters (and per block, `basis_cos_blocks`); `alpha_entropy` / `alp
 (nats) of α* / α† over the participated clients that have one and over groups, with `alpha_entropy_max` = log K
 (the collapse signals of Fig. 2). Artifacts: the final mixing weights per client × block (Fig. 4: major basis
 first), clients ordered by domain then id, as PNG heat-map and CSV.
+
+Site-local runs (`sites.local`): a site evaluating its clients receives the bases (or, in the warm-up, the FedAvg
+model) and, of the local models the warm-up pools for k-means (`pool<cid>.<key>`), only its own clients'
+(`client_entries`): evaluation and the final +FT/+LP read the bases and each client's own α, never the pool.
 """
 
 from __future__ import annotations
@@ -171,6 +175,7 @@ class FedBasis(Algorithm):
     )
     Config = FedBasisOptions
     opts: FedBasisOptions
+    client_entries = rf"{POOL}(\d+)\."
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

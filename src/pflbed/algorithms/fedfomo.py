@@ -101,19 +101,24 @@ than they harmed).
 
 Communication: down M models per client (fewer while fewer clients have uploaded) and M client ids; up one model
 and M weights and ids (with `affinity: deltas`, also M gains).
+
+Site-local runs (`sites.local`): a site evaluating its clients receives, of the server state, only their own stored
+models `local/<cid>/` and their own rows of P, `last_upload` and `updates` (the others' zeroed, `server_view`): a
+client's P-FL model is its own state. A training payload still carries the M models chosen for the client — other
+clients' models, which FedFomo hands out by design.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors, own_rows
 from pflbed.algorithms.training import finetune_epochs, train_from, validation_data
 
 _STREAM = 0xF0A0  # the server's model-sampling stream, apart from the engine's tags (1–4)
@@ -185,6 +190,8 @@ class FedFomo(Algorithm):
     name = "fedfomo"
     dp_refused = "the server hands clients each other's individual models, which each client weighs on its own data"
     Config = FedFomoOptions
+    client_entries = r"local/(\d+)/"
+    client_rows: ClassVar[tuple[str, ...]] = ("P", "last_upload", UPDATES)  # row i: the i-th participated client's
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -331,6 +338,13 @@ class FedFomo(Algorithm):
     # --- evaluation ------------------------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, state)
+
+    def server_view(self, server: Tensors, cids: Collection[int]) -> Tensors:
+        """The stored models of `cids` and their rows of the per-client tables: P's row i is what client i
+        gained from each other client's model, measured on its own validation data."""
+        view = super().server_view(server, cids)
+        rows = [self.index[c] for c in cids if c in self.index]
+        return {k: own_rows(v, rows) if k in self.client_rows else v for k, v in view.items()}
 
     def start_for(self, server: Tensors, data: ClientData) -> Tensors:
         """One FedFomo update of the client's stored model (θ^0 if it has none) over every other stored model."""

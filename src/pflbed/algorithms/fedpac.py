@@ -75,6 +75,10 @@ lr 0.01 with momentum 0.5 and weight decay 5e-4; here `head_lr` / `body_lr` defa
 comes from `train.*`.
 
 Communication per round: down body + head + C×d prototypes; up body + head + 2·C×d statistics + C + 2 numbers.
+
+Site-local runs (`sites.local`): a site evaluating its clients receives the body, the prototypes and the mean head,
+and of the personalized heads `head/<cid>/` only its own clients' (`client_entries`): a client's P-FL model is the
+shared body with its own head.
 """
 
 from __future__ import annotations
@@ -267,6 +271,7 @@ class FedPAC(Algorithm):
         "combines client by client"
     )
     Config = FedPACOptions
+    client_entries = rf"{HEAD}(\d+)/"
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

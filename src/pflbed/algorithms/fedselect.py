@@ -104,6 +104,10 @@ entries, of all parameters and of the eligible entries (`diag.personal_fraction`
 client (`diag.personal_fraction_clients`, keyed by client id): metrics.jsonl holds them round by round.
 Artifacts: the final mask IoU between clients for the classifier (the head blocks' eligible tensors), clients
 sorted by their majority class (paper Fig. 4), as a heat-map PNG and a CSV.
+
+Site-local runs (`sites.local`): a site evaluating its clients receives the global values and, of the stored masks
+`mask/<cid>/<key>`, only its own clients' (`client_entries`): a client's P-FL model is composed from the global
+values and its own state. Which entries another client holds personal never reaches a site.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ class FedSelect(Algorithm):
         "the masks, and no single shared update is averaged"
     )
     Config = FedSelectOptions
+    client_entries = r"mask/(\d+)/"
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

@@ -86,12 +86,17 @@ Interpretations and deviations:
      for `new_embed_epochs` epochs (default `budget.epochs`), not reported, then `budget.method` from
      h(v*; φ) for `budget.epochs` epochs with `training.finetune_epochs` — "ft" every target parameter, "lp" the
      head on frozen features — one model per epoch of that phase.
+
+Site-local runs (`sites.local`): the server state (φ, the embeddings, the momentum) stays on the server. A site
+evaluating its clients receives only their θ_i = h(v_i; φ) (`server_view`), what their training payloads carry:
+with φ and another client's embedding it could generate that client's model. pFedHN has no generic model, so no
+final +FT/+LP runs on the sites.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -113,6 +118,7 @@ STREAM = 0x9FED  # pFedHN's own random streams (not one of pflbed.rng's tags): 0
 HN = "hn."  # server state: φ under hn.<hypernetwork parameter>
 EMB = "emb"  # server state: the participated clients' embeddings, one row each (sorted client ids)
 MOM = "mom."  # server state: momentum buffers, mom.hn.<…> and mom.emb
+THETA = "theta/"  # a site's view of the server state: theta/<cid>/<parameter>, its own clients' θ_i = h(v_i; φ)
 BUF = "buf."  # client state: the client's own buffers (BatchNorm statistics), buf.<model buffer>
 
 
@@ -339,8 +345,23 @@ class PFedHN(Algorithm):
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
-        theta = self.generate(server, self.embedding(server, int(state["cid"])))
+        """θ_i = h(v_i; φ) with the client's own buffers; from a site's view (`server_view`), its θ_i as sent."""
+        cid = int(state["cid"])
+        prefix = f"{THETA}{cid}/"
+        if prefix + self.param_names[0] in server:
+            theta = {k: server[prefix + k] for k in self.param_names}
+        else:
+            theta = self.generate(server, self.embedding(server, cid))
         return Predictor(self.ctx.model, {**theta, **own_buffers(state)})
+
+    def server_view(self, server: Tensors, cids: Collection[int]) -> Tensors:
+        """θ_i = h(v_i; φ) of each client of `cids` (`theta/<cid>/…`), and nothing else: what its training payload
+        carries. Neither φ nor an embedding: with φ and v_j a site would generate client j's model, and φ, which
+        the paper keeps on the server, is some hundred times the target network's size."""
+        view: Tensors = {}
+        for c in sorted(c for c in cids if c in self.rows):  # one at a time, as `personal_model`: the same bits
+            view.update({f"{THETA}{c}/{k}": t for k, t in self.generate(server, self.embedding(server, c)).items()})
+        return view
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
         return Predictor(self.ctx.model, {**self.generate(server, self.embedding(server, data.cid)),
