@@ -492,6 +492,16 @@ class PrivacyConfig(_Strict):
     target_epsilon: float | None = Field(None, gt=0, description="instead of noise_multiplier: the ε to reach at "
                                          "delta after train.rounds rounds (σ derived by the accountant)")  # fmt: skip
     delta: float = Field(1e-5, gt=0, lt=1, description="δ of the (ε, δ) guarantee reported")
+    randomness: Literal["seeded", "os"] | None = Field(None, description="where the noise and the round's sample "
+                                                       "are drawn from: seeded (the run's seed: reproducible, for "
+                                                       "research; anyone who knows the config can subtract the "
+                                                       "noise) or os (the operating system's random source, for a "
+                                                       "deployment); default: os with executor.name=flower, seeded "
+                                                       "otherwise")  # fmt: skip
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus's accountant for ε: rdp (Rényi DP) or prv "
+                                              "(privacy random variables: tighter, e.g. ε 3.53 where rdp gives "
+                                              "4.0)")  # fmt: skip
+
     @property
     def enabled(self) -> bool:
         return self.clip is not None
@@ -499,9 +509,11 @@ class PrivacyConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> PrivacyConfig:
         if self.clip is None:
-            for key in ("noise_multiplier", "target_epsilon"):
+            for key in ("noise_multiplier", "target_epsilon", "randomness"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"{key} needs privacy.clip (the norm each client's update is clipped to)")
+            if self.accountant != "rdp":
+                raise ValueError("accountant needs privacy.clip (the norm each client's update is clipped to)")
         elif (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("clip needs exactly one of privacy.noise_multiplier and privacy.target_epsilon")
         if (self.clip is not None or self.noise_multiplier is not None or self.target_epsilon is not None) and \
@@ -525,6 +537,13 @@ class SitesConfig(_Strict):
     test: str | None = Field(None, min_length=1, description="local: a test set on the server (.npz with x and y) "
                              "for G-FL; unset: G-FL is the sample-weighted mean of the sites' figures for the "
                              "generic model on their own test data")  # fmt: skip
+    max_client_samples: int = Field(10_000_000, ge=1, description="local: the most training samples the server "
+                                    "accepts a site to report for one client; a count is a client's weight in "
+                                    "the server's means, so an unbounded one would let one site dictate the "
+                                    "model")  # fmt: skip
+    max_update: float = Field(100.0, gt=0, description="local: the largest change of the shared model the server "
+                              "accepts in one reply, as a multiple of max(1, the payload's norm) (honest replies "
+                              "stay near or below 1); a site's reply beyond it is refused for the round")  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> SitesConfig:
@@ -565,6 +584,12 @@ class Config(_Strict):
             raise ValueError("federation.sampling: privacy's accountant assumes Poisson sampling of clients; "
                              "use federation.sampling=poisson (the default with privacy)")  # fmt: skip
         return self
+
+    def privacy_randomness(self) -> str:
+        """Where privacy's noise and sample come from (`privacy.randomness`): `os` by default in a Flower run,
+        whose sites all receive the config and its seed, so that a deployment never draws them from the seed
+        unless its config asks for that by name; `seeded` elsewhere, so that a research run is reproducible."""
+        return self.privacy.randomness or ("os" if self.executor.name == "flower" else "seeded")
 
     def poisson_sampling(self) -> bool:
         """Whether a round's clients are drawn independently (`federation.sampling`, default: with privacy)."""
@@ -755,6 +780,9 @@ def validate_config(tree: dict[str, Any]) -> Config:
     if cfg.sites.secagg and algo_cls.dp_refused is not None:
         raise ConfigError(f"sites.secagg: SecAgg+ gives the server only the mean of the replies, and "
                           f"{cfg.algorithm.name} needs more: {algo_cls.dp_refused}")  # fmt: skip
+    refusal = getattr(algo_cls, "secagg_refusal", None)  # options that need more than one payload for everyone
+    if cfg.sites.secagg and refusal is not None and (why := refusal(options)) is not None:
+        raise ConfigError(why)
     if cfg.privacy.enabled and algo_cls.dp_refused is not None:
         raise ConfigError(f"privacy.clip: client-level DP does not apply to {cfg.algorithm.name}: "
                           f"{algo_cls.dp_refused}")  # fmt: skip
@@ -763,7 +791,7 @@ def validate_config(tree: dict[str, Any]) -> Config:
 
         try:  # derived here, so that an unreachable target is refused before anything runs
             noise_multiplier(cfg.privacy.target_epsilon, cfg.privacy.delta, cfg.federation.sample_fraction,
-                             cfg.train.rounds)  # fmt: skip
+                             cfg.train.rounds, cfg.privacy.accountant)  # fmt: skip
         except ValueError as e:
             raise ConfigError(f"privacy.target_epsilon: {e}") from None
     return cfg

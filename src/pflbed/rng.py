@@ -1,4 +1,5 @@
-"""Derived random streams: every random draw is keyed by what it is for, never by what ran before it."""
+"""Derived random streams: every random draw is keyed by what it is for, never by what ran before it — except
+what privacy draws from the operating system in a deployment (`os_uniform`), which must not be reproducible."""
 
 from __future__ import annotations
 
@@ -63,6 +64,21 @@ def deterministic_kernels(device: torch.device, on: bool) -> None:
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(on, warn_only=True)
+
+
+def os_uniform(n: int) -> np.ndarray:
+    """`n` float64 numbers uniform on [0, 1), each from 53 bits of the operating system's cryptographic random
+    source (`os.urandom`).
+
+    Why not a seeded generator: what privacy's mechanism draws (the noise, the round's sample) must be unknown to
+    anyone who knows the run's config, and the seed is in it. And why not a generator seeded from the OS either:
+    torch's and NumPy's (Mersenne Twister, PCG64) are not built to hide their state, so values of theirs that leak
+    (noise visible where no update moved an entry) could predict the rest; the OS's generator is cryptographic.
+    """
+    if n == 0:
+        return np.empty(0)
+    bits = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
+    return bits.astype(np.float64) * 2.0**-53
 
 
 # Stream tags, so that e.g. round 3 of client 5 never collides with the fine-tuning stream of client 5.

@@ -20,9 +20,11 @@ from flwr.common import parameters_to_ndarrays  # noqa: E402
 from pflbed.flower.secagg_node import site_update  # noqa: E402
 from pflbed.flower.sites import export_sites  # noqa: E402
 
+# the seeded noise named: the deployment is compared with the simulation, and a Flower run's default is the OS's
 SETS = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=3", "federation.alpha=0.5",
         "train.rounds=1", "train.batch_size=16", "train.lr=0.1", "eval.every=1", "eval.finetune=[]",
-        "executor.threads=1", "algorithm.name=fedper", "privacy.clip=0.5", "privacy.noise_multiplier=0.3"]  # fmt: skip
+        "executor.threads=1", "algorithm.name=fedper", "privacy.clip=0.5", "privacy.noise_multiplier=0.3",
+        "privacy.randomness=seeded"]  # fmt: skip
 # SecAgg+'s quantization: each site's entry rounded to a step of 2·8/2²² (its range ±8 in 2²² levels); under DP the
 # sites weigh equally, so the mean is off by less than one step (later rounds train from that start: SGD amplifies)
 TOLERANCE = 2 * 8 / 2**22 * 1.05

@@ -166,6 +166,8 @@ VALID: dict[str, st.SearchStrategy] = {
     "privacy.noise_multiplier": st.one_of(st.none(), st.floats(min_value=0, max_value=5)),
     "privacy.target_epsilon": st.one_of(st.none(), st.floats(min_value=0, max_value=20)),
     "privacy.delta": st.floats(min_value=0, max_value=1),
+    "privacy.randomness": st.sampled_from([None, "seeded", "os", "urandom"]),  # tests/engine/test_privacy_deployed.py
+    "privacy.accountant": st.sampled_from(["rdp", "prv", "moments"]),
     # `pflbed pretrain`'s section: validated by every run, used only by pretrain (tests/engine/test_pretrain.py)
     "pretrain.split": st.sampled_from(["train", "test", "val"]),
     "pretrain.domains": st.one_of(st.none(), st.lists(st.sampled_from(["rot0", "clean", "x"]), max_size=2)),

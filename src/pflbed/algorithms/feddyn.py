@@ -22,6 +22,15 @@ personalization (+FT/+LP, new clients, zero-shot) use
   evaluates for its reported figures (its `avg_model`; it also logs the mean of every client's latest model, not
   offered here). The mean is kept in the server state (`mean/<parameter>`, the initial model before round 1) and
   never sent; BatchNorm statistics are the same in both (they carry no h).
+
+Under client-level DP (`privacy`): the mean over P_t becomes the release w + (Σ_{P_t} Δ̃_k + z)/(qN) (DP-FedAvg's
+fixed denominator, `pflbed.privacy`), and h's step uses it with |P_t| replaced by its expectation qN:
+
+    h^t = h^{t−1} − α · (qN/m) · (release − θ^{t−1}),
+
+so (qN/m)(release − θ) = (Σ Δ̃_k + z)/m estimates (1/m) Σ_{k∈P_t} (θ_k^t − θ^{t−1}) without the round's count. With
+the actual |P_t| the server step would read how many clients replied, which the release hides (it is not
+post-processing of the noised sum): a deviation from Algorithm 1 only under DP.
 """
 
 from __future__ import annotations
@@ -106,11 +115,13 @@ class _FedDynServer:
         self.mean.add(cid, reply)
 
     def result(self) -> Tensors:
-        a, m = self.algo.opts.alpha, len(self.algo.ctx.federation.participated)
+        ctx = self.algo.ctx
+        a, m = self.algo.opts.alpha, len(ctx.federation.participated)
         mean = self.mean.result()
         s = self.server
-        # (1/m) Σ_{P_t} (θ_k − θ) = (|P_t|/m)(mean − θ)
-        share = len(self.mean.w) / m
+        # (1/m) Σ_{P_t} (θ_k − θ) = (|P_t|/m)(mean − θ); under DP the mean is the release and |P_t| its expectation
+        # qN (the count of repliers is not released)
+        share = ctx.cfg.federation.sample_fraction if ctx.cfg.privacy.enabled else len(self.mean.w) / m
         h = {k: s[f"{H}{k}"] - a * share * (mean[k] - s[k]) for k in self.algo.params}
         theta = {k: mean[k] - h[k] / a if k in h else mean[k] for k in self.algo.model_keys}
         kept = {f"{MEAN}{k}": mean[k] for k in self.algo.params} if self.algo.opts.eval_model == "mean" else {}

@@ -20,6 +20,12 @@ enter it, so with sampling x̄ is the mean over the sample, and it equals the pa
 `sample_fraction` 1 with no lost replies. Stochastic gradients (mini-batches) as in the paper's experiments; the
 local steps are Algorithm 1's plain gradient steps: `train.momentum` and `train.weight_decay` are not used. P-FL
 scores x_i; G-FL scores x̄; new clients fine-tune x̄ (FT/LP). Defaults p = 0.2, λ = 2 (θ = 0.4 at lr 0.05).
+
+Under client-level DP (`privacy`, DP-FedAvg over the reply): what a client sends is x_i's update relative to the x̄ it
+received, clipped to C, and the server's x̄ is the noised mean of those. The client keeps its own x_i unclipped, so
+with a small λ (personal models far from x̄) the clip, not λ, bounds how far one client moves the mean. The run
+lengths (a, l) travel as integers beside x̄: an instruction drawn from the seed, never replied, neither clipped nor
+noised (`dp_instructions`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class L2GD(FedAvg):
     name = "l2gd"
     Config = L2GDOptions
     sgd_plan = Algorithm.sgd_plan  # a contraction toward the mean first: not plain local SGD
+    # under client-level DP: the run lengths are an instruction to the clients, never replied, and public (drawn from
+    # the seed and the round): neither clipped nor noised (`engine.loop.check_dp_payload`)
+    dp_instructions = (RUNS,)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

@@ -16,7 +16,9 @@ Which clients train (`train_clients`):
 - `sampled` (default): only the round's sampled clients (`federation.sample_fraction`) train, and all of them reply.
 - `all`: Alg. 1 (lines 3–9) and the authors' code — every participated client receives w^t and trains, so every
   θ_i moves each round; only the sampled ones reply, and the server mixes their w_i. A client outside the sample
-  keeps its θ_i and replies nothing. A round then costs 1/`sample_fraction` times the local computation.
+  keeps its θ_i and replies nothing. A round then costs 1/`sample_fraction` times the local computation. Refused
+  with secure aggregation (`sites.secagg`), which sends every site one payload: the clients outside the sample
+  would either all be told to keep their update, or enter the sum.
 The default stays `sampled` so that a round's computation matches the other algorithms' at the same
 `sample_fraction` (an equal-budget comparison, and what a cross-device client that was not selected can do); the
 two modes coincide at `sample_fraction` 1.
@@ -64,6 +66,20 @@ class PFedMe(FedAvg):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.params = [k for k, _ in ctx.model.named_parameters()]
+
+    @staticmethod
+    def secagg_refusal(options: PFedMeOptions) -> str | None:
+        """Why `options` cannot run under SecAgg+ (`sites.secagg`; None: they can), as the one-line config error.
+
+        SecAgg+ sends every site one payload (it takes the lowest client id's) and sums one update per site, while
+        `train_clients: all` sends the clients outside the round's sample another payload (`KEEP`): either every
+        client would be told to keep its update to itself, or the unsampled clients' updates would enter the sum
+        and the release, which the mechanism and the accountant count only for the sampled ones."""
+        if options.train_clients == "all":
+            return ("algorithm.train_clients: all does not apply with sites.secagg=true: SecAgg+ gives every site "
+                    "one payload, and pfedme sends the clients outside the round's sample another; use "
+                    "train_clients=sampled")  # fmt: skip
+        return None
 
     def init_client(self, cid: int) -> Tensors:
         return dict(self.ctx.initial_params)  # θ_i before the client's first round

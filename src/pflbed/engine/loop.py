@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pflbed import rng
+from pflbed import privacy, rng
 from pflbed.algorithms import get_algorithm
 from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
@@ -87,15 +87,31 @@ def build_algorithm(cfg: Config, source: DataSource, fed: Federation, threads: i
     augment = make_augment(cfg.dataset.augment, source.input_shape, source.pixel_norm)
     ctx = context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
     algo = algo_cls(ctx)
-    if cfg.privacy.enabled and fed.participated:  # before anything runs: what the clients would send
-        first = fed.participated[0]
-        ints = sorted(k for k, v in algo.configure(1, algo.init_server(), [first])[first].items()
-                      if not v.is_floating_point())  # fmt: skip
-        if ints:
-            raise ConfigError(f"privacy.clip: {cfg.algorithm.name} on {cfg.model.name} sends integer entries that "
-                              f"cannot be clipped or noised ({', '.join(ints[:3])}); use a model without "
-                              "BatchNorm, or fedbn, which keeps BatchNorm on the clients")  # fmt: skip
+    if cfg.privacy.enabled and fed.participated:
+        check_dp_payload(algo)
     return algo
+
+
+def check_dp_payload(algo: Algorithm) -> None:
+    """Refuse, before anything runs, a DP run whose clients would receive integer entries, each named with its
+    dtype: a client replies the new values of the entries it received, and an integer one (BatchNorm's
+    `num_batches_tracked`) can be neither clipped nor noised (`privacy.clip_reply` would refuse the first reply).
+
+    Exempt: the entries an algorithm declares in `dp_instructions`, instructions to the clients that are never
+    replied and hold nothing private (L2GD's run lengths, drawn from the round and the seed); the driver noises the
+    float entries only."""
+    cfg, first = algo.ctx.cfg, algo.ctx.federation.participated[0]
+    exempt = set(getattr(algo, "dp_instructions", ()))
+    ints = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in
+            sorted(algo.configure(1, algo.init_server(), [first])[first].items())
+            if not v.is_floating_point() and k not in exempt]  # fmt: skip
+    if not ints:
+        return
+    more = " …" if len(ints) > 3 else ""
+    hint = "; use a model without BatchNorm, or fedbn, which keeps BatchNorm on the clients" if any(
+        "num_batches_tracked" in k for k in ints) else ""  # fmt: skip
+    raise ConfigError(f"privacy.clip: {cfg.algorithm.name} on {cfg.model.name} sends integer entries that cannot "
+                      f"be clipped or noised: {', '.join(ints[:3])}{more}{hint}")  # fmt: skip
 
 
 def init_model(model: torch.nn.Module, cfg: Config, fed: Federation) -> None:
@@ -177,7 +193,11 @@ def experiment(
         server, history, per_client, first = algo.init_server(), [], {}, 1
         timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
-    driver = Driver(algo, executor)
+    ledger = None  # a DP run's releases, durable in the run directory: kept across a resume, whatever it replays
+    if cfg.privacy.enabled:
+        ledger = privacy.Ledger(rundir.path / privacy.LEDGER if rundir else None, cfg.privacy_randomness(),
+                                fresh=not resume)  # fmt: skip
+    driver = Driver(algo, executor, ledger)
     checkpointed = saved["round"] if saved else None
     title = f"{cfg.algorithm.name} on {cfg.dataset.name}"
     board = TensorBoardLog(rundir.path / "tensorboard") if (rundir and cfg.log.tensorboard) else None

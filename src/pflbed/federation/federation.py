@@ -270,14 +270,24 @@ def _load_cached(path: Path, key: str) -> Federation | None:
         return None
 
 
-def sample_clients(seed: int, rnd: int, participated: list[int], fraction: float, poisson: bool = False) -> list[int]:
-    """Clients trained in round `rnd`: a fixed stream per seed, identical for every algorithm and on resume.
+def sample_clients(seed: int, rnd: int, participated: list[int], fraction: float, poisson: bool = False,
+                   entropy: bool = False) -> list[int]:  # fmt: skip
+    """Clients trained in round `rnd`: by default a fixed stream per seed, identical for every algorithm and on
+    resume.
 
     Fixed: round(fraction × N) clients (at least one) without replacement. Poisson (`federation.sampling`): each
     client independently with probability `fraction` — what privacy's accountant assumes; a round may then have
-    none."""
+    none. With `entropy` (`privacy.randomness: os`) the draw comes from the operating system's random source
+    instead (`pflbed.rng.os_uniform`; `seed` and `rnd` unused): the accountant's amplification by sampling holds
+    only if no one can tell in advance who is drawn, and the seed is in the config that every site receives."""
+    n = len(participated)
+    if entropy:
+        u = streams.os_uniform(n)
+        if poisson:
+            return sorted(int(c) for c, x in zip(participated, u, strict=True) if x < fraction)
+        return sorted(int(participated[i]) for i in np.argsort(u)[: max(1, round(fraction * n))])
     rng = np.random.default_rng([seed, rnd, 0x5A4D])
     if poisson:
-        return sorted(int(c) for c, u in zip(participated, rng.random(len(participated)), strict=True) if u < fraction)
-    m = max(1, round(fraction * len(participated)))
+        return sorted(int(c) for c, u in zip(participated, rng.random(n), strict=True) if u < fraction)
+    m = max(1, round(fraction * n))
     return sorted(int(c) for c in rng.choice(participated, m, replace=False))

@@ -113,11 +113,18 @@ def print_table(summary: dict[str, Any], console: Console | None = None) -> None
         eps = "∞ (no noise)" if p["epsilon"] is None else f"{p['epsilon']:.2f}"
         console.print(f"client-level DP: ε = {eps} at δ = {p['delta']:g} after {p['rounds']} rounds (σ = "
                       f"{p['noise_multiplier']:.3f}, C = {p['clip']:g}, q = {p['sampling_rate']:g}, Poisson, "
-                      f"{p['accountant'].upper()})")  # fmt: skip
+                      f"{p['accountant'].upper()}{_noise_source(p)})")  # fmt: skip
     console.print(
         f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
         f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation"
     )
+
+
+def _noise_source(p: dict[str, Any]) -> str:
+    """Where the run's noise came from, for the printout (`privacy.randomness`); nothing for a summary written
+    before it was recorded."""
+    how = p.get("randomness")
+    return "" if how is None else ", noise from the OS" if how == "os" else ", seeded noise"
 
 
 def print_new_clients(summary: dict[str, Any], console: Console) -> None:
