@@ -780,8 +780,7 @@ def validate_config(tree: dict[str, Any]) -> Config:
     if cfg.sites.secagg and algo_cls.dp_refused is not None:
         raise ConfigError(f"sites.secagg: SecAgg+ gives the server only the mean of the replies, and "
                           f"{cfg.algorithm.name} needs more: {algo_cls.dp_refused}")  # fmt: skip
-    refusal = getattr(algo_cls, "secagg_refusal", None)  # options that need more than one payload for everyone
-    if cfg.sites.secagg and refusal is not None and (why := refusal(options)) is not None:
+    if cfg.sites.secagg and (why := algo_cls.secagg_refusal(options)) is not None:
         raise ConfigError(why)
     if cfg.privacy.enabled and algo_cls.dp_refused is not None:
         raise ConfigError(f"privacy.clip: client-level DP does not apply to {cfg.algorithm.name}: "

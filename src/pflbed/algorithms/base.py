@@ -110,6 +110,16 @@ class Algorithm:
     # group the client's id (e.g. r"local/(\d+)/"). None: every entry is shared. A site-local run sends each site
     # only the shared entries and its own clients' (`server_view`).
     client_entries: ClassVar[str | None] = None
+    # Integer payload entries that are instructions to the clients, never replied and holding nothing private (L2GD's
+    # run lengths): exempt from client-level DP's check that every payload entry can be clipped and noised.
+    dp_instructions: ClassVar[tuple[str, ...]] = ()
+
+    @staticmethod
+    def secagg_refusal(options: BaseModel) -> str | None:
+        """Why these options cannot run under SecAgg+ (`sites.secagg`), as the one-line config error; None: they can.
+        SecAgg+ sends one payload to every site and sums one update per site, so options that give some clients
+        another payload (pFedMe's `train_clients: all`) are refused."""
+        return None
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx

@@ -101,7 +101,7 @@ def check_dp_payload(algo: Algorithm) -> None:
     replied and hold nothing private (L2GD's run lengths, drawn from the round and the seed); the driver noises the
     float entries only."""
     cfg, first = algo.ctx.cfg, algo.ctx.federation.participated[0]
-    exempt = set(getattr(algo, "dp_instructions", ()))
+    exempt = set(algo.dp_instructions)
     ints = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in
             sorted(algo.configure(1, algo.init_server(), [first])[first].items())
             if not v.is_floating_point() and k not in exempt]  # fmt: skip
