@@ -17,6 +17,12 @@ the message, and is used instead of the node's.
 QUERY messages ask which partition of the federation the node serves (`partition-id` of its node config: the
 server sends client `cid` to the node serving partition `cid mod num-partitions`), or, with a `config`, for the
 node's stored states of some clients (`cids`, `versions`).
+
+A site (a node whose node config names data of its own: `site_node`) trusts the server with less: it answers only
+the partition question and the site-local run's start-up question (group `site`), and trains and evaluates only
+within what `site_policy.check` accepts — checked first, for every message, before anything is built, read or
+written. It never builds an algorithm from the server's config alone (`algorithm`), so a server cannot make it load
+a file as initial weights, download into a directory, or read back the states it keeps.
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ from pflbed.engine.executor import update_client
 from pflbed.engine.guard import first_nonfinite
 from pflbed.engine.loop import prepare
 from pflbed.flower import secagg_node as secagg
+from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import from_record, to_record
 from pflbed.flower.site_eval import evaluate_site
 from pflbed.flower.site_node import check_clients, site_algorithm_of, site_config, site_report
+from pflbed.flower.sites import SiteError
 
 PARTITION, PARTITIONS = "partition-id", "num-partitions"
+SITE_QUERIES = {"partitions": False, "site": True}  # what a site answers: group → whether it carries a config
 
 app = ClientApp()
 
@@ -67,9 +76,10 @@ def train(msg: Message, context: Context) -> Message:
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
     conf = msg.content["config"]
     config = str(conf["pflbed-config"])
+    on_site = site_config(dict(context.node_config), config) is not None  # a site: its policy, checked first
     rnd = int(conf["round"])
     cids = [int(c) for c in conf["cids"]]
-    if site_config(dict(context.node_config), config) is not None:  # the site's own data and state directory
+    if on_site:  # the site's own data and state directory
         algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
         check_clients(algo, cids)
     else:
@@ -122,12 +132,17 @@ def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """The node's partition, or (with a `config`) the stored states of the clients asked for."""
-    if "config" not in msg.content:
+    """The node's partition, or (with a `config`) the stored states of the clients asked for; a site answers only
+    its partition and, at a site-local run's start-up, what it holds (`SITE_QUERIES`)."""
+    group, has_config = msg.metadata.group_id, "config" in msg.content
+    if site_policy.holds_data(context.node_config) and SITE_QUERIES.get(group) is not has_config:
+        raise SiteError(f"this site answers only the server's {' and '.join(map(repr, SITE_QUERIES))} queries, "
+                        f"not a {group!r} query{' with a config' if has_config else ''}")  # fmt: skip
+    if not has_config:
         return partition(msg, context)
     conf = msg.content["config"]
     config = str(conf["pflbed-config"])
-    if msg.metadata.group_id == "site":  # a site-local run's start-up: what this site holds
+    if group == "site":  # a site-local run's start-up: what this site holds (`site_node.site_report` checks it)
         info = json.dumps(site_report(context, config))
         node = partition(msg, context).content["node"]
         return Message(RecordDict({"node": node, "site": ConfigRecord({"report": info})}), reply_to=msg)
@@ -145,7 +160,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     conf = msg.content["config"]
     config = str(conf["pflbed-config"])
     if site_config(dict(context.node_config), config) is None:
-        raise ValueError("an evaluation was asked of a node that holds no data of its own")
+        raise SiteError("an evaluation was asked of a node that holds no data of its own")
     algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
     cids = [int(c) for c in conf["cids"]]
     check_clients(algo, cids)

@@ -25,9 +25,10 @@ Two contexts come out of this module:
 - the server's (`server_algorithm`): the same algorithm over no client data at all — its federation knows each
   client's training-sample count (the weights of the server's means) and nothing else, and `client_data` raises.
 
-Trust: a site takes from the server's config only what a server may decide (algorithm, model, training, evaluation,
-seeds). `refuse_server_paths` turns away a config that names a path or a download (`SERVER_MAY_NOT`), which would
-let a remote server choose what a site reads or writes.
+Trust: a site takes from the server's config only what a server may decide for it (algorithm, model, training,
+evaluation, seeds), within sizes the node affords, and may require DP and SecAgg of the run (`site_policy`): a config
+that names a path or a download would let a remote server choose what a site reads or writes. The deployment's
+client counts the server sends (`site-sizes`) must agree with what this site holds (`site_algorithm`).
 """
 
 from __future__ import annotations
@@ -50,11 +51,6 @@ from pflbed.federation.federation import ClientSplit, Federation, client_split
 from pflbed.federation.partition import split_local
 
 DATA, VAL, TEST, CLIENTS, DATASET = "data", "val", "test", "clients", "dataset"
-
-# Keys of a run's config that name a file or directory, or a download: a site refuses a server config that sets
-# any of them (their defaults are unset / false).
-SERVER_MAY_NOT = ("dataset.path", "dataset.download", "dataset.hf.id", "model.init_from", "federation.manifest",
-                  "executor.state_dir")  # fmt: skip
 
 
 class SiteError(PflbedError):
@@ -178,18 +174,6 @@ def num_clients(node_config: dict[str, Any]) -> int:
     return n
 
 
-def refuse_server_paths(cfg: Config) -> None:
-    """Refuse a server config that sets a key the server may not decide for a site (`SERVER_MAY_NOT`)."""
-    tree = cfg.model_dump(mode="json")
-    for key in SERVER_MAY_NOT:
-        value: Any = tree
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if value not in (None, False):
-            raise SiteError(f"the server's config sets {key}={value!r}: a site reads and writes only what its own node "
-                            "config names, so it refuses the run")  # fmt: skip
-
-
 def _parts(n: int, k: int, seed: int, site: int, stream: int) -> list[np.ndarray]:
     """Positions 0…n−1 divided among `k` clients at random (seeded by the run's seed, the site and the file)."""
     if k == 1:
@@ -268,8 +252,12 @@ class SitesFederation(Federation):
 
 
 def offsets(sizes: list[list[int]]) -> list[int]:
-    """The first global client id of each site (sites in partition order)."""
-    return [sum(len(s) for s in sizes[:k]) for k in range(len(sizes))]
+    """The first global client id of each site (sites in partition order): a running sum, linear in the sites."""
+    out, first = [], 0
+    for s in sizes:
+        out.append(first)
+        first += len(s)
+    return out
 
 
 def _source(cfg: Config, train: ArrayDataset, test: ArrayDataset, origin: str) -> DataSource:
@@ -287,6 +275,10 @@ def site_algorithm(cfg: Config, files: SiteFiles, clients: int, site: int, sizes
     if len(sizes[site]) != clients:
         raise SiteError(f"site {site}: the server counts {len(sizes[site])} clients here, the node config {clients}")
     pool, splits = site_splits(files, clients, cfg, site)
+    own = [len(tr) for tr, _, _ in splits]
+    if list(sizes[site]) != own:
+        raise SiteError(f"site {site}: the server counts {list(sizes[site])[:5]} training samples for its clients, "
+                        f"the site holds {own[:5]}")  # fmt: skip
     k = int(cfg.sites.num_classes or 0)
     first = offsets(sizes)[site]
     everyone = [_nowhere(k) for _ in range(sum(len(s) for s in sizes))]

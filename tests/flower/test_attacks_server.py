@@ -1,0 +1,294 @@
+"""A site-local node against a malicious server: every message is held against what a server may decide for a site
+(`flower.site_policy`) before the node builds, reads or writes anything. Each attack is one a server could send
+today through Flower's messages; the planted server here skips pflbed's own validation (`site_setup._tampered`)."""
+
+import hashlib
+import json
+import time
+import traceback
+
+import pytest
+
+from pflbed.config import validate_config
+
+from ..tiny import TINY
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
+
+from pflbed.flower import client, site_node, site_policy  # noqa: E402
+from pflbed.flower.sites import SiteError, offsets  # noqa: E402
+
+from .site_setup import _site_cfg, _sites, _tampered, _tree, run_sites  # noqa: E402
+
+SITE = {"data": "/nonexistent/site.npz", "partition-id": 0, "num-partitions": 1}
+
+
+def _tree_of(cfg, **changes):
+    """`cfg`'s JSON tree with dotted keys changed (a server that skips validation)."""
+    tree = cfg.model_dump(mode="json")
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return tree
+
+
+def _json(cfg, **changes):
+    return json.dumps(_tree_of(cfg, **changes), sort_keys=True)
+
+
+def _cfg(name="fedavg", **algo):
+    tree = _tree(name, eval={"every": 2, "finetune": []})
+    tree["algorithm"] = {**tree["algorithm"], **algo}
+    return _site_cfg(tree)
+
+
+def _send(node_config, kind, group, config=None, **records):
+    """One message to a node's ClientApp, as Flower's runtime delivers it: (reply, the error's last line or None)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    content = RecordDict({"config": ConfigRecord({"pflbed-config": config, **records})} if config else {})
+    saved = {k: getattr(TaskIdentity, k) for k in ("_run_id", "_task_id", "_node_id")}
+    for k in saved:
+        setattr(TaskIdentity, k, 1)
+    try:
+        msg = Message(content, dst_node_id=1000, message_type=kind, group_id=group)
+    finally:
+        for k, v in saved.items():
+            setattr(TaskIdentity, k, v)
+    msg.metadata.__dict__["_message_id"] = "m1"
+    ctx = Context(run_id=1, node_id=1000, state=RecordDict(), run_config={}, node_config=dict(node_config))
+    try:
+        return client.app(msg, ctx), None
+    except Exception:
+        return None, traceback.format_exc().strip().splitlines()[-1]
+
+
+# --- 1. queries ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group, with_config", [("states", True), ("partitions", True), ("site", False),
+                                                ("", False), ("anything", True)])  # fmt: skip
+def test_a_site_answers_no_query_but_its_partition_and_the_start_up_question(group, with_config, monkeypatch):
+    """Any other query is refused with one line naming it, before the config is read or anything is built."""
+    built = []
+    monkeypatch.setattr(client, "algorithm", lambda c: built.append(c))
+    plain = validate_config({**_tree("fedavg"), "executor": {"name": "flower", "state_dir": "/tmp/x"}})
+    reply, error = _send(SITE, MessageType.QUERY, group, _json(plain) if with_config else None, cids=[0], versions=[1])
+    assert reply is None and f"not a {group!r} query" in error and error.startswith("pflbed.flower.sites.SiteError")
+    assert not built
+    reply, error = _send(SITE, MessageType.QUERY, "partitions")
+    assert error is None and reply.content["node"]["partition-id"] == 0
+
+
+def test_the_ditto_state_copy_is_refused_and_says_the_same_for_an_existing_and_a_missing_file(tmp_path):
+    """The attack: a QUERY for states whose config is not site-local and loads, as initial weights, the file where
+    the site keeps a client's personal model (its path follows from the config and the state directory). Ditto's
+    client state starts from the initial weights, so the node would send the personal model back. Refused, and
+    with the same line whether the file exists or not (no probing of the site's disk)."""
+    tree = _tree("ditto", train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    run_sites(cfg, grid)
+    node = grid.node_configs[0]
+    key = hashlib.sha256(_tampered(cfg).encode()).hexdigest()[:16]  # the run key: the config's hash
+    stolen = sorted((tmp_path / "states-0" / key).glob("client-*/round-*.pt"))[-1]  # a personal model kept there
+    cid = int(stolen.parent.name.removeprefix("client-"))
+    plain = validate_config({**tree, "executor": {"name": "flower", "threads": 1}})
+    errors = []
+    for path in (stolen, stolen.with_name("round-9.pt")):
+        attack = _json(plain, **{"model.init_from": str(path), "executor.state_dir": "pflbed-states"})
+        reply, error = _send(node, MessageType.QUERY, "states", attack, cids=[cid], versions=[0])
+        assert reply is None
+        errors.append(error)
+    assert "not a 'states' query" in errors[0] and errors[0] == errors[1]
+
+
+def test_a_query_makes_a_site_download_and_cache_nothing(tmp_path, monkeypatch):
+    """A QUERY naming a download into a server-chosen directory, or a dataset whose federation the node would cache
+    under its home: nothing is written."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("PFLBED_CACHE", str(home / "cache"))
+    node = {"data": str(tmp_path / "site.npz")}
+    plain = validate_config({**_tree("fedavg"), "executor": {"name": "flower", "state_dir": "s"}})
+    download = _json(plain, **{"dataset.name": "mnist", "dataset.download": True, "dataset.path": str(tmp_path / "dl")})
+    for config in (download, _json(plain, **{"dataset.name": "digits"})):
+        reply, error = _send(node, MessageType.QUERY, "states", config, cids=[0], versions=[0])
+        assert reply is None and "not a 'states' query" in error
+    assert not list(home.iterdir()) and not (tmp_path / "dl").exists()
+
+
+@pytest.mark.parametrize("kind", [MessageType.TRAIN, MessageType.EVALUATE])
+def test_train_and_evaluate_on_a_site_never_build_the_server_s_config(kind, monkeypatch):
+    """A site never falls back to the simulated client's `algorithm(config)`: a run that is not site-local is
+    refused."""
+    built = []
+    monkeypatch.setattr(client, "algorithm", lambda c: built.append(c))
+    plain = validate_config({**_tree("fedavg"), "executor": {"name": "flower"}})
+    reply, error = _send(SITE, kind, "1", _json(plain), cids=[0], versions=[0], round=1, **{"site-sizes": "[[1]]"})
+    assert reply is None and "not site-local" in error and not built
+
+
+def test_the_start_up_question_passes_the_same_checks(tmp_path):
+    """The site-local run's first message (group `site`: what the site holds) is held against the site's policy
+    like every other: a size beyond its bound is refused before the site reads its data."""
+    reply, error = _send(SITE, MessageType.QUERY, "site", _json(_cfg(), **{"train.rounds": 10**6}))
+    assert reply is None and "sets train.rounds=1e+06, above this site's bound max-rounds=10000" in error
+
+
+def test_the_site_s_check_is_cached_per_node_config_and_config():
+    """Every TRAIN message carries the config: the second check of the same one is a look-up."""
+    config = _json(_cfg(), seed=11)
+    first = site_policy.check(SITE, config)
+    assert site_policy.check(dict(SITE), config) is first
+    assert site_policy.check({**SITE, "max-rounds": 50}, config) is not first
+
+
+# --- 2. the allow-list and the bounds -----------------------------------------------------------------------------
+
+REFUSED = [("dataset.path", "/etc"), ("dataset.download", True), ("dataset.hf.id", "/srv/hf"),
+           ("model.init_from", "/root/weights.pt"), ("federation.manifest", "/srv/manifest.json"),
+           ("executor.state_dir", "/tmp/elsewhere"), ("dataset.synthetic.n_train", 1_000_000),
+           ("pretrain.epochs", 3), ("federation.public", 10), ("federation.new_clients", 1),
+           ("federation.protocol", "pflbed"), ("federation.pflbed.val", 0.1), ("unknown", 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value", REFUSED, ids=[k for k, _ in REFUSED])
+def test_a_site_refuses_a_key_off_the_allow_list(key, value):
+    """Each key a server may not decide for a site, set to anything but its default: one line naming it, from the
+    site's own check (before the config is even validated)."""
+    with pytest.raises(SiteError, match=rf"^the server's config sets {key}=.*may not decide for a site"):
+        site_policy.check(SITE, _json(_cfg(), **{key: value}))
+
+
+def test_a_site_accepts_what_a_server_may_decide():
+    """Keys on the allow-list at non-default values pass, as do integer algorithm options at their defaults however
+    large (FedPAC's qp_max_iter: 20000)."""
+    cfg = _cfg()
+    changes = {"seed": 7, "train.lr": 0.2, "train.rounds": 100, "eval.every": 3, "federation.alpha": 0.5,
+               "federation.sample_fraction": 0.5, "sites.test": "/server/test.npz", "executor.round_timeout": 30.0,
+               "model.init_blocks": ["body"], "dataset.normalize": "imagenet", "privacy.delta": 1e-6}  # fmt: skip
+    assert site_policy.check(SITE, _json(cfg, **changes)).seed == 7
+    assert site_policy.check(SITE, _json(_cfg("fedpac"))).algorithm_options() == {}
+
+
+BOUNDED = [
+    ("fedbasis-K", "fedbasis", {"algorithm.K": 2**31 - 1}, "algorithm.K", "max-option"),
+    ("fedrod_hyper-hidden", "fedrod_hyper", {"algorithm.hidden": 2**31 - 1}, "algorithm.hidden", "max-option"),
+    ("rounds", "fedavg", {"train.rounds": 10**6}, "train.rounds", "max-rounds"),
+    ("local_epochs", "fedavg", {"train.local_epochs": 100_000}, "train.local_epochs", "max-epochs"),
+    ("ft_epochs", "fedavg", {"eval.ft_epochs": 1000}, "eval.ft_epochs", "max-epochs"),
+    ("clients", "fedavg", {"federation.clients": 20_000}, "federation.clients", "max-clients"),
+    ("num_classes", "fedavg", {"sites.num_classes": 5000}, "sites.num_classes", "max-classes"),
+    ("input_shape", "fedavg", {"sites.input_shape": [3, 10**6, 10**6]}, "sites.input_shape", "max-sample"),
+    ("image_size", "fedavg", {"dataset.image_size": 4096}, "dataset.image_size", "max-sample"),
+    ("hf.image_size", "fedavg", {"dataset.hf.image_size": 4096}, "dataset.hf.image_size", "max-sample"),
+    ("parameters", "fedavg", {"sites.input_shape": [1, 1000, 1000]}, "model.name=mlp", "max-parameters"),
+]
+
+
+@pytest.mark.parametrize("algo, changes, key, bound", [b[1:] for b in BOUNDED], ids=[b[0] for b in BOUNDED])
+def test_a_site_refuses_a_size_beyond_its_bound_before_building_anything(algo, changes, key, bound, monkeypatch):
+    """Each size the server chooses, beyond the node's default bound: one line naming the key and the node config
+    that would raise it, before the site reads its data or builds a model."""
+    monkeypatch.setattr(site_node, "read_site", lambda *a: pytest.fail("the site read its data"))
+    monkeypatch.setattr(site_node, "site_algorithm", lambda *a: pytest.fail("the site built the run"))
+    config = _json(_cfg(algo), **changes)
+    ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={}, node_config=SITE)
+    with pytest.raises(SiteError, match=rf"sets {key}.*above this site's bound {bound}="):
+        site_node.site_algorithm_of(ctx, config, "[[1]]")
+
+
+def test_a_site_s_node_config_raises_its_bounds_and_flower_parses_the_keys():
+    """`max-rounds=…` and the other keys as Flower's own node-config parser reads them (`--node-config`)."""
+    from flwr.common.config import parse_config_args
+
+    node = parse_config_args(['data="/d" max-rounds=2000000 max-epochs=200000 require-secagg=false max-epsilon=8 '
+                              'max-clip=1.0 max-delta=1e-5'])  # fmt: skip
+    assert node["max-rounds"] == 2_000_000 and node["require-secagg"] is False and node["max-clip"] == 1.0
+    config = _json(_cfg(), **{"train.rounds": 10**6, "train.local_epochs": 100_000})
+    with pytest.raises(SiteError, match="max-rounds"):
+        site_policy.check(SITE, config)
+    assert site_policy.check({"data": "/d", "max-rounds": 2_000_000, "max-epochs": 200_000}, config)
+    with pytest.raises(SiteError, match=r"^max-rounds='many' in the node config"):
+        site_policy.check({"data": "/d", "max-rounds": "many"}, config)
+
+
+def test_a_site_refuses_phantom_sites_in_site_sizes(monkeypatch):
+    """200,000 phantom sites of one client each (the run has 4 clients): refused before the site builds anything."""
+    monkeypatch.setattr(site_node, "read_site", lambda *a: pytest.fail("the site read its data"))
+    ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={}, node_config=SITE)
+    t0 = time.perf_counter()
+    with pytest.raises(SiteError, match=r"site-sizes: 200000 sites holding 200000 clients, .* federation.clients=4"):
+        site_node.site_algorithm_of(ctx, _json(_cfg()), json.dumps([[1]] * 200_000))
+    assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("sizes, match", [("[[3], [1], [1], [1], [1]]", "5 clients"), ("[[]]", "non-empty"),
+                                          ("[[1], [2], [-1], [4]]", "non-negative"), ('{"0": [1]}', "a list"),
+                                          ("[[1], [2], [3], [true]]", "non-negative")],
+                         ids=["too_many_clients", "empty_site", "negative", "not_a_list", "bool"])  # fmt: skip
+def test_a_site_refuses_malformed_site_sizes(sizes, match):
+    with pytest.raises(SiteError, match=rf"^site-sizes: .*{match}"):
+        site_node.site_sizes(SITE, _cfg(), sizes)
+
+
+def test_a_site_refuses_site_sizes_that_miscount_its_own_clients(tmp_path):
+    """The server's site-sizes must say what this site reported: its own entry is its clients' sample counts."""
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    node = {**grid.node_configs[1], "partition-id": 1}
+    ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={}, node_config=node)
+    own = site_node.site_report(ctx, _tampered(cfg))["num_train"]
+    good = [[10], own, [10], [10]]
+    assert site_node.site_algorithm_of(ctx, _tampered(cfg), json.dumps(good))[0]
+    with pytest.raises(SiteError, match=r"site 1: the server counts \[\d+\] training samples .* the site holds"):
+        site_node.site_algorithm_of(ctx, _tampered(cfg), json.dumps([[10], [own[0] * 1000], [10], [10]]))
+
+
+def test_site_offsets_are_a_running_sum():
+    """Linear in the sites: 30,000 sites at once (a quadratic sum took tens of seconds)."""
+    sizes = [[1, 2]] * 30_000
+    t0 = time.perf_counter()
+    first = offsets(sizes)
+    assert time.perf_counter() - t0 < 1.0
+    assert first[:3] == [0, 2, 4] and first[-1] == 2 * 29_999 and offsets([]) == []
+
+
+# --- 4. DP and SecAgg required by the site ------------------------------------------------------------------------
+
+DP = {"privacy.clip": 0.5, "privacy.noise_multiplier": 1.0}
+REQUIRED = [
+    ("secagg_off", {"require-secagg": True}, {}, r"^sites.secagg: this site requires secure aggregation"),
+    ("privacy_off_clip", {"max-clip": 1.0}, {}, r"^privacy.clip: this site requires client-level DP \(max-clip=1"),
+    ("privacy_off_epsilon", {"max-epsilon": 8}, {}, r"^privacy.clip: this site requires .*\(max-epsilon=8"),
+    ("clip_above", {"max-clip": 1.0}, {**DP, "privacy.clip": 3.4e38}, r"^privacy.clip=3.4e\+38 is above .*max-clip=1"),
+    ("epsilon_above", {"max-epsilon": 8}, {**DP, "privacy.noise_multiplier": 0.3}, r"ε after 4 rounds is .* max-eps"),
+    ("epsilon_infinite", {"max-epsilon": 8}, {**DP, "privacy.noise_multiplier": 0.0}, r"ε after 4 rounds is inf"),
+    ("delta_above", {"max-delta": 1e-6}, DP, r"^privacy.delta=1e-05 is above this site's max-delta=1e-06"),
+]
+
+
+@pytest.mark.parametrize("need, changes, match", [r[1:] for r in REQUIRED], ids=[r[0] for r in REQUIRED])
+def test_a_site_refuses_a_run_without_the_privacy_it_requires(need, changes, match):
+    with pytest.raises(SiteError, match=match):
+        site_policy.check({**SITE, **need}, _json(_cfg(), **changes))
+
+
+def test_a_site_accepts_a_run_with_the_privacy_it_requires():
+    """SecAgg on; DP within the clip, δ and ε asked (ε from σ given, and from a target ε)."""
+    cfg = _cfg()
+    need = {**SITE, "require-secagg": True, "max-clip": 1.0, "max-epsilon": 8, "max-delta": 1e-5}
+    dp = {**DP, "sites.secagg": True, "privacy.noise_multiplier": 2.0}
+    assert site_policy.check(need, _json(cfg, **dp)).sites.secagg
+    target = {**dp, "privacy.noise_multiplier": None, "privacy.target_epsilon": 6.0}
+    assert site_policy.check(need, _json(cfg, **target)).privacy.target_epsilon == 6.0
+    with pytest.raises(SiteError, match="max-epsilon=5"):
+        site_policy.check({**need, "max-epsilon": 5}, _json(cfg, **target))
