@@ -122,6 +122,7 @@ class Mechanism:
     delta: float
     randomness: str = "seeded"
     accountant: str = "rdp"
+    noise: str = "central"  # or "distributed": the sites add it, inside SecAgg+ (`flower.secagg_node`)
 
     @property
     def expected_clients(self) -> float:
@@ -144,15 +145,21 @@ class Mechanism:
         r'_k = w + (m/qN)·Δ̃_k + z/qN for the m = `count` replies (Σ_k r'_k / m = w + (Σ Δ̃_k + z)/qN). `payload` is
         the shared entries' w, the same for every client (checked by the caller's algorithm declaration). With no
         reply in the round, one pseudo-reply w + z/qN under client -1: the release is noise alone, never w bare
-        (that would tell whether anyone was sampled)."""
+        (that would tell whether anyone was sampled). With distributed noise each reply already holds the sites'
+        shares (`flower.secagg`: r_k = w + (Σ Δ̃ + Σ_s z_s)/m, so r'_k = w + (Σ Δ̃ + Σ_s z_s)/qN is the
+        release): the server adds none, except in a round with no reply, where no site was asked and it draws z."""
         m_bar = self.expected_clients
-        z = self.draw(seed, rnd, payload)
+        z = self.draw(seed, rnd, payload) if self.noise == "central" or count == 0 else None
         scale = count / m_bar
         seen = False
         for cid, reply in replies:
             seen = True
-            yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale + z[k] / m_bar for k in reply}
+            if z is None:
+                yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale for k in reply}
+            else:
+                yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale + z[k] / m_bar for k in reply}
         if not seen:
+            z = z if z is not None else self.draw(seed, rnd, payload)
             yield -1, {k: payload[k] + z[k] / m_bar for k in payload}
 
     def epsilon(self, draws: int) -> float:
@@ -174,7 +181,8 @@ class Mechanism:
         return {"epsilon": by_round[str(rounds)], "delta": self.delta, "noise_multiplier": self.sigma,
                 "clip": self.clip, "sampling_rate": self.rate, "expected_clients": self.expected_clients,
                 "rounds": rounds, "noise_draws": counted[rounds], "accountant": self.accountant,
-                "randomness": self.randomness, "sampling": "poisson", "epsilon_by_round": by_round}  # fmt: skip
+                "randomness": self.randomness, "noise": self.noise, "sampling": "poisson",
+                "epsilon_by_round": by_round}  # fmt: skip
 
 
 class Ledger:
@@ -307,4 +315,4 @@ def mechanism(cfg: Config, participated: int) -> Mechanism | None:
     sigma = p.noise_multiplier
     if sigma is None:
         sigma = noise_multiplier(p.target_epsilon, p.delta, rate, cfg.train.rounds, p.accountant)
-    return Mechanism(p.clip, sigma, rate, participated, p.delta, cfg.privacy_randomness(), p.accountant)
+    return Mechanism(p.clip, sigma, rate, participated, p.delta, cfg.privacy_randomness(), p.accountant, p.noise)

@@ -273,6 +273,8 @@ REQUIRED = [
     ("epsilon_above", {"max-epsilon": 8}, {**DP, "privacy.noise_multiplier": 0.3}, r"ε after 4 rounds is .* max-eps"),
     ("epsilon_infinite", {"max-epsilon": 8}, {**DP, "privacy.noise_multiplier": 0.0}, r"ε after 4 rounds is inf"),
     ("delta_above", {"max-delta": 1e-6}, DP, r"^privacy.delta=1e-05 is above this site's max-delta=1e-06"),
+    ("seeded_noise", {"max-clip": 1.0}, {**DP, "privacy.randomness": "seeded"},
+     r"^privacy.randomness: this site requires client-level DP, .*\(seeded\)"),
 ]
 
 

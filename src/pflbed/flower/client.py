@@ -115,7 +115,8 @@ def train(msg: Message, context: Context) -> Message:
 def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: int, cids: list[int],
                  versions: dict[int, int]) -> Message:  # fmt: skip
     """The site's clients' updates from the round's shared payload, as one weighted update for SecAgg+ to mask
-    (`secagg.site_update`); their new states stay on the site, each non-finite one flagged."""
+    (`secagg.site_update`, with the site's share of the noise under distributed DP); their new states stay on
+    the site, each non-finite one flagged."""
     if stored is None:
         raise ValueError("secure aggregation keeps the clients' states on the sites (sites.local)")
     payload = from_record(msg.content[secagg.SHARED], algo.ctx.device)
@@ -127,7 +128,9 @@ def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: 
         if bad is not None:
             flags[f"nonfinite/{cid}"] = bad
         replies.append((reply, secagg.client_weight(algo, algo.ctx.client_data(cid).num_train)))
-    return Message(fitres_to_recorddict(secagg.site_update(payload, replies, flags), False), reply_to=msg)
+    sites = len(json.loads(str(msg.content["config"]["site-sizes"])))  # checked by the site's policy already
+    update = secagg.site_update(payload, replies, flags, secagg.noise_share(algo.ctx.cfg, sites))
+    return Message(fitres_to_recorddict(update, False), reply_to=msg)
 
 
 @app.query()
