@@ -149,7 +149,7 @@ class Mechanism:
         shares (`flower.secagg`: r_k = w + (Σ Δ̃ + Σ_s z_s)/m, so r'_k = w + (Σ Δ̃ + Σ_s z_s)/qN is the
         release): the server adds none, except in a round with no reply, where no site was asked and it draws z."""
         m_bar = self.expected_clients
-        z = self.draw(seed, rnd, payload) if self.noise == "central" or count == 0 else None
+        z = self.draw(seed, rnd, payload) if self.noise == "central" else None
         scale = count / m_bar
         seen = False
         for cid, reply in replies:
@@ -159,7 +159,7 @@ class Mechanism:
             else:
                 yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale + z[k] / m_bar for k in reply}
         if not seen:
-            z = z if z is not None else self.draw(seed, rnd, payload)
+            z = z if z is not None else self.draw(seed, rnd, payload)  # distributed: no site was asked
             yield -1, {k: payload[k] + z[k] / m_bar for k in payload}
 
     def epsilon(self, draws: int) -> float:
