@@ -501,6 +501,11 @@ class PrivacyConfig(_Strict):
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus's accountant for ε: rdp (Rényi DP) or prv "
                                               "(privacy random variables: tighter, e.g. ε 3.53 where rdp gives "
                                               "4.0)")  # fmt: skip
+    noise: Literal["central", "distributed"] = Field("central", description="who adds the Gaussian noise: central "
+                                                     "(the server, to the sum it receives) or distributed (with "
+                                                     "sites.secagg: each site adds its share before masking, so "
+                                                     "neither the server nor any site sees a noise-free sum; guide: "
+                                                     "privacy)")  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -512,8 +517,9 @@ class PrivacyConfig(_Strict):
             for key in ("noise_multiplier", "target_epsilon", "randomness"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"{key} needs privacy.clip (the norm each client's update is clipped to)")
-            if self.accountant != "rdp":
-                raise ValueError("accountant needs privacy.clip (the norm each client's update is clipped to)")
+            for key, default in (("accountant", "rdp"), ("noise", "central")):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} needs privacy.clip (the norm each client's update is clipped to)")
         elif (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("clip needs exactly one of privacy.noise_multiplier and privacy.target_epsilon")
         if (self.clip is not None or self.noise_multiplier is not None or self.target_epsilon is not None) and \
@@ -598,6 +604,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _sites(self) -> Config:
         """What a deployment with the data on the sites cannot do (yet): each refused with the key that asks it."""
+        if self.privacy.noise == "distributed" and not self.sites.secagg:
+            raise ValueError("privacy.noise: distributed needs sites.secagg=true (the sites' noise shares are hidden "
+                             "from the server only inside SecAgg+'s masked sum)")  # fmt: skip
+        if self.privacy.noise == "distributed" and self.privacy_randomness() != "os":
+            raise ValueError("privacy.randomness: seeded does not apply with privacy.noise=distributed (the sites "
+                             "draw their noise shares from the operating system)")  # fmt: skip
         if not self.sites.local:
             return self
         refused = {

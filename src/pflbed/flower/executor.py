@@ -13,9 +13,10 @@ to the newest node.
 Failures: a client whose node's reply does not arrive within `executor.round_timeout` seconds, or arrives as an
 error from the runtime (the node became unavailable, its ClientApp process crashed), is left out of the round: the round
 completes with the replies that arrived, the server aggregates with the weights of those clients only, and the
-round's record lists the rest in `failed_clients`; their states stay as they were. A round in which no client
-replied stops the run. An exception raised by the client update itself is a bug, not a lost node: it stops the
-run with the node's traceback.
+round's record lists the rest in `failed_clients`; their states stay as they were. So are the clients of a reply
+the executor refuses (`screen`: where the nodes are the sites', `SiteExecutor` checks each reply against what was
+sent). A round in which no client replied stops the run. An exception raised by the client update itself is a
+bug, not a lost node: it stops the run with the node's traceback.
 """
 
 from __future__ import annotations
@@ -182,10 +183,12 @@ class FlowerExecutor(LoopExecutor):
             cids = cids_of[reply.metadata.reply_to_message_id]
             if not reply.has_error():
                 arrived.update((c, reply.content) for c in cids)
-                self.timing["client_update_s"] += float(reply.content["config"]["update_s"])
-                self.timing["client_records_s"] += float(reply.content["config"]["records_s"])
+                conf = reply.content.config_records.get("config", ConfigRecord())
+                self.timing["client_update_s"] += float(conf.get("update_s", 0.0))  # type: ignore[arg-type]
+                self.timing["client_records_s"] += float(conf.get("records_s", 0.0))  # type: ignore[arg-type]
             elif reply.error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION):
                 raise FlowerClientError(f"clients {cids} (round {rnd}): {reply.error.reason}")  # a bug, not a lost node
+        checked = self.screen(rnd, payloads, arrived)
         clients = sorted(c for c in payloads if c in arrived)
         failed = sorted(c for c in payloads if c not in arrived)
         if not clients:
@@ -196,7 +199,7 @@ class FlowerExecutor(LoopExecutor):
             for cid in clients:
                 t = time.perf_counter()
                 content = arrived.pop(cid)
-                reply = from_record(content[f"reply/{cid}"], device)
+                reply = checked.pop(cid) if cid in checked else from_record(content[f"reply/{cid}"], device)
                 if self.on_nodes:
                     self.timing["server_records_s"] += time.perf_counter() - t
                     yield cid, self.keep_on_node(rnd, cid, reply, content["config"])
@@ -206,6 +209,12 @@ class FlowerExecutor(LoopExecutor):
                 yield cid, self.keep(rnd, cid, reply, state)
 
         return Replies(failed, replies())
+
+    def screen(self, rnd: int, payloads: dict[int, Tensors], arrived: dict[int, RecordDict]) -> dict[int, Tensors]:
+        """Replies read and accepted before the round hands any on (none here: the nodes run the server's own
+        clients); a subclass whose nodes need not be trusted (`SiteExecutor`) takes the clients of a refused reply
+        out of `arrived`, so that they count as lost."""
+        return {}
 
     def keep_on_node(self, rnd: int, cid: int, reply: Tensors, conf: ConfigRecord) -> Tensors:
         """Check a reply whose client's new state stayed on its node, which now holds the state of round `rnd`."""

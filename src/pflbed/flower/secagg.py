@@ -19,6 +19,11 @@ mean of the plain deployment up to the quantization), and with `privacy` the dri
 Algorithms whose server needs each reply (`dp_refused` set) are refused. The quantization error of one entry is at
 most (2·8/2²²)·max W / mean W per site (3.8·10⁻⁶ for equal sites); Flower draws its rounding noise unseeded, so a
 SecAgg+ run is not bit-reproducible.
+
+What the server checks of the sites, seeing only the sum (`_check`): each site's clear weight is the one the
+server expects from the counts fixed at start-up, each site's `keys` are payload entries and the same for every
+site (and round), and the unmasked mean update stays within `sites.max_update` (`reply_check`). A site failing one
+cannot be taken out of a sum already formed: the round stops the run, naming the site where the server can tell.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from flwr.serverapp import Grid
 from pflbed.algorithms.base import Tensors
 from pflbed.flower.executor import FlowerRoundError, Replies
 from pflbed.flower.records import to_record
+from pflbed.flower.reply_check import structure, update_ratio
 from pflbed.flower.secagg_node import CLIP_RANGE, SHARED, client_weight
 from pflbed.flower.site_executor import SiteExecutor
 
@@ -118,17 +124,48 @@ class SecAggExecutor(SiteExecutor):
         if not capture.results:
             raise FlowerRoundError(f"round {rnd}: secure aggregation did not complete (too few sites replied)")
         replied = {proxy.node_id: fitres for proxy, fitres in capture.results}
+        self._check(rnd, first, replied, weight)
         arrived = sorted(c for node, fitres in replied.items() for c in by_node.get(node, []))
         failed = sorted(c for c in payloads if c not in set(arrived))
         if not arrived:
             raise FlowerRoundError(f"round {rnd}: no client replied (failed: {failed})")
         return Replies(failed, self._replies(rnd, payloads, replied, arrived))
 
+    def _check(self, rnd: int, payload: Tensors, replied: dict, weight: dict[int, int]) -> None:
+        """What the server can check of each site in a secure round (its clear weight and `keys`); a site failing
+        stops the run (its masked update is in the sum already). The key set is fixed as for plain replies
+        (`ReplyCheck`): the one most sites name, kept for the run."""
+        site_of = {node: site for site, node in self.node_of.items()}
+        votes: dict[frozenset[str], list[int]] = {}
+        for node, fitres in sorted(replied.items()):
+            site = site_of.get(node, node)
+            if fitres.num_examples != weight.get(node, -1):
+                raise FlowerRoundError(f"site {site}, round {rnd}: it weighs its update {fitres.num_examples}, the "
+                                       f"server expects {weight.get(node)} from its clients' counts")  # fmt: skip
+            if fitres.num_examples == 0:
+                continue
+            try:
+                keys = json.loads(str(fitres.metrics["keys"]))
+                int(fitres.metrics["beyond_range"])
+                if not isinstance(keys, list) or not keys or not set(keys) <= set(payload):
+                    raise ValueError(f"keys {str(keys)[:60]} are not entries sent")
+            except (KeyError, TypeError, ValueError) as e:
+                raise FlowerRoundError(f"site {site}, round {rnd}: its clear metrics are refused ({e})") from None
+            votes.setdefault(frozenset(keys), []).append(site)
+        sig = structure(payload)
+        if sig not in self.check.keys and votes:
+            self.check.keys[sig] = self.check.elect(sig, votes, lambda s: s)
+        want = self.check.keys.get(sig)
+        wrong = sorted(s for keys, sites in votes.items() if keys != want for s in sites)
+        if wrong:
+            raise FlowerRoundError(f"site {wrong[0]}, round {rnd}: it names updated entries other than the other "
+                                   f"sites' {sorted(want or [])[:3]}…")  # fmt: skip
+
     def _replies(self, rnd: int, payloads: dict[int, Tensors], replied: dict, arrived: list[int]
                  ) -> Iterator[tuple[int, Tensors]]:  # fmt: skip
         """Each arrived client's reply: the payload plus the round's unmasked mean update (one for all)."""
         metrics = [f.metrics for f in replied.values() if f.num_examples > 0]
-        keys = json.loads(str(metrics[0]["keys"]))
+        keys = self.check.keys[structure(payloads[arrived[0]])]
         beyond = sum(int(m["beyond_range"]) for m in metrics)
         if beyond:
             raise FlowerRoundError(f"round {rnd}: {beyond} entries of the sites' updates exceed SecAgg+'s range "
@@ -136,7 +173,12 @@ class SecAggExecutor(SiteExecutor):
         base = payloads[arrived[0]]
         update = dict(zip(sorted(base), parameters_to_ndarrays(next(iter(replied.values())).parameters), strict=True))
         mean = {k: base[k] + torch.from_numpy(np.asarray(update[k], dtype=np.float32)).to(base[k].device)
-                for k in keys}  # fmt: skip
+                for k in sorted(keys)}  # fmt: skip
+        ratio = update_ratio(base, mean)
+        if ratio > self.algo.ctx.cfg.sites.max_update:
+            raise FlowerRoundError(f"round {rnd}: the sites' mean update is {ratio:.3g} × max(1, the model's norm), "
+                                   f"over sites.max_update={self.algo.ctx.cfg.sites.max_update:g}: a site sent "
+                                   "more than its update")  # fmt: skip
         flags = {k: v for m in metrics for k, v in m.items() if k.startswith("nonfinite/")}
         for cid in arrived:  # each client's new state stayed on its site, as with the plain site executor
             yield cid, self.keep_on_node(rnd, cid, mean, flags)

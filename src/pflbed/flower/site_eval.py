@@ -55,6 +55,51 @@ def evaluate_site(algo: Algorithm, server: Tensors, state: Callable[[int], Tenso
     return {"test": test, "val": val}
 
 
+def _accuracy_fault(v: Any) -> bool:
+    """Whether `v` is not an accuracy: a number in [0, 1], or NaN (a client with no such samples, as simulated)."""
+    return isinstance(v, bool) or not isinstance(v, int | float) or not (v != v or 0 <= v <= 1)
+
+
+def _count_fault(v: Any, bound: int) -> bool:
+    """Whether `v` is not [correct, samples] with 0 ≤ correct ≤ samples ≤ `bound`."""
+    if not isinstance(v, list) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        return True
+    return not 0 <= v[0] <= v[1] <= bound
+
+
+def check_scores(answer: Any, cids: list[int], round_figures: bool, methods: list[str], bound: int,
+                 counts: list[int] | None) -> str | None:  # fmt: skip
+    """Why a site's `evaluate_site` numbers for its clients `cids` are refused; None if they are not. Each part
+    asked for (the round's figures, each final personalization) holds the test and val accuracy of exactly `cids`,
+    each in [0, 1] (or NaN: no samples); the round's G-FL counts are [correct, samples] with samples at most `bound`
+    and, where known, the site's `counts` (test, val): those it declared at start-up, else those of its first
+    evaluation (the same data scored again)."""
+    if not isinstance(answer, dict):
+        return "its numbers are not a mapping"
+    own = {str(c) for c in cids}
+    for part in ([""] if round_figures else []) + methods:
+        figures = answer.get(part)
+        name = f"'{part}'" if part else "the round's figures"
+        if not isinstance(figures, dict):
+            return f"{name} are missing"
+        for split in ("test", "val"):
+            scores = figures.get(split)
+            if not isinstance(scores, dict) or set(scores) != own:
+                got = sorted(scores) if isinstance(scores, dict) else scores
+                return f"{name} score clients {str(got)[:60]} on {split}, its clients are {cids}"
+            bad = next((c for c, v in scores.items() if _accuracy_fault(v)), None)
+            if bad is not None:
+                return f"{name} give client {bad} a {split} accuracy of {scores[bad]!r}, outside [0, 1]"
+        if part == "" and ("gfl_test" in figures or "gfl_val" in figures):
+            for i, key in enumerate(("gfl_test", "gfl_val")):
+                v = figures.get(key)
+                if _count_fault(v, bound):
+                    return f"{key} {str(v)[:60]} is not [correct, samples] with 0 ≤ correct ≤ samples ≤ {bound}"
+                if counts is not None and v[1] != counts[i]:
+                    return f"{key} counts {v[1]} samples, not the {counts[i]} it declared or counted first"
+    return None
+
+
 def _ratio(correct: int, n: int) -> float | None:
     """correct ÷ n as `metrics.accuracy` computes it (the mean of a float32 0/1 tensor), None for no samples."""
     return float(torch.tensor(float(correct), dtype=torch.float32) / n) if n else None

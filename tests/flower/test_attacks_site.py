@@ -1,0 +1,599 @@
+"""A site-local deployment's server against a malicious site: counts, replies, evaluation figures and claims that a
+site has no right to send are refused with one line naming the site, never a crash. In-process, on the faked
+Flower runtime, site 1's messages rewritten as a site running other code would send them."""
+
+import json
+
+import pytest
+import torch
+
+from pflbed.config import validate_config
+
+from ..tiny import TINY, figures
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord  # noqa: E402
+from flwr.common import Code, FitRes, Parameters, Status  # noqa: E402
+
+from pflbed.flower import client  # noqa: E402
+from pflbed.flower.executor import FlowerRoundError  # noqa: E402
+from pflbed.flower.records import from_record, to_record  # noqa: E402
+from pflbed.flower.site_claims import TOKEN, site_token  # noqa: E402
+from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
+from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
+
+from .site_setup import _server_task, _site_cfg, _sites, _tree, run_sites  # noqa: E402
+
+BAD = 1  # the malicious site (one client per site: its client is client 1)
+
+
+def _short(name="fedavg", **over):
+    return _tree(name, train={**TINY["train"], "rounds": 3}, eval={"every": 2, "finetune": []}, **over)
+
+
+def _tamper(grid, kind, change):
+    """Rewrite the replies of site BAD's node to messages of `kind` ("site", "train", "evaluate") with `change`."""
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for i, m in enumerate(msgs):
+            if m.metadata.dst_node_id != grid.nodes[BAD] or replies[i].has_error():
+                continue
+            if kind == "site" and m.metadata.group_id == "site":
+                info = json.loads(str(replies[i].content["site"]["report"]))
+                replies[i].content["site"] = ConfigRecord({"report": json.dumps(change(info))})
+            elif kind == m.metadata.message_type == "train" or kind == m.metadata.message_type == "evaluate":
+                change(m, replies[i])
+        return replies
+
+    grid.send_and_receive = send
+
+
+def _refusals(capsys):
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("pflbed: refused:")]
+
+
+# --- 5. sample counts -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", [[10**15], [-250], [0], [True], [2.5], "12", [], [1] * 5])
+def test_a_site_reporting_counts_out_of_bounds_is_refused_at_start_up(counts, tmp_path):
+    """Counts are clients' weights: a huge one made the mean its reply, a negative or zero one an extrapolation.
+    Positive integers up to sites.max_client_samples, at most federation.clients of them."""
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    _tamper(grid, "site", lambda info: {**info, "num_train": counts})
+    with _server_task(), pytest.raises(SiteError, match=f"^site {BAD}: .*(num_train|clients)"):
+        discover_sites(grid, cfg)
+
+
+@pytest.mark.parametrize("change", [{"labels": 5}, {"labels": ["a"]}, {"input_shape": 3}])
+def test_a_report_that_is_not_one_is_refused_with_one_line(change, tmp_path):
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    _tamper(grid, "site", lambda info: {**info, **change})
+    with _server_task(), pytest.raises(SiteError, match=f"^site {BAD}: its report's input_shape or labels"):
+        discover_sites(grid, cfg)
+
+
+def test_the_bound_on_counts_is_the_server_s_config(tmp_path):
+    tree = _short()
+    cfg = _site_cfg(tree)
+    _, grid = _sites(tmp_path, cfg)
+    low = validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
+                                                                    "max_client_samples": 5}})  # fmt: skip
+    with _server_task(), pytest.raises(SiteError, match="max_client_samples=5"):
+        discover_sites(grid, low)
+
+
+def _executor(tmp_path, tree):
+    cfg = _site_cfg(tree)
+    _, grid = _sites(tmp_path, cfg)
+    with _server_task():
+        sizes, nodes = discover_sites(grid, cfg)
+        algo = server_algorithm(cfg, sizes)
+        return grid, SiteExecutor(algo, grid, sizes, nodes)
+
+
+@pytest.mark.parametrize("what", ["num_train", "num_test"])
+def test_a_restarted_site_reporting_other_counts_is_refused_and_keeps_its_node(what, tmp_path, capsys):
+    grid, ex = _executor(tmp_path, _short())
+    old = grid.nodes[BAD]
+    grid.nodes[BAD] = max(grid.nodes) + 1  # restarted, under a new node id
+    client.algorithm.cache_clear()
+    if what == "num_train":
+        _tamper(grid, "site", lambda info: {**info, "num_train": [n * 100 for n in info["num_train"]]})
+        line = (f"counts [{ex.sizes[BAD][0] * 100}], not those of start-up [{ex.sizes[BAD][0]}]")
+    else:  # declared now, not at start-up
+        _tamper(grid, "site", lambda info: {**info, "num_test": [5], "num_val": [5]})
+        line = "[5, 5] test and val samples, not those of start-up"
+    with _server_task():
+        ex._ask()
+    assert ex.node_of[BAD] == old
+    lines = _refusals(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"pflbed: refused: site {BAD}: node {grid.nodes[BAD]} ")
+    assert lines[0].endswith(line)
+
+
+# --- 6. replies ---------------------------------------------------------------------------------------------------
+
+
+LOST = (2, 3)  # the rounds of a rewritten reply (the fake grid's `lost` schedule would lose round 1's evaluation too)
+
+
+def _rewrite(reply_change, rounds=LOST):
+    """A TRAIN change: site BAD's reply of its client in `rounds` rewritten by reply_change(payload, reply)."""
+
+    def change(msg, reply):
+        rnd = int(msg.content["config"]["round"])
+        for cid in msg.content["config"]["cids"]:
+            if rnd in rounds:
+                payload, honest = from_record(msg.content[f"payload/{cid}"]), from_record(reply.content[f"reply/{cid}"])
+                reply.content[f"reply/{cid}"] = to_record(reply_change(payload, honest))
+
+    return change
+
+
+def _huge(p, r):
+    return {k: v * 1e30 for k, v in r.items()}
+
+
+def _wide_bias(p, r):
+    return {k: v.expand(2, *v.shape).clone() if v.dim() == 1 else v for k, v in r.items()}
+
+
+def _dropped(p, r):
+    return dict(sorted(r.items())[1:])
+
+
+def _extra(p, r):
+    return {**r, "extra": torch.zeros(3)}
+
+
+def _int64(p, r):
+    return {k: v.long() if i == 0 else v for i, (k, v) in enumerate(sorted(r.items()))}
+
+
+REPLIES = {"huge": _huge, "wide_bias": _wide_bias, "dropped_key": _dropped, "extra_key": _extra, "int64": _int64}
+
+
+@pytest.fixture(scope="module")
+def lost_run(tmp_path_factory):
+    """The run in which site BAD's replies are lost in rounds 2 and 3: what a refused site must give."""
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path_factory.mktemp("lost"), validate_config(tree))
+    grid.lost = dict.fromkeys(LOST, [BAD])
+    return run_sites(_site_cfg(tree), grid)
+
+
+@pytest.mark.parametrize("attack", list(REPLIES))
+def test_a_wrong_reply_leaves_its_site_out_of_the_round_as_a_lost_one(attack, lost_run, tmp_path, capsys):
+    """×10³⁰ (finite), a [2, 10] tensor for a [10] bias, a dropped key, an extra key, an int64 entry: each refused
+    with one line naming the site, and the run is the one in which the site's replies were lost."""
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    _tamper(grid, "train", _rewrite(REPLIES[attack]))
+    result = run_sites(_site_cfg(tree), grid)
+    assert figures(result.summary) == figures(lost_run.summary)
+    assert all(torch.equal(result.server[k], lost_run.server[k]) for k in lost_run.server)
+    lines = _refusals(capsys)
+    assert len(lines) == 2 and all(f"site {BAD}, round {r}: client {BAD}'s reply" in line
+                                   for r, line in zip(LOST, lines, strict=True))  # fmt: skip
+    assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
+
+
+def test_a_reply_that_is_not_a_record_of_tensors_is_refused(tmp_path, capsys):
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+
+    def change(msg, reply):
+        for cid in msg.content["config"]["cids"]:
+            if int(msg.content["config"]["round"]) in LOST:
+                del reply.content[f"reply/{cid}"]
+
+    _tamper(grid, "train", change)
+    result = run_sites(_site_cfg(tree), grid)
+    assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
+    lines = _refusals(capsys)
+    assert len(lines) == 2 and all(f"site {BAD}, round" in line and "cannot be read" in line for line in lines)
+
+
+@pytest.mark.parametrize("bound", [None, 10.0])
+def test_the_bound_on_updates_is_the_server_s_config(bound, tmp_path):
+    """`sites.max_update`: a reply changing the model 500× as much as it did (about 40× its norm) passes the
+    default bound (100) and is refused under a bound of 10 (in the last round: accepted earlier, it diverges)."""
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    _tamper(grid, "train", _rewrite(lambda p, r: {k: p[k] + (v - p[k]) * 500 for k, v in r.items()}, (3,)))
+    cfg = _site_cfg(tree)
+    if bound is not None:
+        cfg = validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
+                                                                        "max_update": bound}})  # fmt: skip
+    refusals = run_sites(cfg, grid).executor.refusals
+    assert refusals == [] if bound is None else len(refusals) == 1 and "sites.max_update=10" in refusals[0]
+
+
+def test_an_algorithm_that_checks_its_own_replies_decides_and_a_shared_default_does_not(monkeypatch):
+    """`reply_fits(payload, reply)` (None, or why not) replaces the rule for replies of payload entries; the same
+    method on `Algorithm` itself, a default every algorithm shares, does not."""
+    from pflbed.algorithms.base import Algorithm
+    from pflbed.algorithms.fedavg import FedAvg
+    from pflbed.flower.reply_check import ReplyCheck
+
+    class Declares(FedAvg):
+        def reply_fits(self, payload, reply):
+            return "is not a reply of this algorithm" if "w" not in reply else None
+
+    payload = {"w": torch.zeros(3)}
+    assert ReplyCheck(object.__new__(Declares), 100.0).fault(payload, {"dc/w": torch.zeros(3)}) == \
+        "is not a reply of this algorithm"  # fmt: skip
+    assert ReplyCheck(object.__new__(Declares), 100.0).fault(payload, {"w": torch.ones(3), "n": torch.ones(1)}) is None
+    monkeypatch.setattr(Algorithm, "reply_fits", lambda self, p, r: None, raising=False)
+    check = ReplyCheck(object.__new__(FedAvg), 100.0)
+    assert check.fault(payload, {"w": torch.zeros(2)}) == "has 'w' of shape [2], the server sent [3]"
+
+
+def test_honest_runs_stay_far_below_the_update_bound(tmp_path):
+    """The default `sites.max_update` (100) against the honest replies of the site tests' algorithms."""
+    from pflbed.flower.reply_check import update_ratio
+
+    worst = []
+    for name in ("fedavg", "fedper", "fedselect", "fedrod"):
+        tree = _short(name)
+        client.algorithm.cache_clear()
+        _, grid = _sites(tmp_path / name, validate_config(tree))
+        _tamper(grid, "train", _rewrite(lambda p, r: worst.append(update_ratio(p, r)) or r))
+        assert run_sites(_site_cfg(tree), grid).executor.refusals == []
+    assert worst and max(worst) < 2
+
+
+def test_under_privacy_the_server_clips_a_reply_again(tmp_path, monkeypatch):
+    """A reply whose update is 50× what the site's clip let out (within `sites.max_update`) is clipped again on
+    the server: every reply the server rule takes has an update of norm at most `privacy.clip`."""
+    from pflbed.privacy import update_norm
+
+    tree = _short(privacy={"clip": 0.01, "noise_multiplier": 0.5, "randomness": "seeded"})  # a sample with site 1
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    tampered = []
+
+    def fifty(p, r):
+        tampered.append(1)
+        return {k: p[k] + (v - p[k]) * 50 for k, v in r.items()}
+
+    _tamper(grid, "train", _rewrite(fifty, (1, 2, 3)))
+    norms, screen = {}, SiteExecutor.screen
+
+    def seen(self, rnd, payloads, arrived):
+        replies = screen(self, rnd, payloads, arrived)
+        norms.update({(rnd, c): update_norm(payloads[c], r) for c, r in replies.items()})
+        return replies
+
+    monkeypatch.setattr(SiteExecutor, "screen", seen)
+    bad = run_sites(_site_cfg(tree), grid)
+    assert bad.executor.refusals == [] and tampered and {c for _, c in norms} >= {BAD}
+    assert max(norms.values()) <= 0.01 * (1 + 1e-6)
+
+
+# --- 7. evaluation figures ----------------------------------------------------------------------------------------
+
+
+def _scores(change):
+    def rewrite(msg, reply):
+        scores = json.loads(str(reply.content["scores"]["json"]))
+        change(scores)
+        reply.content["scores"] = ConfigRecord({"json": json.dumps(scores)})
+
+    return rewrite
+
+
+def _overwrite(s):
+    s[""]["test"]["0"] = 0.99  # another site's client
+
+
+def _above(s):
+    s[""]["test"][str(BAD)] = 7.5
+
+
+def _below(s):
+    s[""]["val"][str(BAD)] = -3.0
+
+
+def _infinite(s):
+    s[""]["test"][str(BAD)] = float("inf")
+
+
+def _gfl_counts(s):
+    s[""]["gfl_test"] = [10**9, 10**9]
+
+
+def _gfl_correct(s):
+    s[""]["gfl_val"] = [s[""]["gfl_val"][1] + 1, s[""]["gfl_val"][1]]
+
+
+def _missing(s):
+    del s[""]["test"][str(BAD)]
+
+
+def _bool(s):
+    s[""]["gfl_test"] = [True, True]
+
+
+FIGURES = {"other_site_client": (_overwrite, "score clients"), "above_one": (_above, "outside"),
+           "below_zero": (_below, "outside"), "infinite": (_infinite, "outside"),
+           "gfl_counts": (_gfl_counts, "gfl_test"), "gfl_correct": (_gfl_correct, "gfl_val"),
+           "missing_client": (_missing, "score clients"), "bool_counts": (_bool, "gfl_test")}  # fmt: skip
+
+
+@pytest.mark.parametrize("attack", list(FIGURES))
+def test_figures_a_site_has_no_right_to_send_stop_the_run_naming_it(attack, tmp_path):
+    change, what = FIGURES[attack]
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    _tamper(grid, "evaluate", _scores(change))
+    with pytest.raises(FlowerRoundError, match=f"^site {BAD}: its evaluation is refused: .*{what}"):
+        run_sites(_site_cfg(tree), grid)
+
+
+def test_a_site_s_g_fl_counts_may_not_change_between_evaluations(tmp_path):
+    tree = _tree("fedavg", eval={"every": 1, "finetune": []}, train={**TINY["train"], "rounds": 2})
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    seen = []
+
+    def later(s):
+        seen.append(1)
+        if len(seen) == 2:
+            s[""]["gfl_test"] = [s[""]["gfl_test"][0], s[""]["gfl_test"][1] + 1]
+
+    _tamper(grid, "evaluate", _scores(later))
+    with pytest.raises(FlowerRoundError, match=f"^site {BAD}: .*gfl_test counts .* it declared or counted first"):
+        run_sites(_site_cfg(tree), grid)
+
+
+def _declaring(monkeypatch, change=lambda info: info):
+    """Sites declaring their clients' test and val sample counts at start-up (`num_test`, `num_val`), `change`d."""
+    from pflbed.flower import site_node, sites
+
+    def report(files, clients, cfg, site):
+        _, splits = sites.site_splits(files, clients, cfg, site)
+        info = {**sites.report(files, clients, cfg, site), "num_val": [len(va) for _, va, _ in splits],
+                "num_test": [len(te) for _, _, te in splits]}  # fmt: skip
+        return change(info) if site == BAD else info
+
+    monkeypatch.setattr(site_node, "report", report)
+
+
+def test_g_fl_counts_must_be_those_a_site_declared(tmp_path, monkeypatch):
+    """Declared honestly, the run goes through; a site whose figures count other samples than it declared (here:
+    it declared none) stops the run at its first evaluation."""
+    tree = _short()
+    _declaring(monkeypatch)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "honest", validate_config(tree))
+    result = run_sites(_site_cfg(tree), grid)
+    ex = result.executor
+    assert ex.refusals == [] and ex.claims.eval[BAD] == ex.eval_counts[BAD] and ex.eval_counts[BAD][0] > 0
+    _declaring(monkeypatch, lambda info: {**info, "num_test": [0] * len(info["num_test"])})
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "lying", validate_config(tree))
+    with pytest.raises(FlowerRoundError, match=f"^site {BAD}: .*gfl_test counts [1-9][0-9]* samples, not the 0 it "):
+        run_sites(_site_cfg(tree), grid)
+
+
+@pytest.mark.parametrize("num_test", [[-1], [10**15], [True], "3", [1, 2]])
+def test_a_declaration_of_test_samples_out_of_bounds_is_refused_at_start_up(num_test, tmp_path, monkeypatch):
+    cfg = _site_cfg(_short())
+    _declaring(monkeypatch, lambda info: {**info, "num_test": num_test})
+    _, grid = _sites(tmp_path, cfg)
+    with _server_task(), pytest.raises(SiteError, match=f"^site {BAD}: num_test="):
+        discover_sites(grid, cfg)
+
+
+# --- 8. claims ------------------------------------------------------------------------------------------------------
+
+
+def _with_tokens(monkeypatch):
+    """Sites presenting a token at start-up (`site_claims.site_token`, kept in each site's state directory)."""
+    real = client.site_report
+
+    def report(context, config):
+        return {**real(context, config), TOKEN: site_token(context.node_config["state-dir"])}
+
+    monkeypatch.setattr(client, "site_report", report)
+
+
+def _hijacker(grid, site, node, token=None, after=0):
+    """Node `node` joins the grid once round `after` is sent, claiming `site` (with a copy of its data and report,
+    a token of its own); every message sent to it is recorded."""
+    real_ids, real_send = grid.get_node_ids, grid.send_and_receive
+    received = []
+
+    def ids():
+        return [*real_ids(), node] if grid.trained >= after else real_ids()
+
+    def send(msgs, timeout=None):
+        out = []
+        for m in msgs:
+            if m.metadata.dst_node_id != node:
+                out.extend(real_send([m], timeout))
+                continue
+            received.append(m.metadata.message_type + "/" + m.metadata.group_id)
+            m.metadata.__dict__["_dst_node_id"] = grid.nodes[site]  # answered as the site would
+            reply = real_send([m], timeout)[0]
+            reply.metadata.__dict__["_src_node_id"] = node
+            if m.metadata.group_id == "site" and not reply.has_error():
+                info = json.loads(str(reply.content["site"]["report"]))
+                info[TOKEN] = token
+                reply.content["site"] = ConfigRecord({"report": json.dumps(info)})
+            out.append(reply)
+        return out
+
+    grid.get_node_ids, grid.send_and_receive = ids, send
+    return received
+
+
+@pytest.mark.parametrize("tokens", [True, False])
+def test_another_node_claiming_a_site_mid_run_gets_none_of_its_messages(tokens, tmp_path, monkeypatch, capsys):
+    """With tokens, a claim without the site's token is refused; without, a claim while the site's node serves it.
+    The run is the one without the claim."""
+    tree = _short()
+    client.algorithm.cache_clear()
+    if tokens:
+        _with_tokens(monkeypatch)
+    _, grid = _sites(tmp_path / "straight", validate_config(tree))
+    straight = run_sites(_site_cfg(tree), grid)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "claimed", validate_config(tree))
+    received = _hijacker(grid, 0, 5000, "not-the-token" if tokens else None, after=1)
+    claimed = run_sites(_site_cfg(tree), grid)
+    assert received == ["query/site"]  # asked once which site it serves (after round 1), then never sent anything
+    assert figures(claimed.summary) == figures(straight.summary)
+    assert _refusals(capsys) == [
+        "pflbed: refused: site 0: node 5000 claims it " + ("without the token it presented at start-up" if tokens
+                                                           else "while node 1000 serves it")]  # fmt: skip
+
+
+def test_a_site_restarted_with_its_token_continues(tmp_path, monkeypatch):
+    """The restart of `test_sites_restarted_mid_run_continue_from_their_own_state_directories`, with tokens: the
+    restarted sites present theirs again (from their state directories) and continue."""
+    tree = _short("fedper")
+    _with_tokens(monkeypatch)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    straight = run_sites(_site_cfg(tree), grid)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "again", validate_config(tree))
+    grid.restart = {2: [0, 2]}
+    restarted = run_sites(_site_cfg(tree), grid)
+    assert grid.nodes[0] != 1000 and grid.nodes[2] != 1002
+    assert restarted.executor.refusals == []
+    assert figures(restarted.summary) == figures(straight.summary)
+
+
+def test_a_site_token_is_made_once_readable_by_its_owner_only(tmp_path):
+    token = site_token(tmp_path / "states")
+    assert len(token) == 64 and site_token(tmp_path / "states") == token
+    assert (tmp_path / "states" / "site-token").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_second_claim_at_start_up_is_refused_and_the_first_node_keeps_the_site(tmp_path, monkeypatch, capsys):
+    cfg = _site_cfg(_short())
+    _with_tokens(monkeypatch)
+    _, grid = _sites(tmp_path, cfg)
+    received = _hijacker(grid, 0, 5000, "mine")
+    with _server_task():
+        _, claims = discover_sites(grid, cfg)
+        ex = SiteExecutor(server_algorithm(cfg, claims.counts_list()), grid, claims.counts_list(), claims)
+        ex._ask()  # the executor knows the refused node: it does not ask it again
+    assert claims.node[0] == 1000 and ex.node_of[0] == 1000 and received == ["query/site"]
+    assert _refusals(capsys) == ["pflbed: refused: site 0: node 5000 claims it without the token it presented at "
+                                 "start-up"]  # fmt: skip
+
+
+def test_a_second_claim_at_start_up_with_a_report_out_of_bounds_is_refused_not_fatal(tmp_path, capsys):
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    _hijacker(grid, 0, 5000)
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for r in replies:
+            if r.metadata.src_node_id == 5000 and not r.has_error():
+                r.content["site"] = ConfigRecord({"report": json.dumps({**json.loads(str(r.content["site"]["report"])),
+                                                                        "num_train": [10**15]})})  # fmt: skip
+        return replies
+
+    grid.send_and_receive = send
+    with _server_task():
+        _, claims = discover_sites(grid, cfg)
+    assert claims.node[0] == 1000
+    assert [line.split(": num_train")[0] for line in _refusals(capsys)] == ["pflbed: refused: site 0"]
+
+
+# --- SecAgg+: what the server sees in clear -------------------------------------------------------------------------
+
+
+def _secagg_executor(tmp_path):
+    from pflbed.flower.secagg import SecAggExecutor
+
+    tree = _short("fedavg", privacy={"clip": 0.5, "noise_multiplier": 0.5})
+    cfg = _site_cfg(tree)
+    cfg = validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
+                                                                    "secagg": True}})  # fmt: skip
+    _, grid = _sites(tmp_path, cfg)
+    with _server_task():
+        sizes, nodes = discover_sites(grid, cfg)
+        algo = server_algorithm(cfg, sizes)
+        return SecAggExecutor(algo, grid, sizes, nodes), algo
+
+
+def _fitres(weight, keys, beyond=0):
+    return FitRes(Status(Code.OK, ""), Parameters([], ""), weight,
+                  {"keys": json.dumps(keys), "beyond_range": beyond})  # fmt: skip
+
+
+@pytest.mark.parametrize("attack", ["weight", "keys", "foreign_key", "no_metrics", "foreign_key_alone"])
+def test_under_secagg_a_site_s_clear_weight_and_keys_are_checked(attack, tmp_path):
+    """Its clear weight, the one its clients' counts give; its keys, payload entries named by every site alike
+    (alone: the only site with clients in its first round names one the server did not send)."""
+    ex, algo = _secagg_executor(tmp_path)
+    payload = algo.init_server()
+    keys = sorted(payload)
+    replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
+    weight = {ex.node_of[s]: 1 for s in range(4)}
+    bad = ex.node_of[BAD]
+    if attack == "foreign_key_alone":
+        replied = {n: _fitres(0, []) for n in replied}
+        weight = dict.fromkeys(weight, 0)
+        replied[bad], weight[bad] = _fitres(1, [*keys, "x"]), 1
+        with pytest.raises(FlowerRoundError, match=f"^site {BAD}, round 1: .*not entries sent"):
+            ex._check(1, payload, replied, weight)
+        return
+    ex._check(1, payload, replied, weight)  # the honest round passes
+    replied[bad] = {"weight": _fitres(10**6, keys), "keys": _fitres(1, keys[1:]),
+                    "foreign_key": _fitres(1, [*keys, "x"]),
+                    "no_metrics": FitRes(Status(Code.OK, ""), Parameters([], ""), 1, {})}[attack]  # fmt: skip
+    with pytest.raises(FlowerRoundError, match=f"^site {BAD}, round 2: "):
+        ex._check(2, payload, replied, weight)
+
+
+def test_a_site_executor_given_plain_nodes_binds_them(tmp_path):
+    """`SiteExecutor` built from a dict of nodes (no tokens): bound all the same."""
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    with _server_task():
+        sizes, claims = discover_sites(grid, cfg)
+        ex = SiteExecutor(server_algorithm(cfg, sizes), grid, sizes, dict(claims.node))
+    assert ex.claims.node == claims.node and ex.claims.counts == dict(enumerate(sizes))
+
+
+
+def test_under_secagg_a_mean_update_beyond_the_bound_stops_the_round(tmp_path):
+    """The unmasked mean of the sites' updates: beyond `sites.max_update`, some site sent more than its update."""
+    import numpy as np
+    from flwr.common import ndarrays_to_parameters
+
+    ex, algo = _secagg_executor(tmp_path)
+    payload = algo.init_server()
+    keys = sorted(payload)
+    replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
+    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)})
+    payloads = dict.fromkeys(range(4), payload)
+
+    def mean_of(scale):
+        mean = ndarrays_to_parameters([np.full(tuple(payload[k].shape), scale, np.float32) for k in keys])
+        return {n: FitRes(Status(Code.OK, ""), mean, 1, {"keys": json.dumps(keys), "beyond_range": 0})
+                for n in replied}  # fmt: skip
+
+    assert len(list(ex._replies(1, payloads, mean_of(0.01), [0, 1, 2, 3]))) == 4
+    with pytest.raises(FlowerRoundError, match="sites.max_update"):
+        list(ex._replies(1, payloads, mean_of(1e6), [0, 1, 2, 3]))
