@@ -400,12 +400,12 @@ def test_a_declaration_of_test_samples_out_of_bounds_is_refused_at_start_up(num_
 # --- 8. claims ------------------------------------------------------------------------------------------------------
 
 
-def _with_tokens(monkeypatch):
-    """Sites presenting a token at start-up (`site_claims.site_token`, kept in each site's state directory)."""
+def _without_tokens(monkeypatch):
+    """Sites presenting no token at start-up (a site that lost its state directory, or a node of another make)."""
     real = client.site_report
 
     def report(context, config):
-        return {**real(context, config), TOKEN: site_token(context.node_config["state-dir"])}
+        return {k: v for k, v in real(context, config).items() if k != TOKEN}
 
     monkeypatch.setattr(client, "site_report", report)
 
@@ -442,12 +442,13 @@ def _hijacker(grid, site, node, token=None, after=0):
 
 @pytest.mark.parametrize("tokens", [True, False])
 def test_another_node_claiming_a_site_mid_run_gets_none_of_its_messages(tokens, tmp_path, monkeypatch, capsys):
-    """With tokens, a claim without the site's token is refused; without, a claim while the site's node serves it.
+    """Sites present their tokens: a claim without the site's token is refused; without tokens, a claim while the
+    site's node serves it.
     The run is the one without the claim."""
     tree = _short()
     client.algorithm.cache_clear()
-    if tokens:
-        _with_tokens(monkeypatch)
+    if not tokens:
+        _without_tokens(monkeypatch)
     _, grid = _sites(tmp_path / "straight", validate_config(tree))
     straight = run_sites(_site_cfg(tree), grid)
     client.algorithm.cache_clear()
@@ -465,7 +466,6 @@ def test_a_site_restarted_with_its_token_continues(tmp_path, monkeypatch):
     """The restart of `test_sites_restarted_mid_run_continue_from_their_own_state_directories`, with tokens: the
     restarted sites present theirs again (from their state directories) and continue."""
     tree = _short("fedper")
-    _with_tokens(monkeypatch)
     client.algorithm.cache_clear()
     _, grid = _sites(tmp_path, validate_config(tree))
     straight = run_sites(_site_cfg(tree), grid)
@@ -486,7 +486,6 @@ def test_a_site_token_is_made_once_readable_by_its_owner_only(tmp_path):
 
 def test_a_second_claim_at_start_up_is_refused_and_the_first_node_keeps_the_site(tmp_path, monkeypatch, capsys):
     cfg = _site_cfg(_short())
-    _with_tokens(monkeypatch)
     _, grid = _sites(tmp_path, cfg)
     received = _hijacker(grid, 0, 5000, "mine")
     with _server_task():

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pflbed.config import Config
+from pflbed.private_files import private_dir
 
 TOKEN = "token"  # the key of a site's start-up report that carries its token
 TOKEN_FILE = "site-token"
@@ -31,7 +32,7 @@ def site_token(state_dir: str | Path) -> str:
     """The site's token (a node's side): made once, at random, and kept in its state directory, readable by its
     owner only (0600), so that the site restarted under a new node id presents the same one."""
     path = Path(state_dir) / TOKEN_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -19,6 +19,7 @@ from pflbed.config import Config, validate_config
 from pflbed.errors import PflbedError
 from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
+from pflbed.flower.site_claims import TOKEN, site_token
 from pflbed.flower.sites import SiteError, num_clients, own_clients, read_site, report, site_algorithm
 
 DEFAULT_STATE_DIR = "pflbed-states"
@@ -96,7 +97,8 @@ def check_clients(algo: Algorithm, cids: list[int]) -> None:
 
 
 def site_report(context: Any, config_json: str) -> dict[str, Any]:
-    """What the site tells the server at start-up (`sites.report`)."""
+    """What the site tells the server at start-up (`sites.report`), with its token (`site_claims`): a node claiming
+    this site later, a restart of it, must show the same one."""
     node = _node(context)
     site = int(node.get(PARTITION, 0))
     try:
@@ -105,6 +107,7 @@ def site_report(context: Any, config_json: str) -> dict[str, Any]:
             raise SiteError("the server asked for this node's data, but its config names no data=")
         files = read_site(node, cfg)
         assert files is not None
-        return report(files, num_clients(node), cfg, site)
+        token = site_token(str(node.get(NODE_CONFIG_KEY) or DEFAULT_STATE_DIR))  # binds this site to its node
+        return {**report(files, num_clients(node), cfg, site), TOKEN: token}
     except PflbedError as e:  # which site, in the one line the server shows
         raise SiteError(f"site {site}: {e}") from None

@@ -226,8 +226,9 @@ def _required(cfg: Config, node: Mapping[str, Any]) -> None:
         raise SiteError(f"privacy.clip: this site requires client-level DP ({first}={asked[first]:g} in its node "
                         "config), and the server's run has none")  # fmt: skip
     if cfg.privacy_randomness() != "os":  # a seeded stream: anyone with the config subtracts the noise
-        raise SiteError("privacy.randomness: this site requires client-level DP, and the server's run draws its noise "
-                        "from the seed in its config (seeded), which anyone who knows the config can subtract")  # fmt: skip
+        raise SiteError("privacy.randomness: this site requires client-level DP, and the server's run draws its "
+                        "noise from the seed in its config (seeded), which anyone who knows the config can "
+                        "subtract")  # fmt: skip
     clip = cfg.privacy.clip or 0.0
     if caps["max-clip"] is not None and clip > caps["max-clip"]:
         raise SiteError(f"privacy.clip={clip:g} is above this site's max-clip={caps['max-clip']:g}")

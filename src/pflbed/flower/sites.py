@@ -211,10 +211,12 @@ def site_splits(files: SiteFiles, clients: int, cfg: Config, site: int) -> tuple
 
 
 def report(files: SiteFiles, clients: int, cfg: Config, site: int) -> dict[str, Any]:
-    """What the site tells the server at start-up: its clients' training-sample counts, the sample shape and the
-    labels present (no sample, no per-client label count)."""
+    """What the site tells the server at start-up: its clients' training, test and validation sample counts (the
+    first are the weights of the server's means; the others bound what its evaluations may count), the sample
+    shape and the labels present (no sample, no per-client label count)."""
     pool, splits = site_splits(files, clients, cfg, site)
-    return {"num_train": [len(tr) for tr, _, _ in splits], "input_shape": list(pool.x.shape[1:]),
+    return {"num_train": [len(tr) for tr, _, _ in splits], "num_test": [len(te) for _, _, te in splits],
+            "num_val": [len(va) for _, va, _ in splits], "input_shape": list(pool.x.shape[1:]),
             "labels": sorted({int(v) for v in pool.y.unique().tolist()})}  # fmt: skip
 
 
