@@ -53,6 +53,26 @@ def test_a_secure_deployment_gives_the_simulations_dp_run_up_to_quantization(tmp
     assert [r["pfl_acc"] for r in records] == pytest.approx([r["pfl_acc"] for r in sim.history], abs=0.02)
 
 
+def test_distributed_noise_on_a_secure_deployment_assembles_the_central_release(tmp_path):
+    """`privacy.noise: distributed` with σ = 0 and every client sampled (q = 1, so the OS's sample is everyone's):
+    each site sends (Σ_c Δ̃_c + 0)/qN with weight 1, the server multiplies the unmasked mean by the sites and the
+    mechanism adds nothing, so the release is the central simulation's up to each site's quantization step (three
+    sites: three steps). Wrong scaling (a mean instead of a sum, qN twice) is off by a factor; the noise shares
+    themselves are `test_distributed_noise.py`'s."""
+    common = [s for s in SETS if not s.startswith(("privacy.noise_multiplier", "privacy.randomness"))]
+    common += ["privacy.noise_multiplier=0", "federation.sample_fraction=1.0"]
+    sim = run(load_config(None, [*common, "privacy.randomness=seeded"]), write=False, progress=False)
+    dirs = export_sites(load_config(None, common), tmp_path / "sites")
+    out = tmp_path / "run"
+    sets = [s for s in common if not s.startswith("federation.clients")] + ["privacy.noise=distributed"]
+    main(["flower", "local", "--site-data", *map(str, dirs), "--secagg", "--out", str(out), *_args(sets)])
+    summary = json.loads((out / "summary.json").read_text())
+    server = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["server"]
+    gap = max(float((server[k] - sim.server[k]).abs().max()) for k in server)
+    assert 0 < gap < 3 * TOLERANCE
+    assert summary["privacy"]["noise"] == "distributed" and summary["privacy"]["randomness"] == "os"
+
+
 def test_a_site_sends_its_weighted_mean_update_and_zeros_when_it_has_no_client():
     w = {"a": torch.tensor([1.0, 1.0]), "b": torch.zeros(3)}
     r1, r2 = {"a": torch.tensor([2.0, 1.0])}, {"a": torch.tensor([1.0, 4.0])}  # b: not updated (FedBABU's head)

@@ -47,7 +47,7 @@ from pflbed.algorithms.base import Tensors
 from pflbed.flower.executor import FlowerRoundError, Replies
 from pflbed.flower.records import to_record
 from pflbed.flower.reply_check import structure, update_ratio
-from pflbed.flower.secagg_node import CLIP_RANGE, SHARED, client_weight
+from pflbed.flower.secagg_node import CLIP_RANGE, NUM_SHARES, RECONSTRUCTION, SHARED, client_weight
 from pflbed.flower.site_executor import SiteExecutor
 
 
@@ -109,12 +109,14 @@ class SecAggExecutor(SiteExecutor):
             conf = {"pflbed-config": self.config, "round": rnd, "cids": cids, **self.extra_conf,
                     "versions": [self.version.get(c, 0) for c in cids]}  # fmt: skip
             contents[node] = RecordDict({"config": ConfigRecord(conf), SHARED: shared})
-            weight[node] = sum(client_weight(self.algo, fed.num_train(c)) for c in cids)
+            # distributed noise: every site's update (its share of the noise, and its clients' summed changes,
+            # over qN) counts once, sampled clients or not (`secagg_node`'s docstring)
+            weight[node] = 1 if self.site_noise else sum(client_weight(self.algo, fed.num_train(c)) for c in cids)
         capture = _Capture(self.grid, nodes)
         context = LegacyContext(Context(0, 0, {}, RecordDict(), {}), strategy=capture)
         context.state.config_records["config"] = ConfigRecord({"current_round": rnd})
         context.state.array_records["parameters"] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
-        workflow = _Workflow(contents, num_shares=1.0, reconstruction_threshold=0.5,
+        workflow = _Workflow(contents, num_shares=NUM_SHARES, reconstruction_threshold=RECONSTRUCTION,
                              max_weight=float(max(max(weight.values()), 1)), clipping_range=CLIP_RANGE,
                              timeout=self.timeout)  # fmt: skip
         t1 = time.perf_counter()
@@ -124,14 +126,19 @@ class SecAggExecutor(SiteExecutor):
         if not capture.results:
             raise FlowerRoundError(f"round {rnd}: secure aggregation did not complete (too few sites replied)")
         replied = {proxy.node_id: fitres for proxy, fitres in capture.results}
-        self._check(rnd, first, replied, weight)
+        self._check(rnd, first, replied, weight, {n for n in nodes if by_node.get(n)})
         arrived = sorted(c for node, fitres in replied.items() for c in by_node.get(node, []))
         failed = sorted(c for c in payloads if c not in set(arrived))
         if not arrived:
             raise FlowerRoundError(f"round {rnd}: no client replied (failed: {failed})")
         return Replies(failed, self._replies(rnd, payloads, replied, arrived))
 
-    def _check(self, rnd: int, payload: Tensors, replied: dict, weight: dict[int, int]) -> None:
+    @property
+    def site_noise(self) -> bool:
+        """Whether the sites add the noise (`privacy.noise: distributed`)."""
+        return self.algo.ctx.cfg.privacy.enabled and self.algo.ctx.cfg.privacy.noise == "distributed"
+
+    def _check(self, rnd: int, payload: Tensors, replied: dict, weight: dict[int, int], active: set[int]) -> None:
         """What the server can check of each site in a secure round (its clear weight and `keys`); a site failing
         stops the run (its masked update is in the sum already). The key set is fixed as for plain replies
         (`ReplyCheck`): the one most sites name, kept for the run."""
@@ -142,7 +149,7 @@ class SecAggExecutor(SiteExecutor):
             if fitres.num_examples != weight.get(node, -1):
                 raise FlowerRoundError(f"site {site}, round {rnd}: it weighs its update {fitres.num_examples}, the "
                                        f"server expects {weight.get(node)} from its clients' counts")  # fmt: skip
-            if fitres.num_examples == 0:
+            if node not in active:  # no client sampled here: nothing updated (under distributed noise, its share)
                 continue
             try:
                 keys = json.loads(str(fitres.metrics["keys"]))
@@ -163,7 +170,10 @@ class SecAggExecutor(SiteExecutor):
 
     def _replies(self, rnd: int, payloads: dict[int, Tensors], replied: dict, arrived: list[int]
                  ) -> Iterator[tuple[int, Tensors]]:  # fmt: skip
-        """Each arrived client's reply: the payload plus the round's unmasked mean update (one for all)."""
+        """Each arrived client's reply: the payload plus the round's unmasked mean update (one for all). Under
+        distributed noise the unmasked mean is Σ_s v_s / (sites that replied), v_s = (Σ_c Δ̃_c + z_s)/qN: the reply
+        is w + Σ_s v_s · qN / m for the m arrived clients, whose uniform mean the mechanism scales by m/qN into the
+        release w + (Σ Δ̃ + Σ_s z_s)/qN, adding no noise of its own."""
         metrics = [f.metrics for f in replied.values() if f.num_examples > 0]
         keys = self.check.keys[structure(payloads[arrived[0]])]
         beyond = sum(int(m["beyond_range"]) for m in metrics)
@@ -172,7 +182,11 @@ class SecAggExecutor(SiteExecutor):
                                    f"±{CLIP_RANGE:g}, where it clips; lower train.lr or use privacy.clip")  # fmt: skip
         base = payloads[arrived[0]]
         update = dict(zip(sorted(base), parameters_to_ndarrays(next(iter(replied.values())).parameters), strict=True))
-        mean = {k: base[k] + torch.from_numpy(np.asarray(update[k], dtype=np.float32)).to(base[k].device)
+        scale = 1.0
+        if self.site_noise:  # Σ_s v_s · qN / m (docstring)
+            q, n = self.algo.ctx.cfg.federation.sample_fraction, len(self.algo.ctx.federation.participated)
+            scale = len(replied) * q * n / len(arrived)
+        mean = {k: base[k] + torch.from_numpy(np.asarray(update[k] * scale, dtype=np.float32)).to(base[k].device)
                 for k in sorted(keys)}  # fmt: skip
         ratio = update_ratio(base, mean)
         if ratio > self.algo.ctx.cfg.sites.max_update:
