@@ -12,7 +12,12 @@ the McMahan CNN, FedAvg, ≤ 300 training samples a site, `--deployment-rounds` 
 alternating; printed: median training seconds per round of each and their ratio, and the largest difference of the
 secure run's final server state from the plain one's (SecAgg+'s quantization).
 
-    python benchmarks/privacy_overhead.py [--repeats 3] [--rounds 10] [--secagg] [--deployment-rounds 3]
+Distributed noise (`--distributed`): the same secure deployment under client-level DP (C = 1, σ = 1, every client
+sampled), the noise added by the server after unmasking (`privacy.noise: central`) or by each site before masking
+(`distributed`), alternating; printed: median seconds per round of each and their ratio.
+
+    python benchmarks/privacy_overhead.py [--repeats 3] [--rounds 10] [--secagg] [--distributed]
+                                          [--deployment-rounds 3] [--skip-dp]
 """
 
 from __future__ import annotations
@@ -44,24 +49,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--algorithms", nargs="*", default=["fedavg", "fedper"])
     ap.add_argument("--secagg", action="store_true", help="also plain vs SecAgg+ site-local deployments")
+    ap.add_argument("--distributed", action="store_true", help="also central vs distributed noise on a secure "
+                    "site-local deployment")  # fmt: skip
     ap.add_argument("--deployment-rounds", type=int, default=3)
+    ap.add_argument("--skip-dp", action="store_true", help="only the deployments (--secagg, --distributed)")
     a = ap.parse_args()
-    print(f"FMNIST LeNet-5, 1000 clients, Poisson q = 0.1, {a.rounds} rounds, 1 thread; DP: C = 1, σ = 1")
-    print(f"{'algorithm':10s} {'plain s/round':>13s} {'DP s/round':>10s} {'DP÷plain':>8s}  (each repeat's DP÷plain)")
-    for name in a.algorithms:
-        times: dict[str, list[float]] = {"plain": [], "dp": []}
-        for i in range(a.repeats):
-            for arm in list(times)[:: 1 if i % 2 == 0 else -1]:  # the order alternates too
-                tree = {**SETUP, "algorithm": {"name": name}, "train": {**SETUP["train"], "rounds": a.rounds},
-                        **({"privacy": DP} if arm == "dp" else {})}  # fmt: skip
-                result = run(validate_config(tree), write=False, progress=False)
-                times[arm].append(result.summary["timing"]["s_per_round"])
-        plain, dp = statistics.median(times["plain"]), statistics.median(times["dp"])
-        each = " ".join(f"{d / p:.2f}" for p, d in zip(times["plain"], times["dp"], strict=True))
-        print(f"{name:10s} {plain:13.3f} {dp:10.3f} {dp / plain:8.3f}  ({each})", flush=True)
-    print(f"DP's own work for 100 clients' LeNet-5 replies (clip each, then the noisy release): {own_work():.1f} ms")
+    if not a.skip_dp:
+        dp_overhead(a)
     if a.secagg:
         secagg(a.repeats, a.deployment_rounds)
+    if a.distributed:
+        secagg(a.repeats, a.deployment_rounds, noise=True)
 
 
 def own_work(clients: int = 100, repeats: int = 5) -> float:
@@ -84,8 +82,9 @@ def own_work(clients: int = 100, repeats: int = 5) -> float:
     return statistics.median(took)
 
 
-def secagg(repeats: int, rounds: int) -> None:
-    """Plain vs `--secagg` site-local deployments, alternating; s/round and the final states' largest gap."""
+def secagg(repeats: int, rounds: int, noise: bool = False) -> None:
+    """Plain vs `--secagg` site-local deployments, alternating; s/round and the final states' largest gap. With
+    `noise`: secure deployments under DP, central vs distributed noise; s/round."""
     from pflbed.flower.local import run_local
     from pflbed.flower.sites import export_sites
 
@@ -95,23 +94,55 @@ def secagg(repeats: int, rounds: int) -> None:
             "train": {"rounds": rounds, "checkpoint_every": 0}, "eval": {"every": rounds, "finetune": []},
             "executor": {"threads": 1}}  # fmt: skip
     quiet = lambda *_: None  # noqa: E731
-    times: dict[str, list[float]] = {"plain": [], "secagg": []}
+    arms = ["central", "distributed"] if noise else ["plain", "secagg"]
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = export_sites(validate_config(base), Path(tmp) / "sites")
         flower = {**base, "executor": {"name": "flower", "supernodes": sites, "threads": 1}}
+        if noise:  # every client each round (q = 1), so both arms train the same clients
+            flower = {**flower, "federation": {**base["federation"], "sample_fraction": 1.0},
+                      "privacy": {"clip": 1.0, "noise_multiplier": 1.0}}  # fmt: skip
         servers = {}
         for i in range(repeats):
             for arm in list(times)[:: 1 if i % 2 == 0 else -1]:
-                site = {"local": True, "input_shape": [1, 28, 28], "num_classes": 10, "secagg": arm == "secagg"}
+                site = {"local": True, "input_shape": [1, 28, 28], "num_classes": 10,
+                        "secagg": noise or arm == "secagg"}  # fmt: skip
+                tree = {**flower, "sites": site}
+                if noise:
+                    tree["privacy"] = {**flower["privacy"], "noise": arm}
                 out = Path(tmp) / f"{arm}-{i}"
-                summary = run_local(validate_config({**flower, "sites": site}), out, sites, site_data=dirs, log=quiet)
+                summary = run_local(validate_config(tree), out, sites, site_data=dirs, log=quiet)
                 times[arm].append(summary["timing"]["s_per_round"])
                 servers[arm] = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["server"]
-        gap = max(float((servers["secagg"][k] - servers["plain"][k]).abs().max()) for k in servers["plain"])
-    plain, secure = statistics.median(times["plain"]), statistics.median(times["secagg"])
+        gap = max(float((servers[arms[1]][k] - servers[arms[0]][k]).abs().max()) for k in servers[arms[0]])
+    first, second = statistics.median(times[arms[0]]), statistics.median(times[arms[1]])
+    if noise:
+        print(f"\nsecure site-local deployment under DP (C = 1, σ = 1, q = 1), {sites} sites, FMNIST CNN, FedAvg, "
+              f"{rounds} rounds, {repeats} repeats")  # fmt: skip
+        print(f"{'central s/round':>15s} {'distributed s/round':>19s} {'distributed÷central':>19s}")
+        print(f"{first:15.2f} {second:19.2f} {second / first:19.2f}", flush=True)
+        return
     print(f"\nsite-local deployment, {sites} sites, FMNIST CNN, FedAvg, {rounds} rounds")
     print(f"{'plain s/round':>13s} {'SecAgg+ s/round':>15s} {'SecAgg+÷plain':>13s} {'max state gap':>13s}")
-    print(f"{plain:13.2f} {secure:15.2f} {secure / plain:13.2f} {gap:13.2e}", flush=True)
+    print(f"{first:13.2f} {second:15.2f} {second / first:13.2f} {gap:13.2e}", flush=True)
+
+
+def dp_overhead(a: argparse.Namespace) -> None:
+    """Plain vs DP simulated runs, alternating (the module's docstring)."""
+    print(f"FMNIST LeNet-5, 1000 clients, Poisson q = 0.1, {a.rounds} rounds, 1 thread; DP: C = 1, σ = 1")
+    print(f"{'algorithm':10s} {'plain s/round':>13s} {'DP s/round':>10s} {'DP÷plain':>8s}  (each repeat's DP÷plain)")
+    for name in a.algorithms:
+        times: dict[str, list[float]] = {"plain": [], "dp": []}
+        for i in range(a.repeats):
+            for arm in list(times)[:: 1 if i % 2 == 0 else -1]:  # the order alternates too
+                tree = {**SETUP, "algorithm": {"name": name}, "train": {**SETUP["train"], "rounds": a.rounds},
+                        **({"privacy": DP} if arm == "dp" else {})}  # fmt: skip
+                result = run(validate_config(tree), write=False, progress=False)
+                times[arm].append(result.summary["timing"]["s_per_round"])
+        plain, dp = statistics.median(times["plain"]), statistics.median(times["dp"])
+        each = " ".join(f"{d / p:.2f}" for p, d in zip(times["plain"], times["dp"], strict=True))
+        print(f"{name:10s} {plain:13.3f} {dp:10.3f} {dp / plain:8.3f}  ({each})", flush=True)
+    print(f"DP's own work for 100 clients' LeNet-5 replies (clip each, then the noisy release): {own_work():.1f} ms")
 
 
 if __name__ == "__main__":
