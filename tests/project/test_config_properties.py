@@ -159,6 +159,9 @@ VALID: dict[str, st.SearchStrategy] = {
     "sites.num_classes": st.one_of(st.none(), st.integers(min_value=0, max_value=12)),
     "sites.test": st.one_of(st.none(), st.sampled_from(["", "/nonexistent/test.npz"])),
     "sites.secagg": st.booleans(),  # refused without sites.local (tests/flower/test_flower_secagg.py)
+    # what the server accepts of a site (tests/flower/test_attacks_site.py)
+    "sites.max_client_samples": st.integers(min_value=0, max_value=INT_MAX + 1),
+    "sites.max_update": st.floats(min_value=0, max_value=1e300),
     "log.tensorboard": st.booleans(),
     "federation.sampling": st.sampled_from([None, "fixed", "poisson", "uniform"]),
     # client-level DP: the clip with a noise level, or a target ε (tests/engine/test_privacy.py)
@@ -168,6 +171,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "privacy.delta": st.floats(min_value=0, max_value=1),
     "privacy.randomness": st.sampled_from([None, "seeded", "os", "urandom"]),  # tests/engine/test_privacy_deployed.py
     "privacy.accountant": st.sampled_from(["rdp", "prv", "moments"]),
+    "privacy.noise": st.sampled_from(["central", "distributed", "local"]),  # tests/flower/test_distributed_noise.py
     # `pflbed pretrain`'s section: validated by every run, used only by pretrain (tests/engine/test_pretrain.py)
     "pretrain.split": st.sampled_from(["train", "test", "val"]),
     "pretrain.domains": st.one_of(st.none(), st.lists(st.sampled_from(["rot0", "clean", "x"]), max_size=2)),
