@@ -186,6 +186,34 @@ def test_a_wrong_reply_leaves_its_site_out_of_the_round_as_a_lost_one(attack, lo
     assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
 
 
+# Algorithms that check their own replies (`reply_fits`), with light options: a wide tensor refused, each alike
+OWN_CHECK = {"scaffold": {}, "fedpac": {"body_epochs": 1}, "fedfomo": {"M": 2}, "fedselect": {}, "fedamp": {},
+             "fedbasis": {"K": 2, "alpha_epochs": 1, "basis_epochs": 1}, "fedmtl": {},
+             "pfedhn": {"local_steps": 2, "hidden": 16, "hidden_layers": 1}}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OWN_CHECK))
+def test_an_algorithm_s_own_check_leaves_a_site_with_a_wrong_reply_out_of_the_round(name, tmp_path, capsys):
+    """Every 1-D entry of site BAD's replies widened to [2, n] in rounds 2 and 3: refused by the algorithm's
+    `reply_fits` with one line each, the site left out of those rounds, and the server state the one of the run
+    in which those replies were lost (its client state, which the site kept, may differ)."""
+    tree = _short(name, algorithm={"name": name, **OWN_CHECK[name]})
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "lost", validate_config(tree))
+    grid.lost = dict.fromkeys(LOST, [BAD])
+    lost = run_sites(_site_cfg(tree), grid)
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path / "wide", validate_config(tree))
+    _tamper(grid, "train", _rewrite(_wide_bias))
+    result = run_sites(_site_cfg(tree), grid)
+    assert result.server.keys() == lost.server.keys()
+    assert all(torch.equal(result.server[k], lost.server[k]) for k in lost.server)
+    lines = _refusals(capsys)
+    assert len(lines) == 2 and all(f"site {BAD}, round {r}: client {BAD}'s reply has '" in line and "of shape [2, "
+                                   in line for r, line in zip(LOST, lines, strict=True))  # fmt: skip
+    assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
+
+
 def test_a_reply_that_is_not_a_record_of_tensors_is_refused(tmp_path, capsys):
     tree = _short()
     client.algorithm.cache_clear()

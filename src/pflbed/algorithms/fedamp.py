@@ -85,6 +85,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import WeightedMean, finetune_epochs, proximal_sgd
 from pflbed.errors import ConfigError
 
@@ -246,6 +247,12 @@ class FedAMP(Algorithm):
         for c in sorted(replies):
             out.update({f"{LOCAL}{c}/{k}": v for k, v in replies[c].items()})
         return out
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload` — its new model, every entry of u_i as sent — else
+        why not. The server stores it as the client's model, which every later u_j mixes in: an entry of another
+        shape or dtype would break, or change the dtype of, the other clients' payloads."""
+        return misfit(reply, specs(payload))
 
     # --- evaluation and new clients --------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:

@@ -137,6 +137,7 @@ from pflbed.algorithms.basis import (
     trainable_copies,
 )
 from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
+from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
@@ -337,6 +338,13 @@ class FedBasis(Algorithm):
         gen = rng.generator(self.ctx.seed, STREAM, 1, rnd)
         bases = kmeans_bases(pool, self.param_keys, self.keys, self.opts.K, self.opts.kmeans_iters, gen)
         return self.join(bases, glob if self.opts.major else None)
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload`, else why not: every entry sent, of its shape and
+        dtype — the trained model during the warm start, the trained bases (and major basis) after it. The server
+        averages the replies key by key into its state, so a missing key would crash the mean and an extra one
+        enter the state."""
+        return misfit(reply, specs(payload))
 
     # --- local training ----------------------------------------------------------------------------------------
     def _run(

@@ -119,6 +119,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors, own_rows
+from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import finetune_epochs, train_from, validation_data
 
 _STREAM = 0xF0A0  # the server's model-sampling stream, apart from the engine's tags (1–4)
@@ -334,6 +335,22 @@ class FedFomo(Algorithm):
         if updates is not None:
             out[UPDATES] = updates
         return out
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload`, else why not: the trained model (every entry of
+        the run's model), its weights `fomo/w` (float64, one per model sent), `fomo/ids` exactly as sent and, under
+        `affinity: deltas`, its gains `fomo/gain` (as `fomo/w`). The server stores the model as the client's and
+        adds the weights into P at the columns of the replied ids: another id would credit (or crash on) a client
+        the server did not send, and weights of another length would not fit those columns."""
+        ids = payload[IDS]
+        m = ((len(ids),), torch.float64)
+        want = {**specs(self.ctx.initial_params), WEIGHTS: m, IDS: (tuple(ids.shape), ids.dtype)}
+        if self.opts.affinity == "deltas":
+            want[GAINS] = m
+        why = misfit(reply, want)
+        if why is None and not torch.equal(reply[IDS].cpu(), ids.cpu()):
+            why = f"has '{IDS}' {reply[IDS].tolist()}, not the ids the server sent, {ids.tolist()}"
+        return why
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:

@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import finetune_epochs, proximal_sgd
 
 
@@ -64,6 +65,13 @@ class FedMTL(Algorithm):
             if server[k].is_floating_point():
                 out[k] = server[k] + sum(r[k] for r in replies.values()) / m
         return out
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload` — the change of its model, one entry per
+        floating-point entry of w̄ sent, of its shape and dtype (integer buffers are not replied) — else why not.
+        The server adds the replies into w̄ key by key: one of another shape would broadcast into it, one of
+        another dtype promote it."""
+        return misfit(reply, specs(payload, [k for k, v in payload.items() if v.is_floating_point()]))
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, state)

@@ -93,6 +93,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import feature_dim
 from pflbed.algorithms.partial import block_params, blocks_for, frozen, personalize_blocks, subset, train_blocks
+from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import get_params, index_batches, load_params, weighted_mean
 from pflbed.models import BlockNet
 
@@ -358,6 +359,19 @@ class FedPAC(Algorithm):
         for k in self.head_keys:
             out[MEAN + k] = combine(share, heads[k]).to(server[MEAN + k].dtype)
         return out
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload`, else why not: the model (body and head, as sent),
+        its prototypes `proto` (C × d) and class counts `count` (C) in the dtype of the prototypes sent, and its
+        statistics `h` (C × d), `v` and `n` (scalars), always float64. The server stacks these across the round's
+        replies: one of another shape would crash the stack or the QP, and one of another dtype would change the
+        dtype of the heads and prototypes it stores. Their values (e.g. `n` against the client's sample count)
+        are not checked."""
+        protos = payload["protos"]
+        c, f64 = protos.shape[0], torch.float64
+        return misfit(reply, {**specs(payload, (*self.body_keys, *self.head_keys)),
+                              "proto": (tuple(protos.shape), protos.dtype), "count": ((c,), protos.dtype),
+                              "h": (tuple(protos.shape), f64), "v": ((), f64), "n": ((), f64)})  # fmt: skip
 
     # --- evaluation and new clients --------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:

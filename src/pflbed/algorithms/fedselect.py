@@ -113,6 +113,7 @@ values and its own state. Which entries another client holds personal never reac
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -123,6 +124,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.masked_training import eligible_keys, local_alt
 from pflbed.algorithms.masks import fill, grow_mask, iou_matrix, masked_mean, pack_bits, take, unpack_bits
+from pflbed.algorithms.reply_shapes import Spec, misfit
 from pflbed.algorithms.training import finetune_epochs, get_params, load_params, weighted_mean
 from pflbed.search import Search, Space
 
@@ -279,6 +281,55 @@ class FedSelect(Algorithm):
                 else:
                     out.pop(f"mask/{c}/{k}", None)
         return out
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload`, else why not (see the wire format above).
+
+        For each model entry `<key>`, either the full tensor, or — for an eligible tensor only — `mask/<key>`
+        (uint8, ⌈n/8⌉ bytes, padding bits zero) with the flat values of exactly the entries that mask leaves
+        global, in the model's dtype. The mask holds at least one personal entry (an empty one is not sent), at
+        most as many as α and p let it grow (`most_personal`) and, since masks only grow, at least as many as
+        the mask the server holds for the client (the payload sent the tensor flat, so a reply to it has a
+        mask). That it holds every entry of the stored mask cannot be checked here: the payload carries the
+        count of those entries, not which. The server unpacks each mask and scatters the values into it: a mask
+        of another size, or values of another count, would crash that; a mask of a tensor that is not eligible
+        would make its mean masked."""
+        want: dict[str, Spec] = {}
+        for k in self.keys:
+            shape, dtype = tuple(self.shapes[k]), self.ctx.initial_params[k].dtype
+            n, bits = self.shapes[k].numel(), reply.get(f"mask/{k}")
+            if bits is None or k not in self.eligible:  # a mask of an ineligible tensor: an extra key below
+                if tuple(payload[k].shape) != shape:
+                    return f"lacks 'mask/{k}', though the server holds a mask of '{k}' for this client"
+                want[k] = (shape, dtype)
+                continue
+            packed: Spec = (((n + 7) // 8,), torch.uint8)
+            why = misfit({f"mask/{k}": bits}, {f"mask/{k}": packed})
+            if why is not None:
+                return why
+            flat = (bits.reshape(-1, 1) >> torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)) & 1
+            personal, padding = int(flat.reshape(-1)[:n].sum()), int(flat.reshape(-1)[n:].sum())
+            if padding or not personal:
+                return f"has 'mask/{k}' with " + ("padding bits set" if padding else "no personal entry")
+            if personal > self.most_personal(n):
+                return (f"has 'mask/{k}' of {personal} personal entries, more than alpha and p let a client grow "
+                        f"({self.most_personal(n)})")  # fmt: skip
+            if personal < n - payload[k].numel():
+                return (f"has 'mask/{k}' of {personal} personal entries, fewer than the {n - payload[k].numel()} "
+                        "the server holds for this client")  # fmt: skip
+            want[k], want[f"mask/{k}"] = ((n - personal,), dtype), packed
+        return misfit(reply, want)
+
+    def most_personal(self, n: int) -> int:
+        """The most personal entries GradSelect (`grow_mask`) lets a tensor of n entries reach: it grows a mask
+        while its count b is below α·n, by ⌊p·(n − b) + ½⌋ (trimmed to ⌊α·n⌋ under `limit: cap`), and that is
+        largest from the largest such b."""
+        o = self.opts
+        b = math.ceil(o.alpha * n - 1e-9) - 1  # the largest count that still grows
+        if b < 0:
+            return 0
+        most = b + math.floor(o.p * (n - b) + 0.5)
+        return min(most, math.floor(o.alpha * n + 1e-9)) if o.limit == "cap" else min(most, n)
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:

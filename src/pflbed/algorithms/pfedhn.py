@@ -108,6 +108,7 @@ from torch.func import functional_call
 
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params, local_sgd
 from pflbed.search import Search, Space
 
@@ -342,6 +343,12 @@ class PFedHN(Algorithm):
                 step_v(c, per_v[c])
         out = {**{HN + k: v for k, v in phi.items()}, EMB: emb}
         return {**out, **{MOM + HN + k: v for k, v in mom.items()}, MOM + EMB: mom_emb}
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload` — Δθ_i, one entry per parameter of θ_i sent, of its
+        shape and dtype — else why not. Each Δθ_i is the output gradient of the hypernetwork's backward pass, which
+        needs exactly θ_i's shapes and dtypes."""
+        return misfit(reply, specs(payload))
 
     # --- evaluation ------------------------------------------------------------------------------------------
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import ClientContext, ClientData, Tensors
+from pflbed.algorithms.reply_shapes import misfit, spec, specs
 from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
 
@@ -94,6 +95,13 @@ class Scaffold(ModelWithExtras):
                 if g is not None:
                     total[k] += g
         return {k: v / max(data.num_train, 1) for k, v in total.items()}
+
+    def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
+        """None if `reply` is what a client replies to `payload`: y (every model entry, buffers included, as x was
+        sent) and Δc_i under `dc/<parameter>` (as c was sent); else why not. The server adds each Δc_i into c, so
+        one of another shape would broadcast into c, and one of another dtype would promote it."""
+        return misfit(reply, {**specs(payload, self.model_keys),
+                              **{f"{DC}{k}": spec(payload[f"{C}{k}"]) for k in self.params}})  # fmt: skip
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _ScaffoldServer:
         return _ScaffoldServer(self, server, weights)
