@@ -62,6 +62,25 @@ def main() -> None:
         secagg(a.repeats, a.deployment_rounds, noise=True)
 
 
+def share_work(repeats: int = 5) -> tuple[float, float]:
+    """Milliseconds a site spends on its SecAgg+ update of the FMNIST CNN (one client), without and with its share
+    of distributed noise (`secagg_node.site_update`; medians): the option's own cost, outside any deployment."""
+    from pflbed.flower.secagg_node import NoiseShare, site_update
+    from pflbed.models import build_model
+
+    payload = {k: v.detach().clone() for k, v in build_model("cnn", (1, 28, 28), 10).state_dict().items()}
+    replies = [({k: v + 0.01 for k, v in payload.items()}, 1)]
+    out = []
+    for share in (None, NoiseShare(0.7, 4.0)):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            site_update(payload, replies, {}, share)
+            times.append(time.perf_counter() - t0)
+        out.append(1000 * statistics.median(times))
+    return out[0], out[1]
+
+
 def own_work(clients: int = 100, repeats: int = 5) -> float:
     """Milliseconds of DP's own work in a round of `clients` LeNet-5 replies, outside any run (median)."""
     from pflbed.models import build_model
@@ -121,6 +140,9 @@ def secagg(repeats: int, rounds: int, noise: bool = False) -> None:
               f"{rounds} rounds, {repeats} repeats")  # fmt: skip
         print(f"{'central s/round':>15s} {'distributed s/round':>19s} {'distributed÷central':>19s}")
         print(f"{first:15.2f} {second:19.2f} {second / first:19.2f}", flush=True)
+        plain, shared = share_work()
+        print(f"a site's own update for SecAgg+ (FMNIST CNN, one client): {plain:.0f} ms, with its noise share "
+              f"{shared:.0f} ms", flush=True)  # fmt: skip
         return
     print(f"\nsite-local deployment, {sites} sites, FMNIST CNN, FedAvg, {rounds} rounds")
     print(f"{'plain s/round':>13s} {'SecAgg+ s/round':>15s} {'SecAgg+÷plain':>13s} {'max state gap':>13s}")
