@@ -7,9 +7,10 @@ Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, 
 from pathlib import Path as _Path
 from typing import Any as _Any
 
-from pflbed.version import __version__, check_torch
+from pflbed.version import __version__
+from pflbed.version import check_torch as _check_torch
 
-check_torch()
+_check_torch()
 
 __all__ = ["__version__", "load_config", "load_run", "run"]
 

@@ -138,11 +138,14 @@ class SecAggExecutor(SiteExecutor):
         """Whether the sites add the noise (`privacy.noise: distributed`)."""
         return self.algo.ctx.cfg.privacy.enabled and self.algo.ctx.cfg.privacy.noise == "distributed"
 
-    def _check(self, rnd: int, payload: Tensors, replied: dict, weight: dict[int, int], active: set[int]) -> None:
+    def _check(self, rnd: int, payload: Tensors, replied: dict, weight: dict[int, int],
+               active: set[int] | None = None) -> None:  # fmt: skip
         """What the server can check of each site in a secure round (its clear weight and `keys`); a site failing
         stops the run (its masked update is in the sum already). The key set is fixed as for plain replies
-        (`ReplyCheck`): the one most sites name, kept for the run."""
+        (`ReplyCheck`): the one most sites name, kept for the run. `active`: the nodes with a client this round
+        (default: those the server expects a weight from; under distributed noise every site weighs 1)."""
         site_of = {node: site for site, node in self.node_of.items()}
+        active = {n for n, w in weight.items() if w > 0} if active is None else active
         votes: dict[frozenset[str], list[int]] = {}
         for node, fitres in sorted(replied.items()):
             site = site_of.get(node, node)
