@@ -127,6 +127,9 @@ def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: 
         bad = first_nonfinite(new_state)
         if bad is not None:
             flags[f"nonfinite/{cid}"] = bad
+        bad = first_nonfinite(reply)  # masked, a NaN would unmask as a finite, huge entry: said in clear instead
+        if bad is not None:
+            flags[f"{secagg.NONFINITE_REPLY}/{cid}"] = bad
         replies.append((reply, secagg.client_weight(algo, algo.ctx.client_data(cid).num_train)))
     sites = len(json.loads(str(msg.content["config"]["site-sizes"])))  # checked by the site's policy already
     update = secagg.site_update(payload, replies, flags, secagg.noise_share(algo.ctx.cfg, sites))

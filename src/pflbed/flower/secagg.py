@@ -44,10 +44,18 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.serverapp import Grid
 
 from pflbed.algorithms.base import Tensors
+from pflbed.engine.guard import client_diverged
 from pflbed.flower.executor import FlowerRoundError, Replies
 from pflbed.flower.records import to_record
 from pflbed.flower.reply_check import structure, update_ratio
-from pflbed.flower.secagg_node import CLIP_RANGE, NUM_SHARES, RECONSTRUCTION, SHARED, client_weight
+from pflbed.flower.secagg_node import (
+    CLIP_RANGE,
+    NONFINITE_REPLY,
+    NUM_SHARES,
+    RECONSTRUCTION,
+    SHARED,
+    client_weight,
+)
 from pflbed.flower.site_executor import SiteExecutor
 
 
@@ -178,6 +186,10 @@ class SecAggExecutor(SiteExecutor):
         is w + Σ_s v_s · qN / m for the m arrived clients, whose uniform mean the mechanism scales by m/qN into the
         release w + (Σ Δ̃ + Σ_s z_s)/qN, adding no noise of its own."""
         metrics = [f.metrics for f in replied.values() if f.num_examples > 0]
+        for m in metrics:  # a diverged client: its masked NaNs unmask as huge finite entries, so the site says so
+            for flag, key in sorted(m.items()):
+                if flag.startswith(f"{NONFINITE_REPLY}/"):
+                    raise client_diverged(rnd, int(flag.split("/")[1]), "reply", str(key))
         keys = self.check.keys[structure(payloads[arrived[0]])]
         beyond = sum(int(m["beyond_range"]) for m in metrics)
         if beyond:

@@ -28,6 +28,7 @@ from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.config import Config
 
 SHARED = "shared"  # the round's payload, the same for every client, sent to every site
+NONFINITE_REPLY = "nonfinite-reply"  # a site's clear flag for a client whose reply diverged (its first bad key)
 CLIP_RANGE = 8.0  # Flower's default: each entry of a site's (weighted) update clipped to ±8 before quantization
 # SecAgg+ as `flower.secagg` runs it: every site holds a share of every other's secrets (all S of them), and half
 # of them are needed to unmask
