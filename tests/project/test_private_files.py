@@ -137,3 +137,14 @@ def test_the_package_requires_a_torch_whose_safe_loading_holds():
     (torch_dep,) = [d for d in deps if d.replace(" ", "").startswith("torch>=")]
     low = tuple(int(x) for x in torch_dep.replace(" ", "")[len("torch>="):].split(",")[0].split(".")[:2])
     assert low >= SAFE_TORCH == (2, 6)
+
+
+def test_the_package_requires_a_python_whose_tarfile_filters_archives():
+    """Archives are unpacked with `tarfile`'s "data" filter (PEP 706: no absolute paths, `..` or links out of the
+    tree), which Python has from 3.11.4 on: an older 3.11 would fail at the first archive, after the download."""
+    import tarfile
+
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    low = tuple(int(x) for x in spec.replace(" ", "").removeprefix(">=").split("."))
+    assert low >= (3, 11, 4)
+    assert hasattr(tarfile, "data_filter")
