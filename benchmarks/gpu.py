@@ -15,10 +15,13 @@ Rounds are timed one by one with the device synchronized at both ends; the first
 (CUDA context, cuDNN heuristics, allocator) and reported apart. Cases run in priority order, each written to the
 results as it finishes, and the ones that would start after `--budget-s` are listed as skipped.
 
-    python benchmarks/gpu.py                                  # on a GPU: writes benchmarks/results/gpu.{txt,json}
+    python benchmarks/gpu.py                                  # on a GPU: results in a new runs/gpu-<time>/
     python benchmarks/gpu.py --device cpu --quick             # the same end to end on a CPU, small (CI-sized)
+    python benchmarks/gpu.py --out benchmarks/results         # replace the committed GPU results (on the GPU)
 
-Output: `<out>/gpu.txt` (tables) and `<out>/gpu.json` (every figure, the GPU's name), `<out>/gpu_tests.log`.
+Output: `<out>/gpu.txt` (tables) and `<out>/gpu.json` (every figure, the GPU's name), `<out>/gpu_tests.log`. `--out`
+defaults to a new directory `runs/gpu-<date>-<time>` under the working directory, printed first: a trial on a CPU
+never overwrites the committed GPU figures, which only an explicit `--out benchmarks/results` replaces.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def centralized(model: str, batch: int, device: torch.device, steps: int) -> flo
 
 def run_tests(a: argparse.Namespace, out: Path) -> dict:
     """tests/engine/test_cuda.py on the device; the per-comparison differences it reports, summarized."""
-    report = out / "gpu_parity.jsonl"
+    report = out.resolve() / "gpu_parity.jsonl"  # the tests run in the repository, perhaps not the working dir
     report.unlink(missing_ok=True)
     env = {**os.environ, "PFLBED_TEST_DEVICE": a.device, "PFLBED_CUDA_REPORT": str(report)}
     cmd = [sys.executable, "-m", "pytest", "tests/engine/test_cuda.py", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
@@ -257,11 +260,24 @@ EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True
              "batched-bf16": {"batch_clients": True, "precision": "bf16"}}  # fmt: skip
 
 
-def main() -> None:
+def fresh_dir(parent: Path = Path("runs")) -> Path:
+    """A new directory `parent/gpu-<date>-<time>` (`-2`, `-3`, … if that one exists), created."""
+    stem = parent / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}"
+    for k in range(1, 1000):
+        try:
+            (out := stem if k == 1 else stem.with_name(f"{stem.name}-{k}")).mkdir(parents=True)
+            return out
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{stem}: no free name")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny federations, a test subset: the script end to end")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, help="results directory (default: a new runs/gpu-<date>-<time>; "
+                    "--out benchmarks/results replaces the committed GPU results)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="rounds per case; the first is the warm-up")
     ap.add_argument("--big-rounds", type=int, default=2, help="rounds per ResNet case (one timed after the warm-up)")
     ap.add_argument("--workers", type=int, default=4, help="procs: worker processes sharing the device")
@@ -272,7 +288,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case after this many seconds")
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
     ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests, where installed")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    a.out = a.out or fresh_dir()
+    return a
+
+
+def main() -> None:
+    a = parse_args()
+    print(f"results: {a.out}", flush=True)
     if a.quick:
         a.rounds, a.big_rounds, a.workers = min(a.rounds, 2), min(a.big_rounds, 2), min(a.workers, 2)
         if a.models == ["cnn", "resnet18"]:
@@ -310,6 +333,7 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - t_start
     write(result, a.out)
     print((a.out / "gpu.txt").read_text())
+    print(f"results: {a.out}")
     tests = result["tests"]
     failed = [f"{m['algorithm']} {m['model']} {m['executor']}: {m['error']}" for m in result["speed"] if "error" in m]
     if failed:

@@ -68,13 +68,27 @@ def assert_one_line_naming(exc: pytest.ExceptionInfo[DataError], path: Path) -> 
     assert "\n" not in message
 
 
-def test_non_image_file_in_a_class_folder_is_named_not_skipped(tree: Path) -> None:
-    """Skipping it silently would hide a half-copied tree (e.g. a .webp export or a stray archive)."""
-    stray = tree / "art" / "red" / "notes.txt"
-    stray.write_text("not an image")
-    with pytest.raises(DataError, match="not an image file") as exc:
+def test_non_image_files_in_class_folders_are_skipped_and_counted(tree: Path, capsys) -> None:
+    """As torchvision's ImageFolder: a stray notes.txt / Thumbs.db is skipped by extension, not an error; the load
+    says how many in one warning line (once: a cached load says nothing again) and the listing counts them."""
+    (tree / "art" / "red" / "notes.txt").write_text("not an image")
+    (tree / "photo" / "blue" / "Thumbs.db").write_bytes(b"\0\1")
+    (tree / "photo" / "blue" / ".DS_Store").write_bytes(b"\0")  # hidden: ignored, not counted
+    source = load_domain_folders(tree, image_size=8)
+    assert len(source.train) == 18 and source.train.y.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] * 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: warning: ") and "skipped 2 non-image file(s)" in err and "\n" not in err, err
+    assert str(tree.resolve() / "art" / "red" / "notes.txt") in err
+    assert load_domain_folders(tree, image_size=8) is source and capsys.readouterr().err == ""
+    assert describe_domain_folders(tree)["skipped"] == 2 and describe_domain_folders(tree)["total"] == 18
+
+
+def test_a_folder_inside_a_class_folder_is_named(tree: Path) -> None:
+    nested = tree / "art" / "red" / "more"
+    write_image(nested / "d.png", COLOURS["red"], (8, 8))
+    with pytest.raises(DataError, match="a folder inside a class folder") as exc:
         load_domain_folders(tree, image_size=8)
-    assert_one_line_naming(exc, stray)
+    assert_one_line_naming(exc, nested)
 
 
 def test_shapes_labels_domains_and_order(tree: Path) -> None:

@@ -104,6 +104,34 @@ def test_colour_images_and_pixel_arrays(tmp_path):
     assert f.raw_scale == 1.0 and torch.allclose(f.train.x[:, 0], torch.from_numpy(floats), atol=0)
 
 
+def test_float_and_16_bit_images_keep_their_values(tmp_path):
+    """PIL images of mode F (floats in [0, 1]) and I;16 (0–65535) are read by their range, as arrays are: not through
+    8-bit "L", which made the floats 0 and clipped 16-bit values at 255. Resizing keeps the range too; 32-bit integer
+    images must lie in 0…255, and one split cannot mix ranges (one line each)."""
+    labels = [0, 1, 0, 1]
+    floats = [pattern(i).astype(np.float32) / 255 for i in range(4)]
+    wide = [(pattern(i).astype(np.uint16) * 257) for i in range(4)]  # 0…65535: x = p·257 / 65535 = p / 255
+    want = torch.stack([torch.from_numpy(pattern(i)).float() / 255 for i in range(4)])
+    for name, images in (("f", floats), ("i16", wide)):
+        pil = [Image.fromarray(a) for a in images]
+        assert {im.mode for im in pil} == ({"F"} if name == "f" else {"I;16"})
+        datasets.Dataset.from_dict({"image": pil, "label": labels}).save_to_disk(str(tmp_path / name))
+        s = load_dataset("hf", path=tmp_path / name, splits=["train"], normalize=[0.0, 1.0])
+        assert s.train.x.shape == (4, 1, H, W) and s.raw_scale == (1.0 if name == "f" else 65535.0), name
+        assert torch.allclose(s.train.x[:, 0], want, atol=1e-6), name
+        big = load_dataset("hf", path=tmp_path / name, splits=["train"], normalize=[0.0, 1.0], image_size=8)
+        top = float(want.max())  # 37 / 255: upsampled bilinearly, the brightest value stays about where it was
+        assert top - 0.02 < float(big.train.x.max()) <= top + 1e-6, name
+    wide32 = [Image.fromarray(np.full((4, 4), v, np.int32)) for v in (3, 300)]
+    datasets.Dataset.from_dict({"image": wide32, "label": [0, 1]}).save_to_disk(str(tmp_path / "i32"))
+    with pytest.raises(DataError, match=r"dataset\.hf\.image_column: 32-bit integer image 1 of .* spans 300…300"):
+        load_dataset("hf", path=tmp_path / "i32", splits=["train"])
+    mixed = [Image.fromarray(floats[0]), Image.fromarray(pattern(1))]
+    datasets.Dataset.from_dict({"image": mixed, "label": [0, 1]}).save_to_disk(str(tmp_path / "mixed"))
+    with pytest.raises(DataError, match=r"hf\.image_column: the images of .* mix pixel ranges \(modes F and L\)"):
+        load_dataset("hf", path=tmp_path / "mixed", splits=["train"])
+
+
 def test_images_of_different_sizes_need_image_size(tmp_path):
     imgs = [Image.fromarray(np.full((4, 4), 10, np.uint8)), Image.fromarray(np.full((6, 3), 200, np.uint8))]
     datasets.Dataset.from_dict({"image": imgs, "label": [0, 1]}).save_to_disk(str(tmp_path / "d"))

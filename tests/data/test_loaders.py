@@ -276,6 +276,17 @@ def test_emnist_splits(env: Path, split: str, k: int) -> None:
     assert source.num_classes == k and int(source.train.y.max()) == min(k, 70) - 1
 
 
+def test_emnist_has_its_own_normalization_per_split(env: Path) -> None:
+    """EMNIST's pixels are not MNIST's (another conversion): each split has its own (mean, std), not 0.1307 / 0.3081,
+    and x = (pixel / 255 − mean) / std with them."""
+    for split in ("balanced", "letters"):
+        fx.make_emnist(env / split, split=split, n_train=30, n_test=10)
+        source = load_dataset("emnist", path=env / split, split=split)
+        mean, std = source.pixel_norm
+        assert 0.17 < mean < 0.18 and 0.33 < std < 0.34, (split, mean, std)
+        assert torch.allclose(source.train.x[:, 0, 0, :27], torch.full((30, 27), (1 - mean) / std))  # 255s: top row
+
+
 def test_emnist_bad_split_and_label_out_of_range(env: Path) -> None:
     d = fx.make_emnist(env, split="letters")
     with pytest.raises(DataError, match="dataset.split"):
@@ -351,6 +362,18 @@ def test_tinyimagenet_classes_val_annotations_and_pixels(env: Path) -> None:
     # val: file val_k belongs to wnid k % 3 of wnids.txt's order (n03, n01, n02) -> sorted classes 2, 0, 1
     assert sorted(source.test.y.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert np.array_equal(raw(source, source.test.x)[:, 0, 5, 5], 40 * source.test.y.numpy())
+
+
+def test_tinyimagenet_takes_image_size_from_the_config(env: Path) -> None:
+    """`dataset.image_size` reaches the Tiny ImageNet loader as it reaches the folder datasets; unset, the images
+    stay at their native 64×64 (the files here are 16×16, so 64 is visibly a resize too)."""
+    from pflbed.config import DatasetConfig
+    from pflbed.data import load_source
+
+    d = fx.make_tinyimagenet(env, size=16)
+    asked = DatasetConfig(name="tinyimagenet", path=str(d), image_size=24)
+    assert load_source(asked).input_shape == (3, 24, 24)
+    assert load_source(asked.model_copy(update={"image_size": None})).input_shape == (3, 64, 64)
 
 
 def test_tinyimagenet_missing_val_image_is_named(env: Path) -> None:

@@ -182,6 +182,24 @@ def test_wrapped_prefixed_and_counterless_checkpoints_load(tmp_path):
     assert int(params["blocks.stem.1.num_batches_tracked"]) == 0
 
 
+def test_safetensors_weights_load_as_timm_publishes_them(tmp_path):
+    """timm's published ResNet-18 weights are `model.safetensors` (torchvision's key layout): read as a file and as
+    a downloaded hub snapshot directory; a damaged one is a one-line error."""
+    from safetensors.torch import save_file
+
+    state = imagenet_layout(5, by_hand=True)
+    (tmp_path / "snapshot").mkdir()
+    save_file(state, tmp_path / "snapshot" / "model.safetensors")
+    for where in (tmp_path / "snapshot" / "model.safetensors", tmp_path / "snapshot"):
+        params = prepare(_cfg(tmp_path, init_from=str(where))).ctx.initial_params
+        assert torch.equal(params["blocks.layer2.0.shortcut.0.weight"], state["layer2.0.downsample.0.weight"])
+        assert torch.equal(params["blocks.stem.1.running_var"], state["bn1.running_var"])
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes((tmp_path / "snapshot" / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=r"model\.init_from: .*broken\.safetensors is not a safetensors file"):
+        prepare(_cfg(tmp_path, init_from=str(broken)))
+
+
 def test_body_only_and_errors(tmp_path):
     state = imagenet_layout(4, by_hand=True)
     params = prepare(_cfg(tmp_path, state, init_blocks=["stem"])).ctx.initial_params

@@ -83,3 +83,76 @@ def test_an_algorithm_page_repeats_exactly_the_results_rows_that_name_it():
     rows = [r for r in measured.splitlines() if r.startswith("|") and not r.startswith("|---")]
     headers = {r for r in rows if generate._row_key(r) in ("method", "cells", "algorithm")}
     assert rows and all(generate._row_key(r) == "fedselect" for r in rows if r not in headers)
+
+
+def _code_block(page: str, heading: str | None, lang: str) -> str:
+    """The first `lang` code block of `page` (under `## heading` when given), as the reader sees it."""
+    text = (ROOT / "docs" / page).read_text()
+    if heading is not None:
+        text = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return text.split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+
+
+def _commands(block: str) -> list[list[str]]:
+    """A bash block's commands: continuation lines joined, comments dropped, each split as the shell would."""
+    import shlex
+
+    return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+SMALL_RUN = ["--set", "train.rounds=1", "--set", "eval.new_clients.epochs=2", "--set", "eval.new_clients.lrs=[0.01]",
+             "--set", "eval.new_clients.fractions=[1.0]", "--set", "eval.finetune=[]", "--set", "executor.name=loop",
+             "--set", "model.name=mlp", "--set", "train.local_epochs=1",
+             "--no-progress"]  # fmt: skip
+
+
+def test_getting_started_s_new_client_commands_run_as_written(tmp_path, monkeypatch):
+    """The guide's first personalized new client: a run holding clients out, one of them written as files
+    (`data new-client`), then personalized from them — each command as the page shows it (the run at 1 round)."""
+    from pflbed.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    commands = _commands(_code_block("getting-started.md", "The first personalized new client", "bash"))
+    assert [c[:2] for c in commands] == [["pflbed", "run"], ["pflbed", "data"], ["pflbed", "personalize"]]
+    for command in commands:
+        assert main(command[1:] + (SMALL_RUN if command[1] == "run" else [])) == 0, command
+    assert sorted(p.name for p in (tmp_path / "new-client").iterdir()) == ["test.npz", "train.npz", "val.npz"]
+    assert (tmp_path / "runs" / "new-client" / "summary.json").is_file()
+
+
+def test_the_home_page_s_python_example_runs(tmp_path, monkeypatch):
+    """docs/index.md's example, with a new client's raw samples as `x`, `y` (and 1 round instead of 20):
+    `personalize` returns a `Personalized`, whose labels come from `predict` and whose model is `.model`."""
+    from pflbed.data import load_digits_source
+    from pflbed.federation.new_client import raw_samples
+    from pflbed.results.trained import Personalized
+
+    monkeypatch.chdir(tmp_path)
+    code = _code_block("index.md", None, "python")
+    assert '"rounds": 20' in code
+    source = load_digits_source()
+    namespace = {"x": raw_samples(source, source.test.x[:40]), "y": source.test.y[:40].numpy()}
+    exec(code.replace('"rounds": 20', '"rounds": 1'), namespace)  # noqa: S102  (the page's own code)
+    client = namespace["client"]
+    assert isinstance(client, Personalized) and isinstance(client.model, __import__("torch").nn.Module)
+    assert client.predict(namespace["x"]).shape == (40,)
+
+
+def test_code_blocks_wrap_long_lines_on_the_site():
+    """Long command lines are not hidden behind a horizontal scroll bar: a stylesheet registered in mkdocs.yml
+    makes code blocks wrap."""
+    sheets = yaml.safe_load((ROOT / "mkdocs.yml").read_text()).get("extra_css") or []
+    css = "".join((ROOT / "docs" / s).read_text() for s in sheets)
+    assert ".md-typeset pre > code" in css and "white-space: pre-wrap" in css
+
+
+def test_the_benchmark_configs_cite_pages_and_sections_that_exist():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    for config in sorted((ROOT / "benchmarks").glob("*/*.yaml")):
+        comments = " ".join(line for line in config.read_text().splitlines() if line.lstrip().startswith("#"))
+        for page in re.findall(r"docs/[\w/.-]+\.md", comments):
+            assert (ROOT / page).is_file(), f"{config.name} cites {page}"
+        for section in re.findall(r"README's \"([^\"]+)\"", comments):
+            assert section in readme, f"{config.name} cites the README's {section!r}, which it no longer has"

@@ -13,7 +13,7 @@ import pytest
 import pflbed
 from pflbed.cli import main
 from pflbed.results.config_diff import config_diff, diff_rows
-from pflbed.results.report import comparison, curves_note, figures, panels, read_run
+from pflbed.results.report import comparison, curves_note, display_name, figures, panels, read_run
 from pflbed.results.report_figures import curves_svg
 
 RUN = {"dataset": {"name": "synthetic", "synthetic": {"n_train": 1000}}, "model": {"name": "mlp"},
@@ -53,15 +53,27 @@ def test_comparison_rows_are_the_summaries(runs):
     for r, row in zip(data, rows, strict=True):
         cell = dict(zip(header, row, strict=True))
         f = r.summary["final"]
-        assert cell["run"] == r.path.name and cell["algorithm"] == r.summary["algorithm"]
-        assert cell["P-FL"] == f"{100 * f['pfl_acc']:.2f}" and cell["± std"] == f"{100 * f['pfl_acc_std']:.2f}"
+        assert cell["run"] == r.path.name and cell["algorithm"] == display_name(r.summary["algorithm"])
+        assert cell["P-FL"] == f"{100 * f['pfl_acc']:.2f}" and cell["P-FL std"] == f"{100 * f['pfl_acc_std']:.2f}"
         assert cell["selected round"] == str(r.summary["selected"]["round"])
         assert cell["G-FL"] == (f"{100 * f['gfl_acc']:.2f}" if f.get("gfl_acc") is not None else "—")
         comm = r.summary["communication"]
-        assert cell["MB/round up / down"] == (f"{comm['up_bytes_per_round'] / 1e6:.3g} / "
-                                              f"{comm['down_bytes_per_round'] / 1e6:.3g}")  # fmt: skip
+        assert cell["MB per round, up / down"] == (f"{comm['up_bytes_per_round'] / 1e6:.3g} / "
+                                                   f"{comm['down_bytes_per_round'] / 1e6:.3g}")  # fmt: skip
     fedavg = dict(zip(header, rows[0], strict=True))
-    assert fedavg["+FT P-FL"] == f"{100 * data[0].summary['final']['ft']['pfl_acc']:.2f}"
+    assert fedavg["P-FL after fine-tuning"] == f"{100 * data[0].summary['final']['ft']['pfl_acc']:.2f}"
+
+
+def test_the_table_speaks_words_and_names_algorithms_as_their_papers_do(runs):
+    """Issue 49: "new clients M ft best" and "fedselect" beside "FedAvg" read badly: the headers are words and the
+    algorithm column gives the paper's name, the same in every report."""
+    header, rows = comparison([read_run(p) for p in runs])
+    jargon = [h for h in header if re.search(r"\b(ft|lp|p10|M|best)\b|^[+±]|/round| s$", h)]
+    assert not jargon, jargon
+    assert [row[1] for row in rows] == ["FedAvg", "FedSelect"]
+    assert (display_name("fedrod"), display_name("knnper"), display_name("lg_fedavg")) == (
+        "FedRoD (linear)", "kNN-Per", "LG-FedAvg")  # fmt: skip
+    assert display_name("local") == "LocalOnly" and display_name("mine") == "mine"  # no paper name; unknown
 
 
 def test_curves_are_the_records_and_round_0_is_not_made_up(runs):
@@ -83,7 +95,7 @@ def test_a_logged_round_0_is_plotted(runs, tmp_path):
     p = _panel([run], "pfl_acc")
     assert p.series[0].rounds == [0, 2, 4] and p.series[0].values[0] == 12.5
     assert _panel([run], "gfl_acc").series[0].rounds[0] == 0
-    assert "round 0 · P-FL test: 12.50 %" in curves_svg(panels([run]), [(run.name, "#000")])
+    assert "round 0 · P-FL test: 12.50 %" in curves_svg(panels([run]))
     assert "Round 0 (before training) is logged for zero" in curves_note([run])
 
 
@@ -109,7 +121,7 @@ def test_communication_up_and_down_are_apart_in_mb_from_the_records(runs, tmp_pa
     assert up.series[0].values == [x["up_bytes_per_round"] / 1e6 for x in real]
     assert down.series[0].values == [x["down_bytes_per_round"] / 1e6 for x in real]
     assert up.series[1].rounds == [2, 4] and up.series[1].values == [5.0, 10.0] and down.series[1].values == [7.0, 7.0]
-    svg = curves_svg(panels(data), [(r.name, "#000") for r in data])
+    svg = curves_svg(panels(data))
     assert "comm · round 4 · up (clients → server): 10.00 MB" in svg
     assert "comm · round 4 · down (server → clients): 7.00 MB" in svg
 
@@ -195,7 +207,7 @@ def test_markdown_report_points_at_figures_that_exist(runs, tmp_path):
     paths = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     assert paths and all((tmp_path / p).is_file() for p in paths)
     assert (tmp_path / "r_files" / "curves.svg").read_text().startswith("<svg")
-    assert "| fedselect | fedselect | synthetic | 4 |" in text
+    assert "| fedselect | FedSelect | synthetic | 4 |" in text
     assert "| **algorithm.name** ≠ | fedavg | fedselect | fedavg |" in text
     assert "| train.rounds | 4 | 4 | 30 |" in text
 
@@ -206,3 +218,28 @@ def test_an_unfinished_run_is_one_line_exit_2(tmp_path, runs, capsys):
     assert main(["report", str(runs[0]), str(tmp_path / "half"), "-o", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "the run is not finished" in err and not (tmp_path / "r.html").exists()
+
+
+def test_the_note_says_when_each_run_was_evaluated_and_how_to_get_more_points(runs, tmp_path):
+    """A 4-round run evaluated every 2 rounds draws 2-point curves: the note says so and how to get more; a run
+    with enough points gets no such advice."""
+    data = [read_run(p) for p in runs]
+    note = curves_note(data)
+    assert "fedavg, fedselect: evaluated every 2 rounds and after the last — 2 points (rounds 2, 4). " in note
+    assert "run again with --set eval.every=1" in note
+    dense = read_run(_copy_with_records(runs[0], tmp_path / "dense", lambda recs: [
+        {**recs[-1], "round": k} for k in range(1, 7)]))  # fmt: skip
+    assert "6 points (rounds 1, 2, 3, 4, 5, 6)" in curves_note([dense]) and "eval.every=1" not in curves_note([dense])
+
+
+def test_identical_curves_stay_in_sight_and_are_named(runs, tmp_path):
+    """Two runs with the same points (FedAvg's and FedRoD's communication): each run has its own line style and
+    marker, the earlier is drawn wider beneath the later, and the note names them."""
+    twin = read_run(_copy_with_records(runs[0], tmp_path / "twin", lambda recs: recs))
+    data = [read_run(runs[0]), twin, read_run(runs[1])]
+    pfl = _panel(data, "pfl_acc")
+    assert len({(s.linestyle, s.marker) for s in pfl.series}) == 3 and len({s.colour for s in pfl.series}) == 3
+    assert "P-FL test: fedavg, twin" in curves_note(data) and "Identical curves" in curves_note(data)
+    assert "P-FL test:" not in curves_note([data[0], data[2]])  # different runs: nothing said
+    widths = re.findall(r"stroke-width: ([\d.]+)", curves_svg([pfl]))
+    assert "3.4" in widths and "1.4" in widths  # fedavg wider, beneath twin's dashed line

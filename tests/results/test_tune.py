@@ -337,3 +337,124 @@ def test_a_storage_that_cannot_be_opened_is_one_line_without_its_password(tmp_pa
     assert err.startswith("pflbed: error: --storage postgresql://user:***@127.0.0.1:1/none: "), err
     assert "s3cret" not in err and "\n" not in err, err
     assert not (tmp_path / "out" / "trials").exists()
+
+
+# --- --set, --out, the default directory, the plots (issue 49) ----------------------------------------------------
+def test_set_overrides_the_suite_by_its_own_dotted_keys(tmp_path):
+    methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}},
+               "FedProx": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.mu": {"low": 0.01, "high": 0.1}}},
+               "Ditto": {"set": {"algorithm.name": "ditto"}}}  # fmt: skip
+    f = write(tmp_path, suite(tmp_path, 8, methods))
+    s = load_tune_suite(f, ["tune.trials=2", "seeds=[3, 4]", "base.train.rounds=1", "base.federation.alpha=0.5",
+                            "methods.FedProx.set.train.lr=0.2", "methods.FedProx.space.algorithm.mu=null",
+                            "tune.space.train.momentum=null", "methods.Ditto=null", "report.P-FL=final.pfl_acc"])
+    assert s.tune.trials == 2 and s.seeds == [3, 4] and s.tune.space == {"train.momentum": None}
+    assert s.base["train"] == {"rounds": 1, "checkpoint_every": 0} and s.base["federation"]["alpha"] == 0.5
+    assert s.methods["FedProx"].set == {"algorithm.name": "fedprox", "train.lr": 0.2}
+    assert s.methods["FedProx"].space == {"algorithm.mu": None} and list(s.methods) == ["FedAvg", "FedProx"]
+    assert s.report == {"P-FL": "final.pfl_acc", "G-FL": "selected.gfl_acc"}  # the other column kept
+    assert list(load_tune_suite(f, ["methods=[Ditto, FedAvg]"]).methods) == ["Ditto", "FedAvg"]
+    assert load_tune_suite(f).tune.trials == 8  # the file itself is untouched
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("tune.trails=2", "--set tune.trails: unknown key; did you mean tune.trials?"),
+    ("tune.trials=0", "--set tune.trials: Input should be greater than or equal to 1"),
+    ("train.rounds=2", "--set train.rounds: not a key of a tune suite (name, base, seeds, tune, methods, report, "
+                       "out); a run config key goes under base (--set base.train.rounds=…)"),
+    ("base.train.roundz=2", "--set base.train.roundz: unknown key; did you mean base.train.rounds?"),
+    ("methods.FedAvgg.set.train.lr=0.1", "--set methods.FedAvgg.set.train.lr: no method 'FedAvgg' in the suite "
+                                         "(FedAvg)"),
+    ("methods=[FedAvg, Ditto]", "--set methods: no method 'Ditto' in the suite (FedAvg)"),
+    ("seeds.first=1", "--set seeds.first: seeds is not a section"),
+    ("tune.trials", "--set 'tune.trials': expected key=value"),
+])  # fmt: skip
+def test_a_bad_set_key_is_one_line_naming_it(tmp_path, capsys, item, message):
+    assert main(["tune", "-c", write(tmp_path, suite(tmp_path)), "--set", item]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err == f"pflbed: error: {message}" or message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tune_directory_defaults_to_runs_tune_not_the_repository(tmp_path, monkeypatch):
+    tree = {k: v for k, v in suite(tmp_path).items() if k != "out"}
+    monkeypatch.chdir(tmp_path)
+    assert Tuner(TuneSuite.model_validate(tree)).out == Path("runs") / "tune" / "t"
+    assert Tuner(TuneSuite.model_validate(tree), out=tmp_path / "x").out == tmp_path / "x"  # --out
+    assert Tuner(TuneSuite.model_validate(suite(tmp_path)), out=tmp_path / "x").out == tmp_path / "x"  # over out:
+    monkeypatch.chdir(ROOT)  # run from the repository: still nothing under benchmarks/results
+    assert not Tuner(TuneSuite.model_validate(tree)).out.resolve().is_relative_to(ROOT / "benchmarks")
+
+
+def test_set_and_out_on_the_command_line_and_the_same_command_continues(tmp_path, capsys):
+    f = write(tmp_path, suite(tmp_path, 5))
+    d = tmp_path / "elsewhere"
+    cmd = ["tune", "-c", f, "--set", "tune.trials=2", "--set", "base.train.rounds=1", "--out", str(d)]
+    assert main([*cmd, "--max-trials", "1"]) == 0
+    assert not (tmp_path / "out").exists()  # --out wins over the suite's out
+    tuner = Tuner(load_tune_suite(f, ["tune.trials=2", "base.train.rounds=1"]), out=d)
+    assert len(finished(tuner, tuner.methods[0])) == 1
+    run = next((d / "trials" / "FedAvg").iterdir())
+    assert json.loads((run / "summary.json").read_text())["rounds"] == 1  # the --set reached the trials
+    capsys.readouterr()
+    assert main(cmd) == 0  # the same command again: the second trial, then the re-runs and the table
+    assert len(finished(tuner, tuner.methods[0])) == 2
+    assert json.loads((d / "table.json").read_text())["methods"][0]["budget"] == 2
+    assert capsys.readouterr().out.rstrip().endswith(f"study: {d / 'study.db'}")  # the study's path, not "study.db"
+
+
+def test_a_study_refuses_a_suite_whose_trials_would_differ(tmp_path, capsys):
+    """Trials of two setups in one study (a shrunk trial run, then the full suite in the same directory) would
+    mix, and the re-runs of the first would be reused: refused in one line naming the key. The budget may grow."""
+    f = write(tmp_path, suite(tmp_path, 2))
+    first = Tuner(load_tune_suite(f))
+    first.study(first.methods[0])  # the study exists and records its setup
+    again = Tuner(load_tune_suite(f, ["tune.trials=3", "seeds=[0, 1]"]))
+    again.study(again.methods[0])  # more trials and more re-run seeds: the same study
+    assert main(["tune", "-c", f, "--set", "base.train.rounds=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("pflbed: error: base.train.rounds: 3, but the FedAvg study in "), err
+    assert "ran its trials with 2; give another --out" in err
+    assert main(["tune", "-c", f, "--set", "methods.FedAvg.set.train.lr=0.1"]) == 2
+    assert "methods.FedAvg.set.train.lr: 0.1, but" in capsys.readouterr().err
+
+
+def _fake_trials(tuner, n):
+    """`n` complete trials made by hand (no runs): what the plots read."""
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import create_trial
+
+    study = tuner.study(tuner.methods[0])
+    dists = {"train.lr": FloatDistribution(1e-3, 0.3, log=True), "train.momentum": FloatDistribution(0, 0.9)}
+    for i in range(n):
+        study.add_trial(create_trial(params={"train.lr": 0.001 * (i + 1), "train.momentum": 0.05 * i},
+                                     distributions=dists, value=0.5 + 0.01 * i))  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "importance"), [(2, False), (10, True)])
+def test_plots_are_titled_by_method_in_percent_and_importances_need_enough_trials(tmp_path, monkeypatch, n,
+                                                                                 importance):
+    from matplotlib.figure import Figure
+
+    drawn = {}
+    real = Figure.savefig
+
+    def record(fig, path, **kw):
+        ax = fig.axes[0]
+        drawn[Path(path).stem] = (ax.get_title(), ax.get_title(loc="left"), ax.get_ylabel(),
+                                  ax.yaxis.get_major_formatter()(0.5, 0))
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path)))
+    _fake_trials(tuner, n)
+    tuner.draw()
+    assert drawn["FedAvg-history"] == ("FedAvg: optimization history", "", "pfl_val (%)", "50")
+    if importance:
+        assert drawn["FedAvg-importance"][:2] == ("FedAvg: parameter importances", "")
+        assert "FedAvg" not in tuner.absent
+    else:
+        assert "FedAvg-importance" not in drawn
+        why = tuner.absent["FedAvg"]["importance"]
+        assert why == "2 complete trials; importances need at least 10 to mean anything"
+        assert f"Parameter importances: not drawn ({why})." in tuner.markdown(tuner.rows())

@@ -72,6 +72,8 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
 
 # `dataset` config fields passed to the loaders that take them (when set): dataset-specific options.
 LOADER_OPTIONS = ("label", "corruptions", "severity", "split")
+# Datasets whose images `dataset.image_size` resizes.
+SIZED = ("folder", *NAMED_FOLDERS, "tinyimagenet")
 
 
 def _check_name(name: str) -> Callable[..., DataSource]:
@@ -163,10 +165,8 @@ def load_source(dataset: Any) -> DataSource:
     if base == "folder":
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
-        options["image_size"] = dataset.image_size
         options["normalize"] = getattr(dataset, "normalize", "symmetric")
     elif base in NAMED_FOLDERS:
-        options["image_size"] = dataset.image_size
         options["normalize"] = getattr(dataset, "normalize", "symmetric")
     elif getattr(dataset, "normalize", "symmetric") != "symmetric":
         raise DataError(f"dataset.normalize: {dataset.normalize} applies to folder datasets; {dataset.name} has its "
@@ -175,6 +175,8 @@ def load_source(dataset: Any) -> DataSource:
         options.update(dataset.synthetic.model_dump())
     elif base == "hf":
         options.update(dataset.hf.model_dump())
+    if base in SIZED and dataset.image_size is not None:  # unset: the loader's own size (folders 32, Tiny ImageNet 64)
+        options["image_size"] = dataset.image_size
     options.update({k: getattr(dataset, k) for k in LOADER_OPTIONS if getattr(dataset, k, None) is not None})
     with torch.device("cpu"):
         source = load_dataset(base, path=dataset.path, **options)

@@ -1,17 +1,26 @@
-"""`pflbed data list` rows for the file-backed datasets: where each was found, its sizes where a header or a
-listing gives them cheaply, or the one line that says how to get it. Never downloads, never decodes pixels."""
+"""`pflbed data list` rows for the file-backed datasets (and digits): where each was found, its sizes where a header
+or a listing gives them cheaply, or the one line that says how to get it. Never downloads, never decodes pixels."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pflbed.data import cifar, cifar10c, emnist, femnist, miniimagenet, mnist, named_folders, tinyimagenet
+from pflbed.data import cifar, cifar10c, digits, emnist, femnist, miniimagenet, mnist, named_folders, tinyimagenet
 from pflbed.data.tinyimagenet import scan as scan_tiny
 
 PathArg = str | os.PathLike[str] | None
+DIGITS_SAMPLES = 1797  # scikit-learn's bundled digits: one fixed file of 1797 images
+
+
+def _digits(path: PathArg) -> dict[str, Any]:
+    """Digits' split sizes without loading them: importing scikit-learn alone takes seconds, most of a listing."""
+    del path  # bundled: no files to look for
+    test = digits.NUM_CLASSES * inspect.signature(digits.load_digits_source).parameters["test_per_class"].default
+    return {"location": digits.ORIGIN, "train": DIGITS_SAMPLES - test, "test": test}
 
 
 def _row(found: Path | None, how: str, **sizes: Any) -> dict[str, Any]:
@@ -86,6 +95,7 @@ def _named(name: str) -> Callable[[PathArg], dict[str, Any]]:
 
 
 DESCRIBE: dict[str, Callable[[PathArg], dict[str, Any]]] = {
+    "digits": _digits,
     "cifar10": _cifar("cifar10"),
     "cifar100": _cifar("cifar100"),
     "cifar10c": _cifar10c,

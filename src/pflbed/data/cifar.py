@@ -28,7 +28,7 @@ import torch
 
 from pflbed.data import store
 from pflbed.data.arrays import ArrayDataset, DataSource
-from pflbed.data.safepickle import as_str_keys, load_pickle
+from pflbed.data.safepickle import as_str_keys, int_vector, load_pickle
 from pflbed.errors import DataError
 
 URL = "https://www.cs.toronto.edu/~kriz/"
@@ -84,10 +84,9 @@ def _batch(path: Path, label_key: str, num_classes: int, title: str) -> tuple[np
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * SIDE**2:
         got = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataError(f"{path}: data must be uint8 [N, 3072] (3 planes of 32×32), got {got}")
-    try:
-        labels = np.asarray(batch[label_key], dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise DataError(f"{path}: {label_key} is not a list of integers") from None
+    labels = int_vector(batch[label_key])
+    if labels is None:
+        raise DataError(f"{path}: {label_key} is not a list of integers")
     if labels.shape != (len(data),):
         raise DataError(f"{path}: {len(data)} images but {labels.size} {label_key}")
     if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):

@@ -186,7 +186,10 @@ def load_fmnist(path: str | os.PathLike[str] | None = None, download: bool = Fal
     """
     directory = find_fmnist(path)
     if directory is None and download:
-        directory = download_fmnist(path)
+        try:
+            directory = download_fmnist(path)
+        except DataError as exc:
+            raise store.download_failed("fmnist", "Fashion-MNIST", HOW_TO_GET, exc) from None
     if directory is None:
         looked = "; ".join(_describe_miss(d) for d in _candidates(path))
         raise DataError(f"Fashion-MNIST not found (looked in: {looked}); {HOW_TO_GET}")

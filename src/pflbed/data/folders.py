@@ -8,6 +8,11 @@ all domains, so "dog" is the same label in every domain even when some domain la
 Everything that decides the result is sorted (domains, classes, file names), so two machines with the same
 tree build identical tensors, and therefore identical federations, whatever order the filesystem lists in.
 
+A class folder's files that are not images by extension (`IMAGE_EXTENSIONS`: a `notes.txt`, a `Thumbs.db`) are
+skipped, as torchvision's `ImageFolder` skips them, and counted: loading prints one warning line with the count and
+an example, and `describe_domain_folders` reports `skipped`, so a half-copied tree of, say, `.webp` exports does not
+go unnoticed. Hidden entries (`.DS_Store`) are ignored outright; a folder inside a class folder is an error.
+
 Truncated files raise like any corrupt image, unless the process has set Pillow's global
 `ImageFile.LOAD_TRUNCATED_IMAGES`, which opts into padding them with grey; this module never sets it.
 """
@@ -15,6 +20,7 @@ Truncated files raise like any corrupt image, unless the process has set Pillow'
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -49,7 +55,8 @@ _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.Decompressio
 
 @dataclass(frozen=True)
 class _Tree:
-    """A scanned tree: sorted domain and class names and, in load order, (domain, class, file path) triples.
+    """A scanned tree: sorted domain and class names, in load order (domain, class, file path) triples, and the
+    non-image files of its class folders that were skipped.
 
     Hashable on purpose: together with the file stamps it is the cache key, so a tree whose file list changed
     misses the cache without a second scan.
@@ -59,6 +66,7 @@ class _Tree:
     domains: tuple[str, ...]
     classes: tuple[str, ...]
     files: tuple[tuple[int, int, str], ...]
+    skipped: tuple[str, ...] = ()
 
 
 def _show(path: Path | str) -> str:
@@ -112,19 +120,30 @@ def _scan(root: Path) -> _Tree:
     all_classes = sorted({c for classes in per_domain for c in classes})
     index = {name: i for i, name in enumerate(all_classes)}
     files: list[tuple[int, int, str]] = []
+    skipped: list[str] = []
     for d, (domain, classes) in enumerate(zip(domains, per_domain, strict=True)):
         for name in classes:  # already sorted, and global indices follow the same order
             folder = root / domain / name
             entries = _entries(folder)
-            stray = next((e for e in entries if not _is_image(e)), None)
-            if stray is not None:  # skipping it silently would hide a half-copied or mixed-up tree
-                raise DataError(f"{_show(stray.path)}: not an image file ({_EXTS}); class folders hold only images "
-                                "(hidden files are ignored): move it out of the tree")  # fmt: skip
-            images = [e.path for e in entries]
+            nested = next((e for e in entries if e.is_dir()), None)
+            if nested is not None:  # its images would be lost, or belong to another class
+                raise DataError(f"{_show(nested.path)}: a folder inside a class folder; class folders hold images "
+                                f"({_EXTS}): move it out of the tree")  # fmt: skip
+            images = [e.path for e in entries if _is_image(e)]
+            skipped.extend(e.path for e in entries if not _is_image(e))
             if not images:
                 raise DataError(f"{_show(folder)}: class folder has no images ({_EXTS})")
             files.extend((d, index[name], p) for p in images)
-    return _Tree(root=str(root), domains=tuple(domains), classes=tuple(all_classes), files=tuple(files))
+    return _Tree(root=str(root), domains=tuple(domains), classes=tuple(all_classes), files=tuple(files),
+                 skipped=tuple(skipped))  # fmt: skip
+
+
+def skipped_notice(tree: _Tree) -> str | None:
+    """The warning line for the non-image files `tree` skipped (None: none were)."""
+    if not tree.skipped:
+        return None
+    return (f"pflbed: warning: {_show(tree.root)}: skipped {len(tree.skipped)} non-image file(s) in class folders "
+            f"(images are {_EXTS}), e.g. {_show(tree.skipped[0])}")  # fmt: skip
 
 
 def _stamp(tree: _Tree) -> tuple[tuple[int, int], ...]:
@@ -154,6 +173,9 @@ def _decode(path: str, size: int) -> np.ndarray:
 def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: int, normalize: str) -> DataSource:
     """Decode once per (tree, file identity, size, normalization); callers share the result and must not modify it."""
     del stamp  # only part of the cache key
+    notice = skipped_notice(tree)
+    if notice:  # once per decoded tree: repeated loads hit the cache
+        print(notice, file=sys.stderr, flush=True)
     n, s = len(tree.files), image_size
     # Preallocated and filled in place: for DomainNet-sized pools a list of per-image tensors plus a final
     # `torch.stack` would need twice the memory at the peak.
@@ -201,7 +223,8 @@ def load_domain_folders(path: str | os.PathLike[str], image_size: int = 32, norm
 
 
 def describe_domain_folders(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Domains, classes and per-domain image counts from the listing alone (no image is opened), for listings.
+    """Domains, classes, per-domain image counts and the number of skipped non-image files from the listing alone
+    (no image is opened), for listings.
 
     Raises the same layout errors as `load_domain_folders`, so a listing flags a broken tree before a run does.
     """
@@ -215,4 +238,5 @@ def describe_domain_folders(path: str | os.PathLike[str]) -> dict[str, Any]:
         "classes": list(tree.classes),
         "images": counts,
         "total": len(tree.files),
+        "skipped": len(tree.skipped),
     }

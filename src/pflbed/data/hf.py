@@ -12,9 +12,13 @@ Where the data comes from, in order:
 Samples become tensors like every other loader's: images (PIL images, or arrays [H, W], [H, W, C] or [C, H, W]) are
 stacked into float32 [N, C, H, W]; a grey image has one channel, and when some images are colour every image is
 RGB. Integer pixels are read as 0–255 and float pixels as already in [0, 1]; then x = (pixel / 255 − mean) / std with
-(mean, std) = `normalize` (default (0.5, 0.5): [−1, 1], like the folder datasets). Vectors [N, D] pass through the
-same normalization. Labels: a `ClassLabel` keeps its ids, integers are used as they are, strings are numbered in
-sorted order over both splits. User ids (`user_column`) likewise: integers as they are, strings in sorted order.
+(mean, std) = `normalize` (default (0.5, 0.5): [−1, 1], like the folder datasets). PIL images follow the same rule
+by their mode, with their values kept (not squeezed through 8-bit "L", which zeroes floats and clips 16 bits):
+8-bit modes span 0–255, 16-bit grey (`I;16`, as `datasets` stores uint16 arrays and Pillow reads 16-bit PNGs)
+0–65535, 32-bit integers (`I`) must lie in 0–255 like integer arrays, and floats (`F`) are in [0, 1]. One split's
+images share one range. Vectors [N, D] pass through the same normalization. Labels: a `ClassLabel` keeps its ids,
+integers are used as they are, strings are numbered in sorted order over both splits. User ids (`user_column`)
+likewise: integers as they are, strings in sorted order.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import torch
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.errors import DataError
 
-_GREY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
+_GREY_MODES = {"1", "L", "LA"}  # 8-bit grey; other 8-bit modes become RGB
+# Modes whose values are not 8-bit: the raw range each spans (`_images`).
+_WIDE_MODES = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 255.0, "F": 1.0}
 
 
 def load_hf(
@@ -280,20 +286,33 @@ def _pixels(ds: Any, column: str, image_size: int | None, what: str) -> tuple[np
 def _images(ds: Any, column: str, image_size: int | None, what: str) -> tuple[np.ndarray, float, bool]:
     from PIL import Image
 
-    arrays, colour = [], False
+    arrays, colour, scales = [], False, {}
     for i, img in enumerate(ds.with_format(None)[column]):
         if img is None:
             raise DataError(f"dataset.hf.image_column: sample {i} of {what} has no image")
-        img = img.convert("L" if img.mode in _GREY_MODES else "RGB")
+        scale = _WIDE_MODES.get(img.mode, 255.0)
+        if img.mode == "I":
+            lo, hi = img.getextrema()
+            if lo < 0 or hi > 255:
+                raise DataError(f"dataset.hf.image_column: 32-bit integer image {i} of {what} spans {lo}…{hi}; "
+                                "need 0…255 (store 16-bit images as I;16)")  # fmt: skip
+        scales.setdefault(scale, img.mode)
+        # Wide modes become floats with their values kept (and resize as floats); 8-bit ones stay 8-bit.
+        img = img.convert("F" if img.mode in _WIDE_MODES else "L" if img.mode in _GREY_MODES else "RGB")
         if image_size is not None and img.size != (image_size, image_size):
             img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
-        a = np.asarray(img, dtype=np.uint8)
+        a = np.asarray(img)
+        if a.dtype == np.float32 and not np.isfinite(a).all():
+            raise DataError(f"dataset.hf.image_column: image {i} of {what} holds non-finite values")
         colour |= a.ndim == 3
         if arrays and a.shape[:2] != arrays[0].shape[:2]:
             raise DataError(f"dataset.hf.image_column: images of {what} differ in size ({arrays[0].shape[1]}×"
                             f"{arrays[0].shape[0]} and {a.shape[1]}×{a.shape[0]}); set dataset.hf.image_size to "
                             "resize them")  # fmt: skip
         arrays.append(a)
+    if len(scales) > 1:
+        raise DataError(f"dataset.hf.image_column: the images of {what} mix pixel ranges (modes "
+                        f"{' and '.join(scales.values())}); store them in one mode")  # fmt: skip
     if colour:
         arrays = [np.repeat(a[..., None], 3, axis=-1) if a.ndim == 2 else a for a in arrays]
-    return np.stack(arrays), 255.0, colour
+    return np.stack(arrays), next(iter(scales)), colour

@@ -27,7 +27,7 @@ import torch
 
 from pflbed.data import store
 from pflbed.data.arrays import ArrayDataset, DataSource
-from pflbed.data.safepickle import as_str_keys, load_pickle
+from pflbed.data.safepickle import as_str_keys, int_vector, load_pickle
 from pflbed.errors import DataError
 
 NAME, TITLE = "miniimagenet", "miniImageNet"
@@ -59,10 +59,9 @@ def _read(path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         raise DataError(f"{path}: class_dict must map each wnid to its rows of image_data")
     out, seen = {}, np.zeros(len(images), dtype=bool)
     for wnid, rows in classes.items():
-        try:
-            idx = np.asarray(rows, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError, OverflowError):
-            raise DataError(f"{path}: class_dict[{wnid!r}] is not a list of row indices") from None
+        idx = int_vector(rows)
+        if idx is None:
+            raise DataError(f"{path}: class_dict[{wnid!r}] is not a list of row indices")
         if len(idx) and (idx.min() < 0 or idx.max() >= len(images)):
             raise DataError(f"{path}: class_dict[{wnid!r}] points past image_data's {len(images)} rows")
         if seen[idx].any():

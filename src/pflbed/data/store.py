@@ -15,8 +15,9 @@ Downloads happen only on request (`dataset.download=true`) and go through pooch:
 temporary name, checked against its pinned digest (SHA-256, or the MD5 the publisher lists where that is all it
 lists) and only then renamed into place. An archive is unpacked into a temporary folder beside its destination
 and moved into place only once complete; the archive is then deleted. Any failure — a checksum mismatch, a
-truncated archive, a network error — is one `DataError` naming the file, and leaves nothing behind that this
-call wrote.
+truncated archive, a network error (said in a few words: offline, unreachable, HTTP status) — is one `DataError`
+naming the file, and leaves nothing behind that this call wrote; `locate` adds the dataset's name and the manual
+route of its not-found message, so an offline user knows where to unpack a copy fetched elsewhere.
 """
 
 from __future__ import annotations
@@ -165,9 +166,54 @@ def _retrieve(remote: Remote, dest: Path) -> Path:
         found = re.search(r"expected (\w+), got (\w+)", str(exc))
         detail = f"got {found[2]}, expected {found[1]}" if found else one_line(exc)
         raise DataError(f"{target}: {algorithm} checksum mismatch ({detail}) for {remote.url}; discarded") from None
-    except (requests.RequestException, OSError, DataError) as exc:
+    except requests.RequestException as exc:  # the network's failure: the local file name would be noise
+        raise DataError(f"download of {remote.name} failed ({network_cause(exc, remote.url)})") from None
+    except (OSError, DataError) as exc:
         raise DataError(f"{target}: download of {remote.url} failed ({one_line(exc)})") from None
     return Path(got)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the errors inside it: causes, contexts, exception arguments and urllib3's `reason` (requests wraps
+    urllib3's `MaxRetryError`, which wraps the socket's error)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < 32:
+        e = todo.pop()
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        inner = [e.__cause__, e.__context__, getattr(e, "reason", None), *e.args]
+        todo += [i for i in inner if isinstance(i, BaseException)]
+    return seen
+
+
+def network_cause(exc: BaseException, url: str) -> str:
+    """A failed request's cause in a few words: the raw error is a screenful of pool and retry details, and what
+    a user needs to know is whether the machine is offline, the server is unreachable or the file is gone."""
+    import socket
+
+    import requests
+
+    host = urllib.parse.urlparse(url).hostname or url
+    chain = _chain(exc)
+    if any(isinstance(e, socket.gaierror) or type(e).__name__ == "NameResolutionError" for e in chain):
+        return f"no network: name resolution failed for {host}"
+    if any(isinstance(e, requests.Timeout | TimeoutError) for e in chain):
+        return f"{host} did not answer in time"
+    response = getattr(exc, "response", None)
+    if isinstance(exc, requests.HTTPError) and response is not None:
+        return f"HTTP {response.status_code} {response.reason or ''}".rstrip()
+    if isinstance(exc, requests.ConnectionError):
+        return f"cannot connect to {host}"
+    return one_line(exc)
+
+
+def download_failed(name: str, title: str, how: str, exc: DataError) -> DataError:
+    """A failed download as one line naming the dataset, with the manual route of its not-found message (less
+    the download, which just failed)."""
+    manual = re.sub(r",? or (set dataset\.download=true|load with download=True)\b.*$", "", how)
+    return DataError(f"dataset {name} ({title}): {exc}; instead, {manual}")
 
 
 def _unpack(archive: Path, dest: Path) -> list[Path]:
@@ -250,7 +296,10 @@ def locate(
     if directory is None and download:
         if not remotes:
             raise DataError(f"dataset {name} ({title}) not found and has no official archive to download; {how}")
-        fetch(remotes, Path(path).expanduser() if path is not None else cache_dir(name))
+        try:
+            fetch(remotes, Path(path).expanduser() if path is not None else cache_dir(name))
+        except DataError as exc:
+            raise download_failed(name, title, how, exc) from None
         directory = find(name, path, tops, holds)
     if directory is None:
         raise not_found(name, title, path, how)

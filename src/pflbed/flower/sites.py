@@ -1,8 +1,9 @@
 """Deployments whose clients' data stays on the sites (`sites.local`): what a site holds, and the two contexts.
 
 A site is a SuperNode that declares its data in its own node config — never in the server's config:
-- `data=PATH`: the site's samples: an `.npz` file with `x` (the model's inputs, [N, *input shape]) and `y`
-  (integer labels), a folder of class sub-folders `0/`, `1/`, … of images, or a directory holding `train`
+- `data=PATH`: the site's samples: an `.npz` file with `x` (the model's inputs, [N, *input shape]; [N, H, W] is
+  one-channel images, read as [N, 1, H, W]) and `y` (integer labels), a folder of class sub-folders `0/`, `1/`, …
+  of images, or a directory holding `train`
   (`train.npz` or a `train/` image folder) and optionally `val` and `test` of the same kind;
 - `dataset=NAME` (optional): instead, a dataset pflbed loads (e.g. `hf` for a Hugging Face dataset saved to disk,
   `cifar10`, `femnist`), its files at `data=PATH`, with the run's preprocessing options;
@@ -68,7 +69,12 @@ class SiteFiles:
 
 
 def read_npz(path: Path, what: str) -> ArrayDataset:
-    """`x` (float32) and `y` (int64) of an `.npz` file, read without unpickling."""
+    """`x` (float32) and `y` (int64) of an `.npz` file, read without unpickling.
+
+    `x` of [N, H, W] is one-channel images (sklearn's digits, an MNIST array, as a user saves them) and becomes
+    [N, 1, H, W], as pflbed's own loaders give grey images. Read so here, where the server (`sites.test`,
+    `describe_sites`) and every site read their files, both sides build the model from the same shape: a
+    convolution with H input channels on the server and one-channel batches on a site do not fit."""
     try:
         with np.load(path, allow_pickle=False) as f:
             if "x" not in f or "y" not in f:
@@ -84,7 +90,7 @@ def read_npz(path: Path, what: str) -> ArrayDataset:
     if x.ndim < 2 or y.shape != (len(x),):
         raise SiteError(f"{what} {path}: x must be [N, *sample shape] and y [N] (got {x.shape} and {y.shape})")
     x_t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return ArrayDataset(x_t, torch.from_numpy(y.astype(np.int64)))
+    return ArrayDataset(x_t.unsqueeze(1) if x_t.ndim == 3 else x_t, torch.from_numpy(y.astype(np.int64)))
 
 
 def _image_source(cfg: Config) -> DataSource:
@@ -224,8 +230,10 @@ def check_report(cfg: Config, site: int, info: dict[str, Any]) -> None:
     """Refuse a site whose data does not fit the run's input shape and label space (one line naming it)."""
     shape, k = list(cfg.sites.input_shape or []), cfg.sites.num_classes or 0
     if list(info["input_shape"]) != shape:
+        grey = list(info["input_shape"]) == [1, *shape]
+        one = " ([N, H, W] files are read as one channel, [1, H, W])" if grey else ""
         raise SiteError(f"site {site}: its samples have shape {list(info['input_shape'])}, the run's sites."
-                        f"input_shape is {shape}")  # fmt: skip
+                        f"input_shape is {shape}{one}")  # fmt: skip
     outside = [v for v in info["labels"] if not 0 <= v < k]
     if outside:
         raise SiteError(f"site {site}: labels {outside[:5]} are outside the run's label space 0…{k - 1} "

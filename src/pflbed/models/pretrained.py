@@ -12,11 +12,14 @@ Accepted files:
 - a `pflbed pretrain` output directory or its `model.pt`, and a model saved by `pflbed personalize --out`: a dict
   with `state_dict`, `architecture`, `input_shape`, `num_classes` (and `source` for pretrain outputs);
 - a plain state dict (`torch.save(model.state_dict(), path)`), keys as in the zoo model;
-- for `resnet18_imagenet`: a torchvision or timm ResNet-18 state dict (their ImageNet weights, `.pt` / `.pth`, also
-  under a `state_dict` entry or with DataParallel's `module.` prefix). Its keys are mapped to the zoo's
-  (`torchvision_resnet18_key`: conv1/bn1 → the stem, layerI.J.* → the same residual block, downsample → shortcut);
-  its 1000-class `fc` is dropped, so the classifier stays the run's own, freshly initialized for its classes. BN
-  counters (`num_batches_tracked`) that old checkpoints lack keep the model's value.
+- a `.safetensors` file (how timm and the Hugging Face hub publish weights): a flat state dict, read with the
+  `safetensors` package, which holds tensors only and runs no code; a directory without `model.pt` but with
+  `model.safetensors` (a downloaded hub snapshot) is read through that file;
+- for `resnet18_imagenet`: a torchvision or timm ResNet-18 state dict (their ImageNet weights, `.pt` / `.pth` /
+  `.safetensors`, also under a `state_dict` entry or with DataParallel's `module.` prefix). Its keys are mapped to
+  the zoo's (`torchvision_resnet18_key`: conv1/bn1 → the stem, layerI.J.* → the same residual block, downsample →
+  shortcut); its 1000-class `fc` is dropped, so the classifier stays the run's own, freshly initialized for its
+  classes. BN counters (`num_batches_tracked`) that old checkpoints lack keep the model's value.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pflbed.errors import ConfigError
 from pflbed.models.blocks import BlockNet
 
 MODEL_FILE = "model.pt"
+SAFETENSORS_FILE = "model.safetensors"  # the name timm and the Hugging Face hub give published weights
 
 
 @dataclass
@@ -45,20 +49,31 @@ class Weights:
 
 
 def model_file(path: str | Path) -> Path:
-    """The weights file `path` names: the file itself, or `model.pt` inside a directory."""
+    """The weights file `path` names: the file itself, or `model.pt` inside a directory (`model.safetensors` where
+    the directory holds that and no `model.pt`)."""
     p = Path(path)
-    return p / MODEL_FILE if p.is_dir() else p
+    if not p.is_dir():
+        return p
+    published = not (p / MODEL_FILE).exists() and (p / SAFETENSORS_FILE).is_file()
+    return p / (SAFETENSORS_FILE if published else MODEL_FILE)
 
 
 def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
     f = model_file(path)
     if not f.is_file():
-        hint = " (a directory needs model.pt)" if Path(path).is_dir() else ""
+        hint = f" (a directory needs {MODEL_FILE} or {SAFETENSORS_FILE})" if Path(path).is_dir() else ""
         raise ConfigError(f"{what}: no such file {f}{hint}")
+    safetensors = f.suffix == ".safetensors"
     try:
-        blob = torch.load(f, map_location="cpu", weights_only=True)
+        if safetensors:
+            from safetensors.torch import load_file
+
+            blob = load_file(f, device="cpu")
+        else:
+            blob = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
-        raise ConfigError(f"{what}: {f} is not a torch weights file ({type(e).__name__})") from None
+        kind = "safetensors" if safetensors else "torch weights"
+        raise ConfigError(f"{what}: {f} is not a {kind} file ({type(e).__name__})") from None
     if isinstance(blob, dict) and isinstance(blob.get("state_dict"), dict):
         return Weights(dict(blob["state_dict"]), f, blob.get("architecture"), blob.get("source"))
     if isinstance(blob, dict) and blob and all(isinstance(k, str) and torch.is_tensor(v) for k, v in blob.items()):

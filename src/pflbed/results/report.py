@@ -6,9 +6,13 @@ Contents, in reading order: a comparison table (final and validation-selected fi
 communication, time); the config as its differences from pflbed's defaults (keys that differ between the runs
 marked; each full config folded away below); the learning curves as one grid of small panels sharing the round
 axis (G-FL and P-FL on test and validation, the 10th-percentile client, any loss the records hold, and the bytes
-sent up and down per round), runs overlaid in one colour each; the per-client P-FL histogram; the partition
-heat-map (rebuilt from the run's config: the same federation, bit for bit); the algorithm's own plots (`plots/`:
-FedSelect's mask IoU, FedBasis's α, KT-pFL's coefficients…); timing.
+sent up and down per round), runs overlaid in one colour, line style and marker each (identical curves named in the
+note and drawn one over a wider other); the per-client P-FL histogram; the partition heat-map (rebuilt from the run's
+config: the same federation, bit for bit); the algorithm's own plots (`plots/`: FedSelect's mask IoU, FedBasis's α,
+KT-pFL's coefficients…); timing.
+
+Names: the algorithm column gives each algorithm's name as its paper writes it (`display_name`: "FedRoD (linear)",
+"kNN-Per"), and the column headers are words, not field names. The runs are named by their directories.
 
 Round 0: the curves hold exactly the evaluations in metrics.jsonl. pflbed's engine evaluates after rounds
 `eval.every`, 2·`eval.every`, … and the last, never before training, so its runs' curves start at the first
@@ -33,7 +37,7 @@ from typing import Any
 
 from pflbed.errors import PflbedError
 from pflbed.results.config_diff import diff_rows
-from pflbed.results.report_figures import Panel, Series, curves_svg, histogram_svg, run_colour
+from pflbed.results.report_figures import Panel, curves_svg, histogram_svg, run_colour, run_series
 
 ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
             ("gfl_val", "G-FL validation"), ("pfl_acc_p10", "P-FL test, 10th-percentile client"))  # fmt: skip
@@ -86,18 +90,31 @@ def _mb(v: Any) -> str:
     return f"{v / MB:.3g}" if _number(v) else "—"
 
 
+def display_name(algorithm: str) -> str:
+    """An algorithm as its paper names it: the head of its file's docstring before " — " ("FedRoD (linear)",
+    "kNN-Per", "LG-FedAvg"), else its class's name; a name pflbed does not know, as given."""
+    from pflbed.algorithms import ALGORITHMS
+    from pflbed.results.catalog import paper
+
+    cls = ALGORITHMS.get(algorithm)
+    if cls is None:
+        return algorithm
+    head, dash, _ = paper(cls).partition(" — ")
+    return head if dash and len(head.split()) <= 3 else cls.__name__
+
+
 def comparison(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     """The comparison table: header and one row per run (accuracies in %, communication in MB per round)."""
-    header = ["run", "algorithm", "dataset", "rounds", "G-FL", "P-FL", "± std", "P-FL p10", "selected round",
-              "P-FL at selected", "+FT P-FL", "+LP P-FL", "new clients M ft best", "MB/round up / down",
-              "wall s"]  # fmt: skip
+    header = ["run", "algorithm", "dataset", "rounds", "G-FL", "P-FL", "P-FL std", "P-FL, 10th-percentile client",
+              "selected round", "P-FL at the selected round", "P-FL after fine-tuning", "P-FL after linear probing",
+              "new clients, fine-tuned", "MB per round, up / down", "wall time (s)"]  # fmt: skip
     rows = []
     for r in runs:
         s, f = r.summary, r.summary["final"]
         sel = s.get("selected") or {}
         ft = ((s.get("new_clients") or {}).get("methods") or {}).get("ft", {}).get("M", {})
         comm = s.get("communication") or {}
-        rows.append([r.name, s["algorithm"], s["dataset"], str(s["rounds"]), _pct(f.get("gfl_acc")),
+        rows.append([r.name, display_name(s["algorithm"]), s["dataset"], str(s["rounds"]), _pct(f.get("gfl_acc")),
                      _pct(f.get("pfl_acc")), _pct(f.get("pfl_acc_std")), _pct(f.get("pfl_acc_p10")),
                      str(sel.get("round", "—")), _pct(sel.get("pfl_acc")), _pct((f.get("ft") or {}).get("pfl_acc")),
                      _pct((f.get("lp") or {}).get("pfl_acc")), _pct(ft.get("best")),
@@ -118,10 +135,11 @@ def _epsilon(p: dict[str, Any] | None) -> str:
 
 # --- figures -----------------------------------------------------------------------------------------------------
 def panels(runs: list[RunData]) -> list[Panel]:
-    """The learning-curve panels the runs have data for, each run in its colour (`run_colour`, by position)."""
+    """The learning-curve panels the runs have data for, each run in its colour, line style and marker
+    (`run_series`, by position)."""
 
     def panel(key: str, title: str, ylabel: str, unit: str, scale: Callable[[float], float]) -> Panel:
-        series = [Series(r.name, run_colour(i), xs, [scale(y) for y in ys])
+        series = [run_series(i, r.name, xs, [scale(y) for y in ys])
                   for i, r in enumerate(runs) for xs, ys in [r.curve(key)] if xs]  # fmt: skip
         return Panel(key, title, ylabel, unit, series)
 
@@ -171,8 +189,7 @@ def partition_png(run: RunData) -> bytes | None:
 def figures(runs: list[RunData]) -> list[Figure]:
     out = []
     if grid := panels(runs):
-        out.append(Figure("curves", "learning curves", "curves",
-                          curves_svg(grid, [(r.name, run_colour(i)) for i, r in enumerate(runs)])))  # fmt: skip
+        out.append(Figure("curves", "learning curves", "curves", curves_svg(grid)))
     hist = [(r.name, run_colour(i), [100 * v for v in r.summary.get("per_client", {}).get("pfl_acc") or []])
             for i, r in enumerate(runs)]  # fmt: skip
     if any(v for *_, v in hist):
@@ -198,17 +215,55 @@ def _timing_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
 
 
 def curves_note(runs: list[RunData], inline: bool = True) -> str:
-    """What the curves' points are, said under them: which rounds, whether round 0 is among them; `inline`: the
-    SVG is in the page, so its tooltips show (an SVG shown as an image, as Markdown does, shows none)."""
+    """What the curves' points are, said under them: which rounds each run was evaluated at (and how to get more
+    points where there are few), whether round 0 is among them, which curves coincide (drawn over each other);
+    `inline`: the SVG is in the page, so its tooltips show (an SVG shown as an image, as Markdown does, shows none)."""
     zero = [r.name for r in runs if any(rec.get("round") == 0 for rec in r.history)]
-    note = "Each point is an evaluation (every eval.every rounds and the last)"
-    note += "; hover a point for its value, zoom the page for detail. " if inline else ". "
+    note = "Each point is an evaluation. " + _schedule(runs)
+    note += "Hover a point for its value, zoom the page for detail. " if inline else ""
     note += (f"Round 0 (before training) is logged for {', '.join(zero)}. " if zero else
              "No run logged an evaluation before training (round 0), so each curve starts at its first evaluated "
              "round. ")  # fmt: skip
     if any(rec.get("full_test") is False for r in runs for rec in r.history):
         note += "Intermediate evaluations score a subsample of the shared test sets (eval.test_subsample). "
+    if same := coinciding(panels(runs)):
+        note += ("Identical curves, drawn over each other (told apart by line style and marker): "
+                 + "; ".join(same) + ". ")  # fmt: skip
     return note + "Communication in MB (10⁶ bytes) per round: up = clients → server, down = server → clients."
+
+
+FEW_POINTS = 5  # a curve of fewer evaluations says little about its shape: the note says how to get more
+
+
+def _schedule(runs: list[RunData]) -> str:
+    """`fedavg, fedrod: evaluated every 5 rounds and after the last — 2 points (rounds 5, 10).`, the runs of one
+    schedule together."""
+    groups: dict[str, list[str]] = {}
+    few = False
+    for r in runs:
+        rounds = sorted({rec["round"] for rec in r.history if _number(rec.get("round"))})
+        every = (r.config().get("eval") or {}).get("every")
+        when = f"evaluated every {every} round{'s' * (every != 1)} and after the last" if _number(every) else \
+            "evaluated as logged"  # fmt: skip
+        shown = ", ".join(map(str, rounds)) if len(rounds) <= 8 else f"{rounds[0]} … {rounds[-1]}"
+        groups.setdefault(f"{when} — {len(rounds)} point{'s' * (len(rounds) != 1)} (rounds {shown})", []).append(
+            r.name)
+        few |= len(rounds) < FEW_POINTS
+    text = "; ".join(f"{', '.join(names)}: {what}" for what, names in groups.items()) + ". "
+    if few:
+        text += "For more points, run again with --set eval.every=1 (an evaluation after every round; slower). "
+    return text
+
+
+def coinciding(grid: list[Panel]) -> list[str]:
+    """`panel: run, run` for each set of runs whose curves in a panel are the same points."""
+    out = []
+    for p in grid:
+        same: dict[tuple, list[str]] = {}
+        for s in p.series:
+            same.setdefault((tuple(s.rounds), tuple(round(v, 9) for v in s.values)), []).append(s.run)
+        out += [f"{p.title}: {', '.join(names)}" for names in same.values() if len(names) > 1]
+    return out
 
 
 SECTIONS = (("curves", "Learning curves"), ("clients", "Clients"), ("algorithm", "The algorithm's own plots"))
@@ -258,15 +313,22 @@ overflow:auto;font-size:12px}h2{border-bottom:1px solid #ddd;padding-bottom:.2em
 p.note{color:#555;font-size:13px;max-width:70em}summary{cursor:pointer;color:#444;margin:.3em 0}"""
 
 
+TABLE_NOTE = ("Accuracies in %. G-FL: the generic model on the shared test set; P-FL: each client's personal model on "
+              "its own test data, mean over clients (std: across clients); the selected round is the evaluation with "
+              "the best P-FL on validation. After fine-tuning / linear probing: P-FL once each client has trained "
+              "its copy of the final model (all of it / its head only: eval.finetune). New clients: clients held "
+              "out of training, each fine-tuning the final model on its M share of training data (the second of "
+              "eval.new_clients.fractions: all of it by default), scored on test at the epoch best on validation. "
+              "Communication: MB (10⁶ bytes) per round, of the last round.")
+
+
 def render_html(runs: list[RunData], figs: list[Figure]) -> str:
     title = "pflbed report: " + ", ".join(r.name for r in runs)
     cfg_header, cfg = diff_rows([(r.name, r.config()) for r in runs])
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
              "<h2>Comparison</h2>", _html_table(*comparison(runs)),
-             "<p class='note'>Accuracies in %. G-FL: the generic model on the shared test set; P-FL: each client's "
-             "personal model on its own test data, mean over clients; the selected round is the evaluation with the "
-             "best P-FL on validation. Communication: MB (10⁶ bytes) per round, of the last round.</p>",
+             f"<p class='note'>{html.escape(TABLE_NOTE)}</p>",
              "<h2>Config</h2>", f"<p class='note'>{html.escape(_config_intro(runs, cfg))}</p>",
              _html_table(cfg_header, [c for c, _ in cfg], [d for _, d in cfg], " class='cfg'")]  # fmt: skip
     for r in runs:
@@ -295,8 +357,9 @@ def render_markdown(runs: list[RunData], figs: list[Figure], figure_dir: Path, r
     cfg_header, cfg = diff_rows([(r.name, r.config()) for r in runs])
     cfg_rows = [[f"**{c[0]}** ≠", *c[1:]] if d else c for c, d in cfg]
     parts = ["# pflbed report: " + ", ".join(r.name for r in runs), "", "## Comparison", "",
-             _md_table(*comparison(runs)), "", "## Config", "", _config_intro(runs, cfg).replace("highlighted",
-             "marked ≠"), "", _md_table(cfg_header, cfg_rows), ""]  # fmt: skip
+             _md_table(*comparison(runs)), "", TABLE_NOTE, "", "## Config", "",
+             _config_intro(runs, cfg).replace("highlighted", "marked ≠"), "", _md_table(cfg_header, cfg_rows),
+             ""]  # fmt: skip
     for r in runs:
         parts += [f"<details><summary>full config of {r.name}</summary>", "", "```yaml", r.config_text.rstrip(),
                   "```", "", "</details>", ""]  # fmt: skip

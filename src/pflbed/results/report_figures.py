@@ -22,6 +22,12 @@ RUN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
                "#17becf")  # fmt: skip
 
 
+# and a line style and marker of its own: two runs with the same figures (FedAvg's and FedRoD's communication) draw
+# the same curve, and colour alone would leave only the one drawn last in sight
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def run_colour(i: int) -> str:
     """Run i's colour, the same in every panel and figure of a report."""
     return RUN_COLOURS[i % len(RUN_COLOURS)]
@@ -29,12 +35,20 @@ def run_colour(i: int) -> str:
 
 @dataclass
 class Series:
-    """One run's points in one panel: values already in the panel's unit (%, MB, …)."""
+    """One run's points in one panel: values already in the panel's unit (%, MB, …), drawn in the run's colour,
+    line style and marker (`run_series`)."""
 
     run: str
     colour: str
     rounds: list[int]
     values: list[float]
+    linestyle: str = "-"
+    marker: str = "o"
+
+
+def run_series(i: int, run: str, rounds: list[int], values: list[float]) -> Series:
+    """Run i's points in its colour, line style and marker, the same in every panel."""
+    return Series(run, run_colour(i), rounds, values, LINESTYLES[i % len(LINESTYLES)], MARKERS[i % len(MARKERS)])
 
 
 @dataclass
@@ -65,17 +79,18 @@ def _grid_columns(n: int) -> int:
     return n if n <= 4 else min((4, 3), key=lambda c: (-n) % c)
 
 
-def curves_svg(panels: list[Panel], runs: Sequence[tuple[str, str]]) -> str:
-    """The panels as one grid of small charts sharing the round axis, the runs (`(name, colour)`) in one legend."""
+def curves_svg(panels: list[Panel]) -> str:
+    """The panels as one grid of small charts sharing the round axis, the runs in one legend."""
     plt = _pyplot()
     with plt.rc_context(RC):
-        return _curves(plt, panels, runs)
+        return _curves(plt, panels)
 
 
-def _curves(plt, panels: list[Panel], runs: Sequence[tuple[str, str]]) -> str:
+def _curves(plt, panels: list[Panel]) -> str:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
+    runs = list({s.run: s for p in panels for s in p.series}.values())  # one legend entry per run, in order
     cols = _grid_columns(len(panels))
     rows = math.ceil(len(panels) / cols)
     legend_rows = math.ceil(len(runs) / 5)
@@ -84,11 +99,15 @@ def _curves(plt, panels: list[Panel], runs: Sequence[tuple[str, str]]) -> str:
     tips: dict[str, list[str]] = {}
     flat = axes.ravel()
     for i, (ax, p) in enumerate(zip(flat, panels, strict=False)):
-        for s in p.series:
+        keys = [_points(s) for s in p.series]
+        for k, s in enumerate(p.series):
+            under = keys[k + 1 :].count(keys[k])  # later runs with the same points: drawn wider, beneath them
             gid = f"pt{i}-{len(tips)}"
-            # clip_on=False: a point on the axis (0 %, 0 MB) is drawn whole; the limits hold every point anyway
-            ax.plot(s.rounds, s.values, color=s.colour, marker="o", markersize=3.5, linewidth=1.4, gid=gid,
-                    clip_on=False)  # fmt: skip
+            # clip_on=False: a point on the axis (0 %, 0 MB) is drawn whole; the limits hold every point anyway.
+            # Few points (eval.every of a short run): larger markers, so that they read as the measurements
+            ax.plot(s.rounds, s.values, color=s.colour, linestyle=s.linestyle, marker=s.marker,
+                    linewidth=1.4 + 2 * under, markersize=(3.5 if len(s.rounds) > 5 else 5.5) + 3 * under,
+                    zorder=2 - 0.1 * under, gid=gid, clip_on=False)  # fmt: skip
             tips[gid] = [f"{s.run} · round {r} · {p.title}: {_value(v)} {p.unit}".rstrip()
                          for r, v in zip(s.rounds, s.values, strict=True)]  # fmt: skip
         _y_range(ax, p.unit)
@@ -104,10 +123,16 @@ def _curves(plt, panels: list[Panel], runs: Sequence[tuple[str, str]]) -> str:
             ax.set_xlabel("round", fontsize=8.5)
     flat[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     flat[0].set_xlim(left=0)  # training starts at round 0, whether or not it was evaluated there
-    handles = [Line2D([], [], color=c, marker="o", markersize=4, label=name) for name, c in runs]
+    handles = [Line2D([], [], color=s.colour, linestyle=s.linestyle, marker=s.marker, markersize=4, label=s.run)
+               for s in runs]  # fmt: skip
     fig.legend(handles=handles, loc="upper center", ncol=min(len(runs), 5), frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.32 * legend_rows / height))
     return _with_titles(_svg(fig, plt), tips)
+
+
+def _points(s: Series) -> tuple:
+    """A series' points, to tell which curves coincide."""
+    return tuple(s.rounds), tuple(round(v, 9) for v in s.values)
 
 
 def _y_range(ax, unit: str) -> None:

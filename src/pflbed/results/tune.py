@@ -28,6 +28,16 @@ A space is `{low: L, high: H}` (`log: true` for log-uniform, `int: true` for int
 A method's `set` (over `base`) is its default configuration, which the table compares with the tuned one; a key in
 both `set` and the space is tuned (from the space); `null` in a space fixes a declared key at its default.
 
+`pflbed tune --set KEY=VALUE` changes the suite without editing it: KEY is the suite's own dotted path
+(`tune.trials=4`, `seeds=[0]`, `base.train.rounds=5`, `methods.FedProx.space.algorithm.mu=null`; `methods=[A, B]`
+keeps those methods, `methods.A=null` drops one). Under a method's `set` / `space` / `report`, `tune.space` and
+`report`, the rest of KEY is one key, as those mappings hold dotted config keys.
+
+The tune directory is `--out`, else the suite's `out`, else `runs/tune/<name>` under the working directory (as
+`pflbed run` writes `runs/…`): never into the repository unless asked. A study remembers the setup its trials ran
+with (base, the method's set, space, objective and trial seed); a later command whose suite differs there stops
+with one line naming the key instead of mixing trials of two setups (the budget, seeds and table columns may change).
+
 Storage: an SQLite file `study.db` in the tune directory by default; `--storage URL` takes any Optuna storage, and
 `pflbed tune --worker` on other machines joins the same studies (Optuna's distributed mode). A killed `pflbed tune`
 continues where it stopped: finished trials (complete or pruned) count toward the budget, the trials a dead process
@@ -39,6 +49,7 @@ fails as surplus, so a study never holds more than its budget.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -51,12 +62,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pflbed.config import Config, TrainConfig, _first_error, set_dotted, validate_config
+from pflbed.config import Config, TrainConfig, _first_error, parse_override, set_dotted, validate_config
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.results.bench import Bench, MethodSpec, Suite, TableSpec, _get, _merge, _slug, read_suite_file
 from pflbed.search import Space, declared, parse_space
 
 CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
+IMPORTANCE_MIN_TRIALS = 10  # parameter importances (a random forest over the trials) from fewer are noise
+PLOTS = {"history": "optimization history", "importance": "parameter importances"}
 OBJECTIVES = (*CURVES, "new_val")
 
 
@@ -105,7 +118,7 @@ class TuneSuite(BaseModel):
     tune: TuneSpec
     methods: dict[str, TuneMethod] = Field(min_length=1)
     report: dict[str, str] = Field(default_factory=lambda: {"P-FL": "selected.pfl_acc", "G-FL": "selected.gfl_acc"})
-    out: str | None = Field(None, description="tune directory (default benchmarks/results/<name>)")
+    out: str | None = Field(None, description="tune directory (default runs/tune/<name>; --out wins)")
 
     @model_validator(mode="after")
     def _check(self) -> TuneSuite:
@@ -117,15 +130,93 @@ class TuneSuite(BaseModel):
         return self
 
 
-def load_tune_suite(path: str | Path) -> TuneSuite:
+def load_tune_suite(path: str | Path, overrides: list[str] | None = None) -> TuneSuite:
+    """The suite file with `--set KEY=VALUE` overrides applied; an error names the file's field or the `--set`."""
     p = Path(path)
     tree = read_suite_file(p)
     if isinstance(tree, dict) and "tune" not in tree:
         raise ConfigError(f"{p}: tune: missing (trials per method, …); `pflbed bench` runs suites without one")
+    keys = []
+    if overrides:
+        tree, keys = apply_overrides(tree if isinstance(tree, dict) else {}, overrides)
     try:
-        return TuneSuite.model_validate(tree or {})
+        suite = TuneSuite.model_validate(tree or {})
     except ValidationError as e:
-        raise ConfigError(f"{p}: {_first_error(e, model=TuneSuite)}") from None
+        loc = ".".join(str(x) for x in e.errors()[0]["loc"])
+        given = any(loc == k or loc.startswith(f"{k}.") or k.startswith(f"{loc}.") for k in keys)
+        raise ConfigError(f"{'--set ' if given else f'{p}: '}{_first_error(e, model=TuneSuite)}") from None
+    base_keys = [k.removeprefix("base.") for k in keys if k.startswith("base.")]
+    if base_keys:  # a wrong run config key under base, named as given (else a method's config names it later)
+        try:
+            validate_config(_merge(suite.base, {}))
+        except ConfigError as e:
+            if any(str(e).startswith(f"{k}:") or str(e).startswith(f"{k}.") for k in base_keys):
+                raise ConfigError(f"--set base.{str(e).replace('did you mean ', 'did you mean base.')}") from None
+    return suite
+
+
+# Mappings whose keys are dotted config keys or column names: below them, the rest of a --set key is one key.
+_FLAT = {("tune", "space"), ("report",)}
+_FLAT_IN_METHOD = ("set", "space", "report")
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of the suite's tree with each `KEY=VALUE` set (the value read as YAML), and the keys set. KEY is the
+    suite's own dotted path; `methods=[A, B]` keeps those methods, `methods.A=null` drops one."""
+    tree, keys = copy.deepcopy(tree), []
+    fields = list(TuneSuite.model_fields)
+    for item in overrides:
+        key, value = parse_override(item)
+        parts = key.split(".")
+        if parts[0] not in fields:
+            raise ConfigError(f"--set {key}: not a key of a tune suite ({', '.join(fields)}); a run config key "
+                              f"goes under base (--set base.{key}=…) or a method's set "
+                              f"(--set methods.NAME.set.{key}=…)")  # fmt: skip
+        methods = tree.get("methods") if isinstance(tree.get("methods"), dict) else {}
+        if key == "methods" and isinstance(value, list):
+            if missing := [m for m in value if m not in methods]:
+                raise ConfigError(f"--set methods: no method {missing[0]!r} in the suite ({', '.join(methods)})")
+            tree["methods"] = {m: methods[m] for m in value}
+        elif parts[0] == "methods" and len(parts) > 1:
+            name = parts[1]
+            if name not in methods:
+                raise ConfigError(f"--set {key}: no method {name!r} in the suite ({', '.join(methods)})")
+            if len(parts) == 2:
+                if value is None:
+                    del methods[name]
+                else:
+                    methods[name] = value
+            elif parts[2] in _FLAT_IN_METHOD and len(parts) > 3:
+                spec = methods[name] if isinstance(methods[name], dict) else {}
+                methods[name] = spec
+                _flat_set(spec, parts[2], ".".join(parts[3:]), value, key)
+            else:
+                _set(methods[name], ".".join(parts[2:]), value, key)
+        elif tuple(parts[:2]) in _FLAT and len(parts) > 2:
+            _flat_set(tree.setdefault("tune", {}), "space", ".".join(parts[2:]), value, key)
+        elif tuple(parts[:1]) in _FLAT and len(parts) > 1:
+            tree.setdefault("report", TuneSuite.model_fields["report"].get_default(call_default_factory=True))
+            _flat_set(tree, "report", ".".join(parts[1:]), value, key)
+        else:
+            _set(tree, key, value, key)
+        keys.append(key)
+    return tree, keys
+
+
+def _set(node: Any, dotted: str, value: Any, key: str) -> None:
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {key}: not a section")
+    try:
+        set_dotted(node, dotted, value)
+    except ConfigError as e:
+        raise ConfigError(f"--set {key}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None:
+    mapping = node.setdefault(field, {}) if isinstance(node, dict) else None
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"--set {key}: {field} is not a mapping")
+    mapping[flat_key] = value
 
 
 def optuna_module():
@@ -184,6 +275,23 @@ class Method:
     def study_name(self) -> str:
         return f"{self.tuner.suite.name}/{self.name}"
 
+    def setup(self) -> dict[str, Any]:
+        """What the study's trials depend on, as flat dotted keys (JSON values): the base config, the method's set,
+        its search space, its objective and the trial seed. The budget, the seeds of the re-runs and the table's
+        columns are not in it: they may change between two commands on one study."""
+        suite = self.tuner.suite
+        out = {**_flat(suite.base, "base."), **{f"methods.{self.name}.set.{k}": v for k, v in self.spec.set.items()},
+               **{f"space.{k}": s.text() for k, s in self.space.items()}, "objective": self.objective,
+               "trial seed": self.tuner.seed}  # fmt: skip
+        return json.loads(json.dumps(out, default=str))
+
+
+def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
+    return out
+
 
 def shown_storage(url: str) -> str:
     """A storage URL as the table and messages show it: without its password (`postgresql://user:***@host/db`), so
@@ -192,21 +300,24 @@ def shown_storage(url: str) -> str:
 
 
 class Tuner:
-    def __init__(self, suite: TuneSuite, root: Path | None = None, storage: str | None = None) -> None:
+    def __init__(self, suite: TuneSuite, out: str | Path | None = None, storage: str | None = None) -> None:
         t = suite.tune
         for m, spec in suite.methods.items():  # equal budgets, unless the suite says otherwise
             if spec.trials is not None and spec.trials != t.trials and not t.unequal_budgets:
                 raise ConfigError(f"methods.{m}.trials: {spec.trials} trials against tune.trials {t.trials}: every "
                                   "method gets the same budget (say tune.unequal_budgets: true to allow it)")
         self.suite = suite
-        self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
+        self.out = Path(out or suite.out or Path("runs") / "tune" / suite.name)
         self.storage_url = storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
-        self.storage_shown = "study.db" if storage is None else shown_storage(storage)
+        self.storage_shown = "study.db" if storage is None else shown_storage(storage)  # table.json: no local path
+        self.storage_path = str(self.out / "study.db") if storage is None else self.storage_shown  # messages
         self.seed = suite.tune.seed if suite.tune.seed is not None else suite.seeds[0]
         self.methods = [Method(n, spec, self) for n, spec in suite.methods.items()]
         self._storage = None
         self._surplus = False
+        self._checked: set[str] = set()
         self.plots: dict[str, dict[str, str]] = {}
+        self.absent: dict[str, dict[str, str]] = {}  # method → {plot kind: why it is not drawn}
 
     # --- studies -------------------------------------------------------------------------------------------------
     def storage(self):
@@ -249,12 +360,32 @@ class Tuner:
                   "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=1),
                   "none": optuna.pruners.NopPruner}[t.pruner]()  # fmt: skip
         try:
-            return optuna.create_study(storage=self.storage(), study_name=method.study_name, sampler=sampler,
-                                       pruner=pruner, direction="maximize", load_if_exists=True)  # fmt: skip
+            study = optuna.create_study(storage=self.storage(), study_name=method.study_name, sampler=sampler,
+                                        pruner=pruner, direction="maximize", load_if_exists=True)  # fmt: skip
         except Exception as e:  # a storage URL optuna cannot open: one line
             if isinstance(e, PflbedError):
                 raise
             raise self._storage_error(e) from None
+        if method.name not in self._checked:
+            self._check_setup(method, study)
+            self._checked.add(method.name)
+        return study
+
+    def _check_setup(self, method: Method, study) -> None:
+        """The study's trials ran with this method's setup (recorded by the first command on it): a suite changed
+        since (another base key, set, space, objective or trial seed — e.g. a --set left out or added) would mix
+        trials of two setups in one study and reuse re-runs of the other, so it stops, naming the first key."""
+        setup, held = method.setup(), study.user_attrs.get("setup")
+        if held is None:
+            study.set_user_attr("setup", setup)
+            return
+        diff = next((k for k in sorted({*setup, *held}) if setup.get(k, "unset") != held.get(k, "unset")), None)
+        if diff is not None:
+            was, now = (json.dumps(x.get(diff, "unset")) for x in (held, setup))
+            new = "another --out" if self.storage_url.endswith(f"{self.out.resolve() / 'study.db'}") else \
+                "another suite name (--set name=…)"  # fmt: skip
+            raise ConfigError(f"{diff}: {now}, but the {method.name} study in {self.storage_path} ran its trials with "
+                              f"{was}; give {new} for a new study (or the same --set as before)")
 
     def _storage_error(self, e: Exception) -> PflbedError:
         """A storage Optuna cannot open, as one line that names it without its password."""
@@ -413,42 +544,55 @@ class Tuner:
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
                 "seconds": {"search": _trial_seconds(study),
                             "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in (d, t) if r)},
-                "plots": self.plots.get(m.name, {}),
+                "plots": self.plots.get(m.name, {}), "plots_absent": self.absent.get(m.name, {}),
             })  # fmt: skip
         return out
 
     def draw(self) -> dict[str, dict[str, str]]:
-        """Optuna's matplotlib plots per method (optimization history; parameter importances from 2 trials on), as
-        PNGs under plots/; method → {kind: path relative to the tune directory}."""
+        """Optuna's matplotlib plots per method, as PNGs under plots/: the optimization history (objective in %, as
+        the table gives it) and, from `IMPORTANCE_MIN_TRIALS` complete trials over at least two parameters, the
+        parameter importances; method → {kind: path relative to the tune directory}. A plot not drawn gets its
+        reason in `absent`, which the table's pages say."""
         optuna = optuna_module()
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
         from optuna.trial import TrialState
         from optuna.visualization import matplotlib as vis
 
         (self.out / "plots").mkdir(parents=True, exist_ok=True)
-        self.plots = {}
+        self.plots, self.absent = {}, {}
         for m in self.methods:
             study = self.study(m)
-            done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            kinds = {"history": vis.plot_optimization_history}
-            if len(done) >= 2 and m.space:
-                kinds["importance"] = vis.plot_param_importances
+            n = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            why = {"history": "no complete trial yet" if not n else None,
+                   "importance": (f"{len(m.space)} parameter{'s' * (len(m.space) != 1)} searched: nothing to rank"
+                                  if len(m.space) < 2 else
+                                  f"{n} complete trial{'s' * (n != 1)}; importances need at least "
+                                  f"{IMPORTANCE_MIN_TRIALS} to mean anything" if n < IMPORTANCE_MIN_TRIALS else None)}
+            kinds = {"history": vis.plot_optimization_history, "importance": vis.plot_param_importances}
             for kind, plot in kinds.items():
-                if not done:
+                if why[kind]:
+                    self.absent.setdefault(m.name, {})[kind] = why[kind]
                     continue
                 path = Path("plots") / f"{_slug(m.name)}-{kind}.png"
                 try:
                     ax = plot(study)
-                    ax.set_title(f"{m.name}: {ax.get_title(loc='left')}", loc="left")
+                    for loc in ("left", "right"):  # Optuna's own title, where it puts one: would overlap ours
+                        ax.set_title("", loc=loc)
+                    ax.set_title(f"{m.name}: {PLOTS[kind]}")
+                    if kind == "history":
+                        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}"))
+                        ax.set_ylabel(f"{m.objective} (%)")
+                        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                     ax.figure.set_size_inches(7, 4)
                     ax.figure.tight_layout()
                     ax.figure.savefig(self.out / path, dpi=90)
                     self.plots.setdefault(m.name, {})[kind] = str(path)
-                except (ValueError, RuntimeError, optuna.exceptions.OptunaError):
-                    pass  # e.g. importances of a parameter that never varied
+                except (ValueError, RuntimeError, optuna.exceptions.OptunaError) as e:  # e.g. a constant parameter
+                    self.absent.setdefault(m.name, {})[kind] = f"Optuna could not draw it ({e})"
                 finally:
                     plt.close("all")
         return self.plots
@@ -492,9 +636,9 @@ class Tuner:
         for r in rows:
             lines.append(f"- {r['method']}: " + (", ".join(f"`{k}` {t}" for k, t in r["space"].items()) or "none"))
         for r in rows:
-            if r["plots"]:
-                lines += ["", f"### {r['method']}", ""]
-                lines += [f"![{r['method']} {kind}]({p})" for kind, p in r["plots"].items()]
+            lines += ["", f"### {r['method']}", ""]
+            lines += [f"![{r['method']} {kind}]({p})\n" for kind, p in r["plots"].items()]
+            lines += [f"{PLOTS[kind].capitalize()}: not drawn ({why}).\n" for kind, why in r["plots_absent"].items()]
         return "\n".join(lines) + "\n"
 
     def html(self, rows: list[dict[str, Any]]) -> str:
@@ -514,11 +658,12 @@ class Tuner:
                   for r in rows]  # fmt: skip
         parts.append("</ul>")
         for r in rows:
-            if r["plots"]:
-                parts.append(f"<h2>{html.escape(r['method'])}</h2>")
+            parts.append(f"<h2>{html.escape(r['method'])}</h2>")
             for kind, p in r["plots"].items():
                 data = base64.b64encode((self.out / p).read_bytes()).decode()
                 parts.append(f"<img alt='{html.escape(r['method'])} {kind}' src='data:image/png;base64,{data}'>")
+            parts += [f"<p>{PLOTS[kind].capitalize()}: not drawn ({html.escape(why)}).</p>"
+                      for kind, why in r["plots_absent"].items()]
         return "\n".join(parts + ["</body></html>"])
 
     def write_tables(self) -> tuple[Path, Path]:
