@@ -448,7 +448,11 @@ def test_plots_are_titled_by_method_in_percent_and_importances_need_enough_trial
     monkeypatch.setattr(Figure, "savefig", record)
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path)))
     _fake_trials(tuner, n)
+    stale = tuner.out / "plots" / "FedAvg-importance.png"  # drawn from other trials by an earlier call
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"an earlier drawing")
     tuner.draw()
+    assert stale.exists() is importance and (not importance or stale.read_bytes() != b"an earlier drawing")
     assert drawn["FedAvg-history"] == ("FedAvg: optimization history", "", "pfl_val (%)", "50")
     if importance:
         assert drawn["FedAvg-importance"][:2] == ("FedAvg: parameter importances", "")

@@ -574,10 +574,11 @@ class Tuner:
                                   f"{IMPORTANCE_MIN_TRIALS} to mean anything" if n < IMPORTANCE_MIN_TRIALS else None)}
             kinds = {"history": vis.plot_optimization_history, "importance": vis.plot_param_importances}
             for kind, plot in kinds.items():
+                path = Path("plots") / f"{_slug(m.name)}-{kind}.png"
+                (self.out / path).unlink(missing_ok=True)  # an earlier drawing, from other trials: never left stale
                 if why[kind]:
                     self.absent.setdefault(m.name, {})[kind] = why[kind]
                     continue
-                path = Path("plots") / f"{_slug(m.name)}-{kind}.png"
                 try:
                     ax = plot(study)
                     for loc in ("left", "right"):  # Optuna's own title, where it puts one: would overlap ours
