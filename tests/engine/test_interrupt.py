@@ -60,3 +60,20 @@ def test_ctrl_c_in_a_bench_says_how_to_continue(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == (f"pflbed: interrupted; finished cells are kept and an interrupted cell "
                                                f"continues from its checkpoint: continue with 'pflbed bench -c "
                                                f"{suite} --jobs 2 --shard 2/3'")  # fmt: skip
+
+
+def test_ctrl_c_keeps_every_evaluated_round_and_the_resumed_run_ends_the_same(tmp_path, monkeypatch, capsys):
+    """Each evaluation is checkpointed, whatever `train.checkpoint_every` (here 10, beyond the run): Ctrl-C as round
+    6's record is logged keeps rounds 2 and 4, and the resumed run's summary is the uninterrupted run's."""
+    sets = [*FAST, "--set", "train.rounds=6", "--set", "train.checkpoint_every=10", "--set", "eval.every=2"]
+    out, straight = tmp_path / "run", tmp_path / "straight"
+    _interrupt_at(monkeypatch, 6)
+    assert main(["run", *sets, "--out", str(out)]) == 130
+    assert "round 4 of 6 is checkpointed" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    assert main(["run", *sets, "--out", str(straight)]) == 0
+    assert [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
+    resumed, uninterrupted = ({k: v for k, v in json.loads((d / "summary.json").read_text()).items()
+                               if k != "timing"} for d in (out, straight))  # fmt: skip
+    assert resumed == uninterrupted

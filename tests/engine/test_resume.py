@@ -84,3 +84,31 @@ def test_a_run_written_before_a_config_key_existed_is_still_the_same_config(tmp_
         RunDir.check(run, other)
     (run / "config.yaml").write_text("train: {rounds: [\n")  # unreadable: never the same
     assert not same_config(run / "config.yaml", cfg)
+
+
+def test_checkpointed_client_states_come_back_exactly_and_shared_tensors_stay_shared(tmp_path):
+    """Packed client states keep values, dtypes, shapes and strides (channels-last), a tensor several clients hold
+    is stored once and shared again, and a checkpoint of the earlier format (dicts of tensors) still loads."""
+    from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
+
+    initial = torch.randn(4, 3)
+    states = {
+        0: {"conv": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), "steps": torch.tensor(7),
+            "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3), "half": torch.randn(3).half()},
+        3: {"head": initial}, 5: {"head": initial},
+    }  # fmt: skip
+    save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, states, [{"round": 2}], {"wall_s": 1.0})
+    back = load_checkpoint(tmp_path)
+    assert back["round"] == 2 and back["history"] == [{"round": 2}] and torch.equal(back["server"]["w"], torch.ones(2))
+    assert back["clients"].keys() == states.keys()
+    for cid, state in states.items():
+        for k, v in state.items():
+            got = back["clients"][cid][k]
+            assert (got.dtype, got.shape, got.stride()) == (v.dtype, v.shape, v.stride()) and torch.equal(got, v)
+    assert back["clients"][3]["head"].data_ptr() == back["clients"][5]["head"].data_ptr()
+    assert len(json.loads(torch.load(checkpoint_path(tmp_path), weights_only=True)["clients"]["layout"])) == 6
+
+    old = {"format": 1, "round": 1, "server": {"w": torch.ones(2)}, "clients": {"3": {"head": initial}},
+           "history": "[]", "timing": "{}", "extra": "{}"}  # fmt: skip
+    torch.save(old, checkpoint_path(tmp_path))
+    assert torch.equal(load_checkpoint(tmp_path)["clients"][3]["head"], initial)

@@ -29,7 +29,7 @@ from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, precision
 from pflbed.engine.procs import ProcsExecutor, WorkerPool
-from pflbed.engine.progress import RunProgress
+from pflbed.engine.progress import RunProgress, announce, interval_s, plain_lines
 from pflbed.engine.threads import choose_threads, provenance
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.evaluation.evaluate import evaluate_personalized
@@ -158,13 +158,18 @@ def run(
     if cfg.executor.name == "flower" and host is None:
         raise PflbedError("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts "
                           "the experiment in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
+    started = time.perf_counter()
+    if plain_lines(progress):  # a bad PFLBED_PROGRESS_INTERVAL is refused before anything is written
+        interval_s()
+    announce(progress, f"{cfg.algorithm.name} on {cfg.dataset.name}: {cfg.train.rounds} rounds"
+                       f"{', resuming' if resume else ''}; loading the data…")  # fmt: skip
     algo = prepare(cfg, threads)
     rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
     if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
-        return host(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume, on_record))
+        return host(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume, on_record, started))
     executor, own_pool = make_executor(algo, pool)
     try:
-        return experiment(cfg, algo, executor, rundir, progress, resume, on_record)
+        return experiment(cfg, algo, executor, rundir, progress, resume, on_record, started)
     finally:
         if own_pool is not None:
             own_pool.close()
@@ -172,11 +177,15 @@ def run(
 
 def experiment(
     cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None, started: float | None = None,
 ) -> RunResult:
     """The experiment around the rounds of `Driver(algo, executor)`: resume from `rundir`'s checkpoint, progress,
     metrics and checkpoints per round, the final fine-tuning and new-client stages, timing and the summary. Run
-    in this process for `loop` and `procs`, inside a Flower ServerApp for `flower` (`flower.server`)."""
+    in this process for `loop` and `procs`, inside a Flower ServerApp for `flower` (`flower.server`). `started`:
+    when the command started (`time.perf_counter`), where the progress lines' clock starts.
+
+    Checkpoints: every `train.checkpoint_every` rounds, after every evaluation (an interrupted run keeps every
+    round it has scored: resumed, it ends as if never stopped) and after the last round."""
     saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
     if rundir and not resume:
         rundir.start(cfg)
@@ -201,7 +210,7 @@ def experiment(
     checkpointed = saved["round"] if saved else None
     title = f"{cfg.algorithm.name} on {cfg.dataset.name}"
     board = TensorBoardLog(rundir.path / "tensorboard") if (rundir and cfg.log.tensorboard) else None
-    with RunProgress(progress, title, cfg.train.rounds, first - 1) as bar, contextlib.ExitStack() as stack:
+    with RunProgress(progress, title, cfg.train.rounds, first - 1, t0=started) as bar, contextlib.ExitStack() as stack:
         if board is not None:
             stack.callback(board.close)
         try:
@@ -220,7 +229,7 @@ def experiment(
                         on_record(r.record)
                 bar.round_done(r.rnd, r.record)
                 every = cfg.train.checkpoint_every
-                if rundir and ((every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):  # always the final state
+                if rundir and (r.record is not None or (every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):
                     timing["wall_s"] = wall_before + time.perf_counter() - t_start
                     save_checkpoint(rundir.path, r.rnd, server, executor.states, history, timing,
                                     {"per_client": per_client})  # fmt: skip

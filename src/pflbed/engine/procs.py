@@ -18,7 +18,8 @@ What crosses the process boundary and how:
   sent to many clients is packed once); both sides copy them into private memory on receipt, so no worker can
   write into another's payload and the executor keeps no shared-memory handle per client (10,000 client states
   would otherwise hold 10,000 of them).
-Client states live in this process, where evaluation and checkpoints need them.
+Client states live in this process, where evaluation and checkpoints need them. Workers exit by themselves when
+this process is gone, even killed with SIGKILL (`exit_with_parent`): a killed run leaves no process behind.
 
 On a GPU run (`executor.device`), everything crosses the boundary as CPU tensors and is moved to the device by the
 receiver: the data once per worker, payloads, states and replies per client. CUDA tensors could be shared between
@@ -30,13 +31,15 @@ client's cost grows with its samples); the assignment only affects speed.
 
 from __future__ import annotations
 
-import math
+import os
 import pickle
 import queue
+import threading
 import traceback
 from collections.abc import Iterator
+from multiprocessing import connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -44,53 +47,9 @@ import torch.multiprocessing as mp
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Predictor, Tensors
 from pflbed.engine.executor import LoopExecutor, update_client
+from pflbed.engine.packed import Packed, pack, unpack
 
 _POLL_S = 1.0  # how often a waiting executor checks that its workers are alive
-
-
-class Packed(NamedTuple):
-    """Dicts of tensors in one CPU byte buffer: what crosses the process boundary.
-
-    Why one buffer: `torch.multiprocessing` shares each tensor's storage separately, and each one costs a file
-    descriptor passed over a socket to the receiver. At 10,000 clients holding a few samples each, the ~20 tensors a
-    client update sent and received cost more than training it (LeNet-5: 4.5× loop's round time). Packed, it is one
-    storage per message.
-    """
-
-    buffer: torch.Tensor  # uint8
-    layouts: list[list[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int]]]  # key, dtype, shape, stride, at
-
-
-def _pack(*dicts: Tensors) -> Packed:
-    """`dicts` copied into one buffer, each tensor at a 64-byte aligned offset, with the strides a copy keeps
-    (`Tensor.to(copy=True)`'s: a dense tensor's own, e.g. channels-last; contiguous otherwise)."""
-    layouts, at = [], 0
-    for tensors in dicts:
-        layout = []
-        for k, v in tensors.items():
-            stride = torch.empty_like(v, device="meta").stride()
-            layout.append((k, v.dtype, tuple(v.shape), stride, at))
-            at += -(-v.numel() * v.element_size() // 64) * 64
-        layouts.append(layout)
-    buffer = torch.empty(at, dtype=torch.uint8)
-    for tensors, layout in zip(dicts, layouts, strict=True):
-        for v, (_, _, _, _, start) in zip(tensors.values(), layout, strict=True):
-            raw = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            buffer[start : start + len(raw)].copy_(raw)
-    return Packed(buffer, layouts)
-
-
-def _unpack(packed: Packed, device: torch.device) -> list[Tensors]:
-    """Private copies on `device` of the packed dicts (the received buffer lives in shared memory)."""
-    out = []
-    for layout in packed.layouts:
-        tensors = {}
-        for k, dtype, shape, stride, start in layout:
-            n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            src = packed.buffer[start : start + n].view(dtype).view(shape)
-            tensors[k] = torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(src)
-        out.append(tensors)
-    return out
 
 
 def _put(q: Any, obj: object) -> None:
@@ -107,9 +66,31 @@ def _get(q: Any, **kw: Any) -> Any:
     return pickle.loads(q.get(**kw))
 
 
+def exit_with_parent() -> None:
+    """In a process started by `multiprocessing`: exit as soon as the process that started it is gone.
+
+    Why: a parent killed outright (SIGKILL, the out-of-memory killer, a batch system's hard limit) cannot stop its
+    workers, and a worker blocked on its task queue would wait forever — it holds that queue's write end itself, so
+    it never sees end-of-file; orphaned, workers held their memory, and the multiprocessing resource tracker (which
+    exits by itself once no process holds its pipe), for hours. A thread waits on the parent's sentinel, a pipe whose
+    other end only the parent holds: it becomes readable when the parent exits, however it died, on every platform,
+    with no polling (unlike Linux's PR_SET_PDEATHSIG, which also fires when the thread that started
+    the worker ends). In a process not started by `multiprocessing` there is no parent to watch: nothing happens."""
+    parent = mp.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch() -> None:
+        connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker(threads: int, tasks: Any, results: Any) -> None:
     """A worker's loop: receive an algorithm, then clients to update with it (or evaluation forwards to run on its
-    data), until told to stop (None)."""
+    data), until told to stop (None), or until its parent is gone (`exit_with_parent`)."""
+    exit_with_parent()
     torch.set_num_threads(threads)
     algo: Algorithm | None = None
     device = torch.device("cpu")
@@ -134,8 +115,8 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
             continue
         rnd, cid, payload, state = body
         try:
-            reply, new_state = update_client(algo, rnd, cid, *_unpack(payload, device), *_unpack(state, device))
-            _put(results, (cid, _pack(reply, new_state), None, None))
+            reply, new_state = update_client(algo, rnd, cid, *unpack(payload, device), *unpack(state, device))
+            _put(results, (cid, pack(reply, new_state), None, None))
         except BaseException as e:  # report it; the executor raises it in the main process
             _put(results, (cid, None, None, (type(e).__name__, str(e), traceback.format_exc())))
 
@@ -189,7 +170,7 @@ class WorkerPool:
     def submit(self, worker: int, rnd: int, cid: int, payload: Packed, state: Tensors) -> None:
         """Client `cid`'s update to `worker`: its payload packed by the caller (one packing serves every client
         sent the same payload), its state packed here."""
-        _put(self.tasks[worker], ("client", (rnd, cid, payload, _pack(state))))
+        _put(self.tasks[worker], ("client", (rnd, cid, payload, pack(state))))
 
     def forward(self, predictor: bytes, method: str, split: str, parts: list[torch.Tensor],
                 batch_size: int) -> list[torch.Tensor]:  # fmt: skip
@@ -210,7 +191,7 @@ class WorkerPool:
         """The next finished client's (cid, (reply, state)); raises if the update failed or a worker died."""
         cid, packed, _, error = self._next()
         _raise(error, f"client {cid}")
-        reply, state = _unpack(packed, self.device)
+        reply, state = unpack(packed, self.device)
         return cid, (reply, state)
 
     def _next(self) -> tuple:
@@ -291,7 +272,7 @@ class ProcsExecutor(LoopExecutor):
         packed: dict[int, Packed] = {}  # per payload object (alive in `payloads`): most rounds send one to all
         for cid in order:
             if id(payloads[cid]) not in packed:
-                packed[id(payloads[cid])] = _pack(self.prepare(payloads[cid]))
+                packed[id(payloads[cid])] = pack(self.prepare(payloads[cid]))
             self.pool.submit(where[cid], rnd, cid, packed[id(payloads[cid])], self.state(cid))
         early: dict[int, tuple[Tensors, Tensors]] = {}
         outstanding = len(order)

@@ -12,7 +12,8 @@ What it does, in order:
    own process group;
 3. submits the app with `flwr run`, against a Flower home of its own (`<out>/flower/home`: no user configuration
    read or changed), and waits for it: the ServerApp (`flower.server`) writes `<out>`'s config, metrics, checkpoints
-   and summary;
+   and summary, which are the progress shown meanwhile (`Follower`: each evaluation and checkpointed round, and
+   with output redirected a line at least every `PFLBED_PROGRESS_INTERVAL` seconds while the deployment works);
 4. stops every process it started — their process groups and the groups of every process they started, so the
    processes Flower itself starts go too (ClientApps in their SuperNode's group; the SuperExec, and with it the
    ServerApp, in a group of its own) — also after a failure or Ctrl-C.
@@ -39,9 +40,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pflbed.config import Config
+from pflbed.engine.progress import RunProgress, announce, interval_s, plain_lines
 from pflbed.errors import PflbedError
 from pflbed.flower.certificates import write_certificates, write_node_keys
 from pflbed.flower.project import write_app
+from pflbed.results.checkpoint import checkpoint_path, checkpoint_round
 from pflbed.results.rundir import RunDir
 
 CONNECTION = "pflbed-local"
@@ -193,14 +196,79 @@ def _register(keys: list[tuple[Path, Path]], env: dict[str, str], log: Path) -> 
                                      f"see {log}")  # fmt: skip
 
 
+class Follower:
+    """The progress of the deployment's run, read from what its ServerApp writes to the run directory: each new
+    evaluation record (metrics.jsonl) and each newly checkpointed round, shown on `bar`, and a heartbeat between
+    them. The ServerApp runs in a process of Flower's, whose output nobody sees."""
+
+    def __init__(self, out: Path, bar: RunProgress) -> None:
+        self.out, self.bar = out, bar
+        self.seen = len(self._records())  # a resumed run's earlier records: shown by the run that logged them
+        self.stamp = self._stamp()
+
+    def _records(self) -> list[dict]:
+        """The complete lines of metrics.jsonl (the last one may be being written)."""
+        try:
+            lines = (self.out / "metrics.jsonl").read_text().splitlines(keepends=True)
+        except OSError:
+            return []
+        records = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                records.append(json.loads(line) if line.endswith("\n") else None)
+        return [r for r in records if isinstance(r, dict) and isinstance(r.get("round"), int)]
+
+    def _stamp(self) -> float | None:
+        with contextlib.suppress(OSError):
+            return checkpoint_path(self.out).stat().st_mtime
+        return None
+
+    def poll(self) -> None:
+        if self.bar.mode == "off":
+            return
+        records = self._records()
+        self.seen = min(self.seen, len(records))  # a resumed run rewrites them to its checkpoint's first
+        for record in records[self.seen :]:
+            self.bar.round_done(int(record["round"]), record)
+        self.seen = len(records)
+        if (stamp := self._stamp()) != self.stamp:
+            self.stamp = stamp
+            if (rnd := checkpoint_round(self.out) or 0) > self.bar.done:
+                self.bar.round_done(rnd, None)
+        done, rounds = self.bar.done, self.bar.rounds
+        if done >= rounds:
+            self.bar.heartbeat(f"all {rounds} rounds done; the deployment runs the final evaluation stages")
+        else:
+            self.bar.heartbeat(f"the deployment is running; round {done}/{rounds} done" if done else
+                               "the deployment is running; no round evaluated or checkpointed yet")  # fmt: skip
+
+
+def _wait(proc: subprocess.Popen, follower: Follower, poll_s: float = 1.0) -> int:
+    """`proc`'s exit code, showing the run's progress meanwhile; stopped with it on any exception (Ctrl-C)."""
+    try:
+        while proc.poll() is None:
+            follower.poll()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(poll_s)
+        follower.poll()
+        return proc.returncode
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, auth: bool = False,
               force: bool = False, resume: bool = False, site_data: list[Path] | None = None,
-              log=print) -> dict:  # fmt: skip
+              log=print, progress: bool = True) -> dict:  # fmt: skip
     """Run `cfg` on a local deployment of `supernodes` SuperNodes (`tls`: encrypted connections; `auth`: only the
     SuperNodes whose keys were registered may connect); the run's summary (also in `out`). With `resume`, continue
     the unfinished run in `out` from its last checkpoint on a fresh SuperLink and SuperNodes. `site_data`: one
     directory per SuperNode, its site's own data (`sites.local`); each site keeps its clients' states in
-    `<out>/flower/site-<k>-states`."""
+    `<out>/flower/site-<k>-states`. `progress`: show the run's progress (`Follower`), as `pflbed run` does."""
+    started = time.perf_counter()
+    if plain_lines(progress):  # a bad PFLBED_PROGRESS_INTERVAL is refused before anything starts
+        interval_s()
     if supernodes < 1:
         raise PflbedError("--supernodes must be at least 1")
     if site_data is not None and len(site_data) != supernodes:
@@ -233,6 +301,9 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
     env = _env(home)
     no_install = ["--disable-runtime-dependency-installation"]
     keys = write_node_keys(work / "keys", supernodes) if auth else []
+    title = f"{cfg.algorithm.name} on {cfg.dataset.name}"
+    announce(progress, f"{title}: {cfg.train.rounds} rounds{', resuming' if resume else ''}; starting a SuperLink and "
+                       f"{supernodes} SuperNodes…")  # fmt: skip
     with _processes() as procs:
         link_log = work / "superlink.log"
         link = _start(procs, [_tool("flower-superlink"), *link_tls, "--port", str(port), "--database",
@@ -253,11 +324,13 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
         log(f"SuperLink on 127.0.0.1:{port}{f' ({security})' if security else ''}, {supernodes} SuperNodes; "
             f"logs in {shown}")  # fmt: skip
         run_log = work / "run.log"
-        with open(run_log, "w") as f:
-            done = subprocess.run([_tool("flwr"), "run", str(app), CONNECTION, "--stream"], stdout=f,
-                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        first = (checkpoint_round(out) or 0) if resume else 0
+        with open(run_log, "w") as f, RunProgress(progress, title, cfg.train.rounds, first, t0=started) as bar:
+            flwr = subprocess.Popen([_tool("flwr"), "run", str(app), CONNECTION, "--stream"], stdout=f,
+                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
+            code = _wait(flwr, Follower(out, bar))
     summary = out / "summary.json"
-    if done.returncode != 0 or not summary.exists():
+    if code != 0 or not summary.exists():
         raise failed(run_log, out, again)
     return json.loads(summary.read_text())
 
@@ -275,8 +348,6 @@ def failed(run_log: Path, out: Path, again: str) -> FlowerRunError:
 
 def _continue(out: Path, again: str) -> str:
     """How to continue the run in `out`: from which checkpoint, with which command."""
-    from pflbed.results.checkpoint import checkpoint_round
-
     rnd = checkpoint_round(out)
     where = f"round {rnd} is checkpointed" if rnd else "no round was checkpointed yet (it starts over)"
     return f"{where}; fix the cause, then continue with '{again}'"

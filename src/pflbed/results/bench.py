@@ -26,7 +26,6 @@ import csv
 import io
 import json
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -365,8 +364,10 @@ def _run_cells(tasks: list[tuple[Config, Path]], jobs: int) -> Iterator[tuple[di
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from pflbed.engine.procs import exit_with_parent
+
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_exit_with_parent, initargs=(os.getpid(),))  # fmt: skip
+                               initializer=exit_with_parent)  # fmt: skip
     futures = [pool.submit(_run_cell, _one_core(cfg), path, 1) for cfg, path in tasks]
     try:
         for fut in futures:
@@ -386,19 +387,6 @@ def _one_core(cfg: Config) -> Config:
     if cfg.executor.name not in ("auto", "procs"):
         return cfg
     return cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"name": "loop"})})
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Worker initializer: exit when the bench process is gone (killed: no chance to stop its workers itself), so
-    no orphaned worker keeps training cells and holding the cores."""
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def _get(tree: dict[str, Any], dotted: str) -> float | None:
