@@ -167,10 +167,10 @@ def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple
 def config_page() -> str:
     lines = [HEADER + "# Configuration reference\n",
              "Every key of a run's config, with its default and meaning, read from the config models "
-             "(`src/pflbed/config.py`). Set one with `--set KEY=VALUE` or in a YAML file (`-c FILE`); `pflbed config "
-             "--defaults` prints them all. A key that does not exist, or a value out of its range, stops the run "
-             "before it starts with one line naming the key (exit code 2). The user guide explains how the keys "
-             "work together: [Configuration](../guide/configuration.md).\n",
+             "(`src/pflbed/config/`, one module per section). Set one with `--set KEY=VALUE` or in a YAML file "
+             "(`-c FILE`); `pflbed config --defaults` prints them all. A key that does not exist, or a value out "
+             "of its range, stops the run before it starts with one line naming the key (exit code 2). The user "
+             "guide explains how the keys work together: [Configuration](../guide/configuration.md).\n",
              "Besides the bounds shown, every float must be finite and within float32's range, and every integer "
              "within int32's unless a bound says less.\n",
              "| key | type | default | range | meaning |\n|---|---|---|---|---|"]  # fmt: skip

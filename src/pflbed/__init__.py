@@ -7,10 +7,21 @@ Python API: `pflbed.run(config)` runs one experiment; `pflbed.load_config(path, 
 from pathlib import Path as _Path
 from typing import Any as _Any
 
+from pflbed import hooks as _hooks
 from pflbed.version import __version__
 from pflbed.version import check_torch as _check_torch
 
 _check_torch()
+
+
+def _load_algorithms() -> None:
+    """Import the algorithm registry, which registers its check of a config's algorithm options in `pflbed.hooks`:
+    the config (the bottom layer) asks for it there, without importing the layers above it; this package, the API
+    layer on top, is the one that knows where it lives."""
+    import pflbed.algorithms  # noqa: F401
+
+
+_hooks.load_algorithms = _load_algorithms
 
 __all__ = ["__version__", "load_config", "load_run", "run"]
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pflbed.errors import DivergedError, PflbedError
 from pflbed.results.console import console as make_console
+
+_CLI_START = time.monotonic()  # where a command's time starts where the process's start is unknown
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     u = sub.add_parser("tune", help="fair hyperparameter search (Optuna): the same trial budget per method, chosen on "
                        "validation, then default vs tuned over seeds")  # fmt: skip
     u.add_argument("-c", "--config", required=True, help="tune suite YAML file (docs/guide/tuning.md)")
+    u.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the suite, e.g. --set tune.trials=4, --set base.train.rounds=5, "
+                   "--set 'methods=[FedAvg]' (repeatable)")  # fmt: skip
+    u.add_argument("--out", type=Path, help="tune directory (default: the suite's out, else runs/tune/<name>)")
     u.add_argument("--storage", metavar="URL", help="Optuna storage URL shared by workers (default: SQLite "
                    "study.db in the tune directory)")  # fmt: skip
     u.add_argument("--worker", action="store_true", help="only run trials of the suite's studies in --storage (as "
@@ -79,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--force", action="store_true", help="replace the run already in --out")
     fl.add_argument("--resume", type=Path, metavar="DIR",
                     help="continue the deployment's run in DIR from its last checkpoint (with the same --tls/--auth)")
+    fl.add_argument("--no-progress", action="store_true", help="no progress display")
     fs = fa.add_parser("sites", help="write each client of the config's federation as a site directory (its "
                        "train, val and test samples), to try --site-data or to give each machine its data")
     fs.add_argument("-c", "--config", help="YAML config file")
@@ -118,16 +127,23 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--defaults", action="store_true", help="the default config (what `pflbed run` alone runs)")
     d = sub.add_parser("data", help="datasets")
-    d.add_argument("action", choices=["list", "show", "export"],
+    d.add_argument("action", choices=["list", "show", "export", "new-client"],
                    help="list: datasets found; show: a config's partition; export OUT: write it as a partition "
-                   "manifest (run it with --set federation.manifest=OUT)")  # fmt: skip
-    d.add_argument("out", nargs="?", type=Path, metavar="OUT", help="export: the manifest file to write (JSON)")
+                   "manifest (run it with --set federation.manifest=OUT); new-client RUN: write one of the run's "
+                   "held-out clients (never trained on) as --out DIR/{train,val,test}.npz, for pflbed personalize"
+                   )  # fmt: skip
+    d.add_argument("target", nargs="?", type=Path, metavar="OUT|RUN",
+                   help="export: OUT, the manifest file to write (JSON); new-client: RUN, a run directory")  # fmt: skip
     d.add_argument("--path", help="list: a dataset directory to describe (any file-backed dataset's files, or a "
                    "folder dataset root)")
     d.add_argument("-c", "--config", help="show, export: YAML config whose dataset and federation to use")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--png", type=Path, help="show: also draw the partition heat-map into this PNG file")
-    d.add_argument("--force", action="store_true", help="export: replace an existing OUT")
+    d.add_argument("--force", action="store_true", help="export: replace an existing OUT; new-client: existing "
+                   "files in --out")  # fmt: skip
+    d.add_argument("--out", dest="out_dir", type=Path, metavar="DIR", help="new-client: where train.npz, val.npz "
+                   "and test.npz go")  # fmt: skip
+    d.add_argument("--client", type=int, metavar="ID", help="new-client: which held-out client (default: the first)")
     return p
 
 
@@ -173,7 +189,8 @@ def _interrupted_run(out: Path, again: str, rounds: int) -> str:
         return f"interrupted before the run started; nothing was written to {out}"
     rnd = checkpoint_round(out)
     if rnd is None:
-        return f"interrupted before the first checkpoint (train.checkpoint_every); '{again}' starts the run over"
+        return (f"interrupted before the first checkpoint (the first evaluation or train.checkpoint_every); "
+                f"'{again}' starts the run over")
     return f"interrupted; round {rnd} of {rounds} is checkpointed in {checkpoint_path(out)}; continue with '{again}'"
 
 
@@ -198,7 +215,6 @@ def _cmd_run(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
     from pflbed.results.rundir import RunDir, default_out
     from pflbed.results.summary import print_table
-    from pflbed.runs import run
 
     if args.resume:
         _resume_flags(args)
@@ -208,14 +224,15 @@ def _cmd_run(args: argparse.Namespace) -> None:
         rundir, cfg = RunDir.for_resume(args.resume, given)
         if _finished(rundir):
             return
-        with _continuable(args.resume, f"pflbed run --resume {args.resume}", cfg.train.rounds):
-            result = run(cfg, args.resume, progress=not args.no_progress, resume=True)
+        out, resume, force = args.resume, True, False
     else:
         cfg = load_config(args.config, args.overrides)
-        out = args.out or default_out(cfg)
-        with _continuable(out, f"pflbed run --resume {out}", cfg.train.rounds):
-            result = run(cfg, out, progress=not args.no_progress, force=args.force)
-    print_table(result.summary)
+        out, resume, force = args.out or default_out(cfg), False, args.force
+    from pflbed.runs import run  # after the config's checks: it imports torch (a second), a mistake is said at once
+
+    with _continuable(out, f"pflbed run --resume {out}", cfg.train.rounds):
+        result = run(cfg, out, progress=not args.no_progress, resume=resume, force=force)
+    print_table(result.summary, command_s=args.clock())
     make_console().print(f"results: {result.out}")
 
 
@@ -251,18 +268,21 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _cmd_tune(args: argparse.Namespace) -> None:
+    import shlex
+
     from pflbed.results.tune import Tuner, load_tune_suite, optuna_module
 
-    suite = load_tune_suite(args.config)
+    suite = load_tune_suite(args.config, args.overrides)
     optuna_module()  # a missing Optuna: one line, before anything runs
-    tuner = Tuner(suite, storage=args.storage)
+    tuner = Tuner(suite, out=args.out, storage=args.storage)
     console = make_console()
     if args.jobs < 1 or (args.max_trials is not None and args.max_trials < 0):
         raise PflbedError("--jobs must be at least 1 and --max-trials at least 0")
     if args.worker and args.table_only:
         raise PflbedError("--worker runs trials only; --table-only writes the table: give one")
-    again = " ".join(["pflbed tune -c", args.config, *(["--storage", args.storage] if args.storage else []),
-                      *(["--worker"] if args.worker else [])])  # fmt: skip
+    again = shlex.join(["pflbed", "tune", "-c", args.config, *(x for o in args.overrides for x in ("--set", o)),
+                        *(["--out", str(args.out)] if args.out else []),
+                        *(["--storage", args.storage] if args.storage else []), *(["--worker"] if args.worker else [])])
     try:
         if not args.table_only:
             tuner.run_trials(args.max_trials, worker=args.worker, log=console.print)
@@ -273,12 +293,12 @@ def _cmd_tune(args: argparse.Namespace) -> None:
             bench, _ = tuner.bench()
             bench.run(log=console.print, jobs=args.jobs)
     except KeyboardInterrupt:
-        raise Interrupted(lambda: f"interrupted; finished trials and re-runs are kept: continue with '{again}'"
+        raise Interrupted(lambda: f"interrupted; finished trials and re-runs are kept: continue with: {again}"
                           ) from None  # fmt: skip
     md, js = tuner.write_tables()
     console.print(md.read_text())
     note = f" — studies still short of their budget: {', '.join(unfinished)} (re-run to continue)" if unfinished else ""
-    console.print(f"tables: {md}, {js}; study: {tuner.storage_shown}{note}")
+    console.print(f"tables: {md}, {js}; study: {tuner.storage_path}{note}")
 
 
 def _cmd_flower(args: argparse.Namespace) -> None:
@@ -300,7 +320,6 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         make_console().print(f"{len(dirs)} site directories in {args.out}; try them with: pflbed flower local "
                              f"--site-data {args.out}/site-*")  # fmt: skip
         return
-    from pflbed.flower.local import resume_command, run_local
     from pflbed.results.rundir import RunDir
 
     sites = args.site_data
@@ -342,13 +361,16 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         inferred = described() if sites is not None else []
         cfg = load_config(args.config, [*inferred, *args.overrides, *fixed(args.supernodes)])
         out = args.out or default_out(cfg)
+    from pflbed.flower.local import resume_command, run_local  # after the config's checks, as `pflbed run`
+
     console = make_console()
     supernodes = cfg.executor.supernodes
     assert supernodes is not None  # set by `fixed`, or checked on resume
     with _continuable(out, resume_command(out, args.tls, args.auth, sites), cfg.train.rounds):
         summary = run_local(cfg, out, supernodes, tls=args.tls, auth=args.auth, force=args.force,
-                            resume=bool(args.resume), site_data=sites, log=console.print)  # fmt: skip
-    print_table(summary)
+                            resume=bool(args.resume), site_data=sites, log=console.print,
+                            progress=not args.no_progress)  # fmt: skip
+    print_table(summary, command_s=args.clock())
     console.print(f"results: {out}")
 
 
@@ -391,9 +413,10 @@ def _with_zero_shot(split: str, acc: float, zero_shot: float | None) -> str:
 
 def _cmd_pretrain(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
-    from pflbed.engine.pretrain import pretrain
 
     cfg = load_config(args.config, args.overrides)
+    from pflbed.engine.pretrain import pretrain  # after the config's checks, as `pflbed run`
+
     console = make_console()
     s = pretrain(cfg, args.out, force=args.force, log=console.print)
     src = s["source"]
@@ -458,59 +481,140 @@ def _cmd_config(args: argparse.Namespace) -> None:
 
 
 def _cmd_data(args: argparse.Namespace) -> None:
-    from rich.table import Table
-
-    if (args.out is not None) != (args.action == "export"):
-        raise PflbedError("data export needs OUT, the manifest file to write" if args.action == "export"
-                          else f"data {args.action} takes no OUT (only data export does)")  # fmt: skip
+    needs = {"export": "OUT, the manifest file to write", "new-client": "RUN, the run directory"}.get(args.action)
+    if (args.target is not None) != (needs is not None):
+        raise PflbedError(f"data {args.action} needs {needs}" if needs else f"data {args.action} takes no "
+                          "OUT or RUN (only data export and data new-client do)")  # fmt: skip
+    if (args.out_dir is not None or args.client is not None) != (args.action == "new-client"):
+        raise PflbedError("data new-client needs --out DIR" if args.action == "new-client" else
+                          f"data {args.action} takes no --out or --client (only data new-client does)")  # fmt: skip
     if args.action == "export":
         _data_export(args)
         return
+    if args.action == "new-client":
+        _data_new_client(args)
+        return
     if args.action == "show":
         from pflbed.config import load_config
+
+        cfg = load_config(args.config, args.overrides)  # before the modules that import torch: a mistake at once
         from pflbed.data import load_source
         from pflbed.federation import build_federation
         from pflbed.results.partition_plot import plot_partition, print_partition
 
-        cfg = load_config(args.config, args.overrides)
         source = load_source(cfg.dataset)
         fed = build_federation(source, cfg.federation, cfg.seed)
         print_partition(source, fed)
         if args.png is not None:
             make_console().print(f"heat-map: {plot_partition(source, fed, args.png)}")
         return
-
     from pflbed.data import describe_datasets
 
-    t = Table(title="datasets")
-    for col in ("name", "where", "train", "test", "domains"):
-        t.add_column(col)
-    for d in describe_datasets(args.path):
-        t.add_row(d["name"], d["error"] or d["location"], str(d["train"] or ""), str(d["test"] or ""), d["domains"])
-    make_console().print(t)
+    sys.stdout.write(_data_listing(describe_datasets(args.path)))
+
+
+LISTING_WIDTH = 120
+
+
+def _data_listing(rows: list[dict]) -> str:
+    """`data list` as plain text, one paragraph per dataset wrapped to at most 120 columns (a terminal's width if
+    narrower): a table of its long "how to get it" lines would be hundreds of columns wide in a pipe or a file."""
+    import shutil
+    import textwrap
+
+    width = min(LISTING_WIDTH, shutil.get_terminal_size((LISTING_WIDTH, 24)).columns) if sys.stdout.isatty() \
+        else LISTING_WIDTH  # fmt: skip
+    pad = max(len(r["name"]) for r in rows) + 2
+    out = []
+    for r in rows:
+        sizes = f"{r['train']} train, {r['test']} test" if r["train"] is not None else ""
+        facts = "; ".join(v for v in (sizes, r["domains"] and f"domains {r['domains']}") if v)
+        for i, text in enumerate(v for v in (r["error"] or r["location"], facts) if v):
+            out.append(textwrap.fill(text, width, initial_indent=(r["name"] if i == 0 else "").ljust(pad),
+                                     subsequent_indent=" " * pad, break_long_words=False,
+                                     break_on_hyphens=False))  # fmt: skip
+    return "\n".join(out) + "\n"
 
 
 def _data_export(args: argparse.Namespace) -> None:
     from pflbed.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # before the modules that import torch: a mistake at once
+    if args.target.is_dir():
+        raise PflbedError(f"{args.target}: is a directory; give the manifest file to write")
+    if args.target.exists() and not args.force:
+        raise PflbedError(f"{args.target} exists; --force replaces it")
     from pflbed.data import load_source
     from pflbed.federation import build_federation
     from pflbed.federation.manifest import manifest, write_manifest
 
-    cfg = load_config(args.config, args.overrides)
-    if args.out.is_dir():
-        raise PflbedError(f"{args.out}: is a directory; give the manifest file to write")
-    if args.out.exists() and not args.force:
-        raise PflbedError(f"{args.out} exists; --force replaces it")
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
-    out = write_manifest(args.out, manifest(cfg, source, fed))
+    out = write_manifest(args.target, manifest(cfg, source, fed))
     make_console().print(f"manifest: {out} ({len(fed.participated)} participated and {len(fed.new)} new clients of "
                          f"{cfg.dataset.name}, fingerprint {source.fingerprint()}); run it with --set "
                          f"federation.manifest={out}")  # fmt: skip
 
 
+def _data_new_client(args: argparse.Namespace) -> None:
+    import yaml
+
+    from pflbed.data import load_source
+    from pflbed.federation import build_federation
+    from pflbed.federation.new_client import SPLITS, held_out, write_client
+    from pflbed.results.rundir import run_config
+
+    run, out = args.target, args.out_dir
+    if args.config or args.overrides:
+        raise PflbedError("data new-client takes the run's own config (RUN/config.yaml): leave out -c and --set")
+    if not (run / "config.yaml").is_file():
+        raise PflbedError(f"{run}: not a pflbed run directory (no config.yaml)")
+    cfg = run_config(yaml.safe_load((run / "config.yaml").read_text()) or {})
+    if cfg.sites.local:
+        raise PflbedError(f"{run}: its clients' data stayed on their sites (sites.local); a new site brings its own")
+    if out.exists() and not out.is_dir():
+        raise PflbedError(f"--out {out}: is a file; give the directory to write train.npz, val.npz and test.npz into")
+    there = next((out / f"{s}.npz" for s in SPLITS if (out / f"{s}.npz").exists()), None)
+    if there is not None and not args.force:
+        raise PflbedError(f"{there} exists; --force replaces it")
+    source = load_source(cfg.dataset)
+    fed = build_federation(source, cfg.federation, cfg.seed)
+    cid = held_out(fed, args.client, str(run))
+    n = write_client(source, fed, cid, cfg.eval.pfl_test, out)
+    make_console().print(f"new client {cid} of {run} (held out of training, as {len(fed.new)} clients were): "
+                         f"{n['train']} training, {n['val']} validation and {n['test']} test samples of "
+                         f"{cfg.dataset.name} in {out}/{{train,val,test}}.npz; try: pflbed personalize {run} --data "
+                         f"{out}/train.npz --val {out}/val.npz --test {out}/test.npz --out DIR")  # fmt: skip
+
+
+def since_process_start() -> float | None:
+    """Seconds since this process started, or None where unknown: Linux's start time of the process in
+    /proc/self/stat (clock ticks after boot) against the boot clock, so the interpreter's start and every import
+    count, which no clock read inside pflbed can see."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()  # from the 3rd field, the state
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # the 22nd field, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+        return None
+
+
+def command_clock(whole_process: bool) -> Callable[[], float]:
+    """The command's wall time so far: from the process's start where the process is the command (`pflbed ...`,
+    `python -m pflbed ...`; else from the CLI's first line), from the call where Python calls `main` itself."""
+    start = _CLI_START if whole_process else time.monotonic()
+
+    def seconds() -> float:
+        since = time.monotonic() - start
+        return max(since, (since_process_start() or 0.0) if whole_process else 0.0)
+
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
+    clock = command_clock(whole_process=argv is None)  # no argv: this process is the command
     args = _parser().parse_args(argv)
+    args.clock = clock
     try:
         commands = {"run": _cmd_run, "bench": _cmd_bench, "data": _cmd_data, "flower": _cmd_flower,
                     "personalize": _cmd_personalize, "pretrain": _cmd_pretrain, "algorithms": _cmd_algorithms,

@@ -1,6 +1,6 @@
 """One-line message helpers shared by every layer (config, algorithms, data): the option a word most likely
-misspells, and joining a clause onto a message. Kept below `config` so that a low layer can phrase its errors
-without importing the configuration (which imports the algorithms to validate their options)."""
+misspells, and joining a clause onto a message. Kept below `config` so that any layer can phrase its errors
+without importing the configuration."""
 
 from __future__ import annotations
 

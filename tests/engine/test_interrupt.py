@@ -38,9 +38,9 @@ def test_ctrl_c_before_any_checkpoint_or_before_the_run_started(tmp_path, monkey
     out = tmp_path / "run"
     _interrupt_at(monkeypatch, 1)
     assert main(["run", *FAST, "--out", str(out)]) == 130
-    assert capsys.readouterr().err.strip() == (f"pflbed: interrupted before the first checkpoint "
-                                               f"(train.checkpoint_every); 'pflbed run --resume {out}' starts the "
-                                               "run over")  # fmt: skip
+    assert capsys.readouterr().err.strip() == (f"pflbed: interrupted before the first checkpoint (the first "
+                                               f"evaluation or train.checkpoint_every); 'pflbed run --resume {out}' "
+                                               "starts the run over")  # fmt: skip
     monkeypatch.setattr("pflbed.engine.loop.prepare", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     fresh = tmp_path / "fresh"
     assert main(["run", *FAST, "--out", str(fresh)]) == 130

@@ -357,8 +357,9 @@ def test_piped_output_does_not_wrap(capsys):
     assert "Communication-Efficient Learning of Deep Networks from Decentralized Data" in fedavg
 
 
-def test_redirected_output_logs_each_evaluation_and_stage_as_it_happens(tmp_path, capsys):
+def test_redirected_output_logs_each_evaluation_and_stage_as_it_happens(tmp_path, capsys, monkeypatch):
     """stdout is not a terminal: one line per evaluation, and a start and an end line per stage after training."""
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "1e9")  # no heartbeat line in between, however slow the machine
     sets = ["--set", "train.rounds=4", "--set", "eval.every=2", "--set", "federation.new_clients=1",
             "--set", "eval.new_clients.epochs=1", "--set", "eval.new_clients.lrs=[0.05]"]  # fmt: skip
     assert main(["run", *[a for a in FAST if a != "--no-progress"], *sets, "--out", str(tmp_path / "r")]) == 0
@@ -388,3 +389,86 @@ def test_tensorboard_logs_every_number_of_every_record_at_its_round(tmp_path):
                      ("diag/personal_fraction/all", lambda r: r["diag"]["personal_fraction"]["all"])):  # fmt: skip
         points = [(e.step, e.value) for e in events.Scalars(key)]
         assert points == [(r["round"], pytest.approx(get(r))) for r in records]
+
+
+def test_the_time_line_names_what_it_covers_and_adds_the_commands_time(tmp_path, capsys):
+    """`timing.wall_s` leaves out the start-up (imports, data, Flower's runtime), so the line says what it covers
+    and the CLI adds the command's own time, which includes it: never less than the run's."""
+    assert main(["run", *FAST, "--out", str(tmp_path / "run")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("time: "))
+    wall = json.loads((tmp_path / "run" / "summary.json").read_text())["timing"]["wall_s"]
+    head, _, command = line.partition("; ")
+    assert head.startswith(f"time: {wall:.1f} s wall in the rounds and final stages, "), line
+    assert command.endswith(" s since the command started") and float(command.split()[0]) >= round(wall, 1), line
+
+
+def test_the_commands_time_counts_from_the_process_start():
+    """Run as the process's command (`main()` without argv), the clock starts with the process — on Linux from
+    /proc/self/stat — so the interpreter's start and the imports before the CLI's first line count; called from
+    Python with argv, it starts with the call."""
+    import subprocess
+    import sys
+
+    code = ("import time; time.sleep(1.0)\n"
+            "from pflbed.cli import command_clock\n"
+            "print(command_clock(True)(), command_clock(False)())")  # fmt: skip
+    whole, call = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                            check=True).stdout.split())  # fmt: skip
+    if sys.platform.startswith("linux"):
+        assert 1.0 <= whole < 30, whole
+    assert call < 0.5
+
+
+_DRIVER = """
+import json, sys
+from pflbed.cli import main
+seen = []
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
+    seen.append([code, sorted(m for m in ("torch", "numpy") if m in sys.modules)])
+print(json.dumps(seen))
+"""
+
+LIGHT_MISTAKES = [  # every one is reported before torch or NumPy is imported
+    (["run", "--set", "train.round=3"], "train.round: unknown key; did you mean train.rounds?"),
+    (["run", "-c", "nope.yaml"], "nope.yaml: cannot read config (No such file or directory)"),
+    (["run", "--set", "algorithm.name=fedavgg"], "algorithm.name: unknown algorithm 'fedavgg'; known: apfl, "),
+    (["run", "--set", "model.name=cn"], "model.name: unknown model; known: alexnet_small, "),
+    (["run", "--set", "executor.device=gpu"], "executor.device: must be cpu, cuda, cuda:N (N = 0, 1, …) or auto"),
+    (["run", "--set", "federation.partition=dirichlett"], "(got 'dirichlett'); did you mean dirichlet?"),
+    (["run", "--resume", "gone", "--set", "train.rounds=3"], "config.yaml: cannot read config"),
+    (["config", "--set", "train.round=3"], "train.round: unknown key"),
+    (["pretrain", "--set", "train.round=3", "--out", "pre"], "train.round: unknown key"),
+    (["flower", "local", "--set", "train.round=3"], "train.round: unknown key"),
+]
+
+
+def test_config_mistakes_are_reported_before_torch_is_imported(tmp_path):
+    """A config mistake is one line and exit 2, found before torch and NumPy load (a second or more), for every
+    command that reads a config; an algorithm's option is checked by the algorithm registry, which the config
+    reaches by itself (`pflbed.hooks`, in a process where nothing imported it), still one line, nothing written."""
+    import subprocess
+    import sys
+
+    option = (["run", "--set", "algorithm.name=ditto", "--set", "algorithm.lamda=1", "--out", "run"],
+              "algorithm.lamda: unknown key; did you mean algorithm.lam? Options of ditto: lam, ")  # fmt: skip
+    cases = [*LIGHT_MISTAKES, option]
+    done = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([argv for argv, _ in cases])], cwd=tmp_path,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    errors = done.stderr.splitlines()
+    assert len(errors) == len(cases), done.stderr
+    for (argv, expected), err in zip(cases, errors, strict=True):
+        assert err.startswith("pflbed: error: ") and expected in err, (argv, err)
+    seen = json.loads(done.stdout)
+    assert seen[:-1] == [[2, []]] * len(LIGHT_MISTAKES)
+    assert seen[-1] == [2, ["numpy", "torch"]]  # the registry knows the options: torch is loaded by then
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_time_line_without_the_commands_time_says_the_start_up_is_not_counted():
+    from pflbed.results.summary import time_line
+
+    timing = {"wall_s": 12.34, "train_s": 5.06, "eval_s": 2.51, "s_per_round": 1.234}
+    assert time_line(timing) == ("time: 12.3 s wall in the rounds and final stages (start-up not counted), 5.1 s "
+                                 "training (1.23 s/round), 2.5 s evaluation")  # fmt: skip
+    assert time_line(timing, 70.26).endswith("2.5 s evaluation; 70.3 s since the command started")

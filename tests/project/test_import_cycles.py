@@ -17,6 +17,28 @@ def test_pflbed_has_no_import_cycles():
     assert _finder().find_cycles(ROOT / "src") == []
 
 
+# The layers above the config (DESIGN §2) and the API on top (`pflbed` itself, `pflbed.cli`, `pflbed.runs`).
+ABOVE_CONFIG = ("pflbed.algorithms", "pflbed.models", "pflbed.data", "pflbed.federation", "pflbed.evaluation",
+                "pflbed.engine", "pflbed.results", "pflbed.flower", "pflbed.cli", "pflbed.runs")  # fmt: skip
+
+
+def test_the_config_reaches_no_layer_above_it():
+    """Nothing the config package imports, at module level or inside a function, leads to a layer above it: an
+    algorithm's options are checked by the registry, which registers itself in `pflbed.hooks` (and the API layer
+    says there how to import it), so no circle runs config → algorithms → … → config."""
+    graph = _finder().import_graph(ROOT / "src")
+    config = {m for m in graph if m == "pflbed.config" or m.startswith("pflbed.config.")}
+    assert {"pflbed.config.load", "pflbed.config.root"} <= config
+    reached, todo = set(), list(config)
+    while todo:
+        for m in graph[todo.pop()] - reached:
+            reached.add(m)
+            todo.append(m)
+    above = sorted(m for m in reached if m == "pflbed" or m.startswith(ABOVE_CONFIG))
+    assert above == [], above
+    assert graph["pflbed.hooks"] == set()
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / name

@@ -152,7 +152,8 @@ def test_print_table_prints_each_reported_number_in_its_place():
         ["FedAvg+LP", "25.00", "37.50", "+12.50", "12.50", "87.50", "+75.00"],
     ]
     assert "selected on validation (pfl_val): round 6 — G-FL 55.00, P-FL 45.00" in lines
-    assert "time: 12.3 s wall, 5.1 s training (1.23 s/round), 2.5 s evaluation" in lines
+    assert "time: 12.3 s wall in the rounds and final stages (start-up not counted), 5.1 s training (1.23 s/round), " \
+           "2.5 s evaluation" in lines
     assert "FedAvg on digits (cnn, seed 4, 9 rounds) — accuracy %, final round" in text
     assert "new clients (2): accuracy %, 3 epochs, lr chosen on validation from [0.1, 0.2]" in text
 

@@ -1,13 +1,29 @@
 """Algorithm registry. Every module in this package that defines an `Algorithm` subclass with a `name` is
-registered automatically, so adding an algorithm means adding one file — no engine or registry edits."""
+registered automatically, so adding an algorithm means adding one file — no engine or registry edits.
+
+The registry also checks a config's algorithm section (`check_config`): the options models are the algorithms'
+own, so they are checked here, where the classes are known. `pflbed.config.validate_config` reaches this check
+through `pflbed.hooks`, into which this package registers itself on import: the config never imports it.
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
+from pflbed import hooks
 from pflbed.algorithms.base import Algorithm
+from pflbed.config.algorithm import unknown_algorithm
+from pflbed.config.base import check_numbers
+from pflbed.config.hints import first_error
 from pflbed.errors import ConfigError
+from pflbed.hints import then
+
+if TYPE_CHECKING:
+    from pflbed.config import Config
 
 _SHARED = {"base", "common", "training", "partial"}  # modules with shared pieces, not algorithms
 ALGORITHMS: dict[str, type[Algorithm]] = {}
@@ -34,13 +50,41 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        from pflbed.hints import did_you_mean
+        raise unknown_algorithm(name, ALGORITHMS) from None
 
-        known = ", ".join(sorted(ALGORITHMS))
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {known}"
-                          f"{did_you_mean(name, ALGORITHMS)}") from None  # fmt: skip
+
+def check_config(cfg: Config) -> None:
+    """The config's algorithm section, one `ConfigError` line per mistake: a known `algorithm.name`, options its
+    `Config` model accepts (and within the bounds every number shares), and nothing SecAgg+ (`sites.secagg`) or
+    client-level DP (`privacy.clip`) refuses for it. Run by `pflbed.config.validate_config` after the other keys."""
+    name = cfg.algorithm.name
+    algo_cls = get_algorithm(name)
+    try:
+        options = algo_cls.Config.model_validate(cfg.algorithm_options())
+    except ValidationError as e:
+        message = first_error(e, "algorithm.", algo_cls.Config)
+        if e.errors()[0]["type"] == "extra_forbidden":
+            message = _options_hint(message, name, str(e.errors()[0]["loc"][0]))
+        raise ConfigError(message) from None
+    check_numbers(options.model_dump(), "algorithm.")
+    if cfg.sites.secagg and algo_cls.dp_refused is not None:
+        raise ConfigError(f"sites.secagg: SecAgg+ gives the server only the mean of the replies, and {name} needs "
+                          f"more: {algo_cls.dp_refused}")  # fmt: skip
+    if cfg.sites.secagg and (why := algo_cls.secagg_refusal(options)) is not None:
+        raise ConfigError(why)
+    if cfg.privacy.enabled and algo_cls.dp_refused is not None:
+        raise ConfigError(f"privacy.clip: client-level DP does not apply to {name}: {algo_cls.dp_refused}")
+
+
+def _options_hint(message: str, name: str, key: str) -> str:
+    """`message` about an unknown `algorithm.<key>`, with the options `name` takes and the algorithms taking `key`."""
+    own = list(ALGORITHMS[name].Config.model_fields)
+    message = then(message, f"options of {name}: {', '.join(own)}" if own else f"{name} has no options of its own")
+    takers = sorted(n for n, c in ALGORITHMS.items() if key in c.Config.model_fields)
+    return f"{message}; {key} is an option of {', '.join(takers)}" if takers else message
 
 
 _discover()
+hooks.register_algorithms(ALGORITHMS, check_config)
 
-__all__ = ["ALGORITHMS", "Algorithm", "get_algorithm", "register"]
+__all__ = ["ALGORITHMS", "Algorithm", "check_config", "get_algorithm", "register"]

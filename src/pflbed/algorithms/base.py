@@ -31,7 +31,7 @@ from pflbed.models import BlockNet, build_model
 
 if TYPE_CHECKING:
     from pflbed.algorithms.local_sgd import LocalSGDPlan
-    from pflbed.config import Config  # annotations only: config imports the algorithms
+    from pflbed.config import Config  # annotations only
 
 
 class NoOptions(BaseModel):

@@ -75,7 +75,7 @@ from pflbed.models import BlockNet
 from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+    from pflbed.config import TrainConfig  # annotations only
 
 COUNT_FLOOR = 1e-12  # zero class counts are floored here before the log (deviation 3)
 NET, PERSONAL = "net.", "personal."  # state-dict prefixes of the additive predictor's two parts

@@ -21,7 +21,7 @@ from pflbed.algorithms.training import get_params, load_params
 from pflbed.models import BlockNet
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+    from pflbed.config import TrainConfig  # annotations only
 
 
 @dataclass(frozen=True)

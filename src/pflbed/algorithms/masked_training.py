@@ -17,7 +17,7 @@ from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+    from pflbed.config import TrainConfig  # annotations only
 
 # Modules whose `weight` is a learned linear map: the tensors `eligible="weights"` may personalize.
 WEIGHT_MODULES: tuple[type[nn.Module], ...] = (

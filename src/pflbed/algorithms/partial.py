@@ -19,7 +19,7 @@ from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+    from pflbed.config import TrainConfig  # annotations only
 
 
 def split_top(model: BlockNet, k: int, option: str) -> tuple[list[str], list[str]]:

@@ -113,7 +113,7 @@ from pflbed.algorithms.training import finetune_epochs, get_params, index_batche
 from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+    from pflbed.config import TrainConfig  # annotations only
 
 STREAM = 0x9FED  # pFedHN's own random streams (not one of pflbed.rng's tags): 0 φ, 1 embeddings, 2 new clients
 HN = "hn."  # server state: φ under hn.<hypernetwork parameter>

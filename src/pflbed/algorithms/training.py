@@ -16,7 +16,7 @@ from pflbed.federation import Federation
 from pflbed.models import BlockNet
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only: config imports the algorithms
+    from pflbed.config import TrainConfig  # annotations only
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

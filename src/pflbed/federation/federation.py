@@ -24,7 +24,7 @@ from pflbed.federation import partition
 from pflbed.federation.pflbed import pflbed_split
 
 if TYPE_CHECKING:
-    from pflbed.config import FederationConfig  # annotations only: config imports the algorithms, which import this
+    from pflbed.config import FederationConfig  # annotations only
 
 _PARTITION_KEYS = (
     "protocol",

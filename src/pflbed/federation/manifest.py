@@ -23,7 +23,7 @@ from pflbed.errors import ConfigError, DataError
 from pflbed.federation.federation import _PARTITION_KEYS, ClientSplit, Federation, new_client_train
 
 if TYPE_CHECKING:
-    from pflbed.config import Config  # annotations only: config imports the algorithms, which import this
+    from pflbed.config import Config  # annotations only
 
 FORMAT = "pflbed-federation"
 VERSION = 1

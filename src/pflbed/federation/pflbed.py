@@ -22,7 +22,7 @@ from pflbed.errors import DataError
 from pflbed.federation import partition
 
 if TYPE_CHECKING:
-    from pflbed.config import FederationConfig  # annotations only: config imports the algorithms, which import this
+    from pflbed.config import FederationConfig  # annotations only
 
 
 @dataclass

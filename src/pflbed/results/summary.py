@@ -8,7 +8,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pflbed.models.pretrained import model_file
 from pflbed.results.console import console as make_console
 from pflbed.version import __version__
 
@@ -62,6 +61,8 @@ def build_summary(
 def init_record(cfg) -> dict[str, Any]:
     """The starting weights a run loaded (`model.init_from`): the file, its SHA-256 and the blocks — the config
     names a path, the hash says which weights it held."""
+    from pflbed.models.pretrained import model_file  # late: printing a summary needs no torch
+
     f = model_file(cfg.model.init_from)
     return {"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "blocks": cfg.model.init_blocks}
 
@@ -73,7 +74,8 @@ def _pct(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:.2f}"
 
 
-def print_table(summary: dict[str, Any], console: Console | None = None) -> None:
+def print_table(summary: dict[str, Any], console: Console | None = None, command_s: float | None = None) -> None:
+    """The results as printed after a run; `command_s`: the command's wall time so far, printed on the time line."""
     console = console or make_console()
     name = _LABELS.get(summary["algorithm"], summary["algorithm"])
     f = summary["final"]
@@ -114,10 +116,18 @@ def print_table(summary: dict[str, Any], console: Console | None = None) -> None
         console.print(f"client-level DP: ε = {eps} at δ = {p['delta']:g} after {p['rounds']} rounds (σ = "
                       f"{p['noise_multiplier']:.3f}, C = {p['clip']:g}, q = {p['sampling_rate']:g}, Poisson, "
                       f"{p['accountant'].upper()}{_noise_source(p)})")  # fmt: skip
-    console.print(
-        f"time: {tm['wall_s']:.1f} s wall, {tm['train_s']:.1f} s training "
-        f"({tm['s_per_round']:.2f} s/round), {tm['eval_s']:.1f} s evaluation"
-    )
+    console.print(time_line(tm, command_s))
+
+
+def time_line(timing: dict[str, float], command_s: float | None = None) -> str:
+    """The printed time line. `timing.wall_s` covers the rounds and the final stages (fine-tuning, new clients,
+    artifacts, the summary) over all of a run's sessions, as bench tables report it; not the start-up before the
+    first round (imports, data, federation, model, Flower's runtime), which can take longer than a short run, so the
+    line names what it covers and, from the CLI, adds the command's time until the line is printed (`command_s`)."""
+    covered = "wall in the rounds and final stages" + ("" if command_s is not None else " (start-up not counted)")
+    line = (f"time: {timing['wall_s']:.1f} s {covered}, {timing['train_s']:.1f} s training "
+            f"({timing['s_per_round']:.2f} s/round), {timing['eval_s']:.1f} s evaluation")  # fmt: skip
+    return line if command_s is None else f"{line}; {command_s:.1f} s since the command started"
 
 
 def _noise_source(p: dict[str, Any]) -> str:

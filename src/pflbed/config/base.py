@@ -1,0 +1,64 @@
+"""What every section of the config shares: the numeric bounds, the strict base model (an unknown key, a non-finite
+float or one beyond float32 is refused), and the same bounds for free-form numbers (an algorithm's options)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from pflbed.errors import ConfigError
+
+# Bounds every numeric field shares (docs/guide/configuration.md): floats must be finite, and counts must fit the int32
+# index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
+INT_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
+SYNTHETIC_MAX_VALUES = 2**28  # generated samples × their size: 1 GiB of float32 (CIFAR-10's size is 2**27.5)
+FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
+
+
+def max_threads() -> int:
+    """Upper bound of `executor.threads`: four per core. More only oversubscribes (and huge counts crash torch)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def number_error(x: Any) -> str | None:
+    """What is wrong with a number under the shared bounds (None: nothing); the caller adds "(got …)"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "must be a finite number"
+    if isinstance(x, float) and abs(x) > FLOAT_MAX:
+        return f"must be within float32's range, ±{FLOAT_MAX:g}"
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
+        return f"must be at most {INT_MAX} in magnitude"
+    return None
+
+
+class Strict(BaseModel):
+    """A config section: unknown keys are refused, so a typo never passes as a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _float32(cls, v: Any) -> Any:
+        """Floats within float32's range (integers have their own per-field bounds: seeds go up to 2⁶³ − 1)."""
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, float) and (error := number_error(x)):
+                raise ValueError(error)
+        return v
+
+
+def check_numbers(tree: dict[str, Any], prefix: str) -> None:
+    """The shared bounds for every algorithm's options (each algorithm adds its own lower bounds): floats finite and
+    within float32's range, integers within the int32 range. Checked here once, so a new algorithm gets them
+    without writing them."""
+    for key, v in tree.items():
+        field = f"{prefix}{key}"
+        values = v if isinstance(v, list) else [v]
+        for x in values:
+            if isinstance(x, dict):
+                check_numbers(x, f"{field}.")
+            elif error := number_error(x):
+                raise ConfigError(f"{field}: {error} (got {x!r})")

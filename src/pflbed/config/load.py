@@ -1,0 +1,87 @@
+"""Reading a config: a YAML file, `--set key=value` overrides on top, then the checks, all before anything runs.
+
+`validate_config` checks every section here (a mistake is one line naming the field, in a fraction of a second:
+nothing heavy is imported), then the algorithm's options through the algorithm registry, which knows their models
+(`pflbed.hooks`), then whether a privacy target can be reached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from pflbed import hooks
+from pflbed.config.algorithm import check_algorithm_name
+from pflbed.config.hints import first_error
+from pflbed.config.root import Config
+from pflbed.errors import ConfigError
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `a.b.c = value` in a nested dict, creating levels as needed."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for p in parents:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key=value` with the value read as YAML (so numbers, booleans and lists get their types)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read an optional YAML file, apply overrides and validate, raising `ConfigError` with one line."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read config ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{p}: invalid YAML{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of config keys")
+        tree = loaded or {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(tree, key, value)
+    return validate_config(tree)
+
+
+def validate_config(tree: dict[str, Any]) -> Config:
+    """The `Config` of a nested dict of keys, or `ConfigError` with one line naming the first wrong field."""
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(first_error(e, model=Config)) from None
+    check_algorithm_name(cfg.algorithm.name)
+    hooks.check_algorithm(cfg)  # its options, and what SecAgg+ and client-level DP refuse for it
+    if cfg.privacy.target_epsilon is not None:
+        from pflbed.privacy import noise_multiplier  # late: the accountant (Opacus, torch)
+
+        try:  # derived here, so that an unreachable target is refused before anything runs
+            noise_multiplier(cfg.privacy.target_epsilon, cfg.privacy.delta, cfg.federation.sample_fraction,
+                             cfg.train.rounds, cfg.privacy.accountant)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"privacy.target_epsilon: {e}") from None
+    return cfg

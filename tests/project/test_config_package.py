@@ -1,0 +1,55 @@
+"""The config package knows the zoo's and the algorithms' names without importing them (torch), and the lists it
+keeps stay the real ones; an algorithm's options are checked by the registry, reached through `pflbed.hooks`."""
+
+import pytest
+
+import pflbed.config
+from pflbed import hooks
+from pflbed.algorithms import ALGORITHMS, check_config, register
+from pflbed.algorithms.fedavg import FedAvg
+from pflbed.config import ALGORITHM_NAMES, MODEL_NAMES, validate_config
+from pflbed.errors import ConfigError
+from pflbed.models import MODELS
+
+
+def test_the_model_names_are_the_zoos():
+    assert sorted(MODEL_NAMES) == sorted(MODELS)
+
+
+def test_the_algorithm_names_are_the_built_in_registrys():
+    """A new algorithm file fails here until its name is added to `pflbed.config.algorithm.ALGORITHM_NAMES`."""
+    built_in = sorted(n for n, c in ALGORITHMS.items() if c.__module__.startswith("pflbed.algorithms."))
+    assert sorted(ALGORITHM_NAMES) == built_in, "list every built-in algorithm in src/pflbed/config/algorithm.py"
+
+
+def test_the_registry_is_registered_for_the_config():
+    assert hooks.registered_algorithms() is ALGORITHMS
+    with pytest.raises(ConfigError, match=r"^algorithm.mu: unknown key; fedavg has no options of its own"):
+        check_config(pflbed.config.Config.model_validate({"algorithm": {"mu": 0.1}}))
+
+
+def test_an_algorithm_registered_from_outside_is_known_by_name():
+    """Once the registry is imported it is the authority on names, so an algorithm registered from outside pflbed
+    runs by name, and one taken out of it is unknown again."""
+
+    class Mine(FedAvg):
+        name = "mine"
+
+    register(Mine)
+    try:
+        assert validate_config({"algorithm": {"name": "mine"}}).algorithm.name == "mine"
+    finally:
+        ALGORITHMS.pop("mine")
+    with pytest.raises(ConfigError, match=r"^algorithm.name: unknown algorithm 'mine'; known: apfl, "):
+        validate_config({"algorithm": {"name": "mine"}})
+
+
+@pytest.mark.parametrize("name", [
+    "load_config", "validate_config", "parse_override", "set_dotted", "resolve_device", "max_threads", "Config",
+    "DatasetConfig", "SyntheticConfig", "HfConfig", "ModelConfig", "FederationConfig", "PflbedSplitConfig",
+    "TrainConfig", "PretrainConfig", "EvalConfig", "NewClientsConfig", "ExecutorConfig", "AlgorithmConfig",
+    "LogConfig", "PrivacyConfig", "SitesConfig", "INT_MAX", "SEED_MAX", "FLOAT_MAX", "SYNTHETIC_MAX_VALUES",
+    "OWN_DATA", "did_you_mean", "then", "_first_error",
+])  # fmt: skip
+def test_every_name_the_code_base_imports_from_the_config_is_there(name):
+    assert hasattr(pflbed.config, name)
