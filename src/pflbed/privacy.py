@@ -30,6 +30,11 @@ z_t and subtract it from the release, leaving the round's sum of clipped updates
 will be sampled, which voids the accountant's amplification by sampling. A Flower run therefore draws from the OS
 unless its config names `seeded`.
 
+How much noise the model can take (`Mechanism.noise_to_signal`): over T rounds the noise adds up to a norm of
+σC√(Td)/(qN) on the d noised entries, while the clients' clipped updates move them by at most C per round, T·C in
+all; σ√d/(qN√T) ≥ 1 means the noise outweighs even that best case, and a run is warned at its first release (on
+stderr) and, if it diverges, told that the noise is the likely cause.
+
 Releases are counted in a durable ledger (`Ledger`, `privacy_ledger.jsonl` in the run directory), written before a
 round's release can leave the server. A resumed run replays the rounds after its last checkpoint: under `os` each
 replay is a fresh draw, a second release of that round that ε counts; under `seeded` a replay draws the same z_t
@@ -43,21 +48,27 @@ import functools
 import json
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pflbed import rng
+from pflbed.errors import DivergedError
 
 if TYPE_CHECKING:
     from pflbed.config import Config
 
 Tensors = dict[str, torch.Tensor]
 LEDGER = "privacy_ledger.jsonl"  # in the run directory: one line per released round (`Ledger`)
+NOISE_SWAMPS = 1.0  # `Mechanism.noise_to_signal` from which the noise outweighs the clients' best case
+SWAMPED = ("the noise outweighs the most the clients' clipped updates can move the model, whatever the learning "
+           "rate: DP-FedAvg needs many clients per round (federation.clients × federation.sample_fraction), or a "
+           "larger ε")  # fmt: skip
 
 
 def update_norm(payload: Tensors, reply: Tensors) -> float:
@@ -123,6 +134,8 @@ class Mechanism:
     randomness: str = "seeded"
     accountant: str = "rdp"
     noise: str = "central"  # or "distributed": the sites add it, inside SecAgg+ (`flower.secagg_node`)
+    rounds: int = 1  # T, the run's rounds: what the noise of `noise_to_signal` averages over
+    _released: list[int] = field(default_factory=list, init=False, compare=False, repr=False)  # rounds it released
 
     @property
     def expected_clients(self) -> float:
@@ -133,6 +146,37 @@ class Mechanism:
     def entropy(self) -> bool:
         """Whether the noise and the sample come from the OS (`sample_clients(entropy=…)`)."""
         return self.randomness == "os"
+
+    def noise_to_signal(self, entries: int) -> float:
+        """σ√d / (qN√T) for d = `entries` noised entries: a lower bound on how far the noise moves the model over
+        the run's T rounds, relative to how far the clients' clipped updates can.
+
+        Why this figure: the release moves the shared entries by (Σ_t Σ_k Δ̃_k + Σ_t z_t)/qN over the T rounds. The
+        clients' part has norm at most T·C (qN updates of norm ≤ C per round on average, over qN), reached only if
+        every update is at the clip and all point the same way in every round. The noise's part Σ_t z_t/qN has
+        norm σC√(Td)/qN (T independent draws of N(0, σ²C² I_d)). Per entry it reads the same: each round's noise
+        std σC/qN against C/√d, the per-entry size of an update at the clip, the T rounds averaging the noise
+        down by √T. At 1 or more (`NOISE_SWAMPS`) the noise outweighs the clients' best case, whatever the
+        learning rate: the model is mostly noise, and its training often diverges. C cancels out: the clip sets
+        the size of both. Under distributed noise the sites' shares hold at least σ²C² (`flower.secagg_node`):
+        the figure is then a lower bound too."""
+        if self.expected_clients <= 0:
+            return math.inf
+        return self.sigma * math.sqrt(entries) / (self.expected_clients * math.sqrt(max(self.rounds, 1)))
+
+    def describe_noise(self, entries: int) -> str:
+        """The noise in numbers: its std per entry and round on the model, what gives it, and `noise_to_signal`."""
+        return (f"privacy noise of std {self.sigma * self.clip / self.expected_clients:.3g} per entry and round "
+                f"with qN = {self.expected_clients:g} clients per round (σC/qN: σ = {self.sigma:.4g}, C = "
+                f"{self.clip:g}), noise-to-signal σ√d/(qN√T) = {self.noise_to_signal(entries):.3g} (d = {entries:,} "
+                f"shared entries, T = {self.rounds} rounds)")  # fmt: skip
+
+    def noise_warning(self, entries: int) -> str | None:
+        """What to tell a run whose noise swamps the clients' updates (`noise_to_signal` ≥ `NOISE_SWAMPS`); None if
+        it does not."""
+        if self.noise_to_signal(entries) < NOISE_SWAMPS:
+            return None
+        return f"pflbed: warning: {self.describe_noise(entries)} ≥ {NOISE_SWAMPS:g}: {SWAMPED}"
 
     def draw(self, seed: int, rnd: int, like: Tensors) -> Tensors:
         """Round `rnd`'s z_t over `like`'s entries, from the configured source (`noise` or `os_noise`)."""
@@ -147,17 +191,34 @@ class Mechanism:
         reply in the round, one pseudo-reply w + z/qN under client -1: the release is noise alone, never w bare
         (that would tell whether anyone was sampled). With distributed noise each reply already holds the sites'
         shares (`flower.secagg`: r_k = w + (Σ Δ̃ + Σ_s z_s)/m, so r'_k = w + (Σ Δ̃ + Σ_s z_s)/qN is the
-        release): the server adds none, except in a round with no reply, where no site was asked and it draws z."""
+        release): the server adds none, except in a round with no reply, where no site was asked and it draws z.
+
+        The first release of this mechanism prints `noise_warning` to stderr (as `flower.reply_check` prints its
+        refusals; Opacus's import reformats the root logger) where the noise swamps the updates: in the loop
+        executor, before any client of the round trains (`replies` is consumed lazily), on Flower once the round's
+        replies are in. A client that diverges meanwhile (a `DivergedError` from `replies`) is reported with
+        `describe_noise`: under DP the noise is a suspect before the learning rate."""
+        entries = sum(v.numel() for v in payload.values())
+        if not self._released:
+            warning = self.noise_warning(entries)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+        self._released.append(rnd)
         m_bar = self.expected_clients
         z = self.draw(seed, rnd, payload) if self.noise == "central" else None
         scale = count / m_bar
         seen = False
-        for cid, reply in replies:
-            seen = True
-            if z is None:
-                yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale for k in reply}
-            else:
-                yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale + z[k] / m_bar for k in reply}
+        try:
+            for cid, reply in replies:
+                seen = True
+                if z is None:
+                    yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale for k in reply}
+                else:
+                    yield cid, {k: payload[k] + (reply[k] - payload[k]) * scale + z[k] / m_bar for k in reply}
+        except DivergedError as e:  # swamped: the noise, not the learning rate, is the cause to name
+            swamped = self.noise_to_signal(entries) >= NOISE_SWAMPS
+            raise DivergedError(e.round, f"{e.where}, after {self.describe_noise(entries)}",
+                                hint=SWAMPED if swamped else e.hint) from None
         if not seen:
             z = z if z is not None else self.draw(seed, rnd, payload)  # distributed: no site was asked
             yield -1, {k: payload[k] + z[k] / m_bar for k in payload}
@@ -315,4 +376,5 @@ def mechanism(cfg: Config, participated: int) -> Mechanism | None:
     sigma = p.noise_multiplier
     if sigma is None:
         sigma = noise_multiplier(p.target_epsilon, p.delta, rate, cfg.train.rounds, p.accountant)
-    return Mechanism(p.clip, sigma, rate, participated, p.delta, cfg.privacy_randomness(), p.accountant, p.noise)
+    return Mechanism(p.clip, sigma, rate, participated, p.delta, cfg.privacy_randomness(), p.accountant, p.noise,
+                     cfg.train.rounds)  # fmt: skip

@@ -3,6 +3,7 @@ algorithms' declarations checked against what they send, the accounting against 
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -10,11 +11,11 @@ import torch
 from pflbed import privacy, rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.common import ClientContext
-from pflbed.config import validate_config
+from pflbed.config import load_config, validate_config
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, update_client
 from pflbed.engine.loop import prepare
-from pflbed.errors import ConfigError
+from pflbed.errors import ConfigError, DivergedError
 from pflbed.federation import sample_clients
 
 from ..tiny import TINY
@@ -237,3 +238,75 @@ def test_integer_entries_in_what_clients_receive_are_refused_before_the_run(tmp_
         run(validate_config(bn), tmp_path / "avg")
     assert not (tmp_path / "avg").exists()
     assert run(validate_config({**bn, "algorithm": {"name": "fedbn"}}), tmp_path / "bn").summary["privacy"]
+
+
+# FedPer on the default federation (20 clients of digits) at q = 0.1 (qN = 2 clients per round), ε = 4 over 50
+# rounds (σ = 1.229): it diverges in round 15, and in round 29 at lr 0.001 (docs/guide/privacy.md's table).
+SWAMPED = ["algorithm.name=fedper", "privacy.clip=1.0", "privacy.target_epsilon=4", "train.rounds=50",
+           "federation.sample_fraction=0.1", "executor.threads=1"]  # fmt: skip
+
+
+def test_the_noise_to_signal_figure_is_the_noise_over_the_clients_best_case():
+    """σ√d/(qN√T): the noise's norm over T rounds, σC√(Td)/qN, against T·C (every update at the clip, all aligned).
+    C cancels; four times the clients per round, or sixteen times the rounds, quarter or halve it."""
+    mech = privacy.Mechanism(clip=2.0, sigma=1.5, rate=0.1, clients=40, delta=1e-5, rounds=9)
+    assert mech.noise_to_signal(400) == pytest.approx(1.5 * 20 / (4 * 3))
+    assert privacy.Mechanism(0.1, 1.5, 0.1, 40, 1e-5, rounds=9).noise_to_signal(400) == mech.noise_to_signal(400)
+    assert privacy.Mechanism(2.0, 1.5, 0.1, 160, 1e-5, rounds=9).noise_to_signal(400) == pytest.approx(0.625)
+    assert privacy.Mechanism(2.0, 1.5, 0.1, 40, 1e-5, rounds=144).noise_to_signal(400) == pytest.approx(0.625)
+    assert mech.noise_warning(400) is not None and mech.noise_warning(64) is not None  # 2.5, and 1.0: the bound
+    assert mech.noise_warning(63) is None  # 0.992
+    assert privacy.Mechanism(1.0, 1.5, 0.1, 40, 1e-5).noise_to_signal(400) == pytest.approx(7.5)  # T unknown: 1
+
+
+def test_a_run_whose_noise_swamps_the_updates_is_warned_once_before_its_first_client_trains(capsys, monkeypatch):
+    """The setting that diverged: the warning gives the noise per entry, the clients per round and the figure, at the
+    first release, before round 1's clients train (the loop executor's replies are drawn lazily), and only once."""
+    cfg = load_config(None, SWAMPED)
+    algo = prepare(cfg)
+    ex = LoopExecutor(algo)
+    stream, err = ex.stream, []
+
+    def watched(rnd, payloads):  # a generator, as the loop's: its body runs when the mechanism draws the replies
+        err.append((rnd, capsys.readouterr().err))  # what was printed before the round's first client trains
+        yield from stream(rnd, payloads)
+
+    monkeypatch.setattr(ex, "stream", watched)
+    driver = Driver(algo, ex)
+    server, _ = driver.train_round(1, algo.init_server())
+    driver.train_round(2, server)
+    err.append((None, capsys.readouterr().err))
+    warnings = [line for _, chunk in err for line in chunk.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("pflbed: warning: privacy noise of std 0.615 per entry and round")
+    assert "with qN = 2 clients per round (σC/qN: σ = 1.229, C = 1)" in warnings[0]
+    assert "noise-to-signal σ√d/(qN√T) = 37.3 (d = 183,680 shared entries, T = 50 rounds) ≥ 1" in warnings[0]
+    assert "federation.sample_fraction" in warnings[0]
+    assert err[0][0] == 1 and "pflbed: warning:" in err[0][1]  # round 1 drew clients; none had trained yet
+
+
+def test_a_run_whose_noise_the_updates_outweigh_is_not_warned(capsys):
+    """Where noise-to-signal is below 1 there is no warning: here 100 clients per round (q = 1), σ = 0.8: 0.94."""
+    cfg = config(privacy_={"clip": 1.0, "noise_multiplier": 0.8}, federation={**TINY["federation"],
+                 "clients": 100, "sample_fraction": 1.0})  # fmt: skip
+    algo = prepare(cfg)
+    driver = Driver(algo, LoopExecutor(algo))
+    entries = sum(v.numel() for v in algo.init_server().values())
+    assert 0.9 < driver.dp.noise_to_signal(entries) < 1  # 0.94
+    driver.train_round(1, algo.init_server())
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_divergence_under_dp_names_the_noise_and_the_clients_per_round():
+    """A client that diverges under DP is reported with the noise that preceded it: under DP the noise is the first
+    suspect, not only the learning rate."""
+    from pflbed.engine.loop import run
+
+    cfg = config(train={**TINY["train"], "lr": 1e30})
+    with pytest.raises(DivergedError) as e:
+        run(cfg, write=False, progress=False)
+    assert "non-finite values" in str(e.value)
+    assert re.search(r"after privacy noise of std 0\.133 per entry and round with qN = 3 clients per round \(σC/qN: "
+                     r"σ = 0\.8, C = 0\.5\), noise-to-signal σ√d/\(qN√T\) = [\d.]+ \(d = [\d,]+ shared entries, T = 4 "
+                     r"rounds\)(;.*)? — the noise outweighs .* whatever the learning rate", str(e.value))
+    assert "lower train.lr" not in str(e.value)  # the noise named as the cause, not the learning rate

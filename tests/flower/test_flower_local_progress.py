@@ -49,6 +49,20 @@ def test_ctrl_c_while_waiting_stops_the_run_command(tmp_path):
     assert proc.poll() is not None
 
 
+def test_the_server_app_s_warnings_are_passed_on_once_even_without_progress(tmp_path):
+    """The ServerApp's output goes to run.log only: its warnings (DP noise that swamps the updates) would stay there."""
+    run_log, said = tmp_path / "run.log", []
+    with RunProgress(False, "t", 4) as bar:
+        follower = local.Follower(tmp_path, bar, run_log, said.append)
+        follower.poll()  # no log yet
+        run_log.write_text("INFO : starting\npflbed: warning: privacy noise … ≥ 1: the noise outweighs …\n")
+        follower.poll()
+        with open(run_log, "a") as f:
+            f.write("INFO : round 1\n  pflbed: warning: a second one\n")
+        follower.poll()
+    assert said == ["pflbed: warning: privacy noise … ≥ 1: the noise outweighs …", "pflbed: warning: a second one"]
+
+
 def test_no_progress_reads_nothing(tmp_path, capsys, monkeypatch):
     with RunProgress(False, "t", 4) as bar:
         follower = local.Follower(tmp_path, bar)

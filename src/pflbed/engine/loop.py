@@ -238,7 +238,7 @@ def experiment(
         except DivergedError as e:  # the driver knows the round; the experiment adds what it kept
             logged = history[-1]["round"] if history else None
             raise DivergedError(e.round, e.where, str(rundir.path) if rundir else None, checkpointed,
-                                logged) from None  # fmt: skip
+                                logged, e.hint) from None  # fmt: skip
         t1 = time.perf_counter()
         finetuned = {}
         methods = algo.finetune_methods(server, list(cfg.eval.finetune))

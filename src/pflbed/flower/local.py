@@ -199,12 +199,26 @@ def _register(keys: list[tuple[Path, Path]], env: dict[str, str], log: Path) -> 
 class Follower:
     """The progress of the deployment's run, read from what its ServerApp writes to the run directory: each new
     evaluation record (metrics.jsonl) and each newly checkpointed round, shown on `bar`, and a heartbeat between
-    them. The ServerApp runs in a process of Flower's, whose output nobody sees."""
+    them. The ServerApp runs in a process of Flower's, whose output nobody sees but `run_log`: its `pflbed: warning:`
+    lines (a privacy noise that swamps the updates, a refused reply) are passed on to `log` as they appear, progress
+    shown or not."""
 
-    def __init__(self, out: Path, bar: RunProgress) -> None:
-        self.out, self.bar = out, bar
+    def __init__(self, out: Path, bar: RunProgress, run_log: Path | None = None, log=print) -> None:
+        self.out, self.bar, self.run_log, self.log = out, bar, run_log, log
         self.seen = len(self._records())  # a resumed run's earlier records: shown by the run that logged them
         self.stamp = self._stamp()
+        self.warned = 0
+
+    def _warnings(self) -> None:
+        """The ServerApp's new warning lines, each passed on once."""
+        try:
+            text = self.run_log.read_text(errors="replace") if self.run_log is not None else ""
+        except OSError:
+            return
+        found = [s.strip() for s in text.splitlines() if s.lstrip().startswith("pflbed: warning:")]
+        for line in found[self.warned :]:
+            self.log(line)
+        self.warned = len(found)
 
     def _records(self) -> list[dict]:
         """The complete lines of metrics.jsonl (the last one may be being written)."""
@@ -224,6 +238,7 @@ class Follower:
         return None
 
     def poll(self) -> None:
+        self._warnings()
         if self.bar.mode == "off":
             return
         records = self._records()
@@ -328,7 +343,7 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
         with open(run_log, "w") as f, RunProgress(progress, title, cfg.train.rounds, first, t0=started) as bar:
             flwr = subprocess.Popen([_tool("flwr"), "run", str(app), CONNECTION, "--stream"], stdout=f,
                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
-            code = _wait(flwr, Follower(out, bar))
+            code = _wait(flwr, Follower(out, bar, run_log, log))
     summary = out / "summary.json"
     if code != 0 or not summary.exists():
         raise failed(run_log, out, again)
