@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pflbed.config import load_config
+from pflbed.results.checkpoint import load_checkpoint
 
 from .processes import marked_processes
 
@@ -222,9 +223,9 @@ def test_a_modified_site_is_refused_round_after_round_and_the_honest_sites_train
         for path, tensors in expected.items():
             assert tensors.keys() == deployed[path].keys()
             assert all(torch.equal(tensors[t], deployed[path][t]) for t in tensors), path
-    last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)  # round 4: round 5's evaluation stopped it
+    last = load_checkpoint(out)  # round 4: round 5's evaluation stopped it
     versions = {c: int(s["site.version"]) for c, s in last["clients"].items()}
-    assert last["round"] == 4 and versions == {"0": 4, "1": 4}  # client 2's state: never accepted
+    assert last["round"] == 4 and versions == {0: 4, 1: 4}  # client 2's state: never accepted
 
 
 def test_a_site_claiming_a_count_out_of_bounds_at_start_up_stops_the_run_before_any_work(tmp_path, deployment_mark):

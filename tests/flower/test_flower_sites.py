@@ -13,6 +13,7 @@ import torch
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
 from pflbed.engine.loop import experiment
+from pflbed.results.checkpoint import load_checkpoint
 from pflbed.runs import run
 
 from ..tiny import TINY, figures
@@ -149,7 +150,7 @@ def test_a_resumed_server_asks_each_site_for_the_state_version_it_checkpointed(t
             run_sites(cfg, grid, RunDir.check(out, cfg))
     finally:
         SiteExecutor.stream = real
-    saved = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    saved = load_checkpoint(out)
     assert {k for s in saved["clients"].values() for k in s} == {"site.version"}  # no state left its site
     resumed = run_sites(cfg, grid, RunDir(out), resume=True)
     assert figures(resumed.summary) == figures(straight.summary)

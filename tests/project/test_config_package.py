@@ -53,3 +53,17 @@ def test_an_algorithm_registered_from_outside_is_known_by_name():
 ])  # fmt: skip
 def test_every_name_the_code_base_imports_from_the_config_is_there(name):
     assert hasattr(pflbed.config, name)
+
+
+def test_a_model_registered_in_the_zoo_is_known_to_the_config(monkeypatch):
+    """Once the zoo is imported its live registry decides, as the algorithms' does: a model added from outside
+    pflbed (as tests and users do) is accepted, and one removed is not."""
+    from pflbed.config import load_config
+    from pflbed.errors import ConfigError
+    from pflbed.models import MODELS
+
+    monkeypatch.setitem(MODELS, "outside_net", MODELS["mlp"])
+    assert load_config(None, ["model.name=outside_net"]).model.name == "outside_net"
+    monkeypatch.delitem(MODELS, "lenet5")
+    with pytest.raises(ConfigError, match="model.name: unknown model"):
+        load_config(None, ["model.name=lenet5"])

@@ -6,6 +6,8 @@ reported at once (`tests/project/test_config_package.py` keeps the list equal to
 
 from __future__ import annotations
 
+import sys
+
 from pydantic import Field, field_validator
 
 from pflbed.config.base import Strict
@@ -14,6 +16,13 @@ MODEL_NAMES = (
     "mlp", "cnn", "lenet5", "cnn_bn", "lenet5_bn", "resnet18", "resnet18_imagenet", "alexnet_small", "shufflenetv2",
     "resnet18_x025", "alexnet_small_x025", "shufflenetv2_x05",
 )  # fmt: skip
+
+
+def known_models() -> tuple[str, ...]:
+    """The zoo's live names once it is imported (models registered from outside pflbed included), else the built-in
+    ones: read from `sys.modules`, never imported here (the zoo imports torch)."""
+    zoo = sys.modules.get("pflbed.models.zoo")
+    return MODEL_NAMES if zoo is None else tuple(zoo.MODELS)
 
 
 class ModelConfig(Strict):
@@ -36,6 +45,7 @@ class ModelConfig(Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in MODEL_NAMES:
-            raise ValueError(f"unknown model; known: {', '.join(sorted(MODEL_NAMES))}")
+        known = known_models()
+        if v not in known:
+            raise ValueError(f"unknown model; known: {', '.join(sorted(known))}")
         return v
