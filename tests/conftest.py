@@ -14,6 +14,20 @@ settings.register_profile("default", derandomize=True, database=None, deadline=N
 settings.register_profile("explore", deadline=None, max_examples=300, suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """The real Flower deployments (minutes each, a process per message) first, in two lanes: under `-n` each lane
+    is one worker running its deployments one after the other while the other workers take the rest test by test
+    (`--dist loadgroup`). Started last they would leave one worker running them alone after the others finished;
+    all at once, a dozen processes each importing torch per message would thrash the cores."""
+    items.sort(key=lambda item: item.get_closest_marker("deployment") is None)  # stable: the rest keep their order
+    deployments = [item for item in items if item.get_closest_marker("deployment") is not None]
+    for i, item in enumerate(deployments):
+        item.add_marker(pytest.mark.xdist_group(f"deployments-{i % 2}"))
+
+
 # Tiny models run fastest single-threaded, and a single thread keeps parallel test processes from thrashing.
 torch.set_num_threads(1)
 

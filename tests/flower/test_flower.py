@@ -136,6 +136,7 @@ def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
         validate_config({**TINY, "executor": {"name": "flower"}})
 
 
+@pytest.mark.deployment
 def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_no_process(tmp_path, deployment_mark):
     """`pflbed flower local --tls --auth` with states on the nodes: a real SuperLink and 2 SuperNodes (separate
     processes, TLS with a generated CA, registered node keys, client states in files on the nodes) give the loop's

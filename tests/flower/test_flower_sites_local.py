@@ -27,6 +27,7 @@ def _args(sets):
     return [a for s in sets for a in ("--set", s)]
 
 
+@pytest.mark.deployment
 def test_three_sites_of_their_own_data_give_the_simulation_s_figures_with_a_server_that_has_no_dataset(tmp_path):
     """Each site gets exactly a simulated client's samples; the server's config names a dataset this machine does
     not have (CIFAR-10), so a ServerApp that loaded any data would fail. Every record's P-FL and validation

@@ -2,6 +2,7 @@
 page or row, and the site builds with `mkdocs build --strict` (the `docs` extra; CI installs it)."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,6 @@ def test_the_site_builds_strictly(tmp_path):
 
 
 def test_the_readme_is_a_landing_page_whose_links_resolve():
-    import re
-
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200
     links = [t for t in re.findall(r"\]\(([^)]+)\)", text) if not t.startswith(("http://", "https://", "#"))]
@@ -147,8 +146,6 @@ def test_code_blocks_wrap_long_lines_on_the_site():
 
 
 def test_the_benchmark_configs_cite_pages_and_sections_that_exist():
-    import re
-
     readme = (ROOT / "README.md").read_text()
     for config in sorted((ROOT / "benchmarks").glob("*/*.yaml")):
         comments = " ".join(line for line in config.read_text().splitlines() if line.lstrip().startswith("#"))
@@ -156,3 +153,16 @@ def test_the_benchmark_configs_cite_pages_and_sections_that_exist():
             assert (ROOT / page).is_file(), f"{config.name} cites {page}"
         for section in re.findall(r"README's \"([^\"]+)\"", comments):
             assert section in readme, f"{config.name} cites the README's {section!r}, which it no longer has"
+
+
+def test_ci_runs_exactly_the_readme_s_set_up_and_test_command_and_the_docs_show_it():
+    """The Quickstart's second command is what CI runs (its timing is the one the README states), and the getting
+    started page and the home page show the same command."""
+    fence = re.compile(r"```bash\n(.*?)```", re.S)
+    readme = fence.findall((ROOT / "README.md").read_text())[0].splitlines()
+    command = next(line for line in readme if "pytest" in line)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci
+    for page in ("getting-started.md", "index.md"):
+        shown = fence.findall((ROOT / "docs" / page).read_text())[0]
+        assert command in [line.split("  #")[0].strip() for line in shown.splitlines()], page

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide" / "privacy.md"
 # appended to a command in this test only: the same keys and combinations, run small
 SHORT = {"run": ["train.rounds=1", "federation.clients=40", "eval.finetune=[]", "executor.threads=1"],
+         "sites": ["federation.clients=2"],
          "local": ["train.rounds=1", "eval.finetune=[]", "executor.threads=1"]}  # fmt: skip
 
 
@@ -45,6 +46,7 @@ def test_the_guide_shows_the_commands_this_test_runs():
                                                      ["flower", "local"]]  # fmt: skip
 
 
+@pytest.mark.deployment
 def test_the_guides_commands_run_as_written(tmp_path, monkeypatch):
     """In order, in one directory (the deployment reads the sites the command before it wrote)."""
     if any("dataset.name=fmnist" in sets(argv) for argv in GUIDE_COMMANDS) and find_fmnist() is None:
