@@ -16,16 +16,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """The real Flower deployments (minutes each, a process per message) first, in two lanes: under `-n` each lane
-    is one worker running its deployments one after the other while the other workers take the rest test by test
-    (`--dist loadgroup`). Started last they would leave one worker running them alone after the others finished;
-    all at once, a dozen processes each importing torch per message would thrash the cores."""
+    """The real Flower deployments (minutes each, a process per message) first. Under `-n` (`--dist loadgroup`)
+    they run in two lanes (their `xdist_group`), each one worker taking its deployments one after the other while
+    the other workers take the rest test by test: started last they would leave a worker running them alone after
+    the others finished, and all at once a dozen processes each importing torch per message thrash the cores."""
     items.sort(key=lambda item: item.get_closest_marker("deployment") is None)  # stable: the rest keep their order
-    deployments = [item for item in items if item.get_closest_marker("deployment") is not None]
-    for i, item in enumerate(deployments):
-        item.add_marker(pytest.mark.xdist_group(f"deployments-{i % 2}"))
 
 
 # Tiny models run fastest single-threaded, and a single thread keeps parallel test processes from thrashing.

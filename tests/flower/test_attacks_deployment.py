@@ -69,6 +69,7 @@ def _masked(line, path):
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-0")
 def test_a_modified_server_is_refused_by_every_site_and_reads_or_writes_nothing_there(tmp_path, monkeypatch,
                                                                                          deployment_mark):  # fmt: skip
     """The modified ServerApp (`attack_apps/malicious_server.py`) against three honest sites — site 1 requiring
@@ -149,6 +150,7 @@ def _refusals(log):
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-0")
 def test_a_modified_site_is_refused_round_after_round_and_the_honest_sites_train_as_without_it(
     tmp_path, deployment_mark
 ):
@@ -231,6 +233,7 @@ def test_a_modified_site_is_refused_round_after_round_and_the_honest_sites_train
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-0")
 def test_a_site_claiming_a_count_out_of_bounds_at_start_up_stops_the_run_before_any_work(tmp_path, deployment_mark):
     """Site 2 reports 10¹⁵ training samples for its client — its weight in every mean, which would make the model
     its reply: the ServerApp stops at start-up with one line naming the site and the bound, before any round."""

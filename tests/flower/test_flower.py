@@ -38,6 +38,7 @@ def sim():
         yield s
 
 
+@pytest.mark.xdist_group("flower-simulation")  # one Ray runtime (`sim`) for them all
 @pytest.mark.parametrize("name", PARITY_CASES)
 def test_flower_simulation_equals_loop_bit_for_bit(name, sim):
     """Same summary, server state and client states as `loop` at one thread per process: the ClientApp runs the
@@ -137,6 +138,7 @@ def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-0")
 def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_no_process(tmp_path, deployment_mark):
     """`pflbed flower local --tls --auth` with states on the nodes: a real SuperLink and 2 SuperNodes (separate
     processes, TLS with a generated CA, registered node keys, client states in files on the nodes) give the loop's

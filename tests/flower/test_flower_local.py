@@ -33,6 +33,7 @@ ARGS = [a for s in SETS for a in ("--set", s)]
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-1")
 def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deployment(
     tmp_path, monkeypatch, deployment_mark
 ):
@@ -73,6 +74,7 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-0")
 def test_a_failed_deployment_says_why_where_the_logs_are_and_how_to_continue(tmp_path, monkeypatch, capsys):
     """A run that stops inside Flower (here: a broken app config, so the ServerApp refuses it) is one line with
     Flower's cause, exit code 4 (not 3, "diverged"), and the deployment's own `--resume`; rerunning the same

@@ -35,6 +35,7 @@ def _args(sets):
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-1")
 def test_a_secure_deployment_gives_the_simulations_dp_run_up_to_quantization(tmp_path):
     """FedPer under client-level DP on three sites of their own data, through SecAgg+, one round: the shared body
     equals the simulation's to within the quantization step, and ε is the same."""
@@ -55,6 +56,7 @@ def test_a_secure_deployment_gives_the_simulations_dp_run_up_to_quantization(tmp
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-1")
 def test_distributed_noise_on_a_secure_deployment_assembles_the_central_release(tmp_path):
     """`privacy.noise: distributed` with σ = 0 and every client sampled (q = 1, so the OS's sample is everyone's):
     each site sends (Σ_c Δ̃_c + 0)/qN with weight 1, the server multiplies the unmasked mean by the sites and the

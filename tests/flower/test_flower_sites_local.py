@@ -28,6 +28,7 @@ def _args(sets):
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-0")
 def test_three_sites_of_their_own_data_give_the_simulation_s_figures_with_a_server_that_has_no_dataset(tmp_path):
     """Each site gets exactly a simulated client's samples; the server's config names a dataset this machine does
     not have (CIFAR-10), so a ServerApp that loaded any data would fail. Every record's P-FL and validation

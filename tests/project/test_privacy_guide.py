@@ -47,6 +47,7 @@ def test_the_guide_shows_the_commands_this_test_runs():
 
 
 @pytest.mark.deployment
+@pytest.mark.xdist_group("deployments-1")
 def test_the_guides_commands_run_as_written(tmp_path, monkeypatch):
     """In order, in one directory (the deployment reads the sites the command before it wrote)."""
     if any("dataset.name=fmnist" in sets(argv) for argv in GUIDE_COMMANDS) and find_fmnist() is None:
