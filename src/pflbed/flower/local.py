@@ -207,18 +207,23 @@ class Follower:
         self.out, self.bar, self.run_log, self.log = out, bar, run_log, log
         self.seen = len(self._records())  # a resumed run's earlier records: shown by the run that logged them
         self.stamp = self._stamp()
-        self.warned = 0
+        self.read = 0  # bytes of run_log read so far
 
     def _warnings(self) -> None:
-        """The ServerApp's new warning lines, each passed on once."""
+        """The ServerApp's warning lines written since the last poll (whole lines: the last may be being written)."""
+        if self.run_log is None:
+            return
         try:
-            text = self.run_log.read_text(errors="replace") if self.run_log is not None else ""
+            with open(self.run_log, "rb") as f:
+                f.seek(self.read)
+                new = f.read()
         except OSError:
             return
-        found = [s.strip() for s in text.splitlines() if s.lstrip().startswith("pflbed: warning:")]
-        for line in found[self.warned :]:
-            self.log(line)
-        self.warned = len(found)
+        whole = new[: new.rfind(b"\n") + 1]
+        self.read += len(whole)
+        for line in whole.decode(errors="replace").splitlines():
+            if line.lstrip().startswith("pflbed: warning:"):
+                self.log(line.strip())
 
     def _records(self) -> list[dict]:
         """The complete lines of metrics.jsonl (the last one may be being written)."""
