@@ -3,7 +3,6 @@ or a listing gives them cheaply, or the one line that says how to get it. Never 
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,14 +12,11 @@ from pflbed.data import cifar, cifar10c, digits, emnist, femnist, miniimagenet, 
 from pflbed.data.tinyimagenet import scan as scan_tiny
 
 PathArg = str | os.PathLike[str] | None
-DIGITS_SAMPLES = 1797  # scikit-learn's bundled digits: one fixed file of 1797 images
-
-
 def _digits(path: PathArg) -> dict[str, Any]:
     """Digits' split sizes without loading them: importing scikit-learn alone takes seconds, most of a listing."""
     del path  # bundled: no files to look for
-    test = digits.NUM_CLASSES * inspect.signature(digits.load_digits_source).parameters["test_per_class"].default
-    return {"location": digits.ORIGIN, "train": DIGITS_SAMPLES - test, "test": test}
+    test = digits.NUM_CLASSES * digits.TEST_PER_CLASS
+    return {"location": digits.ORIGIN, "train": digits.SAMPLES - test, "test": test}
 
 
 def _row(found: Path | None, how: str, **sizes: Any) -> dict[str, Any]:

@@ -21,6 +21,8 @@ MEAN = 0.3053
 STD = 0.3760
 NUM_CLASSES = 10
 ORIGIN = "scikit-learn (bundled)"
+SAMPLES = 1797  # the bundled file's images (`pflbed data list` counts them without importing scikit-learn)
+TEST_PER_CLASS = 30
 
 
 def _raw() -> tuple[np.ndarray, np.ndarray]:
@@ -35,7 +37,7 @@ def _to_dataset(images: np.ndarray, labels: np.ndarray) -> ArrayDataset:
     return ArrayDataset(x=x.contiguous(), y=torch.from_numpy(labels.copy()))
 
 
-def load_digits_source(test_per_class: int = 30, seed: int = 0) -> DataSource:
+def load_digits_source(test_per_class: int = TEST_PER_CLASS, seed: int = 0) -> DataSource:
     """Digits as float32 [N, 1, 8, 8] with `test_per_class` test samples of every class, the rest train.
 
     The test indices are a seeded per-class permutation; both splits keep the original sample order.
