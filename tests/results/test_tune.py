@@ -462,3 +462,19 @@ def test_plots_are_titled_by_method_in_percent_and_importances_need_enough_trial
         why = tuner.absent["FedAvg"]["importance"]
         assert why == "2 complete trials; importances need at least 10 to mean anything"
         assert f"Parameter importances: not drawn ({why})." in tuner.markdown(tuner.rows())
+
+
+def test_the_tuning_guide_s_small_study_runs_as_written(tmp_path, monkeypatch):
+    """docs/guide/tuning.md's `--set`/`--out` example, as the page shows it, from a working directory of its own
+    (the suite file named from the repository): it finishes, and its output is where `--out` says."""
+    import re
+    import shlex
+
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "guide" / "tuning.md").read_text(),
+                                       re.S) if "--out runs/tune/digits-small" in b)  # fmt: skip
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["pflbed", "tune", "-c"]
+    argv[3] = str(ROOT / argv[3])
+    monkeypatch.chdir(tmp_path)
+    assert main(argv[1:]) == 0
+    assert (tmp_path / "runs" / "tune" / "digits-small" / "table.md").is_file()
