@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pflbed.algorithms.common import ClientData
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import index_batches, weighted_mean
 
 Tensors = dict[str, torch.Tensor]
@@ -272,7 +273,7 @@ def sgd_through_combination(
     alpha: Callable[[], torch.Tensor],
     stacked: Tensors,
     major: Tensors | None,
-    opt: torch.optim.Optimizer,
+    opt: SGD,
     *,
     epochs: int,
     batch_size: int,

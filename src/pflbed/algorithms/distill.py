@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflbed import rng
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import index_batches
 
 EPS = 1e-12  # floor of probabilities inside logarithms: a teacher mix may put exactly zero mass on a class
@@ -87,7 +88,7 @@ def distill(
     `epochs` shuffled passes, or exactly `steps` mini-batches (passes repeated as needed) when `steps` is given.
     The model is in train mode (as for any SGD step); one optimizer per call.
     """
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = SGD(model.parameters(), lr=lr, momentum=momentum)
     idx = torch.arange(len(x), device=x.device)
     n_epochs = epochs if steps is None else -(-steps * batch_size // max(len(x), 1)) + 1
     total, done = torch.zeros((), device=x.device), 0

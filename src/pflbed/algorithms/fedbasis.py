@@ -138,6 +138,7 @@ from pflbed.algorithms.basis import (
 )
 from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
 from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
@@ -349,7 +350,7 @@ class FedBasis(Algorithm):
     # --- local training ----------------------------------------------------------------------------------------
     def _run(
         self, params: Callable[[], Tensors], stacked: Tensors, major: Tensors | None, alpha: Callable[[], torch.Tensor],
-        opt: torch.optim.Optimizer, data: ClientData, epochs: int, generator: torch.Generator, track: bool,
+        opt: SGD, data: ClientData, epochs: int, generator: torch.Generator, track: bool,
         batch_size: int | None = None,
     ) -> None:  # fmt: skip
         """`sgd_through_combination` over this model's keys (see module doc); batch size `train`'s, or `batch_size`
@@ -366,7 +367,7 @@ class FedBasis(Algorithm):
         t = self.ctx.cfg.train
         psi = torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device, requires_grad=True)
         frozen, frozen_major = detached(stacked, major)
-        opt = torch.optim.SGD([psi], lr=self.alpha_lr, momentum=t.momentum)
+        opt = SGD([psi], lr=self.alpha_lr, momentum=t.momentum)
 
         def params() -> Tensors:
             return combine(frozen, torch.softmax(psi, -1), self.group_of, frozen_major, self.param_keys)
@@ -382,7 +383,7 @@ class FedBasis(Algorithm):
         t = self.ctx.cfg.train
         alpha = alpha.detach()
         stacked, major, leaves = trainable_copies(stacked, major, self.param_keys)
-        opt = torch.optim.SGD(leaves, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        opt = SGD(leaves, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
         def params() -> Tensors:
             return combine(stacked, alpha, self.group_of, major, self.param_keys)
@@ -398,7 +399,7 @@ class FedBasis(Algorithm):
         t, o = self.ctx.cfg.train, self.opts
         psi = torch.zeros(len(self.groups), o.K, device=self.ctx.device, requires_grad=True)
         stacked, major, leaves = trainable_copies(stacked, major, self.param_keys)
-        opt = torch.optim.SGD([{"params": [psi], "lr": self.alpha_lr, "weight_decay": 0.0},
+        opt = SGD([{"params": [psi], "lr": self.alpha_lr, "weight_decay": 0.0},
                                {"params": leaves, "lr": t.lr, "weight_decay": t.weight_decay}],
                               lr=t.lr, momentum=t.momentum)  # fmt: skip
 
@@ -455,7 +456,7 @@ class FedBasis(Algorithm):
             head = {k: start[k].detach().clone().requires_grad_(True) for k in self.head_param_keys}
         psi_lr = budget.lr * self.alpha_lr / self.ctx.cfg.train.lr  # ψ keeps its training ratio to the weights' lr
         groups = [{"params": [psi], "lr": psi_lr}] + ([{"params": list(head.values())}] if head else [])
-        opt = torch.optim.SGD(groups, lr=budget.lr, momentum=budget.momentum)
+        opt = SGD(groups, lr=budget.lr, momentum=budget.momentum)
         body_keys = [k for k in self.param_keys if k not in head]
 
         def params() -> Tensors:

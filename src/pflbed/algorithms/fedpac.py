@@ -94,6 +94,7 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData,
 from pflbed.algorithms.fedrod import feature_dim
 from pflbed.algorithms.partial import block_params, blocks_for, frozen, personalize_blocks, subset, train_blocks
 from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import get_params, index_batches, load_params, weighted_mean
 from pflbed.models import BlockNet
 
@@ -249,7 +250,7 @@ def aligned_body_epochs(
 ) -> None:  # fmt: skip
     """Body phase: SGD on CE + λ·alignment over the body's parameters, head frozen (no gradient into it)."""
     body, head = model.body_blocks(), model.head_blocks()
-    opt = torch.optim.SGD(block_params(model, body), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = SGD(block_params(model, body), lr=lr, momentum=momentum, weight_decay=weight_decay)
     with frozen(model, head):
         for _ in range(epochs):
             model.train()

@@ -70,6 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
 from pflbed.models import BlockNet
 from pflbed.search import Search, Space
@@ -174,8 +175,8 @@ def decoupled_epochs(
     """
     counts = class_counts(data)
     kw = dict(momentum=train.momentum, weight_decay=train.weight_decay)
-    opt_g = torch.optim.SGD(net.parameters(), lr=train.lr, **kw)
-    opt_p = torch.optim.SGD(list(personal_params), lr=personal_lr, **kw)
+    opt_g = SGD(net.parameters(), lr=train.lr, **kw)
+    opt_p = SGD(list(personal_params), lr=personal_lr, **kw)
     for _ in range(train.local_epochs):
         net.train()
         for b in index_batches(data.train, train.batch_size, 1, generator):

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import get_params, index_batches, load_params
 from pflbed.errors import ConfigError
 
@@ -93,7 +94,7 @@ class L2GD(FedAvg):
         x = {k: payload[k] + shrink * (v - payload[k]) if v.is_floating_point() else v for k, v in state.items()}
         load_params(model, x)
         model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=t.lr)  # plain local steps, η = α/(n(1 − p))
+        opt = SGD(model.parameters(), lr=t.lr)  # plain local steps, η = α/(n(1 − p))
         batches = index_batches(data.train, t.batch_size, l_, cctx.generator)  # enough for l steps
         for _, b in zip(range(l_), batches, strict=False):
             x, y = data.batch(b, cctx.generator)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflbed.algorithms.common import ClientData
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import index_batches
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -66,7 +67,7 @@ class MaskedPhase:
         params = dict(model.named_parameters())
         self.names = [k for k in params if k in entries]  # model order, as `sgd_epochs` passes them
         self.frozen = {k: ~m for k, m in entries.items() if m is not None}
-        self.opt = (torch.optim.SGD([params[k] for k in self.names], lr=lr, momentum=momentum,
+        self.opt = (SGD([params[k] for k in self.names], lr=lr, momentum=momentum,
                                     weight_decay=weight_decay) if self.names else None)  # fmt: skip
 
     def run_pass(self, data: ClientData, batch_size: int, generator: torch.Generator) -> float | None:

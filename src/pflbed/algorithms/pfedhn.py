@@ -109,6 +109,7 @@ from torch.func import functional_call
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params, local_sgd
 from pflbed.search import Search, Space
 
@@ -189,7 +190,7 @@ def sgd_steps(model: nn.Module, data: ClientData, steps: int, train: TrainConfig
     if n == 0:
         return
     epochs = math.ceil(steps / math.ceil(n / train.batch_size))
-    opt = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    opt = SGD(model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     model.train()
     for b in islice(index_batches(data.train, train.batch_size, epochs, generator), steps):
         x, y = data.batch(b, generator)
@@ -384,7 +385,7 @@ class PFedHN(Algorithm):
         phi = {k: p.detach() for k, p in self.phi(server).items()}  # φ frozen: no gradient, never written
         v = self.embedding(server, data.cid).detach().clone().requires_grad_()
         buffers = self.initial_buffers()
-        opt = torch.optim.SGD([v], lr=o.new_embed_lr or budget.lr, momentum=budget.momentum)
+        opt = SGD([v], lr=o.new_embed_lr or budget.lr, momentum=budget.momentum)
         model = self.ctx.model
         for _ in range(epochs):
             model.train()

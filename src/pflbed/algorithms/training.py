@@ -12,6 +12,7 @@ from torch import nn
 
 from pflbed import rng
 from pflbed.algorithms.common import Budget, ClientData, Predictor, Same, Tensors, load_params
+from pflbed.algorithms.sgd import SGD
 from pflbed.federation import Federation
 from pflbed.models import BlockNet
 
@@ -98,7 +99,7 @@ def sgd_epochs(
     momentum history.
     """
     trainable = list(params) if params is not None else list(model.parameters())
-    opt = torch.optim.SGD(trainable, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = SGD(trainable, lr=lr, momentum=momentum, weight_decay=weight_decay)
     fwd = forward or model
     for _ in range(epochs):
         model.train()  # every epoch: a consumer may have evaluated (eval mode) between two epochs
