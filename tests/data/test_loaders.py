@@ -153,7 +153,8 @@ def test_download_fetches_verifies_unpacks_once(env: Path, monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("fault", ["checksum", "truncated"])
-def test_bad_download_leaves_nothing_and_exits_2(env: Path, monkeypatch: pytest.MonkeyPatch, capsys, fault: str):
+def test_bad_download_leaves_nothing_and_exits_2(env: Path, monkeypatch: pytest.MonkeyPatch, capfd, fault: str):
+    """(`capfd`: what reaches the terminal, also from a library's log handler bound to the stream at its import.)"""
     if fault == "checksum":
         archive = _mirror_cifar10(env, monkeypatch, digest="0" * 32)
         expected = "MD5 checksum mismatch"
@@ -164,8 +165,9 @@ def test_bad_download_leaves_nothing_and_exits_2(env: Path, monkeypatch: pytest.
         load_dataset("cifar10", download=True)
     one_line_naming(info, archive.name)
     assert not (env / "cache" / "cifar10").exists()  # no archive, no temporary file, no half-unpacked folder
+    capfd.readouterr()
     rc = main(["data", "show", "--set", "dataset.name=cifar10", "--set", "dataset.download=true"])
-    err = capsys.readouterr().err.strip()
+    err = capfd.readouterr().err.strip()
     assert rc == 2 and expected in err and archive.name in err and "\n" not in err
     assert not (env / "cache" / "cifar10").exists()
 
