@@ -29,7 +29,8 @@ def _train(make, params, steps, seed):
     for step in range(steps):
         targets = [torch.randn(p.shape, generator=g).to(p.device, p.dtype) for p in params]
         used = params if step != 1 else params[:-1]
-        loss = sum(((p - t) ** 2 * (i + 1)).sum() + p.abs().sum() for i, (p, t) in enumerate(zip(used, targets[: len(used)], strict=True)))
+        pairs = enumerate(zip(used, targets[: len(used)], strict=True))
+        loss = sum(((p - t) ** 2 * (i + 1)).sum() + p.abs().sum() for i, (p, t) in pairs)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
