@@ -17,7 +17,6 @@ from flwr.serverapp import Grid, ServerApp
 from pflbed.config import validate_config
 from pflbed.engine.loop import experiment, prepare
 from pflbed.flower.executor import FlowerExecutor
-from pflbed.flower.prompt_grid import PromptGrid
 from pflbed.flower.secagg import SecAggExecutor
 from pflbed.flower.site_executor import SiteExecutor, discover_sites
 from pflbed.flower.sites import server_algorithm
@@ -28,7 +27,6 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    grid = PromptGrid(grid)  # replies taken as they arrive, not every 3 s
     cfg = validate_config(json.loads(str(context.run_config["config"])))
     if cfg.sites.local:  # the data is on the sites: ask them what they hold; the server loads none
         sizes, nodes = discover_sites(grid, cfg)
