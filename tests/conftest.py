@@ -15,7 +15,6 @@ settings.register_profile("explore", deadline=None, max_examples=300, suppress_h
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-
 def pytest_collection_modifyitems(items):
     """The real Flower deployments (minutes each, a process per message) first. Under `-n` (`--dist loadgroup`)
     they run in two lanes (their `xdist_group`), each one worker taking its deployments one after the other while

@@ -63,6 +63,8 @@ optuna = pytest.importorskip("optuna")
 
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -467,9 +469,6 @@ def test_plots_are_titled_by_method_in_percent_and_importances_need_enough_trial
 def test_the_tuning_guide_s_small_study_runs_as_written(tmp_path, monkeypatch):
     """docs/guide/tuning.md's `--set`/`--out` example, as the page shows it, from a working directory of its own
     (the suite file named from the repository): it finishes, and its output is where `--out` says."""
-    import re
-    import shlex
-
     block = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "guide" / "tuning.md").read_text(),
                                        re.S) if "--out runs/tune/digits-small" in b)  # fmt: skip
     argv = shlex.split(block.replace("\\\n", " "))

@@ -12,6 +12,8 @@ from pflbed.data import cifar, cifar10c, digits, emnist, femnist, miniimagenet, 
 from pflbed.data.tinyimagenet import scan as scan_tiny
 
 PathArg = str | os.PathLike[str] | None
+
+
 def _digits(path: PathArg) -> dict[str, Any]:
     """Digits' split sizes without loading them: importing scikit-learn alone takes seconds, most of a listing."""
     del path  # bundled: no files to look for
