@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 MARK = "PFLBED_TEST_DEPLOYMENT"
-NAMES = (b"flower-superlink", b"flower-supernode", b"flower-superexec", b"flwr-serverapp", b"flwr-clientapp")
+NAMES = (b"flower-superlink", b"flower-supernode", b"flower-superexec", b"flwr-serverapp", b"flwr-clientapp",
+         b"pflbed.flower.node_worker")
 
 
 def marked_processes(mark: str) -> dict[int, str]:

@@ -30,7 +30,7 @@ publisher = "pflbed"
 
 [tool.flwr.app.components]
 serverapp = "pflbed.flower.server:app"
-clientapp = "pflbed.flower.client:app"
+clientapp = "pflbed.flower.node_app:app"
 
 [tool.flwr.app.config]
 config = {config}

@@ -36,6 +36,12 @@ def _validated(config_json: str) -> Config:
     return validate_config(json.loads(config_json))
 
 
+def clear_caches() -> None:
+    """Forget the configs and algorithms built so far (a long-lived process starting another run)."""
+    _validated.cache_clear()
+    _algorithm.cache_clear()
+
+
 def site_config(node: dict[str, Any], config_json: str) -> Config | None:
     """The server's config as this node accepts it (a site: `site_policy.check`); None where the node holds no data
     (a simulated client, whose data the server decides)."""

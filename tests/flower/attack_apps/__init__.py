@@ -44,7 +44,7 @@ def write_attack_app(path: Path, cfg: Config, out: Path, serverapp: str | None =
     for component, module in (("serverapp", serverapp), ("clientapp", clientapp)):
         if module is None:
             continue
-        pflbed_own = f'{component} = "pflbed.flower.{component.removesuffix("app")}:app"'
+        pflbed_own = f'{component} = "pflbed.flower.{"server" if component == "serverapp" else "node_app"}:app"'
         assert pflbed_own in text, f"the project no longer names {pflbed_own}"
         text = text.replace(pflbed_own, f'{component} = "{module}:app"')
         shutil.copy(HERE / f"{module}.py", app / f"{module}.py")

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import json
 
-import torch
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from pflbed.flower import client as honest
-from pflbed.flower.records import from_record, to_record
+from pflbed.flower import node_app as honest
 
 app = ClientApp()
 
@@ -41,6 +39,8 @@ def _dropped(reply: dict) -> dict:
 
 
 def _extra(reply: dict) -> dict:
+    import torch
+
     return {**reply, "extra": torch.zeros(3)}
 
 
@@ -61,6 +61,8 @@ def train(msg: Message, context: Context) -> Message:
     conf = msg.content["config"]
     rewrite = REPLIES.get(int(conf["round"]))
     if _attack(context) == "replies" and rewrite is not None and not reply.has_error():
+        from pflbed.flower.records import from_record, to_record
+
         for cid in conf["cids"]:
             reply.content[f"reply/{cid}"] = to_record(rewrite(from_record(reply.content[f"reply/{cid}"])))
     return reply

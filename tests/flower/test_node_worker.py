@@ -1,0 +1,206 @@
+"""The node's warm worker and its light ClientApp (`node_worker`, `node_app`): where it listens, whom it answers,
+when it goes. Its replies are pflbed's own handlers' (the deployment tests run every message through it)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("flwr")  # the `flower` extra
+
+from pflbed.errors import PflbedError  # noqa: E402
+from pflbed.flower import node_app  # noqa: E402
+from pflbed.flower.node_worker import read_blob, send_blob  # noqa: E402
+
+
+def test_a_workers_directory_someone_else_could_enter_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "pflbed").mkdir(mode=0o755)
+    os.chmod(tmp_path / "pflbed", 0o755)
+    with pytest.raises(PflbedError, match="must be a directory of this user with mode 0700"):
+        node_app.socket_dir()
+    os.chmod(tmp_path / "pflbed", 0o700)
+    assert node_app.socket_dir() == tmp_path / "pflbed"
+
+
+def test_a_link_in_place_of_the_directory_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "pflbed").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PflbedError, match="must be a directory"):
+        node_app.socket_dir()
+
+
+def _message(group, run_id=1):
+    """A query as Flower hands it to the ClientApp (through its protobuf, as the worker reads it)."""
+    from flwr.app import RecordDict
+    from flwr.common.serde import message_from_proto, recorddict_to_proto
+    from flwr.proto.message_pb2 import Message, Metadata
+
+    meta = Metadata(run_id=run_id, message_id="m", src_node_id=1, dst_node_id=2, group_id=group, ttl=60,
+                    message_type="query", created_at=1.0)  # fmt: skip
+    return message_from_proto(Message(metadata=meta, content=recorddict_to_proto(RecordDict())))
+
+
+def _context(node_config):
+    from flwr.app import Context, RecordDict
+
+    return Context(run_id=1, node_id=2, node_config=node_config, state=RecordDict(), run_config={})
+
+
+def _refusal(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (what Flower makes of it: the class and the text)
+        return str(type(e)), str(e)
+    raise AssertionError("the message was answered; it should have been refused")
+
+
+@pytest.fixture
+def short_dir():
+    """A private directory whose sockets' paths fit a Unix socket (pytest's own can be too deep)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="nw", dir="/tmp")
+    yield __import__("pathlib").Path(d)
+    shutil.rmtree(d)
+
+
+def test_a_message_goes_through_the_worker_and_a_refusal_reads_as_in_process(short_dir, monkeypatch):
+    """The light ClientApp starts the node's worker, which answers as `client` does; a site's refusal reaches
+    Flower with the same class and text (Flower's error reason), and a second message finds the same worker."""
+    from pflbed.flower import client
+
+    tmp_path = short_dir
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setattr(node_app.os, "getppid", lambda: superexec.pid)
+    try:
+        plain = _context({"partition-id": 1, "num-partitions": 3})
+        got = node_app.query(_message("partitions"), plain)
+        want = client.query(_message("partitions"), plain)
+        assert dict(got.content["node"]) == dict(want.content["node"]) == {"partition-id": 1, "num-partitions": 3}
+        site = _context({"data": str(tmp_path / "none.npz"), "partition-id": 0})
+        through = _refusal(lambda: node_app.query(_message("train-me"), site))
+        assert through == _refusal(lambda: client.query(_message("train-me"), site))
+        assert through[0] == "<class 'pflbed.flower.sites.SiteError'>" and "answers only" in through[1]
+        assert len(list((tmp_path / "pflbed").glob("*.sock"))) == 2  # one worker per node config
+    finally:
+        superexec.kill()
+        superexec.wait()
+    deadline = time.monotonic() + 10
+    while list((tmp_path / "pflbed").glob("*.sock")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the workers leave with their SuperExec; their sockets may stay, nothing listens
+
+
+def test_without_unix_sockets_the_clientapp_answers_itself(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(node_app, "socket", type("NoUnix", (), {})())
+    reply = node_app.query(_message("partitions"), _context({"partition-id": 2, "num-partitions": 4}))
+    assert dict(reply.content["node"]) == {"partition-id": 2, "num-partitions": 4}
+    assert not (tmp_path / "pflbed").exists()  # no worker, no directory
+
+
+def test_a_socket_path_too_long_for_the_platform_is_answered_in_process(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    reply = node_app.query(_message("partitions"), _context({"partition-id": 0, "num-partitions": 2}))
+    assert dict(reply.content["node"]) == {"partition-id": 0, "num-partitions": 2}
+    assert not list((deep / "pflbed").iterdir())  # no worker was started (it could not have listened)
+
+
+def test_a_message_of_another_run_clears_what_the_worker_built():
+    """A site's files may change between runs; the worker keeps its algorithms and data for one run only."""
+    from pflbed.config import Config
+    from pflbed.flower import site_node
+    from pflbed.flower.node_worker import Node
+
+    site_node.clear_caches()
+    config = Config().model_dump_json()
+    node, plain = Node(), _context({"partition-id": 0, "num-partitions": 2})
+    node.answer("query", _message("partitions", run_id=7), plain)
+    site_node._validated(config)  # what a site-local message of run 7 builds
+    node.answer("query", _message("partitions", run_id=7), plain)  # the same run: kept
+    assert site_node._validated.cache_info().currsize == 1
+    node.answer("query", _message("partitions", run_id=8), plain)
+    assert site_node._validated.cache_info().currsize == 0
+    with pytest.raises(RuntimeError, match="serves another node config"):
+        node.answer("query", _message("partitions", run_id=8), _context({"partition-id": 1, "num-partitions": 2}))
+
+
+def _ask(path):
+    """A partition query, as the ClientApp sends it; the worker's answer (b"" for none)."""
+    from flwr.app import RecordDict
+    from flwr.common.serde import recorddict_to_proto
+    from flwr.proto.message_pb2 import Context, Message, Metadata
+
+    meta = Metadata(run_id=1, message_id="m", src_node_id=1, dst_node_id=2, group_id="partitions", ttl=60,
+                    message_type="query", created_at=1.0)  # fmt: skip
+    msg = Message(metadata=meta, content=recorddict_to_proto(RecordDict()))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(str(path))
+    for blob in (b"query", msg.SerializeToString(), Context(run_id=1, node_id=2).SerializeToString()):
+        send_blob(s, blob)
+    try:
+        return read_blob(s)[:1]
+    except ConnectionError:  # closed (reset, with the request unread, or closed before any answer)
+        return b""
+
+
+def _start(tmp_path, parent, idle_s=600.0):
+    path = tmp_path / "w.sock"
+    code = f"from pflbed.flower.node_worker import serve; serve({str(path)!r}, {parent}, {idle_s})"
+    worker = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert worker.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return worker, path
+
+
+def test_the_worker_exits_with_its_superexec_and_when_idle(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker, _ = _start(tmp_path, parent.pid)
+    parent.kill()
+    parent.wait()
+    assert worker.wait(timeout=5) == 0  # within its 0.5 s watch, not at its idle limit
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        idle, _ = _start(tmp_path / "idle" if (tmp_path / "idle").mkdir() is None else tmp_path, other.pid, idle_s=1.0)
+        assert idle.wait(timeout=10) == 0
+    finally:
+        other.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_users_process_gets_no_answer():
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(dir="/tmp")  # a place the other user can reach (pytest's own is private)
+    os.chmod(where, 0o755)
+    worker, path = _start(__import__("pathlib").Path(where), os.getpid())
+    os.chmod(path, 0o777)  # the directory check is the first defense; this is the second
+    try:
+        assert _ask(path) == b"M"  # the control: its own user is answered
+        pid = os.fork()
+        if pid == 0:  # the other user: connects, asks, must read nothing
+            try:
+                os.setuid(65534)
+                os._exit(0 if _ask(path) == b"" else 1)
+            except BaseException as e:
+                with open(os.path.join(where, "child-error"), "w") as f:
+                    f.write(repr(e))
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        error = __import__("pathlib").Path(where, "child-error")
+        assert os.waitstatus_to_exitcode(status) == 0, error.read_text() if error.exists() else ""
+    finally:
+        worker.kill()
+        shutil.rmtree(where)
