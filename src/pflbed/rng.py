@@ -36,6 +36,13 @@ def seed_global(seed: int, device: torch.device) -> None:
         torch.manual_seed(seed)
 
 
+def global_stream(seed: int, device: torch.device) -> torch.Generator:
+    """A generator of `device` whose numbers are those torch's global generator of `device` gives after
+    `seed_global(seed, device)`: code that must draw what a client's update draws from the global RNG (its
+    dropout masks) without touching it, such as batched clients (`engine.batched`)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def fork(device: torch.device) -> contextlib.AbstractContextManager:
     """`torch.random.fork_rng` of the CPU's global RNG and, in a run on an accelerator, of that device's: code that
     reseeds torch's global RNG (`torch.manual_seed` seeds every device) leaves both as they were."""

@@ -8,6 +8,7 @@ tests below allow 1e-5 after two rounds or several phases of the tiny configs, f
 import pytest
 import torch
 
+from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.local_sgd import run_plan
 from pflbed.config import validate_config
@@ -66,42 +67,113 @@ def test_batched_equals_loop_within_tolerance(name, monkeypatch):
         assert all(torch.equal(loop.server[k], both.server[k]) for k in loop.server)
 
 
+@pytest.mark.parametrize("model", ["lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("name", ["fedavg", "fedper"])
+def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model, monkeypatch):
+    """The executor end to end on the models the batched path used to leave to the loop: the round's clients
+    trained together, the server and every client's state (BatchNorm statistics included) within TOL. One round,
+    lr 0.05: these tiny runs have kinks where float rounding decides (lenet5_bn at lr 0.1: one client's gradient
+    at two inputs 1.2e-7 apart differs by 0.066, the same function on both; at lr 0.05 a 1e-7 change of a
+    round-2 start moved the loop's own update by 0.065), where no rounding tolerance can hold; every round's
+    update is the same rule from its start (`test_train_together_is_each_clients_own_sgd`)."""
+    torch.set_num_threads(1)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+
+    def cfg(batch_clients):
+        c = _cfg(name, batch_clients, 1, lr=0.05, momentum=0.5, weight_decay=0.01)
+        return validate_config({**c.model_dump(), "model": {"name": model}})
+
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    assert calls and all(n > 1 for n in calls)
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+    assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
+
+
 def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper"}
 
 
-@pytest.mark.parametrize("model", ["lenet5", "mlp"])
-def test_train_together_is_each_clients_own_sgd(model):
-    """Rule (batched.py:_phase = local_sgd.run_plan): two phases (FedPer's head-only epoch, then every block),
-    momentum restarted per phase, weight decay, a batch size that leaves a smaller last batch, clients of unequal
-    sizes (the smaller stops early and must then stay put): each client's result equals its own `run_plan`."""
-    torch.set_num_threads(1)
+def _plans(model, batch_size=8):
+    """Three clients of unequal sizes (digits, Dir 0.3), FedPer's two phases, momentum and weight decay."""
     cfg = validate_config({"dataset": {"name": "digits"}, "model": {"name": model},
                            "federation": {"clients": 6, "partition": "dirichlet", "alpha": 0.3},
-                           "train": {"batch_size": 8, "lr": 0.02, "momentum": 0.5, "weight_decay": 0.05,
+                           "train": {"batch_size": batch_size, "lr": 0.02, "momentum": 0.5, "weight_decay": 0.05,
                                      "local_epochs": 2},
                            "algorithm": {"name": "fedper", "head_finetune_epochs": 1}})  # fmt: skip
     algo = prepare(cfg)
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)[:3]
+    plans = [algo.sgd_plan(server, algo.init_client(c), ctx.client_data(c)) for c in cids]
+    return cfg, ctx, cids, plans
+
+
+def _each_own(cfg, ctx, cids, plans):
+    """Batched, then each client alone (`run_plan`, torch's global RNG seeded as `update_client` seeds it)."""
+    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
+    together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                              [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
+    alone = []
+    for c, plan in zip(cids, plans, strict=True):
+        rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device)
+        reply, state = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
+        alone.append({**reply, **state})
+    return together, alone
+
+
+@pytest.mark.parametrize("model", ["lenet5", "mlp", "lenet5_bn", "alexnet_small_x025"])
+def test_train_together_is_each_clients_own_sgd(model):
+    """Rule (batched.py:_phase = local_sgd.run_plan): two phases (FedPer's head-only epoch, then every block),
+    momentum restarted per phase, weight decay, a batch size that leaves a smaller last batch, clients of unequal
+    sizes (the smaller stops early and must then stay put): each client's result equals its own `run_plan`. With
+    BatchNorm (lenet5_bn) its running statistics too — moved by every forward, frozen blocks' included, from the
+    real rows of a padded batch only — and with dropout (alexnet_small_x025) the masks its own stream draws."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model)
     sizes = [ctx.client_data(c).num_train for c in cids]
     assert len(set(sizes)) == 3 and all(n % 8 for n in sizes)  # unequal, each with a partial last batch
-    plans = [algo.sgd_plan(server, algo.init_client(c), ctx.client_data(c)) for c in cids]
-    together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
-                              [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
-    for c, plan, got in zip(cids, plans, together, strict=True):
-        reply, state = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
-        assert _max_diff({**reply, **state}, got) <= TOL
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
         assert _max_diff(got, plan.start) > 100 * TOL  # it trained
+        for k in (k for k in got if k.endswith("num_batches_tracked")):
+            assert torch.equal(got[k], want[k]) and got[k] > plan.start[k], k
 
 
-def test_models_with_batchnorm_or_dropout_are_not_batched():
+def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statistics_as_alone():
+    """`SafeBatchNorm1d`: a last batch of one sample is normalized with the running statistics, which it leaves (and
+    counts no batch); the other clients' batches of that step are normal ones."""
+    torch.set_num_threads(1)
+    _, ctx, cids, _ = _plans("lenet5_bn")
+    n = ctx.client_data(cids[0]).num_train
+    cfg, ctx, cids, plans = _plans("lenet5_bn", batch_size=n - 1)  # client 0: a batch of n − 1, then one of 1
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for got, want in zip(together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
+    tracked = [k for k in together[0] if k.endswith("num_batches_tracked")]
+    conv, fc = [k for k in tracked if "conv" in k][0], [k for k in tracked if "fc" in k][0]
+    # client 0, per epoch (3 in all): two batches through the conv BN, one (the n − 1) through the FC BN
+    assert int(together[0][conv] - plans[0].start[conv]) == 2 * int(together[0][fc] - plans[0].start[fc])
+
+
+def test_which_models_are_batched():
     assert batchable_model(build_model("mlp", (1, 8, 8), 10))
     assert batchable_model(build_model("cnn", (1, 8, 8), 10))
-    assert not batchable_model(build_model("cnn_bn", (1, 8, 8), 10))  # running statistics
-    assert not batchable_model(build_model("alexnet_small", (1, 8, 8), 10))  # dropout
+    assert batchable_model(build_model("cnn_bn", (1, 8, 8), 10))  # running statistics carried per client
+    assert batchable_model(build_model("alexnet_small", (1, 8, 8), 10))  # masks drawn per client
+    model = build_model("cnn_bn", (1, 8, 8), 10)
+    next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)).momentum = None  # a cumulative average
+    assert not batchable_model(model)
+    model = build_model("mlp", (1, 8, 8), 10)
+    model.blocks["fc1"].append(torch.nn.Dropout1d(0.5))  # channel-wise masks
+    assert not batchable_model(model)
+    model.blocks["fc1"].pop(-1)
+    model.register_buffer("other", torch.zeros(1))
+    assert not batchable_model(model)
 
 
 def test_batch_clients_is_on_by_default_only_on_a_gpu_and_only_in_the_loop():

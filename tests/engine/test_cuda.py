@@ -30,6 +30,7 @@ import pflbed
 from pflbed.engine.procs import WorkerPool
 from pflbed.runs import run
 
+from ..tiny import TINY
 from .test_device import CASES, _cfg
 
 FIGURE_TOL = 0.05  # accuracies: a few test samples of the tiny runs' local test sets
@@ -130,10 +131,22 @@ def test_a_device_run_matches_the_cpu_run(case):
     _compare("device_vs_cpu", case, cpu, dev)
 
 
-@pytest.mark.parametrize("case", IDS)
+# BatchNorm and dropout models in the batched path (`engine.per_client_layers`): one round (these tiny runs have
+# kinks where rounding decides, `test_batched.test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop`).
+ONE_ROUND = {"train": {**TINY["train"], "rounds": 1}}
+PER_CLIENT_LAYERS = [
+    ("fedavg-lenet5_bn", {"name": "fedavg"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
+    ("fedper-lenet5_bn", {"name": "fedper"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
+    ("fedavg-alexnet", {"name": "fedavg"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
+    ("fedrep-alexnet", {"name": "fedrep"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
+]
+
+
+@pytest.mark.parametrize("case", IDS + [c[0] for c in PER_CLIENT_LAYERS])
 def test_batched_clients_on_the_device_match_one_by_one(case):
     """Within tolerance where clients ran batched; bit for bit elsewhere (the loop's code, deterministic kernels)."""
-    algorithm, sections = _case(case)
+    extra = {c[0]: c[1:] for c in PER_CLIENT_LAYERS}
+    algorithm, sections = extra[case] if case in extra else _case(case)
     one = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
     both = run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **sections), write=False, progress=False)
     _compare("batched_vs_loop", case, one, both)

@@ -14,9 +14,11 @@ weight decay) once theirs run out; a smaller last batch is padded and its paddin
 is still the mean over its real samples. Results equal the loop's up to float rounding of the batched kernels
 (tolerance: docs/guide/speed.md).
 
-Eligible: models without BatchNorm or dropout (running statistics and random masks are per-client state the
-stacked call does not carry), and clients of the round whose plans have the same phases. Anything else runs
-through the loop, client by client — the executor decides per round.
+BatchNorm and dropout models are batched too: each client's running statistics travel through the vmapped step
+as stacked per-client tensors, returned by it, and each client's dropout masks are drawn from its own stream
+before the step (`engine.per_client_layers`). Eligible: models whose only buffers are BatchNorm statistics and whose
+only random layers are plain dropout, and clients of the round whose plans have the same phases. Anything else
+runs through the loop, client by client — the executor decides per round.
 
 Measured on CPU it loses to the loop for convolutional models (docs/guide/speed.md), so `batch_clients` is on by
 default only when the run's device is a GPU.
@@ -31,19 +33,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from pflbed import rng
 from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
+from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
+from pflbed.engine.per_client_layers import PerClientLayers
 from pflbed.models import BlockNet
-
-_PER_CLIENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
 
 
 def batchable_model(model: nn.Module) -> bool:
-    """No per-client running statistics, no random masks, no other buffers: a step is a function of parameters."""
-    return not any(isinstance(m, _PER_CLIENT) for m in model.modules()) and not list(model.buffers())
+    """A step is a function of the parameters, the BatchNorm statistics and the dropout masks
+    (`per_client_layers.supported`)."""
+    return per_client_layers.supported(model)
 
 
 class BatchedExecutor(LoopExecutor):
@@ -64,9 +68,10 @@ class BatchedExecutor(LoopExecutor):
         for cids in groups.values():
             if len(cids) > 1:
                 gens = [client_generator(ctx.seed, rnd, c) for c in cids]
+                noise = [rng.global_stream(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
                 with precision(algo):
                     trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
-                                             ctx.cfg.train, gens)  # fmt: skip
+                                             ctx.cfg.train, gens, noise)  # fmt: skip
                 for c, p in zip(cids, trained, strict=True):
                     reply, new_state = plans[c].finish(p)
                     done[c] = private(algo, received[c], reply), new_state
@@ -77,31 +82,54 @@ class BatchedExecutor(LoopExecutor):
 
 
 def train_together(
-    model: BlockNet, plans: list[LocalSGDPlan], datas: list, train: TrainConfig, gens: list[torch.Generator]
+    model: BlockNet,
+    plans: list[LocalSGDPlan],
+    datas: list,
+    train: TrainConfig,
+    gens: list[torch.Generator],
+    noise: list[torch.Generator] | None = None,
 ) -> list[Tensors]:
-    """Run the same-shaped `plans` of several clients at once; returns each client's trained full state."""
+    """Run the same-shaped `plans` of several clients at once; returns each client's trained full state. `gens`:
+    each client's batch generator; `noise`: each client's dropout stream (`rng.global_stream` of the seed the loop
+    gives torch's global RNG), needed where the model has dropout."""
     keys = list(plans[0].start)
     params = {k: torch.stack([p.start[k] for p in plans]) for k in keys}  # new tensors: the starts stay untouched
+    layers = PerClientLayers(model)
+    if layers.drops:
+        if noise is None:
+            raise ValueError("a model with dropout needs each client's dropout stream (`noise`)")
+        layers.trace(model, datas[0].x)
     for ph in plans[0].phases:
         if ph.epochs:
-            _phase(model, params, ph, datas, train, gens)
+            _phase(model, layers, params, ph, datas, train, gens, noise)
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
 
 
 def _phase(
-    model: BlockNet, params: Tensors, ph: Phase, datas: list, train: TrainConfig, gens: list[torch.Generator]
+    model: BlockNet,
+    layers: PerClientLayers,
+    params: Tensors,
+    ph: Phase,
+    datas: list,
+    train: TrainConfig,
+    gens: list[torch.Generator],
+    noise: list[torch.Generator] | None,
 ) -> None:
-    trainable = [k for k in model.state_keys(ph.blocks) if k in params]
-    fixed = [k for k in params if k not in set(trainable)]
-    rows, weights, active, draws = _schedule(datas, train.batch_size, ph.epochs, gens)
+    stats = [k for k in layers.buffer_keys if k in params]  # moved by every forward, trained by none
+    trainable = [k for k in model.state_keys(ph.blocks) if k in params and k not in set(stats)]
+    fixed = [k for k in params if k not in set(trainable) | set(stats)]
+    rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph.epochs, gens)
     pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
     model.train()
 
-    def loss(p: Tensors, q: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def loss(
+        p: Tensors, q: Tensors, b: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, m: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, Tensors]:
+        layers.enter(b, w > 0, m)
         out = functional_call(model, {**p, **q}, (x,))
-        return (F.cross_entropy(out, y, reduction="none") * w).sum()
+        return (F.cross_entropy(out, y, reduction="none") * w).sum(), layers.leave()
 
-    grads_of = vmap(grad(loss))
+    grads_of = vmap(grad(loss, has_aux=True))
     buf: Tensors = {}
     for s, live in enumerate(active):
         whole = live is None
@@ -113,7 +141,17 @@ def _phase(
             x = augment.apply(x.flatten(0, 1), d.flatten(0, 1)).view(x.shape)
         p = {k: params[k] if whole else params[k][sel] for k in trainable}
         q = {k: params[k] if whole else params[k][sel] for k in fixed}
-        g = grads_of(p, q, x, y, w)
+        b = {k: params[k] if whole else params[k][sel] for k in stats}
+        ids = range(len(datas)) if whole else live
+        masks = layers.draw([int(lengths[s, i]) for i in ids], r.shape[1], [noise[i] for i in ids],
+                            pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
+        with layers.patched():
+            g, moved = grads_of(p, q, b, x, y, w, masks)
+        for k in stats:
+            if whole:
+                params[k] = moved[k]
+            else:
+                params[k][sel] = moved[k]
         for k in trainable:  # torch.optim.SGD's update, per client
             d = g[k].add(p[k], alpha=train.weight_decay) if train.weight_decay else g[k]
             if train.momentum:
@@ -132,14 +170,16 @@ def _phase(
 
 def _schedule(
     datas: list, batch_size: int, epochs: int, gens: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None, torch.Tensor]:
     """Every step's batch of every client, built once on the CPU and moved to the device in one copy.
 
     Returns `rows` [steps, clients, width] (indices into the shared pool; a batch shorter than `width` is padded
     with its first sample), `weights` of the same shape (1/len(batch) on real rows, 0 on padding and on steps after
     a client's last: each client's loss is the mean over its real samples), per step the clients that still
     have a batch (None: all), and with augmentation each row's random choices `draws` [steps, clients, width, 3]
-    (`Augment.draw`'s, drawn right after the batch's indices, as `ClientData.batch` draws them; None without).
+    (`Augment.draw`'s, drawn right after the batch's indices, as `ClientData.batch` draws them; None without),
+    and each client's real batch size per step `lengths` [steps, clients] (on the CPU: dropout masks are drawn
+    for those rows).
     Why up front: building the batches step by step costs a few small device operations per client and step,
     which on a GPU took longer than the step itself. The batches are `index_batches`' on the same generators — the
     loop's, sample for sample.
@@ -161,8 +201,10 @@ def _schedule(
     rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
     draws = torch.zeros(steps, len(datas), width, 3, dtype=torch.long) if augment is not None else None
     weights = torch.zeros(steps, len(datas), width)
+    lengths = torch.zeros(steps, len(datas), dtype=torch.long)
     for c, batches in enumerate(per_client):
         for s, b in enumerate(batches):
+            lengths[s, c] = len(b)
             rows[s, c, : len(b)] = b
             rows[s, c, len(b) :] = b[0]
             weights[s, c, : len(b)] = 1.0 / len(b)
@@ -171,4 +213,4 @@ def _schedule(
     active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
               for s in range(steps)]  # fmt: skip
     device = datas[0].x.device
-    return rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None
+    return rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None, lengths

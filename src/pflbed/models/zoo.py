@@ -116,6 +116,23 @@ class _SingleValueSafe:
         return super().forward(x)  # type: ignore[misc]
 
 
+class ReproducibleDropout(nn.Dropout):
+    """`nn.Dropout` drawing its mask as torch does on the CPU — `bernoulli_(1 − p)` from the generator of the
+    input's device, scaled by 1/(1 − p) — on every device.
+
+    Why: on a GPU torch fuses dropout into one kernel whose random stream no other call reproduces, so batched
+    clients (`engine.batched`), which draw each client's masks from that client's own generator outside the
+    vmapped step, could not draw the masks the client-by-client loop draws. On the CPU this is torch's dropout op
+    for op (the same masks, the same values)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return x * torch.zeros_like(x)
+        return x * torch.empty_like(x).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+
+
 class SafeBatchNorm1d(_SingleValueSafe, nn.BatchNorm1d):
     """`nn.BatchNorm1d` that accepts a training batch of one sample (normalized with the running statistics)."""
 
@@ -296,8 +313,8 @@ def alexnet_small(input_shape: tuple[int, ...], num_classes: int, width: float =
     return BlockNet(
         [
             *convs,
-            ("fc1", nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(flat, fc), nn.ReLU())),
-            ("fc2", nn.Sequential(nn.Dropout(0.5), nn.Linear(fc, fc), nn.ReLU())),
+            ("fc1", nn.Sequential(nn.Flatten(), ReproducibleDropout(0.5), nn.Linear(flat, fc), nn.ReLU())),
+            ("fc2", nn.Sequential(ReproducibleDropout(0.5), nn.Linear(fc, fc), nn.ReLU())),
             ("classifier", nn.Linear(fc, num_classes)),
         ]
     )

@@ -1,0 +1,158 @@
+"""BatchNorm and dropout for batched clients (`engine.batched`): each client's running statistics and masks.
+
+A vmapped step (`torch.func.vmap` over clients) runs one forward for every client at once, but a BatchNorm layer
+keeps its running statistics in buffers it updates in place, and dropout draws its masks from torch's one global
+generator: neither is per client. For the duration of a batched phase, `PerClientLayers` gives each such module
+of the model a forward that works per client, as the client-by-client loop would:
+
+- **BatchNorm**: the client's running statistics come in as stacked per-client tensors and the updated ones go out
+  as the step's auxiliary output (functionally, nothing updated in place). The batch statistics are taken over the
+  client's real samples only — a batched step pads a client's shorter batch, and the padding must not move its
+  mean and variance — and the running ones move as torch's do (momentum, unbiased variance, one more batch
+  tracked). A batch holding a single value per channel is normalized with the running statistics, which it leaves
+  as they were (`models.zoo.SafeBatchNorm*`, the zoo's deviation). Computed in float32 and returned in the input's
+  dtype, as torch's kernels do.
+- **Dropout**: each call's mask is drawn before the step, outside the vmapped call, from the client's own
+  generator (`rng.global_stream`, the stream the loop's update draws from torch's global RNG): per step, every
+  dropout call of the forward in order, `bernoulli_(1 − p)` over the client's real batch, scaled by 1/(1 − p) —
+  `models.zoo.ReproducibleDropout`'s draw, so the same masks.
+
+The loop's and the batched parameters then differ by float rounding only (the normalization's reductions are
+summed in another order than torch's kernel sums them): the tolerance of `engine.batched`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+Tensors = dict[str, torch.Tensor]
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def supported(model: nn.Module) -> bool:
+    """Every buffer is a BatchNorm's running statistics (tracked, with a momentum), every random layer plain
+    dropout: what `PerClientLayers` carries per client."""
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            if not (m.track_running_stats and m.affine and m.momentum is not None):
+                return False
+        elif list(m.buffers(recurse=False)):
+            return False
+        if isinstance(m, nn.modules.dropout._DropoutNd) and type(m) not in (nn.Dropout, _reproducible()):
+            return False  # channel-wise or alpha dropout draws other masks
+    return True
+
+
+def _reproducible() -> type:
+    from pflbed.models.zoo import ReproducibleDropout
+
+    return ReproducibleDropout
+
+
+class PerClientLayers:
+    """The model's BatchNorm and dropout layers made per client for a vmapped step (see the module docstring).
+
+    Use: `masks = layers.draw(...)` before the step; inside the vmapped function `layers.enter(stats, real,
+    masks)`, the forward, then `layers.leave()` returns the new statistics — all within `layers.patched()`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.norms = {n: m for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
+        self.drops = {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)}
+        self.buffer_keys = [f"{n}.{s}" for n in self.norms for s in _STATS]
+        self.calls: list[tuple[str, tuple[int, ...]]] = []  # the forward's dropout calls: module, sample shape
+        self._stats: Tensors = {}
+        self._new: Tensors = {}
+        self._real: torch.Tensor | None = None
+        self._masks: list[torch.Tensor] = []
+
+    def trace(self, model: nn.Module, sample: torch.Tensor) -> None:
+        """Record the order and per-sample shapes of the forward's dropout calls (one sample, eval mode: nothing
+        drawn, no statistic moved)."""
+        self.calls = []
+        hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: self.calls.append((n, tuple(a[0].shape[1:]))))
+                 for n, m in self.drops.items()]  # fmt: skip
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(sample[:1])
+        finally:
+            model.train(was)
+            for h in hooks:
+                h.remove()
+
+    def draw(
+        self, sizes: list[int], width: int, gens: list[torch.Generator], device: torch.device
+    ) -> list[torch.Tensor]:
+        """One step's masks: per dropout call, [clients, width, *shape]; client i's first `sizes[i]` rows drawn from
+        `gens[i]` in the loop's order (the calls in forward order), its padding rows 1."""
+        out = [torch.ones(len(sizes), width, *shape, device=device) for _, shape in self.calls]
+        for i, (n, g) in enumerate(zip(sizes, gens, strict=True)):
+            for mask, (name, shape) in zip(out, self.calls, strict=True):
+                p = float(self.drops[name].p)
+                if p == 1.0:
+                    mask[i, :n] = 0.0
+                elif p > 0.0:
+                    mask[i, :n] = torch.empty(n, *shape, device=device).bernoulli_(1.0 - p, generator=g).div_(1.0 - p)
+        return out
+
+    def enter(self, stats: Tensors, real: torch.Tensor, masks: list[torch.Tensor]) -> None:
+        """Inside the vmapped function: this client's running statistics, which of its rows are real, its masks."""
+        self._stats, self._new, self._real, self._masks = stats, {}, real, list(masks)
+
+    def leave(self) -> Tensors:
+        """The client's running statistics after the forward."""
+        assert not self._masks, "a dropout mask was drawn for a call the forward did not make"
+        new, self._stats, self._new, self._real = self._new, {}, {}, None
+        return new
+
+    @contextmanager
+    def patched(self) -> Iterator[None]:
+        """The layers' per-client forwards, for the duration (the model's own afterwards)."""
+        for n, m in self.norms.items():
+            m.forward = self._norm_forward(n, m)
+        for m in self.drops.values():
+            m.forward = self._drop_forward()
+        try:
+            yield
+        finally:
+            for m in [*self.norms.values(), *self.drops.values()]:
+                del m.forward
+
+    def _drop_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return x * self._masks.pop(0)
+
+        return forward
+
+    def _norm_forward(self, name: str, m: _BatchNorm) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            assert self._real is not None and m.momentum is not None
+            rm, rv, tracked = (self._stats[f"{name}.{s}"] for s in _STATS)
+            xf = x.float()
+            dims = [0, *range(2, x.dim())]
+            shape = [1, -1] + [1] * (x.dim() - 2)
+            real = self._real.to(xf.dtype).view(-1, *[1] * (x.dim() - 1))
+            count = self._real.to(xf.dtype).sum() * (xf[0, 0].numel())  # values per channel in the real rows
+            mean = (xf * real).sum(dims) / count
+            var = ((xf - mean.view(shape)).square() * real).sum(dims) / count
+            single = count <= 1  # `SafeBatchNorm`: normalized with the running statistics, which stay
+            use_mean = torch.where(single, rm.float(), mean)
+            use_var = torch.where(single, rv.float(), var)
+            y = (xf - use_mean.view(shape)) * torch.rsqrt(use_var.view(shape) + m.eps)
+            y = y * m.weight.float().view(shape) + m.bias.float().view(shape)
+            mom = float(m.momentum)
+            unbiased = var.detach() * count / (count - 1).clamp(min=1)
+            moved_mean = (1 - mom) * rm.float() + mom * mean.detach()
+            moved_var = (1 - mom) * rv.float() + mom * unbiased
+            self._new[f"{name}.running_mean"] = torch.where(single, rm, moved_mean.to(rm.dtype))
+            self._new[f"{name}.running_var"] = torch.where(single, rv, moved_var.to(rv.dtype))
+            self._new[f"{name}.num_batches_tracked"] = tracked + (~single).to(tracked.dtype)
+            return y.to(x.dtype)
+
+        return forward
