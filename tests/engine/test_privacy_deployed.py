@@ -370,7 +370,7 @@ def test_a_deployment_killed_mid_run_and_resumed_counts_every_release_of_its_led
     from pflbed.results.checkpoint import checkpoint_path
 
     sets = ["dataset.name=synthetic", "model.name=mlp", "federation.clients=8", "federation.sample_fraction=0.5",
-            "train.rounds=40", "train.checkpoint_every=5", "eval.every=10", "eval.finetune=[]", "train.lr=0.02",
+            "train.rounds=20", "train.checkpoint_every=5", "eval.every=10", "eval.finetune=[]", "train.lr=0.02",
             "algorithm.name=fedavg", "privacy.clip=0.5", "privacy.noise_multiplier=1.0", "privacy.randomness=os"]
     args = [a for s in sets for a in ("--set", s)]
     out = tmp_path / "killed"
@@ -389,8 +389,8 @@ def test_a_deployment_killed_mid_run_and_resumed_counts_every_release_of_its_led
 
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0
     rounds = [privacy._entry(x)[0] for x in ledger.read_text().splitlines()]
-    assert rounds[: len(before)] == before and sorted(set(rounds) - {None}) == list(range(1, 41))
-    assert len(rounds) == 40 + len(before) - checkpointed  # each replayed round released twice
+    assert rounds[: len(before)] == before and sorted(set(rounds) - {None}) == list(range(1, 21))
+    assert len(rounds) == 20 + len(before) - checkpointed  # each replayed round released twice
     summary = json.loads((out / "summary.json").read_text())["privacy"]
     mech = privacy.Mechanism(0.5, 1.0, 0.5, 8, 1e-5, randomness="os")
     assert summary["noise_draws"] == len(rounds) and summary["epsilon"] == pytest.approx(mech.epsilon(len(rounds)))

@@ -276,7 +276,7 @@ def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):
     import time
 
     tree = suite(tmp_path, 1)
-    tree["base"] = {**BASE, "train": {**BASE["train"], "rounds": 60}, "eval": {"every": 10, "finetune": []}}
+    tree["base"] = {**BASE, "train": {**BASE["train"], "rounds": 30}, "eval": {"every": 10, "finetune": []}}
     f = write(tmp_path, tree)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "pflbed", "tune", "-c", f, "--worker"], env=env,

@@ -97,13 +97,20 @@ def mean_pairwise_cosine(vectors: torch.Tensor) -> float | None:
 
     None for fewer than two rows. A zero row has cosine 0 with everything (no direction to agree with).
     """
-    n = vectors.shape[0]
+    v = vectors.double()
+    return gram_mean_cosine(v @ v.T)
+
+
+def gram_mean_cosine(gram: torch.Tensor) -> float | None:
+    """`mean_pairwise_cosine` of the rows whose (K, K) Gram matrix of dot products (float64) is `gram`. Why from
+    the Gram matrix: the Gram matrix of concatenated vectors is the sum of their parts' ones, so per-block and
+    whole-model cosines need one pass over the parameters, not a concatenated float64 copy of each basis."""
+    n = gram.shape[0]
     if n < 2:
         return None
-    v = vectors.double()
-    unit = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    sims = unit @ unit.T
-    iu = torch.triu_indices(n, n, offset=1, device=v.device)
+    norms = gram.diagonal().clamp_min(0).sqrt().clamp_min(1e-30)
+    sims = gram / norms[:, None] / norms[None, :]
+    iu = torch.triu_indices(n, n, offset=1, device=gram.device)
     return float(sims[iu[0], iu[1]].mean())
 
 
@@ -353,9 +360,13 @@ def collapse_diagnostics(
     """
     k = next(iter(stacked.values())).shape[0]
 
+    grams = {}
+    for key in dict.fromkeys([*param_keys, *(key for keys in blocks.values() for key in keys)]):
+        m = stacked[key].reshape(k, -1).double()
+        grams[key] = m @ m.T
+
     def cosine(keys: Sequence[str]) -> float | None:
-        mat = torch.stack([torch.cat([stacked[key][i].reshape(-1).float() for key in keys]) for i in range(k)])
-        return _round6(mean_pairwise_cosine(mat))
+        return _round6(gram_mean_cosine(sum((grams[key] for key in keys), torch.zeros(k, k, dtype=torch.float64))))
 
     everything = cosine(param_keys)
     per_block = {b: cosine(keys) for b, keys in blocks.items() if keys}
