@@ -366,7 +366,7 @@ def collapse_diagnostics(
         grams[key] = m @ m.T
 
     def cosine(keys: Sequence[str]) -> float | None:
-        return _round6(gram_mean_cosine(sum((grams[key] for key in keys), torch.zeros(k, k, dtype=torch.float64))))
+        return _round6(gram_mean_cosine(sum(grams[key] for key in keys)))
 
     everything = cosine(param_keys)
     per_block = {b: cosine(keys) for b, keys in blocks.items() if keys}
