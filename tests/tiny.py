@@ -1,10 +1,13 @@
 """A tiny, fast experiment config shared by the end-to-end tests (strict executor on), and what the executor parity
 tests (procs, Flower) share."""
 
+import functools
+
 import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
+from pflbed.runs import run
 
 TINY = {
     "dataset": {"name": "synthetic"},
@@ -47,6 +50,15 @@ def figures(summary):
 
 def same_tensors(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@functools.cache
+def loop_run(name, **train):
+    """The `loop` run of `parity_config(name, {"threads": 1}, **train)` — the reference of the executor parity tests
+    (procs, Flower simulation, states on nodes), computed once per test process: the loop is deterministic at one
+    thread (`test_cli.test_same_config_and_seed_give_identical_summary`), and each module would otherwise train
+    the same reference again. Callers only read it."""
+    return run(parity_config(name, {"threads": 1}, **train), write=False, progress=False)
 
 
 def parity_config(name, executor, evaluation=None, **train):

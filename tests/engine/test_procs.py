@@ -10,7 +10,7 @@ from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
 from pflbed.errors import ConfigError
 from pflbed.runs import run
 
-from ..tiny import PARITY_CASES, TINY, parity_config
+from ..tiny import PARITY_CASES, TINY, loop_run, parity_config
 from ..tiny import figures as _figures
 from ..tiny import same_tensors as _same
 
@@ -20,7 +20,7 @@ def test_procs_equals_loop_bit_for_bit(name, pool):
     """Same summary, server state and client states as `loop` at one thread per process: a client's update depends
     on (payload, state, data, seed of (round, client)) only, whichever worker runs it and in whichever order."""
     torch.set_num_threads(1)
-    loop = run(parity_config(name, {"threads": 1}), write=False, progress=False)
+    loop = loop_run(name)
     procs_cfg = parity_config(name, {"name": "procs", "workers": 2, "threads": 1})
     procs = run(procs_cfg, write=False, progress=False, pool=pool)
     assert _figures(procs.summary) == _figures(loop.summary)

@@ -16,7 +16,7 @@ from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 from pflbed.runs import run
 
-from ..tiny import PARITY_CASES, TINY, parity_config
+from ..tiny import PARITY_CASES, TINY, loop_run, parity_config
 from ..tiny import figures as _figures
 from ..tiny import same_tensors as _same
 from .processes import marked_processes
@@ -44,7 +44,7 @@ def test_flower_simulation_equals_loop_bit_for_bit(name, sim):
     """Same summary, server state and client states as `loop` at one thread per process: the ClientApp runs the
     loop's own `update_client` on what crossed as Flower records (NumPy arrays: exact for every dtype used)."""
     torch.set_num_threads(1)
-    loop = run(parity_config(name, {"threads": 1}), write=False, progress=False)
+    loop = loop_run(name)
     flower = run(parity_config(name, {"name": "flower", "threads": 1}), write=False, progress=False, simulation=sim)
     assert _figures(flower.summary) == _figures(loop.summary)
     assert _same(flower.server, loop.server)

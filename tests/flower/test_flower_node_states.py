@@ -7,7 +7,7 @@ import torch
 from pflbed.federation import sample_clients
 from pflbed.runs import run
 
-from ..tiny import PARITY_CASES, figures, parity_config, same_tensors
+from ..tiny import PARITY_CASES, figures, loop_run, parity_config, same_tensors
 
 flwr = pytest.importorskip("flwr")  # the `flower` extra; CI installs it
 
@@ -24,7 +24,7 @@ def _flower(name, state_dir, **train):
 
 
 def _loop(name, **train):
-    return run(parity_config(name, {"threads": 1}, **train), write=False, progress=False)
+    return loop_run(name, **train)
 
 
 @pytest.mark.parametrize("name", PARITY_CASES)
