@@ -222,7 +222,8 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: FedAvg's CNN first, then pfl-research's shape, the
     other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics where the
-    algorithm's update is a plan — FedAvg; the others run the loop, so only loop and procs are timed for them)."""
+    algorithm's update is a plan — FedAvg, FedRoD; the others run the loop, so only loop and procs are timed for
+    them)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNet once each
@@ -234,7 +235,8 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-bf16", "batched-bf16")]
     out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in ("loop", "procs")]
-    out.insert(out.index(("paper", "fedavg", resnet, "procs")) + 1, ("paper", "fedavg", resnet, "batched"))
+    for alg in ("fedavg", "fedrod"):
+        out.insert(out.index(("paper", alg, resnet, "procs")) + 1, ("paper", alg, resnet, "batched"))
     out += [("paper", "fedavg", resnet, "loop-bf16")]
     return out
 

@@ -10,6 +10,7 @@ import torch
 
 from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
+from pflbed.algorithms.base import Algorithm
 from pflbed.algorithms.local_sgd import run_plan
 from pflbed.config import validate_config
 from pflbed.engine import batched
@@ -95,16 +96,19 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
 def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
-    assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper"}
+    assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod"}
+    assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
 
 
-def _plans(model, batch_size=8):
-    """Three clients of unequal sizes (digits, Dir 0.3), FedPer's two phases, momentum and weight decay."""
+def _plans(model, batch_size=8, algorithm=None):
+    """Three clients of unequal sizes (digits, Dir 0.3), FedPer's two phases (or `algorithm`'s plan), momentum
+    and weight decay."""
+    algorithm = algorithm or {"name": "fedper", "head_finetune_epochs": 1}
     cfg = validate_config({"dataset": {"name": "digits"}, "model": {"name": model},
                            "federation": {"clients": 6, "partition": "dirichlet", "alpha": 0.3},
                            "train": {"batch_size": batch_size, "lr": 0.02, "momentum": 0.5, "weight_decay": 0.05,
                                      "local_epochs": 2},
-                           "algorithm": {"name": "fedper", "head_finetune_epochs": 1}})  # fmt: skip
+                           "algorithm": algorithm})  # fmt: skip
     algo = prepare(cfg)
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)[:3]
@@ -142,6 +146,22 @@ def test_train_together_is_each_clients_own_sgd(model):
         assert _max_diff(got, plan.start) > 100 * TOL  # it trained
         for k in (k for k in got if k.endswith("num_batches_tracked")):
             assert torch.equal(got[k], want[k]) and got[k] > plan.start[k], k
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
+def test_fedrods_plan_together_is_each_clients_own_update(model):
+    """FedRoD's plan (Eq. 8 + Eq. 9 on one batch, its objective, `fedrod.decoupled_objective`): the body and
+    generic head at train.lr on the balanced-softmax loss of each client's own class counts, the personal head
+    at personal_lr (≠ train.lr here) on the P-loss; trained together, each client lands where its own update
+    does — the reply, the personal head, BatchNorm statistics."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "fedrod", "personal_lr": 0.2, "gamma": 0.7})
+    assert len({tuple(p.consts["counts"].tolist()) for p in plans}) == 3  # each client its own class counts
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert got.keys() == want.keys() and any(k.startswith("personal.") for k in got)
+        assert _max_diff(want, got) <= TOL
+        assert _max_diff({k: got[k] for k in plan.start}, plan.start) > 100 * TOL  # it trained
 
 
 def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statistics_as_alone():

@@ -56,7 +56,7 @@ from pydantic import Field
 from torch import nn
 
 from pflbed import rng
-from pflbed.algorithms.base import Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import (
     FedRoD,
     FedRoDOptions,
@@ -123,6 +123,8 @@ class FedRoDHyper(FedRoD):
 
     def init_client(self, cid: int) -> Tensors:
         return {"prior": self.ctx.federation.clients[cid].prior.clone()}  # deviation 6: a_m only
+
+    sgd_plan = Algorithm.sgd_plan  # no plan: FedRoD's trains a head of its own; here the hypernetwork makes it
 
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext

@@ -1,23 +1,34 @@
-"""Client updates that are plain local SGD, declared as data.
+"""Client updates that are local SGD on a differentiable loss, declared as data.
 
 FedAvg, FedPer, FedRep, LG-FedAvg and FedBABU all update a client the same way: load a starting state, run one or
 more phases of mini-batch SGD, each training some blocks with the others frozen, then split the trained state into
-the reply and the client's new state. Declaring that as a `LocalSGDPlan` (`Algorithm.sgd_plan`) lets the engine run
-it either one client at a time (`run_plan`, the rule itself) or many clients of one architecture together
-(`engine.batched`), with one definition of the update.
+the reply and the client's new state. Others train tensors beyond the model (FedRoD's personal head, at a learning
+rate of its own) on a loss of their own (FedRoD's balanced softmax plus the personal head's loss), which may read
+per-client constants (the client's class counts). Declaring the update as a `LocalSGDPlan` (`Algorithm.sgd_plan`)
+lets the engine run it either one client at a time (`run_plan`, the rule itself) or many clients of one
+architecture together (`engine.batched`), with one definition of the update.
+
+An `Objective` is written once for both: a function of the current tensors (`params`: the model's parameters by
+state-dict key, and the plan's extra tensors), the client's constants, a batch and its per-sample weights `w`.
+`w` is None in the loop (the batch's plain mean, the ops the algorithm always ran) and, in a batched step, 1/n on a
+client's n real samples and 0 on its padding (`weighted_mean`). The model is called through `model_forward` /
+`run_blocks`, which take its parameters from `params` (`torch.func.functional_call`), so the same objective runs on
+one client's tensors or, under `vmap`, on every client's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.func import functional_call
 
 from pflbed.algorithms.common import ClientData, Tensors
-from pflbed.algorithms.partial import train_blocks
-from pflbed.algorithms.training import get_params, load_params
+from pflbed.algorithms.partial import block_params, frozen, train_blocks
+from pflbed.algorithms.sgd import SGD
+from pflbed.algorithms.training import get_params, index_batches, load_params
 from pflbed.models import BlockNet
 
 if TYPE_CHECKING:
@@ -32,23 +43,89 @@ class Phase:
     blocks: tuple[str, ...]
     epochs: int
     lr: float
+    extra: tuple[tuple[str, float], ...] = ()  # (key prefix, lr): the plan's extra tensors this phase trains
+
+
+class Objective(Protocol):
+    """A batch's loss (a scalar) for the current tensors; see the module docstring."""
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
 class LocalSGDPlan:
-    """Load `start` (the model's full state), run `phases` in order, then `finish` maps the trained state to
-    (reply, new client state)."""
+    """Load `start` (the model's full state, plus any extra tensors under keys of their own), run `phases` in
+    order, then `finish` maps the trained tensors to (reply, new client state). `objective`: the loss (None:
+    cross-entropy of the model's output); `consts`: per-client tensors it reads, never trained."""
 
     start: Tensors
     phases: tuple[Phase, ...]
     finish: Callable[[Tensors], tuple[Tensors, Tensors]]
+    objective: Objective | None = None
+    consts: Tensors = field(default_factory=dict)
+
+
+def weighted_mean(per_sample: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """The batch mean of per-sample losses: plain in the loop (`w` None), Σ w·ℓ in a batched step."""
+    return per_sample.mean() if w is None else (per_sample * w).sum()
+
+
+def run_blocks(model: BlockNet, params: Tensors, names: Sequence[str], x: torch.Tensor) -> torch.Tensor:
+    """`names` blocks of `model` in order on `x`, each with its parameters from `params` (state-dict keys): the
+    body alone (`model.body_blocks()`) gives the features, the head blocks the logits."""
+    for name in names:
+        prefix = f"blocks.{name}."
+        own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+        x = functional_call(model.blocks[name], own, (x,))
+    return x
+
+
+def model_forward(model: BlockNet, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+    """The model's logits with its parameters from `params`."""
+    return run_blocks(model, params, model.block_names(), x)
 
 
 def run_plan(
     model: BlockNet, plan: LocalSGDPlan, data: ClientData, train: TrainConfig, generator: torch.Generator
 ) -> tuple[Tensors, Tensors]:
     """One client's plan, on the shared model object. A phase of zero epochs draws nothing from the generator."""
-    load_params(model, plan.start)
+    model_keys = set(model.state_dict())
+    load_params(model, {k: v for k, v in plan.start.items() if k in model_keys})
+    extra = {k: v.detach().clone().requires_grad_(True) for k, v in plan.start.items() if k not in model_keys}
     for ph in plan.phases:
-        train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
-    return plan.finish(get_params(model))
+        if plan.objective is None and not ph.extra:
+            train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
+        else:
+            _objective_phase(model, extra, plan, ph, data, train, generator)
+    return plan.finish({**get_params(model), **{k: v.detach().clone() for k, v in extra.items()}})
+
+
+def _objective_phase(
+    model: BlockNet, extra: Tensors, plan: LocalSGDPlan, ph: Phase, data: ClientData, train: TrainConfig,
+    generator: torch.Generator,
+) -> None:  # fmt: skip
+    """A phase of `plan.objective` (or cross-entropy), one SGD step per batch over the phase's blocks at `ph.lr`
+    and its extra tensors at theirs; the model's other blocks frozen, as `train_blocks` freezes them."""
+    if not ph.epochs:
+        return
+    groups = [{"params": block_params(model, ph.blocks), "lr": ph.lr}]
+    groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix)], "lr": lr} for prefix, lr in ph.extra]
+    opt = SGD(groups, lr=ph.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    params = {**dict(model.named_parameters()), **extra}
+    consts = plan.consts
+
+    def objective(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if plan.objective is None:
+            return torch.nn.functional.cross_entropy(model(x), y)
+        return plan.objective(model, params, consts, x, y, None)
+
+    with frozen(model, [b for b in model.block_names() if b not in set(ph.blocks)]):
+        model.train()
+        for b in index_batches(data.train, train.batch_size, ph.epochs, generator):
+            x, y = data.batch(b, generator)
+            opt.zero_grad(set_to_none=True)
+            objective(x, y).backward()
+            opt.step()

@@ -1,9 +1,11 @@
-"""Batched clients (`executor.batch_clients`): a round's plain-SGD clients trained together, for GPUs.
+"""Batched clients (`executor.batch_clients`): a round's local-SGD clients trained together, for GPUs.
 
 A GPU spends most of a small model's step launching kernels, not computing; training the round's clients one after
 another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (FedAvg, FedPer, FedRep, LG-FedAvg,
-FedBABU) are stacked: one tensor per parameter with a leading client dimension, and every step runs all clients'
-forward, backward and SGD update as single `torch.func.vmap` calls over `functional_call`.
+FedBABU, FedRoD — with its personal heads as extra per-client tensors, its loss as the plan's objective and each
+client's class counts as its constants) are stacked: one tensor per parameter with a leading client dimension,
+and every step runs all clients' forward, backward and SGD update as single `torch.func.vmap` calls over
+`functional_call`.
 
 Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
 batch's crop offsets and flips right after its indices — from its own generator exactly as `run_plan` does; the
@@ -35,7 +37,7 @@ from torch.func import functional_call, grad, vmap
 
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase
 from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
@@ -56,14 +58,15 @@ class BatchedExecutor(LoopExecutor):
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
         received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
-        groups: dict[tuple[Phase, ...], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         plans: dict[int, LocalSGDPlan] = {}
         if batchable_model(ctx.model):
             for c, payload in received.items():
                 plan = algo.sgd_plan(payload, self.state(c), ctx.client_data(c))
                 if plan is not None:
                     plans[c] = plan
-                    groups.setdefault(plan.phases, []).append(c)
+                    shape = (plan.phases, plan.objective, tuple(plan.start), tuple(plan.consts))  # one vmapped step
+                    groups.setdefault(shape, []).append(c)
         done: dict[int, tuple[Tensors, Tensors]] = {}
         for cids in groups.values():
             if len(cids) > 1:
@@ -94,6 +97,7 @@ def train_together(
     gives torch's global RNG), needed where the model has dropout."""
     keys = list(plans[0].start)
     params = {k: torch.stack([p.start[k] for p in plans]) for k in keys}  # new tensors: the starts stay untouched
+    consts = {k: torch.stack([p.consts[k] for p in plans]) for k in plans[0].consts}
     layers = PerClientLayers(model)
     if layers.drops:
         if noise is None:
@@ -101,7 +105,7 @@ def train_together(
         layers.trace(model, datas[0].x)
     for ph in plans[0].phases:
         if ph.epochs:
-            _phase(model, layers, params, ph, datas, train, gens, noise)
+            _phase(model, layers, params, consts, plans[0].objective, ph, datas, train, gens, noise)
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
 
 
@@ -109,6 +113,8 @@ def _phase(
     model: BlockNet,
     layers: PerClientLayers,
     params: Tensors,
+    consts: Tensors,
+    objective: Objective | None,
     ph: Phase,
     datas: list,
     train: TrainConfig,
@@ -116,18 +122,26 @@ def _phase(
     noise: list[torch.Generator] | None,
 ) -> None:
     stats = [k for k in layers.buffer_keys if k in params]  # moved by every forward, trained by none
-    trainable = [k for k in model.state_keys(ph.blocks) if k in params and k not in set(stats)]
+    lr_of = {k: ph.lr for k in model.state_keys(ph.blocks) if k in params and k not in set(stats)}
+    lr_of |= {k: lr for prefix, lr in ph.extra for k in params if k.startswith(prefix)}
+    trainable = list(lr_of)
     fixed = [k for k in params if k not in set(trainable) | set(stats)]
+    model_keys = set(model.state_dict())
     rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph.epochs, gens)
     pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
     model.train()
 
     def loss(
-        p: Tensors, q: Tensors, b: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, m: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, Tensors]:
+        p: Tensors, q: Tensors, b: Tensors, cst: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+        m: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
         layers.enter(b, w > 0, m)
-        out = functional_call(model, {**p, **q}, (x,))
-        return (F.cross_entropy(out, y, reduction="none") * w).sum(), layers.leave()
+        if objective is None:
+            out = functional_call(model, {k: v for k, v in {**p, **q}.items() if k in model_keys}, (x,))
+            value = (F.cross_entropy(out, y, reduction="none") * w).sum()
+        else:
+            value = objective(model, {**p, **q}, cst, x, y, w)
+        return value, layers.leave()
 
     grads_of = vmap(grad(loss, has_aux=True))
     buf: Tensors = {}
@@ -142,11 +156,12 @@ def _phase(
         p = {k: params[k] if whole else params[k][sel] for k in trainable}
         q = {k: params[k] if whole else params[k][sel] for k in fixed}
         b = {k: params[k] if whole else params[k][sel] for k in stats}
+        cst = {k: v if whole else v[sel] for k, v in consts.items()}
         ids = range(len(datas)) if whole else live
         masks = layers.draw([int(lengths[s, i]) for i in ids], r.shape[1], [noise[i] for i in ids],
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         with layers.patched():
-            g, moved = grads_of(p, q, b, x, y, w, masks)
+            g, moved = grads_of(p, q, b, cst, x, y, w, masks)
         for k in stats:
             if whole:
                 params[k] = moved[k]
@@ -161,7 +176,7 @@ def _phase(
                     d = (buf[k] if whole else buf[k][sel]).mul_(train.momentum).add_(d)
                     if not whole:
                         buf[k][sel] = d
-            new = p[k].add(d, alpha=-ph.lr)
+            new = p[k].add(d, alpha=-lr_of[k])
             if whole:
                 params[k] = new
             else:
