@@ -96,7 +96,8 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
 def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
-    assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod"}
+    assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
+                       "fedbn"}  # fmt: skip
     assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
 
 
@@ -150,7 +151,7 @@ def test_train_together_is_each_clients_own_sgd(model):
 
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
 def test_fedrods_plan_together_is_each_clients_own_update(model):
-    """FedRoD's plan (Eq. 8 + Eq. 9 on one batch, its objective, `fedrod.decoupled_objective`): the body and
+    """FedRoD's plan (Eq. 8 + Eq. 9 on one batch, its objective, `fedrod.DecoupledObjective`): the body and
     generic head at train.lr on the balanced-softmax loss of each client's own class counts, the personal head
     at personal_lr (≠ train.lr here) on the P-loss; trained together, each client lands where its own update
     does — the reply, the personal head, BatchNorm statistics."""
@@ -162,6 +163,26 @@ def test_fedrods_plan_together_is_each_clients_own_update(model):
         assert got.keys() == want.keys() and any(k.startswith("personal.") for k in got)
         assert _max_diff(want, got) <= TOL
         assert _max_diff({k: got[k] for k in plan.start}, plan.start) > 100 * TOL  # it trained
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
+def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor(model):
+    """FedProx's and FedAMP's objective (`local_sgd.ProximalObjective`): CE + μ/2·‖w − a‖², the anchor a each
+    client's own (here three different ones, as FedAMP's u_i are), the proximal term once per client and step
+    however many samples its batch has; μ = 0.5 so that the term moves the result."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "fedprox", "mu": 0.5})
+    algo = ALGORITHMS["fedprox"]
+    g = torch.Generator().manual_seed(0)
+    anchored = []
+    for p in plans:  # a different anchor per client, away from the start
+        anchor = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in p.consts.items()}
+        anchored.append(type(p)(p.start, p.phases, p.finish, p.objective, anchor))
+    assert algo.sgd_plan is not Algorithm.sgd_plan
+    together, alone = _each_own(cfg, ctx, cids, anchored)
+    for plan, got, want in zip(anchored, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
+        assert _max_diff(got, plan.start) > 100 * TOL
 
 
 def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statistics_as_alone():

@@ -133,8 +133,8 @@ def test_a_message_of_another_run_clears_what_the_worker_built():
         node.answer("query", _message("partitions", run_id=8), _context({"partition-id": 1, "num-partitions": 2}))
 
 
-def _ask(path):
-    """A partition query, as the ClientApp sends it; the worker's answer (b"" for none)."""
+def _request():
+    """A partition query as the ClientApp sends it: the three blobs (kind, Message, Context)."""
     from flwr.app import RecordDict
     from flwr.common.serde import recorddict_to_proto
     from flwr.proto.message_pb2 import Context, Message, Metadata
@@ -142,10 +142,15 @@ def _ask(path):
     meta = Metadata(run_id=1, message_id="m", src_node_id=1, dst_node_id=2, group_id="partitions", ttl=60,
                     message_type="query", created_at=1.0)  # fmt: skip
     msg = Message(metadata=meta, content=recorddict_to_proto(RecordDict()))
+    return [b"query", msg.SerializeToString(), Context(run_id=1, node_id=2).SerializeToString()]
+
+
+def _ask(path):
+    """The worker's answer to a partition query (its first byte; b"" for none)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(20)
     s.connect(str(path))
-    for blob in (b"query", msg.SerializeToString(), Context(run_id=1, node_id=2).SerializeToString()):
+    for blob in _request():
         send_blob(s, blob)
     try:
         return read_blob(s)[:1]
@@ -181,26 +186,42 @@ def test_the_worker_exits_with_its_superexec_and_when_idle(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_another_users_process_gets_no_answer():
     import shutil
+    import signal
+    import struct
     import tempfile
+    from pathlib import Path
 
-    where = tempfile.mkdtemp(dir="/tmp")  # a place the other user can reach (pytest's own is private)
+    where = Path(tempfile.mkdtemp(dir="/tmp"))  # a place the other user can reach (pytest's own is private)
     os.chmod(where, 0o755)
-    worker, path = _start(__import__("pathlib").Path(where), os.getpid())
+    worker, path = _start(where, os.getpid())
     os.chmod(path, 0o777)  # the directory check is the first defense; this is the second
     try:
         assert _ask(path) == b"M"  # the control: its own user is answered
+        request = _request()  # built here: the forked child (of a threaded process) only makes system calls
         pid = os.fork()
         if pid == 0:  # the other user: connects, asks, must read nothing
+            code = 2
             try:
+                signal.alarm(30)
                 os.setuid(65534)
-                os._exit(0 if _ask(path) == b"" else 1)
-            except BaseException as e:
-                with open(os.path.join(where, "child-error"), "w") as f:
-                    f.write(repr(e))
-                os._exit(2)
-        _, status = os.waitpid(pid, 0)
-        error = __import__("pathlib").Path(where, "child-error")
-        assert os.waitstatus_to_exitcode(status) == 0, error.read_text() if error.exists() else ""
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(20)
+                    s.connect(str(path))
+                    s.sendall(b"".join(struct.pack("!Q", len(b)) + b for b in request))
+                    try:
+                        code = 0 if s.recv(1) == b"" else 1
+                    except OSError:
+                        code = 0  # reset: nothing read
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the other user's process did not finish")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         worker.kill()
         shutil.rmtree(where)

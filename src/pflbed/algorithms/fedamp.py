@@ -84,9 +84,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, ProximalObjective
 from pflbed.algorithms.reply_shapes import misfit, specs
-from pflbed.algorithms.training import WeightedMean, finetune_epochs, proximal_sgd
+from pflbed.algorithms.training import WeightedMean, finetune_epochs
 from pflbed.errors import ConfigError
 
 LOCAL = "local/"  # the server's copy of client c's latest upload: local/<cid>/<state key>
@@ -155,12 +156,12 @@ class FedAMP(Algorithm):
     )
     Config = FedAMPOptions
     client_entries = rf"{LOCAL}(\d+)/"
-    sgd_plan = Algorithm.sgd_plan  # the proximal term needs u_i in every step: not plain local SGD
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.params = [k for k, _ in ctx.model.named_parameters()]
         self.mu = self.opts.lam / self.opts.alpha_k
+        self.objective = ProximalObjective(self.mu, self.params)  # one function: the round's plans batch together
         self._mean_cache: tuple[Tensors, Tensors] | None = None  # (server state, its mean model)
         o, n = self.opts, len(ctx.federation.participated)
         bound = o.alpha_k * (n - 1) / o.sigma
@@ -232,14 +233,12 @@ class FedAMP(Algorithm):
         cache: dict = {}  # pair figures shared by the round's rows
         return {c: self.cloud_model(rnd, server, c, cache) for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        """w_i ≈ argmin F_i(w) + λ/(2α_k)·‖w − u_i‖²: SGD on CE + μ/2·‖w − u_i‖², μ = λ/α_k, from u_i."""
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """w_i ≈ argmin F_i(w) + λ/(2α_k)·‖w − u_i‖²: SGD on CE + μ/2·‖w − u_i‖², μ = λ/α_k, from u_i (a plan: the
+        batched executor trains a round's clients together, each anchored at its own u_i)."""
         t = self.ctx.cfg.train
-        new = proximal_sgd(self.ctx.model, payload, payload, self.mu, data, epochs=t.local_epochs, lr=t.lr, train=t,
-                           generator=cctx.generator)  # fmt: skip
-        return new, state
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return self.objective.plan(payload, payload, phase, lambda params: (params, dict(state)))
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         """Store each reply as its client's latest model; clients that did not reply keep theirs."""

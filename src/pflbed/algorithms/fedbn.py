@@ -48,8 +48,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.training import WeightedMean, finetune_epochs, get_params, load_params, sgd_epochs, train_from
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.algorithms.training import WeightedMean, finetune_epochs, get_params, load_params, sgd_epochs
 
 BN_KINDS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -93,11 +94,16 @@ class FedBN(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        trained = train_from(self.ctx.model, self._full(payload, state), data, self.ctx.cfg.train, cctx.generator)
-        return {k: trained[k] for k in self.shared_keys}, {k: trained[k] for k in self.bn_keys}
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """Local SGD on the whole model (the server's shared entries with the client's own BatchNorm), as FedAvg;
+        the reply is the shared entries, the state the BatchNorm ones."""
+        t = self.ctx.cfg.train
+
+        def finish(trained: Tensors) -> tuple[Tensors, Tensors]:
+            return {k: trained[k] for k in self.shared_keys}, {k: trained[k] for k in self.bn_keys}
+
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return LocalSGDPlan(self._full(payload, state), (phase,), finish)
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
         return WeightedMean(weights, self.shared_keys)

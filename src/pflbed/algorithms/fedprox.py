@@ -16,6 +16,8 @@ Deviations: the paper's system-heterogeneity experiments let stragglers run fewe
 solutions); here every client runs the configured epochs, as in the personalized-FL baseline tables that use
 FedProx. `mu` defaults to 0.01, one of the paper's grid {0.001, 0.01, 0.1, 0.5, 1}; choose it on validation.
 Personalization (+FT/+LP, new clients) fine-tunes the global model, as for FedAvg.
+The update is a plan (`sgd_plan`, `local_sgd.ProximalObjective`): `executor.batch_clients` trains a round's
+clients together.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Tensors
+from pflbed.algorithms.base import ClientData, Context, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.training import proximal_sgd
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, ProximalObjective
 from pflbed.search import Search, Space
 
 
@@ -40,14 +42,13 @@ class FedProx(FedAvg):
     name = "fedprox"
     Config = FedProxOptions
 
-    # Not plain local SGD (the proximal term needs w^t in every step): no plan, so batched executors run FedProx
-    # client by client, through `client_update`.
-    sgd_plan = Algorithm.sgd_plan
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.objective = ProximalObjective(self.opts.mu, [k for k, _ in ctx.model.named_parameters()])
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """Eq. 2 as a plan: every block at `train.lr` for `train.local_epochs` epochs on the proximal objective,
+        anchored at w^t (the payload, the client's constants); the reply is w, the state unchanged."""
         t = self.ctx.cfg.train
-        new = proximal_sgd(self.ctx.model, payload, payload, self.opts.mu, data, epochs=t.local_epochs, lr=t.lr,
-                           train=t, generator=cctx.generator)  # fmt: skip
-        return new, state
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return self.objective.plan(payload, payload, phase, lambda params: (params, dict(state)))

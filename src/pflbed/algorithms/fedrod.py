@@ -32,7 +32,7 @@ Interpretations and deviations (everything the slides leave open):
    (default `train.lr`) with the same momentum and weight decay. Both are created per round (momentum restarts,
    as for FedAvg in pflbed).
    The update is declared as a plan (`sgd_plan`: one phase over every block at `train.lr` and φ_m at
-   `personal_lr`, `decoupled_objective`, the class counts as the client's constants), so the loop runs it client by
+   `personal_lr`, `DecoupledObjective`, the class counts as the client's constants), so the loop runs it client by
    client and `executor.batch_clients` trains a round's clients together (`engine.batched`), to float rounding.
 7. The whole model state dict is uploaded and averaged (Eq. 10 names θ and ψ only): BatchNorm statistics, if a
    model has any, are treated as part of θ and averaged like FedAvg does (integer batch counters take the max).
@@ -73,7 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, run_blocks, weighted_mean
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks, weighted_mean
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
 from pflbed.models import BlockNet
@@ -196,15 +196,20 @@ def decoupled_epochs(
             opt_p.step()
 
 
-def decoupled_objective(gamma: float) -> Objective:
+class DecoupledObjective:
     """FedRoD's local loss as a plan's objective (`local_sgd.Objective`): L^BSM of the generic logits (Eq. 8) plus
     the P-loss of the additive personal logits (Eq. 9), the personal head h_P = `personal.weight`, `personal.bias`
     (a linear layer on the flattened features) and the class counts `counts` from the plan. In the loop (`w`
-    None) these are `decoupled_epochs`' very operations; in a batched step, the same losses per sample, weighted."""
+    None) these are `decoupled_epochs`' very operations; in a batched step, the same losses per sample, weighted.
+    A class (not a closure): the algorithm travels to `procs` workers by pickle."""
 
-    def objective(
-        model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None
-    ) -> torch.Tensor:
+    def __init__(self, gamma: float) -> None:
+        self.gamma = gamma
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         z = run_blocks(model, params, model.body_blocks(), x)
         g = run_blocks(model, params, model.head_blocks(), z)
 
@@ -212,13 +217,11 @@ def decoupled_objective(gamma: float) -> Objective:
             return F.linear(feats.flatten(1), params[PERSONAL + "weight"], params[PERSONAL + "bias"])
 
         if w is None:
-            return balanced_softmax_loss(g, y, consts["counts"], gamma) + personal_loss(g, z, y, head)
-        offsets = log_count_offsets(consts["counts"], gamma).to(g)
+            return balanced_softmax_loss(g, y, consts["counts"], self.gamma) + personal_loss(g, z, y, head)
+        offsets = log_count_offsets(consts["counts"], self.gamma).to(g)
         bsm = F.cross_entropy(g + offsets, y, reduction="none")
         personal = F.cross_entropy(personal_logits(g, z, head), y, reduction="none")
         return weighted_mean(bsm, w) + weighted_mean(personal, w)
-
-    return objective
 
 
 def personalize_additive(
@@ -300,7 +303,7 @@ class FedRoD(Algorithm):
             self.head = PersonalHead(d, ctx.source.num_classes)
         self.head.to(ctx.device)
         self.predictor = AdditivePredictor(ctx.model, self.head)
-        self.objective = decoupled_objective(self.opts.gamma)  # one function: clients' plans batch together
+        self.objective = DecoupledObjective(self.opts.gamma)  # one function: clients' plans batch together
 
     @property
     def personal_lr(self) -> float:
@@ -353,7 +356,7 @@ class FedRoD(Algorithm):
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """Eq. 8 and Eq. 9 together (deviation 2): θ, ψ at `train.lr` and φ_m (`personal.`) at `personal_lr`, one
-        SGD step on both per batch, on `decoupled_objective`; the reply is θ*, ψ* (the model's state), the new
+        SGD step on both per batch, on `DecoupledObjective`; the reply is θ*, ψ* (the model's state), the new
         state φ*_m (and θ*_m, ψ*_m under `pfl_body: local`)."""
         t = self.ctx.cfg.train
         start = {**self.model_params(payload), **{k: v for k, v in state.items() if k.startswith(PERSONAL)}}

@@ -129,3 +129,26 @@ def _objective_phase(
             opt.zero_grad(set_to_none=True)
             objective(x, y).backward()
             opt.step()
+
+
+class ProximalObjective:
+    """CE + μ/2·Σ_k ‖w_k − a_k‖² over the model's parameters `keys`, the anchor a (FedProx's w^t, FedAMP's u_i)
+    being the plan's constants. In the loop (`w` None) `training.proximal_sgd`'s operations in its order; in a
+    batched step the cross-entropy weighted per sample and the proximal term once per client."""
+
+    def __init__(self, mu: float, keys: list[str]) -> None:
+        self.mu, self.keys = mu, keys
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        logits = model_forward(model, params, x)
+        prox = sum(((params[k] - consts[k]) ** 2).sum() for k in self.keys)
+        per_sample = torch.nn.functional.cross_entropy(logits, y, reduction="mean" if w is None else "none")
+        return (per_sample if w is None else weighted_mean(per_sample, w)) + 0.5 * self.mu * prox
+
+    def plan(self, start: Tensors, anchor: Tensors, phase: Phase,
+             finish: Callable[[Tensors], tuple[Tensors, Tensors]]) -> LocalSGDPlan:  # fmt: skip
+        """One phase of this objective from `start`, anchored at `anchor`."""
+        return LocalSGDPlan(dict(start), (phase,), finish, self, {k: anchor[k] for k in self.keys})
