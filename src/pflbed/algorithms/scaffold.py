@@ -21,6 +21,8 @@ the plain weighted mean of the replies, and the batch counters their maximum, as
 chance). With `train.momentum` > 0 the correction enters the gradient that
 momentum accumulates, and option II's (x − y)/(Kη_l) is then only an estimate of the mean corrected gradient (the
 paper uses plain SGD). Personalization (+FT/+LP, new clients) fine-tunes x, as for FedAvg.
+The local steps are a plan (`sgd_plan`, `CorrectedObjective`, the correction as the client's constants):
+`executor.batch_clients` trains a round's clients together.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import ClientContext, ClientData, Tensors
+from pflbed.algorithms.base import ClientData, Context, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, weighted_mean
 from pflbed.algorithms.reply_shapes import misfit, spec, specs
 from pflbed.algorithms.server_extras import ModelWithExtras
-from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
+from pflbed.algorithms.training import WeightedMean, load_params
+from pflbed.models import BlockNet
 
 C = "c/"  # server control variate keys: c/<parameter name>
 DC = "dc/"  # reply: Δc_i per parameter
@@ -47,6 +51,23 @@ class ScaffoldOptions(BaseModel):
     server_lr: float = Field(1.0, gt=0, description="global step size η_g")
 
 
+class CorrectedObjective:
+    """CE + Σ_k ⟨w_k, c_k − c_i,k⟩ over the parameters `keys` (the correction: the plan's constants), whose gradient
+    is g_i(y) + (c − c_i), the corrected step of Algorithm 1. In the loop (`w` None) the operations the update always
+    ran, in the parameters' order; in a batched step the cross-entropy weighted per sample."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        logits = model_forward(model, params, x)
+        ce = F.cross_entropy(logits, y) if w is None else weighted_mean(F.cross_entropy(logits, y, reduction="none"), w)
+        return ce + sum((params[k] * consts[k]).sum() for k in self.keys)
+
+
 class Scaffold(ModelWithExtras):
     name = "scaffold"
     dp_refused = (
@@ -56,30 +77,30 @@ class Scaffold(ModelWithExtras):
     Config = ScaffoldOptions
     prefix = C  # c; clients' c_i start at zero too
 
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.objective = CorrectedObjective(self.params)  # one function: the round's plans batch together
+
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """The local steps as a plan: every block at `train.lr` on `CorrectedObjective`, the correction c − c_i
+        as the client's constants; `finish` updates c_i (option I or II) and builds the reply (y, Δc_i)."""
+        t = self.ctx.cfg.train
         x = {k: payload[k] for k in self.model_keys}
-        load_params(model, x)
-        named = dict(model.named_parameters())
+
+        def finish(y: Tensors) -> tuple[Tensors, Tensors]:
+            if self.opts.option == "II":
+                steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
+                new = {k: state[k] - payload[f"{C}{k}"] + (x[k] - y[k]) / (steps * t.lr) for k in self.params}
+            else:
+                new = self.full_gradient(x, data)
+            return {**y, **{f"{DC}{k}": new[k] - state[k] for k in self.params}}, new
+
         correction = {k: (payload[f"{C}{k}"] - state[k]).detach() for k in self.params}
-
-        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # ∇ = g_i(y) + (c − c_i)
-            return F.cross_entropy(logits, y) + sum((p * correction[k]).sum() for k, p in named.items())
-
-        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
-        y = get_params(model)
-        if self.opts.option == "II":
-            steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
-            new = {k: state[k] - payload[f"{C}{k}"] + (x[k] - y[k]) / (steps * t.lr) for k in self.params}
-        else:
-            new = self.full_gradient(x, data)
-        return {**y, **{f"{DC}{k}": new[k] - state[k] for k in self.params}}, new
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return LocalSGDPlan(x, (phase,), finish, self.objective, correction)
 
     def full_gradient(self, x: Tensors, data: ClientData) -> Tensors:
         """∇f_i(x): the mean loss gradient over the client's training samples, at x (option I)."""
