@@ -97,7 +97,7 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
-                       "fedbn", "scaffold"}  # fmt: skip
+                       "fedbn", "scaffold", "feddyn"}  # fmt: skip
     assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
 
 
@@ -203,6 +203,26 @@ def test_scaffolds_corrected_steps_together_are_each_clients_own():
         batched_reply, batched_state = plan.finish(got)
         assert _max_diff({k: reply[k] for k in got}, got) <= TOL
         assert _max_diff(reply, batched_reply) <= 10 * TOL and _max_diff(state, batched_state) <= 10 * TOL  # ÷ Kη_l
+        assert _max_diff(got, plan.start) > 100 * TOL
+
+
+def test_feddyns_dynamic_regularizer_together_is_each_clients_own():
+    """FedDyn's plan (`feddyn.DynamicObjective`): L_k(θ) − ⟨g_k, θ⟩ + α/2·‖θ − θ^{t−1}‖², each client's own g_k
+    (random here: zero in a first round), α = 0.1; batched == alone for θ_k^t and the new g_k (mlp, lr 0.01: see
+    the SCAFFOLD test for why not lenet5_bn)."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "feddyn", "alpha": 0.1}, lr=0.01, local_epochs=1)
+    g = torch.Generator().manual_seed(2)
+    plans = [type(p)(p.start, p.phases, p.finish, p.objective,
+                     {k: (0.05 * torch.randn(v.shape, generator=g) if k.startswith("g/") else v)
+                      for k, v in p.consts.items()}) for p in plans]  # fmt: skip
+    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
+    together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                              [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
+    for c, plan, got in zip(cids, plans, together, strict=True):
+        reply, state = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
+        batched_reply, batched_state = plan.finish(got)
+        assert _max_diff(reply, batched_reply) <= TOL and _max_diff(state, batched_state) <= TOL
         assert _max_diff(got, plan.start) > 100 * TOL
 
 

@@ -5,7 +5,8 @@ Client k keeps g_k = ∇L_k(θ_k^{t−1}) (its state; zero at first). Sampled in
 
     θ_k^t = argmin_θ  L_k(θ) − ⟨g_k, θ⟩ + α/2 · ‖θ − θ^{t−1}‖²
 
-(E epochs of mini-batch SGD on that objective), replies θ_k^t and updates g_k ← g_k − α(θ_k^t − θ^{t−1}). The server
+(E epochs of mini-batch SGD on that objective, declared as a plan: `executor.batch_clients` trains a round's clients
+together), replies θ_k^t and updates g_k ← g_k − α(θ_k^t − θ^{t−1}). The server
 keeps h (zero at first):
 
     h^t = h^{t−1} − α · (1/m) Σ_{k∈P_t} (θ_k^t − θ^{t−1}),    θ^t = (1/|P_t|) Σ_{k∈P_t} θ_k^t − h^t / α,
@@ -41,9 +42,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, weighted_mean
 from pflbed.algorithms.server_extras import ModelWithExtras
-from pflbed.algorithms.training import WeightedMean, get_params, load_params, local_sgd
+from pflbed.algorithms.training import WeightedMean
+from pflbed.models import BlockNet
 
 H, MEAN = "h/", "mean/"
 
@@ -56,6 +59,28 @@ class FedDynOptions(BaseModel):
                                                  "(the authors' reported figures)")  # fmt: skip
 
 
+GRAD, PREV = "g/", "prev/"  # a plan's constants: the client's g_k and θ^{t−1}
+
+
+class DynamicObjective:
+    """L_k(θ) − ⟨g_k, θ⟩ + α/2·‖θ − θ^{t−1}‖² over the parameters `keys` (Algorithm 1's local problem; g_k and
+    θ^{t−1} the plan's constants). In the loop (`w` None) the operations the update always ran, in their order;
+    in a batched step the cross-entropy weighted per sample, the other terms once per client."""
+
+    def __init__(self, alpha: float, keys: list[str]) -> None:
+        self.alpha, self.keys = alpha, keys
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        logits = model_forward(model, params, x)
+        linear = sum((params[k] * consts[GRAD + k]).sum() for k in self.keys)
+        prox = sum(((params[k] - consts[PREV + k]) ** 2).sum() for k in self.keys)
+        ce = F.cross_entropy(logits, y) if w is None else weighted_mean(F.cross_entropy(logits, y, reduction="none"), w)
+        return ce - linear + 0.5 * self.alpha * prox
+
+
 class FedDyn(ModelWithExtras):
     name = "feddyn"
     dp_refused = None  # replies: the model's new values; the server reads their (uniform) mean only
@@ -65,6 +90,7 @@ class FedDyn(ModelWithExtras):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._mean_cache: tuple[Tensors, Tensors] | None = None  # (server state, its mean model)
+        self.objective = DynamicObjective(self.opts.alpha, self.params)  # one function: the round's plans batch
 
     def init_server(self) -> Tensors:
         server = super().init_server()
@@ -84,23 +110,18 @@ class FedDyn(ModelWithExtras):
         theta = self.model_part(server)
         return {c: theta for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t, a = self.ctx.model, self.ctx.cfg.train, self.opts.alpha
-        load_params(model, payload)
-        named = dict(model.named_parameters())
-        prev = {k: payload[k].detach() for k in named}
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """The local problem as a plan: every block at `train.lr` on `DynamicObjective` (the client's g_k and
+        θ^{t−1} as its constants); `finish` returns θ_k^t and the new g_k = g_k − α(θ_k^t − θ^{t−1})."""
+        t, a = self.ctx.cfg.train, self.opts.alpha
+        prev = {k: payload[k].detach() for k in self.params}
 
-        def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            linear = sum((p * state[k]).sum() for k, p in named.items())
-            prox = sum(((p - prev[k]) ** 2).sum() for k, p in named.items())
-            return F.cross_entropy(logits, y) - linear + 0.5 * a * prox
+        def finish(theta: Tensors) -> tuple[Tensors, Tensors]:
+            return theta, {k: state[k] - a * (theta[k] - prev[k]) for k in self.params}
 
-        local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                  weight_decay=t.weight_decay, generator=cctx.generator, loss_fn=loss)  # fmt: skip
-        theta = get_params(model)
-        return theta, {k: state[k] - a * (theta[k] - prev[k]) for k in self.params}
+        consts = {**{f"{GRAD}{k}": state[k] for k in self.params}, **{f"{PREV}{k}": prev[k] for k in self.params}}
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return LocalSGDPlan(dict(payload), (phase,), finish, self.objective, consts)
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _FedDynServer:
         return _FedDynServer(self, server, list(weights))

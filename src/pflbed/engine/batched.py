@@ -4,8 +4,9 @@ A GPU spends most of a small model's step launching kernels, not computing; trai
 another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (FedAvg, FedPer, FedRep, LG-FedAvg,
 FedBABU, FedBN; FedRoD — its personal heads as extra per-client tensors, its loss as the plan's objective and each
 client's class counts as its constants; FedProx and FedAMP — the proximal anchor as constants; SCAFFOLD — the
-correction c − c_i as constants) are stacked: one tensor per parameter with a leading client dimension, and every
-step runs all clients' forward, backward and SGD update as single `torch.func.vmap` calls over `functional_call`.
+correction c − c_i as constants; FedDyn — g_k and θ^{t−1} as constants) are stacked: one tensor per parameter
+with a leading client dimension, and every step runs all clients' forward, backward and SGD update as single
+`torch.func.vmap` calls over `functional_call`.
 
 Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
 batch's crop offsets and flips right after its indices — from its own generator exactly as `run_plan` does; the
