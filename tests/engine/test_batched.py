@@ -167,7 +167,7 @@ def test_fedrods_plan_together_is_each_clients_own_update(model):
 
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
 def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor(model):
-    """FedProx's and FedAMP's objective (`local_sgd.ProximalObjective`): CE + μ/2·‖w − a‖², the anchor a each
+    """FedProx's and FedAMP's objective (`local_sgd.RegularizedObjective`): CE + μ/2·‖w − a‖², the anchor a each
     client's own (here three different ones, as FedAMP's u_i are), the proximal term once per client and step
     however many samples its batch has; μ = 0.5 so that the term moves the result."""
     torch.set_num_threads(1)
@@ -185,45 +185,44 @@ def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
-def test_scaffolds_corrected_steps_together_are_each_clients_own():
-    """SCAFFOLD's plan (`scaffold.CorrectedObjective`): each step's gradient g_i(y) + (c − c_i), the correction
-    each client's own (random here, of size 0.05: c and the c_i are zero in a first round), then option II's c_i⁺
-    from y. On the mlp at lr 0.01: with random corrections lenet5_bn's loop alone has kinks (a 1e-7 change of a
-    start moved one client by 0.07), where no rounding tolerance holds; BatchNorm in batched plans is tested above."""
+def _finished_together_and_alone(algorithm, random, seed):
+    """Plans of `algorithm` on the mlp at lr 0.01, one epoch, their constants whose name starts with `random`
+    replaced by random ones of size 0.05 (each client its own); per client, (the batched tensors, the batched
+    (reply, state), the plan's own (reply, state) alone)."""
     torch.set_num_threads(1)
-    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "scaffold"}, lr=0.01, local_epochs=1)
-    g = torch.Generator().manual_seed(1)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm=algorithm, lr=0.01, local_epochs=1)
+    g = torch.Generator().manual_seed(seed)
     plans = [type(p)(p.start, p.phases, p.finish, p.objective,
-                     {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in p.consts.items()}) for p in plans]
-    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
-    together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
-                              [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
-    for c, plan, got in zip(cids, plans, together, strict=True):
-        reply, state = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
-        batched_reply, batched_state = plan.finish(got)
-        assert _max_diff({k: reply[k] for k in got}, got) <= TOL
-        assert _max_diff(reply, batched_reply) <= 10 * TOL and _max_diff(state, batched_state) <= 10 * TOL  # ÷ Kη_l
-        assert _max_diff(got, plan.start) > 100 * TOL
-
-
-def test_feddyns_dynamic_regularizer_together_is_each_clients_own():
-    """FedDyn's plan (`feddyn.DynamicObjective`): L_k(θ) − ⟨g_k, θ⟩ + α/2·‖θ − θ^{t−1}‖², each client's own g_k
-    (random here: zero in a first round), α = 0.1; batched == alone for θ_k^t and the new g_k (mlp, lr 0.01: see
-    the SCAFFOLD test for why not lenet5_bn)."""
-    torch.set_num_threads(1)
-    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "feddyn", "alpha": 0.1}, lr=0.01, local_epochs=1)
-    g = torch.Generator().manual_seed(2)
-    plans = [type(p)(p.start, p.phases, p.finish, p.objective,
-                     {k: (0.05 * torch.randn(v.shape, generator=g) if k.startswith("g/") else v)
+                     {k: 0.05 * torch.randn(v.shape, generator=g) if k.startswith(random) else v
                       for k, v in p.consts.items()}) for p in plans]  # fmt: skip
     noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
     together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
                               [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
     for c, plan, got in zip(cids, plans, together, strict=True):
-        reply, state = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
-        batched_reply, batched_state = plan.finish(got)
-        assert _max_diff(reply, batched_reply) <= TOL and _max_diff(state, batched_state) <= TOL
-        assert _max_diff(got, plan.start) > 100 * TOL
+        assert _max_diff(got, plan.start) > 100 * TOL  # it trained
+        alone = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
+        yield got, plan.finish(got), alone
+
+
+def test_scaffolds_corrected_steps_together_are_each_clients_own():
+    """SCAFFOLD's plan (`local_sgd.RegularizedObjective`, a linear term): each step's gradient g_i(y) + (c − c_i),
+    the correction each client's own (random here: c and the c_i are zero in a first round), then option II's
+    c_i⁺ from y. On the mlp at lr 0.01: with random corrections lenet5_bn's loop alone has kinks (a 1e-7 change of
+    a start moved one client by 0.07), where no rounding tolerance holds; BatchNorm in batched plans is tested
+    above."""
+    for got, (reply, state), (want_reply, want_state) in _finished_together_and_alone({"name": "scaffold"}, "", 1):
+        assert _max_diff({k: want_reply[k] for k in got}, got) <= TOL
+        assert _max_diff(want_reply, reply) <= 10 * TOL and _max_diff(want_state, state) <= 10 * TOL  # ÷ Kη_l
+
+
+def test_feddyns_dynamic_regularizer_together_is_each_clients_own():
+    """FedDyn's plan (`local_sgd.RegularizedObjective`, a linear and a proximal term): L_k(θ) − ⟨g_k, θ⟩ +
+    α/2·‖θ − θ^{t−1}‖², each client's own g_k (random here: zero in a first round), α = 0.1; batched == alone for
+    θ_k^t and the new g_k (the mlp: see the SCAFFOLD test)."""
+    for _, (reply, state), (want_reply, want_state) in _finished_together_and_alone(
+        {"name": "feddyn", "alpha": 0.1}, "g/", 2
+    ):
+        assert _max_diff(want_reply, reply) <= TOL and _max_diff(want_state, state) <= TOL
 
 
 def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statistics_as_alone():

@@ -85,7 +85,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, ProximalObjective
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import WeightedMean, finetune_epochs
 from pflbed.errors import ConfigError
@@ -161,7 +161,7 @@ class FedAMP(Algorithm):
         super().__init__(ctx)
         self.params = [k for k, _ in ctx.model.named_parameters()]
         self.mu = self.opts.lam / self.opts.alpha_k
-        self.objective = ProximalObjective(self.mu, self.params)  # one function: the round's plans batch together
+        self.objective = RegularizedObjective(self.params, self.mu, anchor="")  # one function: plans batch together
         self._mean_cache: tuple[Tensors, Tensors] | None = None  # (server state, its mean model)
         o, n = self.opts, len(ctx.federation.participated)
         bound = o.alpha_k * (n - 1) / o.sigma

@@ -38,15 +38,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, weighted_mean
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean
-from pflbed.models import BlockNet
 
 H, MEAN = "h/", "mean/"
 
@@ -62,25 +59,6 @@ class FedDynOptions(BaseModel):
 GRAD, PREV = "g/", "prev/"  # a plan's constants: the client's g_k and θ^{t−1}
 
 
-class DynamicObjective:
-    """L_k(θ) − ⟨g_k, θ⟩ + α/2·‖θ − θ^{t−1}‖² over the parameters `keys` (Algorithm 1's local problem; g_k and
-    θ^{t−1} the plan's constants). In the loop (`w` None) the operations the update always ran, in their order;
-    in a batched step the cross-entropy weighted per sample, the other terms once per client."""
-
-    def __init__(self, alpha: float, keys: list[str]) -> None:
-        self.alpha, self.keys = alpha, keys
-
-    def __call__(
-        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
-        w: torch.Tensor | None,
-    ) -> torch.Tensor:  # fmt: skip
-        logits = model_forward(model, params, x)
-        linear = sum((params[k] * consts[GRAD + k]).sum() for k in self.keys)
-        prox = sum(((params[k] - consts[PREV + k]) ** 2).sum() for k in self.keys)
-        ce = F.cross_entropy(logits, y) if w is None else weighted_mean(F.cross_entropy(logits, y, reduction="none"), w)
-        return ce - linear + 0.5 * self.alpha * prox
-
-
 class FedDyn(ModelWithExtras):
     name = "feddyn"
     dp_refused = None  # replies: the model's new values; the server reads their (uniform) mean only
@@ -90,7 +68,8 @@ class FedDyn(ModelWithExtras):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._mean_cache: tuple[Tensors, Tensors] | None = None  # (server state, its mean model)
-        self.objective = DynamicObjective(self.opts.alpha, self.params)  # one function: the round's plans batch
+        # L_k(θ) − ⟨g_k, θ⟩ + α/2·‖θ − θ^{t−1}‖²; one function: the round's plans batch together
+        self.objective = RegularizedObjective(self.params, self.opts.alpha, anchor=PREV, linear=GRAD, sign=-1.0)
 
     def init_server(self) -> Tensors:
         server = super().init_server()
@@ -111,8 +90,9 @@ class FedDyn(ModelWithExtras):
         return {c: theta for c in cids}
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
-        """The local problem as a plan: every block at `train.lr` on `DynamicObjective` (the client's g_k and
-        θ^{t−1} as its constants); `finish` returns θ_k^t and the new g_k = g_k − α(θ_k^t − θ^{t−1})."""
+        """The local problem as a plan: every block at `train.lr` on L_k(θ) − ⟨g_k, θ⟩ + α/2·‖θ − θ^{t−1}‖²
+        (`local_sgd.RegularizedObjective`; the client's g_k and θ^{t−1} as its constants); `finish` returns θ_k^t
+        and the new g_k = g_k − α(θ_k^t − θ^{t−1})."""
         t, a = self.ctx.cfg.train, self.opts.alpha
         prev = {k: payload[k].detach() for k in self.params}
 

@@ -16,7 +16,7 @@ Deviations: the paper's system-heterogeneity experiments let stragglers run fewe
 solutions); here every client runs the configured epochs, as in the personalized-FL baseline tables that use
 FedProx. `mu` defaults to 0.01, one of the paper's grid {0.001, 0.01, 0.1, 0.5, 1}; choose it on validation.
 Personalization (+FT/+LP, new clients) fine-tunes the global model, as for FedAvg.
-The update is a plan (`sgd_plan`, `local_sgd.ProximalObjective`): `executor.batch_clients` trains a round's
+The update is a plan (`sgd_plan`, `local_sgd.RegularizedObjective`): `executor.batch_clients` trains a round's
 clients together.
 """
 
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import ClientData, Context, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, ProximalObjective
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.search import Search, Space
 
 
@@ -44,7 +44,7 @@ class FedProx(FedAvg):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.objective = ProximalObjective(self.opts.mu, [k for k, _ in ctx.model.named_parameters()])
+        self.objective = RegularizedObjective([k for k, _ in ctx.model.named_parameters()], self.opts.mu, anchor="")
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """Eq. 2 as a plan: every block at `train.lr` for `train.local_epochs` epochs on the proximal objective,

@@ -131,24 +131,33 @@ def _objective_phase(
             opt.step()
 
 
-class ProximalObjective:
-    """CE + μ/2·Σ_k ‖w_k − a_k‖² over the model's parameters `keys`, the anchor a (FedProx's w^t, FedAMP's u_i)
-    being the plan's constants. In the loop (`w` None) `training.proximal_sgd`'s operations in its order; in a
-    batched step the cross-entropy weighted per sample and the proximal term once per client."""
+class RegularizedObjective:
+    """CE ± Σ_k ⟨w_k, l_k⟩ + μ/2·Σ_k ‖w_k − a_k‖² over the model's parameters `keys`, the linear coefficients l
+    (constants `linear` + key; SCAFFOLD's correction c − c_i, FedDyn's g_k with `sign` −1) and the anchor a
+    (constants `anchor` + key; FedProx's w^t, FedAMP's u_i, FedDyn's θ^{t−1}) being the plan's constants; either
+    term absent where its prefix is None. In the loop (`w` None) the operations those algorithms always ran, in
+    their order; in a batched step the cross-entropy weighted per sample and the other terms once per client."""
 
-    def __init__(self, mu: float, keys: list[str]) -> None:
-        self.mu, self.keys = mu, keys
+    def __init__(self, keys: list[str], mu: float = 0.0, anchor: str | None = None, linear: str | None = None,
+                 sign: float = 1.0) -> None:  # fmt: skip
+        self.keys, self.mu, self.anchor, self.linear, self.sign = keys, mu, anchor, linear, sign
 
     def __call__(
         self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
         w: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         logits = model_forward(model, params, x)
-        prox = sum(((params[k] - consts[k]) ** 2).sum() for k in self.keys)
         per_sample = torch.nn.functional.cross_entropy(logits, y, reduction="mean" if w is None else "none")
-        return (per_sample if w is None else weighted_mean(per_sample, w)) + 0.5 * self.mu * prox
+        out = per_sample if w is None else weighted_mean(per_sample, w)
+        if self.linear is not None:
+            lin = sum((params[k] * consts[self.linear + k]).sum() for k in self.keys)
+            out = out + lin if self.sign > 0 else out - lin
+        if self.anchor is not None:
+            out = out + 0.5 * self.mu * sum(((params[k] - consts[self.anchor + k]) ** 2).sum() for k in self.keys)
+        return out
 
     def plan(self, start: Tensors, anchor: Tensors, phase: Phase,
              finish: Callable[[Tensors], tuple[Tensors, Tensors]]) -> LocalSGDPlan:  # fmt: skip
-        """One phase of this objective from `start`, anchored at `anchor`."""
-        return LocalSGDPlan(dict(start), (phase,), finish, self, {k: anchor[k] for k in self.keys})
+        """One phase of this (proximal) objective from `start`, anchored at `anchor`."""
+        assert self.anchor is not None and self.linear is None
+        return LocalSGDPlan(dict(start), (phase,), finish, self, {self.anchor + k: anchor[k] for k in self.keys})

@@ -21,8 +21,8 @@ the plain weighted mean of the replies, and the batch counters their maximum, as
 chance). With `train.momentum` > 0 the correction enters the gradient that
 momentum accumulates, and option II's (x − y)/(Kη_l) is then only an estimate of the mean corrected gradient (the
 paper uses plain SGD). Personalization (+FT/+LP, new clients) fine-tunes x, as for FedAvg.
-The local steps are a plan (`sgd_plan`, `CorrectedObjective`, the correction as the client's constants):
-`executor.batch_clients` trains a round's clients together.
+The local steps are a plan (`sgd_plan`, `local_sgd.RegularizedObjective`: CE + ⟨w, c − c_i⟩, the correction as
+the client's constants): `executor.batch_clients` trains a round's clients together.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import ClientData, Context, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, weighted_mean
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.algorithms.reply_shapes import misfit, spec, specs
 from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean, load_params
-from pflbed.models import BlockNet
 
 C = "c/"  # server control variate keys: c/<parameter name>
 DC = "dc/"  # reply: Δc_i per parameter
@@ -49,23 +48,6 @@ class ScaffoldOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     option: Literal["I", "II"] = Field("II", description="control-variate update: I = gradient at x, II = from y")
     server_lr: float = Field(1.0, gt=0, description="global step size η_g")
-
-
-class CorrectedObjective:
-    """CE + Σ_k ⟨w_k, c_k − c_i,k⟩ over the parameters `keys` (the correction: the plan's constants), whose gradient
-    is g_i(y) + (c − c_i), the corrected step of Algorithm 1. In the loop (`w` None) the operations the update always
-    ran, in the parameters' order; in a batched step the cross-entropy weighted per sample."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = keys
-
-    def __call__(
-        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
-        w: torch.Tensor | None,
-    ) -> torch.Tensor:  # fmt: skip
-        logits = model_forward(model, params, x)
-        ce = F.cross_entropy(logits, y) if w is None else weighted_mean(F.cross_entropy(logits, y, reduction="none"), w)
-        return ce + sum((params[k] * consts[k]).sum() for k in self.keys)
 
 
 class Scaffold(ModelWithExtras):
@@ -79,13 +61,14 @@ class Scaffold(ModelWithExtras):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.objective = CorrectedObjective(self.params)  # one function: the round's plans batch together
+        # CE + ⟨w, c − c_i⟩ (gradient g_i(y) + (c − c_i)); one function: the round's plans batch together
+        self.objective = RegularizedObjective(self.params, linear="")
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
-        """The local steps as a plan: every block at `train.lr` on `CorrectedObjective`, the correction c − c_i
+        """The local steps as a plan: every block at `train.lr` on CE + ⟨w, c − c_i⟩, the correction c − c_i
         as the client's constants; `finish` updates c_i (option I or II) and builds the reply (y, Δc_i)."""
         t = self.ctx.cfg.train
         x = {k: payload[k] for k in self.model_keys}
