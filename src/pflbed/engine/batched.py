@@ -123,10 +123,10 @@ def _phase(
     noise: list[torch.Generator] | None,
 ) -> None:
     stats = [k for k in layers.buffer_keys if k in params]  # moved by every forward, trained by none
-    lr_of = {k: ph.lr for k in model.state_keys(ph.blocks) if k in params and k not in set(stats)}
+    lr_of = {k: ph.lr for k in model.state_keys(ph.blocks) if k in params and k not in stats}
     lr_of |= {k: lr for prefix, lr in ph.extra for k in params if k.startswith(prefix)}
     trainable = list(lr_of)
-    fixed = [k for k in params if k not in set(trainable) | set(stats)]
+    fixed = [k for k in params if k not in lr_of and k not in stats]
     model_keys = set(model.state_dict())
     rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph.epochs, gens)
     pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment

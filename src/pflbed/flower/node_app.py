@@ -76,9 +76,9 @@ def _connect(path: Path) -> socket.socket:
     return s
 
 
-def _worker(context: Context) -> socket.socket:
-    """A connection to this node's worker, started first if there is none (one start at a time: a lock file)."""
-    path = _socket_path(context)
+def _worker(path: Path) -> socket.socket:
+    """A connection to the worker listening at `path`, started first if there is none (one start at a time: a
+    lock file)."""
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -109,19 +109,19 @@ def _raised(info: dict) -> Exception:
 
 
 def _forward(kind: str, msg: Message, context: Context) -> Message:
-    if not hasattr(socket, "AF_UNIX") or len(os.fsencode(_socket_path(context))) > MAX_SOCKET_PATH:
+    path = _socket_path(context) if hasattr(socket, "AF_UNIX") else None
+    if path is None or len(os.fsencode(path)) > MAX_SOCKET_PATH:
         from pflbed.flower import client
 
         return getattr(client, kind)(msg, context)
-    with _worker(context) as conn:
+    with _worker(path) as conn:
         send_blob(conn, kind.encode())
         send_blob(conn, message_to_proto(msg).SerializeToString())
         send_blob(conn, context_to_proto(context).SerializeToString())
         try:
             out = read_blob(conn)
         except ConnectionError:
-            log = _socket_path(context).with_suffix(".log")
-            raise PflbedError(f"this node's pflbed worker stopped; see {log}") from None
+            raise PflbedError(f"this node's pflbed worker stopped; see {path.with_suffix('.log')}") from None
     if out[:1] == b"E":
         raise _raised(json.loads(out[1:]))
     pm = ProtoMessage()
