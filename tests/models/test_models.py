@@ -225,3 +225,18 @@ def test_inference_rows_bound_the_widest_activation(monkeypatch):
     pred = Predictor(fresh, {k: v.clone() for k, v in cnn.state_dict().items()})
     out = pred.logits(torch.randn(7, 1, 28, 28), batch_size=256)
     assert out.shape == (7, 10) and sizes == [1, 3, 3, 1]  # one measuring row, then 3 + 3 + 1
+
+
+def test_the_zoo_dropout_draws_torchs_cpu_masks_and_nothing_in_eval():
+    """`ReproducibleDropout`: on the CPU torch's own dropout, mask for mask and value for value under the same seed
+    (so the zoo's CPU results did not change), and the identity in eval mode."""
+    from pflbed.models.zoo import ReproducibleDropout
+
+    x = torch.randn(6, 40, requires_grad=True)
+    for p in (0.25, 0.5, 1.0):
+        layer = ReproducibleDropout(p)
+        torch.manual_seed(3)
+        ours = layer(x)
+        torch.manual_seed(3)
+        assert torch.equal(ours, F.dropout(x, p, training=True)), p
+    assert ReproducibleDropout(0.5).eval()(x) is x
