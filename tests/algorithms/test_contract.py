@@ -121,7 +121,7 @@ def test_diagnostics_are_logged_and_artifacts_written(tmp_path):
 # --- the registry's discovery (`pflbed.algorithms._discover`) ------------------------------------------------------
 # shared pieces, no algorithm
 HELPER_MODULES = {"base", "common", "training", "partial", "basis", "basis_plots", "distill", "masks",
-                  "masked_training", "local_sgd", "server_extras", "reply_shapes", "sgd"}
+                  "local_sgd", "server_extras", "reply_shapes", "sgd"}
 
 
 def _rediscover(monkeypatch, shared=None, extra_dir=None):

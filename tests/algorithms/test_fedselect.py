@@ -14,8 +14,9 @@ from pflbed.algorithms import fedselect
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions
 from pflbed.algorithms.local import LocalOnly
-from pflbed.algorithms.masked_training import MaskedPhase, eligible_keys, local_alt
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import (
+    eligible_keys,
     fill,
     grow_mask,
     iou,
@@ -148,28 +149,34 @@ def test_presets_and_option_validation():
 
 # --- LocalAlt ----------------------------------------------------------------------------------------------------
 def test_frozen_entries_never_move_in_either_phase_even_with_momentum_and_weight_decay():
-    algo, _ = drive({}, 0)
+    """LocalAlt's plan (personal pass, global pass, twice): each pass moves exactly its side's entries — a pass
+    that followed the other side's (momentum 0.9 and weight decay live in the second epoch) included. Each prefix
+    of the plan is run from the same start and generator, so prefix i+1 differs from prefix i by one pass."""
+    train = {**TINY["train"], "local_epochs": 2, "momentum": 0.9, "weight_decay": 0.1, "lr": 0.1}
+    algo, _ = drive({"eligible": "all"}, 0, train=train)
     model, data = algo.ctx.model, algo.ctx.client_data(0)
     g = torch.Generator().manual_seed(0)
-    personal = {
+    mask = {
         "blocks.fc1.1.weight": torch.rand(model.blocks.fc1[1].weight.shape, generator=g) < 0.3,  # mixed tensor
         "blocks.classifier.bias": torch.ones(10, dtype=torch.bool),  # wholly personal
     }  # every other tensor wholly global
-    names = [k for k, _ in model.named_parameters()]
-    own = {k: (None if m.all() else m) for k, m in personal.items()}
-    shared = {k: (~personal[k] if k in personal else None) for k in names if not personal.get(k, torch.zeros(1)).all()}
-    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
-    sides = {"personal": (MaskedPhase(model, own, **kw), True), "global": (MaskedPhase(model, shared, **kw), False)}
-    mask_of = {k: personal.get(k, torch.zeros(p.shape, dtype=torch.bool)) for k, p in model.named_parameters()}
-    for _ in range(2):  # two epochs: momentum buffers and weight decay are live in the second
-        for side, trains_personal in sides.values():
-            before = {k: p.detach().clone() for k, p in model.named_parameters()}
-            side.run_pass(data, 16, g)
-            for k, p in model.named_parameters():
-                trainable = mask_of[k] if trains_personal else ~mask_of[k]
-                assert torch.equal(p.detach()[~trainable], before[k][~trainable]), k
-                if trainable.any():
-                    assert not torch.equal(p.detach()[trainable], before[k][trainable]), k
+    state = {f"mask/{k}": pack_bits(m) for k, m in mask.items()}
+    plan = algo.sgd_plan(algo.configure(1, algo.init_server(), [0])[0], state, data)
+    assert [ph.optimizer for ph in plan.phases] == ["personal", "global"] * 2
+
+    def after(n):
+        short = LocalSGDPlan(plan.start, plan.phases[:n], lambda t: (t, {}), consts=plan.consts)
+        return run_plan(model, short, data, algo.ctx.cfg.train, gen(1))[0]
+
+    mask_of = {k: mask.get(k, torch.zeros(p.shape, dtype=torch.bool)) for k, p in model.named_parameters()}
+    before = after(0)
+    for n, ph in enumerate(plan.phases, 1):
+        now = after(n)
+        for k in mask_of:
+            trainable = mask_of[k] if ph.optimizer == "personal" else ~mask_of[k]
+            assert torch.equal(now[k][~trainable], before[k][~trainable]), (n, k)
+            assert not trainable.any() or not torch.equal(now[k][trainable], before[k][trainable]), (n, k)
+        before = now
     assert all(p.requires_grad for p in model.parameters())  # the shared model object is left trainable
 
 
@@ -622,40 +629,19 @@ def test_grow_mask_single_entry_empty_step_limit_edge_and_random_draw():
     assert not torch.equal(draws[0], draws[1])
 
 
-def test_local_alt_and_masked_phase_report_the_mean_batch_loss_and_leave_other_gradients_alone():
-    """`MaskedPhase.run_pass` returns the mean of its batches' losses and `local_alt` the mean over the passes that
-    ran. With lr = 0 nothing moves, so the reference is the cross-entropy of each shuffled batch at the fixed model
-    (same generator, same batches). A pass runs no backward into parameters it does not train: their `.grad` stays
-    None."""
+def test_a_keyed_phase_runs_no_backward_into_parameters_it_does_not_train():
+    """A phase restricted to some parameters (`Phase.keys`, FedSelect's personal side) freezes the others for its
+    duration: their `.grad` stays None, and the shared model is left trainable."""
     algo, _ = drive({}, 0)
     model, data = algo.ctx.model, algo.ctx.client_data(0)
-    n = data.num_train
-
-    def reference(batch_size, seed, passes=1):
-        g, means = gen(seed), []
-        with torch.no_grad():
-            for _ in range(passes):
-                losses = [F.cross_entropy(model(data.x[b]), data.y[b]) for b in index_batches(data.train, batch_size,
-                                                                                             1, g)]  # fmt: skip
-                means.append(float(torch.stack(losses).sum()) / len(losses))
-        return sum(means) / len(means), len(losses)
-
     model.zero_grad(set_to_none=True)
     head_bias = "blocks.classifier.bias"
-    phase = MaskedPhase(model, {head_bias: None}, lr=0.0, momentum=0.0, weight_decay=0.0)
-    for batch_size in (7, n):  # several batches (uneven last one), then one
-        ref, steps = reference(batch_size, 3)
-        assert steps == (1 if batch_size == n else math.ceil(n / 7))
-        assert phase.run_pass(data, batch_size, gen(3)) == pytest.approx(ref, rel=1e-6)
+    phase = Phase(tuple(model.block_names()), 1, 0.1, keys=(head_bias,), optimizer="personal")
+    plan = LocalSGDPlan(get_params(model), (phase,), lambda t: (t, {}))
+    run_plan(model, plan, data, algo.ctx.cfg.train, gen(3))
     assert all(p.grad is None for k, p in model.named_parameters() if k != head_bias)
     assert model.blocks.classifier.bias.grad is not None
-
-    train = algo.ctx.cfg.train.model_copy(update={"lr": 0.0, "batch_size": n})  # one batch per pass
-    one_side = local_alt(model, data, {}, epochs=1, train=train, generator=gen(4))  # global pass only
-    assert one_side == pytest.approx(reference(n, 4)[0], rel=1e-6)
-    personal = {head_bias: torch.tensor([True] + [False] * 9)}
-    both = local_alt(model, data, personal, epochs=1, train=train, generator=gen(5))  # personal, then global pass
-    assert both == pytest.approx(reference(n, 5, passes=2)[0], rel=1e-6)
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_diagnostics_fraction_over_blocks_with_several_tensors_rounded_to_six_digits():

@@ -5,6 +5,8 @@ tests below allow 1e-5 after two rounds or several phases of the tiny configs, f
 (loss weights, momentum, weight decay, a missing phase, a stopped client still updated) moves them.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm
 from pflbed.algorithms.local_sgd import run_plan
+from pflbed.algorithms.masks import pack_bits
 from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
@@ -97,13 +100,13 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
-                       "fedbn", "scaffold", "feddyn"}  # fmt: skip
+                       "fedbn", "scaffold", "feddyn", "fedselect"}  # fmt: skip
     assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
 
 
-def _plans(model, batch_size=8, algorithm=None, **train):
-    """Three clients of unequal sizes (digits, Dir 0.3), FedPer's two phases (or `algorithm`'s plan), momentum
-    and weight decay."""
+def _plans(model, batch_size=8, algorithm=None, state=None, **train):
+    """Three clients of unequal sizes (digits, Dir 0.3), FedPer's two phases (or `algorithm`'s plan, from each
+    client's `state(algo, cid)` where given), momentum and weight decay."""
     algorithm = algorithm or {"name": "fedper", "head_finetune_epochs": 1}
     cfg = validate_config({"dataset": {"name": "digits"}, "model": {"name": model},
                            "federation": {"clients": 6, "partition": "dirichlet", "alpha": 0.3},
@@ -113,7 +116,8 @@ def _plans(model, batch_size=8, algorithm=None, **train):
     algo = prepare(cfg)
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)[:3]
-    plans = [algo.sgd_plan(server, algo.init_client(c), ctx.client_data(c)) for c in cids]
+    states = {c: state(algo, c) if state else algo.init_client(c) for c in cids}
+    plans = [algo.sgd_plan(algo.configure(1, server, [c])[c], states[c], ctx.client_data(c)) for c in cids]
     return cfg, ctx, cids, plans
 
 
@@ -183,6 +187,34 @@ def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor
     for plan, got, want in zip(anchored, together, alone, strict=True):
         assert _max_diff(want, got) <= TOL
         assert _max_diff(got, plan.start) > 100 * TOL
+
+
+def _random_masks(algo, cid):
+    """A FedSelect client state whose next training has personal entries in every eligible tensor, a different
+    random third of them per client (and one tensor wholly personal for client 1)."""
+    g = torch.Generator().manual_seed(cid)
+    masks = {k: torch.rand(algo.shapes[k], generator=g) < 0.3 for k in algo.eligible}
+    if cid % 2:
+        masks[algo.eligible[-1]][:] = True
+    return {f"mask/{k}": pack_bits(m) for k, m in masks.items()}
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+def test_fedselects_masked_passes_together_are_each_clients_own(model):
+    """FedSelect's LocalAlt plan (Alg. 2): per epoch a pass on each client's personal entries, then one on its
+    global entries, the masks each client's own (random here), each side one optimizer kept across the round's
+    passes (momentum 0.5, weight decay). Batched == each client's own `run_plan` — with BatchNorm statistics and
+    dropout masks."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "fedselect", "eligible": "all"}, state=_random_masks)
+    assert [ph.optimizer for ph in plans[0].phases] == ["personal", "global"] * 2
+    assert len({tuple(p.consts[next(iter(p.consts))].reshape(-1).tolist()) for p in plans}) == 3
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]  # the trained tensors themselves
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
+        assert _max_diff(got, plan.start) > 100 * TOL  # it trained
+    whole = [k for k in plans[1].consts if k.startswith("own/") and plans[1].consts[k].all()]
 
 
 def _finished_together_and_alone(algorithm, random, seed):

@@ -84,6 +84,9 @@ Interpretations and deviations:
     and momentum still move entries with zero gradient). A side with no entry to train is skipped outright (no
     forward pass, no batch drawn), so α = 0 trains exactly like FedAvg, and an all-personal client exactly like
     local-only training.
+    The update is a `LocalSGDPlan` (each side a phase, the masks per-client constants), so `executor.batch_clients`
+    trains a round's clients together; `selection: random` stays client by client (its GradSelect draws from the
+    client's generator after training, which the batched path does not hand on).
   - Aggregation is uniform over the replying clients, ignoring the engine's |D_m| weights, as in Alg. 1 (a count
     tensor, not a weight sum). With α = 0 FedSelect is therefore FedAvg with uniform weights; it equals the
     library's FedAvg when all clients hold equally many samples (tensors no reply masks are averaged with
@@ -115,6 +118,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -122,10 +126,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.masked_training import eligible_keys, local_alt
-from pflbed.algorithms.masks import fill, grow_mask, iou_matrix, masked_mean, pack_bits, take, unpack_bits
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
+from pflbed.algorithms.masks import (
+    eligible_keys,
+    fill,
+    grow_mask,
+    iou_matrix,
+    masked_mean,
+    pack_bits,
+    take,
+    unpack_bits,
+)
 from pflbed.algorithms.reply_shapes import Spec, misfit
-from pflbed.algorithms.training import finetune_epochs, get_params, load_params, weighted_mean
+from pflbed.algorithms.training import finetune_epochs, weighted_mean
 from pflbed.search import Search, Space
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -221,14 +234,37 @@ class FedSelect(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        o, model = self.opts, self.ctx.model
+        plan = self._plan(payload, state, cctx.generator)
+        return run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, cctx.generator)
+
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
+        """LocalAlt as a plan; None for `selection: random`, whose GradSelect draws from the client's generator
+        after training (the batched path hands `finish` no generator)."""
+        return None if self.opts.selection == "random" else self._plan(payload, state, None)
+
+    def _plan(self, payload: Tensors, state: Tensors, generator: torch.Generator | None) -> LocalSGDPlan:
+        """LocalAlt (Alg. 2): per epoch, a pass on the personal entries (constants `own/<key>`), then one on the
+        global entries (`shared/<key>`), each side one optimizer for the round; a side with no entry to train is
+        left out (no pass, no batch drawn). Every eligible tensor carries both masks, all-False where it has
+        nothing on that side, so every client's plan has the same shape whatever its masks."""
         start = self._compose(payload, state)
         mask = {k: self._mask(state, f"mask/{k}", k) for k in self.eligible}
-        load_params(model, start)
-        local_alt(model, data, {k: m for k, m in mask.items() if m.any()}, epochs=self.ctx.cfg.train.local_epochs,
-                  train=self.ctx.cfg.train, generator=cctx.generator)  # fmt: skip
-        trained = get_params(model)
+        lr = self.ctx.cfg.train.lr
+        all_blocks = tuple(self.ctx.model.block_names())
+        sides = []
+        if any(m.any() for m in mask.values()):
+            sides.append(Phase(all_blocks, 1, lr, keys=tuple(self.eligible), entries="own/", optimizer="personal"))
+        if len(self.param_keys) > len(self.eligible) or not all(m.all() for m in mask.values()):
+            sides.append(Phase(all_blocks, 1, lr, entries="shared/", optimizer="global"))
+        consts = {f"own/{k}": m for k, m in mask.items()} | {f"shared/{k}": ~m for k, m in mask.items()}
+        return LocalSGDPlan(start, tuple(sides) * self.ctx.cfg.train.local_epochs,
+                            partial(self._finish, start, mask, state, generator), consts=consts)  # fmt: skip
 
+    def _finish(
+        self, start: Tensors, mask: Tensors, state: Tensors, generator: torch.Generator | None, trained: Tensors
+    ) -> tuple[Tensors, Tensors]:
+        """Upload the entries global during this training; GradSelect (Alg. 3) in a mask-update round."""
+        o = self.opts
         reply: Tensors = {}
         for k in self.keys:
             m = mask.get(k)
@@ -245,7 +281,7 @@ class FedSelect(Algorithm):
             if update:
                 ref = start[k] if o.delta_from == "round_start" else state.get(f"ref/{k}", self.ctx.initial_params[k])
                 new_mask[k] = grow_mask(mask[k], trained[k] - ref, rate=o.p, limit=o.alpha, selection=o.selection,
-                                        cap=o.limit == "cap", generator=cctx.generator)  # fmt: skip
+                                        cap=o.limit == "cap", generator=generator)  # fmt: skip
             if o.delta_from == "last_update" and (update or f"ref/{k}" in state):
                 new_state[f"ref/{k}"] = trained[k] if update else state[f"ref/{k}"]
             if mask[k].any():

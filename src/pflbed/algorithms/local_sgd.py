@@ -26,7 +26,7 @@ import torch
 from torch.func import functional_call
 
 from pflbed.algorithms.common import ClientData, Tensors
-from pflbed.algorithms.partial import block_params, frozen, train_blocks
+from pflbed.algorithms.partial import train_blocks
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import get_params, index_batches, load_params
 from pflbed.models import BlockNet
@@ -38,12 +38,21 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Phase:
     """`epochs` epochs of SGD at `lr` on `blocks`, every other block frozen; a fresh optimizer (no momentum carried
-    over from an earlier phase). Batch size, momentum and weight decay are `train.*`."""
+    over from an earlier phase) unless `optimizer` names one. Batch size, momentum and weight decay are `train.*`.
+
+    `keys`: only these parameters of `blocks` train (None: all of them). `entries`: a constant prefix; a parameter
+    with a constant `entries + key` (bool, of its shape) trains only where that is True, every other entry held
+    exactly (put back after each step: weight decay and momentum would move it otherwise); one without trains
+    whole. `optimizer`: phases of one plan naming the same optimizer step one SGD, its momentum buffers kept from
+    one phase to the next (FedSelect's two sides, each its own optimizer for the round)."""
 
     blocks: tuple[str, ...]
     epochs: int
     lr: float
     extra: tuple[tuple[str, float], ...] = ()  # (key prefix, lr): the plan's extra tensors this phase trains
+    keys: tuple[str, ...] | None = None
+    entries: str | None = None
+    optimizer: str | None = None
 
 
 class Objective(Protocol):
@@ -95,26 +104,42 @@ def run_plan(
     model_keys = set(model.state_dict())
     load_params(model, {k: v for k, v in plan.start.items() if k in model_keys})
     extra = {k: v.detach().clone().requires_grad_(True) for k, v in plan.start.items() if k not in model_keys}
+    optimizers: dict[str, SGD] = {}
     for ph in plan.phases:
-        if plan.objective is None and not ph.extra:
+        if plan.objective is None and not ph.extra and ph.keys is ph.entries is ph.optimizer is None:
             train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
         else:
-            _objective_phase(model, extra, plan, ph, data, train, generator)
+            _objective_phase(model, extra, plan, ph, data, train, generator, optimizers)
     return plan.finish({**get_params(model), **{k: v.detach().clone() for k, v in extra.items()}})
+
+
+def phase_keys(model: BlockNet, ph: Phase) -> list[str]:
+    """The model's parameters `ph` trains, in model order."""
+    keys = {k for k in model.state_keys(ph.blocks) if ph.keys is None or k in set(ph.keys)}
+    return [k for k, _ in model.named_parameters() if k in keys]
 
 
 def _objective_phase(
     model: BlockNet, extra: Tensors, plan: LocalSGDPlan, ph: Phase, data: ClientData, train: TrainConfig,
-    generator: torch.Generator,
+    generator: torch.Generator, optimizers: dict[str, SGD],
 ) -> None:  # fmt: skip
-    """A phase of `plan.objective` (or cross-entropy), one SGD step per batch over the phase's blocks at `ph.lr`
-    and its extra tensors at theirs; the model's other blocks frozen, as `train_blocks` freezes them."""
+    """A phase of `plan.objective` (or cross-entropy), one SGD step per batch over the phase's parameters at
+    `ph.lr` and its extra tensors at theirs; every other parameter frozen, as `train_blocks` freezes them."""
     if not ph.epochs:
         return
-    groups = [{"params": block_params(model, ph.blocks), "lr": ph.lr}]
-    groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix)], "lr": lr} for prefix, lr in ph.extra]
-    opt = SGD(groups, lr=ph.lr, momentum=train.momentum, weight_decay=train.weight_decay)
-    params = {**dict(model.named_parameters()), **extra}
+    named = dict(model.named_parameters())
+    keys = phase_keys(model, ph)
+    opt = optimizers.get(ph.optimizer) if ph.optimizer is not None else None
+    if opt is None:
+        groups = [{"params": [named[k] for k in keys], "lr": ph.lr}]
+        groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix)], "lr": lr}
+                   for prefix, lr in ph.extra]  # fmt: skip
+        opt = SGD(groups, lr=ph.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+        if ph.optimizer is not None:
+            optimizers[ph.optimizer] = opt
+    held = {k: ~plan.consts[ph.entries + k] for k in keys if ph.entries is not None and ph.entries + k in plan.consts}
+    anchors = {k: named[k].detach().clone() for k in held}  # the entries this phase must not move
+    params = {**named, **extra}
     consts = plan.consts
 
     def objective(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -122,13 +147,24 @@ def _objective_phase(
             return torch.nn.functional.cross_entropy(model(x), y)
         return plan.objective(model, params, consts, x, y, None)
 
-    with frozen(model, [b for b in model.block_names() if b not in set(ph.blocks)]):
+    trained = set(keys)
+    others = [p for k, p in named.items() if k not in trained]
+    before = [p.requires_grad for p in others]
+    try:
+        for p in others:
+            p.requires_grad_(False)
         model.train()
         for b in index_batches(data.train, train.batch_size, ph.epochs, generator):
             x, y = data.batch(b, generator)
             opt.zero_grad(set_to_none=True)
             objective(x, y).backward()
             opt.step()
+            with torch.no_grad():  # `where`, not `p[m] = …`: boolean indexing syncs with a GPU every step
+                for k, m in held.items():
+                    named[k].copy_(torch.where(m, anchors[k], named[k]))
+    finally:
+        for p, rg in zip(others, before, strict=True):
+            p.requires_grad_(rg)
 
 
 class RegularizedObjective:

@@ -1,4 +1,5 @@
-"""Entry-level binary masks: packing for the wire, count-masked averaging, top-p growth, overlap (IoU).
+"""Entry-level binary masks: packing for the wire, count-masked averaging, top-p growth, overlap (IoU), and which
+tensors may hold personal entries.
 
 Shared pieces for methods that personalize individual *entries* of a tensor rather than whole layers (FedSelect).
 Only functions live here: `pflbed.algorithms` imports every module of the package to register algorithms, so this
@@ -18,6 +19,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
+from torch import nn
+
+from pflbed.errors import ConfigError
+from pflbed.models import BlockNet
 
 Selection = Literal["largest", "smallest", "random"]
 
@@ -156,3 +161,31 @@ def iou_matrix(masks: Sequence[torch.Tensor]) -> torch.Tensor:
 def personal_fraction(mask: torch.Tensor) -> float:
     """Share of a mask's entries that are personal."""
     return float(mask.sum()) / max(mask.numel(), 1)
+
+
+# --- which tensors may hold personal entries ---------------------------------------------------------------------
+# Modules whose `weight` is a learned linear map: the tensors `eligible="weights"` may personalize.
+WEIGHT_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+)  # fmt: skip
+
+
+def eligible_keys(model: BlockNet, which: str, layers: str = "all") -> list[str]:
+    """State keys of the tensors whose entries may become personal, chosen by module type and block, in model order.
+
+    Raises `ConfigError` for an unknown block or a choice that leaves nothing to personalize.
+    """
+    if which == "weights":
+        modules = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, WEIGHT_MODULES)]
+        wanted = {f"{name}.weight" for name, mod in modules if isinstance(getattr(mod, "weight", None), nn.Parameter)}
+    else:
+        wanted = {k for k, p in model.named_parameters() if p.is_floating_point()}
+    if layers != "all":
+        if layers not in model.block_names():
+            known = ", ".join(model.block_names())
+            raise ConfigError(f"algorithm.layers: unknown block {layers!r}; the model has {known}")
+        wanted &= set(model.state_keys([layers]))
+    keys = [k for k in model.state_dict() if k in wanted]
+    if not keys:
+        raise ConfigError(f"algorithm.layers: block {layers!r} has no {which} tensor to personalize")
+    return keys

@@ -1,11 +1,10 @@
 """Batched clients (`executor.batch_clients`): a round's local-SGD clients trained together, for GPUs.
 
 A GPU spends most of a small model's step launching kernels, not computing; training the round's clients one after
-another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (FedAvg, FedPer, FedRep, LG-FedAvg,
-FedBABU, FedBN; FedRoD — its personal heads as extra per-client tensors, its loss as the plan's objective and each
-client's class counts as its constants; FedProx and FedAMP — the proximal anchor as constants; SCAFFOLD — the
-correction c − c_i as constants; FedDyn — g_k and θ^{t−1} as constants) are stacked: one tensor per parameter
-with a leading client dimension, and every step runs all clients' forward, backward and SGD update as single
+another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (`Algorithm.sgd_plan`; which ones:
+docs/guide/speed.md, generated from the registry) are stacked: one tensor per parameter — and per extra per-client
+tensor (FedRoD's personal head), per constant (a proximal anchor, a correction, class counts, FedSelect's entry
+masks) — with a leading client dimension, and every step runs all clients' forward, backward and SGD update as single
 `torch.func.vmap` calls over `functional_call`.
 
 Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
@@ -38,7 +37,7 @@ from torch.func import functional_call, grad, vmap
 
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, phase_keys
 from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
@@ -104,9 +103,11 @@ def train_together(
         if noise is None:
             raise ValueError("a model with dropout needs each client's dropout stream (`noise`)")
         layers.trace(model, datas[0].x)
+    momenta: dict[str | None, Tensors] = {}  # per optimizer of the plan, its momentum buffers
     for ph in plans[0].phases:
         if ph.epochs:
-            _phase(model, layers, params, consts, plans[0].objective, ph, datas, train, gens, noise)
+            buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
+            _phase(model, layers, params, consts, plans[0].objective, ph, datas, train, gens, noise, buf)
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
 
 
@@ -121,10 +122,14 @@ def _phase(
     train: TrainConfig,
     gens: list[torch.Generator],
     noise: list[torch.Generator] | None,
+    buf: Tensors,
 ) -> None:
+    """One phase of every client's plan; `buf`: the momentum buffers of the phase's optimizer (empty: a fresh
+    one), updated in place."""
     stats = [k for k in layers.buffer_keys if k in params]  # moved by every forward, trained by none
-    lr_of = {k: ph.lr for k in model.state_keys(ph.blocks) if k in params and k not in stats}
+    lr_of = {k: ph.lr for k in phase_keys(model, ph)}
     lr_of |= {k: lr for prefix, lr in ph.extra for k in params if k.startswith(prefix)}
+    trains = {k: consts[ph.entries + k] for k in lr_of if ph.entries is not None and ph.entries + k in consts}
     trainable = list(lr_of)
     fixed = [k for k in params if k not in lr_of and k not in stats]
     model_keys = set(model.state_dict())
@@ -145,7 +150,6 @@ def _phase(
         return value, layers.leave()
 
     grads_of = vmap(grad(loss, has_aux=True))
-    buf: Tensors = {}
     for s, live in enumerate(active):
         whole = live is None
         sel = None if whole else torch.tensor(live, device=pool_x.device)
@@ -171,13 +175,15 @@ def _phase(
         for k in trainable:  # torch.optim.SGD's update, per client
             d = g[k].add(p[k], alpha=train.weight_decay) if train.weight_decay else g[k]
             if train.momentum:
-                if s == 0:  # every client with a batch starts at step 0; one without keeps a zero buffer
+                if k not in buf:  # the optimizer's first step: every client has a batch, or keeps a zero buffer
                     buf[k] = d.clone() if whole else torch.zeros_like(params[k]).index_copy_(0, sel, d)
                 else:
                     d = (buf[k] if whole else buf[k][sel]).mul_(train.momentum).add_(d)
                     if not whole:
                         buf[k][sel] = d
             new = p[k].add(d, alpha=-lr_of[k])
+            if k in trains:  # only the entries the phase trains move
+                new = torch.where(trains[k] if whole else trains[k][sel], new, p[k])
             if whole:
                 params[k] = new
             else:
