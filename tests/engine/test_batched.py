@@ -100,7 +100,7 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
-                       "fedbn", "scaffold", "feddyn", "fedselect"}  # fmt: skip
+                       "fedbn", "scaffold", "feddyn", "fedselect", "ditto"}  # fmt: skip
     assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
 
 
@@ -215,6 +215,33 @@ def test_fedselects_masked_passes_together_are_each_clients_own(model):
         assert _max_diff(want, got) <= TOL
         assert _max_diff(got, plan.start) > 100 * TOL  # it trained
     assert any(v.all() for k, v in plans[1].consts.items() if k.startswith("own/"))  # a wholly personal tensor
+
+
+def _moved_personal_model(algo, cid):
+    """A Ditto client's v_k: the initial model moved by a different random step per client (BatchNorm statistics
+    included), so that v_k, w^t and the anchor all differ."""
+    g = torch.Generator().manual_seed(cid)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in algo.ctx.initial_params.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+def test_dittos_two_models_together_are_each_clients_own(model):
+    """Ditto's plan (Algorithm 1): FedAvg's epochs on w from w^t, then the personal epochs on the second model
+    v_k (`Phase.model`) on F_k(v_k) + λ/2·‖v_k − w^t‖², at its own lr: batched == each client's own `run_plan`,
+    for the reply w and for v_k — its BatchNorm statistics moved by the personal forwards only, its dropout masks
+    drawn after the global phase's. Personal lr 0.01: at 0.05 lenet5_bn's personal model is where these tiny runs
+    have kinks (there a 1e-7 change of v_k's start moves the loop's own result by 0.62)."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "ditto", "lam": 0.5, "personal_lr": 0.01},
+                                   state=_moved_personal_model)  # fmt: skip
+    assert [ph.model for ph in plans[0].phases] == ["", "personal."]
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]  # w and v_k side by side
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
+        for part in (lambda k: not k.startswith("personal."), lambda k: k.startswith("personal.")):  # both trained
+            assert _max_diff({k: got[k] for k in got if part(k)}, {k: plan.start[k] for k in got if part(k)}) > 1e-3
 
 
 def _finished_together_and_alone(algorithm, random, seed):

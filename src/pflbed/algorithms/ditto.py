@@ -13,6 +13,11 @@ The server averages the replies as FedAvg (n_k-weighted). v_k starts from w^0, t
 w^t). `lam` defaults to 0.1, inside the paper's grid {0.01, 0.1, 1, 2}; choose it on validation. With a fixed
 step η the personal steps are stable for ηλ < 2.
 
+The update is a plan (`sgd_plan`): UPDATE_GLOBAL's phase on w, then the personal phase on the second model
+v_k (`Phase.model`: v_k's tensors travel beside w's under `personal.`, its BatchNorm statistics included) with the
+proximal objective (`local_sgd.RegularizedObjective`, anchored at w^t, the client's constants), so
+`executor.batch_clients` trains a round's clients together.
+
 Deviations: the personal update runs `personal_epochs` epochs (default: `train.local_epochs`) where the paper
 counts s local iterations; both updates share the client's generator (global first). New clients: the paper
 defines no new-client procedure; they fine-tune the global model (FT/LP), as the FedBasis paper's tables do.
@@ -24,9 +29,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.training import proximal_sgd, train_from
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.search import Search, Space
 
 
@@ -39,23 +44,35 @@ class DittoOptions(BaseModel):
     personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal update (None: train.lr)")
 
 
+PERSONAL = "personal."  # v_k's tensors in the plan, beside w's
+
+
 class Ditto(FedAvg):
     name = "ditto"
     Config = DittoOptions
-    sgd_plan = Algorithm.sgd_plan  # two updates, the second proximal: not one plain local SGD
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.keys = list(ctx.model.state_dict())
+        self.objective = RegularizedObjective([k for k, _ in ctx.model.named_parameters()], self.opts.lam, anchor="")
 
     def init_client(self, cid: int) -> Tensors:
         return dict(self.ctx.initial_params)  # v_k^0 = w^0
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """Algorithm 1's two updates, global first: E epochs of SGD on F_k from w^t (the reply), then the personal
+        epochs on h_k(v_k; w^t) = F_k(v_k) + λ/2·‖v_k − w^t‖² from v_k (the new state), at `personal_lr`."""
         t, o = self.ctx.cfg.train, self.opts
-        reply = train_from(self.ctx.model, payload, data, t, cctx.generator)  # UPDATE_GLOBAL
+        every = tuple(self.ctx.model.block_names())
         epochs = o.personal_epochs if o.personal_epochs is not None else t.local_epochs
-        personal = proximal_sgd(self.ctx.model, state, payload, o.lam, data, epochs=epochs,
-                                lr=o.personal_lr or t.lr, train=t, generator=cctx.generator)  # fmt: skip
-        return reply, personal
+        phases = (Phase(every, t.local_epochs, t.lr),
+                  Phase(every, epochs, o.personal_lr or t.lr, model=PERSONAL, objective=self.objective))  # fmt: skip
+        start = {**payload, **{PERSONAL + k: v for k, v in state.items()}}
+        return LocalSGDPlan(start, phases, self.finish, consts={k: payload[k] for k in self.objective.keys})
+
+    def finish(self, trained: Tensors) -> tuple[Tensors, Tensors]:
+        """(w, v_k) from the plan's tensors."""
+        return {k: trained[k] for k in self.keys}, {k: trained[PERSONAL + k] for k in self.keys}
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, state)

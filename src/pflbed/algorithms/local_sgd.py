@@ -44,7 +44,9 @@ class Phase:
     with a constant `entries + key` (bool, of its shape) trains only where that is True, every other entry held
     exactly (put back after each step: weight decay and momentum would move it otherwise); one without trains
     whole. `optimizer`: phases of one plan naming the same optimizer step one SGD, its momentum buffers kept from
-    one phase to the next (FedSelect's two sides, each its own optimizer for the round)."""
+    one phase to the next (FedSelect's two sides, each its own optimizer for the round). `model`: a key prefix; the
+    phase trains the second model whose tensors (parameters and buffers) are the plan's `model + key` (Ditto's
+    personal model), the plan's own model tensors untouched. `objective`: this phase's loss (None: the plan's)."""
 
     blocks: tuple[str, ...]
     epochs: int
@@ -53,6 +55,8 @@ class Phase:
     keys: tuple[str, ...] | None = None
     entries: str | None = None
     optimizer: str | None = None
+    model: str = ""
+    objective: Objective | None = None
 
 
 class Objective(Protocol):
@@ -101,16 +105,28 @@ def run_plan(
     model: BlockNet, plan: LocalSGDPlan, data: ClientData, train: TrainConfig, generator: torch.Generator
 ) -> tuple[Tensors, Tensors]:
     """One client's plan, on the shared model object. A phase of zero epochs draws nothing from the generator."""
-    model_keys = set(model.state_dict())
-    load_params(model, {k: v for k, v in plan.start.items() if k in model_keys})
-    extra = {k: v.detach().clone().requires_grad_(True) for k, v in plan.start.items() if k not in model_keys}
+    model_keys = list(model.state_dict())
+    load_params(model, {k: v for k, v in plan.start.items() if k in set(model_keys)})
+    extra = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in plan.start.items()
+             if k not in set(model_keys)}  # fmt: skip
     optimizers: dict[str, SGD] = {}
     for ph in plan.phases:
-        if plan.objective is None and not ph.extra and ph.keys is ph.entries is ph.optimizer is None:
+        if ph.model:  # the second model's tensors in, the plan's own model kept aside
+            own = get_params(model)
+            load_params(model, {k: extra[ph.model + k] for k in model_keys})
+        if objective_of(plan, ph) is None and not ph.extra and ph.keys is ph.entries is ph.optimizer is None:
             train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
         else:
             _objective_phase(model, extra, plan, ph, data, train, generator, optimizers)
+        if ph.model:
+            extra.update({ph.model + k: v for k, v in get_params(model).items()})
+            load_params(model, own)
     return plan.finish({**get_params(model), **{k: v.detach().clone() for k, v in extra.items()}})
+
+
+def objective_of(plan: LocalSGDPlan, ph: Phase) -> Objective | None:
+    """The loss `ph` trains on: its own, else the plan's (None: cross-entropy of the model's output)."""
+    return ph.objective if ph.objective is not None else plan.objective
 
 
 def phase_keys(model: BlockNet, ph: Phase) -> list[str]:
@@ -140,12 +156,12 @@ def _objective_phase(
     held = {k: ~plan.consts[ph.entries + k] for k in keys if ph.entries is not None and ph.entries + k in plan.consts}
     anchors = {k: named[k].detach().clone() for k in held}  # the entries this phase must not move
     params = {**named, **extra}
-    consts = plan.consts
+    consts, loss = plan.consts, objective_of(plan, ph)
 
     def objective(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if plan.objective is None:
+        if loss is None:
             return torch.nn.functional.cross_entropy(model(x), y)
-        return plan.objective(model, params, consts, x, y, None)
+        return loss(model, params, consts, x, y, None)
 
     trained = set(keys)
     others = [p for k, p in named.items() if k not in trained]

@@ -37,7 +37,7 @@ from torch.func import functional_call, grad, vmap
 
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, phase_keys
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys
 from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
@@ -104,10 +104,13 @@ def train_together(
             raise ValueError("a model with dropout needs each client's dropout stream (`noise`)")
         layers.trace(model, datas[0].x)
     momenta: dict[str | None, Tensors] = {}  # per optimizer of the plan, its momentum buffers
+    model_keys = list(model.state_dict())
     for ph in plans[0].phases:
         if ph.epochs:
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
-            _phase(model, layers, params, consts, plans[0].objective, ph, datas, train, gens, noise, buf)
+            view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
+            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, datas, train, gens, noise, buf)
+            params.update({ph.model + k: view[k] for k in model_keys} if ph.model else {})
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
 
 
