@@ -32,7 +32,10 @@ LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 3}
 
 
 def _cfg(name, batch_clients, rounds=2, **train):
-    options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
+    """A tiny run of `name`; one model for all clients where the algorithm has a plan (Local's is for that)."""
+    planned = ALGORITHMS[name].sgd_plan is not Algorithm.sgd_plan
+    options = {k: v for k, v in LIGHT.items()
+               if k in ALGORITHMS[name].Config.model_fields and not (planned and k == "architectures")}  # fmt: skip
     return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], "rounds": rounds, **train},
                             "algorithm": {"name": name, **options},
                             "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
@@ -100,7 +103,7 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
-                       "fedbn", "scaffold", "feddyn", "fedselect", "ditto"}  # fmt: skip
+                       "fedbn", "scaffold", "feddyn", "fedselect", "ditto", "fedmtl", "local"}  # fmt: skip
     assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
 
 

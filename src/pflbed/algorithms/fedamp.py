@@ -34,7 +34,7 @@ the cosine over the flattened trainable parameters (0 against an all-zero model)
 its own model (u_i = w_i). The client step is the same (λ/α_k still sets its pull).
 
 Client: `train.local_epochs` epochs of mini-batch SGD (`train.*`) on CE + μ/2·‖w − u_i‖² with μ = λ/α_k
-(`training.proximal_sgd`, over the trainable parameters), the approximate solution of the proximal step. Local
+(`local_sgd.RegularizedObjective`, over the trainable parameters), the approximate solution of the proximal step. Local
 training starts from u_i, the anchor itself: the argmin does not depend on the start, and the client then needs
 nothing but its payload (its state is only its id). The reply is w_i. Plain SGD is stable on the proximal term for
 train.lr · λ/α_k < 2; beyond, the run diverges (reported as such).

@@ -17,18 +17,23 @@ state; w^0 at first), keeps the result and replies its change Δ_i. The server: 
 number of participating clients — so w̄ is always the mean of every client's current model. P-FL scores w_i; there
 is no generic model (the tables report no G-FL or +FT for Fed-MTL). New clients start from w̄, the task mean, and
 fine-tune (FT/LP). `lam` defaults to 0.1; choose it on validation.
+
+The update is a plan (`sgd_plan`, `local_sgd.RegularizedObjective` with μ = 2λ, anchored at w̄), so
+`executor.batch_clients` trains a round's clients together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.algorithms.reply_shapes import misfit, specs
-from pflbed.algorithms.training import finetune_epochs, proximal_sgd
+from pflbed.algorithms.training import finetune_epochs
 
 
 class FedMTLOptions(BaseModel):
@@ -50,13 +55,16 @@ class FedMTL(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        t = self.ctx.cfg.train  # λ‖w − w̄‖² is the proximal term μ/2‖w − w̄‖² with μ = 2λ, anchored at w̄
-        new = proximal_sgd(self.ctx.model, state, payload, 2 * self.opts.lam, data, epochs=t.local_epochs, lr=t.lr,
-                           train=t, generator=cctx.generator)  # fmt: skip
-        return {k: new[k] - state[k] for k in new if new[k].is_floating_point()}, new
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)  # λ‖w − w̄‖² is the proximal term μ/2‖w − w̄‖² with μ = 2λ, anchored at w̄
+        self.objective = RegularizedObjective([k for k, _ in ctx.model.named_parameters()], 2 * self.opts.lam,
+                                              anchor="")  # fmt: skip
+
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """E epochs of SGD on f_i(w_i) + λ‖w_i − w̄‖² from the client's own w_i; the reply is its change."""
+        t = self.ctx.cfg.train
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return self.objective.plan(state, payload, phase, partial(_change, state))
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         m = len(self.ctx.federation.participated)
@@ -84,3 +92,8 @@ class FedMTL(Algorithm):
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor:
         return Predictor(self.ctx.model, server)
+
+
+def _change(state: Tensors, new: Tensors) -> tuple[Tensors, Tensors]:
+    """(Δ_i = w_i⁺ − w_i over the float entries, w_i⁺)."""
+    return {k: new[k] - state[k] for k in new if new[k].is_floating_point()}, new

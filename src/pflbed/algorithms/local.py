@@ -20,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import architecture_of, finetune_epochs, fresh_client_params, train_from
 from pflbed.models import BlockNet, ModelNames
 
@@ -62,9 +63,19 @@ class LocalOnly(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
+        if self.archs is None:
+            return super().client_update(payload, state, data, cctx)
         model = self.models[self.arch_of(data.cid)]
         params = train_from(model, self._params(state), data, self.ctx.cfg.train, cctx.generator)
-        return {}, ({"cid": state["cid"], **params} if "cid" in state else params)
+        return {}, {"cid": state["cid"], **params}
+
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
+        """Every block for `train.local_epochs` epochs from the client's own model, nothing replied; None for a
+        heterogeneous federation (the engine batches clients of the run's one model)."""
+        if self.archs is not None:
+            return None
+        t = self.ctx.cfg.train
+        return LocalSGDPlan(state, (Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr),), _keep)
 
     @staticmethod
     def _params(state: Tensors) -> Tensors:
@@ -87,3 +98,8 @@ class LocalOnly(Algorithm):
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
         return None
+
+
+def _keep(params: Tensors) -> tuple[Tensors, Tensors]:
+    """Nothing replied; the trained model kept."""
+    return {}, params

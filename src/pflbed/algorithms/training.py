@@ -139,26 +139,6 @@ def train_from(
     return get_params(model)
 
 
-def proximal_sgd(
-    model: nn.Module, start: Tensors, anchor: Tensors, mu: float, data: ClientData, *, epochs: int, lr: float,
-    train: TrainConfig, generator: torch.Generator,
-) -> Tensors:  # fmt: skip
-    """Load `start`, run local SGD on CE + μ/2·‖w − anchor‖² (over the trainable parameters; `anchor` held fixed),
-    return the new state — FedProx's local objective (Eq. 2) and Ditto's personal one (Eq. 2 there). With μ = 0 the
-    proximal gradient is exactly zero: the same steps as plain local SGD, bit for bit."""
-    load_params(model, start)
-    params = dict(model.named_parameters())
-    fixed = {k: anchor[k].detach() for k in params}
-
-    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        prox = sum(((p - fixed[k]) ** 2).sum() for k, p in params.items())
-        return F.cross_entropy(logits, y) + 0.5 * mu * prox
-
-    local_sgd(model, data, epochs=epochs, batch_size=train.batch_size, lr=lr, momentum=train.momentum,
-              weight_decay=train.weight_decay, generator=generator, loss_fn=loss)  # fmt: skip
-    return get_params(model)
-
-
 def weighted_mean(replies: dict[int, Tensors], weights: dict[int, float], keys: Iterable[str] | None = None) -> Tensors:
     """Σ_m w_m·x_m / Σ_m w_m per key (`WeightedMean` over `replies` in their order)."""
     agg = WeightedMean({c: weights[c] for c in replies}, keys)
