@@ -103,8 +103,8 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
-                       "fedbn", "scaffold", "feddyn", "fedselect", "ditto", "fedmtl", "local"}  # fmt: skip
-    assert ALGORITHMS["fedrod_hyper"].sgd_plan is Algorithm.sgd_plan  # its head is generated: no plan
+                       "fedbn", "scaffold", "feddyn", "fedselect", "ditto", "fedmtl", "local", "fedrod_hyper",
+                       "pfedhn"}  # fmt: skip
 
 
 def _plans(model, batch_size=8, algorithm=None, state=None, **train):
@@ -157,17 +157,20 @@ def test_train_together_is_each_clients_own_sgd(model):
 
 
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
-def test_fedrods_plan_together_is_each_clients_own_update(model):
+@pytest.mark.parametrize(("name", "personal"), [("fedrod", "personal."), ("fedrod_hyper", "hyper.")])
+def test_fedrods_plan_together_is_each_clients_own_update(name, personal, model):
     """FedRoD's plan (Eq. 8 + Eq. 9 on one batch, its objective, `fedrod.DecoupledObjective`): the body and
     generic head at train.lr on the balanced-softmax loss of each client's own class counts, the personal head
-    at personal_lr (≠ train.lr here) on the P-loss; trained together, each client lands where its own update
-    does — the reply, the personal head, BatchNorm statistics."""
+    at personal_lr (≠ train.lr here) on the P-loss — or, for the hyper variant, the hypernetwork ν generating it
+    from each client's own class prior at hyper_lr; trained together, each client lands where its own update
+    does — the reply, the personal head (ν), BatchNorm statistics."""
     torch.set_num_threads(1)
-    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "fedrod", "personal_lr": 0.2, "gamma": 0.7})
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": name, "personal_lr": 0.2, "gamma": 0.7})
     assert len({tuple(p.consts["counts"].tolist()) for p in plans}) == 3  # each client its own class counts
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert got.keys() == want.keys() and any(k.startswith("personal.") for k in got)
+        assert got.keys() == want.keys() and any(k.startswith(personal) for k in got)
         assert _max_diff(want, got) <= TOL
         assert _max_diff({k: got[k] for k in plan.start}, plan.start) > 100 * TOL  # it trained
 
@@ -245,6 +248,23 @@ def test_dittos_two_models_together_are_each_clients_own(model):
         assert _max_diff(want, got) <= TOL
         for part in (lambda k: not k.startswith("personal."), lambda k: k.startswith("personal.")):  # both trained
             assert _max_diff({k: got[k] for k in got if part(k)}, {k: plan.start[k] for k in got if part(k)}) > 1e-3
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
+def test_a_phase_of_k_steps_together_is_each_clients_own(model):
+    """pFedHN's plan (`Phase.steps`): K = 9 steps, across an epoch boundary for the smaller clients (a new
+    shuffle drawn there) and within the first epoch for the larger, each from its own θ_i = h(v_i; φ); batched ==
+    each client's own `run_plan`."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, batch_size=32, algorithm={"name": "pfedhn", "local_steps": 9})
+    per_epoch = [-(-ctx.client_data(c).num_train // 32) for c in cids]
+    assert min(per_epoch) < 9 < max(per_epoch)  # some clients reshuffle, some do not
+    assert _max_diff(plans[0].start, plans[1].start) > 0  # each client its own start
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
+        assert _max_diff(got, plan.start) > 100 * TOL
 
 
 def _finished_together_and_alone(algorithm, random, seed):

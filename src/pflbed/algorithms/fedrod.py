@@ -64,7 +64,7 @@ Interpretations and deviations (everything the slides leave open):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -74,13 +74,12 @@ from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks, weighted_mean
-from pflbed.algorithms.sgd import SGD
-from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params, sgd_epochs
+from pflbed.algorithms.training import WeightedMean, get_params, load_params, sgd_epochs
 from pflbed.models import BlockNet
 from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only
+    pass  # annotations only
 
 COUNT_FLOOR = 1e-12  # zero class counts are floored here before the log (deviation 3)
 NET, PERSONAL = "net.", "personal."  # state-dict prefixes of the additive predictor's two parts
@@ -162,45 +161,12 @@ def feature_dim(model: BlockNet, input_shape: tuple[int, ...]) -> int:
     return d
 
 
-def decoupled_epochs(
-    net: BlockNet,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    personal_params: Iterable[nn.Parameter],
-    data: ClientData,
-    train: TrainConfig,
-    *,
-    gamma: float,
-    personal_lr: float,
-    generator: torch.Generator,
-) -> None:
-    """One client's local training (Eq. 8 and Eq. 9 together, deviation 2), in place on `net` and the head.
-
-    `head(z)` gives h_P's logits; `personal_params` are what the P-loss trains (φ_m, or ν for the hypernetwork).
-    """
-    counts = class_counts(data)
-    kw = dict(momentum=train.momentum, weight_decay=train.weight_decay)
-    opt_g = SGD(net.parameters(), lr=train.lr, **kw)
-    opt_p = SGD(list(personal_params), lr=personal_lr, **kw)
-    for _ in range(train.local_epochs):
-        net.train()
-        for b in index_batches(data.train, train.batch_size, 1, generator):
-            x, y = data.batch(b, generator)
-            z = net.features(x)
-            g = net.classify(z)
-            loss_g = balanced_softmax_loss(g, y, counts, gamma)  # Eq. 8: θ, ψ
-            loss_p = personal_loss(g, z, y, head)  # Eq. 9: φ_m (ν) only
-            opt_g.zero_grad(set_to_none=True)
-            opt_p.zero_grad(set_to_none=True)
-            (loss_g + loss_p).backward()  # disjoint gradients: the stop-gradients separate the two objectives
-            opt_g.step()
-            opt_p.step()
-
-
 class DecoupledObjective:
     """FedRoD's local loss as a plan's objective (`local_sgd.Objective`): L^BSM of the generic logits (Eq. 8) plus
     the P-loss of the additive personal logits (Eq. 9), the personal head h_P = `personal.weight`, `personal.bias`
     (a linear layer on the flattened features) and the class counts `counts` from the plan. In the loop (`w`
-    None) these are `decoupled_epochs`' very operations; in a batched step, the same losses per sample, weighted.
+    None) one backward of L^BSM + P-loss per batch (disjoint gradients: the stop-gradients of `personal_logits`
+    separate the two objectives); in a batched step, the same losses per sample, weighted.
     A class (not a closure): the algorithm travels to `procs` workers by pickle."""
 
     def __init__(self, gamma: float) -> None:
@@ -212,9 +178,10 @@ class DecoupledObjective:
     ) -> torch.Tensor:  # fmt: skip
         z = run_blocks(model, params, model.body_blocks(), x)
         g = run_blocks(model, params, model.head_blocks(), z)
+        weight, bias = self.personal_head(params, consts)
 
         def head(feats: torch.Tensor) -> torch.Tensor:
-            return F.linear(feats.flatten(1), params[PERSONAL + "weight"], params[PERSONAL + "bias"])
+            return F.linear(feats.flatten(1), weight, bias)
 
         if w is None:
             return balanced_softmax_loss(g, y, consts["counts"], self.gamma) + personal_loss(g, z, y, head)
@@ -222,6 +189,10 @@ class DecoupledObjective:
         bsm = F.cross_entropy(g + offsets, y, reduction="none")
         personal = F.cross_entropy(personal_logits(g, z, head), y, reduction="none")
         return weighted_mean(bsm, w) + weighted_mean(personal, w)
+
+    def personal_head(self, params: Tensors, consts: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """h_P's weight and bias: the plan's tensors `personal.weight`, `personal.bias`."""
+        return params[PERSONAL + "weight"], params[PERSONAL + "bias"]
 
 
 def personalize_additive(

@@ -32,6 +32,8 @@ Interpretations and deviations:
    the mean. A step on ν moves the generated head by about (1 + ‖hidden‖²) times as much as the same step on a
    free head, and FedAvg of ν over clients with different priors drifts: at the full head lr the Dir(0.3)
    validation P-FL falls 5.2 points below the choice (78.8 vs 84.0), at Dir(0.1) it ties. The slides give no lr.
+   The update is FedRoD's plan with ν in φ_m's place (`HyperObjective`; a_m a per-client constant), so
+   `executor.batch_clients` trains a round's clients together.
 5. ν is uploaded with θ and ψ and averaged with weights |D_m|; the reply is the model state dict plus `hyper.*`.
 6. Nothing learned is kept per client (with the default `pfl_body: server`). The client state holds a_m (a
    constant the client knows, never uploaded), because `personal_model(server, state)` has no other way to know
@@ -49,22 +51,26 @@ Interpretations and deviations:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
+from torch.func import functional_call
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
+from pflbed.algorithms.base import Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import (
+    DecoupledObjective,
     FedRoD,
     FedRoDOptions,
-    decoupled_epochs,
+    class_counts,
     personalize_additive,
     prefixed,
     unprefixed,
 )
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import get_params, load_params
 
 HYPER = "hyper."  # server-state prefix of ν
@@ -95,6 +101,18 @@ class HyperNetwork(nn.Module):
         return {"weight": w.clone(), "bias": b.clone()}
 
 
+class HyperObjective(DecoupledObjective):
+    """FedRoD's loss with the personal head generated: h_P = H^P(a_m; ν), ν the plan's tensors `hyper.*` and a_m
+    its constant `prior`, regenerated at every step (note 4)."""
+
+    def __init__(self, gamma: float, hyper: HyperNetwork) -> None:
+        super().__init__(gamma)
+        self.hyper = hyper
+
+    def personal_head(self, params: Tensors, consts: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        return functional_call(self.hyper, unprefixed(HYPER, params), (consts["prior"],))
+
+
 class FedRoDHyperOptions(FedRoDOptions):
     hidden: int = Field(32, ge=1, description="hidden width of the hypernetwork's two FC layers")
     hyper_lr: float | None = Field(None, gt=0, description="SGD lr of ν (default: personal lr / 2, note 4)")
@@ -111,6 +129,7 @@ class FedRoDHyper(FedRoD):
             self.hyper = HyperNetwork(ctx.source.num_classes, self.head.in_features, self.opts.hidden)
         self.hyper.to(ctx.device)
         self.hyper_init = get_params(self.hyper)
+        self.objective = HyperObjective(self.opts.gamma, self.hyper)  # one function: clients' plans batch together
 
     def generate(self, server: Tensors, prior: torch.Tensor) -> Tensors:
         """h_P = H^P(a; ν̄) from the server's ν."""
@@ -124,25 +143,20 @@ class FedRoDHyper(FedRoD):
     def init_client(self, cid: int) -> Tensors:
         return {"prior": self.ctx.federation.clients[cid].prior.clone()}  # deviation 6: a_m only
 
-    sgd_plan = Algorithm.sgd_plan  # no plan: FedRoD's trains a head of its own; here the hypernetwork makes it
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """FedRoD's plan with ν (`hyper.`) in the personal head's place, at `hyper_lr`; the reply is θ*, ψ*, ν*."""
+        t = self.ctx.cfg.train
+        start = {**self.model_params(payload), **{k: v for k, v in payload.items() if k.startswith(HYPER)}}
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr, ((HYPER, self.hyper_lr),))
+        consts = {"counts": class_counts(data), "prior": data.prior}
+        return LocalSGDPlan(start, (phase,), partial(self._finish, state), self.objective, consts)
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        net, hyper = self.ctx.model, self.hyper
-        load_params(net, self.model_params(payload))
-        load_params(hyper, unprefixed(HYPER, payload))
-        a = data.prior
-
-        def head(z: torch.Tensor) -> torch.Tensor:
-            w, b = hyper(a)  # regenerated every step: ν changes
-            return F.linear(z.flatten(1), w, b)
-
-        hyper_lr = self.opts.hyper_lr if self.opts.hyper_lr is not None else self.personal_lr / 2
-        decoupled_epochs(net, head, hyper.parameters(), data, self.ctx.cfg.train, gamma=self.opts.gamma,
-                         personal_lr=hyper_lr, generator=cctx.generator)  # fmt: skip
-        reply = {**get_params(net), **prefixed(HYPER, get_params(hyper))}
+    def _finish(self, state: Tensors, reply: Tensors) -> tuple[Tensors, Tensors]:
         return reply, {**state, **self.local_body(reply)} if self.opts.pfl_body == "local" else state
+
+    @property
+    def hyper_lr(self) -> float:
+        return self.opts.hyper_lr if self.opts.hyper_lr is not None else self.personal_lr / 2
 
     # aggregate: FedRoD's weighted mean over every uploaded key, ν included (modified Eq. 10)
 

@@ -18,8 +18,9 @@ one client's tensors or, under `vmap`, on every client's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -46,7 +47,9 @@ class Phase:
     whole. `optimizer`: phases of one plan naming the same optimizer step one SGD, its momentum buffers kept from
     one phase to the next (FedSelect's two sides, each its own optimizer for the round). `model`: a key prefix; the
     phase trains the second model whose tensors (parameters and buffers) are the plan's `model + key` (Ditto's
-    personal model), the plan's own model tensors untouched. `objective`: this phase's loss (None: the plan's)."""
+    personal model), the plan's own model tensors untouched. `objective`: this phase's loss (None: the plan's).
+    `steps`: stop after this many batches, the last of the `epochs` cut short (pFedHN's K steps; None: every
+    batch of the epochs)."""
 
     blocks: tuple[str, ...]
     epochs: int
@@ -57,6 +60,11 @@ class Phase:
     optimizer: str | None = None
     model: str = ""
     objective: Objective | None = None
+    steps: int | None = None
+
+    def batches(self, idx: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        """The phase's mini-batches of `idx`: `index_batches` over its epochs, `steps` of them at most."""
+        return islice(index_batches(idx, batch_size, self.epochs, generator), self.steps)
 
 
 class Objective(Protocol):
@@ -114,7 +122,7 @@ def run_plan(
         if ph.model:  # the second model's tensors in, the plan's own model kept aside
             own = get_params(model)
             load_params(model, {k: extra[ph.model + k] for k in model_keys})
-        if objective_of(plan, ph) is None and not ph.extra and ph.keys is ph.entries is ph.optimizer is None:
+        if _plain(plan, ph):
             train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
         else:
             _objective_phase(model, extra, plan, ph, data, train, generator, optimizers)
@@ -122,6 +130,11 @@ def run_plan(
             extra.update({ph.model + k: v for k, v in get_params(model).items()})
             load_params(model, own)
     return plan.finish({**get_params(model), **{k: v.detach().clone() for k, v in extra.items()}})
+
+
+def _plain(plan: LocalSGDPlan, ph: Phase) -> bool:
+    """Whether `ph` is epochs of cross-entropy on whole blocks and nothing else (`train_blocks`)."""
+    return objective_of(plan, ph) is None and not ph.extra and ph.keys is ph.entries is ph.optimizer is ph.steps is None
 
 
 def objective_of(plan: LocalSGDPlan, ph: Phase) -> Objective | None:
@@ -170,7 +183,7 @@ def _objective_phase(
         for p in others:
             p.requires_grad_(False)
         model.train()
-        for b in index_batches(data.train, train.batch_size, ph.epochs, generator):
+        for b in ph.batches(data.train, train.batch_size, generator):
             x, y = data.batch(b, generator)
             opt.zero_grad(set_to_none=True)
             objective(x, y).backward()

@@ -14,8 +14,9 @@ through the chain rule. Here, per engine round:
 - `client_update`: K = `local_steps` (default 50) mini-batch SGD steps on the client's training data from θ_i, with
   `train.lr`, `train.momentum`, `train.weight_decay`, `train.batch_size` (a fresh optimizer per round); batches come
   epoch after epoch from `training.index_batches` with the client's generator (an epoch reshuffles, the steps stop
-  after K batches). `local_steps: null` runs `train.local_epochs` epochs instead (`training.local_sgd`).
-  Reply: Δθ_i = θ̃_i − θ_i under the parameter names.
+  after K batches). `local_steps: null` runs `train.local_epochs` epochs instead. The update is a plan
+  (`sgd_plan`, a phase of K steps: `local_sgd.Phase.steps`), so `executor.batch_clients` trains a round's clients
+  together. Reply: Δθ_i = θ̃_i − θ_i under the parameter names.
 - `aggregate`: θ_i = h(v_i; φ) is recomputed with the autograd graph and the vector–Jacobian product
   g = (∂θ_i/∂(φ, v_i))ᵀ·(θ_i − θ̃_i) = −Jᵀ·Δθ_i gives the gradient of φ and of v_i; the hypernetwork optimizer then
   steps both (SGD with momentum and weight decay, below).
@@ -97,7 +98,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterator
-from itertools import islice
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -107,14 +108,15 @@ from torch import nn
 from torch.func import functional_call
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.sgd import SGD
-from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params, local_sgd
+from pflbed.algorithms.training import finetune_epochs, get_params, index_batches
 from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
-    from pflbed.config import TrainConfig  # annotations only
+    pass  # annotations only
 
 STREAM = 0x9FED  # pFedHN's own random streams (not one of pflbed.rng's tags): 0 φ, 1 embeddings, 2 new clients
 HN = "hn."  # server state: φ under hn.<hypernetwork parameter>
@@ -181,23 +183,6 @@ def sgd_step(
     d = torch.add(g, p, alpha=weight_decay) if weight_decay else g
     buf = buf * momentum + d if momentum else d
     return p - lr * buf, buf
-
-
-def sgd_steps(model: nn.Module, data: ClientData, steps: int, train: TrainConfig, generator: torch.Generator) -> None:
-    """K mini-batch SGD steps (`train.*`) on the client's training data: batches epoch after epoch, reshuffled
-    every epoch, stopping after `steps` batches (the last epoch cut short)."""
-    n = data.num_train
-    if n == 0:
-        return
-    epochs = math.ceil(steps / math.ceil(n / train.batch_size))
-    opt = SGD(model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
-    model.train()
-    for b in islice(index_batches(data.train, train.batch_size, epochs, generator), steps):
-        x, y = data.batch(b, generator)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
 
 
 def own_buffers(state: Tensors) -> Tensors:
@@ -285,17 +270,17 @@ class PFedHN(Algorithm):
             thetas = self.theta(self.phi(server), v)
         return {c: {k: t.clone() for k, t in theta.items()} for c, theta in zip(cids, thetas, strict=True)}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
-        load_params(model, {**payload, **own_buffers(state)})
-        if self.opts.local_steps is None:
-            local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                      weight_decay=t.weight_decay, generator=cctx.generator)  # fmt: skip
-        else:
-            sgd_steps(model, data, self.opts.local_steps, t, cctx.generator)
-        trained = get_params(model)
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """K = `local_steps` mini-batch SGD steps from θ_i (epoch after epoch, reshuffled every epoch, the last cut
+        short; `train.local_epochs` epochs with `local_steps: null`), the client's own buffers loaded (note 7); the
+        reply is Δθ_i = θ̃_i − θ_i. K epochs bound K steps for any client with data (each epoch has a batch), so
+        every client's plan has the same shape."""
+        t, k = self.ctx.cfg.train, self.opts.local_steps
+        epochs = t.local_epochs if k is None else k if data.num_train else 0
+        phase = Phase(tuple(self.ctx.model.block_names()), epochs, t.lr, steps=k)
+        return LocalSGDPlan({**payload, **own_buffers(state)}, (phase,), partial(self._finish, payload, state))
+
+    def _finish(self, payload: Tensors, state: Tensors, trained: Tensors) -> tuple[Tensors, Tensors]:
         reply = {k: trained[k] - payload[k] for k in self.param_names}  # Δθ_i = θ̃_i − θ_i
         return reply, {"cid": state["cid"], **{BUF + k: trained[k] for k in self.buffer_names}}
 

@@ -38,7 +38,6 @@ from torch.func import functional_call, grad, vmap
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys
-from pflbed.algorithms.training import index_batches
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
@@ -136,7 +135,7 @@ def _phase(
     trainable = list(lr_of)
     fixed = [k for k in params if k not in lr_of and k not in stats]
     model_keys = set(model.state_dict())
-    rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph.epochs, gens)
+    rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
     pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
     model.train()
 
@@ -194,7 +193,7 @@ def _phase(
 
 
 def _schedule(
-    datas: list, batch_size: int, epochs: int, gens: list[torch.Generator]
+    datas: list, batch_size: int, ph: Phase, gens: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None, torch.Tensor]:
     """Every step's batch of every client, built once on the CPU and moved to the device in one copy.
 
@@ -206,8 +205,8 @@ def _schedule(
     and each client's real batch size per step `lengths` [steps, clients] (on the CPU: dropout masks are drawn
     for those rows).
     Why up front: building the batches step by step costs a few small device operations per client and step,
-    which on a GPU took longer than the step itself. The batches are `index_batches`' on the same generators — the
-    loop's, sample for sample.
+    which on a GPU took longer than the step itself. The batches are the phase's (`Phase.batches`) on the same
+    generators — the loop's, sample for sample.
     """
     augment = datas[0].augment
     if any(d.x is not datas[0].x or d.y is not datas[0].y or d.augment is not augment for d in datas):
@@ -217,7 +216,7 @@ def _schedule(
     for d, g in zip(datas, gens, strict=True):
         per_client.append([])
         drawn.append([])
-        for b in index_batches(d.train.cpu(), batch_size, epochs, g):  # lazily: a batch, then its choices
+        for b in ph.batches(d.train.cpu(), batch_size, g):  # lazily: a batch, then its choices
             per_client[-1].append(b)
             if augment is not None:
                 drawn[-1].append(augment.draw(len(b), g))
