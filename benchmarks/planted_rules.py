@@ -67,11 +67,9 @@ PLANTS = [
     Plant("fedfomo", "affinity added to the transposed entries",
           "P[i, torch.tensor(cols, dtype=torch.int64, device=P.device)] +=",
           "P[torch.tensor(cols, dtype=torch.int64, device=P.device), i] +="),
-    Plant("fedfomo", "local training before the federated update (phases swapped)",
-          "start, w, gains = self.federated_update(state, models, data)\n"
-          "        trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)",
-          "pre = train_from(self.ctx.model, state, data, self.ctx.cfg.train, cctx.generator)\n"
-          "        trained, w, gains = self.federated_update(pre, models, data)"),
+    Plant("fedfomo", "local training from the client's own model, not from the federated update",
+          "return LocalSGDPlan(start, (phase,), partial(self._finish, w, gains, payload[IDS]))",
+          "return LocalSGDPlan(state, (phase,), partial(self._finish, w, gains, payload[IDS]))"),
     Plant("fedfomo", "ε does not decay", "self.opts.epsilon - self.opts.epsilon_decay * (rnd - 1)",
           "self.opts.epsilon"),
     Plant("fedfomo", "greedy downloads the lowest affinities", "key=lambda j: (-affinity[j], tie[j])",

@@ -67,6 +67,8 @@ Defaults:
   - The paper holds out 20% of each client's local data as its validation set (authors' `--train_split 0.8`);
     here the split is the federation's: set `federation.val_fraction: 0.2` for the same fraction.
   - Local training: `train.*` (the authors use SGD lr 0.1 with 0.99 decay per round, 5 local epochs, batch 50).
+    It is a plan (`sgd_plan`: FedAvg's epochs from θ_i^t, the federated update computed first), so
+    `executor.batch_clients` trains a round's clients together.
 
 The authors' code, as options (the defaults are the rules above):
   - `affinity: deltas`: P[i, n] += δ_n / |Σ_m δ_m| over the models client i received, δ_n = (L_i(θ_i^{t−1}) −
@@ -111,6 +113,7 @@ clients' models, which FedFomo hands out by design.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -118,9 +121,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors, own_rows
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors, own_rows
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.reply_shapes import misfit, specs
-from pflbed.algorithms.training import finetune_epochs, train_from, validation_data
+from pflbed.algorithms.training import finetune_epochs, validation_data
 
 _STREAM = 0xF0A0  # the server's model-sampling stream, apart from the engine's tags (1–4)
 IDS, WEIGHTS, GAINS, UPDATES = "fomo/ids", "fomo/w", "fomo/gain", "updates"
@@ -306,13 +310,18 @@ class FedFomo(Algorithm):
             payloads[c] = payload
         return payloads
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """The federated update (Eq. 6–7, on the client's validation split: no batch drawn) gives the start; local
+        training is FedAvg's epochs from it (a plan: `executor.batch_clients` trains a round's clients together)."""
         models = [{k: payload[f"m/{s}/{k}"] for k in self.keys} for s in range(len(payload[IDS]))]
         start, w, gains = self.federated_update(state, models, data)
-        trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)
-        reply = {**trained, WEIGHTS: w, IDS: payload[IDS]}
+        t = self.ctx.cfg.train
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        return LocalSGDPlan(start, (phase,), partial(self._finish, w, gains, payload[IDS]))
+
+    def _finish(self, w: torch.Tensor, gains: torch.Tensor, ids: torch.Tensor, trained: Tensors
+                ) -> tuple[Tensors, Tensors]:  # fmt: skip
+        reply = {**trained, WEIGHTS: w, IDS: ids}
         if self.opts.affinity == "deltas":  # normalized here: finite, so a reply never looks diverged
             reply[GAINS] = affinity_deltas(gains)
         return reply, trained
