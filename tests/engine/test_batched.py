@@ -104,7 +104,7 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
                        "fedbn", "scaffold", "feddyn", "fedselect", "ditto", "fedmtl", "local", "fedrod_hyper",
-                       "pfedhn", "fedfomo"}  # fmt: skip
+                       "pfedhn", "fedfomo", "l2gd"}  # fmt: skip
 
 
 def _plans(model, batch_size=8, algorithm=None, state=None, **train):

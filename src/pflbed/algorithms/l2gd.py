@@ -12,6 +12,8 @@ a run of local steps (length l ~ Geometric(p), ≥ 1), one communication each. T
 averaging run, so its a steps contract x_i − x̄ by (1 − θ)^a, θ = αλ/(np). The server draws (a, l) from (seed,
 round) and sends them with x̄; each client applies the contraction, then l mini-batch SGD steps with step
 η = α/(n(1−p)) = `train.lr`, and replies x_i (its state). θ = η·λ·(1 − p)/p must be ≤ 1.
+The update is a plan (`sgd_plan`: the contraction gives the start, then a phase of l plain steps), so
+`executor.batch_clients` trains a round's clients together.
 
 Deviations: the paper assumes every client in every iteration; with `federation.sample_fraction` < 1 a client not
 sampled skips the round (its x_i waits). The server's x̄ is the |D_i|-weighted mean of the round's repliers' x_i
@@ -33,14 +35,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.sgd import SGD
-from pflbed.algorithms.training import get_params, index_batches, load_params
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.errors import ConfigError
 
 RUNS = "l2gd/runs"  # payload: (averaging steps a, local steps l) of the round
@@ -56,7 +56,6 @@ class L2GDOptions(BaseModel):
 class L2GD(FedAvg):
     name = "l2gd"
     Config = L2GDOptions
-    sgd_plan = Algorithm.sgd_plan  # a contraction toward the mean first: not plain local SGD
     # under client-level DP: the run lengths are an instruction to the clients, never replied, and public (drawn from
     # the seed and the round): neither clipped nor noised (`engine.loop.check_dp_payload`)
     dp_instructions = (RUNS,)
@@ -85,25 +84,21 @@ class L2GD(FedAvg):
         payload = {**server, RUNS: torch.tensor(self.runs(rnd), device=self.ctx.device)}
         return {c: payload for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t = self.ctx.model, self.ctx.cfg.train
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """The contraction x_i ← x̄ + (1 − θ)^a·(x_i − x̄) gives the start; then l plain mini-batch gradient steps
+        (η = α/(n(1 − p)) = `train.lr`; no momentum, no weight decay), batches epoch after epoch, cut after l.
+        Every client of a round has the same (a, l), so their plans batch together."""
+        t = self.ctx.cfg.train
         a, l_ = (int(v) for v in payload[RUNS])
         shrink = (1 - self.theta) ** a
         x = {k: payload[k] + shrink * (v - payload[k]) if v.is_floating_point() else v for k, v in state.items()}
-        load_params(model, x)
-        model.train()
-        opt = SGD(model.parameters(), lr=t.lr)  # plain local steps, η = α/(n(1 − p))
-        batches = index_batches(data.train, t.batch_size, l_, cctx.generator)  # enough for l steps
-        for _, b in zip(range(l_), batches, strict=False):
-            x, y = data.batch(b, cctx.generator)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        new = get_params(model)
-        return new, new
+        phase = Phase(tuple(self.ctx.model.block_names()), l_, t.lr, steps=l_, momentum=0.0, weight_decay=0.0)
+        return LocalSGDPlan(x, (phase,), _twice)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, state)
+
+
+def _twice(new: Tensors) -> tuple[Tensors, Tensors]:
+    """x_i is both the reply and the state."""
+    return new, new

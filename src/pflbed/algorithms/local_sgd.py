@@ -49,7 +49,8 @@ class Phase:
     phase trains the second model whose tensors (parameters and buffers) are the plan's `model + key` (Ditto's
     personal model), the plan's own model tensors untouched. `objective`: this phase's loss (None: the plan's).
     `steps`: stop after this many batches, the last of the `epochs` cut short (pFedHN's K steps; None: every
-    batch of the epochs)."""
+    batch of the epochs). `momentum`, `weight_decay`: this phase's (None: `train.*`; L2GD's plain gradient steps
+    set both 0)."""
 
     blocks: tuple[str, ...]
     epochs: int
@@ -61,6 +62,13 @@ class Phase:
     model: str = ""
     objective: Objective | None = None
     steps: int | None = None
+    momentum: float | None = None
+    weight_decay: float | None = None
+
+    def sgd(self, train: TrainConfig) -> tuple[float, float]:
+        """(momentum, weight decay) of the phase's SGD."""
+        return (train.momentum if self.momentum is None else self.momentum,
+                train.weight_decay if self.weight_decay is None else self.weight_decay)  # fmt: skip
 
     def batches(self, idx: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
         """The phase's mini-batches of `idx`: `index_batches` over its epochs, `steps` of them at most."""
@@ -134,7 +142,8 @@ def run_plan(
 
 def _plain(plan: LocalSGDPlan, ph: Phase) -> bool:
     """Whether `ph` is epochs of cross-entropy on whole blocks and nothing else (`train_blocks`)."""
-    return objective_of(plan, ph) is None and not ph.extra and ph.keys is ph.entries is ph.optimizer is ph.steps is None
+    options = (ph.keys, ph.entries, ph.optimizer, ph.steps, ph.momentum, ph.weight_decay)
+    return objective_of(plan, ph) is None and not ph.extra and all(o is None for o in options)
 
 
 def objective_of(plan: LocalSGDPlan, ph: Phase) -> Objective | None:
@@ -163,7 +172,8 @@ def _objective_phase(
         groups = [{"params": [named[k] for k in keys], "lr": ph.lr}]
         groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix)], "lr": lr}
                    for prefix, lr in ph.extra]  # fmt: skip
-        opt = SGD(groups, lr=ph.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+        momentum, weight_decay = ph.sgd(train)
+        opt = SGD(groups, lr=ph.lr, momentum=momentum, weight_decay=weight_decay)
         if ph.optimizer is not None:
             optimizers[ph.optimizer] = opt
     held = {k: ~plan.consts[ph.entries + k] for k in keys if ph.entries is not None and ph.entries + k in plan.consts}

@@ -136,6 +136,7 @@ def _phase(
     fixed = [k for k in params if k not in lr_of and k not in stats]
     model_keys = set(model.state_dict())
     rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
+    momentum, weight_decay = ph.sgd(train)
     pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
     model.train()
 
@@ -175,12 +176,12 @@ def _phase(
             else:
                 params[k][sel] = moved[k]
         for k in trainable:  # torch.optim.SGD's update, per client
-            d = g[k].add(p[k], alpha=train.weight_decay) if train.weight_decay else g[k]
-            if train.momentum:
+            d = g[k].add(p[k], alpha=weight_decay) if weight_decay else g[k]
+            if momentum:
                 if k not in buf:  # the optimizer's first step: every client has a batch, or keeps a zero buffer
                     buf[k] = d.clone() if whole else torch.zeros_like(params[k]).index_copy_(0, sel, d)
                 else:
-                    d = (buf[k] if whole else buf[k][sel]).mul_(train.momentum).add_(d)
+                    d = (buf[k] if whole else buf[k][sel]).mul_(momentum).add_(d)
                     if not whole:
                         buf[k][sel] = d
             new = p[k].add(d, alpha=-lr_of[k])
