@@ -151,9 +151,13 @@ PLANTS = [
           "glob = (counts.unsqueeze(2) * protos).sum(0) / total.clamp_min(1.0).unsqueeze(1)", "glob = protos.mean(0)"),
     Plant("fedpac", "feature statistics after local training instead of with the received body",
           '"h": stats["h"], "v": stats["v"]', '"h": local["h"], "v": local["v"]'),
-    Plant("fedpac", "head phase dropped",
-          "        train_blocks(m, data, self.head, epochs=o.head_epochs, lr=o.head_lr or t.lr, train=t,\n"
-          "                     generator=cctx.generator)  # fmt: skip\n", ""),
+    Plant("fedpac", "head phase dropped", "phases = (Phase(tuple(self.head), o.head_epochs, o.head_lr or t.lr),",
+          "phases = ("),
+    Plant("fedpac", "body phase before the head phase",
+          "phases = (Phase(tuple(self.head), o.head_epochs, o.head_lr or t.lr),\n"
+          "                  Phase(tuple(self.body), o.body_epochs, o.body_lr or t.lr, objective=self.objective))",
+          "phases = (Phase(tuple(self.body), o.body_epochs, o.body_lr or t.lr, objective=self.objective),\n"
+          "                  Phase(tuple(self.head), o.head_epochs, o.head_lr or t.lr))"),
     Plant("fedpac", "alignment also on classes without a global prototype", "* mask[y].to(z.dtype)", ""),
     Plant("fedpac", "h_i = class means, not prior-weighted", "h = sums / max(n, 1)", "h = mean"),
     Plant("fedpac", "client i's head from column i of α, not row i", 'combine(alpha[i], heads[k])',

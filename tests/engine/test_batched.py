@@ -104,7 +104,7 @@ def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
     # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
     assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
                        "fedbn", "scaffold", "feddyn", "fedselect", "ditto", "fedmtl", "local", "fedrod_hyper",
-                       "pfedhn", "fedfomo", "l2gd"}  # fmt: skip
+                       "pfedhn", "fedfomo", "l2gd", "fedpac"}  # fmt: skip
 
 
 def _plans(model, batch_size=8, algorithm=None, state=None, **train):
@@ -261,6 +261,27 @@ def test_a_phase_of_k_steps_together_is_each_clients_own(model):
     assert min(per_epoch) < 9 < max(per_epoch)  # some clients reshuffle, some do not
     assert _max_diff(plans[0].start, plans[1].start) > 0  # each client its own start
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
+        assert _max_diff(got, plan.start) > 100 * TOL
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
+def test_fedpacs_head_then_aligned_body_together_is_each_clients_own(model):
+    """FedPAC's plan: the head phase (CE, body frozen), then the body phase on CE + λ·alignment of the features to
+    the global prototypes (Eq. 8), the prototypes and the mask of classes that have one each client's own constants
+    here (random: a first round has none); batched == each client's own `run_plan`."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "fedpac", "lam": 0.5, "head_epochs": 1, "body_epochs": 1,
+                                                     "head_lr": 0.05})  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    protos, mask = plans[0].consts["protos"], plans[0].consts["proto_mask"]
+    plans = [replace(p, finish=lambda t: (t, {}),
+                     consts={"protos": 0.5 * torch.randn(protos.shape, generator=g),
+                             "proto_mask": (torch.rand(mask.shape, generator=g) < 0.6).to(mask.dtype)})
+             for p in plans]  # fmt: skip
+    assert all(0 < p.consts["proto_mask"].sum() < len(mask) for p in plans)
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
         assert _max_diff(want, got) <= TOL

@@ -19,6 +19,9 @@ Client i in round t receives φ^t, the global class prototypes c_k and its perso
      per mini-batch of size B (the paper's (1/n_i)·Σ_l over the client's data, estimated by mini-batches);
   3. local prototypes with the trained body (eval mode, no gradient): ĉ_{i,k} = mean_{y=k} f(x), counts n_{i,k};
   4. upload φ_i, w_i, ĉ_i, n_{i,·}, h_i, V_i, n_i.
+  Steps 1–2 are a plan (`sgd_plan`: two phases, the body's on `AlignedObjective` with the prototypes as the
+  client's constants; 0 before it, 3–4 in its `finish`), so `executor.batch_clients` trains a round's clients
+  together.
 Server:
   - φ^{t+1} = Σ_i n_i·φ_i / Σ_i n_i                                                   (FedAvg of the bodies);
   - c_k = Σ_i n_{i,k}·ĉ_{i,k} / Σ_i n_{i,k}                        (sample-count-weighted global prototypes);
@@ -84,18 +87,20 @@ shared body with its own head.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import feature_dim
-from pflbed.algorithms.partial import block_params, blocks_for, frozen, personalize_blocks, subset, train_blocks
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks
+from pflbed.algorithms.local_sgd import weighted_mean as batch_mean
+from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.reply_shapes import misfit, specs
-from pflbed.algorithms.sgd import SGD
-from pflbed.algorithms.training import get_params, index_batches, load_params, weighted_mean
+from pflbed.algorithms.training import load_params, weighted_mean
 from pflbed.models import BlockNet
 
 HEAD = "head/"  # the server's latest personalized head of client c: head/<cid>/<head key>
@@ -244,25 +249,31 @@ def alignment(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, mask: torc
     return out / z.shape[1] if reduction == "mean" else out
 
 
-def aligned_body_epochs(
-    model: BlockNet, data: ClientData, protos: torch.Tensor, mask: torch.Tensor, *, lam: float, epochs: int,
-    lr: float, reduction: str, batch_size: int, momentum: float, weight_decay: float, generator: torch.Generator,
-) -> None:  # fmt: skip
-    """Body phase: SGD on CE + λ·alignment over the body's parameters, head frozen (no gradient into it)."""
-    body, head = model.body_blocks(), model.head_blocks()
-    opt = SGD(block_params(model, body), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    with frozen(model, head):
-        for _ in range(epochs):
-            model.train()
-            for b in index_batches(data.train, batch_size, 1, generator):
-                x, y = data.batch(b, generator)
-                z = model.features(x)
-                loss = F.cross_entropy(model.classify(z), y)
-                if lam:
-                    loss = loss + lam * alignment(z, y, protos, mask, reduction)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+class AlignedObjective:
+    """The body phase's loss (Eq. 8): CE + λ·alignment of the features to the global prototypes (`protos`, with
+    `proto_mask` the classes that have one: the plan's constants). In the loop (`w` None) the batch means; in a
+    batched step the same per sample, weighted. A class: the algorithm travels to `procs` workers by pickle."""
+
+    def __init__(self, lam: float, reduction: str) -> None:
+        self.lam, self.reduction = lam, reduction
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        z = run_blocks(model, params, model.body_blocks(), x)
+        logits = run_blocks(model, params, model.head_blocks(), z)
+        if w is None:
+            loss = F.cross_entropy(logits, y)
+            return loss + self.lam * alignment(z, y, consts["protos"], consts["proto_mask"], self.reduction) \
+                if self.lam else loss  # fmt: skip
+        loss = batch_mean(F.cross_entropy(logits, y, reduction="none"), w)
+        if not self.lam:
+            return loss
+        flat = z.flatten(1)
+        sq = ((flat - consts["protos"][y].to(flat.dtype)) ** 2).sum(1) * consts["proto_mask"][y].to(flat.dtype)
+        aligned = batch_mean(sq, w)
+        return loss + self.lam * (aligned / flat.shape[1] if self.reduction == "mean" else aligned)
 
 
 # --- the algorithm -------------------------------------------------------------------------------------------------
@@ -282,6 +293,7 @@ class FedPAC(Algorithm):
         self.head_keys, self.body_keys = m.state_keys(self.head), m.state_keys(self.body)
         self.num_classes = ctx.source.num_classes
         self.dim = feature_dim(m, ctx.source.input_shape)
+        self.objective = AlignedObjective(self.opts.lam, self.opts.align_reduction)  # one: plans batch together
 
     # --- server-state views ----------------------------------------------------------------------------------
     def initial_head(self) -> Tensors:
@@ -317,21 +329,27 @@ class FedPAC(Algorithm):
         shared = {**self.body_of(server), "protos": server["protos"], "proto_mask": server["proto_mask"]}
         return {c: {**shared, **self.head_of(server, c)} for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """The feature statistics with the received body (choice 3), then the head phase (CE, body frozen) and the
+        body phase (CE + λ·alignment, head frozen: `AlignedObjective`, the global prototypes as constants); the
+        reply adds the trained body's prototypes (`finish`)."""
         m, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
-        load_params(m, {k: payload[k] for k in (*self.body_keys, *self.head_keys)})
+        start = {k: payload[k] for k in (*self.body_keys, *self.head_keys)}
+        load_params(m, start)
         x, y = data.x[data.train], data.y[data.train]
         stats = class_statistics(features_of(m, x), y, self.num_classes)  # with the received body (choice 3)
-        train_blocks(m, data, self.head, epochs=o.head_epochs, lr=o.head_lr or t.lr, train=t,
-                     generator=cctx.generator)  # fmt: skip
-        aligned_body_epochs(m, data, payload["protos"], payload["proto_mask"], lam=o.lam, epochs=o.body_epochs,
-                            lr=o.body_lr or t.lr, reduction=o.align_reduction, batch_size=t.batch_size,
-                            momentum=t.momentum, weight_decay=t.weight_decay, generator=cctx.generator)  # fmt: skip
-        local = class_statistics(features_of(m, x), y, self.num_classes)  # prototypes of the trained body
-        dtype = payload["protos"].dtype
-        reply = {**get_params(m), "proto": local["proto"].to(dtype), "count": local["count"].to(dtype),
+        phases = (Phase(tuple(self.head), o.head_epochs, o.head_lr or t.lr),
+                  Phase(tuple(self.body), o.body_epochs, o.body_lr or t.lr, objective=self.objective))  # fmt: skip
+        consts = {"protos": payload["protos"], "proto_mask": payload["proto_mask"]}
+        return LocalSGDPlan(start, phases, partial(self._finish, data, stats, payload["protos"].dtype, state),
+                            consts=consts)  # fmt: skip
+
+    def _finish(self, data: ClientData, stats: Tensors, dtype: torch.dtype, state: Tensors, trained: Tensors
+                ) -> tuple[Tensors, Tensors]:  # fmt: skip
+        m = self.ctx.model
+        load_params(m, trained)
+        local = class_statistics(features_of(m, data.x[data.train]), data.y[data.train], self.num_classes)
+        reply = {**trained, "proto": local["proto"].to(dtype), "count": local["count"].to(dtype),
                  "h": stats["h"], "v": stats["v"], "n": stats["n"]}  # fmt: skip
         return reply, state
 
