@@ -105,6 +105,7 @@ def algorithm_page(name: str) -> str:
                  + (", and the options above with a search column" if any(o["search"] for o in rows) else "")
                  + " (a tune suite may narrow or extend it).\n")
     lines.append(f"[Client-level DP](../guide/privacy.md) (`privacy.clip`): {_dp(cls)}\n")
+    lines.append(f"[Batched clients](../guide/speed.md) (`executor.batch_clients`): {_batched(cls)}\n")
     lines += ["## The implementation, as its file states it\n",
               f"From `src/pflbed/algorithms/{Path(inspect.getfile(cls)).name}` (`{cls.__module__}`):\n",
               _markdown(doc), "", "## Measured results\n"]
@@ -126,15 +127,30 @@ def algorithm_index() -> str:
              "each are on its page; the results tables are under [Results](../results/index.md).\n",
              "At a glance: each algorithm's options with their defaults, and the results pages whose tables "
              "measure it.\n",
-             "| name | paper | options (defaults) | [client-level DP](../guide/privacy.md) | measured in |\n"
-             "|---|---|---|---|---|"]  # fmt: skip
+             "| name | paper | options (defaults) | [client-level DP](../guide/privacy.md) | "
+             "[batched clients](../guide/speed.md) | measured in |\n"
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for n in sorted(ALGORITHMS):
         opts = ", ".join(f"`{o['name']}={o['default']!r}`" for o in options(ALGORITHMS[n])) or "—"
         pages = sorted({m.split("](../results/")[1].split("#")[0] for m in measured_results(n) if m.startswith("**[")})
         where = ", ".join(f"[{p.removesuffix('.md')}](../results/{p})" for p in pages) or "—"
         dp = "yes" if ALGORITHMS[n].dp_refused is None else "refused"
-        lines.append(f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} | {_cell(opts)} | {dp} | {where} |")
+        batched = "yes" if ALGORITHMS[n].loop_only is None else "client by client"
+        lines.append(f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} | {_cell(opts)} | {dp} | {batched} | "
+                     f"{where} |")  # fmt: skip
+    loop = sorted(n for n in ALGORITHMS if ALGORITHMS[n].loop_only is not None)
+    lines += ["", f"Batched clients (`executor.batch_clients`, on by default on a GPU) train a round's clients "
+              f"together where an algorithm's update is a plan of local SGD; {len(ALGORITHMS) - len(loop)} of "
+              f"{len(ALGORITHMS)} are. The others run client by client, because:\n"]  # fmt: skip
+    lines += [f"- [`{n}`]({n}.md): {ALGORITHMS[n].loop_only}." for n in loop]
     return "\n".join(lines) + "\n"
+
+
+def _batched(cls: type) -> str:
+    """Whether `executor.batch_clients` trains the algorithm's clients together (its `loop_only` declaration)."""
+    if cls.loop_only is None:
+        return "its update is a plan of local SGD (`sgd_plan`): a round's clients are trained together."
+    return f"client by client, because {cls.loop_only}."
 
 
 def _dp(cls: type) -> str:

@@ -56,7 +56,7 @@ def test_batched_equals_loop_within_tolerance(name, monkeypatch):
     calls = []
     monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
     train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
-    planned = ALGORITHMS[name].sgd_plan is not ALGORITHMS["fedmd"].sgd_plan
+    planned = ALGORITHMS[name].loop_only is None
     loop = run(_cfg(name, False, 2 if planned else 1, **train), write=False, progress=False)
     both = run(_cfg(name, True, 2 if planned else 1, **train), write=False, progress=False)
     assert isinstance(both.executor, BatchedExecutor)
@@ -99,12 +99,13 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
     assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
 
 
-def test_the_algorithms_with_a_plan_are_the_plain_sgd_ones():
-    planned = {n for n, cls in ALGORITHMS.items() if cls.sgd_plan is not ALGORITHMS["fedmd"].sgd_plan}
-    # kNN-Per trains exactly as FedAvg does (its personalization happens at inference)
-    assert planned == {"fedavg", "fedper", "fedrep", "lg_fedavg", "fedbabu", "knnper", "fedrod", "fedprox", "fedamp",
-                       "fedbn", "scaffold", "feddyn", "fedselect", "ditto", "fedmtl", "local", "fedrod_hyper",
-                       "pfedhn", "fedfomo", "l2gd", "fedpac"}  # fmt: skip
+def test_every_algorithm_is_batched_or_says_why_not():
+    """An algorithm declares its update as a plan (`sgd_plan`) or the reason it cannot (`loop_only`, listed in the
+    docs), never both, never neither."""
+    for name, cls in ALGORITHMS.items():
+        planned = cls.sgd_plan is not Algorithm.sgd_plan
+        assert planned == (cls.loop_only is None), name
+        assert cls.loop_only is None or len(cls.loop_only.split()) >= 8, name
 
 
 def _plans(model, batch_size=8, algorithm=None, state=None, **train):

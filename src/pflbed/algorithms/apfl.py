@@ -50,7 +50,9 @@ def mixture(v: Tensors, w: Tensors, alpha: torch.Tensor, params: list[str]) -> T
 class APFL(FedAvg):
     name = "apfl"
     Config = APFLOptions
-    sgd_plan = Algorithm.sgd_plan  # two coupled models and α: not plain local SGD
+    sgd_plan = Algorithm.sgd_plan
+    loop_only = ("a step forwards two models, w and the mixture α·v + (1 − α)·w (with v's BatchNorm statistics), "
+                 "and moves w, v and α at once; a plan's step forwards one model")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

@@ -113,6 +113,9 @@ class Algorithm:
     # Integer payload entries that are instructions to the clients, never replied and holding nothing private (L2GD's
     # run lengths): exempt from client-level DP's check that every payload entry can be clipped and noised.
     dp_instructions: ClassVar[tuple[str, ...]] = ()
+    # Why the client update is not a `LocalSGDPlan`, for an algorithm that declares no `sgd_plan`: it then runs
+    # client by client under `executor.batch_clients` too (docs/algorithms lists it with this reason). None: a plan.
+    loop_only: ClassVar[str | None] = None
 
     @staticmethod
     def secagg_refusal(options: BaseModel) -> str | None:

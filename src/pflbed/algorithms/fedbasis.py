@@ -178,6 +178,8 @@ class FedBasis(Algorithm):
     Config = FedBasisOptions
     opts: FedBasisOptions
     client_entries = rf"{POOL}(\d+)\."
+    loop_only = ("a step forwards the combination of K + 1 basis models and hands the BatchNorm statistics it "
+                 "moves back to the bases; a plan's step forwards one model")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

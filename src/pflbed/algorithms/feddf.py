@@ -171,6 +171,8 @@ def ensemble_distill(
 
 class FedDF(Algorithm):
     name = "feddf"
+    loop_only = ("its clients hold models of several architectures (`architectures`), where the batched step stacks "
+                 "clients of one model (not yet declared for `homogeneous: true` either)")
     dp_refused = (
         "the server distils from each client's model one by one on public data (an ensemble of "
         "individual models), not from their mean"

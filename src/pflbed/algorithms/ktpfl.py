@@ -217,6 +217,8 @@ class KTpFLOptions(TransferOptions):
 
 class KTpFL(Algorithm):
     name = "ktpfl"
+    loop_only = ("clients hold models of several architectures (`architectures`), and each distils toward its "
+                 "soft targets on the public batch after its local epochs")
     dp_refused = (
         "replies are soft predictions on public data, not a parameter update, and the server weighs each "
         "client's own"

@@ -60,7 +60,9 @@ class PerFedAvgOptions(BaseModel):
 class PerFedAvg(FedAvg):
     name = "perfedavg"
     Config = PerFedAvgOptions
-    sgd_plan = Algorithm.sgd_plan  # a meta-update, not plain local SGD
+    sgd_plan = Algorithm.sgd_plan
+    loop_only = ("a step is a meta-update over two batches (three for the Hessian-free variant): the gradient is "
+                 "taken one inner step away from the parameters it moves; a plan's step is one gradient at them")
 
     def init_client(self, cid: int) -> Tensors:
         return {"cid": torch.tensor(cid, device=self.ctx.device)}  # the personal model needs the client's data

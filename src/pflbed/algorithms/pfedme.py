@@ -61,7 +61,9 @@ class PFedMeOptions(BaseModel):
 class PFedMe(FedAvg):
     name = "pfedme"
     Config = PFedMeOptions
-    sgd_plan = Algorithm.sgd_plan  # a bi-level update, not plain local SGD
+    sgd_plan = Algorithm.sgd_plan
+    loop_only = ("each step first solves the personal problem on its batch (K inner steps on θ), then moves the "
+                 "local model toward θ: a loop inside the step, where a plan's step is one gradient")
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
