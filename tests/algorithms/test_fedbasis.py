@@ -25,7 +25,7 @@ from pflbed.algorithms.basis import (
     sharpen,
     stack_bases,
     stat_update_shares,
-    track_statistics,
+    tracked_statistics,
 )
 from pflbed.algorithms.basis_plots import mixing_table
 from pflbed.algorithms.fedbasis import STREAM, FedBasis
@@ -189,11 +189,12 @@ def test_kmeans_returns_k_non_empty_clusters_even_from_duplicate_models():
         assert sorted(set(assign.tolist())) == [0, 1] and torch.isfinite(cent).all()
 
 
-def test_track_statistics_moves_the_combination_by_the_update_and_leaves_an_unused_basis_alone():
-    """`basis.track_statistics` on hand-built statistics (c = ½ for v', ½·α for the bases): afterwards the
+def test_tracked_statistics_move_the_combination_by_the_update_and_leave_an_unused_basis_alone():
+    """`basis.tracked_statistics` on hand-built statistics (c = ½ for v', ½·α for the bases): afterwards the
     combined running mean is exactly `after` (Δ split by c_i / Σ c_j²); the basis with α = 0 keeps its statistic
     bit for bit; a batch counter grows by the whole count in v' and in every basis, used or not; a running
-    variance whose share would take v' below zero (share 0.5 / 0.40625 > 1) is floored at 0."""
+    variance whose share would take v' below zero (share 0.5 / 0.40625 > 1) is floored at 0; the inputs are
+    left as they were (new tensors: it also runs inside a vmapped step)."""
     g = gen(3)
     stacked = {"mean": torch.randn(3, 4, generator=g), "var": torch.full((3, 4), 10.0),
                "n": torch.tensor([5, 6, 7])}  # fmt: skip
@@ -202,7 +203,9 @@ def test_track_statistics_moves_the_combination_by_the_update_and_leaves_an_unus
     before = combine(stacked, alpha, group_of, major)
     after = {"mean": before["mean"] + torch.randn(4, generator=g), "var": torch.zeros(4), "n": before["n"] + 2}
     unused, var_major = stacked["mean"][0].clone(), major["var"].clone()
-    assert track_statistics(stacked, major, alpha, before, after, list(stacked), group_of, {"var"}) is None
+    inputs = [{k: v.clone() for k, v in d.items()} for d in (stacked, major)]
+    stacked, major = tracked_statistics(stacked, major, alpha, before, after, list(stacked), group_of, {"var"})
+    assert all(torch.equal(v, inputs[0][k]) for k, v in inputs[0].items())
     assert torch.allclose(combine(stacked, alpha, group_of, major)["mean"], after["mean"], atol=1e-6)
     assert torch.equal(stacked["mean"][0], unused)
     assert stacked["n"].tolist() == [7, 8, 9] and int(major["n"]) == 11

@@ -289,6 +289,26 @@ def test_fedpacs_head_then_aligned_body_together_is_each_clients_own(model):
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+def test_fedbasis_steps_together_are_each_clients_own(model):
+    """FedBasis's plan (Eq. 9): the ψ step (softmax(ψ), V frozen, at alpha_lr without weight decay), then the V
+    step on every basis and v' with α† = SHARPEN(softmax(ψ); τ) fixed, each forward through the combined model
+    and its BatchNorm statistics combined from the bases' and handed back to them (`basis.CombinedObjective`'s
+    hooks). Batched == each client's own `run_plan`: ψ, the bases' weights and statistics."""
+    torch.set_num_threads(1)
+    algorithm = {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1,
+                 "alpha_lr": 0.5, "tau": 0.3}  # fmt: skip
+    cfg, ctx, cids, plans = _plans(model, algorithm=algorithm, lr=0.01)
+    assert [ph.objective.alpha for ph in plans[0].phases] == ["softmax", "sharpened"]
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    stats = [k for k in plans[0].start if k.startswith("vs.") and "running_mean" in k]
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff({k: want[k] for k in got}, got) <= TOL  # (`run_plan` adds the template's own tensors)
+        assert float(got["psi"].abs().max()) > 1e-3 and _max_diff(got, plan.start) > 100 * TOL  # both steps trained
+        assert not stats or _max_diff({k: got[k] for k in stats}, {k: plan.start[k] for k in stats}) > 100 * TOL
+
+
 def _finished_together_and_alone(algorithm, random, seed):
     """Plans of `algorithm` on the mlp at lr 0.01, one epoch, their constants whose name starts with `random`
     replaced by random ones of size 0.05 (each client its own); per client, (the batched tensors, the batched

@@ -25,12 +25,16 @@ from torch import nn
 from torch.func import functional_call
 
 from pflbed.algorithms.common import ClientData
+from pflbed.algorithms.local_sgd import model_forward
+from pflbed.algorithms.local_sgd import weighted_mean as batch_mean
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import index_batches, weighted_mean
 
 Tensors = dict[str, torch.Tensor]
 
 MAJOR_WEIGHT = 0.5  # θ = ½·v' + ½·Σ_k α[k]·v_k (paper §4.4, "the major basis")
+# A plan's tensors (`CombinedObjective`): the stacked bases' parameters and statistics, the major basis's, and ψ
+BASES_V, STATS_V, BASES_M, STATS_M, PSI = "v.", "vs.", "m.", "ms.", "psi"
 
 
 def stack_bases(bases: list[Tensors], keys: Iterable[str] | None = None) -> Tensors:
@@ -191,17 +195,19 @@ def max_entropy(k: int) -> float:
     return math.log(k) if k > 0 else 0.0
 
 
-def track_statistics(
-    stacked: Tensors,
-    major: Tensors | None,
+def tracked_statistics(
+    stacked: Mapping[str, torch.Tensor],
+    major: Mapping[str, torch.Tensor] | None,
     alpha: torch.Tensor,
     before: Mapping[str, torch.Tensor],
     after: Mapping[str, torch.Tensor],
     keys: Iterable[str],
     group_of: Mapping[str, int],
     var_keys: Container[str],
-) -> None:
-    """Hand one batch's update of the combined running statistics back to the bases, in place.
+) -> tuple[Tensors, Tensors | None]:
+    """The bases' running statistics after one batch's update of the combined ones is handed back to them: (new
+    stacked statistics, new major statistics or None) over `keys`, as fresh tensors (functional: it also runs
+    inside a vmapped step, `engine.batched`).
 
     A training forward updates only the fresh combined copies (`combine` never aliases the bases), from `before`
     to `after`. Without this the bases would keep their warm-start statistics forever while their weights move
@@ -223,24 +229,84 @@ def track_statistics(
     if major is not None:
         coeffs = torch.cat([coeffs.new_full((coeffs.shape[0], 1), w_major), coeffs], 1)
     shares_of = stat_update_shares(coeffs)  # (groups, [v'] + bases)
+    new: Tensors = {}
+    new_major: Tensors | None = {} if major is not None else None
     with torch.no_grad():
         for k in keys:
             delta = after[k] - before[k]
             v = stacked[k]
             if not v.is_floating_point():  # batch counters: every basis counts the batches
-                v.add_(delta)
-                if major is not None:
-                    major[k].add_(delta)
+                new[k] = v + delta
+                if new_major is not None and major is not None:
+                    new_major[k] = major[k] + delta
                 continue
             shares = shares_of[group_of[k]].to(v.dtype)
-            if major is not None:
-                major[k].add_(shares[0] * delta)
+            if new_major is not None and major is not None:
+                new_major[k] = major[k] + shares[0] * delta
                 shares = shares[1:]
-            v.add_(shares.view(-1, *([1] * delta.dim())) * delta)
+            new[k] = v + shares.view(-1, *([1] * delta.dim())) * delta
             if k in var_keys:
-                v.clamp_min_(0)
-                if major is not None:
-                    major[k].clamp_min_(0)
+                new[k] = new[k].clamp_min(0)
+                if new_major is not None:
+                    new_major[k] = new_major[k].clamp_min(0)
+    return new, new_major
+
+
+class CombinedObjective:
+    """FedBasis's local loss as a plan's objective (`local_sgd.Objective`): cross-entropy of the combined model
+    θ(α, V) (`combine`), the plan's tensors being the bases' parameters `v.<key>` (stacked, (K, …)), their
+    running statistics `vs.<key>`, the major basis's `m.<key>` / `ms.<key>` (if any) and ψ (`psi`, (G, K)).
+
+    `alpha`: where α comes from — "softmax": softmax(ψ) (the ψ step, Eq. 9 steps 1–2, ψ trained); "sharpened":
+    SHARPEN(softmax(ψ); τ), held fixed (the V step with α†, Eq. 9 steps 3–4, ψ as the ψ step left it); "given":
+    the plan's constant `alpha` (a V step with an α† of the caller's). It also serves the model's BatchNorm
+    statistics per batch (`running`: combined from the bases with α detached — statistics are not trained) and,
+    with `track`, hands their update back to the bases (`hand_back`: `tracked_statistics`) — the hooks
+    `local_sgd.run_plan` and `engine.batched` call around each step. A class, not a closure: the algorithm
+    travels to `procs` workers by pickle, and clients' plans batch together when they share one objective.
+    """
+
+    def __init__(self, param_keys: Sequence[str], buffer_keys: Sequence[str], group_of: Mapping[str, int],
+                 var_keys: Container[str], *, alpha: str, tau: float, track: bool) -> None:  # fmt: skip
+        self.param_keys, self.buffer_keys, self.group_of = list(param_keys), list(buffer_keys), dict(group_of)
+        self.var_keys, self.alpha, self.tau, self.track = var_keys, alpha, tau, track
+
+    def coefficients(self, params: Tensors, consts: Tensors) -> torch.Tensor:
+        if self.alpha == "given":
+            return consts["alpha"]
+        a = torch.softmax(params[PSI], -1)
+        return sharpen(a, self.tau).detach() if self.alpha == "sharpened" else a
+
+    @staticmethod
+    def bases(params: Tensors, keys: Sequence[str], stats: bool) -> tuple[Tensors, Tensors | None]:
+        """(stacked bases, major basis or None) over `keys` from the plan's tensors."""
+        v, m = (STATS_V, STATS_M) if stats else (BASES_V, BASES_M)
+        major = {k: params[m + k] for k in keys} if keys and m + keys[0] in params else None
+        return {k: params[v + k] for k in keys}, major
+
+    def running(self, params: Tensors, consts: Tensors) -> Tensors:
+        """The batch's BatchNorm statistics: the bases' combined with α, detached."""
+        stacked, major = self.bases(params, self.buffer_keys, True)
+        return combine(stacked, self.coefficients(params, consts).detach(), self.group_of, major, self.buffer_keys)
+
+    def hand_back(self, params: Tensors, consts: Tensors, before: Tensors, after: Tensors) -> Tensors:
+        """The bases' new statistics (`vs.` / `ms.`) after the forward moved the combined ones; none without
+        `track`."""
+        if not self.track:
+            return {}
+        stacked, major = self.bases(params, self.buffer_keys, True)
+        new, new_major = tracked_statistics(stacked, major, self.coefficients(params, consts).detach(), before, after,
+                                            self.buffer_keys, self.group_of, self.var_keys)  # fmt: skip
+        return {STATS_V + k: v for k, v in new.items()} | {STATS_M + k: v for k, v in (new_major or {}).items()}
+
+    def __call__(
+        self, model: nn.Module, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        stacked, major = self.bases(params, self.param_keys, False)
+        theta = combine(stacked, self.coefficients(params, consts), self.group_of, major, self.param_keys)
+        logits = model_forward(model, theta, x)
+        return F.cross_entropy(logits, y) if w is None else batch_mean(F.cross_entropy(logits, y, reduction="none"), w)
 
 
 def detached(
@@ -258,7 +324,7 @@ def trainable_copies(
 
     Why copies: the bases come from a payload that other clients of the round (and the server state) share, and
     the optimizer updates its leaves in place. The statistics are plain copies, not leaves: they are never
-    trained, only tracked by `track_statistics`. `leaves` lists the parameters in the order of `param_keys`, first
+    trained, only tracked by `tracked_statistics`. `leaves` lists the parameters in the order of `param_keys`, first
     those of the stacked bases, then those of the major basis (if any) — the optimizer's parameter order.
     """
     named = set(param_keys)
@@ -297,7 +363,7 @@ def sgd_through_combination(
     (`buffer_keys`) are combined from `stacked`/`major` with α detached — statistics are not trained — into fresh
     copies, so the forward's in-place running-statistic update never reaches the bases, nor the template `model`
     (whose own tensors `functional_call` never reads or writes: one shared model serves every client). With
-    `track`, each batch's update of those copies is handed back to the bases by `track_statistics`; without it
+    `track`, each batch's update of those copies is handed back to the bases by `tracked_statistics`; without it
     the bases keep their statistics (a frozen V). Batches: `epochs` passes over the client's training indices,
     through `ClientData.batch` (the run's augmentation, drawn from `generator`).
     """
@@ -313,8 +379,14 @@ def sgd_through_combination(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if track:
-            track_statistics(stacked, major, a.detach(), before, running, buffer_keys, group_of, var_keys)
+        if track:  # in place: the caller's bases
+            new, new_major = tracked_statistics(stacked, major, a.detach(), before, running, buffer_keys, group_of,
+                                                var_keys)  # fmt: skip
+            with torch.no_grad():
+                for k in buffer_keys:
+                    stacked[k].copy_(new[k])
+                    if major is not None and new_major is not None:
+                        major[k].copy_(new_major[k])
 
 
 def kmeans_bases(

@@ -54,7 +54,13 @@ Interpretations (the paper leaves these open):
     basis update was made with. A client that never trained after the warm start gets the uniform combination.
   - The combined model is formed per mini-batch (App. A: "only needs to be generated per mini-batch") and run with
     `torch.func.functional_call` on the shared `ctx.model`: no model copy per client, and the template's own
-    parameters and buffers are never read or written (the call swaps in the combined tensors).
+    parameters are never read or written (the call swaps in the combined tensors); its BatchNorm buffers hold the
+    combined statistics during a client's update and are put back after it.
+  - Eq. 9 is a plan (`sgd_plan`): the ψ step and the V step are two phases over the bases (`v.`, `m.`, their
+    statistics `vs.`, `ms.`) and ψ, on `basis.CombinedObjective`, whose hooks combine the statistics before each
+    step and hand their update back after it; so `executor.batch_clients` trains a round's clients together, each
+    with its own copy of the bases. The joint update (`coordinate_descent: false`) runs client by client: ψ
+    without and V with weight decay in one step is not a plan's phase.
   - BatchNorm: affine γ, β are parameters and are combined like weights. Running mean/var are combined the same
     way (with α detached: they are statistics, not trained) into fresh tensors per batch, so a training forward
     updates only those copies. `bn_stats="track"` then hands each batch's update Δ of the combined statistic back
@@ -117,6 +123,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -127,6 +134,12 @@ from torch import nn
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.basis import (
+    BASES_M,
+    BASES_V,
+    PSI,
+    STATS_M,
+    STATS_V,
+    CombinedObjective,
     collapse_diagnostics,
     combine,
     detached,
@@ -137,9 +150,10 @@ from pflbed.algorithms.basis import (
     trainable_copies,
 )
 from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.sgd import SGD
-from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
+from pflbed.algorithms.training import finetune_epochs, get_params, weighted_mean
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 from pflbed.search import IntSearch, Search, Space
@@ -178,8 +192,6 @@ class FedBasis(Algorithm):
     Config = FedBasisOptions
     opts: FedBasisOptions
     client_entries = rf"{POOL}(\d+)\."
-    loop_only = ("a step forwards the combination of K + 1 basis models and hands the BatchNorm statistics it "
-                 "moves back to the bases; a plan's step forwards one model")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -201,6 +213,12 @@ class FedBasis(Algorithm):
         self.warmup_rounds = math.ceil(round(o.warmup_fraction * rounds, 9))
         self.pool_from = self._pool_start() if self.warmup_rounds > 0 else 0
         self._cache: tuple[Tensors, tuple[Tensors, Tensors | None] | None, dict[str, Tensors]] | None = None
+        self.named = named
+        track = o.bn_stats == "track"  # one objective per step kind: clients' plans batch together
+        self.softmax, self.sharpened, self.given = (
+            CombinedObjective(self.param_keys, self.buffer_keys, self.group_of, self.var_keys, alpha=a, tau=o.tau,
+                              track=track and a != "softmax")  # fmt: skip
+            for a in ("softmax", "sharpened", "given"))
 
     @property
     def alpha_lr(self) -> float:
@@ -292,26 +310,76 @@ class FedBasis(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        if not self.has_bases(payload):
-            return train_from(self.ctx.model, payload, data, self.ctx.cfg.train, cctx.generator), state
-        stacked, major = self.split(payload)
-        alpha_star, alpha_dag, stacked, major = self.local_round(stacked, major, data, cctx.generator)
+        plan = self.sgd_plan(payload, state, data)
+        if plan is not None:
+            return run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, cctx.generator)
+        alpha_star, alpha_dag, stacked, major = self.local_round(*self.split(payload), data, cctx.generator)
         return self.join(stacked, major), {"alpha": alpha_dag, "alpha_star": alpha_star}
 
     def local_round(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, Tensors, Tensors | None]:
-        """One client's Eq. 9 (or Eq. 7): (α*, α†, trained stacked bases, trained major basis)."""
-        o = self.opts
-        if o.coordinate_descent:
-            psi = self.alpha_step(stacked, major, data, generator)
-            alpha_star = torch.softmax(psi, -1)
-            alpha_dag = sharpen(alpha_star, o.tau)
-            stacked, major = self.basis_step(stacked, major, alpha_dag, data, generator)
-        else:
-            psi, stacked, major = self.joint_step(stacked, major, data, generator)
-            alpha_star = alpha_dag = torch.softmax(psi / o.tau, -1)
-        return alpha_star, alpha_dag, stacked, major
+        """One client's Eq. 9 (the plan) or Eq. 7 (client by client): (α*, α†, trained stacked bases, trained
+        major basis)."""
+        if self.opts.coordinate_descent:
+            plan = LocalSGDPlan(self.plan_tensors(stacked, major), self.phases, lambda t: (t, {}))
+            return self.round_result(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, generator)[0])
+        psi, stacked, major = self.joint_step(stacked, major, data, generator)
+        alpha = torch.softmax(psi / self.opts.tau, -1)
+        return alpha, alpha, stacked, major
+
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
+        """A warm-up round: FedAvg's epochs. After it, Eq. 9 as a plan over the bases (`basis.CombinedObjective`):
+        the ψ step from ψ = 0 (`alpha_epochs` at `alpha_lr`, no weight decay), then the V step on every basis with
+        α† = SHARPEN(softmax(ψ); τ) fixed (`basis_epochs` at `train.lr`); the reply is V, the state α†, α*. None
+        for the joint update (`coordinate_descent: false`): ψ without and V with weight decay in one step, which
+        a plan's phase (one weight decay) does not express — it runs client by client."""
+        t, o = self.ctx.cfg.train, self.opts
+        if not self.has_bases(payload):
+            every = tuple(self.ctx.model.block_names())
+            return LocalSGDPlan(payload, (Phase(every, t.local_epochs, t.lr),), partial(_unchanged, state))
+        if not o.coordinate_descent:
+            return None
+        return LocalSGDPlan(self.plan_tensors(*self.split(payload)), self.phases, self.finish)
+
+    @property
+    def phases(self) -> tuple[Phase, Phase]:
+        return self.psi_phase, self.basis_phase(self.sharpened)
+
+    @property
+    def psi_phase(self) -> Phase:
+        """Eq. 9 steps 1–2: `alpha_epochs` epochs of SGD on ψ (`train.momentum`, no weight decay), V frozen."""
+        return Phase((), self.opts.alpha_epochs, self.alpha_lr, extra=((PSI, self.alpha_lr),), weight_decay=0.0,
+                     objective=self.softmax)  # fmt: skip
+
+    def basis_phase(self, objective: CombinedObjective) -> Phase:
+        """Eq. 9 step 4: `basis_epochs` epochs of SGD on every basis and v' (`train.*`), α† fixed."""
+        lr = self.ctx.cfg.train.lr
+        return Phase((), self.opts.basis_epochs, lr, extra=((BASES_V, lr), (BASES_M, lr)), objective=objective)
+
+    def plan_tensors(self, stacked: Tensors, major: Tensors | None) -> Tensors:
+        """The bases as a plan's tensors (`basis.CombinedObjective`'s names), ψ = 0 (α uniform: Alg. 1 line 4)."""
+        out = {BASES_V + k: stacked[k] for k in self.param_keys} | {STATS_V + k: stacked[k] for k in self.buffer_keys}
+        if major is not None:
+            out |= {BASES_M + k: major[k] for k in self.param_keys} | {STATS_M + k: major[k] for k in self.buffer_keys}
+        return {**out, PSI: torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device)}
+
+    def plan_bases(self, tensors: Tensors) -> tuple[Tensors, Tensors | None]:
+        """(stacked bases, major basis or None) from a plan's tensors, in the model's key order."""
+        stacked = {k: tensors[(BASES_V if k in self.named else STATS_V) + k] for k in self.keys}
+        if BASES_M + self.param_keys[0] not in tensors:
+            return stacked, None
+        return stacked, {k: tensors[(BASES_M if k in self.named else STATS_M) + k] for k in self.keys}
+
+    def round_result(self, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, Tensors, Tensors | None]:
+        """(α* = softmax(ψ*), α† = SHARPEN(α*; τ), V*) from a plan's trained tensors."""
+        alpha_star = torch.softmax(tensors[PSI], -1)
+        return alpha_star, sharpen(alpha_star, self.opts.tau), *self.plan_bases(tensors)
+
+    def finish(self, tensors: Tensors) -> tuple[Tensors, Tensors]:
+        """Upload V*; keep α† and α*."""
+        alpha_star, alpha_dag, stacked, major = self.round_result(tensors)
+        return self.join(stacked, major), {"alpha": alpha_dag, "alpha_star": alpha_star}
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         """FedBasis rounds: V̄ = mean of the uploaded bases. Warm-up: FedAvg, and the k-means switch at its end."""
@@ -365,34 +433,17 @@ class FedBasis(Algorithm):
     def alpha_step(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
     ) -> torch.Tensor:
-        """Eq. 9 step 1–2: ψ from 0 (uniform α), `alpha_epochs` epochs of SGD on ψ with V frozen; returns ψ."""
-        t = self.ctx.cfg.train
-        psi = torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device, requires_grad=True)
-        frozen, frozen_major = detached(stacked, major)
-        opt = SGD([psi], lr=self.alpha_lr, momentum=t.momentum)
-
-        def params() -> Tensors:
-            return combine(frozen, torch.softmax(psi, -1), self.group_of, frozen_major, self.param_keys)
-
-        self._run(params, frozen, frozen_major, lambda: torch.softmax(psi, -1), opt, data, self.opts.alpha_epochs,
-                  gen, track=False)  # fmt: skip
-        return psi.detach()
+        """Eq. 9 steps 1–2 alone (the plan's first phase): ψ after `alpha_epochs` epochs from 0, V frozen."""
+        plan = LocalSGDPlan(self.plan_tensors(stacked, major), (self.psi_phase,), lambda t: (t, {}))
+        return run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, gen)[0][PSI]
 
     def basis_step(
         self, stacked: Tensors, major: Tensors | None, alpha: torch.Tensor, data: ClientData, gen: torch.Generator
     ) -> tuple[Tensors, Tensors | None]:
-        """Eq. 9 step 4: `basis_epochs` epochs of SGD on every basis (and v') with α = α† frozen."""
-        t = self.ctx.cfg.train
-        alpha = alpha.detach()
-        stacked, major, leaves = trainable_copies(stacked, major, self.param_keys)
-        opt = SGD(leaves, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-
-        def params() -> Tensors:
-            return combine(stacked, alpha, self.group_of, major, self.param_keys)
-
-        self._run(params, stacked, major, lambda: alpha, opt, data, self.opts.basis_epochs, gen,
-                  track=self.opts.bn_stats == "track")  # fmt: skip
-        return detached(stacked, major)
+        """Eq. 9 step 4 alone (the plan's second phase, with this α† as a constant): the trained bases."""
+        plan = LocalSGDPlan(self.plan_tensors(stacked, major), (self.basis_phase(self.given),),
+                            lambda t: (t, {}), consts={"alpha": alpha.detach()})  # fmt: skip
+        return self.plan_bases(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, gen)[0])
 
     def joint_step(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
@@ -498,3 +549,8 @@ class FedBasis(Algorithm):
         order, labels, table = mixing_table(alphas, domain, self.opts.K, self.opts.major, len(self.groups),
                                             self.ctx.device)  # fmt: skip
         return write_mixing_weights(order, [domain[c] for c in order], self.groups, labels, table, out_dir)
+
+
+def _unchanged(state: Tensors, params: Tensors) -> tuple[Tensors, Tensors]:
+    """A warm-up round's (reply, state): the trained model, the state as it was."""
+    return params, state

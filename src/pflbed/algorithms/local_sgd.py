@@ -76,7 +76,13 @@ class Phase:
 
 
 class Objective(Protocol):
-    """A batch's loss (a scalar) for the current tensors; see the module docstring."""
+    """A batch's loss (a scalar) for the current tensors; see the module docstring.
+
+    An objective whose model's BatchNorm statistics are not plan tensors of their own but derived from them
+    (FedBasis: combined from the bases') also has `running(params, consts)` — the statistics the batch's forward
+    starts from (the model's state keys) — and `hand_back(params, consts, before, after)` — the plan tensors the
+    forward's move of them from `before` to `after` updates (new values, never trained). Both are called around
+    every step, in the loop and in a batched step alike."""
 
     def __call__(
         self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
@@ -189,21 +195,36 @@ def _objective_phase(
     trained = set(keys)
     others = [p for k, p in named.items() if k not in trained]
     before = [p.requires_grad for p in others]
+    hooks = hasattr(loss, "running")
+    buffers = dict(model.named_buffers())
+    kept = {k: v.clone() for k, v in buffers.items()} if hooks else {}  # the shared model's, put back after
     try:
         for p in others:
             p.requires_grad_(False)
         model.train()
         for b in ph.batches(data.train, train.batch_size, generator):
             x, y = data.batch(b, generator)
+            if hooks:
+                with torch.no_grad():
+                    start = loss.running(params, consts)  # type: ignore[union-attr]
+                    for k, v in start.items():
+                        buffers[k].copy_(v)
             opt.zero_grad(set_to_none=True)
             objective(x, y).backward()
             opt.step()
             with torch.no_grad():  # `where`, not `p[m] = …`: boolean indexing syncs with a GPU every step
                 for k, m in held.items():
                     named[k].copy_(torch.where(m, anchors[k], named[k]))
+                if hooks:
+                    moved = {k: buffers[k].clone() for k in start}
+                    for k, v in loss.hand_back(params, consts, start, moved).items():  # type: ignore[union-attr]
+                        extra[k].copy_(v)
     finally:
         for p, rg in zip(others, before, strict=True):
             p.requires_grad_(rg)
+        with torch.no_grad():
+            for k, v in kept.items():
+                buffers[k].copy_(v)
 
 
 class RegularizedObjective:

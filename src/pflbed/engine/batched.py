@@ -140,17 +140,23 @@ def _phase(
     pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
     model.train()
 
+    hooks = hasattr(objective, "running")  # statistics derived from the plan's tensors (`local_sgd.Objective`)
+
     def loss(
         p: Tensors, q: Tensors, b: Tensors, cst: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
         m: list[torch.Tensor],
     ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
+        tensors = {**p, **q}
+        if hooks:
+            b = objective.running(tensors, cst)  # type: ignore[union-attr]
         layers.enter(b, w > 0, m)
         if objective is None:
-            out = functional_call(model, {k: v for k, v in {**p, **q}.items() if k in model_keys}, (x,))
+            out = functional_call(model, {k: v for k, v in tensors.items() if k in model_keys}, (x,))
             value = (F.cross_entropy(out, y, reduction="none") * w).sum()
         else:
-            value = objective(model, {**p, **q}, cst, x, y, w)
-        return value, layers.leave()
+            value = objective(model, tensors, cst, x, y, w)
+        moved = layers.leave()
+        return value, objective.hand_back(tensors, cst, b, moved) if hooks else moved  # type: ignore[union-attr]
 
     grads_of = vmap(grad(loss, has_aux=True))
     for s, live in enumerate(active):
@@ -170,7 +176,7 @@ def _phase(
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         with layers.patched():
             g, moved = grads_of(p, q, b, cst, x, y, w, masks)
-        for k in stats:
+        for k in (k for k in moved if k in params):  # the statistics each client's forward moved
             if whole:
                 params[k] = moved[k]
             else:
