@@ -8,7 +8,8 @@
    FedRoD, FedSelect and FedBasis, 100 clients × 500 training samples all participating, 1 local epoch, batch 32,
    McMahan's CNN and ResNet-18 — seconds per round for `loop`, batched clients and `procs` (k workers on the one
    GPU); the centralized limit (plain SGD of the same model and batch on the device, samples/s) and each round's
-   share of it; GPU utilisation (sampled) and peak memory.
+   share of it; GPU utilisation (sampled) and peak memory. The same at 3×64×64 with the ImageNet-style ResNet-18
+   (`paper64`: FedAvg, FedRoD, FedSelect, FedBasis).
 3. pfl-research's benchmark shape: 1,000 users × 50 images, cohort 50, batch 10, 1 local epoch, a 2-conv CNN.
 
 Rounds are timed one by one with the device synchronized at both ends; the first round of each case is a warm-up
@@ -54,6 +55,7 @@ ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
 # FedBasis replaces train.local_epochs by its ψ and V steps' own epochs (5 each by default): one each here, so its
 # round passes over the client's data twice (once per step) where the others pass once.
 ONE_EPOCH = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1}}
+SIZE = {"paper": 32, "paper64": 64, "pflr": 32}  # image side of each shape
 
 
 def sync(device: torch.device) -> None:
@@ -98,18 +100,21 @@ class Sampler:
 
 
 def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, shape: str) -> dict:
-    """The measured experiment: `shape` = "paper" (the seeds' 100 × 500) or "pflr" (pfl-research's 1,000 × 50)."""
-    clients, per_client, fraction, batch = (100, 500, 1.0, 32) if shape == "paper" else (1000, 50, 0.05, 10)
+    """The measured experiment: `shape` = "paper" (the seeds' 100 × 500), "paper64" (the same at 64 px) or "pflr"
+    (pfl-research's 1,000 × 50)."""
+    clients, per_client, fraction, batch = (1000, 50, 0.05, 10) if shape == "pflr" else (100, 500, 1.0, 32)
     if a.quick:
         clients, per_client = max(4, clients // 25), max(10, per_client // 25)
     # val 10 % and test 10 % of each client's samples: per_client / 0.8 samples each, per_client of them to train
     n_train = int(clients * per_client / 0.8)
     return validate_config({
-        "dataset": {"name": "synthetic", "synthetic": {"shape": [3, 32, 32], "n_train": n_train, "n_test": 1000}},
+        "dataset": {"name": "synthetic", "synthetic": {"shape": [3, SIZE[shape], SIZE[shape]], "n_train": n_train,
+                                                       "n_test": 1000}},
         "model": {"name": model},
         "federation": {"clients": clients, "partition": "iid", "sample_fraction": fraction, "val_fraction": 0.1,
                        "test_fraction": 0.1},
-        "train": {"rounds": a.rounds if model == a.models[0] else a.big_rounds, "batch_size": batch, "lr": 0.01,
+        "train": {"rounds": a.rounds if model == a.models[0] and shape != "paper64" else a.big_rounds,
+                  "batch_size": batch, "lr": 0.01,
                   "checkpoint_every": 0},
         "eval": {"every": 10**6, "finetune": []},
         "executor": {"device": a.device, "threads": 1, **executor},
@@ -161,11 +166,12 @@ def time_rounds(cfg, pool: WorkerPool | None) -> dict:
     return out
 
 
-def centralized(model: str, batch: int, device: torch.device, steps: int) -> float:
-    """Plain SGD steps of `model` at `batch` on `device`, data resident there: the most one device trains."""
+def centralized(model: str, batch: int, device: torch.device, steps: int, size: int = 32) -> float:
+    """Plain SGD steps of `model` at `batch` on `device` (size × size images), data resident there: the most one
+    device trains."""
     torch.manual_seed(0)
-    net = build_model(model, (3, 32, 32), 10, device)
-    x = torch.randn(batch, 3, 32, 32, device=device)
+    net = build_model(model, (3, size, size), 10, device)
+    x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     net.train()
@@ -221,23 +227,22 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: FedAvg's CNN first, then pfl-research's shape, the
-    other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics where the
-    algorithm's update is a plan — FedAvg, FedRoD; the others run the loop, so only loop and procs are timed for
-    them)."""
+    other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics; every
+    algorithm here declares a plan), then the ImageNet-style ResNet-18 at 64 px."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
-    if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNet once each
+    if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNets once each
         return [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, "batched")] + \
-            [("paper", alg, cnn, "loop") for alg in ALGORITHMS[1:]] + [("paper", "fedavg", resnet, "procs"),
-                                                                        ("paper", "fedavg", resnet, "batched")]
+            [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in ("loop", "batched")] + \
+            [("paper", "fedavg", resnet, "procs"), ("paper", "fedavg", resnet, "batched"),
+             ("paper64", "fedbasis", a.imagenet_model, "batched")]  # fmt: skip
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-bf16", "batched-bf16")]
-    out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in ("loop", "procs")]
-    for alg in ("fedavg", "fedrod"):
-        out.insert(out.index(("paper", alg, resnet, "procs")) + 1, ("paper", alg, resnet, "batched"))
+    out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in execs]
     out += [("paper", "fedavg", resnet, "loop-bf16")]
+    out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     return out
 
 
@@ -249,8 +254,8 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out = []
     for text in a.cases:
         parts = tuple(text.split("/"))
-        if len(parts) != 4 or parts[0] not in ("paper", "pflr") or parts[1] not in ALGORITHMS \
-                or parts[2] not in a.models or parts[3] not in (*EXECUTORS, "procs"):
+        if len(parts) != 4 or parts[0] not in SIZE or parts[1] not in ALGORITHMS \
+                or parts[2] not in (*a.models, a.imagenet_model) or parts[3] not in (*EXECUTORS, "procs"):
             raise SystemExit(f"--cases: {text!r} is not shape/algorithm/model/executor, e.g. paper/fedavg/cnn/loop")
         out.append(parts)
     return out
@@ -287,6 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--big-rounds", type=int, default=2, help="rounds per ResNet case (one timed after the warm-up)")
     ap.add_argument("--workers", type=int, default=4, help="procs: worker processes sharing the device")
     ap.add_argument("--models", nargs=2, default=["cnn", "resnet18"], metavar=("CNN", "RESNET"))
+    ap.add_argument("--imagenet-model", default="resnet18_imagenet", help="the paper64 cases' model")
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed"])
@@ -318,6 +324,8 @@ def main() -> None:
     if "speed" not in a.skip:
         steps = 20 if a.quick else 200
         result["centralized"] = {m: {b: centralized(m, b, device, steps) for b in (32, 10)} for m in a.models}
+        if any(c[0] == "paper64" for c in chosen_cases(a)):
+            result["centralized"]["paper64"] = {32: centralized(a.imagenet_model, 32, device, steps, 64)}
         with WorkerPool(a.workers, threads=1) as pool:
             for shape, alg, model, ex in chosen_cases(a):
                 if time.perf_counter() - t_start > a.budget_s:
@@ -331,7 +339,8 @@ def main() -> None:
                 m.update(shape=shape, algorithm=alg, model=model, executor=ex)
                 batch = 32 if shape == "paper" else 10
                 if "samples_per_s" in m:
-                    m["of_centralized"] = m["samples_per_s"] / result["centralized"][model][batch]
+                    limit = result["centralized"]["paper64" if shape == "paper64" else model][batch]
+                    m["of_centralized"] = m["samples_per_s"] / limit
                 result["speed"].append(m)
                 write(result, a.out)
                 print(line(m), flush=True)
@@ -347,7 +356,7 @@ def main() -> None:
 
 
 def line(m: dict) -> str:
-    head = f"{m['shape']:5s} {m['algorithm']:9s} {m['model']:14s} {m['executor']:12s}"
+    head = f"{m['shape']:7s} {m['algorithm']:9s} {m['model']:17s} {m['executor']:12s}"
     if "error" in m:
         return f"{head} ERROR {m['error']}"
     util = f"{m['util_pct']:5.0f}" if m.get("util_pct") is not None else "    -"
@@ -372,9 +381,10 @@ def write(result: dict, out: Path) -> None:
         rows += ["", "centralized limit (plain SGD, data on the device), samples/s: "
                  + ", ".join(f"{m} batch {b}: {v:.0f}" for m, d in c.items() for b, v in d.items())]  # fmt: skip
     if result.get("speed"):
-        rows += ["", "paper: 100 clients × 500 samples, all per round, batch 32; pflr: 1,000 users × 50, cohort 50, "
-                 "batch 10; 1 local epoch; s/round = median of the timed rounds (first round: warm-up, apart)",
-                 f"{'shape':5s} {'algorithm':9s} {'model':14s} {'exec':12s} {'s/round':>9s} {'warm-up':>8s} "
+        rows += ["", "paper: 100 clients × 500 samples, all per round, batch 32 (paper64: at 64 px, the "
+                 "centralized limit paper64's); pflr: 1,000 users × 50, cohort 50, batch 10; 1 local epoch; "
+                 "s/round = median of the timed rounds (first round: warm-up, apart)",
+                 f"{'shape':7s} {'algorithm':9s} {'model':17s} {'exec':12s} {'s/round':>9s} {'warm-up':>8s} "
                  f"{'samples/s':>11s} {'÷cent.':>6s} {'batched':>7s} {'util%':>5s} {'peak MB':>8s}"]  # fmt: skip
         rows += [line(m) for m in result["speed"]]
         loops = {(m["shape"], m["algorithm"], m["model"]): m for m in result["speed"] if m["executor"] == "loop"
