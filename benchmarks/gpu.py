@@ -337,7 +337,7 @@ def main() -> None:
                 except Exception as e:  # a failed case is a result too; the next ones still run
                     m = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
                 m.update(shape=shape, algorithm=alg, model=model, executor=ex)
-                batch = 32 if shape == "paper" else 10
+                batch = 10 if shape == "pflr" else 32
                 if "samples_per_s" in m:
                     limit = result["centralized"]["paper64" if shape == "paper64" else model][batch]
                     m["of_centralized"] = m["samples_per_s"] / limit
