@@ -99,6 +99,41 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
     assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
 
 
+def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monkeypatch):
+    """A round whose clients do not fit in the GPU's memory together is retried at once with half as many at a
+    time (again, until they fit), and that size is kept for the rounds after; the results are the all-at-once
+    ones within TOL (each client's own generators). `executor.batch_max_clients` sets the size outright, and an
+    out-of-memory error under it is the user's to see."""
+    torch.set_num_threads(1)
+    train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
+    whole = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
+    calls = []
+
+    def small_gpu(*a):
+        calls.append(len(a[1]))
+        if len(a[1]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return train_together(*a)
+
+    monkeypatch.setattr(batched, "train_together", small_gpu)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    halves = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
+    n = len(whole.executor.states)
+    assert n > 4 and calls[0] == n and calls[1] == (n + 1) // 2  # tried whole, then halved until it fitted
+    first_fit = next(i for i, k in enumerate(calls) if k <= 2)
+    assert all(k <= 2 for k in calls[first_fit:]) and halves.executor.most == 2  # kept for round 2
+    assert sum(calls[first_fit:]) == 2 * n  # every client trained once per round
+    assert _max_diff(whole.server, halves.server) <= TOL
+    assert all(_max_diff(whole.executor.states[c], halves.executor.states[c]) <= TOL for c in whole.executor.states)
+
+    calls.clear()
+    cfg = validate_config({**_cfg("fedper", True, 1, **train).model_dump(), "executor": {
+        "threads": 1, "batch_clients": True, "batch_max_clients": 3}})  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError):
+        run(cfg, write=False, progress=False)
+    assert calls == [3]
+
+
 def test_every_algorithm_is_batched_or_says_why_not():
     """An algorithm declares its update as a plan (`sgd_plan`) or the reason it cannot (`loop_only`, listed in the
     docs), never both, never neither."""
@@ -392,3 +427,6 @@ def test_batch_clients_is_on_by_default_only_on_a_gpu_and_only_in_the_loop():
     assert type(ex) is LoopExecutor  # CPU: off unless asked for
     with pytest.raises(ConfigError, match="executor: batch_clients applies to executor.name=loop"):
         validate_config({"executor": {"name": "procs", "batch_clients": True}})
+    for executor in ({"batch_clients": False}, {"name": "procs"}):
+        with pytest.raises(ConfigError, match="batch_max_clients applies to batched clients"):
+            validate_config({"executor": {**executor, "batch_max_clients": 4}})

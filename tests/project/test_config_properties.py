@@ -146,6 +146,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),
     "executor.batch_clients": st.one_of(st.none(), st.booleans()),
+    "executor.batch_max_clients": st.one_of(st.none(), st.integers(1, 1000)),
     "executor.threads": st.one_of(st.none(), st.integers(min_value=0, max_value=max_threads() + 1)),
     "executor.device": st.sampled_from(["cpu", "auto"]),  # cuda: tests/engine/test_device.py (refused without a GPU)
     # flower: tests/flower/test_flower.py

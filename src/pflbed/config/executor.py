@@ -48,9 +48,13 @@ class ExecutorConfig(Strict):
     )
 
     batch_clients: bool | None = Field(
-        None, description="executor.name=loop: train a round's plain-SGD clients (FedAvg, FedPer, FedRep, LG-FedAvg, "
-        "FedBABU on models without BatchNorm or dropout) together as one batched computation (engine.batched; equal "
-        "to one by one up to float rounding); unset: on when executor.device is a GPU, off on CPU, where it is slower"
+        None, description="executor.name=loop: train a round's clients together as one batched computation where "
+        "the algorithm's update is a plan of local SGD (engine.batched; the algorithms index says which; equal to one "
+        "by one up to float rounding); unset: on when executor.device is a GPU, off on CPU, where it is slower"
+    )
+    batch_max_clients: int | None = Field(
+        None, ge=1, description="batched clients: at most this many in one batched computation; unset: all of a "
+        "round's, and on a GPU half as many whenever they do not fit in its memory (kept for the rounds after)"
     )
     device: str = Field(
         "cpu", description="where the data, the models and every tensor of the run live: cpu, cuda (the current "
@@ -72,6 +76,9 @@ class ExecutorConfig(Strict):
         if self.batch_clients and self.name not in ("loop", "auto"):
             raise ValueError("batch_clients applies to executor.name=loop or auto (batched clients run in the loop "
                              "executor)")  # fmt: skip
+        if self.batch_max_clients is not None and (self.batch_clients is False or self.name not in ("loop", "auto")):
+            raise ValueError("batch_max_clients applies to batched clients (executor.batch_clients, "
+                             "executor.name=loop)")  # fmt: skip
         for key in ("supernodes", "round_timeout", "state_dir"):
             if getattr(self, key) is not None and self.name != "flower":
                 raise ValueError(f"{key} applies to executor.name=flower")

@@ -29,6 +29,7 @@ default only when the run's device is a GPU.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,23 @@ def batchable_model(model: nn.Module) -> bool:
 
 
 class BatchedExecutor(LoopExecutor):
-    """`LoopExecutor` whose rounds train plain-SGD clients of one plan shape together; the rest one by one."""
+    """`LoopExecutor` whose rounds train plain-SGD clients of one plan shape together; the rest one by one.
+
+    `most`: the most clients trained in one batched computation (`executor.batch_max_clients`; unset: all of a
+    round's, until a GPU runs out of memory on them — then half as many, retried at once and kept). Each client's
+    result does not depend on which others it was batched with (its own generators, its own tensors)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.most: int | None = self.algo.ctx.cfg.executor.batch_max_clients
+
+    def train(self, rnd: int, plans: list[LocalSGDPlan], cids: list[int]) -> list[Tensors]:
+        """`train_together` on these clients' plans, each with its own batch generator and dropout stream."""
+        algo, ctx = self.algo, self.algo.ctx
+        gens = [client_generator(ctx.seed, rnd, c) for c in cids]
+        noise = [rng.global_stream(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
+        with precision(algo):
+            return train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise)
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
@@ -67,17 +84,23 @@ class BatchedExecutor(LoopExecutor):
                     shape = (plan.phases, plan.objective, tuple(plan.start), tuple(plan.consts))  # one vmapped step
                     groups.setdefault(shape, []).append(c)
         done: dict[int, tuple[Tensors, Tensors]] = {}
-        for cids in groups.values():
-            if len(cids) > 1:
-                gens = [client_generator(ctx.seed, rnd, c) for c in cids]
-                noise = [rng.global_stream(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
-                with precision(algo):
-                    trained = train_together(ctx.model, [plans[c] for c in cids], [ctx.client_data(c) for c in cids],
-                                             ctx.cfg.train, gens, noise)  # fmt: skip
-                for c, p in zip(cids, trained, strict=True):
+        for cids in (cids for cids in groups.values() if len(cids) > 1):
+            start = 0
+            while start < len(cids):
+                part = cids[start : start + (self.most or len(cids))]
+                try:
+                    trained = self.train(rnd, [plans[c] for c in part], part)
+                except torch.OutOfMemoryError:  # on a GPU: half as many at a time, from now on
+                    if len(part) == 1 or ctx.cfg.executor.batch_max_clients is not None:
+                        raise
+                    self.most = (len(part) + 1) // 2
+                    torch.cuda.empty_cache()
+                    continue
+                for c, p in zip(part, trained, strict=True):
                     reply, new_state = plans[c].finish(p)
                     done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
+                start += len(part)
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
             out = done.pop(c) if c in done else update_client(algo, rnd, c, received[c], self.state(c))
             yield c, self.keep(rnd, c, *out)
