@@ -32,10 +32,8 @@ LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 3}
 
 
 def _cfg(name, batch_clients, rounds=2, **train):
-    """A tiny run of `name`; one model for all clients where the algorithm has a plan (Local's is for that)."""
-    planned = ALGORITHMS[name].sgd_plan is not Algorithm.sgd_plan
-    options = {k: v for k, v in LIGHT.items()
-               if k in ALGORITHMS[name].Config.model_fields and not (planned and k == "architectures")}  # fmt: skip
+    """A tiny run of `name` (heterogeneous: half the clients the run's model, batched; half another, one by one)."""
+    options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
     return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], "rounds": rounds, **train},
                             "algorithm": {"name": name, **options},
                             "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip

@@ -11,6 +11,8 @@ anything but their own architecture's global model.
 Round r (one engine round; only tensors cross the boundary):
   1. configure: each sampled client n receives the global model of its architecture a(n).
   2. client: local CE training from it (`train.*`: E = `train.local_epochs` epochs of SGD); reply = its parameters.
+     A plan (`plan`), so `executor.batch_clients` trains a round's clients of the run's model (`model.name`)
+     together; clients of the other architectures train one by one.
   3. aggregate, per architecture a with at least one reply: x̂_a = Σ_{n: a(n)=a} (|D_n| / Σ|D|)·w_n (FedAvg; integer
      buffers take the maximum, as in `weighted_mean`).
   4. aggregate, ensemble distillation: on the public batch ξ_r the teacher logits are the *uniform* average of the
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -78,13 +81,13 @@ from pflbed import rng
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.ktpfl import DEFAULT_ARCHITECTURES
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
     get_params,
     index_batches,
     load_params,
-    train_from,
     weighted_mean,
 )
 from pflbed.errors import ConfigError
@@ -171,8 +174,6 @@ def ensemble_distill(
 
 class FedDF(Algorithm):
     name = "feddf"
-    loop_only = ("its clients hold models of several architectures (`architectures`), where the batched step stacks "
-                 "clients of one model (not yet declared for `homogeneous: true` either)")
     dp_refused = (
         "the server distils from each client's model one by one on public data (an ensemble of "
         "individual models), not from their mean"
@@ -237,7 +238,19 @@ class FedDF(Algorithm):
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
         model = self.models[self.arch_of(data.cid)]
-        return train_from(model, payload, data, self.ctx.cfg.train, cctx.generator), state
+        return run_plan(model, self.plan(model, payload, state), data, self.ctx.cfg.train, cctx.generator)
+
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
+        """The client's plan where its architecture is the run's model (`executor.batch_clients` stacks clients of
+        that one model); None for a client of another architecture, which trains client by client."""
+        model = self.models[self.arch_of(data.cid)]
+        return self.plan(model, payload, state) if model is self.ctx.model else None
+
+    def plan(self, model: BlockNet, payload: Tensors, state: Tensors) -> LocalSGDPlan:
+        """Local training: FedAvg's epochs on the client's architecture from its global model; the reply."""
+        t = self.ctx.cfg.train
+        return LocalSGDPlan(payload, (Phase(tuple(model.block_names()), t.local_epochs, t.lr),),
+                            partial(_reply_only, state))  # fmt: skip
 
     def fuse(self, replies: dict[int, Tensors], weights: dict[int, float]) -> dict[str, Tensors]:
         """Step 3: FedAvg (|D_n|-weighted) within each architecture that replied."""
@@ -312,3 +325,8 @@ class FedDF(Algorithm):
             return {}
         return {"distill_kl_start": round(float(server["kl_start"]), 6),
                 "distill_kl_end": round(float(server["kl_end"]), 6)}  # fmt: skip
+
+
+def _reply_only(state: Tensors, trained: Tensors) -> tuple[Tensors, Tensors]:
+    """The trained model replied, the client's state as it was."""
+    return trained, state

@@ -10,18 +10,21 @@ Options (`algorithm.<key>`):
     random initialization, seeded as theirs. It is the no-transfer control of the knowledge-transfer family: on the
     same config a KT-pFL / FedMD client starts from the same weights and runs the same local training, so the
     difference to Local is what the transfer adds. New clients then train their architecture from scratch.
+
+The update is a plan (`plan`), so `executor.batch_clients` trains a round's clients of the run's model together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
-from pflbed.algorithms.training import architecture_of, finetune_epochs, fresh_client_params, train_from
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
+from pflbed.algorithms.training import architecture_of, finetune_epochs, fresh_client_params
 from pflbed.models import BlockNet, ModelNames
 
 
@@ -63,19 +66,20 @@ class LocalOnly(Algorithm):
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
-        if self.archs is None:
-            return super().client_update(payload, state, data, cctx)
         model = self.models[self.arch_of(data.cid)]
-        params = train_from(model, self._params(state), data, self.ctx.cfg.train, cctx.generator)
-        return {}, {"cid": state["cid"], **params}
+        return run_plan(model, self.plan(model, state), data, self.ctx.cfg.train, cctx.generator)
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
-        """Every block for `train.local_epochs` epochs from the client's own model, nothing replied; None for a
-        heterogeneous federation (the engine batches clients of the run's one model)."""
-        if self.archs is not None:
-            return None
+        """The client's plan where its architecture is the run's model (`executor.batch_clients` stacks clients of
+        that one model); None for a client of another architecture, which trains client by client."""
+        model = self.models[self.arch_of(data.cid)]
+        return self.plan(model, state) if model is self.ctx.model else None
+
+    def plan(self, model: BlockNet, state: Tensors) -> LocalSGDPlan:
+        """Every block for `train.local_epochs` epochs from the client's own model; nothing replied."""
         t = self.ctx.cfg.train
-        return LocalSGDPlan(state, (Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr),), _keep)
+        every = (Phase(tuple(model.block_names()), t.local_epochs, t.lr),)
+        return LocalSGDPlan(self._params(state), every, partial(_keep, state.get("cid")))
 
     @staticmethod
     def _params(state: Tensors) -> Tensors:
@@ -100,6 +104,6 @@ class LocalOnly(Algorithm):
         return None
 
 
-def _keep(params: Tensors) -> tuple[Tensors, Tensors]:
-    """Nothing replied; the trained model kept."""
-    return {}, params
+def _keep(cid: torch.Tensor | None, params: Tensors) -> tuple[Tensors, Tensors]:
+    """Nothing replied; the trained model kept (with the client's id in a heterogeneous federation)."""
+    return {}, params if cid is None else {"cid": cid, **params}

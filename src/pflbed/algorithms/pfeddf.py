@@ -16,6 +16,8 @@ Everything of FedDF is unchanged (training, fusion, server distillation, options
     the locally trained model) and fine-tune it for `finetune_epochs`; (3) keep the result as personal state.
     Both phases draw their mini-batch order from the client's (seed, round, id) generator, (2) continuing where
     (1) stopped. The reply is exactly FedDF's, so the global models of FedDF and pFedDF are identical.
+  - Both trainings are one plan (`plan`: the fine-tuning a second model of it, `local_sgd.Phase.model`), so
+    `executor.batch_clients` trains a round's clients of the run's model together.
   - Personal model: the client's stored fine-tuned model; a client never sampled yet falls back to its
     architecture's current global model.
 
@@ -36,11 +38,17 @@ Communication: identical to FedDF (the personal model never leaves the client).
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from pydantic import Field
 
-from pflbed.algorithms.base import ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import Predictor, Tensors
 from pflbed.algorithms.feddf import FedDF, FedDFOptions
-from pflbed.algorithms.training import get_params, load_params, local_sgd
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+from pflbed.models import BlockNet
+
+PERSONAL = "p/"  # the fine-tuned model's tensors, in the plan and the client's state
 
 
 class PFedDFOptions(FedDFOptions):
@@ -55,23 +63,24 @@ class PFedDF(FedDF):
     name = "pfeddf"
     Config = PFedDFOptions
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        """FedDF's reply first, then fine-tune the *received* global model into the personal state."""
-        reply, _ = super().client_update(payload, state, data, cctx)
+    def plan(self, model: BlockNet, payload: Tensors, state: Tensors) -> LocalSGDPlan:
+        """FedDF's phase (the reply), then `finetune_epochs` from the *received* global model again — a second
+        model of the plan (`p/`) — into the personal state."""
         t = self.ctx.cfg.train
-        model = self.models[self.arch_of(data.cid)]
-        load_params(model, payload)
         epochs = self.opts.finetune_epochs or t.local_epochs
-        local_sgd(model, data, epochs=epochs, batch_size=t.batch_size, lr=t.lr,
-                  momentum=t.momentum, weight_decay=t.weight_decay, generator=cctx.generator)  # fmt: skip
-        new_state = {"cid": state["cid"], **{f"p/{k}": v for k, v in get_params(model).items()}}
-        return reply, new_state
+        every = tuple(model.block_names())
+        phases = (Phase(every, t.local_epochs, t.lr), Phase(every, epochs, t.lr, model=PERSONAL))
+        start = {**payload, **{PERSONAL + k: v for k, v in payload.items()}}
+        return LocalSGDPlan(start, phases, partial(_split, list(payload), state["cid"]))
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         """The stored fine-tuned model; the architecture's global model for a client never sampled."""
-        personal = {k[2:]: v for k, v in state.items() if k.startswith("p/")}
+        personal = {k[len(PERSONAL) :]: v for k, v in state.items() if k.startswith(PERSONAL)}
         if not personal:
             return super().personal_model(server, state)
         return Predictor(self.models[self.arch_of(int(state["cid"]))], personal)
+
+
+def _split(keys: list[str], cid: torch.Tensor, trained: Tensors) -> tuple[Tensors, Tensors]:
+    """(FedDF's reply, the personal state) from the plan's two models."""
+    return {k: trained[k] for k in keys}, {"cid": cid, **{k: trained[k] for k in trained if k.startswith(PERSONAL)}}
