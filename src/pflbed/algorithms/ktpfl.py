@@ -217,8 +217,8 @@ class KTpFLOptions(TransferOptions):
 
 class KTpFL(Algorithm):
     name = "ktpfl"
-    loop_only = ("clients hold models of several architectures (`architectures`), and each distils toward its "
-                 "soft targets on the public batch after its local epochs")
+    loop_only = ("after its local epochs each client distils toward its own soft targets on the public batch: a "
+                 "phase on other data than the client's, where a plan's phases draw the client's training batches")
     dp_refused = (
         "replies are soft predictions on public data, not a parameter update, and the server weighs each "
         "client's own"
