@@ -11,6 +11,9 @@
    share of it; GPU utilisation (sampled) and peak memory. The same at 3×64×64 with the ImageNet-style ResNet-18
    (`paper64`: FedAvg, FedRoD, FedSelect, FedBasis).
 3. pfl-research's benchmark shape: 1,000 users × 50 images, cohort 50, batch 10, 1 local epoch, a 2-conv CNN.
+4. A profile of one batched FedAvg CNN round (paper shape, after a warm-up round): the operators that take the
+   device's time and the host's, and how often the host waits on the device (`profile.txt`) — what stands between
+   the round and the device's limit.
 
 Rounds are timed one by one with the device synchronized at both ends; the first round of each case is a warm-up
 (CUDA context, cuDNN heuristics, allocator) and reported apart. Cases run in priority order, each written to the
@@ -192,6 +195,40 @@ def centralized(model: str, batch: int, device: torch.device, steps: int, size: 
     return batch * steps / (time.perf_counter() - t0)
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+               "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense", "aten::nonzero")  # host waits
+
+
+def profile_round(a: argparse.Namespace, out: Path) -> dict:
+    """One batched FedAvg round of the CNN (paper shape) under `torch.profiler`, after a warm-up round: the top
+    operators by device time and by host time, and the count of each host–device synchronization, written to
+    `profile.txt`; returns the round's seconds and the synchronization counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = config("fedavg", a.models[0], EXECUTORS["batched"], a, "paper")
+    algo = prepare(cfg)
+    device = algo.ctx.device
+    executor, _ = make_executor(algo, None)
+    driver = Driver(algo, executor)
+    server, _ = driver.train_round(1, algo.init_server())
+    sync(device)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        driver.train_round(2, server)
+        sync(device)
+    seconds = time.perf_counter() - t0
+    table = prof.key_averages()
+    syncs = {e.key: e.count for e in table if e.key in SYNC_EVENTS}
+    by_device = table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    by_host = table.table(sort_by="self_cpu_time_total", row_limit=30)
+    (out / "profile.txt").write_text(
+        f"one batched FedAvg round, {a.models[0]}, paper shape, {device} ({seconds:.3f} s under the profiler)\n"
+        f"host waits on the device (calls): {syncs}\n\nby device time:\n{by_device}\n\nby host time:\n{by_host}\n")
+    return {"seconds": seconds, "syncs": syncs}
+
+
 def run_tests(a: argparse.Namespace, out: Path) -> dict:
     """tests/engine/test_cuda.py on the device; the per-comparison differences it reports, summarized."""
     report = out.resolve() / "gpu_parity.jsonl"  # the tests run in the repository, perhaps not the working dir
@@ -295,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--imagenet-model", default="resnet18_imagenet", help="the paper64 cases' model")
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile"])
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case after this many seconds")
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
     ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests, where installed")
@@ -344,6 +381,8 @@ def main() -> None:
                 result["speed"].append(m)
                 write(result, a.out)
                 print(line(m), flush=True)
+    if "profile" not in a.skip:
+        result["profile"] = profile_round(a, a.out)
     result["seconds"] = time.perf_counter() - t_start
     write(result, a.out)
     print((a.out / "gpu.txt").read_text())
@@ -395,6 +434,8 @@ def write(result: dict, out: Path) -> None:
                   and (m["shape"], m["algorithm"], m["model"]) in loops]  # fmt: skip
         if ratios:
             rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
+    if p := result.get("profile"):
+        rows += ["", f"profiled batched FedAvg round: {p['seconds']:.3f} s; host waits: {p['syncs']} (profile.txt)"]
     if result.get("skipped"):
         rows += ["", "skipped (time budget): " + "; ".join(result["skipped"])]
     (out / "gpu.txt").write_text("\n".join(rows) + "\n")

@@ -45,3 +45,29 @@ def test_a_server_rule_that_makes_a_variance_negative_stops_the_run(monkeypatch)
     message = r"diverged in round 1: the aggregated server state has negative BatchNorm running variances in 'blocks"
     with pytest.raises(DivergedError, match=message):
         pflbed.run({**BN_RUN, "algorithm": {"name": "fedavg"}}, write=False)
+
+
+def test_the_guard_reads_one_value_per_check_where_all_is_well_and_still_names_the_bad_key(monkeypatch):
+    """On a GPU every value read is a wait for the device: a client's reply and state are screened with one read,
+    the server state's finiteness and its variances with one each (not one per tensor); a NaN, an infinity, a sum
+    that overflows without either, and a negative variance are still found, under their keys."""
+    reads = []
+    real = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real(t))
+    g = torch.Generator().manual_seed(0)
+    reply = {f"t{i}.weight": torch.randn(4, 3, generator=g) for i in range(10)}
+    state = {f"s{i}.running_var": torch.rand(3, generator=g) for i in range(5)}
+    check_client(1, 0, reply, state)
+    assert len(reads) == 1
+    reads.clear()
+    check_server(1, {**reply, **state})
+    assert len(reads) == 2
+    for bad, key in ((float("nan"), "t3.weight"), (float("inf"), "t3.weight")):
+        with pytest.raises(DivergedError, match=f"client 0's reply has non-finite values in '{key}'"):
+            check_client(1, 0, {**reply, key: torch.full((2,), bad)}, state)
+    big = torch.full((4,), 3e38)  # finite, its sum is not
+    check_client(1, 0, {**reply, "t0.weight": big}, state)
+    with pytest.raises(DivergedError, match="client 0's state has non-finite values in 's2.running_var'"):
+        check_client(1, 0, reply, {**state, "s2.running_var": torch.tensor([1.0, float("-inf")])})
+    with pytest.raises(DivergedError, match="negative BatchNorm running variances in 's4.running_var'"):
+        check_server(1, {**reply, **state, "s4.running_var": torch.tensor([0.5, -1e-7])})

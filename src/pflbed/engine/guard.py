@@ -19,11 +19,28 @@ Tensors = dict[str, torch.Tensor]
 
 def first_nonfinite(tensors: Tensors) -> str | None:
     """The first key (in sorted order) of a floating-point tensor holding NaN or ±inf; None if all are finite."""
+    if all_finite(tensors):
+        return None
     for k in sorted(tensors):
         v = tensors[k]
         if isinstance(v, torch.Tensor) and v.is_floating_point() and not finite(v):
             return k
     return None
+
+
+def all_finite(tensors: Tensors) -> bool:
+    """Whether every floating-point tensor is finite (`finite`), with one read of a value per device where the
+    sums are: the sums of all tensors on a device are stacked and screened together. Why: on a GPU every read is
+    a wait for the device; a check per tensor was one wait per tensor of every client's reply — 1,000 a round for
+    100 clients of a 10-tensor CNN. A non-finite screen (or a sum that overflowed) falls back to `finite` tensor
+    by tensor, so the answer is always the element-wise one."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    for v in tensors.values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            sums.setdefault(v.device, []).append(v.sum().double())
+    if all(bool(torch.isfinite(torch.stack(s)).all()) for s in sums.values()):
+        return True
+    return all(finite(v) for v in tensors.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
 def finite(v: torch.Tensor) -> bool:
@@ -40,12 +57,16 @@ def finite(v: torch.Tensor) -> bool:
 
 def first_negative_variance(tensors: Tensors) -> str | None:
     """The first key (in sorted order) of a BatchNorm running variance (`running_var`, under any prefix) holding a
-    negative value; None if there is none."""
-    for k in sorted(tensors):
-        v = tensors[k]
-        if (k == "running_var" or k.endswith(".running_var")) and isinstance(v, torch.Tensor) and bool((v < 0).any()):
-            return k
-    return None
+    negative value; None if there is none. Screened with one read per device (the variances' minima stacked), as
+    `all_finite`."""
+    keys = [k for k in sorted(tensors) if (k == "running_var" or k.endswith(".running_var"))
+            and isinstance(tensors[k], torch.Tensor) and tensors[k].numel()]  # fmt: skip
+    mins: dict[torch.device, list[torch.Tensor]] = {}
+    for k in keys:
+        mins.setdefault(tensors[k].device, []).append(tensors[k].min().double())
+    if all(not bool((torch.stack(m) < 0).any()) for m in mins.values()):
+        return None
+    return next(k for k in keys if bool((tensors[k] < 0).any()))
 
 
 NEGATIVE_VARIANCE = "negative BatchNorm running variances"
@@ -58,6 +79,8 @@ def client_diverged(rnd: int, cid: int, what: str, key: str) -> DivergedError:
 def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
     """Non-finite values only: a reply or a client state may hold changes rather than models (FedMTL replies
     w_i' − w_i, SCAFFOLD's control variates are differences), whose `running_var` entries may well be negative."""
+    if all_finite({**{f"reply/{k}": v for k, v in reply.items()}, **{f"state/{k}": v for k, v in state.items()}}):
+        return  # one screen of both
     for what, tensors in (("reply", reply), ("state", state)):
         key = first_nonfinite(tensors)
         if key is not None:
