@@ -206,12 +206,12 @@ def test_another_users_process_gets_no_answer():
                 os.setuid(65534)
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     s.settimeout(20)
-                    s.connect(str(path))
-                    s.sendall(b"".join(struct.pack("!Q", len(b)) + b for b in request))
+                    s.connect(str(path))  # reached (so the refusal below is the worker's, not the directory's)
                     try:
+                        s.sendall(b"".join(struct.pack("!Q", len(b)) + b for b in request))
                         code = 0 if s.recv(1) == b"" else 1
                     except OSError:
-                        code = 0  # reset: nothing read
+                        code = 0  # closed or reset, while sending or reading: nothing read
             finally:
                 os._exit(code)
         deadline = time.monotonic() + 60
