@@ -26,6 +26,24 @@ def test_declared_search_names_are_options_of_their_model():
     assert declared(ALGORITHMS["fedprox"].Config)["mu"].log
 
 
+def test_every_algorithm_declares_a_search_space_of_its_own_holding_its_defaults():
+    """Every algorithm with options declares `search` on its own options class (an empty one says, in its source,
+    why nothing is tuned): `pflbed tune` refuses one that inherits or lacks it. A numeric default (the paper's value,
+    where the option has one) lies in its range, so a search can return the paper's setting."""
+    for name, cls in ALGORITHMS.items():
+        options = cls.Config
+        if not options.model_fields:
+            continue
+        assert "search" in vars(options), f"{name}: no search space of its own"
+        for key, space in declared(options).items():
+            default = options.model_fields[key].default
+            if isinstance(space, Search | IntSearch) and isinstance(default, int | float):
+                assert space.low <= default <= space.high, (name, key, default, space)
+    tuned = {n for n, c in ALGORITHMS.items() if declared(c.Config)}
+    assert len(tuned) >= 25 and {"pfedme", "perfedavg", "apfl", "fedamp", "feddyn", "fedfomo", "fedmtl", "fedpac",
+                                 "fedrep", "knnper", "l2gd", "scaffold", "fedrod_hyper", "ktpfl"} <= tuned  # fmt: skip
+
+
 def test_a_declaration_naming_no_option_is_caught():
     from typing import ClassVar
 
@@ -246,12 +264,40 @@ def test_without_optuna_tune_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "pflbed: error: pflbed tune needs Optuna: pip install 'pflbed[tune]'"
 
 
+def test_a_method_whose_algorithm_declares_no_search_space_is_refused_or_warned_about(tmp_path, monkeypatch):
+    """An algorithm with options of its own but no `search` declaration of its own (here FedProx's declaration
+    removed: its μ would silently go untuned beside a method whose knobs are tuned) is refused, naming the method;
+    `tune.undeclared: warn` tunes it on train.* alone and says so."""
+    from pflbed.algorithms.fedprox import FedProxOptions
+
+    monkeypatch.delattr(FedProxOptions, "search")
+    methods = {"FedProx": {"set": {"algorithm.name": "fedprox"}}}
+    with pytest.raises(ConfigError, match="methods.FedProx: algorithm 'fedprox' declares no search space for its own "
+                                          "options \\(mu\\)"):  # fmt: skip
+        Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
+    with pytest.warns(UserWarning, match="tuning its train.\\* alone"):
+        tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods, undeclared="warn")))
+    assert all(k.startswith("train.") for k in tuner.methods[0].space)
+
+
 def test_a_diverged_trial_counts_as_pruned_toward_the_budget(tmp_path):
     methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}, "space": {"train.lr": {"choices": [1.0e30]}}}}
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
     assert tuner.run_trials(max_trials=3, log=lambda *_: None) == 2  # the budget, then stop
     trials = tuner.study(tuner.methods[0]).get_trials()
     assert [t.state for t in trials] == [TrialState.PRUNED] * 2 and all("diverged" in t.user_attrs for t in trials)
+
+
+def test_a_trial_whose_values_the_algorithm_refuses_together_counts_as_pruned(tmp_path):
+    """Each bound of a space validates alone; a combination an algorithm refuses (L2GD: θ = lr·λ·(1 − p)/p must be
+    ≤ 1) is counted as pruned with the reason, not the end of the study."""
+    space = {"train.lr": None, "algorithm.lam": {"low": 5.0, "high": 10.0}, "algorithm.p": {"low": 0.1, "high": 0.2}}
+    methods = {"L2GD": {"set": {"algorithm.name": "l2gd", "train.lr": 0.3}, "space": space}}
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
+    assert tuner.run_trials(max_trials=3, log=lambda *_: None) == 2
+    trials = tuner.study(tuner.methods[0]).get_trials()
+    assert [t.state for t in trials] == [TrialState.PRUNED] * 2
+    assert all("algorithm.lam" in t.user_attrs["refused"] for t in trials)
 
 
 def test_objective_values_are_validation_figures():

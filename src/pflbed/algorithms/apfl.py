@@ -22,6 +22,7 @@ leave v_i's never updated (the forwards run on the mixture) and describe the fea
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,15 @@ from torch.func import functional_call
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import index_batches
+from pflbed.search import Search, Space
 
 ALPHA = "alpha"
 
 
 class APFLOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # the paper: α ∈ {0.25, 0.5, 0.75}
+    search: ClassVar[dict[str, Space]] = {"alpha": Search(0.05, 0.95), "alpha_lr": Search(1e-4, 0.3, log=True)}
     alpha: float = Field(0.5, ge=0, le=1, description="initial mixing weight α_i of the local model")
     alpha_lr: float | None = Field(None, gt=0, description="η_α (None: train.lr)")
     adaptive: bool = Field(True, description="learn α_i (Eq. 10); False: keep it fixed")

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -89,12 +89,15 @@ from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjectiv
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import WeightedMean, finetune_epochs
 from pflbed.errors import ConfigError
+from pflbed.search import Search, Space
 
 LOCAL = "local/"  # the server's copy of client c's latest upload: local/<cid>/<state key>
 ROUNDING = 1e-12  # a self weight this far below 0 is rounding of ξ_ii = 0, not a negative weight
 
 
 class FedAMPOptions(BaseModel):
+    search: ClassVar[dict[str, Space]] = {"alpha_k": Search(1e-3, 1.0, log=True), "lam": Search(1e-3, 1.0, log=True),
+                                            "sigma": Search(0.1, 1e5, log=True)}  # fmt: skip
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     variant: Literal["amp", "heur"] = Field("amp", description="amp: FedAMP's A'-weights; heur: HeurFedAMP's "
                                             "cosine-softmax weights with a fixed self weight")  # fmt: skip

@@ -33,7 +33,7 @@ Interpretations and deviations:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,10 +42,12 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.training import WeightedMean
+from pflbed.search import Space
 
 
 class FedBABUOptions(BaseModel):
     """FedBABU options."""
+    search: ClassVar[dict[str, Space]] = {}  # `finetune` is the protocol's choice of what adapts, not a knob
 
     model_config = ConfigDict(extra="forbid")
     finetune: Literal["full", "head"] = Field(

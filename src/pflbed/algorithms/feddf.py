@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -92,12 +92,15 @@ from pflbed.algorithms.training import (
 )
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet, ModelNames
+from pflbed.search import Search, Space
 
 STREAM = 0xFEDDF  # FedDF's own random streams (not one of pflbed.rng's tags): 0 initial models, 1 server distillation
 
 
 class FedDFOptions(BaseModel):
     """FedDF options (see the module docstring for the defaults and where they come from)."""
+    search: ClassVar[dict[str, Space]] = {"temperature": Search(0.5, 10.0, log=True),
+                                          "server_lr": Search(1e-4, 1e-2, log=True)}  # fmt: skip
 
     model_config = ConfigDict(extra="forbid")
     architectures: ModelNames = Field(default_factory=lambda: list(DEFAULT_ARCHITECTURES), min_length=1)

@@ -36,7 +36,7 @@ post-processing of the noised sum): a deviation from Algorithm 1 only under DP.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,12 +44,14 @@ from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean
+from pflbed.search import Search, Space
 
 H, MEAN = "h/", "mean/"
 
 
 class FedDynOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"alpha": Search(1e-3, 1.0, log=True)}  # the paper: α ∈ {0.1, 0.01, 0.001}
     alpha: float = Field(0.01, gt=0, description="α of the dynamic regularizer")
     eval_model: Literal["cloud", "mean"] = Field("cloud", description="the model scored and personalized: θ = "
                                                  "mean − h/α (Alg. 1), or the round's mean of the client models "

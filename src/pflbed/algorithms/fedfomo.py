@@ -125,6 +125,7 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import finetune_epochs, validation_data
+from pflbed.search import IntSearch, Search, Space
 
 _STREAM = 0xF0A0  # the server's model-sampling stream, apart from the engine's tags (1–4)
 IDS, WEIGHTS, GAINS, UPDATES = "fomo/ids", "fomo/w", "fomo/gain", "updates"
@@ -132,6 +133,8 @@ IDS, WEIGHTS, GAINS, UPDATES = "fomo/ids", "fomo/w", "fomo/gain", "updates"
 
 class FedFomoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # the paper: M = 5, ε = 0.3
+    search: ClassVar[dict[str, Space]] = {"M": IntSearch(1, 10), "epsilon": Search(0.0, 0.5)}
     M: int = Field(5, ge=1, description="other clients' models each sampled client downloads per round")
     epsilon: float = Field(0.3, ge=0, le=1, description="ε: initial exploration probability per download slot")
     epsilon_decay: float = Field(0.05, ge=0, description="δ: ε_t = max(0, ε − δ·(t − 1)) in round t")

@@ -18,14 +18,18 @@ The stored matrix `W` (diagnostics, heat-map) is the uniform mixing matrix of th
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.ktpfl import KTpFL, TransferOptions
+from pflbed.search import Space
 
 
 class FedMDOptions(TransferOptions):
     """FedMD options: the shared knowledge-transfer options only."""
+    search: ClassVar[dict[str, Space]] = TransferOptions.search
 
 
 class FedMD(KTpFL):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,10 +35,12 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import finetune_epochs
+from pflbed.search import Search, Space
 
 
 class FedMTLOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"lam": Search(1e-3, 10.0, log=True)}
     lam: float = Field(0.1, ge=0, description="λ of the relationship regularizer λ·Σ‖w_i − w̄‖²")
 
 

@@ -88,7 +88,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +102,7 @@ from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import load_params, weighted_mean
 from pflbed.models import BlockNet
+from pflbed.search import Search, Space
 
 HEAD = "head/"  # the server's latest personalized head of client c: head/<cid>/<head key>
 MEAN = "mean_head/"  # the new-client start head: mean_head/<head key>
@@ -111,6 +112,8 @@ SUPPORT_EVERY = 25  # QP: every this many steps, try the exact solution on the c
 
 class FedPACOptions(BaseModel):
     """FedPAC options."""
+    # official: λ 1, 0.1
+    search: ClassVar[dict[str, Space]] = {"lam": Search(0.1, 10.0, log=True), "head_lr": Search(1e-3, 0.3, log=True)}
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     lam: float = Field(1.0, ge=0, description="λ: weight of the feature-alignment term ‖f(x) − c_y‖² (official "

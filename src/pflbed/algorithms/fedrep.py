@@ -31,6 +31,7 @@ Interpretations and deviations:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,10 +40,13 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.training import WeightedMean
+from pflbed.search import IntSearch, Search, Space
 
 
 class FedRepOptions(BaseModel):
     """FedRep options."""
+    # the paper: τ_h = 10
+    search: ClassVar[dict[str, Space]] = {"head_epochs": IntSearch(1, 20), "head_lr": Search(1e-3, 0.3, log=True)}
 
     model_config = ConfigDict(extra="forbid")
     head_epochs: int = Field(10, ge=0, description="τ_h: epochs training the head with the body frozen")

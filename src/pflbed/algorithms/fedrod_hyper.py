@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,7 @@ from pflbed.algorithms.fedrod import (
 )
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import get_params, load_params
+from pflbed.search import Search, Space
 
 HYPER = "hyper."  # server-state prefix of ν
 _INIT_TAG = 1  # keys the hypernetwork's init stream apart from the model's
@@ -114,6 +116,7 @@ class HyperObjective(DecoupledObjective):
 
 
 class FedRoDHyperOptions(FedRoDOptions):
+    search: ClassVar[dict[str, Space]] = {**FedRoDOptions.search, "hyper_lr": Search(1e-4, 0.1, log=True)}
     hidden: int = Field(32, ge=1, description="hidden width of the hypernetwork's two FC layers")
     hyper_lr: float | None = Field(None, gt=0, description="SGD lr of ν (default: personal lr / 2, note 4)")
 

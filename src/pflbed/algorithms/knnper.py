@@ -70,7 +70,7 @@ Choices and deviations:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,6 +79,7 @@ from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientData, Predictor, Same, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import finetune_epochs, validation_data
+from pflbed.search import IntSearch, Space
 
 Weight = Annotated[float, Field(ge=0, le=1)]
 DATASTORE_STREAM = 105  # rng stream tag of the datastore subsets (ktpfl uses 101)
@@ -87,6 +88,8 @@ CHUNK_ELEMENTS = 1 << 22  # distances held at once: queries per chunk × datasto
 
 class KNNPerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # the authors: 7 (λ is chosen per client on validation already)
+    search: ClassVar[dict[str, Space]] = {"k": IntSearch(1, 20)}
     k: int = Field(7, ge=1, description="neighbours of the local kNN model (the authors' experiments: 7)")
     temperature: float | None = Field(None, gt=0, description="T of the kernel exp(−d/T) (None: the feature "
                                       "dimension D, the authors' exp(−d/D))")  # fmt: skip

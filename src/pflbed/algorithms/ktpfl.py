@@ -128,7 +128,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,7 @@ from pflbed.algorithms.training import (
 )
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet, ModelNames
+from pflbed.search import IntSearch, Search, Space
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"temperature": 10.0, "rho": 0.7, "c_grad": "kl", "c_kl": "sum", "c_step": "fixed",
@@ -171,6 +172,8 @@ SCORE_DOC = (
 
 class TransferOptions(BaseModel):
     """Options shared by the soft-prediction family (KT-pFL and its baselines FedMD, Sim-pFL, TopK-pFL)."""
+    search: ClassVar[dict[str, Space]] = {"temperature": Search(1.0, 20.0, log=True), "distill_epochs": IntSearch(1, 5),
+                                            "distill_lr": Search(1e-4, 0.1, log=True)}  # fmt: skip
 
     model_config = ConfigDict(extra="forbid")
     architectures: ModelNames = Field(default_factory=lambda: list(DEFAULT_ARCHITECTURES), min_length=1)
@@ -189,6 +192,8 @@ class TransferOptions(BaseModel):
 
 class KTpFLOptions(TransferOptions):
     """KT-pFL options; the ones left unset take the value of `preset` (see the module docstring)."""
+    search: ClassVar[dict[str, Space]] = {**TransferOptions.search, "lam": Search(0.1, 10.0, log=True),
+                                            "c_lr": Search(1e-3, 0.1, log=True)}  # fmt: skip
 
     preset: Literal["paper", "official"] = Field("paper", description="defaults for the unset options")
     homogeneous: bool = Field(False, description="one architecture (model.name), parameters as knowledge")

@@ -33,6 +33,7 @@ noised (`dp_instructions`).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +43,7 @@ from pflbed.algorithms.base import ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.errors import ConfigError
+from pflbed.search import Search, Space
 
 RUNS = "l2gd/runs"  # payload: (averaging steps a, local steps l) of the round
 _COIN = 0x1260  # the server's coin stream, apart from every client's (rng keys 1–4)
@@ -49,6 +51,8 @@ _COIN = 0x1260  # the server's coin stream, apart from every client's (rng keys 
 
 class L2GDOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # θ > 1: refused, pruned
+    search: ClassVar[dict[str, Space]] = {"p": Search(0.05, 0.95), "lam": Search(0.1, 10.0, log=True)}
     p: float = Field(0.2, gt=0, lt=1, description="probability of an averaging step")
     lam: float = Field(2.0, ge=0, description="λ: the penalty on the distance to the mean model")
 

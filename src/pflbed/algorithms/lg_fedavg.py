@@ -40,7 +40,7 @@ Interpretations and deviations:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,10 +49,12 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, split_top, subset
 from pflbed.algorithms.training import WeightedMean
+from pflbed.search import Space
 
 
 class LGFedAvgOptions(BaseModel):
     """LG-FedAvg options."""
+    search: ClassVar[dict[str, Space]] = {}  # which blocks are global: an architecture choice; `lp`: the protocol's
 
     model_config = ConfigDict(extra="forbid")
     global_blocks: int = Field(1, ge=1, description="top blocks forming the shared global model (1 = the classifier)")

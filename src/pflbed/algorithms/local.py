@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,10 +27,12 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData,
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.training import architecture_of, finetune_epochs, fresh_client_params
 from pflbed.models import BlockNet, ModelNames
+from pflbed.search import Space
 
 
 class LocalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {}  # nothing beyond the shared train.*
     architectures: ModelNames | None = Field(None, min_length=1, description="heterogeneous clients (ktpfl's rule)")
 
 

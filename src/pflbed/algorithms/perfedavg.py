@@ -36,7 +36,7 @@ Choices: τ = `train.local_epochs` · ⌈n_i/B⌉ steps, the batches drawn from 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +46,14 @@ from pflbed import rng
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import get_params, index_batches, load_params
+from pflbed.search import Search, Space
 
 PERSONAL_STREAM = 0x9EFA  # the personal α-step's dropout stream, apart from the engine's tags (1–4)
 
 
 class PerFedAvgOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"alpha": Search(1e-4, 0.1, log=True)}  # β is train.lr, searched for all
     variant: Literal["fo", "hf"] = Field("fo", description="first-order, or Hessian-free (exact Hessian-vector)")
     alpha: float = Field(0.01, gt=0, description="α: the inner (personalization) step size")
     personal_steps: int = Field(1, ge=1, description="full-batch α-steps from the meta-model for a client's model")

@@ -39,6 +39,7 @@ Communication: identical to FedDF (the personal model never leaves the client).
 from __future__ import annotations
 
 from functools import partial
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -47,12 +48,14 @@ from pflbed.algorithms.base import Predictor, Tensors
 from pflbed.algorithms.feddf import FedDF, FedDFOptions
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.models import BlockNet
+from pflbed.search import IntSearch, Space
 
 PERSONAL = "p/"  # the fine-tuned model's tensors, in the plan and the client's state
 
 
 class PFedDFOptions(FedDFOptions):
     """FedDF's options plus the local fine-tuning length."""
+    search: ClassVar[dict[str, Space]] = {**FedDFOptions.search, "finetune_epochs": IntSearch(1, 20)}
 
     finetune_epochs: int | None = Field(
         None, ge=1, description="local fine-tuning epochs from the global model at train.lr (None: train.local_epochs)"

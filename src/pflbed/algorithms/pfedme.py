@@ -36,7 +36,7 @@ their maximum — mixing them with β > 1 extrapolated running variances below z
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +45,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params
+from pflbed.search import IntSearch, Search, Space
 
 KEEP = "pfedme/keep"  # payload flag (`train_clients: all`): a client outside the round's sample, which replies nothing
 
 
 class PFedMeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"lam": Search(1.0, 100.0, log=True), "K": IntSearch(1, 10),
+                                            "personal_lr": Search(1e-3, 0.1, log=True)}  # the paper: 15, 5, 0.01
     lam: float = Field(15.0, gt=0, description="λ of the Moreau envelope")
     K: int = Field(5, ge=1, description="steps solving the inner problem per local step")
     personal_lr: float = Field(0.01, gt=0, description="η_p: step size of the inner problem")

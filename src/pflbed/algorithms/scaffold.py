@@ -28,7 +28,7 @@ the client's constants): `executor.batch_clients` trains a round's clients toget
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjectiv
 from pflbed.algorithms.reply_shapes import misfit, spec, specs
 from pflbed.algorithms.server_extras import ModelWithExtras
 from pflbed.algorithms.training import WeightedMean, load_params
+from pflbed.search import Search, Space
 
 C = "c/"  # server control variate keys: c/<parameter name>
 DC = "dc/"  # reply: Δc_i per parameter
@@ -46,6 +47,7 @@ DC = "dc/"  # reply: Δc_i per parameter
 
 class ScaffoldOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    search: ClassVar[dict[str, Space]] = {"server_lr": Search(0.1, 2.0, log=True)}  # the paper: η_g = 1
     option: Literal["I", "II"] = Field("II", description="control-variate update: I = gradient at x, II = from y")
     server_lr: float = Field(1.0, gt=0, description="global step size η_g")
 

@@ -14,14 +14,18 @@ client itself is included (cos = 1, its largest weight). Probabilities are non-n
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.ktpfl import KTpFL, TransferOptions
+from pflbed.search import Space
 
 
 class SimPFLOptions(TransferOptions):
     """Sim-pFL options: the shared knowledge-transfer options only."""
+    search: ClassVar[dict[str, Space]] = TransferOptions.search
 
 
 class SimPFL(KTpFL):

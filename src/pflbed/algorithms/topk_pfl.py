@@ -12,15 +12,19 @@ ties are broken by `torch.topk`. `W` stores the last round's matrix for diagnost
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.ktpfl import KTpFL, TransferOptions
+from pflbed.search import IntSearch, Space
 
 
 class TopKPFLOptions(TransferOptions):
     """TopK-pFL options: the shared knowledge-transfer options plus K."""
+    search: ClassVar[dict[str, Space]] = {**TransferOptions.search, "k": IntSearch(1, 10)}  # the paper: 5
 
     k: int = Field(5, ge=1, description="number of most similar clients averaged (paper: 5)")
     include_self: bool = Field(True, description="the client counts among its own K most similar")

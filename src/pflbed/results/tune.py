@@ -89,6 +89,9 @@ class TuneSpec(BaseModel):
     seed: int | None = Field(None, description="run seed of the trials and seed of the sampler (default: seeds[0])")
     unequal_budgets: bool = Field(False, description="allow a method its own number of trials")
     space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned), all methods")
+    undeclared: Literal["refuse", "warn"] = Field(
+        "refuse", description="a method whose algorithm declares no search space for its own options: refused, or "
+        "(warn) tuned on the shared train.* keys alone, with a warning")
 
     @field_validator("objective")
     @classmethod
@@ -246,8 +249,16 @@ class Method:
         default = self.config(suite.tune.seed if suite.tune.seed is not None else suite.seeds[0], {})
         from pflbed.algorithms import get_algorithm
 
+        options = get_algorithm(default.algorithm.name).Config
+        if options.model_fields and "search" not in vars(options):  # inherited or absent: its own knobs undeclared
+            why = (f"methods.{name}: algorithm {default.algorithm.name!r} declares no search space for its own options "
+                   f"({', '.join(options.model_fields)}): a comparison would tune the others' knobs and not its own; "
+                   "declare `search` on its options (pflbed.search), or set tune.undeclared: warn")  # fmt: skip
+            if suite.tune.undeclared == "refuse":
+                raise ConfigError(why)
+            warnings.warn(why.replace("; declare", "; tuning its train.* alone. Declare"), stacklevel=2)
         space = {f"train.{k}": s for k, s in declared(TrainConfig).items()}
-        space |= {f"algorithm.{k}": s for k, s in declared(get_algorithm(default.algorithm.name).Config).items()}
+        space |= {f"algorithm.{k}": s for k, s in declared(options).items()}
         for where, extra in (("tune.space", suite.tune.space), (f"methods.{name}.space", spec.space)):
             for key, value in extra.items():
                 if value is None:
@@ -484,6 +495,10 @@ class Tuner:
             trial.set_user_attr("diverged", e.round)
             log(f"{head}: diverged in round {e.round}: counted as pruned")
             raise optuna.TrialPruned(f"diverged in round {e.round}") from None
+        except ConfigError as e:  # valid key by key (checked above), refused together by the algorithm (L2GD's θ ≤ 1)
+            trial.set_user_attr("refused", str(e))
+            log(f"{head}: refused ({e}): counted as pruned")
+            raise optuna.TrialPruned(f"refused: {e}") from None
         value = objective_value(res.summary, res.history, method.objective)
         if value is None:
             raise PflbedError(f"methods.{method.name}: the run has no {method.objective} (objective: pick a "
