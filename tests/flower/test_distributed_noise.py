@@ -23,7 +23,9 @@ from pflbed.flower.secagg_node import (  # noqa: E402
     site_update,
 )
 
-N = 40_000  # entries: the empirical std is within 1 % of the true one (3 standard errors)
+N = 40_000  # entries: the empirical std is within 2 % of the true one (measured: its relative spread 0.44 %, so 2 %
+# is 4.5 of those — the 1 % allowed before failed about one run in fifty; a share off by t/(t−1) = 3/2 in variance
+# is 22 % off in std)
 
 
 def _update(payload, replies, share):
@@ -50,7 +52,7 @@ def test_a_site_s_share_has_variance_sigma2_c2_over_t_and_is_scaled_to_the_relea
     share = NoiseShare.of(sigma=1.2, clip=0.5, sites=6, expected_clients=25.0)  # t = 3
     assert share.std == pytest.approx(1.2 * 0.5 / math.sqrt(3))
     (steps, w), fitres = _update(payload, [], share)  # no client sampled here: the share still goes in
-    assert float(w.std()) * 25.0 == pytest.approx(share.std, rel=0.01) and abs(float(w.mean())) < 1e-3
+    assert float(w.std()) * 25.0 == pytest.approx(share.std, rel=0.02) and abs(float(w.mean())) < 1e-3
     assert torch.equal(steps, torch.zeros(3, dtype=torch.float64))  # an integer instruction: never noised
     assert fitres.num_examples == 1 and json.loads(fitres.metrics["keys"]) == []
     (_, again), _ = _update(payload, [], share)
@@ -63,7 +65,7 @@ def test_a_site_s_update_is_its_clients_summed_changes_plus_its_share_over_qn():
     share = NoiseShare(std=0.3, expected_clients=10.0)
     (v,), fitres = _update(payload, [(r1, 1), (r2, 1)], share)
     noise = v * 10.0 - 1.0  # Σ_c Δ_c = 0.5 + 0.5
-    assert float(noise.std()) == pytest.approx(0.3, rel=0.01) and abs(float(noise.mean())) < 0.01
+    assert float(noise.std()) == pytest.approx(0.3, rel=0.02) and abs(float(noise.mean())) < 0.01
     assert fitres.num_examples == 1 and json.loads(fitres.metrics["keys"]) == ["w"]
 
 
