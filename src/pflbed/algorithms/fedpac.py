@@ -96,7 +96,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedrod import feature_dim
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, features_and_logits
 from pflbed.algorithms.local_sgd import weighted_mean as batch_mean
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.reply_shapes import misfit, specs
@@ -264,8 +264,7 @@ class AlignedObjective:
         self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
         w: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
-        z = run_blocks(model, params, model.body_blocks(), x)
-        logits = run_blocks(model, params, model.head_blocks(), z)
+        z, logits = features_and_logits(model, params, x)
         if w is None:
             loss = F.cross_entropy(logits, y)
             return loss + self.lam * alignment(z, y, consts["protos"], consts["proto_mask"], self.reduction) \

@@ -73,7 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks, weighted_mean
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, features_and_logits, weighted_mean
 from pflbed.algorithms.training import WeightedMean, get_params, load_params, sgd_epochs
 from pflbed.models import BlockNet
 from pflbed.search import Search, Space
@@ -176,8 +176,7 @@ class DecoupledObjective:
         self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
         w: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
-        z = run_blocks(model, params, model.body_blocks(), x)
-        g = run_blocks(model, params, model.head_blocks(), z)
+        z, g = features_and_logits(model, params, x)
         weight, bias = self.personal_head(params, consts)
 
         def head(feats: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,12 @@ def run_blocks(model: BlockNet, params: Tensors, names: Sequence[str], x: torch.
     return x
 
 
+def features_and_logits(model: BlockNet, params: Tensors, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the body's output z, the head's logits on z) with the parameters from `params`: for losses on both."""
+    z = run_blocks(model, params, model.body_blocks(), x)
+    return z, run_blocks(model, params, model.head_blocks(), z)
+
+
 def model_forward(model: BlockNet, params: Tensors, x: torch.Tensor) -> torch.Tensor:
     """The model's logits with its parameters from `params`."""
     return run_blocks(model, params, model.block_names(), x)
