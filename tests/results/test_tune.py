@@ -300,6 +300,23 @@ def test_a_trial_whose_values_the_algorithm_refuses_together_counts_as_pruned(tm
     assert all("algorithm.lam" in t.user_attrs["refused"] for t in trials)
 
 
+def test_the_tuned_configuration_is_the_trial_with_the_highest_validation_figure(tmp_path):
+    """The study maximizes its objective (a validation figure): its best trial — what Optuna's sampler and pruner
+    steer by — is the highest one, and so is the trial whose configuration is re-run as the tuned one (red with the
+    study's direction planted as "minimize")."""
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 3)))
+    method = tuner.methods[0]
+    study = tuner.study(method)
+    lr = optuna.distributions.FloatDistribution(1e-3, 0.3, log=True)
+    for value, figure in ((0.01, 0.4), (0.1, 0.8), (0.003, 0.6)):
+        study.add_trial(optuna.trial.create_trial(params={"train.lr": value}, distributions={"train.lr": lr},
+                                                  value=figure))  # fmt: skip
+    assert study.best_trial.value == 0.8 and study.best_trial.params == {"train.lr": 0.1}
+    assert tuner.best(method).number == study.best_trial.number
+    bench, rows = tuner.bench()
+    assert bench.suite.tables["tuned"].methods[rows["FedAvg"]].set["train.lr"] == 0.1
+
+
 def test_objective_values_are_validation_figures():
     from pflbed.results.tune import objective_value
 
