@@ -144,7 +144,24 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", dest="out_dir", type=Path, metavar="DIR", help="new-client: where train.npz, val.npz "
                    "and test.npz go")  # fmt: skip
     d.add_argument("--client", type=int, metavar="ID", help="new-client: which held-out client (default: the first)")
+    u.description = ("Fair hyperparameter search on Optuna: one study per method over its declared search space, "
+                     "the same trial budget each, every trial scored on a validation figure (never a test one); then "
+                     "each method's default and tuned configurations re-run over the suite's seeds, into one table. "
+                     "The same command continues an interrupted suite. Guide: docs/guide/tuning.md.")  # fmt: skip
+    _describe(sub)
     return p
+
+
+def _describe(sub: argparse._SubParsersAction) -> None:
+    """A subcommand's `--help` opens with what it does: its one-line help, where it has no description of its own
+    (nested subcommands too)."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, parser in sub.choices.items():
+        if parser.description is None:
+            parser.description = helps.get(name)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _describe(action)
 
 
 def _shard(text: str) -> tuple[int, int]:

@@ -472,3 +472,28 @@ def test_a_time_line_without_the_commands_time_says_the_start_up_is_not_counted(
     assert time_line(timing) == ("time: 12.3 s wall in the rounds and final stages (start-up not counted), 5.1 s "
                                  "training (1.23 s/round), 2.5 s evaluation")  # fmt: skip
     assert time_line(timing, 70.26).endswith("2.5 s evaluation; 70.3 s since the command started")
+
+
+def test_every_subcommands_help_says_what_it_does(capsys):
+    """`pflbed X --help` (nested ones too) opens with a description: `tune`'s its protocol in a few lines, the others
+    their one-line help — argparse shows nothing there unless told."""
+    import argparse
+
+    from pflbed.cli import _parser
+
+    def commands(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield [*path, name], sub
+                    yield from commands(sub, [*path, name])
+
+    found = list(commands(_parser(), []))
+    assert len(found) >= 12
+    for path, sub in found:
+        assert sub.description, path
+        with pytest.raises(SystemExit):
+            main([*path, "--help"])
+        out = capsys.readouterr().out
+        assert " ".join(sub.description.split()[:4]) in " ".join(out.split()), path
+    assert "never a test one" in _parser()._subparsers._group_actions[0].choices["tune"].description
