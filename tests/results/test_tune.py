@@ -205,6 +205,28 @@ def test_a_restarted_study_continues_without_repeating_trials(tmp_path):
     assert len(list((tuner.out / "trials" / "FedAvg").iterdir())) == 3  # the killed trial never got a run dir
 
 
+def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_stops(tmp_path):
+    """A trial is minutes long: it says it started (k of the budget) and prints each evaluation round's objective;
+    a worker that finds a method's budget spent, or the rest running elsewhere, says so instead of exiting
+    silently."""
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
+    lines: list[str] = []
+    assert tuner.run_trials(log=lines.append) == 2
+    starts = [line for line in lines if ": started, " in line]
+    assert [line.split(": started, ")[1] for line in starts] == ["1 of the budget's 2", "2 of the budget's 2"]
+    rounds = [line for line in lines if "trial 1: round " in line]
+    assert [line.split("round ")[1].split(",")[0] for line in rounds] == ["1/2", "2/2"]  # eval.every 1, 2 rounds
+    assert all("pfl_val" in line for line in rounds)
+    lines.clear()
+    assert tuner.run_trials(worker=True, log=lines.append) == 0
+    assert lines == ["FedAvg: its budget is spent (2 of 2 trials finished)"]
+    tuner.study(tuner.methods[0]).ask()  # a trial running elsewhere, the budget one more
+    wide = Tuner(TuneSuite.model_validate(suite(tmp_path, 3)))
+    lines.clear()
+    assert wide.run_trials(worker=True, log=lines.append) == 0
+    assert lines == ["FedAvg: nothing left to start (2 of 3 trials finished, 1 running elsewhere)"]
+
+
 def test_two_workers_share_one_sqlite_study(tmp_path):
     f = write(tmp_path, suite(tmp_path, 4))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -437,9 +437,13 @@ class Tuner:
             while max_trials is None or ran < max_trials:
                 done, running = self.counts(study)
                 if done >= method.budget:
+                    if worker:
+                        log(f"{method.name}: its budget is spent ({done} of {method.budget} trials finished)")
                     break
                 if done + running >= method.budget:  # the rest is running elsewhere
                     if worker:
+                        log(f"{method.name}: nothing left to start ({done} of {method.budget} trials finished, "
+                            f"{running} running elsewhere)")  # fmt: skip
                         break
                     time.sleep(2)
                     with contextlib.suppress(Exception):
@@ -473,19 +477,23 @@ class Tuner:
         trial.set_user_attr("run_dir", str(path.relative_to(self.out)))
         best = -math.inf
 
+        shown = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in params.items())
+        head = f"{method.name} trial {trial.number} ({shown})"
+        log(f"{head}: started, {len(ahead) + 1} of the budget's {method.budget}")
+        rounds = cfg.train.rounds
+
         def report(record: dict[str, Any]) -> None:
             nonlocal best
             v = record.get(method.objective) if method.objective in CURVES else None
             if v is None or v != v:
                 return
             best = max(best, v)
+            log(f"  {method.name} trial {trial.number}: round {record['round']}/{rounds}, {method.objective} {_pct(v)}")
             trial.report(best, record["round"])
             if trial.should_prune():
                 raise optuna.TrialPruned(f"pruned at round {record['round']}")
 
         t0 = time.perf_counter()
-        shown = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in params.items())
-        head = f"{method.name} trial {trial.number} ({shown})"
         try:
             res = run(cfg, path, progress=False, force=True, on_record=report)
         except optuna.TrialPruned:
