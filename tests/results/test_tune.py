@@ -227,6 +227,22 @@ def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_s
     assert lines == ["FedAvg: nothing left to start (2 of 3 trials finished, 1 running elsewhere)"]
 
 
+def test_the_table_marks_a_study_short_of_its_budget_and_says_what_its_std_is(tmp_path):
+    """A study with fewer finished trials than its budget is marked short in the table (its row is not yet an
+    equal-budget comparison); the intro says that ± is the population standard deviation over the seeds."""
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 4)))
+
+    def row(name, complete, pruned):
+        return {"method": name, "budget": 4, "complete": complete, "pruned": pruned, "best_value": 0.5,
+                "objective": "pfl_val", "best_trial": 0, "chosen": {}, "default": {"P-FL": (80.0, 1.0)},
+                "tuned": {"P-FL": (81.0, 0.5)}, "seeds": {"default": 1, "tuned": 1, "of": 1},
+                "seconds": {"search": 60.0, "reruns": 60.0}}  # fmt: skip
+
+    _, cells = tuner.table([row("Full", 3, 1), row("Short", 2, 0)])
+    assert cells[0][1] == "4 (3 / 1)" and cells[1][1] == "4 (2 / 0), **2 short**"
+    assert "population standard deviation" in tuner._intro([row("Full", 3, 1)])
+
+
 def test_two_workers_share_one_sqlite_study(tmp_path):
     f = write(tmp_path, suite(tmp_path, 4))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -632,7 +632,9 @@ class Tuner:
         for r in rows:
             chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
             best = "—" if r["best_value"] is None else f"{r['objective']} {_pct(r['best_value'])} (#{r['best_trial']})"
-            cells = [r["method"], f"{r['budget']} ({r['complete']} / {r['pruned']})", best, chosen]
+            short = r["budget"] - r["complete"] - r["pruned"]  # a study stopped before its budget: not comparable yet
+            budget = f"{r['budget']} ({r['complete']} / {r['pruned']})" + (f", **{short} short**" if short > 0 else "")
+            cells = [r["method"], budget, best, chosen]
             for c in cols:
                 for w in ("default", "tuned"):
                     v = r[w].get(c)
@@ -646,11 +648,14 @@ class Tuner:
     def _intro(self, rows: list[dict[str, Any]]) -> str:
         t = self.suite.tune
         search, reruns = (sum(r["seconds"][k] for r in rows) / 60 for k in ("search", "reruns"))
-        return (f"Test figures (%), mean ± std over seeds {self.suite.seeds}, of each method's default configuration "
-                f"and of the configuration its study chose on validation ({t.sampler}, pruner {t.pruner}, trials on "
-                f"seed {self.seed}); the objective is the validation figure of the round selected on validation. "
+        n = len(self.suite.seeds)
+        return (f"Test figures (%), mean ± std over seeds {self.suite.seeds} (the population standard deviation of "
+                f"the {n} figures: divided by n, not n − 1), of each method's default configuration and of the "
+                f"configuration its study chose on validation ({t.sampler}, pruner {t.pruner}, trials on seed "
+                f"{self.seed}); the objective is the validation figure of the round selected on validation. "
                 f"Compute: {search:.0f} min of trials (their running times summed) and {reruns:.0f} min of re-runs "
-                f"(each run's wall time), {search + reruns:.0f} min in all.")
+                f"(each run's wall time), {search + reruns:.0f} min in all. A budget marked short: the study has fewer "
+                "finished trials than its budget (stopped early): its row is not yet an equal-budget comparison.")
 
     def markdown(self, rows: list[dict[str, Any]]) -> str:
         from pflbed.results.report import _md_table
