@@ -243,6 +243,30 @@ def test_the_table_marks_a_study_short_of_its_budget_and_says_what_its_std_is(tm
     assert "population standard deviation" in tuner._intro([row("Full", 3, 1)])
 
 
+def test_a_ctrl_c_leaves_its_trial_running_for_the_next_command_to_queue_again(tmp_path, monkeypatch, caplog):
+    """Ctrl-C in a trial: no Optuna traceback, the trial is left RUNNING (Optuna's optimize would record it FAIL
+    at once, so `recover` never saw it), and the next command, finding its process gone, queues its parameters again
+    and runs them."""
+    import pflbed.runs
+
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
+    real = pflbed.runs.run
+    monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run_trials(log=lambda *_: None)
+    study = tuner.study(tuner.methods[0])
+    (left,) = study.get_trials()
+    assert left.state == TrialState.RUNNING
+    assert not [r for r in caplog.records if r.name.startswith("optuna") and "failed" in r.getMessage()]
+    study._storage.set_trial_user_attr(left._trial_id, "pid", 2**22 + 12345)  # its process is gone
+    monkeypatch.setattr(pflbed.runs, "run", real)
+    again = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
+    assert again.run_trials(log=lambda *_: None) == 2
+    trials = again.study(again.methods[0]).get_trials()
+    retried = [t for t in trials if t.user_attrs.get("retry_of") == left.number]
+    assert trials[0].state == TrialState.FAIL and len(retried) == 1 and retried[0].params == left.params
+
+
 def test_two_workers_share_one_sqlite_study(tmp_path):
     f = write(tmp_path, suite(tmp_path, 4))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -55,8 +55,10 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -450,11 +452,38 @@ class Tuner:
                         optuna_module().storages.fail_stale_trials(study)
                     self.recover(study)
                     continue
-                self._surplus = False
-                study.optimize(lambda trial, m=method: self._objective(m, trial, log), n_trials=1,
-                               catch=(_Surplus,))  # fmt: skip
-                ran += not self._surplus
+                ran += self._one_trial(study, method, log)
         return ran
+
+    def _one_trial(self, study, method: Method, log) -> bool:
+        """Ask the study for a trial, run it and tell the study how it ended; whether it counted (not surplus).
+
+        Why ask/tell, not `study.optimize`: on a Ctrl-C (or any escape) optimize records the trial as failed at once
+        and logs Optuna's traceback before pflbed's one-line message. Here an interrupted trial is left running:
+        the next command's `recover` sees its process gone and queues its parameters again, as the guide says."""
+        from optuna.trial import TrialState
+
+        optuna = optuna_module()
+        with warnings.catch_warnings():  # the storage's heartbeat is kept below, as optimize keeps it
+            warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+            trial = study.ask()
+        self._surplus = False
+        try:
+            with _heartbeat(study._storage, trial._trial_id):
+                value = self._objective(method, trial, log)
+        except _Surplus:
+            study.tell(trial, state=TrialState.FAIL)
+            return False
+        except optuna.TrialPruned:
+            study.tell(trial, state=TrialState.PRUNED)
+            return True
+        except KeyboardInterrupt:
+            raise  # left RUNNING on purpose (see above)
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        study.tell(trial, value)
+        return True
 
     def _objective(self, method: Method, trial, log) -> float:
         optuna = optuna_module()
@@ -754,6 +783,32 @@ def _alive(pid: int) -> bool:
 
 def _pct(v: float) -> str:
     return "—" if v is None or v == -math.inf else f"{100 * v:.2f}"
+
+
+@contextlib.contextmanager
+def _heartbeat(storage: Any, trial_id: int) -> Iterator[None]:
+    """While a trial runs, its heartbeat in a storage that keeps them (`RDBStorage(heartbeat_interval=…)`), as
+    `study.optimize` records it: a trial whose process died elsewhere goes stale and is failed and retried
+    (`fail_stale_trials`), where the host-and-pid check of `recover` cannot see."""
+    interval = storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
+    if not interval:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            storage.record_heartbeat(trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name="pflbed-tune-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _short(v: Any) -> str:
