@@ -205,6 +205,7 @@ def test_a_restarted_study_continues_without_repeating_trials(tmp_path):
     assert len(list((tuner.out / "trials" / "FedAvg").iterdir())) == 3  # the killed trial never got a run dir
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
 def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_stops(tmp_path):
     """A trial is minutes long: it says it started (k of the budget) and prints each evaluation round's objective;
     a worker that finds a method's budget spent, or the rest running elsewhere, says so instead of exiting
