@@ -134,9 +134,10 @@ def run_plan(
 ) -> tuple[Tensors, Tensors]:
     """One client's plan, on the shared model object. A phase of zero epochs draws nothing from the generator."""
     model_keys = list(model.state_dict())
-    load_params(model, {k: v for k, v in plan.start.items() if k in set(model_keys)})
+    own_keys = set(model_keys)
+    load_params(model, {k: v for k, v in plan.start.items() if k in own_keys})
     extra = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in plan.start.items()
-             if k not in set(model_keys)}  # fmt: skip
+             if k not in own_keys}  # fmt: skip
     optimizers: dict[str, SGD] = {}
     for ph in plan.phases:
         if ph.model:  # the second model's tensors in, the plan's own model kept aside
@@ -221,8 +222,8 @@ def _objective_phase(
             with torch.no_grad():  # `where`, not `p[m] = …`: boolean indexing syncs with a GPU every step
                 for k, m in held.items():
                     named[k].copy_(torch.where(m, anchors[k], named[k]))
-                if hooks:
-                    moved = {k: buffers[k].clone() for k in start}
+                if hooks:  # the forward moved the buffers from `start`; the next batch's `running` overwrites them
+                    moved = {k: buffers[k] for k in start}
                     for k, v in loss.hand_back(params, consts, start, moved).items():  # type: ignore[union-attr]
                         extra[k].copy_(v)
     finally:

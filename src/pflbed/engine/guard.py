@@ -10,6 +10,8 @@ the exchanged tensors rather than each algorithm's losses keeps the guard in one
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pflbed.errors import DivergedError
@@ -19,7 +21,7 @@ Tensors = dict[str, torch.Tensor]
 
 def first_nonfinite(tensors: Tensors) -> str | None:
     """The first key (in sorted order) of a floating-point tensor holding NaN or ±inf; None if all are finite."""
-    if all_finite(tensors):
+    if sums_finite(tensors.values()):
         return None
     for k in sorted(tensors):
         v = tensors[k]
@@ -28,19 +30,17 @@ def first_nonfinite(tensors: Tensors) -> str | None:
     return None
 
 
-def all_finite(tensors: Tensors) -> bool:
-    """Whether every floating-point tensor is finite (`finite`), with one read of a value per device where the
-    sums are: the sums of all tensors on a device are stacked and screened together. Why: on a GPU every read is
-    a wait for the device; a check per tensor was one wait per tensor of every client's reply — 1,000 a round for
-    100 clients of a 10-tensor CNN. A non-finite screen (or a sum that overflowed) falls back to `finite` tensor
-    by tensor, so the answer is always the element-wise one."""
+def sums_finite(tensors: Iterable[object]) -> bool:
+    """Whether the sums of all floating-point tensors are finite, with one read of a value per device (the sums
+    stacked and screened together). True: every tensor is finite (a NaN or ±inf makes its sum non-finite). False:
+    one may not be (or a sum overflowed): look tensor by tensor (`finite`). Why: on a GPU every read is a wait for
+    the device; a check per tensor was one wait per tensor of every client's reply — 1,000 a round for 100 clients
+    of a 10-tensor CNN."""
     sums: dict[torch.device, list[torch.Tensor]] = {}
-    for v in tensors.values():
+    for v in tensors:
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             sums.setdefault(v.device, []).append(v.sum().double())
-    if all(bool(torch.isfinite(torch.stack(s)).all()) for s in sums.values()):
-        return True
-    return all(finite(v) for v in tensors.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return all(bool(torch.isfinite(torch.stack(s)).all()) for s in sums.values())
 
 
 def finite(v: torch.Tensor) -> bool:
@@ -58,7 +58,7 @@ def finite(v: torch.Tensor) -> bool:
 def first_negative_variance(tensors: Tensors) -> str | None:
     """The first key (in sorted order) of a BatchNorm running variance (`running_var`, under any prefix) holding a
     negative value; None if there is none. Screened with one read per device (the variances' minima stacked), as
-    `all_finite`."""
+    `sums_finite`."""
     keys = [k for k in sorted(tensors) if (k == "running_var" or k.endswith(".running_var"))
             and isinstance(tensors[k], torch.Tensor) and tensors[k].numel()]  # fmt: skip
     mins: dict[torch.device, list[torch.Tensor]] = {}
@@ -79,7 +79,7 @@ def client_diverged(rnd: int, cid: int, what: str, key: str) -> DivergedError:
 def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
     """Non-finite values only: a reply or a client state may hold changes rather than models (FedMTL replies
     w_i' − w_i, SCAFFOLD's control variates are differences), whose `running_var` entries may well be negative."""
-    if all_finite({**{f"reply/{k}": v for k, v in reply.items()}, **{f"state/{k}": v for k, v in state.items()}}):
+    if sums_finite([*reply.values(), *state.values()]):
         return  # one screen of both
     for what, tensors in (("reply", reply), ("state", state)):
         key = first_nonfinite(tensors)

@@ -327,7 +327,6 @@ class Tuner:
         self.seed = suite.tune.seed if suite.tune.seed is not None else suite.seeds[0]
         self.methods = [Method(n, spec, self) for n, spec in suite.methods.items()]
         self._storage = None
-        self._surplus = False
         self._checked: set[str] = set()
         self.plots: dict[str, dict[str, str]] = {}
         self.absent: dict[str, dict[str, str]] = {}  # method → {plot kind: why it is not drawn}
@@ -467,7 +466,6 @@ class Tuner:
         with warnings.catch_warnings():  # the storage's heartbeat is kept below, as optimize keeps it
             warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
             trial = study.ask()
-        self._surplus = False
         try:
             with _heartbeat(study._storage, trial._trial_id):
                 value = self._objective(method, trial, log)
@@ -498,7 +496,6 @@ class Tuner:
                  if t.number < trial.number]  # fmt: skip
         if len(ahead) >= method.budget:
             trial.set_user_attr("surplus", True)
-            self._surplus = True
             raise _Surplus
         params = {k: s.suggest(trial, k) for k, s in method.space.items()}
         cfg = method.config(self.seed, params)
