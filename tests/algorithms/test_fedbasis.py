@@ -1,7 +1,6 @@
 import csv
 import json
 import math
-import statistics
 import time
 from dataclasses import replace
 
@@ -584,7 +583,7 @@ def test_personal_model_is_one_ordinary_model_equal_to_the_functional_combinatio
             t0 = time.perf_counter()
             p.logits(xs)
             times[name].append(time.perf_counter() - t0)
-    ratio = statistics.median(times["personal"]) / statistics.median(times["plain"])
+    ratio = min(times["personal"]) / min(times["plain"])  # the fastest of each: a preempted call does not count
     assert ratio < 2.0  # an ensemble of K + 1 = 4 models would be ≈ 4×
     generic = algo.generic_model(server)  # uniform α; a client without α gets the same model object
     assert algo.personal_model(server, {}).params is generic.params
