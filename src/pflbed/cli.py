@@ -49,11 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only every N-th cell starting at the I-th (start N processes, shards 1/N … N/N)")
     b.add_argument("--table-only", action="store_true", help="only (re)write the tables from finished cells")
     b.add_argument("--list", action="store_true", help="list the cells and which are finished")
-    u = sub.add_parser("tune", help="fair hyperparameter search (Optuna): the same trial budget per method, chosen on "
-                       "validation, then default vs tuned over seeds")  # fmt: skip
+    u = sub.add_parser("tune", help="fair hyperparameter search (Optuna): the same training compute per method, "
+                       "chosen on validation, then default vs tuned over seeds")  # fmt: skip
     u.add_argument("-c", "--config", required=True, help="tune suite YAML file (docs/guide/tuning.md)")
     u.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of the suite, e.g. --set tune.trials=4, --set base.train.rounds=5, "
+                   help="override a key of the suite, e.g. --set tune.budget=4, --set base.train.rounds=5, "
                    "--set 'methods=[FedAvg]' (repeatable)")  # fmt: skip
     u.add_argument("--out", type=Path, help="tune directory (default: the suite's out, else runs/tune/<name>)")
     u.add_argument("--storage", metavar="URL", help="Optuna storage URL shared by workers (default: SQLite "
@@ -305,7 +305,7 @@ def _cmd_tune(args: argparse.Namespace) -> None:
             tuner.run_trials(args.max_trials, worker=args.worker, log=console.print)
         if args.worker:
             return
-        unfinished = [m.name for m in tuner.methods if tuner.counts(tuner.study(m))[0] < m.budget]
+        unfinished = [m.name for m in tuner.methods if not tuner.finished(m)]
         if not args.table_only and not unfinished:
             bench, _ = tuner.bench()
             bench.run(log=console.print, jobs=args.jobs)

@@ -108,7 +108,7 @@ BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {
 
 def suite(tmp_path, trials=2, methods=None, **tune):
     return {"name": "t", "out": str(tmp_path / "out"), "base": BASE, "seeds": [0],
-            "tune": {"trials": trials, "pruner": "none", **tune},
+            "tune": {"trials": trials, "budget": 1000, "pruner": "none", **tune},
             "methods": methods or {"FedAvg": {"set": {"algorithm.name": "fedavg"}}}}  # fmt: skip
 
 
@@ -135,7 +135,7 @@ def test_a_two_method_study_finishes_and_writes_the_table(tmp_path, capsys):
     assert table["storage"] == "study.db"  # the default, in the tune directory: no path of this machine
     tuner = Tuner(load_tune_suite(f))
     for r in rows.values():
-        assert r["budget"] == 2 and r["complete"] + r["pruned"] == 2
+        assert r["trials_cap"] == 2 and r["complete"] + r["pruned"] == 2
         assert r["default"]["P-FL"] is not None and r["tuned"]["P-FL"] is not None  # default vs tuned
         assert r["seeds"] == {"default": 1, "tuned": 1, "of": 1}
         assert (out / r["plots"]["history"]).exists()
@@ -214,34 +214,36 @@ def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_s
     lines: list[str] = []
     assert tuner.run_trials(log=lines.append) == 2
     starts = [line for line in lines if ": started, " in line]
-    assert [line.split(": started, ")[1] for line in starts] == ["1 of the budget's 2", "2 of the budget's 2"]
+    assert [line.split(": started, ")[1].split(";")[0] for line in starts] == ["trial 1", "trial 2"]
     rounds = [line for line in lines if "trial 1: round " in line]
     assert [line.split("round ")[1].split(",")[0] for line in rounds] == ["1/2", "2/2"]  # eval.every 1, 2 rounds
     assert all("pfl_val" in line for line in rounds)
     lines.clear()
     assert tuner.run_trials(worker=True, log=lines.append) == 0
-    assert lines == ["FedAvg: its budget is spent (2 of 2 trials finished)"]
+    assert len(lines) == 1 and lines[0].startswith("FedAvg: its budget is spent (") and "2 trials finished" in lines[0]
     tuner.study(tuner.methods[0]).ask()  # a trial running elsewhere, the budget one more
     wide = Tuner(TuneSuite.model_validate(suite(tmp_path, 3)))
     lines.clear()
     assert wide.run_trials(worker=True, log=lines.append) == 0
-    assert lines == ["FedAvg: nothing left to start (2 of 3 trials finished, 1 running elsewhere)"]
+    assert len(lines) == 1 and lines[0].startswith("FedAvg: nothing left to start (")
+    assert lines[0].endswith("base runs spent, 1 trial running elsewhere)")
 
 
 def test_the_table_marks_a_study_short_of_its_budget_and_says_what_its_std_is(tmp_path):
-    """A study with fewer finished trials than its budget is marked short in the table (its row is not yet an
-    equal-budget comparison); the intro says that ± is the population standard deviation over the seeds."""
-    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 4)))
+    """A study that has not spent its budget is marked short in the table (its row is not yet an equal-budget
+    comparison); the intro says that ± is the population standard deviation over the seeds."""
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, None, budget=4)))
 
-    def row(name, complete, pruned):
+    def row(name, complete, pruned, spent):
         return {"method": name, "budget": 4, "complete": complete, "pruned": pruned, "best_value": 0.5,
                 "objective": "pfl_val", "best_trial": 0, "chosen": {}, "default": {"P-FL": (80.0, 1.0)},
                 "tuned": {"P-FL": (81.0, 0.5)}, "seeds": {"default": 1, "tuned": 1, "of": 1},
-                "seconds": {"search": 60.0, "reruns": 60.0}}  # fmt: skip
+                "seconds": {"search": 60.0, "reruns": 60.0}, "finished": spent >= 4,
+                "compute": {"base_runs": spent, "unit_sample_passes": 100.0}}  # fmt: skip
 
-    _, cells = tuner.table([row("Full", 3, 1), row("Short", 2, 0)])
-    assert cells[0][1] == "4 (3 / 1)" and cells[1][1] == "4 (2 / 0), **2 short**"
-    assert "population standard deviation" in tuner._intro([row("Full", 3, 1)])
+    _, cells = tuner.table([row("Full", 3, 1, 4.1), row("Short", 2, 0, 2.0)])
+    assert cells[0][1:3] == ["4 (3 / 1)", "4.10 of 4"] and cells[1][1:3] == ["2 (2 / 0)", "2.00 of 4, **short**"]
+    assert "population standard deviation" in tuner._intro([row("Full", 3, 1, 4.1)])
 
 
 def test_a_ctrl_c_leaves_its_trial_running_for_the_next_command_to_queue_again(tmp_path, monkeypatch, caplog):
@@ -301,14 +303,20 @@ def test_equal_budgets_are_enforced(tmp_path, capsys):
                "FedProx": {"set": {"algorithm.name": "fedprox"}, "trials": 3}}  # fmt: skip
     assert main(["tune", "-c", write(tmp_path, suite(tmp_path, 2, methods))]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "methods.FedProx.trials: 3 trials against tune.trials 2" in err
+    assert "\n" not in err and "methods.FedProx.trials: 3 against tune.trials 2" in err
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods, unequal_budgets=True)))
-    assert [m.budget for m in tuner.methods] == [2, 3]
+    assert [m.trials for m in tuner.methods] == [2, 3]
+    methods["FedProx"] = {"set": {"algorithm.name": "fedprox"}, "budget": 5}
+    assert main(["tune", "-c", write(tmp_path, suite(tmp_path, 2, methods))]) == 2
+    assert "methods.FedProx.budget: 5.0 against tune.budget 1000.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"tune": {"trials": 2, "objective": "selected.pfl_acc"}}, "tune.objective: not a validation figure"),
-    ({"tune": {"trials": 0}}, "tune.trials: "),
+    ({"tune": {"budget": 2, "objective": "selected.pfl_acc"}}, "tune.objective: not a validation figure"),
+    ({"tune": {"trials": 0, "budget": 1}}, "tune.trials: "),
+    ({"tune": {"trials": 2}}, "tune.budget: "),
+    ({"seeds": [0, 100], "tune": {"budget": 1, "seed": 100}}, "tune.seed: 100 is one of the reported seeds"),
+    ({"tune": {"budget": 1, "warmup": 1}}, "tune.warmup: "),
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.nu": {"low": 1, "high": 2}}}}},
      "methods.P.space.algorithm.nu: "),
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.mu": {"low": -1, "high": 1}}}}},
@@ -527,7 +535,7 @@ def test_set_and_out_on_the_command_line_and_the_same_command_continues(tmp_path
     capsys.readouterr()
     assert main(cmd) == 0  # the same command again: the second trial, then the re-runs and the table
     assert len(finished(tuner, tuner.methods[0])) == 2
-    assert json.loads((d / "table.json").read_text())["methods"][0]["budget"] == 2
+    assert json.loads((d / "table.json").read_text())["methods"][0]["trials_cap"] == 2
     assert capsys.readouterr().out.rstrip().endswith(f"study: {d / 'study.db'}")  # the study's path, not "study.db"
 
 
@@ -537,8 +545,10 @@ def test_a_study_refuses_a_suite_whose_trials_would_differ(tmp_path, capsys):
     f = write(tmp_path, suite(tmp_path, 2))
     first = Tuner(load_tune_suite(f))
     first.study(first.methods[0])  # the study exists and records its setup
-    again = Tuner(load_tune_suite(f, ["tune.trials=3", "seeds=[0, 1]"]))
-    again.study(again.methods[0])  # more trials and more re-run seeds: the same study
+    again = Tuner(load_tune_suite(f, ["tune.trials=3", "tune.budget=2000"]))
+    again.study(again.methods[0])  # a larger budget: the same study
+    assert main(["tune", "-c", f, "--set", "seeds=[0, 1]"]) == 2  # other reported seeds: other trial data
+    assert "trial data excludes the tests of seeds: [0, 1], but the FedAvg study" in capsys.readouterr().err
     assert main(["tune", "-c", f, "--set", "base.train.rounds=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("pflbed: error: base.train.rounds: 3, but the FedAvg study in "), err

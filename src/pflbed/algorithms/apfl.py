@@ -80,7 +80,7 @@ class APFL(FedAvg):
             return F.cross_entropy(functional_call(model, params, (x,)), y)
 
         steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
-        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator):
+        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator, passes=2):
             x, y = data.batch(b, cctx.generator)  # one (augmented) batch for w's and v̄'s gradients
             wp = {k: w[k].requires_grad_(True) if k in names else w[k] for k in w}
             gw = torch.autograd.grad(loss(wp, x, y), [wp[k] for k in names])

@@ -104,7 +104,7 @@ class PFedMe(FedAvg):
         named = dict(model.named_parameters())
         local = {k: payload[k].detach().clone() for k in named}  # w_i ← w^t
         steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
-        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator):
+        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator, passes=o.K):
             x, y = data.batch(b, cctx.generator)
             for _ in range(o.K):  # Eq. 7 on the batch
                 grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(named.values()))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflbed import rng
+from pflbed import compute, rng
 from pflbed.algorithms.common import Budget, ClientData, Predictor, Same, Tensors, load_params
 from pflbed.algorithms.sgd import SGD
 from pflbed.federation import Federation
@@ -65,16 +65,20 @@ def validation_data(fed: Federation, data: ClientData) -> tuple[torch.Tensor, to
 
 
 def index_batches(
-    idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator
+    idx: torch.Tensor, batch_size: int, epochs: int, generator: torch.Generator, passes: int = 1
 ) -> Iterator[torch.Tensor]:
     """Shuffled mini-batches of indices, epoch after epoch; the last batch of an epoch may be smaller.
 
     The permutation is drawn on the generator's device (the CPU: one seed, the same order on every device) and
     applied to `idx`, so the batches are on `idx`'s device — the data's, since the federation's indices live there.
+    Each batch is counted as training work (`pflbed.compute`) when it is taken: its samples times `passes`, the
+    gradient computations the caller makes on it.
     """
     for _ in range(epochs):
         perm = idx[torch.randperm(len(idx), generator=generator, device=generator.device)]
-        yield from perm.split(batch_size)
+        for b in perm.split(batch_size):
+            compute.add(len(b) * passes)
+            yield b
 
 
 def sgd_epochs(

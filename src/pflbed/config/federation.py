@@ -70,6 +70,11 @@ class FederationConfig(Strict):
         description="each client's share of its samples kept as its validation split")
     test_fraction: float = Field(0.2, gt=0, lt=1,
         description="each client's share of its samples kept as its test split")
+    exclude_test_of: list[int] = Field(
+        default_factory=list, max_length=1000,
+        description="seeds whose federations (these settings, this key aside) test on samples this one must never "
+        "train or validate on: they are left out of its pool (`pflbed tune`'s trials, so that no reported test "
+        "sample tunes a hyperparameter)")
 
     @model_validator(mode="after")
     def _check(self) -> FederationConfig:
@@ -77,4 +82,6 @@ class FederationConfig(Strict):
             raise ValueError("val_fraction + test_fraction must be < 1")
         if self.new_clients >= self.clients:
             raise ValueError("new_clients must leave at least one participated client")
+        if self.exclude_test_of and self.manifest is not None:
+            raise ValueError("exclude_test_of draws a federation from a reduced pool; a manifest fixes one")
         return self

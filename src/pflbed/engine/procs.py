@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from pflbed import rng
+from pflbed import compute, rng
 from pflbed.algorithms.base import Algorithm, Predictor, Tensors
 from pflbed.engine.executor import LoopExecutor, update_client
 from pflbed.engine.packed import Packed, pack, unpack
@@ -115,8 +115,9 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
             continue
         rnd, cid, payload, state = body
         try:
+            before = compute.total()
             reply, new_state = update_client(algo, rnd, cid, *unpack(payload, device), *unpack(state, device))
-            _put(results, (cid, pack(reply, new_state), None, None))
+            _put(results, (cid, pack(reply, new_state), compute.total() - before, None))
         except BaseException as e:  # report it; the executor raises it in the main process
             _put(results, (cid, None, None, (type(e).__name__, str(e), traceback.format_exc())))
 
@@ -189,13 +190,14 @@ class WorkerPool:
 
     def collect(self) -> tuple[int, tuple[Tensors, Tensors]]:
         """The next finished client's (cid, (reply, state)); raises if the update failed or a worker died."""
-        cid, packed, _, error = self._next()
+        cid, packed, work, error = self._next()
         _raise(error, f"client {cid}")
+        compute.add(work)  # the worker's training, counted where the run is (`pflbed.compute`)
         reply, state = unpack(packed, self.device)
         return cid, (reply, state)
 
     def _next(self) -> tuple:
-        """The next (tag, result, result, error) from any worker; raises if a worker died."""
+        """The next (tag, result, result or sample passes, error) from any worker; raises if a worker died."""
         while True:
             try:
                 return _get(self.results, timeout=_POLL_S)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from pflbed.federation import federation as F
 from pflbed.federation.federation import Federation
 from pflbed.federation.manifest import read_manifest
@@ -25,7 +27,12 @@ def build_federation(source: DataSource, cfg: FederationConfig, seed: int, use_d
     path = F.cache_dir() / "federations" / f"{key}.pt"
     fed = F._load_cached(path, key) if use_disk_cache else None
     if fed is None:
-        fed = F._partition(source, cfg, seed, key)
+        excluded = None
+        if cfg.exclude_test_of:  # the same settings' federations of those seeds: their test samples left out
+            plain = cfg.model_copy(update={"exclude_test_of": []})
+            tests = [build_federation(source, plain, s, use_disk_cache).test_indices() for s in cfg.exclude_test_of]
+            excluded = torch.unique(torch.cat(tests)).numpy()
+        fed = F._partition(source, cfg, seed, key, excluded)
         if use_disk_cache:
             F._save_cached(fed, path)
     F._MEMORY[key] = fed

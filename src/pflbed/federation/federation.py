@@ -39,6 +39,7 @@ _PARTITION_KEYS = (
     "train_per_client",
     "public",
     "test_fraction",
+    "exclude_test_of",
 )
 _FORMAT = 2
 
@@ -86,6 +87,21 @@ class Federation:
         used[self.global_split].append(self.global_test)
         return {k: torch.unique(torch.cat([t.cpu() for t in v])) if v else torch.zeros(0, dtype=torch.int64)
                 for k, v in used.items()}  # fmt: skip
+
+    def test_indices(self) -> torch.Tensor:
+        """The training-pool samples its reported test figures are scored on: every client's (participated and new)
+        test split and the shared per-domain test sets (PFLBED). Its global test set, where it is the source's
+        test split, is not among them: nothing is ever drawn from that split to train or validate."""
+        parts = [c.test for c in self.clients] + list(self.domain_test)
+        if self.global_split == "train":
+            parts.append(self.global_test)
+        return torch.unique(torch.cat([t.cpu() for t in parts]))
+
+    def seen_indices(self) -> torch.Tensor:
+        """The training-pool samples a run trains or validates on (labelled or not): every client's training and
+        validation split, the public set and the shared per-domain validation sets."""
+        parts = [t for c in self.clients for t in (c.train, c.val)] + [self.public, *self.domain_val]
+        return torch.unique(torch.cat([t.cpu() for t in parts]))
 
     def to(self, device: torch.device | str) -> Federation:
         """Every index tensor and class prior on `device`, the data's device, so that indexing the data and
@@ -137,6 +153,8 @@ def cache_dir() -> Path:
 
 def federation_key(source: DataSource, cfg: FederationConfig, seed: int) -> str:
     spec = {k: v for k, v in cfg.model_dump(mode="json").items() if k in _PARTITION_KEYS}
+    if not spec["exclude_test_of"]:  # unset: the key every federation had before it existed (caches stay valid)
+        del spec["exclude_test_of"]
     if cfg.partition == "natural" and cfg.protocol == "standard":  # the users decide the clients
         users, kind = natural_users(source)
         spec.update(min_samples=cfg.min_samples, users=[kind, hashlib.sha256(users.tobytes()).hexdigest()[:16]])
@@ -147,20 +165,23 @@ def federation_key(source: DataSource, cfg: FederationConfig, seed: int) -> str:
 _MEMORY: dict[str, Federation] = {}
 
 
-def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str) -> Federation:
+def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str,
+               excluded: np.ndarray | None = None) -> Federation:  # fmt: skip
+    """The federation of `source` under `cfg` and `seed`, its pool the training split less `excluded`."""
     rng = np.random.default_rng([seed, 0xFED])
+    labels = source.train.y.numpy()
+    pool = np.arange(len(labels)) if excluded is None else np.setdiff1d(np.arange(len(labels)), excluded)
     if cfg.protocol == "pflbed":
-        return _pflbed(source, cfg, rng, key)
+        return _pflbed(source, cfg, rng, key, pool)
     if len(source.test) == 0:
         raise DataError(f"dataset {source.name!r} has no test split; use federation.protocol=pflbed")
-    labels = source.train.y.numpy()
-    pool, public = np.arange(len(labels)), np.zeros(0, dtype=np.int64)
+    public = np.zeros(0, dtype=np.int64)
     if cfg.public:
         if cfg.public >= len(labels):
             raise DataError(
                 f"federation.public: {cfg.public} public samples leave none of the {len(labels)} for clients"
             )
-        perm = np.random.default_rng([seed, 0x9B1C]).permutation(len(labels))  # own stream: clients split as before
+        perm = pool[np.random.default_rng([seed, 0x9B1C]).permutation(len(pool))]  # own stream: clients as before
         public, pool = np.sort(perm[: cfg.public]), np.sort(perm[cfg.public :])
     if cfg.clients > len(pool):
         raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(pool)} samples")
@@ -228,8 +249,9 @@ def client_split(
     return ClientSplit(*tensors, prior=torch.from_numpy(prior / prior.sum()), domain=domain)
 
 
-def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator, key: str) -> Federation:
-    split = pflbed_split(source, cfg, rng)
+def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator, key: str,
+            pool: np.ndarray) -> Federation:  # fmt: skip
+    split = pflbed_split(source, cfg, rng, pool)
     labels, empty = source.train.y.numpy(), np.zeros(0, dtype=np.int64)
     clients = [client_split(tr, empty, empty, labels, source.num_classes, d) for tr, d in split.clients]
     as_t = [torch.from_numpy(a.astype(np.int64)) for a in split.domain_test]

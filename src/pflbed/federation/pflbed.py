@@ -34,7 +34,10 @@ class PflbedSplit:
     domain_test: list[np.ndarray]
 
 
-def pflbed_split(source: DataSource, cfg: FederationConfig, rng: np.random.Generator) -> PflbedSplit:
+def pflbed_split(source: DataSource, cfg: FederationConfig, rng: np.random.Generator,
+                 pool: np.ndarray | None = None) -> PflbedSplit:  # fmt: skip
+    """Each domain's shared test and val sets, its clients and its new clients, drawn from the training samples
+    in `pool` (default: all)."""
     labels = source.train.y.numpy()
     if source.train.domain is None:
         raise DataError(
@@ -48,6 +51,8 @@ def pflbed_split(source: DataSource, cfg: FederationConfig, rng: np.random.Gener
     new_clients: list[tuple[np.ndarray, int]] = []
     for d, dname in enumerate(names):
         idx_d = np.flatnonzero(domains == d)
+        if pool is not None:
+            idx_d = np.intersect1d(idx_d, pool)
         test, val, rest = _balanced_holdout(idx_d, labels, source.num_classes, p.test, p.val, dname, rng)
         rest = rng.permutation(rest)
         n_part, n_new = round(p.participated * len(idx_d)), round(p.new * len(idx_d))

@@ -64,6 +64,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pflbed import compute
 from pflbed.config import Config, TrainConfig, _first_error, parse_override, set_dotted, validate_config
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.results.bench import Bench, MethodSpec, Suite, TableSpec, _get, _merge, _slug, read_suite_file
@@ -84,12 +85,22 @@ def _check_objective(v: str | None) -> str | None:
 
 class TuneSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    trials: int = Field(ge=1, le=100_000, description="trials per method (the budget)")
+    budget: float = Field(gt=0, le=1e6, description="training compute per method, in base runs: the sample passes of "
+                          "FedAvg's local training over one run of the base configuration (the same for every "
+                          "method); trials start while a study has spent less, the last one is cut when it is spent")
+    trials: int | None = Field(None, ge=1, le=100_000, description="at most this many trials per method (default: "
+                               "as many as the budget pays for)")
     sampler: Literal["tpe", "random"] = "tpe"
     pruner: Literal["median", "hyperband", "none"] = "median"
+    warmup: float = Field(0.25, ge=0, lt=1, description="share of the rounds before the pruner judges a trial (a "
+                          "slow starter is not cut at its first evaluation)")
     objective: str = Field("pfl_val", description="validation figure maximized (never a test figure)")
-    seed: int | None = Field(None, description="run seed of the trials and seed of the sampler (default: seeds[0])")
-    unequal_budgets: bool = Field(False, description="allow a method its own number of trials")
+    prune_on: Literal["pfl_val", "gfl_val"] = Field(
+        "pfl_val", description="the validation curve pruned on where the objective is not one (a summary field, "
+        "new_val): a proxy read at every evaluation")
+    seed: int | None = Field(None, ge=0, description="run seed of the trials and seed of the sampler; never one of "
+                             "`seeds` (default: 100, else the first free seed above the reported ones)")
+    unequal_budgets: bool = Field(False, description="allow a method its own budget or trials")
     space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned), all methods")
     undeclared: Literal["refuse", "warn"] = Field(
         "refuse", description="a method whose algorithm declares no search space for its own options: refused, or "
@@ -104,8 +115,10 @@ class TuneSpec(BaseModel):
 class TuneMethod(BaseModel):
     model_config = ConfigDict(extra="forbid")
     set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
+    budget: float | None = Field(None, gt=0, le=1e6, description="only with tune.unequal_budgets: true")
     trials: int | None = Field(None, ge=1, le=100_000, description="only with tune.unequal_budgets: true")
     objective: str | None = None
+    prune_on: Literal["pfl_val", "gfl_val"] | None = None
     space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned)")
     report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
 
@@ -127,6 +140,9 @@ class TuneSuite(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TuneSuite:
+        if self.tune.seed is not None and self.tune.seed in self.seeds:
+            raise ValueError(f"tune.seed: {self.tune.seed} is one of the reported seeds {self.seeds}: that seed's "
+                             "tuned re-run would be the chosen trial itself; give another")  # fmt: skip
         dirs: dict[str, str] = {}
         for m in self.methods:
             if _slug(m) in dirs:
@@ -245,10 +261,16 @@ class Method:
     def __init__(self, name: str, spec: TuneMethod, tuner: Tuner) -> None:
         self.name, self.spec, self.tuner = name, spec, tuner
         suite = tuner.suite
-        self.budget = spec.trials or suite.tune.trials
+        self.budget = spec.budget or suite.tune.budget  # in base runs (`Tuner.unit`)
+        self.trials = spec.trials or suite.tune.trials  # a cap, or None
         self.objective = spec.objective or suite.tune.objective
+        self.curve = self.objective if self.objective in CURVES else (spec.prune_on or suite.tune.prune_on)
         self.dir = tuner.out / "trials" / _slug(name)
-        default = self.config(suite.tune.seed if suite.tune.seed is not None else suite.seeds[0], {})
+        default = self.config(tuner.seed, {})
+        if default.executor.name == "flower":
+            raise ConfigError(f"methods.{name}: executor.name: flower trains on the sites, where `pflbed tune` cannot "
+                              "count a trial's compute; tune with loop, procs or threads")  # fmt: skip
+        self.rounds = default.train.rounds
         from pflbed.algorithms import get_algorithm
 
         options = get_algorithm(default.algorithm.name).Config
@@ -275,9 +297,12 @@ class Method:
                 except ConfigError as e:
                     raise ConfigError(f"methods.{name}.space.{key}: {v!r} does not validate ({e})") from None
 
-    def config(self, seed: int, params: dict[str, Any]) -> Config:
+    def config(self, seed: int, params: dict[str, Any], trial: bool = True) -> Config:
+        """The method's config with `params` on `seed`. A trial's (`trial`) leaves out of its data every sample the
+        reported seeds test on (`federation.exclude_test_of`): no reported test figure's sample tunes anything."""
         tree = _merge(self.tuner.suite.base, {})
-        for key, value in {**self.spec.set, **params, "seed": seed}.items():
+        extra = {"federation.exclude_test_of": self.tuner.suite.seeds} if trial else {}
+        for key, value in {**self.spec.set, **params, "seed": seed, **extra}.items():
             set_dotted(tree, key, value)
         try:
             return validate_config(tree)
@@ -290,12 +315,14 @@ class Method:
 
     def setup(self) -> dict[str, Any]:
         """What the study's trials depend on, as flat dotted keys (JSON values): the base config, the method's set,
-        its search space, its objective and the trial seed. The budget, the seeds of the re-runs and the table's
-        columns are not in it: they may change between two commands on one study."""
+        its search space, its objective and pruning curve, the trial seed and the reported seeds (whose test samples
+        the trials' data leaves out). The budget and the table's columns are not in it: they may change between two
+        commands on one study."""
         suite = self.tuner.suite
         out = {**_flat(suite.base, "base."), **{f"methods.{self.name}.set.{k}": v for k, v in self.spec.set.items()},
                **{f"space.{k}": s.text() for k, s in self.space.items()}, "objective": self.objective,
-               "trial seed": self.tuner.seed}  # fmt: skip
+               "pruned on": self.curve, "trial seed": self.tuner.seed,
+               "trial data excludes the tests of seeds": suite.seeds}  # fmt: skip
         return json.loads(json.dumps(out, default=str))
 
 
@@ -316,15 +343,19 @@ class Tuner:
     def __init__(self, suite: TuneSuite, out: str | Path | None = None, storage: str | None = None) -> None:
         t = suite.tune
         for m, spec in suite.methods.items():  # equal budgets, unless the suite says otherwise
-            if spec.trials is not None and spec.trials != t.trials and not t.unequal_budgets:
-                raise ConfigError(f"methods.{m}.trials: {spec.trials} trials against tune.trials {t.trials}: every "
-                                  "method gets the same budget (say tune.unequal_budgets: true to allow it)")
+            for key in ("budget", "trials"):
+                own, shared = getattr(spec, key), getattr(t, key)
+                if own is not None and own != shared and not t.unequal_budgets:
+                    raise ConfigError(f"methods.{m}.{key}: {own} against tune.{key} {shared}: every method gets "
+                                      "the same budget (say tune.unequal_budgets: true to allow it)")  # fmt: skip
         self.suite = suite
         self.out = Path(out or suite.out or Path("runs") / "tune" / suite.name)
         self.storage_url = storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
         self.storage_shown = "study.db" if storage is None else shown_storage(storage)  # table.json: no local path
         self.storage_path = str(self.out / "study.db") if storage is None else self.storage_shown  # messages
-        self.seed = suite.tune.seed if suite.tune.seed is not None else suite.seeds[0]
+        default_seed = 100 if 100 not in suite.seeds else max(suite.seeds) + 1  # never a reported seed
+        self.seed = suite.tune.seed if suite.tune.seed is not None else default_seed
+        self._unit: float | None = None
         self.methods = [Method(n, spec, self) for n, spec in suite.methods.items()]
         self._storage = None
         self._checked: set[str] = set()
@@ -368,8 +399,9 @@ class Tuner:
             seed = self.seed + self.methods.index(method) + 7919 * held
         sampler = (optuna.samplers.TPESampler(seed=seed, constant_liar=True) if t.sampler == "tpe"
                    else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
-        pruner = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2),
-                  "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=1),
+        warm = max(1, math.ceil(t.warmup * method.rounds))  # the first round a trial may be judged at
+        pruner = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=warm),
+                  "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=warm, max_resource=method.rounds),
                   "none": optuna.pruners.NopPruner}[t.pruner]()  # fmt: skip
         try:
             study = optuna.create_study(storage=self.storage(), study_name=method.study_name, sampler=sampler,
@@ -411,14 +443,48 @@ class Tuner:
         return (sum(s in (TrialState.COMPLETE, TrialState.PRUNED) for s in states),
                 sum(s == TrialState.RUNNING for s in states))  # fmt: skip
 
-    def recover(self, study) -> int:
-        """Trials left RUNNING by a dead process of this machine: marked failed, their parameters queued again."""
+    def unit(self) -> float:
+        """Sample passes of one base run: FedAvg's local training over every round of the base configuration on the
+        trial seed's data (each round's sampled clients × `local_epochs` × their training samples). The budget's
+        unit, the same for every method of the suite whatever its own settings."""
+        if self._unit is None:
+            from pflbed.data import load_source
+            from pflbed.federation import build_federation, sample_clients
+
+            tree = _merge(self.suite.base, {})
+            for key, value in {"seed": self.seed, "federation.exclude_test_of": self.suite.seeds}.items():
+                set_dotted(tree, key, value)
+            cfg = validate_config(tree)
+            fed = build_federation(load_source(cfg.dataset), cfg.federation, cfg.seed)
+            f, t = cfg.federation, cfg.train
+            self._unit = float(sum(t.local_epochs * fed.num_train(c) for r in range(1, t.rounds + 1)
+                                   for c in sample_clients(cfg.seed, r, fed.participated, f.sample_fraction,
+                                                           cfg.poisson_sampling())))  # fmt: skip
+        return self._unit
+
+    def spent(self, study, but: int | None = None) -> int:
+        """Sample passes the study's trials have trained (finished ones, and running ones so far), but trial
+        number `but`'s."""
         from optuna.trial import TrialState
 
-        host, n = socket.gethostname(), 0
+        return sum(int(t.user_attrs.get("passes", 0)) for t in study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)) if t.number != but)
+
+    def finished(self, method: Method, study=None) -> bool:
+        """Whether the method's study has its budget: its compute spent, or its trial cap finished."""
+        study = study or self.study(method)
+        done, running = self.counts(study)
+        spent = self.spent(study) >= method.budget * self.unit()
+        return not running and (spent or (method.trials is not None and done >= method.trials))
+
+    def recover(self, study) -> int:
+        """Trials left RUNNING by a dead process that this one can see (`_dead`): marked failed, their parameters
+        queued again. Others (another machine, another container) are left to the storage's heartbeat."""
+        from optuna.trial import TrialState
+
+        n = 0
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            pid = t.user_attrs.get("pid")
-            if t.user_attrs.get("host") != host or pid is None or _alive(pid):
+            if not _dead(t.user_attrs):
                 continue
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
@@ -435,16 +501,20 @@ class Tuner:
             study = self.study(method, worker)
             if self.recover(study):
                 log(f"{method.name}: re-queued the trials a stopped process left running")
+            budget = method.budget * self.unit()
             while max_trials is None or ran < max_trials:
                 done, running = self.counts(study)
-                if done >= method.budget:
+                spent = self.spent(study)
+                capped = method.trials is not None and done + running >= method.trials
+                if not running and (spent >= budget or capped):
                     if worker:
-                        log(f"{method.name}: its budget is spent ({done} of {method.budget} trials finished)")
+                        log(f"{method.name}: its budget is spent ({spent / self.unit():.2f} of {method.budget:g} "
+                            f"base runs, {done} trials finished)")  # fmt: skip
                     break
-                if done + running >= method.budget:  # the rest is running elsewhere
+                if spent >= budget or capped:  # the rest is running elsewhere
                     if worker:
-                        log(f"{method.name}: nothing left to start ({done} of {method.budget} trials finished, "
-                            f"{running} running elsewhere)")  # fmt: skip
+                        log(f"{method.name}: nothing left to start ({spent / self.unit():.2f} of {method.budget:g} "
+                            f"base runs spent, {running} trial{'s' * (running != 1)} running elsewhere)")  # fmt: skip
                         break
                     time.sleep(2)
                     with contextlib.suppress(Exception):
@@ -489,12 +559,14 @@ class Tuner:
 
         from pflbed.runs import run
 
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
-        ahead = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                                             TrialState.RUNNING))
+        for key, value in _process().items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("passes", 0)
+        study, budget = trial.study, method.budget * self.unit()
+        ahead = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                       TrialState.RUNNING))
                  if t.number < trial.number]  # fmt: skip
-        if len(ahead) >= method.budget:
+        if self.spent(study, but=trial.number) >= budget or (method.trials is not None and len(ahead) >= method.trials):
             trial.set_user_attr("surplus", True)
             raise _Surplus
         params = {k: s.suggest(trial, k) for k, s in method.space.items()}
@@ -505,34 +577,48 @@ class Tuner:
 
         shown = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in params.items())
         head = f"{method.name} trial {trial.number} ({shown})"
-        log(f"{head}: started, {len(ahead) + 1} of the budget's {method.budget}")
-        rounds = cfg.train.rounds
+        unit = self.unit()
+        log(f"{head}: started, trial {len(ahead) + 1}; {self.spent(study) / unit:.2f} of {method.budget:g} base runs "
+            "spent")  # fmt: skip
+        rounds, start = cfg.train.rounds, compute.total()
 
         def report(record: dict[str, Any]) -> None:
+            """At each evaluation: the compute so far (cut where it spends the budget), and the pruner's judgment
+            of the best validation figure so far on the method's curve."""
             nonlocal best
-            v = record.get(method.objective) if method.objective in CURVES else None
-            if v is None or v != v:
-                return
-            best = max(best, v)
-            log(f"  {method.name} trial {trial.number}: round {record['round']}/{rounds}, {method.objective} {_pct(v)}")
-            trial.report(best, record["round"])
-            if trial.should_prune():
-                raise optuna.TrialPruned(f"pruned at round {record['round']}")
+            rnd, passes = record["round"], compute.total() - start
+            trial.set_user_attr("passes", passes)
+            v = record.get(method.curve)
+            if v is not None and v == v:
+                best = max(best, v)
+                log(f"  {method.name} trial {trial.number}: round {rnd}/{rounds}, {method.curve} {_pct(v)}, "
+                    f"{passes / unit:.2f} base runs")  # fmt: skip
+                trial.report(best, rnd)
+                if trial.should_prune():
+                    raise optuna.TrialPruned(f"pruned at round {rnd}")
+            if rnd < rounds and self.spent(study, but=trial.number) + passes >= budget:
+                trial.set_user_attr("cut", rnd)
+                raise optuna.TrialPruned(f"the budget is spent at round {rnd}")
 
         t0 = time.perf_counter()
         try:
             res = run(cfg, path, progress=False, force=True, on_record=report)
-        except optuna.TrialPruned:
-            log(f"{head}: pruned, best {method.objective} {_pct(best)} ({time.perf_counter() - t0:.0f} s)")
+        except optuna.TrialPruned as e:
+            trial.set_user_attr("passes", compute.total() - start)
+            log(f"{head}: {'cut: ' if 'budget' in str(e) else ''}{e}, best {method.curve} {_pct(best)} "
+                f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
             raise
         except DivergedError as e:
+            trial.set_user_attr("passes", compute.total() - start)
             trial.set_user_attr("diverged", e.round)
             log(f"{head}: diverged in round {e.round}: counted as pruned")
             raise optuna.TrialPruned(f"diverged in round {e.round}") from None
         except ConfigError as e:  # valid key by key (checked above), refused together by the algorithm (L2GD's θ ≤ 1)
+            trial.set_user_attr("passes", compute.total() - start)
             trial.set_user_attr("refused", str(e))
             log(f"{head}: refused ({e}): counted as pruned")
             raise optuna.TrialPruned(f"refused: {e}") from None
+        trial.set_user_attr("passes", compute.total() - start)
         value = objective_value(res.summary, res.history, method.objective)
         if value is None:
             raise PflbedError(f"methods.{method.name}: the run has no {method.objective} (objective: pick a "
@@ -582,7 +668,10 @@ class Tuner:
             cols = {**self.suite.report, **(m.spec.report or {})}
             d, t = default_rows[m.name], tuned_rows.get(tuned_label.get(m.name, ""), {})
             out.append({
-                "method": m.name, "objective": m.objective, "budget": m.budget,
+                "method": m.name, "objective": m.objective, "pruned_on": m.curve, "budget": m.budget,
+                "trials_cap": m.trials, "finished": self.finished(m, study),
+                "compute": {"sample_passes": self.spent(study), "base_runs": round(self.spent(study) / self.unit(), 3),
+                            "unit_sample_passes": self.unit()},
                 "complete": sum(s == TrialState.COMPLETE for s in states),
                 "pruned": sum(s == TrialState.PRUNED for s in states),
                 "best_trial": None if best is None else best.number,
@@ -651,16 +740,17 @@ class Tuner:
         """The table's header and cells: per method the budget, the best trial, the chosen values, and each test
         column of the default and of the tuned configuration side by side."""
         cols = list(dict.fromkeys(c for r in rows for c in r["default"]))
-        head = ["method", "budget (complete / pruned)", "objective (best, trial)", "chosen values"]
+        head = ["method", "trials (complete / pruned)", "search compute (base runs)", "objective (best, trial)",
+                "chosen values"]  # fmt: skip
         head += [f"{c} {w}" for c in cols for w in ("default", "tuned")] + ["seeds (default/tuned)",
                                                                           "search / re-runs (min)"]
         out = []
         for r in rows:
             chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
             best = "—" if r["best_value"] is None else f"{r['objective']} {_pct(r['best_value'])} (#{r['best_trial']})"
-            short = r["budget"] - r["complete"] - r["pruned"]  # a study stopped before its budget: not comparable yet
-            budget = f"{r['budget']} ({r['complete']} / {r['pruned']})" + (f", **{short} short**" if short > 0 else "")
-            cells = [r["method"], budget, best, chosen]
+            trials = f"{r['complete'] + r['pruned']} ({r['complete']} / {r['pruned']})"
+            spent = f"{r['compute']['base_runs']:.2f} of {r['budget']:g}"  # a study stopped early: not comparable yet
+            cells = [r["method"], trials, spent + ("" if r["finished"] else ", **short**"), best, chosen]
             for c in cols:
                 for w in ("default", "tuned"):
                     v = r[w].get(c)
@@ -675,13 +765,22 @@ class Tuner:
         t = self.suite.tune
         search, reruns = (sum(r["seconds"][k] for r in rows) / 60 for k in ("search", "reruns"))
         n = len(self.suite.seeds)
+        unit = rows[0]["compute"]["unit_sample_passes"] if rows else self.unit()
+        cap = f", at most {t.trials} trials" if t.trials else ""
         return (f"Test figures (%), mean ± std over seeds {self.suite.seeds} (the population standard deviation of "
                 f"the {n} figures: divided by n, not n − 1), of each method's default configuration and of the "
-                f"configuration its study chose on validation ({t.sampler}, pruner {t.pruner}, trials on seed "
-                f"{self.seed}); the objective is the validation figure of the round selected on validation. "
-                f"Compute: {search:.0f} min of trials (their running times summed) and {reruns:.0f} min of re-runs "
-                f"(each run's wall time), {search + reruns:.0f} min in all. A budget marked short: the study has fewer "
-                "finished trials than its budget (stopped early): its row is not yet an equal-budget comparison.")
+                f"configuration its study chose on validation ({t.sampler}, pruner {t.pruner} from round "
+                f"{math.ceil(t.warmup * (self.methods[0].rounds if self.methods else 1))} on, trials on seed "
+                f"{self.seed}, whose data leaves out every sample seeds {self.suite.seeds} test on). Every method's "
+                f"search gets the same training compute: {t.budget:g} base runs{cap}, a base run being the "
+                f"{unit:,.0f} sample passes (samples through a gradient) of FedAvg's local training over one run "
+                "of the base configuration; a trial running when its study's budget is spent is cut at that "
+                "evaluation, so a study overshoots by at most the training between two evaluations and the final "
+                "stages of its last trial. The objective is the validation figure of the round selected on "
+                "validation. Wall time: "
+                f"{search:.0f} min of trials (their running times summed) and {reruns:.0f} min of re-runs "
+                f"(each run's wall time), {search + reruns:.0f} min in all. A compute marked short: the study has "
+                "not spent its budget yet (stopped early): its row is not yet an equal-budget comparison.")
 
     def markdown(self, rows: list[dict[str, Any]]) -> str:
         from pflbed.results.report import _md_table
@@ -768,14 +867,36 @@ def objective_value(summary: dict[str, Any], history: list[dict[str, Any]], obje
     return None if v is None or v != v else float(v)
 
 
-def _alive(pid: int) -> bool:
+def _process(pid: int | None = None) -> dict[str, Any]:
+    """Who runs a trial, as `_dead` tells it apart: the host name, the process id, the process-id namespace (two
+    containers of one host share a host name and may reuse each other's pids: a pid is only meaningful within its
+    namespace) and the process's start time in clock ticks since boot (a pid reused after a reboot or by a later
+    process is another process). The last two where Linux's /proc says them."""
+    pid = os.getpid() if pid is None else pid
+    out: dict[str, Any] = {"host": socket.gethostname(), "pid": pid}
+    with contextlib.suppress(OSError):
+        out["pidns"] = os.readlink(f"/proc/{'self' if pid == os.getpid() else pid}/ns/pid")
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        out["started"] = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: after the name, the 20th
+    return out
+
+
+def _dead(owner: dict[str, Any]) -> bool:
+    """Whether the process recorded in `owner` (`_process`) is known to be gone: only a process of this host and
+    of this process's pid namespace can be checked; anywhere else it may be alive, and is left alone."""
+    here, pid = _process(), owner.get("pid")
+    same_ns = owner.get("pidns", here.get("pidns")) == here.get("pidns")  # unrecorded: a trial of an older pflbed
+    if pid is None or owner.get("host") != here["host"] or not same_ns:
+        return False
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
-        return False
-    except PermissionError:
         return True
-    return True
+    except PermissionError:  # alive, another user's
+        return False
+    started = owner.get("started")
+    return started is not None and _process(int(pid)).get("started") not in (None, started)  # the pid reused
 
 
 def _pct(v: float) -> str:
