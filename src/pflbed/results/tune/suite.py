@@ -1,0 +1,184 @@
+"""A tune suite: its file format (pydantic models), loading it and `--set` overrides on it."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pflbed.config import _first_error, parse_override, set_dotted, validate_config
+from pflbed.errors import ConfigError
+from pflbed.results.bench import _merge, _slug, read_suite_file
+
+CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
+IMPORTANCE_MIN_TRIALS = 10  # parameter importances (a random forest over the trials) from fewer are noise
+PLOTS = {"history": "optimization history", "importance": "parameter importances"}
+OBJECTIVES = (*CURVES, "new_val")
+
+
+def _check_objective(v: str | None) -> str | None:
+    if v is None or v in OBJECTIVES or v.rsplit(".", 1)[-1].endswith("_val"):
+        return v
+    raise ValueError(f"not a validation figure; give one of {', '.join(OBJECTIVES)} or a summary field "
+                     "ending in _val (never a test figure)")  # fmt: skip
+
+
+class TuneSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    budget: float = Field(gt=0, le=1e6, description="training compute per method, in base runs: the sample passes of "
+                          "FedAvg's local training over one run of the base configuration (the same for every "
+                          "method); trials start while a study has spent less, the last one is cut when it is spent")
+    trials: int | None = Field(None, ge=1, le=100_000, description="at most this many trials per method (default: "
+                               "as many as the budget pays for)")
+    sampler: Literal["tpe", "random"] = "tpe"
+    pruner: Literal["median", "hyperband", "none"] = "median"
+    warmup: float = Field(0.25, ge=0, lt=1, description="share of the rounds before the pruner judges a trial (a "
+                          "slow starter is not cut at its first evaluation)")
+    objective: str = Field("pfl_val", description="validation figure maximized (never a test figure)")
+    prune_on: Literal["pfl_val", "gfl_val"] = Field(
+        "pfl_val", description="the validation curve pruned on where the objective is not one (a summary field, "
+        "new_val): a proxy read at every evaluation")
+    seed: int | None = Field(None, ge=0, description="run seed of the trials and seed of the sampler; never one of "
+                             "`seeds` (default: 100, else the first free seed above the reported ones)")
+    unequal_budgets: bool = Field(False, description="allow a method its own budget or trials")
+    space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned), all methods")
+    undeclared: Literal["refuse", "warn"] = Field(
+        "refuse", description="a method whose algorithm declares no search space for its own options: refused, or "
+        "(warn) tuned on the shared train.* keys alone, with a warning")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        return _check_objective(v)
+
+
+class TuneMethod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
+    budget: float | None = Field(None, gt=0, le=1e6, description="only with tune.unequal_budgets: true")
+    trials: int | None = Field(None, ge=1, le=100_000, description="only with tune.unequal_budgets: true")
+    objective: str | None = None
+    prune_on: Literal["pfl_val", "gfl_val"] | None = None
+    space: dict[str, Any] = Field(default_factory=dict, description="dotted key → space (null: not tuned)")
+    report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str | None) -> str | None:
+        return _check_objective(v)
+
+
+class TuneSuite(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    base: dict[str, Any] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    tune: TuneSpec
+    methods: dict[str, TuneMethod] = Field(min_length=1)
+    report: dict[str, str] = Field(default_factory=lambda: {"P-FL": "selected.pfl_acc", "G-FL": "selected.gfl_acc"})
+    out: str | None = Field(None, description="tune directory (default runs/tune/<name>; --out wins)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TuneSuite:
+        if self.tune.seed is not None and self.tune.seed in self.seeds:
+            raise ValueError(f"tune.seed: {self.tune.seed} is one of the reported seeds {self.seeds}: that seed's "
+                             "tuned re-run would be the chosen trial itself; give another")  # fmt: skip
+        dirs: dict[str, str] = {}
+        for m in self.methods:
+            if _slug(m) in dirs:
+                raise ValueError(f"methods {dirs[_slug(m)]!r} and {m!r} would share the directory {_slug(m)!r}")
+            dirs[_slug(m)] = m
+        return self
+
+
+def load_tune_suite(path: str | Path, overrides: list[str] | None = None) -> TuneSuite:
+    """The suite file with `--set KEY=VALUE` overrides applied; an error names the file's field or the `--set`."""
+    p = Path(path)
+    tree = read_suite_file(p)
+    if isinstance(tree, dict) and "tune" not in tree:
+        raise ConfigError(f"{p}: tune: missing (trials per method, …); `pflbed bench` runs suites without one")
+    keys = []
+    if overrides:
+        tree, keys = apply_overrides(tree if isinstance(tree, dict) else {}, overrides)
+    try:
+        suite = TuneSuite.model_validate(tree or {})
+    except ValidationError as e:
+        loc = ".".join(str(x) for x in e.errors()[0]["loc"])
+        given = any(loc == k or loc.startswith(f"{k}.") or k.startswith(f"{loc}.") for k in keys)
+        raise ConfigError(f"{'--set ' if given else f'{p}: '}{_first_error(e, model=TuneSuite)}") from None
+    base_keys = [k.removeprefix("base.") for k in keys if k.startswith("base.")]
+    if base_keys:  # a wrong run config key under base, named as given (else a method's config names it later)
+        try:
+            validate_config(_merge(suite.base, {}))
+        except ConfigError as e:
+            if any(str(e).startswith(f"{k}:") or str(e).startswith(f"{k}.") for k in base_keys):
+                raise ConfigError(f"--set base.{str(e).replace('did you mean ', 'did you mean base.')}") from None
+    return suite
+
+
+
+# Mappings whose keys are dotted config keys or column names: below them, the rest of a --set key is one key.
+_FLAT = {("tune", "space"), ("report",)}
+_FLAT_IN_METHOD = ("set", "space", "report")
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of the suite's tree with each `KEY=VALUE` set (the value read as YAML), and the keys set. KEY is the
+    suite's own dotted path; `methods=[A, B]` keeps those methods, `methods.A=null` drops one."""
+    tree, keys = copy.deepcopy(tree), []
+    fields = list(TuneSuite.model_fields)
+    for item in overrides:
+        key, value = parse_override(item)
+        parts = key.split(".")
+        if parts[0] not in fields:
+            raise ConfigError(f"--set {key}: not a key of a tune suite ({', '.join(fields)}); a run config key "
+                              f"goes under base (--set base.{key}=…) or a method's set "
+                              f"(--set methods.NAME.set.{key}=…)")  # fmt: skip
+        methods = tree.get("methods") if isinstance(tree.get("methods"), dict) else {}
+        if key == "methods" and isinstance(value, list):
+            if missing := [m for m in value if m not in methods]:
+                raise ConfigError(f"--set methods: no method {missing[0]!r} in the suite ({', '.join(methods)})")
+            tree["methods"] = {m: methods[m] for m in value}
+        elif parts[0] == "methods" and len(parts) > 1:
+            name = parts[1]
+            if name not in methods:
+                raise ConfigError(f"--set {key}: no method {name!r} in the suite ({', '.join(methods)})")
+            if len(parts) == 2:
+                if value is None:
+                    del methods[name]
+                else:
+                    methods[name] = value
+            elif parts[2] in _FLAT_IN_METHOD and len(parts) > 3:
+                spec = methods[name] if isinstance(methods[name], dict) else {}
+                methods[name] = spec
+                _flat_set(spec, parts[2], ".".join(parts[3:]), value, key)
+            else:
+                _set(methods[name], ".".join(parts[2:]), value, key)
+        elif tuple(parts[:2]) in _FLAT and len(parts) > 2:
+            _flat_set(tree.setdefault("tune", {}), "space", ".".join(parts[2:]), value, key)
+        elif tuple(parts[:1]) in _FLAT and len(parts) > 1:
+            tree.setdefault("report", TuneSuite.model_fields["report"].get_default(call_default_factory=True))
+            _flat_set(tree, "report", ".".join(parts[1:]), value, key)
+        else:
+            _set(tree, key, value, key)
+        keys.append(key)
+    return tree, keys
+
+
+def _set(node: Any, dotted: str, value: Any, key: str) -> None:
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {key}: not a section")
+    try:
+        set_dotted(node, dotted, value)
+    except ConfigError as e:
+        raise ConfigError(f"--set {key}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None:
+    mapping = node.setdefault(field, {}) if isinstance(node, dict) else None
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"--set {key}: {field} is not a mapping")
+    mapping[flat_key] = value
+

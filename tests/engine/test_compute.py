@@ -1,0 +1,44 @@
+"""`pflbed.compute`: a run's training work in sample passes, the unit `pflbed tune` budgets in."""
+
+import pytest
+
+from pflbed import compute
+from pflbed.config import validate_config
+from pflbed.data import load_source
+from pflbed.federation import build_federation, sample_clients
+from pflbed.runs import run
+
+from ..tiny import TINY
+
+
+def _passes(cfg: dict) -> int:
+    before = compute.total()
+    run(validate_config(cfg), write=False, progress=False)
+    return compute.total() - before
+
+
+def _fedavg_passes(cfg) -> int:
+    """FedAvg's local training by hand: every round's sampled clients × local epochs × their training samples."""
+    fed = build_federation(load_source(cfg.dataset), cfg.federation, cfg.seed)
+    return sum(cfg.train.local_epochs * fed.num_train(c) for r in range(1, cfg.train.rounds + 1)
+               for c in sample_clients(cfg.seed, r, fed.participated, cfg.federation.sample_fraction))  # fmt: skip
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_fedavg_run_counts_every_sampled_client_s_training_samples_per_epoch(epochs):
+    cfg = {**TINY, "algorithm": {"name": "fedavg"}, "train": {**TINY["train"], "local_epochs": epochs}}
+    assert _passes(cfg) == _fedavg_passes(validate_config(cfg)) > 0
+
+
+def test_the_worker_processes_training_is_counted_in_the_run_s_process():
+    cfg = {**TINY, "algorithm": {"name": "fedavg"}}
+    procs = {**cfg, "executor": {**TINY["executor"], "name": "procs", "workers": 2}}
+    assert _passes(procs) == _passes(cfg) == _fedavg_passes(validate_config(cfg))
+
+
+def test_gradient_steps_on_one_batch_count_as_passes_and_fine_tuning_counts():
+    """pFedMe takes K steps on each batch it draws: K passes; FedAvg+FT's final fine-tuning is training too."""
+    one = _passes({**TINY, "algorithm": {"name": "pfedme", "K": 1}})
+    assert _passes({**TINY, "algorithm": {"name": "pfedme", "K": 3}}) == 3 * one
+    plain = {**TINY, "algorithm": {"name": "fedavg"}}
+    assert _passes({**plain, "eval": {**TINY["eval"], "finetune": ["ft"]}}) > _passes(plain)

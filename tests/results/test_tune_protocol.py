@@ -1,0 +1,152 @@
+"""`pflbed tune`'s fairness rules (issue 51): equal training compute, a pruner that waits and sees every method's
+curve, trial data without the reported test samples, and trial owners told apart across containers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from optuna.distributions import FloatDistribution  # noqa: E402
+from optuna.trial import TrialState, create_trial  # noqa: E402
+
+from pflbed.config import validate_config  # noqa: E402
+from pflbed.data import load_source  # noqa: E402
+from pflbed.federation import build_federation  # noqa: E402
+from pflbed.results.tune import Tuner, TuneSuite, _dead, _process, load_tune_suite  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {"clients": 3},
+        "train": {"rounds": 2, "checkpoint_every": 0}, "eval": {"every": 1, "finetune": []},
+        "executor": {"threads": 1}}  # fmt: skip
+QUIET = {"log": lambda *_: None}
+
+
+def _tuner(tmp_path, methods, **tune) -> Tuner:
+    return Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": BASE, "seeds": [0],
+                                           "tune": {"pruner": "none", **tune}, "methods": methods}))  # fmt: skip
+
+
+def _done(tuner, m):
+    return tuner.study(m).get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def test_every_method_spends_the_same_compute_so_a_costlier_method_runs_fewer_trials(tmp_path):
+    """Two FedAvgs, one training 3 local epochs: with a budget of 3 base runs the 1-epoch method runs three trials,
+    the 3-epoch one a single trial, and both spend 3 base runs. Equal trials (the old rule) would give the 3-epoch
+    method three times the compute."""
+    fixed = {"train.local_epochs": None, "train.lr": None, "train.momentum": None, "algorithm.mu": None}
+    methods = {f"E{e}": {"set": {"algorithm.name": "fedprox", "train.local_epochs": e}, "space": fixed}
+               for e in (1, 3)}  # fmt: skip
+    methods["E1"]["space"] = {**fixed, "train.lr": {"low": 0.01, "high": 0.1}}  # something to sample
+    methods["E3"]["space"] = dict(methods["E1"]["space"])
+    tuner = _tuner(tmp_path, methods, budget=3)
+    tuner.run_trials(**QUIET)
+    unit = tuner.unit()
+    spent = {m.name: tuner.spent(tuner.study(m)) / unit for m in tuner.methods}
+    assert spent == {"E1": 3.0, "E3": 3.0}
+    assert [len(_done(tuner, m)) for m in tuner.methods] == [3, 1]
+    assert all(tuner.finished(m) for m in tuner.methods)
+
+
+def test_the_trial_that_spends_the_budget_is_cut_at_that_evaluation(tmp_path):
+    """A budget of 1.5 base runs: the second trial is cut after its first round (pruned, `cut`), leaving the study
+    within one evaluation interval of the budget instead of a whole trial over it."""
+    methods = {"F": {"set": {"algorithm.name": "fedprox"},
+                     "space": {"train.local_epochs": None, "train.momentum": None, "algorithm.mu": None}}}
+    tuner = _tuner(tmp_path, methods, budget=1.5)
+    tuner.run_trials(**QUIET)
+    first, second = _done(tuner, tuner.methods[0])
+    assert first.state == TrialState.COMPLETE and second.state == TrialState.PRUNED
+    assert second.user_attrs["cut"] == 1
+    assert tuner.spent(tuner.study(tuner.methods[0])) == 1.5 * tuner.unit()
+
+
+def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
+    """Median pruner, 8 rounds, warm-up a quarter: a trial far below the others is not judged at round 1 (the old
+    pruner cut most trials at their first evaluation), and is at round 2."""
+    base = {**BASE, "train": {**BASE["train"], "rounds": 8}}
+    tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": base, "seeds": [0],
+                                            "tune": {"budget": 10, "pruner": "median", "warmup": 0.25},
+                                            "methods": {"A": {"set": {"algorithm.name": "fedavg"}}}}))  # fmt: skip
+    study = tuner.study(tuner.methods[0])
+    dist = {"train.lr": FloatDistribution(1e-3, 0.3, log=True)}
+    for i in range(3):
+        study.add_trial(create_trial(params={"train.lr": 0.01 * (i + 1)}, distributions=dist, value=0.9,
+                                     intermediate_values={1: 0.9, 2: 0.9, 3: 0.9}))  # fmt: skip
+    trial = study.ask(dist)
+    trial.report(0.1, 1)
+    assert not trial.should_prune()
+    trial.report(0.1, 2)
+    assert trial.should_prune()
+
+
+def test_a_method_whose_objective_is_a_summary_field_is_pruned_on_a_proxy_curve(tmp_path):
+    """FedAvg+FT's objective (the fine-tuned models' validation P-FL) exists only at the end: its trials report the
+    global model's validation P-FL at every evaluation, so the pruner can judge it as it judges the others."""
+    methods = {"FedAvg+FT": {"set": {"algorithm.name": "fedavg", "eval.finetune": ["ft"]},
+                             "objective": "final.ft.pfl_val", "space": {"train.local_epochs": None}}}
+    tuner = _tuner(tmp_path, methods, budget=10, trials=1)
+    tuner.run_trials(**QUIET)
+    (trial,) = _done(tuner, tuner.methods[0])
+    assert sorted(trial.intermediate_values) == [1, 2] and tuner.methods[0].curve == "pfl_val"
+    assert trial.value is not None and trial.value != trial.intermediate_values[2]  # the objective: fine-tuned
+
+
+def test_the_default_trial_seed_is_never_a_reported_seed(tmp_path):
+    methods = {"A": {"set": {"algorithm.name": "fedavg"}}}
+    for seeds, seed in (([0, 1, 2], 100), ([100, 7], 101)):
+        suite = TuneSuite.model_validate({"name": "t", "base": BASE, "seeds": seeds, "tune": {"budget": 1},
+                                          "methods": methods})  # fmt: skip
+        assert Tuner(suite, out=tmp_path).seed == seed
+
+
+def _overlap(tuner: Tuner) -> int:
+    """Samples some trial trains or validates on that a reported seed's run tests on, over every method."""
+    bad = 0
+    for m in tuner.methods:
+        trial = m.config(tuner.seed, {})
+        source = load_source(trial.dataset)
+        seen = set(build_federation(source, trial.federation, trial.seed).seen_indices().tolist())
+        for s in tuner.suite.seeds:
+            cfg = m.config(s, {}, trial=False)
+            bad += len(seen & set(build_federation(source, cfg.federation, s).test_indices().tolist()))
+    return bad
+
+
+@pytest.mark.parametrize("name", ["tune_digits", "tune_fmnist", "leaderboard_fmnist"])
+def test_no_trial_of_a_committed_suite_trains_or_validates_on_a_reported_test_sample(name, monkeypatch):
+    path = ROOT / "benchmarks" / "suites" / f"{name}.yaml"
+    suite = load_tune_suite(path)
+    if suite.base.get("dataset", {}).get("name") == "fmnist" and not Path("/usr/share/datasets/fashion-mnist").is_dir():
+        pytest.skip("dataset-fashion-mnist not installed")
+    tuner = Tuner(suite, out=Path("/nonexistent"))
+    tuner.methods = tuner.methods[:1]  # every method shares the base's federation settings (checked below)
+    assert all(m.config(0, {}).federation == tuner.methods[0].config(0, {}).federation
+               for m in Tuner(suite, out=Path("/nonexistent")).methods)  # fmt: skip
+    assert _overlap(tuner) == 0
+    monkeypatch.setattr(type(tuner.methods[0]), "config",
+                        lambda self, seed, params, trial=True: validate_config(
+                            {**tuner.suite.base, "seed": seed}))  # the old trials: no exclusion  # fmt: skip
+    assert _overlap(tuner) > 0
+
+
+def test_a_trial_owner_is_dead_only_where_this_process_can_tell():
+    """Same host and pid namespace, pid gone: dead. Another pid namespace (a container sharing the host name): never
+    judged here, even if its pid is free here (host and pid alone would fail a live trial). A pid now held by a
+    process started later: dead."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here = _process()
+    assert _dead({**here, "pid": gone.pid, "started": None})
+    assert not _dead({**here, "pid": gone.pid, "pidns": "pid:[1]"})
+    assert not _dead(here)  # this very process
+    if "started" in here:
+        assert _dead({**here, "started": here["started"] - 1})  # this pid, but an earlier process's
+    assert not _dead({**here, "host": here["host"] + "-other", "pid": gone.pid})
+    assert os.getpid() == here["pid"]
