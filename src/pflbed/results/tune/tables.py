@@ -106,7 +106,8 @@ class Tables:
                 "of the base configuration; a trial running when its study's budget is spent is cut at that "
                 "evaluation, so a study overshoots by at most the training between two evaluations and the final "
                 "stages of its last trial. The objective is the validation figure of the round selected on "
-                "validation. Wall time: "
+                "validation (pfl_val, gfl_val), else the one its column names: a summary field is read where the "
+                "run puts it (FedAvg+FT's fine-tuned figure: at the final round). Wall time: "
                 f"{search:.0f} min of trials (their running times summed) and {reruns:.0f} min of re-runs "
                 f"(each run's wall time), {search + reruns:.0f} min in all. A compute marked short: the study has "
                 "not spent its budget yet (stopped early): its row is not yet an equal-budget comparison.")
