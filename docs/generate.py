@@ -1,6 +1,7 @@
 """Write the documentation pages that come from the code: one page per algorithm (its file's docstring — paper,
 equations, deviations — and its options model, the same sources `pflbed algorithms` reads), the algorithm index,
-and the configuration reference (every key of the config models, with its default and meaning).
+the configuration reference (every key of the config models, with its default and meaning) and the leaderboard
+(from its study's table.json, `docs/leaderboard.py`).
 
     python docs/generate.py           # (re)write docs/algorithms/*.md and docs/reference/config.md
     python docs/generate.py --check   # exit 1, naming the stale pages, if the committed pages differ from the code
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import leaderboard  # docs/leaderboard.py
 from markdown.extensions.toc import slugify
 from pydantic import BaseModel
 
@@ -68,7 +70,7 @@ def measured_results(name: str) -> list[str]:
     table's header, each section linked: an algorithm's page shows its measurements without a copy to drift."""
     key = re.sub(r"[^a-z0-9]", "", name)
     out: list[str] = []
-    for page in sorted(p for p in (DOCS / "results").glob("*.md") if p.name != "index.md"):
+    for page in sorted(p for p in (DOCS / "results").glob("*.md") if p.name not in ("index.md", "leaderboard.md")):
         heading, table = "", []
         lines = page.read_text().splitlines() + [""]
         for line in lines:
@@ -116,6 +118,11 @@ def algorithm_page(name: str) -> str:
                   *measured]
     else:
         lines.append("No table of the [results](../results/index.md) names it yet.\n")
+    board = leaderboard.algorithm_rows(name)
+    lines += ["## On the leaderboard\n", "Its rows of the [leaderboard](../results/leaderboard.md) (every algorithm "
+              "tuned with the same compute on one Fashion-MNIST setting; test figures, mean ± std over 3 seeds):\n",
+              *board, ""] if board else ["## On the leaderboard\n", "Not on the [leaderboard](../results/"
+                                         "leaderboard.md) yet.\n"]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -200,6 +207,7 @@ def pages() -> dict[Path, str]:
     out = {DOCS / "algorithms" / f"{n}.md": algorithm_page(n) for n in sorted(ALGORITHMS)}
     out[DOCS / "algorithms" / "index.md"] = algorithm_index()
     out[DOCS / "reference" / "config.md"] = config_page()
+    out[DOCS / "results" / "leaderboard.md"] = leaderboard.page()
     return out
 
 

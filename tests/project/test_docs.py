@@ -166,3 +166,37 @@ def test_ci_runs_exactly_the_readme_s_set_up_and_test_command_and_the_docs_show_
     for page in ("getting-started.md", "index.md"):
         shown = fence.findall((ROOT / "docs" / page).read_text())[0]
         assert command in [line.split("  #")[0].strip() for line in shown.splitlines()], page
+
+
+def test_the_leaderboard_ranks_by_each_figure_links_each_row_and_states_the_ordering_change(tmp_path, monkeypatch):
+    """From a table.json: one tab per figure, each ranked by the tuned figure (not the default), every row linking
+    to its chosen configuration, each algorithm page showing its rows, and the ordering change computed."""
+    import json
+
+    import leaderboard  # docs/leaderboard.py
+
+    def row(method, algo, d, t, g):
+        return {"method": method, "objective": "pfl_val", "budget": 10, "complete": 3, "pruned": 2,
+                "best_trial": 1, "best_value": 0.9, "chosen": {"train.lr": 0.05}, "finished": True,
+                "compute": {"base_runs": 10.2}, "default": {"P-FL": [d, 1.0], "G-FL": [g, 1.0]},
+                "tuned": {"P-FL": [t, 0.5], "G-FL": [100 - g, 1.0]}, "seeds": {"default": 3, "tuned": 3, "of": 3},
+                "algorithm": algo}  # fmt: skip
+
+    rows = [row("FedAvg", "fedavg", 80, 85, 70), row("Ditto", "ditto", 90, 84, 60), row("FedPer", "fedper", 70, 90, 80)]
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"seeds": [0, 1, 2], "trial_seed": 100, "methods": rows}))
+    monkeypatch.setattr(leaderboard, "TABLE", table)
+    monkeypatch.setattr(leaderboard, "rows", lambda: rows)
+    page = leaderboard.page()
+    pfl = page.split('=== "by P-FL"')[1].split("===")[0]
+    order = [line.split("|")[2].strip() for line in pfl.splitlines() if line.strip().startswith("| 1 ")
+             or line.strip().startswith(("| 2 ", "| 3 "))]  # fmt: skip
+    assert order == ["[FedPer](#config-fedper)", "[FedAvg](#config-fedavg)", "[Ditto](#config-ditto)"]
+    gfl = page.split('=== "by G-FL"')[1].split("##")[0]
+    assert gfl.index("[Ditto]") < gfl.index("[FedAvg]") < gfl.index("[FedPer]")  # tuned G-FL 40, 30, 20
+    assert "### Ditto { #config-ditto }" in page and "(../algorithms/ditto.md)" in page
+    assert "Kendall's τ between the default and the tuned P-FL orderings is -1.00" in page  # reversed
+    assert "default: Ditto, FedAvg, FedPer; tuned: FedPer, FedAvg, Ditto" in page
+    assert "Largest gains from tuning (P-FL points): FedPer +20.00, FedAvg +5.00, Ditto -6.00" in page
+    mine = "\n".join(leaderboard.algorithm_rows("fedavg"))
+    assert "| [FedAvg](../results/leaderboard.md#config-fedavg) | 80.00 ± 1.00 | 85.00 ± 0.50 | 70.00 ± 1.00 |" in mine
