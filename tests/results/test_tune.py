@@ -443,6 +443,9 @@ def test_the_committed_tune_suites_validate(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     tuner = Tuner(load_tune_suite(path))
     assert len({m.budget for m in tuner.methods}) == 1 and all(m.space for m in tuner.methods)
+    for m in tuner.methods:  # FedBasis's FedAvg warm-up trains train.local_epochs: searched, not dropped as unused
+        if m.config(tuner.seed, {}).algorithm.name == "fedbasis":
+            assert "train.local_epochs" in m.space, m.name
 
 
 def test_a_restarted_study_draws_new_parameters_not_the_first_process_s_again(tmp_path):
