@@ -92,15 +92,19 @@ from pflbed.algorithms.training import (
 )
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet, ModelNames
-from pflbed.search import Search, Space
+from pflbed.search import IntSearch, Search, Space
 
 STREAM = 0xFEDDF  # FedDF's own random streams (not one of pflbed.rng's tags): 0 initial models, 1 server distillation
 
 
 class FedDFOptions(BaseModel):
     """FedDF options (see the module docstring for the defaults and where they come from)."""
+    # server_steps: its server distillation is most of its training (500 steps of 256 public samples a round, the
+    # paper's upper bound with early stopping): searched on a log scale down to 10, so that a compute-equal search
+    # can trade it against more trials
     search: ClassVar[dict[str, Space]] = {"temperature": Search(0.5, 10.0, log=True),
-                                          "server_lr": Search(1e-4, 1e-2, log=True)}  # fmt: skip
+                                          "server_lr": Search(1e-4, 1e-2, log=True),
+                                          "server_steps": IntSearch(10, 500, log=True)}  # fmt: skip
 
     model_config = ConfigDict(extra="forbid")
     architectures: ModelNames = Field(default_factory=lambda: list(DEFAULT_ARCHITECTURES), min_length=1)
