@@ -102,6 +102,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "model.init_from": st.one_of(st.none(), st.sampled_from(["/nonexistent/model.pt", "/nonexistent"])),
     "model.init_blocks": st.lists(st.sampled_from(["all", "body", "head", "conv1", "classifier", "fc9"]), max_size=2),
     "federation.protocol": st.sampled_from(["standard", "pflbed"]),
+    "federation.exclude_test_of": st.lists(st.integers(min_value=-1, max_value=3), max_size=2),
     "federation.pflbed.participated": unit,
     "federation.pflbed.new": unit,
     "federation.pflbed.val": unit,

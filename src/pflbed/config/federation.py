@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pflbed.config.base import INT_MAX, Strict
+from pflbed.config.base import INT_MAX, SEED_MAX, Strict
 
 
 class PflbedSplitConfig(Strict):
@@ -70,7 +70,7 @@ class FederationConfig(Strict):
         description="each client's share of its samples kept as its validation split")
     test_fraction: float = Field(0.2, gt=0, lt=1,
         description="each client's share of its samples kept as its test split")
-    exclude_test_of: list[int] = Field(
+    exclude_test_of: list[Annotated[int, Field(ge=0, le=SEED_MAX)]] = Field(
         default_factory=list, max_length=1000,
         description="seeds whose federations (these settings, this key aside) test on samples this one must never "
         "train or validate on: they are left out of its pool (`pflbed tune`'s trials, so that no reported test "
