@@ -145,8 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                    "and test.npz go")  # fmt: skip
     d.add_argument("--client", type=int, metavar="ID", help="new-client: which held-out client (default: the first)")
     u.description = ("Fair hyperparameter search on Optuna: one study per method over its declared search space, "
-                     "the same training compute each (tune.budget, in base runs), every trial on data without the reported "
-                     "seeds' test samples and scored on a validation figure (never a test one); then each method's "
+                     "the same training compute each (tune.budget, in base runs), every trial on data without the "
+                     "reported seeds' test samples and scored on a validation figure (never a test one); then each "
+                     "method's "
                      "default and tuned configurations re-run over the suite's seeds, into one table. "
                      "The same command continues an interrupted suite. Guide: docs/guide/tuning.md.")  # fmt: skip
     _describe(sub)
