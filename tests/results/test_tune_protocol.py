@@ -67,6 +67,7 @@ def test_the_trial_that_spends_the_budget_is_cut_at_that_evaluation(tmp_path):
     assert tuner.spent(tuner.study(tuner.methods[0])) == 1.5 * tuner.unit()
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
 def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     """Median pruner, 8 rounds, warm-up a quarter: a trial far below the others is not judged at round 1 (the old
     pruner cut most trials at their first evaluation), and is at round 2."""
