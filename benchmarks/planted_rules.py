@@ -3,7 +3,8 @@
 mutmut (`benchmarks/mutation_screen.py`) changes operators and constants; it does not write the mistakes a person
 makes when implementing a paper — two phases swapped, a weight dropped, the wrong split selected on, a sign
 flipped in a chain rule. This script plants such mistakes by hand for the personalized-aggregation,
-hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC) and client-level DP
+hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC), the newer methods
+(FedLC) and client-level DP
 (`privacy`, guarded by tests/engine/test_privacy.py), each as an exact text
 replacement in a scratch copy of `src/` and `tests/`, and runs `tests/algorithms/test_<method>.py` against it:
 
@@ -162,6 +163,16 @@ PLANTS = [
     Plant("fedpac", "h_i = class means, not prior-weighted", "h = sums / max(n, 1)", "h = mean"),
     Plant("fedpac", "client i's head from column i of α, not row i", 'combine(alpha[i], heads[k])',
           'combine(alpha[:, i], heads[k])'),
+    # FedLC (Zhang et al. 2022): CE of g = f − τ·n_{c,y}^(−1/4), the client's own counts; the printed y' ≠ y form
+    Plant("fedlc", "calibration added, not subtracted", 'g = logits - consts["shift"].to(logits)',
+          'g = logits + consts["shift"].to(logits)'),
+    Plant("fedlc", "exponent −1/2 instead of −1/4", ".pow(-0.25)", ".pow(-0.5)"),
+    Plant("fedlc", "a missing class kept in the softmax", "torch.full_like(shift, math.inf)", "shift"),
+    Plant("fedlc", "the printed form with the true class in its denominator",
+          "others = g.scatter(1, y[:, None], -math.inf).logsumexp(1)", "others = g.logsumexp(1)"),
+    Plant("fedlc", "uniform counts instead of the client's own",
+          "shift = calibration(class_counts(data), o.tau, o.missing)",
+          "shift = calibration(torch.ones_like(class_counts(data)), o.tau, o.missing)"),
 ]
 # fmt: on
 

@@ -18,7 +18,7 @@ from pflbed.errors import ConfigError
 from pflbed.hints import did_you_mean
 
 ALGORITHM_NAMES = (
-    "apfl", "ditto", "fedamp", "fedavg", "fedbabu", "fedbasis", "fedbn", "feddf", "feddyn", "fedfomo", "fedmd",
+    "apfl", "ditto", "fedamp", "fedavg", "fedbabu", "fedbasis", "fedbn", "feddf", "feddyn", "fedfomo", "fedlc", "fedmd",
     "fedmtl", "fedpac", "fedper", "fedprox", "fedrep", "fedrod", "fedrod_hyper", "fedselect", "knnper", "ktpfl",
     "l2gd", "lg_fedavg", "local", "perfedavg", "pfeddf", "pfedhn", "pfedme", "scaffold", "sim_pfl", "topk_pfl",
 )  # fmt: skip
