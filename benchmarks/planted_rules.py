@@ -4,7 +4,7 @@ mutmut (`benchmarks/mutation_screen.py`) changes operators and constants; it doe
 makes when implementing a paper — two phases swapped, a weight dropped, the wrong split selected on, a sign
 flipped in a chain rule. This script plants such mistakes by hand for the personalized-aggregation,
 hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC), the newer methods
-(FedLC) and client-level DP
+(FedLC, MOON) and client-level DP
 (`privacy`, guarded by tests/engine/test_privacy.py), each as an exact text
 replacement in a scratch copy of `src/` and `tests/`, and runs `tests/algorithms/test_<method>.py` against it:
 
@@ -173,6 +173,16 @@ PLANTS = [
     Plant("fedlc", "uniform counts instead of the client's own",
           "shift = calibration(class_counts(data), o.tau, o.missing)",
           "shift = calibration(torch.ones_like(class_counts(data)), o.tau, o.missing)"),
+    # MOON (Li et al. 2021, Eqs. 2-3): CE + μ·ℓ_con, positive z_glob, negative z_prev, frozen models in eval mode
+    Plant("moon", "positive and negative swapped", "con = F.softplus(neg - pos)", "con = F.softplus(pos - neg)"),
+    Plant("moon", "no temperature on the positive",
+          "pos = F.cosine_similarity(flat, z_glob.flatten(1), dim=1) / self.tau",
+          "pos = F.cosine_similarity(flat, z_glob.flatten(1), dim=1)"),
+    Plant("moon", "the global model as the negative", "z_prev = run_blocks(model, prev, body, x).detach()",
+          "z_prev = run_blocks(model, glob, body, x).detach()"),
+    Plant("moon", "the previous model never updated", "lambda params: (params, dict(params))",
+          "lambda params: (params, dict(state))"),
+    Plant("moon", "frozen models in training mode", "with _frozen(model):", "with contextlib.nullcontext():"),
 ]
 # fmt: on
 

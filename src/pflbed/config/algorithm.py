@@ -20,7 +20,7 @@ from pflbed.hints import did_you_mean
 ALGORITHM_NAMES = (
     "apfl", "ditto", "fedamp", "fedavg", "fedbabu", "fedbasis", "fedbn", "feddf", "feddyn", "fedfomo", "fedlc", "fedmd",
     "fedmtl", "fedpac", "fedper", "fedprox", "fedrep", "fedrod", "fedrod_hyper", "fedselect", "knnper", "ktpfl",
-    "l2gd", "lg_fedavg", "local", "perfedavg", "pfeddf", "pfedhn", "pfedme", "scaffold", "sim_pfl", "topk_pfl",
+    "l2gd", "lg_fedavg", "local", "moon", "perfedavg", "pfeddf", "pfedhn", "pfedme", "scaffold", "sim_pfl", "topk_pfl",
 )  # fmt: skip
 
 
