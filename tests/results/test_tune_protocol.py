@@ -151,3 +151,21 @@ def test_a_trial_owner_is_dead_only_where_this_process_can_tell():
         assert _dead({**here, "started": here["started"] - 1})  # this pid, but an earlier process's
     assert not _dead({**here, "host": here["host"] + "-other", "pid": gone.pid})
     assert os.getpid() == here["pid"]
+
+
+def test_a_search_the_algorithm_refuses_throughout_stops_in_one_line(tmp_path, monkeypatch):
+    """A refused trial trains nothing, so it spends none of a compute budget: a space the algorithm refuses every
+    time (L2GD: θ = lr·λ·(1 − p)/p > 1 everywhere here) would loop for ever; after a run of refusals it stops,
+    naming the method and its space."""
+    import pflbed.results.tune.trials as trials
+
+    from pflbed.errors import PflbedError
+
+    monkeypatch.setattr(trials, "REFUSED_IN_A_ROW", 3)
+    space = {"train.lr": None, "train.local_epochs": None, "train.momentum": None,
+             "algorithm.lam": {"low": 5.0, "high": 10.0}, "algorithm.p": {"low": 0.1, "high": 0.2}}  # fmt: skip
+    methods = {"L2GD": {"set": {"algorithm.name": "l2gd", "train.lr": 0.3}, "space": space}}
+    tuner = _tuner(tmp_path, methods, budget=1)
+    with pytest.raises(PflbedError, match=r"methods.L2GD: the algorithm refused the last 3 trials' values"):
+        tuner.run_trials(max_trials=10, **QUIET)  # (the cap: without the rule, this would never end)
+    assert len(tuner.study(tuner.methods[0]).get_trials()) == 3

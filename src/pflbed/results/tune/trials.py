@@ -22,6 +22,21 @@ class _Surplus(Exception):
 
 
 
+REFUSED_IN_A_ROW = 25  # trials the algorithm refused, one after another, before the search gives up
+
+
+def refused_in_a_row(study, method: Method) -> None:
+    """Stop a search whose last `REFUSED_IN_A_ROW` finished trials the algorithm all refused: a refused trial trains
+    nothing, so it spends none of the budget, and a space where most draws are refused would never end."""
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))[-REFUSED_IN_A_ROW:]
+    if len(done) == REFUSED_IN_A_ROW and all("refused" in t.user_attrs for t in done):
+        why = done[-1].user_attrs["refused"]
+        raise PflbedError(f"methods.{method.name}: the algorithm refused the last {REFUSED_IN_A_ROW} trials' values "
+                          f"(e.g. {why}); narrow its space (methods.{method.name}.space)")
+
+
 class Trials:
     """The trials of a `Tuner`'s studies (a mixin: the state is the tuner's)."""
 
@@ -56,6 +71,7 @@ class Trials:
                     self.recover(study)
                     continue
                 ran += self._one_trial(study, method, log)
+                refused_in_a_row(study, method)
         return ran
 
     def _one_trial(self, study, method: Method, log) -> bool:
