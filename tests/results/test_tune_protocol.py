@@ -158,7 +158,6 @@ def test_a_search_the_algorithm_refuses_throughout_stops_in_one_line(tmp_path, m
     time (L2GD: θ = lr·λ·(1 − p)/p > 1 everywhere here) would loop for ever; after a run of refusals it stops,
     naming the method and its space."""
     import pflbed.results.tune.trials as trials
-
     from pflbed.errors import PflbedError
 
     monkeypatch.setattr(trials, "REFUSED_IN_A_ROW", 3)
