@@ -168,3 +168,18 @@ def test_a_search_the_algorithm_refuses_throughout_stops_in_one_line(tmp_path, m
     with pytest.raises(PflbedError, match=r"methods.L2GD: the algorithm refused the last 3 trials' values"):
         tuner.run_trials(max_trials=10, **QUIET)  # (the cap: without the rule, this would never end)
     assert len(tuner.study(tuner.methods[0]).get_trials()) == 3
+
+
+def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_path):
+    """The new clients' personalization trains (and would count against the budget) but only `new_val` reads it:
+    other trials skip it; the re-runs keep it (their new-client figures are reported)."""
+    base = {**BASE, "federation": {"clients": 4, "new_clients": 1}}
+    methods = {"A": {"set": {"algorithm.name": "fedavg"}}, "N": {"set": {"algorithm.name": "fedavg"},
+                                                                  "objective": "new_val"}}  # fmt: skip
+    tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path), "base": base, "seeds": [0],
+                                            "tune": {"budget": 1}, "methods": methods}))  # fmt: skip
+    plain, new = (m.config(tuner.seed, {}).eval.new_clients for m in tuner.methods)
+    assert plain.methods == [] and not plain.zero_shot
+    assert new.methods == ["ft", "lp"] and new.zero_shot
+    rerun = tuner.methods[0].config(0, {}, trial=False)
+    assert rerun.eval.new_clients.methods == ["ft", "lp"] and not rerun.federation.exclude_test_of
