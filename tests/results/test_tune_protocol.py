@@ -183,3 +183,16 @@ def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_pa
     assert new.methods == ["ft", "lp"] and new.zero_shot
     rerun = tuner.methods[0].config(0, {}, trial=False)
     assert rerun.eval.new_clients.methods == ["ft", "lp"] and not rerun.federation.exclude_test_of
+
+
+def test_a_study_whose_trial_costs_more_than_its_budget_still_completes_one(tmp_path):
+    """3 local epochs cost 3 base runs a trial, 1.5 by its first evaluation; with a budget of 1 the first trial is
+    not cut there (the study would end with nothing to choose): it completes, the study overshoots by that trial,
+    and no second one starts."""
+    space = {"train.local_epochs": None, "train.momentum": None, "algorithm.mu": None,
+             "train.lr": {"low": 0.01, "high": 0.1}}  # fmt: skip
+    methods = {"E3": {"set": {"algorithm.name": "fedprox", "train.local_epochs": 3}, "space": space}}
+    tuner = _tuner(tmp_path, methods, budget=1)
+    tuner.run_trials(**QUIET)
+    (only,) = _done(tuner, tuner.methods[0])
+    assert only.state == TrialState.COMPLETE and tuner.spent(tuner.study(tuner.methods[0])) == 3 * tuner.unit()

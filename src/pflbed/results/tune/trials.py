@@ -22,6 +22,19 @@ class _Surplus(Exception):
 
 
 
+def first_to_finish(study, number: int) -> bool:
+    """Whether trial `number` is spared the budget's cut: the study has no complete trial yet and it is the oldest
+    running one. Without it a method whose trials each cost more than the budget (or than its share, with several
+    workers starting trials at once) would end with none complete, nothing to choose; with it such a study
+    overshoots its budget by at most that one trial, which the table's compute column shows."""
+    from optuna.trial import TrialState
+
+    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return False
+    running = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+    return bool(running) and number == min(running)
+
+
 REFUSED_IN_A_ROW = 25  # trials the algorithm refused, one after another, before the search gives up
 
 
@@ -146,7 +159,8 @@ class Trials:
                 trial.report(best, rnd)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"pruned at round {rnd}")
-            if rnd < rounds and self.spent(study, but=trial.number) + passes >= budget:
+            spent = self.spent(study, but=trial.number) + passes >= budget
+            if rnd < rounds and spent and not first_to_finish(study, trial.number):
                 trial.set_user_attr("cut", rnd)
                 raise optuna.TrialPruned(f"the budget is spent at round {rnd}")
 
