@@ -172,14 +172,14 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str,
     labels = source.train.y.numpy()
     pool = np.arange(len(labels)) if excluded is None else np.setdiff1d(np.arange(len(labels)), excluded)
     if cfg.protocol == "pflbed":
-        return _pflbed(source, cfg, rng, key, pool)
+        return _pflbed(source, cfg, rng, key, None if excluded is None else pool)
     if len(source.test) == 0:
         raise DataError(f"dataset {source.name!r} has no test split; use federation.protocol=pflbed")
     public = np.zeros(0, dtype=np.int64)
     if cfg.public:
-        if cfg.public >= len(labels):
+        if cfg.public >= len(pool):
             raise DataError(
-                f"federation.public: {cfg.public} public samples leave none of the {len(labels)} for clients"
+                f"federation.public: {cfg.public} public samples leave none of the {len(pool)} for clients"
             )
         perm = pool[np.random.default_rng([seed, 0x9B1C]).permutation(len(pool))]  # own stream: clients as before
         public, pool = np.sort(perm[: cfg.public]), np.sort(perm[cfg.public :])
@@ -250,7 +250,7 @@ def client_split(
 
 
 def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator, key: str,
-            pool: np.ndarray) -> Federation:  # fmt: skip
+            pool: np.ndarray | None) -> Federation:  # fmt: skip
     split = pflbed_split(source, cfg, rng, pool)
     labels, empty = source.train.y.numpy(), np.zeros(0, dtype=np.int64)
     clients = [client_split(tr, empty, empty, labels, source.num_classes, d) for tr, d in split.clients]

@@ -52,10 +52,11 @@ class Reruns:
             best = self.best(m)
             cols = {**self.suite.report, **(m.spec.report or {})}
             d, t = default_rows[m.name], tuned_rows.get(tuned_label.get(m.name, ""), {})
+            spent = self.spent(study)
             out.append({
                 "method": m.name, "objective": m.objective, "pruned_on": m.curve, "budget": m.budget,
                 "trials_cap": m.trials, "finished": self.finished(m, study),
-                "compute": {"sample_passes": self.spent(study), "base_runs": round(self.spent(study) / self.unit(), 3),
+                "compute": {"sample_passes": spent, "base_runs": round(spent / self.unit(), 3),
                             "unit_sample_passes": self.unit()},
                 "complete": sum(s == TrialState.COMPLETE for s in states),
                 "pruned": sum(s == TrialState.PRUNED for s in states),

@@ -159,8 +159,8 @@ class Trials:
                 trial.report(best, rnd)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"pruned at round {rnd}")
-            spent = self.spent(study, but=trial.number) + passes >= budget
-            if rnd < rounds and spent and not first_to_finish(study, trial.number):
+            if (rnd < rounds and self.spent(study, but=trial.number) + passes >= budget
+                    and not first_to_finish(study, trial.number)):  # fmt: skip
                 trial.set_user_attr("cut", rnd)
                 raise optuna.TrialPruned(f"the budget is spent at round {rnd}")
 
@@ -168,21 +168,19 @@ class Trials:
         try:
             res = run(cfg, path, progress=False, force=True, on_record=report)
         except optuna.TrialPruned as e:
-            trial.set_user_attr("passes", compute.total() - start)
             log(f"{head}: {'cut: ' if 'budget' in str(e) else ''}{e}, best {method.curve} {_pct(best)} "
                 f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
             raise
         except DivergedError as e:
-            trial.set_user_attr("passes", compute.total() - start)
             trial.set_user_attr("diverged", e.round)
             log(f"{head}: diverged in round {e.round}: counted as pruned")
             raise optuna.TrialPruned(f"diverged in round {e.round}") from None
         except ConfigError as e:  # valid key by key (checked above), refused together by the algorithm (L2GD's θ ≤ 1)
-            trial.set_user_attr("passes", compute.total() - start)
             trial.set_user_attr("refused", str(e))
             log(f"{head}: refused ({e}): counted as pruned")
             raise optuna.TrialPruned(f"refused: {e}") from None
-        trial.set_user_attr("passes", compute.total() - start)
+        finally:  # the trial's compute, however it ended
+            trial.set_user_attr("passes", compute.total() - start)
         value = objective_value(res.summary, res.history, method.objective)
         if value is None:
             raise PflbedError(f"methods.{method.name}: the run has no {method.objective} (objective: pick a "
