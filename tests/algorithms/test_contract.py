@@ -156,7 +156,7 @@ def test_registry_discovers_exactly_the_algorithm_modules(monkeypatch):
 
     found = _rediscover(monkeypatch)
     files = {p.stem for p in Path(registry.__file__).parent.glob("*.py")} - {"__init__"}
-    assert set(found) == files - HELPER_MODULES and len(found) == 33
+    assert set(found) == files - HELPER_MODULES and len(found) == 41
     for name, cls in found.items():
         assert issubclass(cls, Algorithm) and cls.name == name and cls.__module__ == f"pflbed.algorithms.{name}"
     assert found["fedrod_hyper"] is not found["fedrod"]

@@ -44,7 +44,13 @@ def frozen(model: BlockNet, blocks: Iterable[str]) -> Iterator[None]:
     backward pass into frozen blocks (a head-only phase then never backpropagates through the body), and leaves no
     stale `.grad` on parameters nobody steps. Restored on exit, so the shared model object stays trainable.
     """
-    params = block_params(model, blocks)
+    with frozen_params(block_params(model, blocks)):
+        yield
+
+
+@contextmanager
+def frozen_params(params: list[nn.Parameter]) -> Iterator[None]:
+    """No gradient into `params` for the duration; each one's `requires_grad` restored on exit."""
     before = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(False)

@@ -18,9 +18,10 @@ from pflbed.errors import ConfigError
 from pflbed.hints import did_you_mean
 
 ALGORITHM_NAMES = (
-    "apfl", "ditto", "fedamp", "fedavg", "fedbabu", "fedbasis", "fedbn", "feddf", "feddyn", "fedfomo", "fedlc", "fedmd",
-    "fedmtl", "fedpac", "fedper", "fedprox", "fedrep", "fedrod", "fedrod_hyper", "fedselect", "knnper", "ktpfl",
-    "l2gd", "lg_fedavg", "local", "moon", "perfedavg", "pfeddf", "pfedhn", "pfedme", "scaffold", "sim_pfl", "topk_pfl",
+    "apfl", "apple", "ditto", "fedala", "fedamp", "fedas", "fedavg", "fedbabu", "fedbasis", "fedbn", "fedcac", "fedcp",
+    "feddbe", "feddf", "feddyn", "fedfomo", "fedlc", "fedmd", "fedmtl", "fedpac", "fedper", "fedproto", "fedprox",
+    "fedrep", "fedrod", "fedrod_hyper", "fedselect", "gpfl", "knnper", "ktpfl", "l2gd", "lg_fedavg", "local", "moon",
+    "perfedavg", "pfeddf", "pfedhn", "pfedme", "scaffold", "sim_pfl", "topk_pfl",
 )  # fmt: skip
 
 

@@ -1,0 +1,215 @@
+"""FedCP (Zhang et al., KDD 2023, Figure 2): the policy {r_i, s_i} = Gumbel-softmax of Θ_i(h_i ⊙ v̂_i) splits each
+feature between the frozen global head W^hd and the personalized head W_i^hd; local SGD on CE + λ·MMD²(h_i, h_i^g)
+against the frozen received extractor; the server averages W^fe, the uploaded heads and Θ; v_i is the column sum of
+W_i^hd. Every rule is recomputed here by hand on the tiny MLP (body fc1, fc2; head classifier)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pflbed import rng
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.fedcp import STREAM, mmd2
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+
+from ..tiny import TINY, same_tensors
+
+BODY = ["blocks.fc1.1.weight", "blocks.fc1.1.bias", "blocks.fc2.0.weight", "blocks.fc2.0.bias"]
+HEAD = ["blocks.classifier.weight", "blocks.classifier.bias"]
+CPN = ["cpn.0.weight", "cpn.0.bias", "cpn.1.weight", "cpn.1.bias"]
+PERSONAL = ["personal." + k for k in HEAD]
+
+
+def _cfg(**options):
+    return validate_config({**TINY, "train": {**TINY["train"], "local_epochs": 2, "momentum": 0.0},
+                            "algorithm": {"name": "fedcp", **options}, "executor": {"threads": 1}})  # fmt: skip
+
+
+def _update(algo, server, state, cid=0, seed=7):
+    data = algo.ctx.client_data(cid)
+    return algo.client_update(server, state, data, ClientContext(1, cid, torch.Generator().manual_seed(seed)))
+
+
+def _nudged(tensors, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+
+
+def body(p, x):
+    """h = φ(x; W^fe) of the tiny MLP."""
+    h = F.relu(F.linear(x.flatten(1), p["blocks.fc1.1.weight"], p["blocks.fc1.1.bias"]))
+    return F.relu(F.linear(h, p["blocks.fc2.0.weight"], p["blocks.fc2.0.bias"]))
+
+
+def ensemble(p, h, glob, personal, v, noise=None, tau=1.0):
+    """out = W^hd(r ⊙ h) + W_i^hd(s ⊙ h), (s, r) = softmax over the two rows of (ReLU(LN(Θ(h ⊙ v/‖v‖))) + noise)/τ."""
+    a = F.linear(h * v / v.norm(), p["cpn.0.weight"], p["cpn.0.bias"])
+    a = F.relu(F.layer_norm(a, (a.shape[1],), p["cpn.1.weight"], p["cpn.1.bias"])).view(len(h), 2, -1)
+    pol = torch.softmax((a if noise is None else a + noise) / tau, dim=1)
+    s, r = pol[:, 0], pol[:, 1]
+    return F.linear(r * h, glob[HEAD[0]], glob[HEAD[1]]) + F.linear(s * h, personal[HEAD[0]], personal[HEAD[1]])
+
+
+def mmd_by_hand(a, b, sigmas):
+    def k(u, v):
+        d = ((u[:, None, :] - v[None, :, :]) ** 2).sum(-1)
+        return sum(torch.exp(-d / (2 * s)) for s in sigmas)
+
+    return k(a, a).mean() + k(b, b).mean() - 2 * k(a, b).mean()
+
+
+def _trained_state(algo, server):
+    """A client state of its own: W_i^hd after one update from a perturbed model, and its v_i."""
+    _, state = _update(algo, _nudged(server, seed=3), algo.init_client(0), seed=3)
+    return state
+
+
+def test_the_client_update_is_sgd_on_e_i_through_the_policy_with_w_hd_and_the_reference_frozen():
+    lam, tau, beta, sigmas = 2.0, 0.7, 0.3, [10.0, 15.0, 20.0, 50.0]
+    algo = prepare(_cfg(lam=lam, tau=tau, upload_mix=beta))
+    server = _nudged(algo.init_server(), seed=1)  # W^hd apart from the client's W_i^hd
+    state = _trained_state(algo, server)
+    sent = {k: v.clone() for k, v in server.items()}
+    reply, new_state = _update(algo, server, state)
+    assert same_tensors(server, sent)  # the payload (W^fe, W^hd, Θ) is never moved
+    t, data = algo.ctx.cfg.train, algo.ctx.client_data(0)
+    w = {k: server[k].clone().requires_grad_(True) for k in BODY + CPN}
+    mine = {k: state["personal." + k].clone().requires_grad_(True) for k in HEAD}
+    v = state["context"]
+    g = torch.Generator().manual_seed(7)
+    for _ in range(t.local_epochs):
+        perm = data.train[torch.randperm(len(data.train), generator=g)]
+        for b in perm.split(t.batch_size):
+            x, y = data.x[b], data.y[b]
+            noise = -torch.empty(len(b), 2, algo.k).exponential_(generator=g).log()
+            h = body(w, x)
+            out = ensemble(w, h, server, mine, v, noise, tau)
+            loss = F.cross_entropy(out, y) + lam * mmd_by_hand(h, body(server, x).detach(), sigmas)
+            leaves = [*w.values(), *mine.values()]
+            grads = torch.autograd.grad(loss, leaves)
+            with torch.no_grad():
+                new = [p - t.lr * gr for p, gr in zip(leaves, grads, strict=True)]
+            w = {k: p.requires_grad_(True) for k, p in zip(w, new[: len(w)], strict=True)}
+            mine = {k: p.requires_grad_(True) for k, p in zip(mine, new[len(w) :], strict=True)}
+    assert set(reply) == set(BODY + HEAD + CPN)
+    for k in BODY + CPN:
+        assert torch.allclose(reply[k], w[k], atol=1e-5), k
+    for k in HEAD:  # the upload: (1 − β)·W_i^hd + β·W^hd
+        assert torch.allclose(new_state["personal." + k], mine[k], atol=1e-5), k
+        assert torch.allclose(reply[k], (1 - beta) * mine[k] + beta * server[k], atol=1e-5), k
+    assert torch.allclose(new_state["context"], mine[HEAD[0]].sum(0), atol=1e-4)
+
+
+def test_the_uploaded_head_is_the_personalized_head_itself_by_default_and_v_its_column_sum():
+    algo = prepare(_cfg())
+    server = _nudged(algo.init_server(), seed=1)
+    reply, state = _update(algo, server, _trained_state(algo, server))
+    assert all(torch.equal(reply[k], state["personal." + k]) for k in HEAD)
+    assert torch.equal(state["context"], state["personal." + HEAD[0]].sum(0))
+    assert not torch.equal(state["personal." + HEAD[0]], server[HEAD[0]])
+
+
+def test_the_server_averages_extractors_uploaded_heads_and_policy_networks_by_sample_counts():
+    algo = prepare(_cfg(upload_mix=0.5))
+    server = algo.init_server()
+    replies = {c: _update(algo, server, algo.init_client(c), cid=c)[0] for c in (0, 2)}
+    weights = {0: 3.0, 2: 1.0}
+    out = algo.aggregate(1, server, replies, weights)
+    assert set(out) == set(server)
+    for k in server:
+        assert torch.allclose(out[k], 0.75 * replies[0][k] + 0.25 * replies[2][k], atol=1e-6), k
+
+
+def test_the_personal_model_is_figure_2a_with_the_server_s_modules_and_the_client_s_head_and_context():
+    algo = prepare(_cfg())
+    server = _nudged(algo.init_server(), seed=1)
+    state = _trained_state(algo, server)
+    x = algo.ctx.source.test.x[:40]
+    with torch.no_grad():
+        want = ensemble(server, body(server, x), server, {k: state["personal." + k] for k in HEAD}, state["context"])
+        joining = ensemble(server, body(server, x), server, server, server[HEAD[0]].sum(0))
+        generic = F.linear(body(server, x), server[HEAD[0]], server[HEAD[1]])
+    assert torch.allclose(algo.personal_model(server, state).logits(x), want, atol=1e-5)
+    assert torch.allclose(algo.zero_shot(server, algo.ctx.client_data(0)).logits(x), joining, atol=1e-5)
+    assert torch.allclose(algo.generic_model(server).logits(x), generic, atol=1e-5)
+    # r + s = 1: with W_i^hd = W^hd the ensemble is the generic model with its bias counted twice
+    assert torch.allclose(joining, generic + server[HEAD[1]], atol=1e-4)
+
+
+def test_a_client_starts_from_the_initial_head_and_its_context_or_the_codes_shared_random_context():
+    algo = prepare(_cfg())
+    init = algo.ctx.initial_params
+    states = [algo.init_client(c) for c in (0, 1)]
+    for s in states:
+        assert all(torch.equal(s["personal." + k], init[k]) for k in HEAD)
+        assert torch.equal(s["context"], init[HEAD[0]].sum(0))
+    coded = prepare(_cfg(initial_context="random"))
+    a, b = coded.init_client(0)["context"], coded.init_client(4)["context"]
+    want = torch.rand(algo.k, generator=rng.generator(coded.ctx.seed, STREAM, 1))
+    assert torch.equal(a, want) and torch.equal(b, want)
+    _, trained = _update(coded, coded.init_server(), coded.init_client(0))
+    assert torch.equal(trained["context"], trained["personal." + HEAD[0]].sum(0))
+
+
+def test_mmd_is_the_biased_estimate_with_bandwidths_as_variances():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(7, 5, generator=g) * 3, torch.randn(7, 5, generator=g) * 3 + 1
+    for sigmas in ([10.0, 15.0, 20.0, 50.0], [0.5]):
+        assert torch.allclose(mmd2(a, b, sigmas), mmd_by_hand(a, b, sigmas), atol=1e-5)
+    assert abs(float(mmd2(a, a.clone(), [10.0]))) < 1e-5
+
+
+def test_lam_zero_drops_the_alignment_and_lam_changes_the_update():
+    algo0, algo5 = prepare(_cfg(lam=0.0)), prepare(_cfg(lam=5.0))
+    server = _nudged(algo0.init_server(), seed=1)
+    state = _trained_state(algo0, server)
+    r0, _ = _update(algo0, server, state)
+    r5, _ = _update(algo5, server, state)
+    assert not torch.allclose(r0[BODY[0]], r5[BODY[0]], atol=1e-6)
+    assert not all(torch.equal(r0[k], r5[k]) for k in HEAD + CPN)
+
+
+@pytest.mark.parametrize("method", ["ft", "lp"])
+def test_a_new_client_personalizes_from_w_hd_never_training_it(method):
+    algo = prepare(_cfg())
+    server = _nudged(algo.init_server(), seed=1)
+    data = algo.ctx.client_data(5)
+    models = list(algo.personalize(server, data, Budget(method, 2, 0.1, 16), torch.Generator().manual_seed(0)))
+    assert len(models) == 2
+    p = models[-1].params
+    assert all(torch.equal(p["net." + k], server[k]) for k in HEAD)  # W^hd frozen
+    assert torch.equal(p["context"], p["personal." + HEAD[0]].sum(0))
+    assert not torch.equal(p["personal." + HEAD[0]], server[HEAD[0]])  # W_i^hd starts at W^hd and trains
+    moved = [k for k in BODY + CPN if not torch.equal(p["net." + k] if k in BODY else p[k], server[k])]
+    assert moved == (BODY + CPN if method == "ft" else [])
+    assert (models[-1].feature_key is None) == (method == "ft")  # lp keeps the server's extractor: shared features
+
+
+def test_evaluation_noise_is_the_codes_gumbel_draw_and_reproducible():
+    algo, noisy = prepare(_cfg()), prepare(_cfg(eval_noise=True))
+    server = _nudged(algo.init_server(), seed=1)
+    state = _trained_state(algo, server)
+    x = algo.ctx.source.test.x[:20]
+    clean = algo.personal_model(server, state).logits(x)
+    first = noisy.personal_model(server, state).logits(x)
+    g = rng.generator(noisy.ctx.seed, STREAM, 2)
+    noise = -torch.empty(20, 2, algo.k).exponential_(generator=g).log()
+    with torch.no_grad():
+        want = ensemble(server, body(server, x), server, {k: state["personal." + k] for k in HEAD}, state["context"],
+                        noise)  # fmt: skip
+    assert torch.allclose(first, want, atol=1e-5) and not torch.allclose(first, clean, atol=1e-3)
+    assert torch.equal(noisy.personal_model(server, state).logits(x), first)
+
+
+def test_a_batchnorm_extractor_keeps_the_payload_and_moves_only_the_trained_statistics():
+    cfg = validate_config({**TINY, "model": {"name": "cnn_bn"}, "dataset": {"name": "digits"},
+                           "train": {**TINY["train"], "momentum": 0.0}, "algorithm": {"name": "fedcp"},
+                           "executor": {"threads": 1}})  # fmt: skip
+    algo = prepare(cfg)
+    server = algo.init_server()
+    sent = {k: v.clone() for k, v in server.items()}
+    reply, _ = _update(algo, server, algo.init_client(0))
+    assert same_tensors(server, sent)
+    stats = [k for k in algo.body_keys if "running_mean" in k]
+    assert stats and all(not torch.equal(reply[k], server[k]) for k in stats)

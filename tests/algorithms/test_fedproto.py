@@ -1,0 +1,291 @@
+"""FedProto (Tan et al., AAAI 2022): each client trains its own model on CE + λ·L_R, L_R the distance of its
+embeddings to the global class prototypes (Eq. 8); it replies its local prototypes (Eq. 5) and class counts; the
+server averages them per class (Eq. 6); a client predicts by the nearest global prototype."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pflbed
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.training import index_batches, load_params
+from pflbed.config import validate_config
+from pflbed.engine import batched
+from pflbed.engine.batched import train_together
+from pflbed.engine.loop import prepare
+from pflbed.evaluation.evaluate import last
+
+from ..tiny import TINY, same_tensors
+
+TRAIN = {**TINY["train"], "rounds": 2, "lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
+
+
+def _cfg(name="fedproto", **options):
+    return validate_config({**TINY, "train": {**TINY["train"], "local_epochs": 2, "momentum": 0.0},
+                            "algorithm": {"name": name, **options}, "executor": {"threads": 1}})  # fmt: skip
+
+
+def _update(algo, payload, state, cid, seed=7):
+    data = algo.ctx.client_data(cid)
+    return algo.client_update(payload, state, data, ClientContext(1, cid, torch.Generator().manual_seed(seed)))
+
+
+def _rich_client(algo):
+    """The participated client holding the most classes."""
+    fed = algo.ctx.federation
+    return max(fed.participated, key=lambda c: (int((fed.clients[c].prior > 0).sum()), -c))
+
+
+def _payload(algo, seed=0, masked=(7, 8, 9)):
+    """Global prototypes of every class but `masked` (random, of the embeddings' scale)."""
+    g = torch.Generator().manual_seed(seed)
+    server = algo.init_server()
+    protos = torch.rand(server["protos"].shape, generator=g)
+    mask = torch.ones_like(server["proto_mask"])
+    mask[list(masked)] = 0.0
+    return {"protos": protos * mask.unsqueeze(1), "proto_mask": mask}
+
+
+def _model_keys(algo):
+    return list(algo.ctx.model.state_dict())
+
+
+def _body(model, params, x):
+    load_params(model, {k: v for k, v in params.items() if k != "cid"})
+    return model.features(x).flatten(1)
+
+
+def _by_hand(algo, payload, state, cid, lam, regularizer="per_sample", seed=7):
+    """E epochs of SGD written out: (trained parameters, per epoch the (z, y) of its training forwards)."""
+    model, t, data = algo.ctx.model, algo.ctx.cfg.train, algo.ctx.client_data(cid)
+    protos, mask = payload["protos"], payload["proto_mask"]
+    params = dict(model.named_parameters())
+    w = {k: state[k].clone() for k in _model_keys(algo)}
+    per_epoch = math.ceil(data.num_train / t.batch_size)
+    seen = []
+    for i, b in enumerate(index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(seed))):
+        x, y = data.x[b], data.y[b]
+        load_params(model, w)
+        model.train()
+        z = model.features(x).flatten(1)
+        ce = F.cross_entropy(model.classify(z), y)
+        if regularizer == "per_sample":  # the authors' code: MSELoss against a target whose rows are C̄^(y)
+            target = z.detach().clone()
+            for r, label in enumerate(y.tolist()):
+                if mask[label] > 0:
+                    target[r] = protos[label]
+            reg = F.mse_loss(target, z)
+        else:  # Σ_j over the batch's classes with a prototype of the MSE between its batch mean and C̄^(j)
+            reg = sum(F.mse_loss(z[y == j].mean(0), protos[j]) for j in y.unique().tolist() if mask[j] > 0)
+        loss = ce + lam * reg
+        grads = torch.autograd.grad(loss, list(params.values()))
+        w = {**w, **{k: w[k] - t.lr * g for k, g in zip(params, grads, strict=True)}}
+        seen.append((i // per_epoch, z.detach(), y))
+    return w, seen
+
+
+def _class_means(z, y, num_classes):
+    means, counts = torch.zeros(num_classes, z.shape[1]), torch.zeros(num_classes)
+    for j in range(num_classes):
+        if (y == j).any():
+            means[j], counts[j] = z[y == j].double().mean(0).float(), float((y == j).sum())
+    return means, counts
+
+
+@pytest.mark.parametrize("regularizer", ["per_sample", "class_mean"])
+def test_the_client_update_is_sgd_on_eq_8_and_replies_eq_5_of_the_trained_model(regularizer):
+    lam = 0.8
+    algo = prepare(_cfg(lam=lam, regularizer=regularizer))
+    cid = _rich_client(algo)
+    data = algo.ctx.client_data(cid)
+    assert bool((data.prior[[7, 8, 9]] > 0).any())  # a class without a prototype is in the client's data
+    payload, state = _payload(algo), algo.init_client(cid)
+    reply, new = _update(algo, payload, state, cid)
+    w, _ = _by_hand(algo, payload, state, cid, lam, regularizer)
+    keys = [k for k, _ in algo.ctx.model.named_parameters()]
+    assert all(torch.allclose(new[k], w[k], atol=1e-5) for k in keys)
+    assert int(new["cid"]) == cid and set(new) == {"cid", *_model_keys(algo)}
+    model = algo.ctx.model
+    model.eval()
+    with torch.no_grad():
+        z = _body(model, new, data.x[data.train])
+    means, counts = _class_means(z, data.y[data.train], algo.num_classes)
+    assert set(reply) == {"proto", "count"}
+    assert torch.allclose(reply["proto"], means, atol=1e-5) and torch.equal(reply["count"], counts)
+    plain, _ = _update(algo, {**payload, "proto_mask": torch.zeros_like(payload["proto_mask"])}, state, cid)
+    assert not torch.allclose(reply["proto"], plain["proto"])  # the regulariser acted
+
+
+def test_the_first_round_and_lam_zero_are_local_training_bit_for_bit():
+    """No global prototype yet (round 1), or λ = 0: the client trains on CE alone, from its own model."""
+    algo, local = prepare(_cfg(lam=5.0)), prepare(_cfg("local"))
+    cid = _rich_client(algo)
+    _, state = _update(algo, algo.configure(1, algo.init_server(), [cid])[cid], algo.init_client(cid), cid)
+    _, plain = _update(local, {}, local.init_client(cid), cid)
+    assert same_tensors({k: state[k] for k in plain}, plain)
+    zero = pflbed.run(_cfg(lam=0.0), write=False, progress=False)
+    ref = pflbed.run(_cfg("local"), write=False, progress=False)
+    assert zero.executor.states.keys() == ref.executor.states.keys()
+    for c, s in ref.executor.states.items():
+        assert same_tensors({k: zero.executor.states[c][k] for k in s}, s)
+
+
+@pytest.mark.parametrize("weighting", ["samples", "clients"])
+def test_the_server_averages_each_class_over_the_clients_holding_it_eq_6(weighting):
+    algo = prepare(_cfg(weighting=weighting))
+    g = torch.Generator().manual_seed(3)
+    server = algo.init_server()
+    c, d = server["protos"].shape
+    previous = torch.rand(c, d, generator=g)
+    server = {"protos": previous, "proto_mask": torch.zeros(c)}
+    server["proto_mask"][[0, 9]] = 1.0  # class 9: held before, by none of this round's clients
+    counts = {0: torch.tensor([3.0, 1, 0, 0, 5, 0, 0, 0, 0, 0]), 2: torch.tensor([1.0, 0, 4, 0, 5, 0, 0, 0, 0, 0]),
+              5: torch.tensor([0.0, 7, 2, 0, 1, 0, 0, 0, 0, 0])}  # fmt: skip
+    replies = {i: {"proto": torch.rand(c, d, generator=g) * (n > 0).unsqueeze(1), "count": n}
+               for i, n in counts.items()}  # fmt: skip
+    out = algo.aggregate(1, server, replies, {0: 100.0, 2: 1.0, 5: 1.0})  # the engine's weights: not used
+    for j in range(c):
+        holders = [i for i in counts if counts[i][j] > 0]
+        if not holders:  # kept (class 9) or still without a prototype
+            assert torch.equal(out["protos"][j], previous[j])
+            assert out["proto_mask"][j] == server["proto_mask"][j]
+            continue
+        weight = {i: float(counts[i][j]) if weighting == "samples" else 1.0 for i in holders}
+        want = sum(weight[i] * replies[i]["proto"][j].double() for i in holders) / sum(weight.values())
+        assert torch.allclose(out["protos"][j].double(), want, atol=1e-6) and out["proto_mask"][j] == 1.0
+    assert out["proto_mask"].tolist() == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_last_epoch_prototypes_are_the_last_epoch_s_training_embeddings():
+    """`local_protos: last_epoch` (the authors' code): the mean of the embeddings the last epoch's training forwards
+    gave (train mode, each batch before its step); the model trained exactly as by default."""
+    algo, default = prepare(_cfg(local_protos="last_epoch")), prepare(_cfg())
+    cid = _rich_client(algo)
+    payload, state = _payload(algo), algo.init_client(cid)
+    assert algo.sgd_plan(payload, state, algo.ctx.client_data(cid)) is None  # its clients train one by one
+    reply, new = _update(algo, payload, state, cid)
+    _, ref = _update(default, payload, state, cid)
+    assert same_tensors(new, ref)
+    _, seen = _by_hand(algo, payload, state, cid, 1.0)
+    final = [(z, y) for e, z, y in seen if e == algo.ctx.cfg.train.local_epochs - 1]
+    means, counts = _class_means(torch.cat([z for z, _ in final]), torch.cat([y for _, y in final]), algo.num_classes)
+    assert torch.allclose(reply["proto"], means, atol=1e-5) and torch.equal(reply["count"], counts)
+
+
+def _trained(alpha=1.0):
+    cfg = validate_config({**_cfg().model_dump(), "federation": {**TINY["federation"], "alpha": alpha}})
+    r = pflbed.run(cfg, write=False, progress=False)
+    return r.executor.algo, r.server, r.executor.states
+
+
+def test_a_client_predicts_the_nearest_global_prototype_in_its_own_embedding():
+    algo, server, states = _trained()
+    cid = _rich_client(algo)
+    x = algo.ctx.source.test.x[:64]
+    mask = server["proto_mask"].clone()
+    mask[2] = 0.0  # a class without a prototype is never predicted
+    server = {**server, "proto_mask": mask}
+    pred = algo.personal_model(server, states[cid])
+    model = algo.ctx.model
+    model.eval()
+    with torch.no_grad():
+        z = _body(model, states[cid], x)
+    dist = torch.stack([((z - server["protos"][j]) ** 2).sum(1) for j in range(algo.num_classes)], 1)
+    dist[:, mask == 0] = math.inf
+    logits = pred.logits(x)
+    assert torch.equal(logits.argmax(1), dist.argmin(1))
+    assert torch.allclose(logits[:, mask > 0], -dist[:, mask > 0], atol=1e-4)
+    assert not (logits.argmax(1) == 2).any()
+
+
+def test_the_readout_options_restrict_to_the_client_s_classes_or_use_its_head():
+    algo, server, states = _trained(alpha=0.1)  # clients missing classes
+    fed = algo.ctx.federation
+    cid = min(fed.participated, key=lambda c: int((fed.clients[c].prior > 0).sum()))
+    own = fed.clients[cid].prior > 0
+    assert not bool(own.all())
+    server = {**server, "proto_mask": torch.ones_like(server["proto_mask"])}
+    x = algo.ctx.source.test.x[:200]
+    everywhere = algo.personal_model(server, states[cid]).logits(x)
+    algo.opts = algo.opts.model_copy(update={"predict": "own_prototypes"})
+    restricted = algo.personal_model(server, states[cid]).logits(x)
+    assert bool(own[restricted.argmax(1)].all()) and not bool(own[everywhere.argmax(1)].all())
+    assert torch.equal(restricted[:, own], everywhere[:, own])
+    algo.opts = algo.opts.model_copy(update={"predict": "head"})
+    model = algo.ctx.model
+    load_params(model, {k: states[cid][k] for k in _model_keys(algo)})
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(algo.personal_model(server, states[cid]).logits(x), model(x))
+    algo.opts = algo.opts.model_copy(update={"predict": "prototypes"})
+    none = {**server, "proto_mask": torch.zeros_like(server["proto_mask"])}  # before any prototype: the head
+    with torch.no_grad():
+        assert torch.equal(algo.personal_model(none, states[cid]).logits(x), model(x))
+
+
+def test_a_new_client_trains_the_initial_model_on_eq_8_towards_the_global_prototypes():
+    lam = 0.5
+    algo = prepare(_cfg(lam=lam))
+    cid = _rich_client(algo)
+    data, server = algo.ctx.client_data(cid), _payload(algo, seed=4)
+    budget = Budget("ft", 2, 0.05, 16)
+    preds = list(algo.personalize(server, data, budget, torch.Generator().manual_seed(9)))
+    assert len(preds) == 2
+    model = algo.ctx.model
+    params = dict(model.named_parameters())
+    w = {k: v.clone() for k, v in algo.ctx.initial_params.items()}
+    gen = torch.Generator().manual_seed(9)
+    for epoch in range(2):
+        for b in index_batches(data.train, 16, 1, gen):
+            x, y = data.x[b], data.y[b]
+            load_params(model, w)
+            model.train()
+            z = model.features(x).flatten(1)
+            target = torch.where((server["proto_mask"][y] > 0).unsqueeze(1), server["protos"][y], z.detach())
+            loss = F.cross_entropy(model.classify(z), y) + lam * F.mse_loss(target, z)
+            grads = torch.autograd.grad(loss, list(params.values()))
+            w = {**w, **{k: w[k] - 0.05 * g for k, g in zip(params, grads, strict=True)}}
+        got = preds[epoch].params  # each epoch's own snapshot
+        assert all(torch.allclose(got["net." + k], w[k], atol=1e-5) for k in params)
+        assert torch.equal(got["protos"], server["protos"]) and torch.equal(got["allowed"], server["proto_mask"])
+    probe = last(algo.personalize(server, data, Budget("lp", 1, 0.05, 16), torch.Generator().manual_seed(9)))
+    head = set(model.state_keys(model.head_blocks()))
+    assert all(torch.equal(probe.params["net." + k], v) for k, v in algo.ctx.initial_params.items() if k not in head)
+    assert algo.zero_shot(server, data) is None and algo.generic_model(server) is None
+
+
+def test_the_class_mean_regulariser_batched_is_each_client_s_own(monkeypatch):
+    """The engine's batched tests run the defaults; the other regulariser's per-client batch means must survive
+    the batched step's padding and weights too (two rounds with momentum and weight decay, as those tests)."""
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+    runs = []
+    for batch_clients in (False, True):
+        cfg = validate_config({**_cfg(regularizer="class_mean").model_dump(), "train": TRAIN,
+                               "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
+        runs.append(pflbed.run(cfg, write=False, progress=False))
+    loop, both = runs
+    assert calls and all(n > 1 for n in calls)
+    assert all(torch.allclose(loop.server[k], both.server[k], atol=1e-5) for k in loop.server)
+    for c, s in loop.executor.states.items():
+        assert all(torch.allclose(s[k].float(), both.executor.states[c][k].float(), atol=1e-5) for k in s)
+
+
+def test_replies_are_checked_against_the_prototypes_sent():
+    algo = prepare(_cfg())
+    cid = _rich_client(algo)
+    payload = _payload(algo)
+    reply, _ = _update(algo, payload, algo.init_client(cid), cid)
+    assert algo.reply_fits(payload, reply) is None
+    c, d = payload["protos"].shape
+    assert algo.reply_fits(payload, {**reply, "proto": reply["proto"][:, :-1]}) == \
+        f"has 'proto' of shape {[c, d - 1]}, expected {[c, d]}"  # fmt: skip
+    assert algo.reply_fits(payload, {**reply, "count": reply["count"].double()}) == \
+        "has 'count' of dtype torch.float64, expected torch.float32"  # fmt: skip
+    assert algo.reply_fits(payload, {"proto": reply["proto"]}) == "lacks 'count'"
+    negative = reply["count"].clone()
+    negative[0] = -1.0
+    assert algo.reply_fits(payload, {**reply, "count": negative}) == "has 'count' with a negative entry"
+    assert type(algo).dp_refused is not None and type(algo).client_entries is None
