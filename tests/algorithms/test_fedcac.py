@@ -43,7 +43,7 @@ def _paper_mask(before, after, tau):
         positive = metric[metric > 1e-20]
         if len(positive):
             thresh = positive.sort()[0][0]
-    return (torch.abs((after - before) * after) >= thresh)
+    return torch.abs((after - before) * after) >= thresh
 
 
 # --- Eqs. 1–2: the critical parameters ---------------------------------------------------------------------------

@@ -92,9 +92,9 @@ class FedCACOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     search: ClassVar[dict[str, Space]] = {"tau": Search(0.1, 0.9), "beta": IntSearch(1, 300, log=True)}
     tau: float = Field(0.5, ge=0, le=1, description="τ: the fraction of each parameter tensor's entries that are "
-                       "critical, the most sensitive ones (official 0.5 CIFAR-10, 0.4 CIFAR-100; 0: none)")
+                       "critical, the most sensitive ones (official 0.5 CIFAR-10, 0.4 CIFAR-100; 0: none)")  # fmt: skip
     beta: int = Field(100, ge=1, le=1_000_000, description="β: rounds over which the collaboration threshold rises "
-                      "from the mean overlap to the largest (official 100 CIFAR-10, 170 CIFAR-100)")
+                      "from the mean overlap to the largest (official 100 CIFAR-10, 170 CIFAR-100)")  # fmt: skip
 
 
 def critical_mask(before: torch.Tensor, after: torch.Tensor, tau: float) -> torch.Tensor:
