@@ -4,7 +4,7 @@ mutmut (`benchmarks/mutation_screen.py`) changes operators and constants; it doe
 makes when implementing a paper — two phases swapped, a weight dropped, the wrong split selected on, a sign
 flipped in a chain rule. This script plants such mistakes by hand for the personalized-aggregation,
 hypernetwork, memory and prototype baselines (FedAMP, FedFomo, pFedHN, kNN-Per, FedPAC), the newer methods
-(FedLC, MOON) and client-level DP
+(FedLC, MOON, FedALA, FedCP, GPFL, FedDBE, FedProto, FedAS, FedCAC, APPLE) and client-level DP
 (`privacy`, guarded by tests/engine/test_privacy.py), each as an exact text
 replacement in a scratch copy of `src/` and `tests/`, and runs `tests/algorithms/test_<method>.py` against it:
 
@@ -244,6 +244,10 @@ PLANTS = [
           "return d.masked_fill(~allowed, -math.inf)"),
     Plant("fedproto", "last_epoch prototypes averaged over every epoch",
           "rec = Recorder(self.objective, (t.local_epochs - 1) * per_epoch)", "rec = Recorder(self.objective, 0)"),
+    Plant("fedproto", "heterogeneous: every client given the first listed architecture",
+          "return architecture_of(cid, self.blocks, self.n_total)", "return self.blocks[0]"),
+    Plant("fedproto", "heterogeneous: Eq. 5 in the run's model's embedding, not the client's own architecture's",
+          "z = embeddings(model, data.x[data.train])", "z = embeddings(self.ctx.model, data.x[data.train])"),
     # GPFL (Zhang et al. 2023, Eqs. 1-5): L^P on CoV(f, p_i), L^alg and L^mlg on CoV(f, g), Ĉ frozen, head kept home
     Plant("gpfl", "angle-level guidance on the personalized features", "cosine_logits(f_g, params[TABLE])",
           "cosine_logits(f_p.flatten(1), params[TABLE])"),

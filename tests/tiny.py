@@ -39,6 +39,10 @@ VARIANTS = {
     # client-level DP: clipped where the client runs, Poisson sampling, noised by the server (test_privacy.py); the
     # seeded stream named, since a Flower run draws from the OS by default (test_privacy_deployed.py)
     "fedper+dp": ("fedper", {}, {"privacy": {"clip": 0.5, "noise_multiplier": 0.8, "randomness": "seeded"}}),
+    # FedProto's heterogeneous clients (its `models`; LIGHT's architectures differ in embedding size, which its
+    # prototypes cannot bridge): two architectures of one embedding size, the run's own and a BatchNorm one that
+    # the algorithm initialises from its own seeded stream in every process
+    "fedproto+heterogeneous": ("fedproto", {"models": ["lenet5", "lenet5_bn"]}, {"model": {"name": "lenet5"}}),
 }
 PARITY_CASES = sorted(ALGORITHMS) + sorted(VARIANTS)
 

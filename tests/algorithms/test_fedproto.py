@@ -1,6 +1,7 @@
 """FedProto (Tan et al., AAAI 2022): each client trains its own model on CE + λ·L_R, L_R the distance of its
 embeddings to the global class prototypes (Eq. 8); it replies its local prototypes (Eq. 5) and class counts; the
-server averages them per class (Eq. 6); a client predicts by the nearest global prototype."""
+server averages them per class (Eq. 6); a client predicts by the nearest global prototype. With `models`, clients
+train different architectures of one embedding size, and the prototypes of all of them meet in Eq. 6."""
 
 import math
 
@@ -11,11 +12,14 @@ import torch.nn.functional as F
 import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.training import index_batches, load_params
+from pflbed.cli import main
 from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.engine.batched import train_together
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
+from pflbed.models import build_model
 
 from ..tiny import TINY, same_tensors
 
@@ -57,12 +61,13 @@ def _body(model, params, x):
     return model.features(x).flatten(1)
 
 
-def _by_hand(algo, payload, state, cid, lam, regularizer="per_sample", seed=7):
-    """E epochs of SGD written out: (trained parameters, per epoch the (z, y) of its training forwards)."""
-    model, t, data = algo.ctx.model, algo.ctx.cfg.train, algo.ctx.client_data(cid)
+def _by_hand(algo, payload, state, cid, lam, regularizer="per_sample", seed=7, model=None):
+    """E epochs of SGD written out (on `model`, default the run's): (trained parameters, per epoch the (z, y) of its
+    training forwards)."""
+    model, t, data = model or algo.ctx.model, algo.ctx.cfg.train, algo.ctx.client_data(cid)
     protos, mask = payload["protos"], payload["proto_mask"]
     params = dict(model.named_parameters())
-    w = {k: state[k].clone() for k in _model_keys(algo)}
+    w = {k: state[k].clone() for k in model.state_dict()}
     per_epoch = math.ceil(data.num_train / t.batch_size)
     seen = []
     for i, b in enumerate(index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(seed))):
@@ -289,3 +294,121 @@ def test_replies_are_checked_against_the_prototypes_sent():
     negative[0] = -1.0
     assert algo.reply_fits(payload, {**reply, "count": negative}) == "has 'count' with a negative entry"
     assert type(algo).dp_refused is not None and type(algo).client_entries is None
+
+
+# --- heterogeneous clients (`models`) --------------------------------------------------------------------------------
+HET = ["lenet5", "lenet5_bn"]  # one embedding size (84), the second with BatchNorm: other parameters and buffers
+ARCH = ["lenet5"] * 3 + ["lenet5_bn"] * 3  # TINY's 6 clients in contiguous blocks, as feddf and ktpfl assign them
+
+
+def _het_cfg(models=HET, batch_size=16, **options):
+    """`_cfg` with client c on ARCH[c]. A BatchNorm step on a batch of a few samples is ill-conditioned (rounding
+    grows by orders of magnitude): the by-hand comparison takes a batch size that leaves none on lenet5_bn."""
+    cfg = _cfg(**options).model_dump()
+    return validate_config({**cfg, "model": {"name": "lenet5"}, "train": {**cfg["train"], "batch_size": batch_size},
+                            "algorithm": {"name": "fedproto", "models": models, **options}})  # fmt: skip
+
+
+def _fresh(algo, arch, params):
+    """A zoo model of `arch` built here (not the algorithm's), loaded with `params`, in eval mode."""
+    model = build_model(arch, algo.ctx.source.input_shape, algo.num_classes)
+    load_params(model, {k: v for k, v in params.items() if k != "cid"})
+    return model.eval()
+
+
+def test_heterogeneous_clients_train_their_own_architecture_and_eq_6_averages_all_of_them():
+    """Client c trains ARCH[c] from its architecture's initial model (Eq. 8 by hand on that architecture), replies
+    Eq. 5 in its own embedding space, and the server's C̄^(j) is the count-weighted mean over the replies of both
+    architectures."""
+    lam = 0.8
+    algo = prepare(_het_cfg(lam=lam, batch_size=24))
+    fed = algo.ctx.federation
+    assert [algo.arch_of(c) for c in range(len(fed.clients))] == ARCH
+    states = {c: algo.init_client(c) for c in fed.participated}
+    for c, state in states.items():
+        assert set(state) == {"cid", *build_model(ARCH[c], (1, 8, 8), 10).state_dict()}, c
+    assert same_tensors({k: states[0][k] for k in algo.ctx.initial_params}, algo.ctx.initial_params)  # the run's
+    other = [c for c in fed.participated if ARCH[c] == "lenet5_bn"]
+    assert len(other) > 1 and all(same_tensors(states[c], {**states[other[0]], "cid": states[c]["cid"]})
+                                  for c in other)  # fmt: skip
+    payload = _payload(algo)
+    replies = {}
+    for c in fed.participated:
+        data = algo.ctx.client_data(c)
+        replies[c], new = _update(algo, payload, states[c], c)
+        model = _fresh(algo, ARCH[c], states[c])
+        w, _ = _by_hand(algo, payload, states[c], c, lam, model=model)
+        assert all(torch.allclose(new[k], w[k], atol=1e-5) for k, _ in model.named_parameters()), c
+        model = _fresh(algo, ARCH[c], new)
+        with torch.no_grad():
+            means, counts = _class_means(model.features(data.x[data.train]).flatten(1), data.y[data.train], 10)
+        assert torch.allclose(replies[c]["proto"], means, atol=1e-5) and torch.equal(replies[c]["count"], counts)
+    out = algo.aggregate(1, algo.init_server(), replies, dict.fromkeys(replies, 1.0))
+    both = 0
+    for j in range(algo.num_classes):
+        holders = [c for c in replies if replies[c]["count"][j] > 0]
+        both += len({ARCH[c] for c in holders}) == 2
+        want = sum(replies[c]["count"][j].double() * replies[c]["proto"][j].double() for c in holders)
+        assert torch.allclose(out["protos"][j].double(), want / sum(replies[c]["count"][j] for c in holders), atol=1e-6)
+    assert both > 0  # classes whose prototype mixes both architectures
+
+
+def test_a_heterogeneous_client_predicts_and_a_new_one_trains_in_its_own_architecture():
+    """The nearest global prototype in the client's own embedding (one client of each architecture); a new client
+    (`personalize`, here on the data of an id in lenet5_bn's block) starts from lenet5_bn's initial model."""
+    r = pflbed.run(_het_cfg(), write=False, progress=False)
+    algo, server, states = r.executor.algo, r.server, r.executor.states
+    x = algo.ctx.source.test.x[:64]
+    for c in (0, 5):  # one of each architecture
+        model = _fresh(algo, ARCH[c], states[c])
+        with torch.no_grad():
+            z = model.features(x).flatten(1)
+        dist = torch.stack([((z - server["protos"][j]) ** 2).sum(1) for j in range(algo.num_classes)], 1)
+        assert torch.allclose(algo.personal_model(server, states[c]).logits(x), -dist, atol=1e-4)
+    data = algo.ctx.client_data(5)
+    probe = last(algo.personalize(server, data, Budget("lp", 1, 0.05, 16), torch.Generator().manual_seed(9)))
+    start = algo.init_client(5)
+    body = [k for k, _ in build_model("lenet5_bn", (1, 8, 8), 10).named_parameters() if "classifier" not in k]
+    assert set(probe.params) == {"protos", "allowed", *("net." + k for k in start if k != "cid")}
+    assert all(torch.equal(probe.params["net." + k], start[k]) for k in body)
+
+
+def test_one_listed_model_is_the_default_run_bit_for_bit():
+    one = pflbed.run(validate_config({**_cfg().model_dump(), "algorithm": {"name": "fedproto", "models": ["mlp"]}}),
+                     write=False, progress=False)  # fmt: skip
+    ref = pflbed.run(_cfg(), write=False, progress=False)
+    assert same_tensors(one.server, ref.server) and one.executor.states.keys() == ref.executor.states.keys()
+    assert all(same_tensors(one.executor.states[c], s) for c, s in ref.executor.states.items())
+
+
+def test_architectures_of_other_embedding_sizes_or_unknown_names_are_refused(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"^algorithm\.models: .* need one size; .*\(lenet5 84, mlp 200\)$"):
+        prepare(_het_cfg(["lenet5", "mlp"]))
+    with pytest.raises(ConfigError, match=r"^algorithm\.models: .*unknown models \['lenet6'\]"):
+        _het_cfg(["lenet5", "lenet6"])
+    fast = ["--set", "dataset.name=synthetic", "--set", "federation.clients=4", "--set", "train.rounds=1",
+            "--set", "algorithm.name=fedproto", "--no-progress"]  # fmt: skip
+    for models, expected in (("[mlp,lenet5]", "(mlp 200, lenet5 84)"), ("[mlp,nope]", "unknown models")):
+        out = tmp_path / "run"
+        assert main(["run", *fast, "--set", f"algorithm.models={models}", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("pflbed: error: algorithm.models:") and expected in err, err
+        assert not out.exists()
+
+
+def test_heterogeneous_clients_batched_train_the_run_s_model_together_and_the_others_one_by_one(monkeypatch):
+    """Batch size 24 (see `_het_cfg`): the batched lenet5 clients' rounding reaches the lenet5_bn clients through
+    the next round's prototypes."""
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+    runs = []
+    for batch_clients in (False, True):
+        cfg = validate_config({**_het_cfg().model_dump(), "train": {**TRAIN, "batch_size": 24},
+                               "federation": {**TINY["federation"], "sample_fraction": 1.0},
+                               "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
+        runs.append(pflbed.run(cfg, write=False, progress=False))
+    loop, both = runs
+    assert calls == [3, 3]  # per round the three lenet5 clients; the lenet5_bn ones through the loop
+    assert all(torch.allclose(loop.server[k], both.server[k], atol=1e-5) for k in loop.server)
+    for c, s in loop.executor.states.items():
+        assert all(torch.allclose(s[k].float(), both.executor.states[c][k].float(), atol=1e-5) for k in s)

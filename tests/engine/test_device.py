@@ -38,8 +38,8 @@ EVAL = {**TINY["eval"], "finetune": ["ft", "lp"], "new_clients": {"epochs": 1, "
 # Every algorithm with its defaults, plus options that take code paths the defaults do not (BatchNorm statistics
 # tracked into FedBasis' bases, its joint update, random mask growth, KT-pFL's official variant and its homogeneous
 # form, TopK without self, subsampled class-weighted evaluation, the PFLBED protocol on transform domains, FedRoD's
-# P-FL on each client's own body, client-level DP on a global and on a partly personal model): (id, algorithm
-# options, other config sections).
+# P-FL on each client's own body, client-level DP on a global and on a partly personal model, FedProto's
+# heterogeneous clients): (id, algorithm options, other config sections).
 CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
     (
         "fedbasis-bn",
@@ -56,6 +56,7 @@ CASES = [(name, {"name": name}, {}) for name in sorted(ALGORITHMS)] + [
     ("fedrod-local-body", {"name": "fedrod", "pfl_body": "local"}, {"eval": {**EVAL, "pfl_test": "global"}}),
     ("fedavg-dp", {"name": "fedavg"}, {"privacy": DP}),
     ("fedper-dp", {"name": "fedper"}, {"privacy": DP}),
+    ("fedproto-heterogeneous", {"name": "fedproto", "models": ["lenet5", "lenet5_bn"]}, {"model": {"name": "lenet5"}}),
 ]
 
 

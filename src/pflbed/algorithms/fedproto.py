@@ -51,12 +51,26 @@ Choices and deviations:
  6. Initialisation: every client starts from the run's initial model (`model.init_from` where set); the authors'
     code initialises each client's model separately. All parameters train with `train.*` (lr, momentum, weight
     decay, batch size, `local_epochs`); the optimizer is new each round (momentum restarts, as in the code).
- 7. Models: one architecture for all clients (the run's model). FedProto allows heterogeneous models as long as
-    their embeddings have one dimension; the zoo's models mostly differ in it, so this is not offered here.
+ 7. Models (`models`). Unset (default): one architecture for all clients, the run's `model.name`. Set, the paper's
+    heterogeneous setting: each client trains its own architecture, client c of the N clients (new ones included
+    in the id range) models[⌊c·A/N⌋], A the list's length — the contiguous equal blocks of `feddf` and `ktpfl`
+    (`training.architecture_of`: 20 clients, [lenet5, lenet5_bn]: 0–9 lenet5, 10–19 lenet5_bn); a name listed
+    twice gets two blocks. Nothing changes on the wire: prototypes and counts of every architecture go into one
+    C̄^(j) per class (Eq. 6 across architectures), which every client regularises towards and predicts by in its
+    own embedding space. That needs one embedding size d for all architectures: the paper has no projection
+    layer, so a list whose bodies' flattened outputs differ in size on the run's data is refused as a config
+    error (`algorithm.models`), as is an unknown name (the zoo's sizes, 28×28 or 32×32 input: 84 lenet5,
+    lenet5_bn; 200 mlp; 512 cnn, cnn_bn, resnet18, resnet18_imagenet; 1024 alexnet_small_x025, shufflenetv2,
+    shufflenetv2_x05; 128 resnet18_x025; 4096 alexnet_small). Initial models (choice 6 per architecture): the
+    architecture equal to `model.name` starts from the run's initial model — `models: [<model.name>]` is the
+    default run bit for bit — every other from one initialisation of its own, seeded by (seed, init stream,
+    FedProto's stream, its index among the distinct names), shared by all its clients (the paper does not say;
+    the authors' code gives every client its own). Under `executor.batch_clients` the clients of the run's model
+    train together; the others one by one.
  8. There is no global model: G-FL is null, and no +FT/+LP rows are reported for the participated clients.
-    New clients (`personalize`) receive C̄ and train the run's initial model on Eq. 8 with the budget (`ft`: every
-    block; `lp`: the head only, which leaves the embeddings and so the prototype readout at the initial model),
-    predicting as in 5 after each epoch. `zero_shot`: none (an untrained embedding).
+    New clients (`personalize`) receive C̄ and train their architecture's initial model (the run's by default) on
+    Eq. 8 with the budget (`ft`: every block; `lp`: the head only, which leaves the embeddings and so the prototype
+    readout at the initial model), predicting as in 5 after each epoch. `zero_shot`: none (an untrained embedding).
 
 Defaults (`algorithm.<key>`): λ = `lam` 1.0 (the code's default and its MNIST/FEMNIST runs; 0.1 for CIFAR-10),
 searched log-uniformly over [0.01, 10]. The code's other settings (momentum 0.5, lr 0.01, batch size 4, one local
@@ -65,7 +79,8 @@ epoch) are `train.*` here.
 Communication per round: down C×d + C numbers; up C×d + C. The client's model never leaves it.
 DP does not apply (its replies are prototypes and counts, not new values of a shared model). Nothing in the server
 state belongs to one client: a site-local site receives the whole (shared) state. The update is a plan
-(`sgd_plan`) with `local_protos: final`: `executor.batch_clients` trains a round's clients together.
+(`sgd_plan`) with `local_protos: final`: `executor.batch_clients` trains a round's clients of the run's model
+together.
 """
 
 from __future__ import annotations
@@ -80,17 +95,20 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedrod import feature_dim
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, features_and_logits, run_plan, weighted_mean
 from pflbed.algorithms.partial import block_params, blocks_for, frozen
 from pflbed.algorithms.reply_shapes import misfit
-from pflbed.algorithms.training import get_params, load_params, sgd_epochs
-from pflbed.models import BlockNet
+from pflbed.algorithms.training import architecture_of, get_params, load_params, sgd_epochs
+from pflbed.errors import ConfigError
+from pflbed.models import BlockNet, ModelNames
 from pflbed.search import Search, Space
 
 NET = "net."  # the prototype classifier's keys of the wrapped model
 CHUNK_ELEMENTS = 1 << 22  # rows × classes × d of one distance computation
+STREAM = 0xF9070  # FedProto's own random stream (not one of pflbed.rng's tags): the other architectures' initial models
 
 
 class FedProtoOptions(BaseModel):
@@ -112,6 +130,10 @@ class FedProtoOptions(BaseModel):
     predict: Literal["prototypes", "own_prototypes", "head"] = Field(
         "prototypes", description="P-FL readout: nearest global prototype over all classes (the paper), over the "
         "client's own classes (the code's evaluation), or the client's own head")  # fmt: skip
+    models: ModelNames | None = Field(
+        None, min_length=1, description="heterogeneous clients (choice 7): client c of N trains "
+        "models[⌊c·A/N⌋] (A the list's length, new clients in the id range), every one with the same embedding "
+        "size; unset: every client the run's model.name")  # fmt: skip
 
 
 # --- the pieces ----------------------------------------------------------------------------------------------------
@@ -232,12 +254,33 @@ class FedProto(Algorithm):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        m = ctx.model
-        self.keys = list(m.state_dict())
+        run_model = ctx.cfg.model.name
+        self.n_total = len(ctx.federation.clients)
+        self.blocks = list(self.opts.models or [run_model])  # client c: blocks[⌊c·A/N⌋] (choice 7)
+        self.archs = list(dict.fromkeys(self.blocks))  # distinct architectures, first-seen order
+        self.models: dict[str, BlockNet] = {run_model: ctx.model}
+        self.initial: dict[str, Tensors] = {run_model: ctx.initial_params}
+        for i, a in enumerate(self.archs):
+            if a not in self.models:  # its own initial model, seeded by (seed, init, FedProto's stream, index)
+                with rng.fork(ctx.device):
+                    rng.seed_global(rng.derive_seed(ctx.seed, rng.INIT, STREAM, i), ctx.device)
+                    self.models[a] = ctx.new_model(a)
+                self.initial[a] = get_params(self.models[a])
+        dims = {a: feature_dim(self.models[a], ctx.source.input_shape) for a in self.archs}
+        if len(set(dims.values())) > 1:
+            sizes, shape = ", ".join(f"{a} {d}" for a, d in dims.items()), "×".join(map(str, ctx.source.input_shape))
+            raise ConfigError(f"algorithm.models: FedProto averages prototypes across architectures, so their "
+                              f"embeddings (the body's flattened output) need one size; on {shape} inputs they "
+                              f"differ ({sizes})")  # fmt: skip
+        self.keys = {a: list(self.models[a].state_dict()) for a in self.archs}
         self.num_classes = ctx.source.num_classes
-        self.dim = feature_dim(m, ctx.source.input_shape)
+        self.dim = dims[self.archs[0]]
         self.objective = PrototypeObjective(self.opts.lam, self.opts.regularizer)  # one: plans batch together
-        self.classifier = PrototypeClassifier(m, self.num_classes, self.dim)
+        self.classifiers = {a: PrototypeClassifier(self.models[a], self.num_classes, self.dim) for a in self.archs}
+
+    def arch_of(self, cid: int) -> str:
+        """Client `cid`'s architecture (choice 7): contiguous blocks of ids, as in `feddf` and `ktpfl`."""
+        return architecture_of(cid, self.blocks, self.n_total)
 
     # --- federation ------------------------------------------------------------------------------------------
     def init_server(self) -> Tensors:
@@ -246,45 +289,50 @@ class FedProto(Algorithm):
                 "proto_mask": torch.zeros(self.num_classes, device=dev)}  # fmt: skip
 
     def init_client(self, cid: int) -> Tensors:
-        """The client's own model (the run's initial one, choice 6) and its id."""
-        return {"cid": torch.tensor(cid, device=self.ctx.device), **self.ctx.initial_params}
+        """The client's own model (its architecture's initial one, choices 6 and 7) and its id."""
+        return {"cid": torch.tensor(cid, device=self.ctx.device), **self.initial[self.arch_of(cid)]}
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         payload = {"protos": server["protos"], "proto_mask": server["proto_mask"]}
         return dict.fromkeys(cids, payload)
 
     def plan(self, payload: Tensors, state: Tensors, data: ClientData, objective, finish) -> LocalSGDPlan:
-        """E epochs of SGD on every block from the client's own model on `objective` (Eq. 8), the global
-        prototypes the constants."""
-        t = self.ctx.cfg.train
-        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr)
+        """E epochs of SGD on every block from the client's own model (of its architecture) on `objective`
+        (Eq. 8), the global prototypes the constants."""
+        t, arch = self.ctx.cfg.train, self.arch_of(data.cid)
+        phase = Phase(tuple(self.models[arch].block_names()), t.local_epochs, t.lr)
         consts = {"protos": payload["protos"], "proto_mask": payload["proto_mask"]}
-        return LocalSGDPlan({k: state[k] for k in self.keys}, (phase,), finish, objective, consts)
+        return LocalSGDPlan({k: state[k] for k in self.keys[arch]}, (phase,), finish, objective, consts)
+
+    def final_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """The plan with the local prototypes by Eq. 5 in its `finish` (`local_protos: final`)."""
+        dtype, model = payload["protos"].dtype, self.models[self.arch_of(data.cid)]
+        return self.plan(payload, state, data, self.objective, partial(self._final, model, data, state["cid"], dtype))
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
-        """The plan, local prototypes by Eq. 5 in its `finish`; None under `local_protos: last_epoch`, whose
-        prototypes come from the training forwards (`client_update`)."""
-        if self.opts.local_protos == "last_epoch":
+        """The plan of a client of the run's model; None under `local_protos: last_epoch`, whose prototypes come
+        from the training forwards, and for a client of another architecture (`executor.batch_clients` stacks
+        clients of the run's model): those train one by one (`client_update`)."""
+        if self.opts.local_protos == "last_epoch" or self.models[self.arch_of(data.cid)] is not self.ctx.model:
             return None
-        dtype = payload["protos"].dtype
-        return self.plan(payload, state, data, self.objective, partial(self._final, data, state["cid"], dtype))
+        return self.final_plan(payload, state, data)
 
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:
+        t, model = self.ctx.cfg.train, self.models[self.arch_of(data.cid)]
         if self.opts.local_protos == "final":
-            return super().client_update(payload, state, data, cctx)
-        t = self.ctx.cfg.train
+            return run_plan(model, self.final_plan(payload, state, data), data, t, cctx.generator)
         per_epoch = math.ceil(data.num_train / t.batch_size)
         rec = Recorder(self.objective, (t.local_epochs - 1) * per_epoch)
         finish = partial(self._recorded, rec, state["cid"], payload["protos"].dtype)
-        return run_plan(self.ctx.model, self.plan(payload, state, data, rec, finish), data, t, cctx.generator)
+        return run_plan(model, self.plan(payload, state, data, rec, finish), data, t, cctx.generator)
 
-    def _final(self, data: ClientData, cid: torch.Tensor, dtype: torch.dtype, trained: Tensors
+    def _final(self, model: BlockNet, data: ClientData, cid: torch.Tensor, dtype: torch.dtype, trained: Tensors
                ) -> tuple[Tensors, Tensors]:  # fmt: skip
         """Eq. 5 with the trained model over the client's training samples; the model kept."""
-        load_params(self.ctx.model, trained)
-        z = embeddings(self.ctx.model, data.x[data.train])
+        load_params(model, trained)
+        z = embeddings(model, data.x[data.train])
         return self._reply(*class_means(z, data.y[data.train], self.num_classes), dtype), {"cid": cid, **trained}
 
     def _recorded(self, rec: Recorder, cid: torch.Tensor, dtype: torch.dtype, trained: Tensors
@@ -323,28 +371,32 @@ class FedProto(Algorithm):
         return why
 
     # --- evaluation and new clients --------------------------------------------------------------------------
-    def predictor(self, model_params: Tensors, server: Tensors, classes: torch.Tensor | None) -> Predictor:
-        """The readout of `predict` (choice 5) on a client's model; `classes`: its own classes (bool, C)."""
+    def predictor(self, arch: str, model_params: Tensors, server: Tensors, classes: torch.Tensor | None
+                  ) -> Predictor:  # fmt: skip
+        """The readout of `predict` (choice 5) on a client's model of architecture `arch`; `classes`: its own
+        classes (bool, C)."""
+        keys = self.keys[arch]
         if self.opts.predict == "head":
-            return Predictor(self.ctx.model, {k: model_params[k] for k in self.keys})
+            return Predictor(self.models[arch], {k: model_params[k] for k in keys})
         allowed = server["proto_mask"] > 0
         if self.opts.predict == "own_prototypes" and classes is not None:
             allowed = allowed & classes
-        params = {**{NET + k: model_params[k] for k in self.keys}, "protos": server["protos"],
+        params = {**{NET + k: model_params[k] for k in keys}, "protos": server["protos"],
                   "allowed": allowed.to(server["proto_mask"].dtype)}  # fmt: skip
-        return Predictor(self.classifier, params)
+        return Predictor(self.classifiers[arch], params)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         cid = int(state["cid"])
-        return self.predictor(state, server, self.ctx.federation.clients[cid].prior > 0)
+        return self.predictor(self.arch_of(cid), state, server, self.ctx.federation.clients[cid].prior > 0)
 
     def personalize(
         self, server: Tensors, data: ClientData, budget: Budget, generator: torch.Generator
     ) -> Iterator[Predictor]:
-        """A new client: Eq. 8 towards the received C̄ from the run's initial model (choice 8), after each epoch
-        its model with the readout of `predict`."""
-        model = self.ctx.model
-        load_params(model, self.ctx.initial_params)
+        """A new client: Eq. 8 towards the received C̄ from its architecture's initial model (choice 8), after each
+        epoch its model with the readout of `predict`."""
+        arch = self.arch_of(data.cid)
+        model = self.models[arch]
+        load_params(model, self.initial[arch])
         blocks = blocks_for(budget, model, lp=model.head_blocks())
         others = [b for b in model.block_names() if b not in set(blocks)]
         protos, mask = server["protos"], server["proto_mask"]
@@ -359,7 +411,7 @@ class FedProto(Algorithm):
         for _ in range(budget.epochs):
             with frozen(model, others):
                 next(epochs)
-            yield self.predictor(get_params(model), server, data.prior > 0)
+            yield self.predictor(arch, get_params(model), server, data.prior > 0)
 
     def zero_shot(self, server: Tensors, data: ClientData) -> Predictor | None:
         return None
