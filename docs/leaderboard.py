@@ -79,6 +79,15 @@ def _ordering(rs: list[dict[str, Any]]) -> list[str]:
            "- Methods tuning moved by three places or more: "
            + (", ".join(f"{m} {rank['default'][m]} → {rank['tuned'][m]}" for d, m in moves if abs(d) >= 3) or "none")
            + "."]  # fmt: skip
+    worse = [r for r in both if r["tuned"]["P-FL"][0] < r["default"]["P-FL"][0]]
+    if worse and yaml.safe_load(SUITE.read_text())["tune"].get("first") == "sampled":
+        few = sum(r["complete"] <= 4 for r in worse)
+        out.append(f"- Tuned below default in P-FL: {len(worse)} methods ("
+                   + ", ".join(f"{r['method']} {r['complete']}" for r in worse) + " complete trials). "
+                   f"{few} of them completed four trials or fewer. This board's studies drew every trial, the first "
+                   "included (`tune.first: sampled`), so a costly method's choice was among a few start-up draws, "
+                   "and no study ever tried its default. `pflbed tune` now runs the default as each study's first "
+                   "trial (`tune.first: default`), and the board is to be re-run with it.")  # fmt: skip
     return out
 
 

@@ -196,3 +196,23 @@ def test_a_study_whose_trial_costs_more_than_its_budget_still_completes_one(tmp_
     tuner.run_trials(**QUIET)
     (only,) = _done(tuner, tuner.methods[0])
     assert only.state == TrialState.COMPLETE and tuner.spent(tuner.study(tuner.methods[0])) == 3 * tuner.unit()
+
+
+def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
+    """With few trials (a costly method's budget pays for two or three), start-up draws alone could leave the chosen
+    configuration far below the default on validation: the first trial runs the default's values of every searched
+    key its space holds (a key whose default lies outside, such as FedRep's head_lr None, is drawn); `first:
+    sampled` draws it like the rest."""
+    space = {"train.lr": {"low": 0.001, "high": 0.3, "log": True}, "train.local_epochs": {"low": 1, "high": 5,
+             "int": True}, "train.momentum": None}  # fmt: skip
+    methods = {"R": {"set": {"algorithm.name": "fedrep"}, "space": {**space, "algorithm.head_epochs": None}}}
+    tuner = _tuner(tmp_path / "default", methods, budget=100, trials=1)
+    tuner.run_trials(**QUIET)
+    (first,) = _done(tuner, tuner.methods[0])
+    cfg = validate_config({**BASE, "algorithm": {"name": "fedrep"}})
+    assert first.params["train.lr"] == cfg.train.lr and first.params["train.local_epochs"] == cfg.train.local_epochs
+    assert first.user_attrs["default"] is True and first.params["algorithm.head_lr"] is not None  # drawn
+    sampled = _tuner(tmp_path / "sampled", methods, budget=100, trials=1, first="sampled")
+    sampled.run_trials(**QUIET)
+    (draw,) = _done(sampled, sampled.methods[0])
+    assert draw.params["train.lr"] != cfg.train.lr and "default" not in draw.user_attrs

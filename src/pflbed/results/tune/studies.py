@@ -20,9 +20,11 @@ from pflbed.config import Config, TrainConfig, set_dotted, validate_config
 from pflbed.errors import ConfigError, PflbedError
 from pflbed.results.bench import _merge, _slug
 from pflbed.results.tune.suite import CURVES, TuneMethod
-from pflbed.search import Space, declared, parse_space
+from pflbed.search import Choice, IntSearch, Space, declared, parse_space
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from pflbed.results.tune import Tuner
 
 
@@ -72,6 +74,7 @@ class Method:
                 else:
                     space[key] = parse_space(value, f"{where}.{key}")
         self.space: dict[str, Space] = space
+        self.default = _defaults(space, default, options) if suite.tune.first == "default" else {}
         for key, s in self.space.items():  # every bound must make a valid config: names the key, not a trial
             for v in (s.options if hasattr(s, "options") else (s.low, s.high)):
                 try:
@@ -108,8 +111,38 @@ class Method:
         out = {**_flat(suite.base, "base."), **{f"methods.{self.name}.set.{k}": v for k, v in self.spec.set.items()},
                **{f"space.{k}": s.text() for k, s in self.space.items()}, "objective": self.objective,
                "pruned on": self.curve, "trial seed": self.tuner.seed,
-               "trial data excludes the tests of seeds": suite.seeds}  # fmt: skip
+               "trial data excludes the tests of seeds": suite.seeds,
+               "first trial": suite.tune.first}  # fmt: skip
         return json.loads(json.dumps(out, default=str))
+
+
+def _defaults(space: dict[str, Space], default: Config, options: type[BaseModel]) -> dict[str, Any]:
+    """The default configuration's value of each searched key that its space holds (`tune.first: default`).
+
+    Why: with a budget of few trials (a costly method gets two or three), every one of them is a random draw of the
+    sampler's start-up, and the chosen configuration can be far worse than the default on validation; a first trial at
+    the defaults makes the search start where an untuned comparison stands. A key whose default lies outside its space
+    (an option whose default is "the same as train.lr", None) is left to the sampler."""
+    tree = {"train": default.train.model_dump(mode="json"),
+            "algorithm": options.model_validate(default.algorithm_options()).model_dump(mode="json")}
+    rest = default.model_dump(mode="json")
+    out = {}
+    for key, s in space.items():
+        section, _, name = key.partition(".")
+        value: Any = tree.get(section, rest.get(section, {}))
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if _holds(s, value):
+            out[key] = value
+    return out
+
+
+def _holds(s: Space, value: Any) -> bool:
+    if isinstance(s, Choice):
+        return value in s.options
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return s.low <= value <= s.high and (isinstance(value, int) or not isinstance(s, IntSearch))
 
 
 def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -179,6 +212,10 @@ class Studies:
         if method.name not in self._checked:
             self._check_setup(method, study)
             self._checked.add(method.name)
+            if method.default and not study.user_attrs.get("default queued"):  # once per study, before any trial
+                study.set_user_attr("default queued", True)
+                if not study.trials:
+                    study.enqueue_trial(method.default, user_attrs={"default": True})
         return study
 
     def _check_setup(self, method: Method, study) -> None:
@@ -189,6 +226,7 @@ class Studies:
         if held is None:
             study.set_user_attr("setup", setup)
             return
+        held = {"first trial": "sampled", **held}  # a study from before `tune.first` drew its first trial
         diff = next((k for k in sorted({*setup, *held}) if setup.get(k, "unset") != held.get(k, "unset")), None)
         if diff is not None:
             was, now = (json.dumps(x.get(diff, "unset")) for x in (held, setup))

@@ -40,6 +40,9 @@ class TuneSpec(BaseModel):
     prune_on: Literal["pfl_val", "gfl_val"] = Field(
         "pfl_val", description="the validation curve pruned on where the objective is not one (a summary field, "
         "new_val): a proxy read at every evaluation")
+    first: Literal["default", "sampled"] = Field(
+        "default", description="a study's first trial: the method's default configuration (its values in the search "
+        "space), so the chosen one is never a worse draw on validation than the default; or sampled like the rest")
     seed: int | None = Field(None, ge=0, description="run seed of the trials and seed of the sampler; never one of "
                              "`seeds` (default: 100, else the first free seed above the reported ones)")
     unequal_budgets: bool = Field(False, description="allow a method its own budget or trials")
