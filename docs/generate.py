@@ -57,6 +57,7 @@ def _row_key(row: str) -> str | None:
     """The algorithm a results-table row is about, as lowercase letters and digits ("LG-FedAvg+FT" → "lgfedavg",
     "FedRoD (hyper)" → "fedrodhyper"); None for a difference row ("KT-pFL − FedMD") — it is about two."""
     cell = row.strip().strip("|").split("|")[0].strip().strip("*`").strip()
+    cell = re.sub(r"^\[([^\]]*)\]\([^)]*\)", r"\1", cell)  # a linked name ("[FedSelect](…#config-fedselect)")
     if " − " in cell or " - " in cell:
         return None
     flat = re.sub(r"[^a-z0-9]", "", cell.lower())
