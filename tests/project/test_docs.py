@@ -68,7 +68,8 @@ def test_the_readme_is_a_landing_page_whose_links_resolve():
     ("| LG-FedAvg+FT | 1 |", "lgfedavg"), ("| **FedRoD (hyper)** | 1 |", "fedrodhyper"), ("| FedRoD-hyper | 1 |",
      "fedrodhyper"), ("| FedRoD (linear) | 1 |", "fedrod"), ("| FedSelect α = 0.3 | 1 |", "fedselect"),
     ("| KT-pFL − FedMD | 1 |", None), ("| [FedRoD-hyper](../results/leaderboard.md#config-fedrod-hyper) | 1 |",
-     "fedrodhyper"), ("| [FedAvg+FT](../results/leaderboard.md#config-fedavg-ft) | 1 |", "fedavg"), ("| Per-FedAvg, α 0.003 | 1 |", "perfedavg"), ("| `fedavg` | 1 |", "fedavg"),
+     "fedrodhyper"), ("| [FedAvg+FT](../results/leaderboard.md#config-fedavg-ft) | 1 |", "fedavg"),
+    ("| Per-FedAvg, α 0.003 | 1 |", "perfedavg"), ("| `fedavg` | 1 |", "fedavg"),
 ])  # fmt: skip
 def test_a_results_row_is_attributed_to_the_algorithm_it_names(row, key):
     assert generate._row_key(row) == key
