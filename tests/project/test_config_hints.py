@@ -23,7 +23,7 @@ HINTS = {
                          "personal_epochs, personal_lr"),
     "another algorithm's option": (["algorithm.mu=0.1"],
                                    "algorithm.mu: unknown key; fedavg has no options of its own; mu is an option of "
-                                   "fedprox"),
+                                   "apple, fedprox, gpfl, moon"),
     "dataset": (["dataset.name=svhn"], f"(got 'svhn'); for your own images: {OWN_DATA}"),
     "dataset near miss": (["dataset.name=fmnst"], f"did you mean fmnist? For your own images: {OWN_DATA}"),
 }  # fmt: skip
