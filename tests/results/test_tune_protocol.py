@@ -212,7 +212,9 @@ def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     cfg = validate_config({**BASE, "algorithm": {"name": "fedrep"}})
     assert first.params["train.lr"] == cfg.train.lr and first.params["train.local_epochs"] == cfg.train.local_epochs
     assert first.user_attrs["default"] is True and first.params["algorithm.head_lr"] is not None  # drawn
+    assert tuner.rows()[0]["default_trial"] == {"number": first.number, "state": "COMPLETE", "value": first.value}
     sampled = _tuner(tmp_path / "sampled", methods, budget=100, trials=1, first="sampled")
     sampled.run_trials(**QUIET)
     (draw,) = _done(sampled, sampled.methods[0])
     assert draw.params["train.lr"] != cfg.train.lr and "default" not in draw.user_attrs
+    assert sampled.rows()[0]["default_trial"] is None

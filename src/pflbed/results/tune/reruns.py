@@ -50,6 +50,7 @@ class Reruns:
             study = self.study(m)
             states = [t.state for t in study.get_trials(deepcopy=False)]
             best = self.best(m)
+            first = next((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("default")), None)
             cols = {**self.suite.report, **(m.spec.report or {})}
             d, t = default_rows[m.name], tuned_rows.get(tuned_label.get(m.name, ""), {})
             spent = self.spent(study)
@@ -63,6 +64,8 @@ class Reruns:
                 "best_trial": None if best is None else best.number,
                 "best_value": None if best is None else best.value,
                 "chosen": {} if best is None else best.params,
+                "default_trial": None if first is None else {"number": first.number, "state": first.state.name,
+                                                             "value": first.value},  # `tune.first: default`
                 "space": {k: s.text() for k, s in m.space.items()},
                 "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
