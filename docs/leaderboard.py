@@ -149,7 +149,9 @@ def page() -> str:
         configs += [f'### {r["method"]} {{ #{_anchor(r["method"])} }}', "",
                     f"[`{r['algorithm']}`](../algorithms/{r['algorithm']}.md); best trial "
                     + ("—" if r["best_trial"] is None else f"#{r['best_trial']} ({r['objective']} "
-                       f"{100 * r['best_value']:.2f})") + f": {chosen or 'none yet'}.", ""]  # fmt: skip
+                       f"{100 * r['best_value']:.2f})") + f": {chosen or 'none yet'}."
+                    + (" The default configuration: its tuned figures are the default's re-runs."
+                       if r.get("chosen_is_default") else ""), ""]  # fmt: skip
     return "\n".join(head + intro + tabs + ["## What tuning changed in the ordering", "", *_ordering(rs), ""]
                      + configs)  # fmt: skip
 

@@ -198,6 +198,20 @@ def test_a_study_whose_trial_costs_more_than_its_budget_still_completes_one(tmp_
     assert only.state == TrialState.COMPLETE and tuner.spent(tuner.study(tuner.methods[0])) == 3 * tuner.unit()
 
 
+def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):
+    """A study whose best trial is the default configuration (its one trial here): the tuned re-runs would repeat the
+    default's to the bit, so the bench holds no tuned cell for it and its tuned row is the default's."""
+    methods = {"A": {"set": {"algorithm.name": "fedavg"}, "space": {"train.momentum": None}}}
+    tuner = _tuner(tmp_path, methods, budget=100, trials=1)
+    tuner.run_trials(**QUIET)
+    bench, label = tuner.bench()
+    assert label == {"A": None} and bench.table("tuned") is None
+    bench.run(log=lambda *a, **k: None)
+    (row,) = tuner.rows()
+    assert row["chosen_is_default"] and row["tuned"] == row["default"] and row["seeds"]["tuned"] == 1
+    assert "| the default (lr=0.05, local_epochs=1) |" in tuner.markdown([row])
+
+
 def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     """With few trials (a costly method's budget pays for two or three), start-up draws alone could leave the chosen
     configuration far below the default on validation: the first trial runs the default's values of every searched

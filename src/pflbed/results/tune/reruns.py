@@ -19,15 +19,19 @@ class Reruns:
         done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         return max(done, key=lambda t: (t.value, -t.number)) if done else None
 
-    def bench(self) -> tuple[Bench, dict[str, str]]:
+    def bench(self) -> tuple[Bench, dict[str, str | None]]:
         """The final re-runs as a bench suite: per method its default and its tuned configuration (labelled by the
-        chosen trial, so a better trial found later runs anew), over the suite's seeds; and method → tuned row."""
+        chosen trial, so a better trial found later runs anew), over the suite's seeds; and method → tuned row, None
+        where the chosen configuration is the default one (`tune.first: default` makes that common): its re-runs
+        would repeat the default's to the bit, so the default's serve as both."""
         default, tuned, rows = {}, {}, {}
         for m in self.methods:
             report = {**self.suite.report, **(m.spec.report or {})}
             default[m.name] = MethodSpec(set=m.spec.set, report=report)
             best = self.best(m)
-            if best is not None:
+            if best is not None and m.config(0, best.params, trial=False) == m.config(0, {}, trial=False):
+                rows[m.name] = None
+            elif best is not None:
                 rows[m.name] = label = f"{m.name} trial{best.number}"
                 tuned[label] = MethodSpec(set={**m.spec.set, **best.params}, report=report)
         tables = {"default": TableSpec(methods=default, report=self.suite.report)}
@@ -52,7 +56,9 @@ class Reruns:
             best = self.best(m)
             first = next((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("default")), None)
             cols = {**self.suite.report, **(m.spec.report or {})}
-            d, t = default_rows[m.name], tuned_rows.get(tuned_label.get(m.name, ""), {})
+            same = m.name in tuned_label and tuned_label[m.name] is None  # chosen = default: one set of re-runs
+            d = default_rows[m.name]
+            t = d if same else tuned_rows.get(tuned_label.get(m.name) or "", {})
             spent = self.spent(study)
             out.append({
                 "method": m.name, "objective": m.objective, "pruned_on": m.curve, "budget": m.budget,
@@ -63,14 +69,14 @@ class Reruns:
                 "pruned": sum(s == TrialState.PRUNED for s in states),
                 "best_trial": None if best is None else best.number,
                 "best_value": None if best is None else best.value,
-                "chosen": {} if best is None else best.params,
+                "chosen": {} if best is None else best.params, "chosen_is_default": same,
                 "default_trial": None if first is None else {"number": first.number, "state": first.state.name,
                                                              "value": first.value},  # `tune.first: default`
                 "space": {k: s.text() for k, s in m.space.items()},
                 "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
                 "seconds": {"search": _trial_seconds(study),
-                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in (d, t) if r)},
+                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in ((d,) if same else (d, t)) if r)},
                 "plots": self.plots.get(m.name, {}), "plots_absent": self.absent.get(m.name, {}),
             })  # fmt: skip
         return out

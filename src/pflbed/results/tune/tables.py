@@ -76,6 +76,7 @@ class Tables:
         out = []
         for r in rows:
             chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
+            chosen = f"the default ({chosen})" if r.get("chosen_is_default") else chosen  # its re-runs serve both
             best = "—" if r["best_value"] is None else f"{r['objective']} {_pct(r['best_value'])} (#{r['best_trial']})"
             trials = f"{r['complete'] + r['pruned']} ({r['complete']} / {r['pruned']})"
             spent = f"{r['compute']['base_runs']:.2f} of {r['budget']:g}"  # a study stopped early: not comparable yet
