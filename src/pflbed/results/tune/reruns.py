@@ -76,7 +76,8 @@ class Reruns:
                 "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
                 "seconds": {"search": _trial_seconds(study),
-                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in ((d,) if same else (d, t)) if r)},
+                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in [d, *([] if same else [t])]
+                                          if r)},
                 "plots": self.plots.get(m.name, {}), "plots_absent": self.absent.get(m.name, {}),
             })  # fmt: skip
         return out
