@@ -201,7 +201,7 @@ def test_a_study_whose_trial_costs_more_than_its_budget_still_completes_one(tmp_
 def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):
     """A study whose best trial is the default configuration (its one trial here): the tuned re-runs would repeat the
     default's to the bit, so the bench holds no tuned cell for it and its tuned row is the default's."""
-    methods = {"A": {"set": {"algorithm.name": "fedavg"}, "space": {"train.momentum": None}}}
+    methods = {"A": {"set": {"algorithm.name": "fedprox"}, "space": {"train.momentum": None}}}  # searches its mu
     tuner = _tuner(tmp_path, methods, budget=100, trials=1)
     tuner.run_trials(**QUIET)
     bench, label = tuner.bench()
@@ -209,7 +209,7 @@ def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):
     bench.run(log=lambda *a, **k: None)
     (row,) = tuner.rows()
     assert row["chosen_is_default"] and row["tuned"] == row["default"] and row["seeds"]["tuned"] == 1
-    assert "| the default (lr=0.05, local_epochs=1) |" in tuner.markdown([row])
+    assert "| the default (lr=0.05, local_epochs=1, mu=0.01) |" in tuner.markdown([row])
 
 
 def test_a_studys_first_trial_is_the_default_configuration(tmp_path):

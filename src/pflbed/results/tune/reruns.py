@@ -29,7 +29,7 @@ class Reruns:
             report = {**self.suite.report, **(m.spec.report or {})}
             default[m.name] = MethodSpec(set=m.spec.set, report=report)
             best = self.best(m)
-            if best is not None and m.config(0, best.params, trial=False) == m.config(0, {}, trial=False):
+            if best is not None and m.resolved(best.params) == m.resolved({}):
                 rows[m.name] = None
             elif best is not None:
                 rows[m.name] = label = f"{m.name} trial{best.number}"

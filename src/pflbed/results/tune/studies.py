@@ -98,6 +98,16 @@ class Method:
         except ConfigError as e:
             raise ConfigError(f"methods.{self.name}: {e}") from None
 
+    def resolved(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The re-run config with `params`, its algorithm's options filled in: an option set to its default value
+        and the option left out give the same run, and compare equal here (a `Config` keeps the options as given)."""
+        from pflbed.algorithms import get_algorithm
+
+        cfg = self.config(0, params, trial=False)
+        options = get_algorithm(cfg.algorithm.name).Config.model_validate(cfg.algorithm_options())
+        return {**cfg.model_dump(mode="json"), "algorithm": {"name": cfg.algorithm.name,
+                                                              **options.model_dump(mode="json")}}
+
     @property
     def study_name(self) -> str:
         return f"{self.tuner.suite.name}/{self.name}"
