@@ -84,11 +84,12 @@ def _ordering(rs: list[dict[str, Any]]) -> list[str]:
     if worse and first == "default":
         out.append(f"- Tuned below default in P-FL: {_n(len(worse))} ("
                    + ", ".join(f"{r['method']} {r['tuned']['P-FL'][0] - r['default']['P-FL'][0]:+.2f}" for r in worse)
-                   + "). Each study's first trial ran the default (`tune.first: default`), so the choice scored at "
-                   "least the default's figure on the trials' validation data (default trial → chosen: "
+                   + "). Each study's first trial ran the default (`tune.first: default`); where it completed, the "
+                   "choice scored at least its figure on the trials' validation data (default trial → chosen: "
                    + ", ".join(f"{r['method']} {_trial(r)} → {100 * r['best_value']:.2f}" for r in worse)
-                   + "); what the trial federation's validation data preferred did not carry over to the reported "
-                   "seeds' tests.")  # fmt: skip
+                   + "). A choice equal to the default trial's figure is that trial, which differs from the default "
+                   "only in keys the default leaves outside the space (drawn); otherwise what the trial federation's "
+                   "validation data preferred did not carry over to the reported seeds' tests.")  # fmt: skip
     if worse and first == "sampled":
         few = sum(r["complete"] <= 4 for r in worse)
         out.append(f"- Tuned below default in P-FL: {_n(len(worse))} ("
@@ -109,7 +110,9 @@ def _trial(r: dict[str, Any]) -> str:
     t = r.get("default_trial")
     if t is None:
         return "not run"
-    return f"{100 * t['value']:.2f}" if t["value"] is not None else t["state"].lower()
+    if t["value"] is None:
+        return t["state"].lower()
+    return f"{100 * t['value']:.2f}" + (" (pruned)" if t["state"] == "PRUNED" else "")
 
 
 def page() -> str:

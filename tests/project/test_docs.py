@@ -204,8 +204,8 @@ def test_the_leaderboard_ranks_by_each_figure_links_each_row_and_states_the_orde
     assert "| [FedAvg](../results/leaderboard.md#config-fedavg) | 80.00 ± 1.00 | 85.00 ± 0.50 | 70.00 ± 1.00 |" in mine
     rows[1]["default_trial"] = {"number": 0, "state": "COMPLETE", "value": 0.85}  # Ditto: tuned below default
     for first, said in (("default", "Tuned below default in P-FL: 1 method (Ditto -6.00). Each study's first trial "
-                         "ran the default (`tune.first: default`), so the choice scored at least the default's figure "
-                         "on the trials' validation data (default trial → chosen: Ditto 85.00 → 90.00)"),
+                         "ran the default (`tune.first: default`); where it completed, the choice scored at least its "
+                         "figure on the trials' validation data (default trial → chosen: Ditto 85.00 → 90.00)"),
                         ("sampled", "Tuned below default in P-FL: 1 method (Ditto 3 complete trials)")):  # fmt: skip
         suite = tmp_path / f"{first}.yaml"
         suite.write_text(f"tune: {{first: {first}}}\n")
