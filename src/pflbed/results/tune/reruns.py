@@ -52,13 +52,15 @@ class Reruns:
         out = []
         for m in self.methods:
             study = self.study(m)
-            states = [t.state for t in study.get_trials(deepcopy=False)]
+            trials = study.get_trials(deepcopy=False)
+            states = [t.state for t in trials]
             best = self.best(m)
-            first = next((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("default")), None)
+            first = next((t for t in trials if t.user_attrs.get("default")), None)
             cols = {**self.suite.report, **(m.spec.report or {})}
             same = m.name in tuned_label and tuned_label[m.name] is None  # chosen = default: one set of re-runs
             d = default_rows[m.name]
             t = d if same else tuned_rows.get(tuned_label.get(m.name) or "", {})
+            reruns = [d] if same else [d, t]
             spent = self.spent(study)
             out.append({
                 "method": m.name, "objective": m.objective, "pruned_on": m.curve, "budget": m.budget,
@@ -76,8 +78,7 @@ class Reruns:
                 "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
                 "seconds": {"search": _trial_seconds(study),
-                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in [d, *([] if same else [t])]
-                                          if r)},
+                            "reruns": sum((r.get("wall_s") or 0) * r["seeds"] for r in reruns if r)},
                 "plots": self.plots.get(m.name, {}), "plots_absent": self.absent.get(m.name, {}),
             })  # fmt: skip
         return out

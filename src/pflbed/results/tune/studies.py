@@ -23,8 +23,6 @@ from pflbed.results.tune.suite import CURVES, TuneMethod
 from pflbed.search import Choice, IntSearch, Space, declared, parse_space
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from pflbed.results.tune import Tuner
 
 
@@ -74,7 +72,7 @@ class Method:
                 else:
                     space[key] = parse_space(value, f"{where}.{key}")
         self.space: dict[str, Space] = space
-        self.default = _defaults(space, default, options) if suite.tune.first == "default" else {}
+        self.default = _defaults(space, self.resolved({})) if suite.tune.first == "default" else {}
         for key, s in self.space.items():  # every bound must make a valid config: names the key, not a trial
             for v in (s.options if hasattr(s, "options") else (s.low, s.high)):
                 try:
@@ -126,21 +124,18 @@ class Method:
         return json.loads(json.dumps(out, default=str))
 
 
-def _defaults(space: dict[str, Space], default: Config, options: type[BaseModel]) -> dict[str, Any]:
-    """The default configuration's value of each searched key that its space holds (`tune.first: default`).
+def _defaults(space: dict[str, Space], default: dict[str, Any]) -> dict[str, Any]:
+    """The default configuration's value (`default`: `Method.resolved`) of each searched key that its space holds
+    (`tune.first: default`).
 
     Why: with a budget of few trials (a costly method gets two or three), every one of them is a random draw of the
     sampler's start-up, and the chosen configuration can be far worse than the default on validation; a first trial at
     the defaults makes the search start where an untuned comparison stands. A key whose default lies outside its space
     (an option whose default is "the same as train.lr", None) is left to the sampler."""
-    tree = {"train": default.train.model_dump(mode="json"),
-            "algorithm": options.model_validate(default.algorithm_options()).model_dump(mode="json")}
-    rest = default.model_dump(mode="json")
     out = {}
     for key, s in space.items():
-        section, _, name = key.partition(".")
-        value: Any = tree.get(section, rest.get(section, {}))
-        for part in name.split("."):
+        value: Any = default
+        for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         if _holds(s, value):
             out[key] = value
