@@ -3,6 +3,7 @@ curve, trial data without the reported test samples, and trial owners told apart
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -185,17 +186,22 @@ def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_pa
     assert rerun.eval.new_clients.methods == ["ft", "lp"] and not rerun.federation.exclude_test_of
 
 
-def test_a_study_whose_trial_costs_more_than_its_budget_still_completes_one(tmp_path):
+def test_a_study_whose_trial_costs_more_than_its_budget_stops_its_first_trial_at_the_budget(tmp_path):
     """3 local epochs cost 3 base runs a trial, 1.5 by its first evaluation; with a budget of 1 the first trial is
-    not cut there (the study would end with nothing to choose): it completes, the study overshoots by that trial,
-    and no second one starts."""
+    not cut there (the study would end with nothing to choose) nor run on to its end (3× the budget, as pFedDF's
+    default did on the leaderboard): it is stopped at that evaluation and completes, scored on the rounds it ran,
+    so the study ends within one evaluation interval of its budget, as every other study does."""
     space = {"train.local_epochs": None, "train.momentum": None, "algorithm.mu": None,
              "train.lr": {"low": 0.01, "high": 0.1}}  # fmt: skip
     methods = {"E3": {"set": {"algorithm.name": "fedprox", "train.local_epochs": 3}, "space": space}}
     tuner = _tuner(tmp_path, methods, budget=1)
     tuner.run_trials(**QUIET)
     (only,) = _done(tuner, tuner.methods[0])
-    assert only.state == TrialState.COMPLETE and tuner.spent(tuner.study(tuner.methods[0])) == 3 * tuner.unit()
+    assert only.state == TrialState.COMPLETE and tuner.spent(tuner.study(tuner.methods[0])) == 1.5 * tuner.unit()
+    assert only.user_attrs["truncated"] == {"round": 1, "scored_on": "pfl_val"}
+    history = [json.loads(line) for line in (tuner.out / only.user_attrs["run_dir"] / "metrics.jsonl").open()]
+    assert [h["round"] for h in history] == [1] and only.value == history[0]["pfl_val"]
+    assert f"pfl_val {100 * only.value:.2f} (#0, stopped at round 1) |" in tuner.markdown(tuner.rows())
 
 
 def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):

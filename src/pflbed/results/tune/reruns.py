@@ -71,6 +71,7 @@ class Reruns:
                 "pruned": sum(s == TrialState.PRUNED for s in states),
                 "best_trial": None if best is None else best.number,
                 "best_value": None if best is None else best.value,
+                "best_truncated": None if best is None else best.user_attrs.get("truncated"),  # {round, scored_on}
                 "chosen": {} if best is None else best.params, "chosen_is_default": same,
                 "default_trial": None if first is None else {"number": first.number, "state": first.state.name,
                                                              "value": first.value},  # `tune.first: default`

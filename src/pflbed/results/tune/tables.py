@@ -78,6 +78,10 @@ class Tables:
             chosen = ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in r["chosen"].items()) or "—"
             chosen = f"the default ({chosen})" if r.get("chosen_is_default") else chosen  # its re-runs serve both
             best = "—" if r["best_value"] is None else f"{r['objective']} {_pct(r['best_value'])} (#{r['best_trial']})"
+            if r.get("best_truncated"):  # the first trial, stopped where the budget was spent
+                cut = r["best_truncated"]
+                on = "" if cut["scored_on"] == r["objective"] else f", scored on {cut['scored_on']}"
+                best = best[:-1] + f", stopped at round {cut['round']}{on})"
             trials = f"{r['complete'] + r['pruned']} ({r['complete']} / {r['pruned']})"
             spent = f"{r['compute']['base_runs']:.2f} of {r['budget']:g}"  # a study stopped early: not comparable yet
             cells = [r["method"], trials, spent + ("" if r["finished"] else ", **short**"), best, chosen]
@@ -106,8 +110,9 @@ class Tables:
                 f"{unit:,.0f} sample passes (samples through a gradient) of FedAvg's local training over one run "
                 "of the base configuration; a trial running when its study's budget is spent is cut at that "
                 "evaluation, so a study overshoots by at most the training between two evaluations and the final "
-                "stages of its last trial (or, where its trials each cost more than the budget, by its one complete "
-                "trial, which is never cut). The objective is the validation figure of the round selected on "
+                "stages of its last trial. Where no trial has completed by then (a method whose trials each cost "
+                "more than the budget), the first one is stopped there instead and scored on the rounds it ran "
+                "(\"stopped at round r\"). The objective is the validation figure of the round selected on "
                 "validation (pfl_val, gfl_val), else the one its column names: a summary field is read where the "
                 "run puts it (FedAvg+FT's fine-tuned figure: at the final round). Wall time: "
                 f"{search:.0f} min of trials (their running times summed) and {reruns:.0f} min of re-runs "

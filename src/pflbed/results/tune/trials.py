@@ -22,11 +22,21 @@ class _Surplus(Exception):
 
 
 
+class _Truncated(Exception):
+    """The study's first trial, stopped where its study's budget is spent and scored on the rounds it ran."""
+
+    def __init__(self, round: int):
+        super().__init__(round)
+        self.round = round
+
+
 def first_to_finish(study, number: int) -> bool:
-    """Whether trial `number` is spared the budget's cut: the study has no complete trial yet and it is the oldest
-    running one. Without it a method whose trials each cost more than the budget (or than its share, with several
-    workers starting trials at once) would end with none complete, nothing to choose; with it such a study
-    overshoots its budget by at most that one trial, which the table's compute column shows."""
+    """Whether trial `number` is stopped, not cut, where the budget is spent: the study has no complete trial yet and
+    it is the oldest running one. A cut (pruned) trial would leave a method whose trials each cost more than the
+    budget (or than its share, with several workers starting trials at once) with none complete, nothing to choose;
+    running it to the end instead let one such trial overshoot its budget several times over (pFedDF's default
+    alone costs 3.7 base runs a round). Stopped and scored on the rounds it ran (`_Truncated`), it completes within
+    one evaluation interval of the budget, as every other trial does."""
     from optuna.trial import TrialState
 
     if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -143,14 +153,16 @@ class Trials:
         unit = self.unit()
         log(f"{head}: started, trial {len(ahead) + 1}; {self.spent(study) / unit:.2f} of {method.budget:g} base runs "
             "spent")  # fmt: skip
-        rounds, start = cfg.train.rounds, compute.total()
+        rounds, start, records = cfg.train.rounds, compute.total(), []
 
         def report(record: dict[str, Any]) -> None:
-            """At each evaluation: the compute so far (cut where it spends the budget), and the pruner's judgment
-            of the best validation figure so far on the method's curve."""
+            """At each evaluation: the compute so far (cut where it spends the budget; the study's first trial is
+            stopped there instead, once it has an evaluation to be scored on), and the pruner's judgment of the best
+            validation figure so far on the method's curve."""
             nonlocal best
             rnd, passes = record["round"], compute.total() - start
             trial.set_user_attr("passes", passes)
+            records.append(record)
             v = record.get(method.curve)
             if v is not None and v == v:
                 best = max(best, v)
@@ -159,14 +171,18 @@ class Trials:
                 trial.report(best, rnd)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"pruned at round {rnd}")
-            if (rnd < rounds and self.spent(study, but=trial.number) + passes >= budget
-                    and not first_to_finish(study, trial.number)):  # fmt: skip
-                trial.set_user_attr("cut", rnd)
-                raise optuna.TrialPruned(f"the budget is spent at round {rnd}")
+            if rnd < rounds and self.spent(study, but=trial.number) + passes >= budget:
+                if not first_to_finish(study, trial.number):
+                    trial.set_user_attr("cut", rnd)
+                    raise optuna.TrialPruned(f"the budget is spent at round {rnd}")
+                if best > -math.inf:
+                    raise _Truncated(rnd)
 
         t0 = time.perf_counter()
         try:
             res = run(cfg, path, progress=False, force=True, on_record=report)
+        except _Truncated as e:
+            return self._truncated(method, trial, records, e.round, head, t0, log)
         except optuna.TrialPruned as e:
             log(f"{head}: {'cut: ' if 'budget' in str(e) else ''}{e}, best {method.curve} {_pct(best)} "
                 f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
@@ -186,6 +202,19 @@ class Trials:
             raise PflbedError(f"methods.{method.name}: the run has no {method.objective} (objective: pick a "
                               "validation figure the method reports)")  # fmt: skip
         log(f"{head}: {method.objective} {_pct(value)} ({time.perf_counter() - t0:.0f} s)")
+        return value
+
+    @staticmethod
+    def _truncated(method: Method, trial, records: list[dict[str, Any]], rnd: int, head: str, t0: float,
+                   log) -> float:
+        """A first trial stopped at round `rnd`: its objective over the rounds it ran; an objective only a finished
+        run has (a summary field, `new_val`) is replaced by the curve the method is pruned on, and the trial says
+        which it was scored on (`truncated`)."""
+        figure = method.objective if method.objective in CURVES else method.curve
+        value = objective_value({}, records, figure)
+        trial.set_user_attr("truncated", {"round": rnd, "scored_on": figure})
+        log(f"{head}: stopped at round {rnd}, where the budget is spent (the study's first trial): {figure} "
+            f"{_pct(value)} ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
         return value
 
 
