@@ -199,6 +199,10 @@ def test_the_leaderboard_ranks_by_each_figure_links_each_row_and_states_the_orde
     assert "### Ditto { #config-ditto }" in page and "(../algorithms/ditto.md)" in page
     assert "Kendall's τ between the default and the tuned P-FL orderings is -1.00" in page  # reversed
     assert "default: Ditto, FedAvg, FedPer; tuned: FedPer, FedAvg, Ditto" in page
+    assert "Spent: 10.20–10.20 base runs against a budget of 10" in page
+    assert "best trial #1 (pfl_val 90.00):" in page and "stopped at round" not in page
+    rows[0]["best_truncated"] = {"round": 8, "scored_on": "pfl_val"}  # a first trial that alone spent the budget
+    assert "best trial #1 (pfl_val 90.00, stopped at round 8 where it spent the budget):" in leaderboard.page()
     assert "Largest gains from tuning (P-FL points): FedPer +20.00, FedAvg +5.00, Ditto -6.00" in page
     mine = "\n".join(leaderboard.algorithm_rows("fedavg"))
     assert "| [FedAvg](../results/leaderboard.md#config-fedavg) | 80.00 ± 1.00 | 85.00 ± 0.50 | 70.00 ± 1.00 |" in mine
