@@ -98,6 +98,20 @@ def _check_range(low: float, high: float, log: bool) -> None:
         raise ValueError(f"a log range needs low > 0, got {low}")
 
 
+def same_as(key: str) -> dict[str, str]:
+    """A field's `json_schema_extra` for an option whose `None` means "the value of config key `key`" (`head_lr`
+    None = `train.lr`). Why declare it: `pflbed tune`'s first trial runs the default configuration, and a
+    `None` default lies in no search space, so without the source it would be drawn and the trial would not be the
+    default; `sources` lets the tuner fill it in."""
+    return {"same_as": key}
+
+
+def sources(model: type[BaseModel]) -> dict[str, str]:
+    """field → the config key its `None` stands for (`same_as`), for the option model `model`."""
+    return {name: f.json_schema_extra["same_as"] for name, f in model.model_fields.items()
+            if isinstance(f.json_schema_extra, dict) and "same_as" in f.json_schema_extra}  # fmt: skip
+
+
 def declared(model: type[BaseModel]) -> dict[str, Space]:
     """The search space a model declares (empty if none)."""
     return dict(getattr(model, "search", None) or {})

@@ -8,7 +8,7 @@ import pytest
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import TrainConfig
 from pflbed.errors import ConfigError
-from pflbed.search import Choice, IntSearch, Search, check_declared, declared, parse_space
+from pflbed.search import Choice, IntSearch, Search, check_declared, declared, parse_space, sources
 
 
 def test_declared_search_names_are_options_of_their_model():
@@ -42,6 +42,23 @@ def test_every_algorithm_declares_a_search_space_of_its_own_holding_its_defaults
     tuned = {n for n, c in ALGORITHMS.items() if declared(c.Config)}
     assert len(tuned) >= 25 and {"pfedme", "perfedavg", "apfl", "fedamp", "feddyn", "fedfomo", "fedmtl", "fedpac",
                                  "fedrep", "knnper", "l2gd", "scaffold", "fedrod_hyper", "ktpfl"} <= tuned  # fmt: skip
+
+
+def test_an_option_whose_none_stands_for_another_key_says_which():
+    """An option documented as "None: train.lr" (or train.local_epochs) declares it (`same_as`): the tuner's first
+    trial fills it in from that key, so the trial is the default configuration. An option documented so but not
+    declared would be drawn there instead, and its study could choose a "default" that is not one."""
+    import re
+
+    pattern = re.compile(r"(?:None:|default:?)\s*`?(train\.[a-z_]+)`?")
+    declared_ = 0
+    for name, cls in ALGORITHMS.items():
+        for key, field in cls.Config.model_fields.items():
+            said = pattern.search(field.description or "") if field.default is None else None
+            if said:
+                assert sources(cls.Config).get(key) == said.group(1), (name, key)
+                declared_ += 1
+    assert declared_ >= 12 and sources(ALGORITHMS["fedrep"].Config) == {"head_lr": "train.lr", "body_lr": "train.lr"}
 
 
 def test_a_declaration_naming_no_option_is_caught():

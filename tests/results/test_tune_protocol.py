@@ -221,17 +221,22 @@ def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):
 def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     """With few trials (a costly method's budget pays for two or three), start-up draws alone could leave the chosen
     configuration far below the default on validation: the first trial runs the default's values of every searched
-    key its space holds (a key whose default lies outside, such as FedRep's head_lr None, is drawn); `first:
-    sampled` draws it like the rest."""
+    key its space holds, an option whose None stands for another key filled in from it (FedRep's head_lr None =
+    train.lr: drawn, the trial was not the default and a study choosing it was "tuned below default"); a default
+    outside the space (head_epochs 10 here) is drawn; `first: sampled` draws it like the rest."""
     space = {"train.lr": {"low": 0.001, "high": 0.3, "log": True}, "train.local_epochs": {"low": 1, "high": 5,
              "int": True}, "train.momentum": None}  # fmt: skip
-    methods = {"R": {"set": {"algorithm.name": "fedrep"}, "space": {**space, "algorithm.head_epochs": None}}}
+    methods = {"R": {"set": {"algorithm.name": "fedrep"}, "space": {**space,
+                                                                   "algorithm.head_epochs": {"low": 1, "high": 3,
+                                                                                             "int": True}}}}
     tuner = _tuner(tmp_path / "default", methods, budget=100, trials=1)
     tuner.run_trials(**QUIET)
     (first,) = _done(tuner, tuner.methods[0])
     cfg = validate_config({**BASE, "algorithm": {"name": "fedrep"}})
     assert first.params["train.lr"] == cfg.train.lr and first.params["train.local_epochs"] == cfg.train.local_epochs
-    assert first.user_attrs["default"] is True and first.params["algorithm.head_lr"] is not None  # drawn
+    assert first.user_attrs["default"] is True and first.params["algorithm.head_lr"] == cfg.train.lr  # its source
+    assert 1 <= first.params["algorithm.head_epochs"] <= 3  # the default, 10, lies outside: drawn
+    assert tuner.methods[0].resolved({"algorithm.head_lr": cfg.train.lr}) == tuner.methods[0].resolved({})
     assert tuner.rows()[0]["default_trial"] == {"number": first.number, "state": "COMPLETE", "value": first.value}
     sampled = _tuner(tmp_path / "sampled", methods, budget=100, trials=1, first="sampled")
     sampled.run_trials(**QUIET)

@@ -32,7 +32,7 @@ from torch.func import functional_call
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import index_batches
-from pflbed.search import Search, Space
+from pflbed.search import Search, Space, same_as
 
 ALPHA = "alpha"
 
@@ -42,7 +42,8 @@ class APFLOptions(BaseModel):
     # the paper: α ∈ {0.25, 0.5, 0.75}
     search: ClassVar[dict[str, Space]] = {"alpha": Search(0.05, 0.95), "alpha_lr": Search(1e-4, 0.3, log=True)}
     alpha: float = Field(0.5, ge=0, le=1, description="initial mixing weight α_i of the local model")
-    alpha_lr: float | None = Field(None, gt=0, description="η_α (None: train.lr)")
+    alpha_lr: float | None = Field(None, gt=0, description="η_α (None: train.lr)",
+                                   json_schema_extra=same_as("train.lr"))
     adaptive: bool = Field(True, description="learn α_i (Eq. 10); False: keep it fixed")
 
 

@@ -96,7 +96,7 @@ from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import WeightedMean, finetune_epochs, fresh_client_params
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
-from pflbed.search import Choice, Search, Space
+from pflbed.search import Choice, Search, Space, same_as
 
 CORE = "core/"  # server: client c's core model, core/<cid>/<key>
 CORES = "cores/"  # payload and plan constants: every core's parameter <key>, stacked in participated order (N, …)
@@ -118,7 +118,7 @@ class APPLEOptions(BaseModel):
     dr_lr: float = Field(0.001, ge=0, le=100, description="SGD lr of the DR vector p_i (authors' lr_coef 0.001; 0: "
                          "p_i frozen at p_0)")  # fmt: skip
     core_lr: float | None = Field(None, gt=0, le=100, description="SGD lr of the own core model (None: train.lr; "
-                                  "authors' lr_net 0.01)")  # fmt: skip
+                                  "authors' lr_net 0.01)", json_schema_extra=same_as("train.lr"))  # fmt: skip
     mu: float = Field(0.1, ge=0, le=1e4, description="μ: the strength of the pull ‖p_i − p_0‖² at round 0 (0: "
                       "none)")  # fmt: skip
     reg_fraction: float = Field(0.1, ge=0, le=1, description="R_d/R: the share of the rounds during which λ(r) "

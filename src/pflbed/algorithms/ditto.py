@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
-from pflbed.search import Search, Space
+from pflbed.search import Search, Space, same_as
 
 
 class DittoOptions(BaseModel):
@@ -40,8 +40,10 @@ class DittoOptions(BaseModel):
     search: ClassVar[dict[str, Space]] = {"lam": Search(1e-3, 10.0, log=True)}  # the paper's grid: 0.01…2
     lam: float = Field(0.1, ge=0, description="λ of the personal objective F_k(v) + λ/2·‖v − w^t‖² (0: Local)")
     personal_epochs: int | None = Field(None, ge=0, description="epochs of the personal update (None: "
-                                        "train.local_epochs)")  # fmt: skip
-    personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal update (None: train.lr)")
+                                        "train.local_epochs)",
+                                        json_schema_extra=same_as("train.local_epochs"))  # fmt: skip
+    personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal update (None: train.lr)",
+                                      json_schema_extra=same_as("train.lr"))
 
 
 PERSONAL = "personal."  # v_k's tensors in the plan, beside w's

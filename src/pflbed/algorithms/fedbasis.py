@@ -156,7 +156,7 @@ from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, weighted_mean
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
-from pflbed.search import IntSearch, Search, Space
+from pflbed.search import IntSearch, Search, Space, same_as
 
 STREAM = 0xFBA5  # FedBasis's own random streams (not one of pflbed.rng's tags): 0 random bases, 1 k-means
 MAJOR, BASIS, POOL = "major.", "basis", "pool"
@@ -174,7 +174,8 @@ class FedBasisOptions(BaseModel):
     layerwise: bool = Field(True, description="one coefficient vector per model block (False: one in all)")
     alpha_epochs: int = Field(5, ge=0, description="local epochs of the ψ step (replaces train.local_epochs)")
     basis_epochs: int = Field(5, ge=0, description="local epochs of the V step (replaces train.local_epochs)")
-    alpha_lr: float | None = Field(None, gt=0, description="SGD lr of ψ (None: train.lr)")
+    alpha_lr: float | None = Field(None, gt=0, description="SGD lr of ψ (None: train.lr)",
+                                   json_schema_extra=same_as("train.lr"))
     warmup_fraction: float = Field(0.3, ge=0, le=1, description="share of rounds run as FedAvg warm start")
     kmeans_iters: int = Field(50, ge=1, description="Lloyd iterations of the warm-start k-means")
     aggregation: Literal["uniform", "weighted"] = Field("uniform", description="basis mean: 1/M or |D_m|-weighted")

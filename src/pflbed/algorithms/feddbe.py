@@ -72,7 +72,7 @@ from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import WeightedMean, finetune_epochs, get_params, index_batches, load_params
 from pflbed.models import BlockNet
-from pflbed.search import Search, Space
+from pflbed.search import Search, Space, same_as
 
 PRBM = "prbm"  # the client state: z̄_i^p; also a plan tensor
 CONSENSUS = "consensus"  # the server state (after the initialization period) and payload: z̄^g
@@ -85,7 +85,8 @@ class FedDBEOptions(BaseModel):
     search: ClassVar[dict[str, Space]] = {"kappa": Search(0.1, 100.0, log=True), "mean_momentum": Search(0.1, 1.0)}
     kappa: float = Field(50.0, ge=0, description="κ, the weight of mean regularization (0: no MR)")
     mean_momentum: float = Field(1.0, gt=0, le=1, description="m, the running mean's momentum (1: the batch mean)")
-    prbm_lr: float | None = Field(None, gt=0, description="SGD lr of the PRBM z̄_i^p (default: train.lr)")
+    prbm_lr: float | None = Field(None, gt=0, description="SGD lr of the PRBM z̄_i^p (default: train.lr)",
+                                  json_schema_extra=same_as("train.lr"))
     head_blocks: int = Field(1, ge=1, description="top blocks reading z + z̄_i^p (1: the classifier, as the code)")
 
 

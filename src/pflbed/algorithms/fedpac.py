@@ -102,7 +102,7 @@ from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.reply_shapes import misfit, specs
 from pflbed.algorithms.training import load_params, weighted_mean
 from pflbed.models import BlockNet
-from pflbed.search import Search, Space
+from pflbed.search import Search, Space, same_as
 
 HEAD = "head/"  # the server's latest personalized head of client c: head/<cid>/<head key>
 MEAN = "mean_head/"  # the new-client start head: mean_head/<head key>
@@ -121,8 +121,10 @@ class FedPACOptions(BaseModel):
     head_epochs: int = Field(1, ge=0, description="E_w: epochs training the head with the body frozen (official 1)")
     body_epochs: int = Field(5, ge=0, description="E_φ: epochs training the body, head frozen, on CE + λ·alignment "
                              "(official 5)")  # fmt: skip
-    head_lr: float | None = Field(None, gt=0, description="head-phase lr (None: train.lr; official code 0.1)")
-    body_lr: float | None = Field(None, gt=0, description="body-phase lr (None: train.lr)")
+    head_lr: float | None = Field(None, gt=0, description="head-phase lr (None: train.lr; official code 0.1)",
+                                  json_schema_extra=same_as("train.lr"))
+    body_lr: float | None = Field(None, gt=0, description="body-phase lr (None: train.lr)",
+                                  json_schema_extra=same_as("train.lr"))
     align_reduction: Literal["sum", "mean"] = Field("mean", description="sum: ‖f − c_y‖² summed over the features "
                                                     "(the paper's equation); mean: also divided by d (official "
                                                     "MSELoss, with which λ = 1 was run)")  # fmt: skip

@@ -40,7 +40,7 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
 from pflbed.algorithms.training import WeightedMean
-from pflbed.search import IntSearch, Search, Space
+from pflbed.search import IntSearch, Search, Space, same_as
 
 
 class FedRepOptions(BaseModel):
@@ -51,8 +51,10 @@ class FedRepOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     head_epochs: int = Field(10, ge=0, description="τ_h: epochs training the head with the body frozen")
     body_epochs: int = Field(1, ge=0, description="τ_φ: epochs training the body with the head frozen")
-    head_lr: float | None = Field(None, gt=0, description="head-phase learning rate (None: train.lr)")
-    body_lr: float | None = Field(None, gt=0, description="body-phase learning rate (None: train.lr)")
+    head_lr: float | None = Field(None, gt=0, description="head-phase learning rate (None: train.lr)",
+                                  json_schema_extra=same_as("train.lr"))
+    body_lr: float | None = Field(None, gt=0, description="body-phase learning rate (None: train.lr)",
+                                  json_schema_extra=same_as("train.lr"))
 
 
 class FedRep(Algorithm):

@@ -76,7 +76,7 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predi
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, features_and_logits, weighted_mean
 from pflbed.algorithms.training import WeightedMean, get_params, load_params, sgd_epochs
 from pflbed.models import BlockNet
-from pflbed.search import Search, Space
+from pflbed.search import Search, Space, same_as
 
 if TYPE_CHECKING:
     pass  # annotations only
@@ -249,7 +249,8 @@ class FedRoDOptions(BaseModel):
     search: ClassVar[dict[str, Space]] = {"gamma": Search(0.0, 1.0), "personal_lr": Search(1e-3, 0.3, log=True)}
 
     gamma: float = Field(1.0, ge=0, description="exponent γ of the class counts in the balanced-softmax loss")
-    personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal head (default: train.lr)")
+    personal_lr: float | None = Field(None, gt=0, description="SGD lr of the personal head (default: train.lr)",
+                                      json_schema_extra=same_as("train.lr"))
     pfl_body: Literal["server", "local"] = Field(
         "server",
         description="body f, h_G of the P-FL model. server: θ̄, ψ̄ of the server, shared by all clients (features "

@@ -148,7 +148,7 @@ from pflbed.algorithms.training import (
 )
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet, ModelNames
-from pflbed.search import IntSearch, Search, Space
+from pflbed.search import IntSearch, Search, Space, same_as
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"temperature": 10.0, "rho": 0.7, "c_grad": "kl", "c_kl": "sum", "c_step": "fixed",
@@ -184,7 +184,8 @@ class TransferOptions(BaseModel):
     kl_reduction: Literal["batchmean", "mean"] | None = Field("batchmean", description="distillation KL reduction")
     distill_epochs: int = Field(1, ge=1, description="R: passes over the public batch per distillation")
     distill_steps: int | None = Field(None, ge=1, description="mini-batch steps instead of distill_epochs")
-    distill_lr: float | None = Field(None, gt=0, description="η2 (default train.lr)")
+    distill_lr: float | None = Field(None, gt=0, description="η2 (default train.lr)",
+                                     json_schema_extra=same_as("train.lr"))
     distill_batch_size: int = Field(256, ge=1)
     distill_momentum: Momentum | Literal["train"] | None = Field(0.0, description=MOMENTUM_DOC)
     score: Literal["after_distill", "after_local"] | None = Field("after_local", description=SCORE_DOC)

@@ -48,7 +48,7 @@ from pflbed.algorithms.base import Predictor, Tensors
 from pflbed.algorithms.feddf import FedDF, FedDFOptions
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.models import BlockNet
-from pflbed.search import IntSearch, Space
+from pflbed.search import IntSearch, Space, same_as
 
 PERSONAL = "p/"  # the fine-tuned model's tensors, in the plan and the client's state
 
@@ -58,7 +58,8 @@ class PFedDFOptions(FedDFOptions):
     search: ClassVar[dict[str, Space]] = {**FedDFOptions.search, "finetune_epochs": IntSearch(1, 20)}
 
     finetune_epochs: int | None = Field(
-        None, ge=1, description="local fine-tuning epochs from the global model at train.lr (None: train.local_epochs)"
+        None, ge=1, description="local fine-tuning epochs from the global model at train.lr (None: train.local_epochs)",
+        json_schema_extra=same_as("train.local_epochs"),
     )
 
 

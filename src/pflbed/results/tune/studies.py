@@ -98,13 +98,23 @@ class Method:
 
     def resolved(self, params: dict[str, Any]) -> dict[str, Any]:
         """The re-run config with `params`, its algorithm's options filled in: an option set to its default value
-        and the option left out give the same run, and compare equal here (a `Config` keeps the options as given)."""
+        and the option left out give the same run, and compare equal here (a `Config` keeps the options as given);
+        so do an option left `None` that stands for another key (`search.same_as`: `head_lr` None = `train.lr`)
+        and the option set to that key's value."""
         from pflbed.algorithms import get_algorithm
+        from pflbed.search import sources
 
         cfg = self.config(0, params, trial=False)
-        options = get_algorithm(cfg.algorithm.name).Config.model_validate(cfg.algorithm_options())
-        return {**cfg.model_dump(mode="json"), "algorithm": {"name": cfg.algorithm.name,
-                                                              **options.model_dump(mode="json")}}
+        model = get_algorithm(cfg.algorithm.name).Config
+        tree = cfg.model_dump(mode="json")
+        options = model.model_validate(cfg.algorithm_options()).model_dump(mode="json")
+        for name, key in sources(model).items():
+            if options.get(name) is None:
+                value: Any = tree
+                for part in key.split("."):
+                    value = value[part]
+                options[name] = value
+        return {**tree, "algorithm": {"name": cfg.algorithm.name, **options}}
 
     @property
     def study_name(self) -> str:
@@ -130,8 +140,9 @@ def _defaults(space: dict[str, Space], default: dict[str, Any]) -> dict[str, Any
 
     Why: with a budget of few trials (a costly method gets two or three), every one of them is a random draw of the
     sampler's start-up, and the chosen configuration can be far worse than the default on validation; a first trial at
-    the defaults makes the search start where an untuned comparison stands. A key whose default lies outside its space
-    (an option whose default is "the same as train.lr", None) is left to the sampler."""
+    the defaults makes the search start where an untuned comparison stands. An option whose None stands for another
+    key arrives filled in (`search.same_as`); a default still outside its space (FedRoD-hyper's hyper_lr, half the
+    personal lr) is left to the sampler."""
     out = {}
     for key, s in space.items():
         value: Any = default
