@@ -110,10 +110,7 @@ class Method:
         options = model.model_validate(cfg.algorithm_options()).model_dump(mode="json")
         for name, key in sources(model).items():
             if options.get(name) is None:
-                value: Any = tree
-                for part in key.split("."):
-                    value = value[part]
-                options[name] = value
+                options[name] = _at(tree, key)
         return {**tree, "algorithm": {"name": cfg.algorithm.name, **options}}
 
     @property
@@ -145,12 +142,18 @@ def _defaults(space: dict[str, Space], default: dict[str, Any]) -> dict[str, Any
     personal lr) is left to the sampler."""
     out = {}
     for key, s in space.items():
-        value: Any = default
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
+        value = _at(default, key)
         if _holds(s, value):
             out[key] = value
     return out
+
+
+def _at(tree: dict[str, Any], key: str) -> Any:
+    """The value at dotted `key` of a config dump (None where the path ends early)."""
+    value: Any = tree
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def _holds(s: Space, value: Any) -> bool:

@@ -35,8 +35,8 @@ def first_to_finish(study, number: int) -> bool:
     it is the oldest running one. A cut (pruned) trial would leave a method whose trials each cost more than the
     budget (or than its share, with several workers starting trials at once) with none complete, nothing to choose;
     running it to the end instead let one such trial overshoot its budget several times over (pFedDF's default
-    alone costs 3.7 base runs a round). Stopped and scored on the rounds it ran (`_Truncated`), it completes within
-    one evaluation interval of the budget, as every other trial does."""
+    alone cost 3.9 times the budget on the leaderboard). Stopped and scored on the rounds it ran (`_Truncated`), it
+    completes within one evaluation interval of the budget, as every other trial does."""
     from optuna.trial import TrialState
 
     if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
