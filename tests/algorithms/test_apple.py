@@ -4,6 +4,7 @@ averaging them; λ(r) decays from μ over the first R_d rounds."""
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
@@ -13,13 +14,14 @@ from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.training import fresh_client_params, index_batches, train_from
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 
 from ..tiny import TINY, same_tensors
 
 
-def _cfg(rounds=4, momentum=0.0, **options):
-    return validate_config({**TINY, "train": {**TINY["train"], "rounds": rounds, "local_epochs": 2,
-                                              "momentum": momentum},
+def _cfg(rounds=4, momentum=0.0, model=None, **options):
+    return validate_config({**TINY, "model": model or TINY["model"],
+                            "train": {**TINY["train"], "rounds": rounds, "local_epochs": 2, "momentum": momentum},
                             "algorithm": {"name": "apple", **options}, "executor": {"threads": 1}})  # fmt: skip
 
 
@@ -51,8 +53,8 @@ def test_every_core_starts_from_its_own_init_and_p_from_p0_the_training_shares_s
     assert all(same_tensors(shared.core(shared.init_server(), c), shared.ctx.initial_params) for c in clients)
 
 
-def test_lambda_decays_from_mu_over_the_first_r_d_rounds_then_is_zero():
-    mu = 0.3
+@pytest.mark.parametrize("mu", [0.3, 1.0])
+def test_lambda_decays_from_mu_over_the_first_r_d_rounds_then_is_zero(mu):
     for schedule, rounds, fraction, expected in [
         ("exponential", 20, 0.1, [mu, mu * 0.001 ** (1 / 2)] + [0.0] * 18),  # R_d = 2
         ("exponential", 10, 0.4, [mu * 0.001 ** (r / 4) for r in range(4)] + [0.0] * 6),
@@ -165,3 +167,29 @@ def test_a_reply_must_be_a_core_model():
         f"has '{k}' of shape {[1, *reply[k].shape[1:]]}, expected {list(reply[k].shape)}"  # fmt: skip
     assert algo.reply_fits(payload, {**reply, DR: payload[P0]}) == \
         f"has key '{DR}', which this algorithm's clients do not reply"  # fmt: skip
+
+
+def test_independent_cores_refuse_a_pretrained_start_and_shared_cores_start_from_it(tmp_path):
+    """Independent initializations would discard `model.init_from`'s weights: refused in one line naming the
+    option; `core_init: shared` starts every core from them."""
+    pretrained = {k: v + 1.0 if v.is_floating_point() else v for k, v in prepare(_cfg()).ctx.initial_params.items()}
+    torch.save(pretrained, tmp_path / "model.pt")
+    model = {"name": "mlp", "init_from": str(tmp_path / "model.pt")}
+    with pytest.raises(ConfigError, match=r"^algorithm.core_init: independent .* set core_init: shared$"):
+        prepare(_cfg(model=model))
+    shared = prepare(_cfg(model=model, core_init="shared"))
+    assert all(same_tensors(shared.core(shared.init_server(), c), pretrained) for c in shared.clients)
+
+
+def test_diagnostics_are_the_mean_own_weight_sum_and_distance_of_the_dr_vectors():
+    """p_ii, Σ_j p_ij and ‖p_i − p_0‖ averaged over the participated clients; one that has not trained counts at
+    p_0."""
+    algo = prepare(_cfg())
+    p0 = algo.configure(1, algo.init_server(), [0])[0][P0]
+    g = torch.Generator().manual_seed(3)
+    ps = {c: p0 + torch.randn(p0.shape, generator=g) for c in algo.clients[1:]}
+    got = algo.diagnostics(1, algo.init_server(), lambda c: {DR: ps[c]} if c in ps else {})
+    full = torch.stack([ps.get(c, p0) for c in algo.clients])
+    assert got == {"dr_self": round(float(full.diagonal().mean()), 6), "dr_sum": round(float(full.sum(1).mean()), 6),
+                   "dr_distance": round(float((full - p0).norm(dim=1).mean()), 6)}  # fmt: skip
+    assert got["dr_self"] != round(float(full.mean()), 6)

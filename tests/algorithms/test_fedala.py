@@ -3,6 +3,8 @@ element-wise weights W on the top p blocks (the lower ones overwritten), learns 
 its data (to convergence in its first aggregation, one pass after that), then trains locally; FedAvg's aggregation.
 The rules are recomputed here in the code's form (Eq. 6: the gradient of the aggregated model times the update)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 
 from ..tiny import TINY, same_tensors
 
@@ -179,3 +182,63 @@ def test_a_shared_body_is_declared_only_where_every_client_has_the_global_one():
     assert mlp.personal_model(mlp.init_server(), {}).feature_key is not None
     for algo in (prepare(_cfg(sections=BN)), prepare(_cfg(layers=2))):
         assert algo.personal_model(algo.init_server(), {}).feature_key is None
+
+
+def test_the_start_phase_stops_after_more_than_num_pre_loss_settled_losses():
+    """A loss that is settled from the first pass (std far below the threshold) stops the start phase after
+    num_pre_loss + 1 passes, not num_pre_loss: the std needs more recorded losses than it covers (the code's `>`)."""
+    algo = prepare(_cfg(threshold=10.0, num_pre_loss=3, eta=0.5))
+    glob, local = _moved(algo.init_server(), 0.2, 1), algo.init_server()
+    _, state = _update(algo, glob, {})
+    w, passes = _ala_by_hand(algo, glob, local, None, torch.Generator().manual_seed(7))
+    assert passes == 4
+    assert _close({k: state[WEIGHT + k] for k in _top(algo.ctx.model, 1)}, w)
+
+
+@pytest.mark.parametrize("rand_percent", [1, 100])
+def test_the_sample_is_s_percent_of_the_client_but_at_least_one_sample(rand_percent):
+    """⌊s·n_i/100⌋ samples, at least one (one sample at s = 1 % of a client of under 200), all at s = 100."""
+    algo = prepare(_cfg(rand_percent=rand_percent, eta=0.5))
+    assert (algo.ctx.client_data(0).num_train * rand_percent // 100 <= 1) is (rand_percent == 1)  # one sample
+    glob, local = _moved(algo.init_server(), 0.2, 1), _moved(algo.init_server(), 0.1, 2)
+    weights = {k: torch.full_like(local[k], 0.5) for k in _top(algo.ctx.model, 1)}
+    _, state = _update(algo, glob, {**local, **{WEIGHT + k: v for k, v in weights.items()}})
+    w, _ = _ala_by_hand(algo, glob, local, weights, torch.Generator().manual_seed(7))
+    assert _close({k: state[WEIGHT + k] for k in w}, w) and not _close(w, weights)
+
+
+def test_a_client_without_training_samples_keeps_its_weights_and_one_sample_moves_them():
+    algo = prepare(_cfg(eta=0.5))
+    glob, local = _moved(algo.init_server(), 0.2, 1), _moved(algo.init_server(), 0.1, 2)
+    data = algo.ctx.client_data(0)
+    weights = {k: torch.full_like(local[k], 0.5) for k in _top(algo.ctx.model, 1)}
+    for n, moved in [(0, False), (1, True)]:
+        few = replace(data, train=data.train[:n])
+        w = algo.learn_weights(glob, local, weights, few, torch.Generator().manual_seed(7))
+        assert w.keys() == weights.keys() and _close(w, weights) is not moved, n
+
+
+def test_every_block_may_be_weighed_and_no_more():
+    blocks = len(prepare(_cfg()).ctx.model.block_names())
+    assert prepare(_cfg(layers=blocks)).lower == []
+    with pytest.raises(ConfigError, match=rf"^algorithm.layers: the model has {blocks} blocks; choose 0 to {blocks} "
+                       rf"\(got {blocks + 1}\)$"):  # fmt: skip
+        prepare(_cfg(layers=blocks + 1))
+
+
+@pytest.mark.parametrize("case", ["plain", "dropout", "augment"])
+def test_the_start_phases_cache_of_the_lower_blocks_changes_nothing(case):
+    """The start phase computes a batch's lower-block output once only where it is the same on every pass; with
+    dropout below the top or augmentation every pass draws again, exactly as without the cache."""
+    sections = {"plain": None, "dropout": {"model": {"name": "alexnet_small_x025"}, "dataset": {"name": "digits"}},
+                "augment": {"dataset": {"name": "digits", "augment": ["crop", "flip"]}}}[case]  # fmt: skip
+    algo = prepare(_cfg(sections=sections, num_pre_loss=2, max_start_epochs=3, threshold=1e-12, eta=0.5))
+    assert algo.fixed_lower is (case == "plain")
+    glob, local = _moved(algo.init_server(), 0.2, 1), algo.init_server()
+    data = algo.ctx.client_data(0)
+    torch.manual_seed(0)
+    cached = algo.learn_weights(glob, local, None, data, torch.Generator().manual_seed(7))
+    algo.fixed_lower = False
+    torch.manual_seed(0)
+    fresh = algo.learn_weights(glob, local, None, data, torch.Generator().manual_seed(7))
+    assert same_tensors(cached, fresh)
