@@ -4,6 +4,7 @@ own head (LT), the trace of the empirical Fisher information of the trained mode
 Fisher-weighted mean of the whole models (CS)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 import pflbed
 from pflbed.algorithms.base import ClientContext
+from pflbed.algorithms.local_sgd import run_plan
 from pflbed.algorithms.training import index_batches, load_params, weighted_mean
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
@@ -149,18 +151,25 @@ def _replies(algo, cids=(0, 1, 2)):
     return server, {c: _update(algo, payloads[c], algo.init_client(c), cid=c)[0] for c in cids}
 
 
-def test_the_server_averages_whole_models_with_the_fisher_weights():
-    """CS: θ^g = Σ_i F_i/Σ_j F_j · θ_i over every entry, the head included; the sample counts play no part."""
-    algo = prepare(_cfg())
+@pytest.mark.parametrize(("model", "fims"), [(None, {0: 1.0, 1: 3.0, 2: 0.5}), ("cnn_bn", {0: 0.1, 1: 0.3, 2: 0.05})])
+def test_the_server_averages_whole_models_with_the_fisher_weights(model, fims):
+    """CS: θ^g = Σ_i F_i/Σ_j F_j · θ_i over every entry, the head included, whatever the scale of the traces (a
+    sum below 1 too); the sample counts play no part. Integer entries (BatchNorm's counters) take the maximum."""
+    algo = prepare(_cfg(model=model))
     server, replies = _replies(algo)
-    fims = {0: 1.0, 1: 3.0, 2: 0.5}
     for c, f in fims.items():
         replies[c]["fim"] = torch.tensor(f, dtype=torch.float64)
+        for k, v in replies[c].items():
+            if not v.is_floating_point():
+                replies[c][k] = v + 5 * (c == 1)
     weights = {0: 10.0, 1: 1.0, 2: 100.0}
     out = algo.aggregate(1, server, replies, weights)
     assert set(out) == set(algo.keys) and set(algo.head_keys) <= set(out)
     total = sum(fims.values())
     for k in algo.keys:
+        if not out[k].is_floating_point():
+            assert torch.equal(out[k], replies[1][k]) and out[k].dtype == replies[1][k].dtype, k
+            continue
         expected = sum(fims[c] / total * replies[c][k].double() for c in replies)
         assert torch.allclose(out[k].double(), expected, atol=1e-6), k
         assert out[k].dtype == replies[0][k].dtype
@@ -229,3 +238,21 @@ def test_honest_replies_fit_and_a_wrong_trace_is_refused():
     assert "'fim'" in algo.reply_fits(payload, {**reply, "fim": reply["fim"].float()})
     head = algo.head_keys[0]
     assert f"'{head}'" in algo.reply_fits(payload, {k: v for k, v in reply.items() if k != head})
+
+
+def test_the_alignment_is_plain_sgd_whatever_the_training_momentum_and_weight_decay():
+    """PA 2 steps at η_PA without momentum or weight decay (the code's fresh plain SGD); `train.momentum` and
+    `train.weight_decay` are the LT phase's."""
+    algo, server, state = _setup(align_lr=0.05)
+    tree = _cfg(align_lr=0.05).model_dump(mode="json")
+    tree["train"].update(momentum=0.9, weight_decay=0.1)
+    heavy = prepare(validate_config(tree))
+    payload = algo.configure(1, server, [0])[0]
+    data = algo.ctx.client_data(0)
+    aligned = []
+    for a in (algo, heavy):
+        plan = a.sgd_plan(payload, state, data)
+        assert len(plan.phases) == 2
+        aligned.append(run_plan(a.ctx.model, replace(plan, phases=plan.phases[:1]), data, a.ctx.cfg.train,
+                                torch.Generator().manual_seed(7))[1])  # fmt: skip
+    assert same_tensors(*aligned) and not all(torch.equal(aligned[0][k], v) for k, v in payload.items())
