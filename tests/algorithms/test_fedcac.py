@@ -11,7 +11,7 @@ import torch
 
 import pflbed
 from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.fedcac import COLLABORATORS, CUSTOM, MASK, critical_mask
+from pflbed.algorithms.fedcac import COLLABORATORS, CUSTOM, MASK, critical_mask, overlap_matrix
 from pflbed.algorithms.masks import pack_bits, unpack_bits
 from pflbed.config import validate_config
 from pflbed.engine.executor import update_client
@@ -53,7 +53,8 @@ def test_the_critical_entries_are_the_largest_update_times_value_per_tensor():
     assert critical_mask(z, after, 0.5).tolist() == [True, False, True, False]  # |Δ·θ| = 9, 1, 4, 0.25
     before = torch.tensor([2.9, -3.0, 1.0, 0.5])  # |Δ·θ| = 0.3, 2, 2, 0: the largest update is not the largest Δ·θ
     assert critical_mask(before, after, 0.25).tolist() == [False, True, True, False]  # a tie: both critical
-    assert critical_mask(before, after, 0.2).tolist() == [False] * 4  # ⌊0.2·4⌋ = 0: none
+    none = critical_mask(before, after, 0.2)  # ⌊0.2·4⌋ = 0: none
+    assert none.dtype == torch.bool and not none.any() and none.shape == after.shape
     assert critical_mask(before, after, 1.0).tolist() == [True, True, True, False]  # a zero is never critical
     assert critical_mask(after, after, 0.5).tolist() == [True] * 4  # nothing moved: no positive value, all critical
     tiny = torch.tensor([0.0, 0.0, 1e-6, 0.0])  # |Δ·θ| = 1e-12 ≤ 1e-10 at the threshold: the smallest positive
@@ -63,6 +64,16 @@ def test_the_critical_entries_are_the_largest_update_times_value_per_tensor():
         before, after = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
         after.view(-1)[::3] = before.view(-1)[::3]  # unmoved entries
         assert torch.equal(critical_mask(before, after, tau), _paper_mask(before, after, tau))
+
+
+def test_the_overlap_of_a_lone_client_is_one_or_zero_for_an_empty_mask():
+    """A round of one client: O = [[1]] (its mask overlaps itself wholly), or [[0]] where its mask is empty."""
+    full = {"a": torch.tensor([True, False, True]), "b": torch.tensor([[False, True]])}
+    assert overlap_matrix([full], ["a", "b"]).tolist() == [[1.0]]
+    empty = {k: torch.zeros_like(v) for k, v in full.items()}
+    assert overlap_matrix([empty], ["a", "b"]).tolist() == [[0.0]]
+    # beside it, Eq. 3 from the full mask's side: 1 − 3/(2·3); from the empty one's: 0
+    assert overlap_matrix([full, empty], ["a", "b"]).tolist() == [[1.0, 0.5], [0.0, 0.0]]
 
 
 # --- the client ------------------------------------------------------------------------------------------------------
