@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext
-from pflbed.algorithms.fedcp import STREAM, mmd2
+from pflbed.algorithms.fedcp import STREAM, context_of, mmd2
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 
@@ -108,6 +108,14 @@ def test_the_uploaded_head_is_the_personalized_head_itself_by_default_and_v_its_
     assert all(torch.equal(reply[k], state["personal." + k]) for k in HEAD)
     assert torch.equal(state["context"], state["personal." + HEAD[0]].sum(0))
     assert not torch.equal(state["personal." + HEAD[0]], server[HEAD[0]])
+
+
+def test_the_context_of_a_deeper_head_is_the_column_sum_of_its_linear_maps_product():
+    """v = 1ᵀ·W_L·…·W_1 for a head of several linear layers (the code's column sum of the one head weight)."""
+    g = torch.Generator().manual_seed(0)
+    head = {k: torch.randn(*shape, generator=g) for k, shape in [("a", (6, 4)), ("b", (5, 6)), ("c", (3, 5))]}
+    assert torch.allclose(context_of(head, ["a", "b", "c"]), (head["c"] @ head["b"] @ head["a"]).sum(0), atol=1e-6)
+    assert torch.equal(context_of(head, ["c"]), head["c"].sum(0))
 
 
 def test_the_server_averages_extractors_uploaded_heads_and_policy_networks_by_sample_counts():
