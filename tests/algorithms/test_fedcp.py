@@ -6,12 +6,16 @@ W_i^hd. Every rule is recomputed here by hand on the tiny MLP (body fc1, fc2; he
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedcp import STREAM, context_of, mmd2
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
+from pflbed.models import BlockNet
+from pflbed.models.zoo import MODELS
 
 from ..tiny import TINY, same_tensors
 
@@ -221,3 +225,36 @@ def test_a_batchnorm_extractor_keeps_the_payload_and_moves_only_the_trained_stat
     assert same_tensors(server, sent)
     stats = [k for k in algo.body_keys if "running_mean" in k]
     assert stats and all(not torch.equal(reply[k], server[k]) for k in stats)
+
+
+
+def _body(input_shape, width):
+    return "body", nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width), nn.ReLU())
+
+
+def _deep_head(input_shape, num_classes):
+    """A head whose first linear layer reads the body's output, a hidden layer and a ReLU inside it: accepted."""
+    head = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, num_classes))
+    return BlockNet([_body(input_shape, 8), ("head", head)])
+
+
+def _no_linear_head(input_shape, num_classes):
+    return BlockNet([_body(input_shape, num_classes), ("head", nn.Softmax(1))])
+
+
+def _wide_head(input_shape, num_classes):
+    """The head's linear layer reads the body's output upsampled to twice its width: not the features FedCP weighs."""
+    return BlockNet([_body(input_shape, 8), ("head", nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Upsample(scale_factor=2),
+                                                                   nn.Flatten(), nn.Linear(16, num_classes)))])
+
+
+@pytest.mark.parametrize(("factory", "features"), [(_deep_head, None), (_no_linear_head, 10), (_wide_head, 8)])
+def test_a_model_without_a_linear_head_on_the_body_features_is_refused_in_one_line(factory, features, monkeypatch):
+    monkeypatch.setitem(MODELS, "custom", factory)
+    cfg = validate_config({**TINY, "model": {"name": "custom"}, "algorithm": {"name": "fedcp"}})
+    if features is None:
+        assert prepare(cfg).k == 8
+        return
+    with pytest.raises(ConfigError, match=r"^algorithm.name: fedcp needs a model whose head starts with a linear "
+                       rf"layer on the flattened body output \({features} features\); custom has none$"):  # fmt: skip
+        prepare(cfg)
