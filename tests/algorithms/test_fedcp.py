@@ -212,6 +212,11 @@ def test_evaluation_noise_is_the_codes_gumbel_draw_and_reproducible():
                         noise)  # fmt: skip
     assert torch.allclose(first, want, atol=1e-5) and not torch.allclose(first, clean, atol=1e-3)
     assert torch.equal(noisy.personal_model(server, state).logits(x), first)
+    pred = noisy.personal_model(server, state)  # evaluation on shared features: the same draws in row order
+    assert pred.feature_key is not None
+    assert torch.allclose(pred.features(x), body(server, x), atol=1e-6)
+    assert torch.allclose(pred.classify(pred.features(x, batch_size=3), batch_size=7), want, atol=1e-5)
+    assert torch.allclose(pred.logits(x, batch_size=6), want, atol=1e-5)
 
 
 def test_a_batchnorm_extractor_keeps_the_payload_and_moves_only_the_trained_statistics():
