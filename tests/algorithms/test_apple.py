@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from pflbed.algorithms.apple import COEF, CORE, CORES, DR, P0
-from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.training import fresh_client_params, index_batches, train_from
+from pflbed.algorithms.base import Budget, ClientContext
+from pflbed.algorithms.training import finetune_epochs, fresh_client_params, index_batches, train_from
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
@@ -193,3 +193,18 @@ def test_diagnostics_are_the_mean_own_weight_sum_and_distance_of_the_dr_vectors(
     assert got == {"dr_self": round(float(full.diagonal().mean()), 6), "dr_sum": round(float(full.sum(1).mean()), 6),
                    "dr_distance": round(float((full - p0).norm(dim=1).mean()), 6)}  # fmt: skip
     assert got["dr_self"] != round(float(full.mean()), 6)
+
+
+@pytest.mark.parametrize("method", ["ft", "lp"])
+def test_a_new_client_fine_tunes_from_the_p0_weighted_mean_on_its_own_generator(method):
+    algo = prepare(_cfg())
+    server = algo.init_server()
+    data, budget = algo.ctx.client_data(5), Budget(method, 2, 0.1, 16)
+    got = [dict(p.params) for p in algo.personalize(server, data, budget, torch.Generator().manual_seed(4))]
+    assert len(got) == 2
+    start = algo.zero_shot(server, data).params
+    model = algo.ctx.model
+    want = [dict(p.params) for p in finetune_epochs(model, start, data, budget, torch.Generator().manual_seed(4))]
+    assert all(same_tensors(g, w) for g, w in zip(got, want, strict=True))
+    body = [k for k in algo.keys if k not in set(model.state_keys(model.head_blocks()))]
+    assert all(torch.equal(got[-1][k], start[k]) for k in body) is (method == "lp")
