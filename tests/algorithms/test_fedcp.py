@@ -25,8 +25,8 @@ CPN = ["cpn.0.weight", "cpn.0.bias", "cpn.1.weight", "cpn.1.bias"]
 PERSONAL = ["personal." + k for k in HEAD]
 
 
-def _cfg(**options):
-    return validate_config({**TINY, "train": {**TINY["train"], "local_epochs": 2, "momentum": 0.0},
+def _cfg(train=None, **options):
+    return validate_config({**TINY, "train": {**TINY["train"], "local_epochs": 2, "momentum": 0.0, **(train or {})},
                             "algorithm": {"name": "fedcp", **options}, "executor": {"threads": 1}})  # fmt: skip
 
 
@@ -69,9 +69,12 @@ def _trained_state(algo, server):
     return state
 
 
-def test_the_client_update_is_sgd_on_e_i_through_the_policy_with_w_hd_and_the_reference_frozen():
-    lam, tau, beta, sigmas = 2.0, 0.7, 0.3, [10.0, 15.0, 20.0, 50.0]
-    algo = prepare(_cfg(lam=lam, tau=tau, upload_mix=beta))
+@pytest.mark.parametrize(("momentum", "decay"), [(0.0, 0.0), (0.5, 0.01)])
+def test_the_client_update_is_sgd_on_e_i_through_the_policy_with_w_hd_and_the_reference_frozen(momentum, decay):
+    """E epochs of SGD (train.momentum and weight decay, one optimizer across the epochs) on CE + λ·MMD² (λ below 1
+    too) through the policy, W^hd and the reference extractor frozen."""
+    lam, tau, beta, sigmas = 0.5, 0.7, 0.3, [10.0, 15.0, 20.0, 50.0]
+    algo = prepare(_cfg(lam=lam, tau=tau, upload_mix=beta, train={"momentum": momentum, "weight_decay": decay}))
     server = _nudged(algo.init_server(), seed=1)  # W^hd apart from the client's W_i^hd
     state = _trained_state(algo, server)
     sent = {k: v.clone() for k, v in server.items()}
@@ -82,6 +85,7 @@ def test_the_client_update_is_sgd_on_e_i_through_the_policy_with_w_hd_and_the_re
     mine = {k: state["personal." + k].clone().requires_grad_(True) for k in HEAD}
     v = state["context"]
     g = torch.Generator().manual_seed(7)
+    bufs = {}
     for _ in range(t.local_epochs):
         perm = data.train[torch.randperm(len(data.train), generator=g)]
         for b in perm.split(t.batch_size):
@@ -92,8 +96,12 @@ def test_the_client_update_is_sgd_on_e_i_through_the_policy_with_w_hd_and_the_re
             loss = F.cross_entropy(out, y) + lam * mmd_by_hand(h, body(server, x).detach(), sigmas)
             leaves = [*w.values(), *mine.values()]
             grads = torch.autograd.grad(loss, leaves)
-            with torch.no_grad():
-                new = [p - t.lr * gr for p, gr in zip(leaves, grads, strict=True)]
+            with torch.no_grad():  # torch's SGD: d = g + wd·p; buf = m·buf + d (d at the first step); p − lr·buf
+                new = []
+                for i, (p, gr) in enumerate(zip(leaves, grads, strict=True)):
+                    d = gr + decay * p
+                    bufs[i] = d if i not in bufs else momentum * bufs[i] + d
+                    new.append(p - t.lr * bufs[i])
             w = {k: p.requires_grad_(True) for k, p in zip(w, new[: len(w)], strict=True)}
             mine = {k: p.requires_grad_(True) for k, p in zip(mine, new[len(w) :], strict=True)}
     assert set(reply) == set(BODY + HEAD + CPN)
