@@ -14,6 +14,7 @@ from pflbed.algorithms.local_sgd import run_plan
 from pflbed.algorithms.training import get_params, index_batches, load_params
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
+from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
 
 from ..tiny import TINY, same_tensors
@@ -151,7 +152,7 @@ def test_with_m_below_1_the_running_mean_carries_the_earlier_batches_as_constant
 def test_the_loop_at_m_1_is_the_plan_bit_for_bit_and_new_clients_ft_runs_it():
     """The client-by-client update (m < 1, new clients' +FT) at m = 1 is the plan's, bit for bit: `personalize`
     "ft" with the round's budget lands on a client's DBE update from a zero memory."""
-    algo = _algo(kappa=4.0, prbm_lr=0.05, train={"momentum": 0.5, "weight_decay": 0.0})
+    algo = _algo(kappa=4.0, prbm_lr=0.05, train={"momentum": 0.5, "weight_decay": 0.01})
     server, _ = _after_init(algo)
     data, zero = algo.ctx.client_data(4), algo.init_client(4)
     plan = algo.sgd_plan(server, zero, data)
@@ -159,7 +160,7 @@ def test_the_loop_at_m_1_is_the_plan_bit_for_bit_and_new_clients_ft_runs_it():
     reply, state = run_plan(algo.ctx.model, plan, data, t, torch.Generator().manual_seed(2))
     *_, (memory, _) = algo.local_epochs(algo.model_params(server), zero[PRBM], server[CONSENSUS], data,
                                         torch.Generator().manual_seed(2), epochs=2, batch_size=16, lr=0.1,
-                                        prbm_lr=0.05, momentum=0.5, weight_decay=0.0)  # fmt: skip
+                                        prbm_lr=0.05, momentum=0.5, weight_decay=0.01)  # fmt: skip
     assert same_tensors(get_params(algo.ctx.model), reply) and torch.equal(memory, state[PRBM])
     tuned = _algo(kappa=4.0)  # prbm_lr = train.lr, as a budget trains every tensor at its lr
     plan = tuned.sgd_plan(server, zero, data)
@@ -220,3 +221,10 @@ def test_a_run_keeps_the_consensus_of_round_1_and_checks_its_replies():
     dropped = dict(dbe)
     dropped.pop(algo.model_keys[0])
     assert algo.reply_fits(full.server, dropped) is not None
+
+
+def test_a_head_of_every_block_is_refused_in_one_line_naming_the_option():
+    blocks = len(_algo().ctx.model.block_names())
+    with pytest.raises(ConfigError, match=rf"^algorithm.head_blocks: the model has {blocks} blocks; choose 1 to "
+                       rf"{blocks - 1} \(got {blocks}\)$"):  # fmt: skip
+        _algo(head_blocks=blocks)
