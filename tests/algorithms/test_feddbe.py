@@ -11,7 +11,7 @@ import pflbed
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.feddbe import CONSENSUS, PRBM, RUNNING
 from pflbed.algorithms.local_sgd import run_plan
-from pflbed.algorithms.training import get_params, index_batches, load_params
+from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
@@ -228,3 +228,15 @@ def test_a_head_of_every_block_is_refused_in_one_line_naming_the_option():
     with pytest.raises(ConfigError, match=rf"^algorithm.head_blocks: the model has {blocks} blocks; choose 1 to "
                        rf"{blocks - 1} \(got {blocks}\)$"):  # fmt: skip
         _algo(head_blocks=blocks)
+
+
+def test_a_new_clients_linear_probe_is_the_librarys_on_the_global_model_without_a_memory():
+    """Deviation 7: "lp" fine-tunes the head of θ̄ on the client's own generator; no memory enters."""
+    algo = _algo()
+    server, _ = _after_init(algo)
+    data, budget = algo.ctx.client_data(4), Budget("lp", 2, 0.1, 16)
+    got = [dict(p.params) for p in algo.personalize(server, data, budget, torch.Generator().manual_seed(2))]
+    want = [dict(p.params) for p in finetune_epochs(algo.ctx.model, algo.model_params(server), data, budget,
+                                                    torch.Generator().manual_seed(2))]  # fmt: skip
+    assert len(got) == 2 and all(same_tensors(g, w) for g, w in zip(got, want, strict=True))
+    assert not same_tensors(got[-1], algo.model_params(server))
