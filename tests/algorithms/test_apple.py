@@ -154,6 +154,9 @@ def test_a_new_client_starts_from_the_p0_weighted_mean_of_the_stored_cores():
         assert torch.allclose(start[k], sum(p0[j] * algo.core(server, c)[k] for j, c in enumerate(algo.clients)),
                               atol=1e-6)  # fmt: skip
     assert algo.generic_model(server) is None and algo.finetune_methods(server, ["ft", "lp"]) == []
+    x = algo.ctx.client_data(0).x[:5]
+    assert torch.allclose(algo.zero_shot(server, algo.ctx.client_data(0)).logits(x),
+                          functional_call(algo.ctx.model, start, (x,)), atol=1e-6)  # fmt: skip
 
 
 def test_a_reply_must_be_a_core_model():

@@ -174,6 +174,10 @@ def test_the_personal_model_is_eq_4_on_the_current_global_model_or_the_trained_o
         trained = prepare(_cfg(sections=sections, personal="trained"))
         assert same_tensors(trained.personal_model(server, {**local, WEIGHT + top[0]: weights[top[0]]}).params, local)
         assert same_tensors(trained.personal_model(server, {}).params, trained.ctx.initial_params)
+        x = algo.ctx.client_data(0).x[:5]
+        model.eval()
+        assert torch.allclose(trained.personal_model(server, local).logits(x),
+                              torch.func.functional_call(model, local, (x,)), atol=1e-6)  # fmt: skip
 
 
 def test_a_shared_body_is_declared_only_where_every_client_has_the_global_one():
