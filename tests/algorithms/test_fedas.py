@@ -232,6 +232,8 @@ def test_honest_replies_fit_and_a_wrong_trace_is_refused():
     payload = algo.configure(1, server, [0])[0]
     reply, _ = _update(algo, payload, state)
     assert algo.reply_fits(payload, reply) is None
+    for small in (0.0, 0.5):  # a model at a stationary point, a small trace: honest
+        assert algo.reply_fits(payload, {**reply, "fim": torch.tensor(small, dtype=torch.float64)}) is None
     for bad in (-1.0, math.inf, math.nan):
         why = algo.reply_fits(payload, {**reply, "fim": torch.tensor(bad, dtype=torch.float64)})
         assert why is not None and "'fim'" in why
