@@ -11,7 +11,7 @@ import torch
 
 import pflbed
 from pflbed.algorithms.base import ClientContext
-from pflbed.algorithms.fedcac import COLLABORATORS, CUSTOM, MASK, critical_mask, overlap_matrix
+from pflbed.algorithms.fedcac import COLLABORATORS, CUSTOM, MASK, collaborators, critical_mask, overlap_matrix
 from pflbed.algorithms.masks import pack_bits, unpack_bits
 from pflbed.config import validate_config
 from pflbed.engine.executor import update_client
@@ -164,6 +164,30 @@ def test_the_server_averages_each_client_s_collaborators_unweighted_and_everyone
             assert torch.equal(unpack_bits(out[f"{MASK}{c}/{k}"], out[k].shape), masks[c][k])
     assert out[f"{CUSTOM}1/x"] is server[f"{CUSTOM}1/x"]
     assert float(out[COLLABORATORS]) == pytest.approx(sum(len(v) - 1 for v in collab.values()) / len(cids))
+    assert algo.diagnostics(rnd, out, lambda c: {}) == {"collaborators": float(out[COLLABORATORS])}
+
+
+def test_the_overlap_matrix_is_eq_3_for_every_ordered_pair():
+    """O_ij = 1 − ‖m_i − m_j‖₁/(2‖m_i‖₁) over every entry of every key (the first of each too), for masks of one
+    entry, of many and empty ones (0)."""
+    g = torch.Generator().manual_seed(5)
+    shapes = {"w": (4, 3), "b": (3,)}
+    masks = [{k: torch.rand(sh, generator=g) < 0.5 for k, sh in shapes.items()} for _ in range(4)]
+    masks.append({k: torch.zeros(sh, dtype=torch.bool) for k, sh in shapes.items()})
+    masks[1] = {k: torch.zeros(sh, dtype=torch.bool) for k, sh in shapes.items()}
+    masks[1]["w"][0, 0] = True  # a mask of one entry, the first
+    flat = [torch.cat([m[k].reshape(-1) for k in shapes]).double() for m in masks]
+    want = [[1 - float((a - b).abs().sum()) / (2 * float(a.sum())) if a.sum() > 0 else 0.0 for b in flat]
+            for a in flat]  # fmt: skip
+    got = overlap_matrix(masks, list(shapes))
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12)
+
+
+def test_two_clients_collaborate_where_their_overlap_reaches_the_threshold():
+    """r = 2: the pairs are O_01 and O_10; at t = 0 the threshold is their mean, so the larger one collaborates."""
+    overlap = torch.tensor([[1.0, 0.8], [0.6, 1.0]], dtype=torch.float64)
+    assert collaborators(overlap, 0, 10).tolist() == [[True, True], [False, True]]
+    assert collaborators(overlap[:1, :1], 0, 10).tolist() == [[True]]
 
 
 def test_after_beta_rounds_only_the_pairs_of_the_largest_overlap_collaborate():
