@@ -4,6 +4,7 @@ server averages them per class (Eq. 6); a client predicts by the nearest global 
 train different architectures of one embedding size, and the prototypes of all of them meet in Eq. 6."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -259,6 +260,10 @@ def test_a_new_client_trains_the_initial_model_on_eq_8_towards_the_global_protot
     head = set(model.state_keys(model.head_blocks()))
     assert all(torch.equal(probe.params["net." + k], v) for k, v in algo.ctx.initial_params.items() if k not in head)
     assert algo.zero_shot(server, data) is None and algo.generic_model(server) is None
+    own = prepare(_cfg(lam=lam, predict="own_prototypes"))  # a new client's readout: its own classes only
+    lacking = replace(data, prior=torch.where(torch.arange(len(data.prior)) == 2, 0.0, data.prior))
+    allowed = last(own.personalize(server, lacking, budget, torch.Generator().manual_seed(9))).params["allowed"]
+    assert torch.equal(allowed, server["proto_mask"] * (lacking.prior > 0)) and allowed[2] == 0 and allowed[0] == 1
 
 
 def test_the_class_mean_regulariser_batched_is_each_client_s_own(monkeypatch):
