@@ -420,3 +420,9 @@ def test_heterogeneous_clients_batched_train_the_run_s_model_together_and_the_ot
     assert all(torch.allclose(loop.server[k], both.server[k], atol=1e-5) for k in loop.server)
     for c, s in loop.executor.states.items():
         assert all(torch.allclose(s[k].float(), both.executor.states[c][k].float(), atol=1e-5) for k in s)
+
+
+def test_diagnostics_count_the_classes_with_a_global_prototype():
+    algo = prepare(_cfg())
+    assert algo.diagnostics(1, _payload(algo), lambda c: {}) == {"proto_classes": 7}  # every class but 7, 8, 9
+    assert algo.diagnostics(1, algo.init_server(), lambda c: {}) == {"proto_classes": 0}
