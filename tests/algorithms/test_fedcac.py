@@ -287,3 +287,14 @@ def test_tau_zero_is_fedavg_bit_for_bit():
 def test_client_level_dp_is_refused():
     with pytest.raises(ConfigError, match="pair by pair"):
         validate_config({**TINY, "algorithm": {"name": "fedcac"}, "privacy": {"clip": 0.5, "noise_multiplier": 1.0}})
+
+
+def test_the_personal_model_carries_the_clients_own_batchnorm_statistics():
+    algo = prepare(_cfg(sections=BN))
+    server = algo.init_server()
+    stats = {k: server[k] + 1 if server[k].is_floating_point() else server[k] + 3 for k in algo.buffers}
+    assert stats
+    params = algo.personal_model(server, {**algo.init_client(0), **stats}).params
+    assert all(torch.equal(params[k], v) for k, v in stats.items())
+    fresh = algo.personal_model(server, algo.init_client(0)).params  # before its first round: the global ones
+    assert all(torch.equal(fresh[k], server[k]) for k in algo.buffers)
