@@ -271,3 +271,19 @@ def test_a_model_without_a_linear_head_on_the_body_features_is_refused_in_one_li
     with pytest.raises(ConfigError, match=r"^algorithm.name: fedcp needs a model whose head starts with a linear "
                        rf"layer on the flattened body output \({features} features\); custom has none$"):  # fmt: skip
         prepare(cfg)
+
+
+def test_a_new_clients_fine_tuning_is_fedcps_local_learning_from_the_joining_state_without_weight_decay():
+    """`ft`: E_i (the reference W^fe the server's) from the joining state at the budget's lr and momentum, no weight
+    decay whatever `train.weight_decay`; each epoch's model with v_i of its trained W_i^hd."""
+    algo = prepare(_cfg(train={"weight_decay": 0.1}))
+    server = _nudged(algo.init_server(), seed=1)
+    data, budget = algo.ctx.client_data(5), Budget("ft", 2, 0.1, 16, momentum=0.5)
+    got = [dict(p.params) for p in algo.personalize(server, data, budget, torch.Generator().manual_seed(0))]
+    start = algo.ensemble(server, algo.joining(server))
+    for _ in algo.local_learning(start, data, algo.trainable, algo.model_params(server), 2, 16, 0.1, 0.5, 0.0,
+                                 torch.Generator().manual_seed(0)):  # fmt: skip
+        pass
+    want = dict(algo.ens.state_dict())
+    assert all(torch.equal(got[-1][k], v) for k, v in want.items() if k != "context")
+    assert torch.equal(got[-1]["context"], got[-1]["personal." + HEAD[0]].sum(0))
