@@ -66,16 +66,6 @@ def test_the_critical_entries_are_the_largest_update_times_value_per_tensor():
         assert torch.equal(critical_mask(before, after, tau), _paper_mask(before, after, tau))
 
 
-def test_the_overlap_of_a_lone_client_is_one_or_zero_for_an_empty_mask():
-    """A round of one client: O = [[1]] (its mask overlaps itself wholly), or [[0]] where its mask is empty."""
-    full = {"a": torch.tensor([True, False, True]), "b": torch.tensor([[False, True]])}
-    assert overlap_matrix([full], ["a", "b"]).tolist() == [[1.0]]
-    empty = {k: torch.zeros_like(v) for k, v in full.items()}
-    assert overlap_matrix([empty], ["a", "b"]).tolist() == [[0.0]]
-    # beside it, Eq. 3 from the full mask's side: 1 − 3/(2·3); from the empty one's: 0
-    assert overlap_matrix([full, empty], ["a", "b"]).tolist() == [[1.0, 0.5], [0.0, 0.0]]
-
-
 # --- the client ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("sections", [None, BN], ids=["mlp", "cnn_bn"])
 def test_the_client_trains_from_its_model_and_replies_it_with_its_masks(sections):
@@ -169,7 +159,7 @@ def test_the_server_averages_each_client_s_collaborators_unweighted_and_everyone
 
 def test_the_overlap_matrix_is_eq_3_for_every_ordered_pair():
     """O_ij = 1 − ‖m_i − m_j‖₁/(2‖m_i‖₁) over every entry of every key (the first of each too), for masks of one
-    entry, of many and empty ones (0)."""
+    entry, of many and empty ones (0); a round of one client: [[1]], or [[0]] for an empty mask."""
     g = torch.Generator().manual_seed(5)
     shapes = {"w": (4, 3), "b": (3,)}
     masks = [{k: torch.rand(sh, generator=g) < 0.5 for k, sh in shapes.items()} for _ in range(4)]
@@ -181,6 +171,8 @@ def test_the_overlap_matrix_is_eq_3_for_every_ordered_pair():
             for a in flat]  # fmt: skip
     got = overlap_matrix(masks, list(shapes))
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-12)
+    assert overlap_matrix(masks[:1], list(shapes)).tolist() == [[1.0]]
+    assert overlap_matrix(masks[-1:], list(shapes)).tolist() == [[0.0]]
 
 
 def test_two_clients_collaborate_where_their_overlap_reaches_the_threshold():

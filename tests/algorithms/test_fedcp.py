@@ -240,7 +240,6 @@ def test_a_batchnorm_extractor_keeps_the_payload_and_moves_only_the_trained_stat
     assert stats and all(not torch.equal(reply[k], server[k]) for k in stats)
 
 
-
 def _body(input_shape, width):
     return "body", nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), width), nn.ReLU())
 
@@ -257,8 +256,8 @@ def _no_linear_head(input_shape, num_classes):
 
 def _wide_head(input_shape, num_classes):
     """The head's linear layer reads the body's output upsampled to twice its width: not the features FedCP weighs."""
-    return BlockNet([_body(input_shape, 8), ("head", nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Upsample(scale_factor=2),
-                                                                   nn.Flatten(), nn.Linear(16, num_classes)))])
+    head = nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Upsample(scale_factor=2), nn.Flatten(), nn.Linear(16, num_classes))
+    return BlockNet([_body(input_shape, 8), ("head", head)])
 
 
 @pytest.mark.parametrize(("factory", "features"), [(_deep_head, None), (_no_linear_head, 10), (_wide_head, 8)])
@@ -281,9 +280,8 @@ def test_a_new_clients_fine_tuning_is_fedcps_local_learning_from_the_joining_sta
     data, budget = algo.ctx.client_data(5), Budget("ft", 2, 0.1, 16, momentum=0.5)
     got = [dict(p.params) for p in algo.personalize(server, data, budget, torch.Generator().manual_seed(0))]
     start = algo.ensemble(server, algo.joining(server))
-    for _ in algo.local_learning(start, data, algo.trainable, algo.model_params(server), 2, 16, 0.1, 0.5, 0.0,
-                                 torch.Generator().manual_seed(0)):  # fmt: skip
-        pass
+    list(algo.local_learning(start, data, algo.trainable, algo.model_params(server), 2, 16, 0.1, 0.5, 0.0,
+                             torch.Generator().manual_seed(0)))  # fmt: skip
     want = dict(algo.ens.state_dict())
     assert all(torch.equal(got[-1][k], v) for k, v in want.items() if k != "context")
     assert torch.equal(got[-1]["context"], got[-1]["personal." + HEAD[0]].sum(0))
