@@ -1,10 +1,16 @@
 """Batched clients (engine/batched.py) give the loop's results up to float rounding, for every algorithm.
 
-Tolerance: after one step the batched and the one-by-one parameters differ by float32 rounding (≤ 1e-7); the
-tests below allow 1e-5 after two rounds or several phases of the tiny configs, far below what any planted wrong rule
-(loss weights, momentum, weight decay, a missing phase, a stopped client still updated) moves them.
+Tolerance. Each algorithm's batched step (its plan trained together with other clients') is compared with the same
+plan run alone in float64 (`_in_float64`), within TOL64 = 1e-10 (seen: ≤ 1e-13). In float32 the two differ by
+rounding (≤ 1e-7 a step), which these tiny runs amplify at the kinks of ReLU and max-pooling, and by how much
+depends on the CPU's kernels: on one CPU FedRoD's and FedSelect's lenet5_bn results stayed within 1e-5, on another
+(AVX2) they moved by 3e-5 and 0.057. float64's rounding does not reach the kinks, so the test holds on any CPU and
+is tighter. The executor end to end (`run`, float32 as users run it) is compared within TOL = 1e-5 after two rounds
+(seen: ≤ 5e-7). Both are far below what any planted wrong rule (loss weights, momentum, weight decay, a missing
+phase, a stopped client still updated) moves them.
 """
-
+import contextlib
+import copy
 from dataclasses import replace
 
 import pytest
@@ -27,8 +33,11 @@ from pflbed.runs import run
 from ..tiny import TINY
 
 TOL = 1e-5
+TOL64 = 1e-10
 FED = {**TINY["federation"], "public": 64, "sample_fraction": 1.0}
-LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 3}
+# FedDF's server distillation (server code, the same in both executors) is left out: its Adam steps turn a rounding
+# difference of a near-zero gradient into one of up to 2·server_lr a step (1e-5 after three steps here).
+LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 0}
 
 
 def _cfg(name, batch_clients, rounds=2, **train):
@@ -158,16 +167,37 @@ def _plans(model, batch_size=8, algorithm=None, state=None, **train):
     return cfg, ctx, cids, plans
 
 
+@contextlib.contextmanager
+def _in_float64(ctx, plans):
+    """The model, the training pool and the plans' tensors in float64, and torch's default dtype with them (the
+    batched step's batch weights): rounding 1e-16 instead of 1e-7, so that it cannot reach the kinks of ReLU and
+    max-pooling, where float32's rounding decides and differs with the CPU's kernels (AVX2 against AVX-512: a
+    FedSelect result on lenet5_bn moved by 0.057). The rule under test is the same in either precision."""
+    def f64(tensors):
+        return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pool = ctx.source.train.x.double()  # (one tensor: batched clients index one shared pool)
+        yield (copy.deepcopy(ctx.model).double(), lambda c: replace(ctx.client_data(c), x=pool),
+               [replace(p, start=f64(p.start), consts=f64(p.consts)) for p in plans])  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _each_own(cfg, ctx, cids, plans):
-    """Batched, then each client alone (`run_plan`, torch's global RNG seeded as `update_client` seeds it)."""
+    """Batched, then each client alone (`run_plan`, torch's global RNG seeded as `update_client` seeds it), in
+    float64 (`_in_float64`)."""
     noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
-    together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
-                              [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
-    alone = []
-    for c, plan in zip(cids, plans, strict=True):
-        rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device)
-        reply, state = run_plan(ctx.model, plan, ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
-        alone.append({**reply, **state})
+    with _in_float64(ctx, plans) as (model, data, plans):
+        together = train_together(model, plans, [data(c) for c in cids], cfg.train,
+                                  [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
+        alone = []
+        for c, plan in zip(cids, plans, strict=True):
+            rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device)
+            reply, state = run_plan(model, plan, data(c), cfg.train, client_generator(cfg.seed, 1, c))
+            alone.append({**reply, **state})
     return together, alone
 
 
@@ -184,7 +214,7 @@ def test_train_together_is_each_clients_own_sgd(model):
     assert len(set(sizes)) == 3 and all(n % 8 for n in sizes)  # unequal, each with a partial last batch
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         assert _max_diff(got, plan.start) > 100 * TOL  # it trained
         for k in (k for k in got if k.endswith("num_batches_tracked")):
             assert torch.equal(got[k], want[k]) and got[k] > plan.start[k], k
@@ -205,7 +235,7 @@ def test_fedrods_plan_together_is_each_clients_own_update(name, personal, model)
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
         assert got.keys() == want.keys() and any(k.startswith(personal) for k in got)
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         assert _max_diff({k: got[k] for k in plan.start}, plan.start) > 100 * TOL  # it trained
 
 
@@ -225,7 +255,7 @@ def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor
     assert algo.sgd_plan is not Algorithm.sgd_plan
     together, alone = _each_own(cfg, ctx, cids, anchored)
     for plan, got, want in zip(anchored, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
@@ -254,7 +284,7 @@ def test_fedselects_masked_passes_together_are_each_clients_own(model):
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]  # the trained tensors themselves
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         assert _max_diff(got, plan.start) > 100 * TOL  # it trained
     assert any(v.all() for k, v in plans[1].consts.items() if k.startswith("own/"))  # a wholly personal tensor
 
@@ -282,7 +312,7 @@ def test_dittos_two_models_together_are_each_clients_own(model):
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]  # w and v_k side by side
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         for part in (lambda k: not k.startswith("personal."), lambda k: k.startswith("personal.")):  # both trained
             assert _max_diff({k: got[k] for k in got if part(k)}, {k: plan.start[k] for k in got if part(k)}) > 1e-3
 
@@ -300,7 +330,7 @@ def test_a_phase_of_k_steps_together_is_each_clients_own(model):
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
@@ -321,7 +351,7 @@ def test_fedpacs_head_then_aligned_body_together_is_each_clients_own(model):
     assert all(0 < p.consts["proto_mask"].sum() < len(mask) for p in plans)
     together, alone = _each_own(cfg, ctx, cids, plans)
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
@@ -340,7 +370,7 @@ def test_fedbasis_steps_together_are_each_clients_own(model):
     together, alone = _each_own(cfg, ctx, cids, plans)
     stats = [k for k in plans[0].start if k.startswith("vs.") and "running_mean" in k]
     for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff({k: want[k] for k in got}, got) <= TOL  # (`run_plan` adds the template's own tensors)
+        assert _max_diff({k: want[k] for k in got}, got) <= TOL64  # (`run_plan` adds the template's own tensors)
         assert float(got["psi"].abs().max()) > 1e-3 and _max_diff(got, plan.start) > 100 * TOL  # both steps trained
         assert not stats or _max_diff({k: got[k] for k in stats}, {k: plan.start[k] for k in stats}) > 100 * TOL
 
@@ -394,7 +424,7 @@ def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statisti
     cfg, ctx, cids, plans = _plans("lenet5_bn", batch_size=n - 1)  # client 0: a batch of n − 1, then one of 1
     together, alone = _each_own(cfg, ctx, cids, plans)
     for got, want in zip(together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+        assert _max_diff(want, got) <= TOL64
     tracked = [k for k in together[0] if k.endswith("num_batches_tracked")]
     conv, fc = [k for k in tracked if "conv" in k][0], [k for k in tracked if "fc" in k][0]
     # client 0, per epoch (3 in all): two batches through the conv BN, one (the n − 1) through the FC BN

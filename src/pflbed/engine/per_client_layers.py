@@ -10,8 +10,8 @@ of the model a forward that works per client, as the client-by-client loop would
   client's real samples only — a batched step pads a client's shorter batch, and the padding must not move its
   mean and variance — and the running ones move as torch's do (momentum, unbiased variance, one more batch
   tracked). A batch holding a single value per channel is normalized with the running statistics, which it leaves
-  as they were (`models.zoo.SafeBatchNorm*`, the zoo's deviation). Computed in float32 and returned in the input's
-  dtype, as torch's kernels do.
+  as they were (`models.zoo.SafeBatchNorm*`, the zoo's deviation). Computed in float32 at least (float64 stays float64)
+  and returned in the input's dtype, as torch's kernels do.
 - **Dropout**: each call's mask is drawn before the step, outside the vmapped call, from the client's own
   generator (`rng.global_stream`, the stream the loop's update draws from torch's global RNG): per step, every
   dropout call of the forward in order, `bernoulli_(1 − p)` over the client's real batch, scaled by 1/(1 − p) —
@@ -134,7 +134,7 @@ class PerClientLayers:
         def forward(x: torch.Tensor) -> torch.Tensor:
             assert self._real is not None and m.momentum is not None
             rm, rv, tracked = (self._stats[f"{name}.{s}"] for s in _STATS)
-            xf = x.float()
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
             dims = [0, *range(2, x.dim())]
             shape = [1, -1] + [1] * (x.dim() - 2)
             real = self._real.to(xf.dtype).view(-1, *[1] * (x.dim() - 1))
@@ -142,14 +142,14 @@ class PerClientLayers:
             mean = (xf * real).sum(dims) / count
             var = ((xf - mean.view(shape)).square() * real).sum(dims) / count
             single = count <= 1  # `SafeBatchNorm`: normalized with the running statistics, which stay
-            use_mean = torch.where(single, rm.float(), mean)
-            use_var = torch.where(single, rv.float(), var)
+            use_mean = torch.where(single, rm.to(xf.dtype), mean)
+            use_var = torch.where(single, rv.to(xf.dtype), var)
             y = (xf - use_mean.view(shape)) * torch.rsqrt(use_var.view(shape) + m.eps)
-            y = y * m.weight.float().view(shape) + m.bias.float().view(shape)
+            y = y * m.weight.to(xf.dtype).view(shape) + m.bias.to(xf.dtype).view(shape)
             mom = float(m.momentum)
             unbiased = var.detach() * count / (count - 1).clamp(min=1)
-            moved_mean = (1 - mom) * rm.float() + mom * mean.detach()
-            moved_var = (1 - mom) * rv.float() + mom * unbiased
+            moved_mean = (1 - mom) * rm.to(xf.dtype) + mom * mean.detach()
+            moved_var = (1 - mom) * rv.to(xf.dtype) + mom * unbiased
             self._new[f"{name}.running_mean"] = torch.where(single, rm, moved_mean.to(rm.dtype))
             self._new[f"{name}.running_var"] = torch.where(single, rv, moved_var.to(rv.dtype))
             self._new[f"{name}.num_batches_tracked"] = tracked + (~single).to(tracked.dtype)
