@@ -205,3 +205,14 @@ def test_a_new_clients_linear_probe_trains_the_initial_head_on_the_frozen_person
     assert torch.allclose(last.logits(x), _predict(algo, new, w, _p(new[TABLE], data.prior), x), atol=1e-5)
     ft = list(algo.personalize(new, data, Budget("ft", 1, 0.1, 16), torch.Generator().manual_seed(3)))[-1]
     assert not torch.equal(ft.params["cov.gamma.0.weight"], new["cov.gamma.0.weight"])  # V fine-tuned with φ, ψ
+
+
+def test_the_valve_and_the_embedding_start_from_the_runs_seed():
+    """V and C are drawn from the run's seed (its INIT stream): the same seed the same start, another seed another
+    start (of the randomly drawn tensors: the LayerNorms start at 1 and 0)."""
+    first = _algo().shared_init
+    again = _algo().shared_init
+    other = prepare(validate_config({**TINY, "seed": 1, "algorithm": {"name": "gpfl"}})).shared_init
+    assert first.keys() == again.keys() == other.keys() and len(first) >= 2
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert all(not torch.equal(first[k], other[k]) for k in (TABLE, "cov.gamma.0.weight", "cov.beta.0.weight"))
