@@ -182,29 +182,41 @@ def test_a_per_sample_and_a_batch_magnitude_term_agree_on_batches_of_one():
 
 
 def test_a_new_clients_linear_probe_trains_the_initial_head_on_the_frozen_personalized_features():
+    """`lp`: the initial head trained by SGD with the budget's momentum on CoV(φ(x), p) (φ, V and p = α·C of the
+    server's, frozen); the predictor carries all it needs (φ, V, its own p), so that another new client's
+    personalization in between changes none of its predictions. `ft` moves V with φ and ψ, and predicts with them."""
     algo = _algo()
     server, replies, _ = _round(algo)
     new = algo.aggregate(1, server, replies, {c: 1.0 for c in replies})
     data = algo.ctx.client_data(4)
-    budget = Budget("lp", 2, 0.1, 16)
+    budget = Budget("lp", 2, 0.1, 16, momentum=0.5)
     last = list(algo.personalize(new, data, budget, torch.Generator().manual_seed(3)))[-1]
     model = algo.ctx.model
     head_keys = model.state_keys(model.head_blocks())
     init = {k: algo.ctx.initial_params[k] for k in head_keys}
+    p = _p(new[TABLE], data.prior)
     with torch.no_grad():
         f = _blocks(model, new, model.body_blocks(), data.x[data.train]).flatten(1)
-        z = _valve(new, _p(new[TABLE], data.prior), f)
-    w = dict(init)
+        z = _valve(new, p, f)
+    w, buf = dict(init), {}
     for b in index_batches(torch.arange(len(z)), 16, 2, torch.Generator().manual_seed(3)):
         w = {k: v.detach().requires_grad_() for k, v in w.items()}
         loss = F.cross_entropy(_blocks(model, w, model.head_blocks(), z[b]), data.y[data.train][b])
         grads = torch.autograd.grad(loss, list(w.values()))
-        w = {k: v.detach() - 0.1 * g for (k, v), g in zip(w.items(), grads, strict=True)}
+        buf = {k: 0.5 * buf[k] + g if k in buf else g for k, g in zip(w, grads, strict=True)}  # torch.optim.SGD's
+        w = {k: v.detach() - 0.1 * buf[k] for k, v in w.items()}
     assert all(torch.allclose(last.params["net." + k], w[k], atol=1e-5) for k in head_keys)
     x = data.x[data.train[:10]]
-    assert torch.allclose(last.logits(x), _predict(algo, new, w, _p(new[TABLE], data.prior), x), atol=1e-5)
+    list(algo.personalize(new, algo.ctx.client_data(5), budget, torch.Generator().manual_seed(4)))  # another client
+    assert not torch.allclose(_p(new[TABLE], algo.ctx.client_data(5).prior), p)
+    assert torch.allclose(last.logits(x), _predict(algo, new, w, p, x), atol=1e-5)
     ft = list(algo.personalize(new, data, Budget("ft", 1, 0.1, 16), torch.Generator().manual_seed(3)))[-1]
+    assert last.params.keys() == ft.params.keys()
     assert not torch.equal(ft.params["cov.gamma.0.weight"], new["cov.gamma.0.weight"])  # V fine-tuned with φ, ψ
+    body = {k: ft.params["net." + k] for k in model.state_keys(model.body_blocks())}
+    head = {k: ft.params["net." + k] for k in head_keys}
+    valve = {k: v for k, v in ft.params.items() if k.startswith("cov.")}
+    assert torch.allclose(ft.logits(x), _predict(algo, {**body, **valve}, head, p, x), atol=1e-5)
 
 
 def test_the_valve_and_the_embedding_start_from_the_runs_seed():
