@@ -97,6 +97,16 @@ def test_predicted_labels_are_each_predictors_argmax_in_order(case, chunk, monke
     assert torch.equal(want, torch.cat([w.argmax(1) for w in _one_by_one(preds, zs)]))
 
 
+def test_labels_of_more_than_a_thousand_predictors_are_all_there_in_order():
+    """Per-predictor logits are concatenated 1,024 predictors at a time before the argmax: with 1,100 every
+    predictor's labels come back, each in its place."""
+    preds = [Predictor(MODEL, dict(BASE), feature_key=("body",)) for _ in range(1100)]
+    z = _features(1100)
+    zs = [z[i : i + 1] for i in range(1100)]
+    got = predict_all(preds, zs, 256)
+    assert torch.equal(got, MODEL.classify(z).argmax(1)) and len(set(got.tolist())) > 1
+
+
 def test_warm_heads_gives_the_labels_of_the_unwarmed_path():
     """Predictions.warm_heads (body once over the union, heads batched) = Predictions.__call__ per predictor."""
     from pflbed.data.arrays import ArrayDataset, DataSource
