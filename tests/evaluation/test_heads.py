@@ -107,6 +107,36 @@ def test_labels_of_more_than_a_thousand_predictors_are_all_there_in_order():
     assert torch.equal(got, MODEL.classify(z).argmax(1)) and len(set(got.tolist())) > 1
 
 
+def test_no_predictor_gives_no_labels_and_one_gives_its_own():
+    assert predict_all([], [], 256).dtype == torch.int64 and predict_all([], [], 256).shape == (0,)
+    pred, z = _predictors(2)[1], _features(4)
+    assert torch.equal(predict_all([pred], [z], 256), pred.classify(z).argmax(1))
+
+
+def test_each_chunk_of_clients_fits_the_budget_and_holds_as_many_as_fit(monkeypatch):
+    """`CHUNK_ELEMENTS` bounds a chunk's memory: its clients' stacked head parameters plus their features padded
+    to the longest, n·(head + longest·width) elements — a chunk takes clients in order while the next still fits
+    (a lone client larger than the budget is a chunk of its own)."""
+    preds = _predictors(9, shared_every=100)
+    zs = [_features(n) for n in (1, 0, 2, 1, 1, 30, 0, 1, 2)]
+    head, width = sum(BASE[k].numel() for k in HEAD), zs[0].shape[1]
+    budget = 3 * (head + 2 * width)
+    monkeypatch.setattr(heads, "CHUNK_ELEMENTS", budget)
+    chunks, real = [], heads._chunk
+
+    def recorded(head_, keys, preds_, zs_, shared):
+        chunks.append([len(z) for z in zs_])
+        return real(head_, keys, preds_, zs_, shared)
+
+    monkeypatch.setattr(heads, "_chunk", recorded)
+    assert torch.equal(predict_all(preds, zs, 256), torch.cat([w.argmax(1) for w in _one_by_one(preds, zs)]))
+    assert [n for c in chunks for n in c] == [len(z) for z in zs] and len(chunks) > 2
+    size = lambda rows: len(rows) * (head + max(rows) * width)  # noqa: E731
+    assert all(size(c) <= budget or len(c) == 1 for c in chunks)
+    assert all(size([*c, nxt[0]]) > budget for c, nxt in zip(chunks, chunks[1:], strict=False))
+    assert [30] in chunks and size([30]) > budget  # the 30-row client alone
+
+
 def test_warm_heads_gives_the_labels_of_the_unwarmed_path():
     """Predictions.warm_heads (body once over the union, heads batched) = Predictions.__call__ per predictor."""
     from pflbed.data.arrays import ArrayDataset, DataSource

@@ -89,7 +89,7 @@ class _Padded(NamedTuple):
 
 def _logits(preds: list[Predictor], zs: list[torch.Tensor], batch_size: int) -> Iterator[list[torch.Tensor] | _Padded]:
     """The logits of `classify_all`, a chunk at a time: a list per predictor, or one padded block per chunk."""
-    if len(preds) == 1 or not batchable(preds):
+    if len(preds) <= 1 or not batchable(preds):  # (no predictor: no logits)
         yield [p.classify(z, batch_size) for p, z in zip(preds, zs, strict=True)]
         return
     keys = varying_keys(preds)
