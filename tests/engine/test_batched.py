@@ -375,6 +375,21 @@ def test_fedbasis_steps_together_are_each_clients_own(model):
         assert not stats or _max_diff({k: got[k] for k in stats}, {k: plan.start[k] for k in stats}) > 100 * TOL
 
 
+@pytest.mark.parametrize("mlg", ["sample", "batch"])
+def test_gpfls_objective_together_is_each_clients_own(mlg):
+    """GPFL's objective (`gpfl.GPFLObjective`, Eqs. 1-5): L^P + L^alg + λ·L^mlg per sample, weighted, and the
+    (μ/2)·(‖C‖² + ‖V‖²) penalty once per client; under `mlg: batch` the batch norm ‖f^G − Ĉ_y‖ over each client's
+    real rows only (a shorter batch's padding left out). λ = 0.5 so that L^mlg moves the result; batched == each
+    client's own `run_plan`."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "gpfl", "mlg": mlg, "lam": 0.5, "mu": 0.1})
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        assert _max_diff(got, plan.start) > 100 * TOL
+
+
 def _finished_together_and_alone(algorithm, random, seed):
     """Plans of `algorithm` on the mlp at lr 0.01, one epoch, their constants whose name starts with `random`
     replaced by random ones of size 0.05 (each client its own); per client, (the batched tensors, the batched
