@@ -171,9 +171,7 @@ def _plans(model, batch_size=8, algorithm=None, state=None, **train):
 @contextlib.contextmanager
 def _in_float64(ctx, plans):
     """The model, the training pool and the plans' tensors in float64, and torch's default dtype with them (the
-    batched step's batch weights): rounding 1e-16 instead of 1e-7, so that it cannot reach the kinks of ReLU and
-    max-pooling, where float32's rounding decides and differs with the CPU's kernels (on an AVX2 CPU a FedSelect
-    result on lenet5_bn moved by 0.057). The rule under test is the same in either precision."""
+    batched step's batch weights); why: the module's docstring."""
     def f64(tensors):
         return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
 

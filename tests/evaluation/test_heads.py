@@ -108,7 +108,8 @@ def test_labels_of_more_than_a_thousand_predictors_are_all_there_in_order():
 
 
 def test_no_predictor_gives_no_labels_and_one_gives_its_own():
-    assert predict_all([], [], 256).dtype == torch.int64 and predict_all([], [], 256).shape == (0,)
+    none = predict_all([], [], 256)
+    assert none.dtype == torch.int64 and none.shape == (0,)
     pred, z = _predictors(2)[1], _features(4)
     assert torch.equal(predict_all([pred], [z], 256), pred.classify(z).argmax(1))
 
