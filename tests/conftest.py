@@ -16,10 +16,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_collection_modifyitems(items):
-    """The real Flower deployments (minutes each, a process per message) first. Under `-n` (`--dist loadgroup`)
-    they run in two lanes (their `xdist_group`), each one worker taking its deployments one after the other while
-    the other workers take the rest test by test: started last they would leave a worker running them alone after
-    the others finished, and all at once a dozen processes each importing torch per message thrash the cores."""
+    """The real Flower deployments (minutes each, a process per message) first, where a run selects them
+    (`-m deployment`, or `-m ""` for everything). Under `-n` (`--dist loadgroup`) they run in two lanes (their
+    `xdist_group`), each one worker taking its deployments one after the other while any other worker takes the
+    rest test by test: started last they would leave a worker running them alone after the others finished, and all
+    at once a dozen processes each importing torch per message thrash the cores."""
     items.sort(key=lambda item: item.get_closest_marker("deployment") is None)  # stable: the rest keep their order
 
 

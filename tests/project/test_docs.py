@@ -170,6 +170,19 @@ def test_ci_runs_exactly_the_readme_s_set_up_and_test_command_and_the_docs_show_
         assert command in [line.split("  #")[0].strip() for line in shown.splitlines()], page
 
 
+def test_ci_runs_the_deployment_suite_that_the_default_run_leaves_out():
+    """The real Flower deployments are out of the default run (`addopts`), so CI runs them itself, with the command
+    the README and the getting started page give: dropping it from CI would leave them unrun."""
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not deployment'" in addopts
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        command = re.search(r"`(python -m pytest -m deployment[^`]*)`", page.read_text()).group(1)
+        assert command in ci, page.name
+
+
 def test_the_leaderboard_ranks_by_each_figure_links_each_row_and_states_the_ordering_change(tmp_path, monkeypatch):
     """From a table.json: one tab per figure, each ranked by the tuned figure (not the default), every row linking
     to its chosen configuration, each algorithm page showing its rows, and the ordering change computed."""
