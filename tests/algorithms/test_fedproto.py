@@ -236,12 +236,13 @@ def test_a_new_client_trains_the_initial_model_on_eq_8_towards_the_global_protot
     algo = prepare(_cfg(lam=lam))
     cid = _rich_client(algo)
     data, server = algo.ctx.client_data(cid), _payload(algo, seed=4)
-    budget = Budget("ft", 2, 0.05, 16)
+    budget = Budget("ft", 2, 0.05, 16, momentum=0.5)  # the budget's momentum, its buffer kept across the epochs
     preds = list(algo.personalize(server, data, budget, torch.Generator().manual_seed(9)))
     assert len(preds) == 2
     model = algo.ctx.model
     params = dict(model.named_parameters())
     w = {k: v.clone() for k, v in algo.ctx.initial_params.items()}
+    buf = {}
     gen = torch.Generator().manual_seed(9)
     for epoch in range(2):
         for b in index_batches(data.train, 16, 1, gen):
@@ -252,7 +253,8 @@ def test_a_new_client_trains_the_initial_model_on_eq_8_towards_the_global_protot
             target = torch.where((server["proto_mask"][y] > 0).unsqueeze(1), server["protos"][y], z.detach())
             loss = F.cross_entropy(model.classify(z), y) + lam * F.mse_loss(target, z)
             grads = torch.autograd.grad(loss, list(params.values()))
-            w = {**w, **{k: w[k] - 0.05 * g for k, g in zip(params, grads, strict=True)}}
+            buf = {k: 0.5 * buf[k] + g if k in buf else g for k, g in zip(params, grads, strict=True)}  # torch's SGD
+            w = {**w, **{k: w[k] - 0.05 * buf[k] for k in params}}
         got = preds[epoch].params  # each epoch's own snapshot
         assert all(torch.allclose(got["net." + k], w[k], atol=1e-5) for k in params)
         assert torch.equal(got["protos"], server["protos"]) and torch.equal(got["allowed"], server["proto_mask"])

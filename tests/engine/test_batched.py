@@ -389,6 +389,22 @@ def test_gpfls_objective_together_is_each_clients_own(mlg):
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
+@pytest.mark.parametrize("denominator", ["all", "others"])
+def test_fedlcs_objective_together_is_each_clients_own(denominator):
+    """FedLC's calibrated loss (`fedlc.CalibratedObjective`) on each client's own shift τ·n_y^(−1/4), under both
+    denominators — the default softmax over every class and the paper's printed form without the true class —
+    weighted per sample in the batched step (a shorter batch's padding left out): batched == each client's own
+    `run_plan`."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "fedlc", "denominator": denominator, "tau": 2.0})
+    assert len({tuple(p.consts["shift"].tolist()) for p in plans}) == 3  # each client its own calibration
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        assert _max_diff(got, plan.start) > 100 * TOL
+
+
 def _finished_together_and_alone(algorithm, random, seed):
     """Plans of `algorithm` on the mlp at lr 0.01, one epoch, their constants whose name starts with `random`
     replaced by random ones of size 0.05 (each client its own); per client, (the batched tensors, the batched

@@ -337,9 +337,10 @@ class FedProto(Algorithm):
 
     def _recorded(self, rec: Recorder, cid: torch.Tensor, dtype: torch.dtype, trained: Tensors
                   ) -> tuple[Tensors, Tensors]:  # fmt: skip
-        """The mean of the last epoch's training embeddings per class (choice 2, `last_epoch`)."""
-        z = torch.cat(rec.z) if rec.z else torch.zeros(0, self.dim, device=self.ctx.device)
-        y = torch.cat(rec.y) if rec.y else torch.zeros(0, dtype=torch.int64, device=self.ctx.device)
+        """The mean of the last epoch's training embeddings per class (choice 2, `last_epoch`). The last epoch
+        recorded a batch at least: every client has a training sample (a federation or a site refuses one without),
+        and `train.local_epochs` is at least 1."""
+        z, y = torch.cat(rec.z), torch.cat(rec.y)
         return self._reply(*class_means(z, y, self.num_classes), dtype), {"cid": cid, **trained}
 
     @staticmethod
