@@ -131,17 +131,21 @@ def test_training_batches_are_augmented_evaluation_never(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_algorithms_local_training_augments(name, monkeypatch):
-    """Each algorithm's client update takes its training batches through `ClientData.batch`."""
-    calls = []
-    apply = Augment.apply
+    """Each algorithm's client update takes its training batches through `ClientData.batch`, its choices drawn
+    from a generator it was given, never torch's global RNG (None: deterministic too, since the executor seeds
+    the global RNG per client, but another stream than the one the docs and the batched executor use)."""
+    calls, generators = [], []
+    apply, draw = Augment.apply, Augment.draw
     monkeypatch.setattr(Augment, "apply", lambda self, x, d: calls.append(len(x)) or apply(self, x, d))
-    rounds = 3 if name == "fedbasis" else 1  # past its FedAvg warm-up: the bases' own training loop
+    monkeypatch.setattr(Augment, "draw", lambda self, n, g: generators.append(g) or draw(self, n, g))
+    # past FedBasis' FedAvg warm-up (the bases' own training loop) and FedALA's first round (ALA off: no local model)
+    rounds = 3 if name in ("fedbasis", "fedala") else 1
     cfg = parity_config(name, {"threads": 1}, evaluation={"every": 100}, rounds=rounds).model_dump(mode="json")
     cfg["dataset"]["augment"] = CROP_FLIP
     if name == "fedbasis":
         cfg["algorithm"]["K"] = 2  # the warm-up trains 3 clients
     run(validate_config(cfg), write=False, progress=False)
-    assert calls
+    assert calls and all(isinstance(g, torch.Generator) and g is not torch.default_generator for g in generators)
 
 
 @pytest.mark.parametrize("model", ["lenet5", "mlp"])
