@@ -200,6 +200,14 @@ def _each_own(cfg, ctx, cids, plans):
     return together, alone
 
 
+def _assert_each_own(cfg, ctx, cids, plans):
+    """Batched == each client alone (`_each_own`) within TOL64, and every client trained away from its start."""
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        assert _max_diff(got, plan.start) > 100 * TOL
+
+
 @pytest.mark.parametrize("model", ["lenet5", "mlp", "lenet5_bn", "alexnet_small_x025"])
 def test_train_together_is_each_clients_own_sgd(model):
     """Rule (batched.py:_phase = local_sgd.run_plan): two phases (FedPer's head-only epoch, then every block),
@@ -252,10 +260,7 @@ def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor
         anchor = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in p.consts.items()}
         anchored.append(type(p)(p.start, p.phases, p.finish, p.objective, anchor))
     assert algo.sgd_plan is not Algorithm.sgd_plan
-    together, alone = _each_own(cfg, ctx, cids, anchored)
-    for plan, got, want in zip(anchored, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL64
-        assert _max_diff(got, plan.start) > 100 * TOL
+    _assert_each_own(cfg, ctx, cids, anchored)
 
 
 def _random_masks(algo, cid):
@@ -327,10 +332,7 @@ def test_a_phase_of_k_steps_together_is_each_clients_own(model):
     assert min(per_epoch) < 9 < max(per_epoch)  # some clients reshuffle, some do not
     assert _max_diff(plans[0].start, plans[1].start) > 0  # each client its own start
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
-    together, alone = _each_own(cfg, ctx, cids, plans)
-    for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL64
-        assert _max_diff(got, plan.start) > 100 * TOL
+    _assert_each_own(cfg, ctx, cids, plans)
 
 
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
@@ -348,10 +350,7 @@ def test_fedpacs_head_then_aligned_body_together_is_each_clients_own(model):
                              "proto_mask": (torch.rand(mask.shape, generator=g) < 0.6).to(mask.dtype)})
              for p in plans]  # fmt: skip
     assert all(0 < p.consts["proto_mask"].sum() < len(mask) for p in plans)
-    together, alone = _each_own(cfg, ctx, cids, plans)
-    for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL64
-        assert _max_diff(got, plan.start) > 100 * TOL
+    _assert_each_own(cfg, ctx, cids, plans)
 
 
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
@@ -383,10 +382,7 @@ def test_gpfls_objective_together_is_each_clients_own(mlg):
     torch.set_num_threads(1)
     cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "gpfl", "mlg": mlg, "lam": 0.5, "mu": 0.1})
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
-    together, alone = _each_own(cfg, ctx, cids, plans)
-    for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL64
-        assert _max_diff(got, plan.start) > 100 * TOL
+    _assert_each_own(cfg, ctx, cids, plans)
 
 
 @pytest.mark.parametrize("denominator", ["all", "others"])
@@ -399,10 +395,7 @@ def test_fedlcs_objective_together_is_each_clients_own(denominator):
     cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "fedlc", "denominator": denominator, "tau": 2.0})
     assert len({tuple(p.consts["shift"].tolist()) for p in plans}) == 3  # each client its own calibration
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
-    together, alone = _each_own(cfg, ctx, cids, plans)
-    for plan, got, want in zip(plans, together, alone, strict=True):
-        assert _max_diff(want, got) <= TOL64
-        assert _max_diff(got, plan.start) > 100 * TOL
+    _assert_each_own(cfg, ctx, cids, plans)
 
 
 def _finished_together_and_alone(algorithm, random, seed):
