@@ -55,6 +55,14 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "evaluation/newclients.py": ["test_evaluation", "test_metrics"],
     "evaluation/metrics.py": ["test_metrics", "test_evaluation"],
     "results/summary.py": ["test_summary", "test_evaluation"],
+    "federation/partition.py": ["test_partition", "test_natural", "test_pflbed"],
+    "federation/pflbed.py": ["test_pflbed", "test_exclude_test"],
+    "federation/federation.py": ["test_partition", "test_pflbed", "test_natural", "test_exclude_test", "test_manifest"],
+    "federation/build.py": ["test_partition", "test_pflbed", "test_natural"],
+    "federation/new_client.py": ["test_data_commands", "test_pflbed"],
+    "federation/manifest.py": ["test_manifest"],
+    "privacy.py": ["test_privacy", "test_flower_privacy"],
+    "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],
 }
 
 
@@ -105,6 +113,22 @@ class _Timeout(Exception):
     pass
 
 
+def clear_caches() -> None:
+    """Empty every in-process cache of pflbed and the tests before the next mutant: the memoized federations
+    (`federation._MEMORY`), each `functools` cache (ε by the accountant, `tests.tiny.loop_run`, ...). Modules stay
+    imported across `pytest.main` calls, so without this a result computed under one mutant (or the original)
+    is read back under the next one, whose own code then never runs: a false survivor."""
+    for name, module in list(sys.modules.items()):
+        if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))):
+            continue
+        for value in list(vars(module).values()):
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+    from pflbed.federation import federation
+
+    federation._MEMORY.clear()
+
+
 def _alarm(*_):
     raise _Timeout
 
@@ -128,6 +152,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
         for name, source in todo:
             if name in done:
                 continue
+            clear_caches()
             os.environ["MUTANT_UNDER_TEST"] = name
             signal.alarm(timeout)
             try:

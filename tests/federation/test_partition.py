@@ -51,8 +51,41 @@ def test_dirichlet_min_size_guaranteed_even_when_resampling_fails():
 
 
 def test_dirichlet_infeasible_raises():
-    with pytest.raises(DataError, match="federation.clients"):
+    with pytest.raises(DataError, match=r"federation.clients: 5 clients × min_size 10 needs 50 samples, .* has 10$"):
         P.dirichlet(_labels(1), 5, 0.3, 10, np.random.default_rng(0))
+
+
+def test_a_dirichlet_draw_that_meets_min_size_is_kept():
+    """Rule: a draw is resampled only while a client has *fewer* than `min_size` samples. At min_size 0 every draw
+    meets it, so the partition is the first draw (one Dirichlet vector per class); a rule that also resamples a
+    client at exactly min_size would redraw here, and repair what it never fixes."""
+
+    class Counting:
+        def __init__(self, rng):
+            self.rng, self.dirichlets = rng, 0
+
+        def dirichlet(self, alpha):
+            self.dirichlets += 1
+            return self.rng.dirichlet(alpha)
+
+        def permutation(self, x):
+            return self.rng.permutation(x)
+
+    rng = Counting(np.random.default_rng(5))
+    parts = P.dirichlet(_labels(3), 20, 0.05, 0, rng)  # α small, 3 samples a class: most clients get none
+    assert min(map(len, parts)) == 0 and rng.dirichlets == 10
+
+
+def test_the_repair_moves_only_what_the_small_client_lacks_and_the_donor_can_spare():
+    """Rule (`_repair_min_size`): the smallest client takes min(what it lacks, what the largest holds above
+    min_size), so it ends at min_size exactly where the donor has a surplus, and no donor is taken below min_size
+    (each keeps at least min_size of its own samples)."""
+    parts = P._repair_min_size([np.arange(2), np.arange(2, 42)], 5, np.random.default_rng(0))
+    assert [len(p) for p in parts] == [5, 37]
+    before = [np.arange(0), np.arange(6), np.arange(6, 15)]  # 0, 6 and 9 samples: 15 = 3 × 5
+    after = P._repair_min_size(before, 5, np.random.default_rng(0))
+    assert [len(p) for p in after] == [5, 5, 5] and _is_partition(after, 15)
+    assert [len(np.intersect1d(a, b)) for a, b in zip(after, before, strict=True)] == [0, 5, 5]
 
 
 def test_classes_per_client_counts():
@@ -69,6 +102,25 @@ def test_classes_per_client_counts():
 def test_classes_per_client_too_many_raises():
     with pytest.raises(DataError, match="classes_per_client"):
         P.classes_per_client(_labels(), 5, 11, 10, np.random.default_rng(0))
+
+
+def test_classes_per_client_up_to_every_class_and_classes_nobody_holds():
+    """k = the number of classes is allowed (each client holds them all: an even split of every class); with
+    fewer holders than classes, the classes no one holds are left out and every held class still goes whole to
+    its holders."""
+    labels = _labels(30)
+    parts = P.classes_per_client(labels, 3, 10, 10, np.random.default_rng(6))
+    assert _is_partition(parts, 300) and all((np.bincount(labels[p], minlength=10) == 10).all() for p in parts)
+    parts = P.classes_per_client(labels, 3, 2, 10, np.random.default_rng(6))  # 6 of 10 classes held, one each
+    held = [np.unique(labels[p]) for p in parts]
+    assert [len(h) for h in held] == [2, 2, 2] and len(np.unique(np.concatenate(held))) == 6
+    assert all(len(p) == 60 for p in parts)
+
+
+def test_classes_per_client_refuses_a_client_left_without_samples():
+    # one sample per class, two holders per class: one of them gets none
+    with pytest.raises(DataError, match="^federation.clients: 20 clients leave some client without samples$"):
+        P.classes_per_client(_labels(1), 20, 1, 10, np.random.default_rng(0))
 
 
 def test_split_local_is_stratified_and_exact():

@@ -59,6 +59,26 @@ def test_pflbed_errors():
         build_federation(_rot4(120), FederationConfig(**PF), 0, use_disk_cache=False)
 
 
+@pytest.mark.parametrize("key", ["clients_per_domain", "new_clients_per_domain"])
+def test_a_portion_of_exactly_clients_times_min_size_is_split_and_one_sample_less_is_refused(key):
+    """Rule: a domain's participated (new) portion must hold m × min_size samples for its m clients. _rot4 has 1,000
+    samples a domain: 600 participated (4 clients) and 200 new (here 1 client beside 4 participated, 2 beside 1).
+    At min_size = portion / m each client gets exactly min_size; at one more the split is refused, naming the field
+    and the domain."""
+    from pflbed.federation.pflbed import pflbed_split
+
+    portion, m, counts = {"clients_per_domain": (600, 4, (4, 1)), "new_clients_per_domain": (200, 2, (1, 2))}[key]
+    pf = {"clients_per_domain": counts[0], "new_clients_per_domain": counts[1]}
+    split = pflbed_split(_rot4(), FederationConfig(**{**PF, "min_size": portion // m, "pflbed": pf}),
+                         np.random.default_rng(0))  # fmt: skip
+    ids = split.participated if key == "clients_per_domain" else split.new
+    assert {len(split.clients[c][0]) for c in ids} == {portion // m}
+    over = FederationConfig(**{**PF, "min_size": portion // m + 1, "pflbed": pf})
+    with pytest.raises(DataError, match=rf"^federation.pflbed.{key}: domain 'rot0' has {portion} samples for {m} "
+                                        rf"clients × min_size {portion // m + 1}$"):  # fmt: skip
+        pflbed_split(_rot4(), over, np.random.default_rng(0))
+
+
 def test_fractions_over_one_is_a_config_error():
     from pflbed.errors import ConfigError
 
@@ -135,3 +155,24 @@ def test_folder_dataset_runs_end_to_end_under_pflbed(tmp_path):
     res = pflbed.run(cfg, write=False)
     assert res.summary["dataset"] == "folder" and res.summary["clients"] == {"participated": 4, "new": 2}
     assert res.summary["final"]["gfl_acc"] > 1 / 3  # 3 well-separated colours: better than chance
+
+
+def test_a_source_with_unnamed_domains_splits_as_one_with_named_ones():
+    """A data source may carry domain ids without names (a user's own `DataSource`): its domains are then 0 … D−1
+    by id, the same split as with names; the names only label errors. Called directly, below the federation cache
+    (whose key does not hold the names)."""
+    from dataclasses import replace
+
+    from pflbed.federation.pflbed import pflbed_split
+
+    src, cfg = _rot4(), FederationConfig(**PF)
+    named = pflbed_split(src, cfg, np.random.default_rng(4))
+    unnamed = pflbed_split(replace(src, domain_names=()), cfg, np.random.default_rng(4))
+    assert len(named.clients) == len(unnamed.clients) == 24 and len(unnamed.domain_test) == 4
+    assert all(np.array_equal(a, b) and d == e for (a, d), (b, e) in zip(named.clients, unnamed.clients, strict=True))
+    assert all(map(np.array_equal, named.domain_test + named.domain_val, unnamed.domain_test + unnamed.domain_val))
+    y = src.train.y.clone()  # a copy: the synthetic source is cached
+    y[src.train.domain == 1] = 0  # domain 1 holds class 0 only: no class-balanced test set
+    one_class = replace(src, train=replace(src.train, y=y), domain_names=())
+    with pytest.raises(DataError, match="domain '1' class 1 has 0 samples"):
+        pflbed_split(one_class, cfg, np.random.default_rng(4))

@@ -80,7 +80,7 @@ def classes_per_client(
         idx = rng.permutation(np.flatnonzero(labels == c))
         for i, chunk in zip(holders, np.array_split(idx, len(holders)), strict=True):
             parts[i].append(chunk)
-    out = [np.sort(np.concatenate(p)) if p else np.zeros(0, dtype=np.int64) for p in parts]
+    out = [np.sort(np.concatenate(p)) for p in parts]  # k ≥ 1: every client holds a class, even if 0 samples of it
     if min(len(p) for p in out) == 0:
         raise DataError(f"federation.clients: {clients} clients leave some client without samples")
     return out
