@@ -113,16 +113,23 @@ class _Timeout(Exception):
     pass
 
 
+# Caches keyed by everything their result depends on, none of it mutated code: kept between mutants (the data
+# loaders read files; the accountant's ε is Opacus's, of its arguments).
+PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_multiplier")
+
+
 def clear_caches() -> None:
-    """Empty every in-process cache of pflbed and the tests before the next mutant: the memoized federations
-    (`federation._MEMORY`), each `functools` cache (ε by the accountant, `tests.tiny.loop_run`, ...). Modules stay
-    imported across `pytest.main` calls, so without this a result computed under one mutant (or the original)
-    is read back under the next one, whose own code then never runs: a false survivor."""
+    """Empty the in-process caches of pflbed and the tests before the next mutant: the memoized federations
+    (`federation._MEMORY`, keyed by the config, not by the code that built them) and each `functools` cache
+    (`tests.tiny.loop_run`, ...) but the `PURE_CACHES`. Modules stay imported across `pytest.main` calls, so
+    without this a result computed under one mutant (or the original) is read back under the next one, whose own
+    code then never runs: a false survivor."""
     for name, module in list(sys.modules.items()):
-        if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))):
+        if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))) or name.startswith(PURE_CACHES):
             continue
         for value in list(vars(module).values()):
-            if callable(getattr(value, "cache_clear", None)):
+            qualified = f"{name}.{getattr(value, '__name__', '')}"
+            if callable(getattr(value, "cache_clear", None)) and not qualified.startswith(PURE_CACHES):
                 value.cache_clear()
     from pflbed.federation import federation
 

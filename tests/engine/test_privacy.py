@@ -42,12 +42,35 @@ def test_clip_scales_the_update_to_norm_c_and_keeps_a_small_one_bit_for_bit():
 
 def test_clip_refuses_a_reply_that_is_not_an_update_of_the_payload_entry_for_entry():
     w = {"a": torch.zeros(2)}
-    with pytest.raises(ValueError, match="not float updates"):
+    with pytest.raises(ValueError, match=r"^privacy: reply entries extra \(not in the payload\) are not float updates"):
         privacy.clip_reply(w, {"a": torch.ones(2), "extra": torch.ones(1)}, 1.0)
     assert privacy.clip_reply({**w, "fixed": torch.ones(1)}, {"a": torch.ones(2) * 3}, 1.0)["a"].norm() == \
         pytest.approx(1.0)  # a payload may hold more than the reply updates (FedBABU's fixed head)
-    with pytest.raises(ValueError, match="not float updates"):
-        privacy.clip_reply({"n": torch.tensor(3)}, {"n": torch.tensor(4)}, 1.0)
+    with pytest.raises(ValueError, match=r"^privacy: reply entries extra \(not in the payload\), n \(int64\) are not "
+                                         r"float updates of payload entries; an algorithm with such replies must not "
+                                         r"declare DP support \(dp_refused\)$"):  # fmt: skip
+        privacy.clip_reply({"n": torch.tensor(3)}, {"extra": torch.ones(1), "n": torch.tensor(4)}, 1.0)
+
+
+def test_a_reply_exactly_at_the_clip_norm_is_returned_as_it_is():
+    reply = {"a": torch.tensor([3.0, 4.0])}  # Δ of norm 5 exactly
+    assert privacy.clip_reply({"a": torch.zeros(2)}, reply, 5.0) is reply
+
+
+def test_seeded_noise_is_the_same_whatever_torch_s_default_dtype_and_device_and_lands_on_the_entry_s_device():
+    like = {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.float64)}
+    want = privacy.noise(7, 2, like, 0.5)
+    assert [want[k].dtype for k in ("w", "b")] == [torch.float32, torch.float64]
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.device("meta"):
+            got = privacy.noise(7, 2, like, 0.5)
+    finally:
+        torch.set_default_dtype(before)
+    assert all(torch.equal(got[k], want[k]) for k in like)
+    on_meta = privacy.noise(7, 2, {k: v.to("meta") for k, v in like.items()}, 0.5)
+    assert {v.device.type for v in on_meta.values()} == {"meta"}
 
 
 def test_one_round_by_hand_clip_each_client_then_sum_then_one_noise_over_the_expected_count():

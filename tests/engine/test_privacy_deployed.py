@@ -134,6 +134,11 @@ def test_the_driver_samples_from_the_os_under_os_randomness():
         assert (drawn == seed) is same_as_seed
 
 
+def test_os_noise_for_an_entry_on_a_device_without_float64_is_drawn_on_the_cpu_and_lands_on_the_entry_s():
+    z = privacy.os_noise({"a": torch.zeros(5, device="meta", dtype=torch.float16)}, 1.0)["a"]
+    assert (z.device.type, z.dtype, z.shape) == ("meta", torch.float16, (5,))
+
+
 def test_os_noise_is_standard_normal_times_std():
     z = privacy.os_noise({"a": torch.zeros(200_001), "b": torch.zeros(3, dtype=torch.float64)}, 2.0)
     assert z["a"].dtype == torch.float32 and z["b"].dtype == torch.float64 and z["a"].shape == (200_001,)

@@ -195,3 +195,26 @@ def test_public_split_is_disjoint_from_clients_and_leaves_partitions_alone_when_
     assert len(held) + 300 == 1200
     with pytest.raises(DataError, match="federation.public"):
         build_federation(src, FederationConfig(clients=6, public=1200), 0, use_disk_cache=False)
+
+
+def test_to_moves_every_index_tensor_and_prior_and_keeps_the_federation_where_it_already_is():
+    """`Federation.to` on another device (meta here; CUDA in `tests/engine/test_cuda.py`): every index tensor and
+    class prior is there, of its own size (a client's, the public set's, the shared sets', a manifest's new-client
+    subsets); on the device where it is, the same object."""
+    from dataclasses import replace
+
+    src = make_synthetic(n_train=600, n_test=100, seed=1)
+    fed = build_federation(src, FederationConfig(clients=5, partition="iid", public=20), 0, use_disk_cache=False)
+    fed = replace(fed, domain_val=[torch.arange(3)], domain_test=[torch.arange(4)],
+                  new_subsets={4: [torch.arange(2), torch.arange(5)]})  # fmt: skip
+    assert fed.to("cpu") is fed
+    moved = fed.to("meta")
+
+    def tensors(f):
+        per_client = [t for c in f.clients for t in (c.train, c.val, c.test, c.prior)]
+        return [*per_client, f.global_test, f.public, *f.domain_val, *f.domain_test, *f.new_subsets[4]]
+
+    assert [t.device.type for t in tensors(moved)] == ["meta"] * len(tensors(fed))
+    assert [t.shape for t in tensors(moved)] == [t.shape for t in tensors(fed)]
+    assert [c.domain for c in moved.clients] == [c.domain for c in fed.clients]
+    assert (moved.participated, moved.new, moved.key, moved.num_classes) == (fed.participated, fed.new, fed.key, 10)

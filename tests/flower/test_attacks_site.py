@@ -281,6 +281,19 @@ def test_honest_runs_stay_far_below_the_update_bound(tmp_path):
     assert worst and max(worst) < 2
 
 
+def test_the_update_ratio_is_the_change_of_the_entries_sent_over_the_payload_s_norm_at_least_one():
+    """Rule (`update_ratio`): ‖reply − payload‖ ÷ max(1, ‖payload‖) over the reply's entries of a payload key and
+    shape; the others (a key not sent, another shape: the entry check's to refuse) count for neither norm."""
+    from pflbed.flower.reply_check import update_ratio
+
+    small = {"a": torch.zeros(2)}
+    assert update_ratio(small, {"a": torch.tensor([0.3, 0.4])}) == pytest.approx(0.5, rel=1e-12)  # max(1, 0) = 1
+    big = {"a": torch.tensor([6.0, 8.0]), "b": torch.ones(3)}
+    reply = {"c": torch.ones(1) * 100, "b": torch.ones(2) * 100, "a": torch.tensor([9.0, 12.0])}  # skipped ones first
+    assert update_ratio(big, reply) == pytest.approx(5 / 10, rel=1e-12)  # b: another shape, c: not sent
+    assert update_ratio(big, {"b": torch.ones(3)}) == 0.0
+
+
 def test_under_privacy_the_server_clips_a_reply_again(tmp_path, monkeypatch):
     """A reply whose update is 50× what the site's clip let out (within `sites.max_update`) is clipped again on
     the server: every reply the server rule takes has an update of norm at most `privacy.clip`."""
