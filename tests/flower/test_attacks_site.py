@@ -287,7 +287,7 @@ def test_the_update_ratio_is_the_change_of_the_entries_sent_over_the_payload_s_n
     from pflbed.flower.reply_check import update_ratio
 
     small = {"a": torch.zeros(2)}
-    assert update_ratio(small, {"a": torch.tensor([0.3, 0.4])}) == pytest.approx(0.5, rel=1e-12)  # max(1, 0) = 1
+    assert update_ratio(small, {"a": torch.tensor([0.375, 0.5])}) == 0.625  # over max(1, 0) = 1
     big = {"a": torch.tensor([6.0, 8.0]), "b": torch.ones(3)}
     reply = {"c": torch.ones(1) * 100, "b": torch.ones(2) * 100, "a": torch.tensor([9.0, 12.0])}  # skipped ones first
     assert update_ratio(big, reply) == pytest.approx(5 / 10, rel=1e-12)  # b: another shape, c: not sent
