@@ -57,11 +57,13 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "results/summary.py": ["test_summary", "test_evaluation"],
     "federation/partition.py": ["test_partition", "test_natural", "test_pflbed"],
     "federation/pflbed.py": ["test_pflbed", "test_exclude_test"],
-    "federation/federation.py": ["test_partition", "test_pflbed", "test_natural", "test_exclude_test", "test_manifest"],
+    "federation/federation.py": [
+        "test_partition", "test_pflbed", "test_natural", "test_exclude_test", "test_manifest", "test_pretrain",
+    ],
     "federation/build.py": ["test_partition", "test_pflbed", "test_natural"],
     "federation/new_client.py": ["test_data_commands", "test_pflbed"],
     "federation/manifest.py": ["test_manifest"],
-    "privacy.py": ["test_privacy", "test_flower_privacy"],
+    "privacy.py": ["test_privacy", "test_privacy_deployed", "test_flower_privacy", "test_flower_noise_warning"],
     "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],
 }
 

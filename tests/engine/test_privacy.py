@@ -52,6 +52,12 @@ def test_clip_refuses_a_reply_that_is_not_an_update_of_the_payload_entry_for_ent
         privacy.clip_reply({"n": torch.tensor(3)}, {"extra": torch.ones(1), "n": torch.tensor(4)}, 1.0)
 
 
+def test_noise_to_signal_at_one_expected_client_and_at_none():
+    one = privacy.Mechanism(clip=1.0, sigma=0.5, rate=0.5, clients=2, delta=1e-5, rounds=4)  # qN = 1
+    assert one.noise_to_signal(16) == pytest.approx(0.5 * 4 / 2, rel=1e-12)  # σ√d / (qN√T)
+    assert privacy.Mechanism(clip=1.0, sigma=0.5, rate=0.5, clients=0, delta=1e-5).noise_to_signal(16) == math.inf
+
+
 def test_a_reply_exactly_at_the_clip_norm_is_returned_as_it_is():
     reply = {"a": torch.tensor([3.0, 4.0])}  # Δ of norm 5 exactly
     assert privacy.clip_reply({"a": torch.zeros(2)}, reply, 5.0) is reply

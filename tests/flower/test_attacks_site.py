@@ -267,6 +267,21 @@ def test_an_algorithm_that_checks_its_own_replies_decides_and_a_shared_default_d
     assert check.fault(payload, {"w": torch.zeros(2)}) == "has 'w' of shape [2], the server sent [3]"
 
 
+def test_the_update_bound_is_inclusive_and_a_reply_with_a_key_the_others_lack_is_named_so():
+    """Rules of `ReplyCheck`: a change of exactly `sites.max_update` passes (over it is refused); a reply whose key
+    set is larger than the one elected for its payload's structure is refused for the keys no other reply has."""
+    from pflbed.algorithms.fedavg import FedAvg
+    from pflbed.flower.reply_check import ReplyCheck
+
+    payload = {"a": torch.zeros(2), "b": torch.zeros(1)}
+    check = ReplyCheck(object.__new__(FedAvg), 0.625)
+    assert check.fault(payload, {"a": torch.tensor([0.375, 0.5])}) is None
+    assert check.fault(payload, {"a": torch.tensor([0.375, 0.5001])}).startswith("changes the model by 0.625 ×")
+    replies = {1: {"a": torch.zeros(2)}, 2: {"a": torch.zeros(2)}, 3: {"a": torch.zeros(2), "b": torch.zeros(1)}}
+    refused = check.round(dict.fromkeys(replies, payload), replies, lambda cid: cid)
+    assert refused == {3: "client 3's reply has keys ['b'] no other reply has"}
+
+
 def test_honest_runs_stay_far_below_the_update_bound(tmp_path):
     """The default `sites.max_update` (100) against the honest replies of the site tests' algorithms."""
     from pflbed.flower.reply_check import update_ratio
@@ -292,6 +307,10 @@ def test_the_update_ratio_is_the_change_of_the_entries_sent_over_the_payload_s_n
     reply = {"c": torch.ones(1) * 100, "b": torch.ones(2) * 100, "a": torch.tensor([9.0, 12.0])}  # skipped ones first
     assert update_ratio(big, reply) == pytest.approx(5 / 10, rel=1e-12)  # b: another shape, c: not sent
     assert update_ratio(big, {"b": torch.ones(3)}) == 0.0
+    # the norms in float64 whatever the entries' dtype: 1,001 in bfloat16 is 1,000 or 1,002
+    half = {"h": torch.ones(1001, dtype=torch.bfloat16)}
+    moved = {"h": half["h"].clone().index_fill_(0, torch.tensor([0]), 1.5)}
+    assert update_ratio(half, moved) == pytest.approx(0.5 / 1001**0.5, rel=1e-12)
 
 
 def test_under_privacy_the_server_clips_a_reply_again(tmp_path, monkeypatch):
