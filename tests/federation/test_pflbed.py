@@ -53,7 +53,9 @@ def test_pflbed_split_properties():
 
 
 def test_pflbed_errors():
-    with pytest.raises(DataError, match="needs a dataset with domains"):
+    no_domains = (r"^federation.protocol=pflbed needs a dataset with domains; 'synthetic' has none \(use fmnist-rot4, "
+                  r"digits-rot4, a folder dataset, or set dataset.domains\)$")
+    with pytest.raises(DataError, match=no_domains):
         build_federation(make_synthetic(), FederationConfig(**PF), 0, use_disk_cache=False)
     with pytest.raises(DataError, match="class-balanced"):
         build_federation(_rot4(120), FederationConfig(**PF), 0, use_disk_cache=False)
