@@ -280,6 +280,28 @@ def test_the_update_bound_is_inclusive_and_a_reply_with_a_key_the_others_lack_is
     replies = {1: {"a": torch.zeros(2)}, 2: {"a": torch.zeros(2)}, 3: {"a": torch.zeros(2), "b": torch.zeros(1)}}
     refused = check.round(dict.fromkeys(replies, payload), replies, lambda cid: cid)
     assert refused == {3: "client 3's reply has keys ['b'] no other reply has"}
+    five = {k: torch.zeros(1) for k in "abcde"}  # a message names at most three keys
+    replies = {1: {"a": torch.zeros(1)}, 2: {"a": torch.zeros(1)}, 3: dict(five)}
+    assert ReplyCheck(object.__new__(FedAvg), 1.0).round(dict.fromkeys(replies, five), replies, lambda c: c) == \
+        {3: "client 3's reply has keys ['b', 'c', 'd'] no other reply has"}  # fmt: skip
+    replies = {1: dict(five), 2: dict(five), 3: {"a": torch.zeros(1)}}
+    assert ReplyCheck(object.__new__(FedAvg), 1.0).round(dict.fromkeys(replies, five), replies, lambda c: c) == \
+        {3: "client 3's reply lacks keys ['b', 'c', 'd']"}  # fmt: skip
+
+
+def test_the_elected_key_set_is_most_sites_then_the_payload_s_own_then_most_clients_then_the_lowest_site():
+    from pflbed.flower.reply_check import ReplyCheck, structure
+
+    sig = structure({k: torch.zeros(1) for k in "abc"})
+    own, a, b = frozenset("abc"), frozenset("a"), frozenset("b")
+
+    def site(cid):
+        return cid // 10  # clients 10, 11 at site 1; 30 at site 3; 50 at site 5
+
+    assert ReplyCheck.elect(sig, {a: [10, 30], b: [50]}, site) == a  # two sites against one
+    assert ReplyCheck.elect(sig, {a: [10, 11], own: [50]}, site) == own  # one site each: the payload's own
+    assert ReplyCheck.elect(sig, {b: [50], a: [10, 11]}, site) == a  # one site each, neither own: most clients
+    assert ReplyCheck.elect(sig, {a: [50], b: [30]}, site) == b  # then the lowest site
 
 
 def test_honest_runs_stay_far_below_the_update_bound(tmp_path):
