@@ -339,3 +339,30 @@ def test_a_divergence_under_dp_names_the_noise_and_the_clients_per_round():
                      r"σ = 0\.8, C = 0\.5\), noise-to-signal σ√d/\(qN√T\) = [\d.]+ \(d = [\d,]+ shared entries, T = 4 "
                      r"rounds\)(;.*)? — the noise outweighs .* whatever the learning rate", str(e.value))
     assert "lower train.lr" not in str(e.value)  # the noise named as the cause, not the learning rate
+
+
+def test_under_distributed_noise_the_server_rescales_the_replies_and_draws_only_for_a_round_without_one():
+    """Rule (`Mechanism.replies`, noise: distributed): the replies already hold the sites' noise, so the server adds
+    none and rescales them to the release, r'_k = w + (m/qN)(r_k − w); a round without a reply asked no site, and
+    the server draws z itself: the pseudo-reply w + z/qN, z from the run's (seed, round) stream."""
+    mech = privacy.Mechanism(clip=1.0, sigma=0.5, rate=0.5, clients=8, delta=1e-5, noise="distributed")  # qN = 4
+    w = {"w": torch.tensor([1.0, 2.0])}
+    replies = [(0, {"w": torch.tensor([2.0, 4.0])}), (5, {"w": torch.tensor([0.0, 2.0])})]
+    out = list(mech.replies(7, 2, w, iter(replies), 2))  # m/qN = 1/2
+    assert [c for c, _ in out] == [0, 5]
+    assert [r["w"].tolist() for _, r in out] == [[1.5, 3.0], [0.5, 2.0]]
+    ((cid, alone),) = mech.replies(7, 2, w, iter([]), 0)
+    assert cid == -1 and torch.equal(alone["w"], w["w"] + privacy.noise(7, 2, w, 0.5)["w"] / 4)
+
+
+@pytest.mark.parametrize("sigma", [0.01, 100.0])
+def test_a_divergence_under_dp_keeps_its_round_and_names_the_noise_as_the_cause_only_where_it_swamps(sigma):
+    def diverging():
+        raise DivergedError(3, "client 2's update")
+        yield
+
+    mech = privacy.Mechanism(clip=1.0, sigma=sigma, rate=0.5, clients=8, delta=1e-5, rounds=4)  # σ√d/(qN√T) = σ/4
+    with pytest.raises(DivergedError) as e:
+        list(mech.replies(0, 3, {"w": torch.zeros(4)}, diverging(), 1))
+    assert e.value.round == 3 and e.value.where.startswith("client 2's update, after privacy noise of std")
+    assert e.value.hint == (privacy.SWAMPED if sigma == 100.0 else DivergedError(3, "").hint)

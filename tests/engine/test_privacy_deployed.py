@@ -134,9 +134,13 @@ def test_the_driver_samples_from_the_os_under_os_randomness():
         assert (drawn == seed) is same_as_seed
 
 
-def test_os_noise_for_an_entry_on_a_device_without_float64_is_drawn_on_the_cpu_and_lands_on_the_entry_s():
+def test_os_noise_for_an_entry_on_a_device_without_float64_is_drawn_on_the_cpu_and_lands_on_the_entry_s(monkeypatch):
+    """Box–Muller runs in float64 where the device has it (CPU, CUDA), else on the CPU (MPS has no float64): the
+    meta device stands in for such a device, and the draw's logarithm is seen on the CPU."""
+    drawn_on, log1p = [], torch.log1p
+    monkeypatch.setattr(torch, "log1p", lambda x: drawn_on.append(x.device.type) or log1p(x))
     z = privacy.os_noise({"a": torch.zeros(5, device="meta", dtype=torch.float16)}, 1.0)["a"]
-    assert (z.device.type, z.dtype, z.shape) == ("meta", torch.float16, (5,))
+    assert (z.device.type, z.dtype, z.shape) == ("meta", torch.float16, (5,)) and drawn_on == ["cpu"]
 
 
 def test_os_noise_is_standard_normal_times_std():
