@@ -188,6 +188,7 @@ def test_public_split_is_disjoint_from_clients_and_leaves_partitions_alone_when_
     plain = build_federation(src, FederationConfig(clients=6), 0, use_disk_cache=False)
     again = build_federation(src, FederationConfig(clients=6, public=0), 0, use_disk_cache=False)
     assert all(torch.equal(a.train, b.train) for a, b in zip(plain.clients, again.clients, strict=True))
+    assert plain.public.shape == (0,)
     fed = build_federation(src, FederationConfig(clients=6, public=300), 0, use_disk_cache=False)
     assert len(fed.public) == 300 and len(fed.public.unique()) == 300
     held = torch.cat([torch.cat([c.train, c.val, c.test]) for c in fed.clients])
@@ -218,3 +219,25 @@ def test_to_moves_every_index_tensor_and_prior_and_keeps_the_federation_where_it
     assert [t.shape for t in tensors(moved)] == [t.shape for t in tensors(fed)]
     assert [c.domain for c in moved.clients] == [c.domain for c in fed.clients]
     assert (moved.participated, moved.new, moved.key, moved.num_classes) == (fed.participated, fed.new, fed.key, 10)
+
+
+def test_a_federation_by_classes_per_client_and_one_of_exactly_one_sample_a_client():
+    """`partition: classes` through `build_federation` (each client k labels, each label split evenly among its
+    holders); a pool of exactly one sample per client is enough (one more client is refused, naming the field); a
+    dataset without a test split is refused, pointing to the protocol that needs none."""
+    from dataclasses import replace
+
+    src = make_synthetic(n_train=1000, n_test=100, seed=4)
+    fed = build_federation(src, FederationConfig(clients=10, partition="classes", classes_per_client=3), 0,
+                           use_disk_cache=False)  # fmt: skip
+    y = src.train.y
+    held = [torch.cat([c.train, c.val, c.test]) for c in fed.clients]
+    assert [len(set(y[h].tolist())) for h in held] == [3] * 10 and len(torch.cat(held).unique()) == 1000
+    tiny = replace(src, train=replace(src.train, x=src.train.x[:6], y=src.train.y[:6]))
+    fed = build_federation(tiny, FederationConfig(clients=6, partition="iid"), 0, use_disk_cache=False)
+    assert [len(c.train) for c in fed.clients] == [1] * 6
+    with pytest.raises(DataError, match="^federation.clients: 7 clients but the training pool has 6 samples$"):
+        build_federation(tiny, FederationConfig(clients=7, partition="iid"), 0, use_disk_cache=False)
+    no_test = replace(src, test=replace(src.test, x=src.test.x[:0], y=src.test.y[:0]))
+    with pytest.raises(DataError, match=r"^dataset 'synthetic' has no test split; use federation.protocol=pflbed$"):
+        build_federation(no_test, FederationConfig(clients=6), 0, use_disk_cache=False)
