@@ -241,3 +241,14 @@ def test_a_federation_by_classes_per_client_and_one_of_exactly_one_sample_a_clie
     no_test = replace(src, test=replace(src.test, x=src.test.x[:0], y=src.test.y[:0]))
     with pytest.raises(DataError, match=r"^dataset 'synthetic' has no test split; use federation.protocol=pflbed$"):
         build_federation(no_test, FederationConfig(clients=6), 0, use_disk_cache=False)
+
+
+def test_the_federation_cache_is_under_pflbed_cache_or_the_user_s_cache_folder(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from pflbed.federation.federation import cache_dir
+
+    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("PFLBED_CACHE")
+    assert cache_dir() == Path.home() / ".cache" / "pflbed"
