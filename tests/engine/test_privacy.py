@@ -200,6 +200,11 @@ def test_epsilon_is_the_accountants_own_for_the_same_q_sigma_and_steps():
     assert mech.epsilon(7) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12)
     assert mech.epsilon(7) < mech.epsilon(8)
     assert math.isinf(privacy.Mechanism(1.0, 0.0, 0.3, 50, 1e-5).epsilon(3))
+    assert mech.epsilon(0) == 0.0 and privacy.Mechanism(1.0, 0.0, 0.3, 50, 1e-5).epsilon(0) == 0.0  # nothing released
+    one = privacy.Mechanism(clip=1.0, sigma=1.0, rate=0.3, clients=50, delta=1e-5)  # σ = 1: an accountant's ε, finite
+    acc = RDPAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.3)
+    assert one.epsilon(1) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12) and 0 < one.epsilon(1) < math.inf
     record = privacy.Mechanism(1.0, 0.0, 0.3, 50, 1e-5).record(3, since=1)  # no noise: ε = ∞, written null
     assert record["epsilon"] is None and record["epsilon_by_round"] == {"2": None, "3": None}
     assert json.loads(json.dumps(record, allow_nan=False)) == record
