@@ -252,3 +252,32 @@ def test_the_federation_cache_is_under_pflbed_cache_or_the_user_s_cache_folder(m
     assert cache_dir() == tmp_path
     monkeypatch.delenv("PFLBED_CACHE")
     assert cache_dir() == Path.home() / ".cache" / "pflbed"
+
+
+def test_scored_indices_hold_the_global_test_set_only_where_it_comes_from_the_training_pool():
+    from dataclasses import replace
+
+    fed = build_federation(make_synthetic(n_train=600, n_test=100, seed=1), FederationConfig(clients=5), 0,
+                           use_disk_cache=False)  # fmt: skip
+    own = set(torch.cat([c.test for c in fed.clients]).tolist())
+    assert set(fed.test_indices().tolist()) == own
+    pooled = replace(fed, global_split="train", global_test=torch.tensor([0, 1, 2]))
+    assert set(pooled.test_indices().tolist()) == own | {0, 1, 2}
+
+
+def test_a_new_client_s_subsets_take_a_fraction_at_least_one_from_a_stream_of_the_run_s_seed_and_the_client():
+    from pflbed.federation.federation import draw_subset, new_client_train
+
+    g = torch.Generator().manual_seed(0)
+    assert len(draw_subset(torch.arange(10), 0.01, g)) == 1 and len(draw_subset(torch.arange(10), 0.45, g)) == 5
+    cfg = FederationConfig(clients=8, partition="iid", new_clients=2)
+    fed = build_federation(make_synthetic(n_train=1200, n_test=100, seed=1), cfg, 0, use_disk_cache=False)
+    a, b = fed.new
+    assert len(fed.clients[a].train) == len(fed.clients[b].train)  # iid: equal sizes, so equal draws would show
+
+    def positions(cid, seed):  # where in its training split each chosen sample sits
+        train = fed.clients[cid].train.tolist()
+        return [train.index(i) for i in new_client_train(fed, cid, 0, 0.5, seed).tolist()]
+
+    assert positions(a, 0) == positions(a, 0) != positions(b, 0)  # each client its own stream
+    assert positions(a, 0) != positions(a, 1)  # and the run's seed in it

@@ -178,3 +178,22 @@ def test_a_source_with_unnamed_domains_splits_as_one_with_named_ones():
     one_class = replace(src, train=replace(src.train, y=y), domain_names=())
     with pytest.raises(DataError, match="domain '1' class 1 has 0 samples"):
         pflbed_split(one_class, cfg, np.random.default_rng(4))
+
+
+def test_the_class_balanced_holdout_takes_down_to_one_sample_a_class_and_refuses_less():
+    """Rule (`_balanced_holdout`): ⌊fraction·|domain|/classes⌋ test (val) samples of every class, at least one
+    each; a class with exactly test + val samples gives them all; fewer, or a fraction below one a class, is
+    refused naming the domain (and the class)."""
+    from pflbed.federation.pflbed import _balanced_holdout
+
+    labels = np.repeat(np.arange(10), 2)  # 20 samples, 2 a class
+    test, val, rest = _balanced_holdout(np.arange(20), labels, 10, 0.5, 0.5, "d", np.random.default_rng(0))
+    assert sorted(labels[test]) == sorted(labels[val]) == list(range(10)) and len(rest) == 0
+    with pytest.raises(DataError, match=r"^federation.pflbed: domain 'd' has 20 samples, too few for a class-balanced "
+                                        r"test and val set over 10 classes \(test 0.5, val 0.04\)$"):  # fmt: skip
+        _balanced_holdout(np.arange(20), labels, 10, 0.5, 0.04, "d", np.random.default_rng(0))
+    short = labels.copy()
+    short[7] = 4  # class 3 has one sample
+    with pytest.raises(DataError, match=r"^federation.pflbed: domain 'd' class 3 has 1 samples; a class-balanced "
+                                        r"test \+ val set needs 2 per class$"):  # fmt: skip
+        _balanced_holdout(np.arange(20), short, 10, 0.5, 0.5, "d", np.random.default_rng(0))
