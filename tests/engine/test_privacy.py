@@ -371,3 +371,17 @@ def test_a_divergence_under_dp_keeps_its_round_and_names_the_noise_as_the_cause_
         list(mech.replies(0, 3, {"w": torch.zeros(4)}, diverging(), 1))
     assert e.value.round == 3 and e.value.where.startswith("client 2's update, after privacy noise of std")
     assert e.value.hint == (privacy.SWAMPED if sigma == 100.0 else DivergedError(3, "").hint)
+
+
+def test_the_record_says_every_figure_of_the_guarantee_under_its_name():
+    """What `metrics.jsonl` and `summary.json` say of a run's privacy (`Mechanism.record`): each figure under its
+    name, ε after each round since the previous evaluation, the draws counted (one a round unless the ledger says
+    otherwise)."""
+    mech = privacy.Mechanism(clip=0.5, sigma=1.2, rate=0.25, clients=40, delta=1e-5, randomness="os",
+                             accountant="rdp", noise="distributed", rounds=9)  # fmt: skip
+    eps = {r: mech.epsilon(n) for r, n in {2: 2, 3: 4}.items()}
+    assert mech.record(3, since=1, draws={3: 4}) == {
+        "epsilon": eps[3], "delta": 1e-5, "noise_multiplier": 1.2, "clip": 0.5, "sampling_rate": 0.25,
+        "expected_clients": 10.0, "rounds": 3, "noise_draws": 4, "accountant": "rdp", "randomness": "os",
+        "noise": "distributed", "sampling": "poisson", "epsilon_by_round": {"2": eps[2], "3": eps[3]},
+    }  # fmt: skip
