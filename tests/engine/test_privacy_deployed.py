@@ -258,6 +258,25 @@ def test_the_ledger_counts_a_torn_line_and_seeded_replays_once(tmp_path):
     assert privacy.Ledger(path, "os").draws == 0 and not path.exists()  # a new run starts its own
 
 
+def test_each_ledger_line_names_its_round_its_count_and_whether_it_replays_and_is_fsynced(tmp_path, monkeypatch):
+    """A release's line: its round, its number among the run's releases, where its randomness came from, and
+    whether it replays a round already released; each is fsynced, and the file's new directory entry once."""
+    import json
+
+    synced = []
+    monkeypatch.setattr(privacy.os, "fsync", lambda fd: synced.append(fd))
+    path = tmp_path / privacy.LEDGER
+    ledger = privacy.Ledger(path, "os")
+    for r in (1, 2, 2):
+        ledger.release(r)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"round": 1, "release": 1, "randomness": "os", "replay": False},
+        {"round": 2, "release": 2, "randomness": "os", "replay": False},
+        {"round": 2, "release": 3, "randomness": "os", "replay": True},
+    ]  # fmt: skip
+    assert len(synced) == 4  # three lines, and the directory after the first
+
+
 # --- 13: FedDyn's server step under DP ---------------------------------------------------------------------------
 
 
