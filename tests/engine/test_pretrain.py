@@ -94,7 +94,10 @@ def test_used_indices_cover_every_client_split_the_public_set_and_the_shared_set
 
 def test_an_overlapping_source_is_refused_and_nothing_is_written(tmp_path, capsys):
     # the train split is the federation's; the test split is what the non-PFLBED global test set uses
-    with pytest.raises(DataError, match="shares"):
+    with pytest.raises(DataError, match=r"^pretrain: the pretraining source \(\d+ samples of digits's train split\) "
+                                        r"shares \d+ samples with this federation's client data or evaluation sets; "
+                                        r"choose a split or domains it does not use \(under federation.protocol pflbed "
+                                        r"all of them come from the train split, so pretrain.split test is free\)$"):
         pretrain(_cfg(pretrain__split="train"), tmp_path / "a", log=lambda *_: None)
     assert not (tmp_path / "a").exists()
     code = main(["pretrain", "--set", "dataset.name=digits", "--set", "pretrain.epochs=1", "--out",

@@ -254,7 +254,7 @@ def test_the_ledger_counts_a_torn_line_and_seeded_replays_once(tmp_path):
     assert again.draws == 4 and again.release(4) == 5
     assert again.draws_by_round() == {1: 1, 2: 2, 3: 3, 4: 5}
     third = privacy.Ledger(path, "os", fresh=False)  # the release after the torn line is a line of its own
-    assert third.releases == 6 and third.draws == 5
+    assert third.releases == 6 and third.draws == 5 and third.entries[-1] == (4, "os")  # that line parses
     assert privacy.Ledger(path, "os").draws == 0 and not path.exists()  # a new run starts its own
 
 
@@ -275,6 +275,7 @@ def test_each_ledger_line_names_its_round_its_count_and_whether_it_replays_and_i
         {"round": 2, "release": 3, "randomness": "os", "replay": True},
     ]  # fmt: skip
     assert len(synced) == 4  # three lines, and the directory after the first
+    assert ledger.draws_by_round() == {1: 1, 2: 3} and ledger.draws == 3  # under `os` a replay is a draw of its own
 
 
 # --- 13: FedDyn's server step under DP ---------------------------------------------------------------------------
