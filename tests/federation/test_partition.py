@@ -233,6 +233,9 @@ def test_a_federation_by_classes_per_client_and_one_of_exactly_one_sample_a_clie
     y = src.train.y
     held = [torch.cat([c.train, c.val, c.test]) for c in fed.clients]
     assert [len(set(y[h].tolist())) for h in held] == [3] * 10 and len(torch.cat(held).unique()) == 1000
+    even = build_federation(src, FederationConfig(clients=10, partition="dirichlet", alpha=100.0), 0,
+                            use_disk_cache=False)  # fmt: skip
+    assert min(len(set(y[torch.cat([c.train, c.val, c.test])].tolist())) for c in even.clients) >= 8  # Dir(100): all
     tiny = replace(src, train=replace(src.train, x=src.train.x[:6], y=src.train.y[:6]))
     fed = build_federation(tiny, FederationConfig(clients=6, partition="iid"), 0, use_disk_cache=False)
     assert [len(c.train) for c in fed.clients] == [1] * 6
