@@ -92,3 +92,12 @@ def test_the_cache_key_holds_the_users_and_min_samples(source):
     assert len({a.key, b.key, c.key}) == 3 and not torch.equal(a.clients[0].train, b.clients[0].train)
     dirichlet = FederationConfig(partition="dirichlet", clients=5)
     assert build_federation(source, dirichlet, 0).key == build_federation(merged, dirichlet, 0).key
+
+
+def test_a_natural_partition_of_a_dataset_without_users_or_domains_is_refused_in_one_line():
+    from pflbed.data.synthetic import make_synthetic
+    from pflbed.errors import DataError
+
+    with pytest.raises(DataError, match=r"^federation.partition: natural needs per-sample users, and 'synthetic' has "
+                                        r"none: set dataset.hf.user_column, or use a dataset with writers or domains$"):
+        build_federation(make_synthetic(), FederationConfig(partition="natural", clients=3), 0, use_disk_cache=False)

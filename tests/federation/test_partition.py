@@ -284,3 +284,24 @@ def test_a_new_client_s_subsets_take_a_fraction_at_least_one_from_a_stream_of_th
 
     assert positions(a, 0) == positions(a, 0) != positions(b, 0)  # each client its own stream
     assert positions(a, 0) != positions(a, 1)  # and the run's seed in it
+
+
+def test_the_public_set_the_caps_and_the_global_test_set_are_drawn_from_the_seed_and_balanced():
+    """What a federation draws comes from its seed (rebuilt without any cache: the same; another seed: not): the
+    public set and each client's capped training split (distinct samples: drawn without replacement); the global
+    test set is class-balanced at the smallest class's count of the source's test split."""
+    from pflbed.federation import federation as F
+
+    src = make_synthetic(n_train=1200, n_test=300, seed=6)
+    cfg = FederationConfig(clients=5, partition="iid", public=100, train_per_client=60)
+
+    def built(seed):
+        F._MEMORY.clear()
+        return build_federation(src, cfg, seed, use_disk_cache=False)
+
+    a, b, other = built(0), built(0), built(1)
+    assert torch.equal(a.public, b.public) and not torch.equal(a.public, other.public)
+    assert all(torch.equal(x.train, y.train) for x, y in zip(a.clients, b.clients, strict=True))
+    assert all(len(c.train) == len(c.train.unique()) == 60 for c in a.clients)
+    counts = torch.bincount(src.test.y[a.global_test], minlength=10)  # this test split is balanced: all of it
+    assert (counts == torch.bincount(src.test.y, minlength=10).min()).all() and len(a.global_test.unique()) == 300
