@@ -217,7 +217,7 @@ def test_to_moves_every_index_tensor_and_prior_and_keeps_the_federation_where_it
 
     assert [t.device.type for t in tensors(moved)] == ["meta"] * len(tensors(fed))
     assert [t.shape for t in tensors(moved)] == [t.shape for t in tensors(fed)]
-    assert [c.domain for c in moved.clients] == [c.domain for c in fed.clients]
+    assert [c.domain for c in moved.clients] == [c.domain for c in fed.clients] == [0] * 5  # no domains: domain 0
     assert (moved.participated, moved.new, moved.key, moved.num_classes) == (fed.participated, fed.new, fed.key, 10)
 
 
