@@ -59,6 +59,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "federation/pflbed.py": ["test_pflbed", "test_exclude_test"],
     "federation/federation.py": [
         "test_partition", "test_pflbed", "test_natural", "test_exclude_test", "test_manifest", "test_pretrain",
+        "test_privacy_deployed",  # `sample_clients` from the OS (privacy.randomness: os)
     ],
     "federation/build.py": ["test_partition", "test_pflbed", "test_natural"],
     "federation/new_client.py": ["test_data_commands", "test_pflbed"],

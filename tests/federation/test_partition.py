@@ -169,7 +169,9 @@ def test_sampling_stream_is_fixed_per_seed_and_round():
     assert sample_clients(0, 5, part, 0.2) == sample_clients(0, 5, part, 0.2)
     assert sample_clients(0, 5, part, 0.2) != sample_clients(0, 6, part, 0.2)
     s = sample_clients(1, 1, part, 0.2)
-    assert len(s) == round(0.2 * len(part)) and set(s) <= set(part)
+    assert len(s) == len(set(s)) == round(0.2 * len(part)) and set(s) <= set(part)  # without replacement
+    assert all(len(sample_clients(0, r, part, 0.9)) == len(set(sample_clients(0, r, part, 0.9))) for r in range(20))
+    assert len(sample_clients(0, 1, part, 0.001)) == 1  # at least one client
 
 
 def test_train_per_client_caps_only_the_training_split():
