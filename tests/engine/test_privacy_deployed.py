@@ -108,6 +108,7 @@ def test_os_sampling_is_poisson_at_rate_q_and_not_the_seeds():
         sample_clients(0, 3, participated, 0.1, True, entropy=True)  # fmt: skip
     fixed = sample_clients(0, 3, participated, 0.1, poisson=False, entropy=True)
     assert len(fixed) == 20 == len(set(fixed))
+    assert len(sample_clients(0, 3, participated, 0.001, poisson=False, entropy=True)) == 1  # at least one, no more
 
 
 class _Lost:
