@@ -128,7 +128,7 @@ def clear_caches() -> None:
     without this a result computed under one mutant (or the original) is read back under the next one, whose own
     code then never runs: a false survivor."""
     for name, module in list(sys.modules.items()):
-        if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))) or name.startswith(PURE_CACHES):
+        if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))):
             continue
         for value in list(vars(module).values()):
             qualified = f"{name}.{getattr(value, '__name__', '')}"

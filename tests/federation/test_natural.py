@@ -9,6 +9,7 @@ import torch
 from pflbed.config import FederationConfig
 from pflbed.data import load_dataset
 from pflbed.data.domains import with_domains
+from pflbed.data.synthetic import make_synthetic
 from pflbed.errors import DataError
 from pflbed.federation import build_federation
 from pflbed.federation.federation import natural
@@ -95,9 +96,6 @@ def test_the_cache_key_holds_the_users_and_min_samples(source):
 
 
 def test_a_natural_partition_of_a_dataset_without_users_or_domains_is_refused_in_one_line():
-    from pflbed.data.synthetic import make_synthetic
-    from pflbed.errors import DataError
-
     with pytest.raises(DataError, match=r"^federation.partition: natural needs per-sample users, and 'synthetic' has "
                                         r"none: set dataset.hf.user_column, or use a dataset with writers or domains$"):
         build_federation(make_synthetic(), FederationConfig(partition="natural", clients=3), 0, use_disk_cache=False)

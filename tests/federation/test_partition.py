@@ -1,3 +1,6 @@
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +9,9 @@ from pflbed.config import FederationConfig
 from pflbed.data.synthetic import make_synthetic
 from pflbed.errors import DataError
 from pflbed.federation import build_federation, sample_clients
+from pflbed.federation import federation as F
 from pflbed.federation import partition as P
+from pflbed.federation.federation import cache_dir, draw_subset, new_client_train
 
 
 def _labels(n_per_class=100, classes=10):
@@ -151,8 +156,6 @@ def test_federation_is_deterministic_cached_and_balanced():
 
 
 def test_federation_disk_cache_roundtrip(tmp_path, monkeypatch):
-    from pflbed.federation import federation as F
-
     monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
     src = make_synthetic(n_train=600, n_test=100, seed=1)
     cfg = FederationConfig(clients=5, partition="iid")
@@ -204,8 +207,6 @@ def test_to_moves_every_index_tensor_and_prior_and_keeps_the_federation_where_it
     """`Federation.to` on another device (meta here; CUDA in `tests/engine/test_cuda.py`): every index tensor and
     class prior is there, of its own size (a client's, the public set's, the shared sets', a manifest's new-client
     subsets); on the device where it is, the same object."""
-    from dataclasses import replace
-
     src = make_synthetic(n_train=600, n_test=100, seed=1)
     fed = build_federation(src, FederationConfig(clients=5, partition="iid", public=20), 0, use_disk_cache=False)
     fed = replace(fed, domain_val=[torch.arange(3)], domain_test=[torch.arange(4)],
@@ -227,8 +228,6 @@ def test_a_federation_by_classes_per_client_and_one_of_exactly_one_sample_a_clie
     """`partition: classes` through `build_federation` (each client k labels, each label split evenly among its
     holders); a pool of exactly one sample per client is enough (one more client is refused, naming the field); a
     dataset without a test split is refused, pointing to the protocol that needs none."""
-    from dataclasses import replace
-
     src = make_synthetic(n_train=1000, n_test=100, seed=4)
     fed = build_federation(src, FederationConfig(clients=10, partition="classes", classes_per_client=3), 0,
                            use_disk_cache=False)  # fmt: skip
@@ -249,10 +248,6 @@ def test_a_federation_by_classes_per_client_and_one_of_exactly_one_sample_a_clie
 
 
 def test_the_federation_cache_is_under_pflbed_cache_or_the_user_s_cache_folder(monkeypatch, tmp_path):
-    from pathlib import Path
-
-    from pflbed.federation.federation import cache_dir
-
     monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
     assert cache_dir() == tmp_path
     monkeypatch.delenv("PFLBED_CACHE")
@@ -260,8 +255,6 @@ def test_the_federation_cache_is_under_pflbed_cache_or_the_user_s_cache_folder(m
 
 
 def test_scored_indices_hold_the_global_test_set_only_where_it_comes_from_the_training_pool():
-    from dataclasses import replace
-
     fed = build_federation(make_synthetic(n_train=600, n_test=100, seed=1), FederationConfig(clients=5), 0,
                            use_disk_cache=False)  # fmt: skip
     own = set(torch.cat([c.test for c in fed.clients]).tolist())
@@ -271,8 +264,6 @@ def test_scored_indices_hold_the_global_test_set_only_where_it_comes_from_the_tr
 
 
 def test_a_new_client_s_subsets_take_a_fraction_at_least_one_from_a_stream_of_the_run_s_seed_and_the_client():
-    from pflbed.federation.federation import draw_subset, new_client_train
-
     g = torch.Generator().manual_seed(0)
     assert len(draw_subset(torch.arange(10), 0.01, g)) == 1 and len(draw_subset(torch.arange(10), 0.45, g)) == 5
     cfg = FederationConfig(clients=8, partition="iid", new_clients=2)
@@ -292,8 +283,6 @@ def test_the_public_set_the_caps_and_the_global_test_set_are_drawn_from_the_seed
     """What a federation draws comes from its seed (rebuilt without any cache: the same; another seed: not): the
     public set and each client's capped training split (distinct samples: drawn without replacement); the global
     test set is class-balanced at the smallest class's count of the source's test split."""
-    from pflbed.federation import federation as F
-
     src = make_synthetic(n_train=1200, n_test=300, seed=6)
     cfg = FederationConfig(clients=5, partition="iid", public=100, train_per_client=60)
 

@@ -1,5 +1,7 @@
 """PFLBED protocol: the split, domain transforms and the class-weighted domain evaluation."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from pflbed.data.domains import TRANSFORMS, with_domains
 from pflbed.data.synthetic import make_synthetic
 from pflbed.errors import DataError
 from pflbed.federation import build_federation
+from pflbed.federation.pflbed import _balanced_holdout, pflbed_split
 
 from ..tiny import TINY
 
@@ -67,8 +70,6 @@ def test_a_portion_of_exactly_clients_times_min_size_is_split_and_one_sample_les
     samples a domain: 600 participated (4 clients) and 200 new (here 1 client beside 4 participated, 2 beside 1).
     At min_size = portion / m each client gets exactly min_size; at one more the split is refused, naming the field
     and the domain."""
-    from pflbed.federation.pflbed import pflbed_split
-
     portion, m, counts = {"clients_per_domain": (600, 4, (4, 1)), "new_clients_per_domain": (200, 2, (1, 2))}[key]
     pf = {"clients_per_domain": counts[0], "new_clients_per_domain": counts[1]}
     split = pflbed_split(_rot4(), FederationConfig(**{**PF, "min_size": portion // m, "pflbed": pf}),
@@ -163,10 +164,6 @@ def test_a_source_with_unnamed_domains_splits_as_one_with_named_ones():
     """A data source may carry domain ids without names (a user's own `DataSource`): its domains are then 0 … D−1
     by id, the same split as with names; the names only label errors. Called directly, below the federation cache
     (whose key does not hold the names)."""
-    from dataclasses import replace
-
-    from pflbed.federation.pflbed import pflbed_split
-
     src, cfg = _rot4(), FederationConfig(**PF)
     named = pflbed_split(src, cfg, np.random.default_rng(4))
     unnamed = pflbed_split(replace(src, domain_names=()), cfg, np.random.default_rng(4))
@@ -184,8 +181,6 @@ def test_the_class_balanced_holdout_takes_down_to_one_sample_a_class_and_refuses
     """Rule (`_balanced_holdout`): ⌊fraction·|domain|/classes⌋ test (val) samples of every class, at least one
     each; a class with exactly test + val samples gives them all; fewer, or a fraction below one a class, is
     refused naming the domain (and the class)."""
-    from pflbed.federation.pflbed import _balanced_holdout
-
     labels = np.repeat(np.arange(10), 2)  # 20 samples, 2 a class
     test, val, rest = _balanced_holdout(np.arange(20), labels, 10, 0.5, 0.5, "d", np.random.default_rng(0))
     assert sorted(labels[test]) == sorted(labels[val]) == list(range(10)) and len(rest) == 0
