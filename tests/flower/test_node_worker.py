@@ -94,7 +94,8 @@ def test_a_message_goes_through_the_worker_and_a_refusal_reads_as_in_process(sho
         superexec.wait()
     deadline = time.monotonic() + 10
     while list((tmp_path / "pflbed").glob("*.sock")) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the workers leave with their SuperExec; their sockets may stay, nothing listens
+        time.sleep(0.1)
+    assert not list((tmp_path / "pflbed").glob("*.sock"))  # the workers left with their SuperExec, and their sockets
 
 
 def test_without_unix_sockets_the_clientapp_answers_itself(tmp_path, monkeypatch):
@@ -169,18 +170,37 @@ def _start(tmp_path, parent, idle_s=600.0):
     return worker, path
 
 
-def test_the_worker_exits_with_its_superexec_and_when_idle(tmp_path):
+def test_the_worker_exits_with_its_superexec_and_when_idle_and_takes_its_socket_along(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    worker, _ = _start(tmp_path, parent.pid)
+    worker, path = _start(tmp_path, parent.pid)
     parent.kill()
     parent.wait()
     assert worker.wait(timeout=5) == 0  # within its 0.5 s watch, not at its idle limit
+    assert not path.exists()
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        idle, _ = _start(tmp_path / "idle" if (tmp_path / "idle").mkdir() is None else tmp_path, other.pid, idle_s=1.0)
+        idle, path = _start(tmp_path / "idle" if (tmp_path / "idle").mkdir() is None else tmp_path, other.pid,
+                            idle_s=1.0)  # fmt: skip
         assert idle.wait(timeout=10) == 0
+        assert not path.exists()
     finally:
         other.kill()
+
+
+def test_a_worker_leaves_the_socket_of_the_worker_that_replaced_it(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker, path = _start(tmp_path, parent.pid)
+    newer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        newer.bind(str(tmp_path / "newer.sock"))
+        os.replace(tmp_path / "newer.sock", path)  # as a worker started where this one stopped answering does
+        parent.kill()
+        parent.wait()
+        assert worker.wait(timeout=5) == 0
+        assert path.exists()
+    finally:
+        newer.close()
+        parent.kill()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")

@@ -41,6 +41,9 @@ SMALL = [
 # config as written.
 SMALL_BASIS = ["dataset.image_size=8", "train.batch_size=512", "algorithm.alpha_epochs=1", "algorithm.basis_epochs=1",
                "federation.pflbed.new_clients_per_domain=1"]  # fmt: skip
+# A quarter of the images for each class-balanced set, val and test (Office-Home's 4 per class: one each), the rest
+# for the clients
+HOLDOUT = ["federation.pflbed.val=0.25", "federation.pflbed.test=0.25"]
 OVERRIDES = {
     "fedper_cifar10": ["federation.clients=4"],
     "fedper_cifar100": ["federation.clients=4"],
@@ -51,9 +54,11 @@ OVERRIDES = {
     "fedselect_cifar10": ["federation.clients=4"],
     "fedselect_cifar10c": ["federation.pflbed.clients_per_domain=2"],
     "fedselect_miniimagenet": ["federation.clients=2"],
-    "fedselect_officehome": ["dataset.image_size=8"],
-    "fedbasis_pacs": [*SMALL_BASIS, "federation.pflbed.clients_per_domain=2"],
-    "fedbasis_officehome": [*SMALL_BASIS, "federation.pflbed.clients_per_domain=4"],
+    "fedselect_officehome": ["dataset.image_size=8", *HOLDOUT, "federation.pflbed.participated=0.5"],
+    "fedbasis_pacs": [*SMALL_BASIS, *HOLDOUT, "federation.pflbed.participated=0.3",
+                      "federation.pflbed.clients_per_domain=2"],
+    "fedbasis_officehome": [*SMALL_BASIS, *HOLDOUT, "federation.pflbed.participated=0.3",
+                            "federation.pflbed.clients_per_domain=4"],
 }
 # The same network at a quarter of the width (same blocks, so the same personal layers): a CIFAR ResNet-18 step is
 # most of a second on one CPU thread.
@@ -76,9 +81,10 @@ WRITERS = {
     ),
     "cifar10c": _cifar10c,
     "miniimagenet": lambda root, cfg: fx.make_miniimagenet(root, classes_per_split=4, per_class=6, side=16),
-    # one domain of 20 images per class: the PFLBED val set (5 % per domain, class-balanced) needs 20 per class
-    "officehome": lambda root, cfg: fx.make_domain_tree(root, ("Art",), 65, per_class=20),
-    "pacs": lambda root, cfg: fx.make_domain_tree(root, ("art_painting", "photo"), 7, per_class=20),
+    # the PFLBED val and test sets (class-balanced, HOLDOUT) take a quarter each; 30 % of PACS's 84 images per domain
+    # give its two clients their 10 samples each
+    "officehome": lambda root, cfg: fx.make_domain_tree(root, ("Art",), 65, per_class=4),
+    "pacs": lambda root, cfg: fx.make_domain_tree(root, ("art_painting", "photo"), 7, per_class=12),
 }
 
 

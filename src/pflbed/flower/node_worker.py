@@ -91,18 +91,27 @@ class Node:
         return getattr(client, kind)(msg, ctx)
 
 
-def _watch(parent: int, clock: _Clock, idle_s: float) -> None:
-    """Exit when the node's SuperExec (`parent`) is gone, or after `idle_s` without a message."""
+def _watch(parent: int, clock: _Clock, idle_s: float, path: str, inode: int) -> None:
+    """Exit when the node's SuperExec (`parent`) is gone, or after `idle_s` without a message (`path`, `inode`: the
+    socket this worker listens on)."""
     while True:
         try:
             os.kill(parent, 0)
-        except ProcessLookupError:
-            os._exit(0)
-        except PermissionError:  # a process of another user took its pid: ours is gone
-            os._exit(0)
+        except (ProcessLookupError, PermissionError):  # gone (PermissionError: another user's process took its pid)
+            _leave(path, inode)
         if time.monotonic() - clock.last > idle_s:
-            os._exit(0)
+            _leave(path, inode)
         time.sleep(0.5)
+
+
+def _leave(path: str, inode: int) -> None:
+    """Exit, taking the socket along: every SuperExec's nodes get sockets of their own, so left behind they would
+    pile up in the socket directory. Only our own: a worker that replaced it (after ours stopped answering) keeps
+    its socket."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    os._exit(0)
 
 
 def serve(path: str, parent: int, idle_s: float = IDLE_S) -> None:
@@ -111,12 +120,13 @@ def serve(path: str, parent: int, idle_s: float = IDLE_S) -> None:
     from flwr.proto.message_pb2 import Message as ProtoMessage
 
     clock, node = _Clock(), Node()
-    threading.Thread(target=_watch, args=(parent, clock, idle_s), daemon=True).start()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{path}.{os.getpid()}"
     server.bind(tmp)
     server.listen(8)
+    inode = os.stat(tmp).st_ino
     os.replace(tmp, path)  # the socket appears only once it listens
+    threading.Thread(target=_watch, args=(parent, clock, idle_s, path, inode), daemon=True).start()
     while True:
         conn, _ = server.accept()
         clock.last = time.monotonic()
