@@ -12,6 +12,7 @@ import yaml
 from pflbed.cli import main
 from pflbed.config import validate_config
 from pflbed.data import load_source
+from pflbed.errors import DataError
 from pflbed.federation import build_federation
 from pflbed.federation.federation import new_client_train
 from pflbed.federation.manifest import manifest, read_manifest
@@ -212,3 +213,95 @@ def test_the_manifest_schema(tmp_path):
     assert len(out.read_text().splitlines()) == 13 + len(m["clients"]) + 3
     source = load_source(validate_config(STANDARD).dataset)
     assert manifest(validate_config(STANDARD), source, read_manifest(out, source)) == m  # re-export: the same file
+
+
+def _set(path, value):
+    """An edit that sets the entry at `path` (keys and list positions) to `value`."""
+
+    def apply(m):
+        *parents, last = path
+        for k in parents:
+            m = m[k]
+        m[last] = value(m[last]) if callable(value) else value
+
+    return apply
+
+
+def _new_subsets(m):
+    return m["new_client_subsets"]["clients"][str(m["new"][0])]
+
+
+# Each field of the schema a manifest can get wrong (beyond BAD, which goes through the commands): edit → message.
+MALFORMED = {
+    "no dataset": (lambda m: m.pop("dataset"), r"made for no dataset, but this config's dataset \('synthetic'\)"),
+    "clients not a list": (_set(["clients"], {}), "malformed manifest: 'clients' has the wrong type"),
+    "no clients": (_set(["clients"], []), "malformed manifest: no clients$"),
+    "a client not an object": (_set(["clients", 1], [0, 1]), "client 1 is not an object"),
+    "a client without val": (lambda m: m["clients"][2].pop("val"), "client 2: 'val' missing"),
+    "a boolean index": (_set(["clients", 0, "train", 0], True), "client 0's train must be a list of integer indices"),
+    "a negative index": (_set(["clients", 1, "val"], lambda v: [*v, -3]), "client 1's val holds index -3, outside"),
+    "the first index past the end": (_set(["clients", 1, "test"], lambda v: [*v, 2000]),
+                                     "client 1's test holds index 2000, outside 0…1999$"),
+    "a negative domain": (_set(["clients", 2, "domain"], -1), "client 2's domain must be a non-negative integer"),
+    "a boolean domain": (_set(["clients", 2, "domain"], True), "client 2's domain must be a non-negative integer"),
+    "a prior one class short": (_set(["clients", 0, "prior"], lambda p: p[:-1]), "client 0's prior is not the"),
+    "a prior of text": (_set(["clients", 0, "prior"], lambda p: ["0.1", *p[1:]]), "client 0's prior is not the"),
+    "a client taking part twice": (_set(["participated"], lambda p: [*p, p[0]]),
+                                   "'participated' must list distinct client ids 0…5"),
+    "an unknown new client": (_set(["new"], lambda n: [*n, 6]), "'new' must list distinct client ids 0…5"),
+    "a boolean client id": (_set(["new"], lambda n: [True if c == 1 else c for c in n]), "'new' must list"),
+    "no participated client": (lambda m: m.update(participated=[], new=list(range(6))), "no participated client"),
+    "a client in no role": (_set(["participated"], lambda p: p[1:]), "every client must be either participated or"),
+    "another global split": (_set(["global_split"], "val"), "'global_split' must be \"train\" or \"test\""),
+    "an empty global test set": (_set(["global_test"], []), "global_test is empty"),
+    "a global test set of train indices past the test split": (
+        lambda m: m.update(global_split="train", global_test=[1999]), None),
+    "a domain set without its pair": (_set(["domain_val"], [[0]]), "domain_val and domain_test must hold one set"),
+    "a client of a domain without sets": (
+        lambda m: m.update(domain_val=[[0]], domain_test=[[1]], clients=[{**m["clients"][0], "domain": 1},
+                                                                          *m["clients"][1:]]),
+        "domain_val and domain_test must hold one set for each client's domain"),
+    "a domain set out of range": (lambda m: m.update(domain_val=[[0]], domain_test=[[2000]]),
+                                  r"domain_test\[0\] holds index 2000"),
+    "public out of range": (_set(["public"], [10**7]), "public holds index 10000000, outside 0…1999"),
+    "subsets not an object": (_set(["new_client_subsets"], []), "'new_client_subsets' is not an object"),
+    "subsets without sizes": (lambda m: m["new_client_subsets"].pop("sizes"), "new_client_subsets: 'sizes' missing"),
+    "sizes not S first": (_set(["new_client_subsets", "sizes"], {"M": 0.3, "L": 1.0}), "sizes must map S"),
+    "no sizes": (_set(["new_client_subsets", "sizes"], {}), "sizes must map S"),
+    "a size of none": (_set(["new_client_subsets", "sizes", "S"], 0), "sizes must map S"),
+    "a size beyond the whole": (_set(["new_client_subsets", "sizes", "M"], 1.5), "sizes must map S"),
+    "a boolean size": (_set(["new_client_subsets", "sizes", "M"], True), "sizes must map S"),
+    "a participated client's subsets": (
+        lambda m: m["new_client_subsets"]["clients"].update({str(m["participated"][0]): _new_subsets(m)}),
+        "new_client_subsets.clients must hold every new client, and only them"),
+    "a new client without subsets": (lambda m: m["new_client_subsets"]["clients"].pop(str(m["new"][0])),
+                                     "must hold every new client"),
+    "a size missing": (lambda m: _new_subsets(m).pop("M"), r"client \d+ needs one subset per size \(S, M\)"),
+    "sizes in another order": (lambda m: m["new_client_subsets"]["clients"].update(
+        {str(m["new"][0]): {"M": _new_subsets(m)["M"], "S": _new_subsets(m)["S"]}}), "needs one subset per size"),
+    "an empty subset": (lambda m: _new_subsets(m).update(S=[]), "subsets must be non-empty parts"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """STANDARD's manifest (6 clients of the synthetic data's 2,000 training and 500 test samples) and its source."""
+    path = _export(tmp_path_factory.mktemp("manifest"), STANDARD)
+    return json.loads(path.read_text()), load_source(validate_config(STANDARD).dataset)
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_every_field_of_a_manifest_is_checked_and_named(tmp_path, exported, case):
+    m, source = json.loads(json.dumps(exported[0])), exported[1]
+    assert (len(m["clients"]), len(source.train), len(source.test), m["global_split"], m["new"]) == \
+        (6, 2000, 500, "test", [1, 2])  # fmt: skip
+    edit, message = MALFORMED[case]
+    edit(m)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m))
+    if message is None:  # valid: indices into the split it names
+        assert read_manifest(path, source).global_test.tolist() == [1999]
+        return
+    with pytest.raises(DataError, match=message) as e:
+        read_manifest(path, source)
+    assert str(e.value).startswith(f"federation.manifest: {path}: ") and "\n" not in str(e.value)

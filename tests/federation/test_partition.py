@@ -13,6 +13,8 @@ from pflbed.federation import federation as F
 from pflbed.federation import partition as P
 from pflbed.federation.federation import cache_dir, draw_subset, new_client_train
 
+from .test_manifest import _same
+
 
 def _labels(n_per_class=100, classes=10):
     return np.repeat(np.arange(classes), n_per_class)
@@ -165,6 +167,41 @@ def test_federation_disk_cache_roundtrip(tmp_path, monkeypatch):
     assert list((tmp_path / "federations").glob("*.pt"))
     b = build_federation(src, cfg, seed=0)
     assert a is not b and all((x.val == y.val).all() for x, y in zip(a.clients, b.clients, strict=True))
+
+
+def test_the_disk_cache_is_read_where_asked_under_its_key_only_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
+    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
+    monkeypatch.setattr(F, "_MEMORY", {})
+    src = make_synthetic(n_train=600, n_test=100, seed=1)
+    cfg = FederationConfig(clients=5, partition="iid", public=10, new_clients=1)
+    fed = build_federation(src, cfg, seed=0)
+    [path] = (tmp_path / "federations").iterdir()
+    assert path.name == f"{fed.key}.pt" and _same(F._load_cached(path, fed.key), fed)  # every field, as built
+
+    def built(**kw):
+        F._MEMORY.clear()
+        return build_federation(src, cfg, seed=0, **kw).participated
+
+    marked = replace(fed, participated=fed.participated[::-1])  # an entry told apart from a fresh build
+    F._save_cached(marked, path)
+    assert built() == marked.participated  # read from disk
+    assert built(use_disk_cache=False) == fed.participated
+    F._save_cached(replace(marked, key="0" * 20), path)  # a file of another federation under this name
+    assert built() == fed.participated
+    path.write_bytes(b"not a cache")
+    assert built() == fed.participated and _same(F._load_cached(path, fed.key), fed)  # corrupt: rebuilt, rewritten
+    assert [p.name for p in (tmp_path / "federations").iterdir()] == [path.name]  # no temporary file left
+    monkeypatch.setenv("PFLBED_CACHE", str(path))  # a cache folder that cannot be made: only slower
+    assert built() == fed.participated
+
+
+@pytest.mark.parametrize("disk", [True, False])
+def test_the_federations_of_the_excluded_seeds_use_the_disk_cache_as_asked(tmp_path, monkeypatch, disk):
+    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
+    monkeypatch.setattr(F, "_MEMORY", {})
+    src = make_synthetic(n_train=600, n_test=100, seed=1)
+    build_federation(src, FederationConfig(clients=5, partition="iid", exclude_test_of=[1, 2]), 0, disk)
+    assert len(list(tmp_path.glob("federations/*.pt"))) == (3 if disk else 0)
 
 
 def test_sampling_stream_is_fixed_per_seed_and_round():

@@ -115,8 +115,8 @@ def read_manifest(path: str | os.PathLike[str], source: DataSource) -> Federatio
     theirs = data.get("fingerprint") if isinstance(data, dict) else None
     ours = source.fingerprint()
     if theirs != ours:
-        made = f"{data.get('name')!r} with fingerprint {theirs}" if isinstance(data, dict) else "no dataset"
-        raise DataError(f"{where}: made for dataset {made}, but this config's dataset ({source.name!r}) has "
+        made = f"dataset {data.get('name')!r} with fingerprint {theirs}" if isinstance(data, dict) else "no dataset"
+        raise DataError(f"{where}: made for {made}, but this config's dataset ({source.name!r}) has "
                         f"fingerprint {ours}; a manifest runs only on the data it was exported from")  # fmt: skip
     try:
         fed = _federation(m, source, hashlib.sha256((ours + text).encode()).hexdigest()[:20])
@@ -125,10 +125,11 @@ def read_manifest(path: str | os.PathLike[str], source: DataSource) -> Federatio
     return fed
 
 
-def _get(m: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str = "") -> Any:
+def _get(m: dict[str, Any], key: str, kind: type, what: str = "") -> Any:
+    """`m[key]`, a JSON list, object or string (`kind`)."""
     if key not in m:
         raise _Bad(f"{what}{key!r} missing")
-    if not isinstance(m[key], kind) or isinstance(m[key], bool) and kind is not bool:
+    if not isinstance(m[key], kind):
         raise _Bad(f"{what}{key!r} has the wrong type")
     return m[key]
 
