@@ -62,7 +62,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
         "test_privacy_deployed",  # `sample_clients` from the OS (privacy.randomness: os)
     ],
     "federation/build.py": ["test_partition", "test_pflbed", "test_natural", "test_manifest", "test_exclude_test"],
-    "federation/new_client.py": ["test_data_commands", "test_pflbed", "test_docs"],  # test_docs: -k new_client
+    "federation/new_client.py": ["test_new_client", "test_data_commands"],
     "federation/manifest.py": ["test_manifest"],
     "privacy.py": ["test_privacy", "test_privacy_deployed", "test_flower_privacy", "test_flower_noise_warning"],
     "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],

@@ -20,7 +20,8 @@ from pflbed.data.idx import read_idx  # noqa: E402
 from pflbed.federation import build_federation  # noqa: E402
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
-pytestmark = pytest.mark.skipif(not DEBIAN_DIR.is_dir(), reason="dataset-fashion-mnist not installed")
+pytestmark = [pytest.mark.skipif(not DEBIAN_DIR.is_dir(), reason="dataset-fashion-mnist not installed"),
+              pytest.mark.xdist_group("fmnist-hf")]  # one worker builds the module's fixtures, once
 
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 # A small run: 4 clients of at most 100 training samples, 1 round, the MLP; fine-tuning and one new client included.

@@ -24,6 +24,9 @@ CHANGED = {"dataset.name", "dataset.synthetic.n_train", "model.name", "federatio
            "eval.every", "eval.finetune", "executor.threads"}  # fmt: skip
 
 
+pytestmark = pytest.mark.xdist_group("report-runs")  # one worker trains the module's runs, once
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("report")

@@ -28,6 +28,9 @@ def _raw_digits(x: torch.Tensor) -> np.ndarray:
     return torch.round((x[:, 0] * STD + MEAN) * 16).numpy()
 
 
+pytestmark = pytest.mark.xdist_group("trained-runs")  # one worker trains the module's runs, once
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
