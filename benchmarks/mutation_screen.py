@@ -16,7 +16,9 @@ still be killed by another test file, so the score is a lower bound of mutmut's.
 Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`; `report` reads every
 `screen-*` file in name order, a later verdict replacing an earlier one), one `KILLED|SURVIVED|TIMEOUT <mutant>`
 line each (a timeout counts as killed, as in mutmut). `--skip FILE` leaves out the mutants named in FILE (one per
-line: e.g. those an earlier run already killed with a subset of today's tests).
+line: e.g. those an earlier run already killed with a subset of today's tests). Each test selection first runs on the
+unmutated code, and a failure there stops the screen: with a stale `mutants/` copy of src (a file edited after
+`generate`) or of the tests, every mutant would count as killed.
 """
 
 from __future__ import annotations
@@ -158,18 +160,28 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     out = MUTANTS / f"{out_name}-{shard}.txt"
     done = {line.split()[1] for line in out.read_text().splitlines()} if out.exists() else set()
     signal.signal(signal.SIGALRM, _alarm)
+    passing: set[tuple[str, ...]] = set()  # test selections the unmutated code passes
+
+    def pytest_rc(files: list[str], k: list[str], mutant: str) -> int:
+        clear_caches()
+        os.environ["MUTANT_UNDER_TEST"] = mutant
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files])
+
     with out.open("a") as fh:
         for name, source in todo:
             if name in done:
                 continue
-            clear_caches()
-            os.environ["MUTANT_UNDER_TEST"] = name
+            files = files_given or test_files(source)
+            k = ["-k", keyword.format(stem=Path(source).stem)] if keyword else []
+            if tuple(files + k) not in passing:  # else every mutant would count as killed
+                if pytest_rc(files, k, "none") != 0:
+                    sys.exit(f"mutation_screen: the unmutated code fails {' '.join(files + k)}: mutants/ or its "
+                             "tests/ copy is stale (run `generate`, then copy tests/ into mutants/tests)")
+                passing.add(tuple(files + k))
             signal.alarm(timeout)
             try:
-                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    files = files_given or test_files(source)
-                    k = ["-k", keyword.format(stem=Path(source).stem)] if keyword else []
-                    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files])
+                rc = pytest_rc(files, k, name)
                 verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing
             except _Timeout:
                 verdict = "TIMEOUT"
