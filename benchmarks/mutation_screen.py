@@ -100,7 +100,10 @@ def all_mutants() -> dict[str, str]:
 
 
 def generate() -> None:
-    """mutmut's mutant generation only (its `run` would go on to test every mutant its own way)."""
+    """mutmut's mutant generation only (its `run` would go on to test every mutant its own way), and a fresh copy of
+    tests/ (mutmut keeps the one it made first)."""
+    import shutil
+
     import mutmut.__main__ as mm
 
     os.chdir(ROOT)
@@ -111,6 +114,8 @@ def generate() -> None:
     mm.setup_source_paths()
     mm.store_lines_covered_by_tests()
     print(mm.create_mutants(os.cpu_count() or 1))
+    shutil.rmtree(MUTANTS / "tests", ignore_errors=True)
+    shutil.copytree(ROOT / "tests", MUTANTS / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     print(f"{len(all_mutants())} mutants")
 
 

@@ -208,6 +208,13 @@ def test_the_manifest_schema(tmp_path):
     assert list(m) == ["format", "version", "dataset", "made_with", "global_split", "global_test", "public",
                        "domain_val", "domain_test", "participated", "new", "clients", "new_client_subsets"]
     assert set(m["dataset"]) == {"name", "fingerprint", "train", "test", "num_classes"}
+    made = m["made_with"]  # what made the split; not how rounds sample clients (sample_fraction, sampling)
+    assert made["seed"] == 0 and set(made) == {"seed", "federation"}
+    assert set(made["federation"]) == {"protocol", "pflbed", "clients", "partition", "alpha", "classes_per_client",
+                                       "min_size", "min_samples", "manifest", "new_clients", "public",
+                                       "train_per_client", "val_fraction", "test_fraction", "exclude_test_of"}
+    assert {k: made["federation"][k] for k in ("clients", "public", "new_clients", "manifest")} == \
+        {"clients": 6, "public": 40, "new_clients": 2, "manifest": None}  # fmt: skip
     assert all(set(c) == {"train", "val", "test", "prior", "domain"} for c in m["clients"])
     assert m["new_client_subsets"]["sizes"] == {"S": 0.3, "M": 1.0}
     assert len(out.read_text().splitlines()) == 13 + len(m["clients"]) + 3
