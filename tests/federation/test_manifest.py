@@ -15,7 +15,7 @@ from pflbed.data import load_source
 from pflbed.errors import DataError
 from pflbed.federation import build_federation
 from pflbed.federation.federation import new_client_train
-from pflbed.federation.manifest import manifest, read_manifest
+from pflbed.federation.manifest import manifest, read_manifest, write_manifest
 
 from ..tiny import TINY, figures
 
@@ -218,6 +218,8 @@ def test_the_manifest_schema(tmp_path):
     assert all(set(c) == {"train", "val", "test", "prior", "domain"} for c in m["clients"])
     assert m["new_client_subsets"]["sizes"] == {"S": 0.3, "M": 1.0}
     assert len(out.read_text().splitlines()) == 13 + len(m["clients"]) + 3
+    values = [line.split(": ", 1)[-1] for line in out.read_text().splitlines()[1:-1]]  # a key, then its JSON
+    assert not [v for v in values if ", " in v or '": ' in v]  # compact: no spaces within a value
     source = load_source(validate_config(STANDARD).dataset)
     assert manifest(validate_config(STANDARD), source, read_manifest(out, source)) == m  # re-export: the same file
 
@@ -312,3 +314,21 @@ def test_every_field_of_a_manifest_is_checked_and_named(tmp_path, exported, case
     with pytest.raises(DataError, match=message) as e:
         read_manifest(path, source)
     assert str(e.value).startswith(f"federation.manifest: {path}: ") and "\n" not in str(e.value)
+
+
+def test_a_manifest_is_written_into_new_folders_and_read_back_under_a_key_of_its_text(tmp_path, exported):
+    """Its federation's key (what run directories and caches compare) is 20 hex digits, as a partitioned
+    federation's, and follows the file's text: the same file the same key, any edit another."""
+    m, source = exported
+    path = write_manifest(tmp_path / "a" / "b" / "m.json", m)
+    key = read_manifest(path, source).key
+    assert len(key) == 20 and int(key, 16) >= 0 and read_manifest(path, source).key == key
+    path.write_text(path.read_text() + "\n")
+    assert read_manifest(path, source).key != key
+
+
+def test_a_manifest_that_cannot_be_read_is_named_with_the_reason(tmp_path, exported):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError) as e:
+        read_manifest(tmp_path / "file" / "m.json", exported[1])  # a file where a folder should be
+    assert str(e.value) == f"federation.manifest: {tmp_path / 'file' / 'm.json'}: cannot read (Not a directory)"
