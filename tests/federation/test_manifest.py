@@ -240,55 +240,88 @@ def _new_subsets(m):
     return m["new_client_subsets"]["clients"][str(m["new"][0])]
 
 
-# Each field of the schema a manifest can get wrong (beyond BAD, which goes through the commands): edit → message.
+# Each field of the schema a manifest can get wrong (beyond BAD, which goes through the commands): edit → the whole
+# message after "federation.manifest: PATH: ".
+M = "malformed manifest: "
+SIZES = M + "new_client_subsets.sizes must map S (, M, L) to fractions in (0, 1]"
+PRIOR = M + "client 0's prior is not the class distribution of its train indices"
+ROLES = M + "new_client_subsets.clients must hold every new client, and only them"
+DOMAINS = M + "domain_val and domain_test must hold one set for each client's domain"
 MALFORMED = {
-    "no dataset": (lambda m: m.pop("dataset"), r"made for no dataset, but this config's dataset \('synthetic'\)"),
-    "clients not a list": (_set(["clients"], {}), "malformed manifest: 'clients' has the wrong type"),
-    "no clients": (_set(["clients"], []), "malformed manifest: no clients$"),
-    "a client not an object": (_set(["clients", 1], [0, 1]), "client 1 is not an object"),
-    "a client without val": (lambda m: m["clients"][2].pop("val"), "client 2: 'val' missing"),
-    "a boolean index": (_set(["clients", 0, "train", 0], True), "client 0's train must be a list of integer indices"),
-    "a negative index": (_set(["clients", 1, "val"], lambda v: [*v, -3]), "client 1's val holds index -3, outside"),
+    "no dataset": (lambda m: m.pop("dataset"), "made for no dataset, but this config's dataset ('synthetic') has "
+                   "fingerprint {fingerprint}; a manifest runs only on the data it was exported from"),
+    "clients not a list": (_set(["clients"], {}), M + "'clients' has the wrong type"),
+    "no clients": (_set(["clients"], []), M + "no clients"),
+    "a client not an object": (_set(["clients", 1], [0, 1]), M + "client 1 is not an object"),
+    "a client without val": (lambda m: m["clients"][2].pop("val"), M + "client 2: 'val' missing"),
+    "a boolean index": (_set(["clients", 0, "train", 0], True),
+                        M + "client 0's train must be a list of integer indices"),
+    "a negative index": (_set(["clients", 1, "val"], lambda v: [*v, -3]),
+                         M + "client 1's val holds index -3, outside 0…1999"),
     "the first index past the end": (_set(["clients", 1, "test"], lambda v: [*v, 2000]),
-                                     "client 1's test holds index 2000, outside 0…1999$"),
-    "a negative domain": (_set(["clients", 2, "domain"], -1), "client 2's domain must be a non-negative integer"),
-    "a boolean domain": (_set(["clients", 2, "domain"], True), "client 2's domain must be a non-negative integer"),
-    "a prior one class short": (_set(["clients", 0, "prior"], lambda p: p[:-1]), "client 0's prior is not the"),
-    "a prior of text": (_set(["clients", 0, "prior"], lambda p: ["0.1", *p[1:]]), "client 0's prior is not the"),
+                                     M + "client 1's test holds index 2000, outside 0…1999"),
+    "a negative domain": (_set(["clients", 2, "domain"], -1), M + "client 2's domain must be a non-negative integer"),
+    "a boolean domain": (_set(["clients", 2, "domain"], True), M + "client 2's domain must be a non-negative integer"),
+    "a prior one class short": (_set(["clients", 0, "prior"], lambda p: p[:-1]), PRIOR),
+    "a prior of text": (_set(["clients", 0, "prior"], lambda p: ["0.1", *p[1:]]), PRIOR),
+    "a prior half again": (_set(["clients", 0, "prior"], lambda p: [1.5 * v for v in p]), PRIOR),
+    "a prior off by 1.5e-6": (_set(["clients", 0, "prior"], lambda p: [p[0] + 1.5e-6, *p[1:]]), PRIOR),
     "a client taking part twice": (_set(["participated"], lambda p: [*p, p[0]]),
-                                   "'participated' must list distinct client ids 0…5"),
-    "an unknown new client": (_set(["new"], lambda n: [*n, 6]), "'new' must list distinct client ids 0…5"),
-    "a boolean client id": (_set(["new"], lambda n: [True if c == 1 else c for c in n]), "'new' must list"),
-    "no participated client": (lambda m: m.update(participated=[], new=list(range(6))), "no participated client"),
-    "a client in no role": (_set(["participated"], lambda p: p[1:]), "every client must be either participated or"),
-    "another global split": (_set(["global_split"], "val"), "'global_split' must be \"train\" or \"test\""),
-    "an empty global test set": (_set(["global_test"], []), "global_test is empty"),
-    "a global test set of train indices past the test split": (
-        lambda m: m.update(global_split="train", global_test=[1999]), None),
-    "a domain set without its pair": (_set(["domain_val"], [[0]]), "domain_val and domain_test must hold one set"),
+                                   M + "'participated' must list distinct client ids 0…5"),
+    "an unknown new client": (_set(["new"], lambda n: [*n, 6]), M + "'new' must list distinct client ids 0…5"),
+    "a boolean client id": (_set(["new"], lambda n: [True if c == 1 else c for c in n]),
+                            M + "'new' must list distinct client ids 0…5"),
+    "no participated client": (lambda m: m.update(participated=[], new=list(range(6))), M + "no participated client"),
+    "a client in no role": (_set(["participated"], lambda p: p[1:]),
+                            M + "every client must be either participated or new, not both"),
+    "another global split": (_set(["global_split"], "val"), M + "'global_split' must be \"train\" or \"test\""),
+    "an empty global test set": (_set(["global_test"], []), M + "global_test is empty"),
+    "a domain set without its pair": (_set(["domain_val"], [[0]]), DOMAINS),
     "a client of a domain without sets": (
         lambda m: m.update(domain_val=[[0]], domain_test=[[1]], clients=[{**m["clients"][0], "domain": 1},
-                                                                          *m["clients"][1:]]),
-        "domain_val and domain_test must hold one set for each client's domain"),
-    "a domain set out of range": (lambda m: m.update(domain_val=[[0]], domain_test=[[2000]]),
-                                  r"domain_test\[0\] holds index 2000"),
-    "public out of range": (_set(["public"], [10**7]), "public holds index 10000000, outside 0…1999"),
-    "subsets not an object": (_set(["new_client_subsets"], []), "'new_client_subsets' is not an object"),
-    "subsets without sizes": (lambda m: m["new_client_subsets"].pop("sizes"), "new_client_subsets: 'sizes' missing"),
-    "sizes not S first": (_set(["new_client_subsets", "sizes"], {"M": 0.3, "L": 1.0}), "sizes must map S"),
-    "no sizes": (_set(["new_client_subsets", "sizes"], {}), "sizes must map S"),
-    "a size of none": (_set(["new_client_subsets", "sizes", "S"], 0), "sizes must map S"),
-    "a size beyond the whole": (_set(["new_client_subsets", "sizes", "M"], 1.5), "sizes must map S"),
-    "a boolean size": (_set(["new_client_subsets", "sizes", "M"], True), "sizes must map S"),
+                                                                          *m["clients"][1:]]), DOMAINS),
+    "a domain val set out of range": (lambda m: m.update(domain_val=[[-1]], domain_test=[[0]]),
+                                      M + "domain_val[0] holds index -1, outside 0…1999"),
+    "a domain test set out of range": (lambda m: m.update(domain_val=[[0]], domain_test=[[2000]]),
+                                       M + "domain_test[0] holds index 2000, outside 0…1999"),
+    "public out of range": (_set(["public"], [10**7]), M + "public holds index 10000000, outside 0…1999"),
+    "subsets not an object": (_set(["new_client_subsets"], []), M + "'new_client_subsets' is not an object"),
+    "subsets without sizes": (lambda m: m["new_client_subsets"].pop("sizes"),
+                              M + "new_client_subsets: 'sizes' missing"),
+    "sizes not S first": (_set(["new_client_subsets", "sizes"], {"M": 0.3, "L": 1.0}), SIZES),
+    "no sizes": (_set(["new_client_subsets", "sizes"], {}), SIZES),
+    "a size of none": (_set(["new_client_subsets", "sizes", "S"], 0), SIZES),
+    "a size beyond the whole": (_set(["new_client_subsets", "sizes", "M"], 1.5), SIZES),
+    "a boolean size": (_set(["new_client_subsets", "sizes", "M"], True), SIZES),
     "a participated client's subsets": (
-        lambda m: m["new_client_subsets"]["clients"].update({str(m["participated"][0]): _new_subsets(m)}),
-        "new_client_subsets.clients must hold every new client, and only them"),
-    "a new client without subsets": (lambda m: m["new_client_subsets"]["clients"].pop(str(m["new"][0])),
-                                     "must hold every new client"),
-    "a size missing": (lambda m: _new_subsets(m).pop("M"), r"client \d+ needs one subset per size \(S, M\)"),
+        lambda m: m["new_client_subsets"]["clients"].update({str(m["participated"][0]): _new_subsets(m)}), ROLES),
+    "a new client without subsets": (lambda m: m["new_client_subsets"]["clients"].pop(str(m["new"][0])), ROLES),
+    "a size missing": (lambda m: _new_subsets(m).pop("M"),
+                       M + "new_client_subsets: client 1 needs one subset per size (S, M)"),
     "sizes in another order": (lambda m: m["new_client_subsets"]["clients"].update(
-        {str(m["new"][0]): {"M": _new_subsets(m)["M"], "S": _new_subsets(m)["S"]}}), "needs one subset per size"),
-    "an empty subset": (lambda m: _new_subsets(m).update(S=[]), "subsets must be non-empty parts"),
+        {str(m["new"][0]): {"M": _new_subsets(m)["M"], "S": _new_subsets(m)["S"]}}),
+        M + "new_client_subsets: client 1 needs one subset per size (S, M)"),
+    "an empty subset": (lambda m: _new_subsets(m).update(S=[]),
+                        M + "new client 1's subsets must be non-empty parts of its train indices"),
+}  # fmt: skip
+
+
+def _one_class(m, source):
+    """Client 0 holds only class-0 samples of its own, with that prior."""
+    zeros = [i for i in m["clients"][0]["train"] if int(source.train.y[i]) == 0]
+    m["clients"][0].update(train=zeros, prior=[1.0] + [0.0] * 9)
+
+
+# What a manifest may say in more than one way: edit (of the manifest and its source) → check of the federation.
+VALID = {
+    "a client without a domain": (lambda m, s: m["clients"][2].pop("domain"), lambda fed: fed.clients[2].domain == 0),
+    "a prior rounded to 7 decimals": (
+        lambda m, s: m["clients"][0].update(prior=[round(v, 7) for v in m["clients"][0]["prior"]]),
+        lambda fed: True),
+    "a client of one class": (_one_class, lambda fed: fed.clients[0].prior.tolist() == [1.0] + [0.0] * 9),
+    "a global test set of train indices past the test split": (
+        lambda m, s: m.update(global_split="train", global_test=[1999]),
+        lambda fed: fed.global_split == "train" and fed.global_test.tolist() == [1999]),
 }  # fmt: skip
 
 
@@ -299,21 +332,24 @@ def exported(tmp_path_factory):
     return json.loads(path.read_text()), load_source(validate_config(STANDARD).dataset)
 
 
-@pytest.mark.parametrize("case", MALFORMED)
+@pytest.mark.parametrize("case", [*MALFORMED, *VALID])
 def test_every_field_of_a_manifest_is_checked_and_named(tmp_path, exported, case):
     m, source = json.loads(json.dumps(exported[0])), exported[1]
     assert (len(m["clients"]), len(source.train), len(source.test), m["global_split"], m["new"]) == \
         (6, 2000, 500, "test", [1, 2])  # fmt: skip
+    path = tmp_path / "m.json"
+    if case in VALID:
+        edit, check = VALID[case]
+        edit(m, source)
+        path.write_text(json.dumps(m))
+        assert check(read_manifest(path, source))
+        return
     edit, message = MALFORMED[case]
     edit(m)
-    path = tmp_path / "m.json"
     path.write_text(json.dumps(m))
-    if message is None:  # valid: indices into the split it names
-        assert read_manifest(path, source).global_test.tolist() == [1999]
-        return
-    with pytest.raises(DataError, match=message) as e:
+    with pytest.raises(DataError) as e:
         read_manifest(path, source)
-    assert str(e.value).startswith(f"federation.manifest: {path}: ") and "\n" not in str(e.value)
+    assert str(e.value) == f"federation.manifest: {path}: " + message.format(fingerprint=source.fingerprint())
 
 
 def test_a_manifest_is_written_into_new_folders_and_read_back_under_a_key_of_its_text(tmp_path, exported):
