@@ -121,8 +121,9 @@ def test_other_new_client_fractions_than_the_manifests_are_refused(tmp_path, cap
     run = tmp_path / "run"
     assert main(["run", "-c", str(_write(tmp_path, STANDARD)), "--set", f"federation.manifest={out}", "--set",
                  "eval.new_clients.fractions=[0.5]", "--out", str(run), "--no-progress"]) == 2  # fmt: skip
-    assert "eval.new_clients.fractions: [0.5], but the new-client subsets of federation.manifest are for [0.3, 1.0]" \
-        in _err(capsys)  # fmt: skip
+    assert _err(capsys) == "pflbed: error: eval.new_clients.fractions: [0.5], but the new-client subsets of " \
+        "federation.manifest are for [0.3, 1.0]; set those, or delete the manifest's new_client_subsets to draw them " \
+        "from the seed"  # fmt: skip
     assert not run.exists()
 
 
@@ -288,6 +289,8 @@ MALFORMED = {
     "subsets not an object": (_set(["new_client_subsets"], []), M + "'new_client_subsets' is not an object"),
     "subsets without sizes": (lambda m: m["new_client_subsets"].pop("sizes"),
                               M + "new_client_subsets: 'sizes' missing"),
+    "subsets without clients": (lambda m: m["new_client_subsets"].pop("clients"),
+                                M + "new_client_subsets: 'clients' missing"),
     "sizes not S first": (_set(["new_client_subsets", "sizes"], {"M": 0.3, "L": 1.0}), SIZES),
     "no sizes": (_set(["new_client_subsets", "sizes"], {}), SIZES),
     "a size of none": (_set(["new_client_subsets", "sizes", "S"], 0), SIZES),
