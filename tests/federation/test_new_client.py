@@ -3,6 +3,8 @@ native format (`raw_samples` inverts `DataSource.inputs`), and the splits a run 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,9 @@ import torch
 from pflbed.config import validate_config
 from pflbed.data import load_source
 from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.errors import PflbedError
 from pflbed.federation import build_federation
-from pflbed.federation.new_client import client_indices, raw_samples, write_client
+from pflbed.federation.new_client import client_indices, held_out, raw_samples, write_client
 
 from ..tiny import TINY
 
@@ -58,6 +61,23 @@ def test_values_near_integers_are_rounded_and_others_kept():
     assert raw_samples(source, torch.tensor([[3.0, 256.0]])).dtype == np.int64  # past a byte
     off = raw_samples(source, torch.tensor([[3.002, 255.0]], dtype=torch.float64))
     assert off.dtype == np.float32 and off[0, 0] == np.float32(3.002)
+    assert raw_samples(source, torch.tensor([[0.001, 255.0]], dtype=torch.float64)).dtype == np.float32  # 1e-3 off
+
+
+def test_the_held_out_client_to_write_is_checked_and_named():
+    cfg = validate_config({**TINY, "federation": {**TINY["federation"], "new_clients": 2}})
+    fed = build_federation(load_source(cfg.dataset), cfg.federation, cfg.seed)
+    assert held_out(fed, None, "run r") == fed.new[0] and held_out(fed, fed.new[1], "run r") == fed.new[1]
+    listed = ", ".join(map(str, fed.new))
+    for cid, why in ((fed.participated[0], "took part in training"), (len(fed.clients), "does not exist"),
+                     (-1, "does not exist")):  # fmt: skip
+        with pytest.raises(PflbedError) as e:
+            held_out(fed, cid, "run r")
+        assert str(e.value) == f"--client {cid}: client {cid} of run r {why}; its held-out clients are {listed}"
+    with pytest.raises(PflbedError) as e:
+        held_out(replace(fed, new=[]), None, "run r")
+    assert str(e.value) == ("run r holds no new clients: every client trained (federation.new_clients is 0); run "
+                            "with --set federation.new_clients=N to hold N of them out")  # fmt: skip
 
 
 @pytest.mark.parametrize("pfl_test", ["global", "local"])
@@ -72,9 +92,9 @@ def test_a_held_out_client_is_scored_on_its_own_test_split_or_the_global_one_as_
     want = {"train": ("train", fed.clients[cid].train), "val": ("train", fed.clients[cid].val), "test": test}
     assert got.keys() == want.keys()
     assert all(got[k][0] == want[k][0] and torch.equal(got[k][1], want[k][1]) for k in want)
-    counts = write_client(source, fed, cid, pfl_test, tmp_path / "nc")
+    counts = write_client(source, fed, cid, pfl_test, tmp_path / "new" / "nc")  # folders made as needed
     assert counts == {k: len(v[1]) for k, v in want.items()}
     for name, (split, idx) in want.items():
-        with np.load(tmp_path / "nc" / f"{name}.npz") as f:
+        with np.load(tmp_path / "new" / "nc" / f"{name}.npz") as f:
             assert np.array_equal(f["y"], getattr(source, split).y[idx].numpy())
             np.testing.assert_allclose(source.inputs(f["x"]), getattr(source, split).x[idx], atol=1e-6)
