@@ -195,6 +195,18 @@ def test_the_disk_cache_is_read_where_asked_under_its_key_only_and_rebuilt_when_
     assert built() == fed.participated
 
 
+def test_federation_keys_stay_what_they_were():
+    """A key names a federation's cache file and is what a pretraining record was checked against: computed another
+    way, every cache is rebuilt and every record stops matching. Change how it is computed only with `_FORMAT`, and
+    these values with it (an unset `exclude_test_of` leaves the key it had before the option existed)."""
+    src = make_synthetic(n_train=600, n_test=100, seed=1)
+    users = replace(src, train=replace(src.train, user=torch.as_tensor(np.arange(600) % 5)))
+    assert src.fingerprint() == "cb6019c7c28caedf"
+    assert F.federation_key(src, FederationConfig(clients=4), 0) == "233a413c0442e74c3f01"
+    assert F.federation_key(src, FederationConfig(clients=4, exclude_test_of=[1]), 0) == "d2f1340bbe17eee98cc3"
+    assert F.federation_key(users, FederationConfig(clients=5, partition="natural"), 0) == "81c9dd6a3d1ae35ffee3"
+
+
 @pytest.mark.parametrize("disk", [True, False])
 def test_the_federations_of_the_excluded_seeds_use_the_disk_cache_as_asked(tmp_path, monkeypatch, disk):
     monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
