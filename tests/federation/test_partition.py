@@ -169,13 +169,23 @@ def test_federation_disk_cache_roundtrip(tmp_path, monkeypatch):
     assert a is not b and all((x.val == y.val).all() for x, y in zip(a.clients, b.clients, strict=True))
 
 
+class _Opens:
+    """Unpickled without restriction, this creates the file `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
 def test_the_disk_cache_is_read_where_asked_under_its_key_only_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
-    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
+    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path / "cache"))  # made, with its parents, by the first save
     monkeypatch.setattr(F, "_MEMORY", {})
     src = make_synthetic(n_train=600, n_test=100, seed=1)
     cfg = FederationConfig(clients=5, partition="iid", public=10, new_clients=1)
     fed = build_federation(src, cfg, seed=0)
-    [path] = (tmp_path / "federations").iterdir()
+    [path] = (tmp_path / "cache" / "federations").iterdir()
     assert path.name == f"{fed.key}.pt" and _same(F._load_cached(path, fed.key), fed)  # every field, as built
 
     def built(**kw):
@@ -188,9 +198,11 @@ def test_the_disk_cache_is_read_where_asked_under_its_key_only_and_rebuilt_when_
     assert built(use_disk_cache=False) == fed.participated
     F._save_cached(replace(marked, key="0" * 20), path)  # a file of another federation under this name
     assert built() == fed.participated
+    torch.save({"key": fed.key, "clients": _Opens(tmp_path / "opened")}, path)  # a planted pickle: not run
+    assert built() == fed.participated and not (tmp_path / "opened").exists()
     path.write_bytes(b"not a cache")
     assert built() == fed.participated and _same(F._load_cached(path, fed.key), fed)  # corrupt: rebuilt, rewritten
-    assert [p.name for p in (tmp_path / "federations").iterdir()] == [path.name]  # no temporary file left
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     monkeypatch.setenv("PFLBED_CACHE", str(path))  # a cache folder that cannot be made: only slower
     assert built() == fed.participated
 
