@@ -266,7 +266,8 @@ MALFORMED = {
     "a prior one class short": (_set(["clients", 0, "prior"], lambda p: p[:-1]), PRIOR),
     "a prior of text": (_set(["clients", 0, "prior"], lambda p: ["0.1", *p[1:]]), PRIOR),
     "a prior half again": (_set(["clients", 0, "prior"], lambda p: [1.5 * v for v in p]), PRIOR),
-    "a prior off by 1.5e-6": (_set(["clients", 0, "prior"], lambda p: [p[0] + 1.5e-6, *p[1:]]), PRIOR),
+    "a prior's largest class off by 1.5e-6": (  # an absolute tolerance: 1e-6, whatever the class's share
+        _set(["clients", 0, "prior"], lambda p: [v + 1.5e-6 if v == max(p) else v for v in p]), PRIOR),
     "a client taking part twice": (_set(["participated"], lambda p: [*p, p[0]]),
                                    M + "'participated' must list distinct client ids 0…5"),
     "an unknown new client": (_set(["new"], lambda n: [*n, 6]), M + "'new' must list distinct client ids 0…5"),
