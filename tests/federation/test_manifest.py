@@ -305,6 +305,8 @@ MALFORMED = {
     "sizes in another order": (lambda m: m["new_client_subsets"]["clients"].update(
         {str(m["new"][0]): {"M": _new_subsets(m)["M"], "S": _new_subsets(m)["S"]}}),
         M + "new_client_subsets: client 1 needs one subset per size (S, M)"),
+    "a subset out of range": (lambda m: _new_subsets(m).update(S=[2000]),
+                              M + "new client 1's S subset holds index 2000, outside 0…1999"),
     "an empty subset": (lambda m: _new_subsets(m).update(S=[]),
                         M + "new client 1's subsets must be non-empty parts of its train indices"),
 }  # fmt: skip
