@@ -157,18 +157,6 @@ def test_federation_is_deterministic_cached_and_balanced():
         assert set(cl.train.tolist()).isdisjoint(cl.test.tolist())
 
 
-def test_federation_disk_cache_roundtrip(tmp_path, monkeypatch):
-    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path))
-    src = make_synthetic(n_train=600, n_test=100, seed=1)
-    cfg = FederationConfig(clients=5, partition="iid")
-    F._MEMORY.clear()  # an earlier test may have built the same federation in this process
-    a = build_federation(src, cfg, seed=0)
-    F._MEMORY.clear()
-    assert list((tmp_path / "federations").glob("*.pt"))
-    b = build_federation(src, cfg, seed=0)
-    assert a is not b and all((x.val == y.val).all() for x, y in zip(a.clients, b.clients, strict=True))
-
-
 class _Opens:
     """Unpickled without restriction, this creates the file `path`."""
 
