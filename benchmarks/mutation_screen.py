@@ -182,7 +182,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             if tuple(files + k) not in passing:  # else every mutant would count as killed
                 if pytest_rc(files, k, "none") != 0:
                     sys.exit(f"mutation_screen: the unmutated code fails {' '.join(files + k)}: mutants/ or its "
-                             "tests/ copy is stale (run `generate`, then copy tests/ into mutants/tests)")
+                             "tests/ copy is stale (run `generate` again)")
                 passing.add(tuple(files + k))
             signal.alarm(timeout)
             try:

@@ -262,8 +262,6 @@ def test_the_ledger_counts_a_torn_line_and_seeded_replays_once(tmp_path):
 def test_each_ledger_line_names_its_round_its_count_and_whether_it_replays_and_is_fsynced(tmp_path, monkeypatch):
     """A release's line: its round, its number among the run's releases, where its randomness came from, and
     whether it replays a round already released; each is fsynced, and the file's new directory entry once."""
-    import json
-
     synced = []
     monkeypatch.setattr(privacy.os, "fsync", lambda fd: synced.append(fd))
     path = tmp_path / privacy.LEDGER

@@ -13,6 +13,7 @@ from pflbed.federation import federation as F
 from pflbed.federation import partition as P
 from pflbed.federation.federation import cache_dir, draw_subset, new_client_train
 
+from ..data_formats import Evil
 from .test_manifest import _same
 
 
@@ -157,16 +158,6 @@ def test_federation_is_deterministic_cached_and_balanced():
         assert set(cl.train.tolist()).isdisjoint(cl.test.tolist())
 
 
-class _Opens:
-    """Unpickled without restriction, this creates the file `path`."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return open, (self.path, "w")
-
-
 def test_the_disk_cache_is_read_where_asked_under_its_key_only_and_rebuilt_when_corrupt(tmp_path, monkeypatch):
     monkeypatch.setenv("PFLBED_CACHE", str(tmp_path / "cache"))  # made, with its parents, by the first save
     monkeypatch.setattr(F, "_MEMORY", {})
@@ -186,7 +177,7 @@ def test_the_disk_cache_is_read_where_asked_under_its_key_only_and_rebuilt_when_
     assert built(use_disk_cache=False) == fed.participated
     F._save_cached(replace(marked, key="0" * 20), path)  # a file of another federation under this name
     assert built() == fed.participated
-    torch.save({"key": fed.key, "clients": _Opens(tmp_path / "opened")}, path)  # a planted pickle: not run
+    torch.save({"key": fed.key, "clients": Evil(f"touch {tmp_path / 'opened'}")}, path)  # a planted pickle: not run
     assert built() == fed.participated and not (tmp_path / "opened").exists()
     path.write_bytes(b"not a cache")
     assert built() == fed.participated and _same(F._load_cached(path, fed.key), fed)  # corrupt: rebuilt, rewritten
