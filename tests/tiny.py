@@ -24,6 +24,12 @@ TINY = {
 # so the parity also checks that FedDF's server distillation draws its masks from its own seeded stream (without
 # the reseed, the masks depend on whatever the last client left in torch's global RNG: red there).
 FED = {**TINY["federation"], "public": 64}
+
+# The executor parity matrices (procs, Flower simulation, states on nodes, batched clients, the meta device) compare
+# where clients run, not how well they learn: 800 training samples instead of 2000 keep the paths a case takes
+# (several batches an epoch, every round's state carried to the next) at 40 % of the local steps. Not for a
+# site-local deployment's config: a site refuses a server that sizes its data.
+DATA = {**TINY["dataset"], "synthetic": {"n_train": 800}}
 LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 
 
@@ -35,7 +41,7 @@ VARIANTS = {
     "fedrod_hyper+local-body": ("fedrod_hyper", {"pfl_body": "local"}),
     "pfedme+all-clients": ("pfedme", {"train_clients": "all"}),  # unsampled clients train too, and reply nothing
     # crop offsets and flips drawn from each client's generator between its batches, wherever the client runs
-    "fedavg+augment": ("fedavg", {}, {"dataset": {**TINY["dataset"], "augment": ["crop", "flip"]}}),
+    "fedavg+augment": ("fedavg", {}, {"dataset": {**DATA, "augment": ["crop", "flip"]}}),
     # client-level DP: clipped where the client runs, Poisson sampling, noised by the server (test_privacy.py); the
     # seeded stream named, since a Flower run draws from the OS by default (test_privacy_deployed.py)
     "fedper+dp": ("fedper", {}, {"privacy": {"clip": 0.5, "noise_multiplier": 0.8, "randomness": "seeded"}}),
@@ -66,11 +72,12 @@ def loop_run(name, **train):
 
 
 def parity_config(name, executor, evaluation=None, **train):
-    """TINY for algorithm `name` (or a case of VARIANTS) on `executor` (with FED's public data and LIGHT's options
-    where they apply), with `evaluation` and `train` overrides: the config of the executor parity tests."""
+    """TINY for algorithm `name` (or a case of VARIANTS) on `executor` (on DATA, with FED's public data and LIGHT's
+    options where they apply), with `evaluation` and `train` overrides: the config of the executor parity tests."""
     name, options, *sections = VARIANTS.get(name, (name, {}))
     fields = ALGORITHMS[name].Config.model_fields
     algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}, **options}
-    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], **train}, "algorithm": algorithm,
+    return validate_config({**TINY, "dataset": DATA, "federation": FED, "train": {**TINY["train"], **train},
+                            "algorithm": algorithm,
                             "eval": {**TINY["eval"], **(evaluation or {})}, "executor": executor,
                             **(sections[0] if sections else {})})  # fmt: skip

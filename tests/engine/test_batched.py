@@ -31,7 +31,7 @@ from pflbed.errors import ConfigError
 from pflbed.models import build_model
 from pflbed.runs import run
 
-from ..tiny import TINY
+from ..tiny import DATA, TINY
 
 TOL = 1e-5
 TOL64 = 1e-10
@@ -44,7 +44,8 @@ LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 0}
 def _cfg(name, batch_clients, rounds=2, **train):
     """A tiny run of `name` (heterogeneous: half the clients the run's model, batched; half another, one by one)."""
     options = {k: v for k, v in LIGHT.items() if k in ALGORITHMS[name].Config.model_fields}
-    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], "rounds": rounds, **train},
+    return validate_config({**TINY, "dataset": DATA, "federation": FED,
+                            "train": {**TINY["train"], "rounds": rounds, **train},
                             "algorithm": {"name": name, **options},
                             "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
 

@@ -26,7 +26,7 @@ from pflbed.errors import ConfigError
 from pflbed.federation import federation
 from pflbed.runs import run
 
-from ..tiny import TINY
+from ..tiny import DATA, TINY
 
 # As in test_procs: public data for the distillation family, and two light architectures instead of its default zoo.
 FED = {**TINY["federation"], "public": 64, "new_clients": 1}  # a new client: the new-client protocol runs too
@@ -64,7 +64,8 @@ def _cfg(algorithm, device="cpu", executor=None, **sections):
     fields = ALGORITHMS[algorithm["name"]].Config.model_fields
     options = {**{k: v for k, v in LIGHT.items() if k in fields}, **algorithm}
     executor = {**TINY["executor"], "device": device, "threads": 1, **(executor or {})}
-    tree = {**TINY, "federation": FED, "eval": EVAL, "algorithm": options, "executor": executor, **sections}
+    tree = {**TINY, "dataset": DATA, "federation": FED, "eval": EVAL, "algorithm": options, "executor": executor,
+            **sections}  # fmt: skip
     return validate_config(tree)
 
 
