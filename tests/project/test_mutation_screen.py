@@ -1,0 +1,119 @@
+"""The mutation screen's commands in docs/contributing.md, run as written on a project of one small module.
+
+The screen runs for hours on pflbed itself, so here its commands run in a copy of the project's layout holding one
+module, `src/pflbed/toy.py`, with a test file that misses some of its mutants (the division's guard) and
+`tests/algorithms/test_contract.py`, which catches them (the test file the page's last command names). What the
+commands must do: `generate` makes the mutants and a copy of the tests, the two shards screen every mutant once,
+`report` counts them, and the last command screens the named survivors again, against the other tests."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOY = '''
+def share(x, total):
+    """x's share of total; none of nothing."""
+    return x / total if total > 0 else 0.0
+
+
+def scaled(x, factor=2):
+    return x * factor
+'''
+WEAK = """from pflbed.toy import scaled, share
+
+
+def test_a_share_and_scaled():
+    assert share(1, 4) == 0.25
+    assert scaled(3) == 6
+"""
+STRICT = """from pflbed.toy import share
+
+
+def test_a_whole_share_and_none_of_nothing():
+    assert share(2, 1) == 2.0
+    assert share(3, 0) == 0.0
+"""
+PYPROJECT = """[tool.mutmut]
+source_paths = ["src/"]
+only_mutate = ["src/pflbed/toy.py"]
+"""
+
+
+def _commands():
+    """The page's mutation-screen block, one shell command per entry (a comment line goes with the one above)."""
+    page = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", page, re.S) if "mutation_screen.py generate" in b)
+    commands = []
+    for line in block.splitlines():
+        if line.strip().startswith("#"):
+            commands[-1] += "\n" + line
+        else:
+            commands.append(line)
+    return commands
+
+
+def _shell(command, cwd, ok=True):
+    """`command`'s output (`ok`: it succeeded); `python` is this interpreter."""
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    out = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=300,
+                         env={"PATH": path, "HOME": str(cwd)})  # fmt: skip
+    if ok:
+        assert out.returncode == 0, f"{command}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        return out.stdout
+    return out
+
+
+def _verdicts(project):
+    lines = [line.split() for f in sorted((project / "mutants").glob("screen-*.txt")) for line in
+             f.read_text().splitlines()]  # fmt: skip
+    return [(verdict, name) for verdict, name in lines]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="the page's commands are bash")
+def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_path):
+    project = tmp_path / "project"
+    (project / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "mutation_screen.py", project / "benchmarks")
+    (project / "pyproject.toml").write_text(PYPROJECT)
+    (project / "src" / "pflbed").mkdir(parents=True)
+    (project / "src" / "pflbed" / "__init__.py").write_text("")
+    (project / "src" / "pflbed" / "toy.py").write_text(TOY)
+    for folder, name, text in [("project", "test_toy.py", WEAK), ("algorithms", "test_contract.py", STRICT)]:
+        (project / "tests" / folder).mkdir(parents=True, exist_ok=True)
+        (project / "tests" / folder / "__init__.py").write_text("")
+        (project / "tests" / folder / name).write_text(text)
+    (project / "tests" / "__init__.py").write_text("")
+
+    generate, shard0, shard1, report, rerun = _commands()
+    assert "mutants" in _shell(generate, project)
+    assert (project / "mutants" / "tests" / "algorithms" / "test_contract.py").read_text() == STRICT
+    _shell(f"{shard0}\n{shard1}", project)  # the second shard waits for the first, as the page shows
+
+    first = _verdicts(project)
+    names = [name for _, name in first]
+    assert len(names) == len(set(names)) > 0  # the two shards screen every mutant once
+    survivors = sorted(name for verdict, name in first if verdict == "SURVIVED")
+    assert survivors and len(survivors) < len(first)  # the weak test kills some, not all
+    table = _shell(report, project)
+    assert f"| `toy.py` | {len(first)} | {len(first) - len(survivors)} | {len(survivors)} | 0 |" in table
+
+    (project / "survivors.txt").write_text("\n".join(survivors) + "\n")
+    _shell(rerun, project)
+    again = [line.split() for line in (project / "mutants" / "screen-r-0.txt").read_text().splitlines()]
+    assert sorted(name for _, name in again) == survivors  # only the named ones, against the strict test
+    assert all(verdict == "KILLED" for verdict, _ in again)
+    assert f"| `toy.py` | {len(first)} | {len(first)} | 0 | 0 | 100.0 % |" in _shell(report, project)
+
+    # A copy of the tests that the unmutated code fails (here: edited after `generate`) would count every mutant
+    # as killed: the screen stops instead, and records nothing.
+    copied = project / "mutants" / "tests" / "algorithms" / "test_contract.py"
+    copied.write_text(STRICT.replace("== 2.0", "== 3.0"))
+    out = _shell(rerun.replace("screen-r", "screen-s"), project, ok=False)
+    assert out.returncode != 0 and "the unmutated code fails tests/algorithms/test_contract.py" in out.stderr
+    assert not (project / "mutants" / "screen-s-0.txt").read_text()
