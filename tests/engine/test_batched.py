@@ -25,7 +25,7 @@ from pflbed.algorithms.masks import pack_bits
 from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
-from pflbed.engine.executor import LoopExecutor, client_generator
+from pflbed.engine.executor import LoopExecutor, client_generator, update_client
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import build_model
@@ -108,39 +108,79 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
     assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
 
 
-def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monkeypatch):
-    """A round whose clients do not fit in the GPU's memory together is retried at once with half as many at a
-    time (again, until they fit), and that size is kept for the rounds after; the results are the all-at-once
-    ones within TOL (each client's own generators). `executor.batch_max_clients` sets the size outright, and an
-    out-of-memory error under it is the user's to see."""
-    torch.set_num_threads(1)
-    train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
-    whole = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
-    calls = []
+def _gpu_fitting(most, calls):
+    """`train_together` on a GPU whose memory holds at most `most` clients at a time; `calls`: each call's size."""
 
-    def small_gpu(*a):
+    def train(*a):
         calls.append(len(a[1]))
-        if len(a[1]) > 2:
+        if len(a[1]) > most:
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return train_together(*a)
 
-    monkeypatch.setattr(batched, "train_together", small_gpu)
+    return train
+
+
+def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monkeypatch):
+    """A round whose clients do not fit in the GPU's memory together is retried at once with half as many at a
+    time (again, until they fit: one client at a time, if need be), and that size is kept for the rounds after; the
+    results are the all-at-once ones within TOL (each client's own generators). A client that does not fit alone,
+    and any out-of-memory error under `executor.batch_max_clients` (which sets the size outright), is the user's to
+    see."""
+    torch.set_num_threads(1)
+    train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
+    whole = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    halves = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
     n = len(whole.executor.states)
-    assert n > 4 and calls[0] == n and calls[1] == (n + 1) // 2  # tried whole, then halved until it fitted
-    first_fit = next(i for i, k in enumerate(calls) if k <= 2)
-    assert all(k <= 2 for k in calls[first_fit:]) and halves.executor.most == 2  # kept for round 2
-    assert sum(calls[first_fit:]) == 2 * n  # every client trained once per round
-    assert _max_diff(whole.server, halves.server) <= TOL
-    assert all(_max_diff(whole.executor.states[c], halves.executor.states[c]) <= TOL for c in whole.executor.states)
+    halving = [n]
+    while halving[-1] > 1:
+        halving.append((halving[-1] + 1) // 2)
+    assert n > 4 and halving[-3:] == [3, 2, 1]
+    for most in (2, 1):
+        calls = []
+        monkeypatch.setattr(batched, "train_together", _gpu_fitting(most, calls))
+        halves = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
+        first_fit = halving.index(most)
+        assert calls[: first_fit + 1] == halving[: first_fit + 1]  # tried whole, then halved until it fitted
+        assert all(k <= most for k in calls[first_fit:]) and halves.executor.most == most  # kept for round 2
+        assert sum(calls[first_fit:]) == 2 * n  # every client trained once per round
+        assert _max_diff(whole.server, halves.server) <= TOL
+        assert all(_max_diff(whole.executor.states[c], halves.executor.states[c]) <= TOL
+                   for c in whole.executor.states)  # fmt: skip
+
+    calls = []
+    monkeypatch.setattr(batched, "train_together", _gpu_fitting(0, calls))
+    with pytest.raises(torch.OutOfMemoryError):
+        run(_cfg("fedper", True, 1, **train), write=False, progress=False)
+    assert calls == halving  # down to one client, which does not fit either
 
     calls.clear()
+    monkeypatch.setattr(batched, "train_together", _gpu_fitting(2, calls))
     cfg = validate_config({**_cfg("fedper", True, 1, **train).model_dump(), "executor": {
         "threads": 1, "batch_clients": True, "batch_max_clients": 3}})  # fmt: skip
     with pytest.raises(torch.OutOfMemoryError):
         run(cfg, write=False, progress=False)
     assert calls == [3]
+
+
+def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_the_batched_updates(monkeypatch):
+    """A round's clients of one plan are trained together from two on; a lone client goes through the loop (a
+    vmapped step of one client is the loop's work at a higher cost). A client trained together is not trained again
+    client by client: its reply is `train_together`'s (the two agree within TOL, so only the calls tell). The
+    executor keeps the run's `executor.strict`."""
+    torch.set_num_threads(1)
+    together, alone = [], []
+    monkeypatch.setattr(batched, "train_together", lambda *a: together.append(len(a[1])) or train_together(*a))
+    monkeypatch.setattr(batched, "update_client", lambda *a: alone.append(a[2]) or update_client(*a))
+    for sampled, trained_together, trained_alone in [(2, [2, 2], 0), (1, [], 2)]:
+        together.clear()
+        alone.clear()
+        r = run(validate_config({**TINY, "dataset": DATA, "algorithm": {"name": "fedavg"},
+                                 "federation": {**TINY["federation"], "sample_fraction": sampled / 6},
+                                 "train": {**TINY["train"], "rounds": 2},
+                                 "executor": {"threads": 1, "batch_clients": True, "strict": True}}),
+                write=False, progress=False)  # fmt: skip
+        assert isinstance(r.executor, BatchedExecutor) and r.executor.strict
+        assert together == trained_together and len(alone) == trained_alone
 
 
 def test_every_algorithm_is_batched_or_says_why_not():
