@@ -255,7 +255,8 @@ def test_train_together_is_each_clients_own_sgd(model):
     momentum restarted per phase, weight decay, a batch size that leaves a smaller last batch, clients of unequal
     sizes (the smaller stops early and must then stay put): each client's result equals its own `run_plan`. With
     BatchNorm (lenet5_bn) its running statistics too — moved by every forward, frozen blocks' included, from the
-    real rows of a padded batch only — and with dropout (alexnet_small_x025) the masks its own stream draws."""
+    real rows of a padded batch only — and with dropout (alexnet_small_x025) the masks its own stream draws, which
+    it must be given. One client alone too."""
     torch.set_num_threads(1)
     cfg, ctx, cids, plans = _plans(model)
     sizes = [ctx.client_data(c).num_train for c in cids]
@@ -266,6 +267,12 @@ def test_train_together_is_each_clients_own_sgd(model):
         assert _max_diff(got, plan.start) > 100 * TOL  # it trained
         for k in (k for k in got if k.endswith("num_batches_tracked")):
             assert torch.equal(got[k], want[k]) and got[k] > plan.start[k], k
+    (one,), (own,) = _each_own(cfg, ctx, cids[-1:], plans[-1:])  # alone: a GPU's last resort when out of memory
+    assert _max_diff(own, one) <= TOL64
+    if model == "alexnet_small_x025":
+        data = [ctx.client_data(c) for c in cids]
+        with pytest.raises(ValueError, match=r"^a model with dropout needs each client's dropout stream \(`noise`\)$"):
+            train_together(ctx.model, plans, data, cfg.train, [client_generator(cfg.seed, 1, c) for c in cids])
 
 
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
