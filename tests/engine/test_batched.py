@@ -27,7 +27,7 @@ from pflbed.engine import batched
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
 from pflbed.engine.executor import LoopExecutor, client_generator, update_client
 from pflbed.engine.loop import prepare
-from pflbed.errors import ConfigError
+from pflbed.errors import ConfigError, DivergedError
 from pflbed.models import build_model
 from pflbed.runs import run
 
@@ -529,3 +529,14 @@ def test_batch_clients_is_on_by_default_only_on_a_gpu_and_only_in_the_loop():
     for executor in ({"batch_clients": False}, {"name": "procs"}):
         with pytest.raises(ConfigError, match="batch_max_clients applies to batched clients"):
             validate_config({"executor": {**executor, "batch_max_clients": 4}})
+
+
+def test_a_batched_client_that_diverges_stops_the_run_naming_its_round_and_itself():
+    """The divergence guard sees a batched client's reply as the loop's: the same round, client and tensor."""
+    torch.set_num_threads(1)
+    errors = []
+    for batch_clients in (False, True):
+        with pytest.raises(DivergedError) as caught:
+            run(_cfg("fedavg", batch_clients, 2, lr=1e4), write=False, progress=False)
+        errors.append((caught.value.round, caught.value.where))
+    assert errors[0] == errors[1] and errors[1][0] == 1 and "client" in errors[1][1]
