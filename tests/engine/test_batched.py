@@ -540,3 +540,26 @@ def test_a_batched_client_that_diverges_stops_the_run_naming_its_round_and_itsel
             run(_cfg("fedavg", batch_clients, 2, lr=1e4), write=False, progress=False)
         errors.append((caught.value.round, caught.value.where))
     assert errors[0] == errors[1] and errors[1][0] == 1 and "client" in errors[1][1]
+
+
+def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_between():
+    """`PerClientLayers.draw` = `ReproducibleDropout`'s forward in the loop, call after call from each client's
+    stream: p = 0 draws nothing (the next call's mask is unmoved), p = 1 drops everything without drawing, other p
+    `bernoulli_(1 − p)` / (1 − p); a client's padding rows keep a mask of ones."""
+    from pflbed.engine.per_client_layers import PerClientLayers
+    from pflbed.models.zoo import ReproducibleDropout
+
+    model = torch.nn.Sequential(ReproducibleDropout(0.0), ReproducibleDropout(1.0), ReproducibleDropout(0.3))
+    layers = PerClientLayers(model)
+    layers.trace(model, torch.zeros(5, 4))
+    sizes, width, seeds = [3, 2], 3, [11, 12]
+    masks = layers.draw(sizes, width, [torch.Generator().manual_seed(s) for s in seeds], torch.device("cpu"))
+    assert [m.shape for m in masks] == [(2, width, 4)] * 3
+    model.train()
+    for i, (n, seed) in enumerate(zip(sizes, seeds, strict=True)):
+        torch.manual_seed(seed)  # the loop: each layer draws from torch's global RNG, in forward order
+        own = [layer(torch.ones(n, 4)) for layer in model]
+        for mask, want in zip(masks, own, strict=True):
+            assert torch.equal(mask[i, :n], want) and torch.equal(mask[i, n:], torch.ones(width - n, 4))
+    real = masks[2][0, : sizes[0]]
+    assert not masks[1][:, :2].any() and (real == 0).any() and (real > 1).any()  # dropped; some kept and scaled
