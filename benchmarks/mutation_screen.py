@@ -68,7 +68,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "federation/manifest.py": ["test_manifest"],
     "privacy.py": ["test_privacy", "test_privacy_deployed", "test_flower_privacy", "test_flower_noise_warning"],
     "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],
-    "engine/batched.py": ["test_batched", "test_augment", "test_precision"],
+    "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
 }
 

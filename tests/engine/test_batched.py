@@ -563,3 +563,25 @@ def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_bet
             assert torch.equal(mask[i, :n], want) and torch.equal(mask[i, n:], torch.ones(width - n, 4))
     real = masks[2][0, : sizes[0]]
     assert not masks[1][:, :2].any() and (real == 0).any() and (real > 1).any()  # dropped; some kept and scaled
+
+
+def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch):
+    """One vmapped step runs one plan: a round whose clients' plans differ (here FedAvg with twice the learning rate
+    on odd clients) is trained as one group per plan, each client by its own plan, within TOL of the loop."""
+    from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
+
+    torch.set_num_threads(1)
+    fedavg = ALGORITHMS["fedavg"]
+
+    def sgd_plan(self, payload, state, data):
+        t = self.ctx.cfg.train
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr * (1 + data.cid % 2))
+        return LocalSGDPlan(payload, (phase,), lambda params: (params, state))
+
+    monkeypatch.setattr(fedavg, "sgd_plan", sgd_plan)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+    loop = run(_cfg("fedavg", False, 1), write=False, progress=False)
+    both = run(_cfg("fedavg", True, 1), write=False, progress=False)
+    assert sorted(calls) == [3, 3]  # six clients: the even ones together, the odd ones together
+    assert _max_diff(loop.server, both.server) <= TOL
