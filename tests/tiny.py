@@ -24,13 +24,13 @@ TINY = {
 # so the parity also checks that FedDF's server distillation draws its masks from its own seeded stream (without
 # the reseed, the masks depend on whatever the last client left in torch's global RNG: red there).
 FED = {**TINY["federation"], "public": 64}
+LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 
 # The executor parity matrices (procs, Flower simulation, states on nodes, batched clients, the meta device) compare
 # where clients run, not how well they learn: 800 training samples instead of 2000 keep the paths a case takes
 # (several batches an epoch, every round's state carried to the next) at 40 % of the local steps. Not for a
 # site-local deployment's config: a site refuses a server that sizes its data.
 DATA = {**TINY["dataset"], "synthetic": {"n_train": 800}}
-LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 
 
 # Non-default options that change what crosses the executors (a client state holding a whole model) or what a
