@@ -20,15 +20,17 @@ import torch
 from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm
-from pflbed.algorithms.local_sgd import run_plan
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import pack_bits
 from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
 from pflbed.engine.executor import LoopExecutor, client_generator, update_client
 from pflbed.engine.loop import prepare
+from pflbed.engine.per_client_layers import PerClientLayers
 from pflbed.errors import ConfigError, DivergedError
 from pflbed.models import build_model
+from pflbed.models.zoo import ReproducibleDropout
 from pflbed.runs import run
 
 from ..tiny import DATA, TINY
@@ -546,9 +548,6 @@ def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_bet
     """`PerClientLayers.draw` = `ReproducibleDropout`'s forward in the loop, call after call from each client's
     stream: p = 0 draws nothing (the next call's mask is unmoved), p = 1 drops everything without drawing, other p
     `bernoulli_(1 − p)` / (1 − p); a client's padding rows keep a mask of ones."""
-    from pflbed.engine.per_client_layers import PerClientLayers
-    from pflbed.models.zoo import ReproducibleDropout
-
     model = torch.nn.Sequential(ReproducibleDropout(0.0), ReproducibleDropout(1.0), ReproducibleDropout(0.3))
     layers = PerClientLayers(model)
     layers.trace(model, torch.zeros(5, 4))
@@ -568,8 +567,6 @@ def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_bet
 def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch):
     """One vmapped step runs one plan: a round whose clients' plans differ (here FedAvg with twice the learning rate
     on odd clients) is trained as one group per plan, each client by its own plan, within TOL of the loop."""
-    from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
-
     torch.set_num_threads(1)
     fedavg = ALGORITHMS["fedavg"]
 
