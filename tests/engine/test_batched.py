@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
@@ -502,6 +503,38 @@ def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statisti
     conv, fc = [k for k in tracked if "conv" in k][0], [k for k in tracked if "fc" in k][0]
     # client 0, per epoch (3 in all): two batches through the conv BN, one (the n − 1) through the FC BN
     assert int(together[0][conv] - plans[0].start[conv]) == 2 * int(together[0][fc] - plans[0].start[fc])
+
+
+def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own():
+    """`executor.precision: bf16`: autocast hands BatchNorm bfloat16 activations, and torch's kernel (the loop's)
+    takes their statistics in float32 and keeps the running ones float32. The per-client forward must too: summed in
+    bfloat16, a mean near 100 is off by 0.04 and the running statistics with it. Two clients vmapped, one padded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(4)).train()
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5)
+        model[0].bias.uniform_(-1, 1)
+    layers = PerClientLayers(model)
+    x = (torch.randn(2, 16, 4, 5, 5) * 3 + 100).to(torch.bfloat16)
+    real = torch.arange(16) < torch.tensor([[16], [11]])  # client 1: 11 real rows, 5 of padding
+    stats = {k: torch.stack([v, v]) for k, v in model.state_dict().items() if k in layers.buffer_keys}
+
+    def step(stats, real, x):
+        layers.enter(stats, real, [])
+        return model(x), layers.leave()
+
+    with layers.patched():
+        y, new = torch.func.vmap(step)(stats, real, x)
+    assert y.dtype == torch.bfloat16
+    for i, n in enumerate((16, 11)):
+        own = copy.deepcopy(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = own(x[i, :n])
+        assert want.dtype == torch.bfloat16 and own[0].running_mean.dtype == torch.float32
+        torch.testing.assert_close(y[i, :n], want)  # bfloat16's tolerance: its rounding of the same value
+        for s in ("running_mean", "running_var"):
+            assert new[f"0.{s}"].dtype == torch.float32
+            assert torch.allclose(new[f"0.{s}"][i], getattr(own[0], s), rtol=1e-5, atol=0), s
 
 
 def test_which_models_are_batched():
