@@ -24,6 +24,7 @@ from pflbed.algorithms.base import Algorithm
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import pack_bits
 from pflbed.config import validate_config
+from pflbed.data.augment import Augment
 from pflbed.engine import batched
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
 from pflbed.engine.executor import LoopExecutor, client_generator, update_client
@@ -535,6 +536,25 @@ def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own():
         for s in ("running_mean", "running_var"):
             assert new[f"0.{s}"].dtype == torch.float32
             assert torch.allclose(new[f"0.{s}"][i], getattr(own[0], s), rtol=1e-5, atol=0), s
+
+
+def test_batched_clients_share_one_pool_and_each_has_its_own_generator():
+    """A batched step gathers every client's batch from one pool in one indexing: clients whose samples, labels or
+    augmentation are other objects are refused, and so are generators that are not one per client (a shorter list
+    would leave the last clients without batches, silently)."""
+    cfg, ctx, cids, plans = _plans("mlp")
+    datas = [ctx.client_data(c) for c in cids]
+
+    def gens(n=None):
+        return [client_generator(cfg.seed, 1, c) for c in cids[:n]]
+
+    own = r"^batched clients index one shared training pool \(`Context.client_data`\)$"
+    d = datas[1]
+    for other in (replace(d, x=d.x.clone()), replace(d, y=d.y.clone()), replace(d, augment=Augment(0, True, (0.0,)))):
+        with pytest.raises(ValueError, match=own):
+            train_together(ctx.model, plans, [datas[0], other, datas[2]], cfg.train, gens())
+    with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):
+        train_together(ctx.model, plans, datas, cfg.train, gens(2))
 
 
 def test_which_models_are_batched():

@@ -207,8 +207,9 @@ def _phase(
         for k in trainable:  # torch.optim.SGD's update, per client
             d = g[k].add(p[k], alpha=weight_decay) if weight_decay else g[k]
             if momentum:
-                if k not in buf:  # the optimizer's first step: every client has a batch, or keeps a zero buffer
-                    buf[k] = d.clone() if whole else torch.zeros_like(params[k]).index_copy_(0, sel, d)
+                if k not in buf:  # k's first step, its phase's first (a phase trains the same keys throughout):
+                    assert whole  # every client has a batch in it (each has a training sample)
+                    buf[k] = d.clone()
                 else:
                     d = (buf[k] if whole else buf[k][sel]).mul_(momentum).add_(d)
                     if not whole:
