@@ -1,0 +1,90 @@
+"""The round driver (engine/driver.py): whose replies a round aggregates and with which weights, what a record
+counts and lists, and a round that samples no one. The rounds' results end to end are every algorithm's tests;
+these pin the driver's own rules with an executor that can lose clients, as a Flower deployment does."""
+
+import copy
+
+import torch
+
+from pflbed.algorithms.training import weighted_mean
+from pflbed.config import validate_config
+from pflbed.engine import wire
+from pflbed.engine.driver import Driver
+from pflbed.engine.executor import LoopExecutor
+from pflbed.engine.loop import prepare
+
+from ..tiny import TINY
+
+
+def _cfg(**federation):
+    return validate_config({**TINY, "algorithm": {"name": "fedavg"}, "train": {**TINY["train"], "rounds": 3},
+                            "federation": {**TINY["federation"], "sample_fraction": 1.0, **federation},
+                            "eval": {**TINY["eval"], "every": 2, "finetune": []}})  # fmt: skip
+
+
+class _Replies(list):
+    """A round's replies with the clients that did not reply (`Executor.stream`'s `failed`)."""
+
+    failed: list[int]
+
+
+class _Losing(LoopExecutor):
+    """The loop, except that in round r the clients `lost[r]` never reply (a node that died)."""
+
+    def __init__(self, algo, lost: dict[int, list[int]]) -> None:
+        super().__init__(algo)
+        self.lost = lost
+        self.asked: list[int] = []
+
+    def stream(self, rnd, payloads):
+        self.asked.append(rnd)
+        lost = self.lost.get(rnd, [])
+        out = _Replies(super().stream(rnd, {c: p for c, p in payloads.items() if c not in lost}))
+        out.failed = [c for c in payloads if c in lost]
+        return out
+
+
+def test_lost_clients_are_left_out_of_the_weighted_mean_and_listed_once_in_the_next_record():
+    """Rule (`Driver.train_round`): the server's mean is over the clients that replied, weighted by their training
+    sizes |D_m|; the lost ones, per round, go into the next record's `failed_clients` and not into the one after;
+    the uploaded bytes count the replies that came."""
+    algo = prepare(_cfg())
+    cids = list(algo.ctx.federation.participated)
+    lost = {1: [cids[1]], 2: [cids[0], cids[2]]}
+    driver = Driver(algo, _Losing(algo, lost))
+    server = algo.init_server()
+
+    reference = LoopExecutor(copy.deepcopy(algo))
+    arrived = [c for c in cids if c not in lost[1]]
+    replies = reference.run(1, {c: p for c, p in algo.configure(1, server, cids).items() if c in arrived})
+    sizes = {c: algo.ctx.federation.num_train(c) for c in arrived}
+    assert len(set(sizes.values())) > 1  # unequal sizes: the weights matter
+    want = weighted_mean(replies, sizes)
+
+    rounds = list(driver.rounds(server))
+    got = rounds[0].server
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    reply_bytes = wire.num_bytes(next(iter(replies.values())))
+    assert rounds[0].comm["up_bytes_per_round"] == len(arrived) * reply_bytes
+    assert rounds[0].comm["down_bytes_per_round"] == len(cids) * reply_bytes  # every sampled client was sent one
+    assert rounds[1].comm["up_bytes_per_round"] == (len(cids) - 2) * reply_bytes
+    records = [r.record for r in rounds]
+    assert records[0] is None  # scored every 2 rounds and after the last
+    assert records[1]["failed_clients"] == {"1": lost[1], "2": lost[2]}
+    assert "failed_clients" not in records[2]  # round 3 lost no one, and rounds 1–2 were listed already
+
+
+def test_a_round_that_samples_no_one_keeps_the_server_and_asks_no_client():
+    """Poisson sampling may draw no client: without DP the round leaves the server state as it was (nothing to
+    average) and runs no client; the round's record still comes on schedule."""
+    algo = prepare(_cfg(sampling="poisson", sample_fraction=1e-9))
+    executor = _Losing(algo, {})
+    server = algo.init_server()
+    rounds = list(Driver(algo, executor).rounds(server))
+    assert executor.asked == []
+    for r in rounds:
+        assert all(torch.equal(r.server[k], server[k]) for k in server)
+        assert r.comm == {"up_bytes_per_round": 0, "down_bytes_per_round": 0}
+    assert [r.rnd for r in rounds if r.record is not None] == [2, 3]
