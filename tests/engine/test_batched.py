@@ -490,20 +490,30 @@ def test_feddyns_dynamic_regularizer_together_is_each_clients_own():
         assert _max_diff(want_reply, reply) <= TOL and _max_diff(want_state, state) <= TOL
 
 
-def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statistics_as_alone():
+@pytest.mark.parametrize("last", [1, 2, "all"])
+def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statistics_as_alone(last):
     """`SafeBatchNorm1d`: a last batch of one sample is normalized with the running statistics, which it leaves (and
-    counts no batch); the other clients' batches of that step are normal ones."""
+    counts no batch); the other clients' batches of that step are normal ones. A last batch of two is a normal one,
+    and so is every batch of one sample (`last="all"`, batch size 1: a step one row wide) at the convolutions' BN,
+    which normalizes over each sample's pixels."""
     torch.set_num_threads(1)
     _, ctx, cids, _ = _plans("lenet5_bn")
     n = ctx.client_data(cids[0]).num_train
-    cfg, ctx, cids, plans = _plans("lenet5_bn", batch_size=n - 1)  # client 0: a batch of n − 1, then one of 1
+    size = 1 if last == "all" else n - last  # client 0: a batch of n − last, then one of `last`
+    one = {"algorithm": {"name": "fedavg"}, "local_epochs": 1} if size == 1 else {}  # one epoch of n steps
+    cfg, ctx, cids, plans = _plans("lenet5_bn", batch_size=size, **one)
     together, alone = _each_own(cfg, ctx, cids, plans)
     for got, want in zip(together, alone, strict=True):
         assert _max_diff(want, got) <= TOL64
     tracked = [k for k in together[0] if k.endswith("num_batches_tracked")]
     conv, fc = [k for k in tracked if "conv" in k][0], [k for k in tracked if "fc" in k][0]
-    # client 0, per epoch (3 in all): two batches through the conv BN, one (the n − 1) through the FC BN
-    assert int(together[0][conv] - plans[0].start[conv]) == 2 * int(together[0][fc] - plans[0].start[fc])
+    moved = {k: int(together[0][k] - plans[0].start[k]) for k in (conv, fc)}
+    if last == 1:  # per epoch: two batches through the conv BN, one (the n − 1) through the FC BN
+        assert moved[conv] == 2 * moved[fc] > 0
+    elif last == 2:  # both batches through both
+        assert moved[conv] == moved[fc] > 0
+    else:  # every batch through the conv BN (pixels), none through the FC BN
+        assert moved[conv] > 0 and moved[fc] == 0
 
 
 def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own():
