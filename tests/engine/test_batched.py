@@ -516,17 +516,19 @@ def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statisti
         assert moved[conv] > 0 and moved[fc] == 0
 
 
-def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own():
+@pytest.mark.parametrize("channels", [4, 1])
+def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own(channels):
     """`executor.precision: bf16`: autocast hands BatchNorm bfloat16 activations, and torch's kernel (the loop's)
     takes their statistics in float32 and keeps the running ones float32. The per-client forward must too: summed in
-    bfloat16, a mean near 100 is off by 0.04 and the running statistics with it. Two clients vmapped, one padded."""
+    bfloat16, a mean near 100 is off by 0.04 and the running statistics with it. Two clients vmapped, one padded;
+    several channels and a single one."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.BatchNorm2d(4)).train()
+    model = nn.Sequential(nn.BatchNorm2d(channels)).train()
     with torch.no_grad():
         model[0].weight.uniform_(0.5, 1.5)
         model[0].bias.uniform_(-1, 1)
     layers = PerClientLayers(model)
-    x = (torch.randn(2, 16, 4, 5, 5) * 3 + 100).to(torch.bfloat16)
+    x = (torch.randn(2, 16, channels, 5, 5) * 3 + 100).to(torch.bfloat16)
     real = torch.arange(16) < torch.tensor([[16], [11]])  # client 1: 11 real rows, 5 of padding
     stats = {k: torch.stack([v, v]) for k, v in model.state_dict().items() if k in layers.buffer_keys}
 
