@@ -30,7 +30,7 @@ import pflbed
 from pflbed.engine.procs import WorkerPool
 from pflbed.runs import run
 
-from ..tiny import TINY
+from ..tiny import DATA, TINY
 from .test_device import CASES, _cfg
 
 FIGURE_TOL = 0.05  # accuracies: a few test samples of the tiny runs' local test sets
@@ -134,6 +134,7 @@ def test_a_device_run_matches_the_cpu_run(case):
 
 # BatchNorm and dropout models in the batched path (`engine.per_client_layers`): one round (these tiny runs have
 # kinks where rounding decides, `test_batched.test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop`).
+# With them, augmented batches (each row's crop and flip choices, drawn on the CPU, applied on the device).
 ONE_ROUND = {"train": {**TINY["train"], "rounds": 1}}
 PER_CLIENT_LAYERS = [
     ("fedavg-lenet5_bn", {"name": "fedavg"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
@@ -148,6 +149,7 @@ PER_CLIENT_LAYERS = [
      {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
     ("fedbasis-alexnet", {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1},
      {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
+    ("fedavg-augment", {"name": "fedavg"}, {"dataset": {**DATA, "augment": ["crop", "flip"]}, **ONE_ROUND}),
 ]
 
 
