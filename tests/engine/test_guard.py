@@ -6,7 +6,7 @@ import torch
 
 import pflbed
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.engine.guard import check_client, check_server, first_negative_variance
+from pflbed.engine.guard import check_client, check_server, finite, first_negative_variance
 from pflbed.errors import DivergedError
 
 from ..algorithms.test_scaffold import BN_RUN
@@ -71,3 +71,25 @@ def test_the_guard_reads_one_value_per_check_where_all_is_well_and_still_names_t
         check_client(1, 0, reply, {**state, "s2.running_var": torch.tensor([1.0, float("-inf")])})
     with pytest.raises(DivergedError, match="negative BatchNorm running variances in 's4.running_var'"):
         check_server(1, {**reply, **state, "s4.running_var": torch.tensor([0.5, -1e-7])})
+
+
+def test_the_first_negative_variance_is_named_past_a_zero_one():
+    """A zero variance is valid: the key named is the first with a negative value, not the first with a zero."""
+    tensors = {"a.running_var": torch.zeros(3), "b.running_var": torch.tensor([1.0, -1e-7])}
+    assert first_negative_variance(tensors) == "b.running_var"
+
+
+def test_a_finite_tensor_is_screened_by_its_sum_alone(monkeypatch):
+    """`finite`: the element-wise check (a boolean tensor the size of `v`, ~60× a sum's cost) runs only where the sum
+    is not finite; then it decides (an overflowing sum of finite values is finite)."""
+    sizes = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: sizes.append(t.numel()) or real(t))
+    assert finite(torch.ones(1000))
+    assert sizes == [1]
+    sizes.clear()
+    assert finite(torch.full((4,), 3e38))  # its sum overflows
+    assert sizes == [1, 4]
+    sizes.clear()
+    assert not finite(torch.tensor([1.0, float("nan")]))
+    assert sizes == [1, 2]
