@@ -245,3 +245,20 @@ def test_flower_clientapps_sharing_the_device_match_the_loop(case):
         flower = run(_cfg(algorithm, DEVICE, {"name": "flower"}, **sections), write=False, progress=False,
                      simulation=sim)  # fmt: skip
     _compare("flower_vs_loop", case, loop, flower)
+
+
+@pytest.mark.parametrize("batch_clients", [False, True])
+def test_bf16_trains_in_bfloat16_on_the_device(batch_clients, monkeypatch):
+    """`executor.precision: bf16` on the device is bfloat16, named: CUDA's autocast would default to float16."""
+    seen = []
+    real = torch.nn.Linear.forward
+
+    def forward(self, x):
+        out = real(self, x)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", forward)
+    executor = {"batch_clients": batch_clients, "precision": "bf16"}
+    run(_cfg({"name": "fedavg"}, DEVICE, executor, train={**TINY["train"], "rounds": 1}), write=False, progress=False)
+    assert torch.bfloat16 in seen and torch.float16 not in seen
