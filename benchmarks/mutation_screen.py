@@ -72,7 +72,9 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/per_client_layers.py": ["test_batched"],
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_guard"],
     "engine/guard.py": ["test_guard", "test_driver", "test_cli"],
-    "engine/executor.py": ["test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision"],
+    "engine/executor.py": [
+        "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
+    ],
 }
 
 

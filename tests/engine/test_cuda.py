@@ -262,3 +262,11 @@ def test_bf16_trains_in_bfloat16_on_the_device(batch_clients, monkeypatch):
     executor = {"batch_clients": batch_clients, "precision": "bf16"}
     run(_cfg({"name": "fedavg"}, DEVICE, executor, train={**TINY["train"], "rounds": 1}), write=False, progress=False)
     assert torch.bfloat16 in seen and torch.float16 not in seen
+
+
+def test_strict_mode_brings_what_went_through_bytes_back_to_the_device():
+    """`executor.strict` on the device: every payload, reply and state comes back from its bytes on the run's device."""
+    one = {"train": {**TINY["train"], "rounds": 1}}
+    r = run(_cfg({"name": "fedper"}, DEVICE, {"strict": True}, **one), write=False, progress=False)
+    kept = [*r.server.values(), *(v for s in r.executor.states.values() for v in s.values())]
+    assert r.executor.states and all(v.device.type == torch.device(DEVICE).type for v in kept)
