@@ -3,6 +3,7 @@ counts and lists, and a round that samples no one. The rounds' results end to en
 these pin the driver's own rules with an executor that can lose clients, as a Flower deployment does."""
 
 import copy
+import time
 
 import torch
 
@@ -88,3 +89,42 @@ def test_a_round_that_samples_no_one_keeps_the_server_and_asks_no_client():
         assert all(torch.equal(r.server[k], server[k]) for k in server)
         assert r.comm == {"up_bytes_per_round": 0, "down_bytes_per_round": 0}
     assert [r.rnd for r in rounds if r.record is not None] == [2, 3]
+
+
+def test_the_rounds_number_reaches_configure_and_the_aggregator_and_each_phase_is_timed(monkeypatch):
+    """Rounds-dependent rules (schedules, SCAFFOLD's and FedDyn's state, KT-pFL's coefficients) read the round they
+    are told; a round's training and evaluation seconds are its own (within the whole call's)."""
+    algo = prepare(_cfg())
+    told = []
+    configure, aggregator = algo.configure, algo.aggregator
+    monkeypatch.setattr(algo, "configure", lambda rnd, *a: told.append(("configure", rnd)) or configure(rnd, *a))
+    monkeypatch.setattr(algo, "aggregator", lambda rnd, *a: told.append(("aggregate", rnd)) or aggregator(rnd, *a))
+    t0 = time.perf_counter()
+    rounds = list(Driver(algo, LoopExecutor(algo)).rounds(algo.init_server()))
+    wall = time.perf_counter() - t0
+    assert told == [(step, rnd) for rnd in (1, 2, 3) for step in ("configure", "aggregate")]
+    assert all(r.train_s > 0 and r.eval_s >= 0 and r.train_s + r.eval_s <= wall for r in rounds)
+    assert sum(r.train_s + r.eval_s for r in rounds) <= wall
+
+
+def test_under_dp_a_round_that_samples_no_one_releases_the_noise_alone_and_counts_it(monkeypatch):
+    """`privacy`: with no client drawn the release is w + z/qN (never w bare, which would tell that no one was
+    sampled), the payload's shape taken from a client it would have been sent to; the release is counted."""
+    no_one = {**TINY["federation"], "sampling": "poisson", "sample_fraction": 1e-9}
+    cfg = validate_config({**TINY, "algorithm": {"name": "fedavg"}, "privacy": {"clip": 0.5, "noise_multiplier": 0.8},
+                           "train": {**TINY["train"], "rounds": 1}, "federation": no_one})  # fmt: skip
+    algo = prepare(cfg)
+    told = []
+    configure = algo.configure
+    monkeypatch.setattr(algo, "configure", lambda rnd, *a: told.append((rnd, a[1])) or configure(rnd, *a))
+    executor = _Losing(algo, {})
+    driver = Driver(algo, executor)
+    w0 = algo.init_server()
+    server, comm = driver.train_round(1, w0)
+    assert executor.asked == [] and comm["up_bytes_per_round"] == 0
+    assert told == [(1, []), (1, [algo.ctx.federation.participated[0]])]
+    z = driver.dp.draw(cfg.seed, 1, w0)
+    m_bar = driver.dp.expected_clients
+    for k in w0:
+        torch.testing.assert_close(server[k], w0[k] + z[k] / m_bar, rtol=1e-6, atol=0)
+    assert driver.draws == {1: 1} and driver.ledger.releases == 1
