@@ -70,7 +70,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
-    "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_guard"],
+    "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],
     "engine/guard.py": ["test_guard", "test_driver", "test_cli"],
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
