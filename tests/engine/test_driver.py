@@ -5,10 +5,12 @@ these pin the driver's own rules with an executor that can lose clients, as a Fl
 import copy
 import time
 
+import pytest
 import torch
 
 from pflbed.algorithms.training import weighted_mean
 from pflbed.config import validate_config
+from pflbed.engine import driver as driver_module
 from pflbed.engine import wire
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
@@ -128,3 +130,79 @@ def test_under_dp_a_round_that_samples_no_one_releases_the_noise_alone_and_count
     for k in w0:
         torch.testing.assert_close(server[k], w0[k] + z[k] / m_bar, rtol=1e-6, atol=0)
     assert driver.draws == {1: 1} and driver.ledger.releases == 1
+
+
+def _scored(monkeypatch, algo):
+    """`driver.evaluate` recorded: (context, forward, per-client result) per call, scored with the loop's forwards."""
+    calls = []
+    real = driver_module.evaluate
+
+    def evaluate(algo, server, state, ctx, forward):
+        out = real(algo, server, state, ctx, None)
+        calls.append((ctx, forward, out[1]))
+        return out
+
+    monkeypatch.setattr(driver_module, "evaluate", evaluate)
+    return calls
+
+
+def test_rounds_are_scored_on_the_subsample_then_the_full_sets_with_the_executors_forwards_and_diagnostics(
+    monkeypatch,
+):
+    """Rule (`Driver.evaluate`, DESIGN §6): an intermediate evaluation scores on `eval.test_subsample`'s balanced
+    view, the final one on the full sets; with the executor's own forwards (procs: its idle workers); the round's
+    per-client accuracies come with it; the algorithm's diagnostics of the round, on the executor's client states,
+    go into the record under `diag`."""
+    cfg = _cfg()
+    algo = prepare(validate_config({**cfg.model_dump(), "eval": {**cfg.eval.model_dump(), "test_subsample": 5}}))
+    calls = _scored(monkeypatch, algo)
+    executor = LoopExecutor(algo)
+    executor.forward = forward = object()
+    told = []
+    monkeypatch.setattr(algo, "diagnostics", lambda rnd, server, state: told.append((rnd, server, state)) or {"r": rnd})
+    driver = Driver(algo, executor)
+    rounds = list(driver.rounds(algo.init_server()))
+    quick, full = driver.quick.federation.global_test, algo.ctx.federation.global_test
+    assert len(quick) == 5 * algo.ctx.federation.num_classes < len(full)  # 5 of each class
+    assert [(ctx, f) for ctx, f, _ in calls] == [(driver.quick, forward), (None, forward)]
+    assert [r.per_client for r in rounds] == [None, calls[0][2], calls[1][2]] and calls[1][2]
+    assert [r.record["full_test"] for r in rounds[1:]] == [False, True]
+    assert told == [(2, rounds[1].server, executor.state), (3, rounds[2].server, executor.state)]
+    assert [r.record["diag"] for r in rounds[1:]] == [{"r": 2}, {"r": 3}]
+
+
+class _Sites(_Losing):
+    """An executor whose sites hold the test data and score the server state themselves (Flower deployments)."""
+
+    def __init__(self, algo) -> None:
+        super().__init__(algo, {})
+        self.scored = []
+
+    def evaluate_on_sites(self, server, quick):
+        self.scored.append((server, quick))
+        return {"pfl_acc": 0.25 * len(self.scored)}, {0: 0.5}
+
+
+def test_where_the_sites_score_the_driver_asks_them_and_computes_no_diagnostics(monkeypatch):
+    """With the data on the sites, the round's scores are theirs (subsampled in between, full at the end), and the
+    server computes no diagnostics: those read client states it does not have."""
+    algo = prepare(_cfg())
+    calls = _scored(monkeypatch, algo)
+    monkeypatch.setattr(algo, "diagnostics", lambda *a: pytest.fail("diagnostics without the client states"))
+    executor = _Sites(algo)
+    driver = Driver(algo, executor)
+    rounds = list(driver.rounds(algo.init_server()))
+    assert calls == []
+    assert executor.scored == [(rounds[1].server, driver.quick), (rounds[2].server, None)]
+    assert [r.record["pfl_acc"] for r in rounds[1:]] == [0.25, 0.5] and rounds[2].per_client == {0: 0.5}
+    assert all("diag" not in r.record for r in rounds[1:])
+
+
+def test_under_dp_each_record_gives_epsilon_after_every_round_since_the_last_record():
+    """`privacy` in a record: ε after each round since the previous evaluation (rounds 1–2, then 3 alone)."""
+    cfg = _cfg()
+    algo = prepare(validate_config({**cfg.model_dump(), "privacy": {"clip": 0.5, "noise_multiplier": 0.8}}))
+    rounds = list(Driver(algo, LoopExecutor(algo)).rounds(algo.init_server()))
+    by_round = [list(r.record["privacy"]["epsilon_by_round"]) for r in rounds[1:]]
+    assert by_round == [["1", "2"], ["3"]]
+    assert [r.record["privacy"]["noise_draws"] for r in rounds[1:]] == [2, 3]
