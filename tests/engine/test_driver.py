@@ -5,9 +5,11 @@ these pin the driver's own rules with an executor that can lose clients, as a Fl
 import copy
 import time
 
+import numpy as np
 import pytest
 import torch
 
+from pflbed import privacy, rng
 from pflbed.algorithms.training import weighted_mean
 from pflbed.config import validate_config
 from pflbed.engine import driver as driver_module
@@ -206,3 +208,47 @@ def test_under_dp_each_record_gives_epsilon_after_every_round_since_the_last_rec
     by_round = [list(r.record["privacy"]["epsilon_by_round"]) for r in rounds[1:]]
     assert by_round == [["1", "2"], ["3"]]
     assert [r.record["privacy"]["noise_draws"] for r in rounds[1:]] == [2, 3]
+
+
+def _dp(randomness, **federation):
+    cfg = _cfg(**federation)
+    dp = {"clip": 0.5, "noise_multiplier": 0.8, "randomness": randomness}
+    return prepare(validate_config({**cfg.model_dump(), "privacy": dp}))
+
+
+def test_a_seeded_dp_rounds_replay_is_one_draw_and_an_os_one_draws_again_each_counted_in_the_ledger(tmp_path):
+    """`privacy.Ledger` through the driver: a round replayed (a resume) under `seeded` randomness releases the same
+    noise again, one draw; under `os` every release is a fresh draw. A resumed run starts from the ledger's count,
+    earlier attempts included, and its records' ε count them."""
+    algo = _dp("seeded")
+    driver = Driver(algo, LoopExecutor(algo))  # its ledger in memory
+    server = algo.init_server()
+    driver.train_round(1, server)
+    driver.train_round(1, server)
+    assert driver.draws == {1: 1}
+
+    algo = _dp("os")
+    path = tmp_path / "privacy_ledger.jsonl"
+    crashed = privacy.Ledger(path, "os")
+    for rnd in (1, 1, 2):  # round 1 released, replayed after a crash, round 2 released: then a crash again
+        crashed.release(rnd)
+    driver = Driver(algo, LoopExecutor(algo), privacy.Ledger(path, "os", fresh=False))
+    assert driver.draws == {1: 2, 2: 3}
+    (replayed, _) = driver.rounds(algo.init_server(), first=2)  # resumed from round 1's checkpoint
+    eps = replayed.record["privacy"]["epsilon_by_round"]
+    assert replayed.record["privacy"]["noise_draws"] == 4
+    assert eps == {"1": driver.dp.epsilon(2), "2": driver.dp.epsilon(4)}
+
+
+def test_under_os_randomness_the_round_sample_comes_from_the_os(monkeypatch):
+    """`privacy.randomness: os`: who is drawn must be unknown to anyone holding the config (which holds the seed),
+    so the driver's Poisson sample reads the OS source (here replaced: it picks the second client alone; the noise,
+    drawn from it too, stays finite)."""
+    algo = _dp("os", sample_fraction=0.5)
+    fed = algo.ctx.federation
+    monkeypatch.setattr(rng, "os_uniform", lambda n: np.array([0.01 if i == 1 else 0.99 for i in range(n)]))
+    told = []
+    configure = algo.configure
+    monkeypatch.setattr(algo, "configure", lambda rnd, *a: told.append(a[1]) or configure(rnd, *a))
+    Driver(algo, LoopExecutor(algo)).train_round(1, algo.init_server())
+    assert told == [[fed.participated[1]]]
