@@ -196,12 +196,12 @@ def test_every_algorithm_is_batched_or_says_why_not():
         assert cls.loop_only is None or len(cls.loop_only.split()) >= 8, name
 
 
-def _plans(model, batch_size=8, algorithm=None, state=None, **train):
-    """Three clients of unequal sizes (digits, Dir 0.3), FedPer's two phases (or `algorithm`'s plan, from each
-    client's `state(algo, cid)` where given), momentum and weight decay."""
+def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, **train):
+    """Three clients of unequal sizes (digits, Dir 0.3, of `clients`), FedPer's two phases (or `algorithm`'s plan,
+    from each client's `state(algo, cid)` where given), momentum and weight decay."""
     algorithm = algorithm or {"name": "fedper", "head_finetune_epochs": 1}
     cfg = validate_config({"dataset": {"name": "digits"}, "model": {"name": model},
-                           "federation": {"clients": 6, "partition": "dirichlet", "alpha": 0.3},
+                           "federation": {"clients": clients, "partition": "dirichlet", "alpha": 0.3},
                            "train": {"batch_size": batch_size, "lr": 0.02, "momentum": 0.5, "weight_decay": 0.05,
                                      "local_epochs": 2, **train},
                            "algorithm": algorithm})  # fmt: skip
@@ -500,7 +500,8 @@ def test_a_batchnorm_batch_of_one_sample_is_normalized_with_the_running_statisti
     _, ctx, cids, _ = _plans("lenet5_bn")
     n = ctx.client_data(cids[0]).num_train
     size = 1 if last == "all" else n - last  # client 0: a batch of n − last, then one of `last`
-    one = {"algorithm": {"name": "fedavg"}, "local_epochs": 1} if size == 1 else {}  # one epoch of n steps
+    # batch size 1: one FedAvg epoch of clients a tenth the size (a step per sample)
+    one = {"algorithm": {"name": "fedavg"}, "local_epochs": 1, "clients": 60} if size == 1 else {}
     cfg, ctx, cids, plans = _plans("lenet5_bn", batch_size=size, **one)
     together, alone = _each_own(cfg, ctx, cids, plans)
     for got, want in zip(together, alone, strict=True):
