@@ -1,6 +1,7 @@
-"""The round driver (engine/driver.py): whose replies a round aggregates and with which weights, what a record
-counts and lists, and a round that samples no one. The rounds' results end to end are every algorithm's tests;
-these pin the driver's own rules with an executor that can lose clients, as a Flower deployment does."""
+"""The round driver (engine/driver.py): whose replies a round aggregates and with which weights, a round that
+samples no one, what the algorithm is told, on what and by whom a round is scored, and what a record counts under DP
+(releases, replays, ε). The rounds' results end to end are every algorithm's tests; these pin the driver's own
+rules, with an executor that can lose clients as a Flower deployment does."""
 
 import copy
 import time
