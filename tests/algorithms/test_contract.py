@@ -6,7 +6,6 @@ import torch
 import pflbed
 from pflbed.algorithms import ALGORITHMS, register
 from pflbed.algorithms.base import Algorithm, Predictor
-from pflbed.engine import wire
 
 from ..tiny import TINY as TINY_BASE
 
@@ -98,13 +97,6 @@ def test_client_randomness_depends_only_on_seed_round_client():
 def test_strict_mode_rejects_what_cannot_cross_the_wire():
     with pytest.raises(TypeError, match="dict\\[str, Tensor\\]"):
         pflbed.run({**TINY, "algorithm": {"name": "toy-leaky"}}, write=False)
-
-
-def test_wire_roundtrip_copies():
-    t = {"w": torch.arange(6.0).reshape(2, 3)[:, 1:]}
-    back = wire.roundtrip(t)
-    assert torch.equal(back["w"], t["w"]) and back["w"].data_ptr() != t["w"].data_ptr()
-    assert wire.num_bytes(t) == 4 * 4
 
 
 def test_diagnostics_are_logged_and_artifacts_written(tmp_path):
