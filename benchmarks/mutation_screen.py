@@ -72,6 +72,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/per_client_layers.py": ["test_batched"],
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],
     "engine/guard.py": ["test_guard", "test_driver", "test_cli"],
+    "engine/wire.py": ["test_wire", "test_contract", "test_executor"],
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],
