@@ -21,11 +21,15 @@ from pflbed.engine.loop import prepare
 
 from ..tiny import TINY
 
+DP = {"clip": 0.5, "noise_multiplier": 0.8}
 
-def _cfg(**federation):
-    return validate_config({**TINY, "algorithm": {"name": "fedavg"}, "train": {**TINY["train"], "rounds": 3},
+
+def _cfg(rounds=3, privacy=None, test_subsample=None, **federation):
+    """FedAvg on the tiny federation, every client sampled, scored every 2 rounds (no fine-tuning stage)."""
+    return validate_config({**TINY, "algorithm": {"name": "fedavg"}, "train": {**TINY["train"], "rounds": rounds},
                             "federation": {**TINY["federation"], "sample_fraction": 1.0, **federation},
-                            "eval": {**TINY["eval"], "every": 2, "finetune": []}})  # fmt: skip
+                            "eval": {**TINY["eval"], "every": 2, "finetune": [], "test_subsample": test_subsample},
+                            **({"privacy": privacy} if privacy else {})})  # fmt: skip
 
 
 class _Replies(list):
@@ -115,9 +119,7 @@ def test_the_rounds_number_reaches_configure_and_the_aggregator_and_each_phase_i
 def test_under_dp_a_round_that_samples_no_one_releases_the_noise_alone_and_counts_it(monkeypatch):
     """`privacy`: with no client drawn the release is w + z/qN (never w bare, which would tell that no one was
     sampled), the payload's shape taken from a client it would have been sent to; the release is counted."""
-    no_one = {**TINY["federation"], "sampling": "poisson", "sample_fraction": 1e-9}
-    cfg = validate_config({**TINY, "algorithm": {"name": "fedavg"}, "privacy": {"clip": 0.5, "noise_multiplier": 0.8},
-                           "train": {**TINY["train"], "rounds": 1}, "federation": no_one})  # fmt: skip
+    cfg = _cfg(rounds=1, privacy=DP, sampling="poisson", sample_fraction=1e-9)
     algo = prepare(cfg)
     told = []
     configure = algo.configure
@@ -156,8 +158,7 @@ def test_rounds_are_scored_on_the_subsample_then_the_full_sets_with_the_executor
     view, the final one on the full sets; with the executor's own forwards (procs: its idle workers); the round's
     per-client accuracies come with it; the algorithm's diagnostics of the round, on the executor's client states,
     go into the record under `diag`."""
-    cfg = _cfg()
-    algo = prepare(validate_config({**cfg.model_dump(), "eval": {**cfg.eval.model_dump(), "test_subsample": 5}}))
+    algo = prepare(_cfg(test_subsample=5))
     calls = _scored(monkeypatch, algo)
     executor = LoopExecutor(algo)
     executor.forward = forward = object()
@@ -203,8 +204,7 @@ def test_where_the_sites_score_the_driver_asks_them_and_computes_no_diagnostics(
 
 def test_under_dp_each_record_gives_epsilon_after_every_round_since_the_last_record():
     """`privacy` in a record: ε after each round since the previous evaluation (rounds 1–2, then 3 alone)."""
-    cfg = _cfg()
-    algo = prepare(validate_config({**cfg.model_dump(), "privacy": {"clip": 0.5, "noise_multiplier": 0.8}}))
+    algo = prepare(_cfg(privacy=DP))
     rounds = list(Driver(algo, LoopExecutor(algo)).rounds(algo.init_server()))
     by_round = [list(r.record["privacy"]["epsilon_by_round"]) for r in rounds[1:]]
     assert by_round == [["1", "2"], ["3"]]
@@ -212,9 +212,7 @@ def test_under_dp_each_record_gives_epsilon_after_every_round_since_the_last_rec
 
 
 def _dp(randomness, **federation):
-    cfg = _cfg(**federation)
-    dp = {"clip": 0.5, "noise_multiplier": 0.8, "randomness": randomness}
-    return prepare(validate_config({**cfg.model_dump(), "privacy": dp}))
+    return prepare(_cfg(privacy={**DP, "randomness": randomness}, **federation))
 
 
 def test_a_seeded_dp_rounds_replay_is_one_draw_and_an_os_one_draws_again_each_counted_in_the_ledger(tmp_path):
