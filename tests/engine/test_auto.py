@@ -18,9 +18,11 @@ from ..tiny import TINY
 
 
 def test_forward_macs_count_linear_and_convolution_layers():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, groups=1), nn.Flatten(), nn.Linear(4 * 5 * 5, 7))
-    conv = 3 * 3 * 3 * 4 * 5 * 5  # (in × kernel) per output element × outputs
-    assert forward_macs(model, (3, 5, 5), torch.device("cpu")) == conv + 100 * 7
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 1, 3, padding=1), nn.Flatten(), nn.Linear(5 * 5, 7)
+    )  # the second convolution has one output channel
+    convs = 3 * 3 * 3 * 4 * 5 * 5 + 4 * 3 * 3 * 1 * 5 * 5  # (in × kernel) per output element × outputs, summed
+    assert forward_macs(model, (3, 5, 5), torch.device("cpu")) == convs + 25 * 7
     grouped = nn.Conv2d(4, 4, 3, padding=1, groups=2)  # in_channels / groups per output
     assert forward_macs(grouped, (4, 5, 5), torch.device("cpu")) == 2 * 9 * 4 * 25
 

@@ -1,5 +1,8 @@
 """The worker-process executor gives the loop executor's results, bit for bit, for every algorithm."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,6 +105,25 @@ def test_a_federation_of_many_clients_reaches_the_workers_as_a_copy(pool):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert sorted(replies) == sorted(cids)
+
+
+def test_a_pool_whose_worker_died_with_its_queue_full_lets_its_process_exit():
+    """What was sent to a worker that died (or was killed at `close` while still starting up, under load) is
+    dropped: its queue's background thread, blocked on a full pipe nobody reads, was joined at interpreter exit,
+    and the process that ran the pool never exited."""
+    script = (
+        "from pflbed.engine.procs import WorkerPool, _put\n"
+        "pool = WorkerPool(1)\n"
+        "pool.procs[0].kill()\n"
+        "pool.procs[0].join()\n"
+        "_put(pool.tasks[0], ('algorithm', b'x' * (1 << 20)))  # more than a pipe holds\n"
+        "pool.close()\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process hung at exit after closing its pool")
+    assert done.returncode == 0, done.stderr
 
 
 def test_assign_balances_by_training_size():

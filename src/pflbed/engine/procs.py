@@ -216,6 +216,12 @@ class WorkerPool:
                     return
 
     def close(self) -> None:
+        """Stop the workers: each is told to once it has run what it was sent, and killed if it has not stopped
+        within 10 s.
+
+        Then what is still queued for them is dropped. A worker killed while still starting up (slow under load)
+        or one that died leaves its queue's background thread blocked on a full pipe that nobody reads, and the
+        interpreter joins that thread at exit: the process that started the pool never exited."""
         for q, p in zip(self.tasks, self.procs, strict=True):
             if p.is_alive():
                 _put(q, None)
@@ -223,6 +229,10 @@ class WorkerPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join()
+        for q in self.tasks:
+            q.cancel_join_thread()
+            q.close()
 
     def __enter__(self) -> WorkerPool:
         return self
