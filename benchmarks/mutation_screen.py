@@ -73,6 +73,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],
     "engine/guard.py": ["test_guard", "test_driver", "test_cli"],
     "engine/wire.py": ["test_wire", "test_contract", "test_executor"],
+    "engine/packed.py": ["test_procs", "test_resume"],
+    "engine/procs.py": ["test_procs", "test_streaming", "test_orphans"],
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],
@@ -163,6 +165,9 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     files_given = [test_path(n) for n in tests] if tests else None  # before chdir: a misspelt name stops here
     os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
     sys.path.insert(0, str(MUTANTS / "src"))
+    # ... in this process and in every one a test starts (`python -m pflbed`, a worker): else a test that runs
+    # the code in a subprocess tests the unmutated package, and its mutants all survive
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(MUTANTS / "src"), os.environ.get("PYTHONPATH")]))
     import pytest
 
     import pflbed

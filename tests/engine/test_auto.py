@@ -33,6 +33,7 @@ def test_training_macs_are_three_forwards_of_every_sample_the_rounds_train():
     samples = sum(fed.num_train(c) for c in fed.participated) * ctx.cfg.federation.sample_fraction
     fwd = forward_macs(ctx.model, ctx.source.input_shape, ctx.device)
     assert training_macs(ctx) == pytest.approx(3 * fwd * samples * 2 * 3)
+    assert auto.clients_per_round(ctx) == len(fed.participated) * 0.5  # TINY samples half of them
 
 
 def _ctx(macs: float, clients: float = 10, params: int = 1000, device: str = "cpu"):
@@ -57,9 +58,12 @@ def test_procs_from_the_threshold_on_a_multicore_cpu_loop_below(rule):
 def test_loop_on_a_gpu_one_core_one_client_per_round_or_a_model_using_every_core(rule, monkeypatch):
     assert rule(_ctx(1e15, device="meta")) == "loop"  # any accelerator: batched clients in the loop
     assert rule(_ctx(1e15, clients=1.5)) == "loop"
+    assert rule(_ctx(1e15, clients=2)) == "procs"  # two clients a round already keep two workers busy
     assert rule(_ctx(1e15, params=LARGE_MODEL_PARAMS)) == "loop"  # its steps take all cores by default
     assert rule(_ctx(1e15, params=LARGE_MODEL_PARAMS), threads=1) == "procs"
     monkeypatch.setattr(auto.os, "cpu_count", lambda: 1)
+    assert rule(_ctx(1e15)) == "loop"
+    monkeypatch.setattr(auto.os, "cpu_count", lambda: None)  # unknown: as if one core
     assert rule(_ctx(1e15)) == "loop"
 
 

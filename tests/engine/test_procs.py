@@ -87,6 +87,24 @@ def test_a_failing_client_update_is_reported_with_the_client(pool):
         ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
 
 
+class BatchSizeEcho:
+    """A predictor whose every row's output is the batch size it was asked to use (importable by the workers)."""
+
+    def logits(self, x, batch_size):
+        return torch.full((len(x),), float(batch_size))
+
+
+def test_a_workers_forward_uses_the_callers_batch_size_on_the_named_split(pool):
+    """The eval batch size bounds a worker's memory as it bounds the loop's (`eval.batch_size`)."""
+    import pickle
+
+    algo = prepare(parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1}))
+    pool.load(algo)
+    parts = [torch.arange(0, 4), torch.arange(4, 6), torch.arange(6, 7)]
+    out = pool.forward(pickle.dumps(BatchSizeEcho()), "logits", "test", parts, 3)
+    assert [o.tolist() for o in out] == [[3.0] * 4, [3.0] * 2, [3.0]]
+
+
 def test_a_federation_of_many_clients_reaches_the_workers_as_a_copy(pool):
     """Each tensor shared with the workers holds a file descriptor: 10,000 clients' index tensors passed the
     open-file limit. The federation goes as plain bytes, only the data is shared: under a soft limit of 256 open
@@ -110,27 +128,42 @@ def test_a_federation_of_many_clients_reaches_the_workers_as_a_copy(pool):
 def test_a_pool_whose_worker_died_with_its_queue_full_lets_its_process_exit():
     """What was sent to a worker that died (or was killed at `close` while still starting up, under load) is
     dropped: its queue's background thread, blocked on a full pipe nobody reads, was joined at interpreter exit,
-    and the process that ran the pool never exited."""
+    and the process that ran the pool never exited. The live worker stops by itself when told (exit code 0, not
+    killed): its parent-watching thread (`exit_with_parent`) must not keep it alive."""
     script = (
         "from pflbed.engine.procs import WorkerPool, _put\n"
-        "pool = WorkerPool(1)\n"
+        "pool = WorkerPool(2)\n"
         "pool.procs[0].kill()\n"
         "pool.procs[0].join()\n"
         "_put(pool.tasks[0], ('algorithm', b'x' * (1 << 20)))  # more than a pipe holds\n"
         "pool.close()\n"
+        "print(pool.procs[1].exitcode)\n"
     )
     try:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("the process hung at exit after closing its pool")
-    assert done.returncode == 0, done.stderr
+    assert (done.returncode, done.stdout) == (0, "0\n"), done.stderr
+
+
+def test_a_process_not_started_by_multiprocessing_has_no_parent_to_watch():
+    import threading
+
+    from pflbed.engine.procs import exit_with_parent
+
+    before = threading.active_count()
+    exit_with_parent()  # this test's process: nothing to watch, nothing started
+    assert threading.active_count() == before
 
 
 def test_assign_balances_by_training_size():
     """Largest client first to the least-loaded worker: loads 10+1 vs 6+5, deterministic on ties."""
-    where = assign({0: 10, 1: 6, 2: 5, 3: 1}, 2)
-    assert where == {0: 0, 1: 1, 2: 1, 3: 0}
+    where = assign({0: 1, 1: 10, 2: 6, 3: 5}, 2)  # the largest first, not the lowest cid
+    assert where == {1: 0, 2: 1, 3: 1, 0: 0}
     assert assign({5: 3, 2: 3}, 2) == {2: 0, 5: 1}
+    # a client of one sample counts one, a client of none counts one too: both still take a worker's time
+    assert assign({0: 3, 1: 1, 2: 1, 3: 1}, 2) == {0: 0, 1: 1, 2: 1, 3: 1}
+    assert assign({0: 0, 1: 0, 2: 0}, 2) == {0: 0, 1: 1, 2: 0}
 
 
 @pytest.mark.parametrize("value", [0, 10**6])
