@@ -74,7 +74,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/guard.py": ["test_guard", "test_driver", "test_cli"],
     "engine/wire.py": ["test_wire", "test_contract", "test_executor"],
     "engine/packed.py": ["test_procs", "test_resume"],
-    "engine/procs.py": ["test_procs", "test_streaming", "test_orphans"],
+    "engine/procs.py": ["test_procs", "test_streaming", "test_orphans", "test_compute"],
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],

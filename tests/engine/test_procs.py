@@ -93,15 +93,23 @@ class BatchSizeEcho:
     def logits(self, x, batch_size):
         return torch.full((len(x),), float(batch_size))
 
+    def features(self, x, batch_size):
+        raise ValueError(f"no features of {len(x)} rows")
 
-def test_a_workers_forward_uses_the_callers_batch_size_on_the_named_split(pool):
-    """The eval batch size bounds a worker's memory as it bounds the loop's (`eval.batch_size`)."""
+
+def test_a_workers_forward_uses_the_callers_batch_size_and_reports_its_error(pool):
+    """The eval batch size bounds a worker's memory as it bounds the loop's (`eval.batch_size`). A forward that
+    fails in a worker is raised here with its type, message and traceback, once every worker's result is in: the
+    pool's next forward gets its own results, not the failed one's leftovers."""
     import pickle
 
     algo = prepare(parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1}))
     pool.load(algo)
     parts = [torch.arange(0, 4), torch.arange(4, 6), torch.arange(6, 7)]
-    out = pool.forward(pickle.dumps(BatchSizeEcho()), "logits", "test", parts, 3)
+    echo = pickle.dumps(BatchSizeEcho())
+    with pytest.raises(WorkerError, match=r"an evaluation forward: ValueError: no features of \d rows\n.*traceback"):
+        pool.forward(echo, "features", "test", parts, 3)
+    out = pool.forward(echo, "logits", "test", parts, 3)
     assert [o.tolist() for o in out] == [[3.0] * 4, [3.0] * 2, [3.0]]
 
 
@@ -129,15 +137,22 @@ def test_a_pool_whose_worker_died_with_its_queue_full_lets_its_process_exit():
     """What was sent to a worker that died (or was killed at `close` while still starting up, under load) is
     dropped: its queue's background thread, blocked on a full pipe nobody reads, was joined at interpreter exit,
     and the process that ran the pool never exited. The live worker stops by itself when told (exit code 0, not
-    killed): its parent-watching thread (`exit_with_parent`) must not keep it alive."""
+    killed): its parent-watching thread (`exit_with_parent`) must not keep it alive. A pool left open does not keep
+    its process from exiting either: its workers are daemons, stopped at exit."""
     script = (
-        "from pflbed.engine.procs import WorkerPool, _put\n"
+        "import torch\n"
+        "from pflbed.engine.procs import WorkerError, WorkerPool, _put\n"
+        "left_open = WorkerPool(1)\n"
         "pool = WorkerPool(2)\n"
-        "pool.procs[0].kill()\n"
-        "pool.procs[0].join()\n"
-        "_put(pool.tasks[0], ('algorithm', b'x' * (1 << 20)))  # more than a pipe holds\n"
+        "try:  # worker 0 is up once it answers (here with the error of an empty predictor)\n"
+        "    pool.forward(b'', 'logits', 'test', [torch.arange(1)], 1)\n"
+        "except WorkerError:\n"
+        "    pass\n"
+        "pool.procs[1].kill()\n"
+        "pool.procs[1].join()\n"
+        "_put(pool.tasks[1], ('algorithm', b'x' * (1 << 20)))  # more than a pipe holds\n"
         "pool.close()\n"
-        "print(pool.procs[1].exitcode)\n"
+        "print(pool.procs[0].exitcode)\n"
     )
     try:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
