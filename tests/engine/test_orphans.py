@@ -74,3 +74,39 @@ def test_workers_and_the_resource_tracker_exit_when_the_run_is_killed(tmp_path):
             if _stat(p):
                 os.kill(p, signal.SIGKILL)
         proc.stderr.close()
+
+
+WAITING_WORKER = """
+import time, torch
+from pflbed.engine.procs import WorkerError, WorkerPool
+pool = WorkerPool(1, threads=1)
+try:  # the worker answers (with the error of an empty predictor) once it is past its start-up
+    pool.forward(b'', 'logits', 'test', [torch.arange(1)], 1)
+except WorkerError:
+    print(pool.procs[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_an_idle_worker_exits_when_its_parent_is_killed():
+    """The case no pipe ends: the worker waits on an empty task queue whose write end it holds itself, so only its
+    watch on the parent (`procs.exit_with_parent`) can end it. (In a killed run a worker may also die reading a
+    task whose shared tensors the dead parent can no longer hand over, which let the run-level test above pass
+    with the watch removed.)"""
+    proc = subprocess.Popen([sys.executable, "-c", WAITING_WORKER], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _stat(worker):
+            time.sleep(0.05)
+        assert not _stat(worker), f"the worker still runs 10 s after its parent was killed: {_cmdline(worker)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        if worker is not None and _stat(worker):  # only if the check above failed
+            os.kill(worker, signal.SIGKILL)

@@ -10,7 +10,7 @@ import pflbed
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.engine.loop import prepare
 from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
-from pflbed.errors import ConfigError
+from pflbed.errors import ConfigError, DivergedError
 from pflbed.runs import run
 
 from ..tiny import PARITY_CASES, TINY, loop_run, parity_config
@@ -80,11 +80,53 @@ class FailingFedAvg(FedAvg):
 
 
 def test_a_failing_client_update_is_reported_with_the_client(pool):
-    """An exception in a worker reaches the caller as WorkerError naming the client and the worker's traceback."""
-    algo = FailingFedAvg(prepare(parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1})).ctx)
-    cids = algo.ctx.federation.participated[:2]
+    """An exception in a worker reaches the caller as WorkerError naming the client and the worker's traceback.
+    The round's other results, failed ones too, are collected and dropped: the pool's next round gets its own."""
+    cfg = parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1})
+    algo = FailingFedAvg(prepare(cfg).ctx)
+    cids = algo.ctx.federation.participated[:4]
     with pytest.raises(WorkerError, match=r"client \d+: ValueError: no data for client \d+\n.*worker traceback"):
         ProcsExecutor(algo, pool).run(1, algo.configure(1, algo.init_server(), cids))
+    fine = FedAvg(prepare(cfg).ctx)
+    replies = ProcsExecutor(fine, pool).run(1, fine.configure(1, fine.init_server(), cids))
+    assert sorted(replies) == sorted(cids)
+
+
+def test_evaluation_forwards_stay_here_unless_two_parts_two_workers_and_this_process_s_threads():
+    """`ProcsExecutor.forward` sends the parts to the workers only where that gives this process's numbers (the
+    workers' thread count is this process's) and can pay (two parts and two workers at least); None: run here."""
+    from types import SimpleNamespace
+
+    threads = torch.get_num_threads()
+    algo = FedAvg(prepare(parity_config("fedavg", {"threads": 1})).ctx)
+
+    def sent(parts: int, workers: int = 2, pool_threads: int = threads):
+        pool = SimpleNamespace(size=workers, threads=pool_threads, load=lambda a: None,
+                               forward=lambda pred, *rest: "sent")  # fmt: skip
+        return ProcsExecutor(algo, pool).forward(BatchSizeEcho(), "logits", "test", [torch.arange(1)] * parts, 8)
+
+    assert sent(2) == sent(5) == "sent"
+    assert sent(1) is None
+    assert sent(3, workers=1) is None
+    assert sent(3, pool_threads=threads + 1) is None
+
+
+class NanFedAvg(FedAvg):
+    """FedAvg whose every reply has a NaN bias (importable by the workers)."""
+
+    def client_update(self, payload, state, data, cctx):
+        reply, new_state = super().client_update(payload, state, data, cctx)
+        bias = reply["blocks.classifier.bias"]
+        return {**reply, "blocks.classifier.bias": torch.full_like(bias, float("nan"))}, new_state
+
+
+def test_a_non_finite_reply_from_a_worker_stops_the_round_naming_round_and_client(pool):
+    algo = NanFedAvg(prepare(parity_config("fedavg", {"name": "procs", "workers": 2, "threads": 1})).ctx)
+    cids = algo.ctx.federation.participated[:2]
+    with pytest.raises(DivergedError) as caught:
+        ProcsExecutor(algo, pool).run(3, algo.configure(3, algo.init_server(), cids))
+    assert caught.value.round == 3
+    assert caught.value.where == f"client {min(cids)}'s reply has non-finite values in 'blocks.classifier.bias'"
 
 
 class BatchSizeEcho:
@@ -136,20 +178,25 @@ def test_a_federation_of_many_clients_reaches_the_workers_as_a_copy(pool):
 def test_a_pool_whose_worker_died_with_its_queue_full_lets_its_process_exit():
     """What was sent to a worker that died (or was killed at `close` while still starting up, under load) is
     dropped: its queue's background thread, blocked on a full pipe nobody reads, was joined at interpreter exit,
-    and the process that ran the pool never exited. The live worker stops by itself when told (exit code 0, not
-    killed): its parent-watching thread (`exit_with_parent`) must not keep it alive. A pool left open does not keep
-    its process from exiting either: its workers are daemons, stopped at exit."""
+    and the process that ran the pool never exited. Waiting on a dead worker's answer raises, naming its exit
+    code (the pool looks for dead workers each second it waits). The live worker stops by itself when told (exit
+    code 0, not killed): its parent-watching thread (`exit_with_parent`) must not keep it alive. A pool left open
+    does not keep its process from exiting either: its workers are daemons, stopped at exit."""
     script = (
         "import torch\n"
         "from pflbed.engine.procs import WorkerError, WorkerPool, _put\n"
-        "left_open = WorkerPool(1)\n"
-        "pool = WorkerPool(2)\n"
+        "left_open = WorkerPool(1, threads=1)\n"
+        "pool = WorkerPool(2, threads=1)\n"
         "try:  # worker 0 is up once it answers (here with the error of an empty predictor)\n"
         "    pool.forward(b'', 'logits', 'test', [torch.arange(1)], 1)\n"
         "except WorkerError:\n"
         "    pass\n"
         "pool.procs[1].kill()\n"
         "pool.procs[1].join()\n"
+        "try:  # one part to each worker: worker 1 will never answer\n"
+        "    pool.forward(b'', 'logits', 'test', [torch.arange(1), torch.arange(1, 2)], 1)\n"
+        "except WorkerError as e:\n"
+        "    print(e)\n"
         "_put(pool.tasks[1], ('algorithm', b'x' * (1 << 20)))  # more than a pipe holds\n"
         "pool.close()\n"
         "print(pool.procs[0].exitcode)\n"
@@ -158,7 +205,7 @@ def test_a_pool_whose_worker_died_with_its_queue_full_lets_its_process_exit():
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("the process hung at exit after closing its pool")
-    assert (done.returncode, done.stdout) == (0, "0\n"), done.stderr
+    assert (done.returncode, done.stdout) == (0, "a worker process died (exit code -9)\n0\n"), done.stderr
 
 
 def test_a_process_not_started_by_multiprocessing_has_no_parent_to_watch():

@@ -133,7 +133,7 @@ class WorkerPool:
     cannot be used in forked children at all.
     """
 
-    def __init__(self, workers: int, threads: int = 1) -> None:
+    def __init__(self, workers: int, threads: int) -> None:
         ctx = mp.get_context("spawn")
         self.threads = threads
         self.device = torch.device("cpu")  # the loaded algorithm's (`load`)
