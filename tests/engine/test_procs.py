@@ -1,4 +1,6 @@
-"""The worker-process executor gives the loop executor's results, bit for bit, for every algorithm."""
+"""The worker-process executor gives the loop executor's results, bit for bit, for every algorithm; its pool
+reports failed and dead workers, leaves no result of a stopped round behind, and never keeps a process from
+exiting."""
 
 import subprocess
 import sys
@@ -92,6 +94,16 @@ def test_a_failing_client_update_is_reported_with_the_client(pool):
     assert sorted(replies) == sorted(cids)
 
 
+class BatchSizeEcho:
+    """A predictor whose every row's output is the batch size it was asked to use (importable by the workers)."""
+
+    def logits(self, x, batch_size):
+        return torch.full((len(x),), float(batch_size))
+
+    def features(self, x, batch_size):
+        raise ValueError(f"no features of {len(x)} rows")
+
+
 def test_evaluation_forwards_stay_here_unless_two_parts_two_workers_and_this_process_s_threads():
     """`ProcsExecutor.forward` sends the parts to the workers only where that gives this process's numbers (the
     workers' thread count is this process's) and can pay (two parts and two workers at least); None: run here."""
@@ -127,16 +139,6 @@ def test_a_non_finite_reply_from_a_worker_stops_the_round_naming_round_and_clien
         ProcsExecutor(algo, pool).run(3, algo.configure(3, algo.init_server(), cids))
     assert caught.value.round == 3
     assert caught.value.where == f"client {min(cids)}'s reply has non-finite values in 'blocks.classifier.bias'"
-
-
-class BatchSizeEcho:
-    """A predictor whose every row's output is the batch size it was asked to use (importable by the workers)."""
-
-    def logits(self, x, batch_size):
-        return torch.full((len(x),), float(batch_size))
-
-    def features(self, x, batch_size):
-        raise ValueError(f"no features of {len(x)} rows")
 
 
 def test_a_workers_forward_uses_the_callers_batch_size_and_reports_its_error(pool):
