@@ -243,3 +243,81 @@ def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     (draw,) = _done(sampled, sampled.methods[0])
     assert draw.params["train.lr"] != cfg.train.lr and "default" not in draw.user_attrs
     assert sampled.rows()[0]["default_trial"] is None
+
+
+def _held(tuner) -> bool:
+    """Whether this process holds the study's lock (`Studies.exclusive`): a second lock on the file would block."""
+    import fcntl
+
+    fd = os.open(tuner.out / "study.db.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_every_look_then_change_step_on_an_sqlite_study_holds_its_lock(tmp_path, monkeypatch):
+    """SQLite cannot lock a row, so two processes taking one waiting trial at once could both get it (and ran it
+    twice): queueing the default, queueing a dead process's trial again and taking a waiting trial each happen
+    while this process holds the lock file beside the database, which is private."""
+    seen: dict[str, list[bool]] = {"enqueue_trial": [], "ask": [], "set_trial_state_values": []}
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=1)
+    for name in ("enqueue_trial", "ask"):
+        real = getattr(optuna.Study, name)
+        monkeypatch.setattr(optuna.Study, name, lambda self, *a, _r=real, _n=name, **k: (
+            seen[_n].append(_held(tuner)), _r(self, *a, **k))[1])  # fmt: skip
+    study = tuner.study(tuner.methods[0])
+    assert oct((tuner.out / "study.db.lock").stat().st_mode & 0o777) == "0o600"
+    trial = study.ask()
+    study._storage.set_trial_user_attr(trial._trial_id, "host", _process()["host"])
+    study._storage.set_trial_user_attr(trial._trial_id, "pid", 2**22 + 12345)  # a process gone
+    real_set = study._storage.set_trial_state_values
+    monkeypatch.setattr(study._storage, "set_trial_state_values", lambda *a, **k: (
+        seen["set_trial_state_values"].append(_held(tuner)), real_set(*a, **k))[1])  # fmt: skip
+    assert tuner.recover(study) == 1
+    assert tuner._one_trial(study, tuner.methods[0], lambda *_: None)
+    # the test's own ask (above) is the one taken without the lock; the trial's state is set by recover and by the
+    # take of the queued trial under it, and by the final tell without it (a trial only its own process tells)
+    assert seen == {"enqueue_trial": [True, True], "ask": [False, True], "set_trial_state_values": [True, True, False]}
+    assert not _held(tuner)  # released
+    served = Tuner(tuner.suite, out=tmp_path / "served", storage="postgresql://u:p@localhost/db")
+    with served.exclusive():  # a server database locks the row itself: no lock file
+        assert not (tmp_path / "served").exists()
+
+
+def test_a_trial_queued_twice_runs_once(tmp_path):
+    """Two commands starting a study on a server database can both queue its default, and two processes of one
+    machine can both queue a dead process's trial again: the later copy is dropped where it is taken (failed, not
+    counted), the earliest runs."""
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedprox"}}}, budget=100, trials=3)
+    study = tuner.study(tuner.methods[0])  # queues the default
+    default = study.get_trials()[0].params or tuner.methods[0].default
+    study.enqueue_trial(tuner.methods[0].default, user_attrs={"default": True})  # the other command's
+    for _ in range(2):
+        study.enqueue_trial({"train.lr": 0.02}, user_attrs={"retry_of": 7})
+    assert tuner.run_trials(**QUIET) == 3
+    trials = study.get_trials()
+    assert [(t.state, t.user_attrs.get("duplicate_of")) for t in trials[:4]] == [
+        (TrialState.COMPLETE, None), (TrialState.FAIL, 0), (TrialState.COMPLETE, None), (TrialState.FAIL, 2)]
+    assert trials[0].params == default and trials[2].params["train.lr"] == 0.02
+    assert len(_done(tuner, tuner.methods[0])) == 3  # the third is drawn: the repeats took none of the budget
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_trial_another_process_recovered_first_is_left_to_it(tmp_path, monkeypatch):
+    """Two processes of one machine recovering the same dead trial: the second finds it already failed (a server
+    database locks the row) and neither raises nor queues it a second time."""
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=1, first="sampled")
+    study = tuner.study(tuner.methods[0])
+    trial = study.ask()
+    stale = study.get_trials(deepcopy=True)  # what the second process read: RUNNING
+    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # the first process's recovery
+    monkeypatch.setattr(type(study), "get_trials", lambda self, *a, **k: stale)
+    monkeypatch.setattr("pflbed.results.tune.studies._dead", lambda owner: True)
+    assert tuner.recover(study) == 0
+    monkeypatch.undo()
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]

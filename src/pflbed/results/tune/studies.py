@@ -4,6 +4,7 @@ and which running trials a dead process left behind."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -231,11 +232,34 @@ class Studies:
         if method.name not in self._checked:
             self._check_setup(method, study)
             self._checked.add(method.name)
-            if method.default and not study.user_attrs.get("default queued"):  # once per study, before any trial
-                study.set_user_attr("default queued", True)
-                if not study.trials:
-                    study.enqueue_trial(method.default, user_attrs={"default": True})
+            with self.exclusive():  # once per study, before any trial
+                if method.default and not study.user_attrs.get("default queued"):
+                    study.set_user_attr("default queued", True)
+                    if not study.trials:
+                        study.enqueue_trial(method.default, user_attrs={"default": True})
         return study
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Held while this process looks at a study and changes it on what it saw (queues the default trial, queues
+        a dead process's trials again, takes a waiting trial): on an SQLite storage, no other process does so
+        meanwhile (a lock file beside the database, created private).
+
+        Why: SQLite cannot lock a row (Optuna's `SELECT … FOR UPDATE` is a no-op there), so two processes taking
+        one waiting trial at once could both get it; they ran it twice, and the second's report was refused
+        ("Trial#0 has already finished"). Two takes started together got the same trial 14 times in 30. A server
+        database locks the row; the duplicates its other look-then-change steps can leave (two commands starting a
+        study at once both queue its default) are dropped when taken (`twin`)."""
+        db = self.storage_url.removeprefix("sqlite:///") if self.storage_url.startswith("sqlite:///") else ""
+        if db in ("", ":memory:"):
+            yield
+            return
+        fd = os.open(f"{db}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # and with it the lock
 
     def _check_setup(self, method: Method, study) -> None:
         """The study's trials ran with this method's setup (recorded by the first command on it): a suite changed
@@ -303,15 +327,20 @@ class Studies:
     def recover(self, study) -> int:
         """Trials left RUNNING by a dead process that this one can see (`_dead`): marked failed, their parameters
         queued again. Others (another machine, another container) are left to the storage's heartbeat."""
+        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
         n = 0
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if not _dead(t.user_attrs):
-                continue
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
-            n += 1
+        with self.exclusive():
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if not _dead(t.user_attrs):
+                    continue
+                try:
+                    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                except UpdateFinishedTrialError:  # another process of this machine recovered it first
+                    continue
+                study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+                n += 1
         return n
 
 

@@ -45,6 +45,19 @@ def first_to_finish(study, number: int) -> bool:
     return bool(running) and number == min(running)
 
 
+def twin(study, number: int) -> int | None:
+    """The earlier trial that trial `number` repeats, if it was queued twice: the default configuration (queued
+    once per study) or a dead process's trial queued again. Two commands starting one study on a server database
+    can both queue its default, and the repeat would spend the budget on a configuration already run; it is dropped
+    (failed, not counted) where it is taken, the earliest kept."""
+    trials = study.get_trials(deepcopy=False)
+    mine = next(t for t in trials if t.number == number).user_attrs
+    for key in ("default", "retry_of"):
+        if key in mine:
+            return next((t.number for t in trials if t.number < number and t.user_attrs.get(key) == mine[key]), None)
+    return None
+
+
 REFUSED_IN_A_ROW = 25  # trials the algorithm refused, one after another, before the search gives up
 
 
@@ -106,9 +119,14 @@ class Trials:
         from optuna.trial import TrialState
 
         optuna = optuna_module()
-        with warnings.catch_warnings():  # the storage's heartbeat is kept below, as optimize keeps it
+        with warnings.catch_warnings(), self.exclusive():  # the heartbeat is kept below, as optimize keeps it
             warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
             trial = study.ask()
+        first = twin(study, trial.number)
+        if first is not None:
+            trial.set_user_attr("duplicate_of", first)
+            study.tell(trial, state=TrialState.FAIL)
+            return False
         try:
             with _heartbeat(study._storage, trial._trial_id):
                 value = self._objective(method, trial, log)
