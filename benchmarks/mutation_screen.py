@@ -78,6 +78,9 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],
+    "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
+    "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
+    "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],
 }
 
 
@@ -160,8 +163,37 @@ def _alarm(*_):
     raise _Timeout
 
 
+def reach(args: list[str]) -> dict[str, list[str]]:
+    """The tests of a selection (`args`: pytest's) that reach each mutated function: one run of them on the unmutated
+    code with mutmut's trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`, as `mutmut run` records
+    them before testing), the caches emptied before each test so that each one's calls are its own. Calls made in a
+    process a test starts are not seen: a test that reaches a function only there is left out (`--reach` then misses
+    it; screen such mutants without it)."""
+    import pytest
+    from mutmut.state import state
+
+    hits: dict[str, list[str]] = collections.defaultdict(list)
+
+    class Recorder:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            clear_caches()
+            state()._stats.clear()
+            os.environ["MUTANT_UNDER_TEST"] = "stats"
+            yield
+            for name in state()._stats:
+                hits[name].append(item.nodeid)
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = pytest.main(["-p", "no:cacheprovider", "-q", *args], plugins=[Recorder()])
+    if rc != 0:
+        sys.exit(f"mutation_screen: the unmutated code fails {' '.join(args)} (recording which tests reach what)")
+    return hits
+
+
 def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | None = None,
-        tests: list[str] | None = None, out_name: str = "screen", keyword: str | None = None) -> None:
+        tests: list[str] | None = None, out_name: str = "screen", keyword: str | None = None,
+        reached: bool = False) -> None:
     files_given = [test_path(n) for n in tests] if tests else None  # before chdir: a misspelt name stops here
     os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
     sys.path.insert(0, str(MUTANTS / "src"))
@@ -183,6 +215,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     done = {line.split()[1] for line in out.read_text().splitlines()} if out.exists() else set()
     signal.signal(signal.SIGALRM, _alarm)
     passing: set[tuple[str, ...]] = set()  # test selections the unmutated code passes
+    reaching: dict[tuple[str, ...], dict[str, list[str]]] = {}  # selection -> function -> its tests (`reached`)
 
     def pytest_rc(files: list[str], k: list[str], mutant: str) -> int:
         clear_caches()
@@ -201,6 +234,14 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
                     sys.exit(f"mutation_screen: the unmutated code fails {' '.join(files + k)}: mutants/ or its "
                              "tests/ copy is stale (run `generate` again)")
                 passing.add(tuple(files + k))
+            if reached:  # only the tests that call the mutated function, named one by one
+                if tuple(files + k) not in reaching:
+                    reaching[tuple(files + k)] = reach([*k, *files])
+                files, k = reaching[tuple(files + k)].get(name.partition("__mutmut_")[0], []), []
+                if not files:
+                    fh.write(f"NOTESTS {name}\n")
+                    fh.flush()
+                    continue
             signal.alarm(timeout)
             try:
                 rc = pytest_rc(files, k, name)
@@ -249,13 +290,16 @@ def main() -> None:
     p.add_argument("--tests", help="comma-separated test modules to run instead of each file's own (run)")
     p.add_argument("--out", default="screen", help="results file prefix under mutants/ (run)")
     p.add_argument("--keyword", help="pytest -k expression; {stem} is the mutated file's name (run)")
+    p.add_argument("--reach", action="store_true", help="run each mutant against the tests (of the selection) that "
+                   "call its function only, as mutmut does (run)")
     a = p.parse_args()
     skip = set(a.skip.read_text().split()) if a.skip else set()
     if a.command == "generate":
         generate()
     elif a.command == "run":
         only = set(a.only.read_text().split()) if a.only else None
-        run(a.shard, a.shards, skip, a.timeout, only, a.tests.split(",") if a.tests else None, a.out, a.keyword)
+        run(a.shard, a.shards, skip, a.timeout, only, a.tests.split(",") if a.tests else None, a.out, a.keyword,
+            a.reach)
     else:
         report(skip)
 

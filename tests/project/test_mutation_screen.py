@@ -110,6 +110,19 @@ def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_pat
     assert all(verdict == "KILLED" for verdict, _ in again)
     assert f"| `toy.py` | {len(first)} | {len(first)} | 0 | 0 | 100.0 % |" in _shell(report, project)
 
+    # --reach: each mutant against only the tests that call its function. test_contract never calls `scaled`: its
+    # mutants run no test; `share`'s get the verdicts the whole file gives them
+    verdicts = {}
+    for out, reach in (("all", ""), ("reach", "--reach")):
+        _shell(f"python benchmarks/mutation_screen.py run --tests test_contract {reach} --out {out}", project)
+        lines = (project / "mutants" / f"{out}-0.txt").read_text().splitlines()
+        verdicts[out] = {name: verdict for verdict, name in (line.split() for line in lines)}
+    assert sorted(verdicts["reach"]) == sorted(names)
+    scaled = {n for n in names if ".x_scaled__" in n}
+    assert scaled and {verdicts["reach"][n] for n in scaled} == {"NOTESTS"} != {verdicts["all"][n] for n in scaled}
+    assert {n: v for n, v in verdicts["reach"].items() if n not in scaled} == \
+        {n: v for n, v in verdicts["all"].items() if n not in scaled}  # fmt: skip
+
     # A copy of the tests that the unmutated code fails (here: edited after `generate`) would count every mutant
     # as killed: the screen stops instead, and records nothing.
     copied = project / "mutants" / "tests" / "algorithms" / "test_contract.py"

@@ -403,6 +403,22 @@ def test_the_tuned_configuration_is_the_trial_with_the_highest_validation_figure
     assert tuner.best(method).number == study.best_trial.number
     bench, rows = tuner.bench()
     assert bench.suite.tables["tuned"].methods[rows["FedAvg"]].set["train.lr"] == 0.1
+    study.add_trial(optuna.trial.create_trial(params={"train.lr": 0.2}, distributions={"train.lr": lr}, value=0.8))
+    assert tuner.best(method).params == {"train.lr": 0.1}  # a tie: the earlier trial
+
+
+def test_a_study_without_a_complete_trial_has_no_tuned_configuration(tmp_path):
+    """Only pruned (or failed) trials: nothing was scored to the end, so nothing is chosen, and the table re-runs the
+    default alone."""
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
+    method = tuner.methods[0]
+    study = tuner.study(method)
+    lr = optuna.distributions.FloatDistribution(1e-3, 0.3, log=True)
+    study.add_trial(optuna.trial.create_trial(params={"train.lr": 0.1}, distributions={"train.lr": lr},
+                                              state=TrialState.PRUNED, intermediate_values={1: 0.9}))  # fmt: skip
+    assert tuner.best(method) is None
+    bench, rows = tuner.bench()
+    assert rows == {} and "tuned" not in bench.suite.tables
 
 
 def test_objective_values_are_validation_figures():

@@ -68,6 +68,25 @@ def test_the_trial_that_spends_the_budget_is_cut_at_that_evaluation(tmp_path):
     assert tuner.spent(tuner.study(tuner.methods[0])) == 1.5 * tuner.unit()
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_the_budget_spent_is_the_finished_and_running_trials_compute(tmp_path):
+    """The study's spent compute sums the sample passes of its complete, pruned and running trials (a running one's
+    so far), and of no failed or waiting one: a failed trial's parameters are queued again, or it took none of the
+    budget (surplus, a repeat); a trial just taken has trained nothing yet. `but` leaves one trial out."""
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    study = tuner.study(tuner.methods[0])
+    for state, passes in ((TrialState.COMPLETE, 1), (TrialState.PRUNED, 10), (TrialState.FAIL, 1000)):
+        study.add_trial(create_trial(state=state, value=0.5 if state == TrialState.COMPLETE else None,
+                                     user_attrs={"passes": passes}))  # fmt: skip
+    running = study.ask()
+    study.enqueue_trial({}, user_attrs={"passes": 10000})
+    assert tuner.spent(study) == 11  # the running trial has no passes yet: 0
+    study._storage.set_trial_user_attr(running._trial_id, "passes", 100)
+    assert tuner.spent(study) == 111 and tuner.spent(study, but=running.number) == 11
+    assert tuner.spent(study, but=1) == 101
+    assert tuner.counts(study) == (2, 1)
+
+
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
 def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     """Median pruner, 8 rounds, warm-up a quarter: a trial far below the others is not judged at round 1 (the old
