@@ -87,6 +87,30 @@ def test_the_budget_spent_is_the_finished_and_running_trials_compute(tmp_path):
     assert tuner.counts(study) == (2, 1)
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_a_study_is_finished_once_nothing_runs_and_its_budget_or_its_cap_is_reached(tmp_path):
+    """Finished = no trial running, and the budget spent or (with a cap) the cap's trials finished."""
+    tuner = _tuner(tmp_path / "budget", {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=2, first="sampled")
+    method, unit = tuner.methods[0], int(tuner.unit())
+    study = tuner.study(method)
+    study.add_trial(create_trial(value=0.5, user_attrs={"passes": unit}))
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"passes": unit - 1}))
+    assert not tuner.finished(method, study)  # one sample pass short of 2 base runs
+    running = study.ask()
+    study._storage.set_trial_user_attr(running._trial_id, "passes", 1)
+    assert not tuner.finished(method, study)  # spent, but a trial still runs
+    study.tell(running, 0.5)
+    assert tuner.finished(method, study)
+    capped = _tuner(tmp_path / "cap", {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=2,
+                    first="sampled")  # fmt: skip
+    method = capped.methods[0]
+    study = capped.study(method)
+    study.add_trial(create_trial(value=0.5, user_attrs={"passes": 1}))
+    assert not capped.finished(method, study)
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"passes": 1}))
+    assert capped.finished(method, study)
+
+
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
 def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     """Median pruner, 8 rounds, warm-up a quarter: a trial far below the others is not judged at round 1 (the old
@@ -326,17 +350,28 @@ def test_a_trial_queued_twice_runs_once(tmp_path):
     assert len(_done(tuner, tuner.methods[0])) == 3  # the third is drawn: the repeats took none of the budget
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
-def test_a_trial_another_process_recovered_first_is_left_to_it(tmp_path, monkeypatch):
-    """Two processes of one machine recovering the same dead trial: the second finds it already failed (a server
-    database locks the row) and neither raises nor queues it a second time."""
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=1, first="sampled")
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_recover_queues_each_trial_of_a_gone_process_again_once(tmp_path, monkeypatch):
+    """`recover` fails every running trial whose process is gone and queues its parameters again, and says how many;
+    a live process's trial keeps running. A trial another process of this machine recovered first (found failed: a
+    server database locks the row) is neither raised on nor queued a second time, and the others are still
+    recovered."""
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
     study = tuner.study(tuner.methods[0])
-    trial = study.ask()
-    stale = study.get_trials(deepcopy=True)  # what the second process read: RUNNING
-    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # the first process's recovery
+    here = _process()
+    gone = {**here, "pid": 2**22 + 12345}
+    owners = [here, gone, gone, gone]  # alive; gone; gone, but recovered elsewhere first; gone
+    trials = [study.ask() for _ in owners]
+    for t, owner in zip(trials, owners, strict=True):
+        t.suggest_float("train.lr", 1e-3, 0.3, log=True)
+        for key, value in owner.items():
+            study._storage.set_trial_user_attr(t._trial_id, key, value)
+    stale = study.get_trials(deepcopy=True)  # what this process read: all running
+    study._storage.set_trial_state_values(trials[2]._trial_id, TrialState.FAIL)  # the other process's recovery
     monkeypatch.setattr(type(study), "get_trials", lambda self, *a, **k: stale)
-    monkeypatch.setattr("pflbed.results.tune.studies._dead", lambda owner: True)
-    assert tuner.recover(study) == 0
+    assert tuner.recover(study) == 2
     monkeypatch.undo()
-    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
+    after = study.get_trials()
+    assert [t.state for t in after] == [TrialState.RUNNING, *[TrialState.FAIL] * 3, *[TrialState.WAITING] * 2]
+    queued = [(t.user_attrs["retry_of"], t.system_attrs["fixed_params"]) for t in after[4:]]  # taken: its params
+    assert queued == [(n, after[n].params) for n in (1, 3)]
