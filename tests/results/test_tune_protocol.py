@@ -20,6 +20,7 @@ from pflbed.config import validate_config  # noqa: E402
 from pflbed.data import load_source  # noqa: E402
 from pflbed.federation import build_federation  # noqa: E402
 from pflbed.results.tune import Tuner, TuneSuite, _dead, _process, load_tune_suite  # noqa: E402
+from pflbed.results.tune.trials import first_to_finish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {"clients": 3},
@@ -109,6 +110,21 @@ def test_a_study_is_finished_once_nothing_runs_and_its_budget_or_its_cap_is_reac
     assert not capped.finished(method, study)
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"passes": 1}))
     assert capped.finished(method, study)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+def test_the_trial_stopped_rather_than_cut_is_the_oldest_running_one_while_none_is_complete(tmp_path):
+    """Where the budget is spent, the oldest running trial of a study with no complete trial is stopped and scored
+    (so that the study has one to choose); any other is cut. Older trials that ended otherwise (pruned, failed)
+    do not count."""
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    study = tuner.study(tuner.methods[0])
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"passes": 1}))
+    study.add_trial(create_trial(state=TrialState.FAIL))
+    older, younger = study.ask(), study.ask()
+    assert first_to_finish(study, older.number) and not first_to_finish(study, younger.number)
+    study.tell(older, 0.5)
+    assert not first_to_finish(study, younger.number)  # the study has a complete trial
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
