@@ -230,6 +230,49 @@ def test_a_search_the_algorithm_refuses_throughout_stops_in_one_line(tmp_path, m
     assert len(tuner.study(tuner.methods[0]).get_trials()) == 3
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
+def test_a_run_of_refusals_counts_finished_trials_only_and_names_the_last_refusal(tmp_path):
+    """The run of refusals that stops a search is one of finished trials: a surplus trial (failed) or another
+    worker's running trial in between neither breaks it nor ends it; a complete trial does. The message quotes the
+    last refusal."""
+    from pflbed.errors import PflbedError
+    from pflbed.results.tune.trials import REFUSED_IN_A_ROW, refused_in_a_row
+
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    method = tuner.methods[0]
+    study = tuner.study(method)
+    for i in range(REFUSED_IN_A_ROW - 1):
+        study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"refused": f"reason {i}"}))
+        if i == 3:
+            study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"surplus": True}))
+    refused_in_a_row(study, method)  # one refusal short
+    study.ask()  # another worker's trial, running
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"refused": "the last reason"}))
+    with pytest.raises(PflbedError, match=rf"the last {REFUSED_IN_A_ROW} trials' values \(e.g. the last reason\)"):
+        refused_in_a_row(study, method)
+    study.add_trial(create_trial(value=0.5))
+    refused_in_a_row(study, method)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
+def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_does_not(tmp_path):
+    """With nothing left to start (here the trial cap: one trial finished, one running in another process), a
+    worker stops at once, and the main process (the default) waits until the other trial is finished: its final
+    re-runs need finished studies."""
+    import threading
+
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=2, first="sampled")
+    study = tuner.study(tuner.methods[0])
+    study.add_trial(create_trial(value=0.5, user_attrs={"passes": 1}))
+    elsewhere = study.ask()
+    logs: list[str] = []
+    assert tuner.run_trials(worker=True, log=logs.append) == 0
+    assert "nothing left to start" in logs[-1] and study.get_trials()[1].state == TrialState.RUNNING
+    threading.Timer(1.0, lambda: study.tell(elsewhere, 0.6)).start()
+    assert tuner.run_trials(log=logs.append) == 0
+    assert study.get_trials()[1].state == TrialState.COMPLETE
+
+
 def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_path):
     """The new clients' personalization trains (and would count against the budget) but only `new_val` reads it:
     other trials skip it; the re-runs keep it (their new-client figures are reported)."""
