@@ -211,6 +211,25 @@ def test_a_trial_owner_is_dead_only_where_this_process_can_tell():
         assert _dead({**here, "started": here["started"] - 1})  # this pid, but an earlier process's
     assert not _dead({**here, "host": here["host"] + "-other", "pid": gone.pid})
     assert os.getpid() == here["pid"]
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # another live process: its own start time is read, not this process's
+        owner = _process(alive.pid)
+        assert not _dead(owner)
+        if "started" in owner:
+            assert _dead({**owner, "started": owner["started"] - 1})
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_trial_owner_this_process_may_not_signal_is_alive(monkeypatch):
+    """Another user's process (signalling it is refused): alive, its trial left alone."""
+
+    def refused(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("pflbed.results.tune.studies.os.kill", refused)
+    assert not _dead({**_process(), "pid": 1})
 
 
 def test_a_search_the_algorithm_refuses_throughout_stops_in_one_line(tmp_path, monkeypatch):
@@ -271,6 +290,16 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     threading.Timer(1.0, lambda: study.tell(elsewhere, 0.6)).start()
     assert tuner.run_trials(log=logs.append) == 0
     assert study.get_trials()[1].state == TrialState.COMPLETE
+    # the same with the budget spent to the sample pass (1 base run) and no cap
+    spent = _tuner(tmp_path / "spent", {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=1, first="sampled")
+    study = spent.study(spent.methods[0])
+    study.add_trial(create_trial(value=0.5, user_attrs={"passes": int(spent.unit())}))
+    elsewhere = study.ask()
+    timer = threading.Timer(3.0, lambda: study.tell(elsewhere, 0.6))  # ends a wrong loop of surplus trials
+    timer.start()
+    assert spent.run_trials(worker=True, log=logs.append) == 0
+    timer.cancel()
+    assert "nothing left to start (1.00 of 1 base runs spent" in logs[-1] and len(study.get_trials()) == 2
 
 
 def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_path):
