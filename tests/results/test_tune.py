@@ -281,7 +281,9 @@ def test_a_ctrl_c_leaves_its_trial_running_for_the_next_command_to_queue_again(t
     study._storage.set_trial_user_attr(left._trial_id, "pid", 2**22 + 12345)  # its process is gone
     monkeypatch.setattr(pflbed.runs, "run", real)
     again = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
-    assert again.run_trials(log=lambda *_: None) == 2
+    logs: list[str] = []
+    assert again.run_trials(log=logs.append) == 2
+    assert logs[0] == "FedAvg: re-queued the trials a stopped process left running"
     trials = again.study(again.methods[0]).get_trials()
     retried = [t for t in trials if t.user_attrs.get("retry_of") == left.number]
     assert trials[0].state == TrialState.FAIL and len(retried) == 1 and retried[0].params == left.params

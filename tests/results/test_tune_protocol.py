@@ -287,7 +287,7 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     logs: list[str] = []
     assert tuner.run_trials(worker=True, log=logs.append) == 0
     assert "nothing left to start" in logs[-1] and study.get_trials()[1].state == TrialState.RUNNING
-    threading.Timer(1.0, lambda: study.tell(elsewhere, 0.6)).start()
+    threading.Timer(3.0, lambda: study.tell(elsewhere, 0.6)).start()  # after the first look (every 2 s)
     assert tuner.run_trials(log=logs.append) == 0
     assert study.get_trials()[1].state == TrialState.COMPLETE
     # the same with the budget spent to the sample pass (1 base run) and no cap
@@ -300,6 +300,59 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     assert spent.run_trials(worker=True, log=logs.append) == 0
     timer.cancel()
     assert "nothing left to start (1.00 of 1 base runs spent" in logs[-1] and len(study.get_trials()) == 2
+
+
+def test_the_main_process_fails_a_trial_whose_heartbeat_stopped_and_runs_it_again(tmp_path, monkeypatch):
+    """A trial of another machine whose heartbeat stopped (that machine died; `recover` cannot see its process) is
+    failed by the main process while it waits, and queued again, so the study finishes instead of waiting for ever.
+    The storage's 1-s grace period here stands for its 2 minutes."""
+    import threading
+    import time
+
+    class Brief(optuna.storages.RDBStorage):
+        def __init__(self, url, **kwargs):
+            super().__init__(url, **{**kwargs, "heartbeat_interval": 1, "grace_period": 1})
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", Brief)
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=2, first="sampled")
+    study = tuner.study(tuner.methods[0])
+    study.add_trial(create_trial(value=0.5, user_attrs={"passes": 1}))
+    with pytest.warns(UserWarning, match="Heartbeat of storage"):
+        lost = study.ask()
+    lost.suggest_float("train.lr", 1e-3, 0.3, log=True)
+    study._storage.record_heartbeat(lost._trial_id)
+    time.sleep(1.5)
+    guard = threading.Timer(30.0, lambda: study.tell(lost, state=TrialState.FAIL))  # ends a wait that never would
+    guard.start()
+    assert tuner.run_trials(**QUIET) == 1
+    guard.cancel()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert trials[2].params["train.lr"] == trials[1].params["train.lr"]  # the lost trial's value, queued again
+
+
+@pytest.mark.filterwarnings("error:Heartbeat of storage")
+def test_a_trial_keeps_its_heartbeat_without_optunas_warning_that_only_optimize_does(tmp_path):
+    """`pflbed tune` asks and tells (not `study.optimize`) and keeps the trial's heartbeat itself: Optuna's warning
+    that heartbeats go with optimize is silenced where the trial is asked (an error here)."""
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=1, first="sampled")
+    assert tuner.run_trials(**QUIET) == 1
+
+
+def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(tmp_path, monkeypatch):
+    """The main process seeds its sampler (a study restarted draws the same way); a worker's sampler is unseeded, so
+    two workers started together on one study do not draw the same parameters."""
+    import pflbed.runs
+
+    monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    drawn = {}
+    for name, worker in (("main", False), ("again", False), ("worker", True)):
+        tuner = _tuner(tmp_path / name, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+        with pytest.raises(KeyboardInterrupt):  # the trial's parameters are drawn, then it stops
+            tuner.run_trials(worker=worker, **QUIET)
+        (trial,) = tuner.study(tuner.methods[0]).get_trials()
+        drawn[name] = trial.params
+    assert drawn["main"] == drawn["again"] != drawn["worker"]
 
 
 def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_path):
