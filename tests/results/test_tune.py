@@ -102,6 +102,7 @@ import re  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
@@ -314,7 +315,24 @@ def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
     late = study.ask()
     with pytest.raises(_Surplus):
         tuner._objective(tuner.methods[0], late, lambda *_: None)
+    assert not tuner._one_trial(study, tuner.methods[0], lambda *_: None)  # asked, found surplus, told: not counted
+    trials = study.get_trials()
+    assert trials[-1].state == TrialState.FAIL and trials[-1].user_attrs["surplus"] and len(trials) == 4
     assert tuner.run_trials(worker=True) == 0 and not (tuner.out / "trials").exists()
+
+
+def test_a_running_trial_keeps_its_own_heartbeat(tmp_path, monkeypatch):
+    """While a trial runs, its heartbeat is recorded (a machine that dies mid-trial is then found by the heartbeat's
+    grace period, `fail_stale_trials`), and the heartbeat stops with the trial."""
+    beats = []
+    real = optuna.storages.RDBStorage.record_heartbeat
+    monkeypatch.setattr(optuna.storages.RDBStorage, "record_heartbeat",
+                        lambda self, trial_id: (beats.append(trial_id), real(self, trial_id))[1])  # fmt: skip
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 1)))
+    assert tuner.run_trials(log=lambda *_: None) == 1
+    (trial,) = tuner.study(tuner.methods[0]).get_trials()
+    assert beats and set(beats) == {trial._trial_id}
+    assert not [t for t in threading.enumerate() if t.name == "pflbed-tune-heartbeat"]
 
 
 def test_equal_budgets_are_enforced(tmp_path, capsys):
