@@ -321,6 +321,19 @@ def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
     assert tuner.run_trials(worker=True) == 0 and not (tuner.out / "trials").exists()
 
 
+def test_a_trial_that_raises_is_failed_and_its_error_goes_on(tmp_path, monkeypatch):
+    """An error inside a trial that is not the run's (not a divergence, a refusal or a prune): the trial is recorded
+    failed, not counted, and the error reaches the command (one line there), not swallowed."""
+    import pflbed.runs
+
+    monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
+    with pytest.raises(OSError, match="disk full"):
+        tuner.run_trials(log=lambda *_: None)
+    (trial,) = tuner.study(tuner.methods[0]).get_trials()
+    assert trial.state == TrialState.FAIL and tuner.counts(tuner.study(tuner.methods[0])) == (0, 0)
+
+
 def test_a_running_trial_keeps_its_own_heartbeat(tmp_path, monkeypatch):
     """While a trial runs, its heartbeat is recorded (a machine that dies mid-trial is then found by the heartbeat's
     grace period, `fail_stale_trials`), and the heartbeat stops with the trial."""

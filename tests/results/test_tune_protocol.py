@@ -300,6 +300,9 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     assert spent.run_trials(worker=True, log=logs.append) == 0
     timer.cancel()
     assert "nothing left to start (1.00 of 1 base runs spent" in logs[-1] and len(study.get_trials()) == 2
+    study.tell(elsewhere, 0.6)
+    assert spent.run_trials(worker=True, log=logs.append) == 0
+    assert logs[-1] == "A: its budget is spent (1.00 of 1 base runs, 2 trials finished)"
 
 
 def test_the_main_process_fails_a_trial_whose_heartbeat_stopped_and_runs_it_again(tmp_path, monkeypatch):
