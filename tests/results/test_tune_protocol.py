@@ -274,7 +274,7 @@ def test_a_run_of_refusals_counts_finished_trials_only_and_names_the_last_refusa
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
-def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_does_not(tmp_path):
+def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_does_not(tmp_path, monkeypatch):
     """With nothing left to start (here the trial cap: one trial finished, one running in another process), a
     worker stops at once, and the main process (the default) waits until the other trial is finished: its final
     re-runs need finished studies."""
@@ -288,6 +288,11 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     assert tuner.run_trials(worker=True, log=logs.append) == 0
     assert "nothing left to start" in logs[-1] and study.get_trials()[1].state == TrialState.RUNNING
     threading.Timer(3.0, lambda: study.tell(elsewhere, 0.6)).start()  # after the first look (every 2 s)
+
+    def locked(study):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(optuna.storages, "fail_stale_trials", locked)  # a look that fails is only skipped
     assert tuner.run_trials(log=logs.append) == 0
     assert study.get_trials()[1].state == TrialState.COMPLETE
     # the same with the budget spent to the sample pass (1 base run) and no cap
@@ -356,6 +361,25 @@ def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(
         (trial,) = tuner.study(tuner.methods[0]).get_trials()
         drawn[name] = trial.params
     assert drawn["main"] == drawn["again"] != drawn["worker"]
+
+
+def test_a_trial_counts_no_compute_when_it_starts(tmp_path, monkeypatch):
+    """A trial starts with 0 sample passes recorded (other workers read it into the spent budget at once) and its
+    owner: the host and process that `recover` checks."""
+    import pflbed.runs
+
+    seen = []
+
+    def run(*args, **kwargs):
+        seen.append(tuner.study(tuner.methods[0]).get_trials()[-1].user_attrs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pflbed.runs, "run", run)
+    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run_trials(**QUIET)
+    (attrs,) = seen
+    assert attrs["passes"] == 0 and {k: attrs[k] for k in _process()} == _process()
 
 
 def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_path):
