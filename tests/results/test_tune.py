@@ -233,6 +233,11 @@ def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_s
     assert tuner.run_trials(log=lines.append) == 2
     starts = [line for line in lines if ": started, " in line]
     assert [line.split(": started, ")[1].split(";")[0] for line in starts] == ["trial 1", "trial 2"]
+    first = tuner.study(tuner.methods[0]).get_trials()[0]
+    head = starts[0].split(": started")[0]  # the trial's values by their names without the section
+    assert head.startswith("FedAvg trial 0 (") and head.endswith(")")
+    assert [kv.split("=")[0] for kv in head.removeprefix("FedAvg trial 0 (")[:-1].split(", ")] == \
+        [k.split(".", 1)[1] for k in first.params]  # fmt: skip
     rounds = [line for line in lines if "trial 1: round " in line]
     assert [line.split("round ")[1].split(",")[0] for line in rounds] == ["1/2", "2/2"]  # eval.every 1, 2 rounds
     assert all("pfl_val" in line for line in rounds)
