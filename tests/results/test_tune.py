@@ -312,6 +312,7 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
+@pytest.mark.filterwarnings("error:The value None could not be cast")  # told failed, not told None
 def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
     study = tuner.study(tuner.methods[0])

@@ -500,6 +500,7 @@ def test_every_look_then_change_step_on_an_sqlite_study_holds_its_lock(tmp_path,
         assert not (tmp_path / "served").exists()
 
 
+@pytest.mark.filterwarnings("error:The value None could not be cast")  # told failed, not told None
 def test_a_trial_queued_twice_runs_once(tmp_path):
     """Two commands starting a study on a server database can both queue its default, and two processes of one
     machine can both queue a dead process's trial again: the later copy is dropped where it is taken (failed, not
