@@ -327,6 +327,7 @@ def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
     assert tuner.run_trials(worker=True) == 0 and not (tuner.out / "trials").exists()
 
 
+@pytest.mark.filterwarnings("error:The value None could not be cast")  # told failed, not told None
 def test_a_trial_that_raises_is_failed_and_its_error_goes_on(tmp_path, monkeypatch):
     """An error inside a trial that is not the run's (not a divergence, a refusal or a prune): the trial is recorded
     failed, not counted, and the error reaches the command (one line there), not swallowed."""
