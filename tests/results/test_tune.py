@@ -327,6 +327,15 @@ def test_a_trial_begun_after_the_budget_is_taken_is_surplus(tmp_path):
     assert tuner.run_trials(worker=True) == 0 and not (tuner.out / "trials").exists()
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
+def test_a_trial_begun_when_the_others_spent_the_budget_to_the_pass_is_surplus(tmp_path):
+    tuner = Tuner(TuneSuite.model_validate({**suite(tmp_path, 2), "tune": {"budget": 1, "pruner": "none"}}))
+    study = tuner.study(tuner.methods[0])
+    study.add_trial(optuna.trial.create_trial(value=0.5, user_attrs={"passes": int(tuner.unit())}))
+    with pytest.raises(_Surplus):
+        tuner._objective(tuner.methods[0], study.ask(), lambda *_: None)
+
+
 @pytest.mark.filterwarnings("error:The value None could not be cast")  # told failed, not told None
 def test_a_trial_that_raises_is_failed_and_its_error_goes_on(tmp_path, monkeypatch):
     """An error inside a trial that is not the run's (not a divergence, a refusal or a prune): the trial is recorded
