@@ -163,12 +163,13 @@ def _alarm(*_):
     raise _Timeout
 
 
-def reach(args: list[str]) -> dict[str, list[str]]:
-    """The tests of a selection (`args`: pytest's) that reach each mutated function: one run of them on the unmutated
-    code with mutmut's trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`, as `mutmut run` records
-    them before testing), the caches emptied before each test so that each one's calls are its own. Calls made in a
-    process a test starts are not seen: a test that reaches a function only there is left out (`--reach` then misses
-    it; screen such mutants without it)."""
+def reach(args: list[str]) -> dict[str, list[str]] | None:
+    """The tests of a selection (`args`: pytest's) that reach each mutated function, None if the selection fails: one
+    run of them on the unmutated code (so it is also the check that the unmutated code passes) with mutmut's
+    trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`, as `mutmut run` records them before
+    testing), the caches emptied before each test so that each one's calls are its own. Calls made in a process a
+    test starts are not seen: a test that reaches a function only there is left out (`--reach` then misses it; screen
+    such mutants without it)."""
     import pytest
     from mutmut.state import state
 
@@ -186,9 +187,7 @@ def reach(args: list[str]) -> dict[str, list[str]]:
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = pytest.main(["-p", "no:cacheprovider", "-q", *args], plugins=[Recorder()])
-    if rc != 0:
-        sys.exit(f"mutation_screen: the unmutated code fails {' '.join(args)} (recording which tests reach what)")
-    return hits
+    return hits if rc == 0 else None
 
 
 def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | None = None,
@@ -229,15 +228,20 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
                 continue
             files = files_given or test_files(source)
             k = ["-k", keyword.format(stem=Path(source).stem)] if keyword else []
-            if tuple(files + k) not in passing:  # else every mutant would count as killed
-                if pytest_rc(files, k, "none") != 0:
+            selection = tuple(files + k)
+            if selection not in passing:  # else every mutant would count as killed
+                if reached:  # one run both checks the selection and records which test reaches what
+                    hits = reach([*k, *files])
+                    ok = hits is not None
+                    reaching[selection] = hits or {}
+                else:
+                    ok = pytest_rc(files, k, "none") == 0
+                if not ok:
                     sys.exit(f"mutation_screen: the unmutated code fails {' '.join(files + k)}: mutants/ or its "
                              "tests/ copy is stale (run `generate` again)")
-                passing.add(tuple(files + k))
+                passing.add(selection)
             if reached:  # only the tests that call the mutated function, named one by one
-                if tuple(files + k) not in reaching:
-                    reaching[tuple(files + k)] = reach([*k, *files])
-                files, k = reaching[tuple(files + k)].get(name.partition("__mutmut_")[0], []), []
+                files, k = reaching[selection].get(name.partition("__mutmut_")[0], []), []
                 if not files:
                     fh.write(f"NOTESTS {name}\n")
                     fh.flush()

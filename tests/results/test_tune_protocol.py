@@ -27,6 +27,7 @@ BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {
         "train": {"rounds": 2, "checkpoint_every": 0}, "eval": {"every": 1, "finetune": []},
         "executor": {"threads": 1}}  # fmt: skip
 QUIET = {"log": lambda *_: None}
+FEDAVG = {"A": {"set": {"algorithm.name": "fedavg"}}}  # one method, its default config
 
 
 def _tuner(tmp_path, methods, **tune) -> Tuner:
@@ -74,7 +75,7 @@ def test_the_budget_spent_is_the_finished_and_running_trials_compute(tmp_path):
     """The study's spent compute sums the sample passes of its complete, pruned and running trials (a running one's
     so far), and of no failed or waiting one: a failed trial's parameters are queued again, or it took none of the
     budget (surplus, a repeat); a trial just taken has trained nothing yet. `but` leaves one trial out."""
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, first="sampled")
     study = tuner.study(tuner.methods[0])
     for state, passes in ((TrialState.COMPLETE, 1), (TrialState.PRUNED, 10), (TrialState.FAIL, 1000)):
         study.add_trial(create_trial(state=state, value=0.5 if state == TrialState.COMPLETE else None,
@@ -91,7 +92,7 @@ def test_the_budget_spent_is_the_finished_and_running_trials_compute(tmp_path):
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # trials made by hand (study.ask)
 def test_a_study_is_finished_once_nothing_runs_and_its_budget_or_its_cap_is_reached(tmp_path):
     """Finished = no trial running, and the budget spent or (with a cap) the cap's trials finished."""
-    tuner = _tuner(tmp_path / "budget", {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=2, first="sampled")
+    tuner = _tuner(tmp_path / "budget", FEDAVG, budget=2, first="sampled")
     method, unit = tuner.methods[0], int(tuner.unit())
     study = tuner.study(method)
     study.add_trial(create_trial(value=0.5, user_attrs={"passes": unit}))
@@ -102,7 +103,7 @@ def test_a_study_is_finished_once_nothing_runs_and_its_budget_or_its_cap_is_reac
     assert not tuner.finished(method, study)  # spent, but a trial still runs
     study.tell(running, 0.5)
     assert tuner.finished(method, study)
-    capped = _tuner(tmp_path / "cap", {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=2,
+    capped = _tuner(tmp_path / "cap", FEDAVG, budget=100, trials=2,
                     first="sampled")  # fmt: skip
     method = capped.methods[0]
     study = capped.study(method)
@@ -117,7 +118,7 @@ def test_the_trial_stopped_rather_than_cut_is_the_oldest_running_one_while_none_
     """Where the budget is spent, the oldest running trial of a study with no complete trial is stopped and scored
     (so that the study has one to choose); any other is cut. Older trials that ended otherwise (pruned, failed)
     do not count."""
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, first="sampled")
     study = tuner.study(tuner.methods[0])
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"passes": 1}))
     study.add_trial(create_trial(state=TrialState.FAIL))
@@ -134,7 +135,7 @@ def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     base = {**BASE, "train": {**BASE["train"], "rounds": 8}}
     tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": base, "seeds": [0],
                                             "tune": {"budget": 10, "pruner": "median", "warmup": 0.25},
-                                            "methods": {"A": {"set": {"algorithm.name": "fedavg"}}}}))  # fmt: skip
+                                            "methods": FEDAVG}))  # fmt: skip
     study = tuner.study(tuner.methods[0])
     dist = {"train.lr": FloatDistribution(1e-3, 0.3, log=True)}
     for i in range(3):
@@ -160,7 +161,7 @@ def test_a_method_whose_objective_is_a_summary_field_is_pruned_on_a_proxy_curve(
 
 
 def test_the_default_trial_seed_is_never_a_reported_seed(tmp_path):
-    methods = {"A": {"set": {"algorithm.name": "fedavg"}}}
+    methods = FEDAVG
     for seeds, seed in (([0, 1, 2], 100), ([100, 7], 101)):
         suite = TuneSuite.model_validate({"name": "t", "base": BASE, "seeds": seeds, "tune": {"budget": 1},
                                           "methods": methods})  # fmt: skip
@@ -257,7 +258,7 @@ def test_a_run_of_refusals_counts_finished_trials_only_and_names_the_last_refusa
     from pflbed.errors import PflbedError
     from pflbed.results.tune.trials import REFUSED_IN_A_ROW, refused_in_a_row
 
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, first="sampled")
     method = tuner.methods[0]
     study = tuner.study(method)
     for i in range(REFUSED_IN_A_ROW - 1):
@@ -280,7 +281,7 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     re-runs need finished studies."""
     import threading
 
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=2, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, trials=2, first="sampled")
     study = tuner.study(tuner.methods[0])
     study.add_trial(create_trial(value=0.5, user_attrs={"passes": 1}))
     elsewhere = study.ask()
@@ -296,7 +297,7 @@ def test_the_main_process_waits_for_the_trials_running_elsewhere_and_a_worker_do
     assert tuner.run_trials(log=logs.append) == 0
     assert study.get_trials()[1].state == TrialState.COMPLETE
     # the same with the budget spent to the sample pass (1 base run) and no cap
-    spent = _tuner(tmp_path / "spent", {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=1, first="sampled")
+    spent = _tuner(tmp_path / "spent", FEDAVG, budget=1, first="sampled")
     study = spent.study(spent.methods[0])
     study.add_trial(create_trial(value=0.5, user_attrs={"passes": int(spent.unit())}))
     elsewhere = study.ask()
@@ -322,7 +323,7 @@ def test_the_main_process_fails_a_trial_whose_heartbeat_stopped_and_runs_it_agai
             super().__init__(url, **{**kwargs, "heartbeat_interval": 1, "grace_period": 1})
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", Brief)
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=2, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, trials=2, first="sampled")
     study = tuner.study(tuner.methods[0])
     study.add_trial(create_trial(value=0.5, user_attrs={"passes": 1}))
     with pytest.warns(UserWarning, match="Heartbeat of storage"):
@@ -343,7 +344,7 @@ def test_the_main_process_fails_a_trial_whose_heartbeat_stopped_and_runs_it_agai
 def test_a_trial_keeps_its_heartbeat_without_optunas_warning_that_only_optimize_does(tmp_path):
     """`pflbed tune` asks and tells (not `study.optimize`) and keeps the trial's heartbeat itself: Optuna's warning
     that heartbeats go with optimize is silenced where the trial is asked (an error here)."""
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=1, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, trials=1, first="sampled")
     assert tuner.run_trials(**QUIET) == 1
 
 
@@ -355,7 +356,7 @@ def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(
     monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     drawn = {}
     for name, worker in (("main", False), ("again", False), ("worker", True)):
-        tuner = _tuner(tmp_path / name, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+        tuner = _tuner(tmp_path / name, FEDAVG, budget=100, first="sampled")
         with pytest.raises(KeyboardInterrupt):  # the trial's parameters are drawn, then it stops
             tuner.run_trials(worker=worker, **QUIET)
         (trial,) = tuner.study(tuner.methods[0]).get_trials()
@@ -375,7 +376,7 @@ def test_a_trial_counts_no_compute_when_it_starts(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pflbed.runs, "run", run)
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, first="sampled")
     with pytest.raises(KeyboardInterrupt):
         tuner.run_trials(**QUIET)
     (attrs,) = seen
@@ -476,7 +477,7 @@ def test_every_look_then_change_step_on_an_sqlite_study_holds_its_lock(tmp_path,
     twice): queueing the default, queueing a dead process's trial again and taking a waiting trial each happen
     while this process holds the lock file beside the database, which is private."""
     seen: dict[str, list[bool]] = {"enqueue_trial": [], "ask": [], "set_trial_state_values": []}
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, trials=1)
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, trials=1)
     for name in ("enqueue_trial", "ask"):
         real = getattr(optuna.Study, name)
         monkeypatch.setattr(optuna.Study, name, lambda self, *a, _r=real, _n=name, **k: (
@@ -525,7 +526,7 @@ def test_recover_queues_each_trial_of_a_gone_process_again_once(tmp_path, monkey
     a live process's trial keeps running. A trial another process of this machine recovered first (found failed: a
     server database locks the row) is neither raised on nor queued a second time, and the others are still
     recovered."""
-    tuner = _tuner(tmp_path, {"A": {"set": {"algorithm.name": "fedavg"}}}, budget=100, first="sampled")
+    tuner = _tuner(tmp_path, FEDAVG, budget=100, first="sampled")
     study = tuner.study(tuner.methods[0])
     here = _process()
     gone = {**here, "pid": 2**22 + 12345}
