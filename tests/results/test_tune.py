@@ -103,6 +103,7 @@ import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
@@ -117,6 +118,7 @@ from pflbed.results.tune import (  # noqa: E402
     load_tune_suite,
     shown_storage,
 )
+from pflbed.results.tune.tables import _pct, _short  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"dataset": {"name": "digits"}, "model": {"name": "mlp"}, "federation": {"clients": 3},
@@ -230,17 +232,38 @@ def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_s
     silently."""
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
     lines: list[str] = []
-    assert tuner.run_trials(log=lines.append) == 2
+    passes: list[int] = []  # the running trial's recorded compute as each round's line is printed
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if ": round " in line:
+            (running,) = tuner.study(tuner.methods[0]).get_trials(states=(TrialState.RUNNING,))
+            passes.append(running.user_attrs["passes"])
+
+    t0 = time.perf_counter()
+    assert tuner.run_trials(log=log) == 2
+    took = time.perf_counter() - t0
     starts = [line for line in lines if ": started, " in line]
-    assert [line.split(": started, ")[1].split(";")[0] for line in starts] == ["trial 1", "trial 2"]
-    first = tuner.study(tuner.methods[0]).get_trials()[0]
+    assert [line.split(": started, ")[1] for line in starts] == \
+        ["trial 1; 0.00 of 1000 base runs spent", "trial 2; 1.00 of 1000 base runs spent"]  # fmt: skip
+    first, second = tuner.study(tuner.methods[0]).get_trials()
     head = starts[0].split(": started")[0]  # the trial's values by their names without the section
     assert head.startswith("FedAvg trial 0 (") and head.endswith(")")
-    assert [kv.split("=")[0] for kv in head.removeprefix("FedAvg trial 0 (")[:-1].split(", ")] == \
-        [k.split(".", 1)[1] for k in first.params]  # fmt: skip
+    assert head.removeprefix("FedAvg trial 0 (")[:-1].split(", ") == \
+        [f"{k.split('.', 1)[1]}={_short(v)}" for k, v in first.params.items()]  # fmt: skip
     rounds = [line for line in lines if "trial 1: round " in line]
     assert [line.split("round ")[1].split(",")[0] for line in rounds] == ["1/2", "2/2"]  # eval.every 1, 2 rounds
     assert all("pfl_val" in line for line in rounds)
+    history = [json.loads(line) for line in (tuner.out / second.user_attrs["run_dir"] / "metrics.jsonl").open()]
+    assert [line.split("pfl_val ")[1].split(",")[0] for line in rounds] == [_pct(h["pfl_val"]) for h in history]
+    unit = tuner.unit()  # each round's compute is recorded as it ends, for other processes' budget checks
+    assert [line.split(", ")[-1] for line in lines if "trial 0: round " in line] == \
+        ["0.50 base runs", "1.00 base runs"]  # fmt: skip
+    end = re.fullmatch(re.escape(f"{starts[1].split(': started')[0]}: pfl_val {_pct(second.value)}") + r" \((\d+) s\)",
+                       lines[-1])  # fmt: skip
+    assert end and int(end[1]) <= took  # the trial's objective and its duration
+    total = second.user_attrs["passes"]  # its local epochs are drawn: a multiple of the base run's
+    assert passes == [unit / 2, unit, total / 2, total] and total % unit == 0
     lines.clear()
     assert tuner.run_trials(worker=True, log=lines.append) == 0
     assert len(lines) == 1 and lines[0].startswith("FedAvg: its budget is spent (") and "2 trials finished" in lines[0]
@@ -420,9 +443,14 @@ def test_a_method_whose_algorithm_declares_no_search_space_is_refused_or_warned_
 def test_a_diverged_trial_counts_as_pruned_toward_the_budget(tmp_path):
     methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}, "space": {"train.lr": {"choices": [1.0e30]}}}}
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
-    assert tuner.run_trials(max_trials=3, log=lambda *_: None) == 2  # the budget, then stop
+    lines: list[str] = []
+    assert tuner.run_trials(max_trials=3, log=lines.append) == 2  # the budget, then stop
     trials = tuner.study(tuner.methods[0]).get_trials()
-    assert [t.state for t in trials] == [TrialState.PRUNED] * 2 and all("diverged" in t.user_attrs for t in trials)
+    assert [t.state for t in trials] == [TrialState.PRUNED] * 2
+    assert [t.user_attrs["diverged"] for t in trials] == [1, 1]
+    assert all(t.user_attrs["passes"] > 0 for t in trials)  # the compute up to the divergence counts
+    ends = [line.split("): ", 1)[1] for line in lines if ": started, " not in line]
+    assert ends == ["diverged in round 1: counted as pruned"] * 2
 
 
 def test_a_trial_whose_values_the_algorithm_refuses_together_counts_as_pruned(tmp_path):
@@ -431,10 +459,13 @@ def test_a_trial_whose_values_the_algorithm_refuses_together_counts_as_pruned(tm
     space = {"train.lr": None, "algorithm.lam": {"low": 5.0, "high": 10.0}, "algorithm.p": {"low": 0.1, "high": 0.2}}
     methods = {"L2GD": {"set": {"algorithm.name": "l2gd", "train.lr": 0.3}, "space": space}}
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
-    assert tuner.run_trials(max_trials=3, log=lambda *_: None) == 2
+    lines: list[str] = []
+    assert tuner.run_trials(max_trials=3, log=lines.append) == 2
     trials = tuner.study(tuner.methods[0]).get_trials()
     assert [t.state for t in trials] == [TrialState.PRUNED] * 2
     assert all("algorithm.lam" in t.user_attrs["refused"] for t in trials)
+    ends = [line.split("): ", 1)[1] for line in lines if ": started, " not in line]
+    assert ends == [f"refused ({t.user_attrs['refused']}): counted as pruned" for t in trials]
 
 
 def test_the_tuned_configuration_is_the_trial_with_the_highest_validation_figure(tmp_path):
@@ -474,15 +505,21 @@ def test_objective_values_are_validation_figures():
     from pflbed.results.tune import objective_value
 
     history = [{"round": 1, "pfl_val": 0.5, "pfl_acc": 0.9, "gfl_val": 0.7, "gfl_acc": 0.1},
-               {"round": 2, "pfl_val": 0.6, "pfl_acc": 0.2, "gfl_val": 0.7, "gfl_acc": 0.3}]  # fmt: skip
+               {"round": 2, "pfl_val": 0.6, "pfl_acc": 0.2, "gfl_val": 0.65, "gfl_acc": 0.3},
+               {"round": 3, "pfl_val": 0.55, "pfl_acc": 0.2, "gfl_val": 0.7, "gfl_acc": 0.3}]  # fmt: skip
     per_lr = {"0.01": {"best_val": 0.4, "best": 0.99}, "0.1": {"best_val": 0.8, "best": 0.01}}
     nc = {"methods": {"ft": {"S": {"lr_best": 0.1, "per_lr": per_lr}, "L": {"lr_best": 0.01, "per_lr": per_lr}}}}
     summary = {"new_clients": nc, "final": {"ft": {"pfl_val": 0.45, "pfl_acc": 0.95}}}
     assert objective_value(summary, history, "pfl_val") == 0.6
-    assert objective_value(summary, history, "gfl_val") == 0.7  # round 1: the earliest of ties
+    assert objective_value(summary, history, "gfl_val") == 0.7  # selected on G-FL val itself, not on P-FL val
     assert objective_value(summary, history, "new_val") == pytest.approx((0.8 + 0.4) / 2)
     assert objective_value(summary, history, "final.ft.pfl_val") == 0.45
     assert objective_value({"new_clients": None}, history, "new_val") is None
+    assert objective_value({"new_clients": {"methods": {}}}, history, "new_val") is None
+    assert objective_value(summary, [{"round": 1, "pfl_val": 0.5}], "gfl_val") is None  # a figure it never had
+    assert objective_value(summary, [{"round": 1, "gfl_val": float("nan")}], "gfl_val") is None
+    assert objective_value({"final": {"ft": {"pfl_val": float("nan")}}}, history, "final.ft.pfl_val") is None
+    assert objective_value(summary, history, "final.lp.pfl_val") is None
 
 
 def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):

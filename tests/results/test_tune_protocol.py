@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from optuna.trial import TrialState, create_trial  # noqa: E402
 
 from pflbed.config import validate_config  # noqa: E402
 from pflbed.data import load_source  # noqa: E402
+from pflbed.errors import PflbedError  # noqa: E402
 from pflbed.federation import build_federation  # noqa: E402
 from pflbed.results.tune import Tuner, TuneSuite, _dead, _process, load_tune_suite  # noqa: E402
+from pflbed.results.tune.tables import _pct  # noqa: E402
 from pflbed.results.tune.trials import first_to_finish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +37,20 @@ FEDAVG = {"A": {"set": {"algorithm.name": "fedavg"}}}  # one method, its default
 def _tuner(tmp_path, methods, **tune) -> Tuner:
     return Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": BASE, "seeds": [0],
                                            "tune": {"pruner": "none", **tune}, "methods": methods}))  # fmt: skip
+
+
+def _timed(f, **kwargs) -> float:
+    """Seconds `f(**kwargs)` took: a bound on any duration a line it logged can state."""
+    t0 = time.perf_counter()
+    f(**kwargs)
+    return time.perf_counter() - t0
+
+
+def _seconds(line: str, text: str) -> int:
+    """The N of a log line that reads `text (N s)`."""
+    m = re.fullmatch(re.escape(text) + r" \((\d+) s\)", line)
+    assert m, (line, text)
+    return int(m[1])
 
 
 def _done(tuner, m):
@@ -55,6 +73,9 @@ def test_every_method_spends_the_same_compute_so_a_costlier_method_runs_fewer_tr
     assert spent == {"E1": 3.0, "E3": 3.0}
     assert [len(_done(tuner, m)) for m in tuner.methods] == [3, 1]
     assert all(tuner.finished(m) for m in tuner.methods)
+    for m in tuner.methods:  # each trial that ends exactly on the budget runs to its last round, uncut, unstopped
+        assert all(t.state == TrialState.COMPLETE and {"cut", "truncated"}.isdisjoint(t.user_attrs)
+                   for t in _done(tuner, m))  # fmt: skip
 
 
 def test_the_trial_that_spends_the_budget_is_cut_at_that_evaluation(tmp_path):
@@ -63,9 +84,12 @@ def test_the_trial_that_spends_the_budget_is_cut_at_that_evaluation(tmp_path):
     methods = {"F": {"set": {"algorithm.name": "fedprox"},
                      "space": {"train.local_epochs": None, "train.momentum": None, "algorithm.mu": None}}}
     tuner = _tuner(tmp_path, methods, budget=1.5)
-    tuner.run_trials(**QUIET)
+    lines: list[str] = []
+    tuner.run_trials(log=lines.append)
     first, second = _done(tuner, tuner.methods[0])
     assert first.state == TrialState.COMPLETE and second.state == TrialState.PRUNED
+    assert any(line.startswith(f"F trial {second.number} (") and ": cut: the budget is spent at round 1, best pfl_val "
+               in line for line in lines)  # fmt: skip
     assert second.user_attrs["cut"] == 1
     assert tuner.spent(tuner.study(tuner.methods[0])) == 1.5 * tuner.unit()
 
@@ -146,6 +170,42 @@ def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     assert not trial.should_prune()
     trial.report(0.1, 2)
     assert trial.should_prune()
+
+
+def test_a_pruned_trial_says_at_which_round_and_its_best_figure_so_far(tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    tuner = _tuner(tmp_path, FEDAVG, budget=10, trials=1)
+    lines: list[str] = []
+    took = _timed(tuner.run_trials, log=lines.append)
+    (trial,) = _done(tuner, tuner.methods[0])
+    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [1]
+    head = lines[0].split(": started")[0]
+    assert _seconds(lines[-1], f"{head}: pruned at round 1, best pfl_val {_pct(trial.intermediate_values[1])}") <= took
+
+
+def test_a_new_study_on_an_old_out_runs_its_trials_over_the_old_trial_directories_silently(tmp_path, capsys):
+    """The study database decides which trials ran, not the directories left in `--out`: a study begun anew there
+    (its database deleted) runs its trial 0 again in `trial0000`, replacing the old run instead of being refused
+    as a finished run. A trial's run prints nothing itself (no progress bar between the search's own lines)."""
+    for _ in range(2):
+        tuner = _tuner(tmp_path, FEDAVG, budget=1, trials=1)
+        tuner.run_trials(**QUIET)
+        (trial,) = _done(tuner, tuner.methods[0])
+        assert trial.state == TrialState.COMPLETE and trial.user_attrs["run_dir"] == "trials/A/trial0000"
+        (tuner.out / "study.db").unlink()
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.filterwarnings("error:The value None could not be cast")  # a trial scored on nothing
+def test_a_method_whose_run_does_not_report_its_objective_stops_and_names_it(tmp_path):
+    """Local training has no global model: its runs report no G-FL figure, so a study of it on `gfl_val` is
+    refused in one line naming the method, not scored on nothing or ended by a TypeError, also where the budget is
+    smaller than one run (the study's first trial is not stopped while it has no figure to be scored on)."""
+    tuner = _tuner(tmp_path, {"L": {"set": {"algorithm.name": "local"}, "objective": "gfl_val"}}, budget=0.5,
+                   trials=1)  # fmt: skip
+    with pytest.raises(PflbedError, match=r"^methods\.L: the run has no gfl_val \(objective: pick a validation "
+                       r"figure the method reports\)$"):  # fmt: skip
+        tuner.run_trials(**QUIET)
 
 
 def test_a_method_whose_objective_is_a_summary_field_is_pruned_on_a_proxy_curve(tmp_path):
@@ -398,22 +458,32 @@ def test_a_trial_skips_the_new_client_stage_unless_its_objective_reads_it(tmp_pa
     assert rerun.eval.new_clients.methods == ["ft", "lp"] and not rerun.federation.exclude_test_of
 
 
-def test_a_study_whose_trial_costs_more_than_its_budget_stops_its_first_trial_at_the_budget(tmp_path):
+@pytest.mark.parametrize("objective", [None, "final.ft.pfl_val"])
+def test_a_study_whose_trial_costs_more_than_its_budget_stops_its_first_trial_at_the_budget(tmp_path, objective):
     """3 local epochs cost 3 base runs a trial, 1.5 by its first evaluation; with a budget of 1 the first trial is
     not cut there (the study would end with nothing to choose) nor run on to its end (3× the budget, as pFedDF's
     default did on the leaderboard): it is stopped at that evaluation and completes, scored on the rounds it ran,
-    so the study ends within one evaluation interval of its budget, as every other study does."""
+    so the study ends within one evaluation interval of its budget, as every other study does. An objective only a
+    finished run has (the fine-tuned models' figure) is replaced by the curve the method is pruned on, and the trial
+    says so."""
     space = {"train.local_epochs": None, "train.momentum": None, "algorithm.mu": None,
              "train.lr": {"low": 0.01, "high": 0.1}}  # fmt: skip
     methods = {"E3": {"set": {"algorithm.name": "fedprox", "train.local_epochs": 3}, "space": space}}
+    if objective is not None:
+        methods["E3"] |= {"objective": objective, "set": {**methods["E3"]["set"], "eval.finetune": ["ft"]}}
     tuner = _tuner(tmp_path, methods, budget=1)
-    tuner.run_trials(**QUIET)
+    lines: list[str] = []
+    took = _timed(tuner.run_trials, log=lines.append)
     (only,) = _done(tuner, tuner.methods[0])
     assert only.state == TrialState.COMPLETE and tuner.spent(tuner.study(tuner.methods[0])) == 1.5 * tuner.unit()
     assert only.user_attrs["truncated"] == {"round": 1, "scored_on": "pfl_val"}
     history = [json.loads(line) for line in (tuner.out / only.user_attrs["run_dir"] / "metrics.jsonl").open()]
     assert [h["round"] for h in history] == [1] and only.value == history[0]["pfl_val"]
-    assert f"pfl_val {100 * only.value:.2f} (#0, stopped at round 1) |" in tuner.markdown(tuner.rows())
+    head = lines[0].split(": started")[0]
+    assert _seconds(lines[-1], f"{head}: stopped at round 1, where the budget is spent (the study's first trial): "
+                    f"pfl_val {_pct(only.value)}") <= took  # fmt: skip
+    if objective is None:
+        assert f"pfl_val {100 * only.value:.2f} (#0, stopped at round 1) |" in tuner.markdown(tuner.rows())
 
 
 def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):
