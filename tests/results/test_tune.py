@@ -409,7 +409,10 @@ def test_equal_budgets_are_enforced(tmp_path, capsys):
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.nu": {"low": 1, "high": 2}}}}},
      "methods.P.space.algorithm.nu: "),
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.mu": {"low": -1, "high": 1}}}}},
-     "methods.P.space.algorithm.mu: -1.0 does not validate"),
+     "methods.P.space.algorithm.mu: -1.0 does not validate (methods.P: algorithm.mu: Input should be greater than "
+     "or equal to 0 (got -1.0))"),
+    ({"methods": {"P": {"set": {"algorithm.name": "fedprox", "train.lr": -1}}}},
+     "pflbed: error: methods.P: train.lr: Input should be greater than 0 (got -1)"),
     ({"methods": {"P": {"space": {"train.lr": {"lo": 1}}}}}, "methods.P.space.train.lr: unknown keys"),
 ])  # fmt: skip
 def test_bad_suites_fail_in_one_line_naming_the_field(tmp_path, capsys, change, message):

@@ -78,6 +78,24 @@ def test_every_method_spends_the_same_compute_so_a_costlier_method_runs_fewer_tr
                    for t in _done(tuner, m))  # fmt: skip
 
 
+def test_the_budgets_unit_is_what_fedavg_trains_in_a_run_of_the_base_config_with_its_client_sampling(tmp_path):
+    """The unit (a base run) counts the clients each round samples: here Poisson sampling, as privacy uses, whose
+    rounds train other clients (and other numbers of them) than the fixed draw's."""
+    def tuner(sampling: str) -> Tuner:
+        base = {**BASE, "federation": {"clients": 8, "sample_fraction": 0.5, "sampling": sampling},
+                "train": {**BASE["train"], "rounds": 3}}  # fmt: skip
+        fixed = {"train.lr": None, "train.local_epochs": None, "train.momentum": None}
+        return Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / sampling), "base": base,
+                                               "seeds": [0], "tune": {"pruner": "none", "budget": 10, "trials": 1},
+                                               "methods": {"A": {"set": {"algorithm.name": "fedavg"},
+                                                                 "space": fixed}}}))  # fmt: skip
+
+    poisson = tuner("poisson")
+    poisson.run_trials(**QUIET)
+    (trial,) = _done(poisson, poisson.methods[0])
+    assert trial.user_attrs["passes"] == poisson.unit() != tuner("fixed").unit()
+
+
 def test_the_trial_that_spends_the_budget_is_cut_at_that_evaluation(tmp_path):
     """A budget of 1.5 base runs: the second trial is cut after its first round (pruned, `cut`), leaving the study
     within one evaluation interval of the budget instead of a whole trial over it."""
@@ -518,7 +536,14 @@ def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     assert first.params["train.lr"] == cfg.train.lr and first.params["train.local_epochs"] == cfg.train.local_epochs
     assert first.user_attrs["default"] is True and first.params["algorithm.head_lr"] == cfg.train.lr  # its source
     assert 1 <= first.params["algorithm.head_epochs"] <= 3  # the default, 10, lies outside: drawn
-    assert tuner.methods[0].resolved({"algorithm.head_lr": cfg.train.lr}) == tuner.methods[0].resolved({})
+    method = tuner.methods[0]
+    assert method.resolved({"algorithm.head_lr": cfg.train.lr}) == method.resolved({})
+    assert method.resolved({"algorithm.head_lr": 0.07})["algorithm"]["head_lr"] == 0.07  # set: kept, not filled
+    rerun = method.resolved({})  # the re-run's config: all its data, the new-client stage as the base has it
+    assert rerun["algorithm"]["name"] == "fedrep"
+    assert rerun["federation"]["exclude_test_of"] == cfg.federation.exclude_test_of
+    assert rerun["eval"]["new_clients"] == cfg.eval.new_clients.model_dump(mode="json")
+    assert method.config(0, {}).federation.exclude_test_of == [0]  # (a trial's leaves the reported tests out)
     assert tuner.rows()[0]["default_trial"] == {"number": first.number, "state": "COMPLETE", "value": first.value}
     sampled = _tuner(tmp_path / "sampled", methods, budget=100, trials=1, first="sampled")
     sampled.run_trials(**QUIET)
