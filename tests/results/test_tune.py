@@ -490,6 +490,25 @@ def test_the_tuned_configuration_is_the_trial_with_the_highest_validation_figure
     assert tuner.best(method).params == {"train.lr": 0.1}  # a tie: the earlier trial
 
 
+def test_the_re_runs_are_each_methods_set_then_with_the_chosen_values_and_report_its_columns(tmp_path):
+    """The bench's default cell runs the method's own `set` (its algorithm, its fixed options), the tuned cell that
+    with the chosen trial's values over it; both report the method's columns over the suite's (here a method
+    without a global model drops G-FL, the suite's columns have a column of its own)."""
+    methods = {"P": {"set": {"algorithm.name": "fedprox", "algorithm.mu": 0.1}, "report": {"G-FL": None}}}
+    columns = {"P-FL": "selected.pfl_acc", "G-FL": "selected.gfl_acc", "final P-FL": "final.pfl_acc"}
+    tuner = Tuner(TuneSuite.model_validate({**suite(tmp_path, 3, methods), "report": columns}))
+    lr = optuna.distributions.FloatDistribution(1e-3, 0.3, log=True)
+    tuner.study(tuner.methods[0]).add_trial(optuna.trial.create_trial(params={"train.lr": 0.1},
+                                                                      distributions={"train.lr": lr}, value=0.8))
+    bench, rows = tuner.bench()
+    default, tuned = bench.suite.tables["default"].methods["P"], bench.suite.tables["tuned"].methods[rows["P"]]
+    assert default.set == {"algorithm.name": "fedprox", "algorithm.mu": 0.1}
+    assert tuned.set == {"algorithm.name": "fedprox", "algorithm.mu": 0.1, "train.lr": 0.1}
+    assert default.report == tuned.report == {**columns, "G-FL": None}
+    assert bench.suite.tables["default"].report == bench.suite.tables["tuned"].report == columns
+    assert (bench.suite.base, bench.suite.seeds, bench.suite.out) == (BASE, [0], str(tuner.out / "final"))
+
+
 def test_a_study_without_a_complete_trial_has_no_tuned_configuration(tmp_path):
     """Only pruned (or failed) trials: nothing was scored to the end, so nothing is chosen, and the table re-runs the
     default alone."""
@@ -680,6 +699,8 @@ def test_a_study_refuses_a_suite_whose_trials_would_differ(tmp_path, capsys):
     assert "ran its trials with 2; give another --out" in err
     assert main(["tune", "-c", f, "--set", "methods.FedAvg.set.train.lr=0.1"]) == 2
     assert "methods.FedAvg.set.train.lr: 0.1, but" in capsys.readouterr().err
+    assert main(["tune", "-c", f, "--set", "tune.objective=gfl_val"]) == 2  # another figure chose its trials
+    assert capsys.readouterr().err.startswith('pflbed: error: objective: "gfl_val", but the FedAvg study in ')
 
 
 def _fake_trials(tuner, n):
