@@ -699,8 +699,18 @@ def test_a_study_refuses_a_suite_whose_trials_would_differ(tmp_path, capsys):
     assert "ran its trials with 2; give another --out" in err
     assert main(["tune", "-c", f, "--set", "methods.FedAvg.set.train.lr=0.1"]) == 2
     assert "methods.FedAvg.set.train.lr: 0.1, but" in capsys.readouterr().err
-    assert main(["tune", "-c", f, "--set", "tune.objective=gfl_val"]) == 2  # another figure chose its trials
-    assert capsys.readouterr().err.startswith('pflbed: error: objective: "gfl_val", but the FedAvg study in ')
+    for key, value, shown in (("tune.objective", "gfl_val", '"gfl_val"'), ("tune.seed", "101", "101"),
+                              ("tune.first", "sampled", '"sampled"')):  # fmt: skip
+        assert main(["tune", "-c", f, "--set", f"{key}={value}"]) == 2  # other trials: another figure chose them, ...
+        name = {"tune.objective": "objective", "tune.seed": "trial seed", "tune.first": "first trial"}[key]
+        assert capsys.readouterr().err.startswith(f"pflbed: error: {name}: {shown}, but the FedAvg study in ")
+    proxy = tmp_path / "proxy"
+    proxy.mkdir()
+    g = write(proxy, suite(proxy, 2, objective="final.ft.pfl_val"))
+    proxied = Tuner(load_tune_suite(g))
+    proxied.study(proxied.methods[0])
+    assert main(["tune", "-c", g, "--set", "tune.prune_on=gfl_val"]) == 2  # the pruner read another curve
+    assert capsys.readouterr().err.startswith('pflbed: error: pruned on: "gfl_val", but the FedAvg study in ')
 
 
 def _fake_trials(tuner, n):
