@@ -713,6 +713,21 @@ def test_a_study_refuses_a_suite_whose_trials_would_differ(tmp_path, capsys):
     assert capsys.readouterr().err.startswith('pflbed: error: pruned on: "gfl_val", but the FedAvg study in ')
 
 
+def test_a_study_recorded_before_tune_first_existed_drew_its_first_trial(tmp_path):
+    """A study whose recorded setup has no `first trial` (it predates the key) drew its first trial like the rest:
+    it continues under `tune.first: sampled` and is refused under `default`, naming the key."""
+    f = write(tmp_path, suite(tmp_path, 2, first="sampled"))
+    old = Tuner(load_tune_suite(f))
+    study = old.study(old.methods[0])
+    study.set_user_attr("setup", {k: v for k, v in study.user_attrs["setup"].items() if k != "first trial"})
+    same = Tuner(load_tune_suite(f))
+    same.study(same.methods[0])
+    other = Tuner(load_tune_suite(f, ["tune.first=default"]))
+    with pytest.raises(ConfigError, match=r'^first trial: "default", but the FedAvg study in .* ran its trials with '
+                                          r'"sampled"; '):  # fmt: skip
+        other.study(other.methods[0])
+
+
 def _fake_trials(tuner, n):
     """`n` complete trials made by hand (no runs): what the plots read."""
     from optuna.distributions import FloatDistribution
