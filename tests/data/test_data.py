@@ -147,7 +147,7 @@ def test_fmnist_missing_names_places_and_remedy(isolated_env: Path, monkeypatch:
     with pytest.raises(DataError) as info:
         load_fmnist()
     message = str(info.value)
-    assert "\n" not in message
+    assert "\n" not in message and message.startswith("dataset fmnist (Fashion-MNIST) not found (looked in: ")
     remedies = ("apt-get install dataset-fashion-mnist", "PFLBED_DATA")
     for expected in ("elsewhere", "no-debian", "cache", *remedies):
         assert expected in message

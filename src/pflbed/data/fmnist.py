@@ -192,7 +192,7 @@ def load_fmnist(path: str | os.PathLike[str] | None = None, download: bool = Fal
             raise store.download_failed("fmnist", "Fashion-MNIST", HOW_TO_GET, exc) from None
     if directory is None:
         looked = "; ".join(_describe_miss(d) for d in _candidates(path))
-        raise DataError(f"Fashion-MNIST not found (looked in: {looked}); {HOW_TO_GET}")
+        raise DataError(f"dataset fmnist (Fashion-MNIST) not found (looked in: {looked}); {HOW_TO_GET}")
     files = _files_in(directory)
     if files is None:
         raise DataError(f"{directory}: Fashion-MNIST files disappeared while loading")
