@@ -728,6 +728,26 @@ def test_a_study_recorded_before_tune_first_existed_drew_its_first_trial(tmp_pat
         other.study(other.methods[0])
 
 
+def test_a_key_set_on_one_side_only_differs_even_when_null_and_a_shared_database_asks_for_a_new_name(tmp_path):
+    """A key one setup holds and the other does not is a difference even where its value is null (shown as
+    `"unset"` on the side without it); on a database other than `--out`'s own the refusal asks for another suite
+    name, as another `--out` would share the database."""
+    plain = suite(tmp_path, 2)
+    null = {**plain, "base": {**BASE, "federation": {**BASE["federation"], "sampling": None}}}
+    db = f"sqlite:///{tmp_path / 'shared.db'}"
+    for held, now, shown in ((null, plain, ('"unset"', "null")), (plain, null, ("null", '"unset"'))):
+        for storage, advice in ((None, "give another --out"), (db, "give another suite name (--set name=…)")):
+            first = Tuner(TuneSuite.model_validate(held), storage=storage)
+            first.study(first.methods[0])
+            again = Tuner(TuneSuite.model_validate(now), storage=storage)
+            refusal = (rf"^base\.federation\.sampling: {shown[0]}, but the FedAvg study in .* ran its trials with "
+                       rf"{shown[1]}; {re.escape(advice)} ")  # fmt: skip
+            with pytest.raises(ConfigError, match=refusal):
+                again.study(again.methods[0])
+            (tmp_path / "out" / "study.db").unlink(missing_ok=True)
+            (tmp_path / "shared.db").unlink(missing_ok=True)
+
+
 def _fake_trials(tuner, n):
     """`n` complete trials made by hand (no runs): what the plots read."""
     from optuna.distributions import FloatDistribution
