@@ -7,7 +7,7 @@ import pytest
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import TrainConfig
-from pflbed.errors import ConfigError
+from pflbed.errors import ConfigError, PflbedError
 from pflbed.search import Choice, IntSearch, Search, check_declared, declared, parse_space, sources
 
 
@@ -103,6 +103,7 @@ import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
@@ -411,6 +412,13 @@ def test_equal_budgets_are_enforced(tmp_path, capsys):
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox", "train.lr": -1}}}},
      "pflbed: error: methods.P: train.lr: Input should be greater than 0 (got -1)"),
     ({"methods": {"P": {"space": {"train.lr": {"lo": 1}}}}}, "methods.P.space.train.lr: unknown keys"),
+    ({"tune": {"trials": 2, "budget": 1, "space": {"train.lr": {"lo": 1}}}},
+     "pflbed: error: tune.space.train.lr: unknown keys"),
+    ({"methods": {"P": {"space": {"train.lr.x": [1, 2]}}}},  # a key below a number: its bound, not a traceback
+     "pflbed: error: methods.P.space.train.lr.x: 1 does not validate (methods.P: train.lr: "),
+    ({"methods": {"F": {"set": {"algorithm.name": "fedavg", "executor.name": "flower"}}}},
+     "pflbed: error: methods.F: executor.name: flower trains on the sites, where `pflbed tune` cannot count a "
+     "trial's compute; tune with loop, procs or threads"),
 ])  # fmt: skip
 def test_bad_suites_fail_in_one_line_naming_the_field(tmp_path, capsys, change, message):
     assert main(["tune", "-c", write(tmp_path, {**suite(tmp_path), **change})]) == 2
@@ -424,19 +432,34 @@ def test_without_optuna_tune_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "pflbed: error: pflbed tune needs Optuna: pip install 'pflbed[tune]'"
 
 
-def test_a_method_whose_algorithm_declares_no_search_space_is_refused_or_warned_about(tmp_path, monkeypatch):
-    """An algorithm with options of its own but no `search` declaration of its own (here FedProx's declaration
-    removed: its μ would silently go untuned beside a method whose knobs are tuned) is refused, naming the method;
-    `tune.undeclared: warn` tunes it on train.* alone and says so."""
-    from pflbed.algorithms.fedprox import FedProxOptions
+def test_importing_optuna_silences_its_experimental_warnings_only(recwarn):
+    """Optuna's experimental-API warnings would interleave with a study's lines; every other warning (a method
+    tuned on train.* alone, a deprecation) must still reach the user."""
+    from pflbed.results.tune import optuna_module
 
-    monkeypatch.delattr(FedProxOptions, "search")
-    methods = {"FedProx": {"set": {"algorithm.name": "fedprox"}}}
-    with pytest.raises(ConfigError, match="methods.FedProx: algorithm 'fedprox' declares no search space for its own "
-                                          "options \\(mu\\)"):  # fmt: skip
+    module = optuna_module()
+    warnings.warn("theirs", module.exceptions.ExperimentalWarning, stacklevel=1)
+    warnings.warn("ours", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in recwarn] == ["ours"]
+
+
+def test_a_method_whose_algorithm_declares_no_search_space_is_refused_or_warned_about(tmp_path, monkeypatch):
+    """An algorithm with options of its own but no `search` declaration of its own (here Ditto's declaration
+    removed: its λ and personal steps would silently go untuned beside a method whose knobs are tuned) is refused,
+    naming the method and each of its options; `tune.undeclared: warn` tunes it on train.* alone and says so."""
+    from pflbed.algorithms.ditto import DittoOptions
+
+    monkeypatch.delattr(DittoOptions, "search")
+    methods = {"Ditto": {"set": {"algorithm.name": "ditto"}}}
+    why = ("methods.Ditto: algorithm 'ditto' declares no search space for its own options (lam, personal_epochs, "
+           "personal_lr): a comparison would tune the others' knobs and not its own; {}, or set tune.undeclared: warn")
+    with pytest.raises(ConfigError) as refused:
         Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods)))
-    with pytest.warns(UserWarning, match="tuning its train.\\* alone"):
+    assert str(refused.value) == why.format("declare `search` on its options (pflbed.search)")
+    with pytest.warns(UserWarning) as warned:
         tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods, undeclared="warn")))
+    assert [str(w.message) for w in warned] == [
+        why.format("tuning its train.* alone. Declare `search` on its options (pflbed.search)")]
     assert all(k.startswith("train.") for k in tuner.methods[0].space)
 
 
@@ -518,6 +541,12 @@ def test_a_study_without_a_complete_trial_has_no_tuned_configuration(tmp_path):
     assert tuner.best(method) is None
     bench, rows = tuner.bench()
     assert rows == {} and "tuned" not in bench.suite.tables
+    (row,) = tuner.rows()  # its table row: no best trial, nothing chosen, no tuned figure nor seed
+    assert {k: row[k] for k in ("best_trial", "best_value", "best_truncated", "chosen", "chosen_is_default")} == {
+        "best_trial": None, "best_value": None, "best_truncated": None, "chosen": {}, "chosen_is_default": False}
+    assert row["tuned"] == {"P-FL": None, "G-FL": None} and row["seeds"] == {"default": 0, "tuned": 0, "of": 1}
+    assert (row["complete"], row["pruned"]) == (0, 1)  # and the queued default, not yet taken:
+    assert row["default_trial"] == {"number": 0, "state": "WAITING", "value": None}
 
 
 def test_objective_values_are_validation_figures():
@@ -607,11 +636,75 @@ def test_a_storage_url_is_shown_without_its_password():
         assert shown_storage(kept) == kept
 
 
-def test_a_storage_that_cannot_be_opened_is_one_line_without_its_password(tmp_path, capsys):
+def test_opening_a_new_database_that_another_worker_is_creating_waits_and_retries(tmp_path, monkeypatch):
+    """Workers starting on one new database create its tables at once and the losers' inserts fail (IntegrityError,
+    or SQLite's OperationalError "database is locked"): each waits a little longer and tries again, up to six times,
+    then gives up in one line naming the storage without its password; any other error gives up at once."""
+    import pflbed.results.tune.studies as studies
+
+    def failing(name, times):
+        calls = []
+
+        def open_(url, **kwargs):
+            calls.append(url)
+            if len(calls) <= times:
+                raise type(name, (Exception,), {})("tables exist")
+            return "opened"
+
+        return calls, open_
+
+    waits = []
+    monkeypatch.setattr(studies.time, "sleep", waits.append)
+    url = "postgresql://u:pw@h/db"
+    for name, times, tries, slept in (("IntegrityError", 2, 3, [0.5, 1.0]), ("OperationalError", 5, 6, None)):
+        calls, open_ = failing(name, times)
+        monkeypatch.setattr(optuna.storages, "RDBStorage", open_)
+        waits.clear()
+        assert Tuner(TuneSuite.model_validate(suite(tmp_path, 2)), storage=url).storage() == "opened"
+        assert len(calls) == tries and waits == (slept or [0.5, 1.0, 1.5, 2.0, 2.5]), name
+    for name, times, tries in (("OperationalError", 6, 6), ("ValueError", 1, 1)):
+        calls, open_ = failing(name, times)
+        monkeypatch.setattr(optuna.storages, "RDBStorage", open_)
+        with pytest.raises(PflbedError) as e:
+            Tuner(TuneSuite.model_validate(suite(tmp_path, 2)), storage=url).storage()
+        assert str(e.value) == f"--storage postgresql://u:***@h/db: {name}: tables exist" and len(calls) == tries
+
+
+@pytest.mark.filterwarnings("ignore:RetryFailedTrialCallback has been deprecated:FutureWarning")
+def test_a_database_is_opened_with_heartbeats_a_retry_and_on_sqlite_a_lock_wait(tmp_path, monkeypatch):
+    """Every database storage (a server's, with its driver named or not, and SQLite) gets heartbeats, so a trial
+    whose process died elsewhere is failed and its values run again once; SQLite alone gets the driver's lock wait
+    (other servers' drivers take no `timeout`). An Optuna without the heartbeat retry (before 4.9) retries failed
+    trials instead."""
+    opened = []
+
+    class Opened:
+        def __init__(self, url, **kwargs):
+            opened.append((url, kwargs))
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", Opened)
+    urls = ["mysql+pymysql://u:pw@h/db", "postgresql://u@h/db", None]
+    for url in urls:
+        assert isinstance(Tuner(TuneSuite.model_validate(suite(tmp_path, 2)), storage=url).storage(), Opened)
+    assert [u for u, _ in opened] == [*urls[:2], f"sqlite:///{(tmp_path / 'out' / 'study.db').resolve()}"]
+    for (url, kwargs), wait in zip(opened, ({}, {}, {"connect_args": {"timeout": 60}}), strict=True):
+        retry = kwargs.pop("heartbeat_stale_trial_callback")
+        assert isinstance(retry, optuna.storages.RetryHeartbeatStaleTrialCallback) and retry._max_retry == 1
+        assert kwargs == {"engine_kwargs": wait, "heartbeat_interval": 30, "grace_period": 120}, url
+    monkeypatch.delattr(optuna.storages, "RetryHeartbeatStaleTrialCallback")
+    Tuner(TuneSuite.model_validate(suite(tmp_path, 2)), storage=urls[0]).storage()
+    retry = opened[-1][1]["failed_trial_callback"]
+    assert isinstance(retry, optuna.storages.RetryFailedTrialCallback) and retry._max_retry == 1
+    assert "heartbeat_stale_trial_callback" not in opened[-1][1]
+
+
+@pytest.mark.parametrize("url", ["postgresql://user:s3cret@127.0.0.1:1/none", "redis://user:s3cret@127.0.0.1:1/0"])
+def test_a_storage_that_cannot_be_opened_is_one_line_without_its_password(tmp_path, capsys, url):
+    """A server that does not answer, or a storage Optuna does not open (left to it, not run in memory)."""
     f = write(tmp_path, suite(tmp_path))
-    assert main(["tune", "-c", f, "--storage", "postgresql://user:s3cret@127.0.0.1:1/none"]) == 2
+    assert main(["tune", "-c", f, "--storage", url]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("pflbed: error: --storage postgresql://user:***@127.0.0.1:1/none: "), err
+    assert err.startswith(f"pflbed: error: --storage {url.replace(':s3cret@', ':***@')}: "), err
     assert "s3cret" not in err and "\n" not in err, err
     assert not (tmp_path / "out" / "trials").exists()
 

@@ -173,14 +173,14 @@ def test_the_trial_stopped_rather_than_cut_is_the_oldest_running_one_while_none_
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # a trial made by hand (study.ask)
 def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     """Median pruner, 8 rounds, warm-up a quarter: a trial far below the others is not judged at round 1 (the old
-    pruner cut most trials at their first evaluation), and is at round 2."""
+    pruner cut most trials at their first evaluation), and is at round 2, once two trials have finished."""
     base = {**BASE, "train": {**BASE["train"], "rounds": 8}}
     tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": base, "seeds": [0],
                                             "tune": {"budget": 10, "pruner": "median", "warmup": 0.25},
                                             "methods": FEDAVG}))  # fmt: skip
     study = tuner.study(tuner.methods[0])
     dist = {"train.lr": FloatDistribution(1e-3, 0.3, log=True)}
-    for i in range(3):
+    for i in range(2):
         study.add_trial(create_trial(params={"train.lr": 0.01 * (i + 1)}, distributions=dist, value=0.9,
                                      intermediate_values={1: 0.9, 2: 0.9, 3: 0.9}))  # fmt: skip
     trial = study.ask(dist)
@@ -188,6 +188,17 @@ def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     assert not trial.should_prune()
     trial.report(0.1, 2)
     assert trial.should_prune()
+
+
+def test_the_sampler_is_the_suites_tpe_lying_for_running_trials_or_random(tmp_path):
+    """`tune.sampler`: TPE by default, with the constant liar (a trial another worker is running counts as drawn
+    where it stands, so workers started together do not crowd one region; Optuna keeps the flag private), or
+    random."""
+    tpe = _tuner(tmp_path / "tpe", FEDAVG, budget=1)
+    sampler = tpe.study(tpe.methods[0]).sampler
+    assert type(sampler) is optuna.samplers.TPESampler and sampler._constant_liar is True
+    rand = _tuner(tmp_path / "random", FEDAVG, budget=1, sampler="random")
+    assert type(rand.study(rand.methods[0]).sampler) is optuna.samplers.RandomSampler
 
 
 def test_a_pruned_trial_says_at_which_round_and_its_best_figure_so_far(tmp_path, monkeypatch):
@@ -515,7 +526,41 @@ def test_a_chosen_default_configuration_is_not_re_run_twice(tmp_path):
     bench.run(log=lambda *a, **k: None)
     (row,) = tuner.rows()
     assert row["chosen_is_default"] and row["tuned"] == row["default"] and row["seeds"]["tuned"] == 1
+    (summary,) = (tuner.out / "final").rglob("summary.json")  # one run serves both rows: its time counted once
+    assert row["seconds"]["reruns"] == pytest.approx(json.loads(summary.read_text())["timing"]["wall_s"])
     assert "| the default (lr=0.05, local_epochs=1, mu=0.01) |" in tuner.markdown([row])
+
+
+def test_a_row_states_the_studys_compute_in_sample_passes_and_in_base_runs(tmp_path):
+    """A method training one round of a three-round base spends a third of a base run per trial: the row gives the
+    sample passes, the unit and their ratio to three decimals (0.333: not rounded to a whole run, not to four
+    places), with the objective, pruning curve, budget and state it was spent under."""
+    methods = {"S": {"set": {"algorithm.name": "fedavg", "train.rounds": 1}}}
+    tree = {"name": "t", "out": str(tmp_path / "out"), "base": {**BASE, "train": {**BASE["train"], "rounds": 3}},
+            "seeds": [0], "tune": {"pruner": "none", "budget": 100, "trials": 1}, "methods": methods}  # fmt: skip
+    tuner = Tuner(TuneSuite.model_validate(tree))
+    tuner.run_trials(**QUIET)
+    (row,) = tuner.rows()
+    method, unit = tuner.methods[0], tuner.unit()
+    spent = tuner.spent(tuner.study(method))
+    assert 3 * spent == unit > 0
+    assert row["compute"] == {"sample_passes": spent, "base_runs": 0.333, "unit_sample_passes": unit}
+    assert (row["objective"], row["pruned_on"], row["budget"], row["trials_cap"]) == ("pfl_val", "pfl_val", 100, 1)
+    assert row["finished"] is True and row["complete"] == 1 and row["pruned"] == 0
+
+
+def test_the_first_trials_values_are_the_defaults_its_space_holds_bounds_included(tmp_path):
+    """The default trial's values (`tune.first: default`): a default on its space's upper bound (FedProx's μ 0.01)
+    is held; an option whose default is unset (None) is left to the sampler, not queued as None; and a key a suite
+    removes from every method's space (`tune.space: {algorithm.mu: null}`) is fine for a method that never had it."""
+    space = {"algorithm.mu": {"low": 0.001, "high": 0.01, "log": True},
+             "federation.train_per_client": {"low": 20, "high": 40, "int": True}}  # fmt: skip
+    (prox,) = _tuner(tmp_path, {"P": {"set": {"algorithm.name": "fedprox"}, "space": space}}, budget=1).methods
+    assert prox.default == {"train.lr": 0.05, "train.local_epochs": 1, "train.momentum": 0.0, "algorithm.mu": 0.01}
+    assert "federation.train_per_client" in prox.space
+    methods = {"A": {"set": {"algorithm.name": "fedavg"}}, "P": {"set": {"algorithm.name": "fedprox"}}}
+    tuner = _tuner(tmp_path, methods, budget=1, space={"algorithm.mu": None})
+    assert [sorted(m.space) for m in tuner.methods] == [["train.local_epochs", "train.lr", "train.momentum"]] * 2
 
 
 def test_a_studys_first_trial_is_the_default_configuration(tmp_path):

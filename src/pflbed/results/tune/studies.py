@@ -211,10 +211,11 @@ class Studies:
         t = self.suite.tune
         seed = None
         if not worker:  # a restarted process continues with a fresh stream, not the first one's draws again
-            try:
-                held = len(optuna.load_study(study_name=method.study_name, storage=self.storage()).trials)
-            except KeyError:  # no such study yet
-                held = 0
+            with self._opening():
+                try:
+                    held = len(optuna.load_study(study_name=method.study_name, storage=self.storage()).trials)
+                except KeyError:  # no such study yet
+                    held = 0
             seed = self.seed + self.methods.index(method) + 7919 * held
         sampler = (optuna.samplers.TPESampler(seed=seed, constant_liar=True) if t.sampler == "tpe"
                    else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
@@ -222,13 +223,9 @@ class Studies:
         pruner = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=warm),
                   "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=warm, max_resource=method.rounds),
                   "none": optuna.pruners.NopPruner}[t.pruner]()  # fmt: skip
-        try:
+        with self._opening():
             study = optuna.create_study(storage=self.storage(), study_name=method.study_name, sampler=sampler,
                                         pruner=pruner, direction="maximize", load_if_exists=True)  # fmt: skip
-        except Exception as e:  # a storage URL optuna cannot open: one line
-            if isinstance(e, PflbedError):
-                raise
-            raise self._storage_error(e) from None
         if method.name not in self._checked:
             self._check_setup(method, study)
             self._checked.add(method.name)
@@ -277,6 +274,17 @@ class Studies:
                 "another suite name (--set name=…)"  # fmt: skip
             raise ConfigError(f"{diff}: {now}, but the {method.name} study in {self.storage_path} ran its trials with "
                               f"{was}; give {new} for a new study (or the same --set as before)")
+
+    @contextlib.contextmanager
+    def _opening(self) -> Iterator[None]:
+        """Around Optuna's first look at the storage: a URL it cannot open (a server that does not answer, a storage
+        it no longer supports, as redis://) is one line, not a traceback."""
+        try:
+            yield
+        except PflbedError:
+            raise
+        except Exception as e:
+            raise self._storage_error(e) from None
 
     def _storage_error(self, e: Exception) -> PflbedError:
         """A storage Optuna cannot open, as one line that names it without its password."""
