@@ -271,6 +271,11 @@ def test_a_trial_says_when_it_starts_and_how_its_rounds_go_and_a_worker_why_it_s
     assert wide.run_trials(worker=True, log=lines.append) == 0
     assert len(lines) == 1 and lines[0].startswith("FedAvg: nothing left to start (")
     assert lines[0].endswith("base runs spent, 1 trial running elsewhere)")
+    tuner.study(tuner.methods[0]).ask()  # two running elsewhere, the cap one more again
+    wider = Tuner(TuneSuite.model_validate(suite(tmp_path, 4)))
+    lines.clear()
+    assert wider.run_trials(worker=True, log=lines.append) == 0
+    assert len(lines) == 1 and lines[0].endswith("base runs spent, 2 trials running elsewhere)")
 
 
 def test_the_table_marks_a_study_short_of_its_budget_and_says_what_its_std_is(tmp_path):

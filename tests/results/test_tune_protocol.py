@@ -201,6 +201,24 @@ def test_the_sampler_is_the_suites_tpe_lying_for_running_trials_or_random(tmp_pa
     assert type(rand.study(rand.methods[0]).sampler) is optuna.samplers.RandomSampler
 
 
+def test_the_pruner_is_the_suites_each_from_the_warm_up_round(tmp_path):
+    """`tune.pruner`: hyperband's rungs run from the warm-up round (a quarter of 8 rounds: round 2; a tenth: round 1,
+    the earliest) to the last round; `none` prunes nothing (the median pruner's warm-up is judged by its trials
+    above). Optuna keeps the bounds private."""
+    base = {**BASE, "train": {**BASE["train"], "rounds": 8}}
+    pruners = {}
+    for name, warmup in (("hyperband", 0.25), ("hyperband", 0.1), ("none", 0.25)):
+        tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / f"{name}{warmup}"), "base": base,
+                                                "seeds": [0], "methods": FEDAVG,
+                                                "tune": {"budget": 1, "pruner": name, "warmup": warmup}}))  # fmt: skip
+        pruners[name, warmup] = tuner.study(tuner.methods[0]).pruner
+    for warmup, first in ((0.25, 2), (0.1, 1)):
+        hyperband = pruners["hyperband", warmup]
+        assert type(hyperband) is optuna.pruners.HyperbandPruner
+        assert (hyperband._min_resource, hyperband._max_resource) == (first, 8)
+    assert type(pruners["none", 0.25]) is optuna.pruners.NopPruner
+
+
 def test_a_pruned_trial_says_at_which_round_and_its_best_figure_so_far(tmp_path, monkeypatch):
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
     tuner = _tuner(tmp_path, FEDAVG, budget=10, trials=1)
@@ -287,13 +305,17 @@ def test_no_trial_of_a_committed_suite_trains_or_validates_on_a_reported_test_sa
     assert _overlap(tuner) > 0
 
 
-def test_a_trial_owner_is_dead_only_where_this_process_can_tell():
+def test_a_trial_owner_is_dead_only_where_this_process_can_tell(monkeypatch):
     """Same host and pid namespace, pid gone: dead. Another pid namespace (a container sharing the host name): never
     judged here, even if its pid is free here (host and pid alone would fail a live trial). A pid now held by a
-    process started later: dead."""
+    process started later: dead. A process's record holds its namespace and start time where /proc says them, and
+    a process without a /proc entry any more is its host and pid alone."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     here = _process()
+    assert _process(gone.pid) == {"host": here["host"], "pid": gone.pid}
+    if Path("/proc/self/ns/pid").exists():
+        assert set(here) == {"host", "pid", "pidns", "started"} and here["pidns"].startswith("pid:[")
     assert _dead({**here, "pid": gone.pid, "started": None})
     assert not _dead({**here, "pid": gone.pid, "pidns": "pid:[1]"})
     assert not _dead(here)  # this very process
@@ -302,14 +324,37 @@ def test_a_trial_owner_is_dead_only_where_this_process_can_tell():
     assert not _dead({**here, "host": here["host"] + "-other", "pid": gone.pid})
     assert os.getpid() == here["pid"]
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:  # another live process: its own start time is read, not this process's
+    try:  # another live process: its own namespace and start time are read, not this process's
+        read, readlink = [], os.readlink
+        monkeypatch.setattr(os, "readlink", lambda path: read.append(path) or readlink(path))
         owner = _process(alive.pid)
+        assert read == [f"/proc/{alive.pid}/ns/pid"]
         assert not _dead(owner)
         if "started" in owner:
             assert _dead({**owner, "started": owner["started"] - 1})
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="Linux's /proc")
+def test_a_process_start_time_is_read_after_its_name_whatever_the_name_holds():
+    """/proc/<pid>/stat puts the process name, in parentheses, before the start time; a name may hold spaces and
+    parentheses itself (a process may rename itself so), and its start time must not move when it does (a moved
+    one would call a live trial's owner another process, and fail its trial)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline(); "
+                              "open('/proc/self/comm', 'w').write('w) 1 2 (x'); print(flush=True); "
+                              "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        before = _process(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.stdout.readline()  # renamed
+        assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "w) 1 2 (x"
+        assert _process(child.pid) == before and "started" in before and not _dead(before)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_trial_owner_this_process_may_not_signal_is_alive(monkeypatch):
@@ -437,15 +482,16 @@ def test_a_trial_keeps_its_heartbeat_without_optunas_warning_that_only_optimize_
     assert tuner.run_trials(**QUIET) == 1
 
 
-def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(tmp_path, monkeypatch, sampler):
     """The main process seeds its sampler (a study restarted draws the same way); a worker's sampler is unseeded, so
-    two workers started together on one study do not draw the same parameters."""
+    two workers started together on one study do not draw the same parameters. Either sampler."""
     import pflbed.runs
 
     monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     drawn = {}
     for name, worker in (("main", False), ("again", False), ("worker", True)):
-        tuner = _tuner(tmp_path / name, FEDAVG, budget=100, first="sampled")
+        tuner = _tuner(tmp_path / name, FEDAVG, budget=100, first="sampled", sampler=sampler)
         with pytest.raises(KeyboardInterrupt):  # the trial's parameters are drawn, then it stops
             tuner.run_trials(worker=worker, **QUIET)
         (trial,) = tuner.study(tuner.methods[0]).get_trials()

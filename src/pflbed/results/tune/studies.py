@@ -229,11 +229,9 @@ class Studies:
         if method.name not in self._checked:
             self._check_setup(method, study)
             self._checked.add(method.name)
-            with self.exclusive():  # once per study, before any trial
-                if method.default and not study.user_attrs.get("default queued"):
-                    study.set_user_attr("default queued", True)
-                    if not study.trials:
-                        study.enqueue_trial(method.default, user_attrs={"default": True})
+            with self.exclusive():  # the default trial: queued by the first command on the study, as its first
+                if method.default and not study.trials:
+                    study.enqueue_trial(method.default, user_attrs={"default": True})
         return study
 
     @contextlib.contextmanager
