@@ -34,9 +34,14 @@ QUIET = {"log": lambda *_: None}
 FEDAVG = {"A": {"set": {"algorithm.name": "fedavg"}}}  # one method, its default config
 
 
-def _tuner(tmp_path, methods, **tune) -> Tuner:
-    return Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": BASE, "seeds": [0],
+def _tuner(tmp_path, methods, base=BASE, **tune) -> Tuner:
+    return Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": base, "seeds": [0],
                                            "tune": {"pruner": "none", **tune}, "methods": methods}))  # fmt: skip
+
+
+def _rounds(n: int) -> dict:
+    """The base config with `n` rounds."""
+    return {**BASE, "train": {**BASE["train"], "rounds": n}}
 
 
 def _timed(f, **kwargs) -> float:
@@ -174,10 +179,7 @@ def test_the_trial_stopped_rather_than_cut_is_the_oldest_running_one_while_none_
 def test_the_pruner_waits_for_its_warm_up_before_judging(tmp_path):
     """Median pruner, 8 rounds, warm-up a quarter: a trial far below the others is not judged at round 1 (the old
     pruner cut most trials at their first evaluation), and is at round 2, once two trials have finished."""
-    base = {**BASE, "train": {**BASE["train"], "rounds": 8}}
-    tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / "out"), "base": base, "seeds": [0],
-                                            "tune": {"budget": 10, "pruner": "median", "warmup": 0.25},
-                                            "methods": FEDAVG}))  # fmt: skip
+    tuner = _tuner(tmp_path, FEDAVG, base=_rounds(8), budget=10, pruner="median", warmup=0.25)
     study = tuner.study(tuner.methods[0])
     dist = {"train.lr": FloatDistribution(1e-3, 0.3, log=True)}
     for i in range(2):
@@ -205,12 +207,9 @@ def test_the_pruner_is_the_suites_each_from_the_warm_up_round(tmp_path):
     """`tune.pruner`: hyperband's rungs run from the warm-up round (a quarter of 8 rounds: round 2; a tenth: round 1,
     the earliest) to the last round; `none` prunes nothing (the median pruner's warm-up is judged by its trials
     above). Optuna keeps the bounds private."""
-    base = {**BASE, "train": {**BASE["train"], "rounds": 8}}
     pruners = {}
     for name, warmup in (("hyperband", 0.25), ("hyperband", 0.1), ("none", 0.25)):
-        tuner = Tuner(TuneSuite.model_validate({"name": "t", "out": str(tmp_path / f"{name}{warmup}"), "base": base,
-                                                "seeds": [0], "methods": FEDAVG,
-                                                "tune": {"budget": 1, "pruner": name, "warmup": warmup}}))  # fmt: skip
+        tuner = _tuner(tmp_path / f"{name}{warmup}", FEDAVG, base=_rounds(8), budget=1, pruner=name, warmup=warmup)
         pruners[name, warmup] = tuner.study(tuner.methods[0]).pruner
     for warmup, first in ((0.25, 2), (0.1, 1)):
         hyperband = pruners["hyperband", warmup]
@@ -584,9 +583,7 @@ def test_a_row_states_the_studys_compute_in_sample_passes_and_in_base_runs(tmp_p
     sample passes, the unit and their ratio to three decimals (0.333: not rounded to a whole run, not to four
     places), with the objective, pruning curve, budget and state it was spent under."""
     methods = {"S": {"set": {"algorithm.name": "fedavg", "train.rounds": 1}}}
-    tree = {"name": "t", "out": str(tmp_path / "out"), "base": {**BASE, "train": {**BASE["train"], "rounds": 3}},
-            "seeds": [0], "tune": {"pruner": "none", "budget": 100, "trials": 1}, "methods": methods}  # fmt: skip
-    tuner = Tuner(TuneSuite.model_validate(tree))
+    tuner = _tuner(tmp_path, methods, base=_rounds(3), budget=100, trials=1)
     tuner.run_trials(**QUIET)
     (row,) = tuner.rows()
     method, unit = tuner.methods[0], tuner.unit()
