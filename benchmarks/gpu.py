@@ -16,7 +16,9 @@
    the round and the device's limit.
 5. Whether compiling pays: one batched CNN step of 100 clients (vmapped gradient and SGD update, the batched
    executor's step without its bookkeeping) eager, under `torch.compile` and under `torch.compile`'s CUDA graphs
-   ("reduce-overhead"), each with its compile time, beside one plain model stepping on all those samples at once.
+   ("reduce-overhead"), each with its compile time, beside one plain model stepping on all those samples at once;
+   and each of its layers' forward and backward as the step runs them (vmapped per-client weights: grouped
+   convolutions), as unfold + batched matrix products, and as one dense layer on all the samples.
 6. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
 
 A full run measures the goals' cases first (FedAvg's CNN batched, then ResNet-18 batched for FedAvg, FedRoD,
@@ -316,6 +318,54 @@ def compile_probe(a: argparse.Namespace, device: torch.device, deadline: float) 
         opt.step()
     sync(device)
     out["one_model_step_ms"] = (time.perf_counter() - t0) / steps * 1e3
+    if time.perf_counter() < deadline:
+        out["layers_ms"] = layer_probe(device, clients, 1 if a.quick else steps)
+    return out
+
+
+def conv_as_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each client's 5×5 convolution (padding 2) of its batch as one batched matrix product over unfolded patches:
+    `w` [clients, out, in, 5, 5], `x` [clients, batch, in, H, W] → [clients, batch, out, H, W]."""
+    b, n, c, h, wd = x.shape
+    cols = F.unfold(x.flatten(0, 1), 5, padding=2).view(b, n, c * 25, h * wd)
+    out = torch.bmm(w.flatten(2), cols.transpose(1, 2).reshape(b, c * 25, n * h * wd))  # [clients, out, batch·H·W]
+    return out.view(b, -1, n, h, wd).transpose(1, 2)
+
+
+def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
+    """Where the batched CNN step's time goes: each layer of McMahan's CNN at 32 px (conv1 3→32 5×5 at 32×32,
+    conv2 32→64 5×5 at 16×16, fc1 4096→512), forward and backward for `clients` clients × batch 32, as the batched
+    step runs it (`vmap` over per-client weights: a grouped convolution), as unfold + batched matrix product (the
+    same arithmetic as one `bmm` per layer), and as one dense layer on all those samples with one weight (the
+    arithmetic without the client dimension); ms per forward and backward."""
+    from torch.func import vmap
+
+    n = 32
+
+    def conv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, w, padding=2)
+
+    layers = {"conv1": ((32, 3, 5, 5), (3, 32, 32)), "conv2": ((64, 32, 5, 5), (32, 16, 16)),
+              "fc1": ((512, 4096), (4096,))}  # fmt: skip
+    out: dict = {}
+    for name, (wshape, xshape) in layers.items():
+        w = torch.randn(clients, *wshape, device=device, requires_grad=True)
+        x = torch.randn(clients, n, *xshape, device=device, requires_grad=True)
+        if name == "fc1":
+            forms = {"vmap": lambda w, x: vmap(F.linear)(x, w), "bmm": lambda w, x: torch.bmm(x, w.transpose(1, 2)),
+                     "dense": lambda w, x: F.linear(x.flatten(0, 1), w[0])}  # fmt: skip
+        else:
+            forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
+                     "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2)}  # fmt: skip
+        out[name] = {}
+        for form, fn in forms.items():
+            for k in range(steps + 3):
+                if k == 3:
+                    sync(device)
+                    t0 = time.perf_counter()
+                fn(w, x).square().mean().backward()
+            sync(device)
+            out[name][form] = (time.perf_counter() - t0) / steps * 1e3
     return out
 
 
@@ -618,6 +668,8 @@ def write(result: dict, out: Path) -> None:
         for name, v in c["variants"].items():
             rows.append(f"  {name:24s} " + (f"ERROR {v['error']}" if "error" in v else
                         f"{v['step_ms']:8.2f} ms/step, first call {v['first_call_s']:.1f} s"))  # fmt: skip
+        for name, forms in c.get("layers_ms", {}).items():
+            rows.append(f"  {name} forward + backward, ms: " + ", ".join(f"{f} {v:.2f}" for f, v in forms.items()))
     if g := result.get("goals"):
         rows += ["", "goals:"] + [f"  {x['goal']}: {x['measured'] if x['measured'] is not None else 'not measured'} "
                                   f"({x['target']}{'; via ' + x['via'] if x['via'] else ''}) — "

@@ -97,3 +97,16 @@ def test_no_round_starts_that_would_end_past_the_deadline(tmp_path, monkeypatch)
     assert gpu.time_rounds(cfg, None, deadline=2.5)["incomplete"].startswith("1 of 3")
     assert "incomplete: 1 of 3 rounds" in gpu.line(cut | {"shape": "paper", "algorithm": "fedavg", "model": "cnn",
                                                           "executor": "loop"})  # fmt: skip
+
+
+def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
+    """The compile probe times a convolution as unfold + bmm beside the vmapped one: the same function, or its
+    timing compares nothing."""
+    import torch
+    import torch.nn.functional as F
+
+    gpu = _gpu_script()
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 4, 2, 5, 5, generator=g), torch.randn(3, 6, 2, 7, 9, generator=g)
+    want = torch.stack([F.conv2d(x[i], w[i], padding=2) for i in range(3)])
+    torch.testing.assert_close(gpu.conv_as_bmm(w, x), want, rtol=1e-5, atol=1e-5)
