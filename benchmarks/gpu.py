@@ -14,16 +14,16 @@
 4. A profile of one batched FedAvg CNN round (paper shape, after a warm-up round): the operators that take the
    device's time and the host's, and how often the host waits on the device (`profile.txt`) — what stands between
    the round and the device's limit.
-5. Whether compiling pays: one batched CNN step of 100 clients (vmapped gradient and SGD update, the batched
-   executor's step without its bookkeeping) eager, under `torch.compile` and under `torch.compile`'s CUDA graphs
-   ("reduce-overhead"), each with its compile time, beside one plain model stepping on all those samples at once;
-   and each of its layers' forward and backward as the step runs them (vmapped per-client weights: grouped
-   convolutions), as unfold + batched matrix products, and as one dense layer on all the samples.
+5. Where a batched step's time goes: one batched CNN step of 100 clients (vmapped gradient and SGD update, the
+   batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
+   and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
+   as unfold + batched matrix products, and as one dense layer on all the samples.
 6. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
 
-A full run measures the goals' cases first (FedAvg's CNN batched, then ResNet-18 batched for FedAvg, FedRoD,
-FedSelect and FedBasis, and FedSelect's in `procs`), then profiles, then probes compiling, then the rest: a short
-GPU allocation answers the questions still open before it spends time on rows already known.
+A full run measures the goals' cases first (FedAvg's CNN batched, eager, compiled and as CUDA graphs, then
+ResNet-18 batched for FedAvg, FedRoD, FedSelect and FedBasis, and FedSelect's in `procs`), then profiles, then
+probes a step, then the rest: a short GPU allocation answers the questions still open before it spends time on rows
+already known.
 
 Rounds are timed one by one with the device synchronized at both ends; the first round of each case is a warm-up
 (CUDA context, cuDNN heuristics, allocator) and reported apart. Cases run in priority order, each written to the
@@ -249,18 +249,17 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     return {"seconds": seconds, "syncs": syncs}
 
 
-def compile_probe(a: argparse.Namespace, device: torch.device, deadline: float) -> dict:
-    """Does compiling the batched step pay? One step of `clients` CNN clients at batch 32 — the vmapped gradient of
+def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
+    """Where a batched CNN step's time goes. One step of `clients` clients at batch 32 — the vmapped gradient of
     each client's mean loss and its SGD update, as `engine.batched` runs it, without the executor's bookkeeping —
-    timed eager, under `torch.compile` and (on a GPU) under its CUDA graphs, each variant's first call (compiling)
-    apart; beside it one plain model stepping on all clients' samples at once (the same arithmetic without the
-    client dimension). A variant that fails is recorded with its error; none starts after `deadline`."""
+    beside one plain model stepping on all clients' samples at once (the same arithmetic without the client
+    dimension), and each layer's forward and backward in three forms (`layer_probe`); ms per step."""
     from torch.func import functional_call, grad, vmap
 
-    clients = 8 if a.quick else 100
+    clients, steps = (8, 2) if a.quick else (100, 50)
     torch.manual_seed(0)
     model = build_model(a.models[0], (3, 32, 32), 10, device)
-    start = {k: v.detach().unsqueeze(0).repeat(clients, *[1] * v.dim()) for k, v in model.state_dict().items()}
+    p = {k: v.detach().unsqueeze(0).repeat(clients, *[1] * v.dim()) for k, v in model.state_dict().items()}
     x = torch.randn(clients, 32, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (clients, 32), device=device)
     w = torch.full((clients, 32), 1 / 32, device=device)
@@ -269,57 +268,27 @@ def compile_probe(a: argparse.Namespace, device: torch.device, deadline: float) 
         return (F.cross_entropy(functional_call(model, p, (x,)), y, reduction="none") * w).sum()
 
     grads_of = vmap(grad(loss))
-
-    def step(p: dict, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> dict:
-        g = grads_of(p, x, y, w)
-        return {k: v - 0.01 * g[k] for k, v in p.items()}
-
-    cuda = device.type == "cuda"
-    backend = "aot_eager" if a.quick else "inductor"  # inductor compiles for a minute on a CPU: quick checks the path
-    variants = {"eager": step, f"compile ({backend})": torch.compile(step, backend=backend, dynamic=False)}
-    if cuda:
-        variants["compile (CUDA graphs)"] = torch.compile(step, mode="reduce-overhead", dynamic=False)
-    def call(fn, p: dict) -> dict:
-        if cuda:  # each call a new step: its CUDA graph may reuse the memory of the step before's outputs
-            torch.compiler.cudagraph_mark_step_begin()
-        return fn(p, x, y, w)
-
-    steps = 5 if a.quick else 50
-    out: dict = {"clients": clients, "batch": 32, "steps_per_round": 16, "variants": {}}
-    for name, fn in variants.items():
-        if time.perf_counter() > deadline:
-            out["variants"][name] = {"error": "not started: past --deadline-s"}
-            continue
-        try:
-            p = {k: v.clone() for k, v in start.items()}
-            sync(device)
-            t0 = time.perf_counter()
-            p = call(fn, p)  # the first call: tracing and compiling, where there is any
-            sync(device)
-            first = time.perf_counter() - t0
-            for _ in range(2):  # CUDA graphs record on a later call
-                p = call(fn, p)
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                p = call(fn, p)
-            sync(device)
-            out["variants"][name] = {"first_call_s": first, "step_ms": (time.perf_counter() - t0) / steps * 1e3}
-        except Exception as e:  # a variant that does not compile here is a finding, not the end of the run
-            out["variants"][name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-    opt_x, opt_y = x.flatten(0, 1), y.flatten()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for k in range(steps + 3):  # one model on all clients' samples at once (3 steps of warm-up)
-        if k == 3:
-            sync(device)
-            t0 = time.perf_counter()
+
+    def batched_step() -> None:
+        g = grads_of(p, x, y, w)
+        p.update({k: v - 0.01 * g[k] for k, v in p.items()})
+
+    def one_model_step() -> None:
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(opt_x), opt_y).backward()
+        F.cross_entropy(model(x.flatten(0, 1)), y.flatten()).backward()
         opt.step()
-    sync(device)
-    out["one_model_step_ms"] = (time.perf_counter() - t0) / steps * 1e3
-    if time.perf_counter() < deadline:
-        out["layers_ms"] = layer_probe(device, clients, 1 if a.quick else steps)
+
+    out: dict = {"clients": clients, "batch": 32, "steps_per_round": 16}
+    for name, step in (("batched_step_ms", batched_step), ("one_model_step_ms", one_model_step)):
+        for k in range(steps + 3):  # 3 steps of warm-up
+            if k == 3:
+                sync(device)
+                t0 = time.perf_counter()
+            step()
+        sync(device)
+        out[name] = (time.perf_counter() - t0) / steps * 1e3
+    out["layers_ms"] = layer_probe(device, clients, steps)
     return out
 
 
@@ -404,11 +373,12 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
 
 def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """The cases the goals are judged on (`goals`), in the order a full run measures them first: batched, and
-    FedSelect's ResNet-18 also in `procs` (its loop was at 0.23–0.26 of the goal's limit, and `procs` doubled the
+    FedAvg's CNN also compiled (torch.compile, and its CUDA graphs: `executor.compile`), FedSelect's ResNet-18 also
+    in `procs` (its loop was at 0.23–0.26 of the goal's limit, and `procs` doubled the
     others' loops; FedAvg's and FedRoD's `procs` rows already passed 0.8, FedBasis's stayed at 0.25)."""
     cnn, resnet = a.models
-    return [("paper", "fedavg", cnn, "batched")] + [("paper", alg, resnet, "batched") for alg in RESNET_GOALS] + \
-        [("paper", "fedselect", resnet, "procs")]  # fmt: skip
+    out = [("paper", "fedavg", cnn, e) for e in ("batched", "batched-compile", "batched-graphs")]
+    return out + [("paper", alg, resnet, "batched") for alg in RESNET_GOALS] + [("paper", "fedselect", resnet, "procs")]
 
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
@@ -423,23 +393,25 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
             [("paper", "fedavg", resnet, "procs"), ("paper", "fedavg", resnet, "batched"),
              ("paper64", "fedbasis", a.imagenet_model, "batched")]  # fmt: skip
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
-    out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast")]
+    out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast", "batched-compile", "batched-graphs")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-bf16", "batched-bf16")]
     out += [("paper", alg, resnet, e) for alg in ALGORITHMS for e in execs]
     out += [("paper", "fedavg", resnet, "loop-bf16")]
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
+    out += [("paper", "fedavg", resnet, "batched-compile")]
     first = goal_cases(a)
     return first + [c for c in out if c not in first]
 
 
-# The goals of the GPU work: ResNet-18's round (paper shape, the best of loop, batched and procs at the defaults)
+# The goals of the GPU work: ResNet-18's round (paper shape, the best of `GOAL_EXECUTORS`)
 # against the centralized samples/s of the same model and batch on the same GPU ...
 RESNET_GOALS = {"fedavg": 0.8, "fedrod": 0.8, "fedselect": 0.5, "fedbasis": 0.5}
-# ... and FedAvg's batched CNN round at the defaults (float32, deterministic kernels), 100 clients × 500 samples:
+# ... and FedAvg's batched CNN round (float32, deterministic kernels; compiled or not), 100 clients × 500 samples:
 # 0.25 s on an H100; on another GPU, the same multiple of that GPU's centralized CNN rate at batch 32 as 0.25 s is
 # of the H100's (measured there: benchmarks/results/gpu_h100.json).
-CNN_GOAL_S, GOAL_EXECUTORS = 0.25, ("loop", "batched", "procs")
+# bf16 and nondeterministic kernels change the figures beyond float rounding: they do not count.
+CNN_GOAL_S, GOAL_EXECUTORS = 0.25, ("loop", "batched", "procs", "batched-compile", "batched-graphs")
 
 
 def _rate(centralized: dict, model: str, batch: int) -> float:
@@ -495,11 +467,14 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     return out
 
 
-# `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run);
+# `-compile` / `-graphs`: executor.compile default / reduce-overhead (the step under torch.compile, and replayed as a
+# CUDA graph); `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run);
 # `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates)
 EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
              "loop-fast": {"batch_clients": False, "deterministic": False},
              "batched-fast": {"batch_clients": True, "deterministic": False},
+             "batched-compile": {"batch_clients": True, "compile": "default"},
+             "batched-graphs": {"batch_clients": True, "compile": "reduce-overhead"},
              "loop-bf16": {"batch_clients": False, "precision": "bf16"},
              "batched-bf16": {"batch_clients": True, "precision": "bf16"}}  # fmt: skip
 
@@ -529,11 +504,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--imagenet-model", default="resnet18_imagenet", help="the paper64 cases' model")
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "compile"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step"])
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case or probe after this many s")
     ap.add_argument("--deadline-s", type=float, default=540.0,
-                    help="start no round (nor compile variant) that would end after this many seconds")
-    ap.add_argument("--tests-timeout-s", type=float, default=240.0)
+                    help="start no round that would end after this many seconds")
+    ap.add_argument("--tests-timeout-s", type=float, default=300.0)
     ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests, where installed")
     a = ap.parse_args(argv)
     a.out = a.out or fresh_dir()
@@ -604,9 +579,9 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
 
 
 def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: float) -> None:
-    """The profile of a batched round and the compile probe, each unless skipped or past `--budget-s`."""
+    """The profile of a batched round and the step probe, each unless skipped or past `--budget-s`."""
     for name, probe in (("profile", lambda: profile_round(a, a.out)),
-                        ("compile", lambda: compile_probe(a, device, t_start + a.deadline_s))):  # fmt: skip
+                        ("step", lambda: step_probe(a, device))):  # fmt: skip
         if name in a.skip:
             continue
         if time.perf_counter() - t_start > a.budget_s:
@@ -661,14 +636,11 @@ def write(result: dict, out: Path) -> None:
             rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
     if p := result.get("profile"):
         rows += ["", f"profiled batched FedAvg round: {p['seconds']:.3f} s; host waits: {p['syncs']} (profile.txt)"]
-    if c := result.get("compile"):
-        rows += ["", f"compile probe: one batched {result['args']['models'][0]} step, {c['clients']} clients × "
-                 f"batch {c['batch']} (a paper-shape round: {c['steps_per_round']} steps); one plain model on all "
-                 f"those samples at once: {c['one_model_step_ms']:.2f} ms/step"]  # fmt: skip
-        for name, v in c["variants"].items():
-            rows.append(f"  {name:24s} " + (f"ERROR {v['error']}" if "error" in v else
-                        f"{v['step_ms']:8.2f} ms/step, first call {v['first_call_s']:.1f} s"))  # fmt: skip
-        for name, forms in c.get("layers_ms", {}).items():
+    if c := result.get("step"):
+        rows += ["", f"step probe: one batched {result['args']['models'][0]} step, {c['clients']} clients × batch "
+                 f"{c['batch']} (a paper-shape round: {c['steps_per_round']} steps): {c['batched_step_ms']:.2f} ms; "
+                 f"one plain model on all those samples at once: {c['one_model_step_ms']:.2f} ms"]  # fmt: skip
+        for name, forms in c["layers_ms"].items():
             rows.append(f"  {name} forward + backward, ms: " + ", ".join(f"{f} {v:.2f}" for f, v in forms.items()))
     if g := result.get("goals"):
         rows += ["", "goals:"] + [f"  {x['goal']}: {x['measured'] if x['measured'] is not None else 'not measured'} "

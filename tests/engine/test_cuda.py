@@ -163,6 +163,19 @@ def test_batched_clients_on_the_device_match_one_by_one(case):
     _compare("batched_vs_loop", case, one, both)
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("case", ["fedavg-lenet5_bn", "fedavg-alexnet", "fedselect-lenet5_bn"])
+def test_a_compiled_batched_step_on_the_device_matches_the_eager_one(case, mode):
+    """`executor.compile` with inductor's kernels (and, in `reduce-overhead`, CUDA graphs): the eager batched step's
+    results up to float rounding; BatchNorm, dropout and entry masks among the cases."""
+    algorithm, sections = {c[0]: c[1:] for c in PER_CLIENT_LAYERS}[case]
+    torch._dynamo.reset()
+    eager = run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **sections), write=False, progress=False)
+    fast = run(_cfg(algorithm, DEVICE, {"batch_clients": True, "compile": mode}, **sections), write=False,
+               progress=False)  # fmt: skip
+    _compare(f"compiled_{mode}", case, eager, fast)
+
+
 @pytest.mark.parametrize("case", IDS)
 def test_procs_workers_sharing_the_device_match_the_loop(case, device_pool):
     algorithm, sections = _case(case)

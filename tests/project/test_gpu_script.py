@@ -51,7 +51,8 @@ def test_the_goals_are_judged_on_each_algorithms_best_default_round_against_its_
              _case("fedselect", "resnet18", "batched", 25.0, 4000),  # exactly 0.5
              _case("fedbasis", "resnet18", "procs", 26.0, 4000),  # 0.48
              _case("fedavg", "cnn", "batched", 0.30, 20000), _case("fedavg", "cnn", "loop", 3.0, 20000),
-             _case("fedavg", "cnn", "batched-fast", 0.2, 20000)]  # fmt: skip
+             _case("fedavg", "cnn", "batched-fast", 0.2, 20000), _case("fedavg", "cnn", "batched-bf16", 0.2, 20000),
+             _case("fedavg", "cnn", "batched-graphs", 0.32, 20000)]  # compiled counts: it only rounds  # fmt: skip
     got = {g["goal"].split(" round")[0].split(" s/")[0]: g for g in gpu.goals(_result("NVIDIA H200", speed), ref)}
     assert [got[k]["met"] for k in ("fedavg resnet18", "fedrod resnet18", "fedselect resnet18",
                                     "fedbasis resnet18")] == [True, False, True, False]  # fmt: skip
@@ -59,6 +60,8 @@ def test_the_goals_are_judged_on_each_algorithms_best_default_round_against_its_
     assert got["fedrod resnet18"]["measured"] == 0.781 and got["fedrod resnet18"]["via"] == "procs"
     cnn = got["fedavg cnn"]  # 0.30 s here: 166,667 samples/s = 8.33 × 20,000 ≥ 8
     assert cnn["met"] is True and cnn["measured"] == 8.333 and cnn["target"] == ">= 8.00" and cnn["via"] == "batched"
+    compiled = speed + [_case("fedavg", "cnn", "batched-compile", 0.25, 20000)]
+    assert gpu.goals(_result("NVIDIA H200", compiled), ref)[-1]["via"] == "batched-compile"
     slow = [m for m in speed if m["model"] != "cnn"] + [_case("fedavg", "cnn", "batched", 0.42, 20000)]
     assert gpu.goals(_result("NVIDIA H200", slow), ref)[-1]["met"] is False  # 5.95 × < 8 ×
     h100 = gpu.goals(_result("NVIDIA H100 80GB HBM3", speed), ref)[-1]
@@ -73,7 +76,7 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--out", "unused"])
     todo = gpu.cases(a)
-    assert todo[:6] == [("paper", "fedavg", "cnn", "batched")] + [
+    assert todo[:8] == [("paper", "fedavg", "cnn", e) for e in ("batched", "batched-compile", "batched-graphs")] + [
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
         ("paper", "fedselect", "resnet18", "procs")]
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo

@@ -56,6 +56,12 @@ class ExecutorConfig(Strict):
         None, ge=1, description="batched clients: at most this many in one batched computation; unset: all of a "
         "round's, and on a GPU half as many whenever they do not fit in its memory (kept for the rounds after)"
     )
+    compile: Literal["off", "default", "reduce-overhead"] = Field(
+        "off", description="batched clients: the vmapped step under torch.compile (`default`: fused kernels; "
+        "`reduce-overhead`: also replayed as a CUDA graph, on a GPU) — compiled once per run and step shape (a "
+        "minute or more, a C++ compiler on a CPU), then equal to the eager step up to float rounding "
+        "(docs/guide/gpu.md); off: the eager step"
+    )
     device: str = Field(
         "cpu", description="where the data, the models and every tensor of the run live: cpu, cuda (the current "
         "GPU), cuda:N or auto (cuda when available, else cpu); random draws stay on CPU generators"
@@ -79,6 +85,8 @@ class ExecutorConfig(Strict):
         if self.batch_max_clients is not None and (self.batch_clients is False or self.name not in ("loop", "auto")):
             raise ValueError("batch_max_clients applies to batched clients (executor.batch_clients, "
                              "executor.name=loop)")  # fmt: skip
+        if self.compile != "off" and (self.batch_clients is False or self.name not in ("loop", "auto")):
+            raise ValueError("compile applies to batched clients (executor.batch_clients, executor.name=loop)")
         for key in ("supernodes", "round_timeout", "state_dir"):
             if getattr(self, key) is not None and self.name != "flower":
                 raise ValueError(f"{key} applies to executor.name=flower")

@@ -22,13 +22,17 @@ before the step (`engine.per_client_layers`). Eligible: models whose only buffer
 only random layers are plain dropout, and clients of the round whose plans have the same phases. Anything else
 runs through the loop, client by client — the executor decides per round.
 
+`executor.compile` runs the vmapped step under `torch.compile` (`compiled`). A compiled step keeps one shape for
+the whole phase — a step with fewer clients would compile again — so every client of the batch is computed to the
+phase's last step and the results of those whose batches ran out are dropped (`_kept`): the same updates.
+
 Measured on CPU it loses to the loop for convolutional models (docs/guide/speed.md), so `batch_clients` is on by
 default only when the run's device is a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +47,7 @@ from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
 from pflbed.engine.per_client_layers import PerClientLayers
+from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
 
 
@@ -69,7 +74,8 @@ class BatchedExecutor(LoopExecutor):
         gens = [client_generator(ctx.seed, rnd, c) for c in cids]
         noise = [rng.global_stream(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
         with precision(algo):
-            return train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise)
+            return train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
+                                  ctx.cfg.executor.compile)  # fmt: skip
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
@@ -113,10 +119,11 @@ def train_together(
     train: TrainConfig,
     gens: list[torch.Generator],
     noise: list[torch.Generator] | None = None,
+    compile: str = "off",
 ) -> list[Tensors]:
     """Run the same-shaped `plans` of several clients at once; returns each client's trained full state. `gens`:
     each client's batch generator; `noise`: each client's dropout stream (`rng.global_stream` of the seed the loop
-    gives torch's global RNG), needed where the model has dropout."""
+    gives torch's global RNG), needed where the model has dropout; `compile`: `executor.compile`."""
     keys = list(plans[0].start)
     params = {k: torch.stack([p.start[k] for p in plans]) for k in keys}  # new tensors: the starts stay untouched
     consts = {k: torch.stack([p.consts[k] for p in plans]) for k in plans[0].consts}
@@ -131,7 +138,8 @@ def train_together(
         if ph.epochs:
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
             view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
-            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, datas, train, gens, noise, buf)
+            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, datas, train, gens, noise, buf,
+                   compile)  # fmt: skip
             params.update({ph.model + k: view[k] for k in model_keys} if ph.model else {})
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
 
@@ -148,6 +156,7 @@ def _phase(
     gens: list[torch.Generator],
     noise: list[torch.Generator] | None,
     buf: Tensors,
+    compile: str = "off",
 ) -> None:
     """One phase of every client's plan; `buf`: the momentum buffers of the phase's optimizer (empty: a fresh
     one), updated in place."""
@@ -181,8 +190,14 @@ def _phase(
         moved = layers.leave()
         return value, objective.hand_back(tensors, cst, b, moved) if hooks else moved  # type: ignore[union-attr]
 
-    grads_of = vmap(grad(loss, has_aux=True))
+    grads_of = compiled(vmap(grad(loss, has_aux=True)), compile)
+    static = compile != "off"  # one shape for every step: a new one would compile again
     for s, live in enumerate(active):
+        keep = None  # compiled: the clients whose batches have run out are computed too, their results dropped
+        if static and live is not None:
+            keep = torch.zeros(len(datas), dtype=torch.bool)
+            keep[live] = True
+            keep, live = keep.to(pool_x.device), None
         whole = live is None
         sel = None if whole else torch.tensor(live, device=pool_x.device)
         r, w = (rows[s], weights[s]) if whole else (rows[s][sel], weights[s][sel])
@@ -201,15 +216,18 @@ def _phase(
             g, moved = grads_of(p, q, b, cst, x, y, w, masks)
         for k in (k for k in moved if k in params):  # the statistics each client's forward moved
             if whole:
-                params[k] = moved[k]
+                params[k] = _kept(keep, moved[k], params[k])
             else:
                 params[k][sel] = moved[k]
         for k in trainable:  # torch.optim.SGD's update, per client
             d = g[k].add(p[k], alpha=weight_decay) if weight_decay else g[k]
             if momentum:
                 if k not in buf:  # k's first step, its phase's first (a phase trains the same keys throughout):
-                    assert whole  # every client has a batch in it (each has a training sample)
+                    assert whole and keep is None  # every client has a batch in it (each has a training sample)
                     buf[k] = d.clone()
+                elif keep is not None:
+                    d = buf[k].mul(momentum).add_(d)
+                    buf[k] = _kept(keep, d, buf[k])
                 else:
                     d = (buf[k] if whole else buf[k][sel]).mul_(momentum).add_(d)
                     if not whole:
@@ -218,9 +236,40 @@ def _phase(
             if k in trains:  # only the entries the phase trains move
                 new = torch.where(trains[k] if whole else trains[k][sel], new, p[k])
             if whole:
-                params[k] = new
+                params[k] = _kept(keep, new, p[k])
             else:
                 params[k][sel] = new
+
+
+def _kept(keep: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """`new` for the clients in `keep` (a mask over the leading client dimension), `old` for the others; `new`
+    where there is no mask."""
+    return new if keep is None else torch.where(keep.view(-1, *[1] * (new.dim() - 1)), new, old)
+
+
+def compiled(step: Callable, mode: str) -> Callable:
+    """`step` under `torch.compile` in `mode` (`executor.compile`), or itself when "off".
+
+    Why it compiles once per run: dynamo keys its cache on the step's code, shared by every phase's new closure,
+    and guards on what the step reads (the model, the per-client layers' settings, the tensors' shapes), so a later
+    round reuses the graph; a new shape (a step with fewer clients, a phase training other keys) adds one. Under
+    CUDA graphs (`reduce-overhead`) each call is a new step — its outputs live in memory the next replay reuses —
+    so they are copied out before the next call."""
+    if mode == "off":
+        return step
+    fast = torch.compile(step, mode=mode)
+
+    def run(*args: Any) -> Any:
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            out = fast(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # no compiler here, say: the setting is at fault
+            raise ConfigError(f"executor.compile={mode}: torch.compile failed here ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}); set executor.compile=off") from e  # fmt: skip
+        return torch.utils._pytree.tree_map(torch.clone, out) if mode == "reduce-overhead" else out
+
+    return run
 
 
 def _schedule(

@@ -1,0 +1,111 @@
+"""`executor.compile`: the batched step under torch.compile (engine/batched.py, `compiled`).
+
+Inductor, the backend `torch.compile` uses, takes a minute per graph on a small CPU and needs a C++ compiler, so
+these tests swap in the `aot_eager` backend: the same capture of the vmapped step (dynamo, then AOT autograd) run
+with the eager kernels, so the compiled run must equal the eager one bit for bit. What inductor changes on top is
+float rounding, measured on the GPU (`tests/engine/test_cuda.py`, `benchmarks/gpu.py`).
+"""
+
+import pytest
+import torch
+
+from pflbed.config import validate_config
+from pflbed.engine import batched
+from pflbed.errors import ConfigError
+from pflbed.runs import run
+
+from ..tiny import DATA, TINY
+
+REAL_COMPILE = torch.compile
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """`torch.compile` in `engine.batched` on the aot_eager backend; yields the modes it was asked for."""
+    modes = []
+
+    def compile_(fn, mode):
+        modes.append(mode)
+        return REAL_COMPILE(fn, backend="aot_eager")
+
+    monkeypatch.setattr(batched.torch, "compile", compile_)
+    torch._dynamo.reset()
+    yield modes
+    torch._dynamo.reset()
+
+
+def _cfg(name, model, compile_, rounds=3):
+    """Clients of different sizes (a Dirichlet split): later steps of a round have fewer clients with a batch."""
+    return validate_config({**TINY, "dataset": DATA, "model": {"name": model},
+                            "federation": {**TINY["federation"], "sample_fraction": 1.0},
+                            "train": {**TINY["train"], "rounds": rounds, "lr": 0.05, "momentum": 0.5},
+                            "algorithm": {"name": name},
+                            "executor": {"threads": 1, "batch_clients": True, "compile": compile_}})  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "model", "graphs"), [
+    ("fedavg", "lenet5_bn", 1),  # BatchNorm statistics handed back from inside the compiled step
+    ("fedavg", "alexnet_small_x025", 1),  # dropout masks drawn outside it
+    ("fedselect", "lenet5", 1),  # per-client entry masks
+    ("fedbasis", "lenet5_bn", 3),  # a warm-start round, then two phases (ψ, V) of statistics derived per step
+])  # fmt: skip
+def test_the_compiled_step_trains_as_the_eager_one_and_compiles_once_per_step_kind(name, model, graphs, aot_eager):
+    """Three rounds equal the eager step's bit for bit, finished clients' tensors untouched by the steps they sit
+    out, and each kind of step was captured once for the whole run: a step with fewer clients left is computed
+    at the round's shape (not compiled again), and a later round reuses the graphs."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    eager = run(_cfg(name, model, "off"), write=False, progress=False)
+    assert aot_eager == []  # off: nothing compiled
+    counters.clear()
+    fast = run(_cfg(name, model, "default"), write=False, progress=False)
+    assert aot_eager and set(aot_eager) == {"default"}
+    assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["ok"] == graphs
+    assert all(torch.equal(eager.server[k], fast.server[k]) for k in eager.server)
+    states = eager.executor.states
+    assert all(torch.equal(states[c][k], fast.executor.states[c][k]) for c in states for k in states[c])
+    assert not all(torch.equal(eager.server[k], v) for k, v in eager.executor.algo.init_server().items())
+
+
+def test_cuda_graphs_start_a_step_per_call_and_hand_back_copies(monkeypatch):
+    """Under `reduce-overhead` a call's outputs live in the graph's memory, which its next replay overwrites: each
+    call must open a new step and return copies, never the graph's own tensors."""
+    held = {"g": torch.ones(3)}
+    steps = []
+    monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: lambda *a: (held, [held["g"]]))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    step = batched.compiled(lambda *a: None, "reduce-overhead")
+    for n in (1, 2):
+        g, moved = step()
+        assert len(steps) == n
+        assert torch.equal(g["g"], held["g"]) and g["g"] is not held["g"] and moved[0] is not held["g"]
+        assert g["g"].data_ptr() != held["g"].data_ptr()
+    plain = batched.compiled(lambda *a: None, "default")
+    assert plain()[0] is held and len(steps) == 2  # fused kernels alone: no graph memory to copy out of
+
+
+def test_a_compiler_failure_names_the_setting_in_one_line(monkeypatch):
+    def broken(*a):
+        raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no C++ compiler\nfound"), None)
+
+    monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: broken)
+    with pytest.raises(ConfigError) as e:
+        batched.compiled(lambda *a: None, "default")()
+    assert str(e.value).startswith("executor.compile=default: torch.compile failed here (BackendCompilerFailed")
+    assert "no C++ compiler found" in str(e.value) and "set executor.compile=off" in str(e.value)
+    assert "\n" not in str(e.value)
+    oom = torch.OutOfMemoryError("out of memory")  # a GPU's memory running out is the executor's to handle
+
+    def full(*a):
+        raise oom
+
+    monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: full)
+    with pytest.raises(torch.OutOfMemoryError):
+        batched.compiled(lambda *a: None, "default")()
+
+
+@pytest.mark.parametrize("executor", [{"batch_clients": False}, {"name": "procs", "workers": 1}])
+def test_compile_is_refused_where_no_client_is_batched(executor):
+    with pytest.raises(ConfigError, match="^executor: compile applies to batched clients"):
+        validate_config({**TINY, "dataset": DATA, "executor": {**executor, "compile": "default"}})
