@@ -105,7 +105,13 @@ def test_a_compiler_failure_names_the_setting_in_one_line(monkeypatch):
         batched.compiled(lambda *a: None, "default")()
 
 
-@pytest.mark.parametrize("executor", [{"batch_clients": False}, {"name": "procs", "workers": 1}])
+@pytest.mark.parametrize("executor", [{"batch_clients": False}, {"name": "procs", "workers": 1}, {},
+                                      {"batch_clients": False, "device": "auto"}])  # unset on a CPU: not batched
 def test_compile_is_refused_where_no_client_is_batched(executor):
     with pytest.raises(ConfigError, match="^executor: compile applies to batched clients"):
         validate_config({**TINY, "dataset": DATA, "executor": {**executor, "compile": "default"}})
+
+
+def test_compile_is_taken_where_clients_are_batched():
+    for executor in ({"batch_clients": True}, {"device": "auto"}):  # auto: batched wherever it finds a GPU
+        assert validate_config({**TINY, "dataset": DATA, "executor": {**executor, "compile": "default"}})
