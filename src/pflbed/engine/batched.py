@@ -252,7 +252,8 @@ def compiled(step: Callable, mode: str) -> Callable:
 
     Why it compiles once per run: dynamo keys its cache on the step's code, shared by every phase's new closure,
     and guards on what the step reads (the model, the per-client layers' settings, the tensors' shapes), so a later
-    round reuses the graph; a new shape (a step with fewer clients, a phase training other keys) adds one. Under
+    round reuses the graph; a new shape (another number of clients batched, a phase training other keys) adds one
+    (a phase's steps keep theirs: `_phase` computes its finished clients too). Under
     CUDA graphs (`reduce-overhead`) each call is a new step — its outputs live in memory the next replay reuses —
     so they are copied out before the next call."""
     if mode == "off":
