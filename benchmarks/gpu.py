@@ -342,7 +342,9 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
     """tests/engine/test_cuda.py on the device; the per-comparison differences it reports, summarized."""
     report = out.resolve() / "gpu_parity.jsonl"  # the tests run in the repository, perhaps not the working dir
     report.unlink(missing_ok=True)
-    env = {**os.environ, "PFLBED_TEST_DEVICE": a.device, "PFLBED_CUDA_REPORT": str(report)}
+    env = {**os.environ, "PFLBED_TEST_DEVICE": a.device, "PFLBED_CUDA_REPORT": str(report),
+           # the compiled-step tests: each test worker's inductor compiles on its share of the cores, not on all
+           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, a.test_workers)))}
     cmd = [sys.executable, "-m", "pytest", "tests/engine/test_cuda.py", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
     if a.quick:
         cmd += ["-k", "fedavg-global-test or resume or loads"]

@@ -75,13 +75,13 @@ def test_cuda_graphs_start_a_step_per_call_and_hand_back_copies(monkeypatch):
     steps = []
     monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: lambda *a: (held, [held["g"]]))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
-    step = batched.compiled(lambda *a: None, "reduce-overhead")
+    step = batched.compiled(lambda *a: None, "reduce-overhead", torch.nn.Linear(1, 1))
     for n in (1, 2):
         g, moved = step()
         assert len(steps) == n
         assert torch.equal(g["g"], held["g"]) and g["g"] is not held["g"] and moved[0] is not held["g"]
         assert g["g"].data_ptr() != held["g"].data_ptr()
-    plain = batched.compiled(lambda *a: None, "default")
+    plain = batched.compiled(lambda *a: None, "default", torch.nn.Linear(1, 1))
     assert plain()[0] is held and len(steps) == 2  # fused kernels alone: no graph memory to copy out of
 
 
@@ -91,7 +91,7 @@ def test_a_compiler_failure_names_the_setting_in_one_line(monkeypatch):
 
     monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: broken)
     with pytest.raises(ConfigError) as e:
-        batched.compiled(lambda *a: None, "default")()
+        batched.compiled(lambda *a: None, "default", torch.nn.Linear(1, 1))()
     assert str(e.value).startswith("executor.compile=default: torch.compile failed here (BackendCompilerFailed")
     assert "no C++ compiler found" in str(e.value) and "set executor.compile=off" in str(e.value)
     assert "\n" not in str(e.value)
@@ -102,7 +102,7 @@ def test_a_compiler_failure_names_the_setting_in_one_line(monkeypatch):
 
     monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: full)
     with pytest.raises(torch.OutOfMemoryError):
-        batched.compiled(lambda *a: None, "default")()
+        batched.compiled(lambda *a: None, "default", torch.nn.Linear(1, 1))()
 
 
 @pytest.mark.parametrize("executor", [{"batch_clients": False}, {"name": "procs", "workers": 1}, {},
@@ -115,3 +115,16 @@ def test_compile_is_refused_where_no_client_is_batched(executor):
 def test_compile_is_taken_where_clients_are_batched():
     for executor in ({"batch_clients": True}, {"device": "auto"}):  # auto: batched wherever it finds a GPU
         assert validate_config({**TINY, "dataset": DATA, "executor": {**executor, "compile": "default"}})
+
+
+def test_each_run_compiles_its_own_steps_however_many_ran_before_in_the_process(aot_eager, monkeypatch):
+    """A run's graphs cannot serve the next run's model: they are dropped when it starts compiling, so that dynamo's
+    limit of graphs per code (here lowered to 1) never turns a later run's steps silently eager."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    counters.clear()
+    for rounds in (1, 1):
+        run(_cfg("fedavg", "lenet5", "default", rounds), write=False, progress=False)
+    assert counters["stats"]["unique_graphs"] == 2 and counters["frames"]["ok"] == 2  # one each, both compiled

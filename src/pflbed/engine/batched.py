@@ -32,6 +32,7 @@ default only when the run's device is a GPU.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -190,7 +191,7 @@ def _phase(
         moved = layers.leave()
         return value, objective.hand_back(tensors, cst, b, moved) if hooks else moved  # type: ignore[union-attr]
 
-    grads_of = compiled(vmap(grad(loss, has_aux=True)), compile)
+    grads_of = compiled(vmap(grad(loss, has_aux=True)), compile, model)
     static = compile != "off"  # one shape for every step: a new one would compile again
     for s, live in enumerate(active):
         keep = None  # compiled: the clients whose batches have run out are computed too, their results dropped
@@ -247,17 +248,25 @@ def _kept(keep: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> to
     return new if keep is None else torch.where(keep.view(-1, *[1] * (new.dim() - 1)), new, old)
 
 
-def compiled(step: Callable, mode: str) -> Callable:
-    """`step` under `torch.compile` in `mode` (`executor.compile`), or itself when "off".
+_compiled_for: list[weakref.ref] = []  # the model whose steps dynamo's cache holds (`compiled`)
+
+
+def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
+    """`step` (of `model`) under `torch.compile` in `mode` (`executor.compile`), or itself when "off".
 
     Why it compiles once per run: dynamo keys its cache on the step's code, shared by every phase's new closure,
     and guards on what the step reads (the model, the per-client layers' settings, the tensors' shapes), so a later
     round reuses the graph; a new shape (another number of clients batched, a phase training other keys) adds one
     (a phase's steps keep theirs: `_phase` computes its finished clients too). Under
     CUDA graphs (`reduce-overhead`) each call is a new step — its outputs live in memory the next replay reuses —
-    so they are copied out before the next call."""
+    so they are copied out before the next call. A step of another model (the next run in this process) starts
+    from an empty cache: the last run's graphs could never serve it, and they count against dynamo's limit of
+    graphs per code (8), past which it would run every later run's steps eagerly, saying so only in a warning."""
     if mode == "off":
         return step
+    if not _compiled_for or _compiled_for[0]() is not model:
+        torch._dynamo.reset()
+        _compiled_for[:] = [weakref.ref(model)]
     fast = torch.compile(step, mode=mode)
 
     def run(*args: Any) -> Any:
