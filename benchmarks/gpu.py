@@ -595,7 +595,7 @@ def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: f
 
 
 def line(m: dict) -> str:
-    head = f"{m['shape']:7s} {m['algorithm']:9s} {m['model']:17s} {m['executor']:12s}"
+    head = f"{m['shape']:7s} {m['algorithm']:9s} {m['model']:17s} {m['executor']:15s}"
     if "error" in m:
         return f"{head} ERROR {m['error']}"
     if "s_per_round" not in m:
@@ -626,7 +626,7 @@ def write(result: dict, out: Path) -> None:
         rows += ["", "paper: 100 clients × 500 samples, all per round, batch 32 (paper64: at 64 px, the "
                  "centralized limit paper64's); pflr: 1,000 users × 50, cohort 50, batch 10; 1 local epoch; "
                  "s/round = median of the timed rounds (first round: warm-up, apart)",
-                 f"{'shape':7s} {'algorithm':9s} {'model':17s} {'exec':12s} {'s/round':>9s} {'warm-up':>8s} "
+                 f"{'shape':7s} {'algorithm':9s} {'model':17s} {'exec':15s} {'s/round':>9s} {'warm-up':>8s} "
                  f"{'samples/s':>11s} {'÷cent.':>6s} {'batched':>7s} {'util%':>5s} {'peak MB':>8s}"]  # fmt: skip
         rows += [line(m) for m in result["speed"]]
         loops = {(m["shape"], m["algorithm"], m["model"]): m for m in result["speed"] if m["executor"] == "loop"
