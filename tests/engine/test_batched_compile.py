@@ -34,11 +34,12 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-def _cfg(name, model, compile_, rounds=3):
+def _cfg(name, model, compile_, rounds=3, epochs=1):
     """Clients of different sizes (a Dirichlet split): later steps of a round have fewer clients with a batch."""
     return validate_config({**TINY, "dataset": DATA, "model": {"name": model},
                             "federation": {**TINY["federation"], "sample_fraction": 1.0},
-                            "train": {**TINY["train"], "rounds": rounds, "lr": 0.05, "momentum": 0.5},
+                            "train": {**TINY["train"], "rounds": rounds, "lr": 0.05, "momentum": 0.5,
+                                      "local_epochs": epochs},
                             "algorithm": {"name": name},
                             "executor": {"threads": 1, "batch_clients": True, "compile": compile_}})  # fmt: skip
 
@@ -128,3 +129,58 @@ def test_each_run_compiles_its_own_steps_however_many_ran_before_in_the_process(
     for rounds in (1, 1):
         run(_cfg("fedavg", "lenet5", "default", rounds), write=False, progress=False)
     assert counters["stats"]["unique_graphs"] == 2 and counters["frames"]["ok"] == 2  # one each, both compiled
+
+
+def test_a_finished_clients_tensors_are_kept_whatever_their_shape():
+    """`_kept` picks per client (the leading dimension) between the step's result and the tensor as it was."""
+    keep = torch.tensor([True, False, True])
+    for shape in ((3,), (3, 2), (3, 2, 4)):
+        new, old = torch.full(shape, 1.0), torch.full(shape, 2.0)
+        out = batched._kept(keep, new, old)
+        assert out.shape == new.shape
+        assert out[0].eq(1).all() and out[1].eq(2).all() and out[2].eq(1).all()
+    new = torch.ones(3, 2)
+    assert batched._kept(None, new, torch.zeros(3, 2)) is new  # nothing finished: the result itself
+
+
+def test_compiled_wraps_the_step_in_its_mode_and_empties_the_cache_for_a_new_model(monkeypatch):
+    made, resets = [], []
+    monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: made.append((fn, mode)) or fn)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(batched, "_compiled_for", [])
+
+    def step(*a):
+        return {"g": torch.zeros(1)}, {}
+
+    one, two = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    assert batched.compiled(step, "off", one) is step and not made and not resets  # off: the step itself
+    for mode, model, n_resets in (("default", one, 1), ("reduce-overhead", one, 1), ("default", two, 2)):
+        batched.compiled(step, mode, model)
+        assert made[-1] == (step, mode) and len(resets) == n_resets  # the same model: its graphs kept
+
+
+@pytest.mark.parametrize(("name", "model", "epochs"), [
+    ("fedavg", "lenet5_bn", 1), ("fedavg", "alexnet_small_x025", 1),
+    ("fedselect", "lenet5", 2),  # each side's momentum carried into its pass of the next epoch
+    ("fedbasis", "lenet5_bn", 1),  # statistics handed back to the bases
+])  # fmt: skip
+def test_a_compiled_phase_computes_finished_clients_and_drops_their_results(name, model, epochs, monkeypatch):
+    """The compiled path's one shape, eagerly (torch.compile as the identity): every client computed at every step
+    of the phase, those whose batches ran out left as they were (parameters, statistics, momentum) — the eager
+    path's results, bit for bit."""
+    torch.set_num_threads(1)
+    masked, real = [], batched._kept
+
+    def kept(keep, new, old):
+        masked.append(keep is not None)
+        return real(keep, new, old)
+
+    monkeypatch.setattr(batched, "_kept", kept)
+    eager = run(_cfg(name, model, "off", 2, epochs), write=False, progress=False)
+    assert masked and not any(masked)  # eager: finished clients are left out of the step, not computed
+    monkeypatch.setattr(batched.torch, "compile", lambda fn, mode: fn)
+    static = run(_cfg(name, model, "default", 2, epochs), write=False, progress=False)
+    assert any(masked)  # some steps had finished clients
+    assert all(torch.equal(eager.server[k], static.server[k]) for k in eager.server)
+    states = eager.executor.states
+    assert all(torch.equal(states[c][k], static.executor.states[c][k]) for c in states for k in states[c])

@@ -157,7 +157,7 @@ def _phase(
     gens: list[torch.Generator],
     noise: list[torch.Generator] | None,
     buf: Tensors,
-    compile: str = "off",
+    compile: str,
 ) -> None:
     """One phase of every client's plan; `buf`: the momentum buffers of the phase's optimizer (empty: a fresh
     one), updated in place."""
@@ -215,9 +215,9 @@ def _phase(
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         with layers.patched():
             g, moved = grads_of(p, q, b, cst, x, y, w, masks)
-        for k in (k for k in moved if k in params):  # the statistics each client's forward moved
-            if whole:
-                params[k] = _kept(keep, moved[k], params[k])
+        for k in (k for k in moved if k in params):  # the statistics each client's forward moved (a finished
+            if whole:  # client's forward has no real row: its statistics come back as they were, `per_client_layers`)
+                params[k] = moved[k]
             else:
                 params[k][sel] = moved[k]
         for k in trainable:  # torch.optim.SGD's update, per client
