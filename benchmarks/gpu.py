@@ -590,7 +590,10 @@ def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: f
         if time.perf_counter() - t_start > a.budget_s:
             result["skipped"].append(name)
             continue
-        result[name] = probe()
+        try:
+            result[name] = probe()
+        except Exception as e:  # a failed probe is a result too; the cases after it still run
+            result[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         write(result, a.out)
 
 
@@ -637,9 +640,12 @@ def write(result: dict, out: Path) -> None:
                   and (m["shape"], m["algorithm"], m["model"]) in loops]  # fmt: skip
         if ratios:
             rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
-    if p := result.get("profile"):
+    if (p := result.get("profile")) and "error" not in p:
         rows += ["", f"profiled batched FedAvg round: {p['seconds']:.3f} s; host waits: {p['syncs']} (profile.txt)"]
-    if c := result.get("step"):
+    for name in ("profile", "step"):
+        if "error" in (result.get(name) or {}):
+            rows += ["", f"{name}: ERROR {result[name]['error']}"]
+    if (c := result.get("step")) and "error" not in c:
         rows += ["", f"step probe: one batched {result['args']['models'][0]} step, {c['clients']} clients × batch "
                  f"{c['batch']} (a paper-shape round: {c['steps_per_round']} steps): {c['batched_step_ms']:.2f} ms; "
                  f"one plain model on all those samples at once: {c['one_model_step_ms']:.2f} ms"]  # fmt: skip

@@ -114,3 +114,25 @@ def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     w, x = torch.randn(3, 4, 2, 5, 5, generator=g), torch.randn(3, 6, 2, 7, 9, generator=g)
     want = torch.stack([F.conv2d(x[i], w[i], padding=2) for i in range(3)])
     torch.testing.assert_close(gpu.conv_as_bmm(w, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A probe that fails (out of memory on a small GPU, say) is a result in gpu.txt, not the end of the call: the
+    cases after the probes still run."""
+    import time
+
+    import torch
+
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--skip", "profile"])
+
+    def broken(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate")
+
+    monkeypatch.setattr(gpu, "step_probe", broken)
+    result = {"device": "cpu", "gpu": None, "torch": "", "quick": True, "cpu_count": 2, "tests": None, "speed": [],
+              "skipped": [], "args": vars(a) | {"out": str(tmp_path)}}  # fmt: skip
+    gpu.probes(a, result, torch.device("cpu"), time.perf_counter())
+    assert result["step"] == {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate"}
+    assert "profile" not in result  # skipped as asked
+    assert "step: ERROR OutOfMemoryError: CUDA out of memory. Tried to allocate" in (tmp_path / "gpu.txt").read_text()
