@@ -8,6 +8,7 @@ float rounding, measured on the GPU (`tests/engine/test_cuda.py`, `benchmarks/gp
 
 import pytest
 import torch
+import yaml
 
 from pflbed.config import validate_config
 from pflbed.engine import batched
@@ -108,16 +109,32 @@ def test_a_compiler_failure_names_the_setting_in_one_line(monkeypatch):
         batched.compiled(lambda *a: None, "default", torch.nn.Linear(1, 1))()
 
 
-@pytest.mark.parametrize("executor", [{"batch_clients": False}, {"name": "procs", "workers": 1}, {},
-                                      {"batch_clients": False, "device": "auto"}])  # unset on a CPU: not batched
+@pytest.mark.parametrize("executor", [{"batch_clients": False}, {"name": "procs", "workers": 1},
+                                      {"batch_clients": False, "device": "auto"}])
 def test_compile_is_refused_where_no_client_is_batched(executor):
     with pytest.raises(ConfigError, match="^executor: compile applies to batched clients"):
         validate_config({**TINY, "dataset": DATA, "executor": {**executor, "compile": "default"}})
 
 
 def test_compile_is_taken_where_clients_are_batched():
-    for executor in ({"batch_clients": True}, {"device": "auto"}):  # auto: batched wherever it finds a GPU
+    """Taken as `batch_max_clients` is: wherever clients may run batched, `batch_clients` unset included (on a GPU
+    it is on; on a CPU the setting then goes unused), so a GPU run's config still loads on a CPU."""
+    for executor in ({"batch_clients": True}, {"device": "auto"}, {}):
         assert validate_config({**TINY, "dataset": DATA, "executor": {**executor, "compile": "default"}})
+
+
+def test_a_compiled_gpu_run_loads_on_a_cpu_and_resumes_with_compile_changed(tmp_path):
+    """`compile` is placement, like `batch_clients`: how a run computes (float rounding at most), not what."""
+    from pflbed.config import validate_config as valid
+    from pflbed.results.rundir import run_config, same_config
+
+    tree = {**TINY, "dataset": DATA, "executor": {"device": "cuda", "compile": "reduce-overhead"}}
+    assert run_config(tree).executor.device == ("cuda" if torch.cuda.is_available() else "cpu")  # CPU: no GPU here
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({**TINY, "dataset": DATA, "executor": {"batch_clients": True,
+                                                                          "compile": "default"}}))  # fmt: skip
+    assert same_config(saved, valid({**TINY, "dataset": DATA, "executor": {"batch_clients": False}}))
+    assert not same_config(saved, valid({**TINY, "dataset": DATA, "seed": 7, "executor": {"batch_clients": True}}))
 
 
 def test_each_run_compiles_its_own_steps_however_many_ran_before_in_the_process(aot_eager, monkeypatch):

@@ -85,10 +85,8 @@ class ExecutorConfig(Strict):
         if self.batch_max_clients is not None and (self.batch_clients is False or self.name not in ("loop", "auto")):
             raise ValueError("batch_max_clients applies to batched clients (executor.batch_clients, "
                              "executor.name=loop)")  # fmt: skip
-        batched = self.batch_clients or (self.batch_clients is None and self.device != "cpu")  # unset: on a GPU
-        if self.compile != "off" and (not batched or self.name not in ("loop", "auto")):
-            raise ValueError("compile applies to batched clients (executor.batch_clients=true, or a GPU device; "
-                             "executor.name=loop)")  # fmt: skip
+        if self.compile != "off" and (self.batch_clients is False or self.name not in ("loop", "auto")):
+            raise ValueError("compile applies to batched clients (executor.batch_clients, executor.name=loop)")
         for key in ("supernodes", "round_timeout", "state_dir"):
             if getattr(self, key) is not None and self.name != "flower":
                 raise ValueError(f"{key} applies to executor.name=flower")
