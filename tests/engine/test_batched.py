@@ -648,3 +648,43 @@ def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch):
     both = run(_cfg("fedavg", True, 1), write=False, progress=False)
     assert sorted(calls) == [3, 3]  # six clients: the even ones together, the odd ones together
     assert _max_diff(loop.server, both.server) <= TOL
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("algorithm", [{"name": "perfedavg", "variant": "fo", "alpha": 0.05},
+                                       {"name": "perfedavg", "variant": "hf", "alpha": 0.05},
+                                       {"name": "pfedme", "K": 3, "lam": 5.0, "personal_lr": 0.05}])  # fmt: skip
+def test_step_rules_together_are_each_clients_own(algorithm, model):
+    """A rule's steps (`local_sgd.StepRule`) batched == each client's own `run_plan`: Per-FedAvg's meta-step over
+    two batches (three, and an exact Hessian-vector product, for HF), pFedMe's K inner steps on one batch then the
+    local model's step — every forward's BatchNorm statistics carried to the next, every forward's own dropout
+    masks, clients of unequal sizes that stop at their own last step. (lenet5_bn at batch size 8: HF's steps
+    amplify float64 rounding 10× every few steps, 1e-14 after one step, 1e-6 after 40; at 16, ≤ 2e-15.)"""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, {"mlp": 8, "lenet5_bn": 16}.get(model, 32), algorithm)
+    assert plans[0].phases[0].rule is not None
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    names = [k for k, _ in ctx.model.named_parameters()]
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        assert _max_diff({k: got[k] for k in names}, {k: plan.start[k] for k in names}) > 100 * TOL  # it trained
+        if algorithm["name"] == "pfedme":  # θ_i and w_i both moved, apart
+            local = {k: got["local." + k] for k in names}
+            assert _max_diff(local, {k: plan.start[k] for k in names}) > 100 * TOL
+            assert _max_diff(local, {k: got[k] for k in names}) > 100 * TOL
+
+
+def test_a_rule_phase_that_ends_inside_a_step_is_refused_in_both_paths():
+    """Per-FedAvg's meta-step takes two batches: a phase of one epoch of an odd number of batches (here 21, 5 and
+    10) would leave the last step half fed — a plan's error, said in the loop and in the batched step alike."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("mlp", 16, {"name": "perfedavg"}, local_epochs=1)
+    odd = [replace(p, phases=(replace(p.phases[0], epochs=1),)) for p in plans]
+    message = r"^a rule's phase ended inside a step: its batches are not a whole number of steps$"
+    with pytest.raises(ValueError, match=message):
+        train_together(ctx.model, odd, [ctx.client_data(c) for c in cids], cfg.train,
+                       [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+    c = next(c for c in cids if -(-ctx.client_data(c).num_train // 16) % 2)  # ⌈n/16⌉ batches, odd
+    with pytest.raises(ValueError, match=message):
+        run_plan(ctx.model, odd[cids.index(c)], ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))

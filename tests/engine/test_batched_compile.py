@@ -50,6 +50,8 @@ def _cfg(name, model, compile_, rounds=3, epochs=1):
     ("fedavg", "alexnet_small_x025", 1),  # dropout masks drawn outside it
     ("fedselect", "lenet5", 1),  # per-client entry masks
     ("fedbasis", "lenet5_bn", 3),  # a warm-start round, then two phases (ψ, V) of statistics derived per step
+    ("pfedme", "lenet5_bn", 1),  # a step rule: K forwards on a batch, statistics carried from one to the next
+    ("perfedavg", "alexnet_small_x025", 1),  # a step rule over two batches, each forward its own masks
 ])  # fmt: skip
 def test_the_compiled_step_trains_as_the_eager_one_and_compiles_once_per_step_kind(name, model, graphs, aot_eager):
     """Three rounds (FedBasis: its warm-start round and one of its own) equal the eager step's bit for bit, finished
@@ -182,6 +184,7 @@ def test_compiled_wraps_the_step_in_its_mode_and_empties_the_cache_for_a_new_mod
     ("fedavg", "lenet5_bn", 1), ("fedavg", "alexnet_small_x025", 1),
     ("fedselect", "lenet5", 2),  # each side's momentum carried into its pass of the next epoch
     ("fedbasis", "lenet5_bn", 1),  # statistics handed back to the bases
+    ("pfedme", "lenet5_bn", 1),  # a step rule, which would move a finished client's θ toward w_i without data
 ])  # fmt: skip
 def test_a_compiled_phase_computes_finished_clients_and_drops_their_results(name, model, epochs, monkeypatch):
     """The compiled path's one shape, eagerly (torch.compile as the identity): every client computed at every step

@@ -50,7 +50,9 @@ class Phase:
     personal model), the plan's own model tensors untouched. `objective`: this phase's loss (None: the plan's).
     `steps`: stop after this many batches, the last of the `epochs` cut short (pFedHN's K steps; None: every
     batch of the epochs). `momentum`, `weight_decay`: this phase's (None: `train.*`; L2GD's plain gradient steps
-    set both 0)."""
+    set both 0). `rule`: a step that is more than one SGD step on one gradient (`StepRule`: Per-FedAvg's, pFedMe's);
+    it then updates the plan's tensors itself at its own step sizes, and the phase sets nothing but `epochs` and
+    `steps` (`blocks` and `lr` are not read)."""
 
     blocks: tuple[str, ...]
     epochs: int
@@ -64,6 +66,13 @@ class Phase:
     steps: int | None = None
     momentum: float | None = None
     weight_decay: float | None = None
+    rule: StepRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule is not None and (self.extra or self.keys or self.entries or self.optimizer or self.model
+                                      or self.objective or self.momentum is not None
+                                      or self.weight_decay is not None):  # fmt: skip
+            raise ValueError("a phase with a step rule takes its step from the rule alone")
 
     def sgd(self, train: TrainConfig) -> tuple[float, float]:
         """(momentum, weight decay) of the phase's SGD."""
@@ -71,8 +80,10 @@ class Phase:
                 train.weight_decay if self.weight_decay is None else self.weight_decay)  # fmt: skip
 
     def batches(self, idx: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-        """The phase's mini-batches of `idx`: `index_batches` over its epochs, `steps` of them at most."""
-        return islice(index_batches(idx, batch_size, self.epochs, generator), self.steps)
+        """The phase's mini-batches of `idx`: `index_batches` over its epochs, `steps` of them at most (a rule's
+        step takes `rule.batches` of them; each counts as the forwards the rule makes on it)."""
+        passes = 1 if self.rule is None else len(self.rule.forwards) // self.rule.batches
+        return islice(index_batches(idx, batch_size, self.epochs, generator, passes), self.steps)
 
 
 class Objective(Protocol):
@@ -88,6 +99,35 @@ class Objective(Protocol):
         self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
         w: torch.Tensor | None,
     ) -> torch.Tensor: ...  # fmt: skip
+
+
+class Gradients(Protocol):
+    """What a `StepRule` differentiates: the cross-entropy of the model on the step's batch `j`, at the model
+    parameters `params` (state-dict keys; the model's other parameters at the step's start). Every call is one
+    forward through the model in train mode: it draws that forward's dropout masks and moves its BatchNorm
+    statistics, in call order, as the loop's forwards do."""
+
+    def grad(self, params: Tensors, j: int) -> Tensors:
+        """∇ of batch j's loss at `params`, by key."""
+        ...
+
+    def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:
+        """∇²(batch j's loss) at `params` times `v`: exact, by differentiating ⟨∇loss, v⟩ (one forward)."""
+        ...
+
+
+class StepRule(Protocol):
+    """One local step of a rule that is not one SGD step on one gradient, written once for the loop and a
+    batched (vmapped) step, as an `Objective` is: from the plan's tensors `params` (every one but the BatchNorm
+    statistics, which the forwards move) and the client's constants, the step's new values of those it changes,
+    through `grads` alone. `batches`: the batches a step consumes; `forwards`: the batch each of its `grads` calls
+    reads, in call order (the batched step draws every forward's dropout masks before it runs). Frozen and
+    comparable (a dataclass): clients whose rules are equal are trained together."""
+
+    batches: int
+    forwards: tuple[int, ...]
+
+    def __call__(self, grads: Gradients, params: Tensors, consts: Tensors) -> Tensors: ...
 
 
 @dataclass(frozen=True)
@@ -143,7 +183,9 @@ def run_plan(
         if ph.model:  # the second model's tensors in, the plan's own model kept aside
             own = get_params(model)
             load_params(model, {k: extra[ph.model + k] for k in model_keys})
-        if _plain(plan, ph):
+        if ph.rule is not None:
+            _rule_phase(model, extra, plan, ph, data, train, generator)
+        elif _plain(plan, ph):
             train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
         else:
             _objective_phase(model, extra, plan, ph, data, train, generator, optimizers)
@@ -155,7 +197,7 @@ def run_plan(
 
 def _plain(plan: LocalSGDPlan, ph: Phase) -> bool:
     """Whether `ph` is epochs of cross-entropy on whole blocks and nothing else (`train_blocks`)."""
-    options = (ph.keys, ph.entries, ph.optimizer, ph.steps, ph.momentum, ph.weight_decay)
+    options = (ph.keys, ph.entries, ph.optimizer, ph.steps, ph.momentum, ph.weight_decay, ph.rule)
     return objective_of(plan, ph) is None and not ph.extra and all(o is None for o in options)
 
 
@@ -232,6 +274,60 @@ def _objective_phase(
         with torch.no_grad():
             for k, v in kept.items():
                 buffers[k].copy_(v)
+
+
+def _rule_phase(
+    model: BlockNet, extra: Tensors, plan: LocalSGDPlan, ph: Phase, data: ClientData, train: TrainConfig,
+    generator: torch.Generator,
+) -> None:  # fmt: skip
+    """A phase of `ph.rule`'s steps on one client: each step's `rule.batches` batches taken in turn (each drawn,
+    then its augmentation, as `ClientData.batch` draws them), then the rule; the model's parameters and the
+    plan's extra tensors take the rule's new values."""
+    rule = ph.rule
+    assert rule is not None
+    named = dict(model.named_parameters())
+    tensors = {**{k: p.detach().clone() for k, p in named.items()}, **{k: v.detach() for k, v in extra.items()}}
+    model.train()
+    batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for b in ph.batches(data.train, train.batch_size, generator):
+        batch.append(data.batch(b, generator))
+        if len(batch) == rule.batches:
+            new = rule(_OwnGradients(model, tensors, batch), tensors, plan.consts)
+            tensors.update({k: v.detach() for k, v in new.items()})
+            batch = []
+    if batch:
+        raise ValueError("a rule's phase ended inside a step: its batches are not a whole number of steps")
+    with torch.no_grad():
+        for k, p in named.items():
+            p.copy_(tensors[k])
+        for k, v in extra.items():
+            v.copy_(tensors[k])
+
+
+class _OwnGradients:
+    """`Gradients` of one client's step in the loop: the shared model's forward (its buffers moved in place, its
+    dropout drawn from torch's global RNG), differentiated by autograd."""
+
+    def __init__(self, model: BlockNet, tensors: Tensors, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.model, self.batch = model, batch
+        self.base = {k: tensors[k] for k, _ in model.named_parameters()}  # the step's start
+
+    def _loss(self, params: Tensors, j: int) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
+        keys = list(params)
+        leaves = [params[k].detach().requires_grad_() for k in keys]
+        x, y = self.batch[j]
+        out = functional_call(self.model, {**self.base, **dict(zip(keys, leaves, strict=True))}, (x,))
+        return keys, leaves, torch.nn.functional.cross_entropy(out, y)
+
+    def grad(self, params: Tensors, j: int) -> Tensors:
+        keys, leaves, loss = self._loss(params, j)
+        return dict(zip(keys, torch.autograd.grad(loss, leaves), strict=True))
+
+    def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:
+        keys, leaves, loss = self._loss(params, j)
+        grads = torch.autograd.grad(loss, leaves, create_graph=True)
+        dot = sum((g * v[k]).sum() for g, k in zip(grads, keys, strict=True))
+        return dict(zip(keys, torch.autograd.grad(dot, leaves), strict=True))
 
 
 class RegularizedObjective:

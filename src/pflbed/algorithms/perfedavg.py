@@ -31,11 +31,15 @@ does not say). What that means for such layers:
 Choices: τ = `train.local_epochs` · ⌈n_i/B⌉ steps, the batches drawn from one shuffled stream (each step consumes
 2 or 3 batches); plain SGD steps (the optimizer's momentum and weight decay are not used by the meta-update);
 α defaults to 0.01 (the paper's α ∈ {0.001, 0.01}; choose on validation).
+
+The local update is a plan (`sgd_plan`) whose one phase is `MetaStep`, a step rule (`local_sgd.StepRule`):
+2τ (HF: 3τ) batches, that is `local_epochs` × 2 (3) whole epochs of the stream, each step taking its two (three).
+`executor.batch_clients` trains a round's clients together; the loop runs the same rule with autograd.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -43,9 +47,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.training import get_params, index_batches, load_params
+from pflbed.algorithms.local_sgd import Gradients, LocalSGDPlan, Phase
+from pflbed.algorithms.training import get_params, load_params
 from pflbed.search import Search, Space
 
 PERSONAL_STREAM = 0x9EFA  # the personal α-step's dropout stream, apart from the engine's tags (1–4)
@@ -62,55 +67,24 @@ class PerFedAvgOptions(BaseModel):
 class PerFedAvg(FedAvg):
     name = "perfedavg"
     Config = PerFedAvgOptions
-    sgd_plan = Algorithm.sgd_plan
-    loop_only = ("a step is a meta-update over two batches (three for the Hessian-free variant): the gradient is "
-                 "taken one inner step away from the parameters it moves; a plan's step is one gradient at them")
 
     def init_client(self, cid: int) -> Tensors:
         return {"cid": torch.tensor(cid, device=self.ctx.device)}  # the personal model needs the client's data
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
-        load_params(model, payload)
-        model.train()
-        named = dict(model.named_parameters())
-        steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
-        batches = index_batches(data.train, t.batch_size, 10**9, cctx.generator)  # drawn as needed
-        for _ in range(steps):
-            w = {k: p.detach().clone() for k, p in named.items()}
-            g = self._grad(data, next(batches), cctx.generator)  # ∇f(w; D)
-            with torch.no_grad():
-                for k, p in named.items():
-                    p.sub_(o.alpha * g[k])  # w̃
-            outer = self._grad(data, next(batches), cctx.generator)  # ∇f(w̃; D')
-            with torch.no_grad():
-                for k, p in named.items():
-                    p.copy_(w[k])
-            if o.variant == "hf":
-                hv = self._hvp(data, next(batches), outer, cctx.generator)  # ∇²f(w; D'')·∇f(w̃; D')
-                outer = {k: outer[k] - o.alpha * hv[k] for k in outer}
-            with torch.no_grad():
-                for k, p in named.items():
-                    p.sub_(t.lr * outer[k])
-        return get_params(model), state
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """τ meta-steps (`MetaStep`) from the global w: 2τ (HF: 3τ) batches of one shuffled stream, whole epochs
+        of it, since τ is `local_epochs` epochs of steps. The reply is w, the state kept."""
+        t, model = self.ctx.cfg.train, self.ctx.model
+        rule = MetaStep(self.opts.variant == "hf", self.opts.alpha, t.lr)
+        phase = Phase(tuple(model.block_names()), rule.batches * t.local_epochs, t.lr, rule=rule)
+        keys = list(model.state_dict())
+        return LocalSGDPlan({k: payload[k] for k in keys}, (phase,), lambda p: ({k: p[k] for k in keys}, state))
 
-    def _grad(self, data: ClientData, b: torch.Tensor, generator: torch.Generator | None = None) -> Tensors:
-        """∇f on the samples `b`: a training mini-batch (augmented, drawn from `generator`) or, without a
-        generator, as they are (the personal adaptation's full batch)."""
+    def _grad(self, data: ClientData, b: torch.Tensor) -> Tensors:
+        """∇f on the samples `b` as they are (the personal adaptation's full batch)."""
         named = dict(self.ctx.model.named_parameters())
-        x, y = data.batch(b, generator) if generator is not None else (data.x[b], data.y[b])
-        loss = F.cross_entropy(self.ctx.model(x), y)
+        loss = F.cross_entropy(self.ctx.model(data.x[b]), data.y[b])
         return dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
-
-    def _hvp(self, data: ClientData, b: torch.Tensor, v: Tensors, generator: torch.Generator) -> Tensors:
-        named = dict(self.ctx.model.named_parameters())
-        x, y = data.batch(b, generator)
-        loss = F.cross_entropy(self.ctx.model(x), y)
-        grads = torch.autograd.grad(loss, list(named.values()), create_graph=True)
-        dot = sum((g * v[k]).sum() for g, k in zip(grads, named, strict=True))
-        return dict(zip(named, torch.autograd.grad(dot, list(named.values())), strict=True))
 
     def adapted(self, server: Tensors, data: ClientData) -> Tensors:
         """The meta-model after `personal_steps` full-batch gradient steps of size α on `data`'s training set, in
@@ -130,3 +104,30 @@ class PerFedAvg(FedAvg):
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, self.adapted(server, self.ctx.client_data(int(state["cid"]))))
+
+
+@dataclass(frozen=True)
+class MetaStep:
+    """One local meta-step on batches D, D' (and D'' for HF), as a `local_sgd.StepRule`:
+    w̃ = w − α∇f(w; D); w ← w − β∇f(w̃; D') (FO), or w ← w − β(I − α∇²f(w; D''))∇f(w̃; D') (HF)."""
+
+    hf: bool
+    alpha: float
+    lr: float  # β
+
+    @property
+    def batches(self) -> int:
+        return 3 if self.hf else 2
+
+    @property
+    def forwards(self) -> tuple[int, ...]:
+        return (0, 1, 2) if self.hf else (0, 1)
+
+    def __call__(self, grads: Gradients, params: Tensors, consts: Tensors) -> Tensors:
+        w = params  # the model's parameters: the plan has no other tensor
+        g = grads.grad(w, 0)  # ∇f(w; D)
+        outer = grads.grad({k: w[k] - self.alpha * g[k] for k in w}, 1)  # ∇f(w̃; D')
+        if self.hf:
+            hv = grads.hvp(w, 2, outer)  # ∇²f(w; D'')·∇f(w̃; D')
+            outer = {k: outer[k] - self.alpha * hv[k] for k in outer}
+        return {k: w[k] - self.lr * outer[k] for k in w}

@@ -31,22 +31,27 @@ their maximum — mixing them with β > 1 extrapolated running variances below z
 604 of 608 negative, G-FL at chance). Defaults follow the paper's MNIST setting: λ = 15, K = 5, η_p = 0.01
 (`personal_lr`), β = 1; choose them on validation. A client not yet trained has θ_i = w^0. New clients fine-tune w
 (FT/LP; the paper defines no new-client procedure).
+
+The local update is a plan (`sgd_plan`): the model's tensors are θ_i, the plan's `local.` tensors w_i, and its one
+phase is `MoreauStep`, a step rule (`local_sgd.StepRule`) of K forwards on the step's batch. `executor.batch_clients`
+trains a round's clients together; the loop runs the same rule with autograd.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Predictor, Tensors
+from pflbed.algorithms.base import ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.training import WeightedMean, get_params, index_batches, load_params
+from pflbed.algorithms.local_sgd import Gradients, LocalSGDPlan, Phase
+from pflbed.algorithms.training import WeightedMean
 from pflbed.search import IntSearch, Search, Space
 
+LOCAL = "local."  # w_i's parameters in the plan, beside θ_i's (the model's)
 KEEP = "pfedme/keep"  # payload flag (`train_clients: all`): a client outside the round's sample, which replies nothing
 
 
@@ -64,9 +69,6 @@ class PFedMeOptions(BaseModel):
 class PFedMe(FedAvg):
     name = "pfedme"
     Config = PFedMeOptions
-    sgd_plan = Algorithm.sgd_plan
-    loop_only = ("each step first solves the personal problem on its batch (K inner steps on θ), then moves the "
-                 "local model toward θ: a loop inside the step, where a plan's step is one gradient")
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -95,37 +97,52 @@ class PFedMe(FedAvg):
         sampled, keep = set(cids), {**server, KEEP: torch.ones((), device=self.ctx.device)}
         return {c: server if c in sampled else keep for c in self.ctx.federation.participated}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """θ_i ← w^t (the model's tensors) and w_i ← w^t (`LOCAL` + key), then R steps (`MoreauStep`) over
+        `local_epochs` epochs. Reply: w_i with θ_i's BatchNorm statistics, nothing for a client outside the
+        sample (`KEEP`); state: θ_i."""
         model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
-        load_params(model, {k: payload[k] for k in self.ctx.initial_params})  # θ_i ← w^t
-        model.train()
-        named = dict(model.named_parameters())
-        local = {k: payload[k].detach().clone() for k in named}  # w_i ← w^t
-        steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
-        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator, passes=o.K):
-            x, y = data.batch(b, cctx.generator)
-            for _ in range(o.K):  # Eq. 7 on the batch
-                grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(named.values()))
-                with torch.no_grad():
-                    for (k, p), g in zip(named.items(), grads, strict=True):
-                        p.sub_(o.personal_lr * (g + o.lam * (p - local[k])))
-            with torch.no_grad():  # Eq. 8
-                for k, p in named.items():
-                    local[k] -= t.lr * o.lam * (local[k] - p)
-            steps -= 1
-        assert steps == 0
-        theta = get_params(model)
-        if KEEP in payload:
-            return {}, theta  # not in the round's sample: θ_i moved, w_i stays with the client
-        return {**theta, **local}, theta  # reply: w_i (with θ's BatchNorm statistics); state: θ_i
+        rule = MoreauStep(o.K, o.lam, o.personal_lr, t.lr)
+        keys = list(model.state_dict())
+        start = {**{k: payload[k] for k in keys}, **{LOCAL + k: payload[k] for k in self.params}}
+        keep = KEEP in payload
+
+        def finish(p: Tensors) -> tuple[Tensors, Tensors]:
+            theta = {k: p[k] for k in keys}
+            return ({} if keep else {**theta, **{k: p[LOCAL + k] for k in self.params}}), theta
+
+        return LocalSGDPlan(start, (Phase(tuple(model.block_names()), t.local_epochs, t.lr, rule=rule),), finish)
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> _Mix:
         return _Mix(WeightedMean(weights), server, self.opts.beta, self.params)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, state)
+
+
+@dataclass(frozen=True)
+class MoreauStep:
+    """One local step on a batch D, as a `local_sgd.StepRule`: K steps θ ← θ − η_p(∇f(θ; D) + λ(θ − w_i))
+    (Eq. 7), then w_i ← w_i − ηλ(w_i − θ) (Eq. 8); θ is the model's parameters, w_i the plan's `LOCAL` ones."""
+
+    K: int
+    lam: float
+    personal_lr: float  # η_p
+    lr: float  # η
+
+    batches = 1
+
+    @property
+    def forwards(self) -> tuple[int, ...]:
+        return (0,) * self.K
+
+    def __call__(self, grads: Gradients, params: Tensors, consts: Tensors) -> Tensors:
+        local = {k[len(LOCAL) :]: v for k, v in params.items() if k.startswith(LOCAL)}
+        theta = {k: params[k] for k in local}
+        for _ in range(self.K):
+            g = grads.grad(theta, 0)
+            theta = {k: p - self.personal_lr * (g[k] + self.lam * (p - local[k])) for k, p in theta.items()}
+        return {**theta, **{LOCAL + k: w - self.lr * self.lam * (w - theta[k]) for k, w in local.items()}}
 
 
 class _Mix:

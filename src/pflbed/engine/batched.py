@@ -138,6 +138,9 @@ def train_together(
     for ph in plans[0].phases:
         if ph.epochs:
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
+            if ph.rule is not None:
+                _rule_phase(model, layers, params, consts, ph, datas, train, gens, noise, compile)
+                continue
             view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
             _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, datas, train, gens, noise, buf,
                    compile)  # fmt: skip
@@ -170,7 +173,7 @@ def _phase(
     model_keys = set(model.state_dict())
     rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
     momentum, weight_decay = ph.sgd(train)
-    pool_x, pool_y, augment = datas[0].x, datas[0].y, datas[0].augment
+    pool_x = datas[0].x
     model.train()
 
     hooks = hasattr(objective, "running")  # statistics derived from the plan's tensors (`local_sgd.Objective`)
@@ -194,24 +197,16 @@ def _phase(
     grads_of = compiled(vmap(grad(loss, has_aux=True)), compile, model)
     static = compile != "off"  # one shape for every step: a new one would compile again
     for s, live in enumerate(active):
-        keep = None  # compiled: the clients whose batches have run out are computed too, their results dropped
-        if static and live is not None:
-            keep = torch.zeros(len(datas), dtype=torch.bool)
-            keep[live] = True
-            keep, live = keep.to(pool_x.device), None
+        keep, live = _selection(live, len(datas), static, pool_x.device)
         whole = live is None
         sel = None if whole else torch.tensor(live, device=pool_x.device)
-        r, w = (rows[s], weights[s]) if whole else (rows[s][sel], weights[s][sel])
-        x, y = pool_x[r], pool_y[r]  # one gather for every client's batch
-        if augment is not None:  # every client's batch at once, with the choices each client's generator drew
-            d = draws[s] if whole else draws[s][sel]
-            x = augment.apply(x.flatten(0, 1), d.flatten(0, 1)).view(x.shape)
+        x, y, w = _gather(datas[0], rows[s], weights[s], None if draws is None else draws[s], sel)
         p = {k: params[k] if whole else params[k][sel] for k in trainable}
         q = {k: params[k] if whole else params[k][sel] for k in fixed}
         b = {k: params[k] if whole else params[k][sel] for k in stats}
         cst = {k: v if whole else v[sel] for k, v in consts.items()}
         ids = range(len(datas)) if whole else live
-        masks = layers.draw([int(lengths[s, i]) for i in ids], r.shape[1], [noise[i] for i in ids],
+        masks = layers.draw([int(lengths[s, i]) for i in ids], w.shape[1], [noise[i] for i in ids],
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         with layers.patched():
             g, moved = grads_of(p, q, b, cst, x, y, w, masks)
@@ -240,6 +235,118 @@ def _phase(
                 params[k] = _kept(keep, new, p[k])
             else:
                 params[k][sel] = new
+
+
+def _rule_phase(
+    model: BlockNet,
+    layers: PerClientLayers,
+    params: Tensors,
+    consts: Tensors,
+    ph: Phase,
+    datas: list,
+    train: TrainConfig,
+    gens: list[torch.Generator],
+    noise: list[torch.Generator] | None,
+    compile: str,
+) -> None:
+    """A phase of `ph.rule`'s steps (`local_sgd.StepRule`) for every client at once: step s reads batches
+    r·s … r·s + r − 1 of each client's schedule (r = `rule.batches`; a client's batches are a whole number of
+    steps), its forwards' dropout masks drawn before it in the rule's call order; the rule runs vmapped, its
+    gradients through `_ClientGradients`, and its new values replace the tensors it changed."""
+    rule = ph.rule
+    assert rule is not None
+    stats = [k for k in layers.buffer_keys if k in params]
+    moving = [k for k in params if k not in stats]
+    own = [k for k, _ in model.named_parameters()]
+    rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
+    if bool(((lengths > 0).sum(0) % rule.batches).any()):
+        raise ValueError("a rule's phase ended inside a step: its batches are not a whole number of steps")
+    model.train()
+
+    def step(
+        p: Tensors, b: Tensors, cst: Tensors, batch: list[tuple[torch.Tensor, ...]], masks: list[list[torch.Tensor]]
+    ) -> tuple[Tensors, Tensors]:  # fmt: skip
+        grads = _ClientGradients(model, layers, {k: p[k] for k in own}, b, batch, masks)
+        return rule(grads, p, cst), grads.stats
+
+    run = compiled(vmap(step), compile, model)
+    r, device = rule.batches, datas[0].x.device
+    for s in range(0, len(active), r):
+        keep, live = _selection(active[s], len(datas), compile != "off", device)
+        whole = live is None
+        sel = None if whole else torch.tensor(live, device=device)
+        batch = [_gather(datas[0], rows[s + j], weights[s + j], None if draws is None else draws[s + j], sel)
+                 for j in range(r)]  # fmt: skip
+        ids = range(len(datas)) if whole else live
+        masks = [layers.draw([int(lengths[s + j, i]) for i in ids], batch[j][2].shape[1], [noise[i] for i in ids],
+                             device) if layers.calls and noise is not None else [] for j in rule.forwards]  # fmt: skip
+        p = {k: params[k] if whole else params[k][sel] for k in moving}
+        b = {k: params[k] if whole else params[k][sel] for k in stats}
+        cst = {k: v if whole else v[sel] for k, v in consts.items()}
+        with layers.patched():
+            new, moved = run(p, b, cst, batch, masks)
+        moved = {k: v for k, v in moved.items() if k in params}  # (a finished client's come back as they were)
+        for k, v in {**new, **moved}.items():
+            if whole:
+                params[k] = _kept(keep, v, params[k])
+            else:
+                params[k][sel] = v
+
+
+class _ClientGradients:
+    """`local_sgd.Gradients` of one client inside a vmapped step: each call one forward through the model with
+    the client's parameters (`base`, overridden by the call's), its BatchNorm statistics carried from call to
+    call, its next forward's dropout masks, its loss the real samples' weighted mean (`per_client_layers`)."""
+
+    def __init__(
+        self, model: BlockNet, layers: PerClientLayers, base: Tensors, stats: Tensors,
+        batch: list[tuple[torch.Tensor, ...]], masks: list[list[torch.Tensor]],
+    ) -> None:  # fmt: skip
+        self.model, self.layers, self.base, self.stats, self.batch = model, layers, base, stats, batch
+        self.masks = list(masks)
+
+    def _loss(self, params: Tensors, j: int) -> tuple[torch.Tensor, Tensors]:
+        x, y, w = self.batch[j]
+        self.layers.enter(self.stats, w > 0, self.masks.pop(0) if self.masks else [])
+        out = functional_call(self.model, {**self.base, **params}, (x,))
+        return (F.cross_entropy(out, y, reduction="none") * w).sum(), self.layers.leave()
+
+    def grad(self, params: Tensors, j: int) -> Tensors:
+        g, self.stats = grad(lambda p: self._loss(p, j), has_aux=True)(params)
+        return g
+
+    def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:
+        def dot(p: Tensors) -> tuple[torch.Tensor, Tensors]:
+            g, moved = grad(lambda q: self._loss(q, j), has_aux=True)(p)
+            return sum((g[k] * v[k]).sum() for k in g), moved
+
+        hv, self.stats = grad(dot, has_aux=True)(params)
+        return hv
+
+
+def _selection(
+    live: list[int] | None, n: int, static: bool, device: torch.device
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """(keep, live) for a step where only the clients `live` (None: all `n`) still have a batch: compiled
+    (`static`), every client is computed and `keep` masks the results to keep; otherwise only `live` is."""
+    if not static or live is None:
+        return None, live
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[live] = True
+    return keep.to(device), None
+
+
+def _gather(
+    data: Any, rows: torch.Tensor, weights: torch.Tensor, draws: torch.Tensor | None, sel: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch of every selected client (`sel`; None: all) from the shared pool, in one gather: the inputs
+    augmented at once with the choices each client's generator drew, the labels, the per-sample weights."""
+    r, w = (rows, weights) if sel is None else (rows[sel], weights[sel])
+    x, y = data.x[r], data.y[r]
+    if data.augment is not None:
+        d = draws if sel is None else draws[sel]
+        x = data.augment.apply(x.flatten(0, 1), d.flatten(0, 1)).view(x.shape)
+    return x, y, w
 
 
 def _kept(keep: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
