@@ -23,6 +23,7 @@ from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import pack_bits
+from pflbed.algorithms.pfedme import MoreauStep
 from pflbed.config import validate_config
 from pflbed.data.augment import Augment
 from pflbed.engine import batched
@@ -196,11 +197,11 @@ def test_every_algorithm_is_batched_or_says_why_not():
         assert cls.loop_only is None or len(cls.loop_only.split()) >= 8, name
 
 
-def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, **train):
-    """Three clients of unequal sizes (digits, Dir 0.3, of `clients`), FedPer's two phases (or `algorithm`'s plan,
-    from each client's `state(algo, cid)` where given), momentum and weight decay."""
+def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, augment=(), **train):
+    """Three clients of unequal sizes (digits, Dir 0.3, of `clients`; `augment`: its augmentation), FedPer's two
+    phases (or `algorithm`'s plan, from each client's `state(algo, cid)` where given), momentum and weight decay."""
     algorithm = algorithm or {"name": "fedper", "head_finetune_epochs": 1}
-    cfg = validate_config({"dataset": {"name": "digits"}, "model": {"name": model},
+    cfg = validate_config({"dataset": {"name": "digits", "augment": list(augment)}, "model": {"name": model},
                            "federation": {"clients": clients, "partition": "dirichlet", "alpha": 0.3},
                            "train": {"batch_size": batch_size, "lr": 0.02, "momentum": 0.5, "weight_decay": 0.05,
                                      "local_epochs": 2, **train},
@@ -658,11 +659,12 @@ def test_step_rules_together_are_each_clients_own(algorithm, model):
     """A rule's steps (`local_sgd.StepRule`) batched == each client's own `run_plan`: Per-FedAvg's meta-step over
     two batches (three, and an exact Hessian-vector product, for HF), pFedMe's K inner steps on one batch then the
     local model's step — every forward's BatchNorm statistics carried to the next, every forward's own dropout
-    masks, clients of unequal sizes that stop at their own last step. (lenet5_bn at batch size 8: HF's steps
-    amplify float64 rounding 10× every few steps, 1e-14 after one step, 1e-6 after 40; at 16, ≤ 2e-15.)"""
+    masks, clients of unequal sizes that stop at their own last step; on lenet5_bn, augmented batches. (lenet5_bn
+    at batch size 8: HF's steps amplify float64 rounding 10× every few steps, 1e-14 after one, 1e-6 after 40.)"""
     torch.set_num_threads(1)
-    cfg, ctx, cids, plans = _plans(model, {"mlp": 8, "lenet5_bn": 16}.get(model, 32), algorithm)
-    assert plans[0].phases[0].rule is not None
+    augment = ("crop", "flip") if model == "lenet5_bn" else ()  # each batch's choices drawn after its indices
+    cfg, ctx, cids, plans = _plans(model, {"mlp": 8, "lenet5_bn": 16}.get(model, 32), algorithm, augment=augment)
+    assert plans[0].phases[0].rule is not None and (ctx.client_data(cids[0]).augment is not None) == bool(augment)
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
     names = [k for k, _ in ctx.model.named_parameters()]
@@ -673,6 +675,42 @@ def test_step_rules_together_are_each_clients_own(algorithm, model):
             local = {k: got["local." + k] for k in names}
             assert _max_diff(local, {k: plan.start[k] for k in names}) > 100 * TOL
             assert _max_diff(local, {k: got[k] for k in names}) > 100 * TOL
+
+
+@pytest.mark.parametrize(("name", "options"), [("pfedme", {"train_clients": "all"}), ("perfedavg", {"variant": "hf"})])
+def test_step_rule_algorithms_end_to_end_equal_the_loop(name, options, monkeypatch):
+    """The executor end to end, half the clients sampled: pFedMe with `train_clients: all` trains the unsampled
+    clients in the same batch as the sampled ones (one plan shape), and they reply nothing while their θ_i moves;
+    Per-FedAvg's Hessian-free variant. Server and every client state within TOL after two rounds."""
+    torch.set_num_threads(1)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+
+    def cfg(batch_clients):
+        c = _cfg(name, batch_clients, 2, lr=0.05).model_dump()
+        c["federation"]["sample_fraction"] = 0.5
+        return validate_config({**c, "algorithm": {"name": name, **options}})
+
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    clients = len(loop.executor.algo.ctx.federation.participated)
+    assert calls == [clients] * 2 if name == "pfedme" else calls and all(1 < n < clients for n in calls)
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert loop.executor.states.keys() == both.executor.states.keys()
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+    assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL
+
+
+@pytest.mark.parametrize("option", [{"extra": (("p.", 0.1),)}, {"keys": ("w",)}, {"entries": "m/"}, {"optimizer": "o"},
+                                    {"model": "v."}, {"objective": lambda *a: 0}, {"momentum": 0.0},
+                                    {"weight_decay": 0.0}])  # fmt: skip
+def test_a_rule_phase_takes_its_step_from_the_rule_alone(option):
+    """A step rule updates the tensors itself: an SGD option beside it would be silently ignored, so it is refused;
+    without the rule the same option is a plain phase's."""
+    rule = MoreauStep(1, 1.0, 0.1, 0.1)  # any rule will do
+    assert Phase(("a",), 1, 0.1, **option).rule is None and Phase(("a",), 1, 0.1, rule=rule).rule is rule
+    with pytest.raises(ValueError, match=r"^a phase with a step rule takes its step from the rule alone$"):
+        Phase(("a",), 1, 0.1, rule=rule, **option)
 
 
 def test_a_rule_phase_that_ends_inside_a_step_is_refused_in_both_paths():
