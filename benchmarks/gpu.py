@@ -67,6 +67,7 @@ from pflbed.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
+STEP_RULES = ["perfedavg", "pfedme"]  # baselines whose batched step is a step rule (`local_sgd.StepRule`): last
 # FedBasis replaces train.local_epochs by its ψ and V steps' own epochs (5 each by default): one each here, so its
 # round passes over the client's data twice (once per step) where the others pass once.
 ONE_EPOCH = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1}}
@@ -387,7 +388,8 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN on every executor,
     pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client
-    running statistics; every algorithm here declares a plan), then the ImageNet-style ResNet-18 at 64 px."""
+    running statistics; every algorithm here declares a plan), then the ImageNet-style ResNet-18 at 64 px, then
+    Per-FedAvg's and pFedMe's CNN rounds, loop against batched (their step rules: several gradients a step)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNets once each
@@ -403,6 +405,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper", "fedavg", resnet, "loop-bf16")]
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
+    out += [("paper", alg, cnn, e) for alg in STEP_RULES for e in ("loop", "batched")]
     first = goal_cases(a)
     return first + [c for c in out if c not in first]
 
@@ -457,7 +460,7 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out = []
     for text in a.cases:
         parts = tuple(text.split("/"))
-        if len(parts) != 4 or parts[0] not in SIZE or parts[1] not in ALGORITHMS \
+        if len(parts) != 4 or parts[0] not in SIZE or parts[1] not in (*ALGORITHMS, *STEP_RULES) \
                 or parts[2] not in (*a.models, a.imagenet_model) or parts[3] not in (*EXECUTORS, "procs"):
             raise SystemExit(f"--cases: {text!r} is not shape/algorithm/model/executor, e.g. paper/fedavg/cnn/loop")
         out.append(parts)
