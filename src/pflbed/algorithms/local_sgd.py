@@ -119,15 +119,15 @@ class Gradients(Protocol):
 class StepRule(Protocol):
     """One local step of a rule that is not one SGD step on one gradient, written once for the loop and a
     batched (vmapped) step, as an `Objective` is: from the plan's tensors `params` (every one but the BatchNorm
-    statistics, which the forwards move) and the client's constants, the step's new values of those it changes,
-    through `grads` alone. `batches`: the batches a step consumes; `forwards`: the batch each of its `grads` calls
-    reads, in call order (the batched step draws every forward's dropout masks before it runs). Frozen and
-    comparable (a dataclass): clients whose rules are equal are trained together."""
+    statistics, which the forwards move), the step's new values of those it changes, through `grads` alone.
+    `batches`: the batches a step consumes; `forwards`: the batch each of its `grads` calls reads, in call order
+    (the batched step draws every forward's dropout masks before it runs). Frozen and comparable (a dataclass):
+    clients whose rules are equal are trained together."""
 
     batches: int
     forwards: tuple[int, ...]
 
-    def __call__(self, grads: Gradients, params: Tensors, consts: Tensors) -> Tensors: ...
+    def __call__(self, grads: Gradients, params: Tensors) -> Tensors: ...
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def run_plan(
             own = get_params(model)
             load_params(model, {k: extra[ph.model + k] for k in model_keys})
         if ph.rule is not None:
-            _rule_phase(model, extra, plan, ph, data, train, generator)
+            _rule_phase(model, extra, ph, data, train, generator)
         elif _plain(plan, ph):
             train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
         else:
@@ -277,9 +277,8 @@ def _objective_phase(
 
 
 def _rule_phase(
-    model: BlockNet, extra: Tensors, plan: LocalSGDPlan, ph: Phase, data: ClientData, train: TrainConfig,
-    generator: torch.Generator,
-) -> None:  # fmt: skip
+    model: BlockNet, extra: Tensors, ph: Phase, data: ClientData, train: TrainConfig, generator: torch.Generator
+) -> None:
     """A phase of `ph.rule`'s steps on one client: each step's `rule.batches` batches taken in turn (each drawn,
     then its augmentation, as `ClientData.batch` draws them), then the rule; the model's parameters and the
     plan's extra tensors take the rule's new values."""
@@ -292,7 +291,7 @@ def _rule_phase(
     for b in ph.batches(data.train, train.batch_size, generator):
         batch.append(data.batch(b, generator))
         if len(batch) == rule.batches:
-            new = rule(_OwnGradients(model, tensors, batch), tensors, plan.consts)
+            new = rule(_OwnGradients(model, tensors, batch), tensors)
             tensors.update({k: v.detach() for k, v in new.items()})
             batch = []
     if batch:

@@ -123,7 +123,7 @@ class MetaStep:
     def forwards(self) -> tuple[int, ...]:
         return (0, 1, 2) if self.hf else (0, 1)
 
-    def __call__(self, grads: Gradients, params: Tensors, consts: Tensors) -> Tensors:
+    def __call__(self, grads: Gradients, params: Tensors) -> Tensors:
         w = params  # the model's parameters: the plan has no other tensor
         g = grads.grad(w, 0)  # ∇f(w; D)
         outer = grads.grad({k: w[k] - self.alpha * g[k] for k in w}, 1)  # ∇f(w̃; D')

@@ -136,7 +136,7 @@ class MoreauStep:
     def forwards(self) -> tuple[int, ...]:
         return (0,) * self.K
 
-    def __call__(self, grads: Gradients, params: Tensors, consts: Tensors) -> Tensors:
+    def __call__(self, grads: Gradients, params: Tensors) -> Tensors:
         local = {k[len(LOCAL) :]: v for k, v in params.items() if k.startswith(LOCAL)}
         theta = {k: params[k] for k in local}
         for _ in range(self.K):

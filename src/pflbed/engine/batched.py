@@ -139,7 +139,7 @@ def train_together(
         if ph.epochs:
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
             if ph.rule is not None:
-                _rule_phase(model, layers, params, consts, ph, datas, train, gens, noise, compile)
+                _rule_phase(model, layers, params, ph, datas, train, gens, noise, compile)
                 continue
             view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
             _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, datas, train, gens, noise, buf,
@@ -241,7 +241,6 @@ def _rule_phase(
     model: BlockNet,
     layers: PerClientLayers,
     params: Tensors,
-    consts: Tensors,
     ph: Phase,
     datas: list,
     train: TrainConfig,
@@ -259,15 +258,15 @@ def _rule_phase(
     moving = [k for k in params if k not in stats]
     own = [k for k, _ in model.named_parameters()]
     rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
-    if bool(((lengths > 0).sum(0) % rule.batches).any()):
+    if bool((lengths.count_nonzero(0) % rule.batches).any()):
         raise ValueError("a rule's phase ended inside a step: its batches are not a whole number of steps")
     model.train()
 
     def step(
-        p: Tensors, b: Tensors, cst: Tensors, batch: list[tuple[torch.Tensor, ...]], masks: list[list[torch.Tensor]]
-    ) -> tuple[Tensors, Tensors]:  # fmt: skip
+        p: Tensors, b: Tensors, batch: list[tuple[torch.Tensor, ...]], masks: list[list[torch.Tensor]]
+    ) -> tuple[Tensors, Tensors]:
         grads = _ClientGradients(model, layers, {k: p[k] for k in own}, b, batch, masks)
-        return rule(grads, p, cst), grads.stats
+        return rule(grads, p), grads.stats
 
     run = compiled(vmap(step), compile, model)
     r, device = rule.batches, datas[0].x.device
@@ -282,9 +281,8 @@ def _rule_phase(
                              device) if layers.calls and noise is not None else [] for j in rule.forwards]  # fmt: skip
         p = {k: params[k] if whole else params[k][sel] for k in moving}
         b = {k: params[k] if whole else params[k][sel] for k in stats}
-        cst = {k: v if whole else v[sel] for k, v in consts.items()}
         with layers.patched():
-            new, moved = run(p, b, cst, batch, masks)
+            new, moved = run(p, b, batch, masks)
         moved = {k: v for k, v in moved.items() if k in params}  # (a finished client's come back as they were)
         for k, v in {**new, **moved}.items():
             if whole:
