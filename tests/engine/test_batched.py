@@ -714,18 +714,18 @@ def test_a_rule_phase_takes_its_step_from_the_rule_alone(option):
 
 
 def test_a_rule_phase_that_ends_inside_a_step_is_refused_in_both_paths():
-    """Per-FedAvg's meta-step takes two batches: a phase of one epoch of an odd number of batches (here 14, 4 and
-    7: not the longest client's) would leave the last step half fed — a plan's error, said in the loop and in the
-    batched step alike."""
+    """Per-FedAvg's meta-step takes two batches: after a phase of one epoch a client with an odd number of
+    batches (here 5 and 9 of 18, 5 and 9: two clients, not the longest) would have a last step half fed — a
+    plan's error, said in the loop and in the batched step alike."""
     torch.set_num_threads(1)
-    cfg, ctx, cids, plans = _plans("mlp", 24, {"name": "perfedavg"}, local_epochs=1)
+    cfg, ctx, cids, plans = _plans("mlp", 19, {"name": "perfedavg"}, local_epochs=1)
     odd = [replace(p, phases=(replace(p.phases[0], epochs=1),)) for p in plans]
     message = r"^a rule's phase ended inside a step: its batches are not a whole number of steps$"
     with pytest.raises(ValueError, match=message):
         train_together(ctx.model, odd, [ctx.client_data(c) for c in cids], cfg.train,
                        [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
-    counts = [-(-ctx.client_data(c).num_train // 24) for c in cids]  # ⌈n/24⌉ batches
-    assert max(counts) % 2 == 0 and any(n % 2 for n in counts)
+    counts = [-(-ctx.client_data(c).num_train // 19) for c in cids]  # ⌈n/19⌉ batches
+    assert max(counts) % 2 == 0 and sum(n % 2 for n in counts) == 2
     c = cids[next(i for i, n in enumerate(counts) if n % 2)]
     with pytest.raises(ValueError, match=message):
         run_plan(ctx.model, odd[cids.index(c)], ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))

@@ -30,6 +30,20 @@ def test_a_fedavg_run_counts_every_sampled_client_s_training_samples_per_epoch(e
     assert _passes(cfg) == _fedavg_passes(validate_config(cfg)) > 0
 
 
+@pytest.mark.parametrize(("algorithm", "times"), [
+    ({"name": "fedprox"}, 1), ({"name": "pfedme", "K": 1}, 1), ({"name": "perfedavg"}, 2),
+    ({"name": "perfedavg", "variant": "hf"}, 3),
+])  # fmt: skip
+def test_a_plans_batches_count_as_the_forwards_on_them_whatever_its_phase(algorithm, times):
+    """A phase on an objective (FedProx) or a step rule counts each batch it draws once per forward on it:
+    pFedMe at K = 1 and FedProx as FedAvg; Per-FedAvg's steps take two batches (HF: three) of one gradient each,
+    so its τ = local epochs' worth of steps draws twice (three times) FedAvg's batches. A count of samples: an int
+    (`summary.json` shows it)."""
+    cfg = {**TINY, "algorithm": algorithm}
+    passes = _passes(cfg)
+    assert passes == times * _fedavg_passes(validate_config(cfg)) > 0 and isinstance(passes, int)
+
+
 def test_the_worker_processes_training_is_counted_in_the_run_s_process():
     cfg = {**TINY, "algorithm": {"name": "fedavg"}}
     procs = {**cfg, "executor": {**TINY["executor"], "name": "procs", "workers": 2}}
