@@ -311,22 +311,20 @@ class _OwnGradients:
         self.model, self.batch = model, batch
         self.base = {k: tensors[k] for k, _ in model.named_parameters()}  # the step's start
 
-    def _loss(self, params: Tensors, j: int) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
-        keys = list(params)
-        leaves = [params[k].detach().requires_grad_() for k in keys]
+    def _loss(self, params: Tensors, j: int) -> tuple[Tensors, torch.Tensor]:
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
         x, y = self.batch[j]
-        out = functional_call(self.model, {**self.base, **dict(zip(keys, leaves, strict=True))}, (x,))
-        return keys, leaves, torch.nn.functional.cross_entropy(out, y)
+        return leaves, torch.nn.functional.cross_entropy(functional_call(self.model, {**self.base, **leaves}, (x,)), y)
 
     def grad(self, params: Tensors, j: int) -> Tensors:
-        keys, leaves, loss = self._loss(params, j)
-        return dict(zip(keys, torch.autograd.grad(loss, leaves), strict=True))
+        leaves, loss = self._loss(params, j)
+        return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
 
     def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:
-        keys, leaves, loss = self._loss(params, j)
-        grads = torch.autograd.grad(loss, leaves, create_graph=True)
-        dot = sum((g * v[k]).sum() for g, k in zip(grads, keys, strict=True))
-        return dict(zip(keys, torch.autograd.grad(dot, leaves), strict=True))
+        leaves, loss = self._loss(params, j)
+        grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
+        dot = sum((g * v[k]).sum() for g, k in zip(grads, leaves, strict=True))
+        return dict(zip(leaves, torch.autograd.grad(dot, list(leaves.values())), strict=True))
 
 
 class RegularizedObjective:
