@@ -238,16 +238,9 @@ def _phase(
 
 
 def _rule_phase(
-    model: BlockNet,
-    layers: PerClientLayers,
-    params: Tensors,
-    ph: Phase,
-    datas: list,
-    train: TrainConfig,
-    gens: list[torch.Generator],
-    noise: list[torch.Generator] | None,
-    compile: str,
-) -> None:
+    model: BlockNet, layers: PerClientLayers, params: Tensors, ph: Phase, datas: list, train: TrainConfig,
+    gens: list[torch.Generator], noise: list[torch.Generator] | None, compile: str,
+) -> None:  # fmt: skip
     """A phase of `ph.rule`'s steps (`local_sgd.StepRule`) for every client at once: step s reads batches
     r·s … r·s + r − 1 of each client's schedule (r = `rule.batches`; a client's batches are a whole number of
     steps), its forwards' dropout masks drawn before it in the rule's call order; the rule runs vmapped, its
