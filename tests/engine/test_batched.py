@@ -667,6 +667,11 @@ def test_step_rules_together_are_each_clients_own(algorithm, model):
     assert plans[0].phases[0].rule is not None and (ctx.client_data(cids[0]).augment is not None) == bool(augment)
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
+    if model == "mlp":  # no dropout: no stream needed
+        with _in_float64(ctx, plans) as (m, data, p64):
+            quiet = train_together(m, p64, [data(c) for c in cids], cfg.train,
+                                   [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+        assert all(_max_diff(a, b) == 0 for a, b in zip(quiet, together, strict=True))
     names = [k for k, _ in ctx.model.named_parameters()]
     for plan, got, want in zip(plans, together, alone, strict=True):
         assert _max_diff(want, got) <= TOL64

@@ -298,7 +298,7 @@ class _ClientGradients:
 
     def _loss(self, params: Tensors, j: int) -> tuple[torch.Tensor, Tensors]:
         x, y, w = self.batch[j]
-        self.layers.enter(self.stats, w > 0, self.masks.pop(0) if self.masks else [])
+        self.layers.enter(self.stats, w > 0, self.masks.pop(0))  # one list of masks per forward
         out = functional_call(self.model, {**self.base, **params}, (x,))
         return (F.cross_entropy(out, y, reduction="none") * w).sum(), self.layers.leave()
 
