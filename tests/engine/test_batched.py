@@ -189,10 +189,10 @@ def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_t
 
 
 def test_every_algorithm_is_batched_or_says_why_not():
-    """An algorithm declares its update as a plan (`sgd_plan`) or the reason it cannot (`loop_only`, listed in the
-    docs), never both, never neither."""
+    """An algorithm declares its update as a plan (`sgd_plan`, or `round_plan` for one that depends on the round)
+    or the reason it cannot (`loop_only`, listed in the docs), never both, never neither."""
     for name, cls in ALGORITHMS.items():
-        planned = cls.sgd_plan is not Algorithm.sgd_plan
+        planned = cls.sgd_plan is not Algorithm.sgd_plan or cls.round_plan is not Algorithm.round_plan
         assert planned == (cls.loop_only is None), name
         assert cls.loop_only is None or len(cls.loop_only.split()) >= 8, name
 
@@ -734,3 +734,72 @@ def test_a_rule_phase_that_ends_inside_a_step_is_refused_in_both_paths():
     c = cids[next(i for i, n in enumerate(counts) if n % 2)]
     with pytest.raises(ValueError, match=message):
         run_plan(ctx.model, odd[cids.index(c)], ctx.client_data(c), cfg.train, client_generator(cfg.seed, 1, c))
+
+
+@pytest.mark.parametrize("preset", ["paper", "official"])
+def test_distillation_together_is_each_clients_own(preset):
+    """KT-pFL's round-2 plans (a phase on the public batch towards each client's own targets, then local epochs),
+    batched per architecture == each client's own `run_plan`, in float64: paper — the distillation's batches and
+    dropout from its own stream (`Phase.stream`), batch size `distill_batch_size`, the local optimizer's momentum,
+    no weight decay, KL summed over classes; official — from the client's round stream, which local training
+    continues, KL averaged over classes too. A BatchNorm architecture and a dropout one, three clients each."""
+    torch.set_num_threads(1)
+    cfg = validate_config({"dataset": {"name": "digits"}, "model": {"name": "lenet5_bn"},
+                           "federation": {"clients": 8, "partition": "dirichlet", "alpha": 0.3, "public": 100},
+                           "train": {"batch_size": 16, "lr": 0.05, "momentum": 0.5, "weight_decay": 0.01,
+                                     "local_epochs": 1},
+                           "algorithm": {"name": "ktpfl", "preset": preset, "public_batch": 80,
+                                         "distill_batch_size": 24,
+                                         "architectures": ["lenet5_bn", "alexnet_small_x025"]}})  # fmt: skip
+    algo = prepare(cfg)
+    ctx, server = algo.ctx, algo.init_server()
+    cids = sorted(ctx.federation.participated)
+    states = {c: algo.init_client(c) for c in cids}
+    payloads = algo.configure(1, server, cids)
+    replies = {}
+    for c in cids:
+        replies[c], states[c] = update_client(algo, 1, c, payloads[c], states[c])
+    server = algo.aggregate(1, server, replies, {c: 1.0 for c in cids})
+    payloads = algo.configure(2, server, cids)
+    for group in (cids[:3], cids[4:7]):  # lenet5_bn, then alexnet_small_x025
+        plans = [algo.round_plan(2, payloads[c], states[c], ctx.client_data(c)) for c in group]
+        distill, model = plans[0].phases[0], plans[0].model
+        assert distill.data is not None and (distill.stream is not None) == (preset == "paper")
+        assert all(p.model is model and p.phases[0].data is distill.data for p in plans)
+        plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+        together, alone = _each_own_of(cfg, ctx, group, plans, 2)
+        names = [k for k, _ in model.named_parameters()]
+        for plan, got, want in zip(plans, together, alone, strict=True):
+            assert _max_diff(want, got) <= TOL64
+            assert _max_diff({k: got[k] for k in names}, {k: plan.start[k] for k in names}) > 100 * TOL
+
+
+def _each_own_of(cfg, ctx, cids, plans, rnd):
+    """`_each_own` for plans of their own architecture (`LocalSGDPlan.model`) whose phases may train on samples
+    of their own (`Phase.data`, moved to float64 with the pool: one object for every client, as in a run)."""
+    def f64(tensors):
+        return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pool = ctx.source.train.x.double()
+        model = copy.deepcopy(plans[0].model).double()
+        own = {}
+        for ph in plans[0].phases:
+            if ph.data is not None:
+                own[id(ph.data)] = replace(ph.data, x=pool)
+        plans = [replace(p, start=f64(p.start), consts=f64(p.consts), model=model,
+                         phases=tuple(replace(ph, data=own.get(id(ph.data))) for ph in p.phases)) for p in plans]
+        data = [replace(ctx.client_data(c), x=pool) for c in cids]
+        noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
+        together = train_together(model, plans, data, cfg.train, [client_generator(cfg.seed, rnd, c) for c in cids],
+                                  noise)  # fmt: skip
+        alone = []
+        for c, d, plan in zip(cids, data, plans, strict=True):
+            rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device)
+            reply, state = run_plan(model, plan, d, cfg.train, client_generator(cfg.seed, rnd, c))
+            alone.append({**reply, **state})
+    finally:
+        torch.set_default_dtype(default)
+    return together, alone

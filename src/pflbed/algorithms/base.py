@@ -145,15 +145,21 @@ class Algorithm:
         """Default: run the algorithm's `sgd_plan` on the shared model (algorithms without one override this)."""
         from pflbed.algorithms.local_sgd import run_plan
 
-        plan = self.sgd_plan(payload, state, data)
+        plan = self.round_plan(cctx.rnd, payload, state, data)
         if plan is None:
             raise NotImplementedError(f"{self.name} defines neither client_update nor sgd_plan")
-        return run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, cctx.generator)
+        return run_plan(self.ctx.model if plan.model is None else plan.model, plan, data, self.ctx.cfg.train,
+                        cctx.generator)  # fmt: skip
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
         """The client update as plain local SGD on the run's model (`local_sgd.LocalSGDPlan`), or None when it is
         anything else. Declaring one lets the engine train many clients together (`executor.batch_clients`)."""
         return None
+
+    def round_plan(self, rnd: int, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
+        """The plan of round `rnd`: `sgd_plan`'s. An update that depends on the round (KT-pFL's epochs ramp over
+        the rounds, its reply reads the round's public batch) overrides this instead."""
+        return self.sgd_plan(payload, state, data)
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> Aggregator:
         """How the server takes in the round's replies: one at a time, in client order (`weights` names the round's

@@ -15,6 +15,7 @@ server side (mixing, coefficient updates) and the client side (prediction, disti
 from __future__ import annotations
 
 import csv
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -23,8 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflbed import rng
+from pflbed.algorithms.common import Tensors
+from pflbed.algorithms.local_sgd import model_forward, weighted_mean
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import index_batches
+from pflbed.models import BlockNet
 
 EPS = 1e-12  # floor of probabilities inside logarithms: a teacher mix may put exactly zero mass on a class
 PUBLIC_STREAM = 101  # rng tag of the public-batch stream (the engine's own tags are 1–4)
@@ -103,6 +107,27 @@ def distill(
         total += loss.detach()
         done += 1
     return float(total) / max(done, 1)
+
+
+@dataclass(frozen=True)
+class DistillObjective:
+    """Eq. 6 as a plan's loss (`local_sgd.Objective`): KL(t ‖ softmax(z / T)) of the model's logits on public
+    samples, `y` being each sample's position in the public batch and the client's targets `consts["targets"]`
+    one row per position. In the loop (`w` None) exactly `kl_to_target`; in a batched step the same per-sample
+    KL, weighted."""
+
+    temperature: float
+    reduction: Reduction
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        logits, target = model_forward(model, params, x), consts["targets"][y]
+        if w is None:
+            return kl_to_target(logits, target, self.temperature, self.reduction)
+        per_sample = F.kl_div(F.log_softmax(logits / self.temperature, dim=1), target, reduction="none").sum(1)
+        return weighted_mean(per_sample / logits.shape[1] if self.reduction == "mean" else per_sample, w)
 
 
 # --- server side -------------------------------------------------------------------------------------------------

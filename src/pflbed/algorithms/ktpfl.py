@@ -134,16 +134,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pflbed import rng
 from pflbed.algorithms import distill as kd
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
     fresh_client_params,
-    get_params,
     load_params,
-    local_sgd,
     weighted_mean,
 )
 from pflbed.errors import ConfigError
@@ -162,6 +160,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 DEFAULT_ARCHITECTURES = ["lenet5", "alexnet_small", "resnet18", "shufflenetv2"]
 DISTILL_STREAM = 102  # rng tag of the distillation when score = after_distill: (seed, 102, batch round, client)
+PUBLIC_ROUNDS = 8  # the rounds whose public batches a run keeps as phase data (`KTpFL._public`)
 Momentum = Annotated[float, Field(ge=0)]
 MOMENTUM_DOC = "SGD momentum of the distillation: a number, or train (= train.momentum, the local optimizer's)"
 SCORE_DOC = (
@@ -223,8 +222,6 @@ class KTpFLOptions(TransferOptions):
 
 class KTpFL(Algorithm):
     name = "ktpfl"
-    loop_only = ("after its local epochs each client distils toward its own soft targets on the public batch: a "
-                 "phase on other data than the client's, where a plan's phases draw the client's training batches")
     dp_refused = (
         "replies are soft predictions on public data, not a parameter update, and the server weighs each "
         "client's own"
@@ -238,6 +235,7 @@ class KTpFL(Algorithm):
         if fed.public.numel() == 0:
             raise ConfigError(f"{self.name} needs public data: set federation.public > 0")
         self.clients = list(fed.participated)
+        self._publics: dict[int, ClientData] = {}
         self.index = {c: i for i, c in enumerate(self.clients)}
         self.n_total = len(fed.clients)
         self.models: dict[str, BlockNet] = {ctx.cfg.model.name: ctx.model}
@@ -269,34 +267,40 @@ class KTpFL(Algorithm):
         models = {c: self._local(server, c) for c in self.clients}
         return weighted_mean(models, {c: float(weights[self.index[c]]) for c in self.clients})
 
-    def distill_towards(
-        self,
-        model: BlockNet,
-        cid: int,
-        targets: torch.Tensor,
-        batch_round: int,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        """Distil `model` (client `cid`'s, loaded) towards its targets on the public batch ξ_{batch_round} (Eq. 6).
+    def _public(self, rnd: int) -> ClientData:
+        """The public batch ξ_rnd as samples a plan's phase trains on: the training pool's rows (no augmentation),
+        each labelled with its position in the batch — the row of a client's targets it is distilled towards.
+        One object per round (kept for the last `PUBLIC_ROUNDS` rounds), so clients distilling on the same batch
+        train together (`Phase.data`)."""
+        if rnd not in self._publics:
+            pool = self.ctx.source.train
+            idx = kd.public_batch(self.ctx.federation.public, self.opts.public_batch, self.ctx.seed, rnd)
+            position = torch.full((len(pool.y),), -1, dtype=torch.long, device=idx.device)
+            position[idx] = torch.arange(len(idx), device=idx.device)
+            empty = idx[:0]
+            self._publics[rnd] = ClientData(-1, pool.x, position, idx, empty, empty.float())
+            while len(self._publics) > PUBLIC_ROUNDS:
+                self._publics.pop(next(iter(self._publics)))
+        return self._publics[rnd]
 
-        With `generator` (score = after_local) the draws continue the client's round stream, which local training
-        then goes on with. Without, the batch order and torch's global RNG (dropout) come from
-        (seed, DISTILL_STREAM, batch_round, cid) alone, the caller's global RNG left as it was: the result depends
-        on the targets' round and the client only, so `personal_model` computes the model the client will hold.
-        """
+    def _distillation(self, model: BlockNet, batch_round: int, private: bool) -> Phase:
+        """Eq. 6 as a plan's phase: SGD on every block towards the client's targets (`consts["targets"]`) on the
+        public batch ξ_{batch_round}; R = `distill_epochs` passes, or `distill_steps` mini-batches.
+
+        `private` (score = after_distill): the batch order and the dropout come from (seed, DISTILL_STREAM,
+        batch_round, client) alone (`Phase.stream`), never from the client's round stream, which local training
+        then starts afresh: the result depends on the targets' round and the client only, so `personal_model`
+        computes the model the client will hold. Otherwise the draws continue the client's round stream."""
         o, t = self.opts, self.ctx.cfg.train
+        data = self._public(batch_round)
+        epochs = o.distill_epochs
+        if o.distill_steps is not None:  # enough passes for the steps, the last cut short (`Phase.steps`)
+            epochs = -(-o.distill_steps // -(-data.num_train // o.distill_batch_size))
         momentum = t.momentum if o.distill_momentum == "train" else o.distill_momentum
-        x = self._public_x(batch_round)
-        kw = dict(epochs=o.distill_epochs, steps=o.distill_steps, batch_size=o.distill_batch_size,
-                  lr=o.distill_lr or t.lr, temperature=o.temperature, reduction=o.kl_reduction,
-                  momentum=momentum)  # fmt: skip
-        if generator is not None:
-            kd.distill(model, x, targets, generator=generator, **kw)
-            return
-        keys = (self.ctx.seed, DISTILL_STREAM, batch_round, cid)
-        with rng.fork(self.ctx.device), torch.enable_grad():
-            torch.manual_seed(rng.derive_seed(*keys))
-            kd.distill(model, x, targets, generator=rng.generator(*keys), **kw)
+        return Phase(tuple(model.block_names()), epochs, o.distill_lr or t.lr, steps=o.distill_steps,
+                     batch_size=o.distill_batch_size, momentum=momentum, weight_decay=0.0,
+                     objective=kd.DistillObjective(o.temperature, o.kl_reduction), data=data,
+                     stream=(self.ctx.seed, DISTILL_STREAM, batch_round) if private else None)  # fmt: skip
 
     def _epochs(self, rnd: int) -> int:
         """Local epochs of this round: train.local_epochs, or the ramp min(k, E) at the k-th local training."""
@@ -355,27 +359,29 @@ class KTpFL(Algorithm):
                 payloads[c] = {"targets": server[f"t/{c}"], "batch_round": server[f"r/{c}"]}
         return payloads
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def round_plan(self, rnd: int, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """Homogeneous: local SGD from the payload. Heterogeneous: (1) the pending distillation, if any, then
+        (2) local training (none in round 1 of `distill_first`), then (3) the reply s_n on ξ_rnd, in `finish`."""
         o, t = self.opts, self.ctx.cfg.train
         model = self.models[self.arch_of(data.cid)]
-        sgd = dict(batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
-                   generator=cctx.generator)  # fmt: skip
+        local = (Phase(tuple(model.block_names()), self._epochs(rnd), t.lr),)
         if self.homogeneous:
-            load_params(model, payload)
-            local_sgd(model, data, epochs=self._epochs(cctx.rnd), **sgd)
-            return get_params(model), {"cid": state["cid"]}
-
-        load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
+            return LocalSGDPlan(payload, local, lambda p: (p, {"cid": state["cid"]}))
+        if o.order == "distill_first" and rnd == 1:  # round 1 only predicts
+            local = ()
+        consts: Tensors = {}
         if "targets" in payload:  # step ⑤ of the round in which this client last replied
-            own = cctx.generator if o.score == "after_local" else None
-            self.distill_towards(model, data.cid, payload["targets"].float(), int(payload["batch_round"]), own)
-        if not (o.order == "distill_first" and cctx.rnd == 1):  # distill_first: round 1 only predicts
-            local_sgd(model, data, epochs=self._epochs(cctx.rnd), **sgd)
-        s = kd.soft_predictions(model, self._public_x(cctx.rnd), o.temperature)
-        new_state = {"cid": state["cid"], **{f"w/{k}": v for k, v in get_params(model).items()}}
-        return {"s": s}, new_state
+            local = (self._distillation(model, int(payload["batch_round"]), o.score == "after_distill"), *local)
+            consts = {"targets": payload["targets"].float()}
+        public = self._public(rnd)
+
+        def finish(trained: Tensors) -> tuple[Tensors, Tensors]:
+            load_params(model, trained)
+            s = kd.soft_predictions(model, public.x[public.train], o.temperature)
+            return {"s": s}, {"cid": state["cid"], **{f"w/{k}": v for k, v in trained.items()}}
+
+        start = {k[2:]: v for k, v in state.items() if k.startswith("w/")}
+        return LocalSGDPlan(start, local, finish, consts=consts, model=model)
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         cids = sorted(replies)
@@ -415,9 +421,10 @@ class KTpFL(Algorithm):
         params = {k[2:]: v for k, v in state.items() if k.startswith("w/")}
         model = self.models[self.arch_of(cid)]
         if self.opts.score == "after_distill" and f"t/{cid}" in server:  # the pending distillation, as Alg. 1
-            load_params(model, params)
-            self.distill_towards(model, cid, server[f"t/{cid}"].float(), int(server[f"r/{cid}"]))
-            params = get_params(model)
+            pending = LocalSGDPlan(params, (self._distillation(model, int(server[f"r/{cid}"]), True),),
+                                   lambda p: (p, {}), consts={"targets": server[f"t/{cid}"].float()})  # fmt: skip
+            with torch.enable_grad():  # its own stream: the generator given is never drawn from
+                params, _ = run_plan(model, pending, self.ctx.client_data(cid), self.ctx.cfg.train, torch.Generator())
         return Predictor(model, params)
 
     def _uniform(self, server: Tensors) -> Tensors:

@@ -19,6 +19,7 @@ one client's tensors or, under `vmap`, on every client's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Protocol
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.func import functional_call
 
-from pflbed.algorithms.common import ClientData, Tensors
+from pflbed import rng
+from pflbed.algorithms.common import ClientData, Same, Tensors
 from pflbed.algorithms.partial import train_blocks
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import get_params, index_batches, load_params
@@ -67,6 +69,9 @@ class Phase:
     momentum: float | None = None
     weight_decay: float | None = None
     rule: StepRule | None = None
+    batch_size: int | None = None
+    data: ClientData | None = field(default=None, compare=False)
+    stream: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rule is not None and (self.extra or self.keys or self.entries or self.optimizer or self.model
@@ -79,11 +84,21 @@ class Phase:
         return (train.momentum if self.momentum is None else self.momentum,
                 train.weight_decay if self.weight_decay is None else self.weight_decay)  # fmt: skip
 
-    def batches(self, idx: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    def batches(self, idx: torch.Tensor, train: TrainConfig, generator: torch.Generator) -> Iterator[torch.Tensor]:
         """The phase's mini-batches of `idx`: `index_batches` over its epochs, `steps` of them at most (a rule's
         step takes `rule.batches` of them; each counts as the forwards the rule makes on it)."""
         passes = 1 if self.rule is None else len(self.rule.forwards) // self.rule.batches
-        return islice(index_batches(idx, batch_size, self.epochs, generator, passes), self.steps)
+        size = train.batch_size if self.batch_size is None else self.batch_size
+        return islice(index_batches(idx, size, self.epochs, generator, passes), self.steps)
+
+    def data_key(self) -> Same | None:
+        """What must be the same object for clients to train this phase together: its `data`."""
+        return None if self.data is None else Same(self.data)
+
+    def stream_seed(self, cid: int) -> int:
+        """Client `cid`'s seed of the phase's own stream (`stream`): its generator's and its dropout's."""
+        assert self.stream is not None
+        return rng.derive_seed(*self.stream, cid)
 
 
 class Objective(Protocol):
@@ -134,13 +149,16 @@ class StepRule(Protocol):
 class LocalSGDPlan:
     """Load `start` (the model's full state, plus any extra tensors under keys of their own), run `phases` in
     order, then `finish` maps the trained tensors to (reply, new client state). `objective`: the loss (None:
-    cross-entropy of the model's output); `consts`: per-client tensors it reads, never trained."""
+    cross-entropy of the model's output); `consts`: per-client tensors it reads, never trained. `model`: the
+    architecture the plan trains (None: the run's model; KT-pFL's clients each have one of a zoo), clients of one
+    architecture trained together."""
 
     start: Tensors
     phases: tuple[Phase, ...]
     finish: Callable[[Tensors], tuple[Tensors, Tensors]]
     objective: Objective | None = None
     consts: Tensors = field(default_factory=dict)
+    model: BlockNet | None = None
 
 
 def weighted_mean(per_sample: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
@@ -183,21 +201,35 @@ def run_plan(
         if ph.model:  # the second model's tensors in, the plan's own model kept aside
             own = get_params(model)
             load_params(model, {k: extra[ph.model + k] for k in model_keys})
-        if ph.rule is not None:
-            _rule_phase(model, extra, ph, data, train, generator)
-        elif _plain(plan, ph):
-            train_blocks(model, data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=generator)
-        else:
-            _objective_phase(model, extra, plan, ph, data, train, generator, optimizers)
+        with _stream(ph, data.cid, data.x.device) as gen:
+            own_data, gen = ph.data or data, gen or generator
+            if ph.rule is not None:
+                _rule_phase(model, extra, ph, own_data, train, gen)
+            elif _plain(plan, ph):
+                train_blocks(model, own_data, ph.blocks, epochs=ph.epochs, lr=ph.lr, train=train, generator=gen)
+            else:
+                _objective_phase(model, extra, plan, ph, own_data, train, gen, optimizers)
         if ph.model:
             extra.update({ph.model + k: v for k, v in get_params(model).items()})
             load_params(model, own)
     return plan.finish({**get_params(model), **{k: v.detach().clone() for k, v in extra.items()}})
 
 
+@contextmanager
+def _stream(ph: Phase, cid: int, device: torch.device) -> Iterator[torch.Generator | None]:
+    """Client `cid`'s generator of `ph.stream`, torch's global RNG seeded from the same keys meanwhile and put
+    back after; None (and nothing touched) for a phase without a stream of its own."""
+    if ph.stream is None:
+        yield None
+        return
+    with rng.fork(device):
+        rng.seed_global(ph.stream_seed(cid), device)
+        yield rng.generator(*ph.stream, cid)
+
+
 def _plain(plan: LocalSGDPlan, ph: Phase) -> bool:
     """Whether `ph` is epochs of cross-entropy on whole blocks and nothing else (`train_blocks`)."""
-    options = (ph.keys, ph.entries, ph.optimizer, ph.steps, ph.momentum, ph.weight_decay, ph.rule)
+    options = (ph.keys, ph.entries, ph.optimizer, ph.steps, ph.momentum, ph.weight_decay, ph.rule, ph.batch_size)
     return objective_of(plan, ph) is None and not ph.extra and all(o is None for o in options)
 
 
@@ -251,7 +283,7 @@ def _objective_phase(
         for p in others:
             p.requires_grad_(False)
         model.train()
-        for b in ph.batches(data.train, train.batch_size, generator):
+        for b in ph.batches(data.train, train, generator):
             x, y = data.batch(b, generator)
             if hooks:
                 with torch.no_grad():
@@ -288,7 +320,7 @@ def _rule_phase(
     tensors = {**{k: p.detach().clone() for k, p in named.items()}, **{k: v.detach() for k, v in extra.items()}}
     model.train()
     batch: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for b in ph.batches(data.train, train.batch_size, generator):
+    for b in ph.batches(data.train, train, generator):
         batch.append(data.batch(b, generator))
         if len(batch) == rule.batches:
             new = rule(_OwnGradients(model, tensors, batch), tensors)

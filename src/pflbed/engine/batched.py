@@ -43,6 +43,7 @@ from torch.func import functional_call, grad, vmap
 
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
+from pflbed.algorithms.common import Same
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
@@ -74,8 +75,9 @@ class BatchedExecutor(LoopExecutor):
         algo, ctx = self.algo, self.algo.ctx
         gens = [client_generator(ctx.seed, rnd, c) for c in cids]
         noise = [rng.global_stream(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
+        model = ctx.model if plans[0].model is None else plans[0].model
         with precision(algo):
-            return train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
+            return train_together(model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
                                   ctx.cfg.executor.compile)  # fmt: skip
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
@@ -83,13 +85,14 @@ class BatchedExecutor(LoopExecutor):
         received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
         groups: dict[tuple, list[int]] = {}
         plans: dict[int, LocalSGDPlan] = {}
-        if batchable_model(ctx.model):
-            for c, payload in received.items():
-                plan = algo.sgd_plan(payload, self.state(c), ctx.client_data(c))
-                if plan is not None:
-                    plans[c] = plan
-                    shape = (plan.phases, plan.objective, tuple(plan.start), tuple(plan.consts))  # one vmapped step
-                    groups.setdefault(shape, []).append(c)
+        for c, payload in received.items():
+            plan = algo.round_plan(rnd, payload, self.state(c), ctx.client_data(c))
+            model = ctx.model if plan is None or plan.model is None else plan.model
+            if plan is not None and batchable_model(model):
+                plans[c] = plan
+                shape = (Same(model), plan.phases, tuple(ph.data_key() for ph in plan.phases), plan.objective,
+                         tuple(plan.start), tuple(plan.consts))  # one vmapped step  # fmt: skip
+                groups.setdefault(shape, []).append(c)
         done: dict[int, tuple[Tensors, Tensors]] = {}
         for cids in (cids for cids in groups.values() if len(cids) > 1):
             start = 0
@@ -138,14 +141,27 @@ def train_together(
     for ph in plans[0].phases:
         if ph.epochs:
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
+            own, g, n = _sources(ph, datas, gens, noise)
             if ph.rule is not None:
-                _rule_phase(model, layers, params, ph, datas, train, gens, noise, compile)
+                _rule_phase(model, layers, params, ph, own, train, g, n, compile)
                 continue
             view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
-            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, datas, train, gens, noise, buf,
-                   compile)  # fmt: skip
+            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, own, train, g, n, buf, compile)
             params.update({ph.model + k: view[k] for k in model_keys} if ph.model else {})
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
+
+
+def _sources(
+    ph: Phase, datas: list, gens: list[torch.Generator], noise: list[torch.Generator] | None
+) -> tuple[list, list[torch.Generator], list[torch.Generator] | None]:
+    """Each client's samples, batch generator and dropout stream in phase `ph`: its own, or the phase's `data`
+    (one object for every client of the batch) and the generators of the phase's own `stream` (`Phase`)."""
+    own = datas if ph.data is None else [ph.data] * len(datas)
+    if ph.stream is None:
+        return own, gens, noise
+    device = datas[0].x.device
+    return (own, [rng.generator(*ph.stream, d.cid) for d in datas],
+            [rng.global_stream(ph.stream_seed(d.cid), device) for d in datas])  # fmt: skip
 
 
 def _phase(
@@ -171,7 +187,7 @@ def _phase(
     trainable = list(lr_of)
     fixed = [k for k in params if k not in lr_of and k not in stats]
     model_keys = set(model.state_dict())
-    rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
+    rows, weights, active, draws, lengths = _schedule(datas, train, ph, gens)
     momentum, weight_decay = ph.sgd(train)
     pool_x = datas[0].x
     model.train()
@@ -250,7 +266,7 @@ def _rule_phase(
     stats = [k for k in layers.buffer_keys if k in params]
     moving = [k for k in params if k not in stats]
     own = [k for k, _ in model.named_parameters()]
-    rows, weights, active, draws, lengths = _schedule(datas, train.batch_size, ph, gens)
+    rows, weights, active, draws, lengths = _schedule(datas, train, ph, gens)
     if bool((lengths.count_nonzero(0) % rule.batches).any()):
         raise ValueError("a rule's phase ended inside a step: its batches are not a whole number of steps")
     model.train()
@@ -381,7 +397,7 @@ def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
 
 
 def _schedule(
-    datas: list, batch_size: int, ph: Phase, gens: list[torch.Generator]
+    datas: list, train: TrainConfig, ph: Phase, gens: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None, torch.Tensor]:
     """Every step's batch of every client, built once on the CPU and moved to the device in one copy.
 
@@ -404,7 +420,7 @@ def _schedule(
     for d, g in zip(datas, gens, strict=True):
         per_client.append([])
         drawn.append([])
-        for b in ph.batches(d.train.cpu(), batch_size, g):  # lazily: a batch, then its choices
+        for b in ph.batches(d.train.cpu(), train, g):  # lazily: a batch, then its choices
             per_client[-1].append(b)
             if augment is not None:
                 drawn[-1].append(augment.draw(len(b), g))
