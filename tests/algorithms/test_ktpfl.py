@@ -1,6 +1,7 @@
 import csv
 import functools
 import math
+from itertools import islice
 
 import pytest
 import torch
@@ -9,11 +10,32 @@ import pflbed
 from pflbed import rng
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms import get_algorithm, ktpfl
+from pflbed.algorithms.sgd import SGD
+from pflbed.algorithms.training import index_batches
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 
 from ..tiny import TINY
+
+
+def _distill(model, x, target, *, epochs, batch_size, lr, temperature, generator, steps=None, reduction="batchmean",
+             momentum=0.0) -> float:
+    """The reference of Eq. 6 (hand-checked below): SGD on KL(target ‖ s(model)) over the public samples `x`,
+    `epochs` shuffled passes or exactly `steps` mini-batches (passes repeated as needed, no batch drawn beyond the
+    last step), one optimizer; returns the mean loss. The algorithm runs it as a plan's phase."""
+    opt = SGD(model.parameters(), lr=lr, momentum=momentum)
+    n_epochs = epochs if steps is None else -(-steps * batch_size // max(len(x), 1)) + 1
+    total, done = torch.zeros((), device=x.device), 0
+    model.train()
+    for b in islice(index_batches(torch.arange(len(x), device=x.device), batch_size, n_epochs, generator), steps):
+        loss = kd.kl_to_target(model(x[b]), target[b], temperature, reduction)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.detach()
+        done += 1
+    return float(total) / max(done, 1)
 
 FED = {**TINY["federation"], "clients": 4, "sample_fraction": 1.0, "public": 200}
 HETERO = {"name": "ktpfl", "architectures": ["lenet5", "mlp"], "public_batch": 100, "distill_batch_size": 32}
@@ -311,7 +333,7 @@ def test_distill_is_plain_sgd_on_the_kl_over_shuffled_public_batches(epochs, ste
                 v.mul_(momentum).add_(p.grad)
                 p -= 0.3 * v
     model = _linear(1)
-    mean_loss = kd.distill(model, x, target, epochs=epochs, steps=steps, batch_size=4, lr=0.3, temperature=2.0,
+    mean_loss = _distill(model, x, target, epochs=epochs, steps=steps, batch_size=4, lr=0.3, temperature=2.0,
                            generator=torch.Generator().manual_seed(5), reduction=reduction, momentum=momentum)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-12)
@@ -324,7 +346,7 @@ def test_distill_steps_are_exact_even_with_a_single_public_sample():
     x, target = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64), _probs(1, 4, seed=3)
     ref = _linear(2)
     first = (target * (target.log() - torch.log_softmax(ref(x), dim=1))).sum()
-    one = kd.distill(_linear(2), x, target, epochs=1, steps=1, batch_size=1, lr=0.5, temperature=1.0,
+    one = _distill(_linear(2), x, target, epochs=1, steps=1, batch_size=1, lr=0.5, temperature=1.0,
                      generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert one == pytest.approx(float(first.detach()), rel=1e-6)
     for _ in range(5):
@@ -335,7 +357,7 @@ def test_distill_steps_are_exact_even_with_a_single_public_sample():
             for p in ref.parameters():
                 p -= 0.5 * p.grad
     model = _linear(2)
-    kd.distill(model, x, target, epochs=1, steps=5, batch_size=1, lr=0.5, temperature=1.0,
+    _distill(model, x, target, epochs=1, steps=5, batch_size=1, lr=0.5, temperature=1.0,
                generator=torch.Generator().manual_seed(0))  # fmt: skip
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-12)
@@ -515,7 +537,7 @@ def _keyed_distill(algo, model, cid: int, targets, batch_round: int, momentum: f
     o, keys = algo.opts, (algo.ctx.seed, ktpfl.DISTILL_STREAM, batch_round, cid)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(rng.derive_seed(*keys))
-        kd.distill(model, algo._public_x(batch_round), targets, epochs=o.distill_epochs, steps=o.distill_steps,
+        _distill(model, algo._public_x(batch_round), targets, epochs=o.distill_epochs, steps=o.distill_steps,
                    batch_size=o.distill_batch_size, lr=o.distill_lr or algo.ctx.cfg.train.lr,
                    temperature=o.temperature, generator=rng.generator(*keys), reduction=o.kl_reduction,
                    momentum=momentum)  # fmt: skip
@@ -542,7 +564,7 @@ def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rou
     load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
     g = torch.Generator().manual_seed(11)
     if score == "after_local":
-        kd.distill(model, algo._public_x(1), payload["targets"], epochs=1, steps=steps, batch_size=32, lr=0.03,
+        _distill(model, algo._public_x(1), payload["targets"], epochs=1, steps=steps, batch_size=32, lr=0.03,
                    temperature=4.0, generator=g, reduction="mean", momentum=0.5)  # fmt: skip
     else:
         _keyed_distill(algo, model, cid, payload["targets"], 1, momentum=0.5)
@@ -880,7 +902,7 @@ def _old_client_update(self, payload, state, data, cctx):
                generator=cctx.generator)  # fmt: skip
     load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
     if "targets" in payload:
-        kd.distill(model, self._public_x(int(payload["batch_round"])), payload["targets"].float(),
+        _distill(model, self._public_x(int(payload["batch_round"])), payload["targets"].float(),
                    epochs=o.distill_epochs, steps=o.distill_steps, batch_size=o.distill_batch_size,
                    lr=o.distill_lr or t.lr, temperature=o.temperature, generator=cctx.generator,
                    reduction=o.kl_reduction)  # fmt: skip

@@ -206,3 +206,27 @@ def test_a_compiled_phase_computes_finished_clients_and_drops_their_results(name
     assert all(torch.equal(eager.server[k], static.server[k]) for k in eager.server)
     states = eager.executor.states
     assert all(torch.equal(states[c][k], static.executor.states[c][k]) for c in states for k in states[c])
+
+
+def test_a_zoos_architectures_compile_once_each_per_step_kind_in_one_cache(aot_eager):
+    """KT-pFL's heterogeneous clients: each architecture's steps are compiled into the run's one cache (switching
+    architecture does not empty it). Round 1 captures each architecture's local phase; round 2 its distillation
+    and its local phase again (the plan's targets are now among the step's inputs); rounds 3–4 reuse all six.
+    The compiled run equals the eager one bit for bit."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+
+    def cfg(compile_):
+        c = _cfg("ktpfl", "lenet5_bn", compile_, rounds=4).model_dump()
+        c["federation"]["public"] = 64
+        return validate_config({**c, "algorithm": {"name": "ktpfl", "public_batch": 48, "distill_batch_size": 16,
+                                                   "architectures": ["lenet5_bn", "alexnet_small_x025"]}})  # fmt: skip
+
+    eager = run(cfg("off"), write=False, progress=False)
+    counters.clear()
+    fast = run(cfg("default"), write=False, progress=False)
+    assert counters["stats"]["unique_graphs"] == 6 and counters["frames"]["ok"] == 6
+    assert all(torch.equal(eager.server[k], fast.server[k]) for k in eager.server)
+    states = eager.executor.states
+    assert all(torch.equal(states[c][k], fast.executor.states[c][k]) for c in states for k in states[c])

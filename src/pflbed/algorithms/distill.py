@@ -26,8 +26,6 @@ from torch import nn
 from pflbed import rng
 from pflbed.algorithms.common import Tensors
 from pflbed.algorithms.local_sgd import model_forward, weighted_mean
-from pflbed.algorithms.sgd import SGD
-from pflbed.algorithms.training import index_batches
 from pflbed.models import BlockNet
 
 EPS = 1e-12  # floor of probabilities inside logarithms: a teacher mix may put exactly zero mass on a class
@@ -71,42 +69,6 @@ def kl_to_target(
     log_s = F.log_softmax(logits / temperature, dim=1)
     loss = F.kl_div(log_s, target, reduction="batchmean")
     return loss / logits.shape[1] if reduction == "mean" else loss
-
-
-def distill(
-    model: nn.Module,
-    x: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    temperature: float,
-    generator: torch.Generator,
-    steps: int | None = None,
-    reduction: Reduction = "batchmean",
-    momentum: float = 0.0,
-) -> float:
-    """SGD on KL(target ‖ s(model)) over the public samples `x`; returns the mean loss.
-
-    `epochs` shuffled passes, or exactly `steps` mini-batches (passes repeated as needed) when `steps` is given.
-    The model is in train mode (as for any SGD step); one optimizer per call.
-    """
-    opt = SGD(model.parameters(), lr=lr, momentum=momentum)
-    idx = torch.arange(len(x), device=x.device)
-    n_epochs = epochs if steps is None else -(-steps * batch_size // max(len(x), 1)) + 1
-    total, done = torch.zeros((), device=x.device), 0
-    model.train()
-    for b in index_batches(idx, batch_size, n_epochs, generator):
-        if steps is not None and done >= steps:
-            break
-        loss = kl_to_target(model(x[b]), target[b], temperature, reduction)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += loss.detach()
-        done += 1
-    return float(total) / max(done, 1)
 
 
 @dataclass(frozen=True)
