@@ -78,7 +78,7 @@ class BatchedExecutor(LoopExecutor):
         model = ctx.model if plans[0].model is None else plans[0].model
         with precision(algo):
             return train_together(model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
-                                  ctx.cfg.executor.compile)  # fmt: skip
+                                  ctx.cfg.executor.compile, ctx.model)  # fmt: skip
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
@@ -124,10 +124,12 @@ def train_together(
     gens: list[torch.Generator],
     noise: list[torch.Generator] | None = None,
     compile: str = "off",
+    run: nn.Module | None = None,
 ) -> list[Tensors]:
     """Run the same-shaped `plans` of several clients at once; returns each client's trained full state. `gens`:
     each client's batch generator; `noise`: each client's dropout stream (`rng.global_stream` of the seed the loop
-    gives torch's global RNG), needed where the model has dropout; `compile`: `executor.compile`."""
+    gives torch's global RNG), needed where the model has dropout; `compile`: `executor.compile`; `run`: the run's
+    model, whose compiled steps share one cache (`compiled`; None: `model`'s own)."""
     keys = list(plans[0].start)
     params = {k: torch.stack([p.start[k] for p in plans]) for k in keys}  # new tensors: the starts stay untouched
     consts = {k: torch.stack([p.consts[k] for p in plans]) for k in plans[0].consts}
@@ -143,10 +145,11 @@ def train_together(
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
             own, g, n = _sources(ph, datas, gens, noise)
             if ph.rule is not None:
-                _rule_phase(model, layers, params, ph, own, train, g, n, compile)
+                _rule_phase(model, layers, params, ph, own, train, g, n, compile, run or model)
                 continue
             view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
-            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, own, train, g, n, buf, compile)
+            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, own, train, g, n, buf, compile,
+                   run or model)  # fmt: skip
             params.update({ph.model + k: view[k] for k in model_keys} if ph.model else {})
     return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
 
@@ -177,6 +180,7 @@ def _phase(
     noise: list[torch.Generator] | None,
     buf: Tensors,
     compile: str,
+    run: nn.Module,
 ) -> None:
     """One phase of every client's plan; `buf`: the momentum buffers of the phase's optimizer (empty: a fresh
     one), updated in place."""
@@ -210,7 +214,7 @@ def _phase(
         moved = layers.leave()
         return value, objective.hand_back(tensors, cst, b, moved) if hooks else moved  # type: ignore[union-attr]
 
-    grads_of = compiled(vmap(grad(loss, has_aux=True)), compile, model)
+    grads_of = compiled(vmap(grad(loss, has_aux=True)), compile, run)
     static = compile != "off"  # one shape for every step: a new one would compile again
     for s, live in enumerate(active):
         keep, live = _selection(live, len(datas), static, pool_x.device)
@@ -255,7 +259,7 @@ def _phase(
 
 def _rule_phase(
     model: BlockNet, layers: PerClientLayers, params: Tensors, ph: Phase, datas: list, train: TrainConfig,
-    gens: list[torch.Generator], noise: list[torch.Generator] | None, compile: str,
+    gens: list[torch.Generator], noise: list[torch.Generator] | None, compile: str, run: nn.Module,
 ) -> None:  # fmt: skip
     """A phase of `ph.rule`'s steps (`local_sgd.StepRule`) for every client at once: step s reads batches
     r·s … r·s + r − 1 of each client's schedule (r = `rule.batches`; a client's batches are a whole number of
@@ -277,7 +281,7 @@ def _rule_phase(
         grads = _ClientGradients(model, layers, {k: p[k] for k in own}, b, batch, masks)
         return rule(grads, p), grads.stats
 
-    run = compiled(vmap(step), compile, model)
+    steps = compiled(vmap(step), compile, run)
     r, device = rule.batches, datas[0].x.device
     for s in range(0, len(active), r):
         keep, live = _selection(active[s], len(datas), compile != "off", device)
@@ -291,7 +295,7 @@ def _rule_phase(
         p = {k: params[k] if whole else params[k][sel] for k in moving}
         b = {k: params[k] if whole else params[k][sel] for k in stats}
         with layers.patched():
-            new, moved = run(p, b, batch, masks)
+            new, moved = steps(p, b, batch, masks)
         moved = {k: v for k, v in moved.items() if k in params}  # (a finished client's come back as they were)
         for k, v in {**new, **moved}.items():
             if whole:
@@ -366,15 +370,16 @@ _compiled_for: list[weakref.ref] = []  # the model whose steps dynamo's cache ho
 
 
 def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
-    """`step` (of `model`) under `torch.compile` in `mode` (`executor.compile`), or itself when "off".
+    """`step` (of a run whose model is `model`) under `torch.compile` in `mode` (`executor.compile`), or itself
+    when "off". A run's steps of other architectures (KT-pFL's zoo) share its cache, a graph per architecture.
 
     Why it compiles once per run: dynamo keys its cache on the step's code, shared by every phase's new closure,
     and guards on what the step reads (the model, the per-client layers' settings, the tensors' shapes), so a later
     round reuses the graph; a new shape (another number of clients batched, a phase training other keys) adds one
     (a phase's steps keep theirs: `_phase` computes its finished clients too). Under
     CUDA graphs (`reduce-overhead`) each call is a new step — its outputs live in memory the next replay reuses —
-    so they are copied out before the next call. A step of another model (the next run in this process) starts
-    from an empty cache: the last run's graphs could never serve it, and they count against dynamo's limit of
+    so they are copied out before the next call. A step of another run's model (the next run in this process)
+    starts from an empty cache: the last run's graphs could never serve it, and they count against dynamo's limit of
     graphs per code (8), past which it would run every later run's steps eagerly, saying so only in a warning."""
     if mode == "off":
         return step
