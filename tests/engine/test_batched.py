@@ -829,4 +829,4 @@ def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(
     assert len(calls) == 3 * 2 and sum(calls) == 3 * clients and all(n > 1 for n in calls)
     assert _max_diff(loop.server, both.server) <= TOL
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
-    assert _max_diff(loop.server["W"], loop.executor.algo.init_server()["W"]) > 100 * TOL  # the coefficients moved
+    assert (loop.server["W"] - loop.executor.algo.init_server()["W"]).abs().max() > 100 * TOL  # c moved
