@@ -67,7 +67,10 @@ from pflbed.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
-STEP_RULES = ["perfedavg", "pfedme"]  # baselines whose batched step is a step rule (`local_sgd.StepRule`): last
+# Last in a full run: the baselines whose batched step is a step rule (`local_sgd.StepRule`), and KT-pFL (a
+# distillation phase on the public batch; its zoo reduced to the case's model, 1,000 public samples held out)
+LAST = ["perfedavg", "pfedme", "ktpfl"]
+PUBLIC = 1000  # KT-pFL's public samples, held out of the training pool besides the clients'
 # FedBasis replaces train.local_epochs by its ψ and V steps' own epochs (5 each by default): one each here, so its
 # round passes over the client's data twice (once per step) where the others pass once.
 ONE_EPOCH = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1}}
@@ -122,19 +125,21 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
     if a.quick:
         clients, per_client = max(4, clients // 25), max(10, per_client // 25)
     # val 10 % and test 10 % of each client's samples: per_client / 0.8 samples each, per_client of them to train
-    n_train = int(clients * per_client / 0.8)
+    public = (PUBLIC // 25 if a.quick else PUBLIC) if algorithm == "ktpfl" else 0
+    n_train = int(clients * per_client / 0.8) + public
+    options = {"architectures": [model], "public_batch": public} if algorithm == "ktpfl" else {}
     return validate_config({
         "dataset": {"name": "synthetic", "synthetic": {"shape": [3, SIZE[shape], SIZE[shape]], "n_train": n_train,
                                                        "n_test": 1000}},
         "model": {"name": model},
         "federation": {"clients": clients, "partition": "iid", "sample_fraction": fraction, "val_fraction": 0.1,
-                       "test_fraction": 0.1},
+                       "test_fraction": 0.1, "public": public},
         "train": {"rounds": a.rounds if model == a.models[0] and shape != "paper64" else a.big_rounds,
                   "batch_size": batch, "lr": 0.01,
                   "checkpoint_every": 0},
         "eval": {"every": 10**6, "finetune": []},
         "executor": {"device": a.device, "threads": 1, **executor},
-        "algorithm": {"name": algorithm, **ONE_EPOCH.get(algorithm, {})},
+        "algorithm": {"name": algorithm, **ONE_EPOCH.get(algorithm, {}), **options},
     })  # fmt: skip
 
 
@@ -389,7 +394,8 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN on every executor,
     pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client
     running statistics; every algorithm here declares a plan), then the ImageNet-style ResNet-18 at 64 px, then
-    Per-FedAvg's and pFedMe's CNN rounds, loop against batched (their step rules: several gradients a step)."""
+    Per-FedAvg's and pFedMe's CNN rounds, loop against batched (their step rules: several gradients a step), and
+    KT-pFL's (from round 2, a distillation on the public batch before the local epochs)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNets once each
@@ -405,7 +411,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper", "fedavg", resnet, "loop-bf16")]
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
-    out += [("paper", alg, cnn, e) for alg in STEP_RULES for e in ("loop", "batched")]
+    out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
     first = goal_cases(a)
     return first + [c for c in out if c not in first]
 
@@ -460,7 +466,7 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out = []
     for text in a.cases:
         parts = tuple(text.split("/"))
-        if len(parts) != 4 or parts[0] not in SIZE or parts[1] not in (*ALGORITHMS, *STEP_RULES) \
+        if len(parts) != 4 or parts[0] not in SIZE or parts[1] not in (*ALGORITHMS, *LAST) \
                 or parts[2] not in (*a.models, a.imagenet_model) or parts[3] not in (*EXECUTORS, "procs"):
             raise SystemExit(f"--cases: {text!r} is not shape/algorithm/model/executor, e.g. paper/fedavg/cnn/loop")
         out.append(parts)

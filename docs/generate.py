@@ -157,7 +157,7 @@ def algorithm_index() -> str:
 def _batched(cls: type) -> str:
     """Whether `executor.batch_clients` trains the algorithm's clients together (its `loop_only` declaration)."""
     if cls.loop_only is None:
-        return "its update is a plan of local SGD (`sgd_plan`): a round's clients are trained together."
+        return "its update is a plan of local SGD (`LocalSGDPlan`): a round's clients are trained together."
     return f"client by client, because {cls.loop_only}."
 
 

@@ -115,6 +115,15 @@ Interpretations and deviations:
     (heterogeneous; zero-shot is None) or fine-tuned from the uniform mix (1/N, c's prior) of all local models
     (homogeneous, which is also its zero-shot model). There is no generic model (G-FL is null).
 
+Batched clients (`executor.batch_clients`): the client update is a plan (`round_plan`): the distillation a phase
+on the public batch (`Phase.data`: the pool's rows of ξ_{r'}, each labelled with its position, the row of the
+client's targets — a per-client constant — it is distilled towards; batch size `distill_batch_size`, no weight
+decay; under `after_distill` its draws from `Phase.stream`), then the local epochs, and `finish` predicts s_n on
+ξ_r. The clients of each architecture are trained together (`LocalSGDPlan.model`), those distilling on the same
+batch in one phase. `distill_steps` takes exactly that many mini-batches, drawing no batch beyond the last (the
+library's earlier loop drew one more, counted it as work and, where the last step ended a pass, drew the next
+pass's order from the client's stream).
+
 Communication: heterogeneous replies are B×C probabilities (float32) and payloads the same size — independent of
 the architectures, usually far below their parameter counts; homogeneous ones are parameters.
 
