@@ -201,8 +201,8 @@ def run_plan(
         if ph.model:  # the second model's tensors in, the plan's own model kept aside
             own = get_params(model)
             load_params(model, {k: extra[ph.model + k] for k in model_keys})
-        with _stream(ph, data.cid, data.x.device) as gen:
-            own_data, gen = ph.data or data, gen or generator
+        with _stream(ph, data.cid, data.x.device) as drawn:
+            own_data, gen = data if ph.data is None else ph.data, generator if drawn is None else drawn
             if ph.rule is not None:
                 _rule_phase(model, extra, ph, own_data, train, gen)
             elif _plain(plan, ph):
