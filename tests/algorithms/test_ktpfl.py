@@ -986,3 +986,20 @@ def test_homogeneous_personal_model_is_the_c_mix_whatever_score_and_distill_mome
                                    for i, c in enumerate(algo.clients) for k, v in init.items()}}  # fmt: skip
     c = algo.clients[1]
     assert _same(algo.personal_model(server, algo.init_client(c)).params, algo.configure(5, server, [c])[c])
+
+
+def test_a_rounds_public_batch_is_one_object_its_rows_labelled_by_position_and_the_last_rounds_kept():
+    """`_public(r)`: the pool's rows of ξ_r (`_public_x(r)`), each labelled with its position in the batch (the row
+    of a client's targets); the same object each time it is asked for within the last PUBLIC_ROUNDS rounds (clients
+    distilling on one batch train together), older rounds dropped — a long run holds eight, and an old round is
+    built again, equal."""
+    algo = prepare(validate_config(CFG))
+    first = algo._public(1)
+    x, idx = algo._public_x(1), first.train
+    assert torch.equal(first.x[idx], x) and torch.equal(first.y[idx], torch.arange(len(idx)))
+    assert first.augment is None and algo._public(1) is first
+    for r in range(2, 3 + ktpfl.PUBLIC_ROUNDS):
+        assert algo._public(r) is algo._public(r) and len(algo._publics) <= ktpfl.PUBLIC_ROUNDS
+    assert sorted(algo._publics) == list(range(3, 3 + ktpfl.PUBLIC_ROUNDS))  # the last eight rounds
+    again = algo._public(1)
+    assert again is not first and torch.equal(again.train, first.train) and torch.equal(again.y, first.y)
