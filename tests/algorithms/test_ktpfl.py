@@ -543,26 +543,30 @@ def _keyed_distill(algo, model, cid: int, targets, batch_round: int, momentum: f
                    momentum=momentum)  # fmt: skip
 
 
-@pytest.mark.parametrize(("order", "steps", "score"),
-                         [("train_first", None, "after_distill"), ("distill_first", 3, "after_local")])
-def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order, steps, score):
+@pytest.mark.parametrize(("order", "steps", "score", "zoo"),
+                         [("train_first", None, "after_distill", HETERO["architectures"]),
+                          ("train_first", None, "after_distill", ["mlp", "alexnet_small_x025"]),
+                          ("distill_first", 3, "after_local", HETERO["architectures"])])  # fmt: skip
+def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rounds_batch(order, steps, score, zoo):
     """Client n in round r: (1) distil towards t_n on ξ_{r'} (r' = batch_round; lr η2 = distill_lr, T, reduction,
     the local optimizer's momentum; R passes or exactly `distill_steps` mini-batches), (2) local CE training with
     train.* (momentum and weight decay included), (3) reply s_n = softmax(z/T) on ξ_r; the state is the model after
     all three. after_local: (1) draws from the client's round stream and (2) continues it; after_distill: (1) draws
-    from its own (seed, round r', client) stream and (2) starts the round stream afresh."""
+    from its own (seed, round r', client) stream — its dropout too (client 2 on alexnet) — and (2) starts the round
+    stream afresh."""
     from pflbed.algorithms.base import ClientContext
     from pflbed.algorithms.training import get_params, load_params, local_sgd
 
     train = {**CFG["train"], "momentum": 0.5, "weight_decay": 0.01}
     algo = prepare(validate_config({**CFG, "train": train, "algorithm": {
         **HETERO, "distill_lr": 0.03, "temperature": 4.0, "kl_reduction": "mean", "order": order,
-        "distill_steps": steps, "score": score}}))  # fmt: skip
+        "distill_steps": steps, "score": score, "architectures": zoo}}))  # fmt: skip
     cid, t = 2, algo.ctx.cfg.train
     state, data, payload = algo.init_client(cid), algo.ctx.client_data(cid), _payload(algo, 1)
     model = algo.models[algo.arch_of(cid)]
     load_params(model, {k[2:]: v for k, v in state.items() if k.startswith("w/")})
     g = torch.Generator().manual_seed(11)
+    torch.manual_seed(7)  # local training's dropout, in both
     if score == "after_local":
         _distill(model, algo._public_x(1), payload["targets"], epochs=1, steps=steps, batch_size=32, lr=0.03,
                    temperature=4.0, generator=g, reduction="mean", momentum=0.5)  # fmt: skip
@@ -571,6 +575,7 @@ def test_client_distils_on_the_named_batch_then_trains_then_predicts_on_this_rou
     local_sgd(model, data, epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr, momentum=0.5, weight_decay=0.01,
               generator=g)  # fmt: skip
     s_ref, w_ref = kd.soft_predictions(model, algo._public_x(3), 4.0), get_params(model)
+    torch.manual_seed(7)
     reply, new = algo.client_update(payload, state, data, ClientContext(3, cid, torch.Generator().manual_seed(11)))
     assert torch.equal(reply["s"], s_ref)
     assert all(torch.equal(new[f"w/{k}"], v) for k, v in w_ref.items())

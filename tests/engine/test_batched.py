@@ -10,6 +10,7 @@ is tighter. The executor end to end (`run`, float32 as users run it) is compared
 phase, a stopped client still updated) moves them.
 """
 
+import collections
 import contextlib
 import copy
 from dataclasses import replace
@@ -21,6 +22,7 @@ from torch import nn
 from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm
+from pflbed.algorithms.ktpfl import KTpFL
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import pack_bits
 from pflbed.algorithms.pfedme import MoreauStep
@@ -832,3 +834,32 @@ def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(
     algo = loop.executor.algo
     assert all(f"t/{c}" in loop.server for c in loop.executor.states)  # every client had targets to distil towards
     assert all(_max_diff(s, algo.init_client(c)) > 100 * TOL for c, s in loop.executor.states.items())  # trained
+
+
+def test_clients_distilling_on_different_rounds_batches_train_apart_and_equal_the_loop(monkeypatch):
+    """Half the clients a round: a round's clients of one architecture may hold targets of different rounds (they
+    last replied in different rounds), so their distillations read different public batches. Each batch is its own
+    group (`Phase.data_key`); one group over both would index two pools. Four rounds, within TOL of the loop."""
+    torch.set_num_threads(1)
+    seen = collections.defaultdict(set)
+    plan_of = KTpFL.round_plan
+
+    def spy(self, rnd, payload, state, data):
+        if "batch_round" in payload:
+            seen[(rnd, self.arch_of(data.cid))].add(int(payload["batch_round"]))
+        return plan_of(self, rnd, payload, state, data)
+
+    monkeypatch.setattr(KTpFL, "round_plan", spy)
+
+    def cfg(batch_clients):
+        c = _cfg("ktpfl", batch_clients, 4, lr=0.05).model_dump()
+        c["federation"].update(sample_fraction=0.5, clients=8)
+        return validate_config({**c, "seed": 3, "algorithm": {"name": "ktpfl", "public_batch": 48,
+                                                              "distill_batch_size": 16,
+                                                              "architectures": ["lenet5", "mlp"]}})  # fmt: skip
+
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    assert any(len(rounds) > 1 for rounds in seen.values())  # the case arose
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
