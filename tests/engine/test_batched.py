@@ -839,7 +839,10 @@ def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(
 def test_clients_distilling_on_different_rounds_batches_train_apart_and_equal_the_loop(monkeypatch):
     """Half the clients a round: a round's clients of one architecture may hold targets of different rounds (they
     last replied in different rounds), so their distillations read different public batches. Each batch is its own
-    group (`Phase.data_key`); one group over both would index two pools. Four rounds, within TOL of the loop."""
+    group (`Phase.data_key`); one group over both would index two pools. `after_local`: the phases are then equal
+    but for their samples (no stream of their own tells them apart). Four rounds, within TOL of the loop (seen:
+    2e-8). A distillation strong enough to tell the batches apart (T = 1, lr 0.3, two passes): at T = 10 and the
+    run's lr, one group over both batches moved a client by only 8e-6; here by 4e-3."""
     torch.set_num_threads(1)
     seen = collections.defaultdict(set)
     plan_of = KTpFL.round_plan
@@ -856,7 +859,9 @@ def test_clients_distilling_on_different_rounds_batches_train_apart_and_equal_th
         c["federation"].update(sample_fraction=0.5, clients=8)
         return validate_config({**c, "seed": 3, "algorithm": {"name": "ktpfl", "public_batch": 48,
                                                               "distill_batch_size": 16,
-                                                              "architectures": ["lenet5", "mlp"]}})  # fmt: skip
+                                                              "architectures": ["lenet5", "mlp"],
+                                                              "score": "after_local", "temperature": 1.0,
+                                                              "distill_lr": 0.3, "distill_epochs": 2}})  # fmt: skip
 
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
