@@ -868,3 +868,38 @@ def test_clients_distilling_on_different_rounds_batches_train_apart_and_equal_th
     assert any(len(rounds) > 1 for rounds in seen.values())  # the case arose
     assert _max_diff(loop.server, both.server) <= TOL
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+
+
+def _zoo(architectures, batch_clients, rounds=1):
+    c = _cfg("ktpfl", batch_clients, rounds, lr=0.05).model_dump()
+    return validate_config({**c, "algorithm": {"name": "ktpfl", "public_batch": 48, "distill_batch_size": 16,
+                                               "architectures": architectures}})  # fmt: skip
+
+
+def test_architectures_of_the_same_keys_are_batched_apart(monkeypatch):
+    """Two widths of one architecture have the same state keys and other shapes: the group is per model object,
+    never per key set alone (one group would stack tensors of different shapes)."""
+    torch.set_num_threads(1)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(a[0]) or train_together(*a))
+    loop = run(_zoo(["alexnet_small_x025", "alexnet_small"], False), write=False, progress=False)
+    both = run(_zoo(["alexnet_small_x025", "alexnet_small"], True), write=False, progress=False)
+    models = both.executor.algo.models
+    assert len(calls) == 2 and {id(m) for m in calls} == {id(models["alexnet_small_x025"]), id(models["alexnet_small"])}
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+
+
+def test_an_architecture_the_batched_step_cannot_take_runs_client_by_client(monkeypatch):
+    """Whether a plan's clients can be batched is asked of its own architecture, not the run's model: here lenet5
+    is declared unbatchable, so its clients run one by one (the loop's code, bit for bit) and mlp's together."""
+    torch.set_num_threads(1)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(a[0]) or train_together(*a))
+    monkeypatch.setattr(batched, "batchable_model", lambda m: "conv1" not in m.blocks)  # lenet5 has one, mlp not
+    loop = run(_zoo(["lenet5", "mlp"], False), write=False, progress=False)
+    both = run(_zoo(["lenet5", "mlp"], True), write=False, progress=False)
+    algo = both.executor.algo
+    assert [id(m) for m in calls] == [id(algo.models["mlp"])]
+    for c, state in loop.executor.states.items():
+        if algo.arch_of(c) == "lenet5":
+            assert all(torch.equal(state[k], both.executor.states[c][k]) for k in state)
