@@ -398,11 +398,11 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     KT-pFL's (from round 2, a distillation on the public batch before the local epochs)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
-    if a.quick:  # every code path once: the executors on both shapes, the other algorithms and the ResNets once each
+    if a.quick:  # every code path once: the executors on both shapes, the other algorithms, ResNets, KT-pFL's data
         return [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, "batched")] + \
             [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in ("loop", "batched")] + \
             [("paper", "fedavg", resnet, "procs"), ("paper", "fedavg", resnet, "batched"),
-             ("paper64", "fedbasis", a.imagenet_model, "batched")]  # fmt: skip
+             ("paper64", "fedbasis", a.imagenet_model, "batched"), ("paper", "ktpfl", cnn, "batched")]  # fmt: skip
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast", "batched-compile", "batched-graphs")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
