@@ -19,8 +19,9 @@ is still the mean over its real samples. Results equal the loop's up to float ro
 BatchNorm and dropout models are batched too: each client's running statistics travel through the vmapped step
 as stacked per-client tensors, returned by it, and each client's dropout masks are drawn from its own stream
 before the step (`engine.per_client_layers`). Eligible: models whose only buffers are BatchNorm statistics and whose
-only random layers are plain dropout, and clients of the round whose plans have the same phases. Anything else
-runs through the loop, client by client — the executor decides per round.
+only random layers are plain dropout, and clients of the round whose plans train one architecture
+(`LocalSGDPlan.model`) in the same phases, on the same samples where a phase has its own (`Phase.data`). Anything
+else runs through the loop, client by client — the executor decides per round.
 
 `executor.compile` runs the vmapped step under `torch.compile` (`compiled`). A compiled step keeps one shape for
 the whole phase — a step with fewer clients would compile again — so every client of the batch is computed to the
