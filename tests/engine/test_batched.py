@@ -218,8 +218,9 @@ def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, augment=(
 
 @contextlib.contextmanager
 def _in_float64(ctx, plans):
-    """The model, the training pool and the plans' tensors in float64, and torch's default dtype with them (the
-    batched step's batch weights); why: the module's docstring."""
+    """The model (the plans' own architecture, else the run's), the training pool and the plans' tensors in
+    float64 — samples of a phase's own too, still one object for every plan — and torch's default dtype with them
+    (the batched step's batch weights); why: the module's docstring."""
     def f64(tensors):
         return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
 
@@ -227,23 +228,26 @@ def _in_float64(ctx, plans):
     torch.set_default_dtype(torch.float64)
     try:
         pool = ctx.source.train.x.double()  # (one tensor: batched clients index one shared pool)
-        yield (copy.deepcopy(ctx.model).double(), lambda c: replace(ctx.client_data(c), x=pool),
-               [replace(p, start=f64(p.start), consts=f64(p.consts)) for p in plans])  # fmt: skip
+        model = copy.deepcopy(ctx.model if plans[0].model is None else plans[0].model).double()
+        own = {id(ph.data): replace(ph.data, x=pool) for p in plans for ph in p.phases if ph.data is not None}
+        yield (model, lambda c: replace(ctx.client_data(c), x=pool),
+               [replace(p, start=f64(p.start), consts=f64(p.consts),
+                        phases=tuple(replace(ph, data=own.get(id(ph.data))) for ph in p.phases)) for p in plans])
     finally:
         torch.set_default_dtype(default)
 
 
-def _each_own(cfg, ctx, cids, plans):
+def _each_own(cfg, ctx, cids, plans, rnd=1):
     """Batched, then each client alone (`run_plan`, torch's global RNG seeded as `update_client` seeds it), in
-    float64 (`_in_float64`)."""
-    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
+    float64 (`_in_float64`), as round `rnd`'s updates."""
+    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
     with _in_float64(ctx, plans) as (model, data, plans):
         together = train_together(model, plans, [data(c) for c in cids], cfg.train,
-                                  [client_generator(cfg.seed, 1, c) for c in cids], noise)  # fmt: skip
+                                  [client_generator(cfg.seed, rnd, c) for c in cids], noise)  # fmt: skip
         alone = []
         for c, plan in zip(cids, plans, strict=True):
-            rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device)
-            reply, state = run_plan(model, plan, data(c), cfg.train, client_generator(cfg.seed, 1, c))
+            rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device)
+            reply, state = run_plan(model, plan, data(c), cfg.train, client_generator(cfg.seed, rnd, c))
             alone.append({**reply, **state})
     return together, alone
 
@@ -769,42 +773,12 @@ def test_distillation_together_is_each_clients_own(preset):
         assert distill.data is not None and (distill.stream is not None) == (preset == "paper")
         assert all(p.model is model and p.phases[0].data is distill.data for p in plans)
         plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
-        together, alone = _each_own_of(cfg, ctx, group, plans, 2)
+        together, alone = _each_own(cfg, ctx, group, plans, 2)
         names = [k for k, _ in model.named_parameters()]
         for plan, got, want in zip(plans, together, alone, strict=True):
             assert _max_diff(want, got) <= TOL64
             assert _max_diff({k: got[k] for k in names}, {k: plan.start[k] for k in names}) > 100 * TOL
 
-
-def _each_own_of(cfg, ctx, cids, plans, rnd):
-    """`_each_own` for plans of their own architecture (`LocalSGDPlan.model`) whose phases may train on samples
-    of their own (`Phase.data`, moved to float64 with the pool: one object for every client, as in a run)."""
-    def f64(tensors):
-        return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        pool = ctx.source.train.x.double()
-        model = copy.deepcopy(plans[0].model).double()
-        own = {}
-        for ph in plans[0].phases:
-            if ph.data is not None:
-                own[id(ph.data)] = replace(ph.data, x=pool)
-        plans = [replace(p, start=f64(p.start), consts=f64(p.consts), model=model,
-                         phases=tuple(replace(ph, data=own.get(id(ph.data))) for ph in p.phases)) for p in plans]
-        data = [replace(ctx.client_data(c), x=pool) for c in cids]
-        noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
-        together = train_together(model, plans, data, cfg.train, [client_generator(cfg.seed, rnd, c) for c in cids],
-                                  noise)  # fmt: skip
-        alone = []
-        for c, d, plan in zip(cids, data, plans, strict=True):
-            rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device)
-            reply, state = run_plan(model, plan, d, cfg.train, client_generator(cfg.seed, rnd, c))
-            alone.append({**reply, **state})
-    finally:
-        torch.set_default_dtype(default)
-    return together, alone
 
 
 @pytest.mark.parametrize("preset", ["paper", "official"])
