@@ -263,8 +263,9 @@ class KTpFL(Algorithm):
         return fresh_client_params(self.models[self.arch_of(cid)], self.ctx.seed, cid)
 
     def _public_x(self, rnd: int) -> torch.Tensor:
-        idx = kd.public_batch(self.ctx.federation.public, self.opts.public_batch, self.ctx.seed, rnd)
-        return self.ctx.source.train.x[idx]
+        """The samples of the public batch ξ_rnd, in batch order."""
+        public = self._public(rnd)
+        return public.x[public.train]
 
     def _local(self, server: Tensors, c: int) -> Tensors:
         """Homogeneous: client c's last uploaded model (the initial model before its first upload)."""
@@ -382,11 +383,10 @@ class KTpFL(Algorithm):
         if "targets" in payload:  # step ⑤ of the round in which this client last replied
             local = (self._distillation(model, int(payload["batch_round"]), o.score == "after_distill"), *local)
             consts = {"targets": payload["targets"].float()}
-        public = self._public(rnd)
 
         def finish(trained: Tensors) -> tuple[Tensors, Tensors]:
             load_params(model, trained)
-            s = kd.soft_predictions(model, public.x[public.train], o.temperature)
+            s = kd.soft_predictions(model, self._public_x(rnd), o.temperature)
             return {"s": s}, {"cid": state["cid"], **{f"w/{k}": v for k, v in trained.items()}}
 
         start = {k[2:]: v for k, v in state.items() if k.startswith("w/")}
