@@ -20,13 +20,16 @@ def _algo(model=TINY["model"], train=TINY["train"], **options):
                                     "executor": {"threads": 1}}))  # fmt: skip
 
 
-def test_simultaneous_updates_of_w_v_and_alpha():
-    algo = _algo()
+@pytest.mark.parametrize("model", [TINY["model"], {"name": "alexnet_small_x025"}])
+def test_simultaneous_updates_of_w_v_and_alpha(model):
+    """On a dropout model too: each step's w forward draws its masks first, then v̄'s (torch's global RNG)."""
+    algo = _algo(model)
     model, t = algo.ctx.model, algo.ctx.cfg.train
     server, data = algo.init_server(), algo.ctx.client_data(0)
     g0 = torch.Generator().manual_seed(9)
     v0 = {k: x + 0.05 * torch.randn(x.shape, generator=g0) if x.is_floating_point() else x for k, x in server.items()}
     state = {**v0, "alpha": torch.tensor(0.3)}
+    torch.manual_seed(7)
     reply, new = algo.client_update(server, state, data, ClientContext(1, 0, torch.Generator().manual_seed(4)))
 
     model.train()
@@ -36,6 +39,7 @@ def test_simultaneous_updates_of_w_v_and_alpha():
     w = {k: server[k].clone() for k in names}
     v = {k: v0[k].clone() for k in names}
     a = 0.3
+    torch.manual_seed(7)
     for b in index_batches(data.train, t.batch_size, t.local_epochs, torch.Generator().manual_seed(4)):
         gw = grad(w, b)
         gbar = grad({k: a * v[k] + (1 - a) * w[k] for k in names}, b)  # ∇f at v̄

@@ -688,6 +688,39 @@ def test_step_rules_together_are_each_clients_own(algorithm, model):
             assert _max_diff(local, {k: got[k] for k in names}) > 100 * TOL
 
 
+def _apfl_state(algo, cid):
+    """A client of a later round: v_i apart from w (parameters and statistics), α_i its own."""
+    g = torch.Generator().manual_seed(cid)
+    state = algo.init_client(cid)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g).abs() if v.is_floating_point() and v.dim() else v
+            for k, v in state.items()} | {"alpha": torch.tensor(0.2 + 0.1 * cid)}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_apfls_two_models_steps_together_are_each_clients_own(model, adaptive):
+    """APFL's step (`apfl.MixedStep`): w's forward, then v̄'s, on one batch; w, v_i and α_i moved at once. Batched
+    == each client's own `run_plan` in float64: every forward's dropout masks in that order, w's BatchNorm
+    statistics moved by w's forward and v_i's by v̄'s, α_i learned per client (or held); on lenet5_bn, augmented
+    batches."""
+    torch.set_num_threads(1)
+    augment = ("crop", "flip") if model == "lenet5_bn" else ()
+    algorithm = {"name": "apfl", "alpha_lr": 0.05, "adaptive": adaptive}
+    cfg, ctx, cids, plans = _plans(model, 16, algorithm, _apfl_state, augment=augment)
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    names = [k for k, _ in ctx.model.named_parameters()]
+    stats = [k for k in ctx.model.state_dict() if k not in names]
+    assert bool(stats) == (model == "lenet5_bn")
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        for prefix in ("", "local."):  # w and v_i each trained, their statistics each moved by its own forward
+            keys = [prefix + k for k in names + stats]
+            assert min(_max_diff({k: got[k]}, {k: plan.start[k]}) for k in keys) > 0
+        assert _max_diff({"a": got["alpha"]}, {"a": plan.start["alpha"]}) > 100 * TOL if adaptive else (
+            torch.equal(got["alpha"], plan.start["alpha"]))  # fmt: skip
+
+
 @pytest.mark.parametrize(("name", "options"), [("pfedme", {"train_clients": "all"}), ("perfedavg", {"variant": "hf"})])
 def test_step_rule_algorithms_end_to_end_equal_the_loop(name, options, monkeypatch):
     """The executor end to end, half the clients sampled: pFedMe with `train_clients: all` trains the unsampled

@@ -52,6 +52,7 @@ def _cfg(name, model, compile_, rounds=3, epochs=1):
     ("fedbasis", "lenet5_bn", 3),  # a warm-start round, then two phases (ψ, V) of statistics derived per step
     ("pfedme", "lenet5_bn", 1),  # a step rule: K forwards on a batch, statistics carried from one to the next
     ("perfedavg", "alexnet_small_x025", 1),  # a step rule over two batches, each forward its own masks
+    ("apfl", "lenet5_bn", 1),  # a step rule's two models, each forward moving its own model's statistics
 ])  # fmt: skip
 def test_the_compiled_step_trains_as_the_eager_one_and_compiles_once_per_step_kind(name, model, graphs, aot_eager):
     """Three rounds (FedBasis: its warm-start round and one of its own) equal the eager step's bit for bit, finished

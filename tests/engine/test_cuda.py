@@ -150,12 +150,14 @@ PER_CLIENT_LAYERS = [
     ("fedbasis-alexnet", {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1},
      {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("fedavg-augment", {"name": "fedavg"}, {"dataset": {**DATA, "augment": ["crop", "flip"]}, **ONE_ROUND}),
-    # Step rules (`local_sgd.StepRule`) on the dropout model. Not on lenet5_bn: there these tiny runs are chaotic for
-    # them (Per-FedAvg HF at lr 0.1: one client's weights reach 22, and a 1e-7 change of its start moves them by
-    # 0.19 in the loop alone); their BatchNorm path is checked in float64 (`test_batched`).
+    # Step rules (`local_sgd.StepRule`; APFL's: two models, each forward its masks) on the dropout model. Not on
+    # lenet5_bn: there these tiny runs are chaotic for them (Per-FedAvg HF at lr 0.1: one client's weights reach 22,
+    # and a 1e-7 change of its start moves them by 0.19 in the loop alone); their BatchNorm path is checked in
+    # float64 (`test_batched`).
     ("perfedavg_hf-alexnet", {"name": "perfedavg", "variant": "hf"},
      {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("pfedme-alexnet", {"name": "pfedme", "K": 3}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
+    ("apfl-alexnet", {"name": "apfl"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),  # two forwards
     # KT-pFL's zoo, each architecture batched, its distillation (round 2) on the public batch from a stream of its
     # own. Not lenet5_bn nor lenet5: float32 rounding decides max-pooling's ties there (a lenet5 client of this run
     # moved by 1e-3, equal in float64 within 6e-18); both are checked in float64 in `test_batched`.

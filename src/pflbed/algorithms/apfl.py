@@ -17,24 +17,28 @@ false keeps α fixed (the paper's non-adaptive variant). New clients fine-tune w
 BatchNorm (the paper's models have none): only parameters mix. v̄'s running statistics and counters are its own,
 kept in v_i's entries and updated by v̄'s training forwards; w's by w's. Mixing statistics like parameters would
 leave v_i's never updated (the forwards run on the mixture) and describe the features of no model.
+
+The update is a `LocalSGDPlan` whose one phase is `MixedStep`, a `local_sgd.StepRule` (v_i's entries under
+`LOCAL`, α_i under `ALPHA`), so `executor.batch_clients` trains a round's clients together. The step takes ∇f(w)
+and ∇f(v̄) from one forward each, in that order (dropout masks drawn in that order), and moves v and α by the chain
+rule through v̄ (the sums of ⟨v − w, ∇f(v̄)⟩ in another order than autograd's: float rounding only).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
-from torch.func import functional_call
 
-from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.training import index_batches
+from pflbed.algorithms.local_sgd import Gradients, LocalSGDPlan, Phase
 from pflbed.search import Search, Space, same_as
 
 ALPHA = "alpha"
+LOCAL = "local."  # v_i's entries in a plan, beside w's
 
 
 class APFLOptions(BaseModel):
@@ -55,9 +59,6 @@ def mixture(v: Tensors, w: Tensors, alpha: torch.Tensor, params: list[str]) -> T
 class APFL(FedAvg):
     name = "apfl"
     Config = APFLOptions
-    sgd_plan = Algorithm.sgd_plan
-    loop_only = ("a step forwards two models, w and the mixture α·v + (1 − α)·w (with v's BatchNorm statistics), "
-                 "and moves w, v and α at once; a plan's step forwards one model")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -66,41 +67,44 @@ class APFL(FedAvg):
     def init_client(self, cid: int) -> Tensors:
         return {**self.ctx.initial_params, ALPHA: torch.tensor(self.opts.alpha, device=self.ctx.device)}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        model, t, o = self.ctx.model, self.ctx.cfg.train, self.opts
-        model.train()
-        names = self.params
-        w = {k: v.detach().clone() for k, v in payload.items()}
-        v = {k: state[k].detach().clone() for k in payload}
-        alpha = state[ALPHA].detach().clone()
-        eta_a = o.alpha_lr or t.lr
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """`local_epochs` epochs of `MixedStep`s from w = the payload, v_i and α_i = the state's (v_i's under
+        `LOCAL`); the reply is w, the new state v_i and α_i."""
+        t, o, keys = self.ctx.cfg.train, self.opts, list(payload)
+        rule = MixedStep(t.lr, o.alpha_lr or t.lr, o.adaptive)
+        phase = Phase(tuple(self.ctx.model.block_names()), t.local_epochs, t.lr, rule=rule)
+        start = {**payload, **{LOCAL + k: state[k] for k in keys}, ALPHA: state[ALPHA]}
 
-        def loss(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(functional_call(model, params, (x,)), y)
+        def finish(p: Tensors) -> tuple[Tensors, Tensors]:
+            return {k: p[k] for k in keys}, {**{k: p[LOCAL + k] for k in keys}, ALPHA: p[ALPHA]}
 
-        steps = t.local_epochs * math.ceil(data.num_train / t.batch_size)
-        for b in index_batches(data.train, t.batch_size, t.local_epochs, cctx.generator, passes=2):
-            x, y = data.batch(b, cctx.generator)  # one (augmented) batch for w's and v̄'s gradients
-            wp = {k: w[k].requires_grad_(True) if k in names else w[k] for k in w}
-            gw = torch.autograd.grad(loss(wp, x, y), [wp[k] for k in names])
-            vp = {k: v[k].requires_grad_(True) if k in names else v[k] for k in v}
-            a = alpha.clone().requires_grad_(o.adaptive)
-            mixed = mixture(vp, {k: w[k].detach() for k in names}, a, names)  # v's statistics: updated in place
-            inputs = [vp[k] for k in names] + ([a] if o.adaptive else [])
-            grads = torch.autograd.grad(loss(mixed, x, y), inputs)
-            with torch.no_grad():
-                for k, g in zip(names, gw, strict=True):
-                    w[k] = w[k].detach() - t.lr * g
-                for k, g in zip(names, grads[: len(names)], strict=True):
-                    v[k] = v[k].detach() - t.lr * g
-                if o.adaptive:
-                    alpha = (alpha - eta_a * grads[-1]).clamp(0.0, 1.0)
-            steps -= 1
-        assert steps == 0
-        w = {k: x.detach() for k, x in w.items()}
-        return w, {**{k: x.detach() for k, x in v.items()}, ALPHA: alpha}
+        return LocalSGDPlan(start, (phase,), finish)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA], self.params))
+
+
+@dataclass(frozen=True)
+class MixedStep:
+    """One APFL step on one batch, as a `local_sgd.StepRule`: the gradient of w at w (w's forward, w's BatchNorm
+    statistics), that of the mixture v̄ at v̄ (v̄'s forward, v_i's statistics: `models`), then all three moves at
+    the step's starting values, by the chain rule through v̄ = αv + (1 − α)w: ∇_v = α∇f(v̄), ∂_α = ⟨v − w, ∇f(v̄)⟩
+    (Eq. 10), α kept in [0, 1]."""
+
+    lr: float
+    alpha_lr: float
+    adaptive: bool
+    batches: ClassVar[int] = 1
+    forwards: ClassVar[tuple[int, ...]] = (0, 0)  # w's forward, then v̄'s, on the same batch
+    models: ClassVar[tuple[str, ...]] = ("", LOCAL)
+
+    def __call__(self, grads: Gradients, params: Tensors) -> Tensors:
+        names = [k for k in params if k != ALPHA and not k.startswith(LOCAL)]  # the model's parameters
+        w, v, a = {k: params[k] for k in names}, {k: params[LOCAL + k] for k in names}, params[ALPHA]
+        gw = grads.grad(w, 0)
+        g = grads.grad(mixture(v, w, a, names), 0, LOCAL)  # ∇f(v̄)
+        new = {**{k: w[k] - self.lr * gw[k] for k in names}, **{LOCAL + k: v[k] - self.lr * (a * g[k]) for k in names}}
+        if self.adaptive:
+            slope = sum(((v[k] - w[k]) * g[k]).sum() for k in names)
+            new[ALPHA] = (a - self.alpha_lr * slope).clamp(0.0, 1.0)
+        return new

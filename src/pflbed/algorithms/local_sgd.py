@@ -122,8 +122,10 @@ class Gradients(Protocol):
     forward through the model in train mode: it draws that forward's dropout masks and moves its BatchNorm
     statistics, in call order, as the loop's forwards do."""
 
-    def grad(self, params: Tensors, j: int) -> Tensors:
-        """∇ of batch j's loss at `params`, by key."""
+    def grad(self, params: Tensors, j: int, model: str = "") -> Tensors:
+        """∇ of batch j's loss at `params`, by key. `model`: a key prefix among the rule's `models`; the forward
+        starts from and moves the BatchNorm statistics that are the plan's `model + key` (APFL's mixture moves
+        v_i's, its w forward w's own)."""
         ...
 
     def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:
@@ -137,7 +139,10 @@ class StepRule(Protocol):
     statistics, which the forwards move), the step's new values of those it changes, through `grads` alone.
     `batches`: the batches a step consumes; `forwards`: the batch each of its `grads` calls reads, in call order
     (the batched step draws every forward's dropout masks before it runs). Frozen and comparable (a dataclass):
-    clients whose rules are equal are trained together."""
+    clients whose rules are equal are trained together.
+
+    A rule may also have `models`: the key prefixes whose BatchNorm statistics its forwards move (`Gradients.grad`'s
+    `model`; without it, ("",): the plan's own model's alone). Those statistics are not among `params`."""
 
     batches: int
     forwards: tuple[int, ...]
@@ -318,12 +323,13 @@ def _rule_phase(
     assert rule is not None
     named = dict(model.named_parameters())
     tensors = {**{k: p.detach().clone() for k, p in named.items()}, **{k: v.detach() for k, v in extra.items()}}
+    stats = statistics(rule, [k for k, _ in model.named_buffers()], tensors)
     model.train()
     batch: list[tuple[torch.Tensor, torch.Tensor]] = []
     for b in ph.batches(data.train, train, generator):
         batch.append(data.batch(b, generator))
         if len(batch) == rule.batches:
-            new = rule(_OwnGradients(model, tensors, batch), tensors)
+            new = rule(_OwnGradients(model, tensors, batch), {k: v for k, v in tensors.items() if k not in stats})
             tensors.update({k: v.detach() for k, v in new.items()})
             batch = []
     if batch:
@@ -335,21 +341,30 @@ def _rule_phase(
             v.copy_(tensors[k])
 
 
+def statistics(rule: StepRule, buffers: list[str], tensors: Tensors) -> list[str]:
+    """The plan's keys of the BatchNorm statistics `rule`'s forwards move (its `models`' prefixes on the model's
+    `buffers`), which it never sets itself."""
+    return [m + k for m in getattr(rule, "models", ("",)) for k in buffers if m + k in tensors]
+
+
 class _OwnGradients:
-    """`Gradients` of one client's step in the loop: the shared model's forward (its buffers moved in place, its
-    dropout drawn from torch's global RNG), differentiated by autograd."""
+    """`Gradients` of one client's step in the loop: the shared model's forward (its buffers moved in place, or a
+    second model's statistics among `tensors`; its dropout drawn from torch's global RNG), differentiated by
+    autograd."""
 
     def __init__(self, model: BlockNet, tensors: Tensors, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.tensors = model, batch, tensors
         self.base = {k: tensors[k] for k, _ in model.named_parameters()}  # the step's start
 
-    def _loss(self, params: Tensors, j: int) -> tuple[Tensors, torch.Tensor]:
+    def _loss(self, params: Tensors, j: int, model: str = "") -> tuple[Tensors, torch.Tensor]:
         leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
         x, y = self.batch[j]
-        return leaves, torch.nn.functional.cross_entropy(functional_call(self.model, {**self.base, **leaves}, (x,)), y)
+        own = {k: self.tensors[model + k] for k, _ in self.model.named_buffers()} if model else {}  # moved in place
+        out = functional_call(self.model, {**self.base, **own, **leaves}, (x,))
+        return leaves, torch.nn.functional.cross_entropy(out, y)
 
-    def grad(self, params: Tensors, j: int) -> Tensors:
-        leaves, loss = self._loss(params, j)
+    def grad(self, params: Tensors, j: int, model: str = "") -> Tensors:
+        leaves, loss = self._loss(params, j, model)
         return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
 
     def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:

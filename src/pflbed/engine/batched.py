@@ -45,7 +45,7 @@ from torch.func import functional_call, grad, vmap
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.common import Same
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys, statistics
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
@@ -268,7 +268,7 @@ def _rule_phase(
     gradients through `_ClientGradients`, and its new values replace the tensors it changed."""
     rule = ph.rule
     assert rule is not None
-    stats = [k for k in layers.buffer_keys if k in params]
+    stats = statistics(rule, layers.buffer_keys, params)
     moving = [k for k in params if k not in stats]
     own = [k for k, _ in model.named_parameters()]
     rows, weights, active, draws, lengths = _schedule(datas, train, ph, gens)
@@ -307,8 +307,9 @@ def _rule_phase(
 
 class _ClientGradients:
     """`local_sgd.Gradients` of one client inside a vmapped step: each call one forward through the model with
-    the client's parameters (`base`, overridden by the call's), its BatchNorm statistics carried from call to
-    call, its next forward's dropout masks, its loss the real samples' weighted mean (`per_client_layers`)."""
+    the client's parameters (`base`, overridden by the call's), its BatchNorm statistics (`stats`: the plan's
+    keys, of every model the rule names) carried from call to call, its next forward's dropout masks, its loss
+    the real samples' weighted mean (`per_client_layers`)."""
 
     def __init__(
         self, model: BlockNet, layers: PerClientLayers, base: Tensors, stats: Tensors,
@@ -317,14 +318,17 @@ class _ClientGradients:
         self.model, self.layers, self.base, self.stats, self.batch = model, layers, base, stats, batch
         self.masks = list(masks)
 
-    def _loss(self, params: Tensors, j: int) -> tuple[torch.Tensor, Tensors]:
+    def _loss(self, params: Tensors, j: int, model: str = "") -> tuple[torch.Tensor, Tensors]:
         x, y, w = self.batch[j]
-        self.layers.enter(self.stats, w > 0, self.masks.pop(0))  # one list of masks per forward
+        own = {k: self.stats[model + k] for k in self.layers.buffer_keys}
+        self.layers.enter(own, w > 0, self.masks.pop(0))  # one list of masks per forward
         out = functional_call(self.model, {**self.base, **params}, (x,))
-        return (F.cross_entropy(out, y, reduction="none") * w).sum(), self.layers.leave()
+        moved = {model + k: v for k, v in self.layers.leave().items()}
+        return (F.cross_entropy(out, y, reduction="none") * w).sum(), moved
 
-    def grad(self, params: Tensors, j: int) -> Tensors:
-        g, self.stats = grad(lambda p: self._loss(p, j), has_aux=True)(params)
+    def grad(self, params: Tensors, j: int, model: str = "") -> Tensors:
+        g, moved = grad(lambda p: self._loss(p, j, model), has_aux=True)(params)
+        self.stats = {**self.stats, **moved}
         return g
 
     def hvp(self, params: Tensors, j: int, v: Tensors) -> Tensors:
@@ -332,7 +336,8 @@ class _ClientGradients:
             g, moved = grad(lambda q: self._loss(q, j), has_aux=True)(p)
             return sum((g[k] * v[k]).sum() for k in g), moved
 
-        hv, self.stats = grad(dot, has_aux=True)(params)
+        hv, moved = grad(dot, has_aux=True)(params)
+        self.stats = {**self.stats, **moved}
         return hv
 
 
