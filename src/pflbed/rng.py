@@ -43,6 +43,28 @@ def global_stream(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def global_now(device: torch.device) -> torch.Generator:
+    """A generator of `device` that draws what torch's global generator of `device` would draw next, leaving it
+    untouched: where a client's update stands in the global RNG after a part of it that ran first (a plan built
+    under the client's seeding, `engine.batched`), for its training to go on from."""
+    own = torch if device.type == "cpu" else torch.get_device_module(device.type)
+    state = own.get_rng_state() if device.type == "cpu" else own.get_rng_state(device)
+    return torch.Generator(device=device).set_state(state)
+
+
+def set_global(generator: torch.Generator, device: torch.device) -> None:
+    """Torch's global generator of `device` set to where `generator` stands (`global_now`'s inverse)."""
+    if device.type == "cpu":
+        torch.set_rng_state(generator.get_state())
+    else:
+        torch.get_device_module(device.type).set_rng_state(generator.get_state(), device)
+
+
+def copy(generator: torch.Generator) -> torch.Generator:
+    """A generator drawing what `generator` will draw next, apart from it (a retry draws the same again)."""
+    return torch.Generator(device=generator.device).set_state(generator.get_state())
+
+
 def fork(device: torch.device) -> contextlib.AbstractContextManager:
     """`torch.random.fork_rng` of the CPU's global RNG and, in a run on an accelerator, of that device's: code that
     reseeds torch's global RNG (`torch.manual_seed` seeds every device) leaves both as they were."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
-from pflbed.algorithms.base import Algorithm
+from pflbed.algorithms.base import Algorithm, ClientContext
 from pflbed.algorithms.ktpfl import KTpFL
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import pack_bits
@@ -115,12 +115,54 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
     assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
 
 
+def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_streams(monkeypatch):
+    """FedALA's plan learns its weights before it trains: it draws its sample and batches from the client's
+    generator and its dropout masks from torch's global RNG, and the batched training goes on from both where the
+    plan left them, as the loop's does. AlexNet with ALA on its three top blocks (both dropout layers), half the
+    clients a round, three rounds (ALA runs from the second): the server and every state within TOL."""
+    torch.set_num_threads(1)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+
+    def cfg(batch_clients):
+        c = _cfg("fedala", batch_clients, 3, lr=0.05, momentum=0.5).model_dump()
+        c["federation"]["sample_fraction"] = 0.5
+        return validate_config({**c, "model": {"name": "alexnet_small_x025"},
+                                "algorithm": {"name": "fedala", "layers": 3, "rand_percent": 50}})  # fmt: skip
+
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    assert len(calls) == 3 and all(n > 1 for n in calls)
+    assert any(k.startswith("ala/") for s in both.executor.states.values() for k in s)  # the weights were learned
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+
+
+def test_where_the_global_rng_stands_is_taken_and_put_back_without_drawing():
+    """`rng.global_now` draws what torch's global RNG draws next and leaves it as it was; `rng.set_global` puts it
+    where a generator stands; `rng.copy` draws what its original will, apart from it."""
+    cpu = torch.device("cpu")
+    with rng.fork(cpu):
+        torch.manual_seed(11)
+        torch.rand(5)
+        now = rng.global_now(cpu)
+        ahead = torch.rand(7)
+        assert torch.equal(torch.rand(7, generator=now), ahead)
+        twin = rng.copy(now)
+        assert torch.equal(torch.rand(3, generator=twin), torch.rand(3, generator=now))
+        rng.set_global(twin, cpu)
+        assert torch.equal(torch.rand(4), torch.rand(4, generator=now))
+
+
 def _gpu_fitting(most, calls):
-    """`train_together` on a GPU whose memory holds at most `most` clients at a time; `calls`: each call's size."""
+    """`train_together` on a GPU whose memory holds at most `most` clients at a time; `calls`: each call's size.
+    One that does not fit runs out part way, its clients' streams drawn from (the retry must start them afresh)."""
 
     def train(*a):
         calls.append(len(a[1]))
         if len(a[1]) > most:
+            for g in [*a[4], *(a[5] or [])]:
+                torch.rand(1, generator=g)
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return train_together(*a)
 
@@ -135,7 +177,12 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
     see."""
     torch.set_num_threads(1)
     train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
-    whole = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
+
+    def cfg(rounds):  # a dropout model: each client's dropout stream restarted too
+        return validate_config({**_cfg("fedper", True, rounds, **train).model_dump(),
+                                "model": {"name": "alexnet_small_x025"}})  # fmt: skip
+
+    whole = run(cfg(2), write=False, progress=False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     n = len(whole.executor.states)
     halving = [n]
@@ -145,7 +192,7 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
     for most in (2, 1):
         calls = []
         monkeypatch.setattr(batched, "train_together", _gpu_fitting(most, calls))
-        halves = run(_cfg("fedper", True, 2, **train), write=False, progress=False)
+        halves = run(cfg(2), write=False, progress=False)
         first_fit = halving.index(most)
         assert calls[: first_fit + 1] == halving[: first_fit + 1]  # tried whole, then halved until it fitted
         assert all(k <= most for k in calls[first_fit:]) and halves.executor.most == most  # kept for round 2
@@ -157,37 +204,44 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
     calls = []
     monkeypatch.setattr(batched, "train_together", _gpu_fitting(0, calls))
     with pytest.raises(torch.OutOfMemoryError):
-        run(_cfg("fedper", True, 1, **train), write=False, progress=False)
+        run(cfg(1), write=False, progress=False)
     assert calls == halving  # down to one client, which does not fit either
 
     calls.clear()
     monkeypatch.setattr(batched, "train_together", _gpu_fitting(2, calls))
-    cfg = validate_config({**_cfg("fedper", True, 1, **train).model_dump(), "executor": {
+    capped = validate_config({**_cfg("fedper", True, 1, **train).model_dump(), "executor": {
         "threads": 1, "batch_clients": True, "batch_max_clients": 3}})  # fmt: skip
     with pytest.raises(torch.OutOfMemoryError):
-        run(cfg, write=False, progress=False)
+        run(capped, write=False, progress=False)
     assert calls == [3]
 
 
 def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_the_batched_updates(monkeypatch):
-    """A round's clients of one plan are trained together from two on; a lone client goes through the loop (a
-    vmapped step of one client is the loop's work at a higher cost). A client trained together is not trained again
-    client by client: its reply is `train_together`'s (the two agree within TOL, so only the calls tell). The
-    executor keeps the run's `executor.strict`."""
+    """A round's clients of one plan are trained together from two on; a lone client's plan runs as the loop runs
+    it (`run_plan`: a vmapped step of one client is the loop's work at a higher cost), bit for bit the loop's. A
+    client trained together is not trained again client by client: its reply is `train_together`'s (the two agree
+    within TOL, so only the calls tell). The executor keeps the run's `executor.strict`."""
     torch.set_num_threads(1)
     together, alone = [], []
     monkeypatch.setattr(batched, "train_together", lambda *a: together.append(len(a[1])) or train_together(*a))
-    monkeypatch.setattr(batched, "update_client", lambda *a: alone.append(a[2]) or update_client(*a))
+    monkeypatch.setattr(batched, "run_plan", lambda *a: alone.append(a[2].cid) or run_plan(*a))
+
+    def cfg(sampled, batch_clients):
+        return validate_config({**TINY, "dataset": DATA, "algorithm": {"name": "fedavg"},
+                                "model": {"name": "alexnet_small_x025"},  # dropout: the global RNG seeded alone too
+                                "federation": {**TINY["federation"], "sample_fraction": sampled / 6},
+                                "train": {**TINY["train"], "rounds": 2},
+                                "executor": {"threads": 1, "batch_clients": batch_clients,
+                                             "strict": True}})  # fmt: skip
+
     for sampled, trained_together, trained_alone in [(2, [2, 2], 0), (1, [], 2)]:
         together.clear()
         alone.clear()
-        r = run(validate_config({**TINY, "dataset": DATA, "algorithm": {"name": "fedavg"},
-                                 "federation": {**TINY["federation"], "sample_fraction": sampled / 6},
-                                 "train": {**TINY["train"], "rounds": 2},
-                                 "executor": {"threads": 1, "batch_clients": True, "strict": True}}),
-                write=False, progress=False)  # fmt: skip
+        r = run(cfg(sampled, True), write=False, progress=False)
         assert isinstance(r.executor, BatchedExecutor) and r.executor.strict
         assert together == trained_together and len(alone) == trained_alone
+    loop = run(cfg(1, False), write=False, progress=False)
+    assert all(torch.equal(loop.server[k], r.server[k]) for k in loop.server)
 
 
 def test_every_algorithm_is_batched_or_says_why_not():
@@ -801,7 +855,8 @@ def test_distillation_together_is_each_clients_own(preset):
     server = algo.aggregate(1, server, replies, {c: 1.0 for c in cids})
     payloads = algo.configure(2, server, cids)
     for group in (cids[:3], cids[4:7]):  # lenet5_bn, then alexnet_small_x025
-        plans = [algo.round_plan(2, payloads[c], states[c], ctx.client_data(c)) for c in group]
+        plans = [algo.round_plan(payloads[c], states[c], ctx.client_data(c), ClientContext(2, c, torch.Generator()))
+                 for c in group]  # fmt: skip
         distill, model = plans[0].phases[0], plans[0].model
         assert distill.data is not None and (distill.stream is not None) == (preset == "paper")
         assert all(p.model is model and p.phases[0].data is distill.data for p in plans)
@@ -854,10 +909,10 @@ def test_clients_distilling_on_different_rounds_batches_train_apart_and_equal_th
     seen = collections.defaultdict(set)
     plan_of = KTpFL.round_plan
 
-    def spy(self, rnd, payload, state, data):
+    def spy(self, payload, state, data, cctx):
         if "batch_round" in payload:
-            seen[(rnd, self.arch_of(data.cid))].add(int(payload["batch_round"]))
-        return plan_of(self, rnd, payload, state, data)
+            seen[(cctx.rnd, self.arch_of(data.cid))].add(int(payload["batch_round"]))
+        return plan_of(self, payload, state, data, cctx)
 
     monkeypatch.setattr(KTpFL, "round_plan", spy)
 

@@ -56,3 +56,13 @@ def test_gradient_steps_on_one_batch_count_as_passes_and_fine_tuning_counts():
     assert _passes({**TINY, "algorithm": {"name": "pfedme", "K": 3}}) == 3 * one
     plain = {**TINY, "algorithm": {"name": "fedavg"}}
     assert _passes({**plain, "eval": {**TINY["eval"], "finetune": ["ft"]}}) > _passes(plain)
+
+
+@pytest.mark.parametrize("fraction", [1 / 6, 0.5])
+def test_batched_clients_count_what_the_loop_counts_a_plans_own_work_once(fraction):
+    """FedALA's plan learns its weights (counted) before its training: a batched round counts what the loop does,
+    a lone client's plan (one client a round) run, not built again."""
+    cfg = {**TINY, "algorithm": {"name": "fedala"}, "federation": {**TINY["federation"], "sample_fraction": fraction}}
+    loop = _passes(cfg)
+    assert _passes({**cfg, "executor": {**TINY["executor"], "batch_clients": True}}) == loop > _fedavg_passes(
+        validate_config(cfg))  # fmt: skip

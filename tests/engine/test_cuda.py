@@ -158,6 +158,9 @@ PER_CLIENT_LAYERS = [
      {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("pfedme-alexnet", {"name": "pfedme", "K": 3}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("apfl-alexnet", {"name": "apfl"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),  # two forwards
+    # FedALA's plan draws first (its weights learned from round 2): training goes on from the device's global RNG
+    ("fedala-alexnet", {"name": "fedala", "layers": 3}, {"model": {"name": "alexnet_small_x025"},
+                                                        "train": {**TINY["train"], "rounds": 2}}),
     # KT-pFL's zoo, each architecture batched, its distillation (round 2) on the public batch from a stream of its
     # own. Not lenet5_bn nor lenet5: float32 rounding decides max-pooling's ties there (a lenet5 client of this run
     # moved by 1e-3, equal in float64 within 6e-18); both are checked in float64 in `test_batched`.

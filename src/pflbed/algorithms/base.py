@@ -145,7 +145,7 @@ class Algorithm:
         """Default: run the algorithm's `sgd_plan` on the shared model (algorithms without one override this)."""
         from pflbed.algorithms.local_sgd import run_plan
 
-        plan = self.round_plan(cctx.rnd, payload, state, data)
+        plan = self.round_plan(payload, state, data, cctx)
         if plan is None:
             raise NotImplementedError(f"{self.name} defines neither client_update nor sgd_plan")
         return run_plan(self.ctx.model if plan.model is None else plan.model, plan, data, self.ctx.cfg.train,
@@ -156,9 +156,15 @@ class Algorithm:
         anything else. Declaring one lets the engine train many clients together (`executor.batch_clients`)."""
         return None
 
-    def round_plan(self, rnd: int, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
-        """The plan of round `rnd`: `sgd_plan`'s. An update that depends on the round (KT-pFL's epochs ramp over
-        the rounds, its reply reads the round's public batch) overrides this instead."""
+    def round_plan(
+        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
+    ) -> LocalSGDPlan | None:
+        """The plan of round `cctx.rnd`: `sgd_plan`'s. An update that depends on the round (KT-pFL's epochs ramp
+        over the rounds, its reply reads the round's public batch) or that first computes its start on the
+        client's data (FedALA's learned aggregation weights) overrides this instead. It may draw from
+        `cctx.generator` and torch's global RNG (seeded for the client's update, as `client_update` runs): the
+        plan's training goes on from where it left both, in the loop and in a batched round alike. One that
+        returns None draws nothing."""
         return self.sgd_plan(payload, state, data)
 
     def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> Aggregator:

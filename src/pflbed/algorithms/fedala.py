@@ -62,7 +62,10 @@ TsingZ0/FedALA and PFLlib's `utils/ALA.py`, read only):
 Defaults from the paper and the code: s = 80 (`rand_percent`), p = 1, η = 1.0, `num_pre_loss` 10 (code),
 threshold 0.01 (paper); local training is `train.*` (the paper: batch 10, lr 0.005, E = 1).
 
-The client update is not a plan (`loop_only`): `executor.batch_clients` runs FedALA's clients one by one.
+The client update is a plan (`round_plan`): the weights are learned client by client (a convergence test sets how
+many passes), from the client's generator and torch's global RNG, and the E epochs of local SGD that follow are the
+plan, which `executor.batch_clients` trains with the round's other clients, going on from the client's streams
+where the weight learning left them (the loop's draws).
 Client-level DP applies (the replies are new values of the global model's entries, averaged: FedAvg's
 `dp_refused`); the server state holds no per-client entries (a site-local run sends every site all of it).
 """
@@ -79,8 +82,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed import compute
 from pflbed.algorithms.base import Algorithm, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.algorithms.local_sgd import run_blocks
-from pflbed.algorithms.training import train_from
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks
 from pflbed.errors import ConfigError
 from pflbed.search import Choice, IntSearch, Search, Space
 
@@ -111,8 +113,6 @@ class FedALA(FedAvg):
     name = "fedala"
     Config = FedALAOptions
     sgd_plan = Algorithm.sgd_plan
-    loop_only = ("the local initialization first learns element-wise aggregation weights for a number of passes "
-                 "set by a convergence test; a plan's phases are SGD on the model's parameters")  # fmt: skip
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -157,16 +157,17 @@ class FedALA(FedAvg):
             out.update({k: local[k] + (glob[k] - local[k]) * weights[k] for k in self.top})
         return out
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
+    def round_plan(self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext) -> LocalSGDPlan:
+        """ALA (Eq. 5, the weights learned here, client by client, from the client's generator), then E epochs of
+        local SGD from Θ̂_i^t (Eq. 4) as the plan; the reply Θ_i^t, the new state Θ_i^t and W_i^p."""
         local = self.local_model(state)
         weights = self.weights(state)
         if self.top and not all(torch.equal(payload[k], local[k]) for k in self.params):
             weights = self.learn_weights(payload, local, weights, data, cctx.generator)
-        start = self.aggregated(payload, local, weights)
-        trained = train_from(self.ctx.model, start, data, self.ctx.cfg.train, cctx.generator)
-        return trained, {**trained, **({WEIGHT + k: v for k, v in weights.items()} if weights is not None else {})}
+        kept = {WEIGHT + k: v for k, v in weights.items()} if weights is not None else {}
+        t, every = self.ctx.cfg.train, tuple(self.ctx.model.block_names())
+        return LocalSGDPlan(self.aggregated(payload, local, weights), (Phase(every, t.local_epochs, t.lr),),
+                            lambda trained: (trained, {**trained, **kept}))  # fmt: skip
 
     def learn_weights(
         self, glob: Tensors, local: Tensors, weights: Tensors | None, data: ClientData, generator: torch.Generator

@@ -144,7 +144,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pflbed.algorithms import distill as kd
-from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.training import (
     architecture_of,
@@ -369,10 +369,10 @@ class KTpFL(Algorithm):
                 payloads[c] = {"targets": server[f"t/{c}"], "batch_round": server[f"r/{c}"]}
         return payloads
 
-    def round_plan(self, rnd: int, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+    def round_plan(self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext) -> LocalSGDPlan:
         """Homogeneous: local SGD from the payload. Heterogeneous: (1) the pending distillation, if any, then
         (2) local training (none in round 1 of `distill_first`), then (3) the reply s_n on ξ_rnd, in `finish`."""
-        o, t = self.opts, self.ctx.cfg.train
+        o, t, rnd = self.opts, self.ctx.cfg.train, cctx.rnd
         model = self.models[self.arch_of(data.cid)]
         local = (Phase(tuple(model.block_names()), self._epochs(rnd), t.lr),)
         if self.homogeneous:

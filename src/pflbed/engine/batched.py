@@ -8,7 +8,8 @@ masks) — with a leading client dimension, and every step runs all clients' for
 `torch.func.vmap` calls over `functional_call`.
 
 Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
-batch's crop offsets and flips right after its indices — from its own generator exactly as `run_plan` does; the
+batch's crop offsets and flips right after its indices — from its own generator exactly as `run_plan` does, going
+on from where building its plan left the generator and torch's global RNG (`BatchedExecutor.plan`); the
 augmentation is applied to every client's batch in one call, so each client sees the loop's augmented batches
 exactly; and the SGD update is torch.optim.SGD's (weight decay added to the gradient, momentum buffer started from
 the first gradient of each phase, then p ← p − lr·buf). Clients with fewer batches simply stop (no update, no
@@ -43,9 +44,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from pflbed import rng
-from pflbed.algorithms.base import Tensors
+from pflbed.algorithms.base import ClientContext, Tensors
 from pflbed.algorithms.common import Same
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys, statistics
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys, run_plan, statistics
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
@@ -71,26 +72,51 @@ class BatchedExecutor(LoopExecutor):
         super().__init__(*args, **kwargs)
         self.most: int | None = self.algo.ctx.cfg.executor.batch_max_clients
 
-    def train(self, rnd: int, plans: list[LocalSGDPlan], cids: list[int]) -> list[Tensors]:
-        """`train_together` on these clients' plans, each with its own batch generator and dropout stream."""
+    def train(
+        self, plans: list[LocalSGDPlan], cids: list[int], streams: list[tuple[torch.Generator, torch.Generator]]
+    ) -> list[Tensors]:
+        """`train_together` on these clients' plans, each from its batch generator and dropout stream as its plan
+        left them (`plan`; copies: a retry draws the same)."""
         algo, ctx = self.algo, self.algo.ctx
-        gens = [client_generator(ctx.seed, rnd, c) for c in cids]
-        noise = [rng.global_stream(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
+        gens, noise = [rng.copy(g) for g, _ in streams], [rng.copy(n) for _, n in streams]
         model = ctx.model if plans[0].model is None else plans[0].model
         with precision(algo):
             return train_together(model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
                                   ctx.cfg.executor.compile, ctx.model)  # fmt: skip
 
+    def plan(self, rnd: int, cid: int, payload: Tensors) -> tuple[LocalSGDPlan | None, torch.Generator,
+                                                                   torch.Generator]:  # fmt: skip
+        """The client's plan as its update builds it (`update_client`, `Algorithm.client_update`): from its
+        generator, torch's global RNG seeded for it (FedALA's plan draws its sample and dropout masks first);
+        with the generator and the global RNG's stream as the plan left them, its training's to go on from."""
+        algo, ctx = self.algo, self.algo.ctx
+        gen = client_generator(ctx.seed, rnd, cid)
+        with rng.fork(ctx.device):
+            rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)
+            with precision(algo):
+                plan = algo.round_plan(payload, self.state(cid), ctx.client_data(cid), ClientContext(rnd, cid, gen))
+            return plan, gen, rng.global_now(ctx.device)
+
+    def alone(self, plan: LocalSGDPlan, cid: int, payload: Tensors, gen: torch.Generator,
+              noise: torch.Generator) -> tuple[Tensors, Tensors]:  # fmt: skip
+        """A client whose plan is trained by none other's: the plan run as its update runs it (`run_plan`), the
+        global RNG where the plan left it — not built again, which would redo (and count again) its work."""
+        algo, ctx = self.algo, self.algo.ctx
+        with rng.fork(ctx.device):
+            rng.set_global(noise, ctx.device)
+            with precision(algo):
+                reply, new_state = run_plan(ctx.model if plan.model is None else plan.model, plan,
+                                            ctx.client_data(cid), ctx.cfg.train, gen)  # fmt: skip
+        return private(algo, payload, reply), new_state
+
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
         received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
+        built = {c: self.plan(rnd, c, payload) for c, payload in received.items()}
         groups: dict[tuple, list[int]] = {}
-        plans: dict[int, LocalSGDPlan] = {}
-        for c, payload in received.items():
-            plan = algo.round_plan(rnd, payload, self.state(c), ctx.client_data(c))
+        for c, (plan, _, _) in built.items():
             model = ctx.model if plan is None or plan.model is None else plan.model
             if plan is not None and batchable_model(model):
-                plans[c] = plan
                 shape = (Same(model), plan.phases, tuple(ph.data_key() for ph in plan.phases), plan.objective,
                          tuple(plan.start), tuple(plan.consts))  # one vmapped step  # fmt: skip
                 groups.setdefault(shape, []).append(c)
@@ -100,7 +126,8 @@ class BatchedExecutor(LoopExecutor):
             while start < len(cids):
                 part = cids[start : start + (self.most or len(cids))]
                 try:
-                    trained = self.train(rnd, [plans[c] for c in part], part)
+                    trained = self.train([built[c][0] for c in part], part,  # type: ignore[misc]
+                                         [built[c][1:] for c in part])  # fmt: skip
                 except torch.OutOfMemoryError:  # on a GPU: half as many at a time, from now on
                     if len(part) == 1 or ctx.cfg.executor.batch_max_clients is not None:
                         raise
@@ -108,12 +135,18 @@ class BatchedExecutor(LoopExecutor):
                     torch.cuda.empty_cache()
                     continue
                 for c, p in zip(part, trained, strict=True):
-                    reply, new_state = plans[c].finish(p)
+                    reply, new_state = built[c][0].finish(p)  # type: ignore[union-attr]
                     done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
                 start += len(part)
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
-            out = done.pop(c) if c in done else update_client(algo, rnd, c, received[c], self.state(c))
+            plan, gen, noise = built.pop(c)
+            if c in done:
+                out = done.pop(c)
+            elif plan is not None:
+                out = self.alone(plan, c, received[c], gen, noise)
+            else:
+                out = update_client(algo, rnd, c, received[c], self.state(c))
             yield c, self.keep(rnd, c, *out)
 
 
