@@ -67,9 +67,10 @@ from pflbed.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
-# Last in a full run: the baselines whose batched step is a step rule (`local_sgd.StepRule`), and KT-pFL (a
-# distillation phase on the public batch; its zoo reduced to the case's model, 1,000 public samples held out)
-LAST = ["perfedavg", "pfedme", "ktpfl"]
+# Last in a full run: the baselines whose batched step is a step rule (`local_sgd.StepRule`; APFL's over two
+# models), and KT-pFL (a distillation phase on the public batch; its zoo reduced to the case's model, 1,000 public
+# samples held out)
+LAST = ["perfedavg", "pfedme", "apfl", "ktpfl"]
 PUBLIC = 1000  # KT-pFL's public samples, held out of the training pool besides the clients'
 # FedBasis replaces train.local_epochs by its ψ and V steps' own epochs (5 each by default): one each here, so its
 # round passes over the client's data twice (once per step) where the others pass once.
@@ -394,8 +395,8 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN on every executor,
     pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client
     running statistics; every algorithm here declares a plan), then the ImageNet-style ResNet-18 at 64 px, then
-    Per-FedAvg's and pFedMe's CNN rounds, loop against batched (their step rules: several gradients a step), and
-    KT-pFL's (from round 2, a distillation on the public batch before the local epochs)."""
+    Per-FedAvg's, pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step),
+    and KT-pFL's (from round 2, a distillation on the public batch before the local epochs)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     if a.quick:  # every code path once: the executors on both shapes, the other algorithms, ResNets, KT-pFL's data
