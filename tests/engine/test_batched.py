@@ -910,6 +910,7 @@ def test_clients_distilling_on_different_rounds_batches_train_apart_and_equal_th
     plan_of = KTpFL.round_plan
 
     def spy(self, payload, state, data, cctx):
+        assert cctx.cid == data.cid  # the client's context, as its update gets it
         if "batch_round" in payload:
             seen[(cctx.rnd, self.arch_of(data.cid))].add(int(payload["batch_round"]))
         return plan_of(self, payload, state, data, cctx)
