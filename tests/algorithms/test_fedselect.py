@@ -161,7 +161,7 @@ def test_frozen_entries_never_move_in_either_phase_even_with_momentum_and_weight
         "blocks.classifier.bias": torch.ones(10, dtype=torch.bool),  # wholly personal
     }  # every other tensor wholly global
     state = {f"mask/{k}": pack_bits(m) for k, m in mask.items()}
-    plan = algo.sgd_plan(algo.configure(1, algo.init_server(), [0])[0], state, data)
+    plan = algo.round_plan(algo.configure(1, algo.init_server(), [0])[0], state, data, ClientContext(1, 0, gen(1)))
     assert [ph.optimizer for ph in plan.phases] == ["personal", "global"] * 2
 
     def after(n):
@@ -472,8 +472,8 @@ def test_official_delta_is_measured_from_the_last_mask_update_on_the_clients_own
 @pytest.mark.parametrize("selection", ["smallest", "random"])
 def test_selection_ablations_reach_the_mask_update(selection):
     """Table 3's ablations are wired through `client_update`: "smallest" personalizes the least-changed entries;
-    "random" draws a mask of the same size from the client's round generator (the same generator: the same mask;
-    and not the largest-|Δ| one)."""
+    "random" draws a mask of the same size from the client's round generator where its training left it (the
+    same generator: the same mask; another: another; and not the largest-|Δ| one)."""
     p = 0.25
     algo, _ = drive({"p": p, "alpha": 1.0, "eligible": "weights", "selection": selection}, 0)
     c = algo.ctx.federation.participated[0]
@@ -492,6 +492,15 @@ def test_selection_ablations_reach_the_mask_update(selection):
     if selection == "random":
         _, again = algo.client_update(payload, {}, data, ClientContext(1, c, gen(1)))
         assert all(torch.equal(again[f"mask/{k}"], state[f"mask/{k}"]) for k in algo.eligible)
+        _, other = algo.client_update(payload, {}, data, ClientContext(1, c, gen(2)))
+        assert not all(torch.equal(other[f"mask/{k}"], state[f"mask/{k}"]) for k in algo.eligible)
+        g = gen(1)  # the draws follow the training's: the generator trained through, then GradSelect's in key order
+        plan = algo.round_plan(payload, {}, data, ClientContext(1, c, g))
+        run_plan(algo.ctx.model, replace(plan, finish=lambda t: (t, {})), data, algo.ctx.cfg.train, g)
+        for k in algo.eligible:
+            none = torch.zeros(server[k].shape, dtype=torch.bool)
+            want = grow_mask(none, reply[k] - server[k], rate=p, limit=1.0, selection="random", generator=g)
+            assert torch.equal(algo._mask(state, f"mask/{k}", k), want), k
 
 
 def test_grow_mask_rounding_and_limit_boundary():

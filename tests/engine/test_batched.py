@@ -138,6 +138,29 @@ def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_st
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
 
 
+def test_a_plans_finish_draws_on_from_where_training_left_the_clients_generator(monkeypatch):
+    """FedSelect's random GradSelect draws the entries it makes personal from the client's generator after the
+    client trained: batched, the generator stands where the batched training left it, as in the loop — the same
+    masks, bit for bit (a packed mask differing anywhere differs by ≥ 1), and the run within TOL."""
+    torch.set_num_threads(1)
+    calls = []
+    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
+
+    def cfg(batch_clients):
+        c = _cfg("fedselect", batch_clients, 3, lr=0.05, momentum=0.5).model_dump()
+        return validate_config({**c, "algorithm": {"name": "fedselect", "selection": "random", "update_every": 1}})
+
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    assert calls and all(n > 1 for n in calls)
+    masks = [k for s in loop.executor.states.values() for k in s if k.startswith("mask/")]
+    assert masks  # the selection ran
+    assert all(torch.equal(loop.executor.states[c][k], both.executor.states[c][k])
+               for c in loop.executor.states for k in loop.executor.states[c] if k.startswith("mask/"))  # fmt: skip
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+
+
 def test_where_the_global_rng_stands_is_taken_and_put_back_without_drawing():
     """`rng.global_now` draws what torch's global RNG draws next and leaves it as it was; `rng.set_global` puts it
     where a generator stands; `rng.copy` draws what its original will, apart from it."""
@@ -266,7 +289,8 @@ def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, augment=(
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)[:3]
     states = {c: state(algo, c) if state else algo.init_client(c) for c in cids}
-    plans = [algo.sgd_plan(algo.configure(1, server, [c])[c], states[c], ctx.client_data(c)) for c in cids]
+    plans = [algo.round_plan(algo.configure(1, server, [c])[c], states[c], ctx.client_data(c),
+                             ClientContext(1, c, client_generator(cfg.seed, 1, c))) for c in cids]  # fmt: skip
     return cfg, ctx, cids, plans
 
 

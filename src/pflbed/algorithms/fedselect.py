@@ -85,8 +85,8 @@ Interpretations and deviations:
     forward pass, no batch drawn), so α = 0 trains exactly like FedAvg, and an all-personal client exactly like
     local-only training.
     The update is a `LocalSGDPlan` (each side a phase, the masks per-client constants), so `executor.batch_clients`
-    trains a round's clients together; `selection: random` stays client by client (its GradSelect draws from the
-    client's generator after training, which the batched path does not hand on).
+    trains a round's clients together; `selection: random`'s GradSelect draws from the client's generator after
+    training, where training left it, in a batched round as in the loop.
   - Aggregation is uniform over the replying clients, ignoring the engine's |D_m| weights, as in Alg. 1 (a count
     tensor, not a weight sum). With α = 0 FedSelect is therefore FedAvg with uniform weights; it equals the
     library's FedAvg when all clients hold equally many samples (tensors no reply masks are averaged with
@@ -126,7 +126,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.masks import (
     eligible_keys,
     fill,
@@ -231,22 +231,14 @@ class FedSelect(Algorithm):
                 payloads[c][k] = take(server[k], ~self._mask(server, stored, k)) if stored in server else server[k]
         return payloads
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        plan = self._plan(payload, state, cctx.generator)
-        return run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, cctx.generator)
-
-    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan | None:
-        """LocalAlt as a plan; None for `selection: random`, whose GradSelect draws from the client's generator
-        after training (the batched path hands `finish` no generator)."""
-        return None if self.opts.selection == "random" else self._plan(payload, state, None)
-
-    def _plan(self, payload: Tensors, state: Tensors, generator: torch.Generator | None) -> LocalSGDPlan:
+    def round_plan(self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext) -> LocalSGDPlan:
         """LocalAlt (Alg. 2): per epoch, a pass on the personal entries (constants `own/<key>`), then one on the
         global entries (`shared/<key>`), each side one optimizer for the round; a side with no entry to train is
         left out (no pass, no batch drawn). Every eligible tensor carries both masks, all-False where it has
-        nothing on that side, so every client's plan has the same shape whatever its masks."""
+        nothing on that side, so every client's plan has the same shape whatever its masks. `finish` holds the
+        client's generator: `selection: random` draws its GradSelect from it after training, where training
+        left it (in a batched round too)."""
+        generator = cctx.generator
         start = self._compose(payload, state)
         mask = {k: self._mask(state, f"mask/{k}", k) for k in self.eligible}
         lr = self.ctx.cfg.train.lr

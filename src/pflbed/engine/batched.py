@@ -76,13 +76,18 @@ class BatchedExecutor(LoopExecutor):
         self, plans: list[LocalSGDPlan], cids: list[int], streams: list[tuple[torch.Generator, torch.Generator]]
     ) -> list[Tensors]:
         """`train_together` on these clients' plans, each from its batch generator and dropout stream as its plan
-        left them (`plan`; copies: a retry draws the same)."""
+        left them (`plan`), through copies — a retry draws the same — whose end the streams then take: a plan's
+        `finish` draws on from where training left the client's generator (FedSelect's random GradSelect)."""
         algo, ctx = self.algo, self.algo.ctx
         gens, noise = [rng.copy(g) for g, _ in streams], [rng.copy(n) for _, n in streams]
         model = ctx.model if plans[0].model is None else plans[0].model
         with precision(algo):
-            return train_together(model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
-                                  ctx.cfg.executor.compile, ctx.model)  # fmt: skip
+            trained = train_together(model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
+                                     ctx.cfg.executor.compile, ctx.model)  # fmt: skip
+        for (g, n), used_g, used_n in zip(streams, gens, noise, strict=True):
+            g.set_state(used_g.get_state())
+            n.set_state(used_n.get_state())
+        return trained
 
     def plan(self, rnd: int, cid: int, payload: Tensors) -> tuple[LocalSGDPlan | None, torch.Generator,
                                                                    torch.Generator]:  # fmt: skip
