@@ -118,10 +118,11 @@ class BatchedExecutor(LoopExecutor):
         algo, ctx = self.algo, self.algo.ctx
         received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
         built = {c: self.plan(rnd, c, payload) for c, payload in received.items()}
+        plans = {c: plan for c, (plan, _, _) in built.items() if plan is not None}
         groups: dict[tuple, list[int]] = {}
-        for c, (plan, _, _) in built.items():
-            model = ctx.model if plan is None or plan.model is None else plan.model
-            if plan is not None and batchable_model(model):
+        for c, plan in plans.items():
+            model = ctx.model if plan.model is None else plan.model
+            if batchable_model(model):
                 shape = (Same(model), plan.phases, tuple(ph.data_key() for ph in plan.phases), plan.objective,
                          tuple(plan.start), tuple(plan.consts))  # one vmapped step  # fmt: skip
                 groups.setdefault(shape, []).append(c)
@@ -131,8 +132,7 @@ class BatchedExecutor(LoopExecutor):
             while start < len(cids):
                 part = cids[start : start + (self.most or len(cids))]
                 try:
-                    trained = self.train([built[c][0] for c in part], part,  # type: ignore[misc]
-                                         [built[c][1:] for c in part])  # fmt: skip
+                    trained = self.train([plans[c] for c in part], part, [built[c][1:] for c in part])
                 except torch.OutOfMemoryError:  # on a GPU: half as many at a time, from now on
                     if len(part) == 1 or ctx.cfg.executor.batch_max_clients is not None:
                         raise
@@ -140,12 +140,12 @@ class BatchedExecutor(LoopExecutor):
                     torch.cuda.empty_cache()
                     continue
                 for c, p in zip(part, trained, strict=True):
-                    reply, new_state = built[c][0].finish(p)  # type: ignore[union-attr]
+                    reply, new_state = plans[c].finish(p)
                     done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
                 start += len(part)
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
-            plan, gen, noise = built.pop(c)
+            plan, (_, gen, noise) = plans.pop(c, None), built.pop(c)
             if c in done:
                 out = done.pop(c)
             elif plan is not None:
