@@ -141,10 +141,16 @@ PER_CLIENT_LAYERS = [
     ("fedper-lenet5_bn", {"name": "fedper"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
     ("fedavg-alexnet", {"name": "fedavg"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("fedrep-alexnet", {"name": "fedrep"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
-    ("fedselect-lenet5_bn", {"name": "fedselect", "eligible": "all"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
+    # At lr 0.05: at the tiny runs' 0.1, batched and loop stayed 8e-6 apart, yet a new client's fine-tuning from
+    # them flipped one of its six validation samples (a figure gap of 0.17, with the CPU standing in).
+    ("fedselect-lenet5_bn", {"name": "fedselect", "eligible": "all"},
+     {"model": {"name": "lenet5_bn"}, "train": {**TINY["train"], "rounds": 1, "lr": 0.05}}),
     ("ditto-alexnet", {"name": "ditto", "lam": 0.5}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("fedrod_hyper-lenet5_bn", {"name": "fedrod_hyper"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
-    ("fedpac-lenet5_bn", {"name": "fedpac", "lam": 0.5}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
+    # Not on lenet5_bn: there FedPAC's one round is chaotic (the loop alone, its start moved by 1e-7, moved by 1.05
+    # of a tensor's magnitude at lr 0.1 and by 0.86 at 0.02); its BatchNorm path is checked in float64
+    # (`test_batched`). On the dropout model batched and loop agree within 1e-7.
+    ("fedpac-alexnet", {"name": "fedpac", "lam": 0.5}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("fedbasis-lenet5_bn", {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1},
      {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
     ("fedbasis-alexnet", {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1},
