@@ -323,13 +323,14 @@ def _rule_phase(
     assert rule is not None
     named = dict(model.named_parameters())
     tensors = {**{k: p.detach().clone() for k, p in named.items()}, **{k: v.detach() for k, v in extra.items()}}
-    stats = statistics(rule, [k for k, _ in model.named_buffers()], tensors)
+    stats = set(statistics(rule, [k for k, _ in model.named_buffers()], tensors))
+    seen = [k for k in tensors if k not in stats]  # what the rule reads: all but the statistics, as batched
     model.train()
     batch: list[tuple[torch.Tensor, torch.Tensor]] = []
     for b in ph.batches(data.train, train, generator):
         batch.append(data.batch(b, generator))
         if len(batch) == rule.batches:
-            new = rule(_OwnGradients(model, tensors, batch), {k: v for k, v in tensors.items() if k not in stats})
+            new = rule(_OwnGradients(model, tensors, batch), {k: tensors[k] for k in seen})
             tensors.update({k: v.detach() for k, v in new.items()})
             batch = []
     if batch:

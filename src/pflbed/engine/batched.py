@@ -44,12 +44,12 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from pflbed import rng
-from pflbed.algorithms.base import ClientContext, Tensors
+from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.common import Same
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys, run_plan, statistics
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
-from pflbed.engine.executor import LoopExecutor, client_generator, precision, private, update_client
+from pflbed.engine.executor import LoopExecutor, precision, private, seeded, update_client
 from pflbed.engine.per_client_layers import PerClientLayers
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -95,12 +95,11 @@ class BatchedExecutor(LoopExecutor):
         generator, torch's global RNG seeded for it (FedALA's plan draws its sample and dropout masks first);
         with the generator and the global RNG's stream as the plan left them, its training's to go on from."""
         algo, ctx = self.algo, self.algo.ctx
-        gen = client_generator(ctx.seed, rnd, cid)
         with rng.fork(ctx.device):
-            rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)
+            cctx = seeded(algo, rnd, cid)
             with precision(algo):
-                plan = algo.round_plan(payload, self.state(cid), ctx.client_data(cid), ClientContext(rnd, cid, gen))
-            return plan, gen, rng.global_now(ctx.device)
+                plan = algo.round_plan(payload, self.state(cid), ctx.client_data(cid), cctx)
+            return plan, cctx.generator, rng.global_now(ctx.device)
 
     def alone(self, plan: LocalSGDPlan, cid: int, payload: Tensors, gen: torch.Generator,
               noise: torch.Generator) -> tuple[Tensors, Tensors]:  # fmt: skip

@@ -37,13 +37,20 @@ def precision(algo: Algorithm) -> contextlib.AbstractContextManager:
     return torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.executor.precision == "bf16")
 
 
+def seeded(algo: Algorithm, rnd: int, cid: int) -> ClientContext:
+    """Client `cid`'s context in round `rnd`, torch's global RNG seeded for it (its dropout draws from there): what
+    its update draws from, seeded from (seed, round, client id) alone."""
+    ctx = algo.ctx
+    rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)
+    return ClientContext(rnd, cid, client_generator(ctx.seed, rnd, cid))
+
+
 def update_client(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> tuple[Tensors, Tensors]:
     """One client's update, seeded from (seed, round, client id) alone — the same wherever and whenever it runs.
     With `privacy.clip`, the reply leaves it clipped (`private`): on the client, so that with a Flower deployment
     no unclipped update ever reaches the server."""
     ctx = algo.ctx
-    rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, cid), ctx.device)  # draws from torch's global RNG
-    cctx = ClientContext(rnd, cid, client_generator(ctx.seed, rnd, cid))
+    cctx = seeded(algo, rnd, cid)
     with precision(algo):
         reply, new_state = algo.client_update(payload, state, ctx.client_data(cid), cctx)
     return private(algo, payload, reply), new_state
