@@ -23,7 +23,7 @@ from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm, ClientContext
 from pflbed.algorithms.ktpfl import KTpFL
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, run_plan, weighted_mean
 from pflbed.algorithms.masks import pack_bits
 from pflbed.algorithms.pfedme import MoreauStep
 from pflbed.config import validate_config
@@ -990,3 +990,56 @@ def test_an_architecture_the_batched_step_cannot_take_runs_client_by_client(monk
     for c, state in loop.executor.states.items():
         if algo.arch_of(c) == "lenet5":
             assert all(torch.equal(state[k], both.executor.states[c][k]) for k in state)
+
+
+def _fedcp_state(algo, cid):
+    """A client of a later round: W_i^hd its own, apart from W^hd, and v_i from it."""
+    g = torch.Generator().manual_seed(cid)
+    head = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in algo.init_client(cid).items()
+            if k.startswith("personal.")}  # fmt: skip
+    return {**head, "context": algo.context(head)}
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+def test_fedcps_policy_objective_together_is_each_clients_own(model):
+    """FedCP's plan (`fedcp.LocalObjective`): each step's Gumbel noise drawn from the client's generator after its
+    batch and that batch's augmentation, the policy of each client's own Θ_i and v_i, CE through W^hd and W_i^hd
+    plus λ·MMD² against the frozen reference W^fe over the real rows alone, whose forward moves BatchNorm
+    statistics of its own (a batch of one sample is normalized with them) and draws dropout masks after the
+    trained model's. Batched == each client's own `run_plan` in float64; W^hd and the reference untouched."""
+    torch.set_num_threads(1)
+    augment = ("crop", "flip") if model == "lenet5_bn" else ()
+    algorithm = {"name": "fedcp", "lam": 2.0, "tau": 0.5}
+    bn = model == "lenet5_bn"
+    size = {"mlp": 8, "lenet5_bn": 16}.get(model, 32)
+    cfg, ctx, cids, plans = _plans(model, size, algorithm, _fedcp_state, 8 if bn else 6, augment)
+    assert model != "lenet5_bn" or any(ctx.client_data(c).num_train % 16 == 1 for c in cids)  # a batch of one
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    names = [k for k, _ in ctx.model.named_parameters()]
+    head = [k for k in names if k.startswith("blocks.classifier.")]
+    reference = [k for k in plans[0].start if k.startswith("reference.")]
+    assert bool(reference) == (model == "lenet5_bn")
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        moved = [k for k in names if k not in head] + [k for k in got if k.startswith(("personal.", "cpn."))]
+        assert min(_max_diff({k: got[k]}, {k: plan.start[k]}) for k in moved + reference) > 0  # every one trained
+        assert all(torch.equal(got[k], plan.start[k]) for k in head)  # W^hd frozen
+
+
+class _TwiceThrough:
+    """An objective whose two forwards both move the model's own BatchNorm statistics in one step."""
+
+    def __call__(self, model, params, consts, x, y, w):
+        first = nn.functional.cross_entropy(model_forward(model, params, x), y, reduction="none")
+        second = nn.functional.cross_entropy(model_forward(model, params, x.flip(0)), y.flip(0), reduction="none")
+        return weighted_mean(first, w) + weighted_mean(second, None if w is None else w.flip(0))
+
+
+def test_statistics_moved_twice_in_one_step_move_on_from_the_first_move_as_alone():
+    """A forward moves the running statistics from where an earlier forward of the same step left them (the loop
+    moves them in place): batched == each client's own `run_plan`."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("lenet5_bn")
+    plans = [replace(p, objective=_TwiceThrough(), finish=lambda t: (t, {})) for p in plans]
+    _assert_each_own(cfg, ctx, cids, plans)

@@ -83,9 +83,10 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 from torch import nn
 
 from pflbed import rng
-from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
+from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.common import load_params
-from pflbed.algorithms.fedrod import feature_dim
+from pflbed.algorithms.fedrod import feature_dim, unprefixed
+from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks, weighted_mean
 from pflbed.algorithms.partial import frozen_params
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import WeightedMean, get_params, index_batches
@@ -95,6 +96,7 @@ from pflbed.search import Search, Space
 
 STREAM = 0xFEDC9  # FedCP's own random streams (not one of pflbed.rng's tags): 0 Θ, 1 the random v_i, 2 eval noise
 NET, CPN, PERSONAL, CONTEXT = "net.", "cpn.", "personal.", "context"  # state-dict keys of `PolicyModel`
+REFERENCE = "reference."  # the plan's frozen W^fe: its parameters (constants) and BatchNorm statistics (moved)
 
 
 class FedCPOptions(BaseModel):
@@ -128,15 +130,19 @@ def gumbel(generator: torch.Generator, shape: tuple[int, ...], device: torch.dev
     return (-e.clamp_min(torch.finfo(e.dtype).tiny).log()).to(device)
 
 
-def mmd2(a: torch.Tensor, b: torch.Tensor, bandwidths: list[float]) -> torch.Tensor:
+def mmd2(a: torch.Tensor, b: torch.Tensor, bandwidths: list[float], w: torch.Tensor | None = None) -> torch.Tensor:
     """Biased MMD² of the rows of `a` and `b`: mean_ij[k(a_i, a_j) + k(b_i, b_j) − 2·k(a_i, b_j)] with
-    k(u, v) = Σ_σ exp(−‖u − v‖²/(2σ))."""
+    k(u, v) = Σ_σ exp(−‖u − v‖²/(2σ)); with row weights `w` (a batched step's: 1/n on a client's n real rows, 0 on
+    its padding) the means are Σ_ij w_i·w_j·(…), over the real rows alone."""
     n, x = len(a), torch.cat([a, b])
     norms = (x * x).sum(1)
     sq = norms[:, None] + norms[None, :] - 2.0 * (x @ x.T)  # ‖x_i − x_j‖² over both sets at once
     sigma = torch.tensor(bandwidths, dtype=sq.dtype, device=sq.device)
     k = torch.exp(-0.5 * sq / sigma[:, None, None]).sum(0)
-    return k[:n, :n].mean() + k[n:, n:].mean() - 2.0 * k[:n, n:].mean()
+    if w is None:
+        return k[:n, :n].mean() + k[n:, n:].mean() - 2.0 * k[:n, n:].mean()
+    ww = w[:, None] * w[None, :]
+    return (k[:n, :n] * ww).sum() + (k[n:, n:] * ww).sum() - 2.0 * (k[:n, n:] * ww).sum()
 
 
 def context_of(head: Tensors, weights: list[str]) -> torch.Tensor:
@@ -146,6 +152,56 @@ def context_of(head: Tensors, weights: list[str]) -> torch.Tensor:
     for k in reversed(weights[:-1]):
         w = w @ head[k]
     return w.detach().sum(0)
+
+
+def policy(a: torch.Tensor, noise: torch.Tensor | None, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, s) from Θ's output `a` [B, 2K] before its ReLU: the softmax over the two rows of ReLU(a) plus `noise`
+    [B, 2, K] (None: noise-free), at temperature τ. Row 0 weighs the personalized head and row 1 the global one
+    (the code's order)."""
+    a = F.relu(a).unflatten(1, (2, -1))
+    p = torch.softmax((a if noise is None else a + noise) / tau, dim=1)
+    return p[:, 1], p[:, 0]
+
+
+class LocalObjective:
+    """E_i = CE(out_i, y) + λ·MMD²(h_i, h_i^g) as a plan's objective (`local_sgd.Objective`), on the run's model
+    with the plan's tensors: the model's own (W_i^fe, W^hd), `personal.` (W_i^hd, through the same head modules),
+    `cpn.` (Θ_i); constants `context` (v_i) and `reference.` + the body's parameters (W^fe), whose forward moves the
+    BatchNorm statistics `reference.` + the body's (its own, dropped after the round: deviation 5). `draw` gives a
+    batch's Gumbel noise, drawn from the client's generator after the batch (deviation 6). Forwards in the order
+    the model runs them: W_i^fe, W_i^hd, W^hd, then the frozen W^fe (its dropout masks drawn last). `inputs`
+    False: the batch's x are features already (`lp`: no body, no E_i^d). In the loop (`w` None) the plain means;
+    in a batched step, weighted per sample (`mmd2`'s weights). A class (not a closure): the algorithm travels to
+    `procs` workers by pickle."""
+
+    models = (PERSONAL, REFERENCE)
+
+    def __init__(self, k: int, tau: float, lam: float, bandwidths: list[float], inputs: bool = True) -> None:
+        self.k, self.tau, self.lam, self.bandwidths, self.inputs = k, tau, lam, bandwidths, inputs
+        with torch.device("cpu"):  # only its structure: every call gives it the plan's Θ_i
+            self.cpn = policy_network(k)
+
+    def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        return gumbel(generator, (n, 2, self.k), generator.device)
+
+    def __call__(
+        self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor | None, noise: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        body, head = model.body_blocks(), model.head_blocks()
+        z = run_blocks(model, params, body, x) if self.inputs else x
+        h = z.flatten(1)
+        a = torch.func.functional_call(self.cpn, unprefixed(CPN, params), (h * F.normalize(consts[CONTEXT], dim=0),))
+        r, s = policy(a, noise, self.tau)
+        personal = run_blocks(model, unprefixed(PERSONAL, params), head, (s * h).reshape(z.shape))
+        out = run_blocks(model, params, head, (r * h).reshape(z.shape)) + personal
+        ce = F.cross_entropy(out, y, reduction="mean" if w is None else "none")
+        loss = ce if w is None else weighted_mean(ce, w)
+        if not (self.inputs and self.lam > 0):
+            return loss
+        with torch.no_grad():
+            z_g = run_blocks(model, {**unprefixed(REFERENCE, consts), **unprefixed(REFERENCE, params)}, body, x)
+        return loss + self.lam * mmd2(h, z_g.flatten(1), self.bandwidths, w)
 
 
 class PolicyModel(nn.Module):
@@ -169,17 +225,9 @@ class PolicyModel(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.net.features(x)
 
-    def policy(self, h: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r, s) for flat features `h` [B, K]: the softmax over the two rows of the CPN's output plus `noise`
-        [B, 2, K] (None: noise-free), at temperature τ. Row 0 weighs the personalized head and row 1 the global one
-        (the code's order)."""
-        a = F.relu(self.cpn(h * F.normalize(self.context, dim=0))).unflatten(1, (2, -1))
-        p = torch.softmax((a if noise is None else a + noise) / self.tau, dim=1)
-        return p[:, 1], p[:, 0]
-
     def classify(self, z: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         h = z.flatten(1)
-        r, s = self.policy(h, noise)
+        r, s = policy(self.cpn(h * F.normalize(self.context, dim=0)), noise, self.tau)
         personal = (s * h).reshape(z.shape)
         for b in self.net.head_blocks():
             personal = self.personal.blocks[b](personal)
@@ -225,8 +273,6 @@ class FedCP(Algorithm):
     name = "fedcp"
     dp_refused = None  # replies: new values of W^fe, W^hd and Θ, entries of the payload, averaged
     Config = FedCPOptions
-    loop_only = ("each step adds Gumbel noise drawn from the client's generator to the policy, and a plan's "
-                 "objective draws nothing random")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -240,8 +286,11 @@ class FedCP(Algorithm):
             raise ConfigError(f"algorithm.name: fedcp needs a model whose head starts with a linear layer on the "
                               f"flattened body output ({self.k} features); {ctx.cfg.model.name} has none")  # fmt: skip
         self.ens = PolicyModel(m, self.k, self.opts.tau)
-        self.reference = deepcopy(m).requires_grad_(False)  # the frozen W^fe of E_i^d
+        o = self.opts
+        self.objective = LocalObjective(self.k, o.tau, o.lam, o.bandwidths)
         self.cpn_keys = [CPN + k for k in self.ens.cpn.state_dict()]
+        self.body_params = [k for k, _ in m.named_parameters() if k in set(self.body_keys)]
+        self.body_stats = [k for k in self.body_keys if k not in set(self.body_params)]
         self.trainable = [NET + k for k in m.state_keys(m.body_blocks())] + \
             [PERSONAL + k for k in self.head_keys] + self.cpn_keys  # fmt: skip
 
@@ -286,52 +335,56 @@ class FedCP(Algorithm):
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: server for c in cids}
 
-    def client_update(
-        self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
-    ) -> tuple[Tensors, Tensors]:
-        """E_i by SGD from the downloaded W^fe, Θ, W^hd and the client's W_i^hd, v_i; the reply is W_i^fe, Θ_i and
-        the uploaded head (deviation 1), the new state W_i^hd and its v_i."""
+    def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
+        """E_i by SGD from the downloaded W^fe, Θ, W^hd and the client's W_i^hd, v_i (`LocalObjective`): W_i^fe (the
+        body) and W_i^hd, Θ_i (`personal.`, `cpn.`) at `train.lr`, W^hd and the reference W^fe fixed. The reply is
+        W_i^fe, Θ_i and the uploaded head (deviation 1), the new state W_i^hd and its v_i."""
         t, beta = self.ctx.cfg.train, self.opts.upload_mix
-        start = self.ensemble(payload, state)
-        for _ in self.local_learning(start, data, self.trainable, payload, t.local_epochs, t.batch_size, t.lr,
-                                     t.momentum, t.weight_decay, cctx.generator):  # fmt: skip
-            pass
-        new = get_params(self.ens)
-        head = {k: (1.0 - beta) * new[PERSONAL + k] + beta * payload[k] if payload[k].is_floating_point()
-                else new[PERSONAL + k] for k in self.head_keys}  # fmt: skip
-        reply = {**{k: new[NET + k] for k in self.body_keys}, **head, **{k: new[k] for k in self.cpn_keys}}
-        personal = {PERSONAL + k: new[PERSONAL + k] for k in self.head_keys}
-        return reply, {**personal, CONTEXT: self.context(personal)}
+        start = {**self.model_params(payload), **{k: payload[k] for k in self.cpn_keys},
+                 **{k: v for k, v in state.items() if k.startswith(PERSONAL)},
+                 **{REFERENCE + k: payload[k] for k in self.body_stats}}  # fmt: skip
+        consts = {CONTEXT: state[CONTEXT], **{REFERENCE + k: payload[k] for k in self.body_params}}
+        blocks = tuple(self.ctx.model.body_blocks())
+        phase = Phase(blocks, t.local_epochs, t.lr, ((PERSONAL, t.lr), (CPN, t.lr)))
+
+        def finish(params: Tensors) -> tuple[Tensors, Tensors]:
+            head = {k: (1.0 - beta) * params[PERSONAL + k] + beta * payload[k] if payload[k].is_floating_point()
+                    else params[PERSONAL + k] for k in self.head_keys}  # fmt: skip
+            reply = {**{k: params[k] for k in self.body_keys}, **head, **{k: params[k] for k in self.cpn_keys}}
+            personal = {PERSONAL + k: params[PERSONAL + k] for k in self.head_keys}
+            return reply, {**personal, CONTEXT: self.context(personal)}
+
+        return LocalSGDPlan(start, (phase,), finish, self.objective, consts)
 
     def local_learning(
         self, start: Tensors, data: ClientData, train: list[str], reference: Tensors | None, epochs: int,
         batch_size: int, lr: float, momentum: float, weight_decay: float, generator: torch.Generator,
     ) -> Iterator[None]:  # fmt: skip
-        """SGD on E_i from `start` (`PolicyModel` keys), training the entries `train`, every other parameter fixed;
-        the features of `reference` (W^fe, the BlockNet's keys) are h^g (None: no E_i^d, and `data.x` are
-        features, not inputs). Yields after each epoch, the trained values in `self.ens`."""
-        ens, lam = self.ens, self.opts.lam
+        """A new client's SGD on E_i (`LocalObjective`) from `start` (`PolicyModel` keys), training the entries
+        `train`, every other parameter fixed; the features of `reference` (W^fe, the BlockNet's keys) are h^g
+        (None: no E_i^d, and `data.x` are features, not inputs). Yields after each epoch, the trained values in
+        `self.ens`; the optimizer (its momentum) kept across the epochs."""
+        ens, model = self.ens, self.ctx.model  # `ens.net` is the run's model
         load_params(ens, start)
         named = dict(ens.named_parameters())
         params = [named[k] for k in train if k in named]
         others = [p for k, p in named.items() if k not in set(train)]
-        aligned = reference is not None and lam > 0
-        if aligned:  # W^fe into the frozen copy: its BatchNorm statistics move there, never kept (deviation 5)
-            load_params(self.reference, {k: reference[k] for k in self.body_keys})
+        tensors = {**unprefixed(NET, named), **{k: v for k, v in named.items() if not k.startswith(NET)}}
+        consts = {CONTEXT: ens.context}
+        objective = self.objective
+        if reference is None:
+            objective = LocalObjective(self.k, self.opts.tau, 0.0, self.opts.bandwidths, inputs=False)
+        else:  # W^fe's statistics: copies, moved by its forwards, never kept (deviation 5)
+            consts |= {REFERENCE + k: reference[k] for k in self.body_params}
+            tensors |= {REFERENCE + k: reference[k].clone() for k in self.body_stats}
         opt = SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
         for _ in range(epochs):
             with frozen_params(others):
                 ens.train()
-                self.reference.train()
                 for b in index_batches(data.train, batch_size, 1, generator):
                     x, y = data.batch(b, generator)
-                    noise = gumbel(generator, (len(b), 2, self.k), x.device)
-                    z = ens.features(x) if reference is not None else x
-                    loss = F.cross_entropy(ens.classify(z, noise), y)
-                    if aligned:
-                        with torch.no_grad():
-                            z_g = self.reference.features(x)
-                        loss = loss + lam * mmd2(z.flatten(1), z_g.flatten(1), self.opts.bandwidths)
+                    noise = objective.draw(len(b), generator).to(x.device)
+                    loss = objective(model, tensors, consts, x, y, None, noise)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()

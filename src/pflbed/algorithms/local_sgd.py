@@ -108,7 +108,15 @@ class Objective(Protocol):
     (FedBasis: combined from the bases') also has `running(params, consts)` — the statistics the batch's forward
     starts from (the model's state keys) — and `hand_back(params, consts, before, after)` — the plan tensors the
     forward's move of them from `before` to `after` updates (new values, never trained). Both are called around
-    every step, in the loop and in a batched step alike."""
+    every step, in the loop and in a batched step alike.
+
+    An objective may also have `draw(n, generator)`: per-sample random inputs of a batch of n (FedCP's Gumbel noise),
+    drawn from the client's generator right after the batch and its augmentation, and passed to the objective as
+    `noise` — the batched step draws them in the same order, before its steps. And `models`: key prefixes of further
+    sets of BatchNorm statistics among the plan's tensors (FedCP's frozen reference extractor's), for forwards
+    beyond the model's own. A forward on such a set passes them among its tensors (`run_blocks`): the loop's forward
+    moves them in place, a batched step's carries them per client. Such an objective's dropout calls are traced
+    through itself (the model's one forward is not all of them)."""
 
     def __call__(
         self, model: BlockNet, params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor,
@@ -173,7 +181,8 @@ def weighted_mean(per_sample: torch.Tensor, w: torch.Tensor | None) -> torch.Ten
 
 def run_blocks(model: BlockNet, params: Tensors, names: Sequence[str], x: torch.Tensor) -> torch.Tensor:
     """`names` blocks of `model` in order on `x`, each with its parameters from `params` (state-dict keys): the
-    body alone (`model.body_blocks()`) gives the features, the head blocks the logits."""
+    body alone (`model.body_blocks()`) gives the features, the head blocks the logits. BatchNorm statistics among
+    `params` are the forward's (an `Objective`'s `models`); without them, the model's own."""
     for name in names:
         prefix = f"blocks.{name}."
         own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
@@ -259,10 +268,14 @@ def _objective_phase(
         return
     named = dict(model.named_parameters())
     keys = phase_keys(model, ph)
+    loss = objective_of(plan, ph)
+    stats = set(objective_statistics(loss, [k for k, _ in model.named_buffers()], extra))
+    for k in stats:  # moved in place by its forwards (a statistic requiring grad is refused by BatchNorm)
+        extra[k].requires_grad_(False)
     opt = optimizers.get(ph.optimizer) if ph.optimizer is not None else None
     if opt is None:
         groups = [{"params": [named[k] for k in keys], "lr": ph.lr}]
-        groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix)], "lr": lr}
+        groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix) and k not in stats], "lr": lr}
                    for prefix, lr in ph.extra]  # fmt: skip
         momentum, weight_decay = ph.sgd(train)
         opt = SGD(groups, lr=ph.lr, momentum=momentum, weight_decay=weight_decay)
@@ -271,11 +284,13 @@ def _objective_phase(
     held = {k: ~plan.consts[ph.entries + k] for k in keys if ph.entries is not None and ph.entries + k in plan.consts}
     anchors = {k: named[k].detach().clone() for k in held}  # the entries this phase must not move
     params = {**named, **extra}
-    consts, loss = plan.consts, objective_of(plan, ph)
+    consts, draws = plan.consts, hasattr(loss, "draw")
 
-    def objective(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def objective(x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         if loss is None:
             return torch.nn.functional.cross_entropy(model(x), y)
+        if noise is not None:
+            return loss(model, params, consts, x, y, None, noise=noise)  # type: ignore[call-arg]
         return loss(model, params, consts, x, y, None)
 
     trained = set(keys)
@@ -290,13 +305,14 @@ def _objective_phase(
         model.train()
         for b in ph.batches(data.train, train, generator):
             x, y = data.batch(b, generator)
+            noise = loss.draw(len(b), generator).to(x.device) if draws else None  # type: ignore[union-attr]
             if hooks:
                 with torch.no_grad():
                     start = loss.running(params, consts)  # type: ignore[union-attr]
                     for k, v in start.items():
                         buffers[k].copy_(v)
             opt.zero_grad(set_to_none=True)
-            objective(x, y).backward()
+            objective(x, y, noise).backward()
             opt.step()
             with torch.no_grad():  # `where`, not `p[m] = …`: boolean indexing syncs with a GPU every step
                 for k, m in held.items():
@@ -340,6 +356,12 @@ def _rule_phase(
             p.copy_(tensors[k])
         for k, v in extra.items():
             v.copy_(tensors[k])
+
+
+def objective_statistics(objective: Objective | None, buffers: list[str], tensors: Tensors) -> list[str]:
+    """The plan's keys of the further BatchNorm statistics `objective`'s forwards move (its `models`' prefixes on
+    the model's `buffers`): never trained."""
+    return [m + k for m in getattr(objective, "models", ()) for k in buffers if m + k in tensors]
 
 
 def statistics(rule: StepRule, buffers: list[str], tensors: Tensors) -> list[str]:

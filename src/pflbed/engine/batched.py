@@ -46,7 +46,16 @@ from torch.func import functional_call, grad, vmap
 from pflbed import rng
 from pflbed.algorithms.base import Tensors
 from pflbed.algorithms.common import Same
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Objective, Phase, objective_of, phase_keys, run_plan, statistics
+from pflbed.algorithms.local_sgd import (
+    LocalSGDPlan,
+    Objective,
+    Phase,
+    objective_of,
+    objective_statistics,
+    phase_keys,
+    run_plan,
+    statistics,
+)
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, precision, private, seeded, update_client
@@ -222,31 +231,41 @@ def _phase(
 ) -> None:
     """One phase of every client's plan; `buf`: the momentum buffers of the phase's optimizer (empty: a fresh
     one), updated in place."""
-    stats = [k for k in layers.buffer_keys if k in params]  # moved by every forward, trained by none
+    sets = objective_statistics(objective, layers.buffer_keys, params)  # an objective's further statistics
+    stats = [k for k in layers.buffer_keys if k in params] + sets  # moved by forwards, trained by none
     lr_of = {k: ph.lr for k in phase_keys(model, ph)}
-    lr_of |= {k: lr for prefix, lr in ph.extra for k in params if k.startswith(prefix)}
+    lr_of |= {k: lr for prefix, lr in ph.extra for k in params if k.startswith(prefix) and k not in sets}
     trains = {k: consts[ph.entries + k] for k in lr_of if ph.entries is not None and ph.entries + k in consts}
     trainable = list(lr_of)
     fixed = [k for k in params if k not in lr_of and k not in stats]
     model_keys = set(model.state_dict())
-    rows, weights, active, draws, lengths = _schedule(datas, train, ph, gens)
+    draw = getattr(objective, "draw", None)  # per-sample random inputs (`local_sgd.Objective`)
+    rows, weights, active, draws, lengths, inputs = _schedule(datas, train, ph, gens, draw)
     momentum, weight_decay = ph.sgd(train)
     pool_x = datas[0].x
+    traced = bool(getattr(objective, "models", ())) and bool(layers.drops)  # forwards beyond the model's one
+    if traced:
+        calls = layers.calls
+        one = {k: v[0] for k, v in params.items()}, {k: v[0] for k, v in consts.items()}
+        noise_one = {"noise": draw(1, torch.Generator().manual_seed(0)).to(pool_x.device)} if draw else {}
+        layers.trace(model, pool_x, lambda: objective(model, *one, pool_x[:1], datas[0].y[:1], None, **noise_one))
     model.train()
 
     hooks = hasattr(objective, "running")  # statistics derived from the plan's tensors (`local_sgd.Objective`)
 
     def loss(
         p: Tensors, q: Tensors, b: Tensors, cst: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-        m: list[torch.Tensor],
+        m: list[torch.Tensor], r: list[torch.Tensor],
     ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
-        tensors = {**p, **q}
+        tensors = {**p, **q, **b} if sets else {**p, **q}  # a forward names its set of statistics (`enter`)
         if hooks:
             b = objective.running(tensors, cst)  # type: ignore[union-attr]
-        layers.enter(b, w > 0, m)
+        layers.enter(b, w > 0, m, bool(sets))
         if objective is None:
             out = functional_call(model, {k: v for k, v in tensors.items() if k in model_keys}, (x,))
             value = (F.cross_entropy(out, y, reduction="none") * w).sum()
+        elif r:  # the step's random inputs (none: an empty list, which vmap maps over as nothing)
+            value = objective(model, tensors, cst, x, y, w, noise=r[0])  # type: ignore[call-arg]
         else:
             value = objective(model, tensors, cst, x, y, w)
         moved = layers.leave()
@@ -266,8 +285,9 @@ def _phase(
         ids = range(len(datas)) if whole else live
         masks = layers.draw([int(lengths[s, i]) for i in ids], w.shape[1], [noise[i] for i in ids],
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
+        r = [] if inputs is None else [inputs[s] if whole else inputs[s][sel]]
         with layers.patched():
-            g, moved = grads_of(p, q, b, cst, x, y, w, masks)
+            g, moved = grads_of(p, q, b, cst, x, y, w, masks, r)
         for k in (k for k in moved if k in params):  # the statistics each client's forward moved (a finished
             if whole:  # client's forward has no real row: its statistics come back as they were, `per_client_layers`)
                 params[k] = moved[k]
@@ -293,6 +313,8 @@ def _phase(
                 params[k] = _kept(keep, new, p[k])
             else:
                 params[k][sel] = new
+    if traced:
+        layers.calls = calls  # the model's, for the next phase
 
 
 def _rule_phase(
@@ -308,7 +330,7 @@ def _rule_phase(
     stats = statistics(rule, layers.buffer_keys, params)
     moving = [k for k in params if k not in stats]
     own = [k for k, _ in model.named_parameters()]
-    rows, weights, active, draws, lengths = _schedule(datas, train, ph, gens)
+    rows, weights, active, draws, lengths, _ = _schedule(datas, train, ph, gens)
     if bool((lengths.count_nonzero(0) % rule.batches).any()):
         raise ValueError("a rule's phase ended inside a step: its batches are not a whole number of steps")
     model.train()
@@ -445,8 +467,10 @@ def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
 
 
 def _schedule(
-    datas: list, train: TrainConfig, ph: Phase, gens: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None, torch.Tensor]:
+    datas: list, train: TrainConfig, ph: Phase, gens: list[torch.Generator],
+    draw: Callable[[int, torch.Generator], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None], torch.Tensor | None, torch.Tensor,
+           torch.Tensor | None]:  # fmt: skip
     """Every step's batch of every client, built once on the CPU and moved to the device in one copy.
 
     Returns `rows` [steps, clients, width] (indices into the shared pool; a batch shorter than `width` is padded
@@ -454,8 +478,10 @@ def _schedule(
     a client's last: each client's loss is the mean over its real samples), per step the clients that still
     have a batch (None: all), and with augmentation each row's random choices `draws` [steps, clients, width, 3]
     (`Augment.draw`'s, drawn right after the batch's indices, as `ClientData.batch` draws them; None without),
-    and each client's real batch size per step `lengths` [steps, clients] (on the CPU: dropout masks are drawn
-    for those rows).
+    each client's real batch size per step `lengths` [steps, clients] (on the CPU: dropout masks are drawn
+    for those rows), and with `draw` (an objective's per-sample random inputs) each row's `inputs`
+    [steps, clients, width, …], drawn after the batch and its choices as the loop draws them (None without; 0 on
+    padding).
     Why up front: building the batches step by step costs a few small device operations per client and step,
     which on a GPU took longer than the step itself. The batches are the phase's (`Phase.batches`) on the same
     generators — the loop's, sample for sample.
@@ -465,19 +491,24 @@ def _schedule(
         raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
     per_client: list[list[torch.Tensor]] = []
     drawn: list[list[torch.Tensor]] = []
+    given: list[list[torch.Tensor]] = []
     for d, g in zip(datas, gens, strict=True):
         per_client.append([])
         drawn.append([])
-        for b in ph.batches(d.train.cpu(), train, g):  # lazily: a batch, then its choices
+        given.append([])
+        for b in ph.batches(d.train.cpu(), train, g):  # lazily: a batch, then its choices, then its inputs
             per_client[-1].append(b)
             if augment is not None:
                 drawn[-1].append(augment.draw(len(b), g))
+            if draw is not None:
+                given[-1].append(draw(len(b), g).cpu())
     steps = max(len(b) for b in per_client)
     width = max(len(x) for b in per_client for x in b)
     rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
     draws = torch.zeros(steps, len(datas), width, 3, dtype=torch.long) if augment is not None else None
     weights = torch.zeros(steps, len(datas), width)
     lengths = torch.zeros(steps, len(datas), dtype=torch.long)
+    inputs = torch.zeros(steps, len(datas), width, *given[0][0].shape[1:], dtype=given[0][0].dtype) if draw else None
     for c, batches in enumerate(per_client):
         for s, b in enumerate(batches):
             lengths[s, c] = len(b)
@@ -486,7 +517,10 @@ def _schedule(
             weights[s, c, : len(b)] = 1.0 / len(b)
             if draws is not None:
                 draws[s, c, : len(b)] = drawn[c][s]
+            if inputs is not None:
+                inputs[s, c, : len(b)] = given[c][s]
     active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
               for s in range(steps)]  # fmt: skip
     device = datas[0].x.device
-    return rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None, lengths
+    return (rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None, lengths,
+            inputs.to(device) if inputs is not None else None)  # fmt: skip

@@ -66,13 +66,14 @@ class PerClientLayers:
         self.buffer_keys = [f"{n}.{s}" for n in self.norms for s in _STATS]
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # the forward's dropout calls: module, sample shape
         self._stats: Tensors = {}
+        self._sets: dict[int, str] | None = None
         self._new: Tensors = {}
         self._real: torch.Tensor | None = None
         self._masks: list[torch.Tensor] = []
 
-    def trace(self, model: nn.Module, sample: torch.Tensor) -> None:
-        """Record the order and per-sample shapes of the forward's dropout calls (one sample, eval mode: nothing
-        drawn, no statistic moved)."""
+    def trace(self, model: nn.Module, sample: torch.Tensor, forward: Callable[[], object] | None = None) -> None:
+        """Record the order and per-sample shapes of the dropout calls of the model's forward on one sample — or of
+        `forward()`, one objective's forwards (eval mode: nothing drawn, no statistic moved)."""
         self.calls = []
         hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: self.calls.append((n, tuple(a[0].shape[1:]))))
                  for n, m in self.drops.items()]  # fmt: skip
@@ -80,7 +81,7 @@ class PerClientLayers:
         model.eval()
         try:
             with torch.no_grad():
-                model(sample[:1])
+                model(sample[:1]) if forward is None else forward()
         finally:
             model.train(was)
             for h in hooks:
@@ -101,14 +102,19 @@ class PerClientLayers:
                     mask[i, :n] = torch.empty(n, *shape, device=device).bernoulli_(1.0 - p, generator=g).div_(1.0 - p)
         return out
 
-    def enter(self, stats: Tensors, real: torch.Tensor, masks: list[torch.Tensor]) -> None:
-        """Inside the vmapped function: this client's running statistics, which of its rows are real, its masks."""
+    def enter(self, stats: Tensors, real: torch.Tensor, masks: list[torch.Tensor], sets: bool = False) -> None:
+        """Inside the vmapped function: this client's running statistics, which of its rows are real, its masks.
+        `sets`: `stats` holds further sets of statistics under key prefixes (an objective's `models`), which a
+        forward names by passing them to `functional_call` as the layer's buffers; a layer finds its set by the
+        identity of the running mean it is given (one not among `stats`: the model's own)."""
         self._stats, self._new, self._real, self._masks = stats, {}, real, list(masks)
+        self._sets = {id(v): k[: -len(".running_mean")] for k, v in stats.items()
+                      if k.endswith(".running_mean")} if sets else None  # fmt: skip
 
     def leave(self) -> Tensors:
         """The client's running statistics after the forward."""
         assert not self._masks, "a dropout mask was drawn for a call the forward did not make"
-        new, self._stats, self._new, self._real = self._new, {}, {}, None
+        new, self._stats, self._new, self._real, self._sets = self._new, {}, {}, None, None
         return new
 
     @contextmanager
@@ -133,7 +139,9 @@ class PerClientLayers:
     def _norm_forward(self, name: str, m: _BatchNorm) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(x: torch.Tensor) -> torch.Tensor:
             assert self._real is not None and m.momentum is not None
-            rm, rv, tracked = (self._stats[f"{name}.{s}"] for s in _STATS)
+            at = name if self._sets is None else self._sets.get(id(m.running_mean), name)
+            # a set moved earlier in this step moves on from there, as the loop's in-place update does
+            rm, rv, tracked = (self._new.get(f"{at}.{s}", self._stats[f"{at}.{s}"]) for s in _STATS)
             xf = x.to(torch.promote_types(x.dtype, torch.float32))
             dims = [0, *range(2, x.dim())]
             shape = [1, -1] + [1] * (x.dim() - 2)
@@ -150,9 +158,9 @@ class PerClientLayers:
             unbiased = var.detach() * count / (count - 1).clamp(min=1)
             moved_mean = (1 - mom) * rm.to(xf.dtype) + mom * mean.detach()
             moved_var = (1 - mom) * rv.to(xf.dtype) + mom * unbiased
-            self._new[f"{name}.running_mean"] = torch.where(single, rm, moved_mean.to(rm.dtype))
-            self._new[f"{name}.running_var"] = torch.where(single, rv, moved_var.to(rv.dtype))
-            self._new[f"{name}.num_batches_tracked"] = tracked + (~single).to(tracked.dtype)
+            self._new[f"{at}.running_mean"] = torch.where(single, rm, moved_mean.to(rm.dtype))
+            self._new[f"{at}.running_var"] = torch.where(single, rv, moved_var.to(rv.dtype))
+            self._new[f"{at}.num_batches_tracked"] = tracked + (~single).to(tracked.dtype)
             return y.to(x.dtype)
 
         return forward
