@@ -1028,12 +1028,13 @@ def test_fedcps_policy_objective_together_is_each_clients_own(model):
 
 
 class _TwiceThrough:
-    """An objective whose two forwards both move the model's own BatchNorm statistics in one step."""
+    """An objective whose two forwards (the batch, then its mirror image) both move the model's own BatchNorm
+    statistics in one step."""
 
     def __call__(self, model, params, consts, x, y, w):
         first = nn.functional.cross_entropy(model_forward(model, params, x), y, reduction="none")
-        second = nn.functional.cross_entropy(model_forward(model, params, x.flip(0)), y.flip(0), reduction="none")
-        return weighted_mean(first, w) + weighted_mean(second, None if w is None else w.flip(0))
+        second = nn.functional.cross_entropy(model_forward(model, params, x.flip(-1)), y, reduction="none")
+        return weighted_mean(first, w) + weighted_mean(second, w)
 
 
 def test_statistics_moved_twice_in_one_step_move_on_from_the_first_move_as_alone():
