@@ -147,9 +147,11 @@ def algorithm_index() -> str:
         lines.append(f"| [`{n}`]({n}.md) | {_cell(paper(ALGORITHMS[n]))} | {_cell(opts)} | {dp} | {batched} | "
                      f"{where} |")  # fmt: skip
     loop = sorted(n for n in ALGORITHMS if ALGORITHMS[n].loop_only is not None)
+    count = f"{len(ALGORITHMS) - len(loop)} of {len(ALGORITHMS)}" if loop else f"all {len(ALGORITHMS)}"
     lines += ["", f"Batched clients (`executor.batch_clients`, on by default on a GPU) train a round's clients "
-              f"together where an algorithm's update is a plan of local SGD; {len(ALGORITHMS) - len(loop)} of "
-              f"{len(ALGORITHMS)} are. The others run client by client, because:\n"]  # fmt: skip
+              f"together where an algorithm's update is a plan of local SGD; {count} are."]  # fmt: skip
+    if loop:
+        lines[-1] += " The others run client by client, because:\n"
     lines += [f"- [`{n}`]({n}.md): {ALGORITHMS[n].loop_only}." for n in loop]
     return "\n".join(lines) + "\n"
 

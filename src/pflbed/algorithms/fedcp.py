@@ -67,8 +67,9 @@ Choices and deviations:
 Defaults (`algorithm.<key>`): λ (`lam`) 5, the authors' run script (MNIST, lr 0.005, batch 10; their repository's
 default is 0, PFLlib's 1); τ 1; σ {10, 15, 20, 50}; β 0. E_i^d grows with how far W_i^fe moves in a round, so λ
 interacts with the learning rate: at pflbed's default lr 0.05 on small clients λ = 5 holds the extractor near W^fe
-(`pflbed tune` searches λ over [0.01, 10]). The update draws noise at every step, so it runs client by client
-(`loop_only`).
+(`pflbed tune` searches λ over [0.01, 10]). The update is a plan of local SGD on `LocalObjective`, whose Gumbel
+noise each batch draws (`Objective.draw`) and whose reference forward moves statistics of its own (`models`): a
+round's clients are batched (`executor.batch_clients`).
 """
 
 from __future__ import annotations
