@@ -68,9 +68,9 @@ from pflbed.models import build_model
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
 # Last in a full run: the baselines whose batched step is a step rule (`local_sgd.StepRule`; APFL's over two
-# models), and KT-pFL (a distillation phase on the public batch; its zoo reduced to the case's model, 1,000 public
-# samples held out)
-LAST = ["perfedavg", "pfedme", "apfl", "ktpfl"]
+# models), FedCP (an objective drawing each batch's noise, a second extractor's forward), and KT-pFL (a distillation
+# phase on the public batch; its zoo reduced to the case's model, 1,000 public samples held out)
+LAST = ["perfedavg", "pfedme", "apfl", "fedcp", "ktpfl"]
 PUBLIC = 1000  # KT-pFL's public samples, held out of the training pool besides the clients'
 # FedBasis replaces train.local_epochs by its ψ and V steps' own epochs (5 each by default): one each here, so its
 # round passes over the client's data twice (once per step) where the others pass once.

@@ -164,6 +164,10 @@ PER_CLIENT_LAYERS = [
      {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("pfedme-alexnet", {"name": "pfedme", "K": 3}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
     ("apfl-alexnet", {"name": "apfl"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),  # two forwards
+    # FedCP's objective: each batch's Gumbel noise drawn per client on the CPU, the reference extractor's forward
+    # with its own dropout masks (alexnet) and BatchNorm statistics (lenet5_bn)
+    ("fedcp-alexnet", {"name": "fedcp"}, {"model": {"name": "alexnet_small_x025"}, **ONE_ROUND}),
+    ("fedcp-lenet5_bn", {"name": "fedcp"}, {"model": {"name": "lenet5_bn"}, **ONE_ROUND}),
     # FedALA's plan draws first (its weights learned from round 2): training goes on from the device's global RNG
     ("fedala-alexnet", {"name": "fedala", "layers": 3}, {"model": {"name": "alexnet_small_x025"},
                                                         "train": {**TINY["train"], "rounds": 2}}),
