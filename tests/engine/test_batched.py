@@ -995,8 +995,8 @@ def test_an_architecture_the_batched_step_cannot_take_runs_client_by_client(monk
 def _fedcp_state(algo, cid):
     """A client of a later round: W_i^hd its own, apart from W^hd, and v_i from it."""
     g = torch.Generator().manual_seed(cid)
-    head = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in algo.init_client(cid).items()
-            if k.startswith("personal.")}  # fmt: skip
+    head = {k: v + 0.1 * torch.randn(v.shape, generator=g) if k.endswith(("weight", "bias")) else v
+            for k, v in algo.init_client(cid).items() if k.startswith("personal.")}  # fmt: skip
     return {**head, "context": algo.context(head)}
 
 
@@ -1044,3 +1044,35 @@ def test_statistics_moved_twice_in_one_step_move_on_from_the_first_move_as_alone
     cfg, ctx, cids, plans = _plans("lenet5_bn")
     plans = [replace(p, objective=_TwiceThrough(), finish=lambda t: (t, {})) for p in plans]
     _assert_each_own(cfg, ctx, cids, plans)
+
+
+def _bn_head(input_shape, num_classes):
+    """A model whose head has BatchNorm and dropout between two linear layers: FedCP's W_i^hd and W^hd each move
+    statistics of their own, and draw masks in the order the objective runs them."""
+    from pflbed.models import BlockNet
+    from pflbed.models.zoo import SafeBatchNorm1d
+
+    width = int(torch.tensor(input_shape).prod())
+    head = nn.Sequential(nn.Linear(16, 12), SafeBatchNorm1d(12), nn.ReLU(), ReproducibleDropout(0.3),
+                         nn.Linear(12, num_classes))  # fmt: skip
+    return BlockNet([("body", nn.Sequential(nn.Flatten(), nn.Linear(width, 16), nn.ReLU())), ("head", head)])
+
+
+def test_fedcps_personal_head_with_batchnorm_and_dropout_together_is_each_clients_own(monkeypatch):
+    """W_i^hd runs through the head's modules with the plan's `personal.` tensors: its BatchNorm statistics are a set
+    of their own (moved by its forward, never trained), W^hd's the model's own; each head's dropout masks drawn in
+    the objective's order. Batched == each client's own `run_plan` in float64."""
+    torch.set_num_threads(1)
+    from pflbed.models.zoo import MODELS
+
+    monkeypatch.setitem(MODELS, "bn_head", _bn_head)
+    cfg, ctx, cids, plans = _plans("bn_head", 8, {"name": "fedcp", "lam": 1.0}, _fedcp_state)
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    personal = [k for k in plans[0].start if k.startswith("personal.") and "running" in k]
+    own = [k for k in ctx.model.state_dict() if k.startswith("blocks.head.") and "running" in k]
+    assert personal and own
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+        assert min(_max_diff({k: got[k]}, {k: plan.start[k]}) for k in personal + own) > 0  # each set moved
+        assert _max_diff({k: got[k] for k in personal}, {k: got[k[len("personal."):]] for k in personal}) > 0

@@ -53,6 +53,7 @@ def _cfg(name, model, compile_, rounds=3, epochs=1):
     ("pfedme", "lenet5_bn", 1),  # a step rule: K forwards on a batch, statistics carried from one to the next
     ("perfedavg", "alexnet_small_x025", 1),  # a step rule over two batches, each forward its own masks
     ("apfl", "lenet5_bn", 1),  # a step rule's two models, each forward moving its own model's statistics
+    ("fedcp", "lenet5_bn", 1),  # each batch's noise an input; a second extractor moving statistics of its own
 ])  # fmt: skip
 def test_the_compiled_step_trains_as_the_eager_one_and_compiles_once_per_step_kind(name, model, graphs, aot_eager):
     """Three rounds (FedBasis: its warm-start round and one of its own) equal the eager step's bit for bit, finished

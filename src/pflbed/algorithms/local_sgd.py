@@ -269,13 +269,13 @@ def _objective_phase(
     named = dict(model.named_parameters())
     keys = phase_keys(model, ph)
     loss = objective_of(plan, ph)
-    stats = set(objective_statistics(loss, [k for k, _ in model.named_buffers()], extra))
-    for k in stats:  # moved in place by its forwards (a statistic requiring grad is refused by BatchNorm)
-        extra[k].requires_grad_(False)
+    for k in objective_statistics(loss, [k for k, _ in model.named_buffers()], extra):
+        extra[k].requires_grad_(False)  # moved in place by its forwards (BatchNorm refuses one requiring grad), and
+        # never trained: in a group of `ph.extra`, the optimizer skips it (it gets no gradient)
     opt = optimizers.get(ph.optimizer) if ph.optimizer is not None else None
     if opt is None:
         groups = [{"params": [named[k] for k in keys], "lr": ph.lr}]
-        groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix) and k not in stats], "lr": lr}
+        groups += [{"params": [v for k, v in extra.items() if k.startswith(prefix)], "lr": lr}
                    for prefix, lr in ph.extra]  # fmt: skip
         momentum, weight_decay = ph.sgd(train)
         opt = SGD(groups, lr=ph.lr, momentum=momentum, weight_decay=weight_decay)
