@@ -181,11 +181,20 @@ def test_mmd_is_the_biased_estimate_with_bandwidths_as_variances():
 
 
 def test_lam_zero_drops_the_alignment_and_lam_changes_the_update():
+    """λ = 0: no E_i^d, and no forward of the reference extractor (which would draw dropout masks and move
+    statistics for nothing): one body forward per batch, two with λ > 0."""
     algo0, algo5 = prepare(_cfg(lam=0.0)), prepare(_cfg(lam=5.0))
     server = _nudged(algo0.init_server(), seed=1)
     state = _trained_state(algo0, server)
+    forwards = []
+    hooks = [a.ctx.model.blocks["fc1"].register_forward_hook(lambda *_: forwards.append(1)) for a in (algo0, algo5)]
     r0, _ = _update(algo0, server, state)
+    n0 = len(forwards)
     r5, _ = _update(algo5, server, state)
+    for h in hooks:
+        h.remove()
+    batches = 2 * -(-algo0.ctx.client_data(0).num_train // 16)  # two epochs of batches of 16
+    assert (n0, len(forwards) - n0) == (batches, 2 * batches)
     assert not torch.allclose(r0[BODY[0]], r5[BODY[0]], atol=1e-6)
     assert not all(torch.equal(r0[k], r5[k]) for k in HEAD + CPN)
 
@@ -285,3 +294,54 @@ def test_a_new_clients_fine_tuning_is_fedcps_local_learning_from_the_joining_sta
     want = dict(algo.ens.state_dict())
     assert all(torch.equal(got[-1][k], v) for k, v in want.items() if k != "context")
     assert torch.equal(got[-1]["context"], got[-1]["personal." + HEAD[0]].sum(0))
+
+
+def _bn_head(input_shape, num_classes):
+    """A head with BatchNorm between two linear layers: its statistics are entries of W_i^hd and of the upload."""
+    from pflbed.models.zoo import SafeBatchNorm1d
+
+    head = nn.Sequential(nn.Linear(8, 6), SafeBatchNorm1d(6), nn.ReLU(), nn.Linear(6, num_classes))
+    return BlockNet([_body(input_shape, 8), ("head", head)])
+
+
+def test_the_upload_mixes_a_heads_statistics_and_keeps_its_own_count_of_batches(monkeypatch):
+    """Deviation 1 on every floating entry of the head, its running statistics included; W_i^hd's count of batches
+    (an integer) is uploaded as it is, not mixed."""
+    monkeypatch.setitem(MODELS, "bn_head", _bn_head)
+    cfg = validate_config({**TINY, "model": {"name": "bn_head"}, "algorithm": {"name": "fedcp", "upload_mix": 0.5},
+                           "train": {**TINY["train"], "momentum": 0.0}, "executor": {"threads": 1}})  # fmt: skip
+    algo = prepare(cfg)
+    server = algo.init_server()
+    reply, state = _update(algo, server, algo.init_client(0))
+    counts = [k for k in algo.head_keys if not server[k].is_floating_point()]
+    assert counts and any("running_mean" in k for k in algo.head_keys)
+    for k in algo.head_keys:
+        mine = state["personal." + k]
+        if k in counts:
+            assert reply[k].dtype == server[k].dtype and torch.equal(reply[k], mine) and bool(mine > server[k])
+        else:
+            assert not torch.equal(mine, server[k]) and torch.allclose(reply[k], 0.5 * mine + 0.5 * server[k])
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
+def test_a_new_clients_fine_tuning_trains_what_a_clients_update_trains(model):
+    """`ft` at the budget's settings (no weight decay) is a client's update (`sgd_plan`, the rule tested above)
+    from the joining state at the same settings as `train.*`: each batch's Gumbel noise, E_i^d against the frozen
+    W^fe (its BatchNorm statistics copies of the server's), W^hd frozen — W_i^fe, Θ_i, W_i^hd and v_i bit for bit."""
+    cfg = validate_config({**TINY, "dataset": {"name": "digits"}, "model": {"name": model},
+                           "train": {**TINY["train"], "local_epochs": 2, "lr": 0.05, "momentum": 0.5,
+                                     "weight_decay": 0.0},
+                           "algorithm": {"name": "fedcp", "lam": 2.0}, "executor": {"threads": 1}})  # fmt: skip
+    algo = prepare(cfg)
+    server = algo.init_server()
+    data = algo.ctx.client_data(5)
+    budget = Budget("ft", 2, 0.05, cfg.train.batch_size, momentum=0.5)
+    got = list(algo.personalize(server, data, budget, torch.Generator().manual_seed(0)))[-1].params
+    reply, state = algo.client_update(server, algo.joining(server), data,
+                                      ClientContext(1, 5, torch.Generator().manual_seed(0)))  # fmt: skip
+    assert any("running_mean" in k for k in algo.body_keys) == (model == "lenet5_bn")
+    assert all(torch.equal(got["net." + k], reply[k]) for k in algo.body_keys)
+    assert all(torch.equal(got[k], reply[k]) for k in algo.cpn_keys)
+    assert state.keys() <= got.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    assert not torch.equal(got["net." + BODY[0]] if model == "mlp" else got[algo.cpn_keys[0]],
+                           server[BODY[0]] if model == "mlp" else server[algo.cpn_keys[0]])  # it trained
