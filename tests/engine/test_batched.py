@@ -23,7 +23,14 @@ from pflbed import rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm, ClientContext
 from pflbed.algorithms.ktpfl import KTpFL
-from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, run_plan, weighted_mean
+from pflbed.algorithms.local_sgd import (
+    LocalSGDPlan,
+    Phase,
+    RegularizedObjective,
+    model_forward,
+    run_plan,
+    weighted_mean,
+)
 from pflbed.algorithms.masks import pack_bits
 from pflbed.algorithms.pfedme import MoreauStep
 from pflbed.config import validate_config
@@ -1076,3 +1083,16 @@ def test_fedcps_personal_head_with_batchnorm_and_dropout_together_is_each_client
         assert _max_diff(want, got) <= TOL64
         assert min(_max_diff({k: got[k]}, {k: plan.start[k]}) for k in personal + own) > 0  # each set moved
         assert _max_diff({k: got[k] for k in personal}, {k: got[k[len("personal."):]] for k in personal}) > 0
+
+
+def test_a_phase_after_one_whose_objective_traced_its_own_forwards_draws_the_models_masks():
+    """The dropout calls traced for an objective with forwards of its own (FedCP's reference extractor) are that
+    phase's: a later phase of plain cross-entropy draws the model's one forward's masks again. Batched == each
+    client's own `run_plan` in float64."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("alexnet_small_x025", 32, {"name": "fedcp", "lam": 1.0}, _fedcp_state)
+    plain = RegularizedObjective([k for k, _ in ctx.model.named_parameters()])  # CE, nothing added
+    every = tuple(ctx.model.block_names())
+    plans = [replace(p, phases=(*p.phases, Phase(every, 1, 0.05, objective=plain)), finish=lambda t: (t, {}))
+             for p in plans]  # fmt: skip
+    _assert_each_own(cfg, ctx, cids, plans)
