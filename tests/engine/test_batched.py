@@ -708,7 +708,7 @@ def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_bet
     `bernoulli_(1 − p)` / (1 − p); a client's padding rows keep a mask of ones."""
     model = torch.nn.Sequential(ReproducibleDropout(0.0), ReproducibleDropout(1.0), ReproducibleDropout(0.3))
     layers = PerClientLayers(model)
-    layers.trace(model, torch.zeros(5, 4))
+    layers.trace(model, lambda: model(torch.zeros(1, 4)))
     sizes, width, seeds = [3, 2], 3, [11, 12]
     masks = layers.draw(sizes, width, [torch.Generator().manual_seed(s) for s in seeds], torch.device("cpu"))
     assert [m.shape for m in masks] == [(2, width, 4)] * 3

@@ -184,7 +184,7 @@ def train_together(
     if layers.drops:
         if noise is None:
             raise ValueError("a model with dropout needs each client's dropout stream (`noise`)")
-        layers.trace(model, datas[0].x)
+        layers.trace(model, lambda: model(datas[0].x[:1]))
     momenta: dict[str | None, Tensors] = {}  # per optimizer of the plan, its momentum buffers
     model_keys = list(model.state_dict())
     for ph in plans[0].phases:
@@ -248,7 +248,7 @@ def _phase(
         calls = layers.calls
         one = {k: v[0] for k, v in params.items()}, {k: v[0] for k, v in consts.items()}
         noise_one = {"noise": draw(1, torch.Generator().manual_seed(0)).to(pool_x.device)} if draw else {}
-        layers.trace(model, pool_x, lambda: objective(model, *one, pool_x[:1], datas[0].y[:1], None, **noise_one))
+        layers.trace(model, lambda: objective(model, *one, pool_x[:1], datas[0].y[:1], None, **noise_one))
     model.train()
 
     hooks = hasattr(objective, "running")  # statistics derived from the plan's tensors (`local_sgd.Objective`)
@@ -257,7 +257,7 @@ def _phase(
         p: Tensors, q: Tensors, b: Tensors, cst: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
         m: list[torch.Tensor], r: list[torch.Tensor],
     ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
-        tensors = {**p, **q, **b} if sets else {**p, **q}  # a forward names its set of statistics (`enter`)
+        tensors = {**p, **q, **b}  # with the statistics: a forward may name its set (`enter`)
         if hooks:
             b = objective.running(tensors, cst)  # type: ignore[union-attr]
         layers.enter(b, w > 0, m, bool(sets))

@@ -57,8 +57,9 @@ def _reproducible() -> type:
 class PerClientLayers:
     """The model's BatchNorm and dropout layers made per client for a vmapped step (see the module docstring).
 
-    Use: `masks = layers.draw(...)` before the step; inside the vmapped function `layers.enter(stats, real,
-    masks)`, the forward, then `layers.leave()` returns the new statistics — all within `layers.patched()`."""
+    Use: `layers.trace(...)` once; `masks = layers.draw(...)` before each step; inside the vmapped function
+    `layers.enter(stats, real, masks)`, the forward, then `layers.leave()` returns the new statistics — all within
+    `layers.patched()`."""
 
     def __init__(self, model: nn.Module) -> None:
         self.norms = {n: m for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
@@ -71,9 +72,9 @@ class PerClientLayers:
         self._real: torch.Tensor | None = None
         self._masks: list[torch.Tensor] = []
 
-    def trace(self, model: nn.Module, sample: torch.Tensor, forward: Callable[[], object] | None = None) -> None:
-        """Record the order and per-sample shapes of the dropout calls of the model's forward on one sample — or of
-        `forward()`, one objective's forwards (eval mode: nothing drawn, no statistic moved)."""
+    def trace(self, model: nn.Module, forward: Callable[[], object]) -> None:
+        """Record the order and per-sample shapes of the dropout calls `forward()` makes: the model's forward on
+        one sample, or one objective's forwards (eval mode: nothing drawn, no statistic moved)."""
         self.calls = []
         hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: self.calls.append((n, tuple(a[0].shape[1:]))))
                  for n, m in self.drops.items()]  # fmt: skip
@@ -81,7 +82,7 @@ class PerClientLayers:
         model.eval()
         try:
             with torch.no_grad():
-                model(sample[:1]) if forward is None else forward()
+                forward()
         finally:
             model.train(was)
             for h in hooks:
