@@ -8,7 +8,8 @@ masks) — with a leading client dimension, and every step runs all clients' for
 `torch.func.vmap` calls over `functional_call`.
 
 Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
-batch's crop offsets and flips right after its indices — from its own generator exactly as `run_plan` does, going
+batch's crop offsets and flips right after its indices, then any per-sample random inputs its objective takes
+(FedCP's Gumbel noise) — from its own generator exactly as `run_plan` does, going
 on from where building its plan left the generator and torch's global RNG (`BatchedExecutor.plan`); the
 augmentation is applied to every client's batch in one call, so each client sees the loop's augmented batches
 exactly; and the SGD update is torch.optim.SGD's (weight decay added to the gradient, momentum buffer started from
@@ -19,10 +20,11 @@ is still the mean over its real samples. Results equal the loop's up to float ro
 
 BatchNorm and dropout models are batched too: each client's running statistics travel through the vmapped step
 as stacked per-client tensors, returned by it, and each client's dropout masks are drawn from its own stream
-before the step (`engine.per_client_layers`). Eligible: models whose only buffers are BatchNorm statistics and whose
-only random layers are plain dropout, and clients of the round whose plans train one architecture
-(`LocalSGDPlan.model`) in the same phases, on the same samples where a phase has its own (`Phase.data`). Anything
-else runs through the loop, client by client — the executor decides per round.
+before the step (`engine.per_client_layers`) — an objective's further sets of statistics too (FedCP's frozen
+extractor's, `Objective.models`), its dropout calls traced through one call of it. Eligible: models whose only
+buffers are BatchNorm statistics and whose only random layers are plain dropout, and clients of the round whose
+plans train one architecture (`LocalSGDPlan.model`) in the same phases, on the same samples where a phase has its
+own (`Phase.data`). Anything else runs through the loop, client by client — the executor decides per round.
 
 `executor.compile` runs the vmapped step under `torch.compile` (`compiled`). A compiled step keeps one shape for
 the whole phase — a step with fewer clients would compile again — so every client of the batch is computed to the
