@@ -345,3 +345,14 @@ def test_a_new_clients_fine_tuning_trains_what_a_clients_update_trains(model):
     assert state.keys() <= got.keys() and all(torch.equal(got[k], v) for k, v in state.items())
     assert not torch.equal(got["net." + BODY[0]] if model == "mlp" else got[algo.cpn_keys[0]],
                            server[BODY[0]] if model == "mlp" else server[algo.cpn_keys[0]])  # it trained
+
+
+def test_a_new_clients_linear_probe_draws_nothing_from_torchs_global_rng():
+    """`lp` draws its batches and noise from the given generator alone; its loss (`LocalObjective`) is built once
+    with the algorithm, not per call, which would initialize a policy network from torch's global RNG that later
+    draws read on from."""
+    algo = prepare(_cfg())
+    server, data = algo.init_server(), algo.ctx.client_data(5)
+    before = torch.get_rng_state()
+    models = list(algo.personalize(server, data, Budget("lp", 1, 0.1, 16), torch.Generator().manual_seed(0)))
+    assert models and torch.equal(torch.get_rng_state(), before)

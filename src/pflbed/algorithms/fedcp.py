@@ -289,6 +289,8 @@ class FedCP(Algorithm):
         self.ens = PolicyModel(m, self.k, self.opts.tau)
         o = self.opts
         self.objective = LocalObjective(self.k, o.tau, o.lam, o.bandwidths)
+        # `lp`'s, on features; built once: building one initializes a policy network from torch's global RNG
+        self.head_objective = LocalObjective(self.k, o.tau, 0.0, o.bandwidths, inputs=False)
         self.cpn_keys = [CPN + k for k in self.ens.cpn.state_dict()]
         self.body_params = [k for k, _ in m.named_parameters() if k in set(self.body_keys)]
         self.body_stats = [k for k in self.body_keys if k not in set(self.body_params)]
@@ -372,10 +374,8 @@ class FedCP(Algorithm):
         others = [p for k, p in named.items() if k not in set(train)]
         tensors = {**unprefixed(NET, named), **{k: v for k, v in named.items() if not k.startswith(NET)}}
         consts = {CONTEXT: ens.context}
-        objective = self.objective
-        if reference is None:
-            objective = LocalObjective(self.k, self.opts.tau, 0.0, self.opts.bandwidths, inputs=False)
-        else:  # W^fe's statistics: copies, moved by its forwards, never kept (deviation 5)
+        objective = self.objective if reference is not None else self.head_objective
+        if reference is not None:  # W^fe's statistics: copies, moved by its forwards, never kept (deviation 5)
             consts |= {REFERENCE + k: reference[k] for k in self.body_params}
             tensors |= {REFERENCE + k: reference[k].clone() for k in self.body_stats}
         opt = SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
