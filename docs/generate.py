@@ -104,7 +104,7 @@ def algorithm_page(name: str) -> str:
         lines.append("")
     else:
         lines.append(f"{name} has no options of its own: it uses `train.*` and `eval.*`.\n")
-    lines.append(f"Search space of [`pflbed tune`](../guide/tuning.md): {_cell(shared_search())}"
+    lines.append(f"Search space of [`pflbed tune`](../guide/tuning.md): {_cell(shared_search(cls))}"
                  + (", and the options above with a search column" if any(o["search"] for o in rows) else "")
                  + " (a tune suite may narrow or extend it).\n")
     lines.append(f"[Client-level DP](../guide/privacy.md) (`privacy.clip`): {_dp(cls)}\n")

@@ -477,7 +477,7 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
         for o in options(cls):
             t.add_row(o["name"], o["type"], repr(o["default"]), o["range"], o["description"], o["search"])
         console.print(t if t.row_count else f"{args.name} has no options of its own")
-        console.print(f"search space (pflbed tune): {shared_search()}, and the options with a search column")
+        console.print(f"search space (pflbed tune): {shared_search(cls)}, and the options with a search column")
         console.print("client-level DP (privacy.*) and SecAgg+ (sites.secagg): " + (
             "apply" if cls.dp_refused is None else f"refused, because {cls.dp_refused}"))  # fmt: skip
         return

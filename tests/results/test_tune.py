@@ -808,6 +808,49 @@ def test_a_study_refuses_a_suite_whose_trials_would_differ(tmp_path, capsys):
     assert capsys.readouterr().err.startswith('pflbed: error: pruned on: "gfl_val", but the FedAvg study in ')
 
 
+def test_a_train_key_no_trial_reads_is_not_searched_and_one_a_personalization_reads_is(tmp_path):
+    """A method whose training never reads a shared `train.*` key (`Algorithm.unread_train`: APFL's plain steps
+    read no momentum) searches without it: a dimension its trials would learn nothing about, and a "chosen value"
+    meaning nothing. Its trials personalizing (`eval.finetune`, or new clients under a `new_val` objective) read
+    `train.momentum` through the budget, which is searched again; so is a key that some value of the searched
+    options reads (pFedHN's `local_steps: null` runs `train.local_epochs` epochs). A method's own space naming a key
+    it never reads is refused in one line."""
+    from pflbed.results.tune.tables import _space
+
+    every = ["train.lr", "train.local_epochs", "train.momentum"]
+    methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}},
+               "APFL": {"set": {"algorithm.name": "apfl"}},
+               "APFL+FT": {"set": {"algorithm.name": "apfl", "eval.finetune": ["ft"]}},
+               "APFL-new": {"set": {"algorithm.name": "apfl", "federation.new_clients": 1,
+                                    "eval.new_clients.methods": ["ft"]}, "objective": "new_val"},
+               "APFL-newless": {"set": {"algorithm.name": "apfl", "federation.new_clients": 1,
+                                        "eval.new_clients.methods": ["ft"]}},  # trials skip new clients
+               "L2GD": {"set": {"algorithm.name": "l2gd"}},
+               "pFedHN": {"set": {"algorithm.name": "pfedhn"}},
+               "pFedHN-K": {"set": {"algorithm.name": "pfedhn"},
+                            "space": {"algorithm.local_steps": {"choices": [5, None]}}}}  # fmt: skip
+    tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, methods=methods)))
+    shared = {m.name: [k for k in m.space if k.startswith("train.")] for m in tuner.methods}
+    unread = {m.name: m.unread for m in tuner.methods}
+    assert shared == {"FedAvg": every, "APFL": ["train.lr", "train.local_epochs"], "APFL+FT": every,
+                      "APFL-new": every, "APFL-newless": ["train.lr", "train.local_epochs"], "L2GD": ["train.lr"],
+                      "pFedHN": ["train.lr", "train.momentum"], "pFedHN-K": every}  # fmt: skip
+    assert unread == {"FedAvg": [], "APFL": ["train.momentum"], "APFL+FT": [], "APFL-new": [],
+                      "APFL-newless": ["train.momentum"], "L2GD": ["train.local_epochs", "train.momentum"],
+                      "pFedHN": ["train.local_epochs"], "pFedHN-K": []}  # fmt: skip
+    apfl = next(m for m in tuner.methods if m.name == "APFL")
+    assert "space.train.momentum" not in apfl.setup() and "train.momentum" not in apfl.default
+    assert _space({"space": {"train.lr": "log-uniform [0.001, 0.3]"}, "unread": apfl.unread}, "`") == \
+        "`train.lr` log-uniform [0.001, 0.3]; not searched, never read by its trials: `train.momentum`"
+    assert _space({"space": {}}) == "none"  # a table from before: no `unread`
+    refused = {"APFL": {"set": {"algorithm.name": "apfl"}, "space": {"train.weight_decay": {"low": 0, "high": 0.1}}}}
+    with pytest.raises(ConfigError, match=r"^methods\.APFL\.space\.train\.weight_decay: algorithm 'apfl' never "
+                                          r"reads train\.weight_decay in these trials; leave it out$"):  # fmt: skip
+        Tuner(TuneSuite.model_validate(suite(tmp_path, methods=refused)))
+    kept = {"APFL": {"set": {"algorithm.name": "apfl"}, "space": {"train.momentum": None}}}  # dropped by the suite
+    assert Tuner(TuneSuite.model_validate(suite(tmp_path, methods=kept))).methods[0].unread == []
+
+
 def test_a_study_recorded_before_tune_first_existed_drew_its_first_trial(tmp_path):
     """A study whose recorded setup has no `first trial` (it predates the key) drew its first trial like the rest:
     it continues under `tune.first: sampled` and is refused under `default`, naming the key."""

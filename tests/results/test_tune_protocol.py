@@ -614,7 +614,7 @@ def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     key its space holds, an option whose None stands for another key filled in from it (FedRep's head_lr None =
     train.lr: drawn, the trial was not the default and a study choosing it was "tuned below default"); a default
     outside the space (head_epochs 10 here) is drawn; `first: sampled` draws it like the rest."""
-    space = {"train.lr": {"low": 0.001, "high": 0.3, "log": True}, "train.local_epochs": {"low": 1, "high": 5,
+    space = {"train.lr": {"low": 0.001, "high": 0.3, "log": True}, "algorithm.body_epochs": {"low": 1, "high": 5,
              "int": True}, "train.momentum": None}  # fmt: skip
     methods = {"R": {"set": {"algorithm.name": "fedrep"}, "space": {**space,
                                                                    "algorithm.head_epochs": {"low": 1, "high": 3,
@@ -623,7 +623,7 @@ def test_a_studys_first_trial_is_the_default_configuration(tmp_path):
     tuner.run_trials(**QUIET)
     (first,) = _done(tuner, tuner.methods[0])
     cfg = validate_config({**BASE, "algorithm": {"name": "fedrep"}})
-    assert first.params["train.lr"] == cfg.train.lr and first.params["train.local_epochs"] == cfg.train.local_epochs
+    assert first.params["train.lr"] == cfg.train.lr and first.params["algorithm.body_epochs"] == 1  # its default
     assert first.user_attrs["default"] is True and first.params["algorithm.head_lr"] == cfg.train.lr  # its source
     assert 1 <= first.params["algorithm.head_epochs"] <= 3  # the default, 10, lies outside: drawn
     method = tuner.methods[0]

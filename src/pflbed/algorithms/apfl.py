@@ -60,6 +60,11 @@ class APFL(FedAvg):
     name = "apfl"
     Config = APFLOptions
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """Its steps are plain SGD on w, v_i and α_i (the module docstring's choices)."""
+        return frozenset({"momentum", "weight_decay"})
+
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.params = [k for k, _ in ctx.model.named_parameters()]  # the entries that mix

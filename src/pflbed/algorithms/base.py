@@ -124,6 +124,18 @@ class Algorithm:
         another payload (pFedMe's `train_clients: all`) are refused."""
         return None
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """The `train.*` keys that a run with these options never reads in its training and its own evaluation:
+        none by default. An update of plain gradient steps reads no `momentum` or `weight_decay`, and one whose
+        phases have lengths of their own reads no `local_epochs`.
+
+        Why declare them: `pflbed tune` searches the `train.*` keys for every method, and a key the method never
+        reads is a dimension of noise in its search (trials spent learning nothing about it) and a "chosen value"
+        that means nothing. A personalization (`eval.finetune`, new clients) reads `common.Budget.TRAIN_KEYS`
+        whatever this says. `tests/algorithms/test_unread_train.py` runs every algorithm with each key changed."""
+        return frozenset()
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.opts = ctx.options

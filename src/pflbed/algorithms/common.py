@@ -7,6 +7,7 @@ re-exports them: `from pflbed.algorithms.base import ClientData` keeps working).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -75,11 +76,20 @@ class ClientContext:
 class Budget:
     """How much adaptation a personalization may spend."""
 
+    # The `train.*` keys a personalization's budget takes (`of`): a run that personalizes (`eval.finetune`, new
+    # clients) reads them whatever its algorithm's training reads (`Algorithm.unread_train`).
+    TRAIN_KEYS: ClassVar[frozenset[str]] = frozenset({"batch_size", "momentum"})
+
     method: str  # "ft" (all parameters) or "lp" (head only)
     epochs: int
     lr: float
     batch_size: int
     momentum: float = 0.0
+
+    @classmethod
+    def of(cls, method: str, epochs: int, lr: float, train: Any) -> Budget:
+        """The budget of `epochs` epochs at `lr`, with the run's `train` batch size and momentum (`TRAIN_KEYS`)."""
+        return cls(method, epochs, lr, train.batch_size, train.momentum)
 
 
 class Predictor:

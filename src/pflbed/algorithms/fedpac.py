@@ -290,6 +290,11 @@ class FedPAC(Algorithm):
     Config = FedPACOptions
     client_entries = rf"{HEAD}(\d+)/"
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """The two phase lengths replace `train.local_epochs` (note 9)."""
+        return frozenset({"local_epochs"})
+
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         m = ctx.model

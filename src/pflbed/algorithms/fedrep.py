@@ -62,6 +62,11 @@ class FedRep(Algorithm):
     dp_refused = None  # replies: the shared entries' new values, averaged (client-level DP applies)
     Config = FedRepOptions
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """The head's and the body's phase lengths replace `train.local_epochs`."""
+        return frozenset({"local_epochs"})
+
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         m = ctx.model

@@ -64,6 +64,11 @@ class L2GD(FedAvg):
     # the seed and the round): neither clipped nor noised (`engine.loop.check_dp_payload`)
     dp_instructions = (RUNS,)
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """Algorithm 1's plain gradient steps, run lengths drawn from p (not epochs)."""
+        return frozenset({"local_epochs", "momentum", "weight_decay"})
+
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         o, lr = self.opts, ctx.cfg.train.lr

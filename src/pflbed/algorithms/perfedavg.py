@@ -68,6 +68,11 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Config = PerFedAvgOptions
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """The meta-update's plain SGD steps (choices)."""
+        return frozenset({"momentum", "weight_decay"})
+
     def init_client(self, cid: int) -> Tensors:
         return {"cid": torch.tensor(cid, device=self.ctx.device)}  # the personal model needs the client's data
 

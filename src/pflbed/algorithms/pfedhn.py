@@ -195,6 +195,11 @@ class PFedHN(Algorithm):
     dp_refused = "the server holds each client's embedding and trains its hypernetwork on each client's own update"
     Config = PFedHNOptions
 
+    @staticmethod
+    def unread_train(options: PFedHNOptions) -> frozenset[str]:
+        """K = `local_steps` steps replace `train.local_epochs`, which only `local_steps: null` reads."""
+        return frozenset({"local_epochs"}) if options.local_steps is not None else frozenset()
+
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         o = self.opts

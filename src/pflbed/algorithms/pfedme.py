@@ -70,6 +70,11 @@ class PFedMe(FedAvg):
     name = "pfedme"
     Config = PFedMeOptions
 
+    @staticmethod
+    def unread_train(options: BaseModel) -> frozenset[str]:
+        """Eq. 7–8 are plain gradient steps (choices)."""
+        return frozenset({"momentum", "weight_decay"})
+
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.params = [k for k, _ in ctx.model.named_parameters()]

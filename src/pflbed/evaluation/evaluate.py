@@ -335,7 +335,7 @@ def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generat
     `tick` is called after each client (progress)."""
     ctx = algo.ctx
     e, t = ctx.cfg.eval, ctx.cfg.train
-    budget = Budget(method, e.ft_epochs, e.ft_lr, t.batch_size, t.momentum)
+    budget = Budget.of(method, e.ft_epochs, e.ft_lr, t)
     P = Predictions(ctx.source, e.batch_size)
     test: dict[int, float] = {}
     val: dict[int, float] = {}

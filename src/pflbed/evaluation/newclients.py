@@ -103,7 +103,7 @@ def evaluate_new_clients(algo: Algorithm, server: Tensors, tick: Callable[[], No
         for fi, (size, fraction) in enumerate(zip(SIZE_NAMES, nc.fractions, strict=False)):
             per_lr: dict[str, dict[str, float]] = {}
             for li, lr in enumerate(nc.lrs):
-                budget = Budget(method, nc.epochs, lr, t.batch_size, t.momentum)
+                budget = Budget.of(method, nc.epochs, lr, t)
                 rows = []
                 for c in fed.new:
                     data = replace(ctx.client_data(c), train=new_client_train(fed, c, fi, fraction, cfg.seed))

@@ -45,7 +45,7 @@ def evaluate_site(algo: Algorithm, server: Tensors, state: Callable[[int], Tenso
         return {"test": test, "val": val, "gfl_test": _counts(algo, server, cids, P, "test"),
                 "gfl_val": _counts(algo, server, cids, P, "val")}  # fmt: skip
     e, t = ctx.cfg.eval, ctx.cfg.train
-    budget = Budget(method, e.ft_epochs, e.ft_lr, t.batch_size, t.momentum)
+    budget = Budget.of(method, e.ft_epochs, e.ft_lr, t)
     test, val = {}, {}
     for c in cids:  # as `evaluate_personalized`: one personalized model alive at a time
         gen = rng.generator(ctx.cfg.seed, rng.FINETUNE, method_index, c)

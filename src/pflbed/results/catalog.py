@@ -67,9 +67,14 @@ def options(cls: type[Algorithm]) -> list[dict[str, Any]]:
     return rows
 
 
-def shared_search() -> str:
-    """The search space of the shared `train.*` keys, tuned for every method, as one line of text."""
-    return ", ".join(f"train.{k}: {s.text()}" for k, s in declared(TrainConfig).items())
+def shared_search(cls: type[Algorithm]) -> str:
+    """The search space of the shared `train.*` keys that `cls` reads with its default options, as one line of text,
+    and those it never reads (`Algorithm.unread_train`), which `pflbed tune` leaves out of its search unless the
+    suite personalizes (a personalization reads `train.momentum`)."""
+    unread = cls.unread_train(cls.Config())
+    text = ", ".join(f"train.{k}: {s.text()}" for k, s in declared(TrainConfig).items() if k not in unread)
+    keys = ", ".join(f"train.{k}" for k in sorted(unread))
+    return text + (f" (left out: {keys}, never read by its training with its default options)" if unread else "")
 
 
 def catalog() -> list[dict[str, Any]]:

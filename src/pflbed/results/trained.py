@@ -237,7 +237,7 @@ class TrainedRun:
                yv: torch.Tensor) -> tuple[torch.nn.Module, list[dict[str, float]], int, float]:  # fmt: skip
         """One personalization: (the kept model, per-epoch history, its epoch, its validation accuracy)."""
         t = self.config.train
-        budget = Budget("ft" if method == "native" else method, epochs, lr, t.batch_size, t.momentum)
+        budget = Budget.of("ft" if method == "native" else method, epochs, lr, t)
         gen = torch.Generator().manual_seed(seed)
         if method == "native":
             steps = self.algo.personalize(self.server, data, budget, gen)

@@ -75,7 +75,7 @@ class Reruns:
                 "chosen": {} if best is None else best.params, "chosen_is_default": same,
                 "default_trial": None if first is None else {"number": first.number, "state": first.state.name,
                                                              "value": first.value},  # `tune.first: default`
-                "space": {k: s.text() for k, s in m.space.items()},
+                "space": {k: s.text() for k, s in m.space.items()}, "unread": m.unread,
                 "default": {c: d.get(c) for c in cols if cols[c]}, "tuned": {c: t.get(c) for c in cols if cols[c]},
                 "seeds": {"default": d["seeds"], "tuned": t.get("seeds", 0), "of": len(self.suite.seeds)},
                 "seconds": {"search": _trial_seconds(study),

@@ -72,14 +72,23 @@ class Method:
                     space.pop(key, None)
                 else:
                     space[key] = parse_space(value, f"{where}.{key}")
-        self.space: dict[str, Space] = space
-        self.default = _defaults(space, self.resolved({})) if suite.tune.first == "default" else {}
-        for key, s in self.space.items():  # every bound must make a valid config: names the key, not a trial
+        unread = _unread(default)
+        for key, s in space.items():  # every bound must make a valid config: names the key, not a trial
             for v in (s.options if hasattr(s, "options") else (s.low, s.high)):
                 try:
-                    self.config(0, {key: v})
+                    unread &= _unread(self.config(0, {key: v}))
                 except ConfigError as e:
                     raise ConfigError(f"methods.{name}.space.{key}: {v!r} does not validate ({e})") from None
+        # a `train.*` key that no trial reads is no dimension of the search: its trials would learn nothing about it
+        # and its "chosen value" would mean nothing (the re-runs keep the base's value)
+        self.unread = sorted(k for k in (f"train.{k}" for k in unread) if k in space)
+        for key in self.unread:
+            if spec.space.get(key) is not None:
+                raise ConfigError(f"methods.{name}.space.{key}: algorithm {default.algorithm.name!r} never reads "
+                                  f"{key} in these trials; leave it out")  # fmt: skip
+            del space[key]
+        self.space: dict[str, Space] = space
+        self.default = _defaults(space, self.resolved({})) if suite.tune.first == "default" else {}
 
     def config(self, seed: int, params: dict[str, Any], trial: bool = True) -> Config:
         """The method's config with `params` on `seed`. A trial's (`trial`) leaves out of its data every sample the
@@ -130,6 +139,17 @@ class Method:
                "trial data excludes the tests of seeds": suite.seeds,
                "first trial": suite.tune.first}  # fmt: skip
         return json.loads(json.dumps(out, default=str))
+
+
+def _unread(cfg: Config) -> frozenset[str]:
+    """The `train.*` keys a run of `cfg` never reads: its algorithm's `unread_train` for its options, less those a
+    personalization takes (`Budget.TRAIN_KEYS`) where the run personalizes (`eval.finetune`, new clients)."""
+    from pflbed.algorithms import get_algorithm
+    from pflbed.algorithms.common import Budget
+
+    cls = get_algorithm(cfg.algorithm.name)
+    unread = cls.unread_train(cls.Config.model_validate(cfg.algorithm_options()))
+    return unread - Budget.TRAIN_KEYS if cfg.eval.finetune or cfg.eval.new_clients.methods else unread
 
 
 def _defaults(space: dict[str, Space], default: dict[str, Any]) -> dict[str, Any]:

@@ -124,8 +124,7 @@ class Tables:
 
         lines = [f"## {self.suite.name}: default vs tuned", "", self._intro(rows), "", _md_table(*self.table(rows)), "",
                  "Search spaces:", ""]  # fmt: skip
-        for r in rows:
-            lines.append(f"- {r['method']}: " + (", ".join(f"`{k}` {t}" for k, t in r["space"].items()) or "none"))
+        lines += [f"- {r['method']}: {_space(r, '`')}" for r in rows]
         for r in rows:
             lines += ["", f"### {r['method']}", ""]
             lines += [f"![{r['method']} {kind}]({p})\n" for kind, p in r["plots"].items()]
@@ -144,9 +143,7 @@ class Tables:
                  f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
                  f"<h2>Default vs tuned</h2><p>{html.escape(self._intro(rows))}</p>", _html_table(*self.table(rows)),
                  "<h2>Search spaces</h2><ul>"]  # fmt: skip
-        parts += [f"<li>{html.escape(r['method'])}: " + html.escape(", ".join(f"{k} {t}" for k, t in
-                                                                             r["space"].items()) or "none") + "</li>"
-                  for r in rows]  # fmt: skip
+        parts += [f"<li>{html.escape(r['method'])}: {html.escape(_space(r))}</li>" for r in rows]
         parts.append("</ul>")
         for r in rows:
             parts.append(f"<h2>{html.escape(r['method'])}</h2>")
@@ -178,3 +175,11 @@ def _pct(v: float) -> str:
 def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
+
+def _space(row: dict[str, Any], quote: str = "") -> str:
+    """A method's search space as text, and the shared `train.*` keys left out of it because its trials never read
+    them (`Method.unread`; a table from before those were left out has none)."""
+    text = ", ".join(f"{quote}{k}{quote} {t}" for k, t in row["space"].items()) or "none"
+    unread = row.get("unread") or []
+    return text + (f"; not searched, never read by its trials: {', '.join(f'{quote}{k}{quote}' for k in unread)}"
+                   if unread else "")
