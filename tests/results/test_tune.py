@@ -828,7 +828,7 @@ def test_a_train_key_no_trial_reads_is_not_searched_and_one_a_personalization_re
                "L2GD": {"set": {"algorithm.name": "l2gd"}},
                "pFedHN": {"set": {"algorithm.name": "pfedhn"}},
                "pFedHN-K": {"set": {"algorithm.name": "pfedhn"},
-                            "space": {"algorithm.local_steps": {"choices": [5, None]}}}}  # fmt: skip
+                            "space": {"algorithm.local_steps": {"choices": [None, 5]}}}}  # fmt: skip
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, methods=methods)))
     shared = {m.name: [k for k in m.space if k.startswith("train.")] for m in tuner.methods}
     unread = {m.name: m.unread for m in tuner.methods}
