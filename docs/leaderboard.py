@@ -114,7 +114,7 @@ def _unread(r: dict[str, Any]) -> list[str]:
     from pflbed.algorithms import ALGORITHMS
     from pflbed.algorithms.common import Budget
 
-    if "unread" in r:
+    if "unread" in r or not r.get("space"):
         return []
     spec = yaml.safe_load(SUITE.read_text())["methods"][r["method"]]
     cls = ALGORITHMS[r["algorithm"]]
