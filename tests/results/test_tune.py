@@ -91,6 +91,10 @@ def test_algorithms_name_shows_the_search_space(capsys):
     tau = next(line for line in out.splitlines() if line.startswith("│ tau "))
     assert [c.strip() for c in tau.split("│")[1:-1]][5] == "log-uniform [0.02, 1]"
     assert "train.lr: log-uniform [0.001, 0.3]" in out
+    assert main(["algorithms", "l2gd"]) == 0  # the shared keys its training never reads: not in its search
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("search space (pflbed tune): train.lr: log-uniform [0.001, 0.3] (left out: train.local_epochs, "
+            "train.momentum, train.weight_decay, never read by its training with its default options)") in out
 
 
 # --- studies -------------------------------------------------------------------------------------------------------
