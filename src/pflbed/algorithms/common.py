@@ -91,6 +91,12 @@ class Budget:
         """The budget of `epochs` epochs at `lr`, with the run's `train` batch size and momentum (`TRAIN_KEYS`)."""
         return cls(method, epochs, lr, train.batch_size, train.momentum)
 
+    def sgd(self, generator: torch.Generator) -> dict[str, Any]:
+        """`training.sgd_epochs`'s keyword arguments for this budget (no weight decay: a personalization adapts,
+        it is not regularized), batches drawn from `generator`."""
+        return {"epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr, "momentum": self.momentum,
+                "generator": generator}
+
 
 class Predictor:
     """A model ready to classify: one model object plus the parameters to load into it.

@@ -133,8 +133,7 @@ class FedBN(Algorithm):
         head = set(model.state_keys(model.head_blocks()))
         trainable_names = set(self.bn_param_names) | head
         trainable = [p for k, p in model.named_parameters() if k in trainable_names]
-        kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
-                  generator=generator)  # fmt: skip
+        kw = budget.sgd(generator)
         for _ in sgd_epochs(model, data, params=trainable, **kw):
             yield Predictor(model, get_params(model))
 

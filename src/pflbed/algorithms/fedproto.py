@@ -406,9 +406,8 @@ class FedProto(Algorithm):
             ce = F.cross_entropy(model.classify(z), y)
             return ce + self.opts.lam * self.objective.distance(z, y, protos, mask, None) if self.opts.lam else ce
 
-        epochs = sgd_epochs(model, data, epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr,
-                            momentum=budget.momentum, generator=generator, params=block_params(model, blocks),
-                            loss_fn=loss, forward=model.features)  # fmt: skip
+        epochs = sgd_epochs(model, data, **budget.sgd(generator), params=block_params(model, blocks), loss_fn=loss,
+                            forward=model.features)  # fmt: skip
         for _ in range(budget.epochs):
             with frozen(model, others):
                 next(epochs)

@@ -211,8 +211,7 @@ def personalize_additive(
     net, head = predictor.net, predictor.personal
     load_params(net, server_model)
     load_params(head, start_head)
-    kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
-              generator=generator)  # fmt: skip
+    kw = budget.sgd(generator)
     if budget.method == "ft":
         for _ in sgd_epochs(predictor, data, **kw):
             yield Predictor(predictor, get_params(predictor))

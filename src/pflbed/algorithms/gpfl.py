@@ -274,8 +274,7 @@ class GPFL(Algorithm):
                  "cond": conditional_inputs(server[TABLE], data.prior)["p"]}  # fmt: skip
         route, net = self.personal, self.ctx.model
         load_params(route, start)
-        kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
-                  generator=generator)  # fmt: skip
+        kw = budget.sgd(generator)
         if budget.method == "ft":
             for _ in sgd_epochs(route, data, **kw):  # φ, ψ and V: the personalized route has no C
                 yield Predictor(route, get_params(route))

@@ -128,8 +128,7 @@ def personalize_blocks(
         yield from finetune_epochs(model, start, data, replace(budget, method="lp"), generator)
         return
     load_params(model, start)
-    kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
-              generator=generator, params=block_params(model, blocks))  # fmt: skip
+    kw = {**budget.sgd(generator), "params": block_params(model, blocks)}
     if blocks == model.top_blocks(len(blocks)):
         lower = names[: len(names) - len(blocks)]
         model.eval()

@@ -195,8 +195,7 @@ def finetune_epochs(
     trained on them.
     """
     load_params(model, start)
-    kw = dict(epochs=budget.epochs, batch_size=budget.batch_size, lr=budget.lr, momentum=budget.momentum,
-              generator=generator)  # fmt: skip
+    kw = budget.sgd(generator)
     if budget.method == "ft":
         for _ in sgd_epochs(model, data, **kw):
             yield Predictor(model, get_params(model))
