@@ -98,43 +98,7 @@ def _ordering(rs: list[dict[str, Any]]) -> list[str]:
                    "included (`tune.first: sampled`), so a costly method's choice was among a few start-up draws, "
                    "and no study ever tried its default. `pflbed tune` now runs the default as each study's first "
                    "trial (`tune.first: default`), and the board is to be re-run with it.")  # fmt: skip
-    dead = [r for r in rs if _unread(r)]
-    if dead:
-        out.append(f"- {_n(len(dead))} searched `train.*` keys their training never reads: "
-                   + ", ".join(f"{r['method']} ({', '.join(f'`{k}`' for k in _unread(r))})" for r in dead)
-                   + ". Their studies predate `pflbed tune` leaving such keys out; each spent its budget over a "
-                   "dimension that changed none of its trials (their configurations below say more).")  # fmt: skip
     return out
-
-
-def _unread(r: dict[str, Any]) -> list[str]:
-    """The `train.*` keys row `r`'s study searched though its trials never read them (`Algorithm.unread_train`; a
-    personalization in its trials reads `Budget.TRAIN_KEYS`): a study from before `pflbed tune` left them out, whose
-    row records no `unread`."""
-    from pflbed.algorithms import ALGORITHMS
-    from pflbed.algorithms.common import Budget
-
-    if "unread" in r or not r.get("space"):
-        return []
-    spec = yaml.safe_load(SUITE.read_text())["methods"][r["method"]]
-    cls = ALGORITHMS[r["algorithm"]]
-    opts = {k.split(".", 1)[1]: v for k, v in spec["set"].items()
-            if k.startswith("algorithm.") and k != "algorithm.name"}
-    unread = cls.unread_train(cls.Config.model_validate(opts))
-    if spec["set"].get("eval.finetune") or r["objective"] == "new_val":
-        unread -= Budget.TRAIN_KEYS
-    return sorted(k for k in r["space"] if k.startswith("train.") and k.split(".", 1)[1] in unread)
-
-
-def _unread_text(r: dict[str, Any]) -> str:
-    keys = _unread(r)
-    if not keys:
-        return ""
-    momentum = "train.momentum" in keys and any("New" in r[w] for w in ("default", "tuned"))
-    return (f" Its study searched {', '.join(f'`{k}`' for k in keys)}, which its training never reads (`pflbed tune` "
-            "now leaves such keys out of a search): those draws changed no trial"
-            + ("; in the re-runs, `train.momentum` sets only the new clients' fine-tuning momentum, so its tuned "
-               "new-client figure fine-tunes at a momentum no validation figure chose" if momentum else "") + ".")
 
 
 def _n(k: int) -> str:
@@ -204,7 +168,7 @@ def page() -> str:
                     + ("—" if r["best_trial"] is None else f"#{r['best_trial']} ({r['objective']} "
                        f"{100 * r['best_value']:.2f}{_stopped(r)})") + f": {chosen or 'none yet'}."
                     + (" The default configuration: its tuned figures are the default's re-runs."
-                       if r.get("chosen_is_default") else "") + _unread_text(r), ""]  # fmt: skip
+                       if r.get("chosen_is_default") else ""), ""]  # fmt: skip
     return "\n".join(head + intro + tabs + ["## What tuning changed in the ordering", "", *_ordering(rs), ""]
                      + configs)  # fmt: skip
 

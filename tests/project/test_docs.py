@@ -228,18 +228,3 @@ def test_the_leaderboard_ranks_by_each_figure_links_each_row_and_states_the_orde
         suite.write_text(f"tune: {{first: {first}}}\n")
         monkeypatch.setattr(leaderboard, "SUITE", suite)
         assert said in " ".join(leaderboard.page().split()), first
-    suite = tmp_path / "unread.yaml"  # APFL reads no train.momentum, unless it fine-tunes (+FT)
-    suite.write_text("tune: {first: default}\nmethods:\n  APFL: {set: {algorithm.name: apfl}}\n"
-                     "  FedRep: {set: {algorithm.name: fedrep}}\n"
-                     "  APFL+FT: {set: {algorithm.name: apfl, eval.finetune: [ft]}}\n")
-    monkeypatch.setattr(leaderboard, "SUITE", suite)
-    every = {"train.lr": "", "train.local_epochs": "", "train.momentum": ""}
-    rows.append({**row("APFL", "apfl", 60, 70, 50), "space": every})  # a study from before unread keys were left out
-    rows.append({**row("FedRep", "fedrep", 60, 70, 50), "space": every, "unread": ["train.local_epochs"]})  # after
-    rows.append({**row("APFL+FT", "apfl", 60, 70, 50), "space": every})  # its fine-tuning reads train.momentum
-    page = " ".join(leaderboard.page().split())
-    assert "- 1 method searched `train.*` keys their training never reads: APFL (`train.momentum`)." in page
-    assert ("Its study searched `train.momentum`, which its training never reads (`pflbed tune` now leaves such keys "
-            "out of a search): those draws changed no trial.") in page  # no new-client figures: no fine-tuning
-    rows[-3]["tuned"]["New"] = [80.0, 1.0]
-    assert "in the re-runs, `train.momentum` sets only the new clients' fine-tuning momentum" in leaderboard.page()
