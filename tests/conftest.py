@@ -5,6 +5,9 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from pflbed.engine.procs import WorkerPool
+from pflbed.models.zoo import MODELS, alexnet_small
+
+from .tiny import ALEXNET_TINY
 
 # Property tests: the same examples in every run by default (a CI failure reproduces locally); `explore` draws
 # fresh ones, many more (HYPOTHESIS_PROFILE=explore python -m pytest tests/project/test_config_properties.py).
@@ -57,3 +60,9 @@ def pool():
     seconds). A test that leaves results behind in it breaks the next one: `ProcsExecutor.stream` must not."""
     with WorkerPool(2, threads=1) as p:
         yield p
+
+
+@pytest.fixture
+def alexnet_tiny(monkeypatch):
+    """`ALEXNET_TINY` in the zoo for one test, in this process only (a worker process would not know it)."""
+    monkeypatch.setitem(MODELS, ALEXNET_TINY, lambda shape, classes: alexnet_small(shape, classes, width=1 / 16))

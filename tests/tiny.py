@@ -33,6 +33,11 @@ LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3}
 DATA = {**TINY["dataset"], "synthetic": {"n_train": 800}}
 
 
+# The zoo's dropout model, AlexNet, at 1/16 of its width (FC 256): the same layers and dropout masks as
+# `alexnet_small_x025` at a fifth of its cost per float64 step, for the batched tests that compare every step's masks
+# in one process. A test takes it with the `alexnet_tiny` fixture (conftest), which registers it for that test alone.
+ALEXNET_TINY = "alexnet_tiny"
+
 # Non-default options that change what crosses the executors (a client state holding a whole model) or what a
 # client draws from its generator: the parity tests run these beside every algorithm's defaults. Case name →
 # (algorithm, options) or (algorithm, options, config sections replaced).

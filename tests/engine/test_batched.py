@@ -45,7 +45,9 @@ from pflbed.models import build_model
 from pflbed.models.zoo import ReproducibleDropout
 from pflbed.runs import run
 
-from ..tiny import DATA, TINY
+from ..tiny import ALEXNET_TINY, DATA, TINY
+
+pytestmark = pytest.mark.usefixtures("alexnet_tiny")
 
 TOL = 1e-5
 TOL64 = 1e-10
@@ -97,7 +99,7 @@ def test_batched_equals_loop_within_tolerance(name, monkeypatch):
         assert all(torch.equal(loop.server[k], both.server[k]) for k in loop.server)
 
 
-@pytest.mark.parametrize("model", ["lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["lenet5_bn", ALEXNET_TINY])
 @pytest.mark.parametrize("name", ["fedavg", "fedper"])
 def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model, monkeypatch):
     """The executor end to end on the models the batched path used to leave to the loop: the round's clients
@@ -134,7 +136,7 @@ def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_st
     def cfg(batch_clients):
         c = _cfg("fedala", batch_clients, 3, lr=0.05, momentum=0.5).model_dump()
         c["federation"]["sample_fraction"] = 0.5
-        return validate_config({**c, "model": {"name": "alexnet_small_x025"},
+        return validate_config({**c, "model": {"name": ALEXNET_TINY},
                                 "algorithm": {"name": "fedala", "layers": 3, "rand_percent": 50}})  # fmt: skip
 
     loop = run(cfg(False), write=False, progress=False)
@@ -210,7 +212,7 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
 
     def cfg(rounds):  # a dropout model: each client's dropout stream restarted too
         return validate_config({**_cfg("fedper", True, rounds, **train).model_dump(),
-                                "model": {"name": "alexnet_small_x025"}})  # fmt: skip
+                                "model": {"name": ALEXNET_TINY}})  # fmt: skip
 
     whole = run(cfg(2), write=False, progress=False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -258,7 +260,7 @@ def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_t
 
     def cfg(sampled, batch_clients):
         return validate_config({**TINY, "dataset": DATA, "algorithm": {"name": "fedavg"},
-                                "model": {"name": "alexnet_small_x025"},  # dropout: the global RNG seeded alone too
+                                "model": {"name": ALEXNET_TINY},  # dropout: the global RNG seeded alone too
                                 "federation": {**TINY["federation"], "sample_fraction": sampled / 6},
                                 "train": {**TINY["train"], "rounds": 2},
                                 "executor": {"threads": 1, "batch_clients": batch_clients,
@@ -345,13 +347,13 @@ def _assert_each_own(cfg, ctx, cids, plans):
         assert _max_diff(got, plan.start) > 100 * TOL
 
 
-@pytest.mark.parametrize("model", ["lenet5", "mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["lenet5", "mlp", "lenet5_bn", ALEXNET_TINY])
 def test_train_together_is_each_clients_own_sgd(model):
     """Rule (batched.py:_phase = local_sgd.run_plan): two phases (FedPer's head-only epoch, then every block),
     momentum restarted per phase, weight decay, a batch size that leaves a smaller last batch, clients of unequal
     sizes (the smaller stops early and must then stay put): each client's result equals its own `run_plan`. With
     BatchNorm (lenet5_bn) its running statistics too — moved by every forward, frozen blocks' included, from the
-    real rows of a padded batch only — and with dropout (alexnet_small_x025) the masks its own stream draws, which
+    real rows of a padded batch only — and with dropout (AlexNet) the masks its own stream draws, which
     it must be given. One client alone too."""
     torch.set_num_threads(1)
     cfg, ctx, cids, plans = _plans(model)
@@ -365,7 +367,7 @@ def test_train_together_is_each_clients_own_sgd(model):
             assert torch.equal(got[k], want[k]) and got[k] > plan.start[k], k
     (one,), (own,) = _each_own(cfg, ctx, cids[-1:], plans[-1:])  # alone: a GPU's last resort when out of memory
     assert _max_diff(own, one) <= TOL64
-    if model == "alexnet_small_x025":
+    if model == ALEXNET_TINY:
         data = [ctx.client_data(c) for c in cids]
         with pytest.raises(ValueError, match=r"^a model with dropout needs each client's dropout stream \(`noise`\)$"):
             train_together(ctx.model, plans, data, cfg.train, [client_generator(cfg.seed, 1, c) for c in cids])
@@ -417,17 +419,15 @@ def _random_masks(algo, cid):
     return {f"mask/{k}": pack_bits(m) for k, m in masks.items()}
 
 
-@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", ALEXNET_TINY])
 def test_fedselects_masked_passes_together_are_each_clients_own(model):
     """FedSelect's LocalAlt plan (Alg. 2): per epoch a pass on each client's personal entries, then one on its
     global entries, the masks each client's own (random here), each side one optimizer kept across the round's
     passes (momentum 0.5, weight decay). Batched == each client's own `run_plan` — with BatchNorm statistics and
     dropout masks."""
     torch.set_num_threads(1)
-    epochs = 1 if model == "alexnet_small_x025" else 2  # (two on the others: the optimizers kept across epochs)
-    cfg, ctx, cids, plans = _plans(model, 8 if epochs == 2 else 32, {"name": "fedselect", "eligible": "all"},
-                                   _random_masks, local_epochs=epochs)  # fmt: skip
-    assert [ph.optimizer for ph in plans[0].phases] == ["personal", "global"] * epochs
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "fedselect", "eligible": "all"}, state=_random_masks)
+    assert [ph.optimizer for ph in plans[0].phases] == ["personal", "global"] * 2  # the optimizers kept across epochs
     assert len({tuple(p.consts[next(iter(p.consts))].reshape(-1).tolist()) for p in plans}) == 3
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]  # the trained tensors themselves
     together, alone = _each_own(cfg, ctx, cids, plans)
@@ -445,7 +445,7 @@ def _moved_personal_model(algo, cid):
             for k, v in algo.ctx.initial_params.items()}  # fmt: skip
 
 
-@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", ALEXNET_TINY])
 def test_dittos_two_models_together_are_each_clients_own(model):
     """Ditto's plan (Algorithm 1): FedAvg's epochs on w from w^t, then the personal epochs on the second model
     v_k (`Phase.model`) on F_k(v_k) + λ/2·‖v_k − w^t‖², at its own lr: batched == each client's own `run_plan`,
@@ -454,8 +454,7 @@ def test_dittos_two_models_together_are_each_clients_own(model):
     have kinks (there a 1e-7 change of v_k's start moves the loop's own result by 0.62)."""
     torch.set_num_threads(1)
     cfg, ctx, cids, plans = _plans(model, algorithm={"name": "ditto", "lam": 0.5, "personal_lr": 0.01},
-                                   state=_moved_personal_model, local_epochs=1 if "alexnet" in model else 2,
-                                   batch_size=32 if "alexnet" in model else 8)  # fmt: skip
+                                   state=_moved_personal_model)
     assert [ph.model for ph in plans[0].phases] == ["", "personal."]
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]  # w and v_k side by side
     together, alone = _each_own(cfg, ctx, cids, plans)
@@ -497,7 +496,7 @@ def test_fedpacs_head_then_aligned_body_together_is_each_clients_own(model):
     _assert_each_own(cfg, ctx, cids, plans)
 
 
-@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", ALEXNET_TINY])
 def test_fedbasis_steps_together_are_each_clients_own(model):
     """FedBasis's plan (Eq. 9): the ψ step (softmax(ψ), V frozen, at alpha_lr without weight decay), then the V
     step on every basis and v' with α† = SHARPEN(softmax(ψ); τ) fixed, each forward through the combined model
@@ -506,7 +505,7 @@ def test_fedbasis_steps_together_are_each_clients_own(model):
     torch.set_num_threads(1)
     algorithm = {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1,
                  "alpha_lr": 0.5, "tau": 0.3}  # fmt: skip
-    cfg, ctx, cids, plans = _plans(model, 32 if "alexnet" in model else 8, algorithm, lr=0.01)
+    cfg, ctx, cids, plans = _plans(model, 8, algorithm, lr=0.01)
     assert [ph.objective.alpha for ph in plans[0].phases] == ["softmax", "sharpened"]
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
@@ -742,7 +741,7 @@ def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch):
     assert _max_diff(loop.server, both.server) <= TOL
 
 
-@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", ALEXNET_TINY])
 @pytest.mark.parametrize("algorithm", [{"name": "perfedavg", "variant": "fo", "alpha": 0.05},
                                        {"name": "perfedavg", "variant": "hf", "alpha": 0.05},
                                        {"name": "pfedme", "K": 3, "lam": 5.0, "personal_lr": 0.05}])  # fmt: skip
@@ -754,7 +753,7 @@ def test_step_rules_together_are_each_clients_own(algorithm, model):
     at batch size 8: HF's steps amplify float64 rounding 10× every few steps, 1e-14 after one, 1e-6 after 40.)"""
     torch.set_num_threads(1)
     augment = ("crop", "flip") if model == "lenet5_bn" else ()  # each batch's choices drawn after its indices
-    cfg, ctx, cids, plans = _plans(model, {"mlp": 8, "lenet5_bn": 16}.get(model, 32), algorithm, augment=augment)
+    cfg, ctx, cids, plans = _plans(model, 16 if model == "lenet5_bn" else 8, algorithm, augment=augment)
     assert plans[0].phases[0].rule is not None and (ctx.client_data(cids[0]).augment is not None) == bool(augment)
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
@@ -781,7 +780,7 @@ def _apfl_state(algo, cid):
             for k, v in state.items()} | {"alpha": torch.tensor(0.2 + 0.1 * cid)}  # fmt: skip
 
 
-@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", ALEXNET_TINY])
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_apfls_two_models_steps_together_are_each_clients_own(model, adaptive):
     """APFL's step (`apfl.MixedStep`): w's forward, then v̄'s, on one batch; w, v_i and α_i moved at once. Batched
@@ -874,7 +873,7 @@ def test_distillation_together_is_each_clients_own(preset):
                                      "local_epochs": 1},
                            "algorithm": {"name": "ktpfl", "preset": preset, "public_batch": 80,
                                          "distill_batch_size": 24,
-                                         "architectures": ["lenet5_bn", "alexnet_small_x025"]}})  # fmt: skip
+                                         "architectures": ["lenet5_bn", ALEXNET_TINY]}})  # fmt: skip
     algo = prepare(cfg)
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)
@@ -885,7 +884,7 @@ def test_distillation_together_is_each_clients_own(preset):
         replies[c], states[c] = update_client(algo, 1, c, payloads[c], states[c])
     server = algo.aggregate(1, server, replies, {c: 1.0 for c in cids})
     payloads = algo.configure(2, server, cids)
-    for group in (cids[:3], cids[4:7]):  # lenet5_bn, then alexnet_small_x025
+    for group in (cids[:3], cids[4:7]):  # lenet5_bn, then AlexNet
         plans = [algo.round_plan(payloads[c], states[c], ctx.client_data(c), ClientContext(2, c, torch.Generator()))
                  for c in group]  # fmt: skip
         distill, model = plans[0].phases[0], plans[0].model
@@ -916,7 +915,7 @@ def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(
         c = _cfg("ktpfl", batch_clients, 3, lr=0.05, momentum=0.5, weight_decay=0.01).model_dump()
         return validate_config({**c, "algorithm": {"name": "ktpfl", "preset": preset, "public_batch": 48,
                                                    "distill_batch_size": 16,
-                                                   "architectures": ["lenet5", "alexnet_small_x025"]}})  # fmt: skip
+                                                   "architectures": ["lenet5", ALEXNET_TINY]}})  # fmt: skip
 
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
@@ -976,10 +975,10 @@ def test_architectures_of_the_same_keys_are_batched_apart(monkeypatch):
     torch.set_num_threads(1)
     calls = []
     monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(a[0]) or train_together(*a))
-    loop = run(_zoo(["alexnet_small_x025", "alexnet_small"], False), write=False, progress=False)
-    both = run(_zoo(["alexnet_small_x025", "alexnet_small"], True), write=False, progress=False)
+    loop = run(_zoo([ALEXNET_TINY, "alexnet_small_x025"], False), write=False, progress=False)
+    both = run(_zoo([ALEXNET_TINY, "alexnet_small_x025"], True), write=False, progress=False)
     models = both.executor.algo.models
-    assert len(calls) == 2 and {id(m) for m in calls} == {id(models["alexnet_small_x025"]), id(models["alexnet_small"])}
+    assert len(calls) == 2 and {id(m) for m in calls} == {id(models[ALEXNET_TINY]), id(models["alexnet_small_x025"])}
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
 
 
@@ -1007,7 +1006,7 @@ def _fedcp_state(algo, cid):
     return {**head, "context": algo.context(head)}
 
 
-@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", "alexnet_small_x025"])
+@pytest.mark.parametrize("model", ["mlp", "lenet5_bn", ALEXNET_TINY])
 def test_fedcps_policy_objective_together_is_each_clients_own(model):
     """FedCP's plan (`fedcp.LocalObjective`): each step's Gumbel noise drawn from the client's generator after its
     batch and that batch's augmentation, the policy of each client's own Θ_i and v_i, CE through W^hd and W_i^hd
@@ -1018,8 +1017,7 @@ def test_fedcps_policy_objective_together_is_each_clients_own(model):
     augment = ("crop", "flip") if model == "lenet5_bn" else ()
     algorithm = {"name": "fedcp", "lam": 2.0, "tau": 0.5}
     bn = model == "lenet5_bn"
-    size = {"mlp": 8, "lenet5_bn": 16}.get(model, 32)
-    cfg, ctx, cids, plans = _plans(model, size, algorithm, _fedcp_state, 8 if bn else 6, augment)
+    cfg, ctx, cids, plans = _plans(model, 16 if bn else 8, algorithm, _fedcp_state, 8 if bn else 6, augment)
     assert model != "lenet5_bn" or any(ctx.client_data(c).num_train % 16 == 1 for c in cids)  # a batch of one
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans)
@@ -1090,7 +1088,7 @@ def test_a_phase_after_one_whose_objective_traced_its_own_forwards_draws_the_mod
     phase's: a later phase of plain cross-entropy draws the model's one forward's masks again. Batched == each
     client's own `run_plan` in float64."""
     torch.set_num_threads(1)
-    cfg, ctx, cids, plans = _plans("alexnet_small_x025", 32, {"name": "fedcp", "lam": 1.0}, _fedcp_state)
+    cfg, ctx, cids, plans = _plans(ALEXNET_TINY, 8, {"name": "fedcp", "lam": 1.0}, _fedcp_state)
     plain = RegularizedObjective([k for k, _ in ctx.model.named_parameters()])  # CE, nothing added
     every = tuple(ctx.model.block_names())
     plans = [replace(p, phases=(*p.phases, Phase(every, 1, 0.05, objective=plain)), finish=lambda t: (t, {}))

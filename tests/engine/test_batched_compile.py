@@ -2,8 +2,10 @@
 
 Inductor, the backend `torch.compile` uses, takes a minute per graph on a small CPU and needs a C++ compiler, so
 these tests swap in the `aot_eager` backend: the same capture of the vmapped step (dynamo, then AOT autograd) run
-with the eager kernels, so the compiled run must equal the eager one bit for bit. What inductor changes on top is
-float rounding, measured on the GPU (`tests/engine/test_cuda.py`, `benchmarks/gpu.py`).
+with the eager kernels. On the cases below the compiled run equals the eager one bit for bit; that is a property of
+these shapes, not a promise of aot_eager, whose decompositions may round differently elsewhere (KT-pFL's zoo with
+AlexNet at 1/16 width moved a client by 4e-9 in its first round). What inductor changes on top is float rounding,
+measured on the GPU (`tests/engine/test_cuda.py`, `benchmarks/gpu.py`).
 """
 
 import pytest
@@ -35,13 +37,18 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
+# pFedMe traces its K inner forwards into each step: two show the statistics carried from one to the next at less
+# than half the tracing of its default five.
+OPTIONS = {"pfedme": {"K": 2}}
+
+
 def _cfg(name, model, compile_, rounds=3, epochs=1):
     """Clients of different sizes (a Dirichlet split): later steps of a round have fewer clients with a batch."""
     return validate_config({**TINY, "dataset": DATA, "model": {"name": model},
                             "federation": {**TINY["federation"], "sample_fraction": 1.0},
                             "train": {**TINY["train"], "rounds": rounds, "lr": 0.05, "momentum": 0.5,
                                       "local_epochs": epochs},
-                            "algorithm": {"name": name},
+                            "algorithm": {"name": name, **OPTIONS.get(name, {})},
                             "executor": {"threads": 1, "batch_clients": True, "compile": compile_}})  # fmt: skip
 
 
@@ -213,14 +220,14 @@ def test_a_compiled_phase_computes_finished_clients_and_drops_their_results(name
 def test_a_zoos_architectures_compile_once_each_per_step_kind_in_one_cache(aot_eager):
     """KT-pFL's heterogeneous clients: each architecture's steps are compiled into the run's one cache (switching
     architecture does not empty it). Round 1 captures each architecture's local phase; round 2 its distillation
-    and its local phase again (the plan's targets are now among the step's inputs); rounds 3–4 reuse all six.
+    and its local phase again (the plan's targets are now among the step's inputs); round 3 reuses all six.
     The compiled run equals the eager one bit for bit."""
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(1)
 
     def cfg(compile_):
-        c = _cfg("ktpfl", "lenet5_bn", compile_, rounds=4).model_dump()
+        c = _cfg("ktpfl", "lenet5_bn", compile_, rounds=3).model_dump()
         c["federation"]["public"] = 64
         return validate_config({**c, "algorithm": {"name": "ktpfl", "public_batch": 48, "distill_batch_size": 16,
                                                    "architectures": ["lenet5_bn", "alexnet_small_x025"]}})  # fmt: skip
