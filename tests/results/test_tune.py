@@ -107,6 +107,7 @@ import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -329,8 +330,13 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
     f = write(tmp_path, suite(tmp_path, 4))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "pflbed", "tune", "-c", f, "--worker"]
-    procs = [subprocess.Popen(cmd + extra, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for extra in (["--max-trials", "2"], [])]  # fmt: skip
+    procs = [subprocess.Popen(cmd + ["--max-trials", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    began = tmp_path / "out" / "trials"
+    for _ in range(1200):  # the second starts once the first has begun a trial: on a loaded machine it could
+        if any(began.glob("*/*")) or procs[0].poll() is not None:  # otherwise take the whole budget first
+            break
+        time.sleep(0.1)
+    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stdout.read().decode()
     tuner = Tuner(load_tune_suite(f))
@@ -583,7 +589,6 @@ def test_a_killed_tune_process_is_continued_by_the_next(tmp_path):
     """A real kill (SIGKILL mid-trial): the next `pflbed tune` fails the dead trial, runs its parameters again and
     stops at the budget."""
     import signal
-    import time
 
     tree = suite(tmp_path, 1)
     tree["base"] = {**BASE, "train": {**BASE["train"], "rounds": 30}, "eval": {"every": 10, "finetune": []}}
