@@ -66,3 +66,19 @@ def pool():
 def alexnet_tiny(monkeypatch):
     """`ALEXNET_TINY` in the zoo for one test, in this process only (a worker process would not know it)."""
     monkeypatch.setitem(MODELS, ALEXNET_TINY, lambda shape, classes: alexnet_small(shape, classes, width=1 / 16))
+
+
+@pytest.fixture
+def together(monkeypatch):
+    """How many clients each call of `engine.batched.train_together` trained at once, call by call: whether and how
+    the batched executor took a round's clients, which its results cannot tell (they are the loop's)."""
+    from pflbed.engine import batched
+
+    calls, real = [], batched.train_together
+
+    def counted(model, plans, *rest):
+        calls.append(len(plans))
+        return real(model, plans, *rest)
+
+    monkeypatch.setattr(batched, "train_together", counted)
+    return calls

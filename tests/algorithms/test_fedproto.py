@@ -15,8 +15,6 @@ from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.cli import main
 from pflbed.config import validate_config
-from pflbed.engine import batched
-from pflbed.engine.batched import train_together
 from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
@@ -268,18 +266,16 @@ def test_a_new_client_trains_the_initial_model_on_eq_8_towards_the_global_protot
     assert torch.equal(allowed, server["proto_mask"] * (lacking.prior > 0)) and allowed[2] == 0 and allowed[0] == 1
 
 
-def test_the_class_mean_regulariser_batched_is_each_client_s_own(monkeypatch):
+def test_the_class_mean_regulariser_batched_is_each_client_s_own(together):
     """The engine's batched tests run the defaults; the other regulariser's per-client batch means must survive
     the batched step's padding and weights too (two rounds with momentum and weight decay, as those tests)."""
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
     runs = []
     for batch_clients in (False, True):
         cfg = validate_config({**_cfg(regularizer="class_mean").model_dump(), "train": TRAIN,
                                "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
         runs.append(pflbed.run(cfg, write=False, progress=False))
     loop, both = runs
-    assert calls and all(n > 1 for n in calls)
+    assert together and all(n > 1 for n in together)
     assert all(torch.allclose(loop.server[k], both.server[k], atol=1e-5) for k in loop.server)
     for c, s in loop.executor.states.items():
         assert all(torch.allclose(s[k].float(), both.executor.states[c][k].float(), atol=1e-5) for k in s)
@@ -406,11 +402,9 @@ def test_architectures_of_other_embedding_sizes_or_unknown_names_are_refused(tmp
         assert not out.exists()
 
 
-def test_heterogeneous_clients_batched_train_the_run_s_model_together_and_the_others_one_by_one(monkeypatch):
+def test_heterogeneous_clients_batched_train_the_run_s_model_together_and_the_others_one_by_one(together):
     """Batch size 24 (see `_het_cfg`): the batched lenet5 clients' rounding reaches the lenet5_bn clients through
     the next round's prototypes."""
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
     runs = []
     for batch_clients in (False, True):
         cfg = validate_config({**_het_cfg().model_dump(), "train": {**TRAIN, "batch_size": 24},
@@ -418,7 +412,7 @@ def test_heterogeneous_clients_batched_train_the_run_s_model_together_and_the_ot
                                "executor": {"threads": 1, "batch_clients": batch_clients}})  # fmt: skip
         runs.append(pflbed.run(cfg, write=False, progress=False))
     loop, both = runs
-    assert calls == [3, 3]  # per round the three lenet5 clients; the lenet5_bn ones through the loop
+    assert together == [3, 3]  # per round the three lenet5 clients; the lenet5_bn ones through the loop
     assert all(torch.allclose(loop.server[k], both.server[k], atol=1e-5) for k in loop.server)
     for c, s in loop.executor.states.items():
         assert all(torch.allclose(s[k].float(), both.executor.states[c][k].float(), atol=1e-5) for k in s)

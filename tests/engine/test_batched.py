@@ -72,27 +72,25 @@ def _max_diff(a, b):
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_batched_equals_loop_within_tolerance(name, monkeypatch):
+def test_batched_equals_loop_within_tolerance(name, together):
     """Plain-SGD algorithms (an `sgd_plan`) are trained together and land within TOL of the loop's parameters and
     client states; every other algorithm runs client by client in the batched executor, bit-identical. Two rounds
     with momentum and weight decay (one round for the others: their rounds are the loop's code); vmapped
     convolutions: `test_train_together_is_each_clients_own_sgd`."""
     torch.set_num_threads(1)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
     train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
     planned = ALGORITHMS[name].loop_only is None
     loop = run(_cfg(name, False, 2 if planned else 1, **train), write=False, progress=False)
     both = run(_cfg(name, True, 2 if planned else 1, **train), write=False, progress=False)
     assert isinstance(both.executor, BatchedExecutor)
     if planned:
-        assert calls and all(n > 1 for n in calls)  # the batched path ran, on several clients at a time
+        assert together and all(n > 1 for n in together)  # the batched path ran, on several clients at a time
         assert _max_diff(loop.server, both.server) <= TOL
         assert loop.executor.states.keys() == both.executor.states.keys()
         assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
         assert both.summary["final"]["pfl_acc"] == pytest.approx(loop.summary["final"]["pfl_acc"], abs=0.05)
     else:
-        assert not calls
+        assert not together
         assert {k: v for k, v in both.summary.items() if k not in ("timing", "provenance")} == {
             k: v for k, v in loop.summary.items() if k not in ("timing", "provenance")
         }
@@ -101,7 +99,7 @@ def test_batched_equals_loop_within_tolerance(name, monkeypatch):
 
 @pytest.mark.parametrize("model", ["lenet5_bn", ALEXNET_TINY])
 @pytest.mark.parametrize("name", ["fedavg", "fedper"])
-def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model, monkeypatch):
+def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model, together):
     """The executor end to end on the models the batched path used to leave to the loop: the round's clients
     trained together, the server and every client's state (BatchNorm statistics included) within TOL. One round,
     lr 0.05: these tiny runs have kinks where float rounding decides (lenet5_bn at lr 0.1: one client's gradient
@@ -109,8 +107,6 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
     round-2 start moved the loop's own update by 0.065), where no rounding tolerance can hold; every round's
     update is the same rule from its start (`test_train_together_is_each_clients_own_sgd`)."""
     torch.set_num_threads(1)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
 
     def cfg(batch_clients):
         c = _cfg(name, batch_clients, 1, lr=0.05, momentum=0.5, weight_decay=0.01)
@@ -118,20 +114,18 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
 
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
-    assert calls and all(n > 1 for n in calls)
+    assert together and all(n > 1 for n in together)
     assert _max_diff(loop.server, both.server) <= TOL
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
     assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
 
 
-def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_streams(monkeypatch):
+def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_streams(together):
     """FedALA's plan learns its weights before it trains: it draws its sample and batches from the client's
     generator and its dropout masks from torch's global RNG, and the batched training goes on from both where the
     plan left them, as the loop's does. AlexNet with ALA on its three top blocks (both dropout layers), half the
     clients a round, three rounds (ALA runs from the second): the server and every state within TOL."""
     torch.set_num_threads(1)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
 
     def cfg(batch_clients):
         c = _cfg("fedala", batch_clients, 3, lr=0.05, momentum=0.5).model_dump()
@@ -141,19 +135,17 @@ def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_st
 
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
-    assert len(calls) == 3 and all(n > 1 for n in calls)
+    assert len(together) == 3 and all(n > 1 for n in together)
     assert any(k.startswith("ala/") for s in both.executor.states.values() for k in s)  # the weights were learned
     assert _max_diff(loop.server, both.server) <= TOL
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
 
 
-def test_a_plans_finish_draws_on_from_where_training_left_the_clients_generator(monkeypatch):
+def test_a_plans_finish_draws_on_from_where_training_left_the_clients_generator(together):
     """FedSelect's random GradSelect draws the entries it makes personal from the client's generator after the
     client trained: batched, the generator stands where the batched training left it, as in the loop — the same
     masks, bit for bit (a packed mask differing anywhere differs by ≥ 1), and the run within TOL."""
     torch.set_num_threads(1)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
 
     def cfg(batch_clients):
         c = _cfg("fedselect", batch_clients, 3, lr=0.05, momentum=0.5).model_dump()
@@ -161,7 +153,7 @@ def test_a_plans_finish_draws_on_from_where_training_left_the_clients_generator(
 
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
-    assert calls and all(n > 1 for n in calls)
+    assert together and all(n > 1 for n in together)
     masks = [k for s in loop.executor.states.values() for k in s if k.startswith("mask/")]
     assert masks  # the selection ran
     assert all(torch.equal(loop.executor.states[c][k], both.executor.states[c][k])
@@ -248,14 +240,15 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
     assert calls == [3]
 
 
-def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_the_batched_updates(monkeypatch):
+def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_the_batched_updates(
+    monkeypatch, together
+):
     """A round's clients of one plan are trained together from two on; a lone client's plan runs as the loop runs
     it (`run_plan`: a vmapped step of one client is the loop's work at a higher cost), bit for bit the loop's. A
     client trained together is not trained again client by client: its reply is `train_together`'s (the two agree
     within TOL, so only the calls tell). The executor keeps the run's `executor.strict`."""
     torch.set_num_threads(1)
-    together, alone = [], []
-    monkeypatch.setattr(batched, "train_together", lambda *a: together.append(len(a[1])) or train_together(*a))
+    alone = []
     monkeypatch.setattr(batched, "run_plan", lambda *a: alone.append(a[2].cid) or run_plan(*a))
 
     def cfg(sampled, batch_clients):
@@ -266,12 +259,12 @@ def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_t
                                 "executor": {"threads": 1, "batch_clients": batch_clients,
                                              "strict": True}})  # fmt: skip
 
-    for sampled, trained_together, trained_alone in [(2, [2, 2], 0), (1, [], 2)]:
+    for sampled, want, trained_alone in [(2, [2, 2], 0), (1, [], 2)]:
         together.clear()
         alone.clear()
         r = run(cfg(sampled, True), write=False, progress=False)
         assert isinstance(r.executor, BatchedExecutor) and r.executor.strict
-        assert together == trained_together and len(alone) == trained_alone
+        assert together == want and len(alone) == trained_alone
     loop = run(cfg(1, False), write=False, progress=False)
     assert all(torch.equal(loop.server[k], r.server[k]) for k in loop.server)
 
@@ -721,7 +714,7 @@ def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_bet
     assert not masks[1][:, :2].any() and (real == 0).any() and (real > 1).any()  # dropped; some kept and scaled
 
 
-def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch):
+def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch, together):
     """One vmapped step runs one plan: a round whose clients' plans differ (here FedAvg with twice the learning rate
     on odd clients) is trained as one group per plan, each client by its own plan, within TOL of the loop."""
     torch.set_num_threads(1)
@@ -733,11 +726,9 @@ def test_clients_whose_plans_differ_are_trained_in_separate_groups(monkeypatch):
         return LocalSGDPlan(payload, (phase,), lambda params: (params, state))
 
     monkeypatch.setattr(fedavg, "sgd_plan", sgd_plan)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
     loop = run(_cfg("fedavg", False, 1), write=False, progress=False)
     both = run(_cfg("fedavg", True, 1), write=False, progress=False)
-    assert sorted(calls) == [3, 3]  # six clients: the even ones together, the odd ones together
+    assert sorted(together) == [3, 3]  # six clients: the even ones together, the odd ones together
     assert _max_diff(loop.server, both.server) <= TOL
 
 
@@ -806,13 +797,11 @@ def test_apfls_two_models_steps_together_are_each_clients_own(model, adaptive):
 
 
 @pytest.mark.parametrize(("name", "options"), [("pfedme", {"train_clients": "all"}), ("perfedavg", {"variant": "hf"})])
-def test_step_rule_algorithms_end_to_end_equal_the_loop(name, options, monkeypatch):
+def test_step_rule_algorithms_end_to_end_equal_the_loop(name, options, together):
     """The executor end to end, half the clients sampled: pFedMe with `train_clients: all` trains the unsampled
     clients in the same batch as the sampled ones (one plan shape), and they reply nothing while their θ_i moves;
     Per-FedAvg's Hessian-free variant. Server and every client state within TOL after two rounds."""
     torch.set_num_threads(1)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
 
     def cfg(batch_clients):
         c = _cfg(name, batch_clients, 2, lr=0.05).model_dump()
@@ -822,7 +811,7 @@ def test_step_rule_algorithms_end_to_end_equal_the_loop(name, options, monkeypat
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
     clients = len(loop.executor.algo.ctx.federation.participated)
-    assert calls == [clients] * 2 if name == "pfedme" else calls and all(1 < n < clients for n in calls)
+    assert together == [clients] * 2 if name == "pfedme" else together and all(1 < n < clients for n in together)
     assert _max_diff(loop.server, both.server) <= TOL
     assert loop.executor.states.keys() == both.executor.states.keys()
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
@@ -900,7 +889,7 @@ def test_distillation_together_is_each_clients_own(preset):
 
 
 @pytest.mark.parametrize("preset", ["paper", "official"])
-def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(preset, monkeypatch):
+def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(preset, together):
     """KT-pFL's executor end to end on two architectures, one with dropout: each architecture's clients trained
     together in every round (the distillation's too, from round 2 on), the server (coefficients, targets) and every
     client's state within TOL of the loop's after three rounds (seen: 1.5e-8). Not lenet5_bn: in float32 one of
@@ -908,8 +897,6 @@ def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(
     `test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop`); its distillation is held to the loop in
     float64 (`test_distillation_together_is_each_clients_own`)."""
     torch.set_num_threads(1)
-    calls = []
-    monkeypatch.setattr(batched, "train_together", lambda *a: calls.append(len(a[1])) or train_together(*a))
 
     def cfg(batch_clients):
         c = _cfg("ktpfl", batch_clients, 3, lr=0.05, momentum=0.5, weight_decay=0.01).model_dump()
@@ -920,7 +907,7 @@ def test_a_zoo_of_architectures_is_batched_per_architecture_and_equals_the_loop(
     loop = run(cfg(False), write=False, progress=False)
     both = run(cfg(True), write=False, progress=False)
     clients = len(loop.executor.algo.ctx.federation.participated)
-    assert len(calls) == 3 * 2 and sum(calls) == 3 * clients and all(n > 1 for n in calls)
+    assert len(together) == 3 * 2 and sum(together) == 3 * clients and all(n > 1 for n in together)
     assert _max_diff(loop.server, both.server) <= TOL
     assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
     algo = loop.executor.algo
