@@ -163,8 +163,32 @@ REFUSED = [("dataset.path", "/etc"), ("dataset.download", True), ("dataset.hf.id
 def test_a_site_refuses_a_key_off_the_allow_list(key, value):
     """Each key a server may not decide for a site, set to anything but its default: one line naming it, from the
     site's own check (before the config is even validated)."""
-    with pytest.raises(SiteError, match=rf"^the server's config sets {key}=.*may not decide for a site"):
+    tail = r"may not decide for a site \(a path, a download or data the site does not hold\): the site refuses the run$"
+    with pytest.raises(SiteError, match=rf"^the server's config sets {key}=.*{tail}"):
         site_policy.check(SITE, _json(_cfg(), **{key: value}))
+
+
+def test_a_refusal_shows_a_long_value_cut_to_one_short_line():
+    """A value is shown as its repr, cut after 57 characters: a server's megabyte string is not echoed back."""
+    value = "/" + "x" * 100
+    with pytest.raises(SiteError) as e:
+        site_policy.check(SITE, _json(_cfg(), **{"dataset.path": value}))
+    assert f"dataset.path={repr(value)[:57]}..., which" in str(e.value) and repr(value) not in str(e.value)
+    for n, shown in ((58, "x" * 58 + "'"), (59, "x" * 56 + r"\.\.\.")):  # a repr of 60 characters whole, of 61 cut
+        with pytest.raises(SiteError, match=rf"sets dataset.path='{shown}, which"):
+            site_policy.check(SITE, _json(_cfg(), **{"dataset.path": "x" * n}))
+
+
+@pytest.mark.parametrize("config, message", [("{not json", "is not JSON"), ("[" * 100_000, "is not JSON"),
+                                             ("[1, 2]", "is not a mapping of config keys")])  # fmt: skip
+def test_a_config_that_is_not_a_json_mapping_is_refused_in_one_line(config, message):
+    with pytest.raises(SiteError, match=rf"^the server's config {message}$"):
+        site_policy.check(SITE, config)
+
+
+def test_a_node_is_a_site_when_its_node_config_names_data_of_its_own():
+    assert not site_policy.holds_data({}) and not site_policy.holds_data({"max-rounds": 5})
+    assert site_policy.holds_data({"data": "/d"}) and site_policy.holds_data({"dataset": "fmnist"})
 
 
 def test_a_site_accepts_what_a_server_may_decide():
@@ -175,7 +199,11 @@ def test_a_site_accepts_what_a_server_may_decide():
                "federation.sample_fraction": 0.5, "sites.test": "/server/test.npz", "executor.round_timeout": 30.0,
                "model.init_blocks": ["body"], "dataset.normalize": "imagenet", "privacy.delta": 1e-6}  # fmt: skip
     assert site_policy.check(SITE, _json(cfg, **changes)).seed == 7
-    assert site_policy.check(SITE, _json(_cfg("fedpac"))).algorithm_options() == {}
+    fedpac = site_policy.check(SITE, _json(_cfg("fedpac"), **{"algorithm.qp_max_iter": 20_000}))
+    assert fedpac.algorithm_options() == {"qp_max_iter": 20_000}  # sent, at its default
+    # only integers are sizes: a string option, and a float one above max-option, pass
+    other = {"algorithm.aggregation": "weighted", "algorithm.alpha_lr": 5000.0}
+    assert site_policy.check(SITE, _json(_cfg("fedbasis"), **other)).algorithm_options()["alpha_lr"] == 5000.0
 
 
 BOUNDED = [
@@ -184,6 +212,9 @@ BOUNDED = [
     ("rounds", "fedavg", {"train.rounds": 10**6}, "train.rounds", "max-rounds"),
     ("local_epochs", "fedavg", {"train.local_epochs": 100_000}, "train.local_epochs", "max-epochs"),
     ("ft_epochs", "fedavg", {"eval.ft_epochs": 1000}, "eval.ft_epochs", "max-epochs"),
+    ("new_clients_epochs", "fedavg", {"eval.new_clients.epochs": 1000}, "eval.new_clients.epochs", "max-epochs"),
+    ("option_after_a_default", "fedbasis", {"algorithm.K": 4, "algorithm.kmeans_iters": 5000},  # K: its default
+     "algorithm.kmeans_iters", "max-option"),
     ("clients", "fedavg", {"federation.clients": 20_000}, "federation.clients", "max-clients"),
     ("num_classes", "fedavg", {"sites.num_classes": 5000}, "sites.num_classes", "max-classes"),
     ("input_shape", "fedavg", {"sites.input_shape": [3, 10**6, 10**6]}, "sites.input_shape", "max-sample"),
@@ -203,6 +234,41 @@ def test_a_site_refuses_a_size_beyond_its_bound_before_building_anything(algo, c
     ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={}, node_config=SITE)
     with pytest.raises(SiteError, match=rf"sets {key}.*above this site's bound {bound}="):
         site_node.site_algorithm_of(ctx, config, "[[1]]")
+
+
+AT_BOUND = [  # (id, algorithm, changes, node key, the largest size the config then asks of it, the key named)
+    ("rounds", "fedavg", {"train.rounds": 2}, "max-rounds", 2, "train.rounds"),
+    ("epochs", "fedavg", {"eval.new_clients.epochs": 30}, "max-epochs", 30, "eval.new_clients.epochs"),
+    ("clients", "fedavg", {}, "max-clients", 4, "federation.clients"),
+    ("classes", "fedavg", {}, "max-classes", 10, "sites.num_classes"),
+    ("image_size", "fedavg", {"dataset.image_size": 40}, "max-sample", 3 * 40 * 40, "dataset.image_size"),
+    ("option", "fedbasis", {"algorithm.K": 5}, "max-option", 5, "algorithm.K"),
+]
+
+
+@pytest.mark.parametrize("algo, changes, bound, size, key", [b[1:] for b in AT_BOUND], ids=[b[0] for b in AT_BOUND])
+def test_a_bound_takes_a_size_up_to_and_including_itself(algo, changes, bound, size, key):
+    config = _json(_cfg(algo), **changes)
+    assert site_policy.check({**SITE, bound: size}, config)
+    refused = rf"^the server's config sets {key}.* above this site's bound {bound}={size - 1} "
+    with pytest.raises(SiteError, match=refused):
+        site_policy.check({**SITE, bound: size - 1}, config)
+    assert site_policy.check({**SITE, "max-rounds": 1}, _json(_cfg(), **{"train.rounds": 1}))  # 1 is a bound too
+
+
+def test_the_parameter_bound_counts_the_run_s_model_for_its_samples_and_classes():
+    """The parameters of the model the run builds (its input shape and its classes), counted as the model counts
+    them; a model that cannot take the run's samples is refused in one line."""
+    from pflbed.models import build_model
+
+    cfg = _cfg()
+    model = build_model(cfg.model.name, tuple(cfg.sites.input_shape), cfg.sites.num_classes)
+    n = sum(p.numel() for p in model.parameters())
+    assert site_policy.check({**SITE, "max-parameters": n}, _json(cfg))
+    with pytest.raises(SiteError, match=rf"model.name=mlp \(its parameters\)={n}, above .* max-parameters={n - 1} "):
+        site_policy.check({**SITE, "max-parameters": n - 1}, _json(cfg))
+    with pytest.raises(SiteError, match=r"^model.name=lenet5 cannot take samples of shape \[5\]: Expected 3D"):
+        site_policy.check(SITE, _json(cfg, **{"model.name": "lenet5", "sites.input_shape": [5]}))
 
 
 def test_a_site_s_node_config_raises_its_bounds_and_flower_parses_the_keys():
@@ -266,15 +332,19 @@ def test_site_offsets_are_a_running_sum():
 
 DP = {"privacy.clip": 0.5, "privacy.noise_multiplier": 1.0}
 REQUIRED = [
-    ("secagg_off", {"require-secagg": True}, {}, r"^sites.secagg: this site requires secure aggregation"),
-    ("privacy_off_clip", {"max-clip": 1.0}, {}, r"^privacy.clip: this site requires client-level DP \(max-clip=1"),
+    ("secagg_off", {"require-secagg": True}, {},
+     r"^sites.secagg: this site requires secure aggregation \(.*\), and the server's run does not use it$"),
+    ("privacy_off_clip", {"max-clip": 1.0}, {},
+     r"^privacy.clip: this site requires client-level DP \(max-clip=1 in its node config\), and the server's run "
+     r"has none$"),
     ("privacy_off_epsilon", {"max-epsilon": 8}, {}, r"^privacy.clip: this site requires .*\(max-epsilon=8"),
     ("clip_above", {"max-clip": 1.0}, {**DP, "privacy.clip": 3.4e38}, r"^privacy.clip=3.4e\+38 is above .*max-clip=1"),
     ("epsilon_above", {"max-epsilon": 8}, {**DP, "privacy.noise_multiplier": 0.3}, r"ε after 4 rounds is .* max-eps"),
     ("epsilon_infinite", {"max-epsilon": 8}, {**DP, "privacy.noise_multiplier": 0.0}, r"ε after 4 rounds is inf"),
     ("delta_above", {"max-delta": 1e-6}, DP, r"^privacy.delta=1e-05 is above this site's max-delta=1e-06"),
     ("seeded_noise", {"max-clip": 1.0}, {**DP, "privacy.randomness": "seeded"},
-     r"^privacy.randomness: this site requires client-level DP, .*\(seeded\)"),
+     r"^privacy.randomness: this site requires client-level DP, .*\(seeded\), which anyone who knows the config "
+     r"can subtract$"),
 ]
 
 
@@ -294,3 +364,29 @@ def test_a_site_accepts_a_run_with_the_privacy_it_requires():
     assert site_policy.check(need, _json(cfg, **target)).privacy.target_epsilon == 6.0
     with pytest.raises(SiteError, match="max-epsilon=5"):
         site_policy.check({**need, "max-epsilon": 5}, _json(cfg, **target))
+
+
+@pytest.mark.parametrize("key", ["max-clip", "max-epsilon", "max-delta"])
+@pytest.mark.parametrize("value", [0, -1.0, "8", True])
+def test_a_privacy_cap_in_the_node_config_must_be_a_positive_number(key, value):
+    with pytest.raises(SiteError, match=rf"^{key}={value!r} in the node config: a positive number is needed$"):
+        site_policy.check({**SITE, key: value}, _json(_cfg(), **DP))
+
+
+def test_require_secagg_in_the_node_config_must_be_true_or_false():
+    with pytest.raises(SiteError, match=r"^require-secagg='yes' in the node config: true or false is needed$"):
+        site_policy.check({**SITE, "require-secagg": "yes"}, _json(_cfg(), **{"sites.secagg": True}))
+
+
+def test_a_privacy_cap_takes_a_run_up_to_and_including_itself():
+    """The clip and the ε at exactly the site's caps pass, a hair above is refused. The ε is the run's own: its
+    mechanism over its clients, after its rounds, as the server reports it."""
+    from pflbed.privacy import mechanism
+
+    cfg = _cfg()
+    assert site_policy.check({**SITE, "max-clip": 0.5}, _json(cfg, **DP))
+    run = validate_config(_tree_of(cfg, **DP))
+    eps = mechanism(run, run.federation.clients).epsilon(run.train.rounds)
+    assert site_policy.check({**SITE, "max-epsilon": eps}, _json(cfg, **DP))
+    with pytest.raises(SiteError, match=r"ε after 4 rounds is .* above this site's max-epsilon"):
+        site_policy.check({**SITE, "max-epsilon": eps * (1 - 1e-9)}, _json(cfg, **DP))
