@@ -2,7 +2,9 @@
 site has no right to send are refused with one line naming the site, never a crash. In-process, on the faked
 Flower runtime, site 1's messages rewritten as a site running other code would send them."""
 
+import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -19,7 +21,14 @@ from flwr.common import Code, FitRes, Parameters, Status  # noqa: E402
 from pflbed.flower import client  # noqa: E402
 from pflbed.flower.executor import FlowerRoundError  # noqa: E402
 from pflbed.flower.records import from_record, to_record  # noqa: E402
-from pflbed.flower.site_claims import TOKEN, site_token  # noqa: E402
+from pflbed.flower.site_claims import (  # noqa: E402
+    TOKEN,
+    Claims,
+    check_counts,
+    declared_eval,
+    site_token,
+    token_hash,
+)
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
 from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
@@ -86,6 +95,40 @@ def test_the_bound_on_counts_is_the_server_s_config(tmp_path):
                                                                     "max_client_samples": 5}})  # fmt: skip
     with _server_task(), pytest.raises(SiteError, match="max_client_samples=5"):
         discover_sites(grid, low)
+
+
+def _bounded(max_client_samples):
+    cfg = _site_cfg(_short())
+    return validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
+                                                                     "max_client_samples": max_client_samples}})
+
+
+def test_the_count_rules_take_their_bounds_themselves():
+    """`check_counts`: federation.clients clients (4 here), counts from 1 to sites.max_client_samples, pass; a client
+    more, a count of 0 or one above the bound is refused. `declared_eval`: test and val counts from 0 to the bound."""
+    cfg = _bounded(100)
+    assert check_counts(cfg, 1, [1, 100, 7, 1]) is None
+    for counts, why in (([1] * 5, "reports 5 clients, more than federation.clients=4"), ([0], r"num_train\[0\]=0;"),
+                        ([5, 101], r"num_train\[1\]=101; a count is an integer from 1 to sites.max_client_samples=100$")
+                        ):  # fmt: skip
+        assert re.search(why, check_counts(cfg, 1, counts)), counts
+    train = {"num_train": [3, 3]}
+    assert declared_eval(cfg, 1, train) is None  # nothing declared: nothing to hold its evaluations to
+    assert declared_eval(cfg, 1, {**train, "num_test": [0, 100], "num_val": [2, 3]}) == [100, 5]
+    for info, key in (({"num_test": [1, 1]}, "num_val"), ({"num_val": [1, 1]}, "num_test"),  # one without the other
+                      ({"num_test": [1, 101], "num_val": [1, 1]}, "num_test")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^site 1: {key}=.*; one count per client, from 0 to sites.max_client"):
+            declared_eval(cfg, 1, {**train, **info})
+    long = list(range(1, 100))
+    with pytest.raises(ValueError, match=rf"^site 1: num_test={re.escape(str(long)[:60])}; one count"):  # cut to 60
+        declared_eval(cfg, 1, {**train, "num_test": long, "num_val": [1, 1]})
+
+
+def test_only_a_non_empty_string_is_a_token():
+    """What a node presents as its token is the server's to hash only where it is a non-empty string; anything else
+    (a number, a list, an empty string) is no token at all, never a crash and never the hash of ""."""
+    assert token_hash("abc") == hashlib.sha256(b"abc").hexdigest()
+    assert token_hash("") is token_hash(None) is token_hash(7) is token_hash(["abc"]) is None
 
 
 def _executor(tmp_path, tree):
@@ -558,6 +601,27 @@ def test_a_site_restarted_with_its_token_continues(tmp_path, monkeypatch):
     assert grid.nodes[0] != 1000 and grid.nodes[2] != 1002
     assert restarted.executor.refusals == []
     assert figures(restarted.summary) == figures(straight.summary)
+
+
+def test_a_claim_moves_a_site_only_with_its_token_and_its_start_up_report():
+    """`Claims.claim` on its own. The first claim binds; its own node again checks nothing. Another node takes a site
+    that presented a token with that token alone, even while the first node is still on the grid (a restarted
+    site's old node may not have been dropped yet); a site without a token moves only once its node has left. The
+    counts (shown to five) and the declared evaluation samples must be those of start-up."""
+    c, counts = Claims(), [1, 2, 3, 4, 5, 6, 7]
+    assert c.claim(0, 10, {"num_train": counts, TOKEN: "t"}, None, {10}) is None and c.node[0] == 10
+    assert c.claim(0, 10, {"num_train": [9]}, None, {10}) is None
+    assert c.claim(0, 11, {"num_train": counts, TOKEN: "u"}, None, {10, 11}).endswith("without the token it presented "
+                                                                                       "at start-up")  # fmt: skip
+    assert c.claim(0, 11, {"num_train": counts, TOKEN: "t"}, None, {10, 11}) is None and c.node[0] == 11
+    assert c.claim(0, 12, {"num_train": [9, *counts[1:]], TOKEN: "t"}, None, {12}) == (
+        "site 0: node 12 reports training-sample counts [9, 2, 3, 4, 5], not those of start-up [1, 2, 3, 4, 5]")
+    assert c.claim(1, 20, {"num_train": [3]}, [4, 4], {20}) is None
+    assert c.claim(1, 21, {"num_train": [3]}, [4, 4], {20, 21}) == "site 1: node 21 claims it while node 20 serves it"
+    assert c.claim(1, 21, {"num_train": [3]}, [5, 4], {21}).endswith("declares [5, 4] test and val samples, not "
+                                                                      "those of start-up")  # fmt: skip
+    assert c.claim(1, 21, {"num_train": [3]}, [4, 4], {21}) is None and c.node[1] == 21
+    assert c.counts_list() == [counts, [3]]
 
 
 def test_a_site_token_is_made_once_readable_by_its_owner_only(tmp_path):
