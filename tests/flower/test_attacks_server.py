@@ -305,6 +305,18 @@ def test_a_site_refuses_malformed_site_sizes(sizes, match):
         site_node.site_sizes(SITE, _cfg(), sizes)
 
 
+def test_site_sizes_take_their_bounds_themselves():
+    """As many sites as the node's max-clients, clients holding no sample yet, and a node config without a
+    partition-id (site 0) pass; a partition-id past the last site is refused in one line."""
+    cfg, four = _cfg(), "[[1], [0], [2], [3]]"
+    assert site_node.site_sizes({**SITE, "max-clients": 4}, cfg, four) == [[1], [0], [2], [3]]
+    with pytest.raises(SiteError, match=r"^site-sizes: 4 sites holding 4 clients, .*max-clients=3\)$"):
+        site_node.site_sizes({**SITE, "max-clients": 3}, cfg, four)
+    assert site_node.site_sizes({"data": "/d"}, cfg, "[[1, 1, 1, 1]]") == [[1, 1, 1, 1]]
+    with pytest.raises(SiteError, match=r"^site-sizes: 4 sites, but this is site 4 \(partition-id\)$"):
+        site_node.site_sizes({**SITE, "partition-id": 4}, cfg, four)
+
+
 def test_a_site_refuses_site_sizes_that_miscount_its_own_clients(tmp_path):
     """The server's site-sizes must say what this site reported: its own entry is its clients' sample counts."""
     tree = _tree("fedavg", eval={"every": 2, "finetune": []})

@@ -32,7 +32,7 @@ from pflbed.flower.site_claims import (  # noqa: E402
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
 from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
-from .site_setup import _server_task, _site_cfg, _sites, _tree, run_sites  # noqa: E402
+from .site_setup import _server_task, _site_cfg, _sites, _tampered, _tree, run_sites  # noqa: E402
 
 BAD = 1  # the malicious site (one client per site: its client is client 1)
 
@@ -622,6 +622,27 @@ def test_a_claim_moves_a_site_only_with_its_token_and_its_start_up_report():
                                                                       "those of start-up")  # fmt: skip
     assert c.claim(1, 21, {"num_train": [3]}, [4, 4], {21}) is None and c.node[1] == 21
     assert c.counts_list() == [counts, [3]]
+
+
+def test_a_site_s_report_carries_the_token_kept_in_its_own_state_directory(tmp_path):
+    """The token a site presents is the one in the state directory its node config names (where a restart finds it
+    again); a node asked for data it does not hold answers as site 0 where its node config names no partition."""
+    from flwr.app import Context, RecordDict
+
+    from pflbed.flower import site_node
+
+    def _context(node):
+        return Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={})
+
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    node = {**grid.node_configs[1], "partition-id": 1}
+    report = site_node.site_report(_context(node), _tampered(cfg))
+    assert report[TOKEN] == (tmp_path / "states-1" / "site-token").read_text().strip() != ""
+    plain = validate_config({**_short(), "executor": {"name": "flower"}})
+    with pytest.raises(SiteError, match=r"^site 0: the server asked for this node's data, but its config names no "
+                                        r"data=$"):  # fmt: skip
+        site_node.site_report(_context({}), _tampered(plain))
 
 
 def test_a_site_token_is_made_once_readable_by_its_owner_only(tmp_path):

@@ -208,7 +208,8 @@ def test_a_site_refuses_a_run_that_is_not_site_local_and_a_data_less_node_a_site
     with pytest.raises(SiteError, match=r"this site holds its own data .* not site-local"):
         site_config({"data": "/data/site.npz"}, _tampered(plain))
     assert site_config({}, _tampered(plain)) is None  # a simulated client: the run's own data, as before
-    with pytest.raises(SiteError, match="names no data="):
+    with pytest.raises(SiteError, match=r"^the run keeps the data on the sites \(sites.local=true\), but this node's "
+                                        r"config names no data=$"):  # fmt: skip
         site_config({}, _tampered(_site_cfg(tree)))
 
 
@@ -254,6 +255,8 @@ def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_a
     check_clients(algo, [1])
     with pytest.raises(SiteError, match=r"clients \[0, 2\], which it does not hold"):
         check_clients(algo, [0, 1, 2])
+    with pytest.raises(SiteError, match=r"^the server asked this site for clients \[0, 2, 3, 4, 5\], which it does"):
+        check_clients(algo, [0, 1, 2, 3, 4, 5, 6])  # the first five named
 
 
 def test_the_server_context_refuses_client_data():
