@@ -456,6 +456,50 @@ FIGURES = {"other_site_client": (_overwrite, "score clients"), "above_one": (_ab
            "missing_client": (_missing, "score clients"), "bool_counts": (_bool, "gfl_test")}  # fmt: skip
 
 
+def test_the_server_s_check_of_a_site_s_numbers_rule_by_rule():
+    """`site_eval.check_scores` on its own: exactly the site's clients, accuracies in [0, 1] (both ends) or NaN, G-FL
+    counts [correct, samples] with 0 ≤ correct ≤ samples ≤ the bound (both ends), the samples those declared; each
+    part asked for checked, the G-FL counts only in the round's figures."""
+    from pflbed.flower.site_eval import check_scores
+
+    def part(test=1.0, val=0.0, **gfl):
+        return {"test": {"1": test, "2": 0.5}, "val": {"1": val, "2": 0.5}, **gfl}
+
+    def why(answer, round_figures=True, methods=(), counts=None):
+        return check_scores(answer, [1, 2], round_figures, list(methods), 5, counts)
+
+    counted = {"gfl_test": [0, 4], "gfl_val": [5, 5]}
+    assert why({"": part(**counted)}, counts=[4, 5]) is None
+    assert why({"": part(test=float("nan"))}) is None  # a client without test samples; no G-FL counts sent
+    assert why({"ft": part()}, round_figures=False, methods=["ft"]) is None
+    assert why({"": part(), "ft": part(gfl_test=[9, 1])}, methods=["ft"]) is None  # counts only in the round's
+    refused = [
+        ([1, 2], {}, "its numbers are not a mapping"),
+        ({}, {}, "the round's figures are missing"),
+        ({"": part()}, {"methods": ["lp"]}, "'lp' are missing"),
+        ({"": {**part(), "test": {"1": 1.0}}}, {}, r"the round's figures score clients \['1'\] on test, its clients "
+                                                   r"are \[1, 2\]"),
+        ({"": {**part(), "val": [0.5, 0.5]}}, {}, r"score clients \[0.5, 0.5\] on val"),
+        ({"": part(test=1.0000001)}, {}, "give client 1 a test accuracy of 1.0000001, outside"),
+        ({"": part(val=-1e-9)}, {}, "give client 1 a val accuracy of -1e-09, outside"),
+        ({"": part(test=True)}, {}, "accuracy of True"),
+        ({"": part(test="0.5")}, {}, "accuracy of '0.5'"),
+        ({"": part(gfl_test=[0, 4])}, {}, r"^gfl_val None is not \[correct, samples\] with 0 ≤ correct ≤ samples ≤ 5$"),
+        ({"": part(**{**counted, "gfl_test": [6, 6]})}, {}, r"^gfl_test \[6, 6\] is not"),
+        ({"": part(**{**counted, "gfl_test": [3, 2]})}, {}, r"^gfl_test \[3, 2\] is not"),
+        ({"": part(**{**counted, "gfl_val": [-1, 2]})}, {}, r"^gfl_val \[-1, 2\] is not"),
+        ({"": part(**{**counted, "gfl_val": [1, 2, 3]})}, {}, r"^gfl_val \[1, 2, 3\] is not"),
+        ({"": part(**{**counted, "gfl_val": [1.0, 2]})}, {}, r"^gfl_val \[1.0, 2\] is not"),
+        ({"": part(**{**counted, "gfl_val": [True, 2]})}, {}, r"^gfl_val \[True, 2\] is not"),
+        ({"": part(**counted)}, {"counts": [3, 5]}, r"^gfl_test counts 4 samples, not the 3 it declared or counted "
+                                                    r"first$"),
+        ({"": part(**counted)}, {"counts": [4, 4]}, r"^gfl_val counts 5 samples, not the 4 it"),
+    ]  # fmt: skip
+    for answer, options, message in refused:
+        got = why(answer, **options)
+        assert got is not None and re.search(message, got), (message, got)
+
+
 @pytest.mark.parametrize("attack", list(FIGURES))
 def test_figures_a_site_has_no_right_to_send_stop_the_run_naming_it(attack, tmp_path):
     change, what = FIGURES[attack]
