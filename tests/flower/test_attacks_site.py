@@ -474,17 +474,23 @@ def test_the_server_s_check_of_a_site_s_numbers_rule_by_rule():
     assert why({"ft": part()}, round_figures=False, methods=["ft"]) is None
     assert why({"": part(), "ft": part(gfl_test=[9, 1])}, methods=["ft"]) is None  # counts only in the round's
     refused = [
-        ([1, 2], {}, "its numbers are not a mapping"),
+        ([1, 2], {}, "^its numbers are not a mapping$"),
         ({}, {}, "the round's figures are missing"),
         ({"": part()}, {"methods": ["lp"]}, "'lp' are missing"),
         ({"": {**part(), "test": {"1": 1.0}}}, {}, r"the round's figures score clients \['1'\] on test, its clients "
                                                    r"are \[1, 2\]"),
         ({"": {**part(), "val": [0.5, 0.5]}}, {}, r"score clients \[0.5, 0.5\] on val"),
+        ({"": {**part(), "val": 5}}, {}, r"score clients 5 on val"),
+        ({"": {**part(), "val": {str(c): 0.5 for c in range(100)}}}, {},  # the clients shown cut to 60 characters
+         rf"score clients {re.escape(str(sorted(str(c) for c in range(100)))[:60])} on val"),
         ({"": part(test=1.0000001)}, {}, "give client 1 a test accuracy of 1.0000001, outside"),
         ({"": part(val=-1e-9)}, {}, "give client 1 a val accuracy of -1e-09, outside"),
         ({"": part(test=True)}, {}, "accuracy of True"),
         ({"": part(test="0.5")}, {}, "accuracy of '0.5'"),
         ({"": part(gfl_test=[0, 4])}, {}, r"^gfl_val None is not \[correct, samples\] with 0 ≤ correct ≤ samples ≤ 5$"),
+        ({"": part(gfl_val=[0, 4])}, {}, r"^gfl_test None is not"),  # either one sent: both checked
+        ({"": part(**{**counted, "gfl_val": list(range(30))})}, {},
+         rf"^gfl_val {re.escape(str(list(range(30)))[:60])} is"),  # shown cut to 60 characters
         ({"": part(**{**counted, "gfl_test": [6, 6]})}, {}, r"^gfl_test \[6, 6\] is not"),
         ({"": part(**{**counted, "gfl_test": [3, 2]})}, {}, r"^gfl_test \[3, 2\] is not"),
         ({"": part(**{**counted, "gfl_val": [-1, 2]})}, {}, r"^gfl_val \[-1, 2\] is not"),
