@@ -404,3 +404,36 @@ def test_an_evaluation_waits_for_a_site_that_is_down_and_the_run_continues_when_
     grid.send_and_receive = flaky
     again = run_sites(_site_cfg(tree), grid)
     assert down and figures(again.summary) == figures(straight.summary)
+
+
+def test_the_server_combines_the_sites_numbers_as_a_simulated_run_computes_them():
+    """`site_eval.combine`: clients in id order whatever the sites' order; G-FL pooled over the sites' samples in
+    float32 (a simulated run's mean of 0/1), the server's own test figure instead where it has one, None where no
+    site has samples of a split or the method has no generic model; and one site alone."""
+    from pflbed.evaluation.evaluate import summarize
+    from pflbed.flower.site_eval import combine
+
+    a = {"test": {"0": 0.5}, "val": {"0": 1.0}, "gfl_test": [3, 4], "gfl_val": [0, 0]}
+    b = {"test": {"2": 1.0, "1": 0.0}, "val": {"2": 0.5, "1": 0.5}, "gfl_test": [0, 3], "gfl_val": [0, 0]}
+    out, test = combine([b, a], None, True)
+    assert test == {0: 0.5, 1: 0.0, 2: 1.0} and list(test) == [0, 1, 2]
+    assert out == {"gfl_acc": float(torch.tensor(3.0) / 7), "gfl_val": None,
+                   **summarize(test, {0: 1.0, 1: 0.5, 2: 0.5})}  # fmt: skip
+    assert out["gfl_acc"] != 3 / 7  # float32, as simulated
+    assert combine([a], 0.9, True)[0]["gfl_acc"] == 0.9
+    alone, _ = combine([a], None, False)
+    assert alone["gfl_acc"] is alone["gfl_val"] is None and alone.keys() == out.keys()
+
+
+@pytest.mark.parametrize("name", ["fedavg", "local"])
+def test_a_site_asked_for_no_client_or_without_a_generic_model_counts_nothing_correct(name):
+    from pflbed.engine.loop import prepare
+    from pflbed.evaluation.evaluate import Predictions
+    from pflbed.flower.site_eval import _counts
+
+    algo = prepare(validate_config({**TINY, "algorithm": {"name": name}}))
+    P = Predictions(algo.ctx.source, 64)
+    assert _counts(algo, algo.init_server(), [], P, "test") == [0, 0]
+    n = len(algo.ctx.federation.clients[0].test)
+    correct, samples = _counts(algo, algo.init_server(), [0], P, "test")
+    assert samples == n and (correct == 0 if name == "local" else 0 < correct <= n)
