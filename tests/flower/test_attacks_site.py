@@ -87,20 +87,16 @@ def test_a_report_that_is_not_one_is_refused_with_one_line(change, tmp_path):
         discover_sites(grid, cfg)
 
 
-def test_the_bound_on_counts_is_the_server_s_config(tmp_path):
-    tree = _short()
-    cfg = _site_cfg(tree)
-    _, grid = _sites(tmp_path, cfg)
-    low = validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
-                                                                    "max_client_samples": 5}})  # fmt: skip
-    with _server_task(), pytest.raises(SiteError, match="max_client_samples=5"):
-        discover_sites(grid, low)
-
-
 def _bounded(max_client_samples):
     cfg = _site_cfg(_short())
     return validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
                                                                      "max_client_samples": max_client_samples}})
+
+
+def test_the_bound_on_counts_is_the_server_s_config(tmp_path):
+    _, grid = _sites(tmp_path, _site_cfg(_short()))
+    with _server_task(), pytest.raises(SiteError, match="max_client_samples=5"):
+        discover_sites(grid, _bounded(5))
 
 
 def test_the_count_rules_take_their_bounds_themselves():
