@@ -72,7 +72,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
         ["flower/site_policy.py", "flower/site_claims.py", "flower/site_executor.py", "flower/site_node.py",
          "flower/site_eval.py"],
         ["test_attacks_server", "test_attacks_site", "test_attacks_server_state", "test_flower_sites",
-         "test_site_samples"],
+         "test_site_samples", "test_site_waits"],
     ),
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],

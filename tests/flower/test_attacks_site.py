@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,46 @@ def test_a_report_that_is_not_one_is_refused_with_one_line(change, tmp_path):
     _, grid = _sites(tmp_path, cfg)
     _tamper(grid, "site", lambda info: {**info, **change})
     with _server_task(), pytest.raises(SiteError, match=f"^site {BAD}: its report's input_shape or labels"):
+        discover_sites(grid, cfg)
+
+
+@pytest.mark.parametrize("change", [lambda info: [info], lambda info: {k: v for k, v in info.items() if k != "labels"}])
+def test_an_answer_that_is_no_report_is_refused_naming_its_node(change, tmp_path):
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    _tamper(grid, "site", change)
+    with _server_task(), pytest.raises(SiteError, match=rf"^node {grid.nodes[BAD]}: its answer to the start-up "
+                                                         r"question is not one \(a report of num_train, input_shape "
+                                                         r"and labels is needed\)$"):  # fmt: skip
+        discover_sites(grid, cfg)
+
+
+def test_a_report_of_exactly_what_a_site_must_report_is_taken(tmp_path):
+    """num_train, input_shape and labels, and nothing else (no token, no evaluation counts): a site of another make."""
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    _tamper(grid, "site", lambda info: {k: info[k] for k in ("num_train", "input_shape", "labels")})
+    with _server_task():
+        _, claims = discover_sites(grid, cfg)
+    assert claims.node[BAD] == grid.nodes[BAD] and claims.token[BAD] is None and claims.eval[BAD] is None
+
+
+def test_sites_that_disagree_on_their_number_stop_the_start_up(tmp_path):
+    from pflbed.flower.client import PARTITION, PARTITIONS
+
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for r in replies:
+            if r.metadata.src_node_id == grid.nodes[BAD]:
+                r.content["node"] = ConfigRecord({PARTITION: BAD, PARTITIONS: 5})
+        return replies
+
+    grid.send_and_receive = send
+    with _server_task(), pytest.raises(FlowerRoundError, match=r"^the sites disagree on their number: \[4, 5\]$"):
         discover_sites(grid, cfg)
 
 
@@ -568,6 +609,104 @@ def test_a_declaration_of_test_samples_out_of_bounds_is_refused_at_start_up(num_
         discover_sites(grid, cfg)
 
 
+def test_the_screen_returns_no_reply_of_a_refused_site_and_says_why_each_is_refused(tmp_path, capsys):
+    """`SiteExecutor.screen` on its own: a site whose reply has no config record, and one whose reply is of the
+    wrong shape, are refused with one line each and taken out of `arrived`; only the other sites' replies are
+    returned (the round must not take a refused one, whatever its caller does)."""
+    from flwr.app import RecordDict
+
+    grid, ex = _executor(tmp_path, _short())
+    server = ex.algo.init_server()
+    payloads = ex.algo.configure(2, server, [0, 1, 2, 3])
+
+    def arrived(cid, reply, config=True):
+        return RecordDict({**({"config": ConfigRecord({})} if config else {}), f"reply/{cid}": to_record(reply)})
+
+    honest = {c: {k: v + 0.001 for k, v in p.items()} for c, p in payloads.items()}
+    came = {c: arrived(c, r) for c, r in honest.items()}
+    came[1] = arrived(1, honest[1], config=False)
+    came[2] = arrived(2, {k: v[..., :1] if v.dim() else v for k, v in honest[2].items()})
+    replies = ex.screen(2, payloads, came)
+    assert sorted(replies) == sorted(came) == [0, 3]
+    assert all(torch.equal(replies[c][k], honest[c][k]) for c in (0, 3) for k in honest[c])
+    assert ex.refusals[0] == "site 1, round 2: client 1's reply cannot be read (KeyError: 'config'); its clients are " \
+                             "left out of the round"  # fmt: skip
+    assert ex.refusals[1].startswith("site 2, round 2: client 2's reply has '") and len(ex.refusals) == 2
+
+
+def test_a_client_s_state_asked_for_on_the_server_is_refused_naming_the_algorithm(tmp_path):
+    _, ex = _executor(tmp_path, _short("fedper"))
+    with pytest.raises(SiteError, match=r"^client 2's state is on its site; fedper asked for it on the server$"):
+        ex.state(2)
+
+
+def test_a_site_s_numbers_are_bounded_by_its_clients_and_its_g_fl_counts_kept_from_the_round_s_figures(tmp_path):
+    """`SiteExecutor._scores` on its own: the G-FL counts of a site of two clients may reach twice
+    sites.max_client_samples; unreadable numbers stop the run naming the site; the counts a site's first round
+    figures give are those it is held to from then on, and figures of a personalization alone change nothing."""
+    from types import SimpleNamespace
+
+    _, ex = _executor(tmp_path, _short())
+    ex.algo.ctx.cfg.sites.max_client_samples = 10  # a site of two clients: up to 20 samples
+
+    def reply(answer):
+        return SimpleNamespace(content={"scores": {"json": answer if isinstance(answer, str) else json.dumps(answer)}})
+
+    part = {"test": {"0": 0.5, "1": 1.0}, "val": {"0": 0.5, "1": 0.5}}
+    ex.eval_counts.pop(0, None)
+    assert ex._scores(0, [0, 1], reply({"ft": part}), False, [(0, "ft")]) == {"ft": part}
+    assert 0 not in ex.eval_counts
+    counted = {**part, "gfl_test": [12, 20], "gfl_val": [3, 15]}
+    assert ex._scores(0, [0, 1], reply({"": counted}), True, []) == {"": counted}
+    assert ex.eval_counts[0] == [20, 15]
+    with pytest.raises(FlowerRoundError, match=r"^site 0: its evaluation is refused: gfl_test \[12, 21\] is not"):
+        ex._scores(0, [0, 1], reply({"": {**counted, "gfl_test": [12, 21]}}), True, [])
+    with pytest.raises(FlowerRoundError, match=r"^site 0: its evaluation is refused: its numbers cannot be read "
+                                               r"\(JSONDecodeError: "):  # fmt: skip
+        ex._scores(0, [0, 1], reply("{"), True, [])
+
+
+def test_a_server_test_set_of_one_sample_is_the_g_fl_source(tmp_path):
+    from pflbed.data import load_source
+
+    source = load_source(validate_config(_short()).dataset)
+    path = tmp_path / "one.npz"
+    np.savez(path, x=source.test.x[:1].numpy(), y=source.test.y[:1].numpy())
+    cfg = _site_cfg(_short(), test=path)
+    _, grid = _sites(tmp_path, cfg)
+    with _server_task():
+        sizes, claims = discover_sites(grid, cfg)
+        ex = SiteExecutor(server_algorithm(cfg, sizes), grid, sizes, claims)
+    assert ex.algo.ctx.federation.global_test.numel() == 1
+    assert ex.summary_extra == {"gfl_source": "sites.test (on the server)"}
+
+
+def test_a_final_personalization_is_asked_with_the_final_evaluation_and_of_another_state_on_its_own(tmp_path):
+    """The final evaluation (`quick` None) asks every site for its final personalizations too: P-FL of +FT then
+    sends nothing. Before any final evaluation, or of another server state (a different object), the sites are
+    asked for it alone, without the round's figures; the same numbers for the same weights, without any G-FL
+    figure."""
+    grid, ex = _executor(tmp_path, _tree("fedavg", train={**TINY["train"], "rounds": 2},
+                                         eval={"every": 2, "finetune": ["ft"]}))  # fmt: skip
+    asked = []
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        asked.extend(json.loads(str(m.content["config"]["methods"])) + [m.content["config"]["round"]] for m in msgs
+                     if m.metadata.message_type == "evaluate")  # fmt: skip
+        return real(msgs, timeout)
+
+    grid.send_and_receive = send
+    server = ex.algo.init_server()
+    with _server_task():
+        first = ex.personalize_on_sites(server, "ft", 0)
+        ex.evaluate_on_sites(server, None)
+        cached = ex.personalize_on_sites(server, "ft", 0)
+        again = ex.personalize_on_sites(dict(server), "ft", 0)
+    assert asked == [[[0, "ft"], False]] * 4 + [[[0, "ft"], True]] * 4 + [[[0, "ft"], False]] * 4
+    assert first == cached == again and "pfl_acc" in cached and not any(k.startswith("gfl_") for k in cached)
+
+
 # --- 8. claims ------------------------------------------------------------------------------------------------------
 
 
@@ -729,6 +868,88 @@ def test_a_second_claim_at_start_up_with_a_report_out_of_bounds_is_refused_not_f
         _, claims = discover_sites(grid, cfg)
     assert claims.node[0] == 1000
     assert [line.split(": num_train")[0] for line in _refusals(capsys)] == ["pflbed: refused: site 0"]
+
+
+def _report_of(grid, node, change):
+    """Node `node`'s start-up answers `change`d: change(reply) rewrites its content."""
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for r in replies:
+            if r.metadata.src_node_id == node and not r.has_error():
+                change(r)
+        return replies
+
+    grid.send_and_receive = send
+
+
+def _out_of_bounds(reply):
+    info = json.loads(str(reply.content["site"]["report"]))
+    reply.content["site"] = ConfigRecord({"report": json.dumps({**info, "num_train": [10**15]})})
+
+
+def _asked(grid):
+    """The nodes each question is sent to, in order (as addressed: before a hijacker's node answers as its site)."""
+    real, asked = grid.send_and_receive, []
+
+    def send(msgs, timeout=None):
+        asked.extend(m.metadata.dst_node_id for m in msgs if m.metadata.message_type == "query")
+        return real(msgs, timeout)
+
+    grid.send_and_receive = send
+    return asked
+
+
+@pytest.mark.parametrize("claim", ["other_token", "no_tokens", "out_of_bounds"])
+def test_a_refused_claim_at_start_up_leaves_the_nodes_after_it_asked_once(claim, tmp_path, monkeypatch, capsys):
+    """Node 1001 claims site 0 after site 0's node, before the nodes of sites 1-3: refused, and the question's
+    other answers are taken as they are — no node is asked twice."""
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    grid.nodes[1] = 1010  # node ids 1000, 1001 (the claim), 1002, 1003, 1010
+    if claim == "no_tokens":
+        _without_tokens(monkeypatch)
+    _hijacker(grid, 0, 1001, "mine" if claim == "other_token" else None)
+    if claim == "out_of_bounds":
+        _report_of(grid, 1001, _out_of_bounds)
+    asked = _asked(grid)
+    with _server_task():
+        _, claims = discover_sites(grid, cfg)
+    assert asked == [1000, 1001, 1002, 1003, 1010] and claims.node == {0: 1000, 1: 1010, 2: 1002, 3: 1003}
+    line = {"other_token": "site 0: node 1001 claims it without the token it presented at start-up",
+            "no_tokens": "site 0: node 1001 claims it while node 1000 serves it",
+            "out_of_bounds": "site 0: num_train[0]=1000000000000000; a count is an integer from 1 to "
+                             f"sites.max_client_samples={cfg.sites.max_client_samples}; its claim is refused"}[claim]
+    assert _refusals(capsys) == [f"pflbed: refused: {line}"]
+
+
+def test_claims_mid_run_are_refused_one_line_each_and_a_node_that_failed_to_answer_is_asked_again(tmp_path, capsys):
+    """Nodes joining mid-run, in id order: 4999 holds no data (its answer is an error: asked again next time), 5000
+    reports counts out of bounds, 5001 presents another token, 5002 claims a fifth site of four, 5003 site 0 of
+    five sites. Each refused with its own line, in that order."""
+    from pflbed.flower.client import PARTITION, PARTITIONS
+
+    grid, ex = _executor(tmp_path, _short())
+    grid.nodes.append(4999)  # a fifth partition, whose node config names no data
+    for node in (5000, 5001, 5002, 5003):
+        _hijacker(grid, 0, node, "mine")
+    _report_of(grid, 5000, _out_of_bounds)
+    for node, (k, parts) in {5002: (4, 4), 5003: (0, 5)}.items():
+        _report_of(grid, node, lambda r, k=k, parts=parts: r.content.__setitem__(
+            "node", ConfigRecord({PARTITION: k, PARTITIONS: parts})))
+    asked = _asked(grid)
+    with _server_task():
+        ex._ask()
+        ex._ask()
+    assert asked == [4999, 5000, 5001, 5002, 5003, 4999] and 4999 not in ex.asked
+    assert ex.refusals == [
+        f"site 0: num_train[0]=1000000000000000; a count is an integer from 1 to sites.max_client_samples="
+        f"{ex.algo.ctx.cfg.sites.max_client_samples}; its claim is refused",
+        "site 0: node 5001 claims it without the token it presented at start-up",
+        "node 5002: a site number beyond the run's", "node 5003: a site number beyond the run's"]
+    assert ex.node_of == {k: grid.nodes[k] for k in range(4)}
+    assert [line.removeprefix("pflbed: refused: ") for line in _refusals(capsys)] == ex.refusals
 
 
 # --- SecAgg+: what the server sees in clear -------------------------------------------------------------------------

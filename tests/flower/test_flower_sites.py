@@ -244,7 +244,8 @@ def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_a
     tree = _tree("fedavg")
     _, grid = _sites(tmp_path, validate_config(tree))
     cfg = _site_cfg({**tree, "federation": {**tree["federation"], "clients": 5}})
-    with pytest.raises(SiteError, match=r"federation.clients is 5, but the sites hold 4 clients .*clients=4"):
+    with pytest.raises(SiteError, match=r"^federation.clients is 5, but the sites hold 4 clients \(1, 1, 1, 1\): set "
+                                         r"federation.clients=4$"):
         _discover(grid, cfg)
     with _server_task():
         sizes = discover_sites(grid, _site_cfg(tree))[0]
