@@ -70,10 +70,13 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],
     **dict.fromkeys(  # a site's own defenses against the server, and the site's side of a deployed run
         ["flower/site_policy.py", "flower/site_claims.py", "flower/site_executor.py", "flower/site_node.py",
-         "flower/site_eval.py"],
+         "flower/site_eval.py", "flower/sites.py"],
         ["test_attacks_server", "test_attacks_site", "test_attacks_server_state", "test_flower_sites",
          "test_site_samples", "test_site_waits"],
     ),
+    "flower/client.py": [  # the ClientApp: every message type a node answers, site-local or not
+        "test_attacks_server", "test_attacks_server_state", "test_flower_sites", "test_flower", "test_site_samples",
+    ],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],
