@@ -85,6 +85,13 @@ def test_a_site_answers_no_query_but_its_partition_and_the_start_up_question(gro
     assert error is None and reply.content["node"]["partition-id"] == 0
 
 
+def test_a_node_asked_for_client_states_it_does_not_keep_says_so():
+    """A node that is not a site, of a run whose states travel with the messages (`executor.state_dir` unset)."""
+    plain = validate_config({**_tree("fedavg"), "executor": {"name": "flower"}})
+    reply, error = _send({"partition-id": 0}, MessageType.QUERY, "states", _json(plain), cids=[0], versions=[0])
+    assert reply is None and error == "ValueError: client states were asked of a node, but executor.state_dir is unset"
+
+
 def test_the_ditto_state_copy_is_refused_and_says_the_same_for_an_existing_and_a_missing_file(tmp_path):
     """The attack: a QUERY for states whose config is not site-local and loads, as initial weights, the file where
     the site keeps a client's personal model (its path follows from the config and the state directory). Ditto's
@@ -329,6 +336,29 @@ def test_a_site_refuses_site_sizes_that_miscount_its_own_clients(tmp_path):
     assert site_node.site_algorithm_of(ctx, _tampered(cfg), json.dumps(good))[0]
     with pytest.raises(SiteError, match=r"site 1: the server counts \[\d+\] training samples .* the site holds"):
         site_node.site_algorithm_of(ctx, _tampered(cfg), json.dumps([[10], [own[0] * 1000], [10], [10]]))
+
+
+@pytest.mark.parametrize("kind", [MessageType.TRAIN, MessageType.EVALUATE])
+def test_a_site_trains_and_evaluates_only_its_own_clients(kind, tmp_path):
+    """A server naming another site's client (client 0, to site 1) is refused in one line before the site reads a
+    payload or a state; an evaluation asked of a node holding no data of its own (in a run that is not
+    site-local), likewise."""
+    from .site_setup import _discover
+
+    tree = _tree("fedavg", eval={"every": 2, "finetune": []})
+    _, grid = _sites(tmp_path, validate_config(tree))
+    cfg = _site_cfg(tree)
+    sizes = json.dumps(_discover(grid, cfg))
+    node = {**grid.node_configs[1], "partition-id": 1, "num-partitions": 4}
+    asked = {"cids": [0], "versions": [0], "round": 1, "site-sizes": sizes, "methods": "[]"}
+    reply, error = _send(node, kind, "1", _tampered(cfg), **asked)
+    assert reply is None and error == ("pflbed.flower.sites.SiteError: the server asked this site for clients [0], "
+                                       "which it does not hold")  # fmt: skip
+    if kind == MessageType.EVALUATE:
+        plain = validate_config({**tree, "executor": {"name": "flower"}})
+        reply, error = _send({"partition-id": 1}, kind, "evaluate", _json(plain), **asked)
+        assert reply is None and error == ("pflbed.flower.sites.SiteError: an evaluation was asked of a node that "
+                                           "holds no data of its own")  # fmt: skip
 
 
 def test_site_offsets_are_a_running_sum():

@@ -688,13 +688,16 @@ def test_a_final_personalization_is_asked_with_the_final_evaluation_and_of_anoth
     figure."""
     grid, ex = _executor(tmp_path, _tree("fedavg", train={**TINY["train"], "rounds": 2},
                                          eval={"every": 2, "finetune": ["ft"]}))  # fmt: skip
-    asked = []
+    asked, answered = [], []
     real = grid.send_and_receive
 
     def send(msgs, timeout=None):
         asked.extend(json.loads(str(m.content["config"]["methods"])) + [m.content["config"]["round"]] for m in msgs
                      if m.metadata.message_type == "evaluate")  # fmt: skip
-        return real(msgs, timeout)
+        replies = real(msgs, timeout)
+        answered.extend(sorted(json.loads(str(r.content["scores"]["json"]))) for r in replies
+                        if "scores" in r.content)  # fmt: skip
+        return replies
 
     grid.send_and_receive = send
     server = ex.algo.init_server()
@@ -704,6 +707,7 @@ def test_a_final_personalization_is_asked_with_the_final_evaluation_and_of_anoth
         cached = ex.personalize_on_sites(server, "ft", 0)
         again = ex.personalize_on_sites(dict(server), "ft", 0)
     assert asked == [[[0, "ft"], False]] * 4 + [[[0, "ft"], True]] * 4 + [[[0, "ft"], False]] * 4
+    assert answered == [["ft"]] * 4 + [["", "ft"]] * 4 + [["ft"]] * 4  # the round's figures only when asked
     assert first == cached == again and "pfl_acc" in cached and not any(k.startswith("gfl_") for k in cached)
 
 
