@@ -85,6 +85,11 @@ def test_a_site_answers_no_query_but_its_partition_and_the_start_up_question(gro
     assert error is None and reply.content["node"]["partition-id"] == 0
 
 
+def test_a_node_without_a_partition_in_its_node_config_serves_partition_0_of_1():
+    reply, error = _send({}, MessageType.QUERY, "partitions")
+    assert error is None and dict(reply.content["node"]) == {client.PARTITION: 0, client.PARTITIONS: 1}
+
+
 def test_a_node_asked_for_client_states_it_does_not_keep_says_so():
     """A node that is not a site, of a run whose states travel with the messages (`executor.state_dir` unset)."""
     plain = validate_config({**_tree("fedavg"), "executor": {"name": "flower"}})

@@ -115,3 +115,26 @@ def test_a_resumed_run_sends_the_states_it_holds(tmp_path, monkeypatch):
     shutil.rmtree(states)
     got = run(cfg, tmp_path / "run", progress=False, resume=True, simulation=FakeSimulation(FakeGrid()))
     assert figures(got.summary) == figures(_loop("fedper").summary)
+
+
+def test_a_node_keeps_its_states_where_its_node_config_says_else_where_the_config_does(tmp_path):
+    """`state-dir` in a node's config wins over `executor.state_dir` (each node its own disk); without either the
+    states travel with the messages."""
+    from flwr.app import Context, RecordDict
+
+    from pflbed.config import validate_config
+    from pflbed.engine.loop import prepare
+    from pflbed.flower import client
+
+    from ..tiny import TINY
+
+    def context(node_config):
+        return Context(run_id=1, node_id=1, state=RecordDict(), run_config={}, node_config=node_config)
+
+    cfg = validate_config({**TINY, "executor": {"name": "flower", "state_dir": str(tmp_path / "run")}})
+    algo, cj = prepare(cfg, threads=1), config_json(cfg)
+    assert client.node_states(context({"state-dir": str(tmp_path / "node")}), cj, algo).dir.parent == tmp_path / "node"
+    assert client.node_states(context({}), cj, algo).dir.parent == tmp_path / "run"
+    plain = validate_config({**TINY, "executor": {"name": "flower"}})
+    assert client.node_states(context({"state-dir": str(tmp_path / "node")}), config_json(plain),
+                              prepare(plain, threads=1)) is None  # fmt: skip

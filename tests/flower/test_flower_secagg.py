@@ -3,6 +3,7 @@ learns only the rounds' mean updates gives the simulation's results up to SecAgg
 carry is refused."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -98,3 +99,78 @@ def test_what_secure_aggregation_cannot_carry_is_refused(capsys):
     validate_config({**base, "sites": sites, "algorithm": {"name": "fedrep"}})
     assert main(["flower", "local", "--secagg"]) == 2
     assert "--secagg needs --site-data" in capsys.readouterr().err
+
+
+def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_payload(tmp_path):
+    """`client.secure_train` in this process (the deployments above run it in their nodes): a site of three clients
+    updates each from the round's shared payload and its state of the version asked for, sends `site_update` of
+    their replies, keeps their new states and the version the server may still ask for; without a state store it
+    refuses."""
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.compat.common.recorddict_compat import recorddict_to_fitres
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from pflbed.engine.executor import update_client
+    from pflbed.engine.guard import first_nonfinite
+    from pflbed.flower import client, secagg_node, site_node
+    from pflbed.flower.project import config_json
+    from pflbed.flower.records import to_record
+
+    from ..fake_flower import FakeGrid
+    from .site_setup import _discover, _site_cfg, _sites, _tree
+
+    tree = _tree("fedper", eval={"every": 2, "finetune": []})  # a state per client: its head
+    tree["federation"]["clients"] = 5  # 1 + 1 + 3
+    dirs, _ = _sites(tmp_path, validate_config(tree))
+    nodes = {0: {"data": str(dirs[0])}, 1: {"data": str(dirs[1])}, 2: {"data": str(dirs[2]), "clients": 3}}
+    grid = FakeGrid(partitions=3, node_configs={k: {**v, "state-dir": str(tmp_path / f"s{k}")}
+                                                for k, v in nodes.items()})  # fmt: skip
+    cfg = _site_cfg(tree)
+    sizes = json.dumps(_discover(grid, cfg))
+    ctx = Context(run_id=1, node_id=1, state=RecordDict(), run_config={},
+                  node_config={**grid.node_configs[2], "partition-id": 2, "num-partitions": 3})  # fmt: skip
+    algo, stored = site_node.site_algorithm_of(ctx, config_json(cfg), sizes)
+    cids, payload = [2, 3, 4], algo.configure(1, algo.init_server(), [2])[2]
+    assert len({algo.ctx.client_data(c).num_train for c in cids}) > 1  # their weights differ
+    saved = {k: getattr(TaskIdentity, k) for k in ("_run_id", "_task_id", "_node_id")}
+    for k in saved:
+        setattr(TaskIdentity, k, 1)
+    try:
+        content = RecordDict({secagg_node.SHARED: to_record(payload), "config": ConfigRecord({"site-sizes": sizes})})
+        msg = Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
+    finally:
+        for k, v in saved.items():
+            setattr(TaskIdentity, k, v)
+    msg.metadata.__dict__["_message_id"] = "m1"
+    for rnd in (1, 2, 3):  # round 3: a payload with a NaN, every client's reply and state non-finite, said in clear
+        if rnd == 3:
+            first = min(payload)
+            payload = {k: v.clone().fill_(math.nan) if k == first else v for k, v in payload.items()}
+            msg.content[secagg_node.SHARED] = to_record(payload)
+        versions = {c: rnd - 1 for c in cids}
+        expected = {c: update_client(algo, rnd, c, payload, stored.load(c, rnd - 1)) for c in cids}
+        weighted = [(expected[c][0], secagg_node.client_weight(algo, algo.ctx.client_data(c).num_train)) for c in cids]
+        flags = {f"{kind}/{c}": bad for c in cids for kind, bad in (("nonfinite", first_nonfinite(expected[c][1])),
+                 (secagg_node.NONFINITE_REPLY, first_nonfinite(expected[c][0]))) if bad is not None}  # fmt: skip
+        assert len(flags) == (6 if rnd == 3 else 0)
+        want = site_update(payload, weighted, flags)
+        got = recorddict_to_fitres(client.secure_train(msg, algo, stored, rnd, cids, versions).content, False)
+        assert got.num_examples == want.num_examples == sum(w for _, w in weighted)
+        assert got.metrics == want.metrics
+        for a, b in zip(parameters_to_ndarrays(got.parameters), parameters_to_ndarrays(want.parameters), strict=True):
+            assert np.array_equal(a, b, equal_nan=True)
+        for c in cids:
+            kept = stored.load(c, rnd)
+            for k, v in expected[c][1].items():
+                torch.testing.assert_close(kept[k], v, rtol=0, atol=0, equal_nan=True)
+    assert all(stored.load(c, 2) is not None for c in cids)  # round 2's states kept: the server's version at round 3
+    dp = validate_config({**cfg.model_dump(mode="json"), "privacy": {"clip": 0.5, "noise_multiplier": 0.5,
+                                                                      "noise": "distributed"},
+                          "sites": {**cfg.sites.model_dump(mode="json"), "secagg": True}})  # fmt: skip
+    algo_dp, stored_dp = site_node.site_algorithm_of(ctx, config_json(dp), sizes)
+    msg.content[secagg_node.SHARED] = to_record(algo_dp.configure(1, algo_dp.init_server(), [2])[2])
+    noisy = recorddict_to_fitres(client.secure_train(msg, algo_dp, stored_dp, 1, cids, dict.fromkeys(cids, 0)).content,
+                                 False)  # fmt: skip
+    assert noisy.num_examples == 1  # the site's share of distributed noise: its update weighs 1, clients or not
+    with pytest.raises(ValueError, match=r"^secure aggregation keeps the clients' states on the sites \(sites.local"):
+        client.secure_train(msg, algo, None, 3, cids, {c: 2 for c in cids})
