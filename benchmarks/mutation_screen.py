@@ -75,7 +75,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
          "test_site_samples", "test_site_waits"],
     ),
     "flower/client.py": [  # the ClientApp: every message type a node answers, site-local or not
-        "test_attacks_server", "test_attacks_server_state", "test_flower_sites", "test_flower", "test_site_samples",
+        "test_attacks_server", "test_flower_secagg", "test_flower_node_states", "test_attacks_site",
+        "test_flower_sites", "test_flower",
     ],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
