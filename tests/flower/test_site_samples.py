@@ -62,3 +62,52 @@ def test_a_run_that_asks_for_h_channels_is_refused_at_start_up_in_one_line(tmp_p
                                         r"\[8, 8\] \(\[N, H, W\] files are read as one channel") as info_:
         check_report(cfg, 0, info)
     assert "\n" not in str(info_.value)
+
+
+class _Planted:
+    """An object whose unpickling makes a directory: what a pickled array in a site's file could run instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_site_s_file_is_read_without_unpickling_and_one_that_is_not_samples_is_refused_naming_it(tmp_path):
+    """`read_npz`, which reads every site's files and the server's `sites.test`: an object array is refused, never
+    unpickled; a file without x and y, of non-numbers or non-integer labels, or of shapes that do not pair a label
+    with each sample, is refused in one line naming it. [N, features] and [N, C, H, W] are taken as they are,
+    [N, H, W] as one channel."""
+    from pflbed.flower.sites import read_npz
+
+    marker = tmp_path / "ran"
+    cases = {
+        "pickled": ({"x": np.array([_Planted(marker)], dtype=object), "y": np.array([0])},
+                    "not a readable .npz file (Object arrays cannot be loaded when allow_pickle=False)"),
+        "no_y": ({"x": np.zeros((3, 2))}, "an .npz with arrays x (samples) and y (labels) is needed; it has x"),
+        "no_x": ({"y": np.zeros(3, dtype=np.int64)}, "is needed; it has y"),
+        "empty": ({}, "is needed; it has none"),
+        "strings": ({"x": np.array([["a", "b"]]), "y": np.array([0])},
+                    "x must be numbers and y integers (got <U1 and int64)"),
+        "float_labels": ({"x": np.zeros((2, 3)), "y": np.zeros(2)}, "(got float64 and float64)"),
+        "flat": ({"x": np.zeros(3), "y": np.zeros(3, dtype=np.int64)},
+                 "x must be [N, *sample shape] and y [N] (got (3,) and (3,))"),
+        "fewer_labels": ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=np.int64)}, "(got (3, 2) and (2,))"),
+    }  # fmt: skip
+    for name, (arrays, message) in cases.items():
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **arrays)
+        with pytest.raises(SiteError) as e:
+            read_npz(path, "data")
+        assert not marker.exists()  # nothing was unpickled: the planted object never ran
+        assert str(e.value).startswith(f"data {path}: ") and str(e.value).endswith(message), (name, str(e.value))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(SiteError, match=r"^sites.test .*junk.npz: not a readable .npz file \("):
+        read_npz(tmp_path / "junk.npz", "sites.test")
+    for shape, read in (((4, 5), [4, 5]), ((4, 8, 8), [4, 1, 8, 8]), ((4, 3, 8, 8), [4, 3, 8, 8])):
+        np.savez(tmp_path / "ok.npz", x=np.ones(shape, dtype=np.uint8), y=np.arange(4))
+        data = read_npz(tmp_path / "ok.npz", "data")
+        assert list(data.x.shape) == read and data.x.dtype == torch.float32 and data.y.dtype == torch.int64
