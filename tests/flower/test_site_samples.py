@@ -2,6 +2,8 @@
 shape `pflbed flower local --site-data` infers, the server's model and a site's batches must agree. Unit level: the
 functions a deployment calls, without Flower."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,24 @@ def test_a_site_s_file_is_read_without_unpickling_and_one_that_is_not_samples_is
         np.savez(tmp_path / "ok.npz", x=np.ones(shape, dtype=np.uint8), y=np.arange(4))
         data = read_npz(tmp_path / "ok.npz", "data")
         assert list(data.x.shape) == read and data.x.dtype == torch.float32 and data.y.dtype == torch.int64
+
+
+def test_a_site_s_images_become_the_run_s_inputs_channels_first_and_only_grey_or_rgb_shapes_are_taken():
+    """`_image_source`: image folders need sites.input_shape [1 or 3, H, W]; an RGB image [H, W, 3] (as read from
+    a file) becomes [3, H, W], each channel normalized by its own statistics (ImageNet's here)."""
+    from pflbed.data.folders import NORMALIZATIONS
+    from pflbed.flower.sites import _image_source
+
+    for shape in ([2, 4, 4], [4, 4, 4], [3, 4], [1, 4, 4, 1]):
+        with pytest.raises(SiteError, match=rf"^image folders need sites.input_shape \[1 or 3, H, W\], not "
+                                            rf"{re.escape(str(shape))}$"):  # fmt: skip
+            _image_source(_cfg(shape))
+    cfg = _cfg([3, 4, 5])
+    cfg = validate_config({**cfg.model_dump(mode="json"), "dataset": {**cfg.dataset.model_dump(mode="json"),
+                                                                      "normalize": "imagenet"}})  # fmt: skip
+    source = _image_source(cfg)
+    raw = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3)).astype(np.uint8)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in NORMALIZATIONS["imagenet"])
+    want = (torch.from_numpy(raw).float().permute(0, 3, 1, 2) / 255 - mean) / std
+    assert torch.allclose(source.inputs(raw, 255.0), want, atol=1e-6)
+    assert source.num_classes == 10 and _image_source(_cfg([1, 4, 5])).inputs(raw[..., 0], 255.0).shape == (2, 1, 4, 5)
