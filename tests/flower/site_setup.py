@@ -56,12 +56,19 @@ def _discover(grid, cfg):
         return discover_sites(grid, cfg)[0]
 
 
-def run_sites(cfg, grid, rundir=None, resume=False):
-    """What the ServerApp does for a site-local run (`flower.server.main`), on `grid`."""
+def server_executor(grid, cfg, kind=SiteExecutor):
+    """The server's executor of a site-local run on `grid`, as the ServerApp builds it: the sites found and bound
+    (`discover_sites`), the server's algorithm over their counts (`kind`: `SiteExecutor` or a subclass)."""
     with _server_task():
         sizes, nodes = discover_sites(grid, cfg)
-        algo = server_algorithm(cfg, sizes)
-        return experiment(cfg, algo, SiteExecutor(algo, grid, sizes, nodes), rundir, False, resume)
+        return kind(server_algorithm(cfg, sizes), grid, sizes, nodes)
+
+
+def run_sites(cfg, grid, rundir=None, resume=False):
+    """What the ServerApp does for a site-local run (`flower.server.main`), on `grid`."""
+    ex = server_executor(grid, cfg)
+    with _server_task():
+        return experiment(cfg, ex.algo, ex, rundir, False, resume)
 
 
 def _sites(tmp_path, cfg):

@@ -33,7 +33,7 @@ from pflbed.flower.site_claims import (  # noqa: E402
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
 from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
-from .site_setup import _server_task, _site_cfg, _sites, _tampered, _tree, run_sites  # noqa: E402
+from .site_setup import _server_task, _site_cfg, _sites, _tampered, _tree, run_sites, server_executor  # noqa: E402
 
 BAD = 1  # the malicious site (one client per site: its client is client 1)
 
@@ -171,10 +171,7 @@ def test_only_a_non_empty_string_is_a_token():
 def _executor(tmp_path, tree):
     cfg = _site_cfg(tree)
     _, grid = _sites(tmp_path, cfg)
-    with _server_task():
-        sizes, nodes = discover_sites(grid, cfg)
-        algo = server_algorithm(cfg, sizes)
-        return grid, SiteExecutor(algo, grid, sizes, nodes)
+    return grid, server_executor(grid, cfg)
 
 
 @pytest.mark.parametrize("what", ["num_train", "num_test"])
@@ -674,9 +671,7 @@ def test_a_server_test_set_of_one_sample_is_the_g_fl_source(tmp_path):
     np.savez(path, x=source.test.x[:1].numpy(), y=source.test.y[:1].numpy())
     cfg = _site_cfg(_short(), test=path)
     _, grid = _sites(tmp_path, cfg)
-    with _server_task():
-        sizes, claims = discover_sites(grid, cfg)
-        ex = SiteExecutor(server_algorithm(cfg, sizes), grid, sizes, claims)
+    ex = server_executor(grid, cfg)
     assert ex.algo.ctx.federation.global_test.numel() == 1
     assert ex.summary_extra == {"gfl_source": "sites.test (on the server)"}
 
@@ -857,17 +852,7 @@ def test_a_second_claim_at_start_up_with_a_report_out_of_bounds_is_refused_not_f
     cfg = _site_cfg(_short())
     _, grid = _sites(tmp_path, cfg)
     _hijacker(grid, 0, 5000)
-    real = grid.send_and_receive
-
-    def send(msgs, timeout=None):
-        replies = real(msgs, timeout)
-        for r in replies:
-            if r.metadata.src_node_id == 5000 and not r.has_error():
-                r.content["site"] = ConfigRecord({"report": json.dumps({**json.loads(str(r.content["site"]["report"])),
-                                                                        "num_train": [10**15]})})  # fmt: skip
-        return replies
-
-    grid.send_and_receive = send
+    _report_of(grid, 5000, _out_of_bounds)
     with _server_task():
         _, claims = discover_sites(grid, cfg)
     assert claims.node[0] == 1000
@@ -967,10 +952,8 @@ def _secagg_executor(tmp_path):
     cfg = validate_config({**cfg.model_dump(mode="json"), "sites": {**cfg.sites.model_dump(mode="json"),
                                                                     "secagg": True}})  # fmt: skip
     _, grid = _sites(tmp_path, cfg)
-    with _server_task():
-        sizes, nodes = discover_sites(grid, cfg)
-        algo = server_algorithm(cfg, sizes)
-        return SecAggExecutor(algo, grid, sizes, nodes), algo
+    ex = server_executor(grid, cfg, SecAggExecutor)
+    return ex, ex.algo
 
 
 def _fitres(weight, keys, beyond=0):

@@ -25,7 +25,17 @@ from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E4
 from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
 from ..fake_flower import FakeGrid  # noqa: E402
-from .site_setup import ALGOS, _discover, _server_task, _site_cfg, _sites, _tampered, _tree, run_sites  # noqa: E402
+from .site_setup import (  # noqa: E402
+    ALGOS,
+    _discover,
+    _server_task,
+    _site_cfg,
+    _sites,
+    _tampered,
+    _tree,
+    run_sites,
+    server_executor,
+)
 
 
 def _server_test(tmp_path, cfg):
@@ -189,13 +199,10 @@ def test_a_site_refuses_a_server_that_names_a_path_or_a_download(key, value, tmp
     tree = _tree("fedavg", eval={"every": 2, "finetune": []})
     _, grid = _sites(tmp_path, validate_config(tree))
     cfg = _site_cfg(tree)
-    with _server_task():
-        sizes, nodes = discover_sites(grid, cfg)
-        algo = server_algorithm(cfg, sizes)
-        ex = SiteExecutor(algo, grid, sizes, nodes)
-        ex.config = _tampered(cfg, **{key: value})  # the planted server
-        with pytest.raises(FlowerClientError, match=key.replace("__", ".")):
-            experiment(cfg, algo, ex, None, False, False)
+    ex = server_executor(grid, cfg)
+    ex.config = _tampered(cfg, **{key: value})  # the planted server
+    with _server_task(), pytest.raises(FlowerClientError, match=key.replace("__", ".")):
+        experiment(cfg, ex.algo, ex, None, False, False)
     # nothing written on the sites but the token each presented at start-up (`site_claims.site_token`)
     assert {p.name for p in tmp_path.glob("states-*/**/*") if p.is_file()} <= {"site-token"}
 

@@ -21,10 +21,10 @@ from flwr.common.constant import ErrorCode  # noqa: E402
 
 from pflbed.flower import client, site_executor  # noqa: E402
 from pflbed.flower.executor import FlowerRoundError  # noqa: E402
-from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
-from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
+from pflbed.flower.site_executor import discover_sites  # noqa: E402
+from pflbed.flower.sites import SiteError  # noqa: E402
 
-from .site_setup import _server_task, _site_cfg, _sites, _tree  # noqa: E402
+from .site_setup import _server_task, _site_cfg, _sites, _tree, server_executor  # noqa: E402
 
 LATE = 1  # the site whose node is late, down or failing
 
@@ -142,8 +142,7 @@ def test_a_node_refusing_the_start_up_question_is_named_with_the_last_line_of_it
 
 def _executor(tmp_path, cfg):
     _, grid = _sites(tmp_path, cfg)
-    sizes, claims = discover_sites(grid, cfg)
-    return grid, SiteExecutor(server_algorithm(cfg, sizes), grid, sizes, claims)
+    return grid, server_executor(grid, cfg)
 
 
 def _down(grid, until, code=ErrorCode.NODE_UNAVAILABLE, reason="node gone"):
