@@ -3,6 +3,7 @@ shape `pflbed flower local --site-data` infers, the server's model and a site's 
 functions a deployment calls, without Flower."""
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,7 +90,8 @@ def test_a_site_s_file_is_read_without_unpickling_and_one_that_is_not_samples_is
     cases = {
         "pickled": ({"x": np.array([_Planted(marker)], dtype=object), "y": np.array([0])},
                     "not a readable .npz file (Object arrays cannot be loaded when allow_pickle=False)"),
-        "no_y": ({"x": np.zeros((3, 2))}, "an .npz with arrays x (samples) and y (labels) is needed; it has x"),
+        "no_y": ({"x": np.zeros((3, 2)), "z": np.zeros(3)},
+                 "an .npz with arrays x (samples) and y (labels) is needed; it has x, z"),
         "no_x": ({"y": np.zeros(3, dtype=np.int64)}, "is needed; it has y"),
         "empty": ({}, "is needed; it has none"),
         "strings": ({"x": np.array([["a", "b"]]), "y": np.array([0])},
@@ -132,5 +134,172 @@ def test_a_site_s_images_become_the_run_s_inputs_channels_first_and_only_grey_or
     raw = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3)).astype(np.uint8)
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in NORMALIZATIONS["imagenet"])
     want = (torch.from_numpy(raw).float().permute(0, 3, 1, 2) / 255 - mean) / std
-    assert torch.allclose(source.inputs(raw, 255.0), want, atol=1e-6)
-    assert source.num_classes == 10 and _image_source(_cfg([1, 4, 5])).inputs(raw[..., 0], 255.0).shape == (2, 1, 4, 5)
+    assert torch.allclose(source.inputs(raw), want, atol=1e-6)  # its raw range: 8-bit, 0–255
+    assert source.num_classes == 10 and _image_source(_cfg([1, 4, 5])).inputs(raw[..., 0]).shape == (2, 1, 4, 5)
+
+
+def _npz(path, n, shape=(8, 8), first_label=0):
+    """`n` samples of `shape` whose first pixel is their position (so a test can tell which samples were read)."""
+    x = np.zeros((n, *shape))
+    x.reshape(n, -1)[:, 0] = np.arange(n)
+    np.savez(path, x=x, y=(np.arange(n) + first_label) % 10)
+    return path
+
+
+def test_a_node_s_clients_must_be_a_positive_integer_and_default_to_one():
+    from pflbed.flower.sites import num_clients
+
+    assert num_clients({}) == 1 and num_clients({"clients": 3}) == 3
+    for bad in (0, -1, True, "3", 2.0, None):
+        with pytest.raises(SiteError) as e:
+            num_clients({"clients": bad})
+        assert str(e.value) == f"clients={bad!r} in the node config: a positive integer is needed"
+
+
+def test_a_site_reads_the_files_its_node_config_names_before_a_directory_s_own_and_names_each_refused_one(tmp_path):
+    """`read_site`: a directory's train/val/test; `val=` and `test=` in the node config replace the directory's own;
+    a missing or unreadable file is refused in one line that says which of the site's files it is."""
+    d = tmp_path / "site"
+    d.mkdir()
+    _npz(d / "train.npz", 20)
+    _npz(d / "val.npz", 5, first_label=1)
+    other = _npz(tmp_path / "other-test.npz", 7, first_label=2)
+    cfg = _cfg([1, 8, 8])
+    files = read_site({"data": str(d)}, cfg)
+    assert (len(files.data), len(files.val), files.test) == (20, 5, None)
+    assert files.val.y.tolist() == [1, 2, 3, 4, 5] and files.data.x.shape == (20, 1, 8, 8)
+    files = read_site({"data": str(d), "val": str(other), "test": str(other)}, cfg)
+    assert len(files.val) == len(files.test) == 7 and files.val.y[0] == files.test.y[0] == 2
+    files = read_site({"data": str(d / "train.npz"), "test": str(other)}, cfg)  # a file as data: no val of its own
+    assert (len(files.data), files.val, len(files.test)) == (20, None, 7)
+    with pytest.raises(SiteError) as e:
+        read_site({"data": str(tmp_path / "nowhere")}, cfg)
+    assert str(e.value) == f"data {tmp_path / 'nowhere'}: no such file or directory"
+    with pytest.raises(SiteError) as e:
+        read_site({"data": str(d), "test": str(tmp_path / "gone.npz")}, cfg)
+    assert str(e.value) == f"test {tmp_path / 'gone.npz'}: no such file or directory"
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    with pytest.raises(SiteError, match=rf"^val {re.escape(str(tmp_path / 'junk.npz'))}: not a readable \.npz"):
+        read_site({"data": str(d), "val": str(tmp_path / "junk.npz")}, cfg)
+    (tmp_path / "images" / "cats").mkdir(parents=True)  # an image folder whose sub-folders are not class numbers
+    with pytest.raises(SiteError) as e:
+        read_site({"data": str(d), "val": str(tmp_path / "images")}, cfg)
+    assert str(e.value) == f"val {tmp_path / 'images'}: needs class sub-folders named 0…9; found ['cats']"
+
+
+def test_a_site_s_named_dataset_is_read_from_its_own_path_never_downloaded(tmp_path, monkeypatch):
+    """`dataset=NAME`: the loader gets the node's name and path (`~` expanded), the run's preprocessing options, and
+    never a download or a hub id, whatever the server's config says; a loader without a test split gives the site
+    none (its clients then split their test samples off their data)."""
+    import pflbed.data
+    from pflbed.data.arrays import ArrayDataset, DataSource
+
+    asked = []
+
+    def load_source(dataset):
+        asked.append(dataset)
+        train = ArrayDataset(torch.zeros(4, 1, 8, 8), torch.arange(4))
+        n_test = 0 if dataset.name == "cifar10" else 2
+        return DataSource(dataset.name, train, ArrayDataset(torch.zeros(n_test, 1, 8, 8), torch.zeros(n_test).long()),
+                          10, "x")  # fmt: skip
+
+    monkeypatch.setattr(pflbed.data, "load_source", load_source)
+    cfg = _cfg([1, 8, 8])
+    cfg = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={
+        "download": True, "normalize": "imagenet", "hf": cfg.dataset.hf.model_copy(update={"id": "someone/data"})})})
+    files = read_site({"dataset": "cifar10", "data": "~/site-data"}, cfg)
+    (ds,) = asked
+    assert (ds.name, ds.path, ds.download, ds.hf.id, ds.normalize) == (
+        "cifar10", str(Path("~/site-data").expanduser()), False, None, "imagenet")
+    assert files.test is None and len(files.data) == 4
+    assert len(read_site({"dataset": "digits"}, cfg).test) == 2 and asked[1].path is None
+
+
+def test_the_server_refuses_a_report_that_does_not_fit_in_one_line_naming_the_site():
+    cfg = _cfg([1, 8, 8])
+    fits = {"input_shape": [1, 8, 8], "labels": [0, 9]}
+    check_report(cfg, 0, fits)
+    with pytest.raises(SiteError) as e:
+        check_report(cfg, 3, {**fits, "input_shape": [3, 8, 8]})
+    assert str(e.value) == "site 3: its samples have shape [3, 8, 8], the run's sites.input_shape is [1, 8, 8]"
+    with pytest.raises(SiteError) as e:
+        check_report(cfg, 1, {**fits, "labels": [-1, 0, 10, 11, 12, 13, 14]})
+    assert str(e.value) == ("site 1: labels [-1, 10, 11, 12, 13] are outside the run's label space 0…9 "
+                            "(sites.num_classes)")
+
+
+def test_the_server_s_test_set_must_fit_the_run_and_is_named_when_refused(tmp_path):
+    """`sites.test`: samples of the run's input shape, labels 0…num_classes − 1; either wrong is refused."""
+    from pflbed.errors import DataError
+
+    path = tmp_path / "server-test.npz"
+    cfg = _cfg([1, 8, 8])
+    cfg = cfg.model_copy(update={"sites": cfg.sites.model_copy(update={"test": str(path)})})
+    message = f"sites.test {path}: samples of shape [1, 8, 8] and labels 0…9 are needed"
+    for x, y in (((3, 8, 4), [0, 1, 2]), ((3, 8, 8), [0, 1, 10]), ((3, 8, 8), [-1, 0, 1])):
+        np.savez(path, x=np.zeros(x), y=np.array(y))
+        with pytest.raises(DataError) as e:
+            server_algorithm(cfg, [[5]])
+        assert str(e.value) == message, (x, y)
+    np.savez(path, x=np.zeros((3, 8, 8)), y=np.array([0, 9, 9]))
+    assert server_algorithm(cfg, [[5]]).ctx.federation.global_test.tolist() == [0, 1, 2]
+    path.write_bytes(b"junk")
+    with pytest.raises(SiteError, match=rf"^sites.test {re.escape(str(path))}: not a readable"):
+        server_algorithm(cfg, [[5]])
+
+
+def test_a_site_and_the_server_build_on_one_thread_unless_the_run_says_otherwise(tmp_path):
+    """As the simulation's loop at one thread, whose figures a site-local run reproduces (docs: Flower), even for a
+    model large enough for pflbed to take every core elsewhere (`choose_threads`)."""
+    from unittest import mock
+
+    d = _digits_site(tmp_path)
+    cfg = _cfg([1, 8, 8])
+    cfg = cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"threads": None})})
+    files = read_site({"data": str(d)}, cfg)
+    sizes = [report(files, 1, cfg, 0)["num_train"]]
+    before = torch.get_num_threads()
+    try:
+        with mock.patch("pflbed.engine.loop.choose_threads", return_value=2):  # what a large model would get
+            for build in (lambda: server_algorithm(cfg, sizes), lambda: site_algorithm(cfg, files, 1, 0, sizes)):
+                torch.set_num_threads(2)
+                build()
+                assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_site_data_directories_tell_the_run_its_input_shape_and_label_space(tmp_path):
+    """`describe_sites` (`pflbed flower local --site-data`): the samples' shape and the largest label + 1 (at least
+    2 classes), over every file of every site; a `.npz` file may stand for a site; image folders, and sites of
+    different shapes, are refused in one line."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    np.savez(a / "train.npz", x=np.zeros((4, 8, 8)), y=np.zeros(4, dtype=np.int64))
+    assert describe_sites([a]) == ((1, 8, 8), 2)  # labels 0 only: still two classes
+    np.savez(a / "test.npz", x=np.zeros((2, 8, 8)), y=np.array([0, 4]))
+    np.savez(b / "one.npz", x=np.zeros((3, 8, 8)), y=np.array([0, 1, 2]))
+    assert describe_sites([a, b / "one.npz"]) == ((1, 8, 8), 5)
+    np.savez(b / "two.npz", x=np.zeros((3, 4)), y=np.array([0, 1, 2]))
+    with pytest.raises(SiteError) as e:
+        describe_sites([a, b / "two.npz"])
+    assert str(e.value) == "the --site-data directories hold samples of different shapes: [(1, 8, 8), (4,)]"
+    with pytest.raises(SiteError) as e:
+        describe_sites([b])
+    assert str(e.value) == (f"{b}: image folders do not say the run's input shape; --set sites.input_shape and "
+                            "sites.num_classes")
+    (a / "val" / "0").mkdir(parents=True)  # train.npz beside a val/ image folder: the shape is not known either
+    with pytest.raises(SiteError, match=r"^image folders need sites.input_shape \[1 or 3, H, W\], not \[\]$"):
+        describe_sites([a])
+
+
+def test_replace_device_gives_a_copy_on_the_device_and_the_same_config_where_it_already_is():
+    from pflbed.flower.sites import replace_device
+
+    cfg = _cfg([1, 8, 8])
+    assert replace_device(cfg, "cpu") is cfg
+    moved = replace_device(cfg, "cuda:1")
+    assert moved.executor.device == "cuda:1" and cfg.executor.device == "cpu"
+    assert moved.model_dump(exclude={"executor"}) == cfg.model_dump(exclude={"executor"})
+    assert moved.executor.model_dump(exclude={"device"}) == cfg.executor.model_dump(exclude={"device"})

@@ -117,7 +117,7 @@ def _read(path: Path, what: str, cfg: Config) -> ArrayDataset:
             raw, y = read_image_folder(path, source)
         except DataError as e:
             raise SiteError(f"{what} {e}") from None
-        return ArrayDataset(source.inputs(raw, 255.0, what), torch.from_numpy(y))
+        return ArrayDataset(source.inputs(raw, what=what), torch.from_numpy(y))
     if not path.is_file():
         raise SiteError(f"{what} {path}: no such file or directory")
     return read_npz(path, what)
