@@ -303,3 +303,116 @@ def test_replace_device_gives_a_copy_on_the_device_and_the_same_config_where_it_
     assert moved.executor.device == "cuda:1" and cfg.executor.device == "cpu"
     assert moved.model_dump(exclude={"executor"}) == cfg.model_dump(exclude={"executor"})
     assert moved.executor.model_dump(exclude={"device"}) == cfg.executor.model_dump(exclude={"device"})
+
+
+def test_exported_sites_hold_each_participant_s_own_samples_and_a_second_export_replaces_the_first(tmp_path):
+    """`export_sites`: site-<cid>/{train,val,test}.npz hold exactly the simulated client's samples, in order; run
+    again into the same folder (after a change of the config), it writes over the earlier files."""
+    from pflbed.data import load_source
+    from pflbed.federation import build_federation
+    from pflbed.flower.sites import export_sites
+
+    from ..tiny import TINY
+
+    for seed in (0, 1):
+        cfg = validate_config({**TINY, "seed": seed})
+        dirs = export_sites(cfg, tmp_path / "sites")
+        source = load_source(cfg.dataset)
+        fed = build_federation(source, cfg.federation, cfg.seed)
+        assert [d.name for d in dirs] == [f"site-{c}" for c in fed.participated]
+        for cid, d in zip(fed.participated, dirs, strict=True):
+            for name, idx in (("train", fed.clients[cid].train), ("test", fed.clients[cid].test)):
+                with np.load(d / f"{name}.npz") as f:
+                    assert np.array_equal(f["y"], source.train.y[idx].numpy()), (seed, cid, name)
+                    assert np.array_equal(f["x"], source.train.x[idx].numpy())
+
+
+def _files(n_data, n_val=None, n_test=None):
+    from pflbed.data.arrays import ArrayDataset
+    from pflbed.flower.sites import SiteFiles
+
+    def data(n, first):  # samples numbered from `first`, so a position in the pool names its file
+        return ArrayDataset(torch.arange(first, first + n).float().view(n, 1), torch.arange(n) % 3)
+
+    return SiteFiles(data(n_data, 0), n_val and data(n_val, 100), n_test and data(n_test, 200), "here")
+
+
+def _fractions(val, test, seed=3):
+    cfg = _cfg([1])
+    return cfg.model_copy(update={"seed": seed, "federation": cfg.federation.model_copy(
+        update={"val_fraction": val, "test_fraction": test})})  # fmt: skip
+
+
+def test_a_site_divides_each_of_its_files_among_its_clients_by_the_file_s_own_seeded_stream(tmp_path):
+    """`site_splits`: data, val and test files are each divided among the site's clients by a permutation of its own
+    stream (seed, SITE, site, file 0/1/2), so no two files share a division and none another part of the run's
+    draws; a client's val and test come from the files where the site has them, else are split off its share of the
+    data (stratified, seeded by (seed, SITE, site, client)). The pool is data, then val, then test."""
+    from pflbed import rng
+    from pflbed.flower.sites import site_splits
+
+    def division(n, stream, offset, seed=3, site=1):
+        perm = torch.randperm(n, generator=rng.generator(seed, rng.SITE, site, stream)).numpy()
+        return [np.sort(p) + offset for p in np.array_split(perm, 2)]
+
+    files = _files(12, 12, 12)  # three files of one size: a division shared by two of them would show
+    pool, splits = site_splits(files, 2, _fractions(0.2, 0.2), 1)
+    assert pool.x.view(-1).tolist() == [*range(12), *range(100, 112), *range(200, 212)]
+    want = list(zip(division(12, 0, 0), division(12, 1, 12), division(12, 2, 24), strict=True))
+    for got, expected in zip(splits, want, strict=True):
+        for g, e in zip(got, expected, strict=True):
+            assert g.dtype == np.int64 and np.array_equal(g, e)
+    assert not np.array_equal(division(12, 0, 0)[0], division(12, 1, 0)[0])  # the streams do differ
+    # a val file but no test file: the test samples come off each client's share of the data, val is the file's
+    _, splits = site_splits(_files(20, 12), 2, _fractions(0.2, 0.25), 1)
+    for (tr, va, te), part, val in zip(splits, division(20, 0, 0), division(12, 1, 20), strict=True):
+        assert np.array_equal(np.sort(np.concatenate([tr, te])), part) and len(te) == 2 and np.array_equal(va, val)
+    # no val or test file: both split off the data, the same again on a second call, another split at another site
+    first = site_splits(_files(40), 2, _fractions(0.2, 0.25), 1)[1]
+    again = site_splits(_files(40), 2, _fractions(0.2, 0.25), 1)[1]
+    other = site_splits(_files(40), 2, _fractions(0.2, 0.25), 0)[1]
+    assert all(np.array_equal(a, b) for s, t in zip(first, again, strict=True) for a, b in zip(s, t, strict=True))
+    assert not all(np.array_equal(a, b) for s, t in zip(first, other, strict=True) for a, b in zip(s, t, strict=True))
+    for (tr, va, te), part in zip(first, division(40, 0, 0), strict=True):
+        assert (len(tr), len(va), len(te)) == (11, 4, 5)
+        assert np.array_equal(np.sort(np.concatenate([tr, va, te])), part)
+    # no fractions and no files: empty val and test positions, not None
+    for tr, va, te in site_splits(_files(8), 2, _fractions(0.0, 0.0), 1)[1]:
+        assert len(tr) == 4 and va.dtype == te.dtype == np.int64 and len(va) == len(te) == 0
+
+
+def test_a_site_with_more_clients_than_training_samples_is_refused_naming_the_first_without_any():
+    from pflbed.flower.sites import site_splits
+
+    with pytest.raises(SiteError) as e:
+        site_splits(_files(3, 5, 5), 5, _fractions(0.2, 0.2), 1)
+    assert str(e.value) == "site 1: client 3 of 5 has no training samples; lower clients="
+
+
+def test_a_site_s_federation_lists_every_client_of_the_run_with_only_its_own_samples(tmp_path):
+    """`site_algorithm`: the clients of the other sites are in the site's federation (client ids are global) with no
+    sample in any split and a NaN class prior; the site holds no global test set and no new clients. The server's
+    count of the site's clients, and of their training samples, must be the site's own (first five shown)."""
+    from pflbed.flower.sites import own_clients
+
+    d = _digits_site(tmp_path)
+    cfg = _cfg([1, 8, 8])
+    files = read_site({"data": str(d)}, cfg)
+    own = report(files, 2, cfg, 1)["num_train"]
+    algo = site_algorithm(cfg, files, 2, 1, [[7], own, [3, 4]])
+    fed = algo.ctx.federation
+    assert own_clients(algo) == [1, 2] and fed.participated == [0, 1, 2, 3, 4] and fed.new == []
+    assert fed.num_classes == 10 and fed.global_test.dtype == torch.int64 and len(fed.global_test) == 0
+    for cid in (0, 3, 4):
+        split = fed.clients[cid]
+        assert all(t.dtype == torch.int64 and t.numel() == 0 for t in (split.train, split.val, split.test))
+        assert split.prior.shape == (10,) and split.prior.isnan().all()
+    assert [fed.num_train(c) for c in (1, 2)] == own
+    with pytest.raises(SiteError) as e:
+        site_algorithm(cfg, files, 2, 1, [[7], [own[0]]])
+    assert str(e.value) == "site 1: the server counts 1 clients here, the node config 2"
+    six = report(files, 6, cfg, 0)["num_train"]
+    with pytest.raises(SiteError) as e:
+        site_algorithm(cfg, files, 6, 0, [[n + 1 for n in six]])
+    assert str(e.value) == (f"site 0: the server counts {[n + 1 for n in six[:5]]} training samples for its clients, "
+                            f"the site holds {six[:5]}")
