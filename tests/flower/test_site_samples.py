@@ -242,7 +242,8 @@ def test_the_server_s_test_set_must_fit_the_run_and_is_named_when_refused(tmp_pa
             server_algorithm(cfg, [[5]])
         assert str(e.value) == message, (x, y)
     np.savez(path, x=np.zeros((3, 8, 8)), y=np.array([0, 9, 9]))
-    assert server_algorithm(cfg, [[5]]).ctx.federation.global_test.tolist() == [0, 1, 2]
+    fed = server_algorithm(cfg, [[5]]).ctx.federation
+    assert fed.global_test.tolist() == [0, 1, 2] and fed.num_classes == 10
     path.write_bytes(b"junk")
     with pytest.raises(SiteError, match=rf"^sites.test {re.escape(str(path))}: not a readable"):
         server_algorithm(cfg, [[5]])
@@ -416,3 +417,11 @@ def test_a_site_s_federation_lists_every_client_of_the_run_with_only_its_own_sam
         site_algorithm(cfg, files, 6, 0, [[n + 1 for n in six]])
     assert str(e.value) == (f"site 0: the server counts {[n + 1 for n in six[:5]]} training samples for its clients, "
                             f"the site holds {six[:5]}")
+
+
+def test_an_algorithm_of_public_data_is_refused_a_site_local_run_in_one_line():
+    cfg = validate_config({**_cfg([1, 8, 8]).model_dump(mode="json"), "algorithm": {"name": "fedmd"}})
+    with pytest.raises(SiteError) as e:
+        server_algorithm(cfg, [[5]])
+    assert str(e.value) == ("fedmd cannot keep the data on the sites (sites.local): it exchanges predictions on "
+                            "public data, which a site-local run does not have")
