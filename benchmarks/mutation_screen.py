@@ -78,6 +78,11 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
         "test_attacks_server", "test_flower_secagg", "test_flower_node_states", "test_attacks_site",
         "test_flower_sites", "test_flower",
     ],
+    # secure aggregation, the server's side and a site's, and what a node keeps of its clients (files only it reads)
+    "flower/secagg.py": ["test_flower_secagg", "test_attacks_site", "test_distributed_noise"],
+    "flower/secagg_node.py": ["test_flower_secagg", "test_distributed_noise", "test_attacks_site"],
+    "flower/node_states.py": ["test_flower_node_states", "test_private_files", "test_flower_secagg"],
+    "private_files.py": ["test_private_files", "test_flower_node_states"],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],
