@@ -78,6 +78,62 @@ def test_distributed_noise_on_a_secure_deployment_assembles_the_central_release(
     assert summary["privacy"]["noise"] == "distributed" and summary["privacy"]["randomness"] == "os"
 
 
+def _secure_in_process(tmp_path, sets, **privacy):
+    """The run of `sets` simulated, and through SecAgg+ on three sites of the simulated clients' data, in this
+    process (`FakeGrid(transport=True)`: the real protocol, the nodes' mod included, without a deployment);
+    `privacy`: options of the secure run's own (distributed noise)."""
+    from pflbed.engine.loop import experiment
+    from pflbed.flower.secagg import SecAggExecutor
+
+    from ..fake_flower import FakeGrid
+    from .site_setup import _server_task, _site_cfg, server_executor
+
+    sim_cfg = load_config(None, sets)
+    sim = run(sim_cfg, write=False, progress=False)
+    dirs = export_sites(sim_cfg, tmp_path / "sites")
+    grid = FakeGrid(partitions=len(dirs), transport=True, node_configs={
+        k: {"data": str(d), "state-dir": str(tmp_path / f"states-{k}")} for k, d in enumerate(dirs)})  # fmt: skip
+    cfg = _site_cfg(sim_cfg.model_dump(mode="json"))
+    tree = cfg.model_dump(mode="json")
+    cfg = validate_config({**tree, "privacy": {**tree["privacy"], **sim_cfg.privacy.model_dump(mode="json"), **privacy},
+                           "sites": {**tree["sites"], "secagg": True}})  # fmt: skip
+    ex = server_executor(grid, cfg, SecAggExecutor)
+    with _server_task():
+        secure = experiment(cfg, ex.algo, ex, None, False, False)
+    gap = max(float((secure.server[k] - sim.server[k]).abs().max()) for k in sim.server)
+    return sim, secure, gap
+
+
+def test_a_secure_run_in_process_gives_the_simulation_s_dp_run_up_to_quantization(tmp_path):
+    """The deployment test above without processes: FedPer under client-level DP, one round through SecAgg+ —
+    the shared body within one quantization step of the simulation's (not equal: quantized), the same ε."""
+    sim, secure, gap = _secure_in_process(tmp_path, SETS)
+    assert secure.server.keys() == sim.server.keys() and 0 < gap < TOLERANCE
+    assert secure.summary["privacy"]["epsilon"] == sim.summary["privacy"]["epsilon"]
+
+
+def test_distributed_noise_through_secagg_in_process_assembles_the_central_release(tmp_path):
+    """As the deployment test of distributed noise (σ = 0, q = 1: each site sends Σ_c Δ̃_c / qN of weight 1, the
+    server multiplies the unmasked mean by the sites), in process: the central release up to three steps."""
+    common = [s for s in SETS if not s.startswith(("privacy.noise_multiplier", "privacy.randomness"))]
+    common += ["privacy.noise_multiplier=0", "federation.sample_fraction=1.0"]
+    sim, secure, gap = _secure_in_process(tmp_path, [*common, "privacy.randomness=seeded"], noise="distributed",
+                                          randomness="os")  # fmt: skip
+    assert 0 < gap < 3 * TOLERANCE
+    assert secure.summary["privacy"]["noise"] == "distributed" and sim.summary["privacy"]["noise"] == "central"
+
+
+def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
+    """FedAvg through SecAgg+ without DP, one round: each site's update weighs its clients' training samples, as the
+    simulation's mean does, within the quantization bound of unequal weights, one step · max W / mean W (the
+    module's docstring); a mean that weighed the sites equally would be off by the whole update's scale."""
+    sets = [s for s in SETS if not s.startswith(("privacy.", "algorithm.name"))]
+    sim, secure, gap = _secure_in_process(tmp_path, [*sets, "algorithm.name=fedavg"])
+    weights = [len(np.load(tmp_path / "sites" / d / "train.npz")["y"]) for d in sorted(
+        p.name for p in (tmp_path / "sites").iterdir())]  # fmt: skip
+    assert len(set(weights)) > 1 and 0 < gap < TOLERANCE * max(weights) / np.mean(weights)
+
+
 def test_a_site_sends_its_weighted_mean_update_and_zeros_when_it_has_no_client():
     w = {"a": torch.tensor([1.0, 1.0]), "b": torch.zeros(3)}
     r1, r2 = {"a": torch.tensor([2.0, 1.0])}, {"a": torch.tensor([1.0, 4.0])}  # b: not updated (FedBABU's head)
