@@ -1039,3 +1039,69 @@ def test_under_secagg_a_diverged_client_stops_the_run_as_diverged_not_as_an_atta
     replied[ex.node_of[BAD]].metrics[f"{NONFINITE_REPLY}/{BAD}"] = keys[0]
     with pytest.raises(DivergedError, match=f"client {BAD}'s reply has non-finite values in '{keys[0]}'"):
         list(ex._replies(1, dict.fromkeys(range(4), payload), replied, [0, 1, 2, 3]))
+
+
+def _mean_of(payload, replied, value, **metrics):
+    """Every site's reply carrying the unmasked mean `value` on each entry (as the protocol hands them back)."""
+    from flwr.common import ndarrays_to_parameters
+
+    keys = sorted(payload)
+    mean = ndarrays_to_parameters([np.full(tuple(payload[k].shape), value, np.float32) for k in keys])
+    return {n: FitRes(Status(Code.OK, ""), mean, 1, {"keys": json.dumps(keys), "beyond_range": 0, **metrics})
+            for n in replied}  # fmt: skip
+
+
+def test_under_secagg_each_arrived_client_gets_the_payload_plus_the_mean_in_its_dtype_and_its_new_version(tmp_path):
+    """`_replies`: one reply per arrived client (one client alone too), payload + the unmasked mean, in the payload's
+    dtype, the client's state now of this round; entries beyond SecAgg+'s range, a client flagged non-finite (its
+    reply, or its state), and a mean past the bound each stop the round in one line naming the round."""
+    from pflbed.errors import DivergedError
+
+    ex, algo = _secagg_executor(tmp_path)
+    payload = algo.init_server()
+    keys = sorted(payload)
+    replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
+    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)})
+    payloads = dict.fromkeys(range(4), payload)
+    got = dict(ex._replies(3, payloads, _mean_of(payload, replied, 0.01), [0, 2, 3]))
+    assert sorted(got) == [0, 2, 3] and {c: ex.version.get(c) for c in range(4)} == {0: 3, 1: None, 2: 3, 3: 3}
+    for reply in got.values():
+        assert all(reply[k].dtype == payload[k].dtype and torch.allclose(reply[k], payload[k] + 0.01) for k in keys)
+    assert list(dict(ex._replies(4, payloads, _mean_of(payload, replied, 0.01), [2]))) == [2]
+    beyond = _mean_of(payload, replied, 0.01)
+    beyond[ex.node_of[2]].metrics["beyond_range"] = 3
+    with pytest.raises(FlowerRoundError) as e:
+        list(ex._replies(5, payloads, beyond, [0, 1]))
+    assert str(e.value) == ("round 5: 3 entries of the sites' updates exceed SecAgg+'s range ±8, where it clips; "
+                            "lower train.lr or use privacy.clip")
+    with pytest.raises(DivergedError, match=r"^diverged in round 5: client 1's state has non-finite values in 'head'"):
+        list(ex._replies(5, payloads, _mean_of(payload, replied, 0.01, **{"nonfinite/1": "head"}), [0, 1]))
+    with pytest.raises(DivergedError, match=r"^diverged in round 6: client 1's reply has non-finite values in 'w'"):
+        list(ex._replies(6, payloads, _mean_of(payload, replied, 0.01, **{"nonfinite-reply/1": "w"}), [0, 1]))
+    with pytest.raises(FlowerRoundError, match=r"^round 7: the sites' mean update is .* over sites.max_update=\S+: a "
+                                               r"site sent more than its update$"):  # fmt: skip
+        list(ex._replies(7, payloads, _mean_of(payload, replied, 1e6), [0, 1]))
+
+
+def test_under_secagg_the_clear_metrics_are_held_to_the_run_s_key_set_and_the_expected_weight(tmp_path):
+    """`_check`: a site naming no entry is refused; the key set elected in the first round is kept for the run (a
+    later majority of other keys is refused, not elected); a site with no client this round (`active`) is not
+    asked for keys even where it weighs 1 (distributed noise: every site does); each refusal is one full line."""
+    ex, algo = _secagg_executor(tmp_path)
+    payload = algo.init_server()
+    keys = sorted(payload)
+    weight = {ex.node_of[s]: 1 for s in range(4)}
+    replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
+    with pytest.raises(FlowerRoundError) as e:
+        ex._check(1, payload, {**replied, ex.node_of[2]: _fitres(1, [])}, weight)
+    assert str(e.value) == "site 2, round 1: its clear metrics are refused (keys [] are not entries sent)"
+    with pytest.raises(FlowerRoundError) as e:
+        ex._check(1, payload, {**replied, ex.node_of[1]: _fitres(5, keys)}, weight)
+    assert str(e.value) == "site 1, round 1: it weighs its update 5, the server expects 1 from its clients' counts"
+    ex._check(1, payload, replied, weight)  # elects `keys`
+    fewer = {**{ex.node_of[s]: _fitres(1, keys[:1]) for s in range(3)}, ex.node_of[3]: _fitres(1, keys)}
+    with pytest.raises(FlowerRoundError) as e:
+        ex._check(2, payload, fewer, weight)
+    assert str(e.value) == f"site 0, round 2: it names updated entries other than the other sites' {keys[:3]}…"
+    idle = {**replied, ex.node_of[2]: _fitres(1, []), ex.node_of[3]: _fitres(1, [])}
+    ex._check(3, payload, idle, weight, active={ex.node_of[0], ex.node_of[1]})

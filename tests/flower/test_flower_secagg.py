@@ -145,6 +145,14 @@ def test_a_site_sends_its_weighted_mean_update_and_zeros_when_it_has_no_client()
     assert [x.shape for x in parameters_to_ndarrays(empty.parameters)] == [(2,), (3,)] and empty.num_examples == 0
 
 
+def test_a_site_counts_every_entry_of_its_update_beyond_secagg_s_range():
+    """`beyond_range`, in clear: the entries SecAgg+ would clip (|·| > 8, over every entry of the update, ±8 itself
+    kept), which the server turns into a stopped round rather than a silently clipped mean."""
+    payload = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    reply = {"a": torch.tensor([9.0, -8.0, 8.5]), "b": torch.tensor([-20.0, 1.0])}
+    assert site_update(payload, [(reply, 1)], {}).metrics["beyond_range"] == 3
+
+
 def test_what_secure_aggregation_cannot_carry_is_refused(capsys):
     base = {"dataset": {"name": "synthetic"}, "executor": {"name": "flower"}}
     with pytest.raises(ConfigError, match="secagg applies to sites.local=true"):

@@ -53,6 +53,8 @@ def test_a_private_file_is_0600_from_its_creation_and_its_temporary_name_unpredi
     write_private_bytes(b, b"secret")
     assert _mode(a) == _mode(b) == 0o600
     assert seen and all(m == 0o600 for _, m in seen), seen
+    assert {Path(p).parent for p, _ in seen} == {tmp_path}  # beside its destination: the rename stays on one disk
+    assert b.read_bytes() == b"secret"
     tmp_names = [Path(p).name for p, _ in seen]
     assert all(n.startswith(".a.pt.") or n.startswith(".b.pt.") for n in tmp_names)
     assert len({n for n in tmp_names}) == len(tmp_names)  # random, not `.tmp<pid>`
@@ -76,8 +78,9 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary_one(tmp_path):
 def test_private_directories_are_0700_with_every_missing_parent(tmp_path, open_umask):
     d = private_dir(tmp_path / "x" / "y" / "z")
     assert [_mode(p) for p in (tmp_path / "x", tmp_path / "x" / "y", d)] == [0o700] * 3
-    (tmp_path / "old").mkdir(mode=0o755)
-    assert _mode(private_dir(tmp_path / "old")) == 0o700  # a key directory an earlier version made 0755
+    for mode in (0o755, 0o750, 0o705, 0o640):  # a key directory an earlier version made 0755, or other open modes
+        (tmp_path / f"old-{mode:o}").mkdir(mode=mode)
+        assert _mode(private_dir(tmp_path / f"old-{mode:o}")) == 0o700, oct(mode)
 
 
 def test_tls_and_node_keys_are_private_from_their_creation(tmp_path, open_umask, monkeypatch):
@@ -108,6 +111,33 @@ def test_a_node_s_client_states_are_private_files_in_private_directories(tmp_pat
     assert _mode(path) == 0o600 and all(m == 0o600 for _, m in seen)
     assert _mode(states.dir) == _mode(path.parent) == _mode(tmp_path / "states") == 0o700
     assert torch.equal(states.load(3, 1)["head"], torch.ones(2))
+
+
+class _Planted:
+    """An object whose unpickling makes a directory: what a state file planted on a node could run instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_node_loads_a_client_state_without_unpickling_anything_else(tmp_path):
+    """A state file replaced by one holding an arbitrary object (another local user, a restored backup): the node
+    refuses it and runs nothing (`weights_only`), rather than executing what the file names."""
+    import pickle
+    from types import SimpleNamespace
+
+    from pflbed.flower.node_states import NodeStates
+
+    states = NodeStates(tmp_path / "states", "{}", SimpleNamespace(ctx=SimpleNamespace(device="cpu")))
+    states.save(3, 1, {"head": torch.ones(2)}, keep=0)
+    marker = tmp_path / "ran"
+    torch.save({"head": _Planted(marker)}, states.dir / "client-3" / "round-1.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        states.load(3, 1)
+    assert not marker.exists()
 
 
 def test_a_checkpoint_holding_client_states_is_private(tmp_path, open_umask):
