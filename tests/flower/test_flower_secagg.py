@@ -98,9 +98,19 @@ def _secure_in_process(tmp_path, sets, **privacy):
     cfg = validate_config({**tree, "privacy": {**tree["privacy"], **sim_cfg.privacy.model_dump(mode="json"), **privacy},
                            "sites": {**tree["sites"], "secagg": True}})  # fmt: skip
     ex = server_executor(grid, cfg, SecAggExecutor)
+    sent = []  # each pflbed TRAIN content the sites get (`_Workflow`'s masked-vector stage): (node, its config)
+    real = grid.send_and_receive
+
+    def watched(msgs, timeout=None):
+        sent.extend((m.metadata.dst_node_id, dict(m.content["config"])) for m in msgs
+                    if "config" in m.content and m.metadata.message_type == "train")  # fmt: skip
+        return real(msgs, timeout)
+
+    grid.send_and_receive = watched
     with _server_task():
         secure = experiment(cfg, ex.algo, ex, None, False, False)
     gap = max(float((secure.server[k] - sim.server[k]).abs().max()) for k in sim.server)
+    secure.sent, secure.timing = sent, dict(ex.timing)
     return sim, secure, gap
 
 
@@ -132,6 +142,31 @@ def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
     weights = [len(np.load(tmp_path / "sites" / d / "train.npz")["y"]) for d in sorted(
         p.name for p in (tmp_path / "sites").iterdir())]  # fmt: skip
     assert len(set(weights)) > 1 and 0 < gap < TOLERANCE * max(weights) / np.mean(weights)
+
+
+def test_a_secure_run_continues_each_site_s_kept_states_and_takes_a_site_with_no_client_sampled(tmp_path):
+    """FedPer through SecAgg+ for three rounds, two of three clients sampled a round: a site with no client sampled
+    sends zeros of weight 0, and a sampled one trains from the head it kept (the version the server asks for). The
+    body stays within a few quantization steps of the simulation's; a site that trained from a fresh head, or a
+    round refused for its idle site, would not. The server's timings add up to no more than the run."""
+    import time
+
+    sets = [s for s in SETS if not s.startswith(("privacy.", "train.rounds"))]
+    start = time.perf_counter()
+    sim, secure, gap = _secure_in_process(tmp_path, [*sets, "train.rounds=3", "federation.sample_fraction=0.67"])
+    took = time.perf_counter() - start
+    last = dict.fromkeys(range(3), 0)  # each client's round of its last accepted reply: the version its site keeps
+    idle = 0
+    for rnd in (1, 2, 3):
+        confs = [c for _, c in secure.sent if c["round"] == rnd]
+        assert len(confs) == 3  # every site takes part in every round, sampled clients or not
+        idle += sum(not c["cids"] for c in confs)
+        for c in confs:
+            assert list(c["versions"]) == [last[cid] for cid in c["cids"]], (rnd, c)
+        for c in confs:
+            last.update(dict.fromkeys(c["cids"], rnd))
+    assert idle and math.isfinite(secure.summary["final"]["pfl_acc"]) and gap > 0
+    assert 0 < secure.timing["server_records_s"] < took and 0 < secure.timing["wait_s"] < took
 
 
 def test_a_site_sends_its_weighted_mean_update_and_zeros_when_it_has_no_client():
