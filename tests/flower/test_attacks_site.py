@@ -997,28 +997,6 @@ def test_a_site_executor_given_plain_nodes_binds_them(tmp_path):
 
 
 
-def test_under_secagg_a_mean_update_beyond_the_bound_stops_the_round(tmp_path):
-    """The unmasked mean of the sites' updates: beyond `sites.max_update`, some site sent more than its update."""
-    import numpy as np
-    from flwr.common import ndarrays_to_parameters
-
-    ex, algo = _secagg_executor(tmp_path)
-    payload = algo.init_server()
-    keys = sorted(payload)
-    replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
-    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)})
-    payloads = dict.fromkeys(range(4), payload)
-
-    def mean_of(scale):
-        mean = ndarrays_to_parameters([np.full(tuple(payload[k].shape), scale, np.float32) for k in keys])
-        return {n: FitRes(Status(Code.OK, ""), mean, 1, {"keys": json.dumps(keys), "beyond_range": 0})
-                for n in replied}  # fmt: skip
-
-    assert len(list(ex._replies(1, payloads, mean_of(0.01), [0, 1, 2, 3]))) == 4
-    with pytest.raises(FlowerRoundError, match="sites.max_update"):
-        list(ex._replies(1, payloads, mean_of(1e6), [0, 1, 2, 3]))
-
-
 def test_under_secagg_a_diverged_client_stops_the_run_as_diverged_not_as_an_attack(tmp_path):
     """A NaN in a site's update would unmask as a huge finite entry (SecAgg+ quantizes it to garbage), which the
     bound would take for an attack: the site flags the client in clear, and the round stops as a diverged one."""

@@ -20,6 +20,8 @@ from pflbed.flower.sites import (
     site_algorithm,
 )
 
+from ..planted import Planted
+
 
 def _digits_site(tmp_path) -> tuple:
     """A site directory whose train.npz holds x [60, 8, 8] in 0–16 and y 0–9, as `np.savez` of sklearn's digits."""
@@ -67,18 +69,6 @@ def test_a_run_that_asks_for_h_channels_is_refused_at_start_up_in_one_line(tmp_p
     assert "\n" not in str(info_.value)
 
 
-class _Planted:
-    """An object whose unpickling makes a directory: what a pickled array in a site's file could run instead."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return os.mkdir, (str(self.marker),)
-
-
 def test_a_site_s_file_is_read_without_unpickling_and_one_that_is_not_samples_is_refused_naming_it(tmp_path):
     """`read_npz`, which reads every site's files and the server's `sites.test`: an object array is refused, never
     unpickled; a file without x and y, of non-numbers or non-integer labels, or of shapes that do not pair a label
@@ -88,7 +78,7 @@ def test_a_site_s_file_is_read_without_unpickling_and_one_that_is_not_samples_is
 
     marker = tmp_path / "ran"
     cases = {
-        "pickled": ({"x": np.array([_Planted(marker)], dtype=object), "y": np.array([0])},
+        "pickled": ({"x": np.array([Planted(marker)], dtype=object), "y": np.array([0])},
                     "not a readable .npz file (Object arrays cannot be loaded when allow_pickle=False)"),
         "no_y": ({"x": np.zeros((3, 2)), "z": np.zeros(3)},
                  "an .npz with arrays x (samples) and y (labels) is needed; it has x, z"),

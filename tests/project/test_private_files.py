@@ -14,6 +14,8 @@ from pflbed import private_files
 from pflbed.private_files import private_dir, save_private, write_private_bytes
 from pflbed.version import SAFE_TORCH, check_torch, torch_is_safe
 
+from ..planted import Planted
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -113,16 +115,6 @@ def test_a_node_s_client_states_are_private_files_in_private_directories(tmp_pat
     assert torch.equal(states.load(3, 1)["head"], torch.ones(2))
 
 
-class _Planted:
-    """An object whose unpickling makes a directory: what a state file planted on a node could run instead."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.marker),)
-
-
 def test_a_node_loads_a_client_state_without_unpickling_anything_else(tmp_path):
     """A state file replaced by one holding an arbitrary object (another local user, a restored backup): the node
     refuses it and runs nothing (`weights_only`), rather than executing what the file names."""
@@ -134,7 +126,7 @@ def test_a_node_loads_a_client_state_without_unpickling_anything_else(tmp_path):
     states = NodeStates(tmp_path / "states", "{}", SimpleNamespace(ctx=SimpleNamespace(device="cpu")))
     states.save(3, 1, {"head": torch.ones(2)}, keep=0)
     marker = tmp_path / "ran"
-    torch.save({"head": _Planted(marker)}, states.dir / "client-3" / "round-1.pt")
+    torch.save({"head": Planted(marker)}, states.dir / "client-3" / "round-1.pt")
     with pytest.raises(pickle.UnpicklingError):
         states.load(3, 1)
     assert not marker.exists()
