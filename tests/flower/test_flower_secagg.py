@@ -133,6 +133,13 @@ def test_distributed_noise_through_secagg_in_process_assembles_the_central_relea
     assert secure.summary["privacy"]["noise"] == "distributed" and sim.summary["privacy"]["noise"] == "central"
 
 
+def test_two_sites_are_enough_for_secure_aggregation(tmp_path):
+    """SecAgg+'s smallest deployment: two sites, each holding a share of the other's secrets (threshold 2)."""
+    sets = [s for s in SETS if not s.startswith("federation.clients")]
+    sim, secure, gap = _secure_in_process(tmp_path, [*sets, "federation.clients=2"])
+    assert 0 < gap < TOLERANCE and {n for n, _ in secure.sent} and len({n for n, _ in secure.sent}) == 2
+
+
 def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
     """FedAvg through SecAgg+ without DP, one round: each site's update weighs its clients' training samples, as the
     simulation's mean does, within the quantization bound of unequal weights, one step · max W / mean W (the
