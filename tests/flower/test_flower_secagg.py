@@ -79,7 +79,7 @@ def test_distributed_noise_on_a_secure_deployment_assembles_the_central_release(
 
 
 def _secure_in_process(tmp_path, sets, **privacy):
-    """The run of `sets` simulated, and through SecAgg+ on three sites of the simulated clients' data, in this
+    """The run of `sets` simulated, and through SecAgg+ on one site per simulated client (its data), in this
     process (`FakeGrid(transport=True)`: the real protocol, the nodes' mod included, without a deployment);
     `privacy`: options of the secure run's own (distributed noise)."""
     from pflbed.engine.loop import experiment
@@ -137,7 +137,7 @@ def test_two_sites_are_enough_for_secure_aggregation(tmp_path):
     """SecAgg+'s smallest deployment: two sites, each holding a share of the other's secrets (threshold 2)."""
     sets = [s for s in SETS if not s.startswith("federation.clients")]
     sim, secure, gap = _secure_in_process(tmp_path, [*sets, "federation.clients=2"])
-    assert 0 < gap < TOLERANCE and {n for n, _ in secure.sent} and len({n for n, _ in secure.sent}) == 2
+    assert 0 < gap < TOLERANCE and len({n for n, _ in secure.sent}) == 2
 
 
 def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
@@ -153,9 +153,10 @@ def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
 
 def test_a_secure_run_continues_each_site_s_kept_states_and_takes_a_site_with_no_client_sampled(tmp_path):
     """FedPer through SecAgg+ for three rounds, two of three clients sampled a round: a site with no client sampled
-    sends zeros of weight 0, and a sampled one trains from the head it kept (the version the server asks for). The
-    body stays within a few quantization steps of the simulation's; a site that trained from a fresh head, or a
-    round refused for its idle site, would not. The server's timings add up to no more than the run."""
+    sends zeros of weight 0 and the round goes on, and each sampled client's site is asked for the state version of
+    its last accepted reply (a site that trained from a fresh head, version 0, would drift far from the simulation;
+    the body is not compared here: the quantization error grows over rounds). The server's timings stay within
+    the run."""
     import time
 
     sets = [s for s in SETS if not s.startswith(("privacy.", "train.rounds"))]
