@@ -1059,6 +1059,12 @@ def test_under_secagg_each_arrived_client_gets_the_payload_plus_the_mean_in_its_
     with pytest.raises(FlowerRoundError, match=r"^round 7: the sites' mean update is .* over sites.max_update=\S+: a "
                                                r"site sent more than its update$"):  # fmt: skip
         list(ex._replies(7, payloads, _mean_of(payload, replied, 1e6), [0, 1]))
+    from pflbed.flower.reply_check import update_ratio
+
+    at = update_ratio(payload, got[0])  # a mean exactly at the bound is taken: the bound is inclusive
+    cfg = algo.ctx.cfg
+    algo.ctx.cfg = cfg.model_copy(update={"sites": cfg.sites.model_copy(update={"max_update": at})})
+    assert len(list(ex._replies(8, payloads, _mean_of(payload, replied, 0.01), [0]))) == 1
 
 
 def test_under_secagg_the_clear_metrics_are_held_to_the_run_s_key_set_and_the_expected_weight(tmp_path):
