@@ -47,9 +47,9 @@ class FakeGrid:
                 out.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, "node gone"), reply_to=msg))
                 continue
             part = self.nodes.index(msg.metadata.dst_node_id)
-            state = RecordDict() if self.states is None else self.states.setdefault(msg.metadata.dst_node_id,
-                                                                                    RecordDict())  # fmt: skip
-            if self.states is not None:
+            state = RecordDict()
+            if self.states is not None:  # `transport`
+                state = self.states.setdefault(msg.metadata.dst_node_id, state)
                 msg.content = copy.deepcopy(msg.content)
             ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=state, run_config={},
                           node_config={client.PARTITION: part, client.PARTITIONS: self.parts,

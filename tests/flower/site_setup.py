@@ -71,10 +71,11 @@ def run_sites(cfg, grid, rundir=None, resume=False):
         return experiment(cfg, ex.algo, ex, rundir, False, resume)
 
 
-def _sites(tmp_path, cfg):
+def _sites(tmp_path, cfg, **grid):
+    """`cfg`'s simulated clients exported as sites, one node each on a `FakeGrid` (`grid`: its other options)."""
     dirs = export_sites(cfg, tmp_path / "sites")
     nodes = {k: {"data": str(d), "state-dir": str(tmp_path / f"states-{k}")} for k, d in enumerate(dirs)}
-    return dirs, FakeGrid(partitions=len(dirs), node_configs=nodes)
+    return dirs, FakeGrid(partitions=len(dirs), node_configs=nodes, **grid)
 
 
 def _tampered(cfg, **sections):

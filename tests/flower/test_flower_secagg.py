@@ -85,14 +85,11 @@ def _secure_in_process(tmp_path, sets, **privacy):
     from pflbed.engine.loop import experiment
     from pflbed.flower.secagg import SecAggExecutor
 
-    from ..fake_flower import FakeGrid
-    from .site_setup import _server_task, _site_cfg, server_executor
+    from .site_setup import _server_task, _site_cfg, _sites, server_executor
 
     sim_cfg = load_config(None, sets)
     sim = run(sim_cfg, write=False, progress=False)
-    dirs = export_sites(sim_cfg, tmp_path / "sites")
-    grid = FakeGrid(partitions=len(dirs), transport=True, node_configs={
-        k: {"data": str(d), "state-dir": str(tmp_path / f"states-{k}")} for k, d in enumerate(dirs)})  # fmt: skip
+    _, grid = _sites(tmp_path, sim_cfg, transport=True)
     cfg = _site_cfg(sim_cfg.model_dump(mode="json"))
     tree = cfg.model_dump(mode="json")
     cfg = validate_config({**tree, "privacy": {**tree["privacy"], **sim_cfg.privacy.model_dump(mode="json"), **privacy},

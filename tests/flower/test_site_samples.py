@@ -32,13 +32,18 @@ def _digits_site(tmp_path) -> tuple:
     return d
 
 
-def _cfg(shape, classes=10):
-    return validate_config({
+def _cfg(shape, classes=10, **over):
+    """A site-local run's config; `over`: sections whose keys replace the base's (`dataset={"normalize": …}`), or
+    top-level values (`seed=3`)."""
+    tree = {
         "dataset": {"name": "digits"}, "model": {"name": "cnn"}, "federation": {"clients": 1},
         "train": {"rounds": 1, "batch_size": 8}, "eval": {"finetune": []},
         "executor": {"name": "flower", "threads": 1},
         "sites": {"local": True, "input_shape": list(shape), "num_classes": classes},
-    })  # fmt: skip
+    }  # fmt: skip
+    for key, value in over.items():
+        tree[key] = {**tree.get(key, {}), **value} if isinstance(value, dict) else value
+    return validate_config(tree)
 
 
 def test_two_d_samples_are_one_channel_on_the_server_and_on_the_site(tmp_path):
@@ -117,9 +122,7 @@ def test_a_site_s_images_become_the_run_s_inputs_channels_first_and_only_grey_or
         with pytest.raises(SiteError, match=rf"^image folders need sites.input_shape \[1 or 3, H, W\], not "
                                             rf"{re.escape(str(shape))}$"):  # fmt: skip
             _image_source(_cfg(shape))
-    cfg = _cfg([3, 4, 5])
-    cfg = validate_config({**cfg.model_dump(mode="json"), "dataset": {**cfg.dataset.model_dump(mode="json"),
-                                                                      "normalize": "imagenet"}})  # fmt: skip
+    cfg = _cfg([3, 4, 5], dataset={"normalize": "imagenet"})
     source = _image_source(cfg)
     raw = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3)).astype(np.uint8)
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in NORMALIZATIONS["imagenet"])
@@ -194,9 +197,7 @@ def test_a_site_s_named_dataset_is_read_from_its_own_path_never_downloaded(tmp_p
                           10, "x")  # fmt: skip
 
     monkeypatch.setattr(pflbed.data, "load_source", load_source)
-    cfg = _cfg([1, 8, 8])
-    cfg = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={
-        "download": True, "normalize": "imagenet", "hf": cfg.dataset.hf.model_copy(update={"id": "someone/data"})})})
+    cfg = _cfg([1, 8, 8], dataset={"download": True, "normalize": "imagenet", "hf": {"id": "someone/data"}})
     files = read_site({"dataset": "cifar10", "data": "~/site-data"}, cfg)
     (ds,) = asked
     assert (ds.name, ds.path, ds.download, ds.hf.id, ds.normalize) == (
@@ -223,8 +224,7 @@ def test_the_server_s_test_set_must_fit_the_run_and_is_named_when_refused(tmp_pa
     from pflbed.errors import DataError
 
     path = tmp_path / "server-test.npz"
-    cfg = _cfg([1, 8, 8])
-    cfg = cfg.model_copy(update={"sites": cfg.sites.model_copy(update={"test": str(path)})})
+    cfg = _cfg([1, 8, 8], sites={"test": str(path)})
     message = f"sites.test {path}: samples of shape [1, 8, 8] and labels 0…9 are needed"
     for x, y in (((3, 8, 4), [0, 1, 2]), ((3, 8, 8), [0, 1, 10]), ((3, 8, 8), [-1, 0, 1])):
         np.savez(path, x=np.zeros(x), y=np.array(y))
@@ -245,8 +245,7 @@ def test_a_site_and_the_server_build_on_one_thread_unless_the_run_says_otherwise
     from unittest import mock
 
     d = _digits_site(tmp_path)
-    cfg = _cfg([1, 8, 8])
-    cfg = cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"threads": None})})
+    cfg = _cfg([1, 8, 8], executor={"threads": None})
     files = read_site({"data": str(d)}, cfg)
     sizes = [report(files, 1, cfg, 0)["num_train"]]
     before = torch.get_num_threads()
@@ -329,8 +328,8 @@ def _files(n_data, n_val=None, n_test=None):
 
 
 def _fractions(val, test, seed=3):
-    cfg = _cfg([1])
-    return cfg.model_copy(update={"seed": seed, "federation": cfg.federation.model_copy(
+    cfg = _cfg([1], seed=seed)  # copied, not validated: a test_fraction of 0 is below what a config may ask
+    return cfg.model_copy(update={"federation": cfg.federation.model_copy(
         update={"val_fraction": val, "test_fraction": test})})  # fmt: skip
 
 
@@ -410,7 +409,7 @@ def test_a_site_s_federation_lists_every_client_of_the_run_with_only_its_own_sam
 
 
 def test_an_algorithm_of_public_data_is_refused_a_site_local_run_in_one_line():
-    cfg = validate_config({**_cfg([1, 8, 8]).model_dump(mode="json"), "algorithm": {"name": "fedmd"}})
+    cfg = _cfg([1, 8, 8], algorithm={"name": "fedmd"})
     with pytest.raises(SiteError) as e:
         server_algorithm(cfg, [[5]])
     assert str(e.value) == ("fedmd cannot keep the data on the sites (sites.local): it exchanges predictions on "
