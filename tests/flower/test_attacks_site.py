@@ -1020,11 +1020,12 @@ def test_under_secagg_a_diverged_client_stops_the_run_as_diverged_not_as_an_atta
 
 
 def _mean_of(payload, replied, value, **metrics):
-    """Every site's reply carrying the unmasked mean `value` on each entry (as the protocol hands them back)."""
+    """Every site's reply carrying the unmasked mean `value` on each entry, as the protocol hands them back: in
+    float64 (Flower's dequantization)."""
     from flwr.common import ndarrays_to_parameters
 
     keys = sorted(payload)
-    mean = ndarrays_to_parameters([np.full(tuple(payload[k].shape), value, np.float32) for k in keys])
+    mean = ndarrays_to_parameters([np.full(tuple(payload[k].shape), value, np.float64) for k in keys])
     return {n: FitRes(Status(Code.OK, ""), mean, 1, {"keys": json.dumps(keys), "beyond_range": 0, **metrics})
             for n in replied}  # fmt: skip
 

@@ -18,7 +18,8 @@ pytest.importorskip("flwr")  # the `flower` extra
 
 from flwr.common import parameters_to_ndarrays  # noqa: E402
 
-from pflbed.flower.secagg_node import site_update  # noqa: E402
+from pflbed.flower.executor import FlowerRoundError  # noqa: E402
+from pflbed.flower.secagg_node import NoiseShare, site_update  # noqa: E402
 from pflbed.flower.sites import export_sites  # noqa: E402
 
 # the seeded noise named: the deployment is compared with the simulation, and a Flower run's default is the OS's
@@ -78,10 +79,11 @@ def test_distributed_noise_on_a_secure_deployment_assembles_the_central_release(
     assert summary["privacy"]["noise"] == "distributed" and summary["privacy"]["randomness"] == "os"
 
 
-def _secure_in_process(tmp_path, sets, **privacy):
+def _secure_in_process(tmp_path, sets, grid=None, executor=None, tamper=None, **privacy):
     """The run of `sets` simulated, and through SecAgg+ on one site per simulated client (its data), in this
     process (`FakeGrid(transport=True)`: the real protocol, the nodes' mod included, without a deployment);
-    `privacy`: options of the secure run's own (distributed noise)."""
+    `grid`: the fake grid's other options (lost sites); `executor`, `privacy`: options of the secure run's own
+    (a round timeout; distributed noise); `tamper(reply)`: each reply as the server gets it, changed in place."""
     from pflbed.engine.loop import experiment
     from pflbed.flower.secagg import SecAggExecutor
 
@@ -89,25 +91,31 @@ def _secure_in_process(tmp_path, sets, **privacy):
 
     sim_cfg = load_config(None, sets)
     sim = run(sim_cfg, write=False, progress=False)
-    _, grid = _sites(tmp_path, sim_cfg, transport=True)
+    _, fake = _sites(tmp_path, sim_cfg, transport=True, **(grid or {}))
     cfg = _site_cfg(sim_cfg.model_dump(mode="json"))
     tree = cfg.model_dump(mode="json")
     cfg = validate_config({**tree, "privacy": {**tree["privacy"], **sim_cfg.privacy.model_dump(mode="json"), **privacy},
+                           "executor": {**tree["executor"], **(executor or {})},
                            "sites": {**tree["sites"], "secagg": True}})  # fmt: skip
-    ex = server_executor(grid, cfg, SecAggExecutor)
+    ex = server_executor(fake, cfg, SecAggExecutor)
     sent = []  # each pflbed TRAIN content the sites get (`_Workflow`'s masked-vector stage): (node, its config)
-    real = grid.send_and_receive
+    timeouts = []  # the timeout of each of the protocol's calls (its messages are TRAIN messages)
+    real = fake.send_and_receive
 
     def watched(msgs, timeout=None):
         sent.extend((m.metadata.dst_node_id, dict(m.content["config"])) for m in msgs
                     if "config" in m.content and m.metadata.message_type == "train")  # fmt: skip
-        return real(msgs, timeout)
+        timeouts.extend(timeout for m in msgs[:1] if m.metadata.message_type == "train")
+        replies = real(msgs, timeout)
+        for reply in replies if tamper else []:
+            tamper(reply)
+        return replies
 
-    grid.send_and_receive = watched
+    fake.send_and_receive = watched
     with _server_task():
         secure = experiment(cfg, ex.algo, ex, None, False, False)
     gap = max(float((secure.server[k] - sim.server[k]).abs().max()) for k in sim.server)
-    secure.sent, secure.timing = sent, dict(ex.timing)
+    secure.sent, secure.timing, secure.timeouts = sent, dict(ex.timing), timeouts
     return sim, secure, gap
 
 
@@ -130,11 +138,117 @@ def test_distributed_noise_through_secagg_in_process_assembles_the_central_relea
     assert secure.summary["privacy"]["noise"] == "distributed" and sim.summary["privacy"]["noise"] == "central"
 
 
-def test_two_sites_are_enough_for_secure_aggregation(tmp_path):
-    """SecAgg+'s smallest deployment: two sites, each holding a share of the other's secrets (threshold 2)."""
+def test_two_sites_are_enough_for_secure_aggregation_and_one_is_refused(tmp_path):
+    """SecAgg+'s smallest deployment: two sites, each holding a share of the other's secrets (threshold 2). One
+    site alone would hand the server its update as the "sum": refused in one line. The protocol's calls wait the
+    run's round timeout."""
     sets = [s for s in SETS if not s.startswith("federation.clients")]
-    sim, secure, gap = _secure_in_process(tmp_path, [*sets, "federation.clients=2"])
+    sim, secure, gap = _secure_in_process(tmp_path / "two", [*sets, "federation.clients=2"],
+                                          executor={"round_timeout": 45})  # fmt: skip
     assert 0 < gap < TOLERANCE and len({n for n, _ in secure.sent}) == 2
+    assert len(secure.timeouts) == 4 and set(secure.timeouts) == {45}  # the protocol's four stages
+    with pytest.raises(FlowerRoundError) as e:
+        _secure_in_process(tmp_path / "one", [*sets, "federation.clients=1"])
+    assert str(e.value) == "secure aggregation needs at least two sites"
+
+
+def test_distributed_noise_with_a_site_idle_assembles_the_central_release(tmp_path, monkeypatch):
+    """q < 1 under distributed noise (σ = 0): a site with no client sampled still sends its share of the noise with
+    weight 1 and names no entry, and the server, taking it as idle, scales the unmasked mean by S·qN/m — the central
+    release up to three steps (weights of the clients' counts, the idle site held to naming entries, or 1/q for q
+    each stop the round or miss by a factor). The sample, which a Flower run draws from the OS, is drawn here from
+    the simulation's seeded stream, so that both runs train the same clients."""
+    import pflbed.engine.driver as driver
+
+    drawn = []
+
+    def seeded(*args, entropy=False, **kw):
+        cids = real(*args, **kw)
+        drawn.extend([cids] if entropy else [])
+        return cids
+
+    real = driver.sample_clients
+    monkeypatch.setattr(driver, "sample_clients", seeded)
+    common = [s for s in SETS if not s.startswith(("privacy.noise_multiplier", "privacy.randomness"))]
+    common += ["privacy.noise_multiplier=0", "federation.sample_fraction=0.5"]
+    sim, secure, gap = _secure_in_process(tmp_path, [*common, "privacy.randomness=seeded"], noise="distributed",
+                                          randomness="os")  # fmt: skip
+    assert len(drawn) == 1 and 0 < len(drawn[0]) < 3  # a site idle, a client trained
+    assert sorted(c for _, conf in secure.sent for c in conf["cids"]) == drawn[0]
+    assert 0 < gap < 3 * TOLERANCE
+
+
+@pytest.mark.parametrize(("fraction", "line"), [
+    (0.67, r"round 1: secure aggregation did not complete \(too few sites replied\)"),
+    (0.34, r"round 1: no client replied \(failed: \[\d\]\)")])  # fmt: skip
+def test_a_secure_round_whose_sampled_sites_are_lost_stops_in_one_line(fraction, line, tmp_path):
+    """FedAvg on three sites, the sites of the sampled clients lost: two of three leave fewer than SecAgg+'s
+    threshold (two), and the protocol cannot unmask; one leaves two idle sites, whose sum holds no client."""
+    sets = [s for s in SETS if not s.startswith(("privacy.", "algorithm.name"))]
+    with pytest.raises(FlowerRoundError, match=f"^{line}$"):
+        _secure_in_process(tmp_path, [*sets, "algorithm.name=fedavg", f"federation.sample_fraction={fraction}"],
+                           grid={"lost": {1: [0, 1, 2]}})  # fmt: skip
+
+
+@pytest.mark.parametrize(("how", "site"), [("short", 0), ("short", 2), ("long", 2), ("reshaped", 2),
+                                           ("float", 2), ("not_bytes", 2), ("missing", 2)])  # fmt: skip
+def test_a_site_s_masked_vector_in_other_shapes_stops_the_round_naming_it(how, site, tmp_path):
+    """The server checks each masked vector's arrays before SecAgg+ sums them: the weight factor, then one integer
+    array per payload entry. Flower's sum would crash on an array fewer (a traceback), cut a later site's extra one
+    silently, or broadcast a reshaped one; each stops the round here naming the site."""
+    import numpy as np
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    def tamper(reply):
+        record = None if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        if reply.metadata.src_node_id != 1000 + site or record is None or Key.MASKED_PARAMETERS not in record:
+            return
+        arrays = list(record[Key.MASKED_PARAMETERS])
+        i = next(i for i, a in enumerate(arrays) if bytes_to_ndarray(a).ndim > 1)  # a weight matrix
+        if how == "missing":
+            del record[Key.MASKED_PARAMETERS]
+            return
+        record[Key.MASKED_PARAMETERS] = {
+            "short": arrays[:-1], "long": [*arrays, arrays[-1]], "not_bytes": ["x"] * len(arrays),
+            "reshaped": [*arrays[:i], ndarray_to_bytes(bytes_to_ndarray(arrays[i]).reshape(-1)), *arrays[i + 1:]],
+            "float": [ndarray_to_bytes(bytes_to_ndarray(arrays[0]).astype(np.float64)), *arrays[1:]]}[how]  # fmt: skip
+
+    with pytest.raises(FlowerRoundError, match=f"^site {site}, round 1: its masked update is "):
+        _secure_in_process(tmp_path, SETS, tamper=tamper)
+
+
+def test_a_site_s_malformed_protocol_message_stops_the_round_in_one_line(tmp_path):
+    """A site's reply to SecAgg+'s last stage without its key shares: Flower's workflow fails reading it, and the
+    round stops in one line, the error named (not a traceback)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    def tamper(reply):
+        record = None if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        if reply.metadata.src_node_id == 1001 and record is not None and Key.SHARE_LIST in record:
+            del record[Key.SHARE_LIST]
+
+    with pytest.raises(FlowerRoundError, match=r"^round 1: secure aggregation failed \(KeyError: .*\)$"):
+        _secure_in_process(tmp_path, SETS, tamper=tamper)
+
+
+def test_a_site_that_misstates_its_weight_through_the_protocol_stops_the_run_naming_it(tmp_path, monkeypatch):
+    """The second site's node weighs its masked update one more than its clients' counts: the server, which sees
+    only the sum, stops the round at the clear weight, naming the site and the round."""
+    from pflbed.flower import secagg_node
+
+    calls = []
+
+    def lying(*args, **kw):
+        fitres = real(*args, **kw)
+        calls.append(1)
+        fitres.num_examples += len(calls) == 2
+        return fitres
+
+    real = secagg_node.site_update
+    monkeypatch.setattr(secagg_node, "site_update", lying)
+    with pytest.raises(FlowerRoundError, match=r"^site 1, round 1: it weighs its update 2, the server expects 1 "):
+        _secure_in_process(tmp_path, SETS)
 
 
 def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
@@ -148,18 +262,21 @@ def test_a_secure_run_without_dp_weighs_the_sites_by_their_samples(tmp_path):
     assert len(set(weights)) > 1 and 0 < gap < TOLERANCE * max(weights) / np.mean(weights)
 
 
-def test_a_secure_run_continues_each_site_s_kept_states_and_takes_a_site_with_no_client_sampled(tmp_path):
+def test_a_secure_run_continues_each_site_s_kept_states_and_takes_a_site_with_no_client_sampled(tmp_path,
+                                                                                                monkeypatch):
     """FedPer through SecAgg+ for three rounds, two of three clients sampled a round: a site with no client sampled
     sends zeros of weight 0 and the round goes on, and each sampled client's site is asked for the state version of
     its last accepted reply (a site that trained from a fresh head, version 0, would drift far from the simulation;
-    the body is not compared here: the quantization error grows over rounds). The server's timings stay within
-    the run."""
-    import time
+    the body is not compared here: the quantization error grows over rounds). The server's timings add up over the
+    rounds (its clock here ticks one second a reading: each round's records and wait take one each)."""
+    import itertools
+    from types import SimpleNamespace
 
+    from pflbed.flower import secagg
+
+    monkeypatch.setattr(secagg, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
     sets = [s for s in SETS if not s.startswith(("privacy.", "train.rounds"))]
-    start = time.perf_counter()
     sim, secure, gap = _secure_in_process(tmp_path, [*sets, "train.rounds=3", "federation.sample_fraction=0.67"])
-    took = time.perf_counter() - start
     last = dict.fromkeys(range(3), 0)  # each client's round of its last accepted reply: the version its site keeps
     idle = 0
     for rnd in (1, 2, 3):
@@ -171,7 +288,7 @@ def test_a_secure_run_continues_each_site_s_kept_states_and_takes_a_site_with_no
         for c in confs:
             last.update(dict.fromkeys(c["cids"], rnd))
     assert idle and math.isfinite(secure.summary["final"]["pfl_acc"]) and gap > 0
-    assert 0 < secure.timing["server_records_s"] < took and 0 < secure.timing["wait_s"] < took
+    assert secure.timing["server_records_s"] == 3 and secure.timing["wait_s"] == 3
 
 
 def test_a_site_sends_its_weighted_mean_update_and_zeros_when_it_has_no_client():
@@ -183,6 +300,10 @@ def test_a_site_sends_its_weighted_mean_update_and_zeros_when_it_has_no_client()
     assert json.loads(fitres.metrics["keys"]) == ["a"]
     empty = site_update(w, [], {})
     assert [x.shape for x in parameters_to_ndarrays(empty.parameters)] == [(2,), (3,)] and empty.num_examples == 0
+    # distributed noise (σ = 0, qN = 2): the clients' changes summed, unweighted, over qN; weight 1; b not updated
+    noised = site_update(w, [(r1, 1), (r2, 3)], {}, NoiseShare(0.0, 2.0))
+    a, b = parameters_to_ndarrays(noised.parameters)
+    assert np.allclose(a, [0.5, 1.5]) and np.allclose(b, 0) and noised.num_examples == 1
 
 
 def test_a_site_counts_every_entry_of_its_update_beyond_secagg_s_range():

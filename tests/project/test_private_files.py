@@ -85,6 +85,15 @@ def test_private_directories_are_0700_with_every_missing_parent(tmp_path, open_u
         assert _mode(private_dir(tmp_path / f"old-{mode:o}")) == 0o700, oct(mode)
 
 
+def test_a_directory_not_ours_is_left_as_it_is(tmp_path, open_umask, monkeypatch):
+    """An existing directory of another user's (a shared data folder, its owner here another uid) keeps its mode:
+    it is not ours to change, and changing it would fail for anyone but root."""
+    (tmp_path / "shared").mkdir(mode=0o755)
+    owner = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    assert _mode(private_dir(tmp_path / "shared")) == 0o755
+
+
 def test_tls_and_node_keys_are_private_from_their_creation(tmp_path, open_umask, monkeypatch):
     pytest.importorskip("cryptography")
     from pflbed.flower.certificates import write_certificates, write_node_keys

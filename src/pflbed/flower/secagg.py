@@ -20,22 +20,27 @@ Algorithms whose server needs each reply (`dp_refused` set) are refused. The qua
 most (2·8/2²²)·max W / mean W per site (3.8·10⁻⁶ for equal sites); Flower draws its rounding noise unseeded, so a
 SecAgg+ run is not bit-reproducible.
 
-What the server checks of the sites, seeing only the sum (`_check`): each site's clear weight is the one the
-server expects from the counts fixed at start-up, each site's `keys` are payload entries and the same for every
-site (and round), and the unmasked mean update stays within `sites.max_update` (`reply_check`). A site failing one
-cannot be taken out of a sum already formed: the round stops the run, naming the site where the server can tell.
+What the server checks of the sites, seeing only the sum: each site's masked vector has the arrays every site must
+send, in number, shape and integer type, before the protocol sums it (`_MaskedShapes`); each site's clear weight is
+the one the server expects from the counts fixed at start-up, each site's `keys` are payload entries and the same
+for every site (and round) (`_check`); and the unmasked mean update stays within `sites.max_update`
+(`reply_check`). A site failing one cannot be taken out of a sum already formed: the round stops the run, naming
+the site where the server can tell. Whatever else fails inside the protocol (a site's malformed message in one of
+its stages) stops the round in one line too.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
@@ -87,15 +92,76 @@ class _Capture(Strategy):
 
 
 class _Workflow(SecAggPlusWorkflow):
-    """Flower's SecAgg+ whose masked-vector stage carries pflbed's TRAIN content for each site."""
+    """Flower's SecAgg+ whose masked-vector stage carries pflbed's TRAIN content for each site, and takes each
+    site's masked vector only in the shapes every site must send (`_MaskedShapes`)."""
 
-    def __init__(self, contents: dict[int, RecordDict], **kwargs) -> None:
+    def __init__(self, contents: dict[int, RecordDict], shapes: _MaskedShapes, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.contents = contents
+        self.contents, self.shapes = contents, shapes
 
     def collect_masked_vectors_stage(self, grid, context, state) -> bool:  # noqa: ANN001
         state.nid_to_fitins = {nid: self.contents[nid] for nid in state.nid_to_fitins}
-        return super().collect_masked_vectors_stage(grid, context, state)
+        return super().collect_masked_vectors_stage(self.shapes.checking(grid), context, state)
+
+
+class _MaskedShapes:
+    """What the server can check of a masked vector before SecAgg+ sums it: its arrays' number, shapes and integer
+    type — the weight factor (one entry) then one array per payload entry in key order (`secagg_node.site_update`).
+    Flower's sum adds the vectors array by array: a vector with an array fewer or more, or one that broadcasts,
+    would crash the sum, be cut silently, or garble it unnamed; here the round stops naming the site. Only each
+    array's header is read (the sum reads the arrays themselves)."""
+
+    def __init__(self, rnd: int, payload: Tensors, site_of: dict[int, int]) -> None:
+        self.rnd, self.site_of = rnd, site_of
+        self.want = [(1,), *(tuple(payload[k].shape) for k in sorted(payload))]
+
+    def checking(self, grid: Grid) -> _CheckedGrid:
+        return _CheckedGrid(grid, self)
+
+    def check(self, msg: Message) -> None:
+        site = self.site_of.get(msg.metadata.src_node_id, msg.metadata.src_node_id)
+        try:
+            arrays = msg.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
+            got = [_header(b) for b in arrays] if isinstance(arrays, list) else None
+        except (KeyError, TypeError, ValueError):
+            got = None
+        if got is None:
+            raise FlowerRoundError(f"site {site}, round {self.rnd}: its masked update is not a list of arrays")
+        shapes = [shape for shape, _ in got]
+        if shapes != self.want or any(kind not in "iu" for _, kind in got):
+            raise FlowerRoundError(f"site {site}, round {self.rnd}: its masked update is {len(got)} arrays of shapes "
+                                   f"{str(shapes)[:80]} ({sorted({k for _, k in got})} types), not the payload's "
+                                   f"{len(self.want)} integer arrays {str(self.want)[:80]}")  # fmt: skip
+
+
+class _CheckedGrid:
+    """The grid as the masked-vector stage sees it: each reply that is not an error passes `_MaskedShapes.check`."""
+
+    def __init__(self, grid: Grid, shapes: _MaskedShapes) -> None:
+        self.grid, self.shapes = grid, shapes
+
+    def send_and_receive(self, messages, timeout=None):  # noqa: ANN001, ANN201
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        for reply in replies:
+            if not reply.has_error():
+                self.shapes.check(reply)
+        return replies
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.grid, name)
+
+
+def _header(raw: object) -> tuple[tuple[int, ...], str]:
+    """An `.npy` array's shape and dtype kind, from its header alone (`np.load` would read the data)."""
+    if not isinstance(raw, bytes):
+        raise TypeError("not bytes")
+    f = io.BytesIO(raw)
+    read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    version = np.lib.format.read_magic(f)
+    if version not in read:
+        raise ValueError(f".npy version {version}")
+    shape, _, dtype = read[version](f)
+    return tuple(shape), dtype.kind
 
 
 class SecAggExecutor(SiteExecutor):
@@ -124,11 +190,16 @@ class SecAggExecutor(SiteExecutor):
         context = LegacyContext(Context(0, 0, {}, RecordDict(), {}), strategy=capture)
         context.state.config_records["config"] = ConfigRecord({"current_round": rnd})
         context.state.array_records["parameters"] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
-        workflow = _Workflow(contents, num_shares=NUM_SHARES, reconstruction_threshold=RECONSTRUCTION,
-                             max_weight=float(max(max(weight.values()), 1)), clipping_range=CLIP_RANGE,
-                             timeout=self.timeout)  # fmt: skip
+        workflow = _Workflow(contents, _MaskedShapes(rnd, first, self.site_of), num_shares=NUM_SHARES,
+                             reconstruction_threshold=RECONSTRUCTION, max_weight=float(max(max(weight.values()), 1)),
+                             clipping_range=CLIP_RANGE, timeout=self.timeout)  # fmt: skip
         t1 = time.perf_counter()
-        workflow(self.grid, context)
+        try:
+            workflow(self.grid, context)
+        except FlowerRoundError:
+            raise
+        except Exception as e:  # the protocol reads what the sites send: whatever fails stops the round in one line
+            raise FlowerRoundError(f"round {rnd}: secure aggregation failed ({type(e).__name__}: {e})") from None
         self.timing["server_records_s"] += t1 - t0
         self.timing["wait_s"] += time.perf_counter() - t1
         if not capture.results:
@@ -142,6 +213,11 @@ class SecAggExecutor(SiteExecutor):
         return Replies(failed, self._replies(rnd, payloads, replied, arrived))
 
     @property
+    def site_of(self) -> dict[int, int]:
+        """Each bound node's site."""
+        return {node: site for site, node in self.node_of.items()}
+
+    @property
     def site_noise(self) -> bool:
         """Whether the sites add the noise (`privacy.noise: distributed`)."""
         return self.algo.ctx.cfg.privacy.enabled and self.algo.ctx.cfg.privacy.noise == "distributed"
@@ -152,7 +228,7 @@ class SecAggExecutor(SiteExecutor):
         stops the run (its masked update is in the sum already). The key set is fixed as for plain replies
         (`ReplyCheck`): the one most sites name, kept for the run. `active`: the nodes with a client this round
         (default: those the server expects a weight from; under distributed noise every site weighs 1)."""
-        site_of = {node: site for site, node in self.node_of.items()}
+        site_of = self.site_of
         active = {n for n, w in weight.items() if w > 0} if active is None else active
         votes: dict[frozenset[str], list[int]] = {}
         for node, fitres in sorted(replied.items()):
