@@ -114,28 +114,29 @@ class _MaskedShapes:
     def __init__(self, rnd: int, payload: Tensors, site_of: dict[int, int]) -> None:
         self.rnd, self.site_of = rnd, site_of
         self.want = [(1,), *(tuple(payload[k].shape) for k in sorted(payload))]
+        self.names = ["the weight factor", *(f"entry {k!r}" for k in sorted(payload))]
 
     def checking(self, grid: Grid) -> _CheckedGrid:
         return _CheckedGrid(grid, self)
 
     def check(self, msg: Message) -> None:
-        site = self.site_of.get(msg.metadata.src_node_id, msg.metadata.src_node_id)
+        where = f"site {self.site_of[msg.metadata.src_node_id]}, round {self.rnd}: its masked update"
         try:
-            arrays = msg.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
-            got = [_header(b) for b in arrays] if isinstance(arrays, list) else None
+            got = [_header(b) for b in msg.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
         except (KeyError, TypeError, ValueError):
-            got = None
-        if got is None:
-            raise FlowerRoundError(f"site {site}, round {self.rnd}: its masked update is not a list of arrays")
-        shapes = [shape for shape, _ in got]
-        if shapes != self.want or any(kind not in "iu" for _, kind in got):
-            raise FlowerRoundError(f"site {site}, round {self.rnd}: its masked update is {len(got)} arrays of shapes "
-                                   f"{str(shapes)[:80]} ({sorted({k for _, k in got})} types), not the payload's "
-                                   f"{len(self.want)} integer arrays {str(self.want)[:80]}")  # fmt: skip
+            raise FlowerRoundError(f"{where} is not a list of .npy arrays") from None
+        if len(got) != len(self.want):
+            raise FlowerRoundError(f"{where} has {len(got)} arrays, not {len(self.want)} (the weight factor and one "
+                                   "per payload entry)")  # fmt: skip
+        for (shape, kind), want, name in zip(got, self.want, self.names, strict=True):
+            if shape != want or kind not in ("i", "u"):
+                raise FlowerRoundError(f"{where}'s array for {name} is of shape {shape} and dtype kind {kind!r}, not "
+                                       f"integers of shape {want}")  # fmt: skip
 
 
 class _CheckedGrid:
-    """The grid as the masked-vector stage sees it: each reply that is not an error passes `_MaskedShapes.check`."""
+    """The grid as the masked-vector stage uses it (`send_and_receive` only): each reply that is not an error passes
+    `_MaskedShapes.check`."""
 
     def __init__(self, grid: Grid, shapes: _MaskedShapes) -> None:
         self.grid, self.shapes = grid, shapes
@@ -147,20 +148,16 @@ class _CheckedGrid:
                 self.shapes.check(reply)
         return replies
 
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.grid, name)
-
 
 def _header(raw: object) -> tuple[tuple[int, ...], str]:
-    """An `.npy` array's shape and dtype kind, from its header alone (`np.load` would read the data)."""
+    """An `.npy` array's shape and dtype kind from its header alone (`np.load` would read the data): version 1.0,
+    what `np.save` writes for any array of a model's."""
     if not isinstance(raw, bytes):
-        raise TypeError("not bytes")
+        raise TypeError
     f = io.BytesIO(raw)
-    read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-    version = np.lib.format.read_magic(f)
-    if version not in read:
-        raise ValueError(f".npy version {version}")
-    shape, _, dtype = read[version](f)
+    if np.lib.format.read_magic(f) != (1, 0):
+        raise ValueError
+    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
     return tuple(shape), dtype.kind
 
 
@@ -232,10 +229,10 @@ class SecAggExecutor(SiteExecutor):
         active = {n for n, w in weight.items() if w > 0} if active is None else active
         votes: dict[frozenset[str], list[int]] = {}
         for node, fitres in sorted(replied.items()):
-            site = site_of.get(node, node)
-            if fitres.num_examples != weight.get(node, -1):
+            site = site_of[node]  # a reply comes from a node asked, a bound one
+            if fitres.num_examples != weight[node]:
                 raise FlowerRoundError(f"site {site}, round {rnd}: it weighs its update {fitres.num_examples}, the "
-                                       f"server expects {weight.get(node)} from its clients' counts")  # fmt: skip
+                                       f"server expects {weight[node]} from its clients' counts")  # fmt: skip
             if node not in active:  # no client sampled here: nothing updated (under distributed noise, its share)
                 continue
             try:
