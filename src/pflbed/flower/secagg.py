@@ -129,7 +129,7 @@ class _MaskedShapes:
             raise FlowerRoundError(f"{where} has {len(got)} arrays, not {len(self.want)} (the weight factor and one "
                                    "per payload entry)")  # fmt: skip
         for (shape, kind), want, name in zip(got, self.want, self.names, strict=True):
-            if shape != want or kind not in ("i", "u"):
+            if shape != want or kind != "i":  # Flower's masked vectors are int64
                 raise FlowerRoundError(f"{where}'s array for {name} is of shape {shape} and dtype kind {kind!r}, not "
                                        f"integers of shape {want}")  # fmt: skip
 
