@@ -20,15 +20,15 @@ class FakeGrid:
       round timeout; states a node keeps on disk are written);
     - `restart[r]`: the nodes of these partitions restart after round r-1: a new node id, and a ClientApp process
       that has built nothing yet (nothing kept in memory survives).
-    `transport=True`: each node keeps its Flower context state from one message to the next, and each message's
-    content reaches the node as a copy, as over a real connection — what SecAgg+'s four stages need (its mod keeps
-    the protocol's state in the context and consumes its config records).
+    As over a real connection, each node keeps its Flower context state from one message to the next, and each
+    message's content reaches the node as a copy: what SecAgg+'s four stages need (its mod keeps the protocol's
+    state in the context and consumes its config records), and no node can change what the server keeps.
     """
 
-    def __init__(self, partitions=6, lost=None, late=None, restart=None, node_configs=None, transport=False):
+    def __init__(self, partitions=6, lost=None, late=None, restart=None, node_configs=None):
         self.parts, self.lost, self.late, self.restart = partitions, lost or {}, late or {}, restart or {}
         self.node_configs = node_configs or {}  # partition → more node config (a site's data=, state-dir=)
-        self.states = {} if transport else None  # node id → its context state (`transport`)
+        self.states = {}  # node id → its context state
         self.nodes = [1000 + p for p in range(partitions)]
         self.trained = 0  # the last round of which a node received work
 
@@ -47,10 +47,8 @@ class FakeGrid:
                 out.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, "node gone"), reply_to=msg))
                 continue
             part = self.nodes.index(msg.metadata.dst_node_id)
-            state = RecordDict()
-            if self.states is not None:  # `transport`
-                state = self.states.setdefault(msg.metadata.dst_node_id, state)
-                msg.content = copy.deepcopy(msg.content)
+            state = self.states.setdefault(msg.metadata.dst_node_id, RecordDict())
+            msg.content = copy.deepcopy(msg.content)
             ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=state, run_config={},
                           node_config={client.PARTITION: part, client.PARTITIONS: self.parts,
                                        **self.node_configs.get(part, {})})  # fmt: skip

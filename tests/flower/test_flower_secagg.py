@@ -81,7 +81,7 @@ def test_distributed_noise_on_a_secure_deployment_assembles_the_central_release(
 
 def _secure_in_process(tmp_path, sets, grid=None, executor=None, tamper=None, **privacy):
     """The run of `sets` simulated, and through SecAgg+ on one site per simulated client (its data), in this
-    process (`FakeGrid(transport=True)`: the real protocol, the nodes' mod included, without a deployment);
+    process (`FakeGrid`: the real protocol, the nodes' mod included, without a deployment);
     `grid`: the fake grid's other options (lost sites); `executor`, `privacy`: options of the secure run's own
     (a round timeout; distributed noise); `tamper(reply)`: each reply as the server gets it, changed in place."""
     from pflbed.engine.loop import experiment
@@ -91,7 +91,7 @@ def _secure_in_process(tmp_path, sets, grid=None, executor=None, tamper=None, **
 
     sim_cfg = load_config(None, sets)
     sim = run(sim_cfg, write=False, progress=False)
-    _, fake = _sites(tmp_path, sim_cfg, transport=True, **(grid or {}))
+    _, fake = _sites(tmp_path, sim_cfg, **(grid or {}))
     cfg = _site_cfg(sim_cfg.model_dump(mode="json"))
     tree = cfg.model_dump(mode="json")
     cfg = validate_config({**tree, "privacy": {**tree["privacy"], **sim_cfg.privacy.model_dump(mode="json"), **privacy},
