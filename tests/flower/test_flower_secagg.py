@@ -198,7 +198,6 @@ def test_a_site_s_masked_vector_in_other_shapes_stops_the_round_naming_it(how, s
     """The server checks each masked vector's arrays before SecAgg+ sums them: the weight factor, then one integer
     array per payload entry. Flower's sum would crash on an array fewer (a traceback), cut a later site's extra one
     silently, or broadcast a reshaped one; each stops the round here naming the site."""
-    import numpy as np
     from flwr.common import bytes_to_ndarray, ndarray_to_bytes
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
@@ -252,7 +251,7 @@ def test_a_site_that_misstates_its_weight_through_the_protocol_stops_the_run_nam
     def lying(*args, **kw):
         fitres = real(*args, **kw)
         calls.append(1)
-        fitres.num_examples += len(calls) == 2
+        fitres.num_examples += 1 if len(calls) == 2 else 0
         return fitres
 
     real = secagg_node.site_update
