@@ -241,6 +241,59 @@ def test_a_site_s_malformed_protocol_message_stops_the_round_in_one_line(tmp_pat
         _secure_in_process(tmp_path, SETS, tamper=tamper)
 
 
+def _setup(**over):
+    """SecAgg+'s setup parameters as pflbed's server sets them for three sites, with `over` changed."""
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
+    return ConfigRecord({Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: 3, Key.SHARE_NUMBER: 3, Key.THRESHOLD: 2,
+                         Key.CLIPPING_RANGE: 8.0, Key.TARGET_RANGE: 2**22, Key.MOD_RANGE: 2**32,
+                         Key.MAX_WEIGHT: 1.0, **over})  # fmt: skip
+
+
+@pytest.mark.parametrize(("over", "line"), [
+    ({"threshold": 1}, "threshold=1 for 3 sites; this site takes 2 to 3"),
+    ({"threshold": 4}, "threshold=4 for 3 sites; this site takes 2 to 3"),
+    ({"threshold": 2.0}, "threshold=2.0 for 3 sites; this site takes 2 to 3"),
+    ({"share_num": 2}, "share_num=2 for 3 sites; this site takes only 3"),
+    ({"clipping_range": 100.0}, "clipping_range=100.0 for 3 sites; this site takes only 8.0"),
+    ({"target_range": 2**10}, "target_range=1024 for 3 sites; this site takes only 4194304"),
+    ({"mod_range": 2**16}, "mod_range=65536 for 3 sites; this site takes only 4294967296"),
+    ({"sample_num": 1, "share_num": 1, "threshold": 1}, "1 sites; this site takes part only with at least two")])
+def test_a_site_takes_secagg_s_parameters_only_as_pflbed_s_server_sets_them(over, line):
+    """The server sets SecAgg+'s parameters (setup stage); a site takes only those pflbed's server uses for the
+    number of sites named. A threshold of 1 would let a server that tells the sites different stories about who
+    dropped out gather both of one site's secrets (its update in clear); other ranges break the site's count of
+    entries beyond the range. Five sites: threshold 2 (Flower's rounding) to 5."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    from pflbed.flower.secagg_node import check_setup
+    from pflbed.flower.sites import SiteError
+
+    check_setup(_setup())
+    check_setup(_setup(**{Key.SAMPLE_NUMBER: 5, Key.SHARE_NUMBER: 5, Key.THRESHOLD: 2}))
+    check_setup(_setup(**{Key.SAMPLE_NUMBER: 5, Key.SHARE_NUMBER: 5, Key.THRESHOLD: 5}))
+    with pytest.raises(SiteError) as e:
+        check_setup(_setup(**over))
+    assert str(e.value) == f"SecAgg+ setup: {line}"
+
+
+def test_a_server_setting_other_secagg_parameters_gets_no_site_to_take_part(tmp_path, monkeypatch):
+    """A server whose SecAgg+ clips at ±100: every site refuses the setup stage (its error reply says why), and
+    the round stops."""
+    from pflbed.flower import secagg
+
+    errors = []
+
+    def tamper(reply):
+        errors.extend([reply.error.reason] if reply.has_error() else [])
+
+    monkeypatch.setattr(secagg, "CLIP_RANGE", 100.0)
+    with pytest.raises(FlowerRoundError, match=r"^round 1: secure aggregation did not complete"):
+        _secure_in_process(tmp_path, SETS, tamper=tamper)
+    assert len(errors) == 3 and all("SiteError: SecAgg+ setup: clipping_range=100.0 for 3 sites" in e for e in errors)
+
+
 def test_a_site_that_misstates_its_weight_through_the_protocol_stops_the_run_naming_it(tmp_path, monkeypatch):
     """The second site's node weighs its masked update one more than its clients' counts: the server, which sees
     only the sum, stops the round at the clear weight, naming the site and the round."""

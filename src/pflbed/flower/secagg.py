@@ -55,10 +55,12 @@ from pflbed.flower.records import to_record
 from pflbed.flower.reply_check import structure, update_ratio
 from pflbed.flower.secagg_node import (
     CLIP_RANGE,
+    MOD_RANGE,
     NONFINITE_REPLY,
     NUM_SHARES,
     RECONSTRUCTION,
     SHARED,
+    TARGET_RANGE,
     client_weight,
 )
 from pflbed.flower.site_executor import SiteExecutor
@@ -189,7 +191,8 @@ class SecAggExecutor(SiteExecutor):
         context.state.array_records["parameters"] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
         workflow = _Workflow(contents, _MaskedShapes(rnd, first, self.site_of), num_shares=NUM_SHARES,
                              reconstruction_threshold=RECONSTRUCTION, max_weight=float(max(max(weight.values()), 1)),
-                             clipping_range=CLIP_RANGE, timeout=self.timeout)  # fmt: skip
+                             clipping_range=CLIP_RANGE, quantization_range=TARGET_RANGE, modulus_range=MOD_RANGE,
+                             timeout=self.timeout)  # fmt: skip
         t1 = time.perf_counter()
         try:
             workflow(self.grid, context)

@@ -19,17 +19,19 @@ import math
 from dataclasses import dataclass
 
 import torch
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
 from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.config import Config
+from pflbed.flower.sites import SiteError
 
 SHARED = "shared"  # the round's payload, the same for every client, sent to every site
 NONFINITE_REPLY = "nonfinite-reply"  # a site's clear flag for a client whose reply diverged (its first bad key)
 CLIP_RANGE = 8.0  # Flower's default: each entry of a site's (weighted) update clipped to ±8 before quantization
+TARGET_RANGE, MOD_RANGE = 2**22, 2**32  # Flower's defaults: 2²² quantization levels, sums modulo 2³²
 # SecAgg+ as `flower.secagg` runs it: every site holds a share of every other's secrets (all S of them), and half
 # of them are needed to unmask
 NUM_SHARES, RECONSTRUCTION = 1.0, 0.5
@@ -60,8 +62,35 @@ def asked(msg: Message) -> bool:
 
 
 def secagg_if_asked(msg: Message, context: Context, call_next) -> Message:
-    """The node's mod: SecAgg+'s where the server runs the protocol; ordinary training passes through."""
-    return secaggplus_mod(msg, context, call_next) if asked(msg) else call_next(msg, context)
+    """The node's mod: SecAgg+'s where the server runs the protocol (its parameters checked first,
+    `check_setup`); ordinary training passes through."""
+    if not asked(msg):
+        return call_next(msg, context)
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    if configs.get(Key.STAGE) == Stage.SETUP:
+        check_setup(configs)
+    return secaggplus_mod(msg, context, call_next)
+
+
+def check_setup(configs: ConfigRecord) -> None:
+    """What a site takes of the protocol's parameters, which the server sets in SecAgg+'s setup stage: the values
+    pflbed's server uses (`flower.secagg`) for the number of sites it names, and no other. Every site holds a share
+    of every other's secrets, and a threshold below `reconstruction_threshold` would let a server that tells the
+    sites different stories about who dropped out gather both secrets of one site — its update in clear; the
+    clipping and quantization ranges are those the site's beyond-range count assumes. The number of sites itself
+    cannot be checked here (a server that invents sites is the threat model's Sybil case)."""
+    n = configs.get(Key.SAMPLE_NUMBER)
+    if type(n) is not int or n < 2:
+        raise SiteError(f"SecAgg+ setup: {n!r} sites; this site takes part only with at least two")
+    want = {Key.SHARE_NUMBER: n, Key.CLIPPING_RANGE: CLIP_RANGE, Key.TARGET_RANGE: TARGET_RANGE,
+            Key.MOD_RANGE: MOD_RANGE}  # fmt: skip
+    for key, value in want.items():
+        if configs.get(key) != value:
+            raise SiteError(f"SecAgg+ setup: {key}={configs.get(key)!r} for {n} sites; this site takes only {value!r}")
+    t = configs.get(Key.THRESHOLD)
+    if type(t) is not int or not reconstruction_threshold(n) <= t <= n:
+        raise SiteError(f"SecAgg+ setup: {Key.THRESHOLD}={t!r} for {n} sites; this site takes "
+                        f"{reconstruction_threshold(n)} to {n}")  # fmt: skip
 
 
 def client_weight(algo: Algorithm, n_train: int) -> int:
