@@ -192,6 +192,13 @@ def test_a_secure_round_whose_sampled_sites_are_lost_stops_in_one_line(fraction,
                            grid={"lost": {1: [0, 1, 2]}})  # fmt: skip
 
 
+def _protocol_record(reply):
+    """The SecAgg+ record of a site's reply as the server gets it (None for an error reply)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    return None if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS)
+
+
 @pytest.mark.parametrize(("how", "site"), [("short", 0), ("short", 2), ("long", 2), ("reshaped", 2),
                                            ("float", 2), ("not_bytes", 2), ("missing", 2)])  # fmt: skip
 def test_a_site_s_masked_vector_in_other_shapes_stops_the_round_naming_it(how, site, tmp_path):
@@ -199,10 +206,10 @@ def test_a_site_s_masked_vector_in_other_shapes_stops_the_round_naming_it(how, s
     array per payload entry. Flower's sum would crash on an array fewer (a traceback), cut a later site's extra one
     silently, or broadcast a reshaped one; each stops the round here naming the site."""
     from flwr.common import bytes_to_ndarray, ndarray_to_bytes
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     def tamper(reply):
-        record = None if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        record = _protocol_record(reply)
         if reply.metadata.src_node_id != 1000 + site or record is None or Key.MASKED_PARAMETERS not in record:
             return
         arrays = list(record[Key.MASKED_PARAMETERS])
@@ -230,10 +237,10 @@ def test_a_site_s_masked_vector_in_other_shapes_stops_the_round_naming_it(how, s
 def test_a_site_s_malformed_protocol_message_stops_the_round_in_one_line(tmp_path):
     """A site's reply to SecAgg+'s last stage without its key shares: Flower's workflow fails reading it, and the
     round stops in one line, the error named (not a traceback)."""
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     def tamper(reply):
-        record = None if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        record = _protocol_record(reply)
         if reply.metadata.src_node_id == 1001 and record is not None and Key.SHARE_LIST in record:
             del record[Key.SHARE_LIST]
 

@@ -103,7 +103,7 @@ class _Workflow(SecAggPlusWorkflow):
 
     def collect_masked_vectors_stage(self, grid, context, state) -> bool:  # noqa: ANN001
         state.nid_to_fitins = {nid: self.contents[nid] for nid in state.nid_to_fitins}
-        return super().collect_masked_vectors_stage(self.shapes.checking(grid), context, state)
+        return super().collect_masked_vectors_stage(_CheckedGrid(grid, self.shapes), context, state)
 
 
 class _MaskedShapes:
@@ -117,9 +117,6 @@ class _MaskedShapes:
         self.rnd, self.site_of = rnd, site_of
         self.want = [(1,), *(tuple(payload[k].shape) for k in sorted(payload))]
         self.names = ["the weight factor", *(f"entry {k!r}" for k in sorted(payload))]
-
-    def checking(self, grid: Grid) -> _CheckedGrid:
-        return _CheckedGrid(grid, self)
 
     def check(self, msg: Message) -> None:
         where = f"site {self.site_of[msg.metadata.src_node_id]}, round {self.rnd}: its masked update"
