@@ -4,6 +4,7 @@ Flower runtime, site 1's messages rewritten as a site running other code would s
 
 import hashlib
 import json
+import math
 import re
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..tiny import TINY, figures
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import ConfigRecord  # noqa: E402
+from flwr.app import ConfigRecord, MetricRecord  # noqa: E402
 from flwr.common import Code, FitRes, Parameters, Status  # noqa: E402
 
 from pflbed.flower import client  # noqa: E402
@@ -33,6 +34,7 @@ from pflbed.flower.site_claims import (  # noqa: E402
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
 from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
+from ..fake_flower import FakeGrid  # noqa: E402
 from .site_setup import _server_task, _site_cfg, _sites, _tampered, _tree, run_sites, server_executor  # noqa: E402
 
 BAD = 1  # the malicious site (one client per site: its client is client 1)
@@ -306,6 +308,147 @@ def test_a_reply_that_is_not_a_record_of_tensors_is_refused(tmp_path, capsys):
     assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
     lines = _refusals(capsys)
     assert len(lines) == 2 and all(f"site {BAD}, round" in line and "cannot be read" in line for line in lines)
+
+
+def _figures(change):
+    """A TRAIN change: the content of site BAD's reply in the `LOST` rounds rewritten by change(content, round)."""
+
+    def rewrite(msg, reply):
+        rnd = int(msg.content["config"]["round"])
+        if rnd in LOST:
+            change(reply.content, rnd)
+
+    return rewrite
+
+
+def _set(**over):
+    """A change of the reply's figures (its `config` record): `over` set, those set to None left out."""
+
+    def change(content, rnd):
+        figures = {**dict(content["config"]), **over}
+        content["config"] = ConfigRecord({k: v for k, v in figures.items() if v is not None})
+
+    return change
+
+
+def _round_plus_one(content, rnd):
+    content["config"] = ConfigRecord({**dict(content["config"]), "round": rnd + 1})
+
+
+def _record(kind):
+    def change(content, rnd):
+        if kind == "state":  # what a node keeping no state sends: its client's new state
+            content[f"state/{BAD}"] = content[f"reply/{BAD}"]
+        else:
+            content["extra"] = MetricRecord({"x": 1.0}) if kind == "metric" else ConfigRecord({"x": 1})
+
+    return change
+
+
+OTHER = 2  # another site's client (client 2, of site 2)
+NEWLINES = "w\npflbed: refused: site 2, round 2"  # a flag that would write a line of the site's own
+CARRIED = {  # site BAD's reply in rounds 2 and 3 → why it is refused (the line's middle), given the round
+    "seconds_text": (_set(update_s="abc"), lambda r: "its reply's figures are refused: its 'update_s' is 'abc'"),
+    "seconds_list": (_set(records_s=[1.0]), lambda r: "its reply's figures are refused: its 'records_s' is '[1.0]'"),
+    "seconds_nan": (_set(update_s=float("nan")), lambda r: "its reply's figures are refused: its 'update_s' is 'nan'"),
+    "seconds_negative": (_set(records_s=-1.0), lambda r: "its reply's figures are refused: its 'records_s' is '-1.0'"),
+    "seconds_bool": (_set(update_s=True), lambda r: "its reply's figures are refused: its 'update_s' is 'True'"),
+    "seconds_missing": (_set(records_s=None), lambda r: "its reply's figures are refused: its 'records_s' is missing"),
+    "round": (_round_plus_one, lambda r: f"its reply's figures are refused: its 'round' is '{r + 1}'"),
+    "flag_other_client": (_set(**{f"nonfinite/{OTHER}": "w"}), lambda r: "its reply's figures are refused: it sends "
+                          f"'nonfinite/{OTHER}', which is not a figure of its own clients"),
+    "flag_newlines": (_set(**{f"nonfinite/{BAD}": NEWLINES}), lambda r: "its reply's figures are refused: its "
+                      f"'nonfinite/{BAD}' names no entry: {NEWLINES!r}"),
+    "figure_extra": (_set(note="x"), lambda r: "its reply's figures are refused: it sends 'note', which is not a "
+                     "figure of its own clients"),
+    "state_record": (_record("state"), lambda r: f"its reply holds 'state/{BAD}', which is not a record of its "
+                     "clients' replies"),
+    "metric_record": (_record("metric"), lambda r: "its reply holds 'extra', which is not a record of its clients' "
+                      "replies"),
+    "config_record": (_record("config"), lambda r: "its reply holds 'extra', which is not a record of its clients' "
+                      "replies"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("attack", list(CARRIED))
+def test_what_a_reply_carries_besides_its_tensors_is_held_to_what_a_site_sends(attack, lost_run, tmp_path, capsys):
+    """A site's reply carries the round, its seconds and, per client of its own, the name of a non-finite state
+    entry; seconds as text crashed the server, and a flag naming another site's client stopped the run blaming
+    that site. Anything else, or any of these out of its rule, is refused with one line naming the site (the round
+    is the one of a lost reply)."""
+    change, why = CARRIED[attack]
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    _tamper(grid, "train", _figures(change))
+    result = run_sites(_site_cfg(tree), grid)
+    assert figures(result.summary) == figures(lost_run.summary)
+    assert all(torch.equal(result.server[k], lost_run.server[k]) for k in lost_run.server)
+    assert _refusals(capsys) == [f"pflbed: refused: site {BAD}, round {r}: {why(r)}; its clients are left out of the "
+                                 "round" for r in LOST]  # fmt: skip
+    assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
+
+
+def test_a_site_s_clear_figures_rule_by_rule():
+    """`clear_fault`: every field present and passing its rule; flags only `<flag>/<cid>` of the clients given, each
+    an entry's name (printable, 1 to MAX_NAME characters); nothing else. `seconds`: finite, non-negative numbers."""
+    from pflbed.flower.reply_check import MAX_NAME, clear_fault, seconds, shown
+
+    fields = {"round": lambda v: v == 3, "update_s": seconds}
+    ok = {"round": 3, "update_s": 0.5}
+    assert clear_fault(ok, fields, ["f", "g"], [4, 5]) is None
+    assert clear_fault({**ok, "f/4": "w", "g/5": "x" * MAX_NAME, "g/4": "a b"}, fields, ["f", "g"], [4, 5]) is None
+    assert [seconds(v) for v in (0, 0.0, 7, 1e9)] == [True] * 4
+    assert [seconds(v) for v in (-1e-9, math.inf, math.nan, True, "1", None)] == [False] * 6
+
+    def why(record, cids=(4, 5)):
+        return clear_fault(record, fields, ["f", "g"], cids)
+
+    assert why({**ok, "update_s": -1}) == "its 'update_s' is '-1'"
+    assert why({**ok, "round": 4}) == "its 'round' is '4'"
+    assert why({"round": 3}) == "its 'update_s' is missing"
+    assert why({}) == "its 'round' is missing"
+    assert why({**ok, "f/6": "w"}) == "it sends 'f/6', which is not a figure of its own clients"
+    assert why({**ok, "h/4": "w"}) == "it sends 'h/4', which is not a figure of its own clients"
+    assert why({**ok, "f/4": "w"}, cids=()) == "it sends 'f/4', which is not a figure of its own clients"
+    assert why({**ok, "f/4": ""}) == "its 'f/4' names no entry: ''"
+    assert why({**ok, "g/5": 3}) == "its 'g/5' names no entry: '3'"
+    assert why({**ok, "f/4": "x" * (MAX_NAME + 1)}) == f"its 'f/4' names no entry: {'x' * 60 + '…'!r}"
+    assert why({**ok, "f/4": "a\tb"}) == "its 'f/4' names no entry: 'a\\tb'"
+    assert shown("y" * 61) == repr("y" * 60 + "…") and shown("y" * 60) == repr("y" * 60) and shown(7) == "'7'"
+    assert shown("z" * 9, limit=3) == repr("zzz…")
+
+
+def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path):
+    """`executor.timing`: the sites' seconds summed over the replies taken, once per site's reply (two sites of
+    two clients each, every client sampled), a refused reply's left out."""
+    from pflbed.engine.loop import experiment
+
+    tree = _short(federation={**TINY["federation"], "clients": 4, "sample_fraction": 1.0})
+    client.algorithm.cache_clear()
+    dirs, _ = _sites(tmp_path, validate_config(tree))
+    nodes = {k: {"data": str(dirs[k] / "train.npz"), "clients": 2, "state-dir": str(tmp_path / f"s{k}")}
+             for k in range(2)}  # fmt: skip
+    grid = FakeGrid(partitions=2, node_configs=nodes)
+    cfg = _site_cfg(tree)
+    ex = server_executor(grid, cfg)
+    real, taken = grid.send_and_receive, []
+
+    def send(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for m, reply in zip(msgs, replies, strict=True):
+            if m.metadata.message_type == "train" and not reply.has_error():
+                refused = m.metadata.dst_node_id == grid.nodes[BAD] and int(m.content["config"]["round"]) == 2
+                reply.content["config"] = ConfigRecord({**dict(reply.content["config"]), "records_s": 0.25,
+                                                        "update_s": "abc" if refused else 2.0})  # fmt: skip
+                taken.extend([] if refused else [len(m.content["config"]["cids"])])
+        return replies
+
+    grid.send_and_receive = send
+    with _server_task():
+        experiment(cfg, ex.algo, ex, None, False, False)
+    assert taken == [2] * 5  # three rounds of two sites, each with its two clients, one reply refused
+    assert ex.timing["client_update_s"] == 2.0 * 5 and ex.timing["client_records_s"] == 0.25 * 5
 
 
 @pytest.mark.parametrize("bound", [None, 10.0])
@@ -617,7 +760,8 @@ def test_the_screen_returns_no_reply_of_a_refused_site_and_says_why_each_is_refu
     payloads = ex.algo.configure(2, server, [0, 1, 2, 3])
 
     def arrived(cid, reply, config=True):
-        return RecordDict({**({"config": ConfigRecord({})} if config else {}), f"reply/{cid}": to_record(reply)})
+        figures = ConfigRecord({"round": 2, "update_s": 0.5, "records_s": 0.25})
+        return RecordDict({**({"config": figures} if config else {}), f"reply/{cid}": to_record(reply)})
 
     honest = {c: {k: v + 0.001 for k, v in p.items()} for c, p in payloads.items()}
     came = {c: arrived(c, r) for c, r in honest.items()}
@@ -956,6 +1100,11 @@ def _secagg_executor(tmp_path):
     return ex, ex.algo
 
 
+def _own(ex, sites=range(4)):
+    """Each of `sites`' clients this round, by node (one client per site: the site's number)."""
+    return {ex.node_of[s]: [s] for s in sites}
+
+
 def _fitres(weight, keys, beyond=0):
     return FitRes(Status(Code.OK, ""), Parameters([], ""), weight,
                   {"keys": json.dumps(keys), "beyond_range": beyond})  # fmt: skip
@@ -976,14 +1125,51 @@ def test_under_secagg_a_site_s_clear_weight_and_keys_are_checked(attack, tmp_pat
         weight = dict.fromkeys(weight, 0)
         replied[bad], weight[bad] = _fitres(1, [*keys, "x"]), 1
         with pytest.raises(FlowerRoundError, match=f"^site {BAD}, round 1: .*not entries sent"):
-            ex._check(1, payload, replied, weight)
+            ex._check(1, payload, replied, weight, _own(ex, [BAD]))
         return
-    ex._check(1, payload, replied, weight)  # the honest round passes
+    ex._check(1, payload, replied, weight, _own(ex))  # the honest round passes
     replied[bad] = {"weight": _fitres(10**6, keys), "keys": _fitres(1, keys[1:]),
                     "foreign_key": _fitres(1, [*keys, "x"]),
                     "no_metrics": FitRes(Status(Code.OK, ""), Parameters([], ""), 1, {})}[attack]  # fmt: skip
     with pytest.raises(FlowerRoundError, match=f"^site {BAD}, round 2: "):
-        ex._check(2, payload, replied, weight)
+        ex._check(2, payload, replied, weight, _own(ex))
+
+
+NOT_OWN = "which is not a figure of its own clients"
+
+
+@pytest.mark.parametrize(("metrics", "sampled", "why"), [
+    ({"nonfinite-reply/abc": "w"}, range(4), f"it sends 'nonfinite-reply/abc', {NOT_OWN}"),
+    ({f"nonfinite/{OTHER}": "w"}, range(4), f"it sends 'nonfinite/{OTHER}', {NOT_OWN}"),
+    ({f"nonfinite/{BAD}": "w"}, [0, 2], f"it sends 'nonfinite/{BAD}', {NOT_OWN}"),
+    ({f"nonfinite-reply/{BAD}": NEWLINES}, range(4), f"its 'nonfinite-reply/{BAD}' names no entry: {NEWLINES!r}"),
+    ({"beyond_range": -3}, range(4), "its 'beyond_range' is '-3'"),
+    ({"beyond_range": True}, range(4), "its 'beyond_range' is 'True'"),
+    ({"beyond_range": "5"}, range(4), "its 'beyond_range' is '5'"),
+    ({"beyond_range": 2.0}, range(4), "its 'beyond_range' is '2.0'"),
+    (lambda n: {"beyond_range": n + 1}, range(4), lambda n: f"its 'beyond_range' is '{n + 1}'"),
+    ({"keys": ["w"]}, range(4), "its 'keys' is \"['w']\""),
+    ({"note": "x"}, [0, 2], f"it sends 'note', {NOT_OWN}"),
+])  # fmt: skip
+def test_under_secagg_a_site_s_clear_metrics_carry_only_its_own_figures(metrics, sampled, why, tmp_path):
+    """A site's metrics are its `keys`, its count of entries beyond SecAgg+'s range (0 to the payload's entries)
+    and flags of its own clients this round. A flag is a run's stop, so one of another site's client would blame
+    that site (one with a name that is no number crashed the server); a negative count would hide another site's.
+    Each refused with one line naming the site, sampled or not (`sampled`: the sites with a client this round)."""
+    ex, algo = _secagg_executor(tmp_path)
+    payload = algo.init_server()
+    keys, entries = sorted(payload), sum(v.numel() for v in payload.values())
+    replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
+    weight = {ex.node_of[s]: 1 for s in range(4)}
+    honest = {f"nonfinite/{BAD}": "w", f"nonfinite-reply/{BAD}": "x" * 200, "beyond_range": entries}
+    replied[ex.node_of[BAD]].metrics.update(honest)
+    ex._check(1, payload, replied, weight, _own(ex))  # its own clients' flags, a count of every entry: taken
+    replied[ex.node_of[BAD]] = _fitres(1, keys)
+    replied[ex.node_of[BAD]].metrics.update(metrics(entries) if callable(metrics) else metrics)
+    with pytest.raises(FlowerRoundError) as e:
+        ex._check(2, payload, replied, weight, _own(ex, sampled))
+    why = why(entries) if callable(why) else why
+    assert str(e.value) == f"site {BAD}, round 2: its clear metrics are refused ({why})"
 
 
 def test_a_site_executor_given_plain_nodes_binds_them(tmp_path):
@@ -1010,7 +1196,7 @@ def test_under_secagg_a_diverged_client_stops_the_run_as_diverged_not_as_an_atta
     payload = algo.init_server()
     keys = sorted(payload)
     replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
-    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)})
+    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)}, _own(ex))
     garbage = ndarrays_to_parameters([np.full(tuple(payload[k].shape), 1e6, np.float32) for k in keys])
     metrics = {"keys": json.dumps(keys), "beyond_range": 0}
     replied = {n: FitRes(Status(Code.OK, ""), garbage, 1, dict(metrics)) for n in replied}
@@ -1040,7 +1226,7 @@ def test_under_secagg_each_arrived_client_gets_the_payload_plus_the_mean_in_its_
     payload = algo.init_server()
     keys = sorted(payload)
     replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
-    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)})
+    ex._check(1, payload, replied, {ex.node_of[s]: 1 for s in range(4)}, _own(ex))
     payloads = dict.fromkeys(range(4), payload)
     got = dict(ex._replies(3, payloads, _mean_of(payload, replied, 0.01), [0, 2, 3]))
     assert sorted(got) == [0, 2, 3] and {c: ex.version.get(c) for c in range(4)} == {0: 3, 1: None, 2: 3, 3: 3}
@@ -1078,15 +1264,15 @@ def test_under_secagg_the_clear_metrics_are_held_to_the_run_s_key_set_and_the_ex
     weight = {ex.node_of[s]: 1 for s in range(4)}
     replied = {ex.node_of[s]: _fitres(1, keys) for s in range(4)}
     with pytest.raises(FlowerRoundError) as e:
-        ex._check(1, payload, {**replied, ex.node_of[2]: _fitres(1, [])}, weight)
+        ex._check(1, payload, {**replied, ex.node_of[2]: _fitres(1, [])}, weight, _own(ex))
     assert str(e.value) == "site 2, round 1: its clear metrics are refused (keys [] are not entries sent)"
     with pytest.raises(FlowerRoundError) as e:
-        ex._check(1, payload, {**replied, ex.node_of[1]: _fitres(5, keys)}, weight)
+        ex._check(1, payload, {**replied, ex.node_of[1]: _fitres(5, keys)}, weight, _own(ex))
     assert str(e.value) == "site 1, round 1: it weighs its update 5, the server expects 1 from its clients' counts"
-    ex._check(1, payload, replied, weight)  # elects `keys`
+    ex._check(1, payload, replied, weight, _own(ex))  # elects `keys`
     fewer = {**{ex.node_of[s]: _fitres(1, keys[:1]) for s in range(3)}, ex.node_of[3]: _fitres(1, keys)}
     with pytest.raises(FlowerRoundError) as e:
-        ex._check(2, payload, fewer, weight)
+        ex._check(2, payload, fewer, weight, _own(ex))
     assert str(e.value) == f"site 0, round 2: it names updated entries other than the other sites' {keys[:3]}…"
     idle = {**replied, ex.node_of[2]: _fitres(1, []), ex.node_of[3]: _fitres(1, [])}
-    ex._check(3, payload, idle, weight, active={ex.node_of[0], ex.node_of[1]})
+    ex._check(3, payload, idle, weight, _own(ex, [0, 1]))

@@ -468,3 +468,24 @@ def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_pay
     assert noisy.num_examples == 1  # the site's share of distributed noise: its update weighs 1, clients or not
     with pytest.raises(ValueError, match=r"^secure aggregation keeps the clients' states on the sites \(sites.local"):
         client.secure_train(msg, algo, None, 3, cids, {c: 2 for c in cids})
+
+
+def test_a_site_flagging_another_site_s_client_stops_the_run_naming_itself_not_the_other(tmp_path, monkeypatch):
+    """The first site's node flags client 2 (the third site's) as diverged in clear: the run stopped blaming that
+    client's site; now it stops naming the site that sent the flag."""
+    from pflbed.flower import secagg_node
+
+    calls = []
+
+    def framing(*args, **kw):
+        fitres = real(*args, **kw)
+        calls.append(1)
+        fitres.metrics.update({"nonfinite/2": "w"} if len(calls) == 1 else {})
+        return fitres
+
+    real = secagg_node.site_update
+    monkeypatch.setattr(secagg_node, "site_update", framing)
+    with pytest.raises(FlowerRoundError) as e:
+        _secure_in_process(tmp_path, SETS)
+    assert str(e.value) == ("site 0, round 1: its clear metrics are refused (it sends 'nonfinite/2', which is not a "
+                            "figure of its own clients)")

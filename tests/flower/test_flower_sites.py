@@ -194,14 +194,15 @@ def test_a_site_of_several_clients_without_val_and_test_files_splits_its_data(tm
 def test_a_site_refuses_a_server_that_names_a_path_or_a_download(key, value, tmp_path):
     """A server that sends a path (or a download) in its config: the node refuses the work with one line naming the
     key, reads nothing and writes nothing; the run stops with that line."""
-    from pflbed.flower.executor import FlowerClientError
+    from pflbed.flower.executor import FlowerRoundError
 
     tree = _tree("fedavg", eval={"every": 2, "finetune": []})
     _, grid = _sites(tmp_path, validate_config(tree))
     cfg = _site_cfg(tree)
     ex = server_executor(grid, cfg)
     ex.config = _tampered(cfg, **{key: value})  # the planted server
-    with _server_task(), pytest.raises(FlowerClientError, match=key.replace("__", ".")):
+    with _server_task(), pytest.raises(FlowerRoundError, match=r"^site \d, round 1: its node failed the round's "
+                                       rf"work: .*SiteError.*{key.replace('__', '.')}[^\n]*$"):  # fmt: skip
         experiment(cfg, ex.algo, ex, None, False, False)
     # nothing written on the sites but the token each presented at start-up (`site_claims.site_token`)
     assert {p.name for p in tmp_path.glob("states-*/**/*") if p.is_file()} <= {"site-token"}

@@ -43,7 +43,7 @@ from pflbed.engine.loop import prepare
 from pflbed.flower import secagg_node as secagg
 from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
-from pflbed.flower.records import from_record, to_record
+from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 from pflbed.flower.site_eval import evaluate_site
 from pflbed.flower.site_node import check_clients, site_algorithm_of, site_config, site_report
 from pflbed.flower.sites import SiteError
@@ -106,7 +106,7 @@ def train(msg: Message, context: Context) -> Message:
             stored.save(cid, rnd, new_state, keep=versions[cid])
             bad = first_nonfinite(new_state)
             if bad is not None:
-                flags[f"nonfinite/{cid}"] = bad
+                flags[f"{NONFINITE_STATE}/{cid}"] = bad
         update_s, records_s = update_s + t2 - t1, records_s + time.perf_counter() - t2 + t1 - t0
     out["config"] = ConfigRecord({"round": rnd, "update_s": update_s, "records_s": records_s, **flags})
     return Message(out, reply_to=msg)
@@ -126,7 +126,7 @@ def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: 
         stored.save(cid, rnd, new_state, keep=versions[cid])
         bad = first_nonfinite(new_state)
         if bad is not None:
-            flags[f"nonfinite/{cid}"] = bad
+            flags[f"{NONFINITE_STATE}/{cid}"] = bad
         bad = first_nonfinite(reply)  # masked, a NaN would unmask as a finite, huge entry: said in clear instead
         if bad is not None:
             flags[f"{secagg.NONFINITE_REPLY}/{cid}"] = bad

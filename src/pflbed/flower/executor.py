@@ -34,7 +34,7 @@ from pflbed.engine.guard import check_client, client_diverged
 from pflbed.errors import PflbedError
 from pflbed.flower.client import PARTITION, PARTITIONS
 from pflbed.flower.project import config_json
-from pflbed.flower.records import from_record, to_record
+from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 
 
 class FlowerRoundError(PflbedError):
@@ -183,12 +183,13 @@ class FlowerExecutor(LoopExecutor):
             cids = cids_of[reply.metadata.reply_to_message_id]
             if not reply.has_error():
                 arrived.update((c, reply.content) for c in cids)
-                conf = reply.content.config_records.get("config", ConfigRecord())
-                self.timing["client_update_s"] += float(conf.get("update_s", 0.0))  # type: ignore[arg-type]
-                self.timing["client_records_s"] += float(conf.get("records_s", 0.0))  # type: ignore[arg-type]
             elif reply.error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION):
-                raise FlowerClientError(f"clients {cids} (round {rnd}): {reply.error.reason}")  # a bug, not a lost node
+                raise self.client_error(rnd, cids, reply.error.reason)  # a bug, not a lost node
         checked = self.screen(rnd, payloads, arrived)
+        for content in {id(c): c for c in arrived.values()}.values():  # each accepted node's reply, once
+            conf = content.config_records.get("config", ConfigRecord())
+            self.timing["client_update_s"] += float(conf.get("update_s", 0.0))  # type: ignore[arg-type]
+            self.timing["client_records_s"] += float(conf.get("records_s", 0.0))  # type: ignore[arg-type]
         clients = sorted(c for c in payloads if c in arrived)
         failed = sorted(c for c in payloads if c not in arrived)
         if not clients:
@@ -210,6 +211,11 @@ class FlowerExecutor(LoopExecutor):
 
         return Replies(failed, replies())
 
+    def client_error(self, rnd: int, cids: list[int], reason: str) -> Exception:
+        """The error that stops the run when a node's client update raised: here, with the node's traceback (the
+        nodes run the server's own clients: it is a bug)."""
+        return FlowerClientError(f"clients {cids} (round {rnd}): {reason}")
+
     def screen(self, rnd: int, payloads: dict[int, Tensors], arrived: dict[int, RecordDict]) -> dict[int, Tensors]:
         """Replies read and accepted before the round hands any on (none here: the nodes run the server's own
         clients); a subclass whose nodes need not be trusted (`SiteExecutor`) takes the clients of a refused reply
@@ -219,8 +225,8 @@ class FlowerExecutor(LoopExecutor):
     def keep_on_node(self, rnd: int, cid: int, reply: Tensors, conf: ConfigRecord) -> Tensors:
         """Check a reply whose client's new state stayed on its node, which now holds the state of round `rnd`."""
         check_client(rnd, cid, reply, {})
-        if f"nonfinite/{cid}" in conf:
-            raise client_diverged(rnd, cid, "state", str(conf[f"nonfinite/{cid}"]))
+        if f"{NONFINITE_STATE}/{cid}" in conf:
+            raise client_diverged(rnd, cid, "state", str(conf[f"{NONFINITE_STATE}/{cid}"]))
         self.version[cid] = rnd
         self._states.pop(cid, None)
         self.fetched.pop(cid, None)

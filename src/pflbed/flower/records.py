@@ -11,6 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 Tensors = dict[str, torch.Tensor]
+NONFINITE_STATE = "nonfinite"  # a reply's flag `nonfinite/<cid>`: the first non-finite entry of a client's new state
 
 
 def to_record(tensors: Tensors) -> ArrayRecord:

@@ -20,13 +20,18 @@ What is expected of a reply:
   or below 1 (an update, or an algorithm replying a difference, is at most of the model's own size).
 Non-finite replies are left to the divergence guard (`engine.guard`), which stops the run as for any diverged
 client.
+
+What a reply carries besides its tensors is held to an allow-list as well (`clear_fault`): the few fields a site
+sends, each within its rule, and flags (a client's first non-finite entry) only for the clients the site trained
+that round. A flag stops the run, so one naming another site's client would blame that site; a figure the server
+reads as a number would crash it were it text.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -38,6 +43,39 @@ Structure = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 def structure(tensors: Tensors) -> Structure:
     """Keys, shapes and dtypes, in key order."""
     return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(tensors.items()))
+
+
+MAX_NAME = 200  # the longest entry name a site's flag may carry (it is printed in the line that stops the run)
+
+
+def shown(name: object, limit: int = 60) -> str:
+    """A name a site chose, as a line may show it: quoted, escaped, cut at `limit` characters (a key of newlines
+    would otherwise write lines of the site's own into the server's output)."""
+    text = str(name)
+    return repr(text if len(text) <= limit else text[:limit] + "…")
+
+
+def seconds(value: object) -> bool:
+    """A duration a site reports: a finite, non-negative number (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def clear_fault(record: Mapping[str, object], fields: Mapping[str, Callable[[object], bool]],
+                flags: Collection[str], cids: Collection[int]) -> str | None:  # fmt: skip
+    """Why the clear part of a site's reply (`record`) is refused; None if it is not. It holds every one of
+    `fields`, each passing its rule, and nothing else but flags `<flag>/<cid>` for `cids` (the clients the site
+    trained this round), each naming an entry: a printable string of 1 to `MAX_NAME` characters."""
+    allowed = {f"{flag}/{cid}" for flag in flags for cid in cids}
+    for key in sorted(record):
+        value = record[key]
+        if key in fields and not fields[key](value):
+            return f"its {shown(key)} is {shown(value)}"
+        if key in allowed and not (isinstance(value, str) and 0 < len(value) <= MAX_NAME and value.isprintable()):
+            return f"its {shown(key)} names no entry: {shown(value)}"
+        if key not in fields and key not in allowed:
+            return f"it sends {shown(key)}, which is not a figure of its own clients"
+    missing = sorted(set(fields) - set(record))
+    return f"its {shown(missing[0])} is missing" if missing else None
 
 
 def refuse(line: str) -> None:
@@ -55,7 +93,7 @@ def entry_fault(payload: Tensors, reply: Tensors) -> str | None:
     for k in sorted(reply):
         v = reply[k]
         if k not in payload:
-            return f"has key '{k}', which the server did not send"
+            return f"has key {shown(k)}, which the server did not send"
         if tuple(v.shape) != tuple(payload[k].shape):
             return f"has '{k}' of shape {_shape(v)}, the server sent {_shape(payload[k])}"
         if v.dtype != payload[k].dtype:

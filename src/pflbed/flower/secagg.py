@@ -51,8 +51,8 @@ from flwr.serverapp import Grid
 from pflbed.algorithms.base import Tensors
 from pflbed.engine.guard import client_diverged
 from pflbed.flower.executor import FlowerRoundError, Replies
-from pflbed.flower.records import to_record
-from pflbed.flower.reply_check import structure, update_ratio
+from pflbed.flower.records import NONFINITE_STATE, to_record
+from pflbed.flower.reply_check import clear_fault, structure, update_ratio
 from pflbed.flower.secagg_node import (
     CLIP_RANGE,
     MOD_RANGE,
@@ -202,7 +202,7 @@ class SecAggExecutor(SiteExecutor):
         if not capture.results:
             raise FlowerRoundError(f"round {rnd}: secure aggregation did not complete (too few sites replied)")
         replied = {proxy.node_id: fitres for proxy, fitres in capture.results}
-        self._check(rnd, first, replied, weight, {n for n in nodes if by_node.get(n)})
+        self._check(rnd, first, replied, weight, by_node)
         arrived = sorted(c for node, fitres in replied.items() for c in by_node.get(node, []))
         failed = sorted(c for c in payloads if c not in set(arrived))
         if not arrived:
@@ -220,26 +220,32 @@ class SecAggExecutor(SiteExecutor):
         return self.algo.ctx.cfg.privacy.enabled and self.algo.ctx.cfg.privacy.noise == "distributed"
 
     def _check(self, rnd: int, payload: Tensors, replied: dict, weight: dict[int, int],
-               active: set[int] | None = None) -> None:  # fmt: skip
-        """What the server can check of each site in a secure round (its clear weight and `keys`); a site failing
-        stops the run (its masked update is in the sum already). The key set is fixed as for plain replies
-        (`ReplyCheck`): the one most sites name, kept for the run. `active`: the nodes with a client this round
-        (default: those the server expects a weight from; under distributed noise every site weighs 1)."""
+               clients: dict[int, list[int]]) -> None:  # fmt: skip
+        """What the server can check of each site in a secure round (its clear weight and metrics); a site failing
+        stops the run (its masked update is in the sum already). Its metrics are `keys`, a count of entries beyond
+        SecAgg+'s range (at most the payload's) and flags for its own clients this round (`clients`: each node's),
+        nothing else (`reply_check.clear_fault`). The key set is fixed as for plain replies (`ReplyCheck`): the one
+        most sites name, kept for the run; a site without a client this round names none (under distributed noise
+        it weighs 1 all the same)."""
         site_of = self.site_of
-        active = {n for n, w in weight.items() if w > 0} if active is None else active
+        entries = sum(v.numel() for v in payload.values())
+        figures = {"keys": lambda v: isinstance(v, str),
+                   "beyond_range": lambda v: type(v) is int and 0 <= v <= entries}  # fmt: skip
         votes: dict[frozenset[str], list[int]] = {}
         for node, fitres in sorted(replied.items()):
             site = site_of[node]  # a reply comes from a node asked, a bound one
             if fitres.num_examples != weight[node]:
                 raise FlowerRoundError(f"site {site}, round {rnd}: it weighs its update {fitres.num_examples}, the "
                                        f"server expects {weight[node]} from its clients' counts")  # fmt: skip
-            if node not in active:  # no client sampled here: nothing updated (under distributed noise, its share)
+            why = clear_fault(fitres.metrics, figures, [NONFINITE_STATE, NONFINITE_REPLY], clients.get(node, []))
+            if why is not None:
+                raise FlowerRoundError(f"site {site}, round {rnd}: its clear metrics are refused ({why})")
+            if not clients.get(node):  # no client sampled here: nothing updated (under distributed noise, its share)
                 continue
             try:
                 keys = json.loads(str(fitres.metrics["keys"]))
-                int(fitres.metrics["beyond_range"])
                 if not isinstance(keys, list) or not keys or not set(keys) <= set(payload):
-                    raise ValueError(f"keys {str(keys)[:60]} are not entries sent")
+                    raise ValueError(f"keys {keys!r:.60} are not entries sent")
             except (KeyError, TypeError, ValueError) as e:
                 raise FlowerRoundError(f"site {site}, round {rnd}: its clear metrics are refused ({e})") from None
             votes.setdefault(frozenset(keys), []).append(site)
@@ -281,6 +287,6 @@ class SecAggExecutor(SiteExecutor):
             raise FlowerRoundError(f"round {rnd}: the sites' mean update is {ratio:.3g} × max(1, the model's norm), "
                                    f"over sites.max_update={self.algo.ctx.cfg.sites.max_update:g}: a site sent "
                                    "more than its update")  # fmt: skip
-        flags = {k: v for m in metrics for k, v in m.items() if k.startswith("nonfinite/")}
+        flags = {k: v for m in metrics for k, v in m.items() if k.startswith(f"{NONFINITE_STATE}/")}
         for cid in arrived:  # each client's new state stayed on its site, as with the plain site executor
             yield cid, self.keep_on_node(rnd, cid, mean, flags)

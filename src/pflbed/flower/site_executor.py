@@ -31,8 +31,8 @@ from pflbed.evaluation.metrics import accuracy
 from pflbed.flower.client import PARTITION, PARTITIONS
 from pflbed.flower.executor import FlowerExecutor, FlowerRoundError
 from pflbed.flower.project import config_json
-from pflbed.flower.records import from_record, to_record
-from pflbed.flower.reply_check import ReplyCheck, refuse
+from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
+from pflbed.flower.reply_check import ReplyCheck, clear_fault, refuse, seconds, shown
 from pflbed.flower.site_claims import Claims, check_counts, declared_eval
 from pflbed.flower.site_eval import check_scores, combine
 from pflbed.flower.sites import SiteError, check_report, offsets
@@ -208,6 +208,10 @@ class SiteExecutor(FlowerExecutor):
                 replies[cid] = from_record(content.array_records[f"reply/{cid}"], device)
             except (KeyError, TypeError, ValueError) as e:
                 refused.setdefault(self.site(cid), f"client {cid}'s reply cannot be read ({type(e).__name__}: {e})")
+        for site, cids in self._sites_of(arrived).items():
+            why = None if site in refused else self._clear_fault(rnd, arrived[cids[0]], cids)
+            if why is not None:
+                refused[site] = why
         readable = {c: r for c, r in replies.items() if self.site(c) not in refused}
         for site, why in self.check.round(payloads, readable, self.site).items():
             refused.setdefault(site, why)
@@ -220,6 +224,32 @@ class SiteExecutor(FlowerExecutor):
         if clip is not None:
             replies = {c: clip_reply(payloads[c], r, clip) for c, r in replies.items()}
         return replies
+
+    def _sites_of(self, arrived: dict[int, RecordDict]) -> dict[int, list[int]]:
+        """The arrived clients of each site (one reply each: a site is one node)."""
+        sites: dict[int, list[int]] = {}
+        for cid in sorted(arrived):
+            sites.setdefault(self.site(cid), []).append(cid)
+        return sites
+
+    @staticmethod
+    def _clear_fault(rnd: int, content: RecordDict, cids: list[int]) -> str | None:
+        """Why a site's reply is refused beyond its tensors (`reply_check.clear_fault`): records other than its
+        clients' replies and its figures, or figures other than the round, its seconds and its clients' flags."""
+        extra = sorted(set(content.array_records) - {f"reply/{c}" for c in cids}) + \
+            sorted(set(content.config_records) - {"config"}) + sorted(content.metric_records)  # fmt: skip
+        if extra:
+            return f"its reply holds {shown(extra[0])}, which is not a record of its clients' replies"
+        figures = {"round": lambda v: v == rnd and type(v) is int, "update_s": seconds, "records_s": seconds}
+        why = clear_fault(content.config_records["config"], figures, [NONFINITE_STATE], cids)
+        return None if why is None else f"its reply's figures are refused: {why}"
+
+    def client_error(self, rnd: int, cids: list[int], reason: str) -> Exception:
+        """A site whose node failed the round's work (its policy refused the run, say) stops the run with one line
+        naming it: the last line of its reason, the site's own text."""
+        reason = reason.strip()
+        return FlowerRoundError(f"site {self.site(cids[0])}, round {rnd}: its node failed the round's work: "
+                                f"{reason.splitlines()[-1] if reason else 'no reason'}")  # fmt: skip
 
     def site(self, cid: int) -> int:
         """The site holding client `cid` (sites hold consecutive ids, in site order)."""
