@@ -331,8 +331,11 @@ def _set(**over):
     return change
 
 
-def _round_plus_one(content, rnd):
-    content["config"] = ConfigRecord({**dict(content["config"]), "round": rnd + 1})
+def _round(value):
+    def change(content, rnd):
+        content["config"] = ConfigRecord({**dict(content["config"]), "round": value(rnd)})
+
+    return change
 
 
 def _record(kind):
@@ -354,7 +357,8 @@ CARRIED = {  # site BAD's reply in rounds 2 and 3 → why it is refused (the lin
     "seconds_negative": (_set(records_s=-1.0), lambda r: "its reply's figures are refused: its 'records_s' is '-1.0'"),
     "seconds_bool": (_set(update_s=True), lambda r: "its reply's figures are refused: its 'update_s' is 'True'"),
     "seconds_missing": (_set(records_s=None), lambda r: "its reply's figures are refused: its 'records_s' is missing"),
-    "round": (_round_plus_one, lambda r: f"its reply's figures are refused: its 'round' is '{r + 1}'"),
+    "round": (_round(lambda r: r + 1), lambda r: f"its reply's figures are refused: its 'round' is '{r + 1}'"),
+    "round_float": (_round(float), lambda r: f"its reply's figures are refused: its 'round' is '{r}.0'"),
     "flag_other_client": (_set(**{f"nonfinite/{OTHER}": "w"}), lambda r: "its reply's figures are refused: it sends "
                           f"'nonfinite/{OTHER}', which is not a figure of its own clients"),
     "flag_newlines": (_set(**{f"nonfinite/{BAD}": NEWLINES}), lambda r: "its reply's figures are refused: its "
@@ -1150,6 +1154,8 @@ NOT_OWN = "which is not a figure of its own clients"
     (lambda n: {"beyond_range": n + 1}, range(4), lambda n: f"its 'beyond_range' is '{n + 1}'"),
     ({"keys": ["w"]}, range(4), "its 'keys' is \"['w']\""),
     ({"note": "x"}, [0, 2], f"it sends 'note', {NOT_OWN}"),
+    ({"keys": json.dumps(NEWLINES)}, range(4), f"keys {NEWLINES!r} are not entries sent"),
+    ({"keys": json.dumps(["y" * 70])}, range(4), f"keys ['{'y' * 58} are not entries sent"),  # cut at 60
 ])  # fmt: skip
 def test_under_secagg_a_site_s_clear_metrics_carry_only_its_own_figures(metrics, sampled, why, tmp_path):
     """A site's metrics are its `keys`, its count of entries beyond SecAgg+'s range (0 to the payload's entries)

@@ -9,8 +9,10 @@ its site keeps (`site.version`), which is all a resumed server needs to ask the 
 
 A site is not trusted to be honest: each site is bound to the node found at start-up (`site_claims`), its
 clients' counts are bounded and fixed then, each round's replies are checked against what was sent
-(`reply_check`: a wrong one leaves its site out of the round, as a lost reply), and its evaluation figures against
-its own clients (`site_eval.check_scores`: wrong ones stop the run, naming the site).
+(`reply_check`: a wrong one leaves its site out of the round, as a lost reply), and so is what a reply carries
+besides them (`reply_check.clear_fault`: the round, seconds, flags of its own clients), and its evaluation figures
+against its own clients (`site_eval.check_scores`: wrong ones stop the run, naming the site). A site whose node
+fails a round's work stops the run with one line naming it (`client_error`), not with the site's traceback.
 """
 
 from __future__ import annotations
