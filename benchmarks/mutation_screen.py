@@ -82,6 +82,10 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "flower/secagg.py": ["test_flower_secagg", "test_attacks_site", "test_distributed_noise"],
     "flower/secagg_node.py": ["test_flower_secagg", "test_distributed_noise", "test_attacks_site"],
     "flower/node_states.py": ["test_flower_node_states", "test_private_files", "test_flower_secagg"],
+    "flower/executor.py": [  # a deployment's rounds on the server, the site-local and secure executors' base
+        "test_flower", "test_attacks_site", "test_flower_node_states", "test_flower_sites", "test_site_waits",
+        "test_attacks_server", "test_flower_secagg",
+    ],
     "private_files.py": ["test_private_files", "test_flower_node_states"],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
