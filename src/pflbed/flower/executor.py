@@ -16,7 +16,8 @@ completes with the replies that arrived, the server aggregates with the weights 
 round's record lists the rest in `failed_clients`; their states stay as they were. So are the clients of a reply
 the executor refuses (`screen`: where the nodes are the sites', `SiteExecutor` checks each reply against what was
 sent). A round in which no client replied stops the run. An exception raised by the client update itself is a
-bug, not a lost node: it stops the run with the node's traceback.
+bug, not a lost node: it stops the run with the node's traceback (`client_error`; a site's node, whose text is the
+site's own, stops it with one line naming the site).
 """
 
 from __future__ import annotations
