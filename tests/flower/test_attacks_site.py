@@ -393,6 +393,35 @@ def test_what_a_reply_carries_besides_its_tensors_is_held_to_what_a_site_sends(a
     assert [r.get("failed_clients") for r in result.history] == [{"2": [BAD]}, {"3": [BAD]}]
 
 
+@pytest.mark.parametrize(("code", "reason", "said"), [
+    ("CLIENT_APP_RAISED_EXCEPTION", "", "no reason"), ("CLIENT_APP_RAISED_EXCEPTION", " \n ", "no reason"),
+    ("CLIENT_APP_RAISED_EXCEPTION", "Traceback (most recent call last):\n  File x\nSiteError: no\n\n", "SiteError: no"),
+    ("LOAD_CLIENT_APP_EXCEPTION", "ModuleNotFoundError: pflbed", "ModuleNotFoundError: pflbed"),
+])  # fmt: skip
+def test_a_site_whose_node_fails_the_round_s_work_stops_the_run_in_one_line_naming_it(code, reason, said, tmp_path):
+    """A site's node raising (its policy refusing the run, its ClientApp not loading) stops the run, as a client
+    update raising does, with one line: the site, the round and the last line of its reason, the site's own text
+    (not a traceback of the site's choosing)."""
+    from flwr.app import Error, Message
+    from flwr.common.constant import ErrorCode
+
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    real, rounds = grid.send_and_receive, []
+
+    def send(msgs, timeout=None):
+        failing = [m.metadata.dst_node_id == grid.nodes[BAD] and m.metadata.message_type == "train" for m in msgs]
+        rounds.extend(int(m.content["config"]["round"]) for m, f in zip(msgs, failing, strict=True) if f)
+        return [Message(Error(getattr(ErrorCode, code), reason), reply_to=m) if f else r
+                for m, f, r in zip(msgs, failing, real(msgs, timeout), strict=True)]  # fmt: skip
+
+    grid.send_and_receive = send
+    with pytest.raises(FlowerRoundError) as e:
+        run_sites(_site_cfg(tree), grid)
+    assert str(e.value) == f"site {BAD}, round {rounds[0]}: its node failed the round's work: {said}"
+
+
 def test_a_site_s_clear_figures_rule_by_rule():
     """`clear_fault`: every field present and passing its rule; flags only `<flag>/<cid>` of the clients given, each
     an entry's name (printable, 1 to MAX_NAME characters); nothing else. `seconds`: finite, non-negative numbers."""

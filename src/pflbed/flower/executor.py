@@ -48,6 +48,12 @@ class FlowerClientError(RuntimeError):
     """A client update raised an exception on its node (the node's traceback is in the message)."""
 
 
+def last_line(reason: str) -> str:
+    """A node's error as a line may show it: the last line of its reason (the error, without its traceback)."""
+    reason = reason.strip()
+    return reason.splitlines()[-1] if reason else "no reason"
+
+
 class Replies:
     """A round's replies as the driver takes them: `failed` (the sampled clients that did not reply), known before
     the first reply is taken, then (cid, reply) in client order."""
@@ -148,9 +154,9 @@ class FlowerExecutor(LoopExecutor):
                 for node, cs in by_node.items()]  # fmt: skip
         device = self.algo.ctx.device
         for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
-            if reply.has_error():  # the reason's last line: the error, without the node's traceback
-                reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason.strip() else "no reason"
-                raise FlowerRoundError(f"could not read client states from node {reply.metadata.src_node_id}: {reason}")
+            if reply.has_error():
+                raise FlowerRoundError(f"could not read client states from node {reply.metadata.src_node_id}: "
+                                       f"{last_line(reply.error.reason)}")  # fmt: skip
             for key, record in reply.content.array_records.items():
                 self.fetched[int(key.split("/")[1])] = from_record(record, device)
         missing = sorted(set(cids) - set(self.fetched))

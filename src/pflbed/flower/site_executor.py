@@ -31,7 +31,7 @@ from pflbed.config import Config
 from pflbed.evaluation.evaluate import Predictions
 from pflbed.evaluation.metrics import accuracy
 from pflbed.flower.client import PARTITION, PARTITIONS
-from pflbed.flower.executor import FlowerExecutor, FlowerRoundError
+from pflbed.flower.executor import FlowerExecutor, FlowerRoundError, last_line
 from pflbed.flower.project import config_json
 from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 from pflbed.flower.reply_check import ReplyCheck, clear_fault, refuse, seconds, shown
@@ -41,11 +41,6 @@ from pflbed.flower.sites import SiteError, check_report, offsets
 from pflbed.privacy import clip_reply
 
 VERSION = "site.version"
-
-
-def _error(reply: Message) -> str:
-    reason = reply.error.reason.strip()
-    return reason.splitlines()[-1] if reason else "no reason"
 
 
 def site_question(grid: Grid, cfg_json: str, nodes: list[int], timeout: float) -> list[Message]:
@@ -104,7 +99,7 @@ def discover_sites(grid: Grid, cfg: Config, wait_s: float = 120.0) -> tuple[list
         for reply in site_question(grid, cfg_json, sorted(connected - asked), 120):
             if reply.has_error():
                 raise SiteError(f"node {reply.metadata.src_node_id} refused the run or could not read its data: "
-                                f"{_error(reply)}")  # fmt: skip
+                                f"{last_line(reply.error.reason)}")  # fmt: skip
             asked.add(reply.metadata.src_node_id)
             try:
                 k, n_parts, info = site_answer(reply, cfg)
@@ -249,9 +244,8 @@ class SiteExecutor(FlowerExecutor):
     def client_error(self, rnd: int, cids: list[int], reason: str) -> Exception:
         """A site whose node failed the round's work (its policy refused the run, say) stops the run with one line
         naming it: the last line of its reason, the site's own text."""
-        reason = reason.strip()
         return FlowerRoundError(f"site {self.site(cids[0])}, round {rnd}: its node failed the round's work: "
-                                f"{reason.splitlines()[-1] if reason else 'no reason'}")  # fmt: skip
+                                f"{last_line(reason)}")  # fmt: skip
 
     def site(self, cid: int) -> int:
         """The site holding client `cid` (sites hold consecutive ids, in site order)."""
@@ -292,7 +286,7 @@ class SiteExecutor(FlowerExecutor):
                 if not reply.has_error():
                     answers[site] = self._scores(site, by_site[site], reply, round_figures, methods)
                 elif reply.error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION):
-                    raise FlowerRoundError(f"site {site} could not evaluate: {_error(reply)}")
+                    raise FlowerRoundError(f"site {site} could not evaluate: {last_line(reply.error.reason)}")
             if len(answers) < len(by_site):
                 if time.monotonic() > deadline:
                     missing = sorted(set(by_site) - set(answers))
