@@ -422,6 +422,32 @@ def test_a_site_whose_node_fails_the_round_s_work_stops_the_run_in_one_line_nami
     assert str(e.value) == f"site {BAD}, round {rounds[0]}: its node failed the round's work: {said}"
 
 
+@pytest.mark.parametrize("what", ["reply", "state"])
+def test_a_site_s_non_finite_reply_or_flagged_state_stops_the_run_as_diverged_naming_round_and_client(what, tmp_path):
+    """A NaN in site BAD's reply, or a flag of its own client's state (what an honest site whose client diverged
+    sends): the run stops as a diverged one, naming the round and the client, the reply's or the flag's entry."""
+    from pflbed.errors import DivergedError
+
+    named = []
+
+    def change(content, rnd):
+        reply = from_record(content[f"reply/{BAD}"])
+        named.append(sorted(reply)[-1])
+        if what == "reply":
+            content[f"reply/{BAD}"] = to_record({**reply, named[-1]: reply[named[-1]] * float("nan")})
+        else:
+            content["config"] = ConfigRecord({**dict(content["config"]), f"nonfinite/{BAD}": named[-1]})
+
+    tree = _short()
+    client.algorithm.cache_clear()
+    _, grid = _sites(tmp_path, validate_config(tree))
+    _tamper(grid, "train", _figures(change))
+    with pytest.raises(DivergedError) as e:
+        run_sites(_site_cfg(tree), grid)
+    assert str(e.value) == (f"diverged in round {LOST[0]}: client {BAD}'s {what} has non-finite values in "
+                            f"'{named[0]}' — lower train.lr (or the algorithm's own lrs)")
+
+
 def test_a_site_s_clear_figures_rule_by_rule():
     """`clear_fault`: every field present and passing its rule; flags only `<flag>/<cid>` of the clients given, each
     an entry's name (printable, 1 to MAX_NAME characters); nothing else. `seconds`: finite, non-negative numbers."""

@@ -93,20 +93,25 @@ def test_a_node_that_lost_its_state_directory_stops_the_run_with_a_clear_message
 
 
 def test_a_resumed_run_sends_the_states_it_holds(tmp_path, monkeypatch):
-    """Killed after round 2's checkpoint; the nodes lose their state directory; resumed, the server sends each
-    client the checkpoint's state with its next work, and the run ends as an uninterrupted loop run."""
+    """Killed after round 1's checkpoint; the nodes lose their state directory; resumed, the server sends each
+    client the checkpoint's state with its next work, and only then (a client of the checkpoint trains twice in
+    rounds 2 to 4: its second round starts from the state its node kept), and the run ends as an uninterrupted
+    loop run."""
     import shutil
 
     import pflbed.engine.loop as loop_mod
 
     torch.set_num_threads(1)
     states = tmp_path / "states"
-    cfg = _flower("fedper", states, checkpoint_every=2)
+    cfg = _flower("fedper", states, checkpoint_every=1)
+    sampled = {r: set(sample_clients(cfg.seed, r, list(range(6)), cfg.federation.sample_fraction)) for r in range(1, 5)}
+    again = sampled[1] & (sampled[2] | sampled[3] | sampled[4])  # in the checkpoint (trained), and trained again
+    assert any(sum(c in sampled[r] for r in (2, 3, 4)) > 1 for c in again)
     real_save = loop_mod.save_checkpoint
 
     def save_then_die(path, rnd, *a, **k):
         real_save(path, rnd, *a, **k)
-        if rnd == 2:
+        if rnd == 1:
             raise KeyboardInterrupt
 
     monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_die)
@@ -114,8 +119,18 @@ def test_a_resumed_run_sends_the_states_it_holds(tmp_path, monkeypatch):
         run(cfg, tmp_path / "run", progress=False, simulation=FakeSimulation(FakeGrid()))
     monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
     shutil.rmtree(states)
-    got = run(cfg, tmp_path / "run", progress=False, resume=True, simulation=FakeSimulation(FakeGrid()))
+    grid, sent = FakeGrid(), []
+    real = grid.send_and_receive
+
+    def watched(msgs, timeout=None):
+        sent.extend(k for m in msgs if m.metadata.message_type == "train" for k in m.content.array_records
+                    if k.startswith("state/"))  # fmt: skip
+        return real(msgs, timeout)
+
+    grid.send_and_receive = watched
+    got = run(cfg, tmp_path / "run", progress=False, resume=True, simulation=FakeSimulation(grid))
     assert figures(got.summary) == figures(_loop("fedper").summary)
+    assert len(sent) == len(set(sent)) and {f"state/{c}" for c in again} <= set(sent)  # once, then the node's own
 
 
 def test_a_node_keeps_its_states_where_its_node_config_says_else_where_the_config_does(tmp_path):
