@@ -1211,6 +1211,7 @@ NOT_OWN = "which is not a figure of its own clients"
     ({"note": "x"}, [0, 2], f"it sends 'note', {NOT_OWN}"),
     ({"keys": json.dumps(NEWLINES)}, range(4), f"keys {NEWLINES!r} are not entries sent"),
     ({"keys": json.dumps(["y" * 70])}, range(4), f"keys ['{'y' * 58} are not entries sent"),  # cut at 60
+    ({"keys": json.dumps([["w"]])}, range(4), "unhashable type: 'list'"),  # names that are no names
 ])  # fmt: skip
 def test_under_secagg_a_site_s_clear_metrics_carry_only_its_own_figures(metrics, sampled, why, tmp_path):
     """A site's metrics are its `keys`, its count of entries beyond SecAgg+'s range (0 to the payload's entries)

@@ -243,10 +243,10 @@ class SecAggExecutor(SiteExecutor):
             if not clients.get(node):  # no client sampled here: nothing updated (under distributed noise, its share)
                 continue
             try:
-                keys = json.loads(str(fitres.metrics["keys"]))
+                keys = json.loads(fitres.metrics["keys"])  # a string (`clear_fault`)
                 if not isinstance(keys, list) or not keys or not set(keys) <= set(payload):
                     raise ValueError(f"keys {keys!r:.60} are not entries sent")
-            except (KeyError, TypeError, ValueError) as e:
+            except (TypeError, ValueError) as e:  # TypeError: entries that cannot be names (a list in the list)
                 raise FlowerRoundError(f"site {site}, round {rnd}: its clear metrics are refused ({e})") from None
             votes.setdefault(frozenset(keys), []).append(site)
         sig = structure(payload)
