@@ -55,7 +55,9 @@ def _tamper(grid, kind, change):
                 continue
             if kind == "site" and m.metadata.group_id == "site":
                 info = json.loads(str(replies[i].content["site"]["report"]))
-                replies[i].content["site"] = ConfigRecord({"report": json.dumps(change(info))})
+                report = change(info)  # a report, or the text sent in its place
+                replies[i].content["site"] = ConfigRecord({"report": report if isinstance(report, str) else
+                                                           json.dumps(report)})  # fmt: skip
             elif kind == m.metadata.message_type == "train" or kind == m.metadata.message_type == "evaluate":
                 change(m, replies[i])
         return replies
@@ -90,7 +92,7 @@ def test_a_report_that_is_not_one_is_refused_with_one_line(change, tmp_path):
         discover_sites(grid, cfg)
 
 
-@pytest.mark.parametrize("change", [lambda info: [info], lambda info: {k: v for k, v in info.items() if k != "labels"}])
+@pytest.mark.parametrize("change", [list, lambda info: {k: v for k, v in info.items() if k != "labels"}])
 def test_an_answer_that_is_no_report_is_refused_naming_its_node(change, tmp_path):
     cfg = _site_cfg(_short())
     _, grid = _sites(tmp_path, cfg)
@@ -99,6 +101,25 @@ def test_an_answer_that_is_no_report_is_refused_naming_its_node(change, tmp_path
                                                          r"question is not one \(a report of num_train, input_shape "
                                                          r"and labels is needed\)$"):  # fmt: skip
         discover_sites(grid, cfg)
+
+
+DEEP = "[" * 100_000  # JSON nested past Python's recursion limit: its parser raised RecursionError
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (lambda info: DEEP, "it nests deeper than 2"),
+    (lambda info: {**info, "labels": [info["labels"]]}, "it nests deeper than 2"),
+    (lambda info: "{", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+])  # fmt: skip
+def test_a_report_that_is_no_json_of_lists_in_a_mapping_is_refused_naming_its_node(change, why, tmp_path):
+    """A report nested deeper than a report's two levels is refused whole: one nested past Python's recursion limit
+    crashed the server (a `RecursionError` from the parser, or from any later `repr` of it)."""
+    cfg = _site_cfg(_short())
+    _, grid = _sites(tmp_path, cfg)
+    _tamper(grid, "site", change)
+    with _server_task(), pytest.raises(SiteError) as e:
+        discover_sites(grid, cfg)
+    assert str(e.value) == f"node {grid.nodes[BAD]}: its answer to the start-up question is not one ({why})"
 
 
 def test_a_report_of_exactly_what_a_site_must_report_is_taken(tmp_path):
@@ -476,6 +497,20 @@ def test_a_site_s_clear_figures_rule_by_rule():
     assert why({**ok, "f/4": "a\tb"}) == "its 'f/4' names no entry: 'a\\tb'"
     assert shown("y" * 61) == repr("y" * 60 + "…") and shown("y" * 60) == repr("y" * 60) and shown(7) == "'7'"
     assert shown("z" * 9, limit=3) == repr("zzz…")
+
+
+def test_a_site_s_json_nests_at_most_as_deep_as_it_is_told():
+    """`site_json`: JSON whose containers nest at most `depth` deep (an empty one counts); a `RecursionError` of the
+    parser is a ValueError like any text that is no JSON."""
+    from pflbed.flower.reply_check import site_json
+
+    assert [site_json(t, d) for t, d in [("1", 0), ("[1]", 1), ("[]", 1), ('{"a": [1, {}]}', 3)]] == \
+        [1, [1], [], {"a": [1, {}]}]  # fmt: skip
+    for text, depth in [("[]", 0), ("{}", 0), ("[[1]]", 1), ('[1, {"a": []}]', 2), ('{"a": [1, {}]}', 2), (DEEP, 999)]:
+        with pytest.raises(ValueError, match=f"^it nests deeper than {depth}$"):
+            site_json(text, depth)
+    with pytest.raises(ValueError, match="^Expecting value"):
+        site_json("", 3)
 
 
 def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path):
@@ -864,6 +899,11 @@ def test_a_site_s_numbers_are_bounded_by_its_clients_and_its_g_fl_counts_kept_fr
     with pytest.raises(FlowerRoundError, match=r"^site 0: its evaluation is refused: its numbers cannot be read "
                                                r"\(JSONDecodeError: "):  # fmt: skip
         ex._scores(0, [0, 1], reply("{"), True, [])
+    for deep in (DEEP, {"": {**counted, "test": {"0": [0.5], "1": 1.0}}}):  # past the recursion limit, or 4 deep
+        with pytest.raises(FlowerRoundError) as e:
+            ex._scores(0, [0, 1], reply(deep), True, [])
+        assert str(e.value) == "site 0: its evaluation is refused: its numbers cannot be read (ValueError: it " \
+                               "nests deeper than 3)"  # fmt: skip
 
 
 def test_a_server_test_set_of_one_sample_is_the_g_fl_source(tmp_path):
@@ -1211,7 +1251,9 @@ NOT_OWN = "which is not a figure of its own clients"
     ({"note": "x"}, [0, 2], f"it sends 'note', {NOT_OWN}"),
     ({"keys": json.dumps(NEWLINES)}, range(4), f"keys {NEWLINES!r} are not entries sent"),
     ({"keys": json.dumps(["y" * 70])}, range(4), f"keys ['{'y' * 58} are not entries sent"),  # cut at 60
-    ({"keys": json.dumps([["w"]])}, range(4), "unhashable type: 'list'"),  # names that are no names
+    ({"keys": json.dumps([["w"]])}, range(4), "it nests deeper than 1"),  # names that are no names
+    ({"keys": DEEP}, range(4), "it nests deeper than 1"),  # past the recursion limit: crashed the server
+    ({"keys": json.dumps({"w": 1})}, range(4), "keys {'w': 1} are not entries sent"),
 ])  # fmt: skip
 def test_under_secagg_a_site_s_clear_metrics_carry_only_its_own_figures(metrics, sampled, why, tmp_path):
     """A site's metrics are its `keys`, its count of entries beyond SecAgg+'s range (0 to the payload's entries)

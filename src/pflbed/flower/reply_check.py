@@ -24,11 +24,12 @@ client.
 What a reply carries besides its tensors is held to an allow-list as well (`clear_fault`): the few fields a site
 sends, each within its rule, and flags (a client's first non-finite entry) only for the clients the site trained
 that round. A flag stops the run, so one naming another site's client would blame that site; a figure the server
-reads as a number would crash it were it text.
+reads as a number would crash it were it text. JSON a site sends is read with `site_json`, which bounds its nesting.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -53,6 +54,22 @@ def shown(name: object, limit: int = 60) -> str:
     would otherwise write lines of the site's own into the server's output)."""
     text = str(name)
     return repr(text if len(text) <= limit else text[:limit] + "…")
+
+
+def site_json(text: str, depth: int) -> object:
+    """The JSON text a site sent, parsed: ValueError if it is not JSON, or nests containers deeper than `depth` (the
+    figures a site sends nest at most 3 deep). Any deeper is refused whole: nesting deep enough to exhaust Python's
+    recursion, in the parser or in a later `repr`, would crash the server with a `RecursionError`."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"it nests deeper than {depth}") from None
+    level = [value]  # the values inside 0, 1, … containers
+    for _ in range(depth):
+        level = [v for x in level if isinstance(x, dict | list) for v in (x.values() if isinstance(x, dict) else x)]
+    if not any(isinstance(x, dict | list) for x in level):
+        return value
+    raise ValueError(f"it nests deeper than {depth}")
 
 
 def seconds(value: object) -> bool:

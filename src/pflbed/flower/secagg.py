@@ -32,7 +32,6 @@ its stages) stops the round in one line too.
 from __future__ import annotations
 
 import io
-import json
 import time
 from collections.abc import Iterator
 
@@ -52,7 +51,7 @@ from pflbed.algorithms.base import Tensors
 from pflbed.engine.guard import client_diverged
 from pflbed.flower.executor import FlowerRoundError, Replies
 from pflbed.flower.records import NONFINITE_STATE, to_record
-from pflbed.flower.reply_check import clear_fault, structure, update_ratio
+from pflbed.flower.reply_check import clear_fault, site_json, structure, update_ratio
 from pflbed.flower.secagg_node import (
     CLIP_RANGE,
     MOD_RANGE,
@@ -243,10 +242,10 @@ class SecAggExecutor(SiteExecutor):
             if not clients.get(node):  # no client sampled here: nothing updated (under distributed noise, its share)
                 continue
             try:
-                keys = json.loads(fitres.metrics["keys"])  # a string (`clear_fault`)
+                keys = site_json(fitres.metrics["keys"], 1)  # a string (`clear_fault`): a list of names
                 if not isinstance(keys, list) or not keys or not set(keys) <= set(payload):
                     raise ValueError(f"keys {keys!r:.60} are not entries sent")
-            except (TypeError, ValueError) as e:  # TypeError: entries that cannot be names (a list in the list)
+            except ValueError as e:
                 raise FlowerRoundError(f"site {site}, round {rnd}: its clear metrics are refused ({e})") from None
             votes.setdefault(frozenset(keys), []).append(site)
         sig = structure(payload)

@@ -34,7 +34,7 @@ from pflbed.flower.client import PARTITION, PARTITIONS
 from pflbed.flower.executor import FlowerExecutor, FlowerRoundError, last_line
 from pflbed.flower.project import config_json
 from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
-from pflbed.flower.reply_check import ReplyCheck, clear_fault, refuse, seconds, shown
+from pflbed.flower.reply_check import ReplyCheck, clear_fault, refuse, seconds, shown, site_json
 from pflbed.flower.site_claims import Claims, check_counts, declared_eval
 from pflbed.flower.site_eval import check_scores, combine
 from pflbed.flower.sites import SiteError, check_report, offsets
@@ -57,7 +57,7 @@ def site_answer(reply: Message, cfg: Config) -> tuple[int, int, dict]:
     node = reply.metadata.src_node_id
     try:
         k, parts = int(reply.content["node"][PARTITION]), int(reply.content["node"][PARTITIONS])
-        info = json.loads(str(reply.content["site"]["report"]))
+        info = site_json(str(reply.content["site"]["report"]), 2)  # lists in a mapping
         if not isinstance(info, dict) or not {"num_train", "input_shape", "labels"} <= set(info):
             raise ValueError("a report of num_train, input_shape and labels is needed")
     except (KeyError, TypeError, ValueError) as e:
@@ -300,7 +300,7 @@ class SiteExecutor(FlowerExecutor):
         run, naming the site — without its clients the figures would be of another federation."""
         bound = self.algo.ctx.cfg.sites.max_client_samples * len(cids)
         try:
-            answer = json.loads(str(reply.content["scores"]["json"]))
+            answer = site_json(str(reply.content["scores"]["json"]), 3)  # per part, per split, per client
             why = check_scores(answer, cids, round_figures, [m for _, m in methods], bound,
                                self.eval_counts.get(site))  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
