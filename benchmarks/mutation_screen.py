@@ -70,7 +70,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "flower/reply_check.py": ["test_attacks_site", "test_reply_fits"],
     **dict.fromkeys(  # a site's own defenses against the server, and the site's side of a deployed run
         ["flower/site_policy.py", "flower/site_claims.py", "flower/site_executor.py", "flower/site_node.py",
-         "flower/site_eval.py", "flower/sites.py"],
+         "flower/site_eval.py", "flower/sites.py", "flower/site_message.py"],
         ["test_attacks_server", "test_attacks_site", "test_attacks_server_state", "test_flower_sites",
          "test_site_samples", "test_site_waits"],
     ),

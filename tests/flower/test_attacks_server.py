@@ -8,6 +8,7 @@ import time
 import traceback
 
 import pytest
+import torch
 
 from pflbed.config import validate_config
 
@@ -47,11 +48,16 @@ def _cfg(name="fedavg", **algo):
     return _site_cfg(tree)
 
 
-def _send(node_config, kind, group, config=None, **records):
-    """One message to a node's ClientApp, as Flower's runtime delivers it: (reply, the error's last line or None)."""
+def _send(node_config, kind, group, config=None, arrays=None, **records):
+    """One message to a node's ClientApp, as Flower's runtime delivers it: (reply, the error's last line or None).
+    `records`: the config record's fields besides the config; `arrays`: the message's tensor records."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from pflbed.flower.records import to_record
+
     content = RecordDict({"config": ConfigRecord({"pflbed-config": config, **records})} if config else {})
+    for name, tensors in (arrays or {}).items():
+        content[name] = to_record(tensors)
     saved = {k: getattr(TaskIdentity, k) for k in ("_run_id", "_task_id", "_node_id")}
     for k in saved:
         setattr(TaskIdentity, k, 1)
@@ -355,13 +361,17 @@ def test_a_site_trains_and_evaluates_only_its_own_clients(kind, tmp_path):
     cfg = _site_cfg(tree)
     sizes = json.dumps(_discover(grid, cfg))
     node = {**grid.node_configs[1], "partition-id": 1, "num-partitions": 4}
-    asked = {"cids": [0], "versions": [0], "round": 1, "site-sizes": sizes, "methods": "[]"}
-    reply, error = _send(node, kind, "1", _tampered(cfg), **asked)
+    asked = {"cids": [0], "versions": [0], "round": 1, "site-sizes": sizes}
+    if kind == MessageType.EVALUATE:
+        asked, arrays = {**asked, "round": True, "methods": "[]"}, {"server": {}}
+    else:
+        arrays = {"payload/0": {}}
+    reply, error = _send(node, kind, "1", _tampered(cfg), arrays, **asked)
     assert reply is None and error == ("pflbed.flower.sites.SiteError: the server asked this site for clients [0], "
                                        "which it does not hold")  # fmt: skip
     if kind == MessageType.EVALUATE:
         plain = validate_config({**tree, "executor": {"name": "flower"}})
-        reply, error = _send({"partition-id": 1}, kind, "evaluate", _json(plain), **asked)
+        reply, error = _send({"partition-id": 1}, kind, "evaluate", _json(plain), arrays, **asked)
         assert reply is None and error == ("pflbed.flower.sites.SiteError: an evaluation was asked of a node that "
                                            "holds no data of its own")  # fmt: skip
 
@@ -373,6 +383,146 @@ def test_site_offsets_are_a_running_sum():
     first = offsets(sizes)
     assert time.perf_counter() - t0 < 1.0
     assert first[:3] == [0, 2, 4] and first[-1] == 2 * 29_999 and offsets([]) == []
+
+
+# --- 3b. every field of a TRAIN or EVALUATE message -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory):
+    """A site-local run of two rounds with a final fine-tuning; site 1's last TRAIN and its EVALUATE message as the
+    honest server sent them, and a function replaying one to site 1's node: (reply, the error's last line or None,
+    the client updates and evaluations it ran)."""
+    import copy
+
+    from .site_setup import run_sites
+
+    tmp = tmp_path_factory.mktemp("honest")
+    tree = _tree("fedavg", train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": ["ft"]})
+    cfg = _site_cfg(tree)
+    _, grid = _sites(tmp, cfg)
+    sent = {}
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        for m in msgs:
+            if m.metadata.dst_node_id == grid.nodes[1] and m.metadata.message_type in ("train", "evaluate"):
+                sent[m.metadata.message_type] = copy.deepcopy(m)
+        return real(msgs, timeout)
+
+    grid.send_and_receive = send
+    run_sites(cfg, grid)
+
+    def replay(kind, change, monkeypatch):
+        ran = []
+        for name in ("update_client", "evaluate_site"):
+            real_fn = getattr(client, name)
+            monkeypatch.setattr(client, name, lambda *a, _f=real_fn, _n=name, **k: ran.append(_n) or _f(*a, **k))
+        msg = copy.deepcopy(sent[kind])
+        change(msg.content, msg.content["config"])
+        node = {client.PARTITION: 1, client.PARTITIONS: grid.parts, **grid.node_configs[1]}
+        ctx = Context(run_id=1, node_id=grid.nodes[1], state=RecordDict(), run_config={}, node_config=node)
+        try:
+            return client.app(msg, ctx), None, ran
+        except Exception:
+            return None, traceback.format_exc().strip().splitlines()[-1], ran
+
+    return replay
+
+
+def _set(**fields):
+    return lambda content, conf: conf.update(fields)
+
+
+def _drop(name, record=False):
+    return lambda content, conf: content.pop(name) if record else conf.pop(name)
+
+
+def _add(name, tensors):
+    from pflbed.flower.records import to_record
+
+    return lambda content, conf: content.__setitem__(name, to_record(tensors))
+
+
+FIELDS_T = "it sends pflbed-config, round, cids, site-sizes, versions"
+FIELDS_E = "it sends pflbed-config, round, cids, site-sizes, versions, methods"
+PAIRS = "are not distinct [index, name] pairs"
+RUNS = "ask for more than the run's personalizations [(0, 'ft')]"
+MESSAGES = [
+    ("train", _set(cids=[1, 1, 1]), "TRAIN message: cids [1, 1, 1] are not distinct client ids"),
+    ("train", _set(cids=[True]), "TRAIN message: cids [True] are not distinct client ids"),
+    ("train", _set(cids=1), "TRAIN message: cids 1 are not distinct client ids"),
+    ("train", _set(round=-5), "TRAIN message: round -5 is not one of the run's (1 to 2)"),
+    ("train", _set(round=0), "TRAIN message: round 0 is not one of the run's (1 to 2)"),
+    ("train", _set(round=3, versions=[2]), "TRAIN message: round 3 is not one of the run's (1 to 2)"),
+    ("train", _set(round="2"), "TRAIN message: round '2' is not one of the run's (1 to 2)"),
+    ("train", _set(round=2.0), "TRAIN message: round 2.0 is not one of the run's (1 to 2)"),
+    ("train", _set(versions=[2]), "TRAIN message: versions [2] are not, per client, a round from 0 to 1"),
+    ("train", _set(versions=[-1]), "TRAIN message: versions [-1] are not, per client, a round from 0 to 1"),
+    ("train", _set(versions=[0, 0]), "TRAIN message: versions [0, 0] are not, per client, a round from 0 to 1"),
+    ("train", _set(versions=["1"]), "TRAIN message: versions ['1'] are not, per client, a round from 0 to 1"),
+    ("train", _set(versions=0), "TRAIN message: versions 0 are not, per client, a round from 0 to 1"),
+    ("train", _set(methods="[]"), f"TRAIN message sets 'methods' in its config: {FIELDS_T}"),
+    ("train", _drop("versions"), f"TRAIN message lacks 'versions' in its config: {FIELDS_T}"),
+    ("train", _add("state/1", {"w": torch.zeros(1)}), "TRAIN message holds a record 'state/1', which a site does "
+                                                      "not take"),  # fmt: skip
+    ("train", _add("payload/2", {"w": torch.zeros(1)}), "TRAIN message holds a record 'payload/2', which a site "
+                                                        "does not take"),  # fmt: skip
+    ("train", _drop("payload/1", record=True), "TRAIN message holds no 'payload/1'"),
+    ("evaluate", _set(methods=json.dumps([[0, "ft"]] * 5)),
+     f"EVALUATE message: methods {json.dumps([[0, 'ft']] * 5)!r} {PAIRS}"),
+    ("evaluate", _set(methods='[[0, "lp"]]'), f"EVALUATE message: methods '[[0, \"lp\"]]' {RUNS}"),
+    ("evaluate", _set(methods='[[7, "ft"]]'), f"EVALUATE message: methods '[[7, \"ft\"]]' {RUNS}"),
+    ("evaluate", _set(methods='[[0, "bogus"]]'), f"EVALUATE message: methods '[[0, \"bogus\"]]' {RUNS}"),
+    ("evaluate", _set(methods='[[[0], "ft"]]'), f"EVALUATE message: methods '[[[0], \"ft\"]]' {PAIRS}"),
+    ("evaluate", _set(methods='[[0, "ft", 1]]'), f"EVALUATE message: methods '[[0, \"ft\", 1]]' {PAIRS}"),
+    ("evaluate", _set(methods='[[true, "ft"]]'), f"EVALUATE message: methods '[[true, \"ft\"]]' {PAIRS}"),
+    ("evaluate", _set(methods="5"), f"EVALUATE message: methods '5' {PAIRS}"),
+    ("evaluate", _set(methods="[" * 100_000), f"EVALUATE message: methods '{'[' * 59} {PAIRS}"),
+    ("evaluate", _set(round=1), "EVALUATE message: round 1 is not true or false"),
+    ("evaluate", _set(round="yes"), "EVALUATE message: round 'yes' is not true or false"),
+    ("evaluate", _set(cids=[1, 1]), "EVALUATE message: cids [1, 1] are not distinct client ids"),
+    ("evaluate", _set(versions=[3]), "EVALUATE message: versions [3] are not, per client, a round from 0 to 2"),
+    ("evaluate", _set(extra=1), f"EVALUATE message sets 'extra' in its config: {FIELDS_E}"),
+    ("evaluate", _drop("methods"), f"EVALUATE message lacks 'methods' in its config: {FIELDS_E}"),
+    ("evaluate", _add("state/1", {"w": torch.zeros(1)}), "EVALUATE message holds a record 'state/1', which a site "
+                                                         "does not take"),  # fmt: skip
+    ("evaluate", _drop("server", record=True), "EVALUATE message holds no 'server'"),
+]
+
+
+@pytest.mark.parametrize(("kind", "change", "line"), MESSAGES)
+def test_a_site_takes_a_train_or_evaluate_message_only_as_an_honest_server_sends_it(kind, change, line, honest,
+                                                                                    monkeypatch):  # fmt: skip
+    """Every field the server chooses besides the config, held to what an honest server sends (`site_message`)
+    before the site reads a payload or a state: a client named twice was trained twice; any round was taken (a
+    negative one failed after training); a state sent for a client replaced its personal model with the server's;
+    any number of fine-tunings, of methods the run does not name, were run in one message; and text where numbers
+    go raised a traceback. Each refused in one line naming the field, with no update or evaluation run."""
+    reply, error, ran = honest(kind, lambda content, conf: None, monkeypatch)  # the honest message: taken
+    assert error is None and ran == (["update_client"] if kind == "train" else ["evaluate_site"] * 2)
+    reply, error, ran = honest(kind, change, monkeypatch)
+    assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's {line}", [])
+
+
+def test_a_site_runs_only_the_personalizations_its_algorithm_offers_for_the_view_sent(honest, monkeypatch):
+    """The methods a site takes are the algorithm's `finetune_methods` of the server view in the message and the
+    run's `eval.finetune`, not the config's list alone: kNN-Per's "knn" new-client rule offers none, for one."""
+    from pflbed.algorithms.base import Algorithm
+
+    seen = []
+
+    def offers_none(self, server, methods):
+        seen.append((sorted(server), methods))
+        return []
+
+    monkeypatch.setattr(Algorithm, "finetune_methods", offers_none)
+    view = []
+    reply, error, ran = honest("evaluate", lambda content, conf: view.extend(sorted(content["server"])), monkeypatch)
+    assert (reply, ran) == (None, []) and error == ("pflbed.flower.sites.SiteError: the server's EVALUATE message: "
+                                                    "methods '[[0, \"ft\"]]' ask for more than the run's "
+                                                    "personalizations []")  # fmt: skip
+    assert view and seen == [(view, ["ft"])]  # the view's entries, the config's list
 
 
 # --- 4. DP and SecAgg required by the site ------------------------------------------------------------------------

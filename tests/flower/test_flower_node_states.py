@@ -86,8 +86,8 @@ def test_a_node_that_lost_its_state_directory_stops_the_run_with_a_clear_message
         return real(msgs, timeout)
 
     grid.send_and_receive = wipe_after_round_2
-    lost = (r"node \d+: .*MissingStateError: client \d+'s state of round 2 is not in \S+ \(was this node's state "
-            r"directory lost or changed\?\)")
+    lost = (r"node \d+: .*MissingStateError: client \d+'s state of round 2 is not in this node's state directory "
+            r"\(was it lost or changed\?\)$")
     with pytest.raises(FlowerRoundError, match=lost):
         run(_flower("fedper", tmp_path), write=False, progress=False, simulation=FakeSimulation(grid))
 

@@ -247,7 +247,7 @@ def test_a_site_whose_labels_or_samples_do_not_fit_is_refused_with_its_number(tm
 
 
 def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_asked_for_others(tmp_path):
-    from pflbed.flower.site_node import check_clients
+    from pflbed.flower.site_message import check_clients
 
     tree = _tree("fedavg")
     _, grid = _sites(tmp_path, validate_config(tree))
@@ -261,11 +261,11 @@ def test_the_server_refuses_a_count_of_clients_other_than_the_sites_and_a_site_a
 
     files = read_site({"data": str(tmp_path / "sites" / "site-1")}, _site_cfg(tree))
     algo = site_algorithm(_site_cfg(tree), files, 1, 1, sizes)
-    check_clients(algo, [1])
+    assert check_clients("TRAIN", algo, [1], [0], 0) == ([1], {1: 0})
     with pytest.raises(SiteError, match=r"clients \[0, 2\], which it does not hold"):
-        check_clients(algo, [0, 1, 2])
+        check_clients("TRAIN", algo, [0, 1, 2], [0] * 3, 0)
     with pytest.raises(SiteError, match=r"^the server asked this site for clients \[0, 2, 3, 4, 5\], which it does"):
-        check_clients(algo, [0, 1, 2, 3, 4, 5, 6])  # the first five named
+        check_clients("TRAIN", algo, [0, 1, 2, 3, 4, 5, 6], [0] * 7, 0)  # the first five named
 
 
 def test_the_server_context_refuses_client_data():

@@ -21,7 +21,7 @@ node's stored states of some clients (`cids`, `versions`).
 A site (a node whose node config names data of its own: `site_node`) trusts the server with less: it answers only
 the partition question and the site-local run's start-up question (group `site`), and trains and evaluates only
 within what `site_policy.check` accepts — checked first, for every message, before anything is built, read or
-written. It never builds an algorithm from the server's config alone (`algorithm`), so a server cannot make it load
+written — and what `site_message` takes of the message's other fields. It never builds an algorithm from the server's config alone (`algorithm`), so a server cannot make it load
 a file as initial weights, download into a directory, or read back the states it keeps.
 """
 
@@ -45,7 +45,8 @@ from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 from pflbed.flower.site_eval import evaluate_site
-from pflbed.flower.site_node import check_clients, site_algorithm_of, site_config, site_report
+from pflbed.flower.site_message import evaluate_fields, train_fields
+from pflbed.flower.site_node import site_algorithm_of, site_config, site_report
 from pflbed.flower.sites import SiteError
 
 PARTITION, PARTITIONS = "partition-id", "num-partitions"
@@ -76,16 +77,14 @@ def train(msg: Message, context: Context) -> Message:
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
     conf = msg.content["config"]
     config = str(conf["pflbed-config"])
-    on_site = site_config(dict(context.node_config), config) is not None  # a site: its policy, checked first
-    rnd = int(conf["round"])
-    cids = [int(c) for c in conf["cids"]]
-    if on_site:  # the site's own data and state directory
-        algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
-        check_clients(algo, cids)
+    if site_config(dict(context.node_config), config) is not None:  # a site: its policy, checked first
+        algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))  # its own data and states
+        rnd, cids, versions = train_fields(msg.content, algo, secagg.asked(msg))
     else:
         algo = algorithm(config)
         stored = node_states(context, config, algo)
-    versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True)) if stored else {}
+        rnd, cids = int(conf["round"]), [int(c) for c in conf["cids"]]
+        versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True)) if stored else {}
     if secagg.asked(msg):  # SecAgg+'s masked-vector step: one update for the site, its states kept here
         return secure_train(msg, algo, stored, rnd, cids, versions)
     out = RecordDict()
@@ -168,16 +167,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     if site_config(dict(context.node_config), config) is None:
         raise SiteError("an evaluation was asked of a node that holds no data of its own")
     algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
-    cids = [int(c) for c in conf["cids"]]
-    check_clients(algo, cids)
-    versions = dict(zip(cids, (int(v) for v in conf["versions"]), strict=True))
-    server = from_record(msg.content["server"], algo.ctx.device)
+    server = lambda: from_record(msg.content["server"], algo.ctx.device)  # noqa: E731
+    cids, versions, figures, methods = evaluate_fields(msg.content, algo, server)
+    view = server()
     state = lambda c: stored.load(c, versions[c])  # noqa: E731
     scores = {}
-    if bool(conf["round"]):  # the round's figures
-        scores[""] = evaluate_site(algo, server, state, cids)
-    for i, method in json.loads(str(conf["methods"])):  # final personalizations (+FT, +LP), by their index
-        scores[method] = evaluate_site(algo, server, state, cids, method, i)
+    if figures:  # the round's figures
+        scores[""] = evaluate_site(algo, view, state, cids)
+    for i, method in methods:  # final personalizations (+FT, +LP), by their index
+        scores[method] = evaluate_site(algo, view, state, cids, method, i)
     return Message(RecordDict({"scores": ConfigRecord({"json": json.dumps(scores)})}), reply_to=msg)
 
 

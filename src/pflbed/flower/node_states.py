@@ -47,8 +47,8 @@ class NodeStates:
             return self.algo.init_client(cid)
         path = self._path(cid, rnd)
         if not path.is_file():
-            raise MissingStateError(f"client {cid}'s state of round {rnd} is not in {path.parent} (was this node's "
-                                    "state directory lost or changed?)")  # fmt: skip
+            raise MissingStateError(f"client {cid}'s state of round {rnd} is not in this node's state directory "
+                                    "(was it lost or changed?)")  # fmt: skip  # no path: the server reads the line
         return torch.load(path, map_location=self.algo.ctx.device, weights_only=True)
 
     def save(self, cid: int, rnd: int, state: Tensors, keep: int) -> None:

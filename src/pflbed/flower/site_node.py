@@ -5,7 +5,8 @@ server's start-up question (`report`) and evaluations (`site_eval.evaluate_site`
 What the node takes from the server: the run's config — held against what a server may decide for a site, the
 node's bounds and its privacy requirements (`site_policy.check`) — the deployment's clients per site (`site-sizes`,
 checked against the node's bound and against what this site holds), and, per message, which of its clients to
-train or score. Where the node reads data and writes states comes from its node config alone.
+train or score, with what (`site_message`: every field of a TRAIN or EVALUATE message held to what an honest server
+sends). Where the node reads data and writes states comes from its node config alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pflbed.errors import PflbedError
 from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.site_claims import TOKEN, site_token
-from pflbed.flower.sites import SiteError, num_clients, own_clients, read_site, report, site_algorithm
+from pflbed.flower.sites import SiteError, num_clients, read_site, report, site_algorithm
 
 DEFAULT_STATE_DIR = "pflbed-states"
 PARTITION = "partition-id"
@@ -93,13 +94,6 @@ def site_algorithm_of(context: Any, config_json: str, sizes_json: str) -> tuple[
     algo = _algorithm(config_json, sizes_json, tuple(sorted((k, v) for k, v in node.items())))
     states = NodeStates(str(node.get(NODE_CONFIG_KEY) or DEFAULT_STATE_DIR), config_json, algo)
     return algo, states
-
-
-def check_clients(algo: Algorithm, cids: list[int]) -> None:
-    own = set(own_clients(algo))
-    foreign = sorted(set(cids) - own)
-    if foreign:
-        raise SiteError(f"the server asked this site for clients {foreign[:5]}, which it does not hold")
 
 
 def site_report(context: Any, config_json: str) -> dict[str, Any]:
