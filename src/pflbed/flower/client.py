@@ -21,8 +21,9 @@ node's stored states of some clients (`cids`, `versions`).
 A site (a node whose node config names data of its own: `site_node`) trusts the server with less: it answers only
 the partition question and the site-local run's start-up question (group `site`), and trains and evaluates only
 within what `site_policy.check` accepts — checked first, for every message, before anything is built, read or
-written — and what `site_message` takes of the message's other fields. It never builds an algorithm from the server's config alone (`algorithm`), so a server cannot make it load
-a file as initial weights, download into a directory, or read back the states it keeps.
+written — and what `site_message` takes of the message's other fields. It never builds an algorithm from the
+server's config alone (`algorithm`), so a server cannot make it load a file as initial weights, download into a
+directory, or read back the states it keeps.
 """
 
 from __future__ import annotations
