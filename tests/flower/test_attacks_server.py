@@ -4,6 +4,7 @@ today through Flower's messages; the planted server here skips pflbed's own vali
 
 import hashlib
 import json
+import re
 import time
 import traceback
 
@@ -16,7 +17,7 @@ from ..tiny import TINY
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 
 from pflbed.flower import client, site_node, site_policy  # noqa: E402
 from pflbed.flower.sites import SiteError, offsets  # noqa: E402
@@ -149,7 +150,10 @@ def test_train_and_evaluate_on_a_site_never_build_the_server_s_config(kind, monk
     built = []
     monkeypatch.setattr(client, "algorithm", lambda c: built.append(c))
     plain = validate_config({**_tree("fedavg"), "executor": {"name": "flower"}})
-    reply, error = _send(SITE, kind, "1", _json(plain), cids=[0], versions=[0], round=1, **{"site-sizes": "[[1]]"})
+    fields = {"cids": [0], "versions": [0], "round": 1, "site-sizes": "[[1]]"}
+    if kind == MessageType.EVALUATE:
+        fields = {**fields, "round": True, "methods": "[]"}
+    reply, error = _send(SITE, kind, "1", _json(plain), **fields)
     assert reply is None and "not site-local" in error and not built
 
 
@@ -413,6 +417,11 @@ def honest(tmp_path_factory):
     grid.send_and_receive = send
     run_sites(cfg, grid)
 
+    node = {client.PARTITION: 1, client.PARTITIONS: grid.parts, **grid.node_configs[1]}
+
+    def context():
+        return Context(run_id=1, node_id=grid.nodes[1], state=RecordDict(), run_config={}, node_config=node)
+
     def replay(kind, change, monkeypatch):
         ran = []
         for name in ("update_client", "evaluate_site"):
@@ -420,13 +429,12 @@ def honest(tmp_path_factory):
             monkeypatch.setattr(client, name, lambda *a, _f=real_fn, _n=name, **k: ran.append(_n) or _f(*a, **k))
         msg = copy.deepcopy(sent[kind])
         change(msg.content, msg.content["config"])
-        node = {client.PARTITION: 1, client.PARTITIONS: grid.parts, **grid.node_configs[1]}
-        ctx = Context(run_id=1, node_id=grid.nodes[1], state=RecordDict(), run_config={}, node_config=node)
         try:
-            return client.app(msg, ctx), None, ran
+            return client.app(msg, context()), None, ran
         except Exception:
             return None, traceback.format_exc().strip().splitlines()[-1], ran
 
+    replay.sent, replay.context = sent, context
     return replay
 
 
@@ -469,6 +477,11 @@ MESSAGES = [
     ("train", _add("payload/2", {"w": torch.zeros(1)}), "TRAIN message holds a record 'payload/2', which a site "
                                                         "does not take"),  # fmt: skip
     ("train", _drop("payload/1", record=True), "TRAIN message holds no 'payload/1'"),
+    ("train", _drop("config", record=True), "TRAIN message holds no config"),
+    ("train", lambda content, conf: content.__setitem__("m", MetricRecord({"x": 1})),
+     "TRAIN message holds a record 'm', which a site does not take"),
+    ("train", lambda content, conf: content.__setitem__("c", ConfigRecord({"x": 1})),
+     "TRAIN message holds a record 'c', which a site does not take"),
     ("evaluate", _set(methods=json.dumps([[0, "ft"]] * 5)),
      f"EVALUATE message: methods {json.dumps([[0, 'ft']] * 5)!r} {PAIRS}"),
     ("evaluate", _set(methods='[[0, "lp"]]'), f"EVALUATE message: methods '[[0, \"lp\"]]' {RUNS}"),
@@ -488,6 +501,8 @@ MESSAGES = [
     ("evaluate", _add("state/1", {"w": torch.zeros(1)}), "EVALUATE message holds a record 'state/1', which a site "
                                                          "does not take"),  # fmt: skip
     ("evaluate", _drop("server", record=True), "EVALUATE message holds no 'server'"),
+    ("evaluate", _drop("config", record=True), "EVALUATE message holds no config"),
+    ("evaluate", _drop("pflbed-config"), f"EVALUATE message lacks 'pflbed-config' in its config: {FIELDS_E}"),
 ]
 
 
@@ -503,6 +518,36 @@ def test_a_site_takes_a_train_or_evaluate_message_only_as_an_honest_server_sends
     assert error is None and ran == (["update_client"] if kind == "train" else ["evaluate_site"] * 2)
     reply, error, ran = honest(kind, change, monkeypatch)
     assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's {line}", [])
+
+
+def test_a_secure_round_s_message_holds_its_one_shared_payload_and_nothing_else(honest):
+    """SecAgg+'s masked-update step carries the round's one payload (`shared`) and the protocol's own record of
+    the stage (checked by its mod); a client's payload or state beside them is refused, as is `shared` in a plain
+    round."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    from pflbed.flower.records import to_record
+    from pflbed.flower.secagg_node import SHARED
+    from pflbed.flower.site_message import train_fields
+
+    conf = honest.sent["train"].content["config"]
+    algo, _ = site_node.site_algorithm_of(honest.context(), str(conf["pflbed-config"]), str(conf["site-sizes"]))
+
+    def content(*names):
+        out = RecordDict({"config": ConfigRecord(dict(conf))})
+        for name in names:
+            out[name] = ConfigRecord({}) if name == RECORD_KEY_CONFIGS else to_record({"w": torch.zeros(1)})
+        return out
+
+    assert train_fields(content(SHARED, RECORD_KEY_CONFIGS), algo, True) == (2, [1], {1: 1})
+    assert train_fields(content("payload/1"), algo, False) == (2, [1], {1: 1})
+    for names, secure, why in [((SHARED, RECORD_KEY_CONFIGS, "state/1"), True, "holds a record 'state/1'"),
+                               ((SHARED, "payload/1"), True, "holds a record 'payload/1'"),
+                               ((RECORD_KEY_CONFIGS,), True, "holds no 'shared'"),
+                               (("payload/1", SHARED), False, "holds a record 'shared'"),
+                               (("payload/1", RECORD_KEY_CONFIGS), False, f"holds a record '{RECORD_KEY_CONFIGS}'")]:
+        with pytest.raises(SiteError, match=f"^the server's TRAIN message {re.escape(why)}"):
+            train_fields(content(*names), algo, secure)
 
 
 def test_a_site_runs_only_the_personalizations_its_algorithm_offers_for_the_view_sent(honest, monkeypatch):

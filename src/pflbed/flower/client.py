@@ -46,7 +46,7 @@ from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 from pflbed.flower.site_eval import evaluate_site
-from pflbed.flower.site_message import evaluate_fields, train_fields
+from pflbed.flower.site_message import config_record, evaluate_fields, train_fields
 from pflbed.flower.site_node import site_algorithm_of, site_config, site_report
 from pflbed.flower.sites import SiteError
 
@@ -76,12 +76,15 @@ def node_states(context: Context, config_json: str, algo: Algorithm) -> NodeStat
 def train(msg: Message, context: Context) -> Message:
     """The updates of the round's clients this node serves, one after another (records `payload/<cid>` and
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
-    conf = msg.content["config"]
-    config = str(conf["pflbed-config"])
-    if site_config(dict(context.node_config), config) is not None:  # a site: its policy, checked first
+    if site_policy.holds_data(context.node_config):  # a site: the message's fields and its policy, checked first
+        conf = config_record(msg.content, "TRAIN")
+        config = str(conf["pflbed-config"])
         algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))  # its own data and states
         rnd, cids, versions = train_fields(msg.content, algo, secagg.asked(msg))
     else:
+        conf = msg.content["config"]
+        config = str(conf["pflbed-config"])
+        site_config(dict(context.node_config), config)  # refuses a site-local run
         algo = algorithm(config)
         stored = node_states(context, config, algo)
         rnd, cids = int(conf["round"]), [int(c) for c in conf["cids"]]
@@ -163,10 +166,10 @@ def query(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """A site-local run's evaluation of this site's clients (`site_eval.evaluate_site`): numbers, no samples."""
-    conf = msg.content["config"]
-    config = str(conf["pflbed-config"])
-    if site_config(dict(context.node_config), config) is None:
+    if not site_policy.holds_data(context.node_config):
         raise SiteError("an evaluation was asked of a node that holds no data of its own")
+    conf = config_record(msg.content, "EVALUATE")
+    config = str(conf["pflbed-config"])
     algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
     server = lambda: from_record(msg.content["server"], algo.ctx.device)  # noqa: E731
     cids, versions, figures, methods = evaluate_fields(msg.content, algo, server)

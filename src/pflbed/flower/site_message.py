@@ -34,19 +34,21 @@ from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.flower.secagg_node import SHARED
 from pflbed.flower.sites import SiteError, own_clients
 
-TRAIN = ("pflbed-config", "round", "cids", "site-sizes", "versions")
-EVALUATE = ("pflbed-config", "round", "cids", "site-sizes", "versions", "methods")
+FIELDS = {  # a message's kind → its config record's fields
+    "TRAIN": ("pflbed-config", "round", "cids", "site-sizes", "versions"),
+    "EVALUATE": ("pflbed-config", "round", "cids", "site-sizes", "versions", "methods"),
+}
 
 
 def _int(value: object) -> bool:
     return type(value) is int
 
 
-def _config(content: RecordDict, kind: str, fields: tuple[str, ...]) -> Any:
-    """A message's config record, holding exactly `fields`."""
+def config_record(content: RecordDict, kind: str) -> Any:
+    """A `kind` message's config record, holding exactly its fields (read first: it names the run's config)."""
     if "config" not in content.config_records:
         raise SiteError(f"the server's {kind} message holds no config")
-    conf = content.config_records["config"]
+    conf, fields = content.config_records["config"], FIELDS[kind]
     wrong = sorted(set(conf) ^ set(fields))
     if wrong:
         raise SiteError(f"the server's {kind} message {'lacks' if wrong[0] in fields else 'sets'} {wrong[0]!r:.60} "
@@ -82,7 +84,7 @@ def check_clients(kind: str, algo: Algorithm, cids: object, versions: object, ne
 
 def train_fields(content: RecordDict, algo: Algorithm, secure: bool) -> tuple[int, list[int], dict[int, int]]:
     """A TRAIN message's round, clients and their state rounds (`secure`: SecAgg+'s masked-update step)."""
-    conf = _config(content, "TRAIN", TRAIN)
+    conf = config_record(content, "TRAIN")
     rounds = algo.ctx.cfg.train.rounds
     rnd = conf["round"]
     if not _int(rnd) or not 1 <= rnd <= rounds:
@@ -99,7 +101,7 @@ def evaluate_fields(content: RecordDict, algo: Algorithm, server: Callable[[], T
                     ) -> tuple[list[int], dict[int, int], bool, list[tuple[int, str]]]:  # fmt: skip
     """An EVALUATE message's clients, their state rounds, whether to score the round, and the personalizations
     asked for (`server`: the message's server view, read only where some are asked for)."""
-    conf = _config(content, "EVALUATE", EVALUATE)
+    conf = config_record(content, "EVALUATE")
     _records(content, "EVALUATE", {"server"})
     cids, versions = check_clients("EVALUATE", algo, conf["cids"], conf["versions"], algo.ctx.cfg.train.rounds)
     figures = conf["round"]
