@@ -394,9 +394,9 @@ def test_site_offsets_are_a_running_sum():
 
 @pytest.fixture(scope="module")
 def honest(tmp_path_factory):
-    """A site-local run of two rounds with a final fine-tuning; site 1's last TRAIN and its EVALUATE message as the
-    honest server sent them, and a function replaying one to site 1's node: (reply, the error's last line or None,
-    the client updates and evaluations it ran)."""
+    """A site-local run of two rounds with a final fine-tuning; site 1's start-up question (QUERY), last TRAIN and
+    EVALUATE message as the honest server sent them, and a function replaying one to site 1's node: (reply, the
+    error's last line or None, the client updates and evaluations it ran)."""
     import copy
 
     from .site_setup import run_sites
@@ -410,7 +410,7 @@ def honest(tmp_path_factory):
 
     def send(msgs, timeout=None):
         for m in msgs:
-            if m.metadata.dst_node_id == grid.nodes[1] and m.metadata.message_type in ("train", "evaluate"):
+            if m.metadata.dst_node_id == grid.nodes[1] and m.metadata.message_type in ("query", "train", "evaluate"):
                 sent[m.metadata.message_type] = copy.deepcopy(m)
         return real(msgs, timeout)
 
@@ -518,6 +518,25 @@ def test_a_site_takes_a_train_or_evaluate_message_only_as_an_honest_server_sends
     assert error is None and ran == (["update_client"] if kind == "train" else ["evaluate_site"] * 2)
     reply, error, ran = honest(kind, change, monkeypatch)
     assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's {line}", [])
+
+
+@pytest.mark.parametrize(("change", "line"), [
+    (_set(cids=[0]), "sets 'cids' in its config: it sends pflbed-config"),
+    (_drop("pflbed-config"), "lacks 'pflbed-config' in its config: it sends pflbed-config"),
+    (_add("payload/1", {"w": torch.zeros(1)}), "holds a record 'payload/1', which a site does not take"),
+])  # fmt: skip
+def test_a_site_s_start_up_question_holds_the_run_s_config_alone(change, line, honest, monkeypatch):
+    """The start-up question carries the config record and the config in it, nothing else; the partition question
+    carries no record at all (a site reads nothing else of either, and refuses what it would not read)."""
+    assert honest.sent["query"].metadata.group_id == "site"
+    reply, error, _ = honest("query", lambda content, conf: None, monkeypatch)
+    assert error is None and "report" in reply.content["site"]
+    assert honest("query", change, monkeypatch)[:2] == (None, f"pflbed.flower.sites.SiteError: the server's QUERY "
+                                                              f"message {line}")  # fmt: skip
+    assert _send(SITE, MessageType.QUERY, "partitions")[1] is None
+    assert _send(SITE, MessageType.QUERY, "partitions", None, {"x": {}}) == (None, "pflbed.flower.sites.SiteError: "
+                                                                           "the server's QUERY message holds a "
+                                                                           "record 'x', which a site does not take")
 
 
 def test_a_secure_round_s_message_holds_its_one_shared_payload_and_nothing_else(honest):

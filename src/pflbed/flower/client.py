@@ -46,7 +46,7 @@ from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 from pflbed.flower.site_eval import evaluate_site
-from pflbed.flower.site_message import config_record, evaluate_fields, train_fields
+from pflbed.flower.site_message import check_query, config_record, evaluate_fields, train_fields
 from pflbed.flower.site_node import site_algorithm_of, site_config, site_report
 from pflbed.flower.sites import SiteError
 
@@ -144,9 +144,11 @@ def query(msg: Message, context: Context) -> Message:
     """The node's partition, or (with a `config`) the stored states of the clients asked for; a site answers only
     its partition and, at a site-local run's start-up, what it holds (`SITE_QUERIES`)."""
     group, has_config = msg.metadata.group_id, "config" in msg.content
-    if site_policy.holds_data(context.node_config) and SITE_QUERIES.get(group) is not has_config:
-        raise SiteError(f"this site answers only the server's {' and '.join(map(repr, SITE_QUERIES))} queries, "
-                        f"not a {group!r} query{' with a config' if has_config else ''}")  # fmt: skip
+    if site_policy.holds_data(context.node_config):
+        if SITE_QUERIES.get(group) is not has_config:
+            raise SiteError(f"this site answers only the server's {' and '.join(map(repr, SITE_QUERIES))} queries, "
+                            f"not a {group!r} query{' with a config' if has_config else ''}")  # fmt: skip
+        check_query(msg.content, has_config)
     if not has_config:
         return partition(msg, context)
     conf = msg.content["config"]

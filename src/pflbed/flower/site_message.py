@@ -1,14 +1,14 @@
-"""What a site takes from the server's TRAIN and EVALUATE messages besides the run's config.
+"""What a site takes from the server's messages besides the run's config.
 
 The config is held to the site's policy (`site_policy.check`) and `site-sizes` to what the site holds
 (`site_node.site_sizes`). Every other field of a message is the server's choice as well, and a site takes it only as
 an honest server sends it (`flower.executor`, `flower.site_executor`, `flower.secagg`), within the run it accepted:
 
-- records: `config`, and a TRAIN message's payload of each of its clients (`payload/<cid>`; under SecAgg+, the one
-  shared payload), an EVALUATE message's `server` view; nothing else. A state sent for a client (`state/<cid>`,
-  which a node without data of its own takes in place of its stored one) would replace the client's personal
-  model, the site's own, with one of the server's choosing;
-- the config record: exactly the fields of the message's kind;
+- records: none in the partition question; `config`, and a TRAIN message's payload of each of its clients
+  (`payload/<cid>`; under SecAgg+, the one shared payload), an EVALUATE message's `server` view; nothing else. A
+  state sent for a client (`state/<cid>`, which a node without data of its own takes in place of its stored one)
+  would replace the client's personal model, the site's own, with one of the server's choosing;
+- the config record: exactly the fields of the message's kind (a QUERY's: the config alone);
 - `cids`: distinct clients of this site's own;
 - `round`: a TRAIN message's, one of the run's rounds (1 to `train.rounds`: a negative one failed only after
   training); an EVALUATE message's, whether to score the round's models (true or false);
@@ -35,6 +35,7 @@ from pflbed.flower.secagg_node import SHARED
 from pflbed.flower.sites import SiteError, own_clients
 
 FIELDS = {  # a message's kind → its config record's fields
+    "QUERY": ("pflbed-config",),  # the start-up question (the partition question holds no record at all)
     "TRAIN": ("pflbed-config", "round", "cids", "site-sizes", "versions"),
     "EVALUATE": ("pflbed-config", "round", "cids", "site-sizes", "versions", "methods"),
 }
@@ -80,6 +81,14 @@ def check_clients(kind: str, algo: Algorithm, cids: object, versions: object, ne
         raise SiteError(f"the server's {kind} message: versions {versions!r:.60} are not, per client, a round "
                         f"from 0 to {newest}")  # fmt: skip
     return cids, dict(zip(cids, versions, strict=True))
+
+
+def check_query(content: RecordDict, with_config: bool) -> None:
+    """A site's two queries (`client.SITE_QUERIES`): the partition question holds no record, the start-up question
+    its config record alone, holding the run's config alone."""
+    if with_config:
+        config_record(content, "QUERY")
+    _records(content, "QUERY", set())
 
 
 def train_fields(content: RecordDict, algo: Algorithm, secure: bool) -> tuple[int, list[int], dict[int, int]]:
