@@ -109,8 +109,52 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
     grid.nodes = grid.nodes[:2]  # partition 2's node never connects
     monkeypatch.setattr("pflbed.flower.executor.time.sleep", lambda s: None)
     monkeypatch.setattr("pflbed.flower.executor.time.monotonic", iter(range(0, 10**6, 100)).__next__)
-    with pytest.raises(FlowerRoundError, match=r"partitions \[0, 1\] of \[3\]"):
+    with pytest.raises(FlowerRoundError, match=r"^after 120 s, SuperNodes serve partitions \[0, 1\] of \[3\]: some "
+                                               r"nodes are missing$"):  # fmt: skip
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+
+
+def test_nodes_that_disagree_on_the_number_of_partitions_stop_the_run():
+    grid = FakeGrid(partitions=3, node_configs={1: {client.PARTITIONS: 4}})
+    with pytest.raises(FlowerRoundError, match=r"^the SuperNodes disagree on the number of partitions: \[3, 4\]$"):
+        run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+
+
+def test_each_node_is_asked_its_partition_once():
+    """The partition question goes to each node once (a node that restarts is a new node and is asked too), not
+    before every round."""
+    grid = FakeGrid(partitions=3, restart={3: [1]})
+    asked = []
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        asked.extend(m.metadata.dst_node_id for m in msgs if m.metadata.group_id == "partitions")
+        return real(msgs, timeout)
+
+    grid.send_and_receive = send
+    run(_fedavg(rounds=4), write=False, progress=False, simulation=FakeSimulation(grid))
+    assert sorted(asked) == [1000, 1001, 1002, 1003]  # partition 1's node restarted as node 1003 before round 3
+
+
+def test_the_partition_question_waits_a_finite_time_and_a_round_its_timeout():
+    """The partition question waits a finite time for its nodes (Flower's Grid waits forever on `timeout=None`: a
+    node that connected but never answers would hold the server's start); a round's work waits
+    `executor.round_timeout`."""
+    grid, waits = FakeGrid(), []
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        waits.extend((m.metadata.group_id, timeout) for m in msgs)
+        return real(msgs, timeout)
+
+    grid.send_and_receive = send
+    cfg = _fedavg(rounds=1)
+    cfg = validate_config({**cfg.model_dump(mode="json"), "executor": {**cfg.executor.model_dump(mode="json"),
+                                                                       "round_timeout": 50.0}})  # fmt: skip
+    run(cfg, write=False, progress=False, simulation=FakeSimulation(grid))
+    asked = {group: {t for g, t in waits if g == group} for group, _ in waits}
+    assert set(asked) == {"partitions", "1"} and asked["1"] == {50.0}, waits
+    assert all(t is not None and 0 < t <= 120 for t in asked["partitions"]), waits
 
 
 def test_clientapps_ask_ray_for_a_share_of_the_gpu_only_for_a_gpu_run(monkeypatch):
