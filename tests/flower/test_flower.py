@@ -114,6 +114,24 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
 
 
+def test_nodes_connecting_up_to_the_start_s_deadline_are_waited_for(monkeypatch):
+    """Nodes connect while the ServerApp starts: the server asks again until every partition is served, up to
+    120 s; a node connecting at exactly 120 s is still taken (the clock ticks 60 s per reading here)."""
+    grid = FakeGrid(partitions=3)
+    calls = []
+    everyone = grid.get_node_ids
+
+    def late():
+        calls.append(1)
+        return everyone() if len(calls) >= 3 else everyone()[:2]
+
+    grid.get_node_ids = late
+    monkeypatch.setattr("pflbed.flower.executor.time.sleep", lambda s: None)
+    monkeypatch.setattr("pflbed.flower.executor.time.monotonic", iter(range(0, 10**6, 60)).__next__)
+    got = run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+    assert got is not None and len(calls) >= 3
+
+
 def test_nodes_that_disagree_on_the_number_of_partitions_stop_the_run():
     grid = FakeGrid(partitions=3, node_configs={1: {client.PARTITIONS: 4}})
     with pytest.raises(FlowerRoundError, match=r"^the SuperNodes disagree on the number of partitions: \[3, 4\]$"):
