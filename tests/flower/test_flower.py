@@ -112,6 +112,10 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
     with pytest.raises(FlowerRoundError, match=r"^after 120 s, SuperNodes serve partitions \[0, 1\] of \[3\]: some "
                                                r"nodes are missing$"):  # fmt: skip
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+    grid.nodes = []  # no node at all: nothing says how many partitions there are
+    with pytest.raises(FlowerRoundError, match=r"^after 120 s, SuperNodes serve partitions \[\] of an unknown number: "
+                                               r"some nodes are missing$"):  # fmt: skip
+        run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
 
 
 def test_nodes_connecting_up_to_the_start_s_deadline_are_waited_for(monkeypatch):
@@ -154,10 +158,10 @@ def test_each_node_is_asked_its_partition_once():
     assert sorted(asked) == [1000, 1001, 1002, 1003]  # partition 1's node restarted as node 1003 before round 3
 
 
-def test_the_partition_question_waits_a_finite_time_and_a_round_its_timeout():
+def test_the_partition_question_waits_a_finite_time_and_a_round_its_timeout(tmp_path):
     """The partition question waits a finite time for its nodes (Flower's Grid waits forever on `timeout=None`: a
-    node that connected but never answers would hold the server's start); a round's work waits
-    `executor.round_timeout`."""
+    node that connected but never answers would hold the server's start); a round's work, and the reads of states
+    kept on the nodes, wait `executor.round_timeout`."""
     grid, waits = FakeGrid(), []
     real = grid.send_and_receive
 
@@ -166,12 +170,11 @@ def test_the_partition_question_waits_a_finite_time_and_a_round_its_timeout():
         return real(msgs, timeout)
 
     grid.send_and_receive = send
-    cfg = _fedavg(rounds=1)
-    cfg = validate_config({**cfg.model_dump(mode="json"), "executor": {**cfg.executor.model_dump(mode="json"),
-                                                                       "round_timeout": 50.0}})  # fmt: skip
+    cfg = parity_config("fedper", {"name": "flower", "threads": 1, "round_timeout": 50.0,
+                                   "state_dir": str(tmp_path)}, rounds=1)  # fmt: skip
     run(cfg, write=False, progress=False, simulation=FakeSimulation(grid))
     asked = {group: {t for g, t in waits if g == group} for group, _ in waits}
-    assert set(asked) == {"partitions", "1"} and asked["1"] == {50.0}, waits
+    assert set(asked) == {"partitions", "1", "states"} and asked["1"] == asked["states"] == {50.0}, waits
     assert all(t is not None and 0 < t <= 120 for t in asked["partitions"]), waits
 
 
