@@ -118,6 +118,27 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
 
 
+def test_nodes_that_answer_a_state_read_without_the_states_stop_the_run(tmp_path):
+    """With the states on the nodes, the server reads them to evaluate; a node whose answer lacks a state asked for
+    stops the run naming the clients, not later as a missing key."""
+    grid = FakeGrid()
+    real = grid.send_and_receive
+
+    def send(msgs, timeout=None):
+        replies = real(msgs, timeout)
+        for m, r in zip(msgs, replies, strict=True):
+            if m.metadata.group_id == "states" and not r.has_error():
+                for key in list(r.content.array_records):
+                    r.content.pop(key)
+        return replies
+
+    grid.send_and_receive = send
+    cfg = parity_config("fedper", {"name": "flower", "threads": 1, "state_dir": str(tmp_path)}, rounds=1)
+    with pytest.raises(FlowerRoundError, match=r"^the nodes holding the states of clients \[\d+(, \d+)*\] did not "
+                                               r"answer$"):  # fmt: skip
+        run(cfg, write=False, progress=False, simulation=FakeSimulation(grid))
+
+
 def test_nodes_connecting_up_to_the_start_s_deadline_are_waited_for(monkeypatch):
     """Nodes connect while the ServerApp starts: the server asks again until every partition is served, up to
     120 s; a node connecting at exactly 120 s is still taken (the clock ticks 60 s per reading here)."""
