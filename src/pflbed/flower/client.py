@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -173,7 +173,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     conf = config_record(msg.content, "EVALUATE")
     config = str(conf["pflbed-config"])
     algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
-    server = lambda: from_record(msg.content["server"], algo.ctx.device)  # noqa: E731
+    server = cache(lambda: from_record(msg.content["server"], algo.ctx.device))  # read once, after the fields' check
     cids, versions, figures, methods = evaluate_fields(msg.content, algo, server)
     view = server()
     state = lambda c: stored.load(c, versions[c])  # noqa: E731
