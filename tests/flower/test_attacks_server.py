@@ -397,12 +397,21 @@ def honest(tmp_path_factory):
     """A site-local run of two rounds with a final fine-tuning; site 1's start-up question (QUERY), last TRAIN and
     EVALUATE message as the honest server sent them, and a function replaying one to site 1's node: (reply, the
     error's last line or None, the client updates and evaluations it ran)."""
+    return _captured(tmp_path_factory.mktemp("honest"), "fedavg")
+
+
+@pytest.fixture(scope="module")
+def honest_gpfl(tmp_path_factory):
+    """`honest` for GPFL, whose clients keep their head and label prior."""
+    return _captured(tmp_path_factory.mktemp("honest-gpfl"), "gpfl")
+
+
+def _captured(tmp, name):
     import copy
 
     from .site_setup import run_sites
 
-    tmp = tmp_path_factory.mktemp("honest")
-    tree = _tree("fedavg", train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": ["ft"]})
+    tree = _tree(name, train={**TINY["train"], "rounds": 2}, eval={"every": 2, "finetune": ["ft"]})
     cfg = _site_cfg(tree)
     _, grid = _sites(tmp, cfg)
     sent = {}
@@ -424,9 +433,9 @@ def honest(tmp_path_factory):
 
     def replay(kind, change, monkeypatch):
         ran = []
-        for name in ("update_client", "evaluate_site"):
-            real_fn = getattr(client, name)
-            monkeypatch.setattr(client, name, lambda *a, _f=real_fn, _n=name, **k: ran.append(_n) or _f(*a, **k))
+        for fn in ("update_client", "evaluate_site"):
+            real_fn = getattr(client, fn)
+            monkeypatch.setattr(client, fn, lambda *a, _f=real_fn, _n=fn, **k: ran.append(_n) or _f(*a, **k))
         msg = copy.deepcopy(sent[kind])
         change(msg.content, msg.content["config"])
         try:
@@ -587,6 +596,85 @@ def test_a_site_runs_only_the_personalizations_its_algorithm_offers_for_the_view
                                                     "methods '[[0, \"ft\"]]' ask for more than the run's "
                                                     "personalizations []")  # fmt: skip
     assert view and seen == [(view, ["ft"])]  # the view's entries, the config's list
+
+
+def _payload(change):
+    """A change of client 1's payload: `change(tensors)` returns the tensors the server sends instead."""
+    from pflbed.flower.records import from_record, to_record
+
+    return lambda content, conf: content.__setitem__("payload/1", to_record(change(from_record(content["payload/1"]))))
+
+
+def _first(tensors):
+    return sorted(tensors)[0]
+
+
+PAYLOADS = [
+    ("an extra key", lambda p: {**p, "zzz": torch.ones(3)}, "has key 'zzz', which this algorithm's server does not send"),
+    ("a key dropped", lambda p: {k: v for k, v in p.items() if k != _first(p)}, "lacks 'blocks.classifier.bias'"),
+    ("a key widened", lambda p: {**p, _first(p): p[_first(p)].expand(2, -1).clone()},
+     "has 'blocks.classifier.bias' of shape [2, 10], expected [10]"),
+    ("float64", lambda p: {**p, _first(p): p[_first(p)].double()},
+     "has 'blocks.classifier.bias' of dtype torch.float64, expected torch.float32"),
+    ("a NaN", lambda p: {**p, _first(p): p[_first(p)] * float("nan")}, "has a non-finite entry in "
+                                                                       "'blocks.classifier.bias'"),  # fmt: skip
+    ("an inf", lambda p: {**p, _first(p): p[_first(p)] + float("inf")}, "has a non-finite entry in "
+                                                                         "'blocks.classifier.bias'"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("change", "line"), [p[1:] for p in PAYLOADS], ids=[p[0] for p in PAYLOADS])
+def test_a_site_trains_only_on_a_payload_its_algorithm_s_server_sends(change, line, honest, monkeypatch):
+    """A client's payload is held to the structure the algorithm's server sends that client in that round
+    (`Algorithm.payload_fits`) and to finite values, before the client trains: a key widened or dropped failed
+    inside the update with a traceback, a NaN trained a NaN model and stored it as the client's."""
+    reply, error, ran = honest("train", _payload(change), monkeypatch)
+    assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's TRAIN message: the payload of "
+                                         f"client 1 {line}", [])  # fmt: skip
+
+
+def test_a_payload_naming_a_client_s_personal_entries_does_not_get_them_back(honest_gpfl, monkeypatch):
+    """GPFL's update starts from the payload with the client's head over it, and replies the payload's keys: a
+    server that adds the head's keys to the payload got back the client's personal head, trained a round further
+    (the head the site then stores as the client's). Refused since the payload is not one GPFL's server sends;
+    without the check (planted here) the reply carries it."""
+    from pflbed.flower.records import from_record
+
+    conf = honest_gpfl.sent["train"].content["config"]
+    algo, stored = site_node.site_algorithm_of(honest_gpfl.context(), str(conf["pflbed-config"]),
+                                               str(conf["site-sizes"]))  # fmt: skip
+    state = stored.load(1, conf["versions"][0])
+    personal = sorted(set(state) - set(from_record(honest_gpfl.sent["train"].content["payload/1"])))
+    assert "prior" in personal and "blocks.classifier.weight" in personal
+    take_state = _payload(lambda p: {**p, **{k: torch.zeros_like(state[k]) for k in personal}})
+    reply, error, ran = honest_gpfl("train", take_state, monkeypatch)
+    assert (reply, ran) == (None, []) and error == (f"pflbed.flower.sites.SiteError: the server's TRAIN message: the "
+                                                    f"payload of client 1 has key '{personal[0]}', which this "
+                                                    "algorithm's server does not send")  # fmt: skip
+    monkeypatch.setattr(client, "check_payload", lambda *a: None)
+    reply, error, _ = honest_gpfl("train", take_state, monkeypatch)
+    leaked, kept = from_record(reply.content["reply/1"]), stored.load(1, conf["round"])
+    head = [k for k in personal if k.startswith("blocks.classifier.")]
+    assert error is None and head and all(torch.equal(leaked[k], kept[k]) for k in head)
+
+
+def test_a_secure_round_s_shared_payload_is_held_to_each_client_s(honest, monkeypatch):
+    """Under SecAgg+ the round's one payload is checked for each of the site's clients before it trains."""
+    from types import SimpleNamespace
+
+    from pflbed.flower.records import from_record, to_record
+    from pflbed.flower.secagg_node import SHARED
+
+    conf = honest.sent["train"].content["config"]
+    algo, stored = site_node.site_algorithm_of(honest.context(), str(conf["pflbed-config"]), str(conf["site-sizes"]))
+    payload = from_record(honest.sent["train"].content["payload/1"])
+    ran = []
+    monkeypatch.setattr(client, "update_client", lambda *a: ran.append(a) or 1 / 0)
+    for sent, expected in [({**payload, "zzz": torch.ones(1)}, SiteError), (payload, ZeroDivisionError)]:
+        msg = SimpleNamespace(content=RecordDict({"config": ConfigRecord(dict(conf)), SHARED: to_record(sent)}))
+        with pytest.raises(expected):
+            client.secure_train(msg, algo, stored, 2, [1], {1: 1})
+    assert len(ran) == 1  # the honest payload reached the update; the other did not
 
 
 # --- 4. DP and SecAgg required by the site ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pflbed.algorithms.common import ClientData as ClientData
 from pflbed.algorithms.common import Predictor as Predictor
 from pflbed.algorithms.common import Same as Same
 from pflbed.algorithms.common import Tensors as Tensors
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
 from pflbed.data.arrays import DataSource
 from pflbed.data.augment import Augment
 from pflbed.federation import Federation
@@ -150,6 +151,24 @@ class Algorithm:
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         raise NotImplementedError
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """Why `payload` is not what this algorithm's server sends client `cid` (holding `state`) in round `rnd`:
+        another key set, shape or dtype (`reply_shapes.misfit`); None if it is. A site checks every payload with
+        this before its client trains on it (`pflbed.flower.site_message`).
+
+        Why: a site-local deployment's server is another party, and the client update reads its payload as the
+        algorithm's `configure` makes it. A payload with more keys than that can name the client's personal
+        entries: an update that starts from `{**payload, **state}` and replies `payload`'s keys would send them
+        back trained (GPFL's head), and one that starts from `{**state, **payload}` would train from the
+        server's choice of them. One of another shape would fail inside the update, or broadcast.
+
+        Default: the structure `configure` gives from the initial server state in the same round, which is every
+        round's for an algorithm whose server state keeps its structure. An algorithm whose payloads change
+        structure with the round, the client's history or its state (a warm start ending, entries a client holds
+        personal, models of other clients chosen per round) overrides this with the structures its server can
+        send; `tests/algorithms/test_payload_fits.py` runs every algorithm and checks each payload against it."""
+        return misfit(payload, specs(self.configure(rnd, self.init_server(), [cid])[cid]), UNSENT)
 
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext

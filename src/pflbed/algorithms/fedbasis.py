@@ -151,7 +151,7 @@ from pflbed.algorithms.basis import (
 )
 from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, weighted_mean
 from pflbed.errors import ConfigError
@@ -410,6 +410,17 @@ class FedBasis(Algorithm):
         gen = rng.generator(self.ctx.seed, STREAM, 1, rnd)
         bases = kmeans_bases(pool, self.param_keys, self.keys, self.opts.K, self.opts.kmeans_iters, gen)
         return self.join(bases, glob if self.opts.major else None)
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """The warm start's FedAvg model in its rounds; after them, the K bases and (with `major`) the major basis,
+        each of the model's entries: the structure `switch` gives the server state at the warm start's end."""
+        if rnd <= self.warmup_rounds:
+            return super().payload_fits(rnd, cid, payload, state)
+        model = specs(self.ctx.initial_params, self.keys)
+        want = {f"{BASIS}{i}.{k}": s for i in range(self.opts.K) for k, s in model.items()}
+        if self.opts.major:
+            want.update({MAJOR + k: s for k, s in model.items()})
+        return misfit(payload, want, UNSENT)
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not: every entry sent, of its shape and

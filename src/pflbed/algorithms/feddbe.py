@@ -68,7 +68,7 @@ from torch import nn
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks, run_plan, weighted_mean
 from pflbed.algorithms.partial import split_top
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, spec, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import WeightedMean, finetune_epochs, get_params, index_batches, load_params
 from pflbed.models import BlockNet
@@ -261,6 +261,14 @@ class FedDBE(Algorithm):
         if CONSENSUS not in server:
             return _Consensus(self, server)
         return WeightedMean(weights, self.model_keys, base={CONSENSUS: server[CONSENSUS]})  # [AGG]
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """Round 1 (the initialization period): the initial model; every later round: the model and z̄^g, of the
+        shape and dtype [C] gives it."""
+        if rnd == 1:
+            return super().payload_fits(rnd, cid, payload, state)
+        server = self.init_server()
+        return misfit(payload, {**specs(server), CONSENSUS: spec(_Consensus(self, server).total)}, UNSENT)
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not: the model's entries as sent in a

@@ -123,7 +123,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors, own_rows
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
 from pflbed.algorithms.training import finetune_epochs, validation_data
 from pflbed.search import IntSearch, Search, Space
 
@@ -347,6 +347,20 @@ class FedFomo(Algorithm):
         if updates is not None:
             out[UPDATES] = updates
         return out
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """`fomo/ids`: up to M distinct other participated clients (int64), and each one's stored model `m/<s>/`,
+        every entry of the run's model: the structure `configure` gives, whichever clients the server chose."""
+        ids = payload.get(IDS)
+        if ids is None:
+            return f"lacks '{IDS}'"
+        if ids.dim() != 1 or ids.dtype != torch.int64:
+            return f"has '{IDS}' of shape {list(ids.shape)} and dtype {ids.dtype}, expected one dimension of int64"
+        chosen, model = ids.tolist(), specs(self.ctx.initial_params)
+        if len(chosen) > self.opts.M or len(set(chosen)) < len(chosen) or not set(chosen) <= set(self.index) - {cid}:
+            return f"has '{IDS}' {chosen[:8]}: not up to M = {self.opts.M} distinct other clients of the run"
+        return misfit(payload, {IDS: ((len(chosen),), torch.int64),
+                                **{f"m/{s}/{k}": v for s in range(len(chosen)) for k, v in model.items()}}, UNSENT)
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not: the trained model (every entry of

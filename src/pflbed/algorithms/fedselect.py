@@ -137,7 +137,7 @@ from pflbed.algorithms.masks import (
     take,
     unpack_bits,
 )
-from pflbed.algorithms.reply_shapes import Spec, misfit
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit
 from pflbed.algorithms.training import finetune_epochs, weighted_mean
 from pflbed.search import Search, Space
 
@@ -309,6 +309,17 @@ class FedSelect(Algorithm):
                 else:
                     out.pop(f"mask/{c}/{k}", None)
         return out
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """Every model entry in the model's dtype: flat, the global entries of the mask the client held in its last
+        training (`held/<key>` of its state: the mask its reply sent, which the server keeps as `mask/<cid>/`),
+        else whole."""
+        want: dict[str, Spec] = {}
+        for k in self.keys:
+            dtype = self.ctx.initial_params[k].dtype
+            held = f"held/{k}" in state
+            want[k] = ((int((~self._mask(state, f"held/{k}", k)).sum()),) if held else tuple(self.shapes[k]), dtype)
+        return misfit(payload, want, UNSENT)
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not (see the wire format above).

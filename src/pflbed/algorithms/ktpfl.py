@@ -146,6 +146,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
+from pflbed.algorithms.reply_shapes import UNSENT, misfit
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
@@ -368,6 +369,21 @@ class KTpFL(Algorithm):
             if f"t/{c}" in server:
                 payloads[c] = {"targets": server[f"t/{c}"], "batch_round": server[f"r/{c}"]}
         return payloads
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """Homogeneous: the mixed model (the default). Heterogeneous: nothing before a client's first reply; after
+        it, its targets on the public batch of the round it last replied in (float32, a row per sample of the batch,
+        a column per class) and that round, an int64 from 1 to the round before."""
+        if self.homogeneous:
+            return super().payload_fits(rnd, cid, payload, state)
+        if not payload:
+            return None
+        rows = min(self.opts.public_batch, self.ctx.federation.public.numel())
+        why = misfit(payload, {"targets": ((rows, self.ctx.source.num_classes), torch.float32),
+                               "batch_round": ((), torch.int64)}, UNSENT)  # fmt: skip
+        if why is None and not 1 <= int(payload["batch_round"]) < rnd:
+            why = f"has 'batch_round' {int(payload['batch_round'])}: not a round from 1 to {rnd - 1}"
+        return why
 
     def round_plan(self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext) -> LocalSGDPlan:
         """Homogeneous: local SGD from the payload. Heterogeneous: (1) the pending distillation, if any, then

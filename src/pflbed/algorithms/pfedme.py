@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import ClientData, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.local_sgd import Gradients, LocalSGDPlan, Phase
+from pflbed.algorithms.reply_shapes import misfit, spec
 from pflbed.algorithms.training import WeightedMean
 from pflbed.search import IntSearch, Search, Space
 
@@ -101,6 +102,16 @@ class PFedMe(FedAvg):
             return {c: server for c in cids}
         sampled, keep = set(cids), {**server, KEEP: torch.ones((), device=self.ctx.device)}
         return {c: server if c in sampled else keep for c in self.ctx.federation.participated}
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """The model (the default); under `train_clients: all`, for a client outside the round's sample, with the
+        flag `KEEP` (a float scalar) besides."""
+        if self.opts.train_clients == "all" and KEEP in payload:
+            why = misfit({KEEP: payload[KEEP]}, {KEEP: spec(torch.ones((), device=self.ctx.device))})
+            if why is not None:
+                return why
+            payload = {k: v for k, v in payload.items() if k != KEEP}
+        return super().payload_fits(rnd, cid, payload, state)
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """θ_i ← w^t (the model's tensors) and w_i ← w^t (`LOCAL` + key), then R steps (`MoreauStep`) over

@@ -19,6 +19,7 @@ import torch
 from pflbed.algorithms.common import Tensors
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one reply entry
+UNSENT = "this algorithm's server does not send"  # `misfit`'s `unknown` for a payload (`Algorithm.payload_fits`)
 
 
 def spec(t: torch.Tensor) -> Spec:
@@ -31,14 +32,16 @@ def specs(tensors: Tensors, keys: Iterable[str] | None = None) -> dict[str, Spec
     return {k: spec(tensors[k]) for k in (tensors if keys is None else keys)}
 
 
-def misfit(reply: Tensors, expected: Mapping[str, Spec]) -> str | None:
-    """Why `reply` does not have exactly the keys of `expected`, each of its shape and dtype; None if it does.
+def misfit(reply: Tensors, expected: Mapping[str, Spec], unknown: str = "this algorithm's clients do not reply"
+           ) -> str | None:  # fmt: skip
+    """Why `reply` (or a payload) does not have exactly the keys of `expected`, each of its shape and dtype; None
+    if it does.
 
-    One line, to follow "client <cid>'s reply": the first extra key, else the first missing one, else the first
-    entry (in key order) of another shape or dtype."""
+    One line, to follow "client <cid>'s reply" (or "payload"): the first extra key (`unknown` says who never sends
+    it), else the first missing one, else the first entry (in key order) of another shape or dtype."""
     extra = sorted(set(reply) - set(expected))
     if extra:
-        return f"has key '{extra[0]}', which this algorithm's clients do not reply"
+        return f"has key '{extra[0]}', which {unknown}"
     missing = sorted(set(expected) - set(reply))
     if missing:
         return f"lacks '{missing[0]}'"

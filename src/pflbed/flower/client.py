@@ -46,7 +46,7 @@ from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates
 from pflbed.flower.records import NONFINITE_STATE, from_record, to_record
 from pflbed.flower.site_eval import evaluate_site
-from pflbed.flower.site_message import check_query, config_record, evaluate_fields, train_fields
+from pflbed.flower.site_message import check_payload, check_query, config_record, evaluate_fields, train_fields
 from pflbed.flower.site_node import site_algorithm_of, site_config, site_report
 from pflbed.flower.sites import SiteError
 
@@ -76,7 +76,8 @@ def node_states(context: Context, config_json: str, algo: Algorithm) -> NodeStat
 def train(msg: Message, context: Context) -> Message:
     """The updates of the round's clients this node serves, one after another (records `payload/<cid>` and
     `state/<cid>` in, `reply/<cid>` and `state/<cid>` out; states on the node: see the module's docstring)."""
-    if site_policy.holds_data(context.node_config):  # a site: the message's fields and its policy, checked first
+    site = site_policy.holds_data(context.node_config)
+    if site:  # a site: the message's fields and its policy, checked first
         conf = config_record(msg.content, "TRAIN")
         config = str(conf["pflbed-config"])
         algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))  # its own data and states
@@ -99,6 +100,8 @@ def train(msg: Message, context: Context) -> Message:
         payload = from_record(msg.content[f"payload/{cid}"])
         sent = msg.content.get(f"state/{cid}")
         state = from_record(sent) if sent is not None or stored is None else stored.load(cid, versions[cid])
+        if site:  # as the algorithm's server sends it (a node without data of its own trusts its server)
+            check_payload(algo, rnd, cid, payload, state)
         t1 = time.perf_counter()
         reply, new_state = update_client(algo, rnd, cid, payload, state)
         t2 = time.perf_counter()
@@ -125,7 +128,9 @@ def secure_train(msg: Message, algo: Algorithm, stored: NodeStates | None, rnd: 
     payload = from_record(msg.content[secagg.SHARED], algo.ctx.device)
     replies, flags = [], {}
     for cid in cids:
-        reply, new_state = update_client(algo, rnd, cid, payload, stored.load(cid, versions[cid]))
+        state = stored.load(cid, versions[cid])
+        check_payload(algo, rnd, cid, payload, state)
+        reply, new_state = update_client(algo, rnd, cid, payload, state)
         stored.save(cid, rnd, new_state, keep=versions[cid])
         bad = first_nonfinite(new_state)
         if bad is not None:

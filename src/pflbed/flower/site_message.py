@@ -16,9 +16,15 @@ an honest server sends it (`flower.executor`, `flower.site_executor`, `flower.se
   TRAIN message's, or up to `train.rounds` for an EVALUATE message;
 - `methods`: final personalizations that the run's config names (`eval.finetune`, as the algorithm offers them:
   `finetune_methods`), each at its index and at most once. A server could otherwise ask for any number of
-  fine-tunings in one message, or for one the run does not name.
+  fine-tunings in one message, or for one the run does not name;
+- each client's payload: what the algorithm's server sends that client in that round (`payload_fits`: keys,
+  shapes, dtypes, and the few values that are instructions), every float entry finite. A payload naming the
+  client's personal entries would otherwise make some updates send them back trained (GPFL's personal
+  head) or train from the server's choice of them (LG-FedAvg's representation); one of another shape failed
+  inside the update.
 
-Each refusal is one line naming the field (`SiteError`), raised before the site reads a payload or a state.
+Each refusal is one line naming the field (`SiteError`), raised before the site reads a payload or a state; a
+payload's, before its client trains on it (`check_payload`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from flwr.app import RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from pflbed.algorithms.base import Algorithm, Tensors
+from pflbed.engine.guard import first_nonfinite
 from pflbed.flower.secagg_node import SHARED
 from pflbed.flower.sites import SiteError, own_clients
 
@@ -104,6 +111,18 @@ def train_fields(content: RecordDict, algo: Algorithm, secure: bool) -> tuple[in
     else:
         _records(content, "TRAIN", {f"payload/{c}" for c in cids})
     return rnd, cids, versions
+
+
+def check_payload(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: Tensors) -> None:
+    """Client `cid`'s payload of round `rnd` (`state`: the client's, as the site holds it) as the algorithm's
+    server sends it (`Algorithm.payload_fits`), and finite: an honest server's state is (its divergence guard,
+    `engine.guard.check_server`, stops a run whose state is not)."""
+    why = algo.payload_fits(rnd, cid, payload, state)
+    bad = first_nonfinite(payload) if why is None else None
+    if bad is not None:
+        why = f"has a non-finite entry in '{bad}'"
+    if why is not None:
+        raise SiteError(f"the server's TRAIN message: the payload of client {cid} {why}")
 
 
 def evaluate_fields(content: RecordDict, algo: Algorithm, server: Callable[[], Tensors]

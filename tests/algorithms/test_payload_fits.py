@@ -1,0 +1,113 @@
+"""`payload_fits(rnd, cid, payload, state)`: what a site takes from a site-local deployment's server as a client's
+payload. Every algorithm (and each variant that changes what crosses) runs a few rounds through the engine: each
+payload a client receives fits, and each tampering of one entry (a key added, dropped, widened, of another dtype)
+is refused naming it. A site checks every payload with this before its client trains on it
+(`pflbed.flower.site_message`), so a wrong structure here is either an honest run refused or a server's entry
+taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pflbed.algorithms import ALGORITHMS
+from pflbed.algorithms.base import Tensors
+from pflbed.config import validate_config
+from pflbed.models import MODELS, BlockNet
+from pflbed.runs import run
+
+from ..tiny import DATA, FED, LIGHT, PARITY_CASES, TINY, VARIANTS
+
+# Four rounds: FedBasis's warm start (30 %) ends after round 2; KT-pFL's family sends distillation targets from a
+# client's second round; FedSelect's payloads are flat in a client's third; FedFomo sends others' models once any
+# uploaded; FedDBE's consensus comes after round 1.
+ROUNDS = 4
+
+
+def _bn_net(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """A tiny model with BatchNorm: float buffers and an integer batch counter in every payload of the model."""
+    d = int(torch.tensor(input_shape).prod())
+    return BlockNet([("body", nn.Sequential(nn.Flatten(), nn.Linear(d, 8), nn.BatchNorm1d(8), nn.ReLU())),
+                     ("head", nn.Linear(8, num_classes))])  # fmt: skip
+
+
+# Beyond PARITY_CASES: options that change a payload's structure, on the BatchNorm model where it crosses.
+EXTRA = {
+    "fedbasis+no-warm-start": ({"name": "fedbasis", "K": 2, "warmup_fraction": 0.0}, "bn_net"),
+    "fedbasis+no-major": ({"name": "fedbasis", "K": 2, "major": False, "coordinate_descent": False}, "mlp"),
+    "fedselect+official": ({"name": "fedselect", "preset": "official", "update_every": 1, "selection": "random"},
+                           "bn_net"),  # fmt: skip
+    "fedfomo+last-round": ({"name": "fedfomo", "M": 1, "candidates": "last_round"}, "mlp"),
+    "fedavg+bn": ({"name": "fedavg"}, "bn_net"),
+    "feddbe+momentum": ({"name": "feddbe", "mean_momentum": 0.5}, "mlp"),
+}
+CASES = PARITY_CASES + sorted(EXTRA)
+
+
+def _config(case: str):
+    if case in EXTRA:
+        algorithm, model = EXTRA[case]
+        sections = {"model": {"name": model}, "dataset": TINY["dataset"]}  # no BatchNorm batch of one sample
+    else:
+        name, options, *more = VARIANTS.get(case, (case, {}))
+        fields = ALGORITHMS[name].Config.model_fields
+        algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}, **options}
+        sections = more[0] if more else {}
+    return validate_config({**TINY, "dataset": DATA, "federation": FED, "train": {**TINY["train"], "rounds": ROUNDS},
+                            "algorithm": algorithm, **sections})  # fmt: skip
+
+
+_SEEN: dict[str, tuple[object, list[tuple[int, int, Tensors, Tensors, str | None]]]] = {}
+
+
+def seen(case: str):
+    """The algorithm and (round, client, payload, state, `payload_fits`) of every client update of a run."""
+    if case not in _SEEN:
+        record: list = []
+
+        def checked(self, payload, state, data, cctx):
+            record.append((cctx.rnd, data.cid, payload, state, self.payload_fits(cctx.rnd, data.cid, payload, state)))
+            _SEEN.setdefault(case, (self, record))
+            return honest(self, payload, state, data, cctx)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(MODELS, "bn_net", _bn_net)
+            cfg = _config(case)
+            cls = ALGORITHMS[cfg.algorithm.name]
+            honest = cls.client_update
+            mp.setattr(cls, "client_update", checked)
+            run(cfg, write=False, progress=False)
+    return _SEEN[case]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_payload_of_a_run_fits(case):
+    algo, record = seen(case)
+    assert {rnd for rnd, *_ in record} == set(range(1, ROUNDS + 1))
+    assert [(rnd, cid, why) for rnd, cid, _, _, why in record] == [(rnd, cid, None) for rnd, cid, *_ in record]
+
+
+def other_dtype(v: torch.Tensor) -> torch.dtype:
+    return {torch.float32: torch.float64, torch.float64: torch.float32}.get(v.dtype, torch.float32)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_tampered_payload_entry_is_refused_naming_it(case):
+    """The last round's largest payload, each entry in turn widened ([2, *shape]), dropped and of another dtype;
+    a key added: an arbitrary one, and each of the client's state (its personal entries, where the update would
+    read them under the same name)."""
+    algo, record = seen(case)
+    optional = {"pfedme/keep"}  # without it, the payload of a client in the round's sample (`train_clients: all`)
+    rnd, cid, payload, state, _ = max((r for r in record if r[0] == ROUNDS), key=lambda r: len(r[2]))
+    for k, v in payload.items():
+        for how, bad in {"wide": {**payload, k: v.expand(2, *v.shape).clone()},
+                         "dropped": {j: u for j, u in payload.items() if j != k},
+                         "dtype": {**payload, k: v.to(other_dtype(v))}}.items():  # fmt: skip
+            if how == "dropped" and k in optional:
+                continue
+            why = algo.payload_fits(rnd, cid, bad, state)
+            assert why is not None and f"'{k}'" in why, (k, how, why)
+    for k in ["extra", *sorted(set(state) - set(payload))]:
+        why = algo.payload_fits(rnd, cid, {**payload, k: state.get(k, torch.zeros(3))}, state)
+        assert why == f"has key '{k}', which this algorithm's server does not send", (k, why)
