@@ -610,7 +610,8 @@ def _first(tensors):
 
 
 PAYLOADS = [
-    ("an extra key", lambda p: {**p, "zzz": torch.ones(3)}, "has key 'zzz', which this algorithm's server does not send"),
+    ("an extra key", lambda p: {**p, "zzz": torch.ones(3)},
+     "has key 'zzz', which this algorithm's server does not send"),
     ("a key dropped", lambda p: {k: v for k, v in p.items() if k != _first(p)}, "lacks 'blocks.classifier.bias'"),
     ("a key widened", lambda p: {**p, _first(p): p[_first(p)].expand(2, -1).clone()},
      "has 'blocks.classifier.bias' of shape [2, 10], expected [10]"),
