@@ -484,3 +484,28 @@ def test_a_strict_run_with_the_authors_rules():
     assert res.summary["final"]["pfl_acc"] is not None
     assert res.history[-1]["diag"]["federated_updates"] == float(res.server["updates"].sum())
     assert float(res.server["P"].abs().sum()) > 0
+
+
+def test_a_site_takes_only_up_to_m_distinct_other_clients_of_the_run_as_the_models_sent():
+    """`payload_fits`: `fomo/ids` names up to M distinct participated clients other than the one trained, with one
+    model `m/<s>/` per id; the generic structure check cannot see these values (`test_payload_fits.py`)."""
+    algo = _algo(M=2, epsilon=0.0)
+    server = _uploaded_server(algo, [9.0, 0.1, 0.7, 0.3, 0.5, 2.0], uploaded=[0, 1, 2, 3, 4])
+    payload = algo.configure(4, server, [0])[0]
+    assert payload[IDS].tolist() == [2, 4] and algo.payload_fits(4, 0, payload, {}) is None
+    assert algo.payload_fits(1, 0, algo.configure(1, algo.init_server(), [0])[0], {}) is None  # none yet
+
+    def ids(*chosen):
+        return {**payload, IDS: torch.tensor(chosen, dtype=torch.int64)}
+
+    why = "has 'fomo/ids' {}: not up to M = 2 distinct other clients of the run"
+    for chosen in [(2, 2), (0, 4), (2, 99), (2, -1)]:
+        assert algo.payload_fits(4, 0, ids(*chosen), {}) == why.format(list(chosen)), chosen
+    assert algo.payload_fits(4, 0, ids(2, 4, 3), {}) == why.format([2, 4, 3])
+    three = {**ids(2, 4, 3), **{f"m/2/{k}": v for k, v in algo.ctx.initial_params.items()}}
+    assert algo.payload_fits(4, 0, three, {}) == why.format([2, 4, 3])  # more than M, whatever comes with them
+    extra = f"m/1/{sorted(algo.keys)[0]}"
+    assert algo.payload_fits(4, 0, ids(2), {}) == f"has key '{extra}', which this algorithm's server does not send"
+    assert algo.payload_fits(4, 0, {**payload, IDS: payload[IDS].float()}, {}) == (
+        "has 'fomo/ids' of shape [2] and dtype torch.float32, expected one dimension of int64")
+    assert algo.payload_fits(4, 0, {k: v for k, v in payload.items() if k != IDS}, {}) == "lacks 'fomo/ids'"

@@ -1008,3 +1008,23 @@ def test_a_rounds_public_batch_is_one_object_its_rows_labelled_by_position_and_t
     assert sorted(algo._publics) == list(range(3, 3 + ktpfl.PUBLIC_ROUNDS))  # the last eight rounds
     again = algo._public(1)
     assert again is not first and torch.equal(again.train, first.train) and torch.equal(again.y, first.y)
+
+
+def test_a_site_takes_targets_only_of_the_public_batch_s_size_and_of_an_earlier_round():
+    """`payload_fits` (heterogeneous): nothing before a client's first reply, else its targets (a row per public
+    sample of a round's batch, a column per class) and that round, from 1 to the round before; the generic
+    structure check cannot see the round's value (`test_payload_fits.py`)."""
+    algo = _algo()
+    rows = min(algo.opts.public_batch, algo.ctx.federation.public.numel())
+    targets = torch.zeros(rows, algo.ctx.source.num_classes)
+    assert algo.payload_fits(1, 0, {}, {}) is None
+
+    def sent(rnd, batch_round, t=targets):
+        return algo.payload_fits(rnd, 0, {"targets": t, "batch_round": torch.tensor(batch_round)}, {})
+
+    assert sent(3, 1) is None and sent(3, 2) is None
+    for rnd, batch_round in [(3, 3), (3, 0), (3, -1), (2, 5)]:
+        assert sent(rnd, batch_round) == f"has 'batch_round' {batch_round}: not a round from 1 to {rnd - 1}"
+    classes = targets.shape[1]
+    assert sent(3, 2, targets[1:]) == f"has 'targets' of shape [{rows - 1}, {classes}], expected [{rows}, {classes}]"
+    assert algo.payload_fits(3, 0, {"targets": targets}, {}) == "lacks 'batch_round'"

@@ -409,6 +409,7 @@ def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_pay
     from pflbed.flower import client, secagg_node, site_node
     from pflbed.flower.project import config_json
     from pflbed.flower.records import to_record
+    from pflbed.flower.sites import SiteError
 
     from ..fake_flower import FakeGrid
     from .site_setup import _discover, _site_cfg, _sites, _tree
@@ -436,10 +437,10 @@ def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_pay
         for k, v in saved.items():
             setattr(TaskIdentity, k, v)
     msg.metadata.__dict__["_message_id"] = "m1"
-    for rnd in (1, 2, 3):  # round 3: a payload with a NaN, every client's reply and state non-finite, said in clear
-        if rnd == 3:
-            first = min(payload)
-            payload = {k: v.clone().fill_(math.nan) if k == first else v for k, v in payload.items()}
+    first = min(payload)
+    for rnd in (1, 2, 3):  # round 3: a finite payload that training overflows, every reply and state non-finite,
+        if rnd == 3:  # said in clear (a non-finite payload is refused before any client trains: below)
+            payload = {k: v.clone().fill_(3e38) if k == first else v for k, v in payload.items()}
             msg.content[secagg_node.SHARED] = to_record(payload)
         versions = {c: rnd - 1 for c in cids}
         expected = {c: update_client(algo, rnd, c, payload, stored.load(c, rnd - 1)) for c in cids}
@@ -458,6 +459,11 @@ def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_pay
             for k, v in expected[c][1].items():
                 torch.testing.assert_close(kept[k], v, rtol=0, atol=0, equal_nan=True)
     assert all(stored.load(c, 2) is not None for c in cids)  # round 2's states kept: the server's version at round 3
+    msg.content[secagg_node.SHARED] = to_record({k: v.clone().fill_(math.nan) if k == first else v
+                                                 for k, v in payload.items()})  # fmt: skip
+    with pytest.raises(SiteError, match=f"^the server's TRAIN message: the payload of client 2 has a non-finite entry "
+                                        f"in '{first}'$"):  # fmt: skip
+        client.secure_train(msg, algo, stored, 3, cids, {c: 2 for c in cids})
     dp = validate_config({**cfg.model_dump(mode="json"), "privacy": {"clip": 0.5, "noise_multiplier": 0.5,
                                                                       "noise": "distributed"},
                           "sites": {**cfg.sites.model_dump(mode="json"), "secagg": True}})  # fmt: skip
