@@ -41,6 +41,7 @@ EXTRA = {
     "fedfomo+last-round": ({"name": "fedfomo", "M": 1, "candidates": "last_round"}, "mlp"),
     "fedavg+bn": ({"name": "fedavg"}, "bn_net"),
     "feddbe+momentum": ({"name": "feddbe", "mean_momentum": 0.5}, "mlp"),
+    "ktpfl+homogeneous": ({"name": "ktpfl", "homogeneous": True, "public_batch": 32}, "mlp"),
 }
 CASES = PARITY_CASES + sorted(EXTRA)
 

@@ -160,3 +160,18 @@ def test_momentum_and_weight_decay_are_not_used():
 def test_an_unknown_train_clients_value_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^algorithm.train_clients: Input should be 'sampled' or 'all'"):
         _cfg(train_clients="every")
+
+
+def test_a_site_takes_the_keep_flag_only_where_the_run_trains_every_client():
+    """`payload_fits`: the flag that tells a client outside the round's sample to keep its update comes only with
+    `train_clients: all`, as a float scalar; the sampled clients' payload is the model alone either way."""
+    for mode in ("all", "sampled"):
+        algo = _algo(train_clients=mode)
+        server = algo.init_server()
+        keep = {**server, "pfedme/keep": torch.ones(())}
+        assert algo.payload_fits(1, 0, server, {}) is None
+        assert algo.payload_fits(1, 1, keep, {}) == (None if mode == "all" else "has key 'pfedme/keep', which this "
+                                                     "algorithm's server does not send")  # fmt: skip
+    algo = _algo(train_clients="all")
+    assert algo.payload_fits(1, 1, {**keep, "pfedme/keep": torch.ones(2)}, {}) == ("has 'pfedme/keep' of shape [2], "
+                                                                                     "expected []")  # fmt: skip
