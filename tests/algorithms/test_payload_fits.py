@@ -41,6 +41,8 @@ EXTRA = {
     "fedfomo+last-round": ({"name": "fedfomo", "M": 1, "candidates": "last_round"}, "mlp"),
     "fedavg+bn": ({"name": "fedavg"}, "bn_net"),
     "feddbe+momentum": ({"name": "feddbe", "mean_momentum": 0.5}, "mlp"),
+    "pfedhn+bn": ({"name": "pfedhn", "local_steps": 2, "hidden": 16, "hidden_layers": 1}, "bn_net"),  # no buffers
+    "apple+bn": ({"name": "apple"}, "bn_net"),
     "ktpfl+homogeneous": ({"name": "ktpfl", "homogeneous": True, "public_batch": 32}, "mlp"),
 }
 CASES = PARITY_CASES + sorted(EXTRA)

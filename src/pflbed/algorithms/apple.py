@@ -92,7 +92,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, model_forward, weighted_mean
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, spec, specs
 from pflbed.algorithms.training import WeightedMean, finetune_epochs, fresh_client_params
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -218,6 +218,15 @@ class APPLE(Algorithm):
         shared[P0] = self.p0
         shared[COEF] = torch.tensor(self.coef(rnd), dtype=self.p0.dtype, device=self.ctx.device)
         return {c: {**self.core(server, c), **shared} for c in cids}
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """The client's own core (the model's whole state), every core's parameters stacked in participated order,
+        p_0 and λ(r) (`configure`), from the model's shapes (the default would build every client's initial core,
+        per payload)."""
+        model, n = self.ctx.initial_params, len(self.clients)
+        want = {**specs(model, self.keys), P0: spec(self.p0), COEF: ((), self.p0.dtype),
+                **{CORES + k: ((n, *model[k].shape), model[k].dtype) for k in self.param_keys}}  # fmt: skip
+        return misfit(payload, want, UNSENT)
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """E epochs of SGD on the local objective over the own core (`core_lr`) and p_i (`dr_lr`); the reply is the

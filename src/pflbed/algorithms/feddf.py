@@ -82,6 +82,7 @@ from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.ktpfl import DEFAULT_ARCHITECTURES
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
@@ -240,6 +241,11 @@ class FedDF(Algorithm):
 
     def configure(self, rnd: int, server: Tensors, cids: list[int]) -> dict[int, Tensors]:
         return {c: self.global_params(server, self.arch_of(c)) for c in cids}
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """The global model of the client's architecture, every entry of that model (read off the model the client
+        trains, not built anew: the default would build every architecture's initial model, per payload)."""
+        return misfit(payload, specs(self.models[self.arch_of(cid)].state_dict()), UNSENT)
 
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext

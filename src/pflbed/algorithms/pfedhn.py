@@ -110,7 +110,7 @@ from torch.func import functional_call
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches
 from pflbed.search import Search, Space
@@ -274,6 +274,11 @@ class PFedHN(Algorithm):
         with torch.no_grad():
             thetas = self.theta(self.phi(server), v)
         return {c: {k: t.clone() for k, t in theta.items()} for c, theta in zip(cids, thetas, strict=True)}
+
+    def payload_fits(self, rnd: int, cid: int, payload: Tensors, state: Tensors) -> str | None:
+        """The client's generated weights θ_i = h(v_i; φ): the target network's parameters (not its buffers),
+        from the model's shapes; the default would build the hypernetwork on every site, which never needs it."""
+        return misfit(payload, specs(self.ctx.initial_params, self.param_names), UNSENT)
 
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """K = `local_steps` mini-batch SGD steps from θ_i (epoch after epoch, reshuffled every epoch, the last cut
