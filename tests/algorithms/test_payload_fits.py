@@ -61,16 +61,22 @@ def _config(case: str):
                             "algorithm": algorithm, **sections})  # fmt: skip
 
 
-_SEEN: dict[str, tuple[object, list[tuple[int, int, Tensors, Tensors, str | None]]]] = {}
+_SEEN: dict[str, tuple[object, list[tuple[int, int, Tensors, Tensors]]]] = {}
+
+
+def _copy(tensors: Tensors) -> Tensors:
+    return {k: v.clone() for k, v in tensors.items()}
 
 
 def seen(case: str):
-    """The algorithm and (round, client, payload, state, `payload_fits`) of every client update of a run."""
+    """The algorithm and (round, client, payload, state) of every client update of a run, copied as the client got
+    them. Kept per case (the run is the costly part, and does not call `payload_fits`): each test calls
+    `payload_fits` itself, so that a mutated rule is the one checked (a verdict kept from an earlier run would not)."""
     if case not in _SEEN:
         record: list = []
 
-        def checked(self, payload, state, data, cctx):
-            record.append((cctx.rnd, data.cid, payload, state, self.payload_fits(cctx.rnd, data.cid, payload, state)))
+        def recorded(self, payload, state, data, cctx):
+            record.append((cctx.rnd, data.cid, _copy(payload), _copy(state)))
             _SEEN.setdefault(case, (self, record))
             return honest(self, payload, state, data, cctx)
 
@@ -79,7 +85,7 @@ def seen(case: str):
             cfg = _config(case)
             cls = ALGORITHMS[cfg.algorithm.name]
             honest = cls.client_update
-            mp.setattr(cls, "client_update", checked)
+            mp.setattr(cls, "client_update", recorded)
             run(cfg, write=False, progress=False)
     return _SEEN[case]
 
@@ -88,7 +94,8 @@ def seen(case: str):
 def test_every_payload_of_a_run_fits(case):
     algo, record = seen(case)
     assert {rnd for rnd, *_ in record} == set(range(1, ROUNDS + 1))
-    assert [(rnd, cid, why) for rnd, cid, _, _, why in record] == [(rnd, cid, None) for rnd, cid, *_ in record]
+    fits = [(rnd, cid, algo.payload_fits(rnd, cid, payload, state)) for rnd, cid, payload, state in record]
+    assert fits == [(rnd, cid, None) for rnd, cid, *_ in record]
 
 
 def other_dtype(v: torch.Tensor) -> torch.dtype:
@@ -102,7 +109,7 @@ def test_each_tampered_payload_entry_is_refused_naming_it(case):
     read them under the same name)."""
     algo, record = seen(case)
     optional = {"pfedme/keep"}  # without it, the payload of a client in the round's sample (`train_clients: all`)
-    rnd, cid, payload, state, _ = max((r for r in record if r[0] == ROUNDS), key=lambda r: len(r[2]))
+    rnd, cid, payload, state = max((r for r in record if r[0] == ROUNDS), key=lambda r: len(r[2]))
     for k, v in payload.items():
         for how, bad in {"wide": {**payload, k: v.expand(2, *v.shape).clone()},
                          "dropped": {j: u for j, u in payload.items() if j != k},
