@@ -509,3 +509,10 @@ def test_a_site_takes_only_up_to_m_distinct_other_clients_of_the_run_as_the_mode
     assert algo.payload_fits(4, 0, {**payload, IDS: payload[IDS].float()}, {}) == (
         "has 'fomo/ids' of shape [2] and dtype torch.float32, expected one dimension of int64")
     assert algo.payload_fits(4, 0, {k: v for k, v in payload.items() if k != IDS}, {}) == "lacks 'fomo/ids'"
+    algo = _algo(M=9)  # every other client of the run at once; the line shows the first eight ids
+    others = [c for c in algo.clients if c != 0]
+    every = {IDS: torch.tensor(others, dtype=torch.int64),
+             **{f"m/{s}/{k}": v for s in range(len(others)) for k, v in algo.ctx.initial_params.items()}}  # fmt: skip
+    assert algo.payload_fits(4, 0, every, {}) is None
+    assert algo.payload_fits(4, 0, ids(*range(1, 11)), {}) == ("has 'fomo/ids' [1, 2, 3, 4, 5, 6, 7, 8]: not up to "
+                                                               "M = 9 distinct other clients of the run")  # fmt: skip

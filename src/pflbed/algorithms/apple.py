@@ -224,7 +224,7 @@ class APPLE(Algorithm):
         p_0 and λ(r) (`configure`), from the model's shapes (the default would build every client's initial core,
         per payload)."""
         model, n = self.ctx.initial_params, len(self.clients)
-        want = {**specs(model, self.keys), P0: spec(self.p0), COEF: ((), self.p0.dtype),
+        want = {**specs(model), P0: spec(self.p0), COEF: ((), self.p0.dtype),
                 **{CORES + k: ((n, *model[k].shape), model[k].dtype) for k in self.param_keys}}  # fmt: skip
         return misfit(payload, want, UNSENT)
 

@@ -416,7 +416,7 @@ class FedBasis(Algorithm):
         each of the model's entries: the structure `switch` gives the server state at the warm start's end."""
         if rnd <= self.warmup_rounds:
             return super().payload_fits(rnd, cid, payload, state)
-        model = specs(self.ctx.initial_params, self.keys)
+        model = specs(self.ctx.initial_params)
         want = {f"{BASIS}{i}.{k}": s for i in range(self.opts.K) for k, s in model.items()}
         if self.opts.major:
             want.update({MAJOR + k: s for k, s in model.items()})
