@@ -617,6 +617,8 @@ PAYLOADS = [
      "has 'blocks.classifier.bias' of shape [2, 10], expected [10]"),
     ("float64", lambda p: {**p, _first(p): p[_first(p)].double()},
      "has 'blocks.classifier.bias' of dtype torch.float64, expected torch.float32"),
+    ("an extra key of NaN", lambda p: {**p, "zzz": torch.full((3,), float("nan"))},  # the structure is said first
+     "has key 'zzz', which this algorithm's server does not send"),
     ("a NaN", lambda p: {**p, _first(p): p[_first(p)] * float("nan")}, "has a non-finite entry in "
                                                                        "'blocks.classifier.bias'"),  # fmt: skip
     ("an inf", lambda p: {**p, _first(p): p[_first(p)] + float("inf")}, "has a non-finite entry in "
@@ -632,6 +634,22 @@ def test_a_site_trains_only_on_a_payload_its_algorithm_s_server_sends(change, li
     reply, error, ran = honest("train", _payload(change), monkeypatch)
     assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's TRAIN message: the payload of "
                                          f"client 1 {line}", [])  # fmt: skip
+
+
+def test_a_payload_is_checked_for_its_own_client_round_and_state():
+    """`check_payload` asks the algorithm about the round, the client and the client's state it was given: FedSelect's
+    payloads depend on the state, KT-pFL's on the round, FedFomo's on the client."""
+    from pflbed.flower.site_message import check_payload
+
+    class Asked:
+        def payload_fits(self, *args):
+            self.args = args
+            return "is planted"
+
+    algo, payload, state = Asked(), {"w": torch.zeros(1)}, {"s": torch.ones(1)}
+    with pytest.raises(SiteError, match="^the server's TRAIN message: the payload of client 7 is planted$"):
+        check_payload(algo, 3, 7, payload, state)
+    assert algo.args == (3, 7, payload, state)
 
 
 def test_a_payload_naming_a_client_s_personal_entries_does_not_get_them_back(honest_gpfl, monkeypatch):
