@@ -356,9 +356,10 @@ class FedFomo(Algorithm):
             return f"lacks '{IDS}'"
         if ids.dim() != 1 or ids.dtype != torch.int64:
             return f"has '{IDS}' of shape {list(ids.shape)} and dtype {ids.dtype}, expected one dimension of int64"
-        chosen, model = ids.tolist(), specs(self.ctx.initial_params)
-        if len(chosen) > self.opts.M or len(set(chosen)) < len(chosen) or not set(chosen) <= set(self.index) - {cid}:
-            return f"has '{IDS}' {chosen[:8]}: not up to M = {self.opts.M} distinct other clients of the run"
+        chosen = ids.tolist() if len(ids) <= self.opts.M else None  # not a list of any length the server sent
+        if chosen is None or len(set(chosen)) < len(chosen) or not set(chosen) <= set(self.index) - {cid}:
+            return f"has '{IDS}' {ids[:8].tolist()}: not up to M = {self.opts.M} distinct other clients of the run"
+        model = specs(self.ctx.initial_params)
         return misfit(payload, {IDS: ((len(chosen),), torch.int64),
                                 **{f"m/{s}/{k}": v for s in range(len(chosen)) for k, v in model.items()}}, UNSENT)
 
