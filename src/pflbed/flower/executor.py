@@ -67,12 +67,13 @@ class Replies:
 
 class FlowerExecutor(LoopExecutor):
     extra_conf: dict = {}  # more of the run that every TRAIN message tells its node (`SiteExecutor`: the sites)
+    # Set, empty, by the `states` setter, which the base class's __init__ calls:
+    _states: dict[int, Tensors]  # held here: every state, or (on nodes) initial and resumed ones
+    version: dict[int, int]  # on nodes: the round of the state each trained client's node holds
+    fetched: dict[int, Tensors]  # on nodes: copies read since those clients last trained
 
     def __init__(self, algo: Algorithm, grid: Grid) -> None:
         self.on_nodes = algo.ctx.cfg.executor.state_dir is not None
-        self._states: dict[int, Tensors] = {}  # held here: every state, or (on nodes) initial and resumed ones
-        self.version: dict[int, int] = {}  # on nodes: the round of the state each trained client's node holds
-        self.fetched: dict[int, Tensors] = {}  # on nodes: copies read since those clients last trained
         super().__init__(algo)
         self.grid, self.timeout = grid, algo.ctx.cfg.executor.round_timeout
         self.config = config_json(algo.ctx.cfg)
