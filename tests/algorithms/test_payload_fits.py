@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Tensors
 from pflbed.config import validate_config
-from pflbed.models import MODELS, BlockNet
+from pflbed.models import MODELS
 from pflbed.runs import run
 
-from ..tiny import DATA, FED, LIGHT, PARITY_CASES, TINY, VARIANTS
+from ..tiny import FED, PARITY_CASES, TINY, parity_config
+from .test_reply_fits import _bn_net, other_dtype  # a tiny BatchNorm model; float32 ↔ float64
 
 # Four rounds: FedBasis's warm start (30 %) ends after round 2; KT-pFL's family sends distillation targets from a
 # client's second round; FedSelect's payloads are flat in a client's third; FedFomo sends others' models once any
 # uploaded; FedDBE's consensus comes after round 1.
 ROUNDS = 4
-
-
-def _bn_net(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
-    """A tiny model with BatchNorm: float buffers and an integer batch counter in every payload of the model."""
-    d = int(torch.tensor(input_shape).prod())
-    return BlockNet([("body", nn.Sequential(nn.Flatten(), nn.Linear(d, 8), nn.BatchNorm1d(8), nn.ReLU())),
-                     ("head", nn.Linear(8, num_classes))])  # fmt: skip
 
 
 # Beyond PARITY_CASES: options that change a payload's structure, on the BatchNorm model where it crosses.
@@ -49,16 +42,11 @@ CASES = PARITY_CASES + sorted(EXTRA)
 
 
 def _config(case: str):
-    if case in EXTRA:
-        algorithm, model = EXTRA[case]
-        sections = {"model": {"name": model}, "dataset": TINY["dataset"]}  # no BatchNorm batch of one sample
-    else:
-        name, options, *more = VARIANTS.get(case, (case, {}))
-        fields = ALGORITHMS[name].Config.model_fields
-        algorithm = {"name": name, **{k: v for k, v in LIGHT.items() if k in fields}, **options}
-        sections = more[0] if more else {}
-    return validate_config({**TINY, "dataset": DATA, "federation": FED, "train": {**TINY["train"], "rounds": ROUNDS},
-                            "algorithm": algorithm, **sections})  # fmt: skip
+    if case not in EXTRA:
+        return parity_config(case, TINY["executor"], rounds=ROUNDS)
+    algorithm, model = EXTRA[case]
+    return validate_config({**TINY, "federation": FED, "train": {**TINY["train"], "rounds": ROUNDS},  # TINY's data:
+                            "algorithm": algorithm, "model": {"name": model}})  # no BatchNorm batch of one sample
 
 
 _SEEN: dict[str, tuple[object, list[tuple[int, int, Tensors, Tensors]]]] = {}
@@ -96,10 +84,6 @@ def test_every_payload_of_a_run_fits(case):
     assert {rnd for rnd, *_ in record} == set(range(1, ROUNDS + 1))
     fits = [(rnd, cid, algo.payload_fits(rnd, cid, payload, state)) for rnd, cid, payload, state in record]
     assert fits == [(rnd, cid, None) for rnd, cid, *_ in record]
-
-
-def other_dtype(v: torch.Tensor) -> torch.dtype:
-    return {torch.float32: torch.float64, torch.float64: torch.float32}.get(v.dtype, torch.float32)
 
 
 @pytest.mark.parametrize("case", CASES)
