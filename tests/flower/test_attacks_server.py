@@ -443,7 +443,12 @@ def _captured(tmp, name):
         except Exception:
             return None, traceback.format_exc().strip().splitlines()[-1], ran
 
-    replay.sent, replay.context = sent, context
+    def site():
+        """Site 1's algorithm and state store, as its node builds them for the captured TRAIN message."""
+        conf = sent["train"].content["config"]
+        return site_node.site_algorithm_of(context(), str(conf["pflbed-config"]), str(conf["site-sizes"]))
+
+    replay.sent, replay.context, replay.site = sent, context, site
     return replay
 
 
@@ -559,7 +564,7 @@ def test_a_secure_round_s_message_holds_its_one_shared_payload_and_nothing_else(
     from pflbed.flower.site_message import train_fields
 
     conf = honest.sent["train"].content["config"]
-    algo, _ = site_node.site_algorithm_of(honest.context(), str(conf["pflbed-config"]), str(conf["site-sizes"]))
+    algo, _ = honest.site()
 
     def content(*names):
         out = RecordDict({"config": ConfigRecord(dict(conf))})
@@ -660,8 +665,7 @@ def test_a_payload_naming_a_client_s_personal_entries_does_not_get_them_back(hon
     from pflbed.flower.records import from_record
 
     conf = honest_gpfl.sent["train"].content["config"]
-    algo, stored = site_node.site_algorithm_of(honest_gpfl.context(), str(conf["pflbed-config"]),
-                                               str(conf["site-sizes"]))  # fmt: skip
+    _, stored = honest_gpfl.site()
     state = stored.load(1, conf["versions"][0])
     personal = sorted(set(state) - set(from_record(honest_gpfl.sent["train"].content["payload/1"])))
     assert "prior" in personal and "blocks.classifier.weight" in personal
@@ -685,7 +689,7 @@ def test_a_secure_round_s_shared_payload_is_held_to_each_client_s(honest, monkey
     from pflbed.flower.secagg_node import SHARED
 
     conf = honest.sent["train"].content["config"]
-    algo, stored = site_node.site_algorithm_of(honest.context(), str(conf["pflbed-config"]), str(conf["site-sizes"]))
+    algo, stored = honest.site()
     payload = from_record(honest.sent["train"].content["payload/1"])
     ran = []
     monkeypatch.setattr(client, "update_client", lambda *a: ran.append(a) or 1 / 0)
