@@ -603,11 +603,12 @@ def test_a_site_runs_only_the_personalizations_its_algorithm_offers_for_the_view
     assert view and seen == [(view, ["ft"])]  # the view's entries, the config's list
 
 
-def _payload(change):
-    """A change of client 1's payload: `change(tensors)` returns the tensors the server sends instead."""
+def _payload(change, record="payload/1"):
+    """A change of client 1's payload (or of another tensor `record`): `change(tensors)` returns the tensors the
+    server sends instead."""
     from pflbed.flower.records import from_record, to_record
 
-    return lambda content, conf: content.__setitem__("payload/1", to_record(change(from_record(content["payload/1"]))))
+    return lambda content, conf: content.__setitem__(record, to_record(change(from_record(content[record]))))
 
 
 def _first(tensors):
@@ -639,6 +640,31 @@ def test_a_site_trains_only_on_a_payload_its_algorithm_s_server_sends(change, li
     reply, error, ran = honest("train", _payload(change), monkeypatch)
     assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's TRAIN message: the payload of "
                                          f"client 1 {line}", [])  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "line"), [p[1:] for p in PAYLOADS], ids=[p[0] for p in PAYLOADS])
+def test_a_site_evaluates_only_on_a_view_its_algorithm_s_server_sends(change, line, honest, monkeypatch):
+    """An EVALUATE message's server view is held to the structure the algorithm's server sends the site
+    (`Algorithm.view_fits`) and to finite values, before the site evaluates: a key widened or dropped failed inside
+    the evaluation with a traceback."""
+    reply, error, ran = honest("evaluate", _payload(change, "server"), monkeypatch)
+    assert (reply, error, ran) == (None, f"pflbed.flower.sites.SiteError: the server's EVALUATE message: its server "
+                                         f"view {line}", [])  # fmt: skip
+
+
+def test_a_view_is_checked_for_the_site_s_clients():
+    """`check_view` asks the algorithm about the message's clients: a view holds their own entries."""
+    from pflbed.flower.site_message import check_view
+
+    class Asked:
+        def view_fits(self, *args):
+            self.args = args
+            return "is planted"
+
+    algo, view = Asked(), {"w": torch.zeros(1)}
+    with pytest.raises(SiteError, match="^the server's EVALUATE message: its server view is planted$"):
+        check_view(algo, view, [1, 3])
+    assert algo.args == (view, [1, 3])
 
 
 def test_a_payload_is_checked_for_its_own_client_round_and_state():

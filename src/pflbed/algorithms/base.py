@@ -24,7 +24,7 @@ from pflbed.algorithms.common import ClientData as ClientData
 from pflbed.algorithms.common import Predictor as Predictor
 from pflbed.algorithms.common import Same as Same
 from pflbed.algorithms.common import Tensors as Tensors
-from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs, whole
 from pflbed.data.arrays import DataSource
 from pflbed.data.augment import Augment
 from pflbed.federation import Federation
@@ -237,6 +237,27 @@ class Algorithm:
             return server
         pattern, keep = re.compile(self.client_entries), {int(c) for c in cids}
         return {k: v for k, v in server.items() if (m := pattern.match(k)) is None or int(m.group(1)) in keep}
+
+    def view_fits(self, view: Tensors, cids: list[int]) -> str | None:
+        """Why `view` is not what this algorithm's server sends a site to evaluate its clients `cids`
+        (`server_view`): another key set, shape or dtype (`reply_shapes.misfit`); None if it is. A site checks
+        every view with this before it evaluates (`pflbed.flower.site_message`).
+
+        Why: a site-local deployment's server is another party, and a site's evaluation reads the view as
+        `server_view` makes it. An entry of another shape failed inside the evaluation, with a traceback; one the
+        server does not send was read where an evaluation merges the view with the client's state.
+
+        Default: the view of the initial server state and, held whole or not at all, each of `view_groups`: the
+        entries the server state gains over the run. `tests/algorithms/test_view_fits.py` runs every algorithm
+        and checks each view of its server states against this."""
+        return misfit(view, whole(view, specs(self.server_view(self.init_server(), cids)), self.view_groups(cids)),
+                      UNSENT)  # fmt: skip
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """The entries a view for clients `cids` may hold beyond its initial ones, in groups a server state gains
+        whole: a client's stored model once it has replied, a warm start's bases at its end. Default: none (the
+        server state keeps its structure)."""
+        return []
 
     def finetune_methods(self, server: Tensors, methods: list[str]) -> list[str]:
         """Which of `eval.finetune`'s methods run on the participated clients at the final round (reported under

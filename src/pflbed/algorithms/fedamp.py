@@ -86,7 +86,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, RegularizedObjective
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import Spec, misfit, specs
 from pflbed.algorithms.training import WeightedMean, finetune_epochs
 from pflbed.errors import ConfigError
 from pflbed.search import Search, Space
@@ -249,6 +249,11 @@ class FedAMP(Algorithm):
         for c in sorted(replies):
             out.update({f"{LOCAL}{c}/{k}": v for k, v in replies[c].items()})
         return out
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """Each client's stored model `local/<cid>/` (every entry of the run's model), once it has uploaded."""
+        model = specs(self.ctx.initial_params)
+        return [{f"{LOCAL}{c}/{k}": s for k, s in model.items()} for c in cids]
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload` — its new model, every entry of u_i as sent — else

@@ -151,7 +151,7 @@ from pflbed.algorithms.basis import (
 )
 from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
-from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, weighted_mean
 from pflbed.errors import ConfigError
@@ -416,11 +416,28 @@ class FedBasis(Algorithm):
         each of the model's entries: the structure `switch` gives the server state at the warm start's end."""
         if rnd <= self.warmup_rounds:
             return super().payload_fits(rnd, cid, payload, state)
+        return misfit(payload, self.bases_structure(), UNSENT)
+
+    def bases_structure(self) -> dict[str, Spec]:
+        """The K bases and (with `major`) the major basis, each of the model's entries: the server state from the
+        warm start's end on, and every payload it sends."""
         model = specs(self.ctx.initial_params)
         want = {f"{BASIS}{i}.{k}": s for i in range(self.opts.K) for k, s in model.items()}
         if self.opts.major:
             want.update({MAJOR + k: s for k, s in model.items()})
-        return misfit(payload, want, UNSENT)
+        return want
+
+    def view_fits(self, view: Tensors, cids: list[int]) -> str | None:
+        """With bases, their structure (`bases_structure`); without, the warm start's: its FedAvg model and, held
+        whole, the pooled local models of `cids` (`view_groups`)."""
+        if self.has_bases(view):
+            return misfit(view, self.bases_structure(), UNSENT)
+        return super().view_fits(view, cids)
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """The warm start's pooled local model of each client of `cids` (`pool<cid>.`), from `pool_from` on."""
+        model = specs(self.ctx.initial_params, self.keys)
+        return [{f"{POOL}{c}.{k}": s for k, s in model.items()} for c in cids]
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not: every entry sent, of its shape and

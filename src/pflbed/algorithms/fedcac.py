@@ -78,7 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import Algorithm, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.masks import pack_bits, unpack_bits
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import Spec, misfit, specs
 from pflbed.algorithms.training import weighted_mean
 from pflbed.search import IntSearch, Search, Space
 
@@ -231,6 +231,14 @@ class FedCAC(Algorithm):
         stores them: a mask of another length would not unpack."""
         bits = {MASK + k: ((math.ceil(payload[k].numel() / 8),), torch.uint8) for k in self.params}
         return misfit(reply, {**specs(payload, self.keys), **bits})
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """Each client's mask and customized model (`mask/<cid>/`, `custom/<cid>/`: per parameter, packed bits
+        and the parameter's structure), stored together from its first reply."""
+        model = specs(self.ctx.initial_params, self.params)
+        bits = {k: ((math.ceil(math.prod(s) / 8),), torch.uint8) for k, (s, _) in model.items()}
+        return [{**{f"{MASK}{c}/{k}": b for k, b in bits.items()}, **{f"{CUSTOM}{c}/{k}": model[k] for k in model}}
+                for c in cids]  # fmt: skip
 
     # --- evaluation and new clients --------------------------------------------------------------------------
     def generic_model(self, server: Tensors) -> Predictor:

@@ -68,7 +68,7 @@ from torch import nn
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Same, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_blocks, run_plan, weighted_mean
 from pflbed.algorithms.partial import split_top
-from pflbed.algorithms.reply_shapes import UNSENT, misfit, spec, specs
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, spec, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import WeightedMean, finetune_epochs, get_params, index_batches, load_params
 from pflbed.models import BlockNet
@@ -268,7 +268,11 @@ class FedDBE(Algorithm):
         if rnd == 1:
             return super().payload_fits(rnd, cid, payload, state)
         server = self.init_server()
-        return misfit(payload, {**specs(server), CONSENSUS: spec(_Consensus(self, server).total)}, UNSENT)
+        return misfit(payload, {**specs(server), **self.view_groups([])[0]}, UNSENT)
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """z̄^g, from the initialization period's end: of the shape and dtype [C] gives it."""
+        return [{CONSENSUS: spec(_Consensus(self, self.init_server()).total)}]
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not: the model's entries as sent in a

@@ -82,7 +82,7 @@ from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.ktpfl import DEFAULT_ARCHITECTURES
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
-from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
@@ -247,6 +247,11 @@ class FedDF(Algorithm):
         trains, not built anew: the default would build every architecture's initial model, per payload)."""
         return misfit(payload, specs(self.models[self.arch_of(cid)].state_dict()), UNSENT)
 
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """The distillation's mean KL before and after it (`kl_start`, `kl_end`: scalars), from its first round."""
+        kl = ((), torch.get_default_dtype())
+        return [{"kl_start": kl, "kl_end": kl}]
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:

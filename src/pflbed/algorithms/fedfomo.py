@@ -123,7 +123,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Context, Predictor, Tensors, own_rows
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
-from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs
 from pflbed.algorithms.training import finetune_epochs, validation_data
 from pflbed.search import IntSearch, Search, Space
 
@@ -389,6 +389,11 @@ class FedFomo(Algorithm):
         view = super().server_view(server, cids)
         rows = [self.index[c] for c in cids if c in self.index]
         return {k: own_rows(v, rows) if k in self.client_rows else v for k, v in view.items()}
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """Each client's stored model `local/<cid>/` (every entry of the run's model), once it has uploaded."""
+        model = specs(self.ctx.initial_params)
+        return [{f"local/{c}/{k}": s for k, s in model.items()} for c in cids]
 
     def start_for(self, server: Tensors, data: ClientData) -> Tensors:
         """One FedFomo update of the client's stored model (θ^0 if it has none) over every other stored model."""

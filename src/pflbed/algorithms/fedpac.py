@@ -99,7 +99,7 @@ from pflbed.algorithms.fedrod import feature_dim
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, features_and_logits
 from pflbed.algorithms.local_sgd import weighted_mean as batch_mean
 from pflbed.algorithms.partial import blocks_for, personalize_blocks, subset
-from pflbed.algorithms.reply_shapes import misfit, specs
+from pflbed.algorithms.reply_shapes import Spec, misfit, specs
 from pflbed.algorithms.training import load_params, weighted_mean
 from pflbed.models import BlockNet
 from pflbed.search import Search, Space, same_as
@@ -387,6 +387,11 @@ class FedPAC(Algorithm):
         for k in self.head_keys:
             out[MEAN + k] = combine(share, heads[k]).to(server[MEAN + k].dtype)
         return out
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """Each client's personalized head `head/<cid>/` (the head's entries), from its first reply."""
+        head = specs(self.ctx.initial_params, self.head_keys)
+        return [{f"{HEAD}{c}/{k}": s for k, s in head.items()} for c in cids]
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not: the model (body and head, as sent),

@@ -321,6 +321,12 @@ class FedSelect(Algorithm):
             want[k] = ((int((~self._mask(state, f"held/{k}", k)).sum()),) if held else tuple(self.shapes[k]), dtype)
         return misfit(payload, want, UNSENT)
 
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """Each client's mask of each eligible tensor (`mask/<cid>/<key>`, packed bits), alone: the server keeps
+        the masks a client's latest reply sent, which need not cover every eligible tensor."""
+        return [{f"mask/{c}/{k}": ((math.ceil(self.shapes[k].numel() / 8),), torch.uint8)} for c in cids
+                for k in self.eligible]  # fmt: skip
+
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
         """None if `reply` is what a client replies to `payload`, else why not (see the wire format above).
 

@@ -146,7 +146,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
-from pflbed.algorithms.reply_shapes import UNSENT, misfit
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
@@ -378,12 +378,25 @@ class KTpFL(Algorithm):
             return super().payload_fits(rnd, cid, payload, state)
         if not payload:
             return None
-        rows = min(self.opts.public_batch, self.ctx.federation.public.numel())
-        why = misfit(payload, {"targets": ((rows, self.ctx.source.num_classes), torch.float32),
-                               "batch_round": ((), torch.int64)}, UNSENT)  # fmt: skip
+        why = misfit(payload, {"targets": self.targets_spec(), "batch_round": ((), torch.int64)}, UNSENT)
         if why is None and not 1 <= int(payload["batch_round"]) < rnd:
             why = f"has 'batch_round' {int(payload['batch_round'])}: not a round from 1 to {rnd - 1}"
         return why
+
+    def targets_spec(self) -> Spec:
+        """A client's distillation targets: float32, a row per sample of a round's public batch (the whole public
+        set where it is smaller), a column per class."""
+        return (min(self.opts.public_batch, self.ctx.federation.public.numel()), self.ctx.source.num_classes), \
+            torch.float32
+
+    def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
+        """Each participated client's entries from its first reply, every client's (the view holds the whole
+        state): homogeneous, its uploaded model (`local/<cid>/`); heterogeneous, its pending targets and their round
+        (`t/<cid>`, `r/<cid>`)."""
+        if self.homogeneous:
+            model = specs(self.ctx.initial_params)
+            return [{f"local/{c}/{k}": s for k, s in model.items()} for c in self.clients]
+        return [{f"t/{c}": self.targets_spec(), f"r/{c}": ((), torch.int64)} for c in self.clients]
 
     def round_plan(self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext) -> LocalSGDPlan:
         """Homogeneous: local SGD from the payload. Heterogeneous: (1) the pending distillation, if any, then

@@ -19,7 +19,7 @@ import torch
 from pflbed.algorithms.common import Tensors
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one reply entry
-UNSENT = "this algorithm's server does not send"  # `misfit`'s `unknown` for a payload (`Algorithm.payload_fits`)
+UNSENT = "this algorithm's server does not send"  # `misfit`'s `unknown` for a payload or a server view
 
 
 def spec(t: torch.Tensor) -> Spec:
@@ -53,3 +53,13 @@ def misfit(reply: Tensors, expected: Mapping[str, Spec], unknown: str = "this al
         if v.dtype != dtype:
             return f"has '{k}' of dtype {v.dtype}, expected {dtype}"
     return None
+
+
+def whole(tensors: Tensors, expected: Mapping[str, Spec], groups: Iterable[Mapping[str, Spec]]) -> dict[str, Spec]:
+    """`expected` and each of `groups` that `tensors` holds any key of: the structure of a state whose groups of
+    entries (a client's stored model, a warm start's bases) are held whole or not at all, for `misfit`."""
+    out = dict(expected)
+    for group in groups:
+        if not group.keys().isdisjoint(tensors):
+            out.update(group)
+    return out

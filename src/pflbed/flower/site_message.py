@@ -22,9 +22,11 @@ an honest server sends it (`flower.executor`, `flower.site_executor`, `flower.se
   client's personal entries would otherwise make some updates send them back trained (GPFL's personal
   head) or train from the server's choice of them (LG-FedAvg's representation); one of another shape failed
   inside the update.
+- the server view: what the algorithm's server sends a site holding the message's clients (`view_fits`: keys,
+  shapes, dtypes), every float entry finite. One of another shape failed inside the evaluation.
 
 Each refusal is one line naming the field (`SiteError`), raised before the site reads a payload or a state; a
-payload's, before its client trains on it (`check_payload`).
+payload's, before its client trains on it (`check_payload`); a view's, before the site evaluates (`check_view`).
 """
 
 from __future__ import annotations
@@ -125,13 +127,25 @@ def check_payload(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: 
         raise SiteError(f"the server's TRAIN message: the payload of client {cid} {why}")
 
 
+def check_view(algo: Algorithm, view: Tensors, cids: list[int]) -> None:
+    """An EVALUATE message's server view as the algorithm's server sends a site holding clients `cids`
+    (`Algorithm.view_fits`), and finite: an honest server's state is (`engine.guard.check_server`)."""
+    why = algo.view_fits(view, cids)
+    bad = first_nonfinite(view) if why is None else None
+    if bad is not None:
+        why = f"has a non-finite entry in '{bad}'"
+    if why is not None:
+        raise SiteError(f"the server's EVALUATE message: its server view {why}")
+
+
 def evaluate_fields(content: RecordDict, algo: Algorithm, server: Callable[[], Tensors]
                     ) -> tuple[list[int], dict[int, int], bool, list[tuple[int, str]]]:  # fmt: skip
     """An EVALUATE message's clients, their state rounds, whether to score the round, and the personalizations
-    asked for (`server`: the message's server view, read only where some are asked for)."""
+    asked for (`server`: the message's server view, read once the other fields are checked)."""
     conf = config_record(content, "EVALUATE")
     _records(content, "EVALUATE", {"server"})
     cids, versions = check_clients("EVALUATE", algo, conf["cids"], conf["versions"], algo.ctx.cfg.train.rounds)
+    check_view(algo, server(), cids)
     figures = conf["round"]
     if type(figures) is not bool:
         raise SiteError(f"the server's EVALUATE message: round {figures!r:.60} is not true or false")
