@@ -406,6 +406,12 @@ def honest_gpfl(tmp_path_factory):
     return _captured(tmp_path_factory.mktemp("honest-gpfl"), "gpfl")
 
 
+@pytest.fixture(scope="module")
+def honest_lg(tmp_path_factory):
+    """`honest` for LG-FedAvg, whose clients keep their representation (the body)."""
+    return _captured(tmp_path_factory.mktemp("honest-lg"), "lg_fedavg")
+
+
 def _captured(tmp, name):
     import copy
 
@@ -665,6 +671,29 @@ def test_a_view_is_checked_for_the_site_s_clients():
     with pytest.raises(SiteError, match="^the server's EVALUATE message: its server view is planted$"):
         check_view(algo, view, [1, 3])
     assert algo.args == (view, [1, 3])
+
+
+def test_a_view_naming_a_client_s_personal_entries_does_not_replace_them_in_its_scores(honest_lg, monkeypatch):
+    """LG-FedAvg's personal model is the client's state with the view over it: a view holding the client's
+    representation's keys made the site score the server's representation as the client's personal model. Refused
+    since the view is not one LG-FedAvg's server sends; without the check (planted here) the scores change."""
+    from pflbed.flower import site_message
+    from pflbed.flower.records import from_record
+
+    conf = honest_lg.sent["evaluate"].content["config"]
+    _, stored = honest_lg.site()
+    state = stored.load(1, conf["versions"][0])
+    personal = sorted(set(state) - set(from_record(honest_lg.sent["evaluate"].content["server"])))
+    assert "blocks.fc1.1.weight" in personal
+    swap = _payload(lambda v: {**v, **{k: torch.zeros_like(state[k]) for k in personal}}, "server")
+    reply, error, ran = honest_lg("evaluate", swap, monkeypatch)
+    assert (reply, ran) == (None, []) and error == ("pflbed.flower.sites.SiteError: the server's EVALUATE message: "
+                                                    f"its server view has key '{personal[0]}', which this "
+                                                    "algorithm's server does not send")  # fmt: skip
+    monkeypatch.setattr(site_message, "check_view", lambda *a: None)
+    scores = [json.loads(honest_lg("evaluate", change, monkeypatch)[0].content["scores"]["json"])[""]["test"]
+              for change in (lambda content, conf: None, swap)]  # fmt: skip
+    assert scores[0] != scores[1]
 
 
 def test_a_payload_is_checked_for_its_own_client_round_and_state():
