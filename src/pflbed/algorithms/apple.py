@@ -228,6 +228,12 @@ class APPLE(Algorithm):
                 **{CORES + k: ((n, *model[k].shape), model[k].dtype) for k in self.param_keys}}  # fmt: skip
         return misfit(payload, want, UNSENT)
 
+    def view_fits(self, view: Tensors, cids: list[int]) -> str | None:
+        """The cores of `cids` (`core/<cid>/`, the model's whole state), from the model's shapes: the default would
+        build every client's initial core."""
+        model = specs(self.ctx.initial_params)
+        return misfit(view, {f"{CORE}{c}/{k}": s for c in cids if c in self.index for k, s in model.items()}, UNSENT)
+
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """E epochs of SGD on the local objective over the own core (`core_lr`) and p_i (`dr_lr`); the reply is the
         new core, the new state p_i and the personalized model it gives (`finish`)."""

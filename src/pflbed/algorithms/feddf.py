@@ -82,7 +82,7 @@ from pflbed.algorithms import distill as kd
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.ktpfl import DEFAULT_ARCHITECTURES
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
-from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs
+from pflbed.algorithms.reply_shapes import UNSENT, Spec, misfit, specs, whole
 from pflbed.algorithms.training import (
     architecture_of,
     finetune_epochs,
@@ -247,11 +247,17 @@ class FedDF(Algorithm):
         trains, not built anew: the default would build every architecture's initial model, per payload)."""
         return misfit(payload, specs(self.models[self.arch_of(cid)].state_dict()), UNSENT)
 
+    def view_fits(self, view: Tensors, cids: list[int]) -> str | None:
+        """Every architecture's global model (`g/<arch>/`, read off the models the clients train: the default would
+        build each architecture's initial model) and, held whole, `view_groups`."""
+        want = {f"g/{a}/{k}": s for a in self.archs for k, s in specs(self.models[a].state_dict()).items()}
+        return misfit(view, whole(view, want, self.view_groups(cids)), UNSENT)
 
     def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
         """The distillation's mean KL before and after it (`kl_start`, `kl_end`: scalars), from its first round."""
         kl = ((), torch.get_default_dtype())
         return [{"kl_start": kl, "kl_end": kl}]
+
     def client_update(
         self, payload: Tensors, state: Tensors, data: ClientData, cctx: ClientContext
     ) -> tuple[Tensors, Tensors]:

@@ -280,6 +280,12 @@ class PFedHN(Algorithm):
         from the model's shapes; the default would build the hypernetwork on every site, which never needs it."""
         return misfit(payload, specs(self.ctx.initial_params, self.param_names), UNSENT)
 
+    def view_fits(self, view: Tensors, cids: list[int]) -> str | None:
+        """Each client's generated weights (`theta/<cid>/`, as its payload: `server_view`), from the model's shapes:
+        the default would build the hypernetwork and run it for every client of the site."""
+        theta = specs(self.ctx.initial_params, self.param_names)
+        return misfit(view, {f"{THETA}{c}/{k}": s for c in cids if c in self.rows for k, s in theta.items()}, UNSENT)
+
     def sgd_plan(self, payload: Tensors, state: Tensors, data: ClientData) -> LocalSGDPlan:
         """K = `local_steps` mini-batch SGD steps from θ_i (epoch after epoch, reshuffled every epoch, the last cut
         short; `train.local_epochs` epochs with `local_steps: null`), the client's own buffers loaded (note 7); the
