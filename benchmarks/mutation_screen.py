@@ -42,20 +42,21 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "algorithms/__init__.py": ["test_contract"],
     "algorithms/base.py": [
         "test_contract", "test_fedavg", "test_training", "test_local", "test_evaluation", "test_fedrod_hyper",
-        "test_payload_fits",
+        "test_payload_fits", "test_view_fits",
     ],
     "algorithms/basis.py": ["test_fedbasis"],
-    # algorithms whose payload_fits is their own: a site's check of their payloads (`test_payload_fits`)
-    **{f"algorithms/{name}.py": [f"test_{name}", "test_payload_fits"]
-       for name in ("fedbasis", "feddbe", "fedfomo", "fedselect", "pfedme", "apple", "pfedhn")},
-    "algorithms/reply_shapes.py": ["test_reply_fits", "test_payload_fits"],
+    # algorithms whose payload_fits or view_fits is their own: a site's check of their payloads and views
+    **{f"algorithms/{name}.py": [f"test_{name}", "test_payload_fits", "test_view_fits"]
+       for name in ("fedbasis", "feddbe", "fedfomo", "fedselect", "pfedme", "apple", "pfedhn", "fedamp", "fedcac",
+                    "fedpac")},  # fmt: skip
+    "algorithms/reply_shapes.py": ["test_reply_fits", "test_payload_fits", "test_view_fits"],
     "algorithms/basis_plots.py": ["test_fedbasis"],
     "algorithms/distill.py": [*_KT, "test_feddf", "test_pfeddf"],
     "algorithms/masks.py": ["test_fedselect"],
     "algorithms/partial.py": ["test_fedper", "test_fedrep", "test_lg_fedavg", "test_fedbabu"],
     "algorithms/training.py": ["test_training", "test_fedavg", "test_local", "test_fedrod"],
-    "algorithms/ktpfl.py": [*_KT, "test_payload_fits"],
-    "algorithms/feddf.py": ["test_feddf", "test_pfeddf", "test_payload_fits"],
+    "algorithms/ktpfl.py": [*_KT, "test_payload_fits", "test_view_fits"],
+    "algorithms/feddf.py": ["test_feddf", "test_pfeddf", "test_payload_fits", "test_view_fits"],
     "algorithms/local_sgd.py": ["test_fedavg", "test_training", "test_batched"],
     "algorithms/server_extras.py": ["test_scaffold", "test_feddyn"],
     "evaluation/evaluate.py": ["test_evaluation", "test_metrics"],

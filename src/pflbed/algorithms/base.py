@@ -255,8 +255,8 @@ class Algorithm:
 
     def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
         """The entries a view for clients `cids` may hold beyond its initial ones, in groups a server state gains
-        whole: a client's stored model once it has replied, a warm start's bases at its end. Default: none (the
-        server state keeps its structure)."""
+        whole: a client's stored model once it has replied, a warm start's pooled models, a consensus from the
+        second round. Default: none (the server state keeps its structure)."""
         return []
 
     def finetune_methods(self, server: Tensors, methods: list[str]) -> list[str]:

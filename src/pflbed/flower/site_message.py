@@ -119,23 +119,23 @@ def check_payload(algo: Algorithm, rnd: int, cid: int, payload: Tensors, state: 
     """Client `cid`'s payload of round `rnd` (`state`: the client's, as the site holds it) as the algorithm's
     server sends it (`Algorithm.payload_fits`), and finite: an honest server's state is (its divergence guard,
     `engine.guard.check_server`, stops a run whose state is not)."""
-    why = algo.payload_fits(rnd, cid, payload, state)
-    bad = first_nonfinite(payload) if why is None else None
-    if bad is not None:
-        why = f"has a non-finite entry in '{bad}'"
-    if why is not None:
-        raise SiteError(f"the server's TRAIN message: the payload of client {cid} {why}")
+    _refuse(algo.payload_fits(rnd, cid, payload, state), payload, f"TRAIN message: the payload of client {cid}")
 
 
 def check_view(algo: Algorithm, view: Tensors, cids: list[int]) -> None:
     """An EVALUATE message's server view as the algorithm's server sends a site holding clients `cids`
-    (`Algorithm.view_fits`), and finite: an honest server's state is (`engine.guard.check_server`)."""
-    why = algo.view_fits(view, cids)
-    bad = first_nonfinite(view) if why is None else None
+    (`Algorithm.view_fits`), and finite, as `check_payload`."""
+    _refuse(algo.view_fits(view, cids), view, "EVALUATE message: its server view")
+
+
+def _refuse(why: str | None, tensors: Tensors, what: str) -> None:
+    """Refuse `what` (the message's tensors `tensors`) for `why`, the algorithm's verdict on their structure, or
+    where that is None for their first non-finite entry (the structure is said first)."""
+    bad = first_nonfinite(tensors) if why is None else None
     if bad is not None:
         why = f"has a non-finite entry in '{bad}'"
     if why is not None:
-        raise SiteError(f"the server's EVALUATE message: its server view {why}")
+        raise SiteError(f"the server's {what} {why}")
 
 
 def evaluate_fields(content: RecordDict, algo: Algorithm, server: Callable[[], Tensors]
