@@ -658,9 +658,15 @@ def test_a_site_evaluates_only_on_a_view_its_algorithm_s_server_sends(change, li
                                          f"view {line}", [])  # fmt: skip
 
 
-def test_a_view_is_checked_for_the_site_s_clients():
+def test_a_view_is_checked_for_the_site_s_clients(honest, monkeypatch):
     """`check_view` asks the algorithm about the message's clients: a view holds their own entries."""
+    from pflbed.flower import site_message
     from pflbed.flower.site_message import check_view
+
+    asked = []
+    monkeypatch.setattr(site_message, "check_view", lambda algo, view, cids: asked.append((sorted(view), cids)))
+    reply, error, ran = honest("evaluate", lambda content, conf: None, monkeypatch)
+    assert error is None and len(ran) == 2 and asked == [(sorted(honest.sent["evaluate"].content["server"]), [1])]
 
     class Asked:
         def view_fits(self, *args):

@@ -436,7 +436,7 @@ class FedBasis(Algorithm):
 
     def view_groups(self, cids: list[int]) -> list[dict[str, Spec]]:
         """The warm start's pooled local model of each client of `cids` (`pool<cid>.`), from `pool_from` on."""
-        model = specs(self.ctx.initial_params, self.keys)
+        model = specs(self.ctx.initial_params)
         return [{f"{POOL}{c}.{k}": s for k, s in model.items()} for c in cids]
 
     def reply_fits(self, payload: Tensors, reply: Tensors) -> str | None:
