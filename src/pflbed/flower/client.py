@@ -178,7 +178,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     conf = config_record(msg.content, "EVALUATE")
     config = str(conf["pflbed-config"])
     algo, stored = site_algorithm_of(context, config, str(conf["site-sizes"]))
-    server = cache(lambda: from_record(msg.content["server"], algo.ctx.device))  # read once, after the fields' check
+    server = cache(lambda: from_record(msg.content["server"], algo.ctx.device))  # read once: after the clients' check
     cids, versions, figures, methods = evaluate_fields(msg.content, algo, server)
     view = server()
     state = lambda c: stored.load(c, versions[c])  # noqa: E731

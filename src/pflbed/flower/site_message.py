@@ -141,7 +141,8 @@ def _refuse(why: str | None, tensors: Tensors, what: str) -> None:
 def evaluate_fields(content: RecordDict, algo: Algorithm, server: Callable[[], Tensors]
                     ) -> tuple[list[int], dict[int, int], bool, list[tuple[int, str]]]:  # fmt: skip
     """An EVALUATE message's clients, their state rounds, whether to score the round, and the personalizations
-    asked for (`server`: the message's server view, read once the other fields are checked)."""
+    asked for (`server`: the message's server view, read once its clients are checked, and held to `check_view`
+    before anything else reads it)."""
     conf = config_record(content, "EVALUATE")
     _records(content, "EVALUATE", {"server"})
     cids, versions = check_clients("EVALUATE", algo, conf["cids"], conf["versions"], algo.ctx.cfg.train.rounds)
