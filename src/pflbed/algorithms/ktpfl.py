@@ -187,17 +187,17 @@ class TransferOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     architectures: ModelNames = Field(default_factory=lambda: list(DEFAULT_ARCHITECTURES), min_length=1)
     public_batch: int = Field(5000, ge=1, description="public samples per round (capped at the public set)")
-    temperature: float | None = Field(10.0, gt=0, description="softmax temperature T of the soft predictions")
-    order: Literal["train_first", "distill_first"] | None = Field("train_first", description="round order")
-    epoch_ramp: bool | None = Field(False, description="local epochs 1, 2, … up to train.local_epochs")
-    kl_reduction: Literal["batchmean", "mean"] | None = Field("batchmean", description="distillation KL reduction")
+    temperature: float = Field(10.0, gt=0, description="softmax temperature T of the soft predictions")
+    order: Literal["train_first", "distill_first"] = Field("train_first", description="round order")
+    epoch_ramp: bool = Field(False, description="local epochs 1, 2, … up to train.local_epochs")
+    kl_reduction: Literal["batchmean", "mean"] = Field("batchmean", description="distillation KL reduction")
     distill_epochs: int = Field(1, ge=1, description="R: passes over the public batch per distillation")
     distill_steps: int | None = Field(None, ge=1, description="mini-batch steps instead of distill_epochs")
     distill_lr: float | None = Field(None, gt=0, description="η2 (default train.lr)",
                                      json_schema_extra=same_as("train.lr"))
     distill_batch_size: int = Field(256, ge=1)
-    distill_momentum: Momentum | Literal["train"] | None = Field(0.0, description=MOMENTUM_DOC)
-    score: Literal["after_distill", "after_local"] | None = Field("after_local", description=SCORE_DOC)
+    distill_momentum: Momentum | Literal["train"] = Field(0.0, description=MOMENTUM_DOC)
+    score: Literal["after_distill", "after_local"] = Field("after_local", description=SCORE_DOC)
 
 
 class KTpFLOptions(TransferOptions):
