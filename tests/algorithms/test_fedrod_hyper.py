@@ -5,11 +5,12 @@ import torch
 import torch.nn.functional as F
 
 import pflbed
-from pflbed import rng
+from pflbed import memory, rng
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedrod import balanced_softmax_loss, personal_loss
 from pflbed.algorithms.fedrod_hyper import HyperNetwork
 from pflbed.algorithms.training import get_params, load_params
+from pflbed.cli import main
 from pflbed.config import validate_config
 from pflbed.engine.loop import prepare
 from pflbed.evaluation.evaluate import last
@@ -58,6 +59,31 @@ def test_hypernetwork_is_two_fc_layers_with_a_relu():
     out = hyper.fc2.weight @ h.clamp_min(0) + hyper.fc2.bias
     w, b = hyper(a)
     assert torch.allclose(w, out[:15].view(3, 5), atol=1e-6) and torch.allclose(b, out[15:], atol=1e-6)
+
+
+@pytest.mark.parametrize("classes, d, hidden", [(3, 5, 4), (10, 84, 32)])
+def test_hypernetwork_size_is_its_parameter_count(classes, d, hidden):
+    """What the memory check counts (`HyperNetwork.size`) is what the module holds."""
+    n = sum(p.numel() for p in HyperNetwork(classes, d, hidden).parameters())
+    assert HyperNetwork.size(classes, d, hidden) == n
+
+
+def test_a_hypernetwork_too_large_for_the_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Four float32 copies of ν cannot fit: one line naming algorithm.hidden, exit 2, no run directory. One byte
+    more memory and it runs."""
+    algo = _algo(hidden=5)
+    need = 4 * 4 * sum(p.numel() for p in algo.hyper.parameters())  # ROUND_COPIES float32 copies
+    sets = {"algorithm.name": "fedrod_hyper", "algorithm.hidden": 5, "dataset.name": "synthetic", "model.name": "mlp",
+            "federation.clients": 4, "train.rounds": 1, "eval.finetune": "[]", "federation.train_per_client": 20}
+    args = ["run", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), "--no-progress"]
+    monkeypatch.setattr(memory, "device_memory", lambda device: need - 1)
+    assert main([*args, "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error: algorithm.hidden: fedrod_hyper's hypernetwork would hold ")
+    assert "\n" not in err
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.setattr(memory, "device_memory", lambda device: need)
+    assert main([*args, "--out", str(tmp_path / "fits")]) == 0
 
 
 def test_hypernetwork_init_is_seeded_and_every_generated_head_starts_at_zero():

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import pflbed
-from pflbed import rng
+from pflbed import memory, rng
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.pfedhn import EMB, STREAM, HyperNetwork, PFedHNOptions
 from pflbed.algorithms.training import finetune_epochs
+from pflbed.cli import main
 from pflbed.config import validate_config
 from pflbed.engine import wire
 from pflbed.engine.driver import Driver
@@ -118,6 +119,27 @@ def test_hypernetwork_is_relu_layers_then_one_linear_head_per_target_tensor(laye
             assert got[k].shape == params[k].shape and torch.allclose(got[k], want[k], atol=1e-6), k
     count = sum(v.numel() for k, v in server.items() if k.startswith("hn."))
     assert algo.diagnostics(1, server, algo.init_client)["hypernet_params"] == count == algo.num_hyper_params()
+    shapes = {k: p.shape for k, p in params.items()}
+    assert HyperNetwork.size(shapes, algo.embed_dim, algo.opts.hidden, layers) == count  # what its refusal counts
+
+
+def test_a_hypernetwork_too_large_for_the_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Four copies of φ cannot fit: one line naming the options that size it, exit 2, no run directory (the server
+    state is built before the directory is written). One copy less than the memory holds runs."""
+    algo = _algo(hidden=7, hidden_layers=2, embed_dim=3)
+    need = 4 * 4 * algo.num_hyper_params()  # ROUND_COPIES float32 copies
+    sets = {"algorithm.name": "pfedhn", "algorithm.hidden": 7, "algorithm.hidden_layers": 2, "algorithm.embed_dim": 3,
+            "algorithm.local_steps": 1, "dataset.name": "synthetic", "model.name": "mlp", "federation.clients": 4,
+            "train.rounds": 1, "eval.finetune": "[]", "federation.train_per_client": 20}  # fmt: skip
+    args = ["run", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), "--no-progress"]
+    monkeypatch.setattr(memory, "device_memory", lambda device: need - 1)
+    assert main([*args, "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error: algorithm.hidden, algorithm.hidden_layers and algorithm.embed_dim: pfedhn's "
+                          f"hypernetwork would hold {algo.num_hyper_params():,} parameters") and "\n" not in err
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.setattr(memory, "device_memory", lambda device: need)
+    assert main([*args, "--out", str(tmp_path / "fits")]) == 0
 
 
 def test_initialization_is_drawn_from_pfedhns_own_streams():

@@ -15,7 +15,8 @@ from the client's class distribution a_m:
 Interpretations and deviations:
 1. H^P = Linear(C, hidden) → ReLU → Linear(hidden, C·d + C), the output reshaped into the weight (C × d) and
    bias (C) of the linear personal head on the flattened body output (d its size). The slides say "two FC" and
-   give no width: `hidden` defaults to 32.
+   give no width: `hidden` defaults to 32. A width at which four copies of H^P exceed the device's memory
+   (`pflbed.memory`) is refused in one line before the run starts.
 2. a_m = the client's training class prior P_m(y) (normalised label counts) — the "class distribution". A new
    client's a_m is its `ClientData.prior`, the prior of its whole training split even when it adapts on a subset.
 3. Initialisation: the output layer of H^P is all zeros, so every client's generated head starts at zero and
@@ -73,6 +74,7 @@ from pflbed.algorithms.fedrod import (
 )
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.training import get_params, load_params
+from pflbed.memory import check_fits
 from pflbed.search import Search, Space
 
 HYPER = "hyper."  # server-state prefix of ν
@@ -90,6 +92,11 @@ class HyperNetwork(nn.Module):
         with torch.no_grad():  # deviation 3: every generated head starts at zero
             self.fc2.weight.zero_()
             self.fc2.bias.zero_()
+
+    @staticmethod
+    def size(num_classes: int, feature_dim: int, hidden: int) -> int:
+        """The parameters `HyperNetwork(num_classes, feature_dim, hidden)` holds, without building it."""
+        return (num_classes + 1) * hidden + (hidden + 1) * num_classes * (feature_dim + 1)
 
     def forward(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.fc2(F.relu(self.fc1(a.to(self.fc1.weight))))
@@ -127,9 +134,12 @@ class FedRoDHyper(FedRoD):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
+        c, d = ctx.source.num_classes, self.head.in_features
+        check_fits(HyperNetwork.size(c, d, self.opts.hidden), ctx.device, "fedrod_hyper's hypernetwork",
+                   "algorithm.hidden")  # every client trains it: refused wherever it is built
         with rng.fork(ctx.device), torch.device("cpu"):  # initialized on the CPU like the zoo's models, then moved
             torch.manual_seed(rng.derive_seed(ctx.seed, rng.INIT, _INIT_TAG))
-            self.hyper = HyperNetwork(ctx.source.num_classes, self.head.in_features, self.opts.hidden)
+            self.hyper = HyperNetwork(c, d, self.opts.hidden)
         self.hyper.to(ctx.device)
         self.hyper_init = get_params(self.hyper)
         self.objective = HyperObjective(self.opts.gamma, self.hyper)  # one function: clients' plans batch together

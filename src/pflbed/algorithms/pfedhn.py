@@ -56,6 +56,9 @@ Interpretations and deviations:
    (hidden + 1)·|θ|; LeNet-5 on 28×28 inputs (|θ| = 61,706), 100 clients (d = 26), hidden 100: 6,255,206
    hypernetwork parameters (≈ 101·|θ|; FedBasis §4.3 quotes Q = 100|θ|) plus as many momentum entries — ≈ 50 MB of
    server state. `diagnostics` reports the count for the run's model (`hypernet_params`); `hidden` shrinks it.
+   ResNet-18 (|θ| ≈ 11.2 M) at hidden 100 makes 1.13 G parameters (4.5 GB per copy); a server's round holds about
+   ten copies at its peak (measured on the MLP). A hypernetwork of which even four copies exceed the server's
+   memory (`pflbed.memory`) is refused in one line before the run starts, not killed by the system mid-run.
 5. Initialization: every layer with PyTorch's default Linear init, the embeddings N(0, 1) (the code's
    nn.Embedding); both drawn on the CPU from pFedHN's own streams (seed, STREAM, 0) and (seed, STREAM, 1), moved to
    `ctx.device`. The target network's initial parameters (`ctx.initial_params`) are not used: θ_i comes from h.
@@ -113,6 +116,7 @@ from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.reply_shapes import UNSENT, misfit, specs
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches
+from pflbed.memory import check_fits
 from pflbed.search import Search, Space
 
 if TYPE_CHECKING:
@@ -166,6 +170,12 @@ class HyperNetwork(nn.Module):
         # one linear head per target tensor; module names cannot hold dots
         self.heads = nn.ModuleDict({_head(k): nn.Linear(hidden, math.prod(s)) for k, s in self.shapes.items()})
 
+    @staticmethod
+    def size(shapes: dict[str, torch.Size], embed_dim: int, hidden: int, hidden_layers: int) -> int:
+        """The parameters `HyperNetwork(shapes, embed_dim, hidden, hidden_layers)` holds, without building it."""
+        trunk = (embed_dim + 1) * hidden + (hidden_layers - 1) * (hidden + 1) * hidden
+        return trunk + sum((hidden + 1) * math.prod(s) for s in shapes.values())
+
     def forward(self, v: torch.Tensor) -> Tensors:
         f = self.trunk(v)
         return {k: self.heads[_head(k)](f).reshape(len(v), *s) for k, s in self.shapes.items()}
@@ -215,6 +225,9 @@ class PFedHN(Algorithm):
         """The hypernetwork module, its initial φ drawn from (seed, STREAM, 0) on the CPU (note 5)."""
         if self._hyper is None:
             shapes = {k: self.ctx.initial_params[k].shape for k in self.param_names}
+            o = self.opts  # refused here, where it is built (the server's `init_server`), not where it is never used
+            check_fits(HyperNetwork.size(shapes, self.embed_dim, o.hidden, o.hidden_layers), self.ctx.device,
+                       "pfedhn's hypernetwork", "algorithm.hidden, algorithm.hidden_layers and algorithm.embed_dim")
             with rng.fork(self.ctx.device), torch.device("cpu"):
                 torch.manual_seed(rng.derive_seed(self.ctx.seed, STREAM, 0))
                 hyper = HyperNetwork(shapes, self.embed_dim, self.opts.hidden, self.opts.hidden_layers)

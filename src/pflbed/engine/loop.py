@@ -187,6 +187,7 @@ def experiment(
     Checkpoints: every `train.checkpoint_every` rounds, after every evaluation (an interrupted run keeps every
     round it has scored: resumed, it ends as if never stopped) and after the last round."""
     saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
+    initial = None if saved else algo.init_server()  # before the directory is written: a refusal there leaves none
     if rundir and not resume:
         rundir.start(cfg)
     fed = algo.ctx.federation
@@ -199,7 +200,7 @@ def experiment(
     else:
         if rundir and resume:
             rundir.start(cfg)
-        server, history, per_client, first = algo.init_server(), [], {}, 1
+        server, history, per_client, first = initial, [], {}, 1
         timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
     ledger = None  # a DP run's releases, durable in the run directory: kept across a resume, whatever it replays

@@ -1,0 +1,34 @@
+"""`pflbed.memory`: the device memory a network too large for it is refused against."""
+
+import os
+
+import pytest
+import torch
+
+from pflbed import memory
+from pflbed.errors import ConfigError
+
+
+def test_the_cpu_s_memory_is_the_machine_s_physical_memory():
+    assert memory.device_memory(torch.device("cpu")) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") > 0
+
+
+def test_memory_that_cannot_be_read_is_not_checked(monkeypatch):
+    """No sysconf name (another OS), or a device whose memory torch does not report: None, and nothing refused."""
+    assert memory.device_memory(torch.device("meta")) is None
+    monkeypatch.setattr(os, "sysconf", lambda name: (_ for _ in ()).throw(ValueError(name)))
+    assert memory.device_memory(torch.device("cpu")) is None
+    memory.check_fits(10**15, torch.device("cpu"), "a network", "algorithm.width")
+
+
+@pytest.mark.parametrize("spare, refused", [(0, False), (-1, True)])
+def test_a_network_is_refused_only_if_its_round_s_copies_exceed_the_memory(monkeypatch, spare, refused):
+    n = 1000
+    monkeypatch.setattr(memory, "device_memory", lambda device: n * 4 * memory.ROUND_COPIES + spare)
+    if not refused:
+        memory.check_fits(n, torch.device("cpu"), "a network", "algorithm.width")
+        return
+    with pytest.raises(ConfigError, match=r"^algorithm\.width: a network would hold 1,000 parameters; a training round "
+                                          r"holds at least 4 copies of them \(0\.0 MB\), more than this machine's "
+                                          r"0\.0 MB of memory; lower them$"):  # fmt: skip
+        memory.check_fits(n, torch.device("cpu"), "a network", "algorithm.width")
