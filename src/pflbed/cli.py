@@ -405,11 +405,12 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
         if vscale != scale:
             raise PflbedError("--data and --val must be of one format (both .npz or both image folders)")
         val = (xv, yv)
+    if args.test is not None:  # read before the personalization, which a bad file would waste
+        xt, yt, tscale = read_samples(args.test, run.source)
     model = run.personalize(x, y, method=args.method, epochs=args.epochs, lr=args.lr, val=val, scale=scale,
                             seed=args.seed)  # fmt: skip
     scored = ""  # the kept model's accuracy and, beside it, that of the unadapted model it started from
     if args.test is not None:
-        xt, yt, tscale = read_samples(args.test, run.source)
         model.info["test_acc"] = model.accuracy(xt, yt, tscale)
         model.info["zero_shot_test_acc"] = model.zero_shot_accuracy(xt, yt, tscale)
         model.info["test_samples"] = len(yt)

@@ -41,3 +41,10 @@ class DivergedError(PflbedError):
 
     def __reduce__(self):  # rebuilt from its own arguments: it crosses process boundaries (`bench --jobs`, procs)
         return (type(self), self._args)
+
+
+class PersonalizationDiverged(PflbedError):
+    """Personalizing a new client produced a non-finite parameter at every learning rate tried. Exit code 3, as a
+    diverging run: the input was valid, the learning rate too large for it."""
+
+    exit_code = 3

@@ -104,8 +104,14 @@ def test_a_site_s_file_is_read_without_unpickling_and_one_that_is_not_samples_is
         assert not marker.exists()  # nothing was unpickled: the planted object never ran
         assert str(e.value).startswith(f"data {path}: ") and str(e.value).endswith(message), (name, str(e.value))
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(SiteError, match=r"^sites.test .*junk.npz: not a readable .npz file \("):
+    with pytest.raises(SiteError, match=r"^sites.test .*junk.npz: not a readable .npz file \(not a zip archive; "):
         read_npz(tmp_path / "junk.npz", "sites.test")
+    np.save(tmp_path / "x.npy", np.zeros((3, 2)))  # numpy.save of x alone: was a traceback
+    with pytest.raises(SiteError, match=r"^data .*x.npy: not a readable .npz file \(one array, a .npy; "):
+        read_npz(tmp_path / "x.npy", "data")
+    np.savez(tmp_path / "nan.npz", x=np.array([[0.0, 1.0], [np.nan, 0.0], [0.0, -np.inf]]), y=np.arange(3))
+    with pytest.raises(SiteError, match=r"^data .*nan.npz: 2 of 3 samples hold NaN or infinite values$"):
+        read_npz(tmp_path / "nan.npz", "data")  # a site would train on them and send NaN updates
     for shape, read in (((4, 5), [4, 5]), ((4, 8, 8), [4, 1, 8, 8]), ((4, 3, 8, 8), [4, 3, 8, 8])):
         np.savez(tmp_path / "ok.npz", x=np.ones(shape, dtype=np.uint8), y=np.arange(4))
         data = read_npz(tmp_path / "ok.npz", "data")

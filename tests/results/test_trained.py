@@ -223,7 +223,11 @@ def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_o
     ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"x: samples of shape \[28, 28\], but digits samples are"),
     ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"y: labels must be in 0…9"),
     ({"x": np.zeros((4, 8, 8)), "y": np.zeros(3)}, r"4 samples in x but 3 labels in y"),
-    ({"x": np.zeros((4, 8, 8))}, r"needs arrays x and y"),
+    ({"x": np.zeros((4, 8, 8))}, r"an \.npz with arrays x \(samples\) and y \(labels\) is needed; it has x$"),
+    ({"x": np.full((4, 8, 8), "a"), "y": np.zeros(4)}, r"x: samples must be real numbers \(got <U1\)$"),
+    ({"x": np.array([[[np.nan] * 8] * 8] + [np.zeros((8, 8))] * 3), "y": np.zeros(4)},
+     r"x: 1 of 4 samples hold NaN or infinite values$"),  # a NaN sample trained a NaN model, exit 0
+    ({"x": np.zeros((0, 8, 8)), "y": np.zeros(0)}, r"x: no samples to personalize from$"),  # the model, untouched
 ])  # fmt: skip
 def test_bad_samples_are_one_line_exit_2(runs, tmp_path, capsys, arrays, message):
     np.savez(tmp_path / "bad.npz", **arrays)
@@ -232,6 +236,67 @@ def test_bad_samples_are_one_line_exit_2(runs, tmp_path, capsys, arrays, message
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and re.search(message, err), err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"\x93NUMPY\x01\x00", r"not a readable \.npz file \(one array, a \.npy; save x and y with numpy\.savez\)$"),
+    (b"x,y\n1,2\n", r"not a readable \.npz file \(not a zip archive; save x and y with numpy\.savez\)$"),
+    (b"PK\x03\x04truncated", r"not a readable \.npz file \("),
+])  # fmt: skip
+def test_a_file_that_is_no_npz_is_one_line_exit_2(runs, tmp_path, capsys, content, message):
+    """A .npy (numpy.save of x alone) crashed with a traceback; any other file was said to hold pickled data."""
+    (tmp_path / "bad.npz").write_bytes(content)
+    rc = main(["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "bad.npz"), "--out",
+               str(tmp_path / "o")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and re.search(rf"bad\.npz: {message}", err), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--epochs", "0"], r"--epochs must be in 1…100,000 \(got 0\)$"),
+    (["--epochs", "100001"], r"--epochs must be in 1…100,000 \(got 100001\)$"),
+    (["--lr", "-1"], r"--lr must be a finite number > 0 \(got -1\)$"),
+    (["--lr", "nan"], r"--lr must be a finite number > 0 \(got nan\)$"),
+    (["--seed", "-1"], r"--seed must be in 0…9223372036854775807 \(got -1\)$"),
+    (["--seed", str(2**64)], rf"--seed must be in 0…9223372036854775807 \(got {2**64}\)$"),  # was a traceback
+    (["--val", "{empty}"], r"val x: no samples to choose an epoch on"),  # was a KeyError
+    (["--val", "{nan}"], r"val x: 1 of 3 samples hold NaN or infinite values$"),
+    (["--test", "{empty}"], r"test x: no samples to score$"),  # was a NaN accuracy in summary.json
+    (["--test", "{nan}"], r"test x: 1 of 3 samples hold NaN or infinite values$"),
+])  # fmt: skip
+def test_bad_options_and_evaluation_samples_are_one_line_exit_2(runs, tmp_path, capsys, flags, message):
+    (x, y), _, _ = _client_samples()
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "empty.npz", x=x[:0], y=y[:0])
+    np.savez(tmp_path / "nan.npz", x=np.concatenate([x[:2], np.full_like(x[:1], np.inf)]), y=y[:3])
+    flags = [f.format(empty=tmp_path / "empty.npz", nan=tmp_path / "nan.npz") for f in flags]
+    rc = main(["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "train.npz"), "--epochs", "1", *flags,
+               "--out", str(tmp_path / "o")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and re.search(message, err), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_diverging_personalization_stops_and_says_so_and_a_diverging_lr_is_not_chosen(runs, tmp_path, capsys):
+    """A learning rate that makes a parameter non-finite: alone, exit 3 in one line and no output (it saved a model
+    of NaN, exit 0); among the lrs chosen on validation, it is no candidate (a NaN model still predicts a class)."""
+    (x, y), val, _ = _client_samples()
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    rc = main(["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "train.npz"), "--lr", "1e30",
+               "--method", "ft", "--epochs", "3", "--out", str(tmp_path / "o")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 3 and "\n" not in err and re.fullmatch(
+        r"pflbed: error: personalizing diverged \(lr 1e\+30 in epoch \d\): a parameter is not finite — lower --lr", err)
+    assert not (tmp_path / "o").exists()
+    run = pflbed.load_run(runs["fedavg"][0])
+    nc = run.config.eval.new_clients.model_copy(update={"lrs": [1e30, 0.05]})
+    run.config = run.config.model_copy(update={"eval": run.config.eval.model_copy(update={"new_clients": nc})})
+    run.chosen_lr = lambda: None
+    p = run.personalize(x, y, method="ft", epochs=3, val=val)
+    assert p.lr == 0.05 and p.info["lr_val"]["1e+30"] is None and p.info["lr_val"]["0.05"] >= 0
+    assert set(p.info["diverged"]) == {"1e+30"}
+    assert all(bool(torch.isfinite(t).all()) for t in p.model.state_dict().values() if t.is_floating_point())
 
 
 def test_version_and_data_show_writes_no_picture_unasked(tmp_path, capsys, monkeypatch):

@@ -71,7 +71,14 @@ class DataSource:
         uint8 images) → model inputs, transformed as the loader transformed its own. `scale` overrides the raw
         range (images read from files span 0–255 whatever the dataset's own range). `what` names the input in
         errors. Why here: the transform is the loader's, and a trained model is useless without it."""
-        x = torch.as_tensor(np.asarray(raw), dtype=torch.float32)
+        arr = raw if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        kind = ("c" if arr.is_complex() else "f") if isinstance(arr, torch.Tensor) else arr.dtype.kind
+        if kind not in "biuf":  # booleans, integers, floats: text, objects or complex numbers are no pixel values
+            raise DataError(f"{what}: samples must be real numbers (got {arr.dtype})")
+        x = torch.as_tensor(arr, dtype=torch.float32)
+        if not bool(torch.isfinite(x).all()):  # a NaN sample trains a NaN model without a word
+            bad = int((~torch.isfinite(x.reshape(len(x), -1))).any(1).sum()) if x.ndim else 1
+            raise DataError(f"{what}: {bad} of {len(x) if x.ndim else 1} samples hold NaN or infinite values")
         if x.ndim < 1 or tuple(x.shape[1:]) not in (self.raw_shape, self.input_shape):
             raise DataError(f"{what}: samples of shape {list(x.shape[1:])}, but {self.name} samples are "
                             f"{list(self.raw_shape)}")  # fmt: skip

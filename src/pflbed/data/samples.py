@@ -9,6 +9,7 @@ Two formats:
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,17 +27,29 @@ def read_samples(path: str | Path, source: DataSource) -> tuple[np.ndarray, np.n
         return (*read_image_folder(path, source), 255.0)
     if not path.is_file():
         raise DataError(f"{path}: no such file or folder")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in ("x", "y") if k not in f.files]
-            if missing:
-                raise DataError(f"{path}: needs arrays x and y; has {sorted(f.files)}")
-            x, y = f["x"], f["y"]
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable .npz file ({e})") from None
+    x, y = read_npz_arrays(path)
     if len(x) != len(y):
         raise DataError(f"{path}: {len(x)} samples in x but {len(y)} labels in y")
     return x, y, None
+
+
+def read_npz_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Arrays `x` and `y` of the `.npz` file `path`, read without unpickling; `DataError` naming the file when it is
+    no such archive (numpy's own message would blame pickled data for any file that is not a zip), a lone `.npy`
+    array, or lacks either array."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if not magic.startswith(b"PK"):
+            kind = "one array, a .npy" if magic == b"\x93NUMPY" else "not a zip archive"
+            raise DataError(f"{path}: not a readable .npz file ({kind}; save x and y with numpy.savez)")
+        with np.load(path, allow_pickle=False) as f:
+            if "x" not in f.files or "y" not in f.files:
+                raise DataError(f"{path}: an .npz with arrays x (samples) and y (labels) is needed; it has "
+                                f"{', '.join(f.files) or 'none'}")  # fmt: skip
+            return f["x"], f["y"]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"{path}: not a readable .npz file ({e})") from None
 
 
 def read_image_folder(path: Path, source: DataSource) -> tuple[np.ndarray, np.ndarray]:

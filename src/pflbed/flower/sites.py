@@ -46,6 +46,7 @@ from pflbed import rng
 from pflbed.algorithms.base import Algorithm, ClientData, Context
 from pflbed.config import Config
 from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.data.samples import read_image_folder, read_npz_arrays
 from pflbed.engine.loop import build_algorithm
 from pflbed.errors import ConfigError, DataError, PflbedError
 from pflbed.federation.federation import ClientSplit, Federation, client_split
@@ -76,19 +77,16 @@ def read_npz(path: Path, what: str) -> ArrayDataset:
     `describe_sites`) and every site read their files, both sides build the model from the same shape: a
     convolution with H input channels on the server and one-channel batches on a site do not fit."""
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if "x" not in f or "y" not in f:
-                raise SiteError(f"{what} {path}: an .npz with arrays x (samples) and y (labels) is needed; it has "
-                                f"{', '.join(f.files) or 'none'}")  # fmt: skip
-            x, y = f["x"], f["y"]
-    except SiteError:
-        raise
-    except (OSError, ValueError) as e:
-        raise SiteError(f"{what} {path}: not a readable .npz file ({e})") from None
+        x, y = read_npz_arrays(path)
+    except DataError as e:
+        raise SiteError(f"{what} {e}") from None
     if not np.issubdtype(x.dtype, np.number) or not np.issubdtype(y.dtype, np.integer):
         raise SiteError(f"{what} {path}: x must be numbers and y integers (got {x.dtype} and {y.dtype})")
     if x.ndim < 2 or y.shape != (len(x),):
         raise SiteError(f"{what} {path}: x must be [N, *sample shape] and y [N] (got {x.shape} and {y.shape})")
+    if not np.isfinite(x).all():  # a site training on NaN samples sends NaN updates, refused as the site's fault
+        raise SiteError(f"{what} {path}: {int((~np.isfinite(x.reshape(len(x), -1))).any(1).sum())} of {len(x)} "
+                        "samples hold NaN or infinite values")  # fmt: skip
     x_t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     return ArrayDataset(x_t.unsqueeze(1) if x_t.ndim == 3 else x_t, torch.from_numpy(y.astype(np.int64)))
 
@@ -110,8 +108,6 @@ def _image_source(cfg: Config) -> DataSource:
 def _read(path: Path, what: str, cfg: Config) -> ArrayDataset:
     """An `.npz` file, or a folder of class sub-folders `0/`, `1/`, … of images."""
     if path.is_dir():
-        from pflbed.data.samples import read_image_folder
-
         source = _image_source(cfg)
         try:
             raw, y = read_image_folder(path, source)

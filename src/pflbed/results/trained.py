@@ -27,14 +27,15 @@ import yaml
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
 from pflbed.algorithms.training import finetune_epochs, load_params
-from pflbed.config import Config
-from pflbed.errors import PflbedError
+from pflbed.config import SEED_MAX, Config
+from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
 from pflbed.results.rundir import run_config
 
 Method = Literal["native", "ft", "lp"]
+EPOCHS_MAX = 100_000  # as eval.new_clients.epochs
 SUMMARY_FILE = "summary.json"
 
 
@@ -52,6 +53,14 @@ def _labels(model: torch.nn.Module, x: torch.Tensor, batch_size: int = 512) -> t
 
 def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((_labels(model, x) == y).float().mean()) if len(y) else float("nan")
+
+
+class _Diverged(Exception):
+    """One learning rate's personalization left a parameter non-finite in epoch `epoch`."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__(epoch)
+        self.epoch = epoch
 
 
 @dataclass
@@ -83,6 +92,8 @@ class Personalized:
         """Accuracy on raw samples `x` with labels `y`."""
         assert self.run is not None
         labels = self.run.labels(y, "test y", len(x))
+        if not len(labels):  # the accuracy of no samples is no number
+            raise PflbedError("test x: no samples to score")
         return _accuracy(self.model, self.run.inputs(x, scale, "test x"), labels)
 
     def zero_shot_accuracy(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor,
@@ -92,6 +103,8 @@ class Personalized:
             return None
         assert self.run is not None
         labels = self.run.labels(y, "test y", len(x))
+        if not len(labels):
+            raise PflbedError("test x: no samples to score")
         return _accuracy(self.zero_shot, self.run.inputs(x, scale, "test x"), labels)
 
     def save(self, out: Path) -> Path:
@@ -205,15 +218,23 @@ class TrainedRun:
             raise PflbedError(f"--method: unknown {method!r}; choose native, ft or lp")
         ctx = self.algo.ctx
         xs, ys = self.inputs(x, scale, "x"), self.labels(y, "y", len(x))
+        if not len(ys):  # nothing to learn from: the model would come back untouched, as if personalized
+            raise PflbedError("x: no samples to personalize from")
         if val is not None:
             xv, yv = self.inputs(val[0], scale, "val x"), self.labels(val[1], "val y", len(val[0]))
+            if not len(yv):
+                raise PflbedError("val x: no samples to choose an epoch on (leave out the validation set instead)")
         else:
             xv, yv = xs[:0], ys[:0]
         epochs = epochs if epochs is not None else self.config.eval.new_clients.epochs
         grid = self.config.eval.new_clients.lrs
         lrs = [lr] if lr is not None else [c] if (c := self.chosen_lr()) is not None else grid if len(yv) else grid[:1]
-        if epochs < 1 or not all(v > 0 and math.isfinite(v) for v in lrs):
-            raise PflbedError(f"--epochs must be ≥ 1 and --lr > 0 (got {epochs}, {lrs})")
+        if not 1 <= epochs <= EPOCHS_MAX:
+            raise PflbedError(f"--epochs must be in 1…{EPOCHS_MAX:,} (got {epochs})")
+        if not all(v > 0 and math.isfinite(v) for v in lrs):
+            raise PflbedError(f"--lr must be a finite number > 0 (got {', '.join(f'{v:g}' for v in lrs)})")
+        if not 0 <= seed <= SEED_MAX:
+            raise PflbedError(f"--seed must be in 0…{SEED_MAX} (got {seed})")
         if method != "native" and self.algo.generic_model(self.server) is None:
             raise PflbedError(f"{self.config.algorithm.name} has no generic model to fine-tune: use --method native")
         n = len(ys)
@@ -222,15 +243,25 @@ class TrainedRun:
         data = ClientData(self._new_cid(), torch.cat([xs, xv]), torch.cat([ys, yv]), ids[:n], ids[n:],
                           (prior / prior.sum()).to(ctx.device), ctx.augment)  # fmt: skip
         t0 = time.perf_counter()
-        tried = [(rate, *self._adapt(method, data, rate, epochs, seed, xv, yv)) for rate in lrs]
+        tried, diverged = [], {}
+        for rate in lrs:  # an lr that diverges is not a candidate: a model of NaN still predicts some class
+            try:
+                tried.append((rate, *self._adapt(method, data, rate, epochs, seed, xv, yv)))
+            except _Diverged as e:
+                diverged[f"{rate:g}"] = e.epoch
+        if not tried:
+            where = ", ".join(f"lr {k} in epoch {v}" for k, v in diverged.items())
+            raise PersonalizationDiverged(f"personalizing diverged ({where}): a parameter is not finite — lower --lr")
         rate, model, history, selected, score = max(tried, key=lambda t: t[4])  # earliest lr on ties
         seconds = time.perf_counter() - t0
         start = self.algo.zero_shot(self.server, data) if method == "native" else self.algo.generic_model(self.server)
         zero_shot = _module(start) if start is not None else None  # where personalization started, unadapted
         info = {"run": str(self.path), "algorithm": self.config.algorithm.name, "samples": n, "val_samples": len(yv),
                 "input_shape": list(self.source.input_shape), "num_classes": self.source.num_classes}  # fmt: skip
-        if len(tried) > 1:
-            info["lr_val"] = {f"{t[0]:g}": t[4] for t in tried}  # the best-epoch validation accuracy of each lr
+        if len(lrs) > 1:  # the best-epoch validation accuracy of each lr; None for one that diverged
+            info["lr_val"] = {f"{v:g}": next((t[4] for t in tried if t[0] == v), None) for v in lrs}
+        if diverged:
+            info["diverged"] = diverged  # lr → the epoch its parameters stopped being finite
         return Personalized(model, self, method, rate, history, selected, seconds, info, zero_shot)
 
     def _adapt(self, method: str, data: ClientData, lr: float, epochs: int, seed: int, xv: torch.Tensor,
@@ -247,6 +278,8 @@ class TrainedRun:
             steps = finetune_epochs(self.algo.ctx.model, generic.params, data, budget, gen)
         history, best, best_val, selected = [], None, -1.0, 0
         for e, pred in enumerate(steps, 1):
+            if not all(bool(torch.isfinite(p).all()) for p in pred.params.values() if p.is_floating_point()):
+                raise _Diverged(e)
             model = _module(pred)
             acc = _accuracy(model, xv, yv)
             history.append({"epoch": e, "val_acc": acc} if len(yv) else {"epoch": e})
