@@ -65,6 +65,15 @@ def test_an_averaging_step_beyond_the_mean_is_refused():
         _algo(p=0.1, lam=10.0)
 
 
+def test_p_is_bounded_where_the_local_run_would_never_end():
+    """p = 5e-324 crashed (log(1 − p) = 0) and p = 1e-9 drew a local run of some 10^9 steps: below 0.001 (1,000
+    steps a round on average) p is refused; at 0.001 the run lengths are drawn."""
+    for p in (5e-324, 1e-9, 0.000999):
+        with pytest.raises(ConfigError, match=r"^algorithm.p: Input should be greater than or equal to 0.001"):
+            _algo(p=p, lam=0.0)
+    assert all(d[1] >= 1 for d in map(_algo(p=0.001, lam=0.0).runs, range(1, 20)))
+
+
 def test_the_two_runs_are_independent_and_drawn_from_the_seed():
     """a and l come from two independent uniforms of the round's coin, which the run's seed sets: with p = 0.2,
     P(a ≥ 2) = 0.2 and P(l ≥ 2) = 0.8, so both hold in 16 % of rounds (20 % if one uniform drew both)."""

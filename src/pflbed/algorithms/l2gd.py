@@ -22,6 +22,7 @@ enter it, so with sampling x̄ is the mean over the sample, and it equals the pa
 `sample_fraction` 1 with no lost replies. Stochastic gradients (mini-batches) as in the paper's experiments; the
 local steps are Algorithm 1's plain gradient steps: `train.momentum` and `train.weight_decay` are not used. P-FL
 scores x_i; G-FL scores x̄; new clients fine-tune x̄ (FT/LP). Defaults p = 0.2, λ = 2 (θ = 0.4 at lr 0.05).
+The paper allows any p in (0, 1); here p ≥ 0.001, as a round's local run has 1/p steps on average (p → 0 never ends).
 
 Under client-level DP (`privacy`, DP-FedAvg over the reply): what a client sends is x_i's update relative to the x̄ it
 received, clipped to C, and the server's x̄ is the noised mean of those. The client keeps its own x_i unclipped, so
@@ -49,11 +50,15 @@ RUNS = "l2gd/runs"  # payload: (averaging steps a, local steps l) of the round
 _COIN = 0x1260  # the server's coin stream, apart from every client's (rng keys 1–4)
 
 
+P_MIN = 1e-3  # a round's local run is Geometric(p) long: p → 0 makes it endless (at 5e-324, log(1 − p) = 0 crashed)
+
+
 class L2GDOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # θ > 1: refused, pruned
     search: ClassVar[dict[str, Space]] = {"p": Search(0.05, 0.95), "lam": Search(0.1, 10.0, log=True)}
-    p: float = Field(0.2, gt=0, lt=1, description="probability of an averaging step")
+    p: float = Field(0.2, ge=P_MIN, lt=1, description="probability of an averaging step (a round's local run "
+                     "has 1/p steps on average: from 0.001, at most 1,000)")  # fmt: skip
     lam: float = Field(2.0, ge=0, description="λ: the penalty on the distance to the mean model")
 
 
