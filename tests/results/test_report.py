@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 import pflbed
@@ -246,3 +247,55 @@ def test_identical_curves_stay_in_sight_and_are_named(runs, tmp_path):
     assert "P-FL test:" not in curves_note([data[0], data[2]])  # different runs: nothing said
     widths = re.findall(r"stroke-width: ([\d.]+)", curves_svg([pfl]))
     assert "3.4" in widths and "1.4" in widths  # fedavg wider, beneath twin's dashed line
+
+
+DAMAGED = [  # a run file truncated, overwritten or hand-edited: each was a traceback
+    ("summary.json", '{"final": ', r"summary\.json: not valid JSON \(Expecting value, line 1\)"),
+    ("summary.json", "[1, 2]", r"summary\.json: a JSON list, not an object"),
+    ("summary.json", "{}", r"summary\.json: no algorithm \(str\) in it, as every pflbed summary has"),
+    ("summary.json", b"\xff\xfe\x00", r"summary\.json: not text"),
+    ("metrics.jsonl", '{"round": 2}\ngarbage\n', r"metrics\.jsonl: line 2 is not valid JSON \(Expecting value\)"),
+    ("metrics.jsonl", "[1]\n", r"metrics\.jsonl: line 1 is a JSON list, not an object"),
+    ("metrics.jsonl", '{"pfl_acc": 0.5}\n', r"metrics\.jsonl: record 1 has no round \(int\)"),
+    ("config.yaml", "a: [\n", r"config\.yaml: not valid YAML \(line 2\)"),
+    ("config.yaml", "- 1\n", r"config\.yaml: a YAML list, not a mapping of config sections"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "content", "message"), DAMAGED)
+def test_a_damaged_run_file_is_one_line_naming_it_for_every_command_reading_it(runs, tmp_path, capsys, name, content,
+                                                                                message):  # fmt: skip
+    """`report`, `personalize` (the summary, the records, the config) and `data new-client` (the config): exit 2,
+    one line naming the file and what is wrong with it, nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    (run / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 32)), y=np.zeros(2, dtype=np.int64))
+    out = str(tmp_path / "out")
+    commands = {"report": ["report", str(run), "-o", str(tmp_path / "out" / "r.html")],
+                "personalize": ["personalize", str(run), "--data", str(tmp_path / "x.npz"), "--out", out],
+                "data new-client": ["data", "new-client", str(run), "--out", out]}  # fmt: skip
+    for what, args in commands.items():
+        if what == "data new-client" and name != "config.yaml":
+            continue  # it reads the config alone
+        capsys.readouterr()
+        rc = main(args)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "\n" not in err and re.search(rf"^pflbed: error: .*/run/{message}", err), (what, err)
+        assert err.endswith("; the file is damaged (rerun the run, or restore the file)"), (what, err)
+        assert not (tmp_path / "out").exists(), what
+
+
+def test_a_summary_s_plots_are_taken_from_the_run_directory_only_and_odd_numbers_shown_as_dashes(runs, tmp_path):
+    """A summary naming a plot outside its run (`../`, an absolute path) does not bring that file into a report; a
+    timing that is not a number is a dash, not a crash."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    (tmp_path / "outside.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["artifacts"] = {"a": "../outside.png", "b": str(tmp_path / "outside.png"), "c": 3}
+    summary["timing"]["wall_s"] = "x"
+    (run / "summary.json").write_text(json.dumps(summary))
+    data = read_run(run)
+    assert data.artifacts == {}
+    assert comparison([data])[1][0][-1] == "—"

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
 from pflbed.errors import ConfigError, DivergedError, PflbedError
+from pflbed.results.rundir import read_summary
 
 
 class MethodSpec(BaseModel):
@@ -185,7 +186,7 @@ class Table:
     def figures(self, method: str, run_dir: Path) -> str:
         """A finished cell's report columns, as its row shows them (`P-FL 90.30 G-FL 84.45`): a method reporting
         another field (FedAvg+FT's fine-tuned P-FL) is logged with that field, not with the run's plain one."""
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = read_summary(run_dir / "summary.json")
         shown = []
         for col, field in self.report_of(method).items():
             if field is None:
@@ -202,7 +203,7 @@ class Table:
             report = self.report_of(m)
             for st in s.settings:
                 runs = self.finished_runs(m, st).values()
-                summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
+                summaries = [read_summary(d / "summary.json") for d in runs]
                 row: dict[str, Any] = {"method": m, "setting": st, "seeds": len(summaries),
                                        "diverged": len(self.diverged_runs(m, st))}  # fmt: skip
                 for col, field in report.items():
@@ -345,7 +346,7 @@ def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict
     from pflbed.runs import run as run_one
 
     if (path / "summary.json").exists():
-        return json.loads((path / "summary.json").read_text())["final"], None
+        return read_summary(path / "summary.json")["final"], None
     t0 = time.perf_counter()
     try:
         res = run_one(cfg, path, progress=False, resume=path.exists(), threads=threads)

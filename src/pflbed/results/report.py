@@ -38,6 +38,7 @@ from typing import Any
 from pflbed.errors import PflbedError
 from pflbed.results.config_diff import diff_rows
 from pflbed.results.report_figures import Panel, curves_svg, histogram_svg, run_colour, run_series
+from pflbed.results.rundir import read_config_tree, read_metrics, read_summary
 
 ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
             ("gfl_val", "G-FL validation"), ("pfl_acc_p10", "P-FL test, 10th-percentile client"))  # fmt: skip
@@ -69,6 +70,11 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _inside(file: Path, run: Path) -> bool:
+    """Whether `file` lies in the run directory: a summary naming a plot elsewhere does not bring that file in."""
+    return file.resolve().is_relative_to(run.resolve())
+
+
 def read_run(path: Path) -> RunData:
     """A finished run directory's files (an unfinished run has no summary yet: refused)."""
     summary, metrics, config = path / "summary.json", path / "metrics.jsonl", path / "config.yaml"
@@ -76,9 +82,12 @@ def read_run(path: Path) -> RunData:
         raise PflbedError(f"{path}: not a pflbed run directory (no config.yaml)")
     if not summary.is_file():
         raise PflbedError(f"{path}: the run is not finished (no summary.json); finish it with 'pflbed run --resume'")
-    s = json.loads(summary.read_text())
-    history = [json.loads(x) for x in metrics.read_text().splitlines() if x] if metrics.is_file() else []
-    artifacts = {k: path / v for k, v in (s.get("artifacts") or {}).items() if (path / v).is_file()}
+    s = read_summary(summary)
+    history = read_metrics(metrics) if metrics.is_file() else []
+    read_config_tree(config)  # read once here: a damaged one is named before any figure is drawn
+    artifacts = s.get("artifacts")
+    artifacts = {k: path / v for k, v in (artifacts if isinstance(artifacts, dict) else {}).items()
+                 if isinstance(v, str) and (path / v).is_file() and _inside(path / v, path)}  # fmt: skip
     return RunData(path.name or str(path), path, config.read_text(), s, history, artifacts)
 
 
@@ -88,6 +97,11 @@ def _pct(v: Any) -> str:
 
 def _mb(v: Any) -> str:
     return f"{v / MB:.3g}" if _number(v) else "—"
+
+
+def _fixed(v: Any, digits: int) -> str:
+    """A summary's number to `digits` decimals; "—" for anything else (a hand-edited summary)."""
+    return f"{v:.{digits}f}" if _number(v) else "—"
 
 
 def display_name(algorithm: str) -> str:
@@ -119,7 +133,7 @@ def comparison(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
                      str(sel.get("round", "—")), _pct(sel.get("pfl_acc")), _pct((f.get("ft") or {}).get("pfl_acc")),
                      _pct((f.get("lp") or {}).get("pfl_acc")), _pct(ft.get("best")),
                      f"{_mb(comm.get('up_bytes_per_round'))} / {_mb(comm.get('down_bytes_per_round'))}",
-                     f"{s.get('timing', {}).get('wall_s', float('nan')):.1f}"])  # fmt: skip
+                     _fixed(s["timing"].get("wall_s"), 1)])  # fmt: skip
     if any("privacy" in r.summary for r in runs):  # client-level DP: the guarantee each run ended with
         header.append("DP ε (δ)")
         for r, row in zip(runs, rows, strict=True):
@@ -211,7 +225,7 @@ def figures(runs: list[RunData]) -> list[Figure]:
 
 def _timing_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     keys = list(dict.fromkeys(k for r in runs for k in r.summary.get("timing", {})))
-    return ["run", *keys], [[r.name, *(f"{r.summary['timing'].get(k, float('nan')):.2f}" for k in keys)] for r in runs]
+    return ["run", *keys], [[r.name, *(_fixed(r.summary["timing"].get(k), 2) for k in keys)] for r in runs]
 
 
 def curves_note(runs: list[RunData], inline: bool = True) -> str:

@@ -23,6 +23,78 @@ import yaml
 from pflbed.config import Config
 from pflbed.errors import PflbedError
 
+SUMMARY_KEYS = {"algorithm": str, "dataset": str, "rounds": int, "final": dict, "timing": dict}  # what readers need
+
+
+def _damaged(path: Path, what: str) -> PflbedError:
+    return PflbedError(f"{path}: {what}; the file is damaged (rerun the run, or restore the file)")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in the run file `path`; one line naming the file if it is not one (a truncated copy, an
+    edit gone wrong) rather than a traceback from the reader."""
+    try:
+        value = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise _damaged(path, "not text") from None
+    except json.JSONDecodeError as e:
+        raise _damaged(path, f"not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(value, dict):
+        raise _damaged(path, f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A run's `summary.json`, with the entries every reader of it takes (the results, the timing) of their types."""
+    summary = read_json(path)
+    for key, kind in SUMMARY_KEYS.items():
+        if not isinstance(summary.get(key), kind):
+            raise _damaged(path, f"no {key} ({kind.__name__}) in it, as every pflbed summary has")
+    return summary
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """A run's `metrics.jsonl`: its evaluation records, each with the round it was logged in."""
+    records = read_jsonl(path)
+    for i, record in enumerate(records, 1):
+        if not isinstance(record.get("round"), int):
+            raise _damaged(path, f"record {i} has no round (int), as every pflbed evaluation record has")
+    return records
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of the run file `path`, one per line (`metrics.jsonl`); one line naming the bad line."""
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise _damaged(path, "not text") from None
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _damaged(path, f"line {i} is not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise _damaged(path, f"line {i} is a JSON {type(record).__name__}, not an object")
+        records.append(record)
+    return records
+
+
+def read_config_tree(path: Path) -> dict[str, Any]:
+    """The mapping in a run's `config.yaml`; one line naming the file if it is no YAML mapping."""
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError:
+        raise _damaged(path, "not text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise _damaged(path, f"not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+    if not isinstance(tree, dict):
+        raise _damaged(path, f"a YAML {type(tree).__name__}, not a mapping of config sections")
+    return tree
+
 
 def default_out(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.algorithm.name}-{cfg.dataset.name}-seed{cfg.seed}"
@@ -139,11 +211,7 @@ class RunDir:
         if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
                               f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip
-        try:
-            tree = yaml.safe_load(saved.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise PflbedError(f"{saved}: unreadable ({type(e).__name__})") from None
-        return cls(path), run_config(tree, cfg)
+        return cls(path), run_config(read_config_tree(saved), cfg)
 
     def rewrite_metrics(self, history: list[dict[str, Any]]) -> None:
         """Make metrics.jsonl exactly the checkpointed history (drops lines logged after the checkpoint)."""

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import yaml
 
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
 from pflbed.algorithms.training import finetune_epochs, load_params
@@ -32,7 +31,7 @@ from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
-from pflbed.results.rundir import run_config
+from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, run_config
 
 Method = Literal["native", "ft", "lp"]
 EPOCHS_MAX = 100_000  # as eval.new_clients.epochs
@@ -140,14 +139,14 @@ class TrainedRun:
         if not checkpoint_path(self.path).is_file():
             raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
                               "round): nothing to load")  # fmt: skip
-        tree = yaml.safe_load(conf.read_text()) or {}
+        tree = read_config_tree(conf)
         if device is not None:
             tree = {**tree, "executor": {**(tree.get("executor") or {}), "device": device}}
         self.config: Config = run_config(tree)  # a GPU run loads on the CPU where this machine has no GPU
         summary = self.path / "summary.json"
-        self.summary: dict[str, Any] | None = json.loads(summary.read_text()) if summary.is_file() else None
+        self.summary: dict[str, Any] | None = read_summary(summary) if summary.is_file() else None
         metrics = self.path / "metrics.jsonl"
-        self.history = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+        self.history = read_metrics(metrics) if metrics.is_file() else []
         self.algo: Algorithm = prepare(self.config) if not self.config.sites.local else self._without_data()
         saved = load_checkpoint(self.path, self.algo.ctx.device)
         assert saved is not None  # checked above
