@@ -32,3 +32,20 @@ def test_a_network_is_refused_only_if_its_round_s_copies_exceed_the_memory(monke
                                           r"holds at least 4 copies of them \(0\.0 MB\), more than this machine's "
                                           r"0\.0 MB of memory; lower them$"):  # fmt: skip
         memory.check_fits(n, torch.device("cpu"), "a network", "algorithm.width")
+
+
+def test_a_gpu_s_memory_is_that_device_s_and_a_refusal_names_it(monkeypatch):
+    """On CUDA the device's own total memory (each card its own), without a GPU here: torch's query replaced."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: asked.append(device) or type("P", (), {"total_memory": 80 * 10**9})())
+    gpu = torch.device("cuda:1")
+    assert memory.device_memory(gpu) == 80 * 10**9 and asked == [gpu]
+    with pytest.raises(ConfigError, match=r"\(96\.0 GB\), more than cuda:1's 80\.0 GB of memory; lower them$"):
+        memory.check_fits(6 * 10**9, gpu, "a network", "algorithm.width")
+
+
+@pytest.mark.parametrize("n, shown", [(10**9, "1.0 GB"), (2_500_000_000, "2.5 GB"), (999_000_000, "999.0 MB"),
+                                      (16_000, "0.0 MB")])  # fmt: skip
+def test_sizes_are_shown_in_gb_from_a_billion_bytes(n, shown):
+    assert memory._bytes(n) == shown
