@@ -16,11 +16,8 @@ state (more blocks than the model has, more neighbours than a client's samples) 
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 import types
 import typing
-from pathlib import Path
 
 import pytest
 from annotated_types import Ge, Gt, Le, Lt, MinLen
@@ -29,11 +26,8 @@ from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
 
 from pflbed.algorithms import ALGORITHMS
-from pflbed.cli import main
-from pflbed.config import validate_config
-from pflbed.errors import ConfigError
 
-from .test_config_properties import BASE, JUNK, _as_set, _names_a_field
+from .test_config_properties import BASE, JUNK, run_is_clean, validates_or_names
 
 # Where an option is not drawn, a cheap value of it: the distillation family's architectures (the default zoo holds
 # ResNet-18; public data for them below), few server distillation steps (FedDF), few local steps (pFedHN's 50).
@@ -172,28 +166,11 @@ EDGES = {a: [(n, v) for n, f in fields.items() for v in edges(n, f.annotation, l
 
 
 def _run_is_clean(algo: str, sets: list[tuple[str, typing.Any]], capsys) -> int:
-    """Run `algo` with `sets` (algorithm options) through the command line; assert it ended as the module says."""
-    fields = [(f"algorithm.{n}", v) for n, v in sets]
-    args = [a for kv in (*(_as_set(k, v) for k, v in _base(algo, {n for n, _ in sets}).items()),
-                         *(_as_set(k, v) for k, v in fields)) for a in ("--set", kv)]  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix="pflbed-opt-"))
-    out = tmp / "run"
-    try:
-        capsys.readouterr()
-        rc = main(["run", *args, "--out", str(out), "--no-progress"])
-        err = capsys.readouterr().err.strip()
-        if rc == 0:
-            assert (out / "summary.json").is_file()
-        elif rc == 3:
-            assert err.startswith("pflbed: error: diverged in round") and "\n" not in err, err
-        else:
-            assert rc == 2, (rc, err)
-            assert err.startswith("pflbed: error:") and "\n" not in err, err
-            assert _names_a_field(err, fields), f"{err!r} names none of {[f for f, _ in fields]}"
-            assert not out.exists(), f"refused, but {sorted(out.iterdir())} were written"
-        return rc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Run `algo` with `sets` (its options) through the command line; assert it ended as the module says."""
+    chosen = {n for n, _ in sets}
+    base = [(k, v) for k, v in _base(algo, chosen).items() if k not in BASE or v != BASE[k]]
+    drawn = [(f"algorithm.{n}", v) for n, v in sets]  # a refusal names one of them, not the run's base
+    return run_is_clean([*base, *drawn], capsys, "pflbed-opt-", drawn)
 
 
 @pytest.mark.parametrize("algo", sorted(EDGES))
@@ -210,17 +187,8 @@ def test_each_edge_of_each_option_runs_or_is_refused(algo, capsys):
 def test_any_option_validates_or_is_one_config_error_naming_it(draw):
     """The fast half (no run): validating the options raises nothing but a one-line ConfigError naming one."""
     algo, sets = draw
-    tree: dict = {}
-    for field, value in (*_base(algo, {n for n, _ in sets}).items(), *((f"algorithm.{n}", v) for n, v in sets)):
-        node = tree
-        *parents, leaf = field.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    try:
-        validate_config(tree)
-    except ConfigError as e:
-        assert "\n" not in str(e) and _names_a_field(str(e), [(f"algorithm.{n}", v) for n, v in sets]), str(e)
+    drawn = [(f"algorithm.{n}", v) for n, v in sets]
+    validates_or_names(_base(algo, {n for n, _ in sets}), drawn, drawn)
 
 
 @given(draw=draws)

@@ -230,8 +230,14 @@ def _names_a_field(err: str, sets: tuple) -> bool:
 @given(sets=overrides)
 def test_any_value_validates_or_is_one_config_error_naming_its_field(sets):
     """The fast half of the property (no run): validation never raises anything but a one-line ConfigError."""
+    validates_or_names(BASE, sets, sets)
+
+
+def validates_or_names(base: dict, sets, drawn) -> None:
+    """`validate_config` of `base` with `sets` ((dotted field, value) pairs) raises nothing but a one-line
+    ConfigError naming one of `drawn`. Shared with `test_algorithm_option_properties`."""
     tree: dict = {}
-    for field, value in (*BASE.items(), *sets):
+    for field, value in (*base.items(), *sets):
         node = tree
         *parents, leaf = field.split(".")
         for p in parents:
@@ -240,20 +246,22 @@ def test_any_value_validates_or_is_one_config_error_naming_its_field(sets):
     try:
         validate_config(tree)
     except ConfigError as e:
-        assert "\n" not in str(e) and _names_a_field(str(e), sets), str(e)
+        assert "\n" not in str(e) and _names_a_field(str(e), drawn), str(e)
 
 
-@given(sets=overrides)
-def test_any_value_runs_or_exits_2_with_one_line_and_no_directory(sets, capsys):
+def run_is_clean(sets, capsys, prefix: str = "pflbed-prop-", drawn=None) -> int:
+    """`pflbed run` with `sets` ((field, value) pairs, on top of BASE) through the command line; its exit code, once
+    asserted to be what the module's property allows, a refusal naming one of `drawn` (default: `sets`). Shared
+    with `test_algorithm_option_properties`."""
+    drawn = sets if drawn is None else drawn
     base = [_as_set(k, v) for k, v in BASE.items() if k not in {f for f, _ in sets}]
     args = [a for kv in (*base, *(_as_set(f, v) for f, v in sets)) for a in ("--set", kv)]
-    tmp = Path(tempfile.mkdtemp(prefix="pflbed-prop-"))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     out = tmp / "run"
     try:
         capsys.readouterr()
         rc = main(["run", *args, "--out", str(out), "--no-progress"])
         err = capsys.readouterr().err.strip()
-        event(f"exit {rc}")  # --hypothesis-show-statistics shows how many draws ran, were refused, diverged
         if rc == 0:
             assert (out / "summary.json").is_file()
         elif rc == 3:
@@ -261,7 +269,13 @@ def test_any_value_runs_or_exits_2_with_one_line_and_no_directory(sets, capsys):
         else:
             assert rc == 2, (rc, err)
             assert err.startswith("pflbed: error:") and "\n" not in err, err
-            assert _names_a_field(err, sets), f"{err!r} names none of {[f for f, _ in sets]}"
+            assert _names_a_field(err, drawn), f"{err!r} names none of {[f for f, _ in drawn]}"
             assert not out.exists(), f"refused, but {sorted(os.listdir(out))} were written"
+        return rc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@given(sets=overrides)
+def test_any_value_runs_or_exits_2_with_one_line_and_no_directory(sets, capsys):
+    event(f"exit {run_is_clean(sets, capsys)}")  # --hypothesis-show-statistics: how many ran, were refused, diverged
