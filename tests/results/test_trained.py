@@ -4,6 +4,7 @@ line, exit code 2."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -156,6 +157,7 @@ def test_native_personalization_is_the_methods_own(runs, monkeypatch):
 
         def spy(server, data, budget, gen, real=real, called=called):
             called.append((budget.method, data.num_train, int(data.val.numel()), data.prior.sum().item()))
+            assert data.prior.shape == (10,)  # every class of the run, the client's three included (FedRoD-hyper's a)
             yield from real(server, data, budget, gen)
 
         monkeypatch.setattr(run.algo, "personalize", spy)
@@ -258,6 +260,9 @@ def test_a_file_that_is_no_npz_is_one_line_exit_2(runs, tmp_path, capsys, conten
     (["--epochs", "100001"], r"--epochs must be in 1…100,000 \(got 100001\)$"),
     (["--lr", "-1"], r"--lr must be a finite number > 0 \(got -1\)$"),
     (["--lr", "nan"], r"--lr must be a finite number > 0 \(got nan\)$"),
+    (["--lr", "0"], r"--lr must be a finite number > 0 \(got 0\)$"),
+    (["--val", "{label}"], r"val y: labels must be in 0…9 \(digits has 10 classes\), got 0…10$"),
+    (["--test", "{label}"], r"test y: labels must be in 0…9 \(digits has 10 classes\), got 0…10$"),
     (["--seed", "-1"], r"--seed must be in 0…9223372036854775807 \(got -1\)$"),
     (["--seed", str(2**64)], rf"--seed must be in 0…9223372036854775807 \(got {2**64}\)$"),  # was a traceback
     (["--val", "{empty}"], r"val x: no samples to choose an epoch on"),  # was a KeyError
@@ -270,11 +275,13 @@ def test_bad_options_and_evaluation_samples_are_one_line_exit_2(runs, tmp_path, 
     np.savez(tmp_path / "train.npz", x=x, y=y)
     np.savez(tmp_path / "empty.npz", x=x[:0], y=y[:0])
     np.savez(tmp_path / "nan.npz", x=np.concatenate([x[:2], np.full_like(x[:1], np.inf)]), y=y[:3])
-    flags = [f.format(empty=tmp_path / "empty.npz", nan=tmp_path / "nan.npz") for f in flags]
+    np.savez(tmp_path / "label.npz", x=x[:3], y=np.array([0, 1, 10]))
+    flags = [f.format(empty=tmp_path / "empty.npz", nan=tmp_path / "nan.npz", label=tmp_path / "label.npz")
+             for f in flags]  # fmt: skip
     rc = main(["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "train.npz"), "--epochs", "1", *flags,
                "--out", str(tmp_path / "o")])  # fmt: skip
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "\n" not in err and re.search(message, err), err
+    assert rc == 2 and "\n" not in err and re.match(rf"pflbed: error: {message}", err), err
     assert not (tmp_path / "o").exists()
 
 
@@ -297,6 +304,65 @@ def test_a_diverging_personalization_stops_and_says_so_and_a_diverging_lr_is_not
     assert p.lr == 0.05 and p.info["lr_val"]["1e+30"] is None and p.info["lr_val"]["0.05"] >= 0
     assert set(p.info["diverged"]) == {"1e+30"}
     assert all(bool(torch.isfinite(t).all()) for t in p.model.state_dict().values() if t.is_floating_point())
+
+
+def test_image_files_are_scaled_as_images_for_training_validation_and_scoring(runs, monkeypatch):
+    """Samples read from image files span 0–255, not the dataset's own range (digits: 0–16): `scale` reaches the
+    training and validation inputs and both accuracies; with the dataset's range they would be other inputs."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), (xv, yv), (xt, yt) = (tuple(np.uint8(a * 255 / 16) if a.ndim == 3 else a for a in split)
+                                  for split in _client_samples())  # fmt: skip
+    seen = []
+    real = run.algo.personalize
+
+    def spy(server, data, budget, gen):
+        seen.append(data)
+        yield from real(server, data, budget, gen)
+
+    monkeypatch.setattr(run.algo, "personalize", spy)
+    p = run.personalize(x, y, method="native", epochs=1, lr=0.05, val=(xv, yv), scale=255.0)
+    assert torch.equal(seen[0].x[seen[0].train], run.inputs(x, 255.0))
+    assert torch.equal(seen[0].x[seen[0].val], run.inputs(xv, 255.0))
+    scales, real_inputs = [], run.inputs
+    monkeypatch.setattr(run, "inputs", lambda raw, scale=None, what="x": scales.append((scale, what)) or
+                        real_inputs(raw, scale, what))  # fmt: skip
+    for model, score in ((p.model, p.accuracy), (p.zero_shot, p.zero_shot_accuracy)):
+        assert score(xt, yt, 255.0) == pytest.approx(float((model(real_inputs(xt, 255.0)).argmax(1).numpy() ==
+                                                           yt).mean()))  # fmt: skip
+    assert scales == [(255.0, "test x")] * 2
+
+
+def test_the_api_s_choices_are_the_command_s_and_their_bounds_are_taken(runs, monkeypatch):
+    """`personalize` without a seed is the command's default (0); the largest seed and --epochs 100,000 are taken
+    (the epochs checked, not run: `_adapt` replaced); an unknown method and a run directory without a config or a
+    checkpoint are one line each."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, _ = _client_samples()
+    a, b = (run.personalize(x, y, method="ft", epochs=1, lr=0.05, **k).model.state_dict() for k in ({}, {"seed": 0}))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = run.personalize(x, y, method="ft", epochs=1, lr=0.05, seed=1).model.state_dict()
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # the seed orders the batches: 0 is a choice
+    run.personalize(x, y, method="ft", epochs=1, lr=0.05, seed=2**63 - 1)
+    monkeypatch.setattr(run, "_adapt", lambda *a: (torch.nn.Identity(), [{"epoch": 1}], 1, 0.0))
+    assert run.personalize(x, y, epochs=100_000, lr=0.05).selected_epoch == 1
+    with pytest.raises(PflbedError, match=r"^--method: unknown 'all'; choose native, ft or lp$"):
+        run.personalize(x, y, method="all")
+
+
+def test_a_run_directory_is_loaded_unfinished_and_refused_without_config_or_checkpoint(runs, tmp_path):
+    path = tmp_path / "run"
+    shutil.copytree(runs["fedavg"][0], path)
+    (path / "summary.json").unlink()
+    (path / "metrics.jsonl").unlink()
+    run = pflbed.load_run(path)  # interrupted after a checkpoint: its last state, no results yet
+    assert run.summary is None and run.history == [] and run.round == 3
+    for checkpoint in (path / "checkpoints").iterdir():
+        checkpoint.unlink()
+    with pytest.raises(PflbedError, match=rf"^{re.escape(str(path))}: has no checkpoint \(the run stopped before its "
+                                          r"first checkpointed round\): nothing to load$"):  # fmt: skip
+        pflbed.load_run(path)
+    with pytest.raises(PflbedError, match=rf"^{re.escape(str(tmp_path))}: not a pflbed run directory \(no config"):
+        pflbed.load_run(tmp_path)
 
 
 def test_version_and_data_show_writes_no_picture_unasked(tmp_path, capsys, monkeypatch):
