@@ -5,6 +5,7 @@ line, exit code 2."""
 import json
 import re
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,11 +13,13 @@ import torch
 from PIL import Image
 
 import pflbed
+from pflbed.algorithms.common import Predictor
 from pflbed.cli import main
 from pflbed.data import load_dataset
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.digits import MEAN, STD
 from pflbed.errors import DataError, PflbedError
+from pflbed.results import trained
 from pflbed.results.trained import load_model
 
 RUN = {"dataset": {"name": "digits"}, "federation": {"clients": 6, "new_clients": 2, "alpha": 0.3},
@@ -102,9 +105,13 @@ def test_personalization_keeps_the_epoch_validation_picks(runs):
     p = run.personalize(x, y, method="ft", epochs=6, lr=0.05, val=val)
     accs = [e["val_acc"] for e in p.epochs]
     assert len(accs) == 6 and p.selected_epoch == 1 + int(np.argmax(accs))  # earliest of the best
+    assert [e["epoch"] for e in p.epochs] == [1, 2, 3, 4, 5, 6] and p.method == "ft" and 0 < p.seconds < 60
+    assert {k: p.info[k] for k in ("run", "algorithm", "samples", "val_samples")} == {
+        "run": str(runs["fedavg"][0]), "algorithm": "fedavg", "samples": 30, "val_samples": 30}
     assert p.accuracy(*val) == pytest.approx(accs[p.selected_epoch - 1])  # the kept model is that epoch's
     last = run.personalize(x, y, method="ft", epochs=6, lr=0.05)
-    assert last.selected_epoch == 6 and "val_acc" not in last.epochs[0]
+    assert last.selected_epoch == 6 and last.epochs == [{"epoch": e} for e in range(1, 7)]
+    assert "lr_val" not in last.info  # one lr: nothing was chosen
     generic = float((run.predict(test[0]) == test[1]).mean())
     assert last.accuracy(*test) > generic  # three classes only: adapting to them must help
 
@@ -304,6 +311,10 @@ def test_a_diverging_personalization_stops_and_says_so_and_a_diverging_lr_is_not
     assert p.lr == 0.05 and p.info["lr_val"]["1e+30"] is None and p.info["lr_val"]["0.05"] >= 0
     assert set(p.info["diverged"]) == {"1e+30"}
     assert all(bool(torch.isfinite(t).all()) for t in p.model.state_dict().values() if t.is_floating_point())
+    nc = nc.model_copy(update={"lrs": [1e30, 1e31]})
+    run.config = run.config.model_copy(update={"eval": run.config.eval.model_copy(update={"new_clients": nc})})
+    with pytest.raises(PflbedError, match=r"^personalizing diverged \(lr 1e\+30 in epoch \d, lr 1e\+31 in epoch \d\)"):
+        run.personalize(x, y, method="ft", epochs=3, val=val)
 
 
 def test_image_files_are_scaled_as_images_for_training_validation_and_scoring(runs, monkeypatch):
@@ -347,6 +358,44 @@ def test_the_api_s_choices_are_the_command_s_and_their_bounds_are_taken(runs, mo
     assert run.personalize(x, y, epochs=100_000, lr=0.05).selected_epoch == 1
     with pytest.raises(PflbedError, match=r"^--method: unknown 'all'; choose native, ft or lp$"):
         run.personalize(x, y, method="all")
+    p = run.personalize(x, y, method="native", epochs=1, lr=0.05)  # the zero-shot model's own checks
+    with pytest.raises(PflbedError, match=r"^test y: labels must be in 0…9"):
+        p.zero_shot_accuracy(x[:2], np.array([0, 10]))
+    with pytest.raises(PflbedError, match=r"^test x: no samples to score$"):
+        p.zero_shot_accuracy(x[:0], y[:0])
+    moved = pflbed.load_run(runs["fedavg"][0], device="auto").config.executor
+    assert moved.device == "auto" and moved.threads == 1  # the device replaced (the run's: cpu), the rest kept
+
+
+def test_the_zero_shot_start_is_the_method_s_for_native_and_the_generic_model_for_ft_and_lp(runs, monkeypatch):
+    """`zero_shot`: where each personalization started — the method's zero-shot model of the new client's data
+    (replaced here by zeros, FedAvg's being its generic model) for native, the generic model for ft and lp. lp
+    trains the head alone (its body stays the generic one), with the run's augmentation for every method."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, _ = _client_samples()
+    generic = run.algo.generic_model(run.server)
+    zeros = Predictor(generic.model, {k: torch.zeros_like(v) for k, v in generic.params.items()})
+    asked, augments = [], []
+    monkeypatch.setattr(run.algo, "zero_shot", lambda server, data: asked.append(data.num_train) or zeros)
+    monkeypatch.setattr(run.algo.ctx, "augment", sentinel := object())
+    real_finetune = trained.finetune_epochs
+
+    def finetune(model, start, data, budget, gen):
+        augments.append(data.augment)
+        yield from real_finetune(model, start, replace(data, augment=None), budget, gen)
+
+    monkeypatch.setattr(trained, "finetune_epochs", finetune)
+    monkeypatch.setattr(run.algo, "personalize", lambda server, data, budget, gen: finetune(
+        run.algo.ctx.model, generic.params, data, budget, gen))  # fmt: skip
+    native = run.personalize(x, y, method="native", epochs=1, lr=0.05)
+    assert asked == [30] and all(not t.any() for t in native.zero_shot.state_dict().values())
+    for method in ("ft", "lp"):
+        p = run.personalize(x, y, method=method, epochs=1, lr=0.05)
+        start = p.zero_shot.state_dict()
+        assert all(torch.equal(start[k], generic.params[k]) for k in generic.params) and asked == [30]
+        moved = {k for k, v in p.model.state_dict().items() if not torch.equal(v, generic.params[k])}
+        assert moved and (moved <= {k for k in moved if k.startswith("blocks.classifier.")}) == (method == "lp")
+    assert augments == [sentinel] * 3
 
 
 def test_a_run_directory_is_loaded_unfinished_and_refused_without_config_or_checkpoint(runs, tmp_path):
