@@ -421,3 +421,16 @@ def test_version_and_data_show_writes_no_picture_unasked(tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     assert main(["data", "show", "--set", "federation.clients=4"]) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_client_of_a_heterogeneous_run_takes_the_architecture_of_the_run_s_held_out_client(tmp_path):
+    """Local with two architectures: a new client is the run's first held-out client, so its personal model is of
+    that client's architecture (heterogeneous methods pick it from the client id)."""
+    path = tmp_path / "het"
+    pflbed.run({**RUN, "algorithm": {"name": "local", "architectures": ["mlp", "lenet5"]},
+                "federation": {"clients": 4, "new_clients": 1}, "train": {"rounds": 1}}, path)  # fmt: skip
+    run = pflbed.load_run(path)
+    (x, y), _, _ = _client_samples()
+    new = run.algo.ctx.federation.new[0]
+    p = run.personalize(x, y, epochs=1, lr=0.05)
+    assert p.model.zoo_name == run.algo.arch_of(new) == "lenet5"
