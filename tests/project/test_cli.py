@@ -149,6 +149,12 @@ def test_out_dir_holding_another_run_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "different config" in err and str(out) in err
     assert (out / "summary.json").read_text() == before
+    for damaged in ("- 1\n", "a: [\n"):  # a config.yaml no run wrote is another config's (a list was a traceback)
+        (out / "config.yaml").write_text(damaged)
+        assert main(["run", *FAST, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"pflbed: error: --out {out}: holds a run of a different config; choose another --out (or " \
+                      "pass --force to replace it)"
 
 
 def test_data_list(capsys):

@@ -122,9 +122,8 @@ def same_config(saved: Path, cfg: Config) -> bool:
     a config key was added (its default then applies) is still the same run; `PLACEMENT` keys are not compared;
     unreadable or invalid: not the same."""
     try:
-        run = yaml.safe_load(saved.read_text()) or {}
-        return _placed_anywhere(run_config(run).to_dict()) == _placed_anywhere(cfg.to_dict())
-    except (OSError, yaml.YAMLError, PflbedError):
+        return _placed_anywhere(run_config(read_config_tree(saved)).to_dict()) == _placed_anywhere(cfg.to_dict())
+    except (OSError, PflbedError):
         return False
 
 

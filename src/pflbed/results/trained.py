@@ -89,22 +89,20 @@ class Personalized:
 
     def accuracy(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor, scale: float | None = None) -> float:
         """Accuracy on raw samples `x` with labels `y`."""
-        assert self.run is not None
-        labels = self.run.labels(y, "test y", len(x))
-        if not len(labels):  # the accuracy of no samples is no number
-            raise PflbedError("test x: no samples to score")
-        return _accuracy(self.model, self.run.inputs(x, scale, "test x"), labels)
+        return self._score(self.model, x, y, scale)
 
     def zero_shot_accuracy(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor,
                            scale: float | None = None) -> float | None:  # fmt: skip
         """Accuracy of the unadapted start (`zero_shot`) on raw samples `x` with labels `y`; None without one."""
-        if self.zero_shot is None:
-            return None
+        return None if self.zero_shot is None else self._score(self.zero_shot, x, y, scale)
+
+    def _score(self, model: torch.nn.Module, x: Any, y: Any, scale: float | None) -> float:
+        """`model`'s accuracy on raw test samples `x` with labels `y`, both checked and named as the test set's."""
         assert self.run is not None
         labels = self.run.labels(y, "test y", len(x))
-        if not len(labels):
+        if not len(labels):  # the accuracy of no samples is no number
             raise PflbedError("test x: no samples to score")
-        return _accuracy(self.zero_shot, self.run.inputs(x, scale, "test x"), labels)
+        return _accuracy(model, self.run.inputs(x, scale, "test x"), labels)
 
     def save(self, out: Path) -> Path:
         """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`."""
