@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -630,8 +631,32 @@ def command_clock(whole_process: bool) -> Callable[[], float]:
     return seconds
 
 
+_TERMINATED: list[bool] = []  # set once this process has been sent SIGTERM
+
+
+def _terminate_as_ctrl_c() -> None:
+    """SIGTERM (`kill`, `timeout`, a scheduler's time limit) stops the command as Ctrl-C does, so its `finally`
+    blocks run: without this, Python dies at once and a `flower local` deployment's SuperLink and SuperNodes, each in
+    a session of its own, run on forever. A later SIGTERM is ignored while that clean-up runs (SIGKILL still ends
+    it); a forked child that inherited this handler dies as SIGTERM would have killed it."""
+    command = os.getpid()
+
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != command:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _TERMINATED.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     clock = command_clock(whole_process=argv is None)  # no argv: this process is the command
+    if argv is None:
+        _terminate_as_ctrl_c()
     args = _parser().parse_args(argv)
     args.clock = clock
     try:
@@ -650,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(f"pflbed: {e.describe() if isinstance(e, Interrupted) else 'interrupted'}", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if _TERMINATED else 130  # as a shell reports the signal that stopped it
     return 0
 
 

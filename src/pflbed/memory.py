@@ -41,6 +41,18 @@ def _bytes(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
+def check_processes(count: int, bytes_each: int, what: str, field: str) -> None:
+    """`ConfigError` naming `field` unless `count` processes of at least `bytes_each` resident bytes each (`what`:
+    "SuperNodes") fit in this machine's memory: started one after another, they would fill it and the operating
+    system's killer, not a message, would end the command."""
+    memory = device_memory(torch.device("cpu"))
+    need = count * bytes_each
+    if memory is not None and need > memory:
+        raise ConfigError(f"{field}: {count:,} {what} need at least {_bytes(need)} of memory ({_bytes(bytes_each)} "
+                          f"each, at rest), more than this machine's {_bytes(memory)}; at most "
+                          f"{memory // bytes_each:,} here")  # fmt: skip
+
+
 def check_fits(parameters: int, device: torch.device, what: str, fields: str) -> None:
     """`ConfigError` naming `fields` unless `ROUND_COPIES` float32 copies of `parameters` fit in `device`'s memory.
     `what` names the network ("pfedhn's hypernetwork"); `fields`, the options that size it."""

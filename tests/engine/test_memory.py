@@ -49,3 +49,17 @@ def test_a_gpu_s_memory_is_that_device_s_and_a_refusal_names_it(monkeypatch):
                                       (16_000, "0.0 MB")])  # fmt: skip
 def test_sizes_are_shown_in_gb_from_a_billion_bytes(n, shown):
     assert memory._bytes(n) == shown
+
+
+@pytest.mark.parametrize("spare, refused", [(0, False), (-1, True)])
+def test_processes_are_refused_only_if_they_exceed_the_machine_s_memory(monkeypatch, spare, refused):
+    """`check_processes`: count × bytes each against the machine's memory, refused past it by one byte; the line
+    says how many would fit."""
+    monkeypatch.setattr(memory, "device_memory", lambda device: 3 * 200 * 10**6 + spare)
+    if not refused:
+        memory.check_processes(3, 200 * 10**6, "SuperNodes", "executor.supernodes")
+        return
+    with pytest.raises(ConfigError, match=r"^executor\.supernodes: 3 SuperNodes need at least 600\.0 MB of memory "
+                                          r"\(200\.0 MB each, at rest\), more than this machine's 600\.0 MB; at most 2 "
+                                          r"here$"):  # fmt: skip
+        memory.check_processes(3, 200 * 10**6, "SuperNodes", "executor.supernodes")

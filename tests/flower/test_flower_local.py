@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pflbed import memory
 from pflbed.cli import main
 from pflbed.config import load_config
 from pflbed.results.checkpoint import checkpoint_round
@@ -34,11 +35,14 @@ ARGS = [a for s in SETS for a in ("--set", s)]
 
 @pytest.mark.deployment
 @pytest.mark.xdist_group("deployments-1")
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deployment(
-    tmp_path, monkeypatch, deployment_mark
+    stop, code, tmp_path, monkeypatch, deployment_mark
 ):
     """The README's TLS command with a relative `--out` (Flower wants absolute certificate paths) runs; Ctrl-C says
-    which round is checkpointed and the deployment's own `--resume` command, which finishes the run as `loop` would."""
+    which round is checkpointed and the deployment's own `--resume` command, which finishes the run as `loop` would.
+    SIGTERM (`kill`, a scheduler's limit) stops it the same way with the shell's code for it: before, Python died at
+    once and the SuperLink and SuperNodes, each in a session of its own, ran on (the resume is Ctrl-C's case only)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     # four rounds, checkpointed each: Ctrl-C lands after round 1's checkpoint with rounds still to run (with two,
     # a busy machine could deliver it after the last round, and the run would simply finish)
@@ -54,14 +58,17 @@ def test_tls_with_a_relative_out_interrupted_by_ctrl_c_then_resumed_on_the_deplo
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
     assert marked_processes(deployment_mark)  # the deployment's processes carry the mark (the check below can fail)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
+    assert not (left := marked_processes(deployment_mark)), left
     rnd = checkpoint_round(tmp_path / "run")
     assert err.strip().splitlines()[-1] == (f"pflbed: interrupted; round {rnd} of 4 is checkpointed in "
                                             "run/checkpoints/last.pt; continue with 'pflbed flower local --resume "
                                             "run --tls'")  # fmt: skip
     assert 1 <= rnd < 4 and not (tmp_path / "run" / "summary.json").exists()
+    if stop == signal.SIGTERM:
+        return
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     assert main(["flower", "local", "--resume", "run", "--tls"]) == 0
@@ -131,3 +138,26 @@ def test_resume_takes_only_a_deployment_run_and_a_finished_one_is_left_alone(tmp
     (done / "summary.json").write_text((out / "summary.json").read_text())
     assert main(["flower", "local", "--resume", str(done)]) == 0
     assert "already finished: nothing to resume" in capsys.readouterr().out
+
+
+def test_supernodes_past_the_clients_or_the_machine_s_memory_are_refused_before_anything_starts(
+    tmp_path, monkeypatch, capsys
+):
+    """`--supernodes 1000000` started SuperNodes (two processes each) until the machine's memory was gone. A node
+    beyond the clients serves none, so more nodes than clients (held-out ones included) is a config error; and the
+    nodes a deployment starts must fit in the machine's memory at rest (here made small), checked before the run
+    directory is written or any process started."""
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(local, "_start", lambda *a, **k: started.append(a))
+    assert main(["flower", "local", "--supernodes", "7", "--out", "run", *ARGS]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pflbed: error: config: executor.supernodes: 7 SuperNodes for 6 clients (node k serves the clients whose id "
+        "is k modulo 7, so 1 would serve none); at most 6")  # fmt: skip
+    load_config(None, [*SETS, "federation.new_clients=1", "executor.name=flower", "executor.supernodes=7"])
+    monkeypatch.setattr(memory, "device_memory", lambda device: 3 * local.NODE_BYTES - 1)
+    assert main(["flower", "local", "--supernodes", "3", "--out", "run", *ARGS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pflbed: error: executor.supernodes (--supernodes): 3 SuperNodes need at least ") and (
+        err.endswith("; at most 2 here")), err  # fmt: skip
+    assert started == [] and list(tmp_path.iterdir()) == []

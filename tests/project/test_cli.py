@@ -3,6 +3,7 @@
 import gzip
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -503,3 +504,32 @@ def test_every_subcommands_help_says_what_it_does(capsys):
         out = capsys.readouterr().out
         assert " ".join(sub.description.split()[:4]) in " ".join(out.split()), path
     assert "never a test one" in _parser()._subparsers._group_actions[0].choices["tune"].description
+
+
+@pytest.mark.parametrize("command", [["run"], ["config"], ["pretrain", "--out", "pre"], ["bench"], ["tune"]])
+@pytest.mark.parametrize("kind", ["binary", "too large", "endless", "a directory"])
+def test_a_config_or_suite_that_is_not_yaml_text_is_one_line(command, kind, tmp_path, monkeypatch, capsys):
+    """Every command reading a config or suite file refuses one that is not YAML text in one line naming it: a
+    binary file was a UnicodeDecodeError traceback (bench, tune), and `-c /dev/zero` read until the machine's
+    memory was gone. The read stops one byte past the limit, so the endless file is refused as the too large one."""
+    from pflbed.config.load import MAX_YAML_BYTES
+
+    monkeypatch.chdir(tmp_path)
+    large = f"larger than {MAX_YAML_BYTES // 2**20} MB; a {{what}} is a YAML text file"
+    path, expected = {
+        "binary": (tmp_path / "b.yaml", "not UTF-8 text (byte 1); a {what} is a YAML text file"),
+        "too large": (tmp_path / "big.yaml", large),
+        "endless": (Path("/dev/zero"), large),
+        "a directory": (tmp_path / "dir", "cannot read {what} (Is a directory)"),
+    }[kind]
+    if kind == "binary":
+        path.write_bytes(b"a\xff\xfe: 1\n")
+    elif kind == "too large":
+        path.write_bytes(b"# " + b"x" * MAX_YAML_BYTES + b"\n")
+    elif kind == "a directory":
+        path.mkdir()
+    what = "suite" if command[0] in ("bench", "tune") else "config"
+    assert main([*command, "-c", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pflbed: error: {path}: {expected.format(what=what)}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"b.yaml", "big.yaml", "dir"} & {path.name})

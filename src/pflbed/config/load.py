@@ -44,21 +44,38 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+MAX_YAML_BYTES = 16 * 2**20  # a config or suite is a page of text; a larger file is the wrong file
+
+
+def read_yaml_file(p: Path, what: str) -> Any:
+    """The YAML tree of the `what` file `p` (a config, a suite); anything that is not YAML text of at most
+    `MAX_YAML_BYTES` is one `ConfigError` naming it. The read is bounded, not the file checked first: `-c <(…)` is a
+    pipe, and `-c /dev/zero` would otherwise fill the memory before any check."""
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read {what} ({e.strerror})") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"{p}: larger than {MAX_YAML_BYTES // 2**20} MB; a {what} is a YAML text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); a {what} is a YAML text file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{p}: invalid YAML{where}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read an optional YAML file, apply overrides and validate, raising `ConfigError` with one line."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read config ({e.strerror})") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{p}: invalid YAML{where}") from None
+        loaded = read_yaml_file(p, "config")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
         tree = loaded or {}

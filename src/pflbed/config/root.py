@@ -43,6 +43,19 @@ class Config(Strict):
                              "use federation.sampling=poisson (the default with privacy)")  # fmt: skip
         return self
 
+    @model_validator(mode="after")
+    def _supernodes(self) -> Config:
+        """A SuperNode serves the clients whose id is its number modulo `executor.supernodes`: past the number of
+        clients a node serves none and only costs memory (in a local deployment, two processes each). Known here
+        under the standard protocol; PFLBED's count of clients depends on the dataset's domains."""
+        n, ex, fed = self.executor.supernodes, self.executor, self.federation
+        clients = fed.clients + fed.new_clients
+        known = ex.name == "flower" and fed.protocol == "standard" and not self.sites.local
+        if n is not None and known and n > clients:
+            raise ValueError(f"executor.supernodes: {n} SuperNodes for {clients} clients (node k serves the clients "
+                             f"whose id is k modulo {n}, so {n - clients} would serve none); at most {clients}")
+        return self
+
     def privacy_randomness(self) -> str:
         """Where privacy's noise and sample come from (`privacy.randomness`): `os` by default in a Flower run,
         whose sites all receive the config and its seed, so that a deployment never draws them from the seed

@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
+from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.results.rundir import read_summary
 
@@ -101,12 +101,7 @@ class Suite(BaseModel):
 
 def read_suite_file(p: Path) -> Any:
     """A suite file's YAML tree; an unreadable or malformed file is one ConfigError naming it."""
-    try:
-        return yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read suite ({e.strerror})") from None
-    except yaml.YAMLError:
-        raise ConfigError(f"{p}: invalid YAML") from None
+    return read_yaml_file(p, "suite")
 
 
 def load_suite(path: str | Path) -> Suite:
