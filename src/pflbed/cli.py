@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
     b.add_argument("-c", "--config", required=True, help="suite YAML file")
-    b.add_argument("--max-cells", type=int, help="run at most N unfinished cells, then write the tables")
-    b.add_argument("--jobs", type=int, default=1, metavar="N",
+    b.add_argument("--max-cells", type=_count, help="run at most N unfinished cells, then write the tables")
+    b.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                    help="run N cells at a time in worker processes with one torch thread each (e.g. N = cores)")
     b.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
                    help="run only every N-th cell starting at the I-th (start N processes, shards 1/N … N/N)")
@@ -61,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                    "study.db in the tune directory)")  # fmt: skip
     u.add_argument("--worker", action="store_true", help="only run trials of the suite's studies in --storage (as "
                    "many workers as machines), then stop; the main `pflbed tune` does the re-runs and the table")
-    u.add_argument("--max-trials", type=int, metavar="N", help="run at most N trials here, then stop (resumable)")
-    u.add_argument("--jobs", type=int, default=1, metavar="N", help="final re-runs: N at a time (as bench --jobs)")
+    u.add_argument("--max-trials", type=_count, metavar="N", help="run at most N trials here, then stop (resumable)")
+    u.add_argument("--jobs", type=_jobs, default=1, metavar="N", help="final re-runs: N at a time (as bench --jobs)")
     u.add_argument("--table-only", action="store_true", help="only (re)write the table and plots")
     f = sub.add_parser("flower", help="run on Flower: a local deployment, or write a Flower app project")
     fa = f.add_subparsers(dest="action", required=True, metavar="{local,app,sites}")
@@ -167,6 +167,28 @@ def _describe(sub: argparse._SubParsersAction) -> None:
                 _describe(action)
 
 
+def _count(text: str) -> int:
+    """A count of cells or trials: 0 or more (a negative one sliced the cells from the end: all but the last ran)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return n
+
+
+def _jobs(text: str) -> int:
+    """Worker processes at a time: 1 to 4 × cores, as `executor.workers` (each holds a torch; a huge N started
+    one per cell until the machine's memory was gone)."""
+    from pflbed.config.base import max_threads
+
+    n = _count(text)
+    if not 1 <= n <= max_threads():
+        raise argparse.ArgumentTypeError(f"must be 1 to {max_threads()} (4 × this machine's cores), got {text!r}")
+    return n
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(v) for v in text.split("/"))
@@ -267,8 +289,6 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
     if not args.table_only:
-        if args.jobs < 1:
-            raise PflbedError("--jobs must be at least 1")
         again = " ".join(["pflbed bench -c", args.config, *(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
                           *(["--shard", "/".join(map(str, args.shard))] if args.shard != (1, 1) else []),
                           *(["--max-cells", str(args.max_cells)] if args.max_cells is not None else [])])
@@ -296,8 +316,6 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     optuna_module()  # a missing Optuna: one line, before anything runs
     tuner = Tuner(suite, out=args.out, storage=args.storage)
     console = make_console()
-    if args.jobs < 1 or (args.max_trials is not None and args.max_trials < 0):
-        raise PflbedError("--jobs must be at least 1 and --max-trials at least 0")
     if args.worker and args.table_only:
         raise PflbedError("--worker runs trials only; --table-only writes the table: give one")
     again = shlex.join(["pflbed", "tune", "-c", args.config, *(x for o in args.overrides for x in ("--set", o)),

@@ -533,3 +533,24 @@ def test_a_config_or_suite_that_is_not_yaml_text_is_one_line(command, kind, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"pflbed: error: {path}: {expected.format(what=what)}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"b.yaml", "big.yaml", "dir"} & {path.name})
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["bench", "--max-cells", "-1"], "argument --max-cells: must be 0 or more, got '-1'"),
+    (["bench", "--max-cells", "x"], "argument --max-cells: expected a whole number, got 'x'"),
+    (["bench", "--jobs", "0"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '0'"),
+    (["bench", "--jobs", "{over}"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '{over}'"),
+    (["tune", "--max-trials", "-2"], "argument --max-trials: must be 0 or more, got '-2'"),
+    (["tune", "--jobs", "{over}"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '{over}'"),
+])  # fmt: skip
+def test_counts_of_cells_trials_and_jobs_are_bounded(argv, expected, tmp_path, capsys):
+    """`--max-cells -1` ran every cell but the last (a slice from the end); `--jobs 100000` started a worker process,
+    each with its torch, per cell until the memory was gone. Both are refused before the suite is read."""
+    from pflbed.config.base import max_threads
+
+    top = max_threads()
+    argv = [a.format(over=top + 1) for a in argv]
+    with pytest.raises(SystemExit, match="2"):
+        main([argv[0], "-c", str(tmp_path / "none.yaml"), *argv[1:]])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(expected.format(top=top, over=top + 1))
+    assert list(tmp_path.iterdir()) == []

@@ -112,8 +112,9 @@ def test_report_paths_may_cross_keys_with_dots():
 
 
 def test_shards_split_the_cells_without_overlap(suite_file, capsys):
-    assert main(["bench", "-c", str(suite_file), "--jobs", "0"]) == 2
-    assert "--jobs must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["bench", "-c", str(suite_file), "--jobs", "0"])
+    assert "argument --jobs: must be 1 to " in capsys.readouterr().err
     bench = Bench(load_suite(suite_file))
     ran = [bench.run(max_cells=None, log=lambda _: None, shard=(k, 3)) for k in (1, 2, 3)]
     assert ran == [3, 3, 3] and bench.pending() == []
