@@ -90,6 +90,16 @@ def test_bad_suites_are_one_line_errors(tmp_path, capsys):
     assert main(["bench", "-c", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "train.epochs: unknown key" in err and "X" in err
+    for seeds, message in (([3, 3], "seeds: each seed once: a repeated seed reruns the same run and counts it twice "
+                                       "in mean ± std (got [3, 3])"),
+                           ([2**63], "seeds.0: Input should be less than or equal to 9223372036854775807")):
+        for where in ("suite", "table"):  # a repeated seed was two cells sharing one run directory, counted twice
+            tables = {"t": {**({"seeds": seeds} if where == "table" else {}), "methods": {"X": {}}}}
+            top = {"seeds": seeds} if where == "suite" else {}
+            bad.write_text(yaml.safe_dump({**SUITE, **top, "tables": tables}))
+            assert main(["bench", "-c", str(bad)]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and message in err, err
 
 
 def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):

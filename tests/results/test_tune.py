@@ -419,6 +419,9 @@ def test_equal_budgets_are_enforced(tmp_path, capsys):
     ({"tune": {"trials": 2}}, "tune.budget: "),
     ({"seeds": [0, 100], "tune": {"budget": 1, "seed": 100}}, "tune.seed: 100 is one of the reported seeds"),
     ({"tune": {"budget": 1, "warmup": 1}}, "tune.warmup: "),
+    ({"seeds": [0, 1, 0]}, "suite.yaml: seeds: each seed once: a repeated seed reruns the same run and counts it "
+     "twice in mean ± std (got [0, 1, 0])"),
+    ({"seeds": [0, -1]}, "suite.yaml: seeds.1: Input should be greater than or equal to 0 (got -1)"),
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.nu": {"low": 1, "high": 2}}}}},
      "methods.P.space.algorithm.nu: "),
     ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "space": {"algorithm.mu": {"low": -1, "high": 1}}}}},

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from pflbed.errors import ConfigError
 
@@ -15,6 +15,16 @@ from pflbed.errors import ConfigError
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
 INT_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
+
+
+def _distinct(seeds: list[int]) -> list[int]:
+    if len(set(seeds)) < len(seeds):
+        raise ValueError("each seed once: a repeated seed reruns the same run and counts it twice in mean ± std")
+    return seeds
+
+
+Seeds = Annotated[list[Annotated[int, Field(ge=0, le=SEED_MAX)]], Field(min_length=1), AfterValidator(_distinct)]
+"""A suite's seeds: each a run seed, each once (its mean ± std is over distinct runs)."""
 SYNTHETIC_MAX_VALUES = 2**28  # generated samples × their size: 1 GiB of float32 (CIFAR-10's size is 2**27.5)
 FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
 

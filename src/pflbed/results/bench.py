@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
+from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.results.rundir import read_summary
@@ -50,7 +51,7 @@ class TableSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     title: str | None = None
     base: dict[str, Any] = Field(default_factory=dict, description="config keys merged over the suite's base")
-    seeds: list[int] | None = Field(None, min_length=1, description="default: the suite's seeds")
+    seeds: Seeds | None = Field(None, description="default: the suite's seeds")
     settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"": {}})
     methods: dict[str, MethodSpec] = Field(min_length=1)
     report: dict[str, str] = Field(default_factory=lambda: {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc"})
@@ -79,7 +80,7 @@ class Suite(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     base: dict[str, Any] = Field(default_factory=dict)
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    seeds: Seeds = Field(default_factory=lambda: [0, 1, 2])
     tables: dict[str, TableSpec] = Field(min_length=1)
     out: str | None = Field(None, description="results directory (default benchmarks/results/<name>)")
 

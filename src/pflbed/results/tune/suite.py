@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.config import _first_error, parse_override, set_dotted, validate_config
+from pflbed.config.base import Seeds
 from pflbed.errors import ConfigError
 from pflbed.results.bench import _merge, _slug, read_suite_file
 
@@ -77,7 +78,7 @@ class TuneSuite(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     base: dict[str, Any] = Field(default_factory=dict)
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    seeds: Seeds = Field(default_factory=lambda: [0, 1, 2])
     tune: TuneSpec
     methods: dict[str, TuneMethod] = Field(min_length=1)
     report: dict[str, str] = Field(default_factory=lambda: {"P-FL": "selected.pfl_acc", "G-FL": "selected.gfl_acc"})
