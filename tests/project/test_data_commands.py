@@ -72,6 +72,7 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
     (["list", "--out", "{out}"], "data list takes no --out"),
     (["list", "{run}"], "data list takes no OUT or RUN"),
     (["export"], "data export needs OUT"),
+    (["export", "/proc/m.json"], "pflbed: error: /proc/m.json: No such file or directory"),  # not the temporary file
 ])  # fmt: skip
 def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
     run = _run_dir(tmp_path / "run", "federation.clients=6", "federation.new_clients=2")
@@ -80,7 +81,7 @@ def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
     paths = {"run": run, "trained": trained, "out": tmp_path / "nc", "participant": participant}
     assert main(["data", *(a.format(**paths) for a in args)]) == 2
     err = capsys.readouterr().err.strip()
-    assert said in err and "\n" not in err and "Traceback" not in err, err
+    assert said.format(**paths) in err and "\n" not in err and "Traceback" not in err, err
 
 
 def test_new_client_replaces_files_only_with_force(tmp_path, capsys):

@@ -79,6 +79,8 @@ def write_manifest(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     try:
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
+    except OSError as e:  # named as the user gave it, not as the temporary file it failed on
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
