@@ -15,6 +15,8 @@ from pflbed.errors import ConfigError
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
 INT_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
+SYNTHETIC_MAX_VALUES = 2**28  # generated samples × their size: 1 GiB of float32 (CIFAR-10's size is 2**27.5)
+FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
 
 
 def _distinct(seeds: list[int]) -> list[int]:
@@ -25,8 +27,6 @@ def _distinct(seeds: list[int]) -> list[int]:
 
 Seeds = Annotated[list[Annotated[int, Field(ge=0, le=SEED_MAX)]], Field(min_length=1), AfterValidator(_distinct)]
 """A suite's seeds: each a run seed, each once (its mean ± std is over distinct runs)."""
-SYNTHETIC_MAX_VALUES = 2**28  # generated samples × their size: 1 GiB of float32 (CIFAR-10's size is 2**27.5)
-FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
 
 
 def max_threads() -> int:
