@@ -13,8 +13,8 @@ from pydantic import Field, field_validator
 from pflbed.config.base import Strict
 
 MODEL_NAMES = (
-    "mlp", "cnn", "lenet5", "cnn_bn", "lenet5_bn", "resnet18", "resnet18_imagenet", "alexnet_small", "shufflenetv2",
-    "resnet18_x025", "alexnet_small_x025", "shufflenetv2_x05",
+    "mlp", "cnn", "lenet5", "cnn_bn", "lenet5_bn", "resnet18", "resnet18_imagenet", "resnet34", "mobilenet_v1",
+    "alexnet_small", "shufflenetv2", "resnet18_x025", "alexnet_small_x025", "shufflenetv2_x05",
 )  # fmt: skip
 
 

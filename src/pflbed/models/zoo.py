@@ -271,6 +271,92 @@ def resnet18_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNe
     return BlockNet(blocks + _resnet_stages(widths, strides, num_classes))
 
 
+# --- FedPer's model families, in its unit of personalization (one block per basic block) ---------------------------
+def _pooled(module: nn.Module) -> nn.Sequential:
+    """`module` followed by the global average pool and the flattening, as one block.
+
+    Why the pool joins the last basic block rather than standing alone (as in `resnet18`): FedPer counts K_P in basic
+    blocks from the top (K_P = 2 is the classifier and the basic block below it), and `BlockNet.top_blocks` counts
+    blocks; a parameter-free pool block would take one of those places. The body's output (`BlockNet.features`)
+    stays the pooled feature vector."""
+    return nn.Sequential(module, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
+def resnet34(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """ResNet-34, CIFAR variant (He et al., CVPR 2016, Table 1's 34-layer network with the CIFAR stem of `resnet18`),
+    one of FedPer's two model families (Arivazhagan et al. 2019, §4.1).
+
+    stem conv3×3(64, stride 1) → BN → ReLU (no max-pool) → 3, 4, 6, 3 `BasicBlock`s of 64/128/256/512 channels, the
+    first of each stage after the first at stride 2 (1×1 conv → BN projection shortcut) → global average pool →
+    linear classifier. 21,282,122 parameters for 3-channel inputs and 10 classes.
+
+    Blocks, in FedPer's unit: stem, layer1_1 … layer1_3, layer2_1 … layer2_4, layer3_1 … layer3_6, layer4_1 …
+    layer4_3 (the 16 basic blocks the paper counts; layer4_3 ends with the global average pool, `_pooled`),
+    classifier (the head). So `algorithm.personal_blocks` K_P = 2 is the paper's "classifier and the immediately
+    preceding basic block" — unlike `resnet18`, whose blocks are whole stages.
+
+    Deviations: the stem takes the data's channel count; the paper does not say which stem it used on CIFAR
+    (torchvision's ImageNet network, with its 7×7 stride-2 stem and max-pool, leaves 1×1 maps at layer4 on 32-px
+    images); this is the common CIFAR adaptation, as in `resnet18`.
+    """
+    c = input_shape[0]
+    stem = nn.Sequential(nn.Conv2d(c, 64, 3, padding=1, bias=False), SafeBatchNorm2d(64), nn.ReLU())
+    blocks: list[tuple[str, nn.Module]] = [("stem", stem)]
+    cin = 64
+    for i, (w, repeats) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True), start=1):
+        for j in range(1, repeats + 1):
+            blocks.append((f"layer{i}_{j}", BasicBlock(cin, w, 2 if i > 1 and j == 1 else 1)))
+            cin = w
+    blocks[-1] = (blocks[-1][0], _pooled(blocks[-1][1]))
+    return BlockNet([*blocks, ("classifier", nn.Linear(cin, num_classes))])
+
+
+class DepthwiseSeparable(nn.Module):
+    """MobileNet-v1's basic block (Howard et al., "MobileNets", arXiv:1704.04861, 2017, Fig. 3 right): a depthwise
+    3×3 conv (stride s) → BN → ReLU, then a pointwise 1×1 conv → BN → ReLU. Convs before BatchNorm have no bias."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Sequential(nn.Conv2d(cin, cin, 3, stride=stride, padding=1, groups=cin, bias=False),
+                                       SafeBatchNorm2d(cin), nn.ReLU())  # fmt: skip
+        self.pointwise = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), SafeBatchNorm2d(cout), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pointwise(self.depthwise(x))
+
+
+# Howard et al. 2017, Table 1: each depthwise-separable block's output channels and stride.
+MOBILENET_V1_BLOCKS = ((64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), *[(512, 1)] * 5, (1024, 2),
+                       (1024, 1))  # fmt: skip
+
+
+def mobilenet_v1(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """MobileNet-v1 ×1.0, CIFAR variant (Howard et al. 2017, Table 1), FedPer's other model family (§4.1).
+
+    stem conv3×3(32, stride 1) → BN → ReLU → 13 `DepthwiseSeparable` blocks (`MOBILENET_V1_BLOCKS`: 64, 128, 128,
+    256, 256, 512, 512 ×5, 1024, 1024 channels; stride 2 at the 2nd, 4th, 6th and 12th) → global average pool →
+    linear classifier. 3,217,226 parameters for 3-channel inputs and 10 classes.
+
+    Blocks, in FedPer's unit: stem, block1 … block13 (block13 ends with the global average pool, `_pooled`),
+    classifier (the head): `algorithm.personal_blocks` K_P = 2 is the classifier and the last basic block.
+
+    Deviations: the stem has stride 1 (the paper's 224-px network starts at stride 2; on 32-px images that would
+    leave 1×1 maps for the last two blocks), so 32-px inputs reach block13 as 2×2 maps; the stem takes the data's
+    channel count. FedPer says MobileNet-v1 has 11 basic blocks; Howard et al.'s Table 1 has 13 depthwise-separable
+    blocks, which this follows (the paper's count is not explained).
+    """
+    c = input_shape[0]
+    blocks: list[tuple[str, nn.Module]] = [
+        ("stem", nn.Sequential(nn.Conv2d(c, 32, 3, padding=1, bias=False), SafeBatchNorm2d(32), nn.ReLU()))
+    ]
+    cin = 32
+    for i, (cout, stride) in enumerate(MOBILENET_V1_BLOCKS, start=1):
+        blocks.append((f"block{i}", DepthwiseSeparable(cin, cout, stride)))
+        cin = cout
+    blocks[-1] = (blocks[-1][0], _pooled(blocks[-1][1]))
+    return BlockNet([*blocks, ("classifier", nn.Linear(cin, num_classes))])
+
+
 # --- KT-pFL's heterogeneous zoo ----------------------------------------------------------------------------------
 def _pool_if_room(size: int) -> tuple[nn.Module, int]:
     """A 2×2 max-pool, or the identity where the map is already 1×1 (so 8×8 inputs survive every pool)."""
@@ -408,6 +494,8 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "lenet5_bn": lenet5_bn,
     "resnet18": resnet18,
     "resnet18_imagenet": resnet18_imagenet,
+    "resnet34": resnet34,
+    "mobilenet_v1": mobilenet_v1,
     "alexnet_small": alexnet_small,
     "shufflenetv2": shufflenetv2,
     # reduced-width variants of KT-pFL's zoo, for heterogeneous federations on CPU budgets

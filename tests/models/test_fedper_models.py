@@ -1,0 +1,86 @@
+"""FedPer's model families (`resnet34`, `mobilenet_v1`): the papers' layouts, and FedPer's unit of personalization —
+one block per basic block, the global pool inside the last one — so that K_P counts basic blocks as §4.3 does."""
+
+import pytest
+import torch
+from torch import nn
+
+from pflbed.algorithms.fedper import FedPer
+from pflbed.config import validate_config
+from pflbed.engine.loop import prepare
+from pflbed.models import build_model
+from pflbed.models.zoo import MOBILENET_V1_BLOCKS, BasicBlock, DepthwiseSeparable
+
+
+def _convs(m: nn.Module) -> list[nn.Conv2d]:
+    return [mod for mod in m.modules() if isinstance(mod, nn.Conv2d)]
+
+
+def test_resnet34_is_3_4_6_3_basic_blocks_one_block_each():
+    m = build_model("resnet34", (3, 32, 32), 10)
+    stages = [("layer1", 3), ("layer2", 4), ("layer3", 6), ("layer4", 3)]
+    names = [f"{s}_{j}" for s, n in stages for j in range(1, n + 1)]
+    assert m.block_names() == ["stem", *names, "classifier"] and len(names) == 16  # the paper's 16 basic blocks
+    assert m.head_blocks() == ["classifier"]
+    units = [m.blocks[n] if isinstance(m.blocks[n], BasicBlock) else m.blocks[n][0] for n in names]
+    assert all(isinstance(u, BasicBlock) for u in units)
+    assert [u.conv1.stride[0] for u in units] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1, 2, 1, 1]
+    assert [u.conv2.out_channels for u in units] == [64] * 3 + [128] * 4 + [256] * 6 + [512] * 3
+    assert [n for n, u in zip(names, units, strict=True) if not isinstance(u.shortcut, nn.Identity)] == [
+        "layer2_1", "layer3_1", "layer4_1"]  # fmt: skip
+    stem = _convs(m.blocks["stem"])[0]
+    assert stem.kernel_size == (3, 3) and stem.stride == (1, 1)  # the CIFAR stem, no max-pool
+    assert not any(isinstance(mod, nn.MaxPool2d) for mod in m.modules())
+    assert sum(p.numel() for p in m.parameters()) == 21_282_122  # CIFAR ResNet-34, 10 classes
+    assert m.features(torch.zeros(2, 3, 32, 32)).shape == (2, 512)  # pooled inside layer4_3
+
+
+def test_mobilenet_v1_is_howards_table_1_one_block_per_depthwise_separable_block():
+    m = build_model("mobilenet_v1", (3, 32, 32), 10)
+    names = [f"block{i}" for i in range(1, 14)]
+    assert m.block_names() == ["stem", *names, "classifier"]
+    units = [m.blocks[n] if isinstance(m.blocks[n], DepthwiseSeparable) else m.blocks[n][0] for n in names]
+    assert all(isinstance(u, DepthwiseSeparable) for u in units)
+    dw, pw = [u.depthwise[0] for u in units], [u.pointwise[0] for u in units]
+    assert all(c.groups == c.in_channels == c.out_channels and c.kernel_size == (3, 3) for c in dw)
+    assert all(c.kernel_size == (1, 1) and c.groups == 1 for c in pw)
+    assert [(c.out_channels, d.stride[0]) for c, d in zip(pw, dw, strict=True)] == list(MOBILENET_V1_BLOCKS)
+    assert [c for c, _ in MOBILENET_V1_BLOCKS] == [64, 128, 128, 256, 256, 512, 512, 512, 512, 512, 512, 1024, 1024]
+    assert all(c.bias is None for c in _convs(m))  # each conv feeds a BatchNorm
+    assert _convs(m.blocks["stem"])[0].stride == (1, 1)
+    assert sum(p.numel() for p in m.parameters()) == 3_217_226  # MobileNet-v1 ×1.0 at 3 channels, 10 classes
+    assert m.features(torch.zeros(2, 3, 32, 32)).shape == (2, 1024)
+
+
+@pytest.mark.parametrize(("model", "last"), [("resnet34", "layer4_3"), ("mobilenet_v1", "block13")])
+def test_fedpers_k_p_2_is_the_classifier_and_the_basic_block_below_it(model, last):
+    """§4.1: "the classifier layer and the immediately preceding basic block were used as personalization layers"
+    (K_P = 2). A pool standing as a block of its own would take the second place and leave K_P = 2 the classifier
+    alone; K_P = 3 adds the next basic block down."""
+    def personal(k):
+        cfg = validate_config({"dataset": {"name": "synthetic", "synthetic": {"shape": [3, 8, 8], "n_train": 60,
+                                                                              "n_test": 20}},
+                               "model": {"name": model}, "federation": {"clients": 2},
+                               "algorithm": {"name": "fedper", "personal_blocks": k}})  # fmt: skip
+        algo = prepare(cfg)
+        assert isinstance(algo, FedPer)
+        return algo, {k.split(".")[1] for k in algo.personal_keys}
+
+    algo, two = personal(2)
+    assert two == {last, "classifier"}
+    m = algo.ctx.model
+    own = {k for k in m.state_dict() if k.split(".")[1] in (last, "classifier")}
+    assert set(algo.personal_keys) == own and any(".bn" in k or ".1.running_mean" in k for k in own)
+    below = m.block_names()[-3]
+    assert personal(3)[1] == {below, last, "classifier"}
+
+
+@pytest.mark.parametrize("model", ["resnet34", "mobilenet_v1"])
+def test_the_fedper_families_train_on_a_batch_of_one_at_8_px(model):
+    """At 8 px the last blocks see 1×1 maps: a batch of one sample is normalized with the running statistics
+    (`SafeBatchNorm2d`) and the step stays finite."""
+    torch.manual_seed(0)
+    m = build_model(model, (1, 8, 8), 10)
+    loss = nn.functional.cross_entropy(m(torch.randn(1, 1, 8, 8)), torch.tensor([3]))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
