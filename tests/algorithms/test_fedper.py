@@ -213,3 +213,22 @@ def test_personal_models_declare_a_shared_body_only_when_k_p_is_the_head():
         assert len(keys) == 1 and None not in keys
         other = dict(server)
         assert algo.personal_model(other, algo.init_client(0)).feature_key not in keys
+
+
+@pytest.mark.parametrize(("name", "option"), [("fedper", "personal_blocks"), ("lg_fedavg", "global_blocks")])
+def test_a_split_whose_lowest_block_holds_no_parameters_is_refused_naming_the_values_that_differ(name, option):
+    """On `resnet18_x025` (blocks stem, layer1–layer4, pool, classifier), 2 top blocks are pool + classifier: the
+    same parameters as 1. Refused, naming 1 and 3; 1 and 3 split the state differently, and FedDBE's head_blocks,
+    which places the representation rather than splitting the state, still takes 2."""
+    def build(algorithm, **opts):
+        return prepare(validate_config({**TINY, "model": {"name": "resnet18_x025"},
+                                        "algorithm": {"name": algorithm, **opts}}))  # fmt: skip
+
+    with pytest.raises(ConfigError, match=rf"^algorithm\.{option}: block 'pool', the lowest of the top 2, holds no "
+                       r"parameters, so 2 splits the model as 1 does; choose 1 or 3$"):  # fmt: skip
+        build(name, **{option: 2})
+    one, three = build(name, **{option: 1}), build(name, **{option: 3})
+    keys = "personal_keys" if name == "fedper" else "global_keys"
+    added = set(getattr(three, keys)) - set(getattr(one, keys))
+    assert added and all(k.startswith("blocks.layer4.") for k in added)
+    assert build("feddbe", head_blocks=2).head == ["pool", "classifier"]

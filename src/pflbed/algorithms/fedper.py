@@ -5,8 +5,9 @@ Model (Eq. 1): ŷ = f(x; W_B, W_Pj) — K_B shared *base* layers followed by K_P
 client j. K_P counts blocks from the top (§4.3: K_P = 1 is the classifier alone, K_P = 2 adds the block below it).
 The paper counts basic blocks of ResNet-34 and MobileNet-v1 (§4.1); the zoo's `resnet34` and `mobilenet_v1` are
 built in that unit (a block per basic block), so there `personal_blocks` is the paper's K_P; on other models a
-block is the model's own (a layer of `cnn`; a whole stage of `resnet18`, whose parameter-free `pool` block
-counts too, so there K_P = 2 keeps no more than K_P = 1).
+block is the model's own (a layer of `cnn`, a whole stage of `resnet18`). A K_P whose lowest block holds no
+parameters (`resnet18`'s `pool`: K_P = 2 there) would split the model as K_P − 1 does and is refused, naming
+the nearest values that differ (`partial.split_top`).
 
 Client j, round k (Algorithm 1): receive W_B^(k-1); (W_B,j^(k), W_Pj^(k)) ← SGD_j(W_B^(k-1), W_Pj^(k-1), η) — e
 epochs of mini-batch SGD on *both* parts from the client's own data; send W_B,j^(k) only.
@@ -69,7 +70,7 @@ class FedPer(Algorithm):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         m = ctx.model
-        self.personal, self.base = split_top(m, self.opts.personal_blocks, "personal_blocks")
+        self.personal, self.base = split_top(m, self.opts.personal_blocks, "personal_blocks", splits_state=True)
         # With K_P = the head, every client's body is the server base: evaluation computes its features once.
         self.shared_body = self.personal == m.head_blocks()
         self.personal_keys = m.state_keys(self.personal)

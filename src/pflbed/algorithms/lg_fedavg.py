@@ -15,7 +15,8 @@ Options (`algorithm.<key>`):
   (the classifier end) and never the first — sharing the first layers is the opposite method (FedPer/FedRep-style)
   and a known trap of peer libraries (REFERENCE.md). Default 1 (the classifier) because it is the one block that is
   "the top" in every zoo model. The official MNIST run keeps the top 3 of its 5-layer MLP global
-  (`--num_layers_keep 3`); on the 3-block `mlp` the closest split is `global_blocks: 2`.
+  (`--num_layers_keep 3`); on the 3-block `mlp` the closest split is `global_blocks: 2`. A value whose lowest block
+  holds no parameters (`resnet18`'s `pool`: 2 there) would split the model as one fewer does, and is refused.
 - `lp` (default "local"): what a *new* client trains under `budget.method == "lp"` — see below.
 
 Interpretations and deviations:
@@ -71,7 +72,7 @@ class LGFedAvg(Algorithm):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         m = ctx.model
-        self.global_, self.local = split_top(m, self.opts.global_blocks, "global_blocks")
+        self.global_, self.local = split_top(m, self.opts.global_blocks, "global_blocks", splits_state=True)
         self.global_keys, self.local_keys = m.state_keys(self.global_), m.state_keys(self.local)
 
     def init_server(self) -> Tensors:

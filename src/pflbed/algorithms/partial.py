@@ -22,13 +22,24 @@ if TYPE_CHECKING:
     from pflbed.config import TrainConfig  # annotations only
 
 
-def split_top(model: BlockNet, k: int, option: str) -> tuple[list[str], list[str]]:
-    """(top k blocks, the rest); a one-line config error unless both parts are non-empty."""
-    n = len(model.block_names())
+def split_top(model: BlockNet, k: int, option: str, splits_state: bool = False) -> tuple[list[str], list[str]]:
+    """(top k blocks, the rest); a one-line config error unless both parts are non-empty.
+
+    `splits_state`: the option only decides which parameters and buffers sit on which side (FedPer's personal
+    layers, LG-FedAvg's global ones). Then a k whose lowest block holds none (`resnet18`'s `pool`) is refused: it
+    splits the state as k − 1 does, so a sweep over k would silently run one setting twice under two names."""
+    names = model.block_names()
+    n = len(names)
     if not 1 <= k < n:
         raise ConfigError(f"algorithm.{option}: the model has {n} blocks; choose 1 to {n - 1} (got {k})")
     top = model.top_blocks(k)
-    return top, [b for b in model.block_names() if b not in top]
+    if splits_state and not model.state_keys([top[0]]):
+        holding = [j for j in range(1, n) if model.state_keys([names[n - j]])]
+        near = [j for j in (max((j for j in holding if j < k), default=None),
+                            min((j for j in holding if j > k), default=None)) if j is not None]  # fmt: skip
+        raise ConfigError(f"algorithm.{option}: block {top[0]!r}, the lowest of the top {k}, holds no parameters, so "
+                          f"{k} splits the model as {k - 1} does; choose {' or '.join(map(str, near))}")  # fmt: skip
+    return top, [b for b in names if b not in top]
 
 
 def block_params(model: BlockNet, blocks: Iterable[str]) -> list[nn.Parameter]:
