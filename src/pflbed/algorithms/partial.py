@@ -37,8 +37,9 @@ def split_top(model: BlockNet, k: int, option: str, splits_state: bool = False) 
         holding = [j for j in range(1, n) if model.state_keys([names[n - j]])]
         near = [j for j in (max((j for j in holding if j < k), default=None),
                             min((j for j in holding if j > k), default=None)) if j is not None]  # fmt: skip
+        choose = " or ".join(map(str, near)) or "another model"  # none: only a model of stateless blocks
         raise ConfigError(f"algorithm.{option}: block {top[0]!r}, the lowest of the top {k}, holds no parameters, so "
-                          f"{k} splits the model as {k - 1} does; choose {' or '.join(map(str, near))}")  # fmt: skip
+                          f"{k} splits the model as {k - 1} does; choose {choose}")  # fmt: skip
     return top, [b for b in names if b not in top]
 
 
