@@ -235,6 +235,31 @@ def make_femnist_all_data(root: Path, users: int = 6, per_user: int = 12, files:
     return d
 
 
+# --- FLICKR-AES (the authors' ratings CSV and 40K/ image folder) ----------------------------------------------
+
+
+def flickr_colour(image: int) -> tuple[int, int, int]:
+    """Image `image`'s colour: its index in the red and green channels (up to 65,535 images)."""
+    return (image % 256, image // 256, 77)
+
+
+def make_flickr_aes(root: Path, ratings: dict[str, list[tuple[int, int]]], size: int = 4,
+                    extra_images: tuple[int, ...] = ()) -> Path:  # fmt: skip
+    """`root/FLICKR-AES_image_labeled_by_each_worker.csv` and `root/40K/`: `ratings` maps a worker id to its
+    (image index, score) pairs; image i is `farm1_<i>_flickr.jpg`, one colour (`flickr_colour`), PNG bytes under the
+    .jpg name (lossless: exact pixels; Pillow reads by content). The header and fields carry the published file's
+    spaces after the commas."""
+    images = root / "40K"
+    images.mkdir(parents=True, exist_ok=True)
+    lines = ["worker, imagePair, score"]
+    for worker, pairs in ratings.items():
+        lines += [f"{worker}, farm1_{i}_flickr.jpg, {score}" for i, score in pairs]
+    (root / "FLICKR-AES_image_labeled_by_each_worker.csv").write_text("\n".join(lines) + "\n")
+    for i in sorted({i for pairs in ratings.values() for i, _ in pairs} | set(extra_images)):
+        Image.new("RGB", (size, size), flickr_colour(i)).save(images / f"farm1_{i}_flickr.jpg", format="PNG")
+    return root
+
+
 # --- Tiny ImageNet -------------------------------------------------------------------------------------------
 
 

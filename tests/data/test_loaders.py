@@ -1,5 +1,5 @@
-"""File-format loaders (CIFAR, CIFAR-10-C, MNIST, EMNIST, FEMNIST, Tiny ImageNet, miniImageNet, Office-Home /
-PACS / DomainNet) on small files written in each published format (`tests/data_formats.py`).
+"""File-format loaders (CIFAR, CIFAR-10-C, MNIST, EMNIST, FEMNIST, FLICKR-AES, Tiny ImageNet, miniImageNet,
+Office-Home / PACS / DomainNet) on small files written in each published format (`tests/data_formats.py`).
 
 The fixtures' pixels encode what they are (label, row, column, channel, severity, writer), so a loader that
 swaps channels, transposes, mislabels or shifts a split fails here. Downloads go to `file://` mirrors only.
@@ -26,7 +26,7 @@ from pflbed.data import (
     store,
     tinyimagenet,
 )
-from pflbed.data.arrays import DataSource
+from pflbed.data.arrays import DataSource, held_out
 from pflbed.data.safepickle import load_pickle
 from pflbed.errors import DataError
 
@@ -348,6 +348,97 @@ def test_femnist_truncated_shard_is_named(env: Path) -> None:
     one_line_naming(info, shard)
 
 
+# --- FLICKR-AES ------------------------------------------------------------------------------------------------
+
+
+def _flickr_ratings() -> dict[str, list[tuple[int, int]]]:
+    """Four workers at and just past FedPer's bounds (60 and 290 ratings kept; 59 and 291 left out) over a pool of
+    300 images, so images are shared and rated differently: worker k scores image i (k + i) % 5 + 1. W60 rates
+    image 0 a second time, last, with another score: a repeated rating is no new sample, and the first one counts."""
+    counts = {"W60": 60, "A290": 290, "B59": 59, "Z291": 291}
+    rank = {"A290": 0, "B59": 1, "W60": 2, "Z291": 3}
+    ratings = {w: [(i, (rank[w] + i) % 5 + 1) for i in range(n)] for w, n in counts.items()}
+    ratings["W60"].append((0, 5))
+    return ratings
+
+
+def test_flickr_aes_samples_are_ratings_of_the_workers_with_60_to_290(env: Path) -> None:
+    """Each kept rating is one sample: the image (its own pixels, upright), its rater's score − 1, its rater as the
+    user; workers outside 60–290 ratings are left out; 10 % of each worker's ratings (seeded) form `test`."""
+    fx.make_flickr_aes(env, _flickr_ratings())
+    source = load_dataset("flickr-aes", path=env, image_size=4)
+    assert source.user_names == ("A290", "W60") and source.num_classes == 5
+    assert source.input_shape == (3, 4, 4)
+    splits = (source.train, source.test)
+    sizes = {u: [int((s.user == k).sum()) for s in splits] for k, u in enumerate(source.user_names)}
+    assert sizes == {"A290": [261, 29], "W60": [54, 6]}  # round(10 %) of each worker's ratings held out
+    for split in (source.train, source.test):
+        px = raw(source, split.x)
+        image = px[:, 0, 0, 0].astype(np.int64) + 256 * px[:, 1, 0, 0].astype(np.int64)
+        assert (px[:, 2] == 77).all() and (px == px[:, :, :1, :1]).all()  # each sample one flat image
+        rank = np.where(split.user.numpy() == 0, 0, 2)  # A290 scores with rank 0, W60 with rank 2
+        assert np.array_equal(split.y.numpy(), (rank + image) % 5)  # its own worker's score of that image − 1
+    for k, n in ((0, 290), (1, 60)):  # every rating of a kept worker, each once
+        mine = [raw(source, s.x[s.user == k])[:, :2, 0, 0].astype(np.int64) for s in (source.train, source.test)]
+        seen = np.concatenate(mine) @ np.array([1, 256])
+        assert sorted(seen.tolist()) == list(range(n))
+    for k, n in ((0, 290), (1, 60)):  # held out: the worker's own seeded draw (its rank's stream), by file order
+        px = raw(source, source.test.x[source.test.user == k])[:, :2, 0, 0].astype(np.int64)
+        assert sorted((px @ np.array([1, 256])).tolist()) == np.flatnonzero(held_out(n, 0.1, 0, k)).tolist()
+    assert not np.array_equal(np.flatnonzero(held_out(290, 0.1, 0, 0)), np.arange(29))  # at random, not the first
+    assert load_dataset("flickr-aes", path=env, image_size=4) is source
+
+
+def test_flickr_aes_workers_are_the_clients_of_a_natural_partition(env: Path) -> None:
+    from pflbed.config import FederationConfig
+    from pflbed.federation import build_federation
+
+    fx.make_flickr_aes(env, _flickr_ratings())
+    source = load_dataset("flickr-aes", path=env, image_size=4)
+    fed = build_federation(source, FederationConfig(partition="natural", clients=2, test_fraction=0.2), seed=0)
+    owners = [set(source.train.user[torch.cat([c.train, c.val, c.test])].tolist()) for c in fed.clients]
+    assert owners == [{0}, {1}]
+    assert all(abs(len(c.test) - 0.2 * n) <= 1 for c, n in zip(fed.clients, (261, 54), strict=True))  # FedPer's 20 %
+
+
+def test_flickr_aes_images_only_left_out_workers_rated_are_never_opened(env: Path) -> None:
+    ratings = _flickr_ratings()
+    ratings["Z291"][-1] = (999, 3)
+    fx.make_flickr_aes(env, ratings)
+    (env / "40K" / "farm1_999_flickr.jpg").write_bytes(b"not an image")
+    assert len(load_dataset("flickr-aes", path=env, image_size=4).train) == 261 + 54
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.replace("worker, imagePair, score", "worker,image,score"), r":1: expected the header worker, "),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg, 6"), r":\d+: score must be an "
+     "integer 1–5, got '6'"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, ../farm1_0_flickr.jpg, 3"), r":\d+: the image must be "
+     r"a file name in 40K/, got '\.\./farm1_0_flickr\.jpg'"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg"), r":\d+: expected <worker>, "),
+])  # fmt: skip
+def test_flickr_aes_bad_ratings_file_is_one_line_naming_file_and_line(env: Path, edit, message) -> None:
+    fx.make_flickr_aes(env, _flickr_ratings())
+    csv_file = env / "FLICKR-AES_image_labeled_by_each_worker.csv"
+    csv_file.write_text(edit(csv_file.read_text()))
+    with pytest.raises(DataError, match=message) as info:
+        load_dataset("flickr-aes", path=env, image_size=4)
+    one_line_naming(info, csv_file)
+
+
+def test_flickr_aes_missing_image_or_no_worker_in_range_is_one_line(env: Path) -> None:
+    fx.make_flickr_aes(env, _flickr_ratings())
+    (env / "40K" / "farm1_7_flickr.jpg").unlink()
+    with pytest.raises(DataError, match="no such file") as info:
+        load_dataset("flickr-aes", path=env, image_size=4)
+    one_line_naming(info, env / "40K" / "farm1_7_flickr.jpg")
+    shutil.rmtree(env / "40K")
+    fx.make_flickr_aes(env, {"B59": _flickr_ratings()["B59"]})
+    with pytest.raises(DataError, match="no worker has 60 to 290 ratings") as info:
+        load_dataset("flickr-aes", path=env, image_size=4)
+    one_line_naming(info, env / "FLICKR-AES_image_labeled_by_each_worker.csv")
+
+
 # --- Tiny ImageNet, miniImageNet --------------------------------------------------------------------------------
 
 
@@ -449,7 +540,7 @@ def test_data_list_finds_each_fixture_or_says_how_to_get_it(env: Path, monkeypat
     monkeypatch.setattr(store, "_download", lambda *a, **k: pytest.fail("network used"))
     rows = {r["name"]: r for r in describe_datasets()}
     for name in ("cifar10", "cifar100", "cifar10c", "mnist", "emnist", "femnist", "tinyimagenet", "miniimagenet",
-                 "officehome", "pacs", "domainnet"):  # fmt: skip
+                 "officehome", "pacs", "domainnet", "flickr-aes"):  # fmt: skip
         assert rows[name]["location"].startswith("not found: ") and rows[name]["error"] is None, rows[name]
     assert "dataset.download=true" in rows["cifar10"]["location"] and "LEAF" in rows["femnist"]["location"]
     data = env / "data"
@@ -462,6 +553,7 @@ def test_data_list_finds_each_fixture_or_says_how_to_get_it(env: Path, monkeypat
     fx.make_tinyimagenet(data / "tinyimagenet", size=8)
     fx.make_miniimagenet(data / "miniimagenet", per_class=6, side=4)
     make_named_tree(data / "pacs" / "PACS", ("photo", "sketch"), 7)
+    fx.make_flickr_aes(data / "flickr-aes" / "flickr", _flickr_ratings())
     monkeypatch.setenv("PFLBED_DATA", str(data))
     rows = {r["name"]: r for r in describe_datasets()}
     assert rows["cifar10"]["location"] == str(data / "cifar10" / "cifar-10-batches-py")
@@ -471,6 +563,8 @@ def test_data_list_finds_each_fixture_or_says_how_to_get_it(env: Path, monkeypat
     assert (rows["emnist"]["train"], rows["emnist"]["test"]) == (60, 30) and "balanced" in rows["emnist"]["domains"]
     assert (rows["tinyimagenet"]["train"], rows["tinyimagenet"]["test"]) == (18, 9)
     assert rows["pacs"]["domains"] == "photo, sketch" and rows["pacs"]["train"] == 14
+    assert rows["flickr-aes"]["location"] == str(data / "flickr-aes" / "flickr")
+    assert rows["flickr-aes"]["domains"] == "350 ratings by 2 workers with 60–290 ratings (users)"
     for name in ("femnist", "miniimagenet"):
         assert rows[name]["location"].startswith(str(data / name)), rows[name]
     assert set(rows) >= set(DATASETS)

@@ -25,9 +25,9 @@ from ..models.test_imagenet_resnet import imagenet_layout
 SEEDS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "seeds"
 CONFIGS = sorted(SEEDS.glob("*.yaml"))
 EXPECTED = {
-    "fedper_cifar10", "fedper_cifar100", "fedrod_cifar10_dir01", "fedrod_cifar10_dir03", "ktpfl_emnist",
-    "ktpfl_cifar10", "fedselect_cifar10", "fedselect_cifar10c", "fedselect_miniimagenet", "fedselect_officehome",
-    "fedbasis_pacs", "fedbasis_officehome",
+    "fedper_cifar10", "fedper_cifar100", "fedper_flickr_aes", "fedrod_cifar10_dir01", "fedrod_cifar10_dir03",
+    "ktpfl_emnist", "ktpfl_cifar10", "fedselect_cifar10", "fedselect_cifar10c", "fedselect_miniimagenet",
+    "fedselect_officehome", "fedbasis_pacs", "fedbasis_officehome",
 }  # fmt: skip
 
 # What every smoke run changes: one round, one epoch, evaluation and personalization budgets of one, on the CPU
@@ -47,6 +47,7 @@ HOLDOUT = ["federation.pflbed.val=0.25", "federation.pflbed.test=0.25"]
 OVERRIDES = {
     "fedper_cifar10": ["federation.clients=4"],
     "fedper_cifar100": ["federation.clients=4"],
+    "fedper_flickr_aes": ["federation.clients=2", "dataset.image_size=8"],
     "fedrod_cifar10_dir01": ["federation.clients=4"],
     "fedrod_cifar10_dir03": ["federation.clients=4"],
     "ktpfl_emnist": ["federation.clients=4", "federation.public=8", "algorithm.public_batch=8"],
@@ -85,6 +86,9 @@ WRITERS = {
     # give its two clients their 10 samples each
     "officehome": lambda root, cfg: fx.make_domain_tree(root, ("Art",), 65, per_class=4),
     "pacs": lambda root, cfg: fx.make_domain_tree(root, ("art_painting", "photo"), 7, per_class=12),
+    # three workers of 60, 75 and 90 ratings (kept) and one of 59 (left out) over 120 images
+    "flickr-aes": lambda root, cfg: fx.make_flickr_aes(root, {f"W{n}": [(i, i % 5 + 1) for i in range(n)]
+                                                              for n in (59, 60, 75, 90)}),  # fmt: skip
 }
 
 

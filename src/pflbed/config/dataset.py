@@ -80,7 +80,7 @@ class DatasetConfig(Strict):
     name: Literal[
         "fmnist", "digits", "synthetic", "fmnist-rot4", "digits-rot4", "folder",
         "cifar10", "cifar100", "cifar10c", "mnist", "emnist", "femnist", "tinyimagenet", "miniimagenet",
-        "officehome", "pacs", "domainnet", "hf",
+        "officehome", "pacs", "domainnet", "flickr-aes", "hf",
     ] = Field("digits", description="the dataset (Datasets in the user guide; `pflbed data list` says which are "
                                     "found where)")  # fmt: skip
     path: str | None = Field(None, description="directory with the dataset files; overrides the look-up")
@@ -96,8 +96,9 @@ class DatasetConfig(Strict):
     domains: list[str] | None = Field(
         None, description="transform domains, e.g. [rot0, rot90, rot180, rot270] or [clean, noise, blur, invert]"
     )
-    image_size: int = Field(32, ge=1, le=4096, description="folder, officehome, pacs, domainnet, tinyimagenet: images "
-                            "are resized to this square size (unset for tinyimagenet: its native 64)")  # fmt: skip
+    image_size: int = Field(32, ge=1, le=4096, description="folder, officehome, pacs, domainnet, tinyimagenet, "
+                            "flickr-aes: images are resized to this square size (unset for tinyimagenet: its native "
+                            "64)")  # fmt: skip
     augment: list[Literal["crop", "flip"]] = Field(
         default_factory=list, description="training mini-batches of client data: crop (random crop with 4-pixel "
         "padding), flip (random horizontal flip); none or [] for no augmentation (pflbed.data.augment)"

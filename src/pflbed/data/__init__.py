@@ -23,6 +23,7 @@ from pflbed.data.domains import BUILTIN as BUILTIN_DOMAINS
 from pflbed.data.domains import with_domains
 from pflbed.data.emnist import load_emnist
 from pflbed.data.femnist import load_femnist
+from pflbed.data.flickr_aes import load_flickr_aes
 from pflbed.data.fmnist import HOW_TO_GET as FMNIST_HOW_TO_GET
 from pflbed.data.fmnist import download_fmnist, find_fmnist, fmnist_sizes, load_fmnist
 from pflbed.data.folders import describe_domain_folders, load_domain_folders
@@ -67,13 +68,14 @@ DATASETS: dict[str, Callable[..., DataSource]] = {
     "officehome": load_officehome,
     "pacs": load_pacs,
     "domainnet": load_domainnet,
+    "flickr-aes": load_flickr_aes,
     "hf": load_hf,
 }
 
 # `dataset` config fields passed to the loaders that take them (when set): dataset-specific options.
 LOADER_OPTIONS = ("label", "corruptions", "severity", "split")
 # Datasets whose images `dataset.image_size` resizes.
-SIZED = ("folder", *NAMED_FOLDERS, "tinyimagenet")
+SIZED = ("folder", *NAMED_FOLDERS, "tinyimagenet", "flickr-aes")
 
 
 def _check_name(name: str) -> Callable[..., DataSource]:

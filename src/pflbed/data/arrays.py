@@ -104,3 +104,13 @@ class DataSource:
             flat = split.x.reshape(len(split), math.prod(split.x.shape[1:]))
             h.update(flat[:, :: max(1, flat.shape[1] // 7)].cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+def held_out(n: int, fraction: float, seed: int, rank: int) -> np.ndarray:
+    """Which of a user's `n` samples (in their order) a loader holds out as its test split: round(fraction · n)
+    of them, at least one when the user has two or more and never all, drawn from the stream of (`seed`, the
+    user's `rank` among the sorted user ids) — so the split is fixed by the data alone, the same on every machine."""
+    k = min(max(round(fraction * n), 1 if n >= 2 else 0), n - 1) if n else 0
+    mask = np.zeros(n, dtype=bool)
+    mask[np.random.default_rng([seed, rank]).permutation(n)[:k]] = True
+    return mask

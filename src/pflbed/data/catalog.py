@@ -8,7 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pflbed.data import cifar, cifar10c, digits, emnist, femnist, miniimagenet, mnist, named_folders, tinyimagenet
+from pflbed.data import (
+    cifar,
+    cifar10c,
+    digits,
+    emnist,
+    femnist,
+    flickr_aes,
+    miniimagenet,
+    mnist,
+    named_folders,
+    tinyimagenet,
+)
 from pflbed.data.tinyimagenet import scan as scan_tiny
 
 PathArg = str | os.PathLike[str] | None
@@ -77,6 +88,17 @@ def _tiny(path: PathArg) -> dict[str, Any]:
     return _row(found, "", train=len(train), test=len(val))
 
 
+def _flickr(path: PathArg) -> dict[str, Any]:
+    """Where the ratings file is and how many workers it holds that the loader keeps; no image is opened."""
+    found = flickr_aes.find_flickr_aes(path)
+    if found is None:
+        return _row(None, flickr_aes.HOW_TO_GET)
+    rows = flickr_aes.selected(flickr_aes.read_ratings(found))
+    workers = len({w for w, _, _ in rows})
+    return _row(found, "", domains=f"{len(rows)} ratings by {workers} workers with {flickr_aes.MIN_RATINGS}–"
+                f"{flickr_aes.MAX_RATINGS} ratings (users)")  # fmt: skip
+
+
 def _mini(path: PathArg) -> dict[str, Any]:
     return _row(miniimagenet.find_miniimagenet(path), miniimagenet.HOW_TO_GET)
 
@@ -102,5 +124,6 @@ DESCRIBE: dict[str, Callable[[PathArg], dict[str, Any]]] = {
     "femnist": _femnist,
     "tinyimagenet": _tiny,
     "miniimagenet": _mini,
+    "flickr-aes": _flickr,
     **{name: _named(name) for name in named_folders.BENCHMARKS},
 }

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pflbed.data import store
-from pflbed.data.arrays import ArrayDataset, DataSource
+from pflbed.data.arrays import ArrayDataset, DataSource, held_out
 from pflbed.errors import DataError
 
 NAME, TITLE = "femnist", "FEMNIST"
@@ -123,10 +123,7 @@ def _split_users(users: dict[str, tuple[np.ndarray, np.ndarray]]):
     train, test = {}, {}
     for rank, u in enumerate(sorted(users)):
         x, y = users[u]
-        n = len(y)
-        k = min(max(round(TEST_FRACTION * n), 1 if n >= 2 else 0), n - 1) if n else 0
-        is_test = np.zeros(n, dtype=bool)
-        is_test[np.random.default_rng([SPLIT_SEED, rank]).permutation(n)[:k]] = True
+        is_test = held_out(len(y), TEST_FRACTION, SPLIT_SEED, rank)
         train[u], test[u] = (x[~is_test], y[~is_test]), (x[is_test], y[is_test])
     return train, test
 

@@ -158,7 +158,7 @@ def _stamp(tree: _Tree) -> tuple[tuple[int, int], ...]:
     return tuple(stamp)
 
 
-def _decode(path: str, size: int) -> np.ndarray:
+def decode_image(path: str, size: int) -> np.ndarray:
     """One image as uint8 [size, size, 3]; `load()` inside the try so truncated data fails here, by name."""
     try:
         with Image.open(path) as img:
@@ -181,7 +181,7 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
     # `torch.stack` would need twice the memory at the peak.
     x = torch.empty((n, 3, s, s), dtype=torch.float32)
     for i, (_, _, path) in enumerate(tree.files):
-        x[i] = torch.from_numpy(_decode(path, s)).permute(2, 0, 1)
+        x[i] = torch.from_numpy(decode_image(path, s)).permute(2, 0, 1)
     means, stds = NORMALIZATIONS[normalize]
     mean = torch.tensor(means, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(stds, dtype=torch.float32).view(1, 3, 1, 1)
