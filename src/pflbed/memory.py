@@ -1,11 +1,14 @@
-"""Refusing, before it is built, a network whose size an option sets and that cannot fit in the run's memory.
+"""Refusing, before it is built, a network or a decoded dataset whose size an option sets and that cannot fit in the
+run's memory.
 
 Most of what a run holds is bounded by the data or the model zoo. A few algorithms build networks of their own whose
 size grows with an option without bound: pFedHN's hypernetwork (`hidden`, `hidden_layers`, `embed_dim`) and
 FedRoD's hyper head (`hidden`). Too large a value does not fail cleanly: a huge request raises from deep inside torch
 (a traceback), and a merely too large one is allocated lazily and the operating system kills the process mid-run,
 with a half-written run directory. The size is known from the options before anything is allocated, so the
-algorithm checks it here and refuses in one line naming the options.
+algorithm checks it here and refuses in one line naming the options. Decoded image datasets are the same case:
+`dataset.image_size` (up to 4096) squares every image's pixel count, and the loader knows the bytes before it
+allocates them (`check_decoded`).
 
 Only a certain failure is refused: the network's parameters times the fewest copies a training round holds at once
 (`ROUND_COPIES`: the parameters, their gradient, the optimizer's momentum and the next round's parameters), against
@@ -15,6 +18,7 @@ have trained.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -63,3 +67,15 @@ def check_fits(parameters: int, device: torch.device, what: str, fields: str) ->
         raise ConfigError(f"{fields}: {what} would hold {parameters:,} parameters; a training round holds at least "
                           f"{ROUND_COPIES} copies of them ({_bytes(need)}), more than {where} {_bytes(memory)} of "
                           "memory; lower them")  # fmt: skip
+
+
+def check_decoded(images: int, size: int, what: str) -> None:
+    """`ConfigError` naming `dataset.image_size` unless `images` decoded float32 images of 3 × `size` × `size` fit
+    in this machine's memory; `what` names them ("FLICKR-AES's 9,800 ratings"). A larger request raises from inside
+    torch (a traceback) or is allocated lazily and filled until the operating system kills the process."""
+    memory = device_memory(torch.device("cpu"))
+    need = images * 3 * size * size * FLOAT32_BYTES
+    if memory is not None and need > memory:
+        fits = math.isqrt(memory // max(1, images * 3 * FLOAT32_BYTES))
+        raise ConfigError(f"dataset.image_size: {what} at {size} px would take {_bytes(need)}, more than this "
+                          f"machine's {_bytes(memory)} of memory; at most {fits} px here")  # fmt: skip

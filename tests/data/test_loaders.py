@@ -28,7 +28,7 @@ from pflbed.data import (
 )
 from pflbed.data.arrays import DataSource, held_out
 from pflbed.data.safepickle import load_pickle
-from pflbed.errors import DataError
+from pflbed.errors import ConfigError, DataError
 
 from .. import data_formats as fx
 
@@ -407,6 +407,31 @@ def test_flickr_aes_images_only_left_out_workers_rated_are_never_opened(env: Pat
     fx.make_flickr_aes(env, ratings)
     (env / "40K" / "farm1_999_flickr.jpg").write_bytes(b"not an image")
     assert len(load_dataset("flickr-aes", path=env, image_size=4).train) == 261 + 54
+
+
+@pytest.mark.parametrize("name", ["flickr-aes", "tinyimagenet", "pacs"])
+def test_an_image_size_whose_decoded_images_exceed_the_memory_is_refused_before_decoding(env: Path, monkeypatch,
+                                                                                         name) -> None:  # fmt: skip
+    """Every decoding loader checks the bytes `dataset.image_size` asks for before allocating them (a 4096-px
+    request raised from inside torch, or was filled until the process was killed); no image is opened first."""
+    from pflbed import memory
+    from pflbed.data import flickr_aes, folders
+
+    writers = {"flickr-aes": lambda: fx.make_flickr_aes(env, _flickr_ratings()),
+               "tinyimagenet": lambda: fx.make_tinyimagenet(env, size=8),
+               "pacs": lambda: make_named_tree(env / "PACS", ("photo", "sketch"), 7)}  # fmt: skip
+    writers[name]()
+    # FLICKR-AES: one byte short of its 290 distinct images plus its 350 ratings' copies; the others: 0.1 MB
+    limit = (290 + 350) * 3 * 64 * 64 * 4 - 1 if name == "flickr-aes" else 10**5
+    monkeypatch.setattr(memory, "device_memory", lambda device: limit)
+    opened = []
+    for module in (flickr_aes, folders, tinyimagenet):
+        monkeypatch.setattr(module, "decode_image" if module is not tinyimagenet else "_decode",
+                            lambda *a: opened.append(a), raising=True)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^dataset\.image_size: .* at 64 px would take [\d.]+ MB, more than this "
+                       r"machine's [\d.]+ MB of memory; at most \d+ px here$"):  # fmt: skip
+        load_dataset(name, path=env, image_size=64)
+    assert opened == []
 
 
 @pytest.mark.parametrize(("edit", "message"), [

@@ -63,3 +63,16 @@ def test_processes_are_refused_only_if_they_exceed_the_machine_s_memory(monkeypa
                                           r"\(200\.0 MB each, at rest\), more than this machine's 600\.0 MB; at most 2 "
                                           r"here$"):  # fmt: skip
         memory.check_processes(3, 200 * 10**6, "SuperNodes", "executor.supernodes")
+
+
+@pytest.mark.parametrize("spare, refused", [(0, False), (-1, True)])
+def test_decoded_images_are_refused_only_if_they_exceed_the_machine_s_memory(monkeypatch, spare, refused):
+    """`check_decoded`: images × 3 × size² float32 against the machine's memory, refused past it by one byte; the
+    line names `dataset.image_size` and the largest size that would fit."""
+    monkeypatch.setattr(memory, "device_memory", lambda device: 10 * 3 * 64 * 64 * 4 + spare)
+    if not refused:
+        memory.check_decoded(10, 64, "10 images")
+        return
+    with pytest.raises(ConfigError, match=r"^dataset\.image_size: 10 images at 64 px would take 0\.5 MB, more than "
+                                          r"this machine's 0\.5 MB of memory; at most 63 px here$"):  # fmt: skip
+        memory.check_decoded(10, 64, "10 images")

@@ -38,6 +38,7 @@ from pflbed.data import store
 from pflbed.data.arrays import ArrayDataset, DataSource, held_out
 from pflbed.data.folders import decode_image
 from pflbed.errors import DataError
+from pflbed.memory import check_decoded
 
 NAME, TITLE = "flickr-aes", "FLICKR-AES"
 RATINGS, IMAGES = "FLICKR-AES_image_labeled_by_each_worker.csv", "40K"
@@ -107,6 +108,7 @@ def _build(directory: Path, rows: list[tuple[str, str, int]], image_size: int) -
     rank = {w: i for i, w in enumerate(workers)}
     images = sorted({image for _, image, _ in rows})
     slot = {image: i for i, image in enumerate(images)}
+    check_decoded(len(images) + len(rows), image_size, f"{TITLE}'s {len(images):,} images as {len(rows):,} ratings")
     pixels = torch.empty((len(images), 3, image_size, image_size), dtype=torch.float32)
     for i, image in enumerate(images):  # each image decoded once, however many workers rated it
         pixels[i] = torch.from_numpy(decode_image(str(directory / IMAGES / image), image_size)).permute(2, 0, 1)

@@ -32,6 +32,7 @@ from PIL import Image, UnidentifiedImageError
 
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.errors import DataError
+from pflbed.memory import check_decoded
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
 _EXTS = ", ".join(sorted(IMAGE_EXTENSIONS))  # for error messages
@@ -177,6 +178,7 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
     if notice:  # once per decoded tree: repeated loads hit the cache
         print(notice, file=sys.stderr, flush=True)
     n, s = len(tree.files), image_size
+    check_decoded(n, s, f"the {n:,} images of {_show(tree.root)}")
     # Preallocated and filled in place: for DomainNet-sized pools a list of per-image tensors plus a final
     # `torch.stack` would need twice the memory at the peak.
     x = torch.empty((n, 3, s, s), dtype=torch.float32)

@@ -24,6 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from pflbed.data import store
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.errors import DataError
+from pflbed.memory import check_decoded
 
 NAME, TITLE, TOP = "tinyimagenet", "Tiny ImageNet", "tiny-imagenet-200"
 REMOTE = store.Remote("http://cs231n.stanford.edu/tiny-imagenet-200.zip", "md5:90528d7ca1a48142e341f4ef8d21d0de")
@@ -115,6 +116,7 @@ def _split(files: list[tuple[str, int]], size: int) -> ArrayDataset:
 def _load_cached(directory: str, image_size: int, stamp: tuple) -> DataSource:
     del stamp  # only part of the cache key
     classes, train, val = scan(Path(directory))
+    check_decoded(len(train) + len(val), image_size, f"{TITLE}'s {len(train) + len(val):,} images")
     return DataSource(name=NAME, train=_split(train, image_size), test=_split(val, image_size),
                       num_classes=len(classes), origin=directory, pixel_norm=(MEAN, STD), raw_scale=255.0,
                       raw_channels_last=True)  # fmt: skip
