@@ -232,3 +232,26 @@ def test_a_split_whose_lowest_block_holds_no_parameters_is_refused_naming_the_va
     added = set(getattr(three, keys)) - set(getattr(one, keys))
     assert added and all(k.startswith("blocks.layer4.") for k in added)
     assert build("feddbe", head_blocks=2).head == ["pool", "classifier"]
+
+
+def test_a_refused_split_offers_the_values_on_each_side_that_hold_parameters():
+    """`partial.split_top`: below and above the refused k, the nearest values whose lowest block holds parameters;
+    one side only where the other has none; none at all for a model whose top blocks all hold nothing."""
+    from torch import nn
+
+    from pflbed.algorithms.partial import split_top
+    from pflbed.models import BlockNet
+
+    net = BlockNet([("a", nn.Linear(2, 2)), ("b", nn.ReLU()), ("c", nn.Linear(2, 2))])
+    with pytest.raises(ConfigError, match=r"^algorithm\.k: block 'b', the lowest of the top 2, holds no parameters, "
+                                          r"so 2 splits the model as 1 does; choose 1$"):  # fmt: skip
+        split_top(net, 2, "k", splits_state=True)
+    assert split_top(net, 2, "k") == (["b", "c"], ["a"])  # FedDBE's kind of option: no refusal
+    bare = BlockNet([("a", nn.Linear(2, 2)), ("b", nn.ReLU()), ("c", nn.Identity())])
+    with pytest.raises(ConfigError, match=r"so 1 splits the model as 0 does; choose another model$"):
+        split_top(bare, 1, "k", splits_state=True)
+    deep = BlockNet([("a", nn.Linear(2, 2)), ("b", nn.Linear(2, 2)), ("p", nn.ReLU()), ("q", nn.ReLU()),
+                     ("c", nn.Linear(2, 2))])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"the lowest of the top 2, holds no parameters, so 2 splits the model as 1 "
+                                          r"does; choose 1 or 4$"):  # fmt: skip
+        split_top(deep, 2, "k", splits_state=True)

@@ -284,3 +284,17 @@ def test_registry_errors() -> None:
         load_dataset("synthetic", classes=3)
     with pytest.raises(DataError, match="takes no path"):
         load_dataset("digits", path="/tmp")
+
+
+@pytest.mark.parametrize(("n", "fraction", "held"), [(0, 0.1, 0), (1, 0.1, 0), (2, 0.1, 1), (3, 0.1, 1), (20, 0.1, 2),
+                                                     (10, 0.99, 9), (10, 0.5, 5)])  # fmt: skip
+def test_a_user_s_held_out_samples_are_a_rounded_fraction_at_least_one_never_all(n, fraction, held):
+    """`arrays.held_out` (FEMNIST's and FLICKR-AES's per-user test split): round(fraction · n), at least one of two
+    or more, never all; the same draw for the same (seed, rank), another for another rank."""
+    from pflbed.data.arrays import held_out
+
+    mask = held_out(n, fraction, 0, 3)
+    assert mask.dtype == bool and mask.shape == (n,) and int(mask.sum()) == held
+    assert np.array_equal(mask, held_out(n, fraction, 0, 3))
+    if n == 20:
+        assert not np.array_equal(mask, held_out(n, fraction, 0, 4))

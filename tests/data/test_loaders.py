@@ -8,6 +8,7 @@ swaps channels, transposes, mislabels or shifts a split fails here. Downloads go
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from pathlib import Path
 
@@ -428,16 +429,27 @@ def test_an_image_size_whose_decoded_images_exceed_the_memory_is_refused_before_
     for module in (flickr_aes, folders, tinyimagenet):
         monkeypatch.setattr(module, "decode_image" if module is not tinyimagenet else "_decode",
                             lambda *a: opened.append(a), raising=True)  # fmt: skip
-    with pytest.raises(ConfigError, match=r"^dataset\.image_size: .* at 64 px would take [\d.]+ MB, more than this "
-                       r"machine's [\d.]+ MB of memory; at most \d+ px here$"):  # fmt: skip
+    what = {"flickr-aes": "FLICKR-AES's 290 images as 350 ratings", "tinyimagenet": "Tiny ImageNet's 27 images",
+            "pacs": rf"the 14 images of {re.escape(str(env / 'PACS'))}"}[name]  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^dataset\.image_size: {what} at 64 px would take [\d.]+ MB, more than "
+                       r"this machine's [\d.]+ MB of memory; at most \d+ px here$"):  # fmt: skip
         load_dataset(name, path=env, image_size=64)
     assert opened == []
 
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda t: t.replace("worker, imagePair, score", "worker,image,score"), r":1: expected the header worker, "),
-    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg, 6"), r":\d+: score must be an "
-     "integer 1–5, got '6'"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg, 6"), r":2: score must be an "
+     "integer 1–5, got '6'$"),
+    (lambda t: t.replace("W60, farm1_1_flickr.jpg, 4", "W60, farm1_1_flickr.jpg, 3.5"), r":3: score must be an "
+     "integer 1–5, got '3.5'$"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, .., 3"), r":2: the image must be a file name in 40K/, "
+     r"got '\.\.'$"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", ", farm1_0_flickr.jpg, 3"), r":2: expected <worker>, <image>, "
+     r"<score>, got ', farm1_0_flickr\.jpg, 3'$"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, , 3"), r":2: expected <worker>, "),
+    (lambda t: "", r":1: expected the header worker, imagePair, score, got ''$"),
+    (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg, \xff"), r":2: score must be"),
     (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, ../farm1_0_flickr.jpg, 3"), r":\d+: the image must be "
      r"a file name in 40K/, got '\.\./farm1_0_flickr\.jpg'"),
     (lambda t: t.replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg"), r":\d+: expected <worker>, "),
@@ -449,6 +461,55 @@ def test_flickr_aes_bad_ratings_file_is_one_line_naming_file_and_line(env: Path,
     with pytest.raises(DataError, match=message) as info:
         load_dataset("flickr-aes", path=env, image_size=4)
     one_line_naming(info, csv_file)
+
+
+def test_flickr_aes_file_details(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte-order mark and blank lines (a spreadsheet's export) read as the published file; a file of other bytes
+    and one longer than `MAX_ROWS` rows are one line; the load is cached until a file changes; where it was found,
+    and the raw layout `pflbed personalize` reads (H × W × 3, 0–255); the default size 32."""
+    from pflbed.data import flickr_aes
+
+    fx.make_flickr_aes(env, _flickr_ratings())
+    csv_file = env / "FLICKR-AES_image_labeled_by_each_worker.csv"
+    lines = csv_file.read_text().splitlines()
+    csv_file.write_text("\ufeff" + "\n".join([*lines[:100], "", " ", *lines[100:]]) + "\n", encoding="utf-8")
+    source = load_dataset("flickr-aes", path=env)
+    assert len(source.train) + len(source.test) == 350 and source.input_shape == (3, 32, 32)
+    assert source.origin == str(env) and source.raw_shape == (32, 32, 3) and flickr_aes.find_flickr_aes(env) == env
+    monkeypatch.setattr(flickr_aes, "MAX_ROWS", 701)  # the data rows, each counted once: blank lines are no rows
+    assert len(flickr_aes.read_ratings(env)) == 701
+    monkeypatch.setattr(flickr_aes, "MAX_ROWS", 700)
+    with pytest.raises(DataError, match=r": more than 700 rows; the published file has 193,208$") as info:
+        flickr_aes.read_ratings(env)
+    one_line_naming(info, csv_file)
+    monkeypatch.undo()
+    csv_file.write_text(csv_file.read_text(encoding="utf-8").replace(", 3\n", ", 4\n"), encoding="utf-8")
+    changed = load_dataset("flickr-aes", path=env)
+    assert changed is not source and not torch.equal(changed.train.y, source.train.y)
+    csv_file.write_bytes(b"worker, imagePair, score\n\xff\xfe, x.jpg, 3\n")
+    with pytest.raises(DataError, match=r": cannot read \(.*codec can't decode") as info:
+        load_dataset("flickr-aes", path=env)
+    one_line_naming(info, csv_file)
+
+
+@pytest.mark.parametrize("size, ok", [(1, True), (0, False), (True, False)])
+def test_flickr_aes_image_size_is_a_positive_integer(env: Path, size, ok) -> None:
+    fx.make_flickr_aes(env, _flickr_ratings())
+    if ok:
+        assert load_dataset("flickr-aes", path=env, image_size=size).input_shape == (3, 1, 1)
+        return
+    with pytest.raises(DataError, match=rf"^dataset\.image_size: a positive integer, got {size!r}$"):
+        load_dataset("flickr-aes", path=env, image_size=size)
+
+
+def test_flickr_aes_not_found_says_how_to_get_it_and_that_nothing_downloads(env: Path) -> None:
+    fx.make_flickr_aes(env / "only-csv", {"W60": _flickr_ratings()["W60"]})
+    shutil.rmtree(env / "only-csv" / "40K")  # the ratings without their images: not a copy
+    for download, words in ((False, "not found"), (True, "has no official archive to download")):
+        with pytest.raises(DataError, match=words) as info:
+            load_dataset("flickr-aes", path=env / "only-csv", download=download)
+        message = one_line_naming(info, "flickr-aes")
+        assert "FLICKR-AES" in message and "40K/ sits beside the csv" in message
 
 
 def test_flickr_aes_missing_image_or_no_worker_in_range_is_one_line(env: Path) -> None:

@@ -69,6 +69,7 @@ def test_processes_are_refused_only_if_they_exceed_the_machine_s_memory(monkeypa
 def test_decoded_images_are_refused_only_if_they_exceed_the_machine_s_memory(monkeypatch, spare, refused):
     """`check_decoded`: images × 3 × size² float32 against the machine's memory, refused past it by one byte; the
     line names `dataset.image_size` and the largest size that would fit."""
+    memory.check_decoded(10, 64, "10 images")  # against this machine's own memory: passes
     monkeypatch.setattr(memory, "device_memory", lambda device: 10 * 3 * 64 * 64 * 4 + spare)
     if not refused:
         memory.check_decoded(10, 64, "10 images")

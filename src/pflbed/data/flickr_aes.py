@@ -75,13 +75,13 @@ def read_ratings(directory: Path) -> list[tuple[str, str, int]]:
             for n, row in enumerate(rows, 2):
                 if not row or not "".join(row).strip():
                     continue
-                if n > MAX_ROWS:
+                if len(out) == MAX_ROWS:  # one data row more than allowed
                     raise DataError(f"{path}: more than {MAX_ROWS:,} rows; the published file has 193,208")
                 fields = [f.strip() for f in row]
                 if len(fields) != 3 or not fields[0] or not fields[1]:
                     raise DataError(f"{path}:{n}: expected <worker>, <image>, <score>, got {','.join(row)[:80]!r}")
                 image = fields[1]
-                if Path(image).name != image or image in (".", ".."):
+                if Path(image).name != image or image == "..":  # "." has no name: the first test
                     raise DataError(f"{path}:{n}: the image must be a file name in {IMAGES}/, got {image[:80]!r}")
                 if fields[2] not in ("1", "2", "3", "4", "5"):
                     raise DataError(f"{path}:{n}: score must be an integer 1–5, got {fields[2][:20]!r}")
