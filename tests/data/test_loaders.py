@@ -505,11 +505,11 @@ def test_flickr_aes_image_size_is_a_positive_integer(env: Path, size, ok) -> Non
 def test_flickr_aes_not_found_says_how_to_get_it_and_that_nothing_downloads(env: Path) -> None:
     fx.make_flickr_aes(env / "only-csv", {"W60": _flickr_ratings()["W60"]})
     shutil.rmtree(env / "only-csv" / "40K")  # the ratings without their images: not a copy
-    for download, words in ((False, "not found"), (True, "has no official archive to download")):
-        with pytest.raises(DataError, match=words) as info:
-            load_dataset("flickr-aes", path=env / "only-csv", download=download)
-        message = one_line_naming(info, "flickr-aes")
-        assert "FLICKR-AES" in message and "40K/ sits beside the csv" in message
+    for options, words in (({}, r"not found \(looked in "), ({"download": True}, "not found and has no official "
+                                                                                 "archive to download; download ")):
+        with pytest.raises(DataError, match=rf"^dataset flickr-aes \(FLICKR-AES\) {words}") as info:
+            load_dataset("flickr-aes", path=env / "only-csv", **options)
+        assert "40K/ sits beside the csv" in one_line_naming(info, "flickr-aes")
 
 
 def test_flickr_aes_missing_image_or_no_worker_in_range_is_one_line(env: Path) -> None:
