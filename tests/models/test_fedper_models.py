@@ -84,3 +84,18 @@ def test_the_fedper_families_train_on_a_batch_of_one_at_8_px(model):
     loss = nn.functional.cross_entropy(m(torch.randn(1, 1, 8, 8)), torch.tensor([3]))
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_mobilenet_v1_imagenet_is_table_1_at_224_px():
+    """Howard et al.'s network as published: the stem at stride 2, so 224-px inputs reach block13 as 7×7 maps;
+    4,231,976 parameters for 1000 classes. The blocks are `mobilenet_v1`'s."""
+    m = build_model("mobilenet_v1_imagenet", (3, 224, 224), 1000)
+    assert m.block_names() == build_model("mobilenet_v1", (3, 32, 32), 10).block_names()
+    assert _convs(m.blocks["stem"])[0].stride == (2, 2)
+    assert sum(p.numel() for p in m.parameters()) == 4_231_976
+    seen = []
+    m.blocks["block13"].register_forward_pre_hook(lambda _m, args: seen.append(tuple(args[0].shape[1:])))
+    m.eval()
+    with torch.no_grad():
+        assert m(torch.zeros(1, 3, 224, 224)).shape == (1, 1000)
+    assert seen == [(1024, 7, 7)]

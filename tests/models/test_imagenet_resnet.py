@@ -13,6 +13,7 @@ from pflbed.errors import ConfigError
 from pflbed.models import build_model
 
 WIDTHS = (64, 128, 256, 512)
+REPEATS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}  # basic blocks per stage
 
 
 def _torchvision():
@@ -35,11 +36,11 @@ def _randomize_bn(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:
             v.copy_(torch.rand(v.shape, generator=gen) + 0.5)
 
 
-def imagenet_layout(seed: int = 0, by_hand: bool = False) -> dict[str, torch.Tensor]:
-    """A ResNet-18 ImageNet state dict in torchvision's key layout (timm's is the same): torchvision's own
+def imagenet_layout(seed: int = 0, by_hand: bool = False, depth: int = 18) -> dict[str, torch.Tensor]:
+    """A ResNet-18 (or -34) ImageNet state dict in torchvision's key layout (timm's is the same): torchvision's own
     `resnet18()` when it loads, else the layout written out here from the architecture."""
     gen = torch.Generator().manual_seed(seed)
-    tv = None if by_hand else _torchvision()
+    tv = None if by_hand or depth != 18 else _torchvision()
     if tv is not None:
         torch.manual_seed(seed)
         state = {k: v.clone() for k, v in tv().state_dict().items()}
@@ -57,8 +58,8 @@ def imagenet_layout(seed: int = 0, by_hand: bool = False) -> dict[str, torch.Ten
         conv("conv1", 64, 3, 7)
         bn("bn1", 64)
         cin = 64
-        for i, w in enumerate(WIDTHS, start=1):
-            for j in range(2):
+        for i, (w, n) in enumerate(zip(WIDTHS, REPEATS[depth], strict=True), start=1):
+            for j in range(n):
                 p = f"layer{i}.{j}"
                 conv(f"{p}.conv1", w, cin if j == 0 else w, 3)
                 bn(f"{p}.bn1", w)
@@ -83,7 +84,7 @@ def reference_features(state: dict[str, torch.Tensor], x: torch.Tensor) -> torch
 
     z = F.max_pool2d(F.relu(bn("bn1", F.conv2d(x, state["conv1.weight"], stride=2, padding=3))), 3, 2, 1)
     for i in range(1, 5):
-        for j in range(2):
+        for j in range(sum(k.startswith(f"layer{i}.") and k.endswith(".conv1.weight") for k in state)):
             p, s = f"layer{i}.{j}", 2 if i > 1 and j == 0 else 1
             out = F.relu(bn(f"{p}.bn1", F.conv2d(z, state[f"{p}.conv1.weight"], stride=s, padding=1)))
             out = bn(f"{p}.bn2", F.conv2d(out, state[f"{p}.conv2.weight"], padding=1))
@@ -214,7 +215,8 @@ def test_body_only_and_errors(tmp_path):
         prepare(_cfg(tmp_path, deeper))
     with pytest.raises(ConfigError, match="has no 'layer4.1.bn2.running_var'"):
         prepare(_cfg(tmp_path, {k: v for k, v in state.items() if k != "layer4.1.bn2.running_var"}))
-    with pytest.raises(ConfigError, match="loads into model.name resnet18_imagenet; the run's is resnet18"):
+    with pytest.raises(ConfigError, match="loads into model.name resnet18_imagenet or resnet34_imagenet; the run's is "
+                                          "resnet18"):  # fmt: skip
         prepare(_cfg(tmp_path, state, name="resnet18"))
     grey = _cfg(tmp_path, state).model_dump()
     grey["dataset"]["synthetic"]["shape"] = [1, 16, 16]
@@ -267,3 +269,57 @@ def test_inference_rows_are_bounded_on_the_cpu_only():
     m = build_model("resnet18_imagenet", (3, 224, 224), 10)
     assert inference_rows(m, "forward", torch.empty(4, 3, 224, 224, device="meta"), 256) == 256  # a GPU's rows
     assert inference_rows(m, "forward", torch.zeros(4, 3, 224, 224), 256) == 2  # 8 MiB / 64×112×112 floats
+
+
+def test_resnet34_imagenet_is_torchvision_s_resnet34_one_block_per_basic_block():
+    m = build_model("resnet34_imagenet", (3, 224, 224), 1000)
+    names = [f"layer{i}_{k}" for i, n in enumerate(REPEATS[34], start=1) for k in range(1, n + 1)]
+    assert m.block_names() == ["stem", *names, "classifier"] and m.top_blocks(2) == ["layer4_3", "classifier"]
+    assert sum(p.numel() for p in m.parameters()) == 21_797_672  # torchvision's resnet34
+    stem = m.blocks["stem"]
+    assert (stem[0].kernel_size, stem[0].stride) == ((7, 7), (2, 2)) and isinstance(stem[3], nn.MaxPool2d)
+    m.eval()
+    with torch.no_grad():
+        assert m.features(torch.zeros(1, 3, 224, 224)).shape == (1, 512)
+
+
+def _cfg34(tmp_path, state, **model):
+    torch.save(state, tmp_path / "resnet34.pth")
+    return validate_config({
+        "dataset": {"name": "synthetic", "synthetic": {"shape": [3, 16, 16], "n_train": 200, "n_test": 40}},
+        "model": {"name": "resnet34_imagenet", "init_from": str(tmp_path / "resnet34.pth"), **model},
+        "federation": {"clients": 2}, "train": {"rounds": 1}, "eval": {"finetune": []}, "executor": {"threads": 1},
+    })  # fmt: skip
+
+
+def test_a_torchvision_resnet34_lands_key_for_key_and_computes_its_features(tmp_path):
+    """Every key of a torchvision-layout ResNet-34 but `fc` lands where the ImageNet network has it (block
+    `layerI_K` ↔ `layerI.<K − 1>`, the last one inside its pooled wrapper), and the body computes the network's
+    features; ResNet-18 and ResNet-34 weights are each refused by the other's model, naming the key."""
+    state = imagenet_layout(7, by_hand=True, depth=34)
+    ctx = prepare(_cfg34(tmp_path, state)).ctx
+    model, params = ctx.model, ctx.initial_params
+    head = set(model.state_keys(model.head_blocks()))
+    mapped = {k: k.removeprefix("blocks.") for k in params if k not in head}
+    for k, ours in mapped.items():
+        block, rest = ours.split(".", 1)
+        if block.startswith("layer"):
+            stage, nth = block.removeprefix("layer").split("_")
+            rest = rest.removeprefix("0.") if block == "layer4_3" else rest
+            theirs = f"layer{stage}.{int(nth) - 1}.{rest}".replace(".shortcut.", ".downsample.")
+        else:
+            theirs = {"0": "conv1", "1": "bn1"}[rest.split(".")[0]] + "." + rest.split(".", 1)[1]
+        assert torch.equal(params[k], state[theirs]), k
+    assert len(mapped) == len(state) - 2  # all but fc.weight and fc.bias
+    x = torch.randn(2, 3, 40, 40, generator=torch.Generator().manual_seed(2))
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model.features(x), reference_features(state, x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"has no 'layer1\.2\.conv1\.weight' \(a torchvision/timm ResNet-34 key, "
+                                          r"loaded into 'blocks\.layer1_3\.conv1\.weight'\)"):  # fmt: skip
+        prepare(_cfg34(tmp_path, imagenet_layout(1, by_hand=True)))
+    with pytest.raises(ConfigError, match="not ResNet-18's: unexpected key 'layer1.2.conv1.weight'"):
+        prepare(_cfg(tmp_path, state))
+    with pytest.raises(ConfigError, match="loads into model.name resnet18_imagenet or resnet34_imagenet; the run's "
+                                          "is resnet34"):  # fmt: skip
+        prepare(_cfg34(tmp_path, state, name="resnet34"))

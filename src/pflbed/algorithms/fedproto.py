@@ -60,8 +60,9 @@ Choices and deviations:
     own embedding space. That needs one embedding size d for all architectures: the paper has no projection
     layer, so a list whose bodies' flattened outputs differ in size on the run's data is refused as a config
     error (`algorithm.models`), as is an unknown name (the zoo's sizes, 28×28 or 32×32 input: 84 lenet5,
-    lenet5_bn; 200 mlp; 512 cnn, cnn_bn, resnet18, resnet18_imagenet; 1024 alexnet_small_x025, shufflenetv2,
-    shufflenetv2_x05; 128 resnet18_x025; 4096 alexnet_small). Initial models (choice 6 per architecture): the
+    lenet5_bn; 200 mlp; 512 cnn, cnn_bn, resnet18, resnet18_imagenet, resnet34, resnet34_imagenet; 1024
+    alexnet_small_x025, shufflenetv2, shufflenetv2_x05, mobilenet_v1, mobilenet_v1_imagenet; 128 resnet18_x025;
+    4096 alexnet_small). Initial models (choice 6 per architecture): the
     architecture equal to `model.name` starts from the run's initial model — `models: [<model.name>]` is the
     default run bit for bit — every other from one initialisation of its own, seeded by (seed, init stream,
     FedProto's stream, its index among the distinct names), shared by all its clients (the paper does not say;

@@ -13,8 +13,9 @@ from pydantic import Field, field_validator
 from pflbed.config.base import Strict
 
 MODEL_NAMES = (
-    "mlp", "cnn", "lenet5", "cnn_bn", "lenet5_bn", "resnet18", "resnet18_imagenet", "resnet34", "mobilenet_v1",
-    "alexnet_small", "shufflenetv2", "resnet18_x025", "alexnet_small_x025", "shufflenetv2_x05",
+    "mlp", "cnn", "lenet5", "cnn_bn", "lenet5_bn", "resnet18", "resnet18_imagenet", "resnet34", "resnet34_imagenet",
+    "mobilenet_v1", "mobilenet_v1_imagenet", "alexnet_small", "shufflenetv2", "resnet18_x025", "alexnet_small_x025",
+    "shufflenetv2_x05",
 )  # fmt: skip
 
 
@@ -34,8 +35,8 @@ class ModelConfig(Strict):
     init_from: str | None = Field(
         None, description="start from these weights instead of a random init: a `pflbed pretrain` output "
         "(its directory or model.pt), a model saved by `pflbed personalize --out`, a plain state dict (.pt), or for "
-        "resnet18_imagenet a torchvision/timm ResNet-18 state dict (.pt/.pth, or timm's "
-        ".safetensors; its classifier is replaced by the run's)"
+        "resnet18_imagenet / resnet34_imagenet a torchvision/timm ResNet-18 / ResNet-34 state dict (.pt/.pth, or "
+        "timm's .safetensors; its classifier is replaced by the run's)"
     )
     init_blocks: list[str] = Field(
         default_factory=lambda: ["all"], min_length=1, description="what init_from loads: [all], [body], [head] "

@@ -15,15 +15,17 @@ Accepted files:
 - a `.safetensors` file (how timm and the Hugging Face hub publish weights): a flat state dict, read with the
   `safetensors` package, which holds tensors only and runs no code; a directory without `model.pt` but with
   `model.safetensors` (a downloaded hub snapshot) is read through that file;
-- for `resnet18_imagenet`: a torchvision or timm ResNet-18 state dict (their ImageNet weights, `.pt` / `.pth` /
-  `.safetensors`, also under a `state_dict` entry or with DataParallel's `module.` prefix). Its keys are mapped to
-  the zoo's (`torchvision_resnet18_key`: conv1/bn1 → the stem, layerI.J.* → the same residual block, downsample →
-  shortcut); its 1000-class `fc` is dropped, so the classifier stays the run's own, freshly initialized for its
-  classes. BN counters (`num_batches_tracked`) that old checkpoints lack keep the model's value.
+- for `resnet18_imagenet` and `resnet34_imagenet`: a torchvision or timm ResNet-18 / ResNet-34 state dict (their
+  ImageNet weights, `.pt` / `.pth` / `.safetensors`, also under a `state_dict` entry or with DataParallel's `module.`
+  prefix). Its keys are mapped to the zoo's (`torchvision_resnet_key`: conv1/bn1 → the stem, layerI.J.* → the same
+  residual block, downsample → shortcut); its 1000-class `fc` is dropped, so the classifier stays the run's own,
+  freshly initialized for its classes. BN counters (`num_batches_tracked`) that old checkpoints lack keep the
+  model's value.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,16 +83,19 @@ def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
     raise ConfigError(f"{what}: {f} holds neither a state dict nor a pflbed model file")
 
 
-IMAGENET_RESNET18 = "resnet18_imagenet"
+IMAGENET_RESNETS = {"resnet18_imagenet": "ResNet-18", "resnet34_imagenet": "ResNet-34"}  # zoo name → network
 _TV_STEM = {"stem.0.": "conv1.", "stem.1.": "bn1."}
 _TV_MARKERS = ("conv1.weight", "bn1.weight", "layer1.0.conv1.weight")
+_PER_BLOCK = re.compile(r"layer(\d)_(\d+)\.(?:0\.)?")  # resnet34_imagenet's block, and the pooled last one's wrapper
 
 
-def torchvision_resnet18_key(key: str) -> str:
-    """The torchvision / timm ResNet-18 state-dict key of the `resnet18_imagenet` key `key`.
+def torchvision_resnet_key(key: str) -> str:
+    """The torchvision / timm ResNet state-dict key of the `resnet18_imagenet` or `resnet34_imagenet` key `key`.
 
-    `blocks.stem.0.*` (the 7×7 conv) ↔ `conv1.*`, `blocks.stem.1.*` (its BN) ↔ `bn1.*`, `blocks.layerI.J.*` ↔
-    `layerI.J.*` with the projection `shortcut` ↔ `downsample`, `blocks.classifier.*` ↔ `fc.*`.
+    `blocks.stem.0.*` (the 7×7 conv) ↔ `conv1.*`, `blocks.stem.1.*` (its BN) ↔ `bn1.*`, `blocks.classifier.*` ↔
+    `fc.*`, the projection `shortcut` ↔ `downsample`; a residual block: `blocks.layerI.J.*` (ResNet-18's stages) ↔
+    `layerI.J.*`, and `blocks.layerI_K.*` (ResNet-34's blocks, K from 1; the last one's `0.` is its wrapper with the
+    pool, `models.zoo._pooled`) ↔ `layerI.<K − 1>.*`.
     """
     k = key.removeprefix("blocks.")
     for ours, theirs in _TV_STEM.items():
@@ -98,6 +103,8 @@ def torchvision_resnet18_key(key: str) -> str:
             return theirs + k[len(ours) :]
     if k.startswith("classifier."):
         return "fc." + k[len("classifier.") :]
+    if m := _PER_BLOCK.match(k):
+        k = f"layer{m.group(1)}.{int(m.group(2)) - 1}." + k[m.end() :]
     return k.replace(".shortcut.", ".downsample.")
 
 
@@ -113,54 +120,56 @@ def _strip_module_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return state
 
 
-def from_torchvision_resnet18(model: BlockNet, weights: Weights) -> Weights:
-    """`weights` (a torchvision / timm ResNet-18 state dict) with the zoo's keys, without the classifier.
+def from_torchvision_resnet(model: BlockNet, weights: Weights, architecture: str) -> Weights:
+    """`weights` (a torchvision / timm ResNet state dict) with the keys of the zoo's `architecture`, without the
+    classifier.
 
     Strict: every mapped key but the classifier's must be there with the model's shape (a missing BN counter keeps
     the model's), and no other key may be (a deeper ResNet's blocks, a ResNet-D stem); errors name the file's key.
     """
-    state, own = weights.state, model.state_dict()
+    state, own, net = weights.state, model.state_dict(), IMAGENET_RESNETS[architecture]
     head = set(model.state_keys(model.head_blocks()))
-    mapped = {torchvision_resnet18_key(k): k for k in own if k not in head}
+    mapped = {torchvision_resnet_key(k): k for k in own if k not in head}
     extra = [k for k in state if k not in mapped and not k.startswith("fc.")]
     if extra:
         raise ConfigError(f"model.init_from: {weights.path} is a torchvision/timm ResNet state dict but not "
-                          f"ResNet-18's: unexpected key {extra[0]!r} ({len(extra)} in all)")  # fmt: skip
+                          f"{net}'s: unexpected key {extra[0]!r} ({len(extra)} in all)")  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     for theirs, ours in mapped.items():
         if theirs not in state:
             if theirs.endswith("num_batches_tracked"):
                 out[ours] = own[ours].detach().clone()
                 continue
-            raise ConfigError(f"model.init_from: {weights.path} has no {theirs!r} (a torchvision/timm ResNet-18 "
+            raise ConfigError(f"model.init_from: {weights.path} has no {theirs!r} (a torchvision/timm {net} "
                               f"key, loaded into {ours!r})")  # fmt: skip
         if tuple(state[theirs].shape) != tuple(own[ours].shape):
             raise ConfigError(f"model.init_from: {theirs!r} has shape {list(state[theirs].shape)} in {weights.path}, "
                               f"the model's {ours!r} is {list(own[ours].shape)}")  # fmt: skip
         out[ours] = state[theirs]
-    return Weights(out, weights.path, IMAGENET_RESNET18, weights.source)
+    return Weights(out, weights.path, architecture, weights.source)
 
 
 def _imagenet_start(model: BlockNet, weights: Weights, architecture: str) -> tuple[Weights, bool]:
-    """(weights with the zoo's keys, whether they came from a torchvision / timm ResNet-18). Plain state dicts for
-    `resnet18_imagenet`: the zoo's own keys as they are, torchvision / timm ones mapped, anything else refused in
-    one line. Other models: a torchvision / timm ResNet is refused by name."""
+    """(weights with the zoo's keys, whether they came from a torchvision / timm ResNet). Plain state dicts for
+    `resnet18_imagenet` / `resnet34_imagenet`: the zoo's own keys as they are, torchvision / timm ones mapped,
+    anything else refused in one line. Other models: a torchvision / timm ResNet is refused by name."""
     if weights.architecture is not None:
         return weights, False
     state = _strip_module_prefix(weights.state)
     weights = Weights(state, weights.path, None, weights.source) if state is not weights.state else weights
     tv = is_torchvision_resnet(state)
-    if architecture != IMAGENET_RESNET18:
+    if architecture not in IMAGENET_RESNETS:
         if tv:
             raise ConfigError(f"model.init_from: {weights.path} holds a torchvision/timm ResNet state dict, which "
-                              f"loads into model.name {IMAGENET_RESNET18}; the run's is {architecture}")  # fmt: skip
+                              f"loads into model.name {' or '.join(IMAGENET_RESNETS)}; the run's is "
+                              f"{architecture}")  # fmt: skip
         return weights, False
     if tv:
-        return from_torchvision_resnet18(model, weights), True
+        return from_torchvision_resnet(model, weights, architecture), True
     if not any(k in state for k in model.state_dict()):
-        raise ConfigError(f"model.init_from: {weights.path} holds neither a {IMAGENET_RESNET18} state dict (keys "
-                          "'blocks.stem.0.weight', …) nor a torchvision/timm ResNet-18 one (keys 'conv1.weight', "
-                          "'bn1.weight', 'layer1.0.conv1.weight', …)")  # fmt: skip
+        raise ConfigError(f"model.init_from: {weights.path} holds neither a {architecture} state dict (keys "
+                          f"'blocks.stem.0.weight', …) nor a torchvision/timm {IMAGENET_RESNETS[architecture]} one "
+                          "(keys 'conv1.weight', 'bn1.weight', 'layer1.0.conv1.weight', …)")  # fmt: skip
     return weights, False
 
 
@@ -192,7 +201,7 @@ def apply_weights(model: BlockNet, weights: Weights, blocks: list[str], architec
         keys = [k for k in keys if k not in head]
         if not keys:
             raise ConfigError(f"model.init_blocks: {blocks} selects only the classifier, which a torchvision/timm "
-                              "ResNet-18 state dict does not provide (its fc is replaced by the run's)")  # fmt: skip
+                              "ResNet state dict does not provide (its fc is replaced by the run's)")  # fmt: skip
     own = model.state_dict()
     missing = [k for k in keys if k not in weights.state]
     if missing:

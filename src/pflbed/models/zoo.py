@@ -262,13 +262,15 @@ def resnet18_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNe
     need 3); initialization is torch's default, as for the zoo's other models (torchvision draws convs Kaiming-normal
     in fan-out mode), which a pretrained start replaces.
     """
-    c = input_shape[0]
     widths, strides = (64, 128, 256, 512), (1, 2, 2, 2)
-    blocks: list[tuple[str, nn.Module]] = [
-        ("stem", nn.Sequential(nn.Conv2d(c, 64, 7, stride=2, padding=3, bias=False), SafeBatchNorm2d(64), nn.ReLU(),
-                               nn.MaxPool2d(3, stride=2, padding=1)))  # fmt: skip
-    ]
-    return BlockNet(blocks + _resnet_stages(widths, strides, num_classes))
+    return BlockNet([("stem", _imagenet_stem(input_shape[0])), *_resnet_stages(widths, strides, num_classes)])
+
+
+def _imagenet_stem(channels: int) -> nn.Sequential:
+    """The ImageNet ResNets' stem: conv7×7(64, stride 2, padding 3) → BN → ReLU → max-pool 3×3 (stride 2, padding 1),
+    the layout torchvision's and timm's weights have (`conv1`, `bn1`)."""
+    return nn.Sequential(nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), SafeBatchNorm2d(64), nn.ReLU(),
+                         nn.MaxPool2d(3, stride=2, padding=1))  # fmt: skip
 
 
 # --- FedPer's model families, in its unit of personalization (one block per basic block) ---------------------------
@@ -299,16 +301,35 @@ def resnet34(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     (torchvision's ImageNet network, with its 7×7 stride-2 stem and max-pool, leaves 1×1 maps at layer4 on 32-px
     images); this is the common CIFAR adaptation, as in `resnet18`.
     """
-    c = input_shape[0]
-    stem = nn.Sequential(nn.Conv2d(c, 64, 3, padding=1, bias=False), SafeBatchNorm2d(64), nn.ReLU())
-    blocks: list[tuple[str, nn.Module]] = [("stem", stem)]
+    stem = nn.Sequential(nn.Conv2d(input_shape[0], 64, 3, padding=1, bias=False), SafeBatchNorm2d(64), nn.ReLU())
+    return BlockNet([("stem", stem), *_basic_blocks((3, 4, 6, 3), num_classes)])
+
+
+def resnet34_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """ResNet-34, ImageNet variant (He et al., CVPR 2016, Table 1): `resnet34`'s 16 basic blocks, one block each,
+    behind the ImageNet stem of `resnet18_imagenet` (`_imagenet_stem`); the network of torchvision's and timm's
+    ImageNet-pretrained ResNet-34 weights, which `model.init_from` loads (`models.pretrained`). 21,797,672
+    parameters for 3 channels and 1000 classes (torchvision's `resnet34`).
+
+    Made for 224-px inputs (FedPer's FLICKR-AES photos, as its Flower re-implementation resizes them): 7×7 maps reach
+    the pool; smaller inputs work (64 px: 2×2). Deviations: the stem takes the data's channel count; initialization
+    is torch's default, which a pretrained start replaces.
+    """
+    return BlockNet([("stem", _imagenet_stem(input_shape[0])), *_basic_blocks((3, 4, 6, 3), num_classes)])
+
+
+def _basic_blocks(repeats: tuple[int, ...], num_classes: int) -> list[tuple[str, nn.Module]]:
+    """Stages of `repeats` `BasicBlock`s (64/128/256/512 channels, the first of each stage after the first at stride
+    2), one block per basic block (`layer<stage>_<k>`, k from 1), the last ending with the global pool (`_pooled`),
+    then the classifier: what the ResNet-34s share, in FedPer's unit of personalization."""
+    blocks: list[tuple[str, nn.Module]] = []
     cin = 64
-    for i, (w, repeats) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True), start=1):
-        for j in range(1, repeats + 1):
+    for i, (w, n) in enumerate(zip((64, 128, 256, 512), repeats, strict=True), start=1):
+        for j in range(1, n + 1):
             blocks.append((f"layer{i}_{j}", BasicBlock(cin, w, 2 if i > 1 and j == 1 else 1)))
             cin = w
     blocks[-1] = (blocks[-1][0], _pooled(blocks[-1][1]))
-    return BlockNet([*blocks, ("classifier", nn.Linear(cin, num_classes))])
+    return [*blocks, ("classifier", nn.Linear(cin, num_classes))]
 
 
 class DepthwiseSeparable(nn.Module):
@@ -345,10 +366,21 @@ def mobilenet_v1(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
     channel count. FedPer says MobileNet-v1 has 11 basic blocks; Howard et al.'s Table 1 has 13 depthwise-separable
     blocks, which this follows (the paper's count is not explained).
     """
-    c = input_shape[0]
-    blocks: list[tuple[str, nn.Module]] = [
-        ("stem", nn.Sequential(nn.Conv2d(c, 32, 3, padding=1, bias=False), SafeBatchNorm2d(32), nn.ReLU()))
-    ]
+    return _mobilenet_v1(input_shape[0], num_classes, stem_stride=1)
+
+
+def mobilenet_v1_imagenet(input_shape: tuple[int, ...], num_classes: int) -> BlockNet:
+    """MobileNet-v1 ×1.0 as Howard et al. 2017's Table 1 has it, for 224-px inputs: `mobilenet_v1` with its stem at
+    stride 2 (7×7 maps reach the pool at 224 px). 4,231,976 parameters for 3 channels and 1000 classes. Deviation:
+    the stem takes the data's channel count."""
+    return _mobilenet_v1(input_shape[0], num_classes, stem_stride=2)
+
+
+def _mobilenet_v1(channels: int, num_classes: int, stem_stride: int) -> BlockNet:
+    """stem conv3×3(32, `stem_stride`) → BN → ReLU → the 13 `MOBILENET_V1_BLOCKS`, the last pooled → classifier."""
+    stem = nn.Sequential(nn.Conv2d(channels, 32, 3, stride=stem_stride, padding=1, bias=False), SafeBatchNorm2d(32),
+                         nn.ReLU())  # fmt: skip
+    blocks: list[tuple[str, nn.Module]] = [("stem", stem)]
     cin = 32
     for i, (cout, stride) in enumerate(MOBILENET_V1_BLOCKS, start=1):
         blocks.append((f"block{i}", DepthwiseSeparable(cin, cout, stride)))
@@ -495,7 +527,9 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "resnet18": resnet18,
     "resnet18_imagenet": resnet18_imagenet,
     "resnet34": resnet34,
+    "resnet34_imagenet": resnet34_imagenet,
     "mobilenet_v1": mobilenet_v1,
+    "mobilenet_v1_imagenet": mobilenet_v1_imagenet,
     "alexnet_small": alexnet_small,
     "shufflenetv2": shufflenetv2,
     # reduced-width variants of KT-pFL's zoo, for heterogeneous federations on CPU budgets
