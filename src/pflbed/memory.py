@@ -57,16 +57,16 @@ def check_processes(count: int, bytes_each: int, what: str, field: str) -> None:
                           f"{memory // bytes_each:,} here")  # fmt: skip
 
 
-def check_fits(parameters: int, device: torch.device, what: str, fields: str) -> None:
+def check_fits(parameters: int, device: torch.device, what: str, fields: str, advice: str = "lower them") -> None:
     """`ConfigError` naming `fields` unless `ROUND_COPIES` float32 copies of `parameters` fit in `device`'s memory.
-    `what` names the network ("pfedhn's hypernetwork"); `fields`, the options that size it."""
+    `what` names the network ("pfedhn's hypernetwork"); `fields`, the options that size it; `advice`, what to do."""
     memory = device_memory(device)
     need = parameters * FLOAT32_BYTES * ROUND_COPIES
     if memory is not None and need > memory:
         where = "this machine's" if device.type == "cpu" else f"{device}'s"
         raise ConfigError(f"{fields}: {what} would hold {parameters:,} parameters; a training round holds at least "
                           f"{ROUND_COPIES} copies of them ({_bytes(need)}), more than {where} {_bytes(memory)} of "
-                          "memory; lower them")  # fmt: skip
+                          f"memory; {advice}")  # fmt: skip
 
 
 def check_decoded(images: int, size: int, what: str) -> None:

@@ -1,6 +1,8 @@
 """FedPer's model families (`resnet34`, `mobilenet_v1`): the papers' layouts, and FedPer's unit of personalization —
 one block per basic block, the global pool inside the last one — so that K_P counts basic blocks as §4.3 does."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -99,3 +101,43 @@ def test_mobilenet_v1_imagenet_is_table_1_at_224_px():
     with torch.no_grad():
         assert m(torch.zeros(1, 3, 224, 224)).shape == (1, 1000)
     assert seen == [(1024, 7, 7)]
+
+
+@pytest.mark.parametrize(("model", "network", "kept", "shape"), [
+    ("resnet34_linear_base", "resnet34", "layer4_3", (512, 4, 4)),
+    ("mobilenet_v1_linear_base", "mobilenet_v1", "block13", (1024, 2, 2)),
+])  # fmt: skip
+def test_fedpers_linear_base_is_one_linear_layer_under_the_networks_top_two_blocks(model, network, kept, shape):
+    """§4.4 (Fig. 5, 6, 9): the base layers replaced by one linear layer, from the whole input to exactly what the
+    kept blocks read; the kept blocks are the network's own; FedPer's K_P = 2 keeps them personal and shares the
+    linear base alone."""
+    m, full = build_model(model, (3, 32, 32), 10), build_model(network, (3, 32, 32), 10)
+    assert m.block_names() == ["base", kept, "classifier"]
+    linear = [mod for mod in m.blocks["base"].modules() if isinstance(mod, nn.Linear)]
+    assert [(fc.in_features, fc.out_features) for fc in linear] == [(3 * 32 * 32, shape[0] * shape[1] * shape[2])]
+    assert not any(isinstance(mod, nn.Conv2d | nn.BatchNorm2d) for mod in m.blocks["base"].modules())
+    assert m.blocks["base"](torch.zeros(2, 3, 32, 32)).shape == (2, *shape)
+    for b in (kept, "classifier"):  # the network's own blocks, parameter for parameter
+        assert [(k, v.shape) for k, v in m.blocks[b].state_dict().items()] == [
+            (k, v.shape) for k, v in full.blocks[b].state_dict().items()]  # fmt: skip
+    own = sum(p.numel() for b in (kept, "classifier") for p in full.blocks[b].parameters())
+    assert sum(p.numel() for p in m.parameters()) == 3 * 32 * 32 * math.prod(shape) + math.prod(shape) + own
+    cfg = validate_config({"dataset": {"name": "synthetic", "synthetic": {"shape": [3, 8, 8], "n_train": 60,
+                                                                          "n_test": 20}},
+                           "model": {"name": model}, "federation": {"clients": 2},
+                           "algorithm": {"name": "fedper", "personal_blocks": 2}})  # fmt: skip
+    algo = prepare(cfg)
+    assert algo.base_keys == ["blocks.base.1.weight", "blocks.base.1.bias"]
+    assert {k.split(".")[1] for k in algo.personal_keys} == {kept, "classifier"}
+
+
+def test_a_linear_base_past_the_machine_s_memory_is_refused_naming_the_model(monkeypatch):
+    from pflbed import memory
+    from pflbed.errors import ConfigError
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: 10**9)
+    # (3 × 64 × 64 + 1) × (512 × 8 × 8): at 64 px layer4_3 reads 8×8 maps
+    with pytest.raises(ConfigError, match=r"^model\.name: resnet34_linear_base's linear base on 3×64×64 inputs would "
+                                          r"hold 402,685,952 parameters; .* of memory; smaller images "
+                                          r"\(dataset\.image_size\) or another model$"):  # fmt: skip
+        build_model("resnet34_linear_base", (3, 64, 64), 10)

@@ -5,7 +5,9 @@ Model (Eq. 1): ŷ = f(x; W_B, W_Pj) — K_B shared *base* layers followed by K_P
 client j. K_P counts blocks from the top (§4.3: K_P = 1 is the classifier alone, K_P = 2 adds the block below it).
 The paper counts basic blocks of ResNet-34 and MobileNet-v1 (§4.1); the zoo's `resnet34` and `mobilenet_v1` are
 built in that unit (a block per basic block), so there `personal_blocks` is the paper's K_P; on other models a
-block is the model's own (a layer of `cnn`, a whole stage of `resnet18`). A K_P whose lowest block holds no
+block is the model's own (a layer of `cnn`, a whole stage of `resnet18`). §4.4's check that the base learns (its
+base replaced by one linear layer, Fig. 5, 6, 9) is the model `resnet34_linear_base` / `mobilenet_v1_linear_base`
+with `personal_blocks: 2`. A K_P whose lowest block holds no
 parameters (`resnet18`'s `pool`: K_P = 2 there) would split the model as K_P − 1 does and is refused, naming
 the nearest values that differ (`partial.split_top`).
 

@@ -14,8 +14,8 @@ from pflbed.config.base import Strict
 
 MODEL_NAMES = (
     "mlp", "cnn", "lenet5", "cnn_bn", "lenet5_bn", "resnet18", "resnet18_imagenet", "resnet34", "resnet34_imagenet",
-    "mobilenet_v1", "mobilenet_v1_imagenet", "alexnet_small", "shufflenetv2", "resnet18_x025", "alexnet_small_x025",
-    "shufflenetv2_x05",
+    "mobilenet_v1", "mobilenet_v1_imagenet", "resnet34_linear_base", "mobilenet_v1_linear_base", "alexnet_small",
+    "shufflenetv2", "resnet18_x025", "alexnet_small_x025", "shufflenetv2_x05",
 )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from pydantic import AfterValidator
 from torch import nn
 
+from pflbed.memory import check_fits
 from pflbed.models.blocks import BlockNet
 
 
@@ -389,6 +390,37 @@ def _mobilenet_v1(channels: int, num_classes: int, stem_stride: int) -> BlockNet
     return BlockNet([*blocks, ("classifier", nn.Linear(cin, num_classes))])
 
 
+# --- FedPer §4.4: the base replaced by one linear layer ---------------------------------------------------------
+LINEAR_BASE_KEEP = 2  # the blocks kept: FedPer's K_P = 2, the classifier and the basic block below it
+
+
+def linear_base(network: Callable[[tuple[int, ...], int], BlockNet], input_shape: tuple[int, ...], num_classes: int,
+                name: str) -> BlockNet:  # fmt: skip
+    """`network` with every block below its top `LINEAR_BASE_KEEP` replaced by one linear layer (FedPer §4.4,
+    Fig. 5, 6 and 9: "we replace the base layers at each client with a linear fully connected layer", to see whether
+    the base learns anything). Blocks: base (flatten → linear map of the whole input to the shape the kept blocks
+    read → that shape), then the kept blocks as in `network` (for `resnet34`: layer4_3 with the pool, classifier),
+    so `algorithm.personal_blocks: 2` keeps them personal and shares the linear base.
+
+    The linear map's size is the input's size times the kept blocks' input size (at 32 px 3,072 × 8,192 for
+    ResNet-34, 3,072 × 4,096 for MobileNet-v1); larger images grow it with the square of both, so a size past the
+    machine's memory is refused before it is allocated (`memory.check_fits`, naming `model.name`). Deviation: the
+    paper does not say how the linear layer meets the kept blocks' input; here it produces that input exactly."""
+    full = network(input_shape, num_classes)
+    keep = full.top_blocks(LINEAR_BASE_KEEP)
+    body = nn.Sequential(*(full.blocks[b] for b in full.block_names()[: -LINEAR_BASE_KEEP]))
+    was = body.training
+    body.eval()
+    with torch.no_grad():
+        shape = tuple(body(torch.zeros(1, *input_shape)).shape[1:])
+    body.train(was)
+    d_in, d_out = math.prod(input_shape), math.prod(shape)
+    check_fits((d_in + 1) * d_out, torch.device("cpu"), f"{name}'s linear base on {'×'.join(map(str, input_shape))} "
+               "inputs", "model.name", "smaller images (dataset.image_size) or another model")  # fmt: skip
+    base = nn.Sequential(nn.Flatten(), nn.Linear(d_in, d_out), nn.Unflatten(1, shape))
+    return BlockNet([("base", base), *((b, full.blocks[b]) for b in keep)])
+
+
 # --- KT-pFL's heterogeneous zoo ----------------------------------------------------------------------------------
 def _pool_if_room(size: int) -> tuple[nn.Module, int]:
     """A 2×2 max-pool, or the identity where the map is already 1×1 (so 8×8 inputs survive every pool)."""
@@ -530,6 +562,9 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
     "resnet34_imagenet": resnet34_imagenet,
     "mobilenet_v1": mobilenet_v1,
     "mobilenet_v1_imagenet": mobilenet_v1_imagenet,
+    # FedPer §4.4: the base replaced by one linear layer
+    "resnet34_linear_base": partial(linear_base, resnet34, name="resnet34_linear_base"),
+    "mobilenet_v1_linear_base": partial(linear_base, mobilenet_v1, name="mobilenet_v1_linear_base"),
     "alexnet_small": alexnet_small,
     "shufflenetv2": shufflenetv2,
     # reduced-width variants of KT-pFL's zoo, for heterogeneous federations on CPU budgets
