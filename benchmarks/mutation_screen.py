@@ -98,6 +98,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "data/samples.py": ["test_trained", "test_site_samples"],
     "data/arrays.py": ["test_trained", "test_data", "test_site_samples", "test_loaders"],
     "data/flickr_aes.py": ["test_loaders"],
+    "models/pretrained.py": ["test_imagenet_resnet", "test_pretrain"],
+    "models/zoo.py": ["test_models", "test_fedper_models", "test_imagenet_resnet"],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],

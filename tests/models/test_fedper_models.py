@@ -141,3 +141,25 @@ def test_a_linear_base_past_the_machine_s_memory_is_refused_naming_the_model(mon
                                           r"hold 402,685,952 parameters; .* of memory; smaller images "
                                           r"\(dataset\.image_size\) or another model$"):  # fmt: skip
         build_model("resnet34_linear_base", (3, 64, 64), 10)
+
+
+@pytest.mark.parametrize("model", ["resnet34", "mobilenet_v1", "resnet34_imagenet", "mobilenet_v1_imagenet"])
+def test_every_conv_is_followed_by_batchnorm_then_relu_and_the_stem_keeps_the_map_size_its_stride_says(model):
+    """Conv → BN → ReLU in the stems and in both halves of a depthwise-separable block (a BasicBlock's second BN
+    meets the shortcut before its ReLU, `BasicBlock.forward`); 3×3 stems padded by 1 (7×7 by 3), so a 32-px image
+    leaves the stem at 32 / stride px (the ImageNet ResNet's max-pool halves it once more)."""
+    m = build_model(model, (3, 32, 32), 10)
+    kinds = {nn.Conv2d: "conv", nn.BatchNorm2d: "bn", nn.ReLU: "relu"}
+
+    def order(module: nn.Module) -> list[str]:
+        return [name for mod in module.modules() for kind, name in kinds.items() if isinstance(mod, kind)]
+
+    assert order(m.blocks["stem"]) == ["conv", "bn", "relu"]
+    if model.startswith("mobilenet"):
+        units = [m.blocks[n] if isinstance(m.blocks[n], DepthwiseSeparable) else m.blocks[n][0]
+                 for n in m.block_names() if n.startswith("block")]  # fmt: skip
+        assert all(order(u.depthwise) == order(u.pointwise) == ["conv", "bn", "relu"] for u in units)
+    side = {"resnet34": 32, "mobilenet_v1": 32, "resnet34_imagenet": 8, "mobilenet_v1_imagenet": 16}[model]
+    m.eval()
+    with torch.no_grad():
+        assert m.blocks["stem"](torch.zeros(1, 3, 32, 32)).shape[2:] == (side, side)

@@ -2,6 +2,8 @@
 ResNet-18 state dicts: every tensor lands where the ImageNet network has it, so the loaded body computes what the
 torchvision network computes; the 1000-class classifier is replaced by the run's."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,6 +183,10 @@ def test_wrapped_prefixed_and_counterless_checkpoints_load(tmp_path):
     params = prepare(_cfg(tmp_path, {"state_dict": old, "epoch": torch.tensor(90)})).ctx.initial_params
     assert torch.equal(params["blocks.layer3.0.shortcut.1.running_mean"], state["layer3.0.downsample.1.running_mean"])
     assert int(params["blocks.stem.1.num_batches_tracked"]) == 0
+    del old["module.layer2.1.bn1.bias"]  # an error about the unwrapped state still names the file given
+    with pytest.raises(ConfigError, match=rf"^model\.init_from: {re.escape(str(tmp_path / 'resnet18.pth'))} has no "
+                                          r"'layer2\.1\.bn1\.bias' \(a torchvision/timm ResNet-18 key"):  # fmt: skip
+        prepare(_cfg(tmp_path, old))
 
 
 def test_safetensors_weights_load_as_timm_publishes_them(tmp_path):

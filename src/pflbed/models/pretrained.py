@@ -92,17 +92,16 @@ _PER_BLOCK = re.compile(r"layer(\d)_(\d+)\.(?:0\.)?")  # resnet34_imagenet's blo
 def torchvision_resnet_key(key: str) -> str:
     """The torchvision / timm ResNet state-dict key of the `resnet18_imagenet` or `resnet34_imagenet` key `key`.
 
-    `blocks.stem.0.*` (the 7×7 conv) ↔ `conv1.*`, `blocks.stem.1.*` (its BN) ↔ `bn1.*`, `blocks.classifier.*` ↔
-    `fc.*`, the projection `shortcut` ↔ `downsample`; a residual block: `blocks.layerI.J.*` (ResNet-18's stages) ↔
-    `layerI.J.*`, and `blocks.layerI_K.*` (ResNet-34's blocks, K from 1; the last one's `0.` is its wrapper with the
-    pool, `models.zoo._pooled`) ↔ `layerI.<K − 1>.*`.
+    `blocks.stem.0.*` (the 7×7 conv) ↔ `conv1.*`, `blocks.stem.1.*` (its BN) ↔ `bn1.*`, the projection `shortcut` ↔
+    `downsample`; a residual block: `blocks.layerI.J.*` (ResNet-18's stages) ↔ `layerI.J.*`, and `blocks.layerI_K.*`
+    (ResNet-34's blocks, K from 1; the last one's `0.` is its wrapper with the pool, `models.zoo._pooled`) ↔
+    `layerI.<K − 1>.*`. The classifier is never asked for: the file's 1000-class `fc` is dropped, the run keeps its
+    own.
     """
     k = key.removeprefix("blocks.")
     for ours, theirs in _TV_STEM.items():
         if k.startswith(ours):
             return theirs + k[len(ours) :]
-    if k.startswith("classifier."):
-        return "fc." + k[len("classifier.") :]
     if m := _PER_BLOCK.match(k):
         k = f"layer{m.group(1)}.{int(m.group(2)) - 1}." + k[m.end() :]
     return k.replace(".shortcut.", ".downsample.")
