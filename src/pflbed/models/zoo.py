@@ -403,8 +403,8 @@ def linear_base(network: Callable[[tuple[int, ...], int], BlockNet], input_shape
     so `algorithm.personal_blocks: 2` keeps them personal and shares the linear base.
 
     The linear map's size is the input's size times the kept blocks' input size (at 32 px 3,072 × 8,192 for
-    ResNet-34, 3,072 × 4,096 for MobileNet-v1); larger images grow it with the square of both, so a size past the
-    machine's memory is refused before it is allocated (`memory.check_fits`, naming `model.name`). Deviation: the
+    ResNet-34, 3,072 × 4,096 for MobileNet-v1); both grow with the image's pixel count, the layer with its square,
+    so a size past the machine's memory is refused before it is allocated (`memory.check_fits`, naming `model.name`). Deviation: the
     paper does not say how the linear layer meets the kept blocks' input; here it produces that input exactly."""
     full = network(input_shape, num_classes)
     keep = full.top_blocks(LINEAR_BASE_KEEP)
