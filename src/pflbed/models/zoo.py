@@ -404,8 +404,9 @@ def linear_base(network: Callable[[tuple[int, ...], int], BlockNet], input_shape
 
     The linear map's size is the input's size times the kept blocks' input size (at 32 px 3,072 × 8,192 for
     ResNet-34, 3,072 × 4,096 for MobileNet-v1); both grow with the image's pixel count, the layer with its square,
-    so a size past the machine's memory is refused before it is allocated (`memory.check_fits`, naming `model.name`). Deviation: the
-    paper does not say how the linear layer meets the kept blocks' input; here it produces that input exactly."""
+    so a size past the machine's memory is refused before it is allocated (`memory.check_fits`, naming
+    `model.name`). Deviation: the paper does not say how the linear layer meets the kept blocks' input; here it
+    produces that input exactly."""
     full = network(input_shape, num_classes)
     keep = full.top_blocks(LINEAR_BASE_KEEP)
     body = nn.Sequential(*(full.blocks[b] for b in full.block_names()[: -LINEAR_BASE_KEEP]))
