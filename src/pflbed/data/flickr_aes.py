@@ -131,10 +131,9 @@ def _build(directory: Path, rows: list[tuple[str, str, int]], image_size: int) -
 
 
 @lru_cache(maxsize=2)
-def _load_cached(directory: str, image_size: int, stamp: tuple) -> DataSource:
+def _load_cached(directory: str, image_size: int, rows: tuple, stamp: tuple) -> DataSource:
     del stamp  # only part of the cache key
-    root = Path(directory)
-    return _build(root, selected(read_ratings(root)), image_size)
+    return _build(Path(directory), list(rows), image_size)
 
 
 def load_flickr_aes(
@@ -153,4 +152,4 @@ def load_flickr_aes(
     if missing is not None:
         raise DataError(f"{directory / IMAGES / missing}: no such file (rated in {directory / RATINGS})")
     files = [directory / RATINGS, *(directory / IMAGES / image for image in sorted({i for _, i, _ in rows}))]
-    return _load_cached(str(directory), image_size, store.stamp(files))
+    return _load_cached(str(directory), image_size, tuple(rows), store.stamp(files))  # the file read once
