@@ -423,6 +423,27 @@ def test_a_proximal_plan_together_is_each_clients_own_update_with_its_own_anchor
     _assert_each_own(cfg, ctx, cids, anchored)
 
 
+def _previous_model(algo, cid):
+    """A MOON client state: a previous model of its own, away from the global one (running variances kept
+    positive)."""
+    g = torch.Generator().manual_seed(cid)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() and "running_var" not in k
+            else v.clone() for k, v in algo.init_server().items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["lenet5_bn", ALEXNET_TINY])
+def test_moons_frozen_models_run_in_eval_mode_together_as_alone(model):
+    """MOON's objective (`moon.ContrastiveObjective`) runs the global and the previous model in eval mode inside the
+    step: there BatchNorm normalizes with the frozen model's own running statistics and moves none, and dropout
+    draws no mask. Batched, each client's result (its running statistics included) equals its own `run_plan`; with
+    the per-client layers' forwards blind to the mode, they were normalized by the batch and moved the client's
+    statistics three times a step (BatchNorm: off by 168), or asked for masks never drawn (dropout: an error)."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans(model, algorithm={"name": "moon", "mu": 1.0}, state=_previous_model)
+    assert all(any(k.startswith("previous/") for k in p.consts) for p in plans)  # ℓ_con is in the loss
+    _assert_each_own(cfg, ctx, cids, plans)
+
+
 def _random_masks(algo, cid):
     """A FedSelect client state whose next training has personal entries in every eligible tensor, a different
     random third of them per client (and one tensor wholly personal for client 1)."""
@@ -713,6 +734,27 @@ def test_a_batched_client_that_diverges_stops_the_run_naming_its_round_and_itsel
             run(_cfg("fedavg", batch_clients, 2, lr=1e4), write=False, progress=False)
         errors.append((caught.value.round, caught.value.where))
     assert errors[0] == errors[1] and errors[1][0] == 1 and "client" in errors[1][1]
+
+
+def test_a_trace_records_the_dropout_calls_made_in_training_mode_and_moves_nothing():
+    """`PerClientLayers.trace` records what the step will ask masks for: the dropout calls of a forward in training
+    mode, not those a forward makes in eval mode (a frozen model's, as MOON's), which draw none; and it draws from
+    no generator and moves no running statistic."""
+    model = torch.nn.Sequential(ReproducibleDropout(0.3), torch.nn.BatchNorm1d(4), ReproducibleDropout(0.5))
+    layers = PerClientLayers(model)
+    before, rng_before = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+
+    def forward():
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+        model.eval()
+        model(torch.ones(1, 4))  # frozen: no mask
+        model.train()
+
+    model.eval()  # the trace runs the forward as the step does, whatever the mode it is given
+    layers.trace(model, forward)
+    assert layers.calls == [("0", (4,)), ("2", (4,))]
+    assert not model.training and torch.equal(torch.get_rng_state(), rng_before)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_dropout_masks_drawn_per_client_are_the_layers_own_at_p_zero_one_and_between():

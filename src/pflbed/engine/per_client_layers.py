@@ -16,6 +16,9 @@ of the model a forward that works per client, as the client-by-client loop would
   generator (`rng.global_stream`, the stream the loop's update draws from torch's global RNG): per step, every
   dropout call of the forward in order, `bernoulli_(1 − p)` over the client's real batch, scaled by 1/(1 − p) —
   `models.zoo.ReproducibleDropout`'s draw, so the same masks.
+- **Eval mode**, a forward the step makes through a frozen model (MOON's global and previous models): as in the
+  loop, BatchNorm normalizes with the running statistics that forward is given and moves none, and dropout draws
+  no mask.
 
 The loop's and the batched parameters then differ by float rounding only (the normalization's reductions are
 summed in another order than torch's kernel sums them): the tolerance of `engine.batched`.
@@ -23,6 +26,7 @@ summed in another order than torch's kernel sums them): the tolerance of `engine
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -74,19 +78,32 @@ class PerClientLayers:
 
     def trace(self, model: nn.Module, forward: Callable[[], object]) -> None:
         """Record the order and per-sample shapes of the dropout calls `forward()` makes: the model's forward on
-        one sample, or one objective's forwards (eval mode: nothing drawn, no statistic moved)."""
+        one sample, or one objective's forwards. Run in training mode, as the step runs, so that a forward the
+        objective makes in eval mode (MOON's frozen models) is not recorded: it draws no mask there. Nothing is
+        drawn and no statistic moves (dropout passes its input, BatchNorm normalizes with the running ones)."""
         self.calls = []
-        hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: self.calls.append((n, tuple(a[0].shape[1:]))))
-                 for n, m in self.drops.items()]  # fmt: skip
+
+        def drop(name: str, m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                if m.training:
+                    self.calls.append((name, tuple(x.shape[1:])))
+                return x
+
+            return forward
+
+        for n, m in self.drops.items():
+            m.forward = drop(n, m)
+        for m in self.norms.values():
+            m.forward = functools.partial(_eval_norm, m)
         was = model.training
-        model.eval()
+        model.train()
         try:
             with torch.no_grad():
                 forward()
         finally:
             model.train(was)
-            for h in hooks:
-                h.remove()
+            for m in [*self.norms.values(), *self.drops.values()]:
+                del m.forward
 
     def draw(
         self, sizes: list[int], width: int, gens: list[torch.Generator], device: torch.device
@@ -124,21 +141,23 @@ class PerClientLayers:
         for n, m in self.norms.items():
             m.forward = self._norm_forward(n, m)
         for m in self.drops.values():
-            m.forward = self._drop_forward()
+            m.forward = self._drop_forward(m)
         try:
             yield
         finally:
             for m in [*self.norms.values(), *self.drops.values()]:
                 del m.forward
 
-    def _drop_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _drop_forward(self, m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return x * self._masks.pop(0)
+            return x * self._masks.pop(0) if m.training else x  # eval mode (a frozen model's forward): no mask
 
         return forward
 
     def _norm_forward(self, name: str, m: _BatchNorm) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(x: torch.Tensor) -> torch.Tensor:
+            if not m.training:  # a frozen model's forward (MOON's): its own running statistics, which stay
+                return _eval_norm(m, x)
             assert self._real is not None and m.momentum is not None
             at = name if self._sets is None else self._sets.get(id(m.running_mean), name)
             # a set moved earlier in this step moves on from there, as the loop's in-place update does
@@ -165,3 +184,13 @@ class PerClientLayers:
             return y.to(x.dtype)
 
         return forward
+
+
+def _eval_norm(m: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """BatchNorm in eval mode, computed as the training forward above is (float32 at least), with the running
+    statistics the forward was given (`functional_call`'s, else the layer's own), which it leaves as they are."""
+    assert m.running_mean is not None and m.running_var is not None
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    y = (xf - m.running_mean.to(xf.dtype).view(shape)) * torch.rsqrt(m.running_var.to(xf.dtype).view(shape) + m.eps)
+    return (y * m.weight.to(xf.dtype).view(shape) + m.bias.to(xf.dtype).view(shape)).to(x.dtype)
