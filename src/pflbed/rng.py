@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -73,6 +74,20 @@ def fork(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.random.fork_rng(devices=[device], device_type=device.type)
 
 
+@contextlib.contextmanager
+def global_from(generator: torch.Generator, device: torch.device) -> Iterator[None]:
+    """Torch's global RNG seeded, for the duration, from `generator`'s own seed (a seed derived from it, so that
+    the two draw different numbers; nothing is drawn from `generator`), and put back after (`fork`).
+
+    Why: code outside a client update that draws from the global RNG — the dropout masks of a personalization
+    (+FT, new clients, `pflbed personalize`) — would otherwise draw whatever the process's last use left there: the
+    loop's last client update, or nothing at all in a process whose clients ran elsewhere (procs, Flower), so its
+    figures would depend on the executor. Seeded here, they depend on what the draw is for, as `generator`'s do."""
+    with fork(device):
+        seed_global(derive_seed(generator.initial_seed(), GLOBAL), device)
+        yield
+
+
 def deterministic_kernels(device: torch.device, on: bool) -> None:
     """On a GPU, choose reproducible kernels (`executor.deterministic`): the same config and seed then give the
     same figures run after run on the same GPU and software, as on a CPU.
@@ -111,4 +126,4 @@ def os_uniform(n: int) -> np.ndarray:
 
 
 # Stream tags, so that e.g. round 3 of client 5 never collides with the fine-tuning stream of client 5.
-CLIENT, INIT, FINETUNE, NEWCLIENT, SITE, PRIVACY = 1, 2, 3, 4, 5, 6
+CLIENT, INIT, FINETUNE, NEWCLIENT, SITE, PRIVACY, GLOBAL = 1, 2, 3, 4, 5, 6, 7

@@ -701,3 +701,81 @@ def test_every_forward_runs_at_eval_batch_size():
     nctx = _ctx(src, fed, eval={"batch_size": 3, "new_clients": {**NC, "methods": ["ft"], "lrs": [0.1]}})
     evaluate_new_clients(_nc_algo(nctx, {1: (0.0, 0.5), 2: (0.0, 1.0)}), SERVER)
     assert used() == {3}
+
+
+# --- a personalization's random draws ----------------------------------------------------------------------------
+def _dropout_run(monkeypatch):
+    """FedAvg on AlexNet (dropout) with a new client, prepared, and the parameters of every personalization's final
+    model as it is made (`finals`)."""
+    from pflbed.config import validate_config
+    from pflbed.engine.loop import prepare
+
+    from ..tiny import DATA, TINY
+
+    cfg = validate_config({**TINY, "dataset": DATA, "model": {"name": "alexnet_small_x025"},
+                           "federation": {**TINY["federation"], "new_clients": 1},
+                           "eval": {"finetune": ["ft"], "new_clients": {"epochs": 1, "lrs": [0.05], "fractions": [1.0],
+                                                                        "methods": ["ft"], "zero_shot": False}},
+                           "executor": {"threads": 1}})  # fmt: skip
+    algo = prepare(cfg)
+    finals, real = [], algo.personalize
+
+    def personalize(*args):
+        for pred in real(*args):
+            yield pred
+        finals.append({k: v.clone() for k, v in pred.params.items()})
+
+    monkeypatch.setattr(algo, "personalize", personalize)
+    return algo, algo.init_server(), finals
+
+
+@pytest.mark.parametrize("where", ["finetune", "new clients", "site"])
+def test_a_personalizations_dropout_masks_come_from_its_own_seed_not_from_what_ran_before(where, monkeypatch):
+    """Rule (`rng.global_from` around every personalization): its dropout masks, drawn from torch's global RNG, are
+    seeded by what the personalization is for. Left unseeded they were whatever the process last left there — the
+    loop's last client update, nothing in a procs or Flower server — so the figures of +FT and new clients on a
+    dropout model depended on the executor. Two different global states before: the same models; and the global
+    RNG is left as it was found."""
+    from pflbed.flower.site_eval import evaluate_site
+
+    algo, server, finals = _dropout_run(monkeypatch)
+    fed = algo.ctx.federation
+
+    def personalize():
+        if where == "finetune":
+            evaluate_personalized(algo, server, "ft", lambda c: rng.generator(0, rng.FINETUNE, 0, c))
+        elif where == "new clients":
+            evaluate_new_clients(algo, server)
+        else:
+            evaluate_site(algo, server, algo.init_client, sorted(fed.participated), "ft")
+
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        personalize()
+        assert torch.equal(torch.get_rng_state(), state)
+        runs.append(finals[:])
+        finals.clear()
+    assert len(runs[0]) == (len(fed.new) if where == "new clients" else len(fed.participated)) > 0
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(*runs, strict=True))
+
+
+def test_the_global_rng_is_seeded_from_the_generators_own_seed_apart_from_its_numbers():
+    """Rule (`rng.global_from`): inside, torch's global RNG draws a stream fixed by the generator's seed — the same
+    for the same seed, another for another (each client's personalization its own masks) and not the generator's
+    own numbers, which it leaves undrawn; outside, the global RNG is where it was."""
+    cpu = torch.device("cpu")
+
+    def inside(seed):
+        gen = rng.generator(0, rng.FINETUNE, 0, seed)
+        with rng.global_from(gen, cpu):
+            drawn = torch.rand(6)
+        return drawn, torch.rand(6, generator=gen)
+
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    (a, own), (again, _), (other, _) = inside(1), inside(1), inside(2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a, again) and not torch.equal(a, other) and not torch.equal(a, own)
+    assert torch.equal(own, torch.rand(6, generator=rng.generator(0, rng.FINETUNE, 0, 1)))  # nothing drawn from it

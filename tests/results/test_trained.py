@@ -434,3 +434,21 @@ def test_a_new_client_of_a_heterogeneous_run_takes_the_architecture_of_the_run_s
     new = run.algo.ctx.federation.new[0]
     p = run.personalize(x, y, epochs=1, lr=0.05)
     assert p.model.zoo_name == run.algo.arch_of(new) == "lenet5"
+
+
+def test_a_personalization_of_a_dropout_model_is_fixed_by_its_seed_whatever_ran_before(tmp_path):
+    """`TrainedRun.personalize` on AlexNet (dropout): its masks are drawn from the personalization's seed
+    (`rng.global_from`), not from whatever this process last left in torch's global RNG — the same `seed`, the
+    same model, after two different draws before; and the global RNG is left where it was."""
+    torch.set_num_threads(1)
+    pflbed.run({**RUN, "model": {"name": "alexnet_small_x025"}, "train": {"rounds": 1, "lr": 0.05},
+                "algorithm": {"name": "fedavg"}}, tmp_path / "run")  # fmt: skip
+    run = pflbed.load_run(tmp_path / "run")
+    (x, y), _, _ = _client_samples()
+    models = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        models.append(run.personalize(x, y, method="ft", epochs=2, lr=0.05, seed=7).model.state_dict())
+        assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, Context, Predictor, Tensors
 from pflbed.data.arrays import DataSource
 from pflbed.evaluation.heads import predict_all
@@ -340,7 +341,9 @@ def evaluate_personalized(algo: Algorithm, server: Tensors, method: str, generat
     test: dict[int, float] = {}
     val: dict[int, float] = {}
     for c in ctx.federation.participated:  # one client at a time: only one personalized model alive
-        p = last(algo.personalize(server, ctx.client_data(c), budget, generator_for(c)))
+        gen = generator_for(c)
+        with rng.global_from(gen, ctx.device):  # its dropout masks: its own, whatever ran before (`rng.global_from`)
+            p = last(algo.personalize(server, ctx.client_data(c), budget, gen))
         t_c, v_c = client_scores({c: p}, ctx, P)
         test[c], val[c] = t_c[c], v_c[c]
         P.forget_models()

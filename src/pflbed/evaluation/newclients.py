@@ -46,12 +46,13 @@ def run_one(algo: Algorithm, server: Tensors, cid: int, data: ClientData, budget
     """
     ctx = algo.ctx
     best_val, best, last, val = -1.0, None, None, float("nan")
-    for pred in algo.personalize(server, data, budget, gen):
-        val = client_score(pred, cid, ctx, P, "val")
-        P.store.clear()  # each epoch is a new model
-        if val > best_val:
-            best_val, best = val, pred
-        last = pred
+    with rng.global_from(gen, ctx.device):  # its dropout masks: its own, whatever ran before (`rng.global_from`)
+        for pred in algo.personalize(server, data, budget, gen):
+            val = client_score(pred, cid, ctx, P, "val")
+            P.store.clear()  # each epoch is a new model
+            if val > best_val:
+                best_val, best = val, pred
+            last = pred
     if last is None:
         raise ValueError(f"{algo.name}.personalize yielded no model")
     if best is None:  # no validation data (val NaN every epoch): the client cannot stop early, so Best = Last

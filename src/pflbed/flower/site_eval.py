@@ -49,7 +49,9 @@ def evaluate_site(algo: Algorithm, server: Tensors, state: Callable[[int], Tenso
     test, val = {}, {}
     for c in cids:  # as `evaluate_personalized`: one personalized model alive at a time
         gen = rng.generator(ctx.cfg.seed, rng.FINETUNE, method_index, c)
-        t_c, v_c = client_scores({c: last(algo.personalize(server, ctx.client_data(c), budget, gen))}, ctx, P)
+        with rng.global_from(gen, ctx.device):  # as `evaluate_personalized`
+            p = last(algo.personalize(server, ctx.client_data(c), budget, gen))
+        t_c, v_c = client_scores({c: p}, ctx, P)
         test[c], val[c] = t_c[c], v_c[c]
         P.forget_models()
     return {"test": test, "val": val}

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
 from pflbed.algorithms.training import finetune_epochs, load_params
 from pflbed.config import SEED_MAX, Config
@@ -274,14 +275,15 @@ class TrainedRun:
             assert generic is not None  # checked by the caller
             steps = finetune_epochs(self.algo.ctx.model, generic.params, data, budget, gen)
         history, best, best_val, selected = [], None, -1.0, 0
-        for e, pred in enumerate(steps, 1):
-            if not all(bool(torch.isfinite(p).all()) for p in pred.params.values() if p.is_floating_point()):
-                raise _Diverged(e)
-            model = _module(pred)
-            acc = _accuracy(model, xv, yv)
-            history.append({"epoch": e, "val_acc": acc} if len(yv) else {"epoch": e})
-            if best is None or (len(yv) and acc > best_val) or not len(yv):
-                best, best_val, selected = model, acc, e
+        with rng.global_from(gen, self.algo.ctx.device):  # dropout masks from the seed too (`rng.global_from`)
+            for e, pred in enumerate(steps, 1):
+                if not all(bool(torch.isfinite(p).all()) for p in pred.params.values() if p.is_floating_point()):
+                    raise _Diverged(e)
+                model = _module(pred)
+                acc = _accuracy(model, xv, yv)
+                history.append({"epoch": e, "val_acc": acc} if len(yv) else {"epoch": e})
+                if best is None or (len(yv) and acc > best_val) or not len(yv):
+                    best, best_val, selected = model, acc, e
         assert best is not None
         return best, history, selected, best_val
 
