@@ -677,6 +677,34 @@ def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own(ch
             assert torch.allclose(new[f"0.{s}"][i], getattr(own[0], s), rtol=1e-5, atol=0), s
 
 
+def test_batchnorm_in_eval_mode_normalizes_a_bfloat16_batch_with_its_float32_running_statistics_as_torchs_own():
+    """A frozen model's BatchNorm inside the step (eval mode, MOON's) under `precision: bf16`: torch's kernel
+    normalizes the bfloat16 activations with the float32 running statistics in float32, and so must the per-client
+    forward (in bfloat16, x − 100.3 is off by up to 0.25 before scaling); nothing moves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3)).eval()
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5)
+        model[0].bias.uniform_(-1, 1)
+        model[0].running_mean.uniform_(99.0, 101.0)
+        model[0].running_var.uniform_(4.0, 9.0)
+    layers = PerClientLayers(model)
+    x = (torch.randn(2, 16, 3, 5, 5) * 3 + 100).to(torch.bfloat16)
+    stats = {k: torch.stack([v, v]) for k, v in model.state_dict().items() if k in layers.buffer_keys}
+
+    def step(stats, x):
+        layers.enter(stats, torch.ones(16, dtype=torch.bool), [])
+        return model(x), layers.leave()
+
+    with layers.patched():
+        y, new = torch.func.vmap(step)(stats, x)
+    assert y.dtype == torch.bfloat16 and new == {}
+    for i in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(x[i])
+        torch.testing.assert_close(y[i], want)
+
+
 def test_batched_clients_share_one_pool_and_each_has_its_own_generator():
     """A batched step gathers every client's batch from one pool in one indexing: clients whose samples, labels or
     augmentation are other objects are refused, and so are generators that are not one per client (a shorter list

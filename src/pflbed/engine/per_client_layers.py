@@ -192,5 +192,5 @@ def _eval_norm(m: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     assert m.running_mean is not None and m.running_var is not None
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     shape = [1, -1] + [1] * (x.dim() - 2)
-    y = (xf - m.running_mean.to(xf.dtype).view(shape)) * torch.rsqrt(m.running_var.to(xf.dtype).view(shape) + m.eps)
-    return (y * m.weight.to(xf.dtype).view(shape) + m.bias.to(xf.dtype).view(shape)).to(x.dtype)
+    y = (xf - m.running_mean.view(shape)) * torch.rsqrt(m.running_var.view(shape) + m.eps)  # promoted to xf's dtype
+    return (y * m.weight.view(shape) + m.bias.view(shape)).to(x.dtype)
