@@ -171,6 +171,10 @@ PER_CLIENT_LAYERS = [
     # FedALA's plan draws first (its weights learned from round 2): training goes on from the device's global RNG
     ("fedala-alexnet", {"name": "fedala", "layers": 3}, {"model": {"name": "alexnet_small_x025"},
                                                         "train": {**TINY["train"], "rounds": 2}}),
+    # MOON's frozen global and previous models (from round 2) run in eval mode inside the step: no masks drawn
+    ("moon-alexnet", {"name": "moon"}, {"model": {"name": "alexnet_small_x025"},
+                                        "train": {**TINY["train"], "rounds": 2},
+                                        "federation": {**FED, "sample_fraction": 1.0}}),
     # KT-pFL's zoo, each architecture batched, its distillation (round 2) on the public batch from a stream of its
     # own. Not lenet5_bn nor lenet5: float32 rounding decides max-pooling's ties there (a lenet5 client of this run
     # moved by 1e-3, equal in float64 within 6e-18); both are checked in float64 in `test_batched`.
