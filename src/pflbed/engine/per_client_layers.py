@@ -26,9 +26,9 @@ summed in another order than torch's kernel sums them): the tolerance of `engine
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ class PerClientLayers:
         drawn and no statistic moves (dropout passes its input, BatchNorm normalizes with the running ones)."""
         self.calls = []
 
-        def drop(name: str, m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        def record(name: str, m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
             def forward(x: torch.Tensor) -> torch.Tensor:
                 if m.training:
                     self.calls.append((name, tuple(x.shape[1:])))
@@ -91,19 +91,13 @@ class PerClientLayers:
 
             return forward
 
-        for n, m in self.drops.items():
-            m.forward = drop(n, m)
-        for m in self.norms.values():
-            m.forward = functools.partial(_eval_norm, m)
         was = model.training
         model.train()
         try:
-            with torch.no_grad():
+            with self._forwards(lambda _n, m: functools.partial(_eval_norm, m), record), torch.no_grad():
                 forward()
         finally:
             model.train(was)
-            for m in [*self.norms.values(), *self.drops.values()]:
-                del m.forward
 
     def draw(
         self, sizes: list[int], width: int, gens: list[torch.Generator], device: torch.device
@@ -135,20 +129,25 @@ class PerClientLayers:
         new, self._stats, self._new, self._real, self._sets = self._new, {}, {}, None, None
         return new
 
-    @contextmanager
-    def patched(self) -> Iterator[None]:
+    def patched(self) -> contextlib.AbstractContextManager:
         """The layers' per-client forwards, for the duration (the model's own afterwards)."""
+        return self._forwards(self._norm_forward, self._drop_forward)
+
+    @contextlib.contextmanager
+    def _forwards(self, norm: Callable[[str, nn.Module], Callable], drop: Callable[[str, nn.Module], Callable]
+                  ) -> Iterator[None]:  # fmt: skip
+        """Each BatchNorm's forward `norm(name, layer)` and each dropout's `drop(name, layer)` for the duration."""
         for n, m in self.norms.items():
-            m.forward = self._norm_forward(n, m)
-        for m in self.drops.values():
-            m.forward = self._drop_forward(m)
+            m.forward = norm(n, m)
+        for n, m in self.drops.items():
+            m.forward = drop(n, m)
         try:
             yield
         finally:
             for m in [*self.norms.values(), *self.drops.values()]:
                 del m.forward
 
-    def _drop_forward(self, m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _drop_forward(self, _name: str, m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(x: torch.Tensor) -> torch.Tensor:
             return x * self._masks.pop(0) if m.training else x  # eval mode (a frozen model's forward): no mask
 
@@ -172,8 +171,7 @@ class PerClientLayers:
             single = count <= 1  # `SafeBatchNorm`: normalized with the running statistics, which stay
             use_mean = torch.where(single, rm.to(xf.dtype), mean)
             use_var = torch.where(single, rv.to(xf.dtype), var)
-            y = (xf - use_mean.view(shape)) * torch.rsqrt(use_var.view(shape) + m.eps)
-            y = y * m.weight.to(xf.dtype).view(shape) + m.bias.to(xf.dtype).view(shape)
+            y = _normalized(m, xf, use_mean, use_var)
             mom = float(m.momentum)
             unbiased = var.detach() * count / (count - 1).clamp(min=1)
             moved_mean = (1 - mom) * rm.to(xf.dtype) + mom * mean.detach()
@@ -186,11 +184,17 @@ class PerClientLayers:
         return forward
 
 
+def _normalized(m: _BatchNorm, xf: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """`xf` normalized with per-channel `mean` and `var`, then scaled and shifted by the layer's weight and bias,
+    in `xf`'s dtype."""
+    shape = [1, -1] + [1] * (xf.dim() - 2)
+    y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + m.eps)
+    return y * m.weight.to(xf.dtype).view(shape) + m.bias.to(xf.dtype).view(shape)
+
+
 def _eval_norm(m: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """BatchNorm in eval mode, computed as the training forward above is (float32 at least), with the running
     statistics the forward was given (`functional_call`'s, else the layer's own), which it leaves as they are."""
     assert m.running_mean is not None and m.running_var is not None
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    y = (xf - m.running_mean.view(shape)) * torch.rsqrt(m.running_var.view(shape) + m.eps)  # promoted to xf's dtype
-    return (y * m.weight.view(shape) + m.bias.view(shape)).to(x.dtype)
+    return _normalized(m, xf, m.running_mean.to(xf.dtype), m.running_var.to(xf.dtype)).to(x.dtype)
