@@ -121,6 +121,27 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
     assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
 
 
+def test_a_finish_that_draws_dropout_masks_draws_on_from_where_the_clients_training_left_them(together):
+    """SCAFFOLD's option I takes c_i⁺ = ∇f_i(x) in its plan's `finish`, a pass over the client's data in training
+    mode: on a dropout model its masks come from torch's global RNG, where the loop's update left it after the
+    client's steps. Batched, each client's `finish` draws on from where its own dropout stream's training left it:
+    the server and the control variates within TOL of the loop's. Red with `finish` run from wherever the global
+    RNG stands (0.0034 off on the tiny AlexNet)."""
+    torch.set_num_threads(1)
+
+    def cfg(batch_clients):
+        c = _cfg("scaffold", batch_clients, 1, lr=0.05)
+        return validate_config({**c.model_dump(), "model": {"name": ALEXNET_TINY},
+                                "algorithm": {"name": "scaffold", "option": "I"}})  # fmt: skip
+
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    assert together and all(n > 1 for n in together)
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+    assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
+
+
 def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_streams(together):
     """FedALA's plan learns its weights before it trains: it draws its sample and batches from the client's
     generator and its dropout masks from torch's global RNG, and the batched training goes on from both where the

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pflbed.algorithms import ALGORITHMS
+from pflbed.algorithms import ALGORITHMS, fedas
 from pflbed.algorithms.fedamp import FedAMP
 from pflbed.config import validate_config
 from pflbed.errors import ConfigError
@@ -84,6 +84,23 @@ def test_the_server_rule_runs_outside_autocast(monkeypatch):
     run(_cfg("fedamp"), write=False, progress=False)
     assert flags["client"] and all(flags["client"])
     assert flags["aggregate"] and not any(flags["aggregate"])
+
+
+@pytest.mark.parametrize("batch_clients", [False, True])
+def test_a_plans_finish_runs_under_autocast_batched_as_in_the_loop(batch_clients, together, monkeypatch):
+    """A plan's `finish` is part of the client's update: FedAS's Fisher trace (like SCAFFOLD's option-I gradient
+    and KT-pFL's soft predictions) runs its forwards there, under autocast in the loop, and so batched. Red with the
+    batched executor calling `finish` outside `precision`."""
+    flags, real = [], fedas.fisher_trace
+
+    def fisher_trace(*a, **kw):
+        flags.append(torch.is_autocast_enabled("cpu"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fedas, "fisher_trace", fisher_trace)
+    run(_cfg("fedas", batch_clients=batch_clients), write=False, progress=False)
+    assert bool(together) == batch_clients  # the batched path ran where asked
+    assert flags and all(flags)
 
 
 def test_bf16_changes_results_and_fp32_is_the_default():

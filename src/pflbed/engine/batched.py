@@ -112,6 +112,16 @@ class BatchedExecutor(LoopExecutor):
                 plan = algo.round_plan(payload, self.state(cid), ctx.client_data(cid), cctx)
             return plan, cctx.generator, rng.global_now(ctx.device)
 
+    def finish(self, plan: LocalSGDPlan, trained: Tensors, noise: torch.Generator) -> tuple[Tensors, Tensors]:
+        """A batched client's `finish` as `run_plan` runs it after the client's own steps: torch's global RNG where
+        its training left the client's dropout stream (SCAFFOLD's option I takes a gradient pass in training mode,
+        drawing masks) and under the run's precision (FedAS's Fisher trace, KT-pFL's soft predictions, that
+        gradient: their forwards in bfloat16 under `executor.precision: bf16`, as in the loop)."""
+        with rng.fork(self.algo.ctx.device):
+            rng.set_global(noise, self.algo.ctx.device)
+            with precision(self.algo):
+                return plan.finish(trained)
+
     def alone(self, plan: LocalSGDPlan, cid: int, payload: Tensors, gen: torch.Generator,
               noise: torch.Generator) -> tuple[Tensors, Tensors]:  # fmt: skip
         """A client whose plan is trained by none other's: the plan run as its update runs it (`run_plan`), the
@@ -150,7 +160,7 @@ class BatchedExecutor(LoopExecutor):
                     torch.cuda.empty_cache()
                     continue
                 for c, p in zip(part, trained, strict=True):
-                    reply, new_state = plans[c].finish(p)
+                    reply, new_state = self.finish(plans[c], p, built[c][2])
                     done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
                 start += len(part)
