@@ -175,6 +175,9 @@ PER_CLIENT_LAYERS = [
     ("moon-alexnet", {"name": "moon"}, {"model": {"name": "alexnet_small_x025"},
                                         "train": {**TINY["train"], "rounds": 2},
                                         "federation": {**FED, "sample_fraction": 1.0}}),
+    # SCAFFOLD's option I: its finish's gradient pass in training mode draws masks on from the client's stream
+    ("scaffold-I-alexnet", {"name": "scaffold", "option": "I"}, {"model": {"name": "alexnet_small_x025"},
+                                                                 **ONE_ROUND}),
     # KT-pFL's zoo, each architecture batched, its distillation (round 2) on the public batch from a stream of its
     # own. Not lenet5_bn nor lenet5: float32 rounding decides max-pooling's ties there (a lenet5 client of this run
     # moved by 1e-3, equal in float64 within 6e-18); both are checked in float64 in `test_batched`.
