@@ -1,0 +1,109 @@
+"""`benchmarks/executor_probe.py`: its draws are the same in every run, a stopped probe goes on where it stopped,
+and each comparison reports a planted difference (a wrong batched rule, a worker's different result, a resume
+from a wrong checkpoint) as a disagreement with exit code 1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pflbed.engine import batched
+from pflbed.engine import loop as engine_loop
+from tests.engine import test_batched
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("executor_probe", ROOT / "benchmarks" / "executor_probe.py")
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_draws_are_the_same_in_every_run_and_a_probe_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """At one draw, then at three: only draws 1 and 2 are added; a fresh probe of draw 1 draws the same config (the
+    comparison itself stubbed: what is drawn and skipped is the probe's, whatever it compares)."""
+    compared = []
+    monkeypatch.setattr(probe, "compare", lambda what, cfg, *a: compared.append(cfg) or {"result": "equal"})
+    first, again = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert probe.main(["batched", "--draws", "1", "--out", str(first)]) == 0
+    assert probe.main(["batched", "--draws", "3", "--out", str(first)]) == 0
+    assert [r["draw"] for r in _lines(first)] == [0, 1, 2] and len(compared) == 3
+    assert probe.main(["batched", "--start", "1", "--draws", "1", "--out", str(again)]) == 0
+    (one,) = _lines(again)
+    assert one["draw"] == 1 and one["config"] == _lines(first)[1]["config"] == compared[1]
+    assert len({json.dumps(c, sort_keys=True) for c in compared}) == 3  # three different draws
+
+
+def test_a_wrong_batched_rule_is_reported_as_a_rule_not_as_rounding(tmp_path, monkeypatch):
+    """Batched training planted wrong (every trained tensor moved by 1e-3): the run is off the loop's beyond its
+    sensitivity, and round 1's float64 plans, batched vs alone, differ: `RULE`, exit 1."""
+    torch.set_num_threads(1)
+    real = batched.train_together
+
+    def wrong(*a, **kw):
+        return [{k: v + 1e-3 if v.is_floating_point() else v for k, v in t.items()} for t in real(*a, **kw)]
+
+    monkeypatch.setattr(batched, "train_together", wrong)
+    monkeypatch.setattr(test_batched, "train_together", wrong)
+    out = tmp_path / "p.jsonl"
+    assert probe.main(["batched", "--start", "34", "--draws", "1", "--out", str(out)]) == 1
+    (r,) = _lines(out)
+    assert r["result"] == "RULE" and r["float64"] > 1e-4 and r["distance"] > 100 * r["sensitivity"]
+
+
+def test_a_worker_result_that_differs_in_one_entry_is_a_mismatch(monkeypatch):
+    """The bit-for-bit comparison (procs, Flower): one client state's entry moved by one float32 step in the other
+    executor's run."""
+    torch.set_num_threads(1)
+    cfg = probe.config("fedavg", {}, 2)  # features 2: the MLP
+    cfg["algorithm"] = {"name": "fedper"}
+    real = probe._run
+
+    def other(cfg, executor, **kw):
+        res = real(cfg, "loop", **kw)
+        if executor != "loop":
+            state = next(iter(res.executor.states.values()))
+            k = next(k for k, v in state.items() if v.is_floating_point())
+            state[k] = torch.nextafter(state[k], torch.full_like(state[k], float("inf")))
+        return res
+
+    monkeypatch.setattr(probe, "_run", other)
+    assert probe.compare("procs", cfg, "loop", None, None)["result"] == "MISMATCH"
+    monkeypatch.setattr(probe, "_run", lambda cfg, executor, **kw: real(cfg, "loop", **kw))
+    assert probe.compare("procs", cfg, "loop", None, None)["result"] == "equal"
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_resume_from_a_wrong_checkpoint_is_a_mismatch(planted, monkeypatch):
+    """Stopped after round 2's checkpoint and resumed: equal to the uninterrupted run, and a mismatch where the
+    checkpoint's server state is loaded moved by 1e-3."""
+    torch.set_num_threads(1)
+    cfg = probe.config("fedavg", {}, 2)  # features 2: the MLP
+    real = engine_loop.load_checkpoint
+
+    def moved(*a, **kw):
+        blob = real(*a, **kw)
+        if blob is not None:
+            blob["server"] = {k: v + 1e-3 if v.is_floating_point() else v for k, v in blob["server"].items()}
+        return blob
+
+    if planted:
+        monkeypatch.setattr(engine_loop, "load_checkpoint", moved)
+    assert probe.compare("resume", cfg, "loop", None, None)["result"] == ("MISMATCH" if planted else "equal")
+
+
+@pytest.mark.xdist_group("flower-simulation")  # one Ray runtime at a time, beside the Flower parity tests
+@pytest.mark.parametrize("what", [["procs"], ["flower"], ["batched"], ["resume", "--executor", "batched"]])
+def test_each_probe_runs_as_the_contributing_guide_shows_it(what, tmp_path):
+    """Each comparison's command at one draw (FedPAC on the MLP, a cheap one): it runs and the executors agree."""
+    torch.set_num_threads(1)
+    out = tmp_path / "p.jsonl"
+    assert probe.main([*what, "--start", "34", "--draws", "1", "--out", str(out)]) == 0
+    (r,) = _lines(out)
+    assert r["draw"] == 34 and r["config"]["model"]["name"] == "mlp" and r["result"] in ("equal", "rounding")
