@@ -23,6 +23,9 @@ of ReLU, max-pooling and BatchNorm. A batched draw is flagged when its states ar
 max(1e-4, 100 × the loop's own sensitivity: the same run with the learning rate moved by 1e-6, relative), then
 judged by the float64 parity of its round-1 plans (batched vs each client's own `run_plan`, as `tests/engine/
 test_batched.py` does): within 1e-9 it is float sensitivity (`rounding`), beyond it a rule differs (`RULE`).
+The judge sees round 1's local steps only: not a plan's `finish` as the batched executor runs it, nor a rule that
+depends on a later round's state (a bug of either kind is reported `rounding`). A `rounding` draw far beyond its
+sensitivity is worth a float64 parity from the loop's later states, and a look at its `finish`.
 
 The exit code is 1 when a draw disagreed (`MISMATCH`, `RULE`, `CRASH`, or a divergence in one executor only).
 """
