@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import json
 import random
@@ -61,10 +62,9 @@ from pflbed.engine.executor import client_generator  # noqa: E402
 from pflbed.errors import ConfigError, DivergedError  # noqa: E402
 from pflbed.runs import run  # noqa: E402
 from tests.engine.test_batched import _each_own  # noqa: E402
-from tests.project.test_algorithm_option_properties import domain  # noqa: E402
+from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
 from tests.tiny import figures, same_tensors  # noqa: E402
 
-LIGHT = {"architectures": ["alexnet_small_x025", "mlp"], "server_steps": 3, "local_steps": 2}  # cheap defaults
 MODELS = ["mlp", "lenet5", "lenet5_bn", "alexnet_small_x025"]
 AGREE = {"equal", "rounding", "refused", "both diverged"}
 EXECUTORS = {"loop": {"name": "loop", "threads": 1, "batch_clients": False},
@@ -231,12 +231,12 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
         from pflbed.engine.procs import WorkerPool
 
         pool = WorkerPool(2, 1)
-    if what == "flower":
-        from pflbed.flower.simulation import FlowerSimulation
-
-        sim = FlowerSimulation(supernodes=3, workers=2).__enter__()
     torch.set_num_threads(1)
-    try:
+    with contextlib.ExitStack() as stack:
+        if what == "flower":
+            from pflbed.flower.simulation import FlowerSimulation
+
+            sim = stack.enter_context(FlowerSimulation(supernodes=3, workers=2))
         for i in (i for i in range(start, start + draws) if i not in done):
             cfg = config(*draw(i))
             try:
@@ -252,9 +252,6 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
             with out.open("a") as f:
                 f.write(json.dumps({"draw": i, "compare": what, "executor": executor, **verdict, "config": cfg}) + "\n")
             print(f"draw {i}: {cfg['algorithm']['name']} on {cfg['model']['name']}: {verdict['result']}", flush=True)
-    finally:
-        if sim is not None:
-            sim.__exit__(None, None, None)
     return counts
 
 

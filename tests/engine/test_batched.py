@@ -98,6 +98,17 @@ def test_batched_equals_loop_within_tolerance(name, together):
         assert all(torch.equal(loop.server[k], both.server[k]) for k in loop.server)
 
 
+def _assert_batched_equals_loop(cfg, together):
+    """`cfg(batch_clients)` run both ways: the round's clients trained together, the server and every client's
+    state within TOL of the loop's, and the run trained."""
+    loop = run(cfg(False), write=False, progress=False)
+    both = run(cfg(True), write=False, progress=False)
+    assert together and all(n > 1 for n in together)
+    assert _max_diff(loop.server, both.server) <= TOL
+    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
+    assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
+
+
 @pytest.mark.parametrize("model", ["lenet5_bn", ALEXNET_TINY])
 @pytest.mark.parametrize("name", ["fedavg", "fedper"])
 def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model, together):
@@ -113,12 +124,7 @@ def test_a_batchnorm_or_dropout_model_is_batched_and_equals_the_loop(name, model
         c = _cfg(name, batch_clients, 1, lr=0.05, momentum=0.5, weight_decay=0.01)
         return validate_config({**c.model_dump(), "model": {"name": model}})
 
-    loop = run(cfg(False), write=False, progress=False)
-    both = run(cfg(True), write=False, progress=False)
-    assert together and all(n > 1 for n in together)
-    assert _max_diff(loop.server, both.server) <= TOL
-    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
-    assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
+    _assert_batched_equals_loop(cfg, together)
 
 
 def test_a_finish_that_draws_dropout_masks_draws_on_from_where_the_clients_training_left_them(together):
@@ -134,12 +140,7 @@ def test_a_finish_that_draws_dropout_masks_draws_on_from_where_the_clients_train
         return validate_config({**c.model_dump(), "model": {"name": ALEXNET_TINY},
                                 "algorithm": {"name": "scaffold", "option": "I"}})  # fmt: skip
 
-    loop = run(cfg(False), write=False, progress=False)
-    both = run(cfg(True), write=False, progress=False)
-    assert together and all(n > 1 for n in together)
-    assert _max_diff(loop.server, both.server) <= TOL
-    assert all(_max_diff(loop.executor.states[c], both.executor.states[c]) <= TOL for c in loop.executor.states)
-    assert _max_diff(loop.server, loop.executor.algo.init_server()) > 100 * TOL  # it trained
+    _assert_batched_equals_loop(cfg, together)
 
 
 def test_a_plan_that_draws_first_is_trained_on_from_where_it_left_the_clients_streams(together):

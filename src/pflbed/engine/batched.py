@@ -36,6 +36,7 @@ default only when the run's device is a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -112,26 +113,32 @@ class BatchedExecutor(LoopExecutor):
                 plan = algo.round_plan(payload, self.state(cid), ctx.client_data(cid), cctx)
             return plan, cctx.generator, rng.global_now(ctx.device)
 
-    def finish(self, plan: LocalSGDPlan, trained: Tensors, noise: torch.Generator) -> tuple[Tensors, Tensors]:
-        """A batched client's `finish` as `run_plan` runs it after the client's own steps: torch's global RNG where
-        its training left the client's dropout stream (SCAFFOLD's option I takes a gradient pass in training mode,
-        drawing masks) and under the run's precision (FedAS's Fisher trace, KT-pFL's soft predictions, that
-        gradient: their forwards in bfloat16 under `executor.precision: bf16`, as in the loop)."""
+    @contextlib.contextmanager
+    def as_its_update(self, noise: torch.Generator) -> Iterator[None]:
+        """Where a client's plan runs as in its own update (`update_client`): torch's global RNG at `noise` (the
+        client's dropout stream, where its plan or its training left it), under the run's precision; the global RNG
+        put back after."""
         with rng.fork(self.algo.ctx.device):
             rng.set_global(noise, self.algo.ctx.device)
             with precision(self.algo):
-                return plan.finish(trained)
+                yield
+
+    def finish(self, plan: LocalSGDPlan, trained: Tensors, noise: torch.Generator) -> tuple[Tensors, Tensors]:
+        """A batched client's `finish` as `run_plan` runs it after the client's own steps (`as_its_update`): from
+        where its training left its dropout stream (SCAFFOLD's option I takes a gradient pass in training mode,
+        drawing masks) and under the run's precision (FedAS's Fisher trace, KT-pFL's soft predictions, that
+        gradient: their forwards in bfloat16 under `executor.precision: bf16`, as in the loop)."""
+        with self.as_its_update(noise):
+            return plan.finish(trained)
 
     def alone(self, plan: LocalSGDPlan, cid: int, payload: Tensors, gen: torch.Generator,
               noise: torch.Generator) -> tuple[Tensors, Tensors]:  # fmt: skip
         """A client whose plan is trained by none other's: the plan run as its update runs it (`run_plan`), the
         global RNG where the plan left it — not built again, which would redo (and count again) its work."""
         algo, ctx = self.algo, self.algo.ctx
-        with rng.fork(ctx.device):
-            rng.set_global(noise, ctx.device)
-            with precision(algo):
-                reply, new_state = run_plan(ctx.model if plan.model is None else plan.model, plan,
-                                            ctx.client_data(cid), ctx.cfg.train, gen)  # fmt: skip
+        with self.as_its_update(noise):
+            reply, new_state = run_plan(ctx.model if plan.model is None else plan.model, plan,
+                                        ctx.client_data(cid), ctx.cfg.train, gen)  # fmt: skip
         return private(algo, payload, reply), new_state
 
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
