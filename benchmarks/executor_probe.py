@@ -6,7 +6,8 @@ rounding, and a run stopped after a checkpoint and resumed ends as an uninterrup
 an algorithm, one to three of its own options (from the valid domain `tests/project/test_algorithm_option_properties`
 reads from each option's annotation and bounds), a model (MLP, LeNet-5, LeNet-5 with BatchNorm, AlexNet with
 dropout), a partition and sampling, new clients, +FT/+LP, P-FL on local or global test, subsampled evaluation,
-local epochs, momentum, weight decay, augmentation and client-level DP, on a small synthetic dataset:
+local epochs, momentum, weight decay, augmentation, client-level DP and the PFLBED protocol (transform domains,
+per-domain validation and test sets, new clients per domain), on a small synthetic dataset:
 
     python benchmarks/executor_probe.py procs --draws 100                  # loop vs procs (2 workers)
     python benchmarks/executor_probe.py flower --draws 50                  # loop vs Flower's simulation
@@ -107,6 +108,12 @@ def config(algo: str, options: dict[str, Any], features: int) -> dict[str, Any]:
            "eval": ev, "algorithm": {"name": algo, **options}}
     if r.random() < 0.1:
         cfg["privacy"] = {"clip": 0.5, "noise_multiplier": 0.5, "randomness": "seeded"}
+    if r.random() < 0.2:  # the PFLBED protocol: transform domains, per-domain val/test sets, new clients per domain
+        data["domains"] = r.choice([["rot0", "rot90"], ["rot0", "rot90", "rot180"], ["clean", "noise", "blur"]])
+        for key in ("clients", "partition", "new_clients"):  # the standard protocol's: refused under pflbed
+            del fed[key]
+        fed.update(protocol="pflbed", pflbed={"clients_per_domain": r.choice([2, 3]),
+                                              "new_clients_per_domain": r.choice([0, 1])})
     return cfg
 
 
@@ -227,12 +234,12 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
     done = {json.loads(line)["draw"] for line in out.read_text().splitlines()} if out.exists() else set()
     counts: collections.Counter = collections.Counter()
     pool = sim = None
-    if "procs" in (what, executor):
-        from pflbed.engine.procs import WorkerPool
-
-        pool = WorkerPool(2, 1)
     torch.set_num_threads(1)
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # the pool and the simulation are closed however the probe ends
+        if "procs" in (what, executor):
+            from pflbed.engine.procs import WorkerPool
+
+            pool = stack.enter_context(WorkerPool(2, 1))
         if what == "flower":
             from pflbed.flower.simulation import FlowerSimulation
 

@@ -243,7 +243,9 @@ def test_a_client_without_validation_data_uses_its_domain_set_weighted_by_its_pr
     assert torch.equal(x, data.x[data.train]) and torch.equal(y, data.y[data.train]) and sw is None
 
     split = {"clients_per_domain": 2, "new_clients_per_domain": 0}
-    algo = _algo(dataset={"name": "digits-rot4"}, federation={"protocol": "pflbed", "pflbed": split})
+    tree = _tree(dataset={"name": "digits-rot4"}, federation={"protocol": "pflbed", "pflbed": split})
+    del tree["federation"]["clients"]  # the protocol's clients are its clients_per_domain
+    algo = prepare(validate_config(tree))
     fed, data = algo.ctx.federation, algo.ctx.client_data(3)
     assert data.val.numel() == 0
     idx = fed.domain_val[fed.clients[3].domain]

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import pflbed
-from pflbed.config import DatasetConfig, FederationConfig
+from pflbed.config import DatasetConfig, FederationConfig, validate_config
+from pflbed.config.federation import UNREAD_BY_PFLBED
 from pflbed.data import load_source
 from pflbed.data.domains import TRANSFORMS, with_domains
 from pflbed.data.synthetic import make_synthetic
-from pflbed.errors import DataError
+from pflbed.errors import ConfigError, DataError
 from pflbed.federation import build_federation
 from pflbed.federation.pflbed import _balanced_holdout, pflbed_split
 
@@ -192,3 +193,41 @@ def test_the_class_balanced_holdout_takes_down_to_one_sample_a_class_and_refuses
     with pytest.raises(DataError, match=r"^federation.pflbed: domain 'd' class 3 has 1 samples; a class-balanced "
                                         r"test \+ val set needs 2 per class$"):  # fmt: skip
         _balanced_holdout(np.arange(20), short, 10, 0.5, 0.5, "d", np.random.default_rng(0))
+
+
+def test_public_data_under_pflbed_is_held_by_no_client_and_the_domains_split_the_rest():
+    """`federation.public` under pflbed: drawn from the whole pool first (held by no client, in no shared val or
+    test set), the domains' splits taken from what is left; public 0 is the split it always was."""
+    src = _rot4()
+    plain = build_federation(src, FederationConfig(**PF), seed=0, use_disk_cache=False)
+    fed = build_federation(src, FederationConfig(**PF, public=300), seed=0, use_disk_cache=False)
+    assert plain.public.numel() == 0 and len(fed.public.unique()) == 300
+    public = set(fed.public.tolist())
+    held = torch.cat([*(c.train for c in fed.clients), *fed.domain_val, *fed.domain_test])
+    assert public.isdisjoint(held.tolist())
+    # the domains' fractions apply to what is left of each domain
+    for d in range(4):
+        left = int((src.train.domain == d).sum()) - sum(src.train.domain[i] == d for i in public)
+        assert len(fed.domain_test[d]) == 10 * int(0.15 * left / 10)
+    assert len(plain.domain_test[0]) == 10 * int(0.15 * int((src.train.domain == 0).sum()) / 10)
+
+
+def test_ktpfl_runs_on_the_pflbed_protocol_with_public_data():
+    cfg = {**TINY, "dataset": {"name": "digits-rot4"}, "train": {**TINY["train"], "rounds": 2},
+           "federation": {**PF, "public": 64, "pflbed": {"clients_per_domain": 2, "new_clients_per_domain": 0}},
+           "algorithm": {"name": "ktpfl", "architectures": ["mlp"], "distill_steps": 2}}  # fmt: skip
+    res = pflbed.run(cfg, write=False, progress=False)
+    assert res.executor.algo.ctx.federation.public.numel() == 64 and len(res.summary["per_client"]["pfl_acc"]) == 8
+
+
+@pytest.mark.parametrize("key", sorted(UNREAD_BY_PFLBED))
+def test_a_standard_setting_pflbed_does_not_read_is_refused_naming_it_and_its_default_passes(key):
+    default = FederationConfig.model_fields[key].default
+    changed = {"clients": 7, "new_clients": 1, "partition": "iid", "classes_per_client": 3, "min_samples": 3,
+               "train_per_client": 50, "val_fraction": 0.2, "test_fraction": 0.3}[key]  # fmt: skip
+    assert changed != default
+    with pytest.raises(ConfigError, match=rf"^federation: {key} is not read by protocol pflbed; \S"):
+        validate_config({**TINY, "federation": {**PF, key: changed}})
+    cfg = validate_config({**TINY, "federation": {**PF, key: default}})
+    validate_config(cfg.model_dump(mode="json"))  # a config dumped and read again (a run dir, a worker) carries all
+    validate_config({**TINY, "federation": {**PF, key: changed, "protocol": "standard"}})

@@ -32,6 +32,21 @@ class PflbedSplitConfig(Strict):
         return self
 
 
+# The standard protocol's settings that the PFLBED split never reads, and what it reads instead. A value other than
+# the default is refused rather than silently ignored: a user who sets `clients: 100` under pflbed expects 100 clients.
+# (Compared with the default, not with what the user wrote: a config dumped and validated again carries every field.)
+UNREAD_BY_PFLBED = {
+    "clients": "its clients are pflbed.clients_per_domain per domain",
+    "new_clients": "its new clients are pflbed.new_clients_per_domain per domain",
+    "partition": "it splits each domain's portions by Dirichlet(alpha)",
+    "classes_per_client": "it splits each domain's portions by Dirichlet(alpha)",
+    "min_samples": "it has no natural users",
+    "train_per_client": "each domain's share of training samples is pflbed.participated",
+    "val_fraction": "its validation sets are shared per domain (pflbed.val)",
+    "test_fraction": "its test sets are shared per domain (pflbed.test)",
+}
+
+
 class FederationConfig(Strict):
     protocol: Literal["standard", "pflbed"] = Field(
         "standard",
@@ -78,6 +93,10 @@ class FederationConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> FederationConfig:
+        if self.protocol == "pflbed":
+            for key, instead in UNREAD_BY_PFLBED.items():
+                if getattr(self, key) != type(self).model_fields[key].default:  # a value set, not its default
+                    raise ValueError(f"{key} is not read by protocol pflbed; {instead}")
         if self.val_fraction + self.test_fraction >= 1:
             raise ValueError("val_fraction + test_fraction must be < 1")
         if self.new_clients >= self.clients:

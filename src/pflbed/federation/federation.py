@@ -171,9 +171,7 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str,
     rng = np.random.default_rng([seed, 0xFED])
     labels = source.train.y.numpy()
     pool = np.arange(len(labels)) if excluded is None else np.setdiff1d(np.arange(len(labels)), excluded)
-    if cfg.protocol == "pflbed":
-        return _pflbed(source, cfg, rng, key, None if excluded is None else pool)
-    if len(source.test) == 0:
+    if cfg.protocol == "standard" and len(source.test) == 0:
         raise DataError(f"dataset {source.name!r} has no test split; use federation.protocol=pflbed")
     public = np.zeros(0, dtype=np.int64)
     if cfg.public:
@@ -183,6 +181,9 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str,
             )
         perm = pool[np.random.default_rng([seed, 0x9B1C]).permutation(len(pool))]  # own stream: clients as before
         public, pool = np.sort(perm[: cfg.public]), np.sort(perm[cfg.public :])
+    if cfg.protocol == "pflbed":  # the domains' splits from what is left (all of it: `None`, the split's default)
+        whole = excluded is None and not cfg.public
+        return _pflbed(source, cfg, rng, key, None if whole else pool, public)
     if cfg.clients > len(pool):
         raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(pool)} samples")
     pool_labels = labels[pool]
@@ -250,7 +251,7 @@ def client_split(
 
 
 def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator, key: str,
-            pool: np.ndarray | None) -> Federation:  # fmt: skip
+            pool: np.ndarray | None, public: np.ndarray) -> Federation:  # fmt: skip
     split = pflbed_split(source, cfg, rng, pool)
     labels, empty = source.train.y.numpy(), np.zeros(0, dtype=np.int64)
     clients = [client_split(tr, empty, empty, labels, source.num_classes, d) for tr, d in split.clients]
@@ -258,6 +259,7 @@ def _pflbed(source: DataSource, cfg: FederationConfig, rng: np.random.Generator,
     return Federation(
         clients, split.participated, split.new, torch.cat(as_t), source.num_classes, key, global_split="train",
         domain_val=[torch.from_numpy(a.astype(np.int64)) for a in split.domain_val], domain_test=as_t,
+        public=torch.from_numpy(public.astype(np.int64)),
     )  # fmt: skip
 
 
