@@ -16,8 +16,8 @@ per-domain validation and test sets, new clients per domain), on a small synthet
 
 Draw i is the same in every run (hypothesis, seeded with i): `--start I --draws 1` repeats one. Results are appended to
 `--out` (default `probe-<what>.jsonl`), one JSON line per draw with its config; a draw already there is skipped,
-so a probe stopped midway goes on. A config the library refuses (one line naming the field) and a run that
-diverges in both executors alike count as agreeing.
+so a probe stopped midway goes on. A config the library refuses (one line naming the field, or the data it cannot
+split) and a run that diverges in both executors alike count as agreeing.
 
 Batched results differ from the loop's by float32 rounding, which these untrained tiny runs can amplify at the kinks
 of ReLU, max-pooling and BatchNorm. A batched draw is flagged when its states are further from the loop's than
@@ -60,7 +60,7 @@ from pflbed.algorithms.base import ClientContext  # noqa: E402
 from pflbed.config import validate_config  # noqa: E402
 from pflbed.engine import loop as engine_loop  # noqa: E402
 from pflbed.engine.executor import client_generator  # noqa: E402
-from pflbed.errors import ConfigError, DivergedError  # noqa: E402
+from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
 from pflbed.runs import run  # noqa: E402
 from tests.engine.test_batched import _each_own  # noqa: E402
 from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
@@ -110,6 +110,7 @@ def config(algo: str, options: dict[str, Any], features: int) -> dict[str, Any]:
         cfg["privacy"] = {"clip": 0.5, "noise_multiplier": 0.5, "randomness": "seeded"}
     if r.random() < 0.2:  # the PFLBED protocol: transform domains, per-domain val/test sets, new clients per domain
         data["domains"] = r.choice([["rot0", "rot90"], ["rot0", "rot90", "rot180"], ["clean", "noise", "blur"]])
+        data["synthetic"]["n_train"] = 1200  # a class-balanced val and test set in each domain
         for key in ("clients", "partition", "new_clients"):  # the standard protocol's: refused under pflbed
             del fed[key]
         fed.update(protocol="pflbed", pflbed={"clients_per_domain": r.choice([2, 3]),
@@ -251,7 +252,7 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     verdict = compare(what, cfg, executor, pool, sim)
-            except ConfigError as e:
+            except (ConfigError, DataError) as e:  # one line naming the field, or the data it cannot split
                 verdict = {"result": "refused", "why": str(e)}
             except Exception:  # noqa: BLE001 - a crash is what the probe reports
                 verdict = {"result": "CRASH", "why": traceback.format_exc()[-2000:]}
