@@ -230,4 +230,13 @@ def test_a_standard_setting_pflbed_does_not_read_is_refused_naming_it_and_its_de
         validate_config({**TINY, "federation": {**PF, key: changed}})
     cfg = validate_config({**TINY, "federation": {**PF, key: default}})
     validate_config(cfg.model_dump(mode="json"))  # a config dumped and read again (a run dir, a worker) carries all
-    validate_config({**TINY, "federation": {**PF, key: changed, "protocol": "standard"}})
+    validate_config({**TINY, "federation": {**PF, key: changed, "protocol": "standard", "pflbed": {}}})
+
+
+def test_the_pflbed_split_set_under_the_standard_protocol_is_refused_and_its_default_passes():
+    for key, value in {"clients_per_domain": 3, "new_clients_per_domain": 0, "participated": 0.5, "new": 0.1,
+                       "val": 0.01, "test": 0.1}.items():  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"^federation: pflbed.{key} is read only by protocol pflbed; set "):
+            validate_config({**TINY, "federation": {**TINY["federation"], "pflbed": {key: value}}})
+    cfg = validate_config({**TINY, "federation": {**TINY["federation"], "pflbed": {"clients_per_domain": 20}}})
+    validate_config(cfg.model_dump(mode="json"))

@@ -97,6 +97,10 @@ class FederationConfig(Strict):
             for key, instead in UNREAD_BY_PFLBED.items():
                 if getattr(self, key) != type(self).model_fields[key].default:  # a value set, not its default
                     raise ValueError(f"{key} is not read by protocol pflbed; {instead}")
+        else:
+            split = PflbedSplitConfig.model_fields
+            for key in (k for k in split if getattr(self.pflbed, k) != split[k].default):
+                raise ValueError(f"pflbed.{key} is read only by protocol pflbed; set protocol: pflbed")
         if self.val_fraction + self.test_fraction >= 1:
             raise ValueError("val_fraction + test_fraction must be < 1")
         if self.new_clients >= self.clients:
