@@ -23,7 +23,9 @@ Batched results differ from the loop's by float32 rounding, which these untraine
 of ReLU, max-pooling and BatchNorm. A batched draw is flagged when its states are further from the loop's than
 max(1e-4, 100 × the loop's own sensitivity: the same run with the learning rate moved by 1e-6, relative), then
 judged by the float64 parity of its round-1 plans (batched vs each client's own `run_plan`, as `tests/engine/
-test_batched.py` does): within 1e-9 it is float sensitivity (`rounding`), beyond it a rule differs (`RULE`).
+test_batched.py` does): within 1e-9 it is float sensitivity (`rounding`), beyond it a rule differs (`RULE`). The
+verdict also says how far each executor's own float32 training of those plans is from the float64 one (`loop_f32`,
+`batched_f32`): the one whose rounding met a kink is far from it.
 The judge sees round 1's local steps only: not a plan's `finish` as the batched executor runs it, nor a rule that
 depends on a later round's state (a bug of either kind is reported `rounding`). A `rounding` draw far beyond its
 sensitivity is worth a float64 parity from the loop's later states, and a look at its `finish`.
@@ -55,9 +57,12 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pflbed import rng  # noqa: E402
 from pflbed.algorithms import ALGORITHMS  # noqa: E402
 from pflbed.algorithms.base import ClientContext  # noqa: E402
+from pflbed.algorithms.local_sgd import run_plan  # noqa: E402
 from pflbed.config import validate_config  # noqa: E402
+from pflbed.engine import batched  # noqa: E402
 from pflbed.engine import loop as engine_loop  # noqa: E402
 from pflbed.engine.executor import client_generator  # noqa: E402
 from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
@@ -139,9 +144,10 @@ def _distance(a: Any, b: Any) -> float:
                 if x[k].is_floating_point() and x[k].numel()] or [0.0])  # fmt: skip
 
 
-def _plan_parity(cfg: dict[str, Any]) -> float:
-    """Round 1's plans trained together vs each alone (`run_plan`), in float64: a rule difference shows here,
-    float32 rounding does not."""
+def _plan_parity(cfg: dict[str, Any]) -> dict[str, float]:
+    """Round 1's plans trained together vs each alone (`run_plan`), in float64 (`float64`): a rule difference shows
+    here, float32 rounding does not. Beside it, how far each executor's own float32 training of those plans is from
+    the float64 one (`loop_f32`, `batched_f32`): the executor whose rounding met a kink is the one far from it."""
     c = validate_config({**cfg, "executor": EXECUTORS["loop"]})
     algo = engine_loop.prepare(c)
     ctx, server = algo.ctx, algo.init_server()
@@ -150,11 +156,31 @@ def _plan_parity(cfg: dict[str, Any]) -> float:
     plans = [algo.round_plan(payloads[k], algo.init_client(k), ctx.client_data(k),
                              ClientContext(1, k, client_generator(c.seed, 1, k))) for k in cids]  # fmt: skip
     if any(p is None for p in plans):
-        return 0.0  # the algorithm runs client by client: its batched run is the loop's code
+        return {"float64": 0.0}  # the algorithm runs client by client: its batched run is the loop's code
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(c, ctx, cids, plans)
-    return max((w[k].double() - g[k].double()).abs().max().item() for g, w in zip(together, alone, strict=True)
-               for k in g)
+    together32, alone32 = _each_own_f32(c, ctx, cids, plans)
+    return {"float64": _apart(together, alone), "loop_f32": _apart(alone32, alone),
+            "batched_f32": _apart(together32, alone)}  # fmt: skip
+
+
+def _apart(xs: list[dict[str, torch.Tensor]], ys: list[dict[str, torch.Tensor]]) -> float:
+    return max((x[k].double() - y[k].double()).abs().max().item() for x, y in zip(xs, ys, strict=True) for k in x
+               if x[k].is_floating_point())  # fmt: skip
+
+
+def _each_own_f32(c: Any, ctx: Any, cids: list[int], plans: list[Any]) -> tuple[list, list]:
+    """`_each_own` in the run's own float32: the plans trained together, then each alone, as the executors run them."""
+    noise = [rng.global_stream(rng.derive_seed(c.seed, rng.CLIENT, 1, k), ctx.device) for k in cids]
+    model = ctx.model if plans[0].model is None else plans[0].model
+    together = batched.train_together(model, plans, [ctx.client_data(k) for k in cids], c.train,
+                                      [client_generator(c.seed, 1, k) for k in cids], noise)  # fmt: skip
+    alone = []
+    for k, plan in zip(cids, plans, strict=True):
+        rng.seed_global(rng.derive_seed(c.seed, rng.CLIENT, 1, k), ctx.device)
+        reply, state = run_plan(model, plan, ctx.client_data(k), c.train, client_generator(c.seed, 1, k))
+        alone.append({**reply, **state})
+    return together, alone
 
 
 def compare(what: str, cfg: dict[str, Any], executor: str, pool: Any, sim: Any) -> dict[str, Any]:
@@ -175,7 +201,7 @@ def compare(what: str, cfg: dict[str, Any], executor: str, pool: Any, sim: Any) 
     if d <= max(1e-4, 100 * s):
         return {"result": "equal", "distance": d, "sensitivity": s}
     p = _plan_parity(cfg)
-    return {"result": "rounding" if p <= 1e-9 else "RULE", "distance": d, "sensitivity": s, "float64": p}
+    return {"result": "rounding" if p["float64"] <= 1e-9 else "RULE", "distance": d, "sensitivity": s, **p}
 
 
 class _Stop(KeyboardInterrupt):
