@@ -240,3 +240,11 @@ def test_the_pflbed_split_set_under_the_standard_protocol_is_refused_and_its_def
             validate_config({**TINY, "federation": {**TINY["federation"], "pflbed": {key: value}}})
     cfg = validate_config({**TINY, "federation": {**TINY["federation"], "pflbed": {"clients_per_domain": 20}}})
     validate_config(cfg.model_dump(mode="json"))
+
+
+def test_pfl_test_global_under_pflbed_is_refused_naming_it():
+    """PFLBED scores each client on its domain's test set; `eval.pfl_test: global` would be ignored."""
+    with pytest.raises(ConfigError, match=r"eval\.pfl_test: global is not read by federation\.protocol pflbed"):
+        validate_config({**TINY, "federation": PF, "eval": {**TINY["eval"], "pfl_test": "global"}})
+    validate_config({**TINY, "federation": PF, "eval": {**TINY["eval"], "pfl_test": "local"}})
+    validate_config({**TINY, "eval": {**TINY["eval"], "pfl_test": "global"}})

@@ -36,7 +36,8 @@ class EvalConfig(Strict):
     pfl_test: Literal["local", "global"] = Field(
         "local",
         description="P-FL test data: the client's own test split, or the global balanced test set "
-        "class-weighted by the client's training class distribution",
+        "class-weighted by the client's training class distribution (protocol pflbed: its domain's test set, so "
+        "local only)",
     )
     finetune: list[Literal["ft", "lp"]] = Field(
         default_factory=lambda: ["ft", "lp"],

@@ -67,6 +67,15 @@ class Config(Strict):
         return (self.federation.sampling or ("poisson" if self.privacy.enabled else "fixed")) == "poisson"
 
     @model_validator(mode="after")
+    def _pflbed_scoring(self) -> Config:
+        """PFLBED scores a client on its domain's shared test set: `eval.pfl_test` would be ignored, so it is
+        refused (as the standard protocol's federation settings are, `FederationConfig`)."""
+        if self.federation.protocol == "pflbed" and self.eval.pfl_test != "local":
+            raise ValueError(f"eval.pfl_test: {self.eval.pfl_test} is not read by federation.protocol pflbed, which "
+                             "scores each client on its domain's shared test set, weighted by its training classes")
+        return self
+
+    @model_validator(mode="after")
     def _sites(self) -> Config:
         """What a deployment with the data on the sites cannot do (yet): each refused with the key that asks it."""
         if self.privacy.noise == "distributed" and not self.sites.secagg:
