@@ -4,10 +4,13 @@ from a wrong checkpoint) as a disagreement with exit code 1."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -38,6 +41,27 @@ def test_the_draws_are_the_same_in_every_run_and_a_probe_goes_on_where_it_stoppe
     (one,) = _lines(again)
     assert one["draw"] == 1 and one["config"] == _lines(first)[1]["config"] == compared[1]
     assert len({json.dumps(c, sort_keys=True) for c in compared}) == 3  # three different draws
+
+
+def test_a_draw_is_the_same_whatever_was_imported_before_it(tmp_path, monkeypatch):
+    """Hypothesis draws now and then from the literals of the project's imported modules: a Flower probe imports
+    more of them than a batched one, and a code change edits them. Draws 0 to 11 (draws 5 and 6 took such a
+    literal), before and after importing a module of 500 fresh literals and drawing from hypothesis with them
+    (which caches the literals it may take), are the same."""
+    before = [probe.draw(i) for i in range(12)]
+    (tmp_path / "many_literals.py").write_text("".join(f"X{k} = {7919 * k + 13}\n" for k in range(500)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "many_literals", raising=False)
+    importlib.import_module("many_literals")
+
+    @hypothesis.settings(max_examples=50, database=None, deadline=None)
+    @hypothesis.given(probe.DRAWS)
+    def elsewhere(drawn):
+        pass
+
+    for i in range(12):
+        elsewhere()
+        assert probe.draw(i) == before[i], i
 
 
 def test_a_wrong_batched_rule_is_reported_as_a_rule_not_as_rounding(tmp_path, monkeypatch):
