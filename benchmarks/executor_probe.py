@@ -69,6 +69,7 @@ from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
 from pflbed.runs import run  # noqa: E402
 from tests.engine.test_batched import _each_own  # noqa: E402
 from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
+from tests.seeded_examples import no_local_constants  # noqa: E402
 from tests.tiny import figures, same_tensors  # noqa: E402
 
 MODELS = ["mlp", "lenet5", "lenet5_bn", "alexnet_small_x025"]
@@ -252,33 +253,10 @@ def draw(i: int) -> tuple[str, dict[str, Any], int]:
     def generate(drawn: tuple[str, dict[str, Any], int]) -> None:
         got.append(drawn)
 
-    with warnings.catch_warnings(), _no_local_constants():
+    with warnings.catch_warnings(), no_local_constants():  # draw i: the seed i alone
         warnings.simplefilter("ignore")
         generate()
     return got[-1]
-
-
-@contextlib.contextmanager
-def _no_local_constants() -> Any:
-    """Hypothesis without the constants it collects from the project's imported modules.
-
-    Now and then hypothesis draws a number from the literals of the local modules imported so far, so a seeded
-    draw would change with the code's literals and with what was imported before it (a Flower probe imports more
-    modules than a batched one). Hypothesis has no setting for it: its internal pool is replaced, for the draw only,
-    by an empty one (a hypothesis without the pool has nothing to replace)."""
-    from hypothesis.internal.conjecture import providers
-
-    if not hasattr(providers, "_get_local_constants"):
-        yield
-        return
-    real = providers._get_local_constants
-    providers._get_local_constants = providers.Constants
-    providers.CONSTANTS_CACHE.cache.clear()  # the allowed constants per kind, computed from the pool
-    try:
-        yield
-    finally:
-        providers._get_local_constants = real
-        providers.CONSTANTS_CACHE.cache.clear()
 
 
 def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collections.Counter:

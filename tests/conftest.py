@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, settings
 from pflbed.engine.procs import WorkerPool
 from pflbed.models.zoo import MODELS, alexnet_small
 
+from .seeded_examples import no_local_constants
 from .tiny import ALEXNET_TINY
 
 # Property tests: the same examples in every run by default (a CI failure reproduces locally); `explore` draws
@@ -17,6 +18,17 @@ settings.register_profile("default", derandomize=True, database=None, deadline=N
                           suppress_health_check=_QUIET)  # fmt: skip
 settings.register_profile("explore", deadline=None, max_examples=300, suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _examples_from_the_seed_alone():
+    """The default profile's examples depend on nothing but the test: not on the modules an xdist worker imported
+    for the tests it ran before (`seeded_examples`). `explore` keeps hypothesis's pool of the project's literals."""
+    if os.environ.get("HYPOTHESIS_PROFILE", "default") != "default":
+        yield
+        return
+    with no_local_constants():
+        yield
 
 
 def pytest_collection_modifyitems(items):
