@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -45,6 +46,12 @@ UNREAD_BY_PFLBED = {
     "val_fraction": "its validation sets are shared per domain (pflbed.val)",
     "test_fraction": "its test sets are shared per domain (pflbed.test)",
 }
+
+
+def _set(section: Strict, keys: typing.Iterable[str]) -> list[str]:
+    """The `keys` of `section` whose value is not their default."""
+    fields = type(section).model_fields
+    return [k for k in keys if getattr(section, k) != fields[k].default]
 
 
 class FederationConfig(Strict):
@@ -93,14 +100,12 @@ class FederationConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> FederationConfig:
-        if self.protocol == "pflbed":
-            for key, instead in UNREAD_BY_PFLBED.items():
-                if getattr(self, key) != type(self).model_fields[key].default:  # a value set, not its default
-                    raise ValueError(f"{key} is not read by protocol pflbed; {instead}")
-        else:
-            split = PflbedSplitConfig.model_fields
-            for key in (k for k in split if getattr(self.pflbed, k) != split[k].default):
-                raise ValueError(f"pflbed.{key} is read only by protocol pflbed; set protocol: pflbed")
+        unread = _set(self, UNREAD_BY_PFLBED) if self.protocol == "pflbed" else []
+        if unread:
+            raise ValueError(f"{unread[0]} is not read by protocol pflbed; {UNREAD_BY_PFLBED[unread[0]]}")
+        split = _set(self.pflbed, PflbedSplitConfig.model_fields) if self.protocol == "standard" else []
+        if split:
+            raise ValueError(f"pflbed.{split[0]} is read only by protocol pflbed; set protocol: pflbed")
         if self.val_fraction + self.test_fraction >= 1:
             raise ValueError("val_fraction + test_fraction must be < 1")
         if self.new_clients >= self.clients:

@@ -181,9 +181,8 @@ def _partition(source: DataSource, cfg: FederationConfig, seed: int, key: str,
             )
         perm = pool[np.random.default_rng([seed, 0x9B1C]).permutation(len(pool))]  # own stream: clients as before
         public, pool = np.sort(perm[: cfg.public]), np.sort(perm[cfg.public :])
-    if cfg.protocol == "pflbed":  # the domains' splits from what is left (all of it: `None`, the split's default)
-        whole = excluded is None and not cfg.public
-        return _pflbed(source, cfg, rng, key, None if whole else pool, public)
+    if cfg.protocol == "pflbed":  # the domains' splits from what is left
+        return _pflbed(source, cfg, rng, key, pool, public)
     if cfg.clients > len(pool):
         raise DataError(f"federation.clients: {cfg.clients} clients but the training pool has {len(pool)} samples")
     pool_labels = labels[pool]
