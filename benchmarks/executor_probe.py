@@ -57,17 +57,14 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pflbed import rng  # noqa: E402
 from pflbed.algorithms import ALGORITHMS  # noqa: E402
 from pflbed.algorithms.base import ClientContext  # noqa: E402
-from pflbed.algorithms.local_sgd import run_plan  # noqa: E402
 from pflbed.config import validate_config  # noqa: E402
-from pflbed.engine import batched  # noqa: E402
 from pflbed.engine import loop as engine_loop  # noqa: E402
 from pflbed.engine.executor import client_generator  # noqa: E402
 from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
 from pflbed.runs import run  # noqa: E402
-from tests.engine.test_batched import _each_own  # noqa: E402
+from tests.engine.test_batched import _each_own, _max_diff  # noqa: E402
 from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
 from tests.seeded_examples import no_local_constants  # noqa: E402
 from tests.tiny import figures, same_tensors  # noqa: E402
@@ -161,28 +158,13 @@ def _plan_parity(cfg: dict[str, Any]) -> dict[str, float]:
         return {"float64": 0.0}  # the algorithm runs client by client: its batched run is the loop's code
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(c, ctx, cids, plans)
-    together32, alone32 = _each_own_f32(c, ctx, cids, plans)
+    together32, alone32 = _each_own(c, ctx, cids, plans, float64=False)
     return {"float64": _apart(together, alone), "loop_f32": _apart(alone32, alone),
             "batched_f32": _apart(together32, alone)}  # fmt: skip
 
 
 def _apart(xs: list[dict[str, torch.Tensor]], ys: list[dict[str, torch.Tensor]]) -> float:
-    return max((x[k].double() - y[k].double()).abs().max().item() for x, y in zip(xs, ys, strict=True) for k in x
-               if x[k].is_floating_point())  # fmt: skip
-
-
-def _each_own_f32(c: Any, ctx: Any, cids: list[int], plans: list[Any]) -> tuple[list, list]:
-    """`_each_own` in the run's own float32: the plans trained together, then each alone, as the executors run them."""
-    noise = [rng.global_stream(rng.derive_seed(c.seed, rng.CLIENT, 1, k), ctx.device) for k in cids]
-    model = ctx.model if plans[0].model is None else plans[0].model
-    together = batched.train_together(model, plans, [ctx.client_data(k) for k in cids], c.train,
-                                      [client_generator(c.seed, 1, k) for k in cids], noise)  # fmt: skip
-    alone = []
-    for k, plan in zip(cids, plans, strict=True):
-        rng.seed_global(rng.derive_seed(c.seed, rng.CLIENT, 1, k), ctx.device)
-        reply, state = run_plan(model, plan, ctx.client_data(k), c.train, client_generator(c.seed, 1, k))
-        alone.append({**reply, **state})
-    return together, alone
+    return max(_max_diff(x, y) for x, y in zip(xs, ys, strict=True))
 
 
 def compare(what: str, cfg: dict[str, Any], executor: str, pool: Any, sim: Any) -> dict[str, Any]:

@@ -342,11 +342,12 @@ def _in_float64(ctx, plans):
         torch.set_default_dtype(default)
 
 
-def _each_own(cfg, ctx, cids, plans, rnd=1):
+def _each_own(cfg, ctx, cids, plans, rnd=1, float64=True):
     """Batched, then each client alone (`run_plan`, torch's global RNG seeded as `update_client` seeds it), in
-    float64 (`_in_float64`), as round `rnd`'s updates."""
+    float64 (`_in_float64`; else in the run's own dtype), as round `rnd`'s updates."""
     noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
-    with _in_float64(ctx, plans) as (model, data, plans):
+    as_run = (ctx.model if plans[0].model is None else plans[0].model, ctx.client_data, plans)
+    with _in_float64(ctx, plans) if float64 else contextlib.nullcontext(as_run) as (model, data, plans):
         together = train_together(model, plans, [data(c) for c in cids], cfg.train,
                                   [client_generator(cfg.seed, rnd, c) for c in cids], noise)  # fmt: skip
         alone = []
