@@ -900,8 +900,17 @@ def test_a_one_round_warm_up_is_fedavg_and_needs_k_clients_in_that_round():
     algo = make({"K": 3, "warmup_fraction": 0.25})
     assert algo.warmup_rounds == 1 and algo.pool_from == 1
     assert set(algo.init_server()) == {f"major.{k}" for k in algo.keys}
-    with pytest.raises(ConfigError, match="algorithm.K"):
+    with pytest.raises(ConfigError, match=r"algorithm.K: .* only 3 distinct .* choose K <= 3, or raise"):
         make({"K": 4, "warmup_fraction": 0.25})
+
+
+def test_a_warm_up_that_samples_no_client_asks_for_more_rounds_or_clients_not_for_k_0(monkeypatch):
+    """Poisson sampling can draw no client in every warm-up round: K >= 1, so `choose K <= 0` would be no advice."""
+    monkeypatch.setattr("pflbed.algorithms.fedbasis.sample_clients", lambda *a: [])
+    with pytest.raises(ConfigError, match="algorithm.K") as e:
+        make({"K": 1, "warmup_fraction": 0.25})
+    assert "K <= 0" not in str(e.value)
+    assert "raise algorithm.warmup_fraction or federation.sample_fraction" in str(e.value)
 
 
 def test_warm_up_training_and_personalization_are_fedavg_s_with_the_given_generator():

@@ -234,9 +234,11 @@ class FedBasis(Algorithm):
                                        cfg.poisson_sampling()))
             if len(seen) >= k:
                 return r
+        fewer = f"choose K <= {len(seen)}, or " if seen else ""  # K >= 1: with no client, only more rounds help
         raise ConfigError(
             f"algorithm.K: the warm start clusters local models into K = {k} bases, but only {len(seen)} distinct "
-            f"clients train in the {self.warmup_rounds} warm-up rounds; choose K <= {len(seen)}"
+            f"clients train in the {self.warmup_rounds} warm-up rounds; {fewer}raise algorithm.warmup_fraction or "
+            "federation.sample_fraction"
         )
 
     # --- state layout ------------------------------------------------------------------------------------------
