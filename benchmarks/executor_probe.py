@@ -13,6 +13,7 @@ per-domain validation and test sets, new clients per domain), on a small synthet
     python benchmarks/executor_probe.py flower --draws 50                  # loop vs Flower's simulation
     python benchmarks/executor_probe.py batched --draws 100                # loop vs batched clients
     python benchmarks/executor_probe.py resume --executor batched --draws 100
+    python benchmarks/executor_probe.py compiled --draws 50               # batched: eager vs executor.compile
 
 Draw i is the same in every run (hypothesis, seeded with i): `--start I --draws 1` repeats one. Results are appended to
 `--out` (default `probe-<what>.jsonl`), one JSON line per draw with its config; a draw already there is skipped,
@@ -26,6 +27,13 @@ judged by the float64 parity of its round-1 plans (batched vs each client's own 
 test_batched.py` does): within 1e-9 it is float sensitivity (`rounding`), beyond it a rule differs (`RULE`). The
 verdict also says how far each executor's own float32 training of those plans is from the float64 one (`loop_f32`,
 `batched_f32`): the one whose rounding met a kink is far from it.
+`compiled` compares batched clients with their step under `torch.compile` (`executor.compile: default`) to the
+same run's eager step, both on the CPU. Inductor, the compiler's own backend, takes a minute per graph here, so the
+probe compiles with the `aot_eager` backend: the same capture of the step (dynamo, then AOT autograd) run with the
+eager kernels. It checks what the capture changes — a phase kept at one shape, its finished clients computed and
+their results dropped, what the step reads guarded or baked in — and not inductor's kernels, whose rounding the
+GPU's tests measure. Its draws are judged as the batched ones, against the eager batched run's sensitivity, and
+flagged draws by round 1's plans trained eagerly vs compiled, both in float64.
 The judge sees round 1's local steps only: not a plan's `finish` as the batched executor runs it, nor a rule that
 depends on a later round's state (a bug of either kind is reported `rounding`). A `rounding` draw far beyond its
 sensitivity is worth a float64 parity from the loop's later states, and a look at its `finish`.
@@ -57,14 +65,16 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pflbed import rng  # noqa: E402
 from pflbed.algorithms import ALGORITHMS  # noqa: E402
 from pflbed.algorithms.base import ClientContext  # noqa: E402
 from pflbed.config import validate_config  # noqa: E402
+from pflbed.engine import batched  # noqa: E402
 from pflbed.engine import loop as engine_loop  # noqa: E402
 from pflbed.engine.executor import client_generator  # noqa: E402
 from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
 from pflbed.runs import run  # noqa: E402
-from tests.engine.test_batched import _each_own, _max_diff  # noqa: E402
+from tests.engine.test_batched import _each_own, _in_float64, _max_diff  # noqa: E402
 from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
 from tests.seeded_examples import no_local_constants  # noqa: E402
 from tests.tiny import figures, same_tensors  # noqa: E402
@@ -74,7 +84,9 @@ AGREE = {"equal", "rounding", "refused", "both diverged"}
 EXECUTORS = {"loop": {"name": "loop", "threads": 1, "batch_clients": False},
              "batched": {"name": "loop", "threads": 1, "batch_clients": True},
              "procs": {"name": "procs", "workers": 2, "threads": 1},
-             "flower": {"name": "flower", "threads": 1}}  # fmt: skip
+             "flower": {"name": "flower", "threads": 1},
+             "compiled": {"name": "loop", "threads": 1, "batch_clients": True, "compile": "default"}}  # fmt: skip
+CLOSE = {"batched": "loop", "compiled": "batched"}  # equal up to float rounding, to the run of this executor
 
 
 def _options(algo: str) -> st.SearchStrategy[dict[str, Any]]:
@@ -143,10 +155,9 @@ def _distance(a: Any, b: Any) -> float:
                 if x[k].is_floating_point() and x[k].numel()] or [0.0])  # fmt: skip
 
 
-def _plan_parity(cfg: dict[str, Any]) -> dict[str, float]:
-    """Round 1's plans trained together vs each alone (`run_plan`), in float64 (`float64`): a rule difference shows
-    here, float32 rounding does not. Beside it, how far each executor's own float32 training of those plans is from
-    the float64 one (`loop_f32`, `batched_f32`): the executor whose rounding met a kink is the one far from it."""
+def _round1(cfg: dict[str, Any]) -> tuple[Any, Any, list[int], list[Any]] | None:
+    """(validated config, run context, clients, their round-1 plans without `finish`) of the draw's first four
+    participating clients; None where the algorithm runs client by client (its batched run is the loop's code)."""
     c = validate_config({**cfg, "executor": EXECUTORS["loop"]})
     algo = engine_loop.prepare(c)
     ctx, server = algo.ctx, algo.init_server()
@@ -155,12 +166,37 @@ def _plan_parity(cfg: dict[str, Any]) -> dict[str, float]:
     plans = [algo.round_plan(payloads[k], algo.init_client(k), ctx.client_data(k),
                              ClientContext(1, k, client_generator(c.seed, 1, k))) for k in cids]  # fmt: skip
     if any(p is None for p in plans):
-        return {"float64": 0.0}  # the algorithm runs client by client: its batched run is the loop's code
-    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+        return None
+    return c, ctx, cids, [replace(p, finish=lambda t: (t, {})) for p in plans]
+
+
+def _plan_parity(cfg: dict[str, Any]) -> dict[str, float]:
+    """Round 1's plans trained together vs each alone (`run_plan`), in float64 (`float64`): a rule difference shows
+    here, float32 rounding does not. Beside it, how far each executor's own float32 training of those plans is from
+    the float64 one (`loop_f32`, `batched_f32`): the executor whose rounding met a kink is the one far from it."""
+    got = _round1(cfg)
+    if got is None:
+        return {"float64": 0.0}
+    c, ctx, cids, plans = got
     together, alone = _each_own(c, ctx, cids, plans)
     together32, alone32 = _each_own(c, ctx, cids, plans, float64=False)
     return {"float64": _apart(together, alone), "loop_f32": _apart(alone32, alone),
             "batched_f32": _apart(together32, alone)}  # fmt: skip
+
+
+def _compiled_parity(cfg: dict[str, Any]) -> dict[str, float]:
+    """Round 1's plans trained together eagerly vs with the step compiled (`compile: default`), both in float64
+    (`float64`): a difference of the capture's rules shows here, float32 rounding does not."""
+    got = _round1(cfg)
+    if got is None:
+        return {"float64": 0.0}
+    c, ctx, cids, plans = got
+    with _in_float64(ctx, plans) as (model, data, plans64):
+        eager, fast = (batched.train_together(
+            model, plans64, [data(k) for k in cids], c.train, [client_generator(c.seed, 1, k) for k in cids],
+            [rng.global_stream(rng.derive_seed(c.seed, rng.CLIENT, 1, k), ctx.device) for k in cids], mode, model)
+            for mode in ("off", "default"))  # fmt: skip
+    return {"float64": _apart(fast, eager)}
 
 
 def _apart(xs: list[dict[str, torch.Tensor]], ys: list[dict[str, torch.Tensor]]) -> float:
@@ -171,20 +207,21 @@ def compare(what: str, cfg: dict[str, Any], executor: str, pool: Any, sim: Any) 
     """One draw's verdict: `result` and what supports it."""
     if what == "resume":
         return _resume(cfg, executor, pool)
-    a = _run(cfg, "loop", write=False)
+    base = CLOSE.get(what, "loop")
+    a = _run(cfg, base, write=False)
     b = _run(cfg, what, write=False, **({"pool": pool} if what == "procs" else {"simulation": sim} if sim else {}))
     if isinstance(a, str) or isinstance(b, str):
         return {"result": "both diverged" if isinstance(a, str) and isinstance(b, str) else "DIVERGED IN ONE",
                 "why": a if isinstance(a, str) else b}  # fmt: skip
-    if what != "batched":
+    if what not in CLOSE:
         return {"result": "equal" if _same(a, b) else "MISMATCH"}
     moved = copy.deepcopy(cfg)
     moved["train"]["lr"] *= 1 + 1e-6
-    t = _run(moved, "loop", write=False)
+    t = _run(moved, base, write=False)
     d, s = _distance(a, b), (_distance(a, t) if not isinstance(t, str) else float("inf"))
     if d <= max(1e-4, 100 * s):
         return {"result": "equal", "distance": d, "sensitivity": s}
-    p = _plan_parity(cfg)
+    p = _plan_parity(cfg) if what == "batched" else _compiled_parity(cfg)
     return {"result": "rounding" if p["float64"] <= 1e-9 else "RULE", "distance": d, "sensitivity": s, **p}
 
 
@@ -241,6 +278,18 @@ def draw(i: int) -> tuple[str, dict[str, Any], int]:
     return got[-1]
 
 
+@contextlib.contextmanager
+def _aot_eager() -> Any:
+    """`torch.compile` on the `aot_eager` backend meanwhile (why: the module's docstring)."""
+    real = torch.compile
+    torch.compile = lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
+    try:
+        yield
+    finally:
+        torch.compile = real
+        torch._dynamo.reset()
+
+
 def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collections.Counter:
     done = {json.loads(line)["draw"] for line in out.read_text().splitlines()} if out.exists() else set()
     counts: collections.Counter = collections.Counter()
@@ -251,6 +300,8 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
             from pflbed.engine.procs import WorkerPool
 
             pool = stack.enter_context(WorkerPool(2, 1))
+        if what == "compiled":
+            stack.enter_context(_aot_eager())
         if what == "flower":
             from pflbed.flower.simulation import FlowerSimulation
 
@@ -275,7 +326,7 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["procs", "flower", "batched", "resume"])
+    p.add_argument("what", choices=["procs", "flower", "batched", "resume", "compiled"])
     p.add_argument("--executor", choices=["loop", "batched", "procs"], default="loop", help="resume: whose run")
     p.add_argument("--start", type=int, default=0, help="the first draw's index")
     p.add_argument("--draws", type=int, default=20)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import hypothesis
 import pytest
@@ -91,6 +92,40 @@ def test_a_wrong_batched_rule_is_reported_as_a_rule_not_as_rounding(tmp_path, mo
     assert r["batched_f32"] > 1e-4 > 1e-5 > r["loop_f32"] > 1e-9
 
 
+def test_a_wrong_compiled_rule_is_reported_as_a_rule_and_the_compiler_is_put_back(tmp_path, monkeypatch):
+    """The compiled step planted wrong (every output moved by 1e-3; the eager step left alone): the run is off the
+    eager batched run beyond its sensitivity, and round 1's plans in float64, compiled vs eager, differ: `RULE`,
+    exit 1. The probe compiled on `aot_eager`, and `torch.compile` is torch's own again after it."""
+    torch.set_num_threads(1)
+    real, real_compile, backends = batched.compiled, torch.compile, []
+
+    def wrong(step, mode, model):
+        fast = real(step, mode, model)
+        if mode == "off":
+            return fast
+        backends.append(torch.compile)
+        moved = lambda t: t + 1e-3 if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        return lambda *a: torch.utils._pytree.tree_map(moved, fast(*a))
+
+    monkeypatch.setattr(batched, "compiled", wrong)
+    out = tmp_path / "p.jsonl"
+    assert probe.main(["compiled", "--start", "4", "--draws", "1", "--out", str(out)]) == 1
+    (r,) = _lines(out)
+    assert r["result"] == "RULE" and r["float64"] > 1e-4 and r["distance"] > 100 * r["sensitivity"]
+    assert backends and all(c is not real_compile for c in backends) and torch.compile is real_compile
+
+
+@pytest.mark.parametrize(("what", "base"), [("batched", "loop"), ("compiled", "batched")])
+def test_a_close_comparison_is_against_its_base_run_and_that_run_s_sensitivity(what, base, monkeypatch):
+    """Batched clients against the loop, the compiled step against the eager batched one: both runs compared and the
+    sensitivity (the learning rate moved) taken from the base executor's run."""
+    ran = []
+    state = SimpleNamespace(server={"w": torch.zeros(2)}, executor=SimpleNamespace(states={}))
+    monkeypatch.setattr(probe, "_run", lambda cfg, executor, **kw: ran.append(executor) or state)
+    assert probe.compare(what, probe.config("fedavg", {}, 2), "loop", None, None)["result"] == "equal"
+    assert ran == [base, what, base]
+
+
 def test_a_worker_result_that_differs_in_one_entry_is_a_mismatch(monkeypatch):
     """The bit-for-bit comparison (procs, Flower): one client state's entry moved by one float32 step in the other
     executor's run."""
@@ -133,7 +168,8 @@ def test_a_resume_from_a_wrong_checkpoint_is_a_mismatch(planted, monkeypatch):
 
 
 @pytest.mark.xdist_group("flower-simulation")  # one Ray runtime at a time, beside the Flower parity tests
-@pytest.mark.parametrize("what", [["procs"], ["flower"], ["batched"], ["resume", "--executor", "batched"]])
+@pytest.mark.parametrize("what", [["procs"], ["flower"], ["batched"], ["resume", "--executor", "batched"],
+                                  ["compiled"]])  # fmt: skip
 def test_each_probe_runs_as_the_contributing_guide_shows_it(what, tmp_path):
     """Each comparison's command at one draw (FedAMP on the MLP, a cheap one): it runs and the executors agree."""
     torch.set_num_threads(1)
