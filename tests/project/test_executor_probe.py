@@ -46,6 +46,17 @@ def test_the_draws_are_the_same_in_every_run_and_a_probe_goes_on_where_it_stoppe
     assert len({json.dumps(c, sort_keys=True) for c in compared}) == 3  # three different draws
 
 
+def test_every_algorithm_is_drawn_and_the_first_one_takes_only_its_share():
+    """Draws 0 to 199 draw each of the algorithms, APFL (the first, which the example after hypothesis's simplest
+    never takes) included; a draw not given to it is hypothesis's own, as before APFL had its share."""
+    names = [probe.draw(i)[0] for i in range(200)]
+    assert set(names) == set(probe.ALGORITHMS)
+    assert 0 < names.count(probe.FIRST) <= 200 // len(probe.ALGORITHMS) * 2
+    for i in range(40):
+        if names[i] != probe.FIRST:
+            assert probe.draw(i) == probe._last_example(probe.DRAWS, i)
+
+
 def test_a_draw_is_the_same_whatever_was_imported_before_it(tmp_path, monkeypatch):
     """Hypothesis draws now and then from the literals of the project's imported modules: a Flower probe imports
     more of them than a batched one, and a code change edits them. Draws 0 to 11 (draws 5 and 6 took such a
