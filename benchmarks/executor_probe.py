@@ -285,11 +285,11 @@ def draw(i: int) -> tuple[str, dict[str, Any], int]:
     """Draw i: (algorithm, its options, the seed of its other features), from hypothesis seeded with i alone.
 
     The example after the simplest one never takes its first choice's simplest value, so `DRAWS` never draws the
-    first algorithm (`FIRST`, APFL). One draw in len(ALGORITHMS) — those whose feature seed it divides — is given
-    to it instead, its options drawn from their own example (behind a first choice of no consequence); every other
-    draw is `DRAWS`'s."""
+    first algorithm (`FIRST`, APFL). One draw in len(ALGORITHMS), chosen by `i` alone (not by a drawn value:
+    hypothesis favours a few, 0 among them), is given to it instead, its other features kept, its options drawn
+    from their own example (behind a first choice of no consequence); every other draw is `DRAWS`'s."""
     algo, options, features = _last_example(DRAWS, i)
-    if features % len(ALGORITHMS) == 0:
+    if random.Random(f"{FIRST} {i}").randrange(len(ALGORITHMS)) == 0:
         algo, options = FIRST, _last_example(st.tuples(st.booleans(), _options(FIRST)), i)[1]
     return algo, options, features
 
