@@ -75,6 +75,7 @@ from pflbed.engine.executor import client_generator  # noqa: E402
 from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
 from pflbed.runs import run  # noqa: E402
 from tests.engine.test_batched import _each_own, _in_float64, _max_diff  # noqa: E402
+from tests.engine.test_batched_compile import on_aot_eager  # noqa: E402
 from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
 from tests.seeded_examples import no_local_constants  # noqa: E402
 from tests.tiny import figures, same_tensors  # noqa: E402
@@ -294,18 +295,6 @@ def draw(i: int) -> tuple[str, dict[str, Any], int]:
     return algo, options, features
 
 
-@contextlib.contextmanager
-def _aot_eager() -> Any:
-    """`torch.compile` on the `aot_eager` backend meanwhile (why: the module's docstring)."""
-    real = torch.compile
-    torch.compile = lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
-    try:
-        yield
-    finally:
-        torch.compile = real
-        torch._dynamo.reset()
-
-
 def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collections.Counter:
     done = {json.loads(line)["draw"] for line in out.read_text().splitlines()} if out.exists() else set()
     counts: collections.Counter = collections.Counter()
@@ -317,7 +306,7 @@ def probe(what: str, executor: str, start: int, draws: int, out: Path) -> collec
 
             pool = stack.enter_context(WorkerPool(2, 1))
         if what == "compiled":
-            stack.enter_context(_aot_eager())
+            stack.enter_context(on_aot_eager())  # why: the module's docstring
         if what == "flower":
             from pflbed.flower.simulation import FlowerSimulation
 

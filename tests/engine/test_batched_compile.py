@@ -8,6 +8,8 @@ AlexNet at 1/16 width moved a client by 4e-9 in its first round). What inductor 
 measured on the GPU (`tests/engine/test_cuda.py`, `benchmarks/gpu.py`).
 """
 
+import contextlib
+
 import pytest
 import torch
 import yaml
@@ -22,19 +24,29 @@ from ..tiny import DATA, TINY
 REAL_COMPILE = torch.compile
 
 
-@pytest.fixture
-def aot_eager(monkeypatch):
-    """`torch.compile` in `engine.batched` on the aot_eager backend; yields the modes it was asked for."""
+@contextlib.contextmanager
+def on_aot_eager():
+    """`torch.compile` (as `engine.batched` calls it) on the aot_eager backend meanwhile, dynamo's cache emptied on
+    entry and exit; yields the modes it was asked for. Also the executor probe's `compiled` comparison."""
     modes = []
 
     def compile_(fn, mode):
         modes.append(mode)
         return REAL_COMPILE(fn, backend="aot_eager")
 
-    monkeypatch.setattr(batched.torch, "compile", compile_)
     torch._dynamo.reset()
-    yield modes
-    torch._dynamo.reset()
+    batched.torch.compile = compile_
+    try:
+        yield modes
+    finally:
+        batched.torch.compile = REAL_COMPILE
+        torch._dynamo.reset()
+
+
+@pytest.fixture
+def aot_eager():
+    with on_aot_eager() as modes:
+        yield modes
 
 
 # pFedMe traces its K inner forwards into each step: two show the statistics carried from one to the next at less
