@@ -110,6 +110,13 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],
+    # the loop executor and a run's set-up, seeding, resuming, safe unpickling, downloads, augmentation
+    "engine/loop.py": ["test_executor", "test_driver", "test_fedavg", "test_resume", "test_interrupt", "test_cli"],
+    "rng.py": ["test_executor", "test_driver", "test_privacy", "test_privacy_deployed", "test_batched"],
+    "results/checkpoint.py": ["test_resume", "test_interrupt"],
+    "data/safepickle.py": ["test_safepickle", "test_loaders"],
+    "data/store.py": ["test_store_download", "test_loaders", "test_data"],
+    "data/augment.py": ["test_augment", "test_batched"],
     "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
     "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],
