@@ -92,6 +92,20 @@ def test_augment_config_and_its_errors():
         prepare(validate_config(flat))
 
 
+def test_the_padding_is_a_raw_black_pixel_in_the_batch_s_own_dtype_and_device():
+    """The fill is (0 − mean)/std in the batch's dtype: a float64 batch after a float32 one is not padded with
+    float32-rounded values. On another device (here `meta`) every index tensor follows the batch there."""
+    aug = make_augment(["crop"], (3, 4, 4), ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)))
+    assert aug.fill == tuple(-m / s for m, s in zip((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), strict=True))
+    corner = torch.tensor([[0, 0, 0]])  # the window at the top-left: its first row and column are padding
+    for dtype in (torch.float32, torch.float64):
+        out = aug.apply(torch.ones(1, 3, 4, 4, dtype=dtype), corner)
+        assert out.dtype == dtype and torch.equal(out[0, :, 0, 0], torch.tensor(aug.fill, dtype=dtype))
+    assert aug.apply(torch.ones(2, 3, 4, 4, device="meta"), aug.draw(2, torch.Generator())).device.type == "meta"
+    with pytest.raises(ValueError):  # a source whose mean and std disagree in length
+        make_augment(["flip"], (3, 4, 4), ((0.5, 0.5, 0.5), (0.2, 0.2)))
+
+
 def _tiny(augment, **over):
     return validate_config({**TINY, "dataset": {**TINY["dataset"], "augment": augment}, "executor": {"threads": 1},
                             **over})  # fmt: skip

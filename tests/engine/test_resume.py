@@ -112,3 +112,54 @@ def test_checkpointed_client_states_come_back_exactly_and_shared_tensors_stay_sh
            "history": "[]", "timing": "{}", "extra": "{}"}  # fmt: skip
     torch.save(old, checkpoint_path(tmp_path))
     assert torch.equal(load_checkpoint(tmp_path)["clients"][3]["head"], initial)
+
+
+SPRUNG = []
+
+
+def _spring() -> None:
+    SPRUNG.append(True)
+
+
+class _Trap:
+    """Unpickled without restriction, it would call `_spring`: what a planted checkpoint could run instead."""
+
+    def __reduce__(self):
+        return (_spring, ())
+
+
+def test_a_checkpoint_is_loaded_as_tensors_only_and_onto_the_resumed_run_s_device(tmp_path):
+    """A checkpoint that would run code when unpickled is refused, with a line saying why and how to start over,
+    by both readers; the tensors of an honest one (either format) land on the device asked for (`meta` here)."""
+    from pflbed.results.checkpoint import checkpoint_round, load_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {4: {"head": torch.ones(3)}}, [], {"wall_s": 1.0})
+    back = load_checkpoint(tmp_path, "meta")
+    assert back["server"]["w"].device.type == "meta" and back["clients"][4]["head"].device.type == "meta"
+    old = {"format": 1, "round": 1, "server": {"w": torch.ones(2)}, "clients": {"3": {"head": torch.ones(3)}},
+           "history": "[]", "timing": "{}", "extra": "{}"}  # fmt: skip
+    torch.save(old, checkpoint_path(tmp_path))
+    assert load_checkpoint(tmp_path, torch.device("meta"))["clients"][3]["head"].device.type == "meta"
+
+    path = checkpoint_path(tmp_path)
+    torch.save({**old, "round": 5, "trap": _Trap()}, path)
+    assert checkpoint_round(tmp_path) is None
+    with pytest.raises(PflbedError) as info:
+        load_checkpoint(tmp_path)
+    assert not SPRUNG
+    message = str(info.value)
+    assert message.startswith(f"{path}: unreadable checkpoint (UnpicklingError: ") and "\n" not in message
+    assert message.endswith(f"); to start the run over, delete that file and run 'pflbed run --resume {tmp_path}' "
+                            "again (or rerun it with --force)")  # fmt: skip
+    reason = message.split("(UnpicklingError: ", 1)[1].split("); to start", 1)[0]
+    assert len(reason) == 80 and "  " not in reason  # its first 80 characters, on one line
+
+    torch.save({**old, "format": 7}, path)
+    with pytest.raises(PflbedError, match=r"unreadable checkpoint \(ValueError: format 7\); to start"):
+        load_checkpoint(tmp_path)
+    save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {4: {"head": torch.ones(3)}}, [], {"wall_s": 1.0})
+    blob = torch.load(path, weights_only=True)
+    blob["clients"]["layout"] = json.dumps([["Tensor_of_a_long_name_indeed", [3], [1], 0]])
+    torch.save(blob, path)
+    with pytest.raises(PflbedError, match=r"\(ValueError: not a dtype: Tensor_of_a_long_nam\); to start"):
+        load_checkpoint(tmp_path)
