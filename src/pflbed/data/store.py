@@ -164,7 +164,7 @@ def _retrieve(remote: Remote, dest: Path) -> Path:
                              downloader=_download, progressbar=False)  # fmt: skip
     except ValueError as exc:  # pooch: the digest of the downloaded file differs from the pinned one
         algorithm = remote.known_hash.split(":", 1)[0].upper()
-        found = re.search(r"expected (\w+), got (\w+)", str(exc))
+        found = re.search(r"expected (?:\w+:)?(\w+),? (?:but )?got (\w+)", str(exc))  # pooch 1.8+'s wording
         detail = f"got {found[2]}, expected {found[1]}" if found else one_line(exc)
         raise DataError(f"{target}: {algorithm} checksum mismatch ({detail}) for {remote.url}; discarded") from None
     except requests.RequestException as exc:  # the network's failure: the local file name would be noise
