@@ -251,3 +251,35 @@ def test_under_os_randomness_the_round_sample_comes_from_the_os(monkeypatch):
     monkeypatch.setattr(algo, "configure", lambda rnd, *a: told.append(a[1]) or configure(rnd, *a))
     Driver(algo, LoopExecutor(algo)).train_round(1, algo.init_server())
     assert told == [[fed.participated[1]]]
+
+
+def test_the_summary_s_times_add_up_each_phase_and_round_to_four_places(monkeypatch, tmp_path):
+    """`timing` in summary.json: train_s and eval_s are the sums of every round's own (eval_s also the final
+    fine-tuning), new_clients_s its stage, s_per_round train_s over the rounds, wall_s the run's whole span (a
+    checkpoint holds the span so far, for a resumed run to add to), each rounded to 4 places. The driver's rounds
+    report fixed times here, and the experiment reads a clock that advances by exactly 1 s a reading."""
+    from types import SimpleNamespace
+
+    from pflbed.engine import loop
+    from pflbed.results.checkpoint import load_checkpoint
+    from pflbed.runs import run
+
+    real_rounds = Driver.rounds
+
+    def fixed_times(self, server, first):
+        for r in real_rounds(self, server, first):
+            r.train_s, r.eval_s = 0.123456, 0.01
+            yield r
+
+    ticks = iter(range(100, 1000))  # a clock that does not start at 0
+    monkeypatch.setattr(Driver, "rounds", fixed_times)
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    cfg = validate_config({**TINY, "train": {**TINY["train"], "checkpoint_every": 0}, "eval": {"every": 4}})
+    summary = run(cfg, tmp_path / "run", progress=False).summary
+    timing = summary["timing"]
+    rounds = cfg.train.rounds
+    assert timing["train_s"] == round(rounds * 0.123456, 4) and timing["s_per_round"] == round(0.123456, 4)
+    assert timing["eval_s"] == round(rounds * 0.01 + 1.0, 4)  # the fine-tuning stage: one reading apart
+    assert timing["new_clients_s"] == 1.0
+    saved = load_checkpoint(tmp_path / "run")["timing"]["wall_s"]  # after the last round, before the stages
+    assert 0 < saved < timing["wall_s"] <= 10  # readings: the start, the checkpoint, two per stage, the end
