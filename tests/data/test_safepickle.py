@@ -200,9 +200,9 @@ def test_the_allocation_bound_is_twice_the_file_to_the_byte(tmp_path: Path) -> N
     claimed = 2 * size - spent + 1
     assert reason(path) == f"the pickle asks for an array of {claimed:,} bytes, more than its file could hold"
     path.write_bytes(honest.replace(b"M\x2c\x01", b"M" + struct.pack("<H", 2 * size - spent)))
-    with pytest.raises(DataError, match=r": not a readable test pickle \(") as info:
+    with pytest.raises(DataError) as info:
         load_pickle(path, "test")
-    assert "refused" not in str(info.value)
+    assert str(info.value) == f"{path}: not a readable test pickle (buffer size does not match array size)"
 
 
 def test_a_charge_names_the_allocation_it_refused(tmp_path: Path) -> None:
@@ -287,3 +287,12 @@ def test_int_vector_takes_flat_integers_only_as_int64(value: object, want: list[
         assert got is None
     else:
         assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_an_array_state_without_its_version_loads(tmp_path: Path) -> None:
+    """Old NumPy wrote an array's state as (shape, dtype, is_fortran, raw), without the leading version."""
+    a = np.arange(6, dtype=np.uint8).reshape(2, 3)
+    body = fx._py2_array(a)
+    assert body.count(b"\x87R(K\x01(") == 1  # the state's MARK, its version 1, the shape's MARK
+    path = write(tmp_path, body.replace(b"\x87R(K\x01(", b"\x87R(("))
+    assert np.array_equal(load_pickle(path, "test"), a)

@@ -146,7 +146,7 @@ ONCE = ValueError()
     (requests.RequestException(_NamedLikeUrllib3(socket.gaierror(-2, "no"))), OFFLINE),
     (requests.RequestException(NameResolutionError("x")), OFFLINE),
     (requests.RequestException(socket.gaierror(-2, "no"), ValueError(KeyError("k"))), OFFLINE),  # a sibling after
-    (requests.RequestException(socket.gaierror(-2, "no"), ONCE, ONCE), OFFLINE),  # after a repeated error
+    (requests.RequestException(ValueError(socket.gaierror(-2, "no"), ONCE, ONCE)), OFFLINE),  # after a repeat
     (requests.RequestException("a   plain\nfailure"), "a plain failure"),
     (requests.ConnectionError("refused", response=requests.Response()), "cannot connect to h.example"),
 ])  # fmt: skip
@@ -163,7 +163,7 @@ def test_the_cause_chain_is_bounded_and_visits_each_error_once() -> None:
         "no network: name resolution failed for h.example")  # the 33rd error is not reached
     assert len(store._chain(requests.RequestException(deep))) == 32
     twice = ValueError()
-    assert len(store._chain(requests.RequestException(KeyError(), twice, twice))) == 3
+    assert len(store._chain(ValueError(KeyError(), twice, twice))) == 3  # then KeyError, after the repeat
 
 
 def test_an_http_status_without_a_reason_has_no_trailing_space() -> None:
@@ -238,3 +238,22 @@ def test_a_stamp_names_each_file_and_a_missing_one_says_so(tmp_path: Path) -> No
         store.stamp([tmp_path / "b"])
     assert str(info.value) == f"{tmp_path / 'b'}: cannot stat (No such file or directory)"
     assert store.one_line(EOFError()) == "EOFError" and store.one_line(ValueError(" a \n b ")) == "a b"
+
+
+def test_an_archive_unpacks_into_a_hidden_folder_beside_its_destination(tmp_path: Path, monkeypatch) -> None:
+    """Beside it, so that moving the folder into place is a rename on one file system (not a copy out of /tmp),
+    and hidden and named after the archive, so that a look-up never takes it for the dataset."""
+    import tempfile
+
+    made = []
+    real = tempfile.mkdtemp
+
+    def spy(**kwargs) -> str:
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", spy)
+    remote = _archive(tmp_path, "top", {"x.bin": b"1"})
+    store.fetch([remote], tmp_path / "dest")
+    assert made == [{"prefix": ".top.tar.gz.", "suffix": ".unpack", "dir": tmp_path / "dest"}]
+    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["top"]

@@ -283,3 +283,11 @@ def test_the_summary_s_times_add_up_each_phase_and_round_to_four_places(monkeypa
     assert timing["new_clients_s"] == 1.0
     saved = load_checkpoint(tmp_path / "run")["timing"]["wall_s"]  # after the last round, before the stages
     assert 0 < saved < timing["wall_s"] <= 10  # readings: the start, the checkpoint, two per stage, the end
+
+
+def test_the_initial_model_is_drawn_from_the_run_s_seed():
+    """Same seed, same initial parameters; another seed, other ones (the INIT stream is keyed by the seed)."""
+    params = [prepare(validate_config({**TINY, "seed": s})).ctx.initial_params for s in (0, 0, 1)]
+    assert params[0].keys() == params[2].keys()
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    assert all(not torch.equal(params[0][k], params[2][k]) for k in params[0] if params[0][k].numel() > 1)
