@@ -10,6 +10,7 @@ from pflbed.config import validate_config
 from pflbed.engine import auto
 from pflbed.engine.auto import PROCS_MIN_MACS, choose_executor, forward_macs, training_macs
 from pflbed.engine.batched import BatchedExecutor
+from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import ProcsExecutor
 from pflbed.engine.threads import LARGE_MODEL_PARAMS
@@ -79,3 +80,26 @@ def test_make_executor_builds_the_choice_and_batch_clients_means_the_loop(monkey
     batched = prepare(validate_config({**TINY, "executor": {"batch_clients": True}}))
     assert isinstance(make_executor(batched, pool)[0], BatchedExecutor)
     assert validate_config({}).executor.name == "auto"
+
+
+def test_make_executor_passes_strict_and_sizes_its_own_pool_from_the_config(monkeypatch):
+    """The loop stays unbatched on a CPU unless asked; `strict` reaches every executor; a pool the caller gives
+    is not the run's to close; a pool of its own has `executor.workers` workers (default: every core, 1 where the
+    count is unknown) of `executor.threads` threads (default 1). Recorded, not started."""
+    from pflbed.engine import loop
+
+    started = []
+    monkeypatch.setattr(loop, "WorkerPool", lambda workers, threads: started.append((workers, threads)) or "own")
+    monkeypatch.setattr(loop, "ProcsExecutor", lambda algo, pool, strict: ("procs", pool, strict))
+    for strict in (True, False):
+        algo = prepare(validate_config({**TINY, "executor": {"name": "loop", "strict": strict}}))
+        executor, own = make_executor(algo)
+        assert type(executor) is LoopExecutor and executor.strict is strict and own is None
+        procs = prepare(validate_config({**TINY, "executor": {"name": "procs", "strict": strict}}))
+        assert make_executor(procs, "given") == (("procs", "given", strict), None) and not started
+    algo = prepare(validate_config({**TINY, "executor": {"name": "loop", "batch_clients": True, "strict": True}}))
+    assert type(make_executor(algo)[0]) is BatchedExecutor and make_executor(algo)[0].strict
+    for cores, executor, want in [(4, {}, (4, 1)), (4, {"workers": 3, "threads": 2}, (3, 2)), (None, {}, (1, 1))]:
+        procs = prepare(validate_config({**TINY, "executor": {"name": "procs", **executor}}))
+        monkeypatch.setattr(loop.os, "cpu_count", lambda cores=cores: cores)
+        assert make_executor(procs) == (("procs", "own", False), "own") and started.pop() == want

@@ -422,3 +422,25 @@ def test_a_deployment_killed_mid_run_and_resumed_counts_every_release_of_its_led
     summary = json.loads((out / "summary.json").read_text())["privacy"]
     mech = privacy.Mechanism(0.5, 1.0, 0.5, 8, 1e-5, randomness="os")
     assert summary["noise_draws"] == len(rounds) and summary["epsilon"] == pytest.approx(mech.epsilon(len(rounds)))
+
+
+def test_the_integer_entry_line_names_three_then_an_ellipsis_and_the_batchnorm_hint_word_for_word(tmp_path):
+    from pflbed.algorithms.fedavg import FedAvg
+    from pflbed.engine.loop import check_dp_payload
+
+    def counted(names):
+        class Counted(FedAvg):
+            def configure(self, rnd, server, cids):
+                return {c: {**server, **{k: torch.tensor(rnd, dtype=torch.int32) for k in names}} for c in cids}
+
+        return Counted(prepare(config()).ctx)
+
+    head = "privacy.clip: fedavg on mlp sends integer entries that cannot be clipped or noised: "
+    for names, listed in [("abc", "a (int32), b (int32), c (int32)"), ("abcd", "a (int32), b (int32), c (int32) …")]:
+        with pytest.raises(ConfigError) as info:
+            check_dp_payload(counted(names))
+        assert str(info.value) == head + listed
+    with pytest.raises(ConfigError) as info:
+        check_dp_payload(counted(["bn.num_batches_tracked"]))
+    assert str(info.value) == head + ("bn.num_batches_tracked (int32); use a model without BatchNorm, or fedbn, which "
+                                      "keeps BatchNorm on the clients")  # fmt: skip
