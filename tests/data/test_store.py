@@ -257,3 +257,22 @@ def test_an_archive_unpacks_into_a_hidden_folder_beside_its_destination(tmp_path
     store.fetch([remote], tmp_path / "dest")
     assert made == [{"prefix": ".top.tar.gz.", "suffix": ".unpack", "dir": tmp_path / "dest"}]
     assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["top"]
+
+
+def test_an_http_download_has_a_timeout_and_no_progress_bar(monkeypatch) -> None:
+    """A server that accepts and never answers must not hang a run (pooch's default is no timeout), and a bar
+    would interleave with the run's own progress lines."""
+    import pooch
+
+    made = []
+
+    class Spy:
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+
+        def __call__(self, url, output_file, pooch_, check_only=False):
+            return "fetched"
+
+    monkeypatch.setattr(pooch, "HTTPDownloader", Spy)
+    assert REAL_DOWNLOAD("https://h.example/f", "out", None) == "fetched"
+    assert made == [{"progressbar": False, "timeout": made[0]["timeout"]}] and 0 < made[0]["timeout"] <= 120
