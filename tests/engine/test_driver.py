@@ -291,3 +291,16 @@ def test_the_initial_model_is_drawn_from_the_run_s_seed():
     assert params[0].keys() == params[2].keys()
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
     assert all(not torch.equal(params[0][k], params[2][k]) for k in params[0] if params[0][k].numel() > 1)
+
+
+def test_torch_threads_are_the_config_s_else_the_caller_s_else_the_model_size_policy(monkeypatch):
+    from pflbed.engine import loop
+
+    monkeypatch.setattr(loop, "choose_threads", lambda model: 3)
+    try:
+        for executor, threads, want in [({"threads": 2}, None, 2), ({"threads": 2}, 4, 2), ({}, 4, 4), ({}, None, 3)]:
+            torch.set_num_threads(1)
+            prepare(validate_config({**TINY, "executor": executor}), threads)
+            assert torch.get_num_threads() == want, (executor, threads)
+    finally:
+        torch.set_num_threads(1)
