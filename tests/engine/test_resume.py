@@ -163,3 +163,55 @@ def test_a_checkpoint_is_loaded_as_tensors_only_and_onto_the_resumed_run_s_devic
     torch.save(blob, path)
     with pytest.raises(PflbedError, match=r"\(ValueError: not a dtype: Tensor_of_a_long_nam\); to start"):
         load_checkpoint(tmp_path)
+
+
+def _tiny_run(tmp_path, **train):
+    from pflbed.config import validate_config
+
+    from ..tiny import TINY
+
+    return validate_config({**TINY, "train": {**TINY["train"], **train}, "eval": {"every": 4, "finetune": ["ft"]},
+                            "executor": {"threads": 1}})  # fmt: skip
+
+
+def test_checkpoints_come_every_n_rounds_after_every_evaluation_and_after_the_last_round(tmp_path, monkeypatch):
+    from pflbed.engine import loop
+    from pflbed.runs import run
+
+    saved = []
+    real = loop.save_checkpoint
+    monkeypatch.setattr(loop, "save_checkpoint", lambda d, rnd, *a, **k: saved.append(rnd) or real(d, rnd, *a, **k))
+    run(_tiny_run(tmp_path, rounds=9, checkpoint_every=3), tmp_path / "a", progress=False)
+    assert saved == [3, 4, 6, 8, 9]  # every 3rd, each evaluated round (4, 8), the last
+    saved.clear()
+    run(_tiny_run(tmp_path, rounds=9, checkpoint_every=0), tmp_path / "b", progress=False)
+    assert saved == [4, 8, 9]
+    saved.clear()
+    run(_tiny_run(tmp_path, rounds=9, checkpoint_every=3), None, write=False, progress=False)
+    assert saved == []  # nowhere to write one
+
+
+def test_a_run_stopped_in_its_final_stages_resumes_to_the_same_summary(tmp_path):
+    """Killed after its last round's checkpoint, during the fine-tuning: resumed, it trains no round again and
+    its summary (per-client figures included, which come from the checkpoint) is the uninterrupted one."""
+    from pflbed.runs import run
+
+    cfg = _tiny_run(tmp_path, rounds=4)
+    whole = run(cfg, tmp_path / "run", progress=False).summary
+    (tmp_path / "run" / "summary.json").unlink()
+    again = run(cfg, tmp_path / "run", progress=False, resume=True).summary
+    for s in (whole, again):
+        s.pop("timing")
+    assert again == whole and again["per_client"]
+
+
+def test_resume_where_no_checkpoint_was_written_yet_starts_the_run(tmp_path):
+    from pflbed.runs import run
+
+    cfg = _tiny_run(tmp_path, rounds=4)
+    fresh = run(cfg, tmp_path / "fresh", progress=False).summary
+    resumed = run(cfg, tmp_path / "new", progress=False, resume=True).summary
+    for s in (fresh, resumed):
+        s.pop("timing")
+    assert resumed == fresh
+    assert (tmp_path / "new" / "config.yaml").read_text() == (tmp_path / "fresh" / "config.yaml").read_text()
