@@ -304,3 +304,29 @@ def test_torch_threads_are_the_config_s_else_the_caller_s_else_the_model_size_po
             assert torch.get_num_threads() == want, (executor, threads)
     finally:
         torch.set_num_threads(1)
+
+
+def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in_order(monkeypatch):
+    """An executor whose clients' data is on the sites (Flower's site-local one) personalizes there: the experiment
+    hands it the trained server state, each method and its index (the index keys the method's streams), and
+    reports what it returns, as the loop's own personalization would."""
+    from pflbed.engine import loop
+    from pflbed.evaluation.evaluate import evaluate_personalized
+    from pflbed.runs import run
+
+    cfg = validate_config({**TINY, "eval": {"every": 2, "finetune": ["ft", "lp"]}, "executor": {"threads": 1}})
+    here = run(cfg, write=False, progress=False)
+    asked = []
+
+    class OnSites(LoopExecutor):
+        def personalize_on_sites(self, server, method, i):
+            asked.append((method, i, all(torch.equal(server[k], here.server[k]) for k in here.server)))
+            return evaluate_personalized(self.algo, server, method,
+                                         lambda c: rng.generator(cfg.seed, rng.FINETUNE, i, c))  # fmt: skip
+
+    monkeypatch.setattr(loop, "make_executor", lambda algo, pool=None: (OnSites(algo, strict=True), None))
+    there = run(cfg, write=False, progress=False)
+    assert asked == [("ft", 0, True), ("lp", 1, True)]
+    for s in (here.summary, there.summary):
+        s.pop("timing")
+    assert there.summary == here.summary
