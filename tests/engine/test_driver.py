@@ -330,3 +330,29 @@ def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in
     for s in (here.summary, there.summary):
         s.pop("timing")
     assert there.summary == here.summary
+
+
+def test_run_hands_on_its_threads_pool_and_record_callback(monkeypatch):
+    from pflbed.engine import loop
+
+    given, records = [], []
+    real = loop.make_executor
+    monkeypatch.setattr(loop, "make_executor", lambda algo, pool=None: given.append(pool) or real(algo))
+    try:
+        result = loop.run(validate_config(TINY), write=False, progress=False, threads=3, pool="the caller's",
+                          on_record=records.append)  # fmt: skip
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(1)
+    assert given == ["the caller's"] and records == result.history and len(records) == 2
+
+
+def test_the_engine_s_run_refuses_flower_without_a_host_before_loading_anything(monkeypatch):
+    from pflbed.engine import loop
+    from pflbed.errors import PflbedError
+
+    monkeypatch.setattr(loop, "prepare", lambda *a: pytest.fail("loaded the data"))
+    with pytest.raises(PflbedError) as info:
+        loop.run(validate_config({**TINY, "executor": {"name": "flower"}}), write=False, progress=False)
+    assert str(info.value) == ("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts "
+                               "the experiment in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
