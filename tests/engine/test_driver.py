@@ -354,5 +354,6 @@ def test_the_engine_s_run_refuses_flower_without_a_host_before_loading_anything(
     monkeypatch.setattr(loop, "prepare", lambda *a: pytest.fail("loaded the data"))
     with pytest.raises(PflbedError) as info:
         loop.run(validate_config({**TINY, "executor": {"name": "flower"}}), write=False, progress=False)
-    assert str(info.value) == ("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which "
-                               "hosts the experiment in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
+    said = ("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts the experiment "
+            "in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
+    assert str(info.value) == said
