@@ -357,3 +357,12 @@ def test_the_engine_s_run_refuses_flower_without_a_host_before_loading_anything(
     said = ("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts the experiment "
             "in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
     assert str(info.value) == said
+
+
+def test_a_written_run_says_where_it_is_and_logs_to_tensorboard_only_when_asked(tmp_path):
+    from pflbed.runs import run
+
+    result = run(validate_config({**TINY, "executor": {"threads": 1}}), tmp_path / "run", progress=False)
+    assert result.path == tmp_path / "run" and (result.path / "summary.json").exists()
+    assert not (tmp_path / "run" / "tensorboard").exists()
+    assert run(validate_config(TINY), write=False, progress=False).path is None
