@@ -363,6 +363,6 @@ def test_a_written_run_says_where_it_is_and_logs_to_tensorboard_only_when_asked(
     from pflbed.runs import run
 
     result = run(validate_config({**TINY, "executor": {"threads": 1}}), tmp_path / "run", progress=False)
-    assert result.path == tmp_path / "run" and (result.path / "summary.json").exists()
+    assert result.out == tmp_path / "run" and (result.out / "summary.json").exists()
     assert not (tmp_path / "run" / "tensorboard").exists()
-    assert run(validate_config(TINY), write=False, progress=False).path is None
+    assert run(validate_config(TINY), write=False, progress=False).out is None
