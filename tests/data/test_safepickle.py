@@ -78,6 +78,17 @@ def test_object_arrays_and_direct_ndarray_calls_are_refused(tmp_path: Path) -> N
     refused(write(tmp_path, glob("numpy", "ndarray") + b"K\x10\x85R"), "calls numpy.ndarray directly")
 
 
+@pytest.mark.parametrize("value", [np.zeros(2, dtype="V4"), np.zeros(2, dtype="V4")[0],
+                                   np.array([1], dtype="M8[s]"), np.datetime64(5, "s")], ids=str)
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_raw_bytes_and_dates_are_not_plain_numbers(tmp_path: Path, value: object, protocol: int) -> None:
+    """Only numbers and strings (`biufcSU`) load, refused by their kind: a void (`V4`) dtype has no object flag and
+    no fields, so nothing else would stop it."""
+    path = tmp_path / "v.pkl"
+    path.write_bytes(pickle.dumps(value, protocol=protocol))
+    refused(path, "of dtype dtype\\('[<|]?(V4|M8)'\\), not plain numbers")
+
+
 def test_a_dtype_state_that_would_make_it_an_object_dtype_is_refused(tmp_path: Path) -> None:
     """NumPy takes a dtype's flags from its pickled state: 0x3f would make uint8 bytes read as object pointers."""
     state = b"(K\x03U\x01|NNN" + i4(-1) + i4(-1) + b"K\x3ft"
