@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import io
+import shutil
 import socket
 import tarfile
 import threading
@@ -96,6 +97,23 @@ def test_a_checksum_error_in_a_wording_not_known_still_says_it_in_one_line(tmp_p
         store._retrieve(remote, tmp_path)
     assert str(info.value) == (f"{tmp_path / 'a.bin'}: SHA256 checksum mismatch (digest is not what it should be) "
                                "for https://example.org/a.bin; discarded")  # fmt: skip
+
+
+def test_a_clean_up_the_system_refuses_never_hides_the_outcome(tmp_path: Path, monkeypatch) -> None:
+    """Removing a folder can fail (a file held open, a read-only mount): the unpack's own hidden folder left
+    behind does not fail a fetch that worked, and a failed fetch still says why it failed, not why its clean-up
+    did. `rmtree` here fails as it does on such a folder unless told to carry on."""
+
+    def held(path, ignore_errors=False, **kwargs) -> None:
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", held)
+    remote = _archive(tmp_path, "top", {"x.bin": b"1"})
+    assert (store.fetch([remote], tmp_path / "ok") / "top" / "x.bin").read_bytes() == b"1"
+    bad = store.Remote(_plain(tmp_path, "f.bin", b"4").url, "md5:" + "0" * 32)
+    with pytest.raises(DataError, match="f.bin: MD5 checksum mismatch"):
+        store.fetch([remote, bad], tmp_path / "new")
 
 
 def test_an_archive_unpacks_only_inside_its_folder(tmp_path: Path) -> None:
