@@ -5,6 +5,7 @@ rules, with an executor that can lose clients as a Flower deployment does."""
 
 import copy
 import time
+import types
 
 import numpy as np
 import pytest
@@ -366,3 +367,66 @@ def test_a_written_run_says_where_it_is_and_logs_to_tensorboard_only_when_asked(
     assert result.out == tmp_path / "run" and (result.out / "summary.json").exists()
     assert not (tmp_path / "run" / "tensorboard").exists()
     assert run(validate_config(TINY), write=False, progress=False).out is None
+
+
+def _short(rounds: int = 2):
+    return validate_config({**TINY, "train": {**TINY["train"], "rounds": rounds}, "executor": {"threads": 1}})
+
+
+def _early_clock(monkeypatch):
+    """The engine's clock read 1,000 s early: a progress line stamped from when `run` was called then reads
+    ≥ 1,000 s, one stamped from any later start reads the seconds the run took."""
+    from pflbed.engine import loop
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() - 1e3))
+
+
+def _stamps(lines: list[str]) -> list[float]:
+    return [float(x[1:].split(" s]")[0]) for x in lines if x.startswith("[")]
+
+
+def test_run_by_default_writes_under_runs_shows_progress_and_never_overwrites(tmp_path, monkeypatch, capsys):
+    from pflbed.engine import loop
+    from pflbed.errors import PflbedError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    loop.run(_short())
+    assert (tmp_path / "runs" / "fedavg-synthetic-seed0" / "summary.json").exists()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "fedavg on synthetic: 2 rounds; loading the data…" and _stamps(lines)
+    with pytest.raises(PflbedError, match="choose another --out \\(or pass --force"):
+        loop.run(_short())
+
+
+def test_resuming_says_so_and_the_lines_count_from_when_run_was_called(tmp_path, monkeypatch, capsys):
+    from pflbed.engine import loop
+
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    _early_clock(monkeypatch)
+    loop.run(_short(), tmp_path / "r", resume=True)  # nothing to resume yet: the run starts
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "fedavg on synthetic: 2 rounds, resuming; loading the data…"
+    assert min(_stamps(lines)) >= 1e3
+
+
+def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monkeypatch, capsys):
+    """`executor.name: flower` hands the experiment to its host (Flower's simulation, in `pflbed.runs`): here a
+    host that runs it with the in-process executor, so it must give the loop's figures, written, reported and
+    timed as a loop run's are."""
+    from pflbed.engine import loop
+
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    plain = loop.run(_short(), tmp_path / "loop", progress=False)
+    hosted_cfg = validate_config({**_short().to_dict(), "executor": {"name": "flower", "threads": 1}})
+    algos, records = [], []
+
+    def host(algo, experiment):
+        algos.append(algo)
+        return experiment(LoopExecutor(algo, strict=True))
+
+    _early_clock(monkeypatch)
+    hosted = loop.run(hosted_cfg, tmp_path / "hosted", host=host, on_record=records.append)
+    assert len(algos) == 1 and algos[0].ctx.cfg is hosted_cfg
+    assert hosted.history == plain.history == records and (tmp_path / "hosted" / "summary.json").exists()
+    assert min(_stamps(capsys.readouterr().out.splitlines())) >= 1e3
