@@ -430,3 +430,23 @@ def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monke
     assert len(algos) == 1 and algos[0].ctx.cfg is hosted_cfg
     assert hosted.history == plain.history == records and (tmp_path / "hosted" / "summary.json").exists()
     assert min(_stamps(capsys.readouterr().out.splitlines())) >= 1e3
+
+
+def test_a_run_over_an_earlier_one_counts_only_its_own_privacy_releases(tmp_path):
+    """`--force` reuses the directory, privacy ledger's file included: the new run's ε must not count the earlier
+    run's releases, while a resumed run's must (test_privacy)."""
+    from pflbed.engine import loop
+
+    cfg = validate_config({**_short().to_dict(), "privacy": DP})
+    first = loop.run(cfg, tmp_path / "r", progress=False)
+    lines = (tmp_path / "r" / privacy.LEDGER).read_text().splitlines()
+    again = loop.run(cfg, tmp_path / "r", progress=False, force=True)
+    assert (tmp_path / "r" / privacy.LEDGER).read_text().splitlines() == lines and len(lines) == 2
+    assert again.summary["privacy"] == first.summary["privacy"]
+
+
+def test_resuming_with_nothing_written_starts_the_run() -> None:
+    from pflbed.engine import loop
+
+    assert (loop.run(_short(), write=False, progress=False, resume=True).history
+            == loop.run(_short(), write=False, progress=False).history)  # fmt: skip
