@@ -408,6 +408,31 @@ def test_resuming_says_so_and_the_lines_count_from_when_run_was_called(tmp_path,
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fedavg on synthetic: 2 rounds, resuming; loading the data…"
     assert min(_stamps(lines)) >= 1e3
+    rounds = [x.split(" s] ", 1)[1].split(",")[0].split(" G-FL")[0] for x in lines if x.startswith("[")]
+    assert rounds[:2] == ["fedavg on synthetic: round 1/2", "fedavg on synthetic: round 2/2 evaluated:"]
+
+
+def test_a_run_resumed_from_its_checkpoint_says_after_which_round(tmp_path, monkeypatch, capsys):
+    from pflbed.engine import loop
+
+    class Stop(Exception):
+        pass
+
+    def stop(record):  # at round 2's evaluation, before its checkpoint: round 1's is the last one kept
+        if record["round"] == 2:
+            raise Stop
+
+    cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []}})
+    with pytest.raises(Stop):
+        loop.run(cfg, tmp_path / "r", progress=False, on_record=stop)
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    resumed = loop.run(cfg, tmp_path / "r", resume=True)
+    lines = [x.split(" s] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
+    assert lines[0] == "fedavg on synthetic: resumed after round 1/3" and lines[1].startswith("fedavg on synthetic: "
+                                                                                              "round 2/3 evaluated")
+    assert [r["round"] for r in resumed.history] == [1, 2, 3]
+    per_client = resumed.summary["per_client"]  # the last evaluation's, each client's
+    assert per_client["cid"] == list(range(6)) and len(per_client["pfl_acc"]) == 6
 
 
 def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monkeypatch, capsys):
