@@ -412,19 +412,27 @@ def test_resuming_says_so_and_the_lines_count_from_when_run_was_called(tmp_path,
     assert rounds[:2] == ["fedavg on synthetic: round 1/2", "fedavg on synthetic: round 2/2 evaluated:"]
 
 
-def test_a_run_resumed_from_its_checkpoint_says_after_which_round(tmp_path, monkeypatch, capsys):
+def _stopped_after_round_1(path):
+    """A 3-round run stopped at round 2's evaluation, before its checkpoint: round 1's is the last one kept."""
     from pflbed.engine import loop
 
     class Stop(Exception):
         pass
 
-    def stop(record):  # at round 2's evaluation, before its checkpoint: round 1's is the last one kept
+    def stop(record):
         if record["round"] == 2:
             raise Stop
 
     cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []}})
     with pytest.raises(Stop):
-        loop.run(cfg, tmp_path / "r", progress=False, on_record=stop)
+        loop.run(cfg, path, progress=False, on_record=stop)
+    return cfg
+
+
+def test_a_run_resumed_from_its_checkpoint_says_after_which_round(tmp_path, monkeypatch, capsys):
+    from pflbed.engine import loop
+
+    cfg = _stopped_after_round_1(tmp_path / "r")
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     resumed = loop.run(cfg, tmp_path / "r", resume=True)
     lines = [x.split(" s] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
@@ -475,3 +483,22 @@ def test_resuming_with_nothing_written_starts_the_run() -> None:
 
     assert (loop.run(_short(), write=False, progress=False, resume=True).history
             == loop.run(_short(), write=False, progress=False).history)  # fmt: skip
+
+
+def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
+    from pflbed.algorithms.fedavg import FedAvg
+    from pflbed.engine import loop
+    from pflbed.errors import DivergedError
+
+    cfg = _stopped_after_round_1(tmp_path / "r")
+    aggregator = FedAvg.aggregator
+
+    def poisoned(self, rnd, server, weights):
+        mean = aggregator(self, rnd, server, weights)
+        result = mean.result
+        mean.result = lambda: {k: v * float("nan") for k, v in result().items()}
+        return mean
+
+    monkeypatch.setattr(FedAvg, "aggregator", poisoned)
+    with pytest.raises(DivergedError, match=r"the last good state \(round 1\) in "):
+        loop.run(cfg, tmp_path / "r", progress=False, resume=True)
