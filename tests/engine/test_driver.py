@@ -4,6 +4,7 @@ samples no one, what the algorithm is told, on what and by whom a round is score
 rules, with an executor that can lose clients as a Flower deployment does."""
 
 import copy
+import re
 import time
 import types
 
@@ -485,20 +486,43 @@ def test_resuming_with_nothing_written_starts_the_run() -> None:
             == loop.run(_short(), write=False, progress=False).history)  # fmt: skip
 
 
-def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
+def _poison_from(round_: int, monkeypatch) -> None:
+    """FedAvg's aggregate turned to NaN from round `round_` on."""
     from pflbed.algorithms.fedavg import FedAvg
-    from pflbed.engine import loop
-    from pflbed.errors import DivergedError
 
-    cfg = _stopped_after_round_1(tmp_path / "r")
     aggregator = FedAvg.aggregator
 
     def poisoned(self, rnd, server, weights):
         mean = aggregator(self, rnd, server, weights)
-        result = mean.result
-        mean.result = lambda: {k: v * float("nan") for k, v in result().items()}
+        if rnd >= round_:
+            result = mean.result
+            mean.result = lambda: {k: v * float("nan") for k, v in result().items()}
         return mean
 
     monkeypatch.setattr(FedAvg, "aggregator", poisoned)
-    with pytest.raises(DivergedError, match=r"the last good state \(round 1\) in "):
+
+
+def _kept(rnd: int, logged: int, checkpoint: int, path) -> str:
+    where = re.escape(str(path))
+    return (rf"^diverged in round {rnd}: .*; metrics up to round {logged} are in {where}/metrics.jsonl, the last good "
+            rf"state \(round {checkpoint}\) in {where}/checkpoints/last.pt — ")
+
+
+def test_a_diverged_run_names_its_last_evaluation_and_checkpoint(tmp_path, monkeypatch):
+    from pflbed.engine import loop
+    from pflbed.errors import DivergedError
+
+    _poison_from(3, monkeypatch)
+    cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []}})
+    with pytest.raises(DivergedError, match=_kept(3, 2, 2, tmp_path / "r")):
+        loop.run(cfg, tmp_path / "r", progress=False)
+
+
+def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
+    from pflbed.engine import loop
+    from pflbed.errors import DivergedError
+
+    cfg = _stopped_after_round_1(tmp_path / "r")
+    _poison_from(2, monkeypatch)
+    with pytest.raises(DivergedError, match=_kept(2, 1, 1, tmp_path / "r")):
         loop.run(cfg, tmp_path / "r", progress=False, resume=True)
