@@ -413,7 +413,7 @@ def test_resuming_says_so_and_the_lines_count_from_when_run_was_called(tmp_path,
     assert rounds[:2] == ["fedavg on synthetic: round 1/2", "fedavg on synthetic: round 2/2 evaluated:"]
 
 
-def _stopped_after_round_1(path):
+def _stopped_after_round_1(path, executor=None, **kwargs):
     """A 3-round run stopped at round 2's evaluation, before its checkpoint: round 1's is the last one kept."""
     from pflbed.engine import loop
 
@@ -424,9 +424,10 @@ def _stopped_after_round_1(path):
         if record["round"] == 2:
             raise Stop
 
-    cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []}})
+    cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []},
+                           **({"executor": executor} if executor else {})})  # fmt: skip
     with pytest.raises(Stop):
-        loop.run(cfg, path, progress=False, on_record=stop)
+        loop.run(cfg, path, progress=False, on_record=stop, **kwargs)
     return cfg
 
 
@@ -464,6 +465,10 @@ def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monke
     assert len(algos) == 1 and algos[0].ctx.cfg is hosted_cfg
     assert hosted.history == plain.history == records and (tmp_path / "hosted" / "summary.json").exists()
     assert min(_stamps(capsys.readouterr().out.splitlines())) >= 1e3
+    hosted_cfg = _stopped_after_round_1(tmp_path / "stopped", {"name": "flower", "threads": 1}, host=host)
+    resumed = loop.run(hosted_cfg, tmp_path / "stopped", host=host, resume=True)
+    lines = [x.split(" s] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
+    assert lines[0] == "fedavg on synthetic: resumed after round 1/3" and len(resumed.history) == 3
 
 
 def test_a_run_over_an_earlier_one_counts_only_its_own_privacy_releases(tmp_path):
