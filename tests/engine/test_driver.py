@@ -531,3 +531,18 @@ def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_pa
     _poison_from(2, monkeypatch)
     with pytest.raises(DivergedError, match=_kept(2, 1, 1, tmp_path / "r")):
         loop.run(cfg, tmp_path / "r", progress=False, resume=True)
+
+
+def test_personalizing_new_clients_reports_each_step_of_its_work(tmp_path, monkeypatch, capsys):
+    from pflbed.engine import loop
+    from pflbed.evaluation.newclients import work
+
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    cfg = validate_config({**_short().to_dict(), "federation": {**TINY["federation"], "new_clients": 2},
+                           "eval": {"every": 2, "finetune": [], "new_clients": {"epochs": 1, "lrs": [0.05]}}})
+    loop.run(cfg, write=False)
+    total = work(loop.prepare(cfg))
+    stage = "fedavg on synthetic: personalizing 2 new clients: "
+    steps = [x.split(stage, 1)[1].split(",")[0] for x in capsys.readouterr().out.splitlines() if stage in x]
+    steps = [s for s in steps if "done" not in s]
+    assert total > 1 and steps == [f"{i}/{total}" for i in range(1, total + 1)]
