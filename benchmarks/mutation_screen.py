@@ -111,11 +111,12 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],
     # the loop executor and a run's set-up, seeding, resuming, safe unpickling, downloads, augmentation
-    "engine/loop.py": ["test_executor", "test_driver", "test_fedavg", "test_resume", "test_interrupt", "test_cli"],
-    "rng.py": ["test_executor", "test_driver", "test_privacy", "test_privacy_deployed", "test_batched"],
+    "engine/loop.py": ["test_executor", "test_driver", "test_fedavg", "test_resume", "test_interrupt", "test_cli",
+                       "test_progress"],
+    "rng.py": ["test_rng", "test_executor", "test_driver", "test_privacy", "test_privacy_deployed", "test_batched"],
     "results/checkpoint.py": ["test_resume", "test_interrupt"],
     "data/safepickle.py": ["test_safepickle", "test_loaders"],
-    "data/store.py": ["test_store_download", "test_loaders", "test_data"],
+    "data/store.py": ["test_store", "test_store_download", "test_loaders", "test_data"],
     "data/augment.py": ["test_augment", "test_batched"],
     "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
@@ -288,6 +289,8 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             signal.alarm(timeout)
             try:
                 rc = pytest_rc(files, k, name)
+                if rc == pytest.ExitCode.USAGE_ERROR:  # a test it cannot find again (`--reach`'s node ids): no verdict
+                    sys.exit(f"mutation_screen: pytest cannot select the tests of {name} (a usage error)")
                 verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing
             except _Timeout:
                 verdict = "TIMEOUT"

@@ -758,14 +758,18 @@ def test_ablations_run(options):
         assert res.history[0]["diag"]["phase"] == "bases"
 
 
-def test_new_clients_artifacts_and_diagnostics_are_written(tmp_path):
+def test_new_clients_artifacts_and_diagnostics_are_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     cfg = {
         **TINY,
         "federation": {**TINY["federation"], "new_clients": 2},
         "eval": {"every": 2, "finetune": [], "new_clients": {"epochs": 1, "lrs": [0.05]}},
         "algorithm": {"name": "fedbasis", "K": 2, "alpha_epochs": 1, "basis_epochs": 1},
     }
-    res = pflbed.run(cfg, out=tmp_path / "run")
+    res = pflbed.run(cfg, out=tmp_path / "run", progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    stage = [x.split("artifacts: ", 1)[1].split(",")[0] for x in lines if "artifacts: " in x]
+    assert stage[0] == "1/1"  # the plots are one step of the run's progress
     nc = res.summary["new_clients"]
     assert set(nc["methods"]) == {"ft", "lp"} and nc["zero_shot"]["acc"] > 0
     assert nc["methods"]["ft"]["M"]["last"] > 0.1

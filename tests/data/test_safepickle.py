@@ -79,7 +79,8 @@ def test_object_arrays_and_direct_ndarray_calls_are_refused(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("value", [np.zeros(2, dtype="V4"), np.zeros(2, dtype="V4")[0],
-                                   np.array([1], dtype="M8[s]"), np.datetime64(5, "s")], ids=str)
+                                   np.array([1], dtype="M8[s]"), np.datetime64(5, "s")],
+                         ids=["void-array", "void-scalar", "date-array", "date-scalar"])
 @pytest.mark.parametrize("protocol", [2, 5])
 def test_raw_bytes_and_dates_are_not_plain_numbers(tmp_path: Path, value: object, protocol: int) -> None:
     """Only numbers and strings (`biufcSU`) load, refused by their kind: a void (`V4`) dtype has no object flag and
