@@ -120,6 +120,19 @@ def test_the_server_loads_no_data_and_g_fl_from_the_sites_is_their_sample_weight
     assert result.summary["final"]["gfl_acc"] != result.summary["final"]["pfl_acc"]  # not the personal figure
 
 
+def test_a_written_site_local_run_draws_no_plots_of_the_sites_client_states(tmp_path):
+    """FedBasis's plots are of every client's mixing weights, which stay on the sites: the server's run writes its
+    summary without them rather than plotting states it does not hold."""
+    from pflbed.results.rundir import RunDir
+
+    tree = _tree("fedbasis", eval={"every": 2, "finetune": []})
+    cfg = _site_cfg(tree)
+    _, grid = _sites(tmp_path, validate_config(tree))
+    result = run_sites(cfg, grid, RunDir.check(tmp_path / "run", cfg))
+    assert (tmp_path / "run" / "summary.json").exists() and "artifacts" not in result.summary
+    assert not (tmp_path / "run" / "plots").exists()
+
+
 def test_sites_restarted_mid_run_continue_from_their_own_state_directories(tmp_path):
     """Sites 0 and 2 restart after round 2 (new node ids, nothing in memory): they read their clients' states from
     their state directories, and the run's figures are the uninterrupted run's."""
