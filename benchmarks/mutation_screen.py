@@ -30,6 +30,7 @@ import glob
 import io
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -203,6 +204,26 @@ def _alarm(*_):
     raise _Timeout
 
 
+def _key(nodeid: str) -> str:
+    """A test's node id with every run of backslashes as one: pytest escapes a parametrized id that holds one (a
+    parameter shown by `str`, `b'\\x00'`) again at each collection of a module already imported, so in one
+    process a test's `item.nodeid` grows from one `pytest.main` to the next."""
+    return re.sub(r"\\+", lambda _: "\\", nodeid)
+
+
+class _Only:
+    """Keep only the collected tests that are `ids` (by `_key`). Why not name them on the command line: an id that
+    has changed since it was recorded (`_key`) is not found, and pytest exits 4, once counted here as a kill."""
+
+    def __init__(self, ids: set[str]) -> None:
+        self.keys = {_key(i) for i in ids}
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        keep = [_key(item.nodeid) in self.keys for item in items]
+        config.hook.pytest_deselected(items=[item for item, k in zip(items, keep, strict=True) if not k])
+        items[:] = [item for item, k in zip(items, keep, strict=True) if k]
+
+
 def reach(args: list[str]) -> dict[str, list[str]] | None:
     """The tests of a selection (`args`: pytest's) that reach each mutated function, None if the selection fails: one
     run of them on the unmutated code (so it is also the check that the unmutated code passes) with mutmut's
@@ -256,11 +277,12 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     passing: set[tuple[str, ...]] = set()  # test selections the unmutated code passes
     reaching: dict[tuple[str, ...], dict[str, list[str]]] = {}  # selection -> function -> its tests (`reached`)
 
-    def pytest_rc(files: list[str], k: list[str], mutant: str) -> int:
+    def pytest_rc(files: list[str], k: list[str], mutant: str, only_ids: set[str] | None = None) -> int:
         clear_caches()
         os.environ["MUTANT_UNDER_TEST"] = mutant
+        plugins = [_Only(only_ids)] if only_ids is not None else []
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files])
+            return pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files], plugins=plugins)
 
     with out.open("a") as fh:
         for name, source in todo:
@@ -280,16 +302,18 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
                     sys.exit(f"mutation_screen: the unmutated code fails {' '.join(files + k)}: mutants/ or its "
                              "tests/ copy is stale (run `generate` again)")
                 passing.add(selection)
-            if reached:  # only the tests that call the mutated function, named one by one
-                files, k = reaching[selection].get(name.partition("__mutmut_")[0], []), []
-                if not files:
+            only_ids = None
+            if reached:  # only the tests that call the mutated function: their files, the rest deselected
+                only_ids = set(reaching[selection].get(name.partition("__mutmut_")[0], []))
+                if not only_ids:
                     fh.write(f"NOTESTS {name}\n")
                     fh.flush()
                     continue
+                files = sorted({nodeid.split("::")[0] for nodeid in only_ids})
             signal.alarm(timeout)
             try:
-                rc = pytest_rc(files, k, name)
-                if rc == pytest.ExitCode.USAGE_ERROR:  # a test it cannot find again (`--reach`'s node ids): no verdict
+                rc = pytest_rc(files, k, name, only_ids)
+                if rc == pytest.ExitCode.USAGE_ERROR:  # a selection pytest cannot read: no verdict
                     sys.exit(f"mutation_screen: pytest cannot select the tests of {name} (a usage error)")
                 verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing
             except _Timeout:

@@ -32,10 +32,16 @@ def test_a_share_and_scaled():
     assert share(1, 4) == 0.25
     assert scaled(3) == 6
 """
-STRICT = """from pflbed.toy import share
+STRICT = """import numpy as np
+import pytest
+
+from pflbed.toy import share
 
 
-def test_a_whole_share_and_none_of_nothing():
+# a node id pytest's argument parser cannot select again (`[[b'\\\\x00']]`, of a parameter shown by `str`): `--reach`
+# must still run the test
+@pytest.mark.parametrize("why", [np.zeros(1, dtype="V1")], ids=str)
+def test_a_whole_share_and_none_of_nothing(why):
     assert share(2, 1) == 2.0
     assert share(3, 0) == 0.0
 """
