@@ -208,7 +208,7 @@ def _key(nodeid: str) -> str:
     """A test's node id with every run of backslashes as one: pytest escapes a parametrized id that holds one (a
     parameter shown by `str`, `b'\\x00'`) again at each collection of a module already imported, so in one
     process a test's `item.nodeid` grows from one `pytest.main` to the next."""
-    return re.sub(r"\\+", lambda _: "\\", nodeid)
+    return re.sub(r"\\+", r"\\", nodeid)
 
 
 class _Only:

@@ -16,10 +16,11 @@ from pflbed import privacy, rng
 from pflbed.algorithms.training import weighted_mean
 from pflbed.config import validate_config
 from pflbed.engine import driver as driver_module
-from pflbed.engine import wire
+from pflbed.engine import loop, wire
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
 from pflbed.engine.loop import prepare
+from pflbed.errors import DivergedError, PflbedError
 
 from ..tiny import TINY
 
@@ -262,7 +263,6 @@ def test_the_summary_s_times_add_up_each_phase_and_round_to_four_places(monkeypa
     report fixed times here, and the experiment reads a clock that advances by exactly 1 s a reading."""
     from types import SimpleNamespace
 
-    from pflbed.engine import loop
     from pflbed.results.checkpoint import load_checkpoint
     from pflbed.runs import run
 
@@ -296,8 +296,6 @@ def test_the_initial_model_is_drawn_from_the_run_s_seed():
 
 
 def test_torch_threads_are_the_config_s_else_the_caller_s_else_the_model_size_policy(monkeypatch):
-    from pflbed.engine import loop
-
     monkeypatch.setattr(loop, "choose_threads", lambda model: 3)
     try:
         for executor, threads, want in [({"threads": 2}, None, 2), ({"threads": 2}, 4, 2), ({}, 4, 4), ({}, None, 3)]:
@@ -312,7 +310,6 @@ def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in
     """An executor whose clients' data is on the sites (Flower's site-local one) personalizes there: the experiment
     hands it the trained server state, each method and its index (the index keys the method's streams), and
     reports what it returns, as the loop's own personalization would."""
-    from pflbed.engine import loop
     from pflbed.evaluation.evaluate import evaluate_personalized
     from pflbed.runs import run
 
@@ -335,8 +332,6 @@ def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in
 
 
 def test_run_hands_on_its_threads_pool_and_record_callback(monkeypatch):
-    from pflbed.engine import loop
-
     given, records = [], []
     real = loop.make_executor
     monkeypatch.setattr(loop, "make_executor", lambda algo, pool=None: given.append(pool) or real(algo))
@@ -350,9 +345,6 @@ def test_run_hands_on_its_threads_pool_and_record_callback(monkeypatch):
 
 
 def test_the_engine_s_run_refuses_flower_without_a_host_before_loading_anything(monkeypatch):
-    from pflbed.engine import loop
-    from pflbed.errors import PflbedError
-
     monkeypatch.setattr(loop, "prepare", lambda *a: pytest.fail("loaded the data"))
     with pytest.raises(PflbedError) as info:
         loop.run(validate_config({**TINY, "executor": {"name": "flower"}}), write=False, progress=False)
@@ -377,8 +369,6 @@ def _short(rounds: int = 2):
 def _early_clock(monkeypatch):
     """The engine's clock read 1,000 s early: a progress line stamped from when `run` was called then reads
     ≥ 1,000 s, one stamped from any later start reads the seconds the run took."""
-    from pflbed.engine import loop
-
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() - 1e3))
 
 
@@ -386,10 +376,12 @@ def _stamps(lines: list[str]) -> list[float]:
     return [float(x[1:].split(" s]")[0]) for x in lines if x.startswith("[")]
 
 
-def test_run_by_default_writes_under_runs_shows_progress_and_never_overwrites(tmp_path, monkeypatch, capsys):
-    from pflbed.engine import loop
-    from pflbed.errors import PflbedError
+def _timed(out: str) -> list[str]:
+    """The stamped progress lines of `out`, without their stamps."""
+    return [x.split(" s] ", 1)[1] for x in out.splitlines() if x.startswith("[")]
 
+
+def test_run_by_default_writes_under_runs_shows_progress_and_never_overwrites(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     loop.run(_short())
@@ -401,21 +393,19 @@ def test_run_by_default_writes_under_runs_shows_progress_and_never_overwrites(tm
 
 
 def test_resuming_says_so_and_the_lines_count_from_when_run_was_called(tmp_path, monkeypatch, capsys):
-    from pflbed.engine import loop
-
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     _early_clock(monkeypatch)
     loop.run(_short(), tmp_path / "r", resume=True)  # nothing to resume yet: the run starts
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     assert lines[0] == "fedavg on synthetic: 2 rounds, resuming; loading the data…"
     assert min(_stamps(lines)) >= 1e3
-    rounds = [x.split(" s] ", 1)[1].split(",")[0].split(" G-FL")[0] for x in lines if x.startswith("[")]
+    rounds = [x.split(",")[0].split(" G-FL")[0] for x in _timed(out)]
     assert rounds[:2] == ["fedavg on synthetic: round 1/2", "fedavg on synthetic: round 2/2 evaluated:"]
 
 
 def _stopped_after_round_1(path, executor=None, **kwargs):
     """A 3-round run stopped at round 2's evaluation, before its checkpoint: round 1's is the last one kept."""
-    from pflbed.engine import loop
 
     class Stop(Exception):
         pass
@@ -432,12 +422,10 @@ def _stopped_after_round_1(path, executor=None, **kwargs):
 
 
 def test_a_run_resumed_from_its_checkpoint_says_after_which_round(tmp_path, monkeypatch, capsys):
-    from pflbed.engine import loop
-
     cfg = _stopped_after_round_1(tmp_path / "r")
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     resumed = loop.run(cfg, tmp_path / "r", resume=True)
-    lines = [x.split(" s] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
+    lines = _timed(capsys.readouterr().out)
     assert lines[0] == "fedavg on synthetic: resumed after round 1/3" and lines[1].startswith("fedavg on synthetic: "
                                                                                               "round 2/3 evaluated")
     assert [r["round"] for r in resumed.history] == [1, 2, 3]
@@ -449,8 +437,6 @@ def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monke
     """`executor.name: flower` hands the experiment to its host (Flower's simulation, in `pflbed.runs`): here a
     host that runs it with the in-process executor, so it must give the loop's figures, written, reported and
     timed as a loop run's are."""
-    from pflbed.engine import loop
-
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     plain = loop.run(_short(), tmp_path / "loop", progress=False)
     hosted_cfg = validate_config({**_short().to_dict(), "executor": {"name": "flower", "threads": 1}})
@@ -467,15 +453,13 @@ def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monke
     assert min(_stamps(capsys.readouterr().out.splitlines())) >= 1e3
     hosted_cfg = _stopped_after_round_1(tmp_path / "stopped", {"name": "flower", "threads": 1}, host=host)
     resumed = loop.run(hosted_cfg, tmp_path / "stopped", host=host, resume=True)
-    lines = [x.split(" s] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
+    lines = _timed(capsys.readouterr().out)
     assert lines[0] == "fedavg on synthetic: resumed after round 1/3" and len(resumed.history) == 3
 
 
 def test_a_run_over_an_earlier_one_counts_only_its_own_privacy_releases(tmp_path):
     """`--force` reuses the directory, privacy ledger's file included: the new run's ε must not count the earlier
     run's releases, while a resumed run's must (test_privacy)."""
-    from pflbed.engine import loop
-
     cfg = validate_config({**_short().to_dict(), "privacy": DP})
     first = loop.run(cfg, tmp_path / "r", progress=False)
     lines = (tmp_path / "r" / privacy.LEDGER).read_text().splitlines()
@@ -485,7 +469,6 @@ def test_a_run_over_an_earlier_one_counts_only_its_own_privacy_releases(tmp_path
 
 
 def test_resuming_with_nothing_written_starts_the_run() -> None:
-    from pflbed.engine import loop
 
     assert (loop.run(_short(), write=False, progress=False, resume=True).history
             == loop.run(_short(), write=False, progress=False).history)  # fmt: skip
@@ -514,9 +497,6 @@ def _kept(rnd: int, logged: int, checkpoint: int, path) -> str:
 
 
 def test_a_diverged_run_names_its_last_evaluation_and_checkpoint(tmp_path, monkeypatch):
-    from pflbed.engine import loop
-    from pflbed.errors import DivergedError
-
     _poison_from(3, monkeypatch)
     cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []}})
     with pytest.raises(DivergedError, match=_kept(3, 2, 2, tmp_path / "r")):
@@ -524,9 +504,6 @@ def test_a_diverged_run_names_its_last_evaluation_and_checkpoint(tmp_path, monke
 
 
 def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
-    from pflbed.engine import loop
-    from pflbed.errors import DivergedError
-
     cfg = _stopped_after_round_1(tmp_path / "r")
     _poison_from(2, monkeypatch)
     with pytest.raises(DivergedError, match=_kept(2, 1, 1, tmp_path / "r")):
@@ -534,7 +511,6 @@ def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_pa
 
 
 def test_personalizing_new_clients_reports_each_step_of_its_work(tmp_path, monkeypatch, capsys):
-    from pflbed.engine import loop
     from pflbed.evaluation.newclients import work
 
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
