@@ -395,18 +395,19 @@ def test_what_secure_aggregation_cannot_carry_is_refused(capsys):
     assert "--secagg needs --site-data" in capsys.readouterr().err
 
 
-def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_payload(tmp_path):
+def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_payload(tmp_path, monkeypatch):
     """`client.secure_train` in this process (the deployments above run it in their nodes): a site of three clients
     updates each from the round's shared payload and its state of the version asked for, sends `site_update` of
-    their replies, keeps their new states and the version the server may still ask for; without a state store it
-    refuses."""
+    their replies, keeps their new states and the version the server may still ask for; it checks the payload for
+    each client in its round and with its kept state (`payload_fits` reads them: L2GD's structure is the round's);
+    without a state store it refuses."""
     from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.compat.common.recorddict_compat import recorddict_to_fitres
     from flwr.supercore.task_identity import TaskIdentity
 
     from pflbed.engine.executor import update_client
     from pflbed.engine.guard import first_nonfinite
-    from pflbed.flower import client, secagg_node, site_node
+    from pflbed.flower import client, secagg_node, site_message, site_node
     from pflbed.flower.project import config_json
     from pflbed.flower.records import to_record
     from pflbed.flower.sites import SiteError
@@ -438,6 +439,8 @@ def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_pay
             setattr(TaskIdentity, k, v)
     msg.metadata.__dict__["_message_id"] = "m1"
     first = min(payload)
+    checked = []
+    monkeypatch.setattr(client, "check_payload", lambda *a: checked.append(a) or site_message.check_payload(*a))
     for rnd in (1, 2, 3):  # round 3: a finite payload that training overflows, every reply and state non-finite,
         if rnd == 3:  # said in clear (a non-finite payload is refused before any client trains: below)
             payload = {k: v.clone().fill_(3e38) if k == first else v for k, v in payload.items()}
@@ -449,7 +452,14 @@ def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_pay
                  (secagg_node.NONFINITE_REPLY, first_nonfinite(expected[c][0]))) if bad is not None}  # fmt: skip
         assert len(flags) == (6 if rnd == 3 else 0)
         want = site_update(payload, weighted, flags)
+        kept_before = {c: stored.load(c, rnd - 1) for c in cids}
+        checked.clear()
         got = recorddict_to_fitres(client.secure_train(msg, algo, stored, rnd, cids, versions).content, False)
+        assert [(a[1], a[2]) for a in checked] == [(rnd, c) for c in cids] and all(a[0] is algo for a in checked)
+        for a in checked:
+            assert a[3].keys() == payload.keys() and all(torch.equal(a[3][k], payload[k]) for k in payload)
+            assert a[4].keys() == kept_before[a[2]].keys()
+            assert all(torch.equal(a[4][k], v) for k, v in kept_before[a[2]].items())
         assert got.num_examples == want.num_examples == sum(w for _, w in weighted)
         assert got.metrics == want.metrics
         for a, b in zip(parameters_to_ndarrays(got.parameters), parameters_to_ndarrays(want.parameters), strict=True):

@@ -452,3 +452,136 @@ def test_a_personalization_of_a_dropout_model_is_fixed_by_its_seed_whatever_ran_
         models.append(run.personalize(x, y, method="ft", epochs=2, lr=0.05, seed=7).model.state_dict())
         assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_the_learning_rate_the_run_chose_is_read_where_the_summary_has_it(runs, monkeypatch):
+    """`chosen_lr`: the run's new-client fine-tuning lr chosen on validation (full-size data), None wherever the
+    summary lacks a level of it (an unfinished run, no new clients, no ft, no full size)."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    for summary in (None, {}, {"new_clients": None}, {"new_clients": {}}, {"new_clients": {"methods": {}}},
+                    {"new_clients": {"methods": {"lp": {"M": {"lr_best": 0.1}}}}},
+                    {"new_clients": {"methods": {"ft": {"S": {"lr_best": 0.1}}}}},
+                    {"new_clients": {"methods": {"ft": {"M": {}}}}}):  # fmt: skip
+        monkeypatch.setattr(run, "summary", summary)
+        assert run.chosen_lr() is None, summary
+    monkeypatch.setattr(run, "summary", {"new_clients": {"methods": {"ft": {"M": {"lr_best": 1}}}}})
+    assert run.chosen_lr() == 1.0 and isinstance(run.chosen_lr(), float)
+
+
+@pytest.mark.parametrize(("y", "message"), [
+    (np.zeros((3, 1)), r"^y: expected 3 labels \(one per sample\), got shape \[3, 1\]$"),
+    (np.zeros(2), r"^y: expected 3 labels \(one per sample\), got shape \[2\]$"),
+    (np.array([0.0, 0.5, 1.0]), r"^y: labels must be integers$"),
+    (np.array([-1, 0, 1]), r"^y: labels must be in 0…9 \(digits has 10 classes\), got -1…1$"),
+])  # fmt: skip
+def test_the_api_checks_labels_as_the_command_does(runs, y, message):
+    """`TrainedRun.labels` (what `personalize` and the scores take): one label per sample, integers (floats holding
+    integers too), each a class of the run; label 0 and the last class are classes."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    with pytest.raises(PflbedError, match=message):
+        run.labels(y, "y", 3)
+    got = run.labels(np.array([0.0, 9.0, 3.0]), "y", 3)
+    assert got.dtype == torch.long and got.tolist() == [0, 9, 3]
+    assert run.labels(np.zeros(0), "y", 0).tolist() == []
+
+
+def test_predictions_take_the_raw_range_given_and_a_method_without_a_generic_model_needs_a_client(runs, monkeypatch):
+    """`scale` reaches the inputs of `TrainedRun.predict` and `Personalized.predict` (raw samples of another range,
+    the same predictions); a personalized model's `predict` is its own model's; loaded without its run it cannot
+    transform raw samples, said in one line; a method without a generic model predicts for a client only."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, (xt, _) = _client_samples()
+    assert torch.allclose(run.inputs(xt * 255 / 16, 255.0), run.inputs(xt), atol=1e-5)
+    assert not torch.allclose(run.inputs(xt * 255 / 16), run.inputs(xt), atol=1e-2)
+    assert np.array_equal(run.predict(xt * 255 / 16, scale=255.0), run.predict(xt))
+    p = run.personalize(x, y, method="ft", epochs=2, lr=0.05)
+    own = p.model(run.inputs(xt)).argmax(1).numpy()
+    assert not np.array_equal(own, run.predict(xt))  # the personalized model, not the generic one
+    assert np.array_equal(p.predict(xt), own)
+    scales, real_inputs = [], run.inputs
+    monkeypatch.setattr(run, "inputs", lambda raw, scale=None, what="x": scales.append(scale) or
+                        real_inputs(raw, scale, what))  # fmt: skip
+    assert np.array_equal(p.predict(xt * 255 / 16, scale=255.0), own) and scales == [255.0]
+    with pytest.raises(PflbedError, match=r"^this personalized model was loaded without its run; pass transformed "
+                                          r"inputs to \.model$"):  # fmt: skip
+        replace(p, run=None).predict(xt)
+    monkeypatch.setattr(run.algo, "generic_model", lambda server: None)
+    assert run.generic_model() is None
+    with pytest.raises(PflbedError, match=r"^fedavg has no generic model: pass a client id$"):
+        run.predict(xt)
+
+
+def test_a_new_client_takes_the_first_held_out_id_else_the_last_client_s(runs, monkeypatch):
+    run = pflbed.load_run(runs["fedavg"][0])
+    fed = run.algo.ctx.federation
+    assert fed.new and fed.new[0] != len(fed.clients) - 1 and run._new_cid() == fed.new[0]
+    monkeypatch.setattr(run.algo.ctx, "federation", replace(fed, new=[fed.new[1]]))
+    assert run._new_cid() == fed.new[1]
+    monkeypatch.setattr(run.algo.ctx, "federation", replace(fed, new=[]))
+    assert run._new_cid() == len(fed.clients) - 1
+
+
+def test_a_participant_without_a_kept_state_gets_its_initial_one(runs):
+    """A client that took part but whose state the checkpoint does not hold (stateless methods keep none; a client
+    never sampled): its personal model is the one of its initial state, for its own id."""
+    run = pflbed.load_run(runs["fedper"][0])
+    cid = run.algo.ctx.federation.participated[-1]
+    kept = run.personal_model(cid).state_dict()
+    run.states.pop(cid)
+    initial = run.personal_model(cid).state_dict()
+    expected = trained._module(run.algo.personal_model(run.server, run.algo.init_client(cid))).state_dict()
+    assert all(torch.equal(initial[k], expected[k]) for k in expected)
+    assert not all(torch.equal(initial[k], kept[k]) for k in kept)
+
+
+def _ran(*args):
+    raise AssertionError("unpickled: the file ran code")
+
+
+class _Payload:
+    def __reduce__(self):
+        return (_ran, ("x",))
+
+
+def test_a_saved_model_and_its_summary_and_no_unpickling_of_what_a_file_names(runs, tmp_path):
+    """`Personalized.save` writes the model and a summary of how it was obtained (`seconds` to the millisecond);
+    `load_model` gives back the same predictions and reads tensors only: a model.pt naming code to run is refused."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), val, (xt, _) = _client_samples()
+    p = run.personalize(x, y, method="ft", epochs=2, lr=0.05, val=val)
+    p.save(tmp_path / "p")
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert summary == {"method": "ft", "lr": 0.05, "selected_epoch": p.selected_epoch, "epochs": p.epochs,
+                       "seconds": round(p.seconds, 3), **p.info}  # fmt: skip
+    assert np.array_equal(load_model(tmp_path / "p")(run.inputs(xt)).argmax(1).numpy(), p.predict(xt))
+    (tmp_path / "bad").mkdir()
+    torch.save({"architecture": _Payload()}, tmp_path / "bad" / "model.pt")
+    with pytest.raises(__import__("pickle").UnpicklingError, match="Unsupported global"):
+        load_model(tmp_path / "bad")
+
+
+def test_a_method_s_own_personal_model_is_saved_and_loaded_with_its_run(tmp_path, runs):
+    """FedRoD's personal model (its body with the generic and the personal head) and GPFL's are not one of the
+    zoo's architectures: saved as tensors, rebuilt from the run's algorithm (`load_model(…, run=…)`), the same
+    predictions; without the run, or with another method's, one line. GPFL's generic model takes conditional
+    inputs beside the network's: fine-tuning it as one network is refused in one line (it was a KeyError)."""
+    (x, y), _, (xt, _) = _client_samples()
+    for name in ("fedrod", "gpfl"):
+        path = tmp_path / name
+        pflbed.run({**RUN, "algorithm": {"name": name}, "train": {"rounds": 1, "lr": 0.05}}, path)
+        run = pflbed.load_run(path)
+        p = run.personalize(x, y, method="native", epochs=1, lr=0.05)
+        assert not hasattr(p.model, "zoo_name")
+        p.save(tmp_path / f"{name}-p")
+        with pytest.raises(PflbedError, match=rf"^{re.escape(str(tmp_path / f'{name}-p'))}: the model is a method's "
+                                              r"own personal model, not one of the zoo's architectures: load it with "
+                                              r"its run \(load_model\(path, run=RUN_DIR\)\)$"):  # fmt: skip
+            load_model(tmp_path / f"{name}-p")
+        for given in (path, run):
+            loaded = load_model(tmp_path / f"{name}-p", run=given)
+            assert not loaded.training and np.array_equal(loaded(run.inputs(xt)).argmax(1).numpy(), p.predict(xt))
+        with pytest.raises(PflbedError, match=r"-p: its tensors do not fit the model rebuilt \("):
+            load_model(tmp_path / f"{name}-p", run=runs["fedavg"][0])
+    with pytest.raises(PflbedError, match=r"^gpfl's generic model is not one network of body and head to fine-tune "
+                                          r"or probe: use --method native$"):  # fmt: skip
+        run.personalize(x, y, method="ft", epochs=1, lr=0.05)

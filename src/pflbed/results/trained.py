@@ -30,6 +30,7 @@ from pflbed.algorithms.training import finetune_epochs, load_params
 from pflbed.config import SEED_MAX, Config
 from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
+from pflbed.models.blocks import BlockNet
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
 from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, run_config
@@ -115,12 +116,28 @@ class Personalized:
         return out
 
 
-def load_model(path: str | Path) -> torch.nn.Module:
+def load_model(path: str | Path, run: TrainedRun | str | Path | None = None) -> torch.nn.Module:
     """A model saved by `Personalized.save` (`pflbed personalize --out`), in eval mode; it takes transformed
-    inputs (`load_run(RUN).inputs(raw)`)."""
+    inputs (`load_run(RUN).inputs(raw)`).
+
+    A model of one of the zoo's architectures is rebuilt from the file alone. A method's own personal model that is
+    not one (FedRoD's body with two heads, FedProto's prototypes, FedCP's policy, FedDBE's, GPFL's) is rebuilt from
+    its `run` (a `TrainedRun` or its directory): the file holds tensors only, and the code that makes a module of
+    them is the run's algorithm, never anything the file names (no unpickling)."""
     blob = torch.load(Path(path) / MODEL_FILE, weights_only=True)
-    model = build_model(blob["architecture"], tuple(blob["input_shape"]), int(blob["num_classes"]))
-    model.load_state_dict(blob["state_dict"])
+    if blob["architecture"] is not None:
+        model = build_model(blob["architecture"], tuple(blob["input_shape"]), int(blob["num_classes"]))
+    elif run is None:
+        raise PflbedError(f"{path}: the model is a method's own personal model, not one of the zoo's architectures: "
+                          "load it with its run (load_model(path, run=RUN_DIR))")  # fmt: skip
+    else:
+        run = run if isinstance(run, TrainedRun) else TrainedRun(run)
+        model = run.personal_structure()
+    try:
+        model.load_state_dict(blob["state_dict"])
+    except RuntimeError as e:  # another method's model, or another run's shapes
+        first = str(e).strip().splitlines()[1:2] or [str(e)]
+        raise PflbedError(f"{path}: its tensors do not fit the model rebuilt ({first[0].strip()})") from None
     return model.eval()
 
 
@@ -186,6 +203,12 @@ class TrainedRun:
         return _module(self.algo.personal_model(self.server, state if state is not None else
                                                 self.algo.init_client(cid)))  # fmt: skip
 
+    def personal_structure(self) -> torch.nn.Module:
+        """A new client's personal model before any training: the module a saved personalized model's tensors are
+        loaded into when it is not one of the zoo's architectures (`load_model`)."""
+        cid = self._new_cid()
+        return _module(self.algo.personal_model(self.server, self.algo.init_client(cid)))
+
     def predict(self, x: np.ndarray | torch.Tensor, cid: int | None = None, scale: float | None = None) -> np.ndarray:
         """Labels of raw samples by client `cid`'s personal model, or by the generic model."""
         model = self.personal_model(cid) if cid is not None else self.generic_model()
@@ -233,8 +256,12 @@ class TrainedRun:
             raise PflbedError(f"--lr must be a finite number > 0 (got {', '.join(f'{v:g}' for v in lrs)})")
         if not 0 <= seed <= SEED_MAX:
             raise PflbedError(f"--seed must be in 0…{SEED_MAX} (got {seed})")
-        if method != "native" and self.algo.generic_model(self.server) is None:
-            raise PflbedError(f"{self.config.algorithm.name} has no generic model to fine-tune: use --method native")
+        name = self.config.algorithm.name
+        if method != "native" and (generic := self.algo.generic_model(self.server)) is None:
+            raise PflbedError(f"{name} has no generic model to fine-tune: use --method native")
+        if method != "native" and not isinstance(generic.model, BlockNet):  # GPFL's: with its conditional inputs
+            raise PflbedError(f"{name}'s generic model is not one network of body and head to fine-tune or probe: "
+                              "use --method native")  # fmt: skip
         n = len(ys)
         prior = torch.bincount(ys, minlength=self.source.num_classes).float()
         ids = torch.arange(n + len(yv), device=ctx.device)
@@ -273,7 +300,7 @@ class TrainedRun:
         else:
             generic = self.algo.generic_model(self.server)
             assert generic is not None  # checked by the caller
-            steps = finetune_epochs(self.algo.ctx.model, generic.params, data, budget, gen)
+            steps = finetune_epochs(generic.model, generic.params, data, budget, gen)  # a BlockNet: checked
         history, best, best_val, selected = [], None, -1.0, 0
         with rng.global_from(gen, self.algo.ctx.device):  # dropout masks from the seed too (`rng.global_from`)
             for e, pred in enumerate(steps, 1):
