@@ -351,3 +351,34 @@ def test_pfl_val_is_the_best_validation_accuracy_over_the_lambda_grid():
             pred.lam = lam
             each.append(client_score(pred, c, algo.ctx, P, "val"))
         assert chosen == pytest.approx(max(each), abs=1e-9)
+
+
+def test_a_trained_run_s_personal_models_are_the_clients_knn_classifiers(tmp_path):
+    """`load_run`: a participant's personal model and a new client's personalized one are kNN-Per classifiers
+    (the network with the client's datastore and λ), not the network alone, which is the global model; a
+    participant whose state the checkpoint lacks gets its own id's datastore; saved, the model is loaded back with
+    its run, datastore and all (another client's datastore holds another number of samples)."""
+    from pflbed.results.trained import load_model
+
+    path = tmp_path / "run"
+    pflbed.run(_cfg(lam=0.3, federation={"new_clients": 2}), path)
+    run = pflbed.load_run(path)
+    algo, x = run.algo, run.algo.ctx.source.test.x
+    cid = algo.ctx.federation.participated[0]
+    pred = algo.personal_model(run.server, run.states[cid])
+    got = run.personal_model(cid)(x)
+    assert isinstance(pred, knnper.KNNPerPredictor) and torch.allclose(got, pred.logits(x), atol=1e-6)
+    assert not torch.equal(got.argmax(1), Predictor(pred.model, pred.params).logits(x).argmax(1))
+    run.states.pop(cid, None)
+    assert torch.allclose(run.personal_model(cid)(x), got, atol=1e-6)
+
+    data = algo.ctx.client_data(algo.ctx.federation.new[0])
+    half = data.train[: len(data.train) // 2]  # the datastore of another size than the run's new client's
+    p = run.personalize(data.x[half], data.y[half], epochs=1, lr=0.1)
+    assert isinstance(p.model, knnper.KNNPerModule) and len(p.model.keys) == len(half)
+    assert float(p.model.lam) == 0.3 and torch.equal(p.model.labels, data.y[half])
+    assert not torch.equal(p.model(x).argmax(1), p.model.net(x).argmax(1))
+    p.save(tmp_path / "p")
+    loaded = load_model(tmp_path / "p", run=run)
+    assert len(run.personal_structure().keys) != len(loaded.keys) == len(half)
+    assert torch.equal(loaded(x), p.model(x))

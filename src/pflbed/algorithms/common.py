@@ -6,6 +6,7 @@ re-exports them: `from pflbed.algorithms.base import ClientData` keeps working).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -131,6 +132,15 @@ class Predictor:
 
     def classify(self, z: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
         return self._batched("classify", z, batch_size)
+
+    def module(self) -> torch.nn.Module:
+        """This predictor as a module of its own, in eval mode, whose forward gives `logits` (a trained run's models:
+        `results.trained`). Default: a copy of the model with the parameters loaded (the run's model objects are
+        shared). A predictor that adds to its model (kNN-Per's datastore) overrides this: the copy alone would
+        drop it and be another classifier."""
+        model = copy.deepcopy(self.model)
+        load_params(model, self.params)
+        return model.eval()
 
 
 def load_params(model: torch.nn.Module, params: Tensors) -> None:

@@ -241,7 +241,9 @@ class PolicyModel(nn.Module):
 class NoisyPredictor(Predictor):
     """A `PolicyModel` evaluated with Gumbel noise in its policy (`eval_noise`, deviation 3): every call draws from
     a fresh generator of (seed, STREAM, 2), chunk after chunk of `batch_size` rows. Its own methods, so evaluation
-    never batches it with others or runs it elsewhere."""
+    never batches it with others or runs it elsewhere. As a module of its own (`module`: a trained run's
+    personal model, `pflbed personalize`) it is the noise-free policy, a function of its input like any saved
+    model."""
 
     model: PolicyModel
 

@@ -165,6 +165,44 @@ class KNNPerPredictor(Predictor):
         p_knn, logits = self.parts(x, batch_size)
         return mix(p_knn, logits, self.lam)
 
+    def module(self) -> KNNPerModule:
+        """The model with this client's datastore and λ (`KNNPerModule`): the copy of the model alone would be the
+        global model, not the client's kNN-Per classifier."""
+        o = self.opts
+        return KNNPerModule(super().module(), self.keys, self.labels, self.lam, self.num_classes, o.k, o.temperature,
+                            o.distance).eval()  # fmt: skip
+
+
+class KNNPerModule(torch.nn.Module):
+    """A client's kNN-Per classifier as one module (a trained run's personal model, `pflbed personalize`): the
+    network, the datastore (`keys`: training features, `labels`) and λ as buffers, so `state_dict` carries them
+    all. Its forward is `KNNPerPredictor.logits` (the interpolated probabilities; the network's logits where
+    λ = 0 or the datastore is empty). Loading a state dict takes the datastore's size from it: another client's
+    datastore holds another number of samples."""
+
+    def __init__(self, net: torch.nn.Module, keys: torch.Tensor, labels: torch.Tensor, lam: float, num_classes: int,
+                 k: int, temperature: float | None, distance: str) -> None:  # fmt: skip
+        super().__init__()
+        self.net, self.num_classes, self.k, self.temperature, self.distance = net, num_classes, k, temperature, distance
+        self.register_buffer("keys", keys.detach().clone())
+        self.register_buffer("labels", labels.detach().clone())
+        self.register_buffer("lam", torch.tensor(float(lam), dtype=torch.float64, device=keys.device))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        for name in ("keys", "labels"):
+            if (saved := state_dict.get(prefix + name)) is not None and saved.shape != getattr(self, name).shape:
+                setattr(self, name, torch.empty_like(getattr(self, name)).resize_(saved.shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.net.features(x)
+        logits = self.net.classify(z)
+        lam = float(self.lam)
+        if lam == 0.0 or len(self.keys) == 0:
+            return logits
+        p_knn = knn_probs(z, self.keys, self.labels, self.num_classes, self.k, self.temperature, self.distance)
+        return mix(p_knn, logits, lam)
+
 
 def mix(p_knn: torch.Tensor, logits: torch.Tensor, lam: float) -> torch.Tensor:
     """λ·p_kNN + (1 − λ)·softmax(logits): the interpolation of probabilities."""

@@ -13,7 +13,6 @@ Models come back as plain `torch.nn.Module`s in eval mode that take *transformed
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -26,7 +25,7 @@ import torch
 
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
-from pflbed.algorithms.training import finetune_epochs, load_params
+from pflbed.algorithms.training import finetune_epochs
 from pflbed.config import SEED_MAX, Config
 from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
@@ -41,10 +40,8 @@ SUMMARY_FILE = "summary.json"
 
 
 def _module(pred: Predictor) -> torch.nn.Module:
-    """The predictor's model with its parameters, as a module of its own (the run's model objects are shared)."""
-    model = copy.deepcopy(pred.model)
-    load_params(model, pred.params)
-    return model.eval()
+    """The predictor as a module of its own (`Predictor.module`)."""
+    return pred.module()
 
 
 def _labels(model: torch.nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
