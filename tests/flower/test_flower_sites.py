@@ -9,10 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
 from pflbed.engine.loop import experiment
+from pflbed.errors import PflbedError
 from pflbed.results.checkpoint import load_checkpoint
 from pflbed.runs import run
 
@@ -309,8 +311,18 @@ def test_a_new_site_personalizes_the_trained_run_on_its_own_data_with_no_other_d
     acc = personal.accuracy(t["x"], t["y"])
     start = personal.zero_shot_accuracy(t["x"], t["y"])
     assert acc > start  # fine-tuning on the site's own (skewed) data helps on its own test data
-    with pytest.raises(Exception, match="personal model stayed on its site"):
+    with pytest.raises(PflbedError, match=r"^client 1's personal model stayed on its site \(sites\.local\): the run "
+                                          r"holds the server's state only; a site personalizes it with its own "
+                                          r"data$"):  # fmt: skip
         loaded.personal_model(1)
+    # the server's own test set (`sites.test`) is on the server, not where the run is loaded: it is not read
+    conf = tmp_path / "run" / "config.yaml"
+    tree_run = yaml.safe_load(conf.read_text())
+    tree_run["sites"]["test"] = str(tmp_path / "elsewhere" / "test.npz")
+    conf.write_text(yaml.safe_dump(tree_run))
+    again = pflbed.load_run(tmp_path / "run")
+    assert again.config.sites.test is not None and again.algo.ctx.cfg.sites.test is None
+    assert np.array_equal(again.predict(t["x"]), loaded.predict(t["x"]))
 
 
 def _images(root, k, n, seed):

@@ -494,6 +494,8 @@ def test_predictions_take_the_raw_range_given_and_a_method_without_a_generic_mod
     assert torch.allclose(run.inputs(xt * 255 / 16, 255.0), run.inputs(xt), atol=1e-5)
     assert not torch.allclose(run.inputs(xt * 255 / 16), run.inputs(xt), atol=1e-2)
     assert np.array_equal(run.predict(xt * 255 / 16, scale=255.0), run.predict(xt))
+    with pytest.raises(DataError, match=r"^x: samples of shape \[28, 28\], but digits samples are \[8, 8\]$"):
+        run.inputs(np.zeros((2, 28, 28)))  # named x unless named otherwise
     p = run.personalize(x, y, method="ft", epochs=2, lr=0.05)
     own = p.model(run.inputs(xt)).argmax(1).numpy()
     assert not np.array_equal(own, run.predict(xt))  # the personalized model, not the generic one
