@@ -118,6 +118,26 @@ def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
 
 
+def test_a_node_connecting_while_the_server_starts_is_waited_for(monkeypatch):
+    """Nodes connect while the ServerApp starts: the server asks again (0.2 s apart) until every partition is
+    served, then runs as with every node there from the start."""
+    grid = FakeGrid(partitions=3)
+    every, calls, real = list(grid.nodes), [], grid.get_node_ids
+    grid.nodes = every[:2]
+
+    def connecting():
+        calls.append(len(grid.nodes))
+        if len(calls) == 3:
+            grid.nodes = every
+        return real()
+
+    monkeypatch.setattr(grid, "get_node_ids", connecting)
+    late = run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(grid))
+    assert calls[:3] == [2, 2, 2] and late.summary["final"] == run(
+        _fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(FakeGrid(partitions=3))
+    ).summary["final"]
+
+
 def test_nodes_that_answer_a_state_read_without_the_states_stop_the_run(tmp_path):
     """With the states on the nodes, the server reads them to evaluate; a node whose answer lacks a state asked for
     stops the run naming the clients, not later as a missing key."""
