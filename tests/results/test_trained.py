@@ -3,6 +3,7 @@ the loaded models are the run's final ones, personalization keeps the epoch vali
 line, exit code 2."""
 
 import json
+import pickle
 import re
 import shutil
 from dataclasses import replace
@@ -558,7 +559,7 @@ def test_a_saved_model_and_its_summary_and_no_unpickling_of_what_a_file_names(ru
     assert np.array_equal(load_model(tmp_path / "p")(run.inputs(xt)).argmax(1).numpy(), p.predict(xt))
     (tmp_path / "bad").mkdir()
     torch.save({"architecture": _Payload()}, tmp_path / "bad" / "model.pt")
-    with pytest.raises(__import__("pickle").UnpicklingError, match="Unsupported global"):
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
         load_model(tmp_path / "bad")
 
 

@@ -191,7 +191,7 @@ class KNNPerModule(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         for name in ("keys", "labels"):
             if (saved := state_dict.get(prefix + name)) is not None and saved.shape != getattr(self, name).shape:
-                setattr(self, name, torch.empty_like(getattr(self, name)).resize_(saved.shape))
+                setattr(self, name, getattr(self, name).new_empty(saved.shape))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
