@@ -513,10 +513,20 @@ def test_a_site_s_json_nests_at_most_as_deep_as_it_is_told():
         site_json("", 3)
 
 
-def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path):
+def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path, monkeypatch):
     """`executor.timing`: the sites' seconds summed over the replies taken, once per site's reply (two sites of
-    two clients each, every client sampled), a refused reply's left out."""
+    two clients each, every client sampled), a refused reply's left out. The server's own seconds add up over the
+    rounds too: its clock here ticks one second a reading, so each round's messages and wait take one each, and
+    each reply taken one more."""
+    import itertools
+    import time
+    from types import SimpleNamespace
+
     from pflbed.engine.loop import experiment
+    from pflbed.flower import executor
+
+    clock = SimpleNamespace(perf_counter=itertools.count().__next__, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(executor, "time", clock)
 
     tree = _short(federation={**TINY["federation"], "clients": 4, "sample_fraction": 1.0})
     client.algorithm.cache_clear()
@@ -543,6 +553,7 @@ def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path):
         experiment(cfg, ex.algo, ex, None, False, False)
     assert taken == [2] * 5  # three rounds of two sites, each with its two clients, one reply refused
     assert ex.timing["client_update_s"] == 2.0 * 5 and ex.timing["client_records_s"] == 0.25 * 5
+    assert ex.timing["server_records_s"] == 3 + 2 * 5 and ex.timing["wait_s"] == 3
 
 
 @pytest.mark.parametrize("bound", [None, 10.0])
