@@ -195,9 +195,10 @@ class FlowerExecutor(LoopExecutor):
                 raise self.client_error(rnd, cids, reply.error.reason)  # a bug, not a lost node
         checked = self.screen(rnd, payloads, arrived)
         for content in {id(c): c for c in arrived.values()}.values():  # each accepted node's reply, once
-            conf = content.config_records.get("config", ConfigRecord())
-            self.timing["client_update_s"] += float(conf.get("update_s", 0.0))  # type: ignore[arg-type]
-            self.timing["client_records_s"] += float(conf.get("records_s", 0.0))  # type: ignore[arg-type]
+            # our client always sends both figures; a site's reply without them was refused by `screen`
+            conf = content.config_records["config"]
+            self.timing["client_update_s"] += float(conf["update_s"])  # type: ignore[arg-type]
+            self.timing["client_records_s"] += float(conf["records_s"])  # type: ignore[arg-type]
         clients = sorted(c for c in payloads if c in arrived)
         failed = sorted(c for c in payloads if c not in arrived)
         if not clients:
