@@ -662,7 +662,8 @@ def test_the_update_ratio_is_the_change_of_the_entries_sent_over_the_payload_s_n
 
 def test_under_privacy_the_server_clips_a_reply_again(tmp_path, monkeypatch):
     """A reply whose update is 50× what the site's clip let out (within `sites.max_update`) is clipped again on
-    the server: every reply the server rule takes has an update of norm at most `privacy.clip`."""
+    the server: every reply the server rule takes (the round's stream hands on the checked reply, not the one read
+    from the message) has an update of norm at most `privacy.clip`."""
     from pflbed.privacy import update_norm
 
     tree = _short(privacy={"clip": 0.01, "noise_multiplier": 0.5, "randomness": "seeded"})  # a sample with site 1
@@ -675,14 +676,18 @@ def test_under_privacy_the_server_clips_a_reply_again(tmp_path, monkeypatch):
         return {k: p[k] + (v - p[k]) * 50 for k, v in r.items()}
 
     _tamper(grid, "train", _rewrite(fifty, (1, 2, 3)))
-    norms, screen = {}, SiteExecutor.screen
+    norms, sent, screen, keep = {}, {}, SiteExecutor.screen, SiteExecutor.keep_on_node
 
     def seen(self, rnd, payloads, arrived):
-        replies = screen(self, rnd, payloads, arrived)
-        norms.update({(rnd, c): update_norm(payloads[c], r) for c, r in replies.items()})
-        return replies
+        sent.update({(rnd, c): payloads[c] for c in arrived})
+        return screen(self, rnd, payloads, arrived)
+
+    def taken(self, rnd, cid, reply, conf):
+        norms[rnd, cid] = update_norm(sent[rnd, cid], reply)
+        return keep(self, rnd, cid, reply, conf)
 
     monkeypatch.setattr(SiteExecutor, "screen", seen)
+    monkeypatch.setattr(SiteExecutor, "keep_on_node", taken)
     bad = run_sites(_site_cfg(tree), grid)
     assert bad.executor.refusals == [] and tampered and {c for _, c in norms} >= {BAD}
     assert max(norms.values()) <= 0.01 * (1 + 1e-6)
