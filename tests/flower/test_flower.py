@@ -55,9 +55,19 @@ def _fedavg(**train):
     return parity_config("fedavg", {"name": "flower", "threads": 1}, **train)
 
 
-def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied():
+def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied(monkeypatch):
     """Rule (driver.train_round): a round whose client 2 is lost aggregates the others' replies with their own
-    weights renormalized (Σ over repliers), keeps client 2's state as it was, and the next record lists it."""
+    weights renormalized (Σ over repliers), keeps client 2's state as it was, and the next record lists it. The
+    server's seconds count the round's messages, its wait and each reply taken (its clock here ticks one second a
+    reading)."""
+    import itertools
+    import time
+    from types import SimpleNamespace
+
+    from pflbed.flower import executor
+
+    clock = SimpleNamespace(perf_counter=itertools.count().__next__, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(executor, "time", clock)
     torch.set_num_threads(1)
     cfg = _fedavg(rounds=1)
     cids = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)
@@ -72,6 +82,7 @@ def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied():
             mean.add(c, update_client(algo, 1, c, payloads[c], algo.init_client(c))[0])
     assert _same(got.server, mean.result())
     assert got.history[-1]["failed_clients"] == {"1": [lost]}
+    assert got.executor.timing["server_records_s"] == 1 + len(cids) - 1 and got.executor.timing["wait_s"] == 1
     assert lost not in got.executor.states or _same(got.executor.states[lost], algo.init_client(lost))
     full = run(parity_config("fedavg", {"threads": 1}, rounds=1), write=False, progress=False)
     assert not _same(got.server, full.server)  # losing a client changes the round (the test can fail)
