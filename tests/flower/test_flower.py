@@ -115,6 +115,30 @@ def test_an_exception_in_a_client_update_stops_the_run_with_its_traceback(monkey
         run(_fedavg(rounds=1), write=False, progress=False, simulation=FakeSimulation(FakeGrid()))
 
 
+@pytest.mark.parametrize("what", ["reply", "state"])
+def test_a_client_s_non_finite_reply_or_state_stops_the_run_as_diverged_naming_round_and_client(what, monkeypatch):
+    """The nodes run the server's own clients, and their states come back to the server: a NaN in one's reply or
+    new state in round 2 stops the run as a diverged one, naming the round, the client and the entry."""
+    from pflbed.errors import DivergedError
+
+    cfg = parity_config("fedper", {"name": "flower", "threads": 1}, rounds=2)  # FedPer: the head is a state
+    first = sample_clients(cfg.seed, 2, list(range(6)), cfg.federation.sample_fraction)[0]
+    real = client.update_client
+
+    def nan(algo, rnd, cid, payload, state):
+        reply, new = real(algo, rnd, cid, payload, state)
+        if (rnd, cid) == (2, first):
+            bad = reply if what == "reply" else new
+            key = sorted(bad)[0]
+            bad[key] = torch.full_like(bad[key], float("nan"))
+        return reply, new
+
+    monkeypatch.setattr(client, "update_client", nan)
+    with pytest.raises(DivergedError, match=rf"^diverged in round 2: client {first}'s {what} has non-finite values "
+                                            r"in '[^']+' — lower train.lr"):  # fmt: skip
+        run(cfg, write=False, progress=False, simulation=FakeSimulation(FakeGrid()))
+
+
 def test_nodes_must_serve_one_complete_set_of_partitions(monkeypatch):
     grid = FakeGrid(partitions=3)
     grid.nodes = grid.nodes[:2]  # partition 2's node never connects
