@@ -2,13 +2,22 @@
 late replies and restarted nodes on a schedule. Import only after `pytest.importorskip("flwr")`."""
 
 import copy
+import itertools
+import time
 import traceback
 import uuid
+from types import SimpleNamespace
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from pflbed.flower import client, site_node
+
+
+def ticking_time() -> SimpleNamespace:
+    """A stand-in for a module's `time` whose `perf_counter` ticks one second a reading, so that a test can count
+    the seconds a round adds up (the real clock's would differ run to run); waits keep the real clock."""
+    return SimpleNamespace(perf_counter=itertools.count().__next__, monotonic=time.monotonic, sleep=time.sleep)
 
 
 class FakeGrid:

@@ -34,7 +34,7 @@ from pflbed.flower.site_claims import (  # noqa: E402
 from pflbed.flower.site_executor import SiteExecutor, discover_sites  # noqa: E402
 from pflbed.flower.sites import SiteError, server_algorithm  # noqa: E402
 
-from ..fake_flower import FakeGrid  # noqa: E402
+from ..fake_flower import FakeGrid, ticking_time  # noqa: E402
 from .site_setup import _server_task, _site_cfg, _sites, _tampered, _tree, run_sites, server_executor  # noqa: E402
 
 BAD = 1  # the malicious site (one client per site: its client is client 1)
@@ -518,15 +518,10 @@ def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path, 
     two clients each, every client sampled), a refused reply's left out. The server's own seconds add up over the
     rounds too: its clock here ticks one second a reading, so each round's messages and wait take one each, and
     each reply taken one more."""
-    import itertools
-    import time
-    from types import SimpleNamespace
-
     from pflbed.engine.loop import experiment
     from pflbed.flower import executor
 
-    clock = SimpleNamespace(perf_counter=itertools.count().__next__, monotonic=time.monotonic, sleep=time.sleep)
-    monkeypatch.setattr(executor, "time", clock)
+    monkeypatch.setattr(executor, "time", ticking_time())
 
     tree = _short(federation={**TINY["federation"], "clients": 4, "sample_fraction": 1.0})
     client.algorithm.cache_clear()

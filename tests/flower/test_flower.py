@@ -29,7 +29,7 @@ from pflbed.flower import client  # noqa: E402
 from pflbed.flower.executor import FlowerClientError, FlowerRoundError  # noqa: E402
 from pflbed.flower.simulation import FlowerSimulation, simulate  # noqa: E402
 
-from ..fake_flower import FakeGrid, FakeSimulation  # noqa: E402
+from ..fake_flower import FakeGrid, FakeSimulation, ticking_time  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +60,9 @@ def test_lost_clients_are_left_out_and_the_mean_is_over_those_that_replied(monke
     weights renormalized (Σ over repliers), keeps client 2's state as it was, and the next record lists it. The
     server's seconds count the round's messages, its wait and each reply taken (its clock here ticks one second a
     reading)."""
-    import itertools
-    import time
-    from types import SimpleNamespace
-
     from pflbed.flower import executor
 
-    clock = SimpleNamespace(perf_counter=itertools.count().__next__, monotonic=time.monotonic, sleep=time.sleep)
-    monkeypatch.setattr(executor, "time", clock)
+    monkeypatch.setattr(executor, "time", ticking_time())
     torch.set_num_threads(1)
     cfg = _fedavg(rounds=1)
     cids = sample_clients(cfg.seed, 1, list(range(6)), cfg.federation.sample_fraction)

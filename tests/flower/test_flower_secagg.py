@@ -338,12 +338,11 @@ def test_a_secure_run_continues_each_site_s_kept_states_and_takes_a_site_with_no
     its last accepted reply (a site that trained from a fresh head, version 0, would drift far from the simulation;
     the body is not compared here: the quantization error grows over rounds). The server's timings add up over the
     rounds (its clock here ticks one second a reading: each round's records and wait take one each)."""
-    import itertools
-    from types import SimpleNamespace
-
     from pflbed.flower import secagg
 
-    monkeypatch.setattr(secagg, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
+    from ..fake_flower import ticking_time
+
+    monkeypatch.setattr(secagg, "time", ticking_time())
     sets = [s for s in SETS if not s.startswith(("privacy.", "train.rounds"))]
     sim, secure, gap = _secure_in_process(tmp_path, [*sets, "train.rounds=3", "federation.sample_fraction=0.67"])
     last = dict.fromkeys(range(3), 0)  # each client's round of its last accepted reply: the version its site keeps
