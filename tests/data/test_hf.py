@@ -238,3 +238,52 @@ def test_run_and_data_show_on_a_saved_dataset(hf_dir, tmp_path, capsys):
     assert "hf: 2 participated + 1 new clients" in shown
     source = load_source(load_config(cfg).dataset)
     assert source.origin.startswith(str(hf_dir))
+
+
+def _arrays(tmp_path, name, image, labels=None):
+    """A train-only dataset on disk whose image column holds `image` (an array per sample, or a list)."""
+    labels = labels if labels is not None else [i % 2 for i in range(len(image))]
+    datasets.Dataset.from_dict({"image": image, "label": labels}).save_to_disk(str(tmp_path / name))
+    return tmp_path / name
+
+
+def test_pixel_arrays_in_every_layout_give_the_images_pixels(tmp_path):
+    """An array column's layout is read from its shape: [H, W], [H, W, 1] and [1, H, W] are grey; [H, W, 3] and
+    [C, H, W] with C = 3 colour, channels in order; [D] a vector. Integers are 0…255 pixels (raw scale 255), booleans
+    and floats already in [0, 1] (raw scale 1)."""
+    grey = np.stack([pattern(i) for i in range(4)])  # [4, H, W]
+    rgb = np.stack([np.stack([pattern(i), pattern(i + 50), pattern(i + 100)], axis=-1) for i in range(4)])
+    want_grey = torch.from_numpy(grey).float()[:, None] / 255
+    want_rgb = torch.from_numpy(rgb).float().permute(0, 3, 1, 2) / 255
+    for name, image, want in (("hw", grey, want_grey), ("hw1", grey[..., None], want_grey),
+                              ("1hw", grey[:, None], want_grey), ("hwc", rgb, want_rgb),
+                              ("chw", rgb.transpose(0, 3, 1, 2), want_rgb),
+                              ("int16", grey.astype(np.int16), want_grey)):  # fmt: skip
+        s = load_dataset("hf", path=_arrays(tmp_path, name, image), splits=["train"], normalize=[0.0, 1.0])
+        assert s.raw_scale == 255.0 and s.raw_channels_last == (want.shape[1] == 3), name
+        assert s.train.x.shape == want.shape and torch.allclose(s.train.x, want, atol=1e-6), name
+    vectors = np.arange(12, dtype=np.float32).reshape(4, 3) / 11
+    s = load_dataset("hf", path=_arrays(tmp_path, "vec", vectors), splits=["train"], normalize=[0.0, 1.0])
+    assert s.raw_scale == 1.0 and s.train.x.shape == (4, 3) and torch.allclose(s.train.x, torch.from_numpy(vectors))
+    mask = grey > 20
+    s = load_dataset("hf", path=_arrays(tmp_path, "bool", mask), splits=["train"], normalize=[0.0, 1.0])
+    assert s.raw_scale == 1.0 and torch.equal(s.train.x[:, 0], torch.from_numpy(mask).float())
+
+
+@pytest.mark.parametrize("name, image, message", [
+    ("c2", np.zeros((2, H, W, 2), np.uint8), r"arrays of shape \[4, 5, 2\] in .*: need \[H, W\], \[H, W, C\] or "
+                                             r"\[C, H, W\] with 1 or 3 channels"),
+    ("5d", np.zeros((2, 1, H, W, 1), np.uint8), r"arrays of shape \[1, 4, 5, 1\] in .*: need \[H, W\], \[H, W, C\], "
+                                                r"\[C, H, W\] or a vector"),
+    ("number", np.arange(2, dtype=np.uint8), r"'image' of .* holds one number per sample, not pixels"),
+    ("neg", np.full((2, H, W), -1, np.int16), r"integer pixels of .* span -1…-1; need 0…255"),
+    ("wide", np.full((2, H, W), 256, np.int16), r"integer pixels of .* span 256…256; need 0…255"),
+    ("nan", np.full((2, H, W), np.nan, np.float32), r"'image' of .* holds non-finite values"),
+    ("ragged", [[1, 2], [3]], r"the arrays of .* differ in shape; store them as images and set "
+                              r"dataset\.hf\.image_size to resize them"),
+])  # fmt: skip
+def test_pixel_arrays_of_no_image_layout_or_range_are_refused_naming_the_column(tmp_path, name, image, message):
+    with pytest.raises(DataError, match=r"^dataset\.hf\.image_column: " + message) as info:
+        load_dataset("hf", path=_arrays(tmp_path, name, image, labels=[0, 1]), splits=["train"])
+    assert "\n" not in str(info.value)
+
