@@ -188,18 +188,21 @@ class _Timeout(Exception):
 PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_multiplier")
 
 
-def clear_caches() -> None:
+def clear_caches(mutant: str = "") -> None:
     """Empty the in-process caches of pflbed and the tests before the next mutant: the memoized federations
     (`federation._MEMORY`, keyed by the config, not by the code that built them) and each `functools` cache
-    (`tests.tiny.loop_run`, ...) but the `PURE_CACHES`. Modules stay imported across `pytest.main` calls, so
-    without this a result computed under one mutant (or the original) is read back under the next one, whose own
-    code then never runs: a false survivor."""
-    for name, module in list(sys.modules.items()):
+    (`tests.tiny.loop_run`, ...) but the `PURE_CACHES` — and those too where `mutant` lies in their code (a data
+    loader's mutant: its cache holds what the unmutated loader decoded). Modules stay imported across `pytest.main`
+    calls, so without this a result computed under one mutant (or the original) is read back under the next one,
+    whose own code then never runs: a false survivor."""
+    module = mutant.rpartition(".x")[0]  # pflbed.data.digits.x__to_dataset__mutmut_3 -> pflbed.data.digits
+    kept = tuple(p for p in PURE_CACHES if not (module and (module.startswith(p) or p.startswith(module + "."))))
+    for name, mod in list(sys.modules.items()):
         if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))):
             continue
-        for value in list(vars(module).values()):
+        for value in list(vars(mod).values()):
             qualified = f"{name}.{getattr(value, '__name__', '')}"
-            if callable(getattr(value, "cache_clear", None)) and not qualified.startswith(PURE_CACHES):
+            if callable(getattr(value, "cache_clear", None)) and not qualified.startswith(kept):
                 value.cache_clear()
     federation = sys.modules.get("pflbed.federation.federation")  # not imported: nothing memoized
     if federation is not None:
@@ -284,7 +287,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     reaching: dict[tuple[str, ...], dict[str, list[str]]] = {}  # selection -> function -> its tests (`reached`)
 
     def pytest_rc(files: list[str], k: list[str], mutant: str, only_ids: set[str] | None = None) -> int:
-        clear_caches()
+        clear_caches(mutant)
         os.environ["MUTANT_UNDER_TEST"] = mutant
         plugins = [_Only(only_ids)] if only_ids is not None else []
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -167,3 +167,73 @@ def test_a_fashion_mnist_idx_file_of_another_type_or_shape_is_refused_naming_it(
     directory = make_fmnist_dir(env / "fm")
     victim = write_idx(directory / f"{stem}.gz", array)
     assert refused("fmnist", directory, victim) == message
+
+
+# --- MNIST (and EMNIST): the IDX pair read by `read_idx_pair` -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("stem", "array", "message"), [
+    ("t10k-images-idx3-ubyte", np.zeros((20, 28, 28), dtype=np.int16),
+     "expected uint8 images [N, 28, 28], got int16 [20, 28, 28]"),
+    ("t10k-images-idx3-ubyte", np.zeros((20, 27, 28), dtype=np.uint8),
+     "expected uint8 images [N, 28, 28], got uint8 [20, 27, 28]"),
+    ("t10k-labels-idx1-ubyte", np.zeros(20, dtype=np.int16), "expected 1-D uint8 labels, got int16 [20]"),
+    ("t10k-labels-idx1-ubyte", np.zeros((20, 2), dtype=np.uint8), "expected 1-D uint8 labels, got uint8 [20, 2]"),
+    ("t10k-labels-idx1-ubyte", np.zeros(19, dtype=np.uint8), "20 images but t10k-labels-idx1-ubyte.gz has 19 labels"),
+    ("t10k-labels-idx1-ubyte", np.array([3] * 19 + [10], dtype=np.uint8), "label 10 out of range 0..9"),
+])  # fmt: skip
+def test_an_mnist_idx_file_of_another_type_shape_or_count_is_refused_naming_it(env: Path, stem, array, message):
+    fx.make_mnist(env / "mnist")
+    victim = write_idx(env / "mnist" / f"{stem}.gz", array)
+    named = env / "mnist" / "t10k-images-idx3-ubyte.gz" if "images but" in message else victim
+    assert refused("mnist", env / "mnist", named) == message
+
+
+def test_an_idx_header_too_short_for_its_dims_is_refused_where_only_the_shape_is_read(tmp_path: Path) -> None:
+    from pflbed.data.idx import read_idx_shape
+
+    good = write_idx(tmp_path / "a-idx3-ubyte", np.zeros((3, 2, 5), dtype=np.uint8))
+    assert read_idx_shape(good) == (3, 2, 5)
+    for name, data in (("short", b"\x00\x00"), ("dims", good.read_bytes()[:10])):
+        (tmp_path / name).write_bytes(data)
+        expected = "file too short for an IDX header" if name == "short" else "truncated IDX header"
+        with pytest.raises(DataError, match=f"^{tmp_path / name}: {expected}"):
+            read_idx_shape(tmp_path / name)
+
+
+# --- miniImageNet: a cache pickle's images and class rows -------------------------------------------------------
+
+
+def _mini_rows(env: Path, **entries) -> Path:
+    """The train cache of a miniImageNet fixture (2 classes × 10 rows) with `entries` replacing its own."""
+    root = fx.make_miniimagenet(env / "mini", side=8)
+    path = root / "mini-imagenet-cache-train.pkl"
+    blob = pickle.loads(path.read_bytes())
+    blob.update(entries)
+    path.write_bytes(pickle.dumps(blob, protocol=4))
+    return path
+
+
+@pytest.mark.parametrize(("entries", "message"), [
+    ({"image_data": np.zeros((20, 8, 8, 3), dtype=np.int16)}, "image_data must be uint8 [N, H, W, 3], got int16 "
+                                                              "[20, 8, 8, 3]"),
+    ({"image_data": np.zeros((20, 8, 8), dtype=np.uint8)}, "image_data must be uint8 [N, H, W, 3], got uint8 "
+                                                           "[20, 8, 8]"),
+    ({"image_data": np.zeros((20, 8, 8, 1), dtype=np.uint8)}, "image_data must be uint8 [N, H, W, 3], got uint8 "
+                                                              "[20, 8, 8, 1]"),
+    ({"image_data": [0] * 20}, "image_data must be uint8 [N, H, W, 3], got list"),
+    ({"image_data": np.zeros((20, 8, 9, 3), dtype=np.uint8)}, "image_data must hold square images, got [8, 9]"),
+    ({"class_dict": {}}, "class_dict must map each wnid to its rows of image_data"),
+    ({"class_dict": [list(range(10))]}, "class_dict must map each wnid to its rows of image_data"),
+    ({"class_dict": {"n0000": "0-9", "n0001": list(range(10, 20))}}, "class_dict['n0000'] is not a list of row "
+                                                                      "indices"),
+    ({"class_dict": {"n0000": list(range(10)), "n0001": list(range(11, 21))}}, "class_dict['n0001'] points past "
+                                                                               "image_data's 20 rows"),
+    ({"class_dict": {"n0000": [-1, *range(1, 10)], "n0001": list(range(10, 20))}}, "class_dict['n0000'] points past "
+                                                                                   "image_data's 20 rows"),
+    ({"class_dict": {"n0000": list(range(10)), "n0001": list(range(9, 19))}}, "class_dict['n0001'] shares rows with "
+                                                                              "another class"),
+])  # fmt: skip
+def test_a_miniimagenet_cache_without_the_format_s_images_or_rows_is_refused_naming_it(env: Path, entries, message):
+    path = _mini_rows(env, **entries)
+    assert refused("miniimagenet", path.parent, path) == message

@@ -136,3 +136,38 @@ def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_pat
     out = _shell(rerun.replace("screen-r", "screen-s"), project, ok=False)
     assert out.returncode != 0 and "the unmutated code fails tests/algorithms/test_contract.py" in out.stderr
     assert not (project / "mutants" / "screen-s-0.txt").read_text()
+
+
+def test_a_loader_s_mutant_empties_the_loader_s_cache_that_other_mutants_keep(monkeypatch):
+    """The data loaders' caches (keyed by their files) are kept between mutants of other code, but a mutant of a
+    loader empties them: else the loader's result, decoded by the unmutated code, is read back and the mutated code
+    never runs (a false survivor)."""
+    import functools
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("mutation_screen", ROOT / "benchmarks" / "mutation_screen.py")
+    screen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screen)
+    calls = []
+    loader = types.ModuleType("pflbed.data.fake_loader")
+
+    @functools.lru_cache
+    def load(path):
+        calls.append(path)
+        return path
+
+    loader.load = load
+    monkeypatch.setitem(sys.modules, "pflbed.data.fake_loader", loader)
+
+    def decodes_again(mutant):
+        load("a")
+        before = len(calls)
+        screen.clear_caches(mutant)
+        load("a")
+        return len(calls) > before
+
+    assert not decodes_again("pflbed.algorithms.fedavg.x_step__mutmut_1")  # other code: the data stay decoded
+    assert not decodes_again("pflbed.privacy.x__epsilon__mutmut_1")
+    assert decodes_again("pflbed.data.fake_loader.x_load__mutmut_1")  # the loader's own mutant
+    assert decodes_again("pflbed.data.digits.x__to_dataset__mutmut_3")  # a loader's cache may hold another's work
