@@ -188,15 +188,16 @@ class _Timeout(Exception):
 PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_multiplier")
 
 
-def clear_caches(mutant: str = "") -> None:
+def clear_caches(mutant: str = "", pure: bool = False) -> None:
     """Empty the in-process caches of pflbed and the tests before the next mutant: the memoized federations
     (`federation._MEMORY`, keyed by the config, not by the code that built them) and each `functools` cache
     (`tests.tiny.loop_run`, ...) but the `PURE_CACHES` — and those too where `mutant` lies in their code (a data
     loader's mutant: its cache holds what the unmutated loader decoded). Modules stay imported across `pytest.main`
     calls, so without this a result computed under one mutant (or the original) is read back under the next one,
-    whose own code then never runs: a false survivor."""
+    whose own code then never runs: a false survivor. `pure`: empty every cache."""
     module = mutant.rpartition(".x")[0]  # pflbed.data.digits.x__to_dataset__mutmut_3 -> pflbed.data.digits
-    kept = tuple(p for p in PURE_CACHES if not (module and (module.startswith(p) or p.startswith(module + "."))))
+    kept = () if pure else tuple(p for p in PURE_CACHES
+                                 if not (module and (module.startswith(p) or p.startswith(module + "."))))
     for name, mod in list(sys.modules.items()):
         if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))):
             continue
@@ -233,13 +234,14 @@ class _Only:
         items[:] = [item for item, k in zip(items, keep, strict=True) if k]
 
 
-def reach(args: list[str]) -> dict[str, list[str]] | None:
+def reach(args: list[str], pure: bool = False) -> dict[str, list[str]] | None:
     """The tests of a selection (`args`: pytest's) that reach each mutated function, None if the selection fails: one
     run of them on the unmutated code (so it is also the check that the unmutated code passes) with mutmut's
     trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`, as `mutmut run` records them before
-    testing), the caches emptied before each test so that each one's calls are its own. Calls made in a process a
-    test starts are not seen: a test that reaches a function only there is left out (`--reach` then misses it; screen
-    such mutants without it)."""
+    testing), the caches emptied before each test so that each one's calls are its own (`pure`: the data loaders'
+    too, when their own mutants are screened: else only the first test to load a file is seen to reach the
+    loader). Calls made in a process a test starts are not seen: a test that reaches a function only there is left
+    out (`--reach` then misses it; screen such mutants without it)."""
     import pytest
     from mutmut.state import state
 
@@ -248,7 +250,7 @@ def reach(args: list[str]) -> dict[str, list[str]] | None:
     class Recorder:
         @pytest.hookimpl(hookwrapper=True)
         def pytest_runtest_protocol(self, item, nextitem):
-            clear_caches()
+            clear_caches(pure=pure)
             state()._stats.clear()
             os.environ["MUTANT_UNDER_TEST"] = "stats"
             yield
@@ -302,7 +304,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             selection = tuple(files + k)
             if selection not in passing:  # else every mutant would count as killed
                 if reached:  # one run both checks the selection and records which test reaches what
-                    hits = reach([*k, *files])
+                    hits = reach([*k, *files], pure=any(m.startswith(PURE_CACHES) for m, _ in todo))
                     ok = hits is not None
                     reaching[selection] = hits or {}
                 else:

@@ -160,10 +160,10 @@ def test_a_loader_s_mutant_empties_the_loader_s_cache_that_other_mutants_keep(mo
     loader.load = load
     monkeypatch.setitem(sys.modules, "pflbed.data.fake_loader", loader)
 
-    def decodes_again(mutant):
+    def decodes_again(mutant, pure=False):
         load("a")
         before = len(calls)
-        screen.clear_caches(mutant)
+        screen.clear_caches(mutant, pure=pure)
         load("a")
         return len(calls) > before
 
@@ -171,3 +171,4 @@ def test_a_loader_s_mutant_empties_the_loader_s_cache_that_other_mutants_keep(mo
     assert not decodes_again("pflbed.privacy.x__epsilon__mutmut_1")
     assert decodes_again("pflbed.data.fake_loader.x_load__mutmut_1")  # the loader's own mutant
     assert decodes_again("pflbed.data.digits.x__to_dataset__mutmut_3")  # a loader's cache may hold another's work
+    assert decodes_again("", pure=True)  # `--reach`'s recording while loaders are screened: each test loads afresh
