@@ -257,6 +257,25 @@ def test_digits_shapes_and_balanced_split() -> None:
         load_digits_source(test_per_class=500)
 
 
+def test_digits_samples_are_scikit_learn_s_images_and_labels_normalized_by_the_stated_mean_and_std() -> None:
+    """Every sample, mapped back through `pixel_norm` and `raw_scale`, is one of scikit-learn's 8×8 images (0…16)
+    with its own label, each image once over the two splits; `inputs` maps a raw image as the loader did."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    source = load_digits_source(test_per_class=20, seed=3)
+    mean, std = source.pixel_norm
+    assert source.raw_scale == 16.0 and (mean, std) == (pytest.approx(0.3053), pytest.approx(0.3760))
+    x = torch.cat([source.train.x, source.test.x])[:, 0].double()
+    raw = (x * std + mean) * 16
+    assert torch.allclose(raw, raw.round(), atol=1e-4)  # whole 0…16 values: the stated scale and normalization
+    ours = {(img.round().to(torch.int64).numpy().tobytes(), int(y))
+            for img, y in zip(raw, torch.cat([source.train.y, source.test.y]), strict=True)}
+    theirs = {(np.asarray(img, np.int64).tobytes(), int(y)) for img, y in zip(bunch.images, bunch.target, strict=True)}
+    assert len(x) == len(bunch.images) and ours == theirs
+    assert torch.allclose(source.inputs(raw[:5].round().numpy()), source.train.x[:5], atol=1e-6)
+
+
 def test_synthetic_shapes_balance_and_determinism() -> None:
     source = make_synthetic(num_classes=4, n_train=100, n_test=43, shape=[3, 5], seed=7)
     assert source.origin == "generated" and source.input_shape == (3, 5) and source.num_classes == 4

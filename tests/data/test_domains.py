@@ -108,6 +108,7 @@ def test_a_single_domain_and_an_empty_or_one_sample_split() -> None:
     assert (one.train.domain == 0).all() and (one.test.domain == 0).all()
     empty = with_domains(_source(n_test=0), ["rot0", "rot90"])
     assert len(empty.test) == 0 and empty.test.domain.shape == (0,) and empty.test.user is not None
+    assert empty.test.x.shape == (0, 1, 4, 4) and empty.test.y.shape == (0,)
     single = _source(n_test=1)
     single = DataSource(**{**single.__dict__, "test": ArrayDataset(single.test.x, torch.tensor([1]), None,
                                                                    torch.tensor([2]))})  # fmt: skip
