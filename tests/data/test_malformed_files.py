@@ -17,20 +17,17 @@ import numpy as np
 import pytest
 
 from pflbed.cli import main
-from pflbed.data import fmnist, load_dataset
+from pflbed.data import load_dataset
 from pflbed.errors import DataError
 
 from .. import data_formats as fx
-from .test_data import make_fmnist_dir, write_idx
+from .test_data import isolated_env, make_fmnist_dir, write_idx  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """An empty cache, no PFLBED_DATA and no Debian copy: look-ups see only what a test writes."""
-    monkeypatch.delenv("PFLBED_DATA", raising=False)
-    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(fmnist, "DEBIAN_DIR", tmp_path / "no-debian")
-    return tmp_path
+def env(request: pytest.FixtureRequest) -> Path:
+    """`test_data`'s: an empty cache, no PFLBED_DATA and no Debian copy, so look-ups see only what a test writes."""
+    return request.getfixturevalue("isolated_env")
 
 
 def refused(name: str, path: Path, victim: Path, **kw) -> str:
