@@ -188,6 +188,12 @@ class _Timeout(Exception):
 PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_multiplier")
 
 
+def kept_caches(mutant: str) -> tuple[str, ...]:
+    """The `PURE_CACHES` a mutant leaves alone: all but those whose code holds it."""
+    module = mutant.rpartition(".x")[0]  # pflbed.data.digits.x__to_dataset__mutmut_3 -> pflbed.data.digits
+    return tuple(p for p in PURE_CACHES if not (module and (module.startswith(p) or p.startswith(module + "."))))
+
+
 def clear_caches(mutant: str = "", pure: bool = False) -> None:
     """Empty the in-process caches of pflbed and the tests before the next mutant: the memoized federations
     (`federation._MEMORY`, keyed by the config, not by the code that built them) and each `functools` cache
@@ -195,9 +201,7 @@ def clear_caches(mutant: str = "", pure: bool = False) -> None:
     loader's mutant: its cache holds what the unmutated loader decoded). Modules stay imported across `pytest.main`
     calls, so without this a result computed under one mutant (or the original) is read back under the next one,
     whose own code then never runs: a false survivor. `pure`: empty every cache."""
-    module = mutant.rpartition(".x")[0]  # pflbed.data.digits.x__to_dataset__mutmut_3 -> pflbed.data.digits
-    kept = () if pure else tuple(p for p in PURE_CACHES
-                                 if not (module and (module.startswith(p) or p.startswith(module + "."))))
+    kept = () if pure else kept_caches(mutant)
     for name, mod in list(sys.modules.items()):
         if not (name == "pflbed" or name.startswith(("pflbed.", "tests"))):
             continue
@@ -304,7 +308,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             selection = tuple(files + k)
             if selection not in passing:  # else every mutant would count as killed
                 if reached:  # one run both checks the selection and records which test reaches what
-                    hits = reach([*k, *files], pure=any(m.startswith(PURE_CACHES) for m, _ in todo))
+                    hits = reach([*k, *files], pure=any(kept_caches(m) != PURE_CACHES for m, _ in todo))
                     ok = hits is not None
                     reaching[selection] = hits or {}
                 else:

@@ -8,6 +8,8 @@ against the dataset it copies (both splits, users, the dataset's own seed, a sin
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -110,8 +112,7 @@ def test_a_single_domain_and_an_empty_or_one_sample_split() -> None:
     assert len(empty.test) == 0 and empty.test.domain.shape == (0,) and empty.test.user is not None
     assert empty.test.x.shape == (0, 1, 4, 4) and empty.test.y.shape == (0,)
     single = _source(n_test=1)
-    single = DataSource(**{**single.__dict__, "test": ArrayDataset(single.test.x, torch.tensor([1]), None,
-                                                                   torch.tensor([2]))})  # fmt: skip
+    single = replace(single, test=ArrayDataset(single.test.x, torch.tensor([1]), None, torch.tensor([2])))
     out = with_domains(single, ["rot0", "rot90", "rot180"]).test
     assert out.domain.tolist() == [0] and out.user.tolist() == [2] and torch.equal(out.x, single.test.x)
 

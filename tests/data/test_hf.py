@@ -286,4 +286,3 @@ def test_pixel_arrays_of_no_image_layout_or_range_are_refused_naming_the_column(
     with pytest.raises(DataError, match=r"^dataset\.hf\.image_column: " + message) as info:
         load_dataset("hf", path=_arrays(tmp_path, name, image, labels=[0, 1]), splits=["train"])
     assert "\n" not in str(info.value)
-
