@@ -207,7 +207,8 @@ def _labels(parts: list[Any], splits: tuple[str, ...], column: str, what: str) -
     elif all(isinstance(v, str) for vs in values for v in vs):
         names = sorted({v for vs in values for v in vs})
         index = {n: i for i, n in enumerate(names)}
-        return [np.asarray([index[v] for v in vs], dtype=np.int64) for vs in values], max(len(names), 1)
+        out = [np.asarray([index[v] for v in vs], dtype=np.int64) for vs in values]
+        k = len(names)
     elif all(isinstance(v, (int, np.integer)) for vs in values for v in vs):
         out = [np.asarray(v, dtype=np.int64) for v in values]
         k = 1 + max((int(o.max()) for o in out if len(o)), default=0)
@@ -219,7 +220,7 @@ def _labels(parts: list[Any], splits: tuple[str, ...], column: str, what: str) -
             bad = int(o.min()) if int(o.min()) < 0 else int(o.max())
             raise DataError(f"dataset.hf.label_column: label {bad} in {what}'s {name} split is outside 0…{k - 1}"
                             + (" (−1: no label)" if bad == -1 else ""))  # fmt: skip
-    if k < 2:
+    if k < 2 and any(len(o) for o in out):  # no samples at all: `_pixels` says so
         raise DataError(f"dataset.hf.label_column: {column!r} of {what} has {k} class; need at least 2")
     return out, k
 
