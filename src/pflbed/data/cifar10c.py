@@ -54,9 +54,13 @@ def _open(path: Path) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"{path}: no such file: the {TITLE} copy in {path.parent} is incomplete")
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise DataError(f"{path}: not a readable .npy file, truncated? ({store.one_line(exc)})") from None
+    if not isinstance(array, np.ndarray):  # np.load opens a zip (.npz) archive whatever the file is called
+        array.close()
+        raise DataError(f"{path}: an .npz archive, not the .npy array {TITLE} ships")
+    return array
 
 
 def sizes(directory: Path) -> int:

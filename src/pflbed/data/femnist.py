@@ -85,8 +85,11 @@ def _read_shard(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
         try:
             x = np.asarray(data["x"], dtype=np.float32)
             y = np.asarray(data["y"], dtype=np.int64)
+            whole = np.array_equal(np.asarray(data["y"]), y)  # the cast alone takes 1.5 as 1 and "3" as 3
         except (TypeError, ValueError, OverflowError):
-            raise DataError(f"{path}: user {user!r}: x must be rows of {SIDE * SIDE} numbers, y integers") from None
+            whole = False
+        if not whole:
+            raise DataError(f"{path}: user {user!r}: x must be rows of {SIDE * SIDE} numbers, y integers")
         if x.ndim != 2 or x.shape[1] != SIDE * SIDE or y.shape != (len(x),):
             raise DataError(f"{path}: user {user!r}: x {list(x.shape)} and y {list(y.shape)}; expected "
                             f"[n, {SIDE * SIDE}] and [n]")  # fmt: skip
