@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,7 @@ def _cifar_batch(path: Path, **entries) -> None:
 @pytest.mark.parametrize(("entries", "message"), [
     ({"labels": None}, "no labels in this CIFAR-10 batch (keys: ['batch_label', 'data'])"),
     ({"data": None}, "no data in this CIFAR-10 batch (keys: ['batch_label', 'labels'])"),
+    ({"data": None, "labels": None}, "no data or labels in this CIFAR-10 batch (keys: ['batch_label'])"),
     ({"data": np.zeros((20, 3072), dtype=np.int16)}, "data must be uint8 [N, 3072] (3 planes of 32×32), "
                                                       "got int16 [20, 3072]"),
     ({"data": np.zeros((20, 3071), dtype=np.uint8)}, "data must be uint8 [N, 3072] (3 planes of 32×32), "
@@ -73,6 +75,17 @@ def test_a_cifar_batch_without_the_format_s_data_or_labels_is_refused_naming_it(
     _cifar_batch(d / "data_batch_2", **entries)
     assert refused("cifar10", d, d / "data_batch_2") == message
     assert main(["data", "show", "--set", "dataset.name=cifar10", "--set", f"dataset.path={d}"]) == 2
+
+
+def test_a_cifar_batch_that_is_no_dict_or_calls_code_is_refused_naming_it_and_the_dataset(env: Path) -> None:
+    """A batch file is a pickled dict of data only; the line says which file and which dataset's format it broke."""
+    d = fx.make_cifar10(env / "c10")
+    (d / "data_batch_2").write_bytes(pickle.dumps([1, 2], protocol=2))
+    assert refused("cifar10", d, d / "data_batch_2") == "expected a dict in a CIFAR-10 pickle, got list"
+    (d / "data_batch_2").write_bytes(fx.evil_pickle(f"touch {env / 'owned'}"))
+    assert re.fullmatch(r"refused: the pickle calls \S+\.system, which a CIFAR-10 file never holds "
+                        r"\(not loaded: unpickling it could run code\)", refused("cifar10", d, d / "data_batch_2"))
+    assert not (env / "owned").exists()
 
 
 def test_a_cifar100_coarse_label_past_its_20_classes_is_refused(env: Path) -> None:
