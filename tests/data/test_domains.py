@@ -8,11 +8,13 @@ against the dataset it copies (both splits, users, the dataset's own seed, a sin
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 
+from pflbed.cli import main
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.domains import TRANSFORMS, assign_domains, with_domains
 from pflbed.errors import DataError
@@ -130,3 +132,31 @@ def test_unknown_repeated_or_no_transforms_are_refused_naming_the_field(domains,
 def test_a_dataset_with_domains_cannot_be_given_more() -> None:
     with pytest.raises(DataError, match="dataset 'toy\\[rot0\\]' already has domains; dataset.domains cannot be added"):
         with_domains(with_domains(_source(), ["rot0"]), ["rot90"])
+
+
+@pytest.mark.parametrize(("shape", "domains", "message"), [
+    ([20], ["clean", "contrast"], r"transforms act on images \[C, H, W\]; synthetic has samples of shape \[20\]$"),
+    ([4, 5], ["clean", "blur"], r"transforms act on images \[C, H, W\]; synthetic has samples of shape \[4, 5\]$"),
+    ([1, 4, 5], ["rot0", "rot270"], r"rot270 needs square images; synthetic has 4×5 images$"),
+])  # fmt: skip
+def test_domains_of_samples_no_transform_can_take_are_one_line_exit_2_nothing_written(
+    tmp_path, capsys, shape, domains, message
+) -> None:
+    """Vectors, 2-D samples and a quarter turn of an oblong image used to end in a traceback from deep in torch."""
+    out = tmp_path / "run"
+    args = ["run", "--set", "dataset.name=synthetic", "--set", f"dataset.synthetic.shape={shape}",
+            "--set", f"dataset.domains=[{','.join(domains)}]", "--set", "train.rounds=1", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search("dataset.domains: " + message, err), err
+    assert not out.exists()
+
+
+def test_a_half_turn_and_every_other_transform_keep_an_oblong_image_s_shape() -> None:
+    """Only rot90 and rot270 swap height and width; an oblong image may take every other transform."""
+    g = torch.Generator().manual_seed(0)
+    split = ArrayDataset(torch.randn(12, 2, 4, 6, generator=g), torch.arange(12) % 2, None, None)
+    base = DataSource(name="oblong", train=split, test=split, num_classes=2, origin="generated", pixel_norm=NORM)
+    kept = [d for d in TRANSFORMS if d not in ("rot90", "rot270")]
+    assert with_domains(base, kept).train.x.shape == (12, 2, 4, 6)

@@ -101,6 +101,16 @@ def with_domains(source: DataSource, domains: tuple[str, ...] | list[str], name:
         raise DataError(f"dataset.domains: need one or more distinct transforms, got {list(domains)}")
     if source.train.domain is not None:
         raise DataError(f"dataset {source.name!r} already has domains; dataset.domains cannot be added")
+    shape = list(source.train.x.shape[1:])
+    if len(shape) != 3:  # blur, contrast and the rotations act on a sample's channels, rows and columns
+        raise DataError(
+            f"dataset.domains: transforms act on images [C, H, W]; {source.name} has samples of shape {shape}"
+        )
+    turned = [d for d in domains if d in ("rot90", "rot270")]
+    if turned and shape[1] != shape[2]:
+        raise DataError(
+            f"dataset.domains: {turned[0]} needs square images; {source.name} has {shape[1]}×{shape[2]} images"
+        )
     gen = torch.Generator().manual_seed(_DATASET_SEED)
     return replace(
         source,
