@@ -14,8 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from pflbed.data.folders import describe_domain_folders, load_domain_folders
+from pflbed.data.folders import IMAGENET_MEAN, IMAGENET_STD, describe_domain_folders, load_domain_folders
+from pflbed.data.named_folders import BENCHMARKS, find_named, how_to_get, load_domainnet, load_officehome, load_pacs
 from pflbed.errors import DataError
+
+from .. import data_formats as fx
+from .test_data import isolated_env  # noqa: F401 (a fixture)
 
 # Class folder name -> RGB colour. Created in non-sorted order on purpose; sorted: blue, green, red.
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
@@ -243,3 +247,237 @@ def test_bad_image_size(tree: Path, size: object) -> None:
     with pytest.raises(DataError, match="image_size") as exc:
         load_domain_folders(tree, image_size=size)  # type: ignore[arg-type]
     assert_one_line_naming(exc, tree)
+
+
+# --- decoding: colour modes, filter, Pillow's reason ---------------------------------------------------------------
+
+
+def test_grey_and_palette_images_become_three_channels(tmp_path: Path) -> None:
+    """Every image is converted to RGB: a greyscale PNG gives three equal channels, a palette PNG its colours."""
+    folder = tmp_path / "root" / "only" / "k"
+    folder.mkdir(parents=True)
+    Image.new("L", (6, 6), 90).save(folder / "a.png")
+    palette = Image.new("P", (6, 6), 1)
+    palette.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    palette.save(folder / "b.png")
+    x = load_domain_folders(tmp_path / "root", image_size=4).train.x
+    pixels = ((x + 1) / 2 * 255).round().to(torch.int64)
+    assert pixels.shape == (2, 3, 4, 4)
+    assert pixels[0].unique().tolist() == [90]
+    assert [pixels[1, c].unique().tolist() for c in range(3)] == [[10], [200], [30]]
+
+
+def test_resize_is_pillow_s_bilinear(tmp_path: Path) -> None:
+    """A resized image is exactly Pillow's bilinear resize of the file, not its bicubic default."""
+    path = tmp_path / "root" / "only" / "k" / "noise.png"
+    path.parent.mkdir(parents=True)
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+    with Image.open(path) as img:
+        bilinear = np.array(img.resize((6, 6), Image.Resampling.BILINEAR)).transpose(2, 0, 1)
+        bicubic = np.array(img.resize((6, 6), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
+    assert not np.array_equal(bilinear, bicubic)  # the image tells the two filters apart
+    x = load_domain_folders(tmp_path / "root", image_size=6).train.x[0]
+    assert np.array_equal(((x + 1) / 2 * 255).round().to(torch.int64).numpy(), bilinear)
+
+
+def test_corrupt_image_message_carries_pillow_s_reason(tree: Path) -> None:
+    bad = tree / "art" / "green" / "broken.png"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(tree, image_size=4)
+    assert str(exc.value) == f"{bad}: cannot read image (cannot identify image file {str(bad)!r})"
+
+
+# --- arguments -----------------------------------------------------------------------------------------------------
+
+
+def test_default_image_size_is_32_and_one_pixel_is_allowed(tree: Path) -> None:
+    assert load_domain_folders(tree).input_shape == (3, 32, 32)
+    assert load_domain_folders(tree, image_size=1).input_shape == (3, 1, 1)
+
+
+def test_unknown_normalization_is_one_line_listing_the_choices(tree: Path) -> None:
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(tree, image_size=4, normalize="Symmetric")
+    assert str(exc.value) == f"{tree}: normalize must be one of symmetric, imagenet, got 'Symmetric'"
+
+
+def test_skipped_files_warning_names_the_root(tree: Path, capsys) -> None:
+    (tree / "art" / "red" / "notes.txt").write_text("not an image")
+    load_domain_folders(tree, image_size=3)
+    root = tree.resolve()
+    assert capsys.readouterr().err == (
+        f"pflbed: warning: {root}: skipped 1 non-image file(s) in class folders "
+        f"(images are .bmp, .gif, .jpeg, .jpg, .png), e.g. {root / 'art' / 'red'}/notes.txt\n"
+    )
+
+
+# --- file-system failures: one line naming the path ----------------------------------------------------------------
+
+
+def test_a_path_with_a_control_character_is_quoted_in_one_line(tmp_path: Path) -> None:
+    """A newline in a folder name would split the error in two: such a path is shown as a quoted literal."""
+    missing = tmp_path / "two\nlines"
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(missing)
+    assert str(exc.value) == f"{str(missing)!r}: no such directory"
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    (PermissionError(13, "Permission denied"), "Permission denied"),
+    (OSError("device  went\naway"), "device went away"),
+    (OSError(), "OSError"),
+])  # fmt: skip
+def test_a_folder_that_cannot_be_listed_is_named(tree: Path, monkeypatch, error: OSError, reason: str) -> None:
+    """The reason is the OS's error text, else the exception's text on one line, else its type."""
+    import os
+
+    from pflbed.data import folders
+
+    victim = tree.resolve() / "photo" / "green"
+    real = os.scandir
+
+    def scandir(path):
+        if Path(path) == victim:
+            raise error
+        return real(path)
+
+    monkeypatch.setattr(folders.os, "scandir", scandir)
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(tree, image_size=4)
+    assert str(exc.value) == f"{victim}: cannot list folder ({reason})"
+
+
+def test_an_image_gone_between_listing_and_loading_is_named(tree: Path, monkeypatch) -> None:
+    from pflbed.data import folders
+
+    victim = tree.resolve() / "art" / "blue" / "b.PNG"
+    real = folders._scan
+
+    def scan_then_lose_one(root):
+        listed = real(root)
+        victim.unlink()
+        return listed
+
+    monkeypatch.setattr(folders, "_scan", scan_then_lose_one)
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(tree, image_size=4)
+    assert str(exc.value) == f"{victim}: cannot stat image (No such file or directory)"
+
+
+def test_an_image_that_cannot_be_stat_ed_without_an_os_reason_is_named(tree: Path, monkeypatch) -> None:
+    import os
+
+    from pflbed.data import folders
+
+    victim = str(tree.resolve() / "art" / "blue" / "b.PNG")
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path) == victim:
+            raise OSError("stat  failed\nhere")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(folders.os, "stat", stat)
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(tree, image_size=4)
+    assert str(exc.value) == f"{victim}: cannot stat image (stat failed here)"
+
+
+# --- the named benchmarks (Office-Home, PACS, DomainNet) -----------------------------------------------------------
+
+
+@pytest.fixture
+def env(request: pytest.FixtureRequest) -> Path:
+    """`test_data`'s: an empty cache and no PFLBED_DATA, so look-ups see only what a test writes."""
+    return request.getfixturevalue("isolated_env")
+
+
+@pytest.fixture
+def no_download(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Records every attempt to fetch (none may happen) instead of reaching the network."""
+    from pflbed.data import store
+
+    calls: list = []
+    monkeypatch.setattr(store, "fetch", lambda remotes, dest: calls.append((remotes, dest)))
+    return calls
+
+
+NAMED = {  # loader, a domain folder of the benchmark, its class count
+    "officehome": (load_officehome, "Clipart", 65),
+    "pacs": (load_pacs, "sketch", 7),
+    "domainnet": (load_domainnet, "real", 345),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_named_benchmark_defaults(env: Path, no_download: list, name: str) -> None:
+    """Called with a path alone: 32-px images, the symmetric [-1, 1] normalization, the benchmark's name; a missing
+    copy is the not-found error saying where to get it, and nothing is fetched unless asked (asked, there is no
+    official archive to fetch)."""
+    load, domain, classes = NAMED[name]
+    title = BENCHMARKS[name].title
+    root = fx.make_domain_tree(env / name, (domain,), classes, size=4)
+    source = load(root)
+    assert source.name == name and source.num_classes == classes and source.input_shape == (3, 32, 32)
+    assert source.pixel_norm == (0.5, 0.5) and float(source.train.x.min()) >= -1
+    missing = env / "nothing"
+    with pytest.raises(DataError) as exc:
+        load(missing)
+    assert str(exc.value) == f"dataset {name} ({title}) not found (looked in {missing}); {how_to_get(name)}"
+    with pytest.raises(DataError) as exc:
+        load(missing, download=True)
+    assert str(exc.value) == (f"dataset {name} ({title}) not found and has no official archive to download; "
+                              f"{how_to_get(name)}")  # fmt: skip
+    assert no_download == []
+
+
+def test_how_to_get_lists_the_domains() -> None:
+    assert how_to_get("officehome") == ("download it from hemanthdv.github.io/officehome-dataset and set dataset.path "
+                                        "(or $PFLBED_DATA/officehome) to the folder holding Art, Clipart, Product, "
+                                        "Real World")  # fmt: skip
+
+
+def test_named_benchmark_passes_normalize_and_image_size(env: Path) -> None:
+    """`normalize` and `image_size` reach the folder loader; each size is its own pool, not the first one cached."""
+    root = fx.make_domain_tree(env / "PACS", ("photo",), 7, size=4)
+    imagenet = load_pacs(root, image_size=3, normalize="imagenet")
+    assert imagenet.pixel_norm == (IMAGENET_MEAN, IMAGENET_STD)
+    symmetric = load_pacs(root, image_size=3)
+    assert symmetric.pixel_norm == (0.5, 0.5) and symmetric is not imagenet
+    assert load_pacs(root, image_size=5).input_shape == (3, 5, 5)
+    assert load_pacs(root, image_size=3) is symmetric
+
+
+def test_named_benchmarks_keep_at_most_four_pools_alive(env: Path) -> None:
+    """As the folder loader's cache, the named loaders hold no more than 4 pools: the oldest of 5 is released."""
+    import gc
+    import weakref
+
+    root = fx.make_domain_tree(env / "PACS", ("photo",), 7, size=4)
+    oldest = weakref.ref(load_pacs(root, image_size=2))
+    for size in (3, 4, 5):
+        load_pacs(root, image_size=size)
+    gc.collect()
+    assert oldest() is not None  # four: all kept
+    load_pacs(root, image_size=6)
+    gc.collect()
+    assert oldest() is None
+
+
+def test_domain_folder_spellings_and_a_stray_domain(env: Path) -> None:
+    """Case, runs of spaces, `_` and `-`, and a trailing separator do not matter; a folder that is no Office-Home
+    domain is refused naming it and listing the benchmark's domains."""
+    root = fx.make_domain_tree(env / "oh", ("ART", "real--World_", "Product "), 65, size=2)
+    assert load_officehome(root, image_size=2).domain_names == ("ART", "Product ", "real--World_")
+    fx.make_domain_tree(root, ("Sketch",), 65, size=2)
+    with pytest.raises(DataError) as exc:
+        load_officehome(root, image_size=2)
+    assert str(exc.value) == (f"{root.resolve() / 'Sketch'}: not a Office-Home domain folder (Office-Home has Art, "
+                              f"Clipart, Product, Real World); move it out of {root.resolve()}")  # fmt: skip
+
+
+def test_find_named_looks_in_the_given_path(env: Path) -> None:
+    root = fx.make_domain_tree(env / "data" / "PACS", ("photo",), 7, size=2)
+    assert find_named("pacs", env / "data") == root
+    assert find_named("pacs", env / "elsewhere") is None

@@ -185,8 +185,10 @@ def test_tinyimagenet_val_annotations_missing_or_not_utf8(env: Path) -> None:
     rest = refused(load_tinyimagenet, d, annotations)
     assert rest.startswith("cannot read ('utf-8' codec can't decode byte 0xff in position 11")
     annotations.unlink()
-    assert refused(load_tinyimagenet, d, annotations) == f"no such file: the Tiny ImageNet copy in {d / 'val'} is " \
-                                                         "incomplete"
+    assert (
+        refused(load_tinyimagenet, d, annotations) == f"no such file: the Tiny ImageNet copy in {d / 'val'} is "
+        "incomplete"
+    )
 
 
 def test_tinyimagenet_val_annotation_lines(env: Path) -> None:
