@@ -228,6 +228,19 @@ def test_tinyimagenet_bad_val_annotation_line_names_file_and_line(env: Path, bad
                                f"got {bad[:80]!r}")  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["../../train/n01/images/n01_0.JPEG", "/abs/val_1.JPEG", "..", ".", "sub/"])
+def test_tinyimagenet_val_annotation_image_must_be_a_file_name_in_val_images(env: Path, name: str) -> None:
+    """A val line naming a path (`../../train/…`, an absolute path) would put a file from outside val/images/ — a
+    training image, say — into the test split without a word: refused, naming file and line, as FLICKR-AES does."""
+    d = fx.make_tinyimagenet(env / "t", size=8)
+    annotations = d / "val" / "val_annotations.txt"
+    lines = annotations.read_text().splitlines()
+    annotations.write_text("\n".join([lines[0], f"{name}\tn01\t0\t0\t7\t7", *lines[1:]]) + "\n")
+    with pytest.raises(DataError) as info:
+        load_tinyimagenet(d, image_size=8)
+    assert str(info.value) == f"{annotations}:2: the image must be a file name in val/images/, got {name!r}"
+
+
 # --- Tiny ImageNet: the cache ------------------------------------------------------------------------------------
 
 
