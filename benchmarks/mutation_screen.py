@@ -120,7 +120,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "data/store.py": ["test_store", "test_store_download", "test_loaders", "test_data"],
     "data/augment.py": ["test_augment", "test_batched"],
     # the loaders of the published formats: each is tested on small files the tests write in that format
-    **{f"data/{name}.py": ["test_loaders", "test_data", "test_folders", "test_malformed_files"]
+    **{f"data/{name}.py": ["test_loaders", "test_data", "test_folders", "test_malformed_files", "test_array_datasets",
+                           "test_image_datasets"]
        for name in ("idx", "fmnist", "mnist", "emnist", "femnist", "cifar", "cifar10c", "tinyimagenet",
                     "miniimagenet", "named_folders", "folders", "digits")},  # fmt: skip
     "data/domains.py": ["test_domains", "test_pflbed", "test_natural", "test_data", "test_exclude_test"],

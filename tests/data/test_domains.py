@@ -138,6 +138,7 @@ def test_a_dataset_with_domains_cannot_be_given_more() -> None:
     ([20], ["clean", "contrast"], r"transforms act on images \[C, H, W\]; synthetic has samples of shape \[20\]$"),
     ([4, 5], ["clean", "blur"], r"transforms act on images \[C, H, W\]; synthetic has samples of shape \[4, 5\]$"),
     ([1, 4, 5], ["rot0", "rot270"], r"rot270 needs square images; synthetic has 4×5 images$"),
+    ([1, 6, 3], ["rot90", "rot180"], r"rot90 needs square images; synthetic has 6×3 images$"),
 ])  # fmt: skip
 def test_domains_of_samples_no_transform_can_take_are_one_line_exit_2_nothing_written(
     tmp_path, capsys, shape, domains, message
