@@ -28,14 +28,8 @@ from pflbed.data.digits import TEST_PER_CLASS, load_digits_source
 from pflbed.errors import DataError
 
 from .. import data_formats as fx
-from .test_data import isolated_env, make_fmnist_dir, write_idx  # noqa: F401 (a fixture)
+from .test_data import make_fmnist_dir, write_idx
 from .test_loaders import raw
-
-
-@pytest.fixture
-def env(request: pytest.FixtureRequest) -> Path:
-    """`test_data`'s: an empty cache, no PFLBED_DATA and no Debian copy, so look-ups see only what a test writes."""
-    return request.getfixturevalue("isolated_env")
 
 
 @pytest.fixture

@@ -52,15 +52,6 @@ def make_fmnist_dir(directory: Path, n_train: int = 20, n_test: int = 10, gz: bo
     return directory
 
 
-@pytest.fixture
-def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No PFLBED_DATA, an empty cache and no Debian copy, so look-ups only see what a test creates."""
-    monkeypatch.delenv("PFLBED_DATA", raising=False)
-    monkeypatch.setenv("PFLBED_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(fmnist, "DEBIAN_DIR", tmp_path / "no-debian")
-    return tmp_path
-
-
 # --- IDX ---------------------------------------------------------------------------------------------------
 
 

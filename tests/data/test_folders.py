@@ -19,7 +19,6 @@ from pflbed.data.named_folders import BENCHMARKS, find_named, how_to_get, load_d
 from pflbed.errors import DataError
 
 from .. import data_formats as fx
-from .test_data import isolated_env  # noqa: F401 (a fixture)
 
 # Class folder name -> RGB colour. Created in non-sorted order on purpose; sorted: blue, green, red.
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
@@ -385,22 +384,6 @@ def test_an_image_that_cannot_be_stat_ed_without_an_os_reason_is_named(tree: Pat
 
 
 # --- the named benchmarks (Office-Home, PACS, DomainNet) -----------------------------------------------------------
-
-
-@pytest.fixture
-def env(request: pytest.FixtureRequest) -> Path:
-    """`test_data`'s: an empty cache and no PFLBED_DATA, so look-ups see only what a test writes."""
-    return request.getfixturevalue("isolated_env")
-
-
-@pytest.fixture
-def no_download(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Records every attempt to fetch (none may happen) instead of reaching the network."""
-    from pflbed.data import store
-
-    calls: list = []
-    monkeypatch.setattr(store, "fetch", lambda remotes, dest: calls.append((remotes, dest)))
-    return calls
 
 
 NAMED = {  # loader, a domain folder of the benchmark, its class count

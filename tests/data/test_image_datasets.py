@@ -16,28 +16,12 @@ import pytest
 import torch
 from PIL import Image
 
-from pflbed.data import store
 from pflbed.data.miniimagenet import find_miniimagenet, load_miniimagenet
 from pflbed.data.tinyimagenet import HOW_TO_GET as TINY_HOW
 from pflbed.data.tinyimagenet import find_tinyimagenet, load_tinyimagenet
 from pflbed.errors import DataError
 
 from .. import data_formats as fx
-from .test_data import isolated_env  # noqa: F401 (a fixture)
-
-
-@pytest.fixture
-def env(request: pytest.FixtureRequest) -> Path:
-    """`test_data`'s: an empty cache and no PFLBED_DATA, so look-ups see only what a test writes."""
-    return request.getfixturevalue("isolated_env")
-
-
-@pytest.fixture
-def no_download(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Records every attempt to fetch (none may happen) instead of reaching the network."""
-    calls: list = []
-    monkeypatch.setattr(store, "fetch", lambda remotes, dest: calls.append((remotes, dest)))
-    return calls
 
 
 def raw(x: torch.Tensor) -> np.ndarray:

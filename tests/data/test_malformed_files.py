@@ -22,13 +22,7 @@ from pflbed.data import load_dataset
 from pflbed.errors import DataError
 
 from .. import data_formats as fx
-from .test_data import isolated_env, make_fmnist_dir, write_idx  # noqa: F401 (a fixture)
-
-
-@pytest.fixture
-def env(request: pytest.FixtureRequest) -> Path:
-    """`test_data`'s: an empty cache, no PFLBED_DATA and no Debian copy, so look-ups see only what a test writes."""
-    return request.getfixturevalue("isolated_env")
+from .test_data import make_fmnist_dir, write_idx
 
 
 def refused(name: str, path: Path, victim: Path, **kw) -> str:
