@@ -126,6 +126,9 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
                     "miniimagenet", "named_folders", "folders", "digits")},  # fmt: skip
     "data/domains.py": ["test_domains", "test_pflbed", "test_natural", "test_data", "test_exclude_test"],
     "data/hf.py": ["test_hf", "test_loaders"],
+    # generated data, and `pflbed data list`'s rows
+    "data/synthetic.py": ["test_data", "test_partition", "test_natural", "test_exclude_test"],
+    "data/catalog.py": ["test_catalog", "test_data_commands", "test_loaders"],
     "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
     "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],

@@ -281,6 +281,32 @@ def test_synthetic_shapes_balance_and_determinism() -> None:
     assert not torch.equal(other.train.x, source.train.x)
 
 
+def test_synthetic_defaults_are_10_classes_of_2000_and_500_8x8_samples_from_seed_0() -> None:
+    source = make_synthetic()
+    assert (source.num_classes, len(source.train), len(source.test), source.input_shape) == (10, 2000, 500, (1, 8, 8))
+    same = make_synthetic(num_classes=10, n_train=2000, n_test=500, shape=(1, 8, 8), seed=0, separation=2.0)
+    assert torch.equal(same.train.x, source.train.x)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_classes": 1}, "num_classes must be at least 2, got 1"),
+    ({"num_classes": 3, "n_train": 2}, r"n_train \(2\) must be at least num_classes \(3\)"),
+    ({"num_classes": 3, "n_test": 2}, r"n_test \(2\) must be at least num_classes \(3\)"),
+    ({"shape": ()}, r"shape must be non-empty positive sizes, got \[\]"),
+    ({"shape": (1, 0, 8)}, r"shape must be non-empty positive sizes, got \[1, 0, 8\]"),
+    ({"separation": -0.5}, "separation must be >= 0, got -0.5"),
+])  # fmt: skip
+def test_synthetic_refuses_what_cannot_be_generated_naming_the_argument(kwargs, message) -> None:
+    with pytest.raises(DataError, match=f"^synthetic: {message}$"):
+        make_synthetic(**kwargs)
+
+
+def test_synthetic_takes_each_bound_itself() -> None:
+    """Two classes, as many samples as classes, and classes that coincide (separation 0) are all generated."""
+    source = make_synthetic(num_classes=2, n_train=2, n_test=2, shape=(1,), separation=0.0)
+    assert sorted(source.train.y.tolist()) == [0, 1] and sorted(source.test.y.tolist()) == [0, 1]
+
+
 def regenerate_uncached(**kwargs: Any) -> DataSource:
     """Generate bypassing the in-process cache, to prove determinism comes from the seed, not the cache."""
     synthetic._generate.cache_clear()

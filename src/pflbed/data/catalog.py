@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ def _row(found: Path | None, how: str, **sizes: Any) -> dict[str, Any]:
     return {"location": str(found), **sizes}
 
 
-def _cifar(name: str) -> Callable[[PathArg], dict[str, Any]]:
-    return lambda path: _row(cifar.find_cifar(name, path), cifar.how_to_get(name))
+def _cifar(name: str, path: PathArg) -> dict[str, Any]:
+    return _row(cifar.find_cifar(name, path), cifar.how_to_get(name))
 
 
 def _cifar10c(path: PathArg) -> dict[str, Any]:
@@ -103,21 +104,18 @@ def _mini(path: PathArg) -> dict[str, Any]:
     return _row(miniimagenet.find_miniimagenet(path), miniimagenet.HOW_TO_GET)
 
 
-def _named(name: str) -> Callable[[PathArg], dict[str, Any]]:
-    def describe(path: PathArg) -> dict[str, Any]:
-        found = named_folders.find_named(name, path)
-        if found is None:
-            return _row(None, named_folders.how_to_get(name))
-        tree = named_folders.check_tree(name, found)
-        return _row(found, "", train=tree["total"], test=0, domains=", ".join(tree["domains"]))
-
-    return describe
+def _named(name: str, path: PathArg) -> dict[str, Any]:
+    found = named_folders.find_named(name, path)
+    if found is None:
+        return _row(None, named_folders.how_to_get(name))
+    tree = named_folders.check_tree(name, found)
+    return _row(found, "", train=tree["total"], test=0, domains=", ".join(tree["domains"]))
 
 
 DESCRIBE: dict[str, Callable[[PathArg], dict[str, Any]]] = {
     "digits": _digits,
-    "cifar10": _cifar("cifar10"),
-    "cifar100": _cifar("cifar100"),
+    "cifar10": partial(_cifar, "cifar10"),  # partials, not closures: the row's code runs when a listing calls it
+    "cifar100": partial(_cifar, "cifar100"),
     "cifar10c": _cifar10c,
     "mnist": _mnist,
     "emnist": _emnist,
@@ -125,5 +123,5 @@ DESCRIBE: dict[str, Callable[[PathArg], dict[str, Any]]] = {
     "tinyimagenet": _tiny,
     "miniimagenet": _mini,
     "flickr-aes": _flickr,
-    **{name: _named(name) for name in named_folders.BENCHMARKS},
+    **{name: partial(_named, name) for name in named_folders.BENCHMARKS},
 }
