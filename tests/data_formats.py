@@ -162,9 +162,13 @@ def make_cifar10c(root: Path, per_severity: int = 20, corruptions: tuple[str, ..
 # --- IDX (MNIST, EMNIST) -------------------------------------------------------------------------------------
 
 
+def idx_header(code: int, dims: tuple[int, ...]) -> bytes:
+    """An IDX header: two zero bytes, the dtype code (0x08 = uint8), the number of dimensions, each big-endian."""
+    return struct.pack(">HBB", 0, code, len(dims)) + struct.pack(f">{len(dims)}I", *dims)
+
+
 def idx_bytes(array: np.ndarray) -> bytes:
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    return header + array.astype(np.uint8).tobytes()
+    return idx_header(0x08, array.shape) + array.astype(np.uint8).tobytes()
 
 
 def write_idx_gz(path: Path, array: np.ndarray) -> Path:

@@ -16,7 +16,6 @@ import gzip
 import os
 import pickle
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -411,16 +410,12 @@ def test_a_femnist_shard_missing_or_cut_is_named_with_the_reason(tmp_path: Path)
 # --- IDX ----------------------------------------------------------------------------------------------------------
 
 
-def _header(code: int, dims: tuple[int, ...]) -> bytes:
-    return struct.pack(">HBB", 0, code, len(dims)) + struct.pack(f">{len(dims)}I", *dims)
-
-
 @pytest.mark.parametrize(("data", "message"), [
     (b"\x01\x00\x08\x01\x00\x00\x00\x02ab", "bad IDX magic 0x01000801 (expected 0x0000 + dtype + ndim)"),
     (b"\x00\x00\x88\x01\x00\x00\x00\x02ab", "unknown IDX dtype code 0x88"),
     (b"\x00\x00\x08\xc8\x00\x00\x00\x02ab", "truncated IDX header (10 of 804 bytes)"),
-    (_header(0x08, (5,)) + b"abc", "truncated: payload is 3 bytes, header dims (5,) need 5"),
-    (_header(0x0B, (2,)) + b"abcde", "trailing data: payload is 5 bytes, header dims (2,) need 4"),
+    (fx.idx_header(0x08, (5,)) + b"abc", "truncated: payload is 3 bytes, header dims (5,) need 5"),
+    (fx.idx_header(0x0B, (2,)) + b"abcde", "trailing data: payload is 5 bytes, header dims (2,) need 4"),
 ])  # fmt: skip
 def test_an_idx_file_s_header_and_payload_faults_are_spelled_out(tmp_path: Path, data: bytes, message: str) -> None:
     """The header's bytes are unsigned (a dtype code 0x88 or 200 dimensions is not a negative number) and the message
@@ -440,7 +435,7 @@ def test_an_idx_uint8_array_is_writable_and_owns_its_data(tmp_path: Path) -> Non
 
 def test_idx_read_errors_carry_the_cause(tmp_path: Path) -> None:
     not_gzip = tmp_path / "x-ubyte.gz"
-    not_gzip.write_bytes(_header(0x08, (1,)) + b"a")
+    not_gzip.write_bytes(fx.idx_header(0x08, (1,)) + b"a")
     with pytest.raises(DataError) as info:
         idx.read_idx(not_gzip)
     assert _one_line(info) == f"{not_gzip}: not a valid gzip file (Not a gzipped file (b'\\x00\\x00'))"
@@ -451,7 +446,7 @@ def test_idx_shape_reads_the_header_alone(tmp_path: Path) -> None:
     """Listings read only the header: a gzipped file cut in its payload still reports its dims, and a missing file
     is named."""
     payload = np.random.default_rng(0).integers(0, 256, size=(40, 28, 28), dtype=np.uint8)
-    whole = gzip.compress(_header(0x08, payload.shape) + payload.tobytes())
+    whole = gzip.compress(fx.idx_header(0x08, payload.shape) + payload.tobytes())
     cut = tmp_path / "cut-idx3-ubyte.gz"
     cut.write_bytes(whole[: len(whole) // 2])
     assert idx.read_idx_shape(cut) == (40, 28, 28)

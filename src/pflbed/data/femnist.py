@@ -84,8 +84,9 @@ def _read_shard(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
             raise DataError(f"{path}: user {user!r} is listed but has no user_data with x and y")
         try:
             x = np.asarray(data["x"], dtype=np.float32)
-            y = np.asarray(data["y"], dtype=np.int64)
-            whole = np.array_equal(np.asarray(data["y"]), y)  # the cast alone takes 1.5 as 1 and "3" as 3
+            given = np.asarray(data["y"])
+            y = given.astype(np.int64)
+            whole = np.array_equal(given, y)  # the cast alone takes 1.5 as 1 and "3" as 3
         except (TypeError, ValueError, OverflowError):
             whole = False
         if not whole:

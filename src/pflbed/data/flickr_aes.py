@@ -81,7 +81,7 @@ def read_ratings(directory: Path) -> list[tuple[str, str, int]]:
                 if len(fields) != 3 or not fields[0] or not fields[1]:
                     raise DataError(f"{path}:{n}: expected <worker>, <image>, <score>, got {','.join(row)[:80]!r}")
                 image = fields[1]
-                if Path(image).name != image or image == "..":  # "." has no name: the first test
+                if not store.is_file_name(image):
                     raise DataError(f"{path}:{n}: the image must be a file name in {IMAGES}/, got {image[:80]!r}")
                 if fields[2] not in ("1", "2", "3", "4", "5"):
                     raise DataError(f"{path}:{n}: score must be an integer 1–5, got {fields[2][:20]!r}")

@@ -45,6 +45,12 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def is_file_name(text: str) -> bool:
+    """Whether a name read from a dataset's listing is a plain file name: no folder part, no `..`, not absolute.
+    A listing joined onto its image folder must not reach out of it (into the training images, or anywhere)."""
+    return Path(text).name == text and text != ".."  # "." has no name: the first test
+
+
 def cache_root() -> Path:
     """`$PFLBED_CACHE`, else `~/.cache/pflbed`."""
     return Path(os.environ.get("PFLBED_CACHE") or str(Path.home() / ".cache" / "pflbed")).expanduser()

@@ -85,7 +85,7 @@ def scan(directory: Path) -> tuple[tuple[str, ...], list[tuple[str, int]], list[
             continue
         if len(fields) < 2 or fields[1] not in index:
             raise DataError(f"{annotations}:{n}: expected <file>\\t<wnid listed in wnids.txt>…, got {line[:80]!r}")
-        if Path(fields[0]).name != fields[0] or fields[0] == "..":  # "." has no name: the first test
+        if not store.is_file_name(fields[0]):
             raise DataError(f"{annotations}:{n}: the image must be a file name in val/images/, got {fields[0][:80]!r}")
         image = directory / "val" / "images" / fields[0]
         if not image.is_file():
