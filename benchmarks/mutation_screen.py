@@ -96,6 +96,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "private_files.py": ["test_private_files", "test_flower_node_states"],
     "memory.py": ["test_memory", "test_pfedhn", "test_fedrod_hyper"],
     "results/rundir.py": ["test_report", "test_trained", "test_resume", "test_cli"],
+    "results/tune/tables.py": ["test_tune", "test_tune_protocol"],
+    "results/config_diff.py": ["test_report"],
     "data/samples.py": ["test_samples", "test_trained", "test_site_samples"],
     "data/arrays.py": ["test_trained", "test_data", "test_site_samples", "test_loaders"],
     "data/flickr_aes.py": ["test_loaders"],
