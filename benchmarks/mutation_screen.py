@@ -97,7 +97,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "memory.py": ["test_memory", "test_pfedhn", "test_fedrod_hyper"],
     "results/rundir.py": ["test_report", "test_trained", "test_resume", "test_cli"],
     "results/tune/tables.py": ["test_tune", "test_tune_protocol"],
-    "results/config_diff.py": ["test_report"],
+    "results/config_diff.py": ["test_report", "test_config_diff"],
     "data/samples.py": ["test_samples", "test_trained", "test_site_samples"],
     "data/arrays.py": ["test_trained", "test_data", "test_site_samples", "test_loaders"],
     "data/flickr_aes.py": ["test_loaders"],
