@@ -88,7 +88,7 @@ class Suite(BaseModel):
     def _check(self) -> Suite:
         for name, t in self.tables.items():
             for m, spec in t.methods.items():
-                other, method = _source(spec.same_as or m)
+                other, method = _source(spec.same_as) if spec.same_as is not None else (None, m)  # a name may hold "/"
                 if other is None:
                     continue
                 o = self.tables.get(other)
@@ -163,15 +163,21 @@ class Table:
         return [(st, m, seed) for seed in self.seeds for st in s.settings for m, spec in s.methods.items()
                 if spec.same_as is None]  # fmt: skip
 
+    def runs_of(self, method: str) -> tuple[str | None, str]:
+        """(table, or None for this one; method) whose runs the row `method` reports: its own, or its `same_as`'s. A
+        method's own name is not parsed (`FedAvg w/ FT` is no table `FedAvg w`)."""
+        same_as = self.spec.methods[method].same_as
+        return _source(same_as) if same_as is not None else (None, method)
+
     def finished_runs(self, method: str, setting: str) -> dict[int, Path]:
         """{seed: run directory} of the seeds of a row that finished, also when the row reuses another's runs."""
-        table, source = _source(self.spec.methods[method].same_as or method)
+        table, source = self.runs_of(method)
         dirs = {seed: self.run_dir(setting, source, seed, table) for seed in self.seeds}
         return {seed: d for seed, d in dirs.items() if (d / "summary.json").exists()}
 
     def diverged_runs(self, method: str, setting: str) -> list[Path]:
         """The run directories of a row whose run diverged (`DIVERGED`), also when the row reuses another's runs."""
-        table, source = _source(self.spec.methods[method].same_as or method)
+        table, source = self.runs_of(method)
         dirs = [self.run_dir(setting, source, seed, table) for seed in self.seeds]
         return [d for d in dirs if (d / DIVERGED).exists()]
 
