@@ -8,8 +8,8 @@ chunk. A method may reuse another's runs and report other fields (FedAvg+FT is F
 `final.ft.pfl_acc`), also another table's (`same_as: <table>/<method>`, for the settings both tables have).
 
 A table's ± is the population standard deviation over the seeds that finished (divided by their number, not by one
-less): the spread of those runs themselves. A method's
-name may hold a `/` (`FedAvg w/ FT`); a `same_as` naming such a method gives its table first (`main/FedAvg w/ FT`).
+less): the spread of those runs themselves. A method's name may hold a `/` (`FedAvg w/ FT`); a `same_as` naming
+such a method gives its table first (`main/FedAvg w/ FT`).
 
     name: fmnist
     base: {dataset: {name: fmnist}, train: {rounds: 50}}        # any run config keys
