@@ -96,6 +96,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "private_files.py": ["test_private_files", "test_flower_node_states"],
     "memory.py": ["test_memory", "test_pfedhn", "test_fedrod_hyper"],
     "results/rundir.py": ["test_report", "test_trained", "test_resume", "test_cli"],
+    "results/bench.py": ["test_bench", "test_bench_tables"],
     "results/tune/tables.py": ["test_tune", "test_tune_protocol"],
     "results/config_diff.py": ["test_report", "test_config_diff"],
     "data/samples.py": ["test_samples", "test_trained", "test_site_samples"],

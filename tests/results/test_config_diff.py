@@ -26,6 +26,7 @@ def test_each_run_s_algorithm_options_are_compared_with_that_algorithm_s_default
 def test_a_run_at_an_algorithm_s_default_option_shows_no_row_and_one_run_is_never_marked():
     _, rows = diff_rows([("only", {"algorithm": {"name": "fedprox", "mu": 0.01}, "seed": 3})])
     assert rows == [(["algorithm.name", "fedprox", "fedavg"], False), (["seed", "3", "0"], False)]
+    assert config_diff({"seed": 3, "train": {"rounds": 30}}) == {"seed": 3}  # no algorithm named: the default one
 
 
 def test_an_algorithm_this_version_lacks_has_every_option_changed_and_no_error():

@@ -23,22 +23,30 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def default_config(algorithm: str = "fedavg") -> dict[str, Any]:
-    """pflbed's default config, dotted, with `algorithm`'s own options at their defaults: what a config with only
-    `algorithm.name` set resolves to. Read from the pydantic models, so it cannot drift from them."""
+def default_config(algorithm: str | None = None) -> dict[str, Any]:
+    """pflbed's default config, dotted, with `algorithm`'s own options at their defaults (None: the default
+    algorithm's): what a config with only `algorithm.name` set resolves to. Read from the pydantic models, so it
+    cannot drift from them."""
     from pflbed.algorithms import get_algorithm
     from pflbed.config import validate_config
 
     flat = _flat(validate_config({}).to_dict())
     with contextlib.suppress(PflbedError):  # an algorithm this version lacks: its options compare with no default
-        flat.update(_flat(get_algorithm(algorithm).Config().model_dump(mode="json"), "algorithm."))
+        flat.update(_flat(get_algorithm(algorithm or flat["algorithm.name"]).Config().model_dump(mode="json"),
+                          "algorithm."))  # fmt: skip
     return flat
+
+
+def _defaults_of(tree: dict[str, Any]) -> dict[str, Any]:
+    """`default_config` of the algorithm a run's config tree names (a tree naming none: the default one's)."""
+    name = (tree.get("algorithm") or {}).get("name")
+    return default_config(None if name is None else str(name))
 
 
 def config_diff(tree: dict[str, Any]) -> dict[str, Any]:
     """The keys of a run's config whose value is not the default, dotted (`dataset.synthetic.n_train`), in the
     config's order. A key the defaults lack (a run of another version) counts as changed."""
-    base = default_config(str((tree.get("algorithm") or {}).get("name", "fedavg")))
+    base = _defaults_of(tree)
     return {k: v for k, v in _flat(tree).items() if k not in base or base[k] != v}
 
 
@@ -55,7 +63,7 @@ def diff_rows(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[t
     trees = [t for _, t in runs]
     diffs = [config_diff(t) for t in trees]
     flats = [_flat(t) for t in trees]
-    defaults = [default_config(str((t.get("algorithm") or {}).get("name", "fedavg"))) for t in trees]
+    defaults = [_defaults_of(t) for t in trees]
     rows = []
     for key in dict.fromkeys(k for d in diffs for k in d):
         values = [f.get(key, "—") for f in flats]
