@@ -54,7 +54,9 @@ class Tables:
                     if kind == "history":
                         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}"))
                         ax.set_ylabel(f"{m.objective} (%)")
-                        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                        # trial numbers: integers, a lone trial's too (MaxNLocator falls back to fractions
+                        # where fewer than min_n_ticks integers lie in view)
+                        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
                     ax.figure.set_size_inches(7, 4)
                     ax.figure.tight_layout()
                     ax.figure.savefig(self.out / path, dpi=90)
