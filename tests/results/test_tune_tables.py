@@ -333,8 +333,8 @@ def test_draw_plots_and_the_reason_each_absent_one_is_not_drawn(tmp_path, monkey
     """Per method: the history from one complete trial on; importances from `IMPORTANCE_MIN_TRIALS` (10) complete
     trials (pruned and failed ones do not count) over at least two parameters, else the reason, in the plural or
     singular; a plot's file named by the method's slug, 7 × 4 in at 90 dpi; an earlier drawing removed when not
-    drawn again; titled by the method, the history's objective in % with integer trial numbers; no figure left
-    open."""
+    drawn again; nothing of the plot (labels, legend) off the page; titled by the method, the history's objective
+    in % with integer trial numbers (a lone trial's too); no figure left open."""
     import matplotlib.pyplot as plt
     from matplotlib.figure import Figure
 
@@ -343,7 +343,9 @@ def test_draw_plots_and_the_reason_each_absent_one_is_not_drawn(tmp_path, monkey
 
     def record(fig, path, **kw):
         ax = fig.axes[0]
-        drawn[Path(path).name] = {"title": ax.get_title(), "left": ax.get_title(loc="left"),
+        box, page = ax.get_tightbbox(fig.canvas.get_renderer()), fig.bbox  # labels, legend: all on the page
+        inside = min(box.x0 - page.x0, box.y0 - page.y0, page.x1 - box.x1, page.y1 - box.y1) >= 0
+        drawn[Path(path).name] = {"inside": inside, "title": ax.get_title(), "left": ax.get_title(loc="left"),
                                   "right": ax.get_title(loc="right"), "ylabel": ax.get_ylabel(),
                                   "y": [ax.yaxis.get_major_formatter()(v, 0) for v in (0.5, 0.123)],
                                   "x": list(ax.get_xticks())}  # fmt: skip
@@ -374,8 +376,8 @@ def test_draw_plots_and_the_reason_each_absent_one_is_not_drawn(tmp_path, monkey
     assert sorted(p.name for p in plots.iterdir()) == sorted(Path(p).name for m in t.plots.values() for p in m.values())
     for m in t.plots.values():
         for p in m.values():
-            assert _png_size(t.out / p) == (630, 360)
-    assert drawn["A-history.png"] == {"title": "A: optimization history", "left": "", "right": "",
+            assert _png_size(t.out / p) == (630, 360) and drawn[Path(p).name]["inside"], p
+    assert drawn["A-history.png"] == {"inside": True, "title": "A: optimization history", "left": "", "right": "",
                                       "ylabel": "final.ft.pfl_val (%)", "y": ["50", "12.3"],
                                       "x": drawn["A-history.png"]["x"]}  # fmt: skip
     assert (drawn["C-history.png"]["ylabel"], drawn["C-history.png"]["title"]) == ("pfl_val (%)",
