@@ -15,6 +15,7 @@ import io
 import json
 import os
 import shutil
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -187,8 +188,9 @@ class RunDir:
     def start(self, cfg: Config) -> None:
         """Create the directory (removing an earlier run's files, which `check` allowed) and write config.yaml.
 
-        An unwritable location becomes one error line, and what this call created is removed again."""
-        created = not self.path.exists()
+        An unwritable location becomes one error line, and what this call created is removed again: the directory,
+        and the parents it made unless another run has written there since (`bench --jobs` starts cells at once)."""
+        created = list(takewhile(lambda p: not p.exists(), (self.path, *self.path.parents)))  # innermost first
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             for stale in ("metrics.jsonl", "metrics.csv", "summary.json", "config.yaml"):
@@ -199,6 +201,11 @@ class RunDir:
         except OSError as e:
             if created:
                 shutil.rmtree(self.path, ignore_errors=True)
+                for parent in created[1:]:
+                    try:
+                        parent.rmdir()
+                    except OSError:  # not empty (another run's), or gone already
+                        break
             raise PflbedError(f"--out {self.path}: cannot write the run directory ({e.strerror})") from None
 
     @classmethod
@@ -250,6 +257,12 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """`text` as the whole of `path`, never half of it: written beside it, then renamed over it. A failed write (a full
+    disk) leaves no temp file, which would make an emptied run directory one that 'holds no pflbed run'."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
