@@ -48,6 +48,11 @@ def _saved(tmp_path, cfg, name="run"):
     return run
 
 
+def _bytes(path) -> str:
+    """The file's text as written (read_text would turn a CSV's \\r\\n into \\n)."""
+    return path.read_bytes().decode()
+
+
 def _refused(call, *args, **kwargs) -> str:
     with pytest.raises(PflbedError) as e:
         call(*args, **kwargs)
@@ -444,11 +449,11 @@ def test_log_appends_the_record_and_rewrites_the_csv_whole(tmp_path):
     lists as JSON text."""
     run = RunDir(tmp_path)
     run.log(RECORDS[0])
-    assert (tmp_path / "metrics.csv").read_text() == "round,pfl_acc,gfl_acc\n2,0.5,\n"
+    assert _bytes(tmp_path / "metrics.csv") == "round,pfl_acc,gfl_acc\n2,0.5,\n"
     for record in RECORDS[1:]:
         run.log(record)
-    assert (tmp_path / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in RECORDS)
-    assert (tmp_path / "metrics.csv").read_text() == CSV
+    assert _bytes(tmp_path / "metrics.jsonl") == "".join(json.dumps(r) + "\n" for r in RECORDS)
+    assert _bytes(tmp_path / "metrics.csv") == CSV
     assert read_metrics(tmp_path / "metrics.jsonl") == RECORDS
     assert sorted(os.listdir(tmp_path)) == ["metrics.csv", "metrics.jsonl"]
 
@@ -456,7 +461,7 @@ def test_log_appends_the_record_and_rewrites_the_csv_whole(tmp_path):
 def test_the_csv_skips_blank_lines(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(RECORDS[0]) + "\n\n")
     RunDir(tmp_path).log(RECORDS[1])
-    assert (tmp_path / "metrics.csv").read_text() == ("round,pfl_acc,gfl_acc,diag.mask_iou,diag.deep.x,"
+    assert _bytes(tmp_path / "metrics.csv") == ("round,pfl_acc,gfl_acc,diag.mask_iou,diag.deep.x,"
                                                       "failed_clients\n2,0.5,,,,\n" '4,0.75,0.25,0.125,1,"[3, 1]"\n')
 
 
@@ -468,26 +473,26 @@ def test_rewrite_metrics_keeps_the_checkpointed_history_and_unfinishes_the_run(t
         run.log(record)
     (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
     run.rewrite_metrics(RECORDS[:2])
-    assert (tmp_path / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in RECORDS[:2])
-    assert (tmp_path / "metrics.csv").read_text() == ("round,pfl_acc,gfl_acc,diag.mask_iou,diag.deep.x,"
+    assert _bytes(tmp_path / "metrics.jsonl") == "".join(json.dumps(r) + "\n" for r in RECORDS[:2])
+    assert _bytes(tmp_path / "metrics.csv") == ("round,pfl_acc,gfl_acc,diag.mask_iou,diag.deep.x,"
                                                       "failed_clients\n2,0.5,,,,\n" '4,0.75,0.25,0.125,1,"[3, 1]"\n')
     assert not run.finished and not (tmp_path / "summary.json").exists()
     run.rewrite_metrics([])  # no summary.json to remove: fine
-    assert (tmp_path / "metrics.jsonl").read_text() == "" and (tmp_path / "metrics.csv").read_text() == "\n"
+    assert _bytes(tmp_path / "metrics.jsonl") == "" and _bytes(tmp_path / "metrics.csv") == "\n"
 
 
 def test_write_summary_is_indented_json_that_reads_back(tmp_path):
     run = RunDir(tmp_path)
     run.write_summary({"rounds": 3, "final": {"pfl_acc": 0.5}})
-    assert (tmp_path / "summary.json").read_text() == '{\n  "rounds": 3,\n  "final": {\n    "pfl_acc": 0.5\n  }\n}\n'
+    assert _bytes(tmp_path / "summary.json") == '{\n  "rounds": 3,\n  "final": {\n    "pfl_acc": 0.5\n  }\n}\n'
     run.write_summary(SUMMARY)
     assert read_summary(tmp_path / "summary.json") == SUMMARY and run.finished
     assert os.listdir(tmp_path) == ["summary.json"]
 
 
 def test_flat_dots_nested_keys_and_writes_lists_as_json():
-    assert _flat({"a": {"b": {"c": 1}, "d": [1, 2]}, "e": "x", "f": None, "g": {}}) == {
-        "a.b.c": 1, "a.d": "[1, 2]", "e": "x", "f": None}  # fmt: skip
+    assert _flat({"a": {"b": {"c": 1}, "d": ["ft", None, True]}, "e": "x", "f": None, "g": {}}) == {
+        "a.b.c": 1, "a.d": '["ft", null, true]', "e": "x", "f": None}  # fmt: skip
     assert _flat({"k": 1}, "p.") == {"p.k": 1}
 
 
