@@ -527,3 +527,16 @@ def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         _atomic_write(target, "new")
     assert os.listdir(tmp_path) == ["config.yaml"] and target.read_text() == "old"
+
+
+def test_a_write_failing_before_its_temp_file_exists_raises_its_own_error(tmp_path, monkeypatch):
+    """Opening the temp file can fail (a read-only directory): the cause is raised as it is, not hidden behind a
+    'no such file' from removing a temp file that never came to be."""
+
+    def refused(self, text):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_text", refused)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        _atomic_write(tmp_path / "config.yaml", "new")
+    assert os.listdir(tmp_path) == []
