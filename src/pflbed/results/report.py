@@ -293,10 +293,32 @@ def _html_table(header: list[str], rows: list[list[str]], marked: list[bool] | N
     return f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _md(text: str) -> str:
+    """Text for Markdown: `<`, `>` and `&` as entities (a run named `<script>`, a config value `<home>/data` is shown,
+    not taken for HTML and dropped or run; rendered, it reads the same)."""
+    return html.escape(text, quote=False)
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    """A Markdown table; a `|` in any cell, the header's run names included, is escaped (it would split the cell)."""
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(_md(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
+
+
+def _file_stem(name: str, taken: set[str]) -> str:
+    """A figure's file name for the Markdown's folder: letters, digits, `.`, `-` and `_` only (a space, as in a
+    renamed run's "run (2)", would end the Markdown link; a `/` in a plot's name would point into a folder that is
+    not there), unique among the report's figures."""
+    stem = re.sub(r"[^\w.-]+", "_", name, flags=re.ASCII).strip("._") or "figure"
+    out, k = stem, 1
+    while out in taken:
+        k += 1
+        out = f"{stem}_{k}"
+    taken.add(out)
+    return out
 
 
 def _inline_svg(svg: str) -> str:
@@ -370,21 +392,24 @@ def render_markdown(runs: list[RunData], figs: list[Figure], figure_dir: Path, r
     figure_dir.mkdir(parents=True, exist_ok=True)
     cfg_header, cfg = diff_rows([(r.name, r.config()) for r in runs])
     cfg_rows = [[f"**{c[0]}** ≠", *c[1:]] if d else c for c, d in cfg]
-    parts = ["# pflbed report: " + ", ".join(r.name for r in runs), "", "## Comparison", "",
+    parts = ["# pflbed report: " + _md(", ".join(r.name for r in runs)), "", "## Comparison", "",
              _md_table(*comparison(runs)), "", TABLE_NOTE, "", "## Config", "",
-             _config_intro(runs, cfg).replace("highlighted", "marked ≠"), "", _md_table(cfg_header, cfg_rows),
+             _md(_config_intro(runs, cfg).replace("highlighted", "marked ≠")), "", _md_table(cfg_header, cfg_rows),
              ""]  # fmt: skip
-    for r in runs:
-        parts += [f"<details><summary>full config of {r.name}</summary>", "", "```yaml", r.config_text.rstrip(),
-                  "```", "", "</details>", ""]  # fmt: skip
+    for r in runs:  # a fence longer than any run of backticks in the config: the config cannot close it
+        fence = "`" * max(3, 1 + max(map(len, re.findall("`+", r.config_text)), default=0))
+        parts += [f"<details><summary>full config of {html.escape(r.name)}</summary>", "", f"{fence}yaml",
+                  r.config_text.rstrip(), fence, "", "</details>", ""]  # fmt: skip
+    taken: set[str] = set()
     for section, heading in SECTIONS:
         shown = [f for f in figs if f.section == section]
         parts += [f"## {heading}", ""] if shown else []
-        parts += [curves_note(runs, inline=False), ""] if section == "curves" and shown else []
+        parts += [_md(curves_note(runs, inline=False)), ""] if section == "curves" and shown else []
         for f in shown:
-            path = figure_dir / f"{f.name}.{f.ext}"
+            path = figure_dir / f"{_file_stem(f.name, taken)}.{f.ext}"
             path.write_text(f.data) if isinstance(f.data, str) else path.write_bytes(f.data)
-            parts += [f"### {f.title}", "", f"![{f.title}]({path.relative_to(relative_to).as_posix()})", ""]
+            alt = _md(f.title).replace("[", "\\[").replace("]", "\\]")
+            parts += [f"### {_md(f.title)}", "", f"![{alt}]({path.relative_to(relative_to).as_posix()})", ""]
     parts += ["## Timing (seconds)", "", _md_table(*_timing_rows(runs)), ""]
     return "\n".join(parts)
 
