@@ -461,7 +461,8 @@ def test_markdown_shows_markup_as_text_and_keeps_its_tables_and_links_whole(host
 
 def test_markdown_folds_a_config_holding_backticks_in_a_longer_fence(pair, tmp_path):
     run = _run("ticks", [], "a: '```'\nb: '````x'\n", BETA_SUMMARY)
-    text = render_markdown([run], [], tmp_path / "f", tmp_path)
+    text = render_markdown([run], [], tmp_path / "md" / "figures", tmp_path)  # its folder made, parents and all
+    assert (tmp_path / "md" / "figures").is_dir()
     assert "\n`````yaml\na: '```'\nb: '````x'\n`````\n" in text
 
 
@@ -478,9 +479,106 @@ def test_renamed_runs_figures_get_plain_distinct_file_names(tmp_path, no_data):
                      ("run (1): mask (mask.png)", "r_files/run_1_-mask.png"),
                      ("run (2): mask (mask.png)", "r_files/run_2_-mask.png")]  # fmt: skip
     assert all((tmp_path / p).is_file() for _, p in links)
+    assert write_report(runs, tmp_path / "r.md", "md").read_text() == text  # written again over itself
 
 
 def test_figure_file_names_stay_distinct():
     taken = set()
     assert [report._file_stem(n, taken) for n in ("a b", "a/b", "a_b", "..", "x.y")] == ["a_b", "a_b_2", "a_b_3",
                                                                                           "figure", "x.y"]  # fmt: skip
+
+
+def test_read_run_names_what_is_missing_and_reads_a_run_without_records(tmp_path, monkeypatch):
+    """No config.yaml: not a run directory (named); no metrics.jsonl: no curves, not an error; a run given as `.`
+    is named by its path."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PflbedError, match=r"/empty: not a pflbed run directory \(no config\.yaml\)$"):
+        read_run(tmp_path / "empty")
+    run = _write_run(tmp_path / "bare", BETA_CONFIG, BETA_SUMMARY, None)
+    data = read_run(run)
+    assert (data.name, data.history, data.artifacts, data.config_text) == ("bare", [], {}, BETA_CONFIG)
+    monkeypatch.chdir(run)
+    assert read_run(Path(".")).name == "."
+
+
+def test_write_report_refuses_no_runs_and_an_unknown_format(pair, tmp_path):
+    with pytest.raises(PflbedError, match=r"^report: name at least one run directory$"):
+        write_report([], tmp_path / "r.html")
+    with pytest.raises(PflbedError, match=r"^--format: unknown 'pdf'; choose html or md$"):
+        write_report([pair[1].path], tmp_path / "r.pdf", "pdf")
+    assert not (tmp_path / "r.pdf").exists()
+
+
+def test_the_config_intro_says_whether_the_runs_differ(tmp_path):
+    """Several runs of one config: said so; one run: nothing to compare, nothing said."""
+    same = [_run(n, [], BETA_CONFIG, BETA_SUMMARY) for n in ("a", "b")]
+    page = render_html(same, [])
+    base = "Keys whose value is not pflbed&#x27;s default (nested keys dotted); the rest is at its default."
+    assert f"<p class='note'>{base} The runs&#x27; configs are the same.</p>" in page
+    assert "<tr class='differs'>" not in page
+    assert f"<p class='note'>{base}</p>" in render_html(same[:1], [])
+    other = _run("c", [], BETA_CONFIG.replace("fedrod", "ditto").replace("rounds: 10", "rounds: 12"), BETA_SUMMARY)
+    assert f"<p class='note'>{base} Differ between the runs (highlighted): algorithm.name, train.rounds.</p>" in (
+        render_html([same[0], other], []))  # fmt: skip
+    assert "\n\nKeys whose value is not pflbed's default (nested keys dotted); the rest is at its default.\n\n" in (
+        render_markdown(same[:1], [], tmp_path / "f", tmp_path))  # fmt: skip
+
+
+def test_a_page_without_figures_has_no_figure_sections_and_every_timing_key(tmp_path):
+    """A run without records, per-client figures or plots: the tables only; the timing table lists every timing key
+    any run has, a dash where a run lacks it, to 2 decimals."""
+    a = _run("a", [], BETA_CONFIG, {**BETA_SUMMARY, "timing": {"wall_s": 1.005, "train_s": 2}})
+    b = _run("b", [], BETA_CONFIG, {**BETA_SUMMARY, "timing": {"eval_s": 0.125, "wall_s": "?"}})
+    assert _timing_rows([a, b]) == (["run", "wall_s", "train_s", "eval_s"],
+                                    [["a", "1.00", "2.00", "—"], ["b", "—", "—", "0.12"]])  # fmt: skip
+    assert figures([a, b]) == []
+    page = render_html([a, b], [])
+    assert re.findall(r"<h2>[^<]*</h2>", page) == ["<h2>Comparison</h2>", "<h2>Config</h2>",
+                                                   "<h2>Timing (seconds)</h2>"]  # fmt: skip
+    text = render_markdown([a, b], [], tmp_path / "f", tmp_path)
+    assert re.findall(r"^##? .*$", text, re.M) == ["# pflbed report: a, b", "## Comparison", "## Config",
+                                                    "## Timing (seconds)"]  # fmt: skip
+
+
+def _module_algorithm(monkeypatch, key, doc):
+    """An algorithm registered under `key` whose file's docstring is `doc`."""
+    import sys
+    import types
+
+    from pflbed.algorithms import ALGORITHMS
+
+    module = types.ModuleType(f"fake_{key}", doc)
+    cls = type("FakeAlgo", (), {"__module__": module.__name__})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(ALGORITHMS, key, cls)
+
+
+def test_display_name_is_the_paper_s_name_of_at_most_three_words_before_the_first_dash(monkeypatch):
+    """The head before the first " — " when it is a name (up to three words), else the class's name: a docstring
+    without the dash, or whose head is a sentence, names no paper."""
+    from pflbed.results.report import display_name
+
+    assert display_name("sim_pfl") == "Sim-pFL"  # "Sim-pFL — the baseline of KT-pFL (… — …)": the first dash
+    _module_algorithm(monkeypatch, "three", "Fed Three Words — A. Author, \"A paper\", 2024.")
+    _module_algorithm(monkeypatch, "four", "One Two Three Four — A. Author, \"A paper\", 2024.")
+    _module_algorithm(monkeypatch, "nodash", "Short name.\n\nMore.")
+    assert [display_name(k) for k in ("three", "four", "nodash")] == ["Fed Three Words", "FakeAlgo", "FakeAlgo"]
+
+
+def test_the_heat_map_is_a_png_at_its_dpi_whatever_matplotlib_s_settings(tmp_path):
+    """The heat-map is drawn at partition_plot.DPI as a PNG even where a user's matplotlibrc sets another figure
+    dpi or saves in another format by default; no figure is left open."""
+    import struct
+
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from pflbed.results.report import partition_png
+
+    run = _run("syn", [], SYNTHETIC.format(seed=0, n=200, clients=3), BETA_SUMMARY)
+    size = lambda png: struct.unpack(">II", png[16:24])  # noqa: E731  the IHDR's width and height
+    plain = partition_png(run)
+    with matplotlib.rc_context({"figure.dpi": 50, "savefig.format": "svg"}):
+        other = partition_png(run)
+    assert other[:8] == plain[:8] == b"\x89PNG\r\n\x1a\n" and size(other) == size(plain)
+    assert plt.get_fignums() == []
