@@ -188,10 +188,10 @@ def test_the_markdown_report_is_exactly_this(pair, tmp_path):
     significant digits, wall time to 0.1 s, ε to 2 decimals with δ), a dash for what a summary lacks, the config as
     its differences (the key the runs differ in marked), each full config folded, the curves' note (no hover advice:
     a Markdown figure is an image), the figures where they were written, the timing table over every timing key."""
-    out = write_report([r.path for r in pair], tmp_path / "out" / "r.md", "md")
-    assert out == tmp_path / "out" / "r.md"
+    out = write_report([r.path for r in pair], tmp_path / "out" / "deep" / "r.md", "md")  # its folders made
+    assert out == tmp_path / "out" / "deep" / "r.md"
     assert out.read_text() == EXPECTED_MD
-    files = tmp_path / "out" / "r_files"
+    files = tmp_path / "out" / "deep" / "r_files"
     assert sorted(p.name for p in files.iterdir()) == ["alpha-mask.png", "curves.svg", "per-client.svg"]
     assert (files / "alpha-mask.png").read_bytes() == PNG
     assert (files / "curves.svg").read_text().startswith("<svg") and "P-FL test" in (files / "curves.svg").read_text()
