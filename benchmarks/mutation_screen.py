@@ -99,6 +99,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "results/bench.py": ["test_bench", "test_bench_tables"],
     "results/tune/tables.py": ["test_tune_tables", "test_tune", "test_tune_protocol"],
     "results/config_diff.py": ["test_report", "test_config_diff"],
+    "results/report.py": ["test_report", "test_report_pages"],
     "data/samples.py": ["test_samples", "test_trained", "test_site_samples"],
     "data/arrays.py": ["test_trained", "test_data", "test_site_samples", "test_loaders"],
     "data/flickr_aes.py": ["test_loaders"],
