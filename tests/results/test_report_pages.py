@@ -459,6 +459,15 @@ def test_markdown_shows_markup_as_text_and_keeps_its_tables_and_links_whole(host
     assert not re.search(r"<(?!/?details>|/?summary>)", outside_fences)  # no tag but the folds
 
 
+def test_brackets_in_a_plot_s_title_do_not_end_its_markdown_image(tmp_path, no_data):
+    """A plot key holding `[` or `]` is shown in the image's alt text escaped: an unescaped `]` ends the alt text
+    and leaves the rest of the title and the link as text."""
+    summary = {**ALPHA_SUMMARY, "artifacts": {"iou[0]": "plots/mask.png"}}
+    run = _write_run(tmp_path / "runs" / "r", BETA_CONFIG, summary, ALPHA_RECORDS, {"plots/mask.png": PNG})
+    text = write_report([run], tmp_path / "r.md", "md").read_text()
+    assert "\n![r: iou\\[0\\] (mask.png)](r_files/r-iou_0.png)\n" in text
+
+
 def test_markdown_folds_a_config_holding_backticks_in_a_longer_fence(pair, tmp_path):
     run = _run("ticks", [], "a: '```'\nb: '````x'\n", BETA_SUMMARY)
     text = render_markdown([run], [], tmp_path / "md" / "figures", tmp_path)  # its folder made, parents and all
@@ -486,7 +495,7 @@ def test_figure_file_names_stay_distinct():
     taken = set()
     assert [report._file_stem(n, taken) for n in ("a b", "a/b", "a_b", "..", "x.y")] == ["a_b", "a_b_2", "a_b_3",
                                                                                           "figure", "x.y"]  # fmt: skip
-    assert report._file_stem("café-é", set()) == "caf_-"  # ASCII only: a link any Markdown renderer resolves
+    assert report._file_stem("café-é", set()) == "caf_-" and report._file_stem("X.mask_X", set()) == "X.mask_X"  # ASCII only: a link any Markdown renderer resolves
 
 
 def test_read_run_names_what_is_missing_and_reads_a_run_without_records(tmp_path, monkeypatch):
