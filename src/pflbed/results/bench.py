@@ -50,6 +50,11 @@ class MethodSpec(BaseModel):
     same_as: str | None = Field(None, description="reuse another method's runs ('<table>/<method>': another table's)")
     report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
 
+    def runs_of(self, name: str) -> tuple[str | None, str]:
+        """(table, or None for this one; method) whose runs the row `name` of this spec reports: its own, or its
+        `same_as`'s. A method's own name is not parsed (`FedAvg w/ FT` is no table `FedAvg w`)."""
+        return _source(self.same_as) if self.same_as is not None else (None, name)
+
 
 class TableSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -92,7 +97,7 @@ class Suite(BaseModel):
     def _check(self) -> Suite:
         for name, t in self.tables.items():
             for m, spec in t.methods.items():
-                other, method = _source(spec.same_as) if spec.same_as is not None else (None, m)  # a name may hold "/"
+                other, method = spec.runs_of(m)
                 if other is None:
                     continue
                 o = self.tables.get(other)
@@ -168,10 +173,8 @@ class Table:
                 if spec.same_as is None]  # fmt: skip
 
     def runs_of(self, method: str) -> tuple[str | None, str]:
-        """(table, or None for this one; method) whose runs the row `method` reports: its own, or its `same_as`'s. A
-        method's own name is not parsed (`FedAvg w/ FT` is no table `FedAvg w`)."""
-        same_as = self.spec.methods[method].same_as
-        return _source(same_as) if same_as is not None else (None, method)
+        """`MethodSpec.runs_of` of the row `method`."""
+        return self.spec.methods[method].runs_of(method)
 
     def finished_runs(self, method: str, setting: str) -> dict[int, Path]:
         """{seed: run directory} of the seeds of a row that finished, also when the row reuses another's runs."""
