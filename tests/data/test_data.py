@@ -307,6 +307,37 @@ def test_synthetic_takes_each_bound_itself() -> None:
     assert sorted(source.train.y.tolist()) == [0, 1] and sorted(source.test.y.tolist()) == [0, 1]
 
 
+def test_synthetic_samples_drawn_in_chunks_are_those_of_one_draw(monkeypatch) -> None:
+    """`_dataset` draws a few rows at a time (its float64 working set bounded): chunks of one row, of three rows
+    ending in a partial chunk, and one chunk of every row give the same samples, bit for bit."""
+    kwargs = {"num_classes": 3, "n_train": 10, "n_test": 6, "shape": (2, 3), "seed": 4}
+    monkeypatch.setattr(synthetic, "CHUNK_VALUES", 10**9)
+    whole = regenerate_uncached(**kwargs)
+    for values in (1, 18):  # 6 values a row: one row, three rows (10 = 3 + 3 + 3 + 1)
+        monkeypatch.setattr(synthetic, "CHUNK_VALUES", values)
+        chunked = regenerate_uncached(**kwargs)
+        assert torch.equal(chunked.train.x, whole.train.x) and torch.equal(chunked.test.x, whole.test.x)
+        assert torch.equal(chunked.train.y, whole.train.y)
+    synthetic._generate.cache_clear()
+
+
+def test_the_config_bounds_generated_data_at_4_gib_of_float32() -> None:
+    """(n_train + n_test) × the shape's size may be 2**30 values, not one sample more, and the error names the
+    field: `benchmarks/gpu.py`'s 64 px shape (62,500 + 1,000 samples of 3×64×64) is in bounds."""
+    from pflbed.config import validate_config
+    from pflbed.errors import ConfigError
+
+    def cfg(n_train: int, shape: list[int]):
+        return validate_config({"dataset": {"name": "synthetic",
+                                            "synthetic": {"shape": shape, "n_train": n_train, "n_test": 500}}})
+
+    assert cfg(2**15 - 500, [2, 2**14]).dataset.synthetic.n_train == 2**15 - 500
+    cfg(63_000, [3, 64, 64])  # 62,500 + 1,000 samples, as 63,000 + 500
+    with pytest.raises(ConfigError, match=r"^dataset.synthetic: \(n_train \+ n_test\) × the shape's size must be at "
+                       r"most 1,073,741,824 values \(4 GiB of float32\)$"):  # fmt: skip
+        cfg(2**15 - 500 + 1, [2, 2**14])
+
+
 def regenerate_uncached(**kwargs: Any) -> DataSource:
     """Generate bypassing the in-process cache, to prove determinism comes from the seed, not the cache."""
     synthetic._generate.cache_clear()

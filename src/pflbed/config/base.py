@@ -15,7 +15,9 @@ from pflbed.errors import ConfigError
 # index range — a batch larger than any dataset is one batch anyway, and larger values overflow inside torch.
 INT_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # seeds feed NumPy's SeedSequence (non-negative) and torch.manual_seed (< 2**64)
-SYNTHETIC_MAX_VALUES = 2**28  # generated samples × their size: 1 GiB of float32 (CIFAR-10's size is 2**27.5)
+# Generated samples × their size: 4 GiB of float32 (CIFAR-10's size is 2**27.5; 100 clients × 500 samples at
+# 3×64×64, ImageNet-style, with their validation and test samples 2**29.5)
+SYNTHETIC_MAX_VALUES = 2**30
 FLOAT_MAX = 3.4e38  # tensors are float32: an lr or coefficient beyond its range overflows inside torch
 
 

@@ -32,7 +32,7 @@ class SyntheticConfig(Strict):
     def _fits(self) -> SyntheticConfig:
         if (self.n_train + self.n_test) * math.prod(self.shape) > SYNTHETIC_MAX_VALUES:
             raise ValueError(f"(n_train + n_test) × the shape's size must be at most {SYNTHETIC_MAX_VALUES:,} values "
-                             "(1 GiB of float32)")  # fmt: skip
+                             f"({SYNTHETIC_MAX_VALUES * 4 // 2**30} GiB of float32)")  # fmt: skip
         return self
 
 

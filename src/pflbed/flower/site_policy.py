@@ -29,7 +29,7 @@ The allow-list (`ALLOWED`: a key, or a section whose every key is allowed). A ke
 - `dataset.name` and the preprocessing a site holding `dataset=NAME` applies (`label`, `corruptions`, `severity`,
   `split`, `domains`, `image_size` (bounded, `max-sample`), `augment`, `normalize`, and `hf`'s columns, splits,
   subset, image size and normalization); not `path`, `download`, `hf.id` (what a site reads or fetches), nor
-  `synthetic` (generated data up to 1 GiB: a site's data is its own);
+  `synthetic` (generated data up to 4 GiB: a site's data is its own);
 - `log.tensorboard`: the server's logging.
 Not `pretrain`: centralized pretraining never runs on a site.
 
