@@ -103,6 +103,20 @@ def test_no_round_starts_that_would_end_past_the_deadline(tmp_path, monkeypatch)
                                                           "executor": "loop"})  # fmt: skip
 
 
+def test_each_batched_computation_is_recorded_and_fedbasis_s_timed_round_is_its_own(tmp_path):
+    """`batched_calls`: the clients of every batched computation in order (a round split in parts shows each part,
+    as one halved after running out of memory would). FedBasis's case has no FedAvg warm start, so the round timed
+    after the warm-up is FedBasis's second, not its first."""
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    split = gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"] | {"batch_max_clients": 3}, a,
+                                       "paper"), None)  # fmt: skip
+    assert split["batched_calls"] == [3, 1] * 3 and split["batched_clients"] == 3  # 3 rounds of 4 clients
+    fedbasis = gpu.config("fedbasis", "cnn", gpu.EXECUTORS["batched"], a, "paper")
+    assert fedbasis.algorithm.warmup_fraction == 0.0 and fedbasis.train.rounds == 3
+    assert gpu.time_rounds(fedbasis, None)["batched_calls"] == [4, 4, 4]
+
+
 def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     """The compile probe times a convolution as unfold + bmm beside the vmapped one: the same function, or its
     timing compares nothing."""
