@@ -43,6 +43,7 @@ never overwrites the committed GPU figures, which only an explicit `--out benchm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -292,16 +294,34 @@ def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
         opt.step()
 
     out: dict = {"clients": clients, "batch": 32, "steps_per_round": 16}
-    for name, step in (("batched_step_ms", batched_step), ("one_model_step_ms", one_model_step)):
-        for k in range(steps + 3):  # 3 steps of warm-up
-            if k == 3:
-                sync(device)
-                t0 = time.perf_counter()
-            step()
-        sync(device)
+    for name, step, flags in (("batched_step_ms", batched_step, {}), ("one_model_step_ms", one_model_step, {}),
+                              ("batched_step_tuned_ms", batched_step, TUNED)):  # fmt: skip
+        with cudnn_flags(**flags):
+            for k in range(steps + 3):  # 3 steps of warm-up (and cuDNN's autotuning, where on)
+                if k == 3:
+                    sync(device)
+                    t0 = time.perf_counter()
+                step()
+            sync(device)
         out[name] = (time.perf_counter() - t0) / steps * 1e3
     out["layers_ms"] = layer_probe(device, clients, steps)
     return out
+
+
+# cuDNN's autotuner (`torch.backends.cudnn.benchmark`), which `rng.deterministic_kernels` leaves off: it times every
+# algorithm for a new shape and keeps the fastest — among the deterministic ones while `deterministic` is on. Whether
+# it finds faster grouped convolutions (the vmapped step's) than the heuristics is what the `tuned` probes measure.
+TUNED = {"benchmark": True}
+
+
+@contextlib.contextmanager
+def cudnn_flags(**changed: bool) -> Iterator[None]:
+    """cuDNN's flags as they are, with `changed` set, for a forward and its backward alike (restored after)."""
+    cudnn = torch.backends.cudnn
+    now = {"enabled": cudnn.enabled, "benchmark": cudnn.benchmark, "deterministic": cudnn.deterministic,
+           "allow_tf32": cudnn.allow_tf32}  # fmt: skip
+    with cudnn.flags(**(now | changed)):
+        yield
 
 
 def conv_as_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +338,9 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     conv2 32→64 5×5 at 16×16, fc1 4096→512), forward and backward for `clients` clients × batch 32, as the batched
     step runs it (`vmap` over per-client weights: a grouped convolution), as unfold + batched matrix product (the
     same arithmetic as one `bmm` per layer), and as one dense layer on all those samples with one weight (the
-    arithmetic without the client dimension); ms per forward and backward."""
+    arithmetic without the client dimension); and the vmapped convolutions again autotuned by cuDNN (`tuned`:
+    `TUNED`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
+    the profile shows it converting every group's tensors to it and back); ms per forward and backward."""
     from torch.func import vmap
 
     n = 32
@@ -337,17 +359,33 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
                      "dense": lambda w, x: F.linear(x.flatten(0, 1), w[0])}  # fmt: skip
         else:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
-                     "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2)}  # fmt: skip
+                     "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
+                     "tuned": vmap(conv), "nhwc": nhwc(vmap(conv))}  # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
-            for k in range(steps + 3):
-                if k == 3:
-                    sync(device)
-                    t0 = time.perf_counter()
-                fn(w, x).square().mean().backward()
-            sync(device)
+            with cudnn_flags(**(TUNED if form == "tuned" else {})):
+                for k in range(steps + 3):
+                    if k == 3:
+                        sync(device)
+                        t0 = time.perf_counter()
+                    fn(w, x).square().mean().backward()
+                sync(device)
             out[name][form] = (time.perf_counter() - t0) / steps * 1e3
     return out
+
+
+def nhwc(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor],
+                                                                              torch.Tensor]:  # fmt: skip
+    """`fn(w, x)` on channels-last copies of each client's weights [clients, out, in, k, k] and samples
+    [clients, batch, in, H, W] (the copies in the autograd graph: gradients reach `w` and `x`)."""
+
+    def last(t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(0, 1).contiguous(memory_format=torch.channels_last).view(t.shape)
+
+    def run(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return fn(last(w), last(x))
+
+    return run
 
 
 def run_tests(a: argparse.Namespace, out: Path) -> dict:
@@ -658,7 +696,8 @@ def write(result: dict, out: Path) -> None:
     if (c := result.get("step")) and "error" not in c:
         rows += ["", f"step probe: one batched {result['args']['models'][0]} step, {c['clients']} clients × batch "
                  f"{c['batch']} (a paper-shape round: {c['steps_per_round']} steps): {c['batched_step_ms']:.2f} ms; "
-                 f"one plain model on all those samples at once: {c['one_model_step_ms']:.2f} ms"]  # fmt: skip
+                 f"one plain model on all those samples at once: {c['one_model_step_ms']:.2f} ms; the batched step "
+                 f"autotuned by cuDNN: {c['batched_step_tuned_ms']:.2f} ms"]  # fmt: skip
         for name, forms in c["layers_ms"].items():
             rows.append(f"  {name} forward + backward, ms: " + ", ".join(f"{f} {v:.2f}" for f, v in forms.items()))
     if g := result.get("goals"):
