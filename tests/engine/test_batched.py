@@ -787,6 +787,28 @@ def test_a_batched_client_that_diverges_stops_the_run_naming_its_round_and_itsel
     assert errors[0] == errors[1] and errors[1][0] == 1 and "client" in errors[1][1]
 
 
+def test_a_batched_round_screens_its_clients_together_and_checks_those_trained_alone(monkeypatch):
+    """On a GPU every read of a value waits for the device: a round's batched clients have their replies and states
+    screened once, together (`guard.screen_finite`), not one check each; the clients of FedDF's other architecture,
+    trained one by one, are still checked one by one (and a diverged batched client is still named:
+    `test_a_batched_client_that_diverges_stops_the_run_naming_its_round_and_itself`)."""
+    from pflbed.engine import executor as executor_module
+
+    torch.set_num_threads(1)
+    checked, screens, together = [], [], []
+    check, screen = executor_module.check_client, batched.screen_finite
+    monkeypatch.setattr(executor_module, "check_client", lambda rnd, cid, *a: checked.append(cid) or
+                        check(rnd, cid, *a))  # fmt: skip
+    monkeypatch.setattr(batched, "screen_finite", lambda tensors: screens.append(1) or screen(tensors))
+    real = BatchedExecutor.train
+    monkeypatch.setattr(BatchedExecutor, "train", lambda self, plans, cids, streams: together.extend(cids) or
+                        real(self, plans, cids, streams))  # fmt: skip
+    run(_cfg("feddf", True, 1), write=False, progress=False)
+    alone = sorted(set(range(FED["clients"])) - set(together))
+    assert together and alone and checked == alone
+    assert screens == [1]
+
+
 def test_a_trace_records_the_dropout_calls_made_in_training_mode_and_moves_nothing():
     """`PerClientLayers.trace` records what the step will ask masks for: the dropout calls of a forward in training
     mode, not those a forward makes in eval mode (a frozen model's, as MOON's), which draw none; and it draws from

@@ -6,7 +6,7 @@ import torch
 
 import pflbed
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.engine.guard import check_client, check_server, finite, first_negative_variance
+from pflbed.engine.guard import check_client, check_server, finite, first_negative_variance, screen_finite
 from pflbed.errors import DivergedError
 
 from ..algorithms.test_scaffold import BN_RUN
@@ -93,3 +93,15 @@ def test_a_finite_tensor_is_screened_by_its_sum_alone(monkeypatch):
     sizes.clear()
     assert not finite(torch.tensor([1.0, float("nan")]))
     assert sizes == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_screen_finds_a_nan_or_an_infinity_in_any_float_tensor_among_many(dtype):
+    """`screen_finite` over tensors of several float types (one norm for them all): False where any one holds a NaN
+    or ±inf, whatever its type and place; True where all are finite, integers and nothing at all included."""
+    many = [torch.ones(5), torch.zeros(0), torch.ones(3, dtype=torch.float64), torch.arange(4), *[torch.ones(2)] * 30]
+    assert screen_finite(many + [torch.ones(3, dtype=dtype)]) and screen_finite([]) and screen_finite([torch.arange(3)])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 17, len(many)):
+            tensors = [*many[:at], torch.tensor([1.0, bad], dtype=dtype), *many[at:]]
+            assert not screen_finite(tensors)

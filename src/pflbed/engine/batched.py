@@ -62,6 +62,7 @@ from pflbed.algorithms.local_sgd import (
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, precision, private, seeded, update_client
+from pflbed.engine.guard import screen_finite
 from pflbed.engine.per_client_layers import PerClientLayers
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -171,11 +172,15 @@ class BatchedExecutor(LoopExecutor):
                     done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
                 start += len(part)
+        # every batched client's reply and state screened at once: one wait for the device, not one per client
+        # (the client-by-client check, in client order, where the screen finds a value to look at)
+        screened = bool(done) and screen_finite(v for out in done.values() for part in out for v in part.values())
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
             plan, (_, gen, noise) = plans.pop(c, None), built.pop(c)
             if c in done:
-                out = done.pop(c)
-            elif plan is not None:
+                yield c, self.keep(rnd, c, *done.pop(c), screened=screened)
+                continue
+            if plan is not None:
                 out = self.alone(plan, c, received[c], gen, noise)
             else:
                 out = update_client(algo, rnd, c, received[c], self.state(c))
