@@ -435,9 +435,11 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN on every executor,
-    pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client
-    running statistics; every algorithm here declares a plan), then the ImageNet-style ResNet-18 at 64 px, then
+    """(shape, algorithm, model, executor) in priority order: the goals' cases, then the ImageNet-style ResNet-18 at
+    64 px batched (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured yet), then FedAvg's CNN on every
+    executor, pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with
+    per-client running statistics; every algorithm here declares a plan), then the rest of the ImageNet-style
+    ResNet-18's rows, then
     Per-FedAvg's, pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step),
     and KT-pFL's (from round 2, a distillation on the public batch before the local epochs)."""
     cnn, resnet = a.models
@@ -456,7 +458,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
-    first = goal_cases(a)
+    first = goal_cases(a) + [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
     return first + [c for c in out if c not in first]
 
 

@@ -80,6 +80,8 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
         ("paper", "fedavg", "cnn", "batched-compile"), ("paper", "fedavg", "cnn", "batched-graphs"),
         ("paper", "fedselect", "resnet18", "procs")]
+    assert todo[8:12] == [("paper64", alg, "resnet18_imagenet", "batched")
+                          for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
 
 
