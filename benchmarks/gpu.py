@@ -43,6 +43,7 @@ never overwrites the committed GPU figures, which only an explicit `--out benchm
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import json
@@ -250,17 +251,39 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        driver.train_round(2, server)
+        server, _ = driver.train_round(2, server)
         sync(device)
     seconds = time.perf_counter() - t0
     table = prof.key_averages()
     syncs = {e.key: e.count for e in table if e.key in SYNC_EVENTS}
     by_device = table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
     by_host = table.table(sort_by="self_cpu_time_total", row_limit=30)
+    with profile(activities=activities, with_stack=True) as traced:  # a third round: where the waits come from
+        driver.train_round(3, server)
+        sync(device)
+    waits = collections.Counter((e.name, python_frames(e)) for e in traced.events() if e.name in SYNC_EVENTS)
+    where = "\n".join(f"{n:6d} {name}\n" + "".join(f"         {frame}\n" for frame in frames)
+                      for (name, frames), n in waits.most_common(20))  # fmt: skip
     (out / "profile.txt").write_text(
         f"one batched FedAvg round, {a.models[0]}, paper shape, {device} ({seconds:.3f} s under the profiler)\n"
-        f"host waits on the device (calls): {syncs}\n\nby device time:\n{by_device}\n\nby host time:\n{by_host}\n")
+        f"host waits on the device (calls): {syncs}\n\nby device time:\n{by_device}\n\nby host time:\n{by_host}\n"
+        f"\nwhere the host waits (the next round, calls by their innermost {STACK} Python frames):\n{where}")
     return {"seconds": seconds, "syncs": syncs}
+
+
+STACK = 5  # Python frames that tell one place a host wait comes from from another
+
+
+def python_frames(event) -> tuple[str, ...]:
+    """The innermost `STACK` Python functions around a profiled event, innermost first: its enclosing events that
+    the profiler's Python tracer (`with_stack`) named `file(line): function`, torch's own files left out."""
+    frames: list[str] = []
+    parent = event.cpu_parent
+    while parent is not None and len(frames) < STACK:
+        if re.match(r"^[^<].*\(\d+\): ", parent.name) and not parent.name.startswith("torch/"):
+            frames.append(parent.name)
+        parent = parent.cpu_parent
+    return tuple(frames)
 
 
 def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
