@@ -40,7 +40,7 @@ def screen_finite(tensors: Iterable[object]) -> bool:
     round for 100 clients of a 10-tensor CNN — and a sum per tensor one launch each. A batched round screens all
     its clients' replies and states at once (`BatchedExecutor.stream`)."""
     floats = [v for v in tensors if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    return bool(torch.isfinite(get_total_norm(floats, 1.0)))
+    return not floats or bool(torch.isfinite(get_total_norm(floats, 1.0)))  # none: its 0 on the default device
 
 
 def finite(v: torch.Tensor) -> bool:
