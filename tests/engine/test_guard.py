@@ -63,7 +63,7 @@ def test_the_guard_reads_one_value_per_check_where_all_is_well_and_still_names_t
     check_server(1, {**reply, **state})
     assert len(reads) == 2
     for bad, key in ((float("nan"), "t3.weight"), (float("inf"), "t3.weight")):
-        with pytest.raises(DivergedError, match=f"client 0's reply has non-finite values in '{key}'"):
+        with pytest.raises(DivergedError, match=f"round 1: client 0's reply has non-finite values in '{key}'"):
             check_client(1, 0, {**reply, key: torch.full((2,), bad)}, state)
     big = torch.full((4,), 3e38)  # finite, its sum is not
     check_client(1, 0, {**reply, "t0.weight": big}, state)
@@ -105,3 +105,6 @@ def test_the_screen_finds_a_nan_or_an_infinity_in_any_float_tensor_among_many(dt
         for at in (0, 17, len(many)):
             tensors = [*many[:at], torch.tensor([1.0, bad], dtype=dtype), *many[at:]]
             assert not screen_finite(tensors)
+    # the norm is L1: values whose squares pass float32's range (an L2 norm's inf, then a look at every tensor) are
+    # still screened finite
+    assert screen_finite([*many, torch.full((4,), 1e20, dtype=dtype if dtype != torch.float16 else torch.float32)])
