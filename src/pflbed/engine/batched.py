@@ -516,11 +516,13 @@ def _schedule(
     per_client: list[list[torch.Tensor]] = []
     drawn: list[list[torch.Tensor]] = []
     given: list[list[torch.Tensor]] = []
-    for d, g in zip(datas, gens, strict=True):
+    # every client's indices brought to the host in one copy: one wait for the device, not one per client
+    host = torch.cat([d.train for d in datas]).cpu().split([d.num_train for d in datas])
+    for indices, g in zip(host, gens, strict=True):
         per_client.append([])
         drawn.append([])
         given.append([])
-        for b in ph.batches(d.train.cpu(), train, g):  # lazily: a batch, then its choices, then its inputs
+        for b in ph.batches(indices, train, g):  # lazily: a batch, then its choices, then its inputs
             per_client[-1].append(b)
             if augment is not None:
                 drawn[-1].append(augment.draw(len(b), g))
