@@ -81,7 +81,7 @@ PUBLIC = 1000  # KT-pFL's public samples, held out of the training pool besides 
 # untimed first round was FedAvg's and the one timed was FedBasis's first, which paid FedBasis's own warm-up: on the
 # H200 33 s, the card full (143,298 of its 143,771 MiB: ResNet-18, all 100 clients' five models, their gradients
 # and activations; the executor halves a round's clients once they run out of memory — `batched_calls` says when).
-ONE_EPOCH = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1, "warmup_fraction": 0.0}}
+CASE_OPTIONS = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1, "warmup_fraction": 0.0}}
 SIZE = {"paper": 32, "paper64": 64, "pflr": 32}  # image side of each shape
 
 
@@ -147,7 +147,7 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
                   "checkpoint_every": 0},
         "eval": {"every": 10**6, "finetune": []},
         "executor": {"device": a.device, "threads": 1, **executor},
-        "algorithm": {"name": algorithm, **ONE_EPOCH.get(algorithm, {}), **options},
+        "algorithm": {"name": algorithm, **CASE_OPTIONS.get(algorithm, {}), **options},
     })  # fmt: skip
 
 

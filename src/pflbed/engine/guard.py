@@ -57,8 +57,8 @@ def finite(v: torch.Tensor) -> bool:
 
 def first_negative_variance(tensors: Tensors) -> str | None:
     """The first key (in sorted order) of a BatchNorm running variance (`running_var`, under any prefix) holding a
-    negative value; None if there is none. Screened with one read per device (the variances' minima stacked), as
-    `screen_finite`."""
+    negative value; None if there is none. Screened with one read per device (the variances' minima stacked), for
+    the reason `screen_finite` gives."""
     keys = [k for k in sorted(tensors) if (k == "running_var" or k.endswith(".running_var"))
             and isinstance(tensors[k], torch.Tensor) and tensors[k].numel()]  # fmt: skip
     mins: dict[torch.device, list[torch.Tensor]] = {}
