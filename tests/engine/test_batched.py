@@ -747,6 +747,59 @@ def test_batched_clients_share_one_pool_and_each_has_its_own_generator():
         train_together(ctx.model, plans, datas, cfg.train, gens(2))
 
 
+def _schedule_one_by_one(datas, train, ph, gens, draw):
+    """`batched._schedule`'s layout filled batch by batch, sample for sample from the same generators: the rule
+    its whole-tensor layout must keep."""
+    per_client = []
+    for d, g in zip(datas, gens, strict=True):
+        per_client.append([])
+        for b in ph.batches(d.train, train, g):
+            per_client[-1].append((b, d.augment.draw(len(b), g), draw(len(b), g)))
+    steps, width = max(map(len, per_client)), max(len(b) for c in per_client for b, _, _ in c)
+    rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
+    weights = torch.zeros(steps, len(datas), width)
+    draws = torch.zeros(steps, len(datas), width, 3, dtype=torch.long)
+    inputs = torch.zeros(steps, len(datas), width, 2)
+    lengths = torch.zeros(steps, len(datas), dtype=torch.long)
+    for c, batches in enumerate(per_client):
+        for s, (b, choices, noise) in enumerate(batches):
+            lengths[s, c], rows[s, c], weights[s, c, : len(b)] = len(b), b[0], 1.0 / len(b)
+            rows[s, c, : len(b)], draws[s, c, : len(b)], inputs[s, c, : len(b)] = b, choices, noise
+    active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
+              for s in range(steps)]  # fmt: skip
+    return rows, weights, active, draws, lengths, inputs
+
+
+@pytest.mark.parametrize("epochs, steps", [(2, None), (3, 4), (1, 1)])
+def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by_batch(epochs, steps):
+    """Clients of different sizes (batches of different counts, shorter last batches, one client of a single short
+    batch), augmented, with per-sample random inputs: the whole-tensor layout equals the batch-by-batch one exactly,
+    and leaves every generator where drawing batch by batch leaves it."""
+    x, y = torch.zeros(40, 1, 4, 4), torch.zeros(40, dtype=torch.long)
+    augment = Augment(1, True, (0.0,))
+    starts = [0, 10, 13, 20]
+    sizes = [10, 3, 7, 9]
+    datas = [collections.namedtuple("Data", "x y augment train num_train")(x, y, augment, torch.arange(a, a + n), n)
+             for a, n in zip(starts, sizes, strict=True)]  # fmt: skip
+    train = validate_config({**TINY, "train": {**TINY["train"], "batch_size": 4}}).train
+    ph = Phase(blocks=(), epochs=epochs, lr=0.1, steps=steps)
+
+    def draw(n, g):
+        return torch.randn(n, 2, generator=g)
+
+    mine = [torch.Generator().manual_seed(c) for c in range(4)]
+    theirs = [torch.Generator().manual_seed(c) for c in range(4)]
+    got = batched._schedule(datas, train, ph, mine, draw)
+    want = _schedule_one_by_one(datas, train, ph, theirs, draw)
+    names = ("rows", "weights", "active", "draws", "lengths", "inputs")
+    for name, a, b in zip(names, got, want, strict=True):
+        if name == "active":
+            assert a == b
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, theirs, strict=True))
+
+
 def test_which_models_are_batched():
     assert batchable_model(build_model("mlp", (1, 8, 8), 10))
     assert batchable_model(build_model("cnn", (1, 8, 8), 10))

@@ -513,40 +513,57 @@ def _schedule(
     augment = datas[0].augment
     if any(d.x is not datas[0].x or d.y is not datas[0].y or d.augment is not augment for d in datas):
         raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
-    per_client: list[list[torch.Tensor]] = []
-    drawn: list[list[torch.Tensor]] = []
-    given: list[list[torch.Tensor]] = []
+    batches: list[torch.Tensor] = []  # every client's batches, client after client
+    drawn: list[torch.Tensor] = []
+    given: list[torch.Tensor] = []
+    counts: list[int] = []  # each client's number of batches
     # every client's indices brought to the host in one copy: one wait for the device, not one per client
     host = torch.cat([d.train for d in datas]).cpu().split([d.num_train for d in datas])
     for indices, g in zip(host, gens, strict=True):
-        per_client.append([])
-        drawn.append([])
-        given.append([])
+        before = len(batches)
         for b in ph.batches(indices, train, g):  # lazily: a batch, then its choices, then its inputs
-            per_client[-1].append(b)
+            batches.append(b)
             if augment is not None:
-                drawn[-1].append(augment.draw(len(b), g))
+                drawn.append(augment.draw(len(b), g))
             if draw is not None:
-                given[-1].append(draw(len(b), g).cpu())
-    steps = max(len(b) for b in per_client)
-    width = max(len(x) for b in per_client for x in b)
-    rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
-    draws = torch.zeros(steps, len(datas), width, 3, dtype=torch.long) if augment is not None else None
-    weights = torch.zeros(steps, len(datas), width)
-    lengths = torch.zeros(steps, len(datas), dtype=torch.long)
-    inputs = torch.zeros(steps, len(datas), width, *given[0][0].shape[1:], dtype=given[0][0].dtype) if draw else None
-    for c, batches in enumerate(per_client):
-        for s, b in enumerate(batches):
-            lengths[s, c] = len(b)
-            rows[s, c, : len(b)] = b
-            rows[s, c, len(b) :] = b[0]
-            weights[s, c, : len(b)] = 1.0 / len(b)
-            if draws is not None:
-                draws[s, c, : len(b)] = drawn[c][s]
-            if inputs is not None:
-                inputs[s, c, : len(b)] = given[c][s]
-    active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
-              for s in range(steps)]  # fmt: skip
+                given.append(draw(len(b), g).cpu())
+        counts.append(len(batches) - before)
+    rows, weights, lengths, pos, real = _laid_out(batches, counts)
+    draws = _padded(torch.cat(drawn), pos, real) if augment is not None else None
+    inputs = _padded(torch.cat(given), pos, real) if draw is not None else None
+    active = [None if all(s < n for n in counts) else [c for c, n in enumerate(counts) if s < n]
+              for s in range(len(rows))]  # fmt: skip
     device = datas[0].x.device
     return (rows.to(device), weights.to(device), active, draws.to(device) if draws is not None else None, lengths,
             inputs.to(device) if inputs is not None else None)  # fmt: skip
+
+
+def _laid_out(
+    batches: list[torch.Tensor], counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The clients' `batches` (client after client, `counts[c]` of client c) laid out by step and client, in a few
+    whole-tensor operations rather than a few small ones per batch — per batch, they cost more host time than a GPU
+    takes for a CNN's step (tens of ms a round). Returns `rows` [steps, clients, width] (a batch's indices, padded
+    with its first; 0 where a client has no batch), `weights` (1/len(batch) on real rows, else 0; in the default
+    dtype), `lengths` [steps, clients], and for laying out what goes with each sample (`_padded`): each row's
+    position in the batches concatenated, and whether it is real."""
+    sizes = torch.tensor([b.shape[0] for b in batches])
+    per_client = torch.tensor(counts)
+    client = torch.repeat_interleave(torch.arange(len(counts)), per_client)
+    step = torch.arange(len(batches)) - (per_client.cumsum(0) - per_client)[client]  # a batch's step in its client
+    shape = (int(per_client.max()), len(counts))
+    lengths = torch.zeros(shape, dtype=torch.long).index_put_((step, client), sizes)
+    first = torch.zeros(shape, dtype=torch.long).index_put_((step, client), sizes.cumsum(0) - sizes)
+    j = torch.arange(int(sizes.max()))
+    real = j < lengths[..., None]
+    pos = first[..., None] + torch.where(real, j, 0)  # a padding row: its batch's first sample
+    rows = torch.where(lengths[..., None] > 0, torch.cat(batches).long()[pos], 0)
+    weights = torch.where(real, 1.0 / lengths.clamp(min=1).to(torch.get_default_dtype())[..., None], 0.0)
+    return rows, weights, lengths, pos, real
+
+
+def _padded(values: torch.Tensor, pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Per-sample `values` (the batches' in order, concatenated) laid out as `_laid_out`'s rows: [steps, clients,
+    width, …], 0 on padding rows and where a client has no batch."""
+    keep = real.view(*real.shape, *[1] * (values.dim() - 1))
+    return torch.where(keep, values[pos], torch.zeros((), dtype=values.dtype))
