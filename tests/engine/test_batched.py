@@ -754,7 +754,10 @@ def _schedule_one_by_one(datas, train, ph, gens, draw):
     for d, g in zip(datas, gens, strict=True):
         per_client.append([])
         for b in ph.batches(d.train, train, g):
-            per_client[-1].append((b, d.augment.draw(len(b), g), draw(len(b), g)))
+            if draw is None:  # neither augmented nor drawing inputs
+                per_client[-1].append((b, None, None))
+            else:
+                per_client[-1].append((b, d.augment.draw(len(b), g), draw(len(b), g)))
     steps, width = max(map(len, per_client)), max(len(b) for c in per_client for b, _, _ in c)
     rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
     weights = torch.zeros(steps, len(datas), width)
@@ -764,19 +767,22 @@ def _schedule_one_by_one(datas, train, ph, gens, draw):
     for c, batches in enumerate(per_client):
         for s, (b, choices, noise) in enumerate(batches):
             lengths[s, c], rows[s, c], weights[s, c, : len(b)] = len(b), b[0], 1.0 / len(b)
-            rows[s, c, : len(b)], draws[s, c, : len(b)], inputs[s, c, : len(b)] = b, choices, noise
+            rows[s, c, : len(b)] = b
+            if choices is not None:
+                draws[s, c, : len(b)], inputs[s, c, : len(b)] = choices, noise
     active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
               for s in range(steps)]  # fmt: skip
-    return rows, weights, active, draws, lengths, inputs
+    plain = draw is None
+    return rows, weights, active, None if plain else draws, lengths, None if plain else inputs
 
 
-@pytest.mark.parametrize("epochs, steps", [(2, None), (3, 4), (1, 1)])
-def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by_batch(epochs, steps):
+@pytest.mark.parametrize("epochs, steps, drawn", [(2, None, True), (3, 4, True), (1, 1, True), (2, None, False)])
+def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by_batch(epochs, steps, drawn):
     """Clients of different sizes (batches of different counts, shorter last batches, one client of a single short
-    batch), augmented, with per-sample random inputs: the whole-tensor layout equals the batch-by-batch one exactly,
-    and leaves every generator where drawing batch by batch leaves it."""
+    batch), augmented, with per-sample random inputs (`drawn`; else neither): the whole-tensor layout equals the
+    batch-by-batch one exactly, and leaves every generator where drawing batch by batch leaves it."""
     x, y = torch.zeros(40, 1, 4, 4), torch.zeros(40, dtype=torch.long)
-    augment = Augment(1, True, (0.0,))
+    augment = Augment(1, True, (0.0,)) if drawn else None
     starts = [0, 10, 13, 20]
     sizes = [10, 3, 7, 9]
     datas = [collections.namedtuple("Data", "x y augment train num_train")(x, y, augment, torch.arange(a, a + n), n)
@@ -789,11 +795,11 @@ def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by
 
     mine = [torch.Generator().manual_seed(c) for c in range(4)]
     theirs = [torch.Generator().manual_seed(c) for c in range(4)]
-    got = batched._schedule(datas, train, ph, mine, draw)
-    want = _schedule_one_by_one(datas, train, ph, theirs, draw)
+    got = batched._schedule(datas, train, ph, mine, draw if drawn else None)
+    want = _schedule_one_by_one(datas, train, ph, theirs, draw if drawn else None)
     names = ("rows", "weights", "active", "draws", "lengths", "inputs")
     for name, a, b in zip(names, got, want, strict=True):
-        if name == "active":
+        if a is None or name == "active":
             assert a == b
         else:
             assert a.dtype == b.dtype and torch.equal(a, b), name

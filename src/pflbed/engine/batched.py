@@ -544,12 +544,12 @@ def _laid_out(
     """The clients' `batches` (client after client, `counts[c]` of client c) laid out by step and client, in a few
     whole-tensor operations rather than a few small ones per batch — per batch, they cost more host time than a GPU
     takes for a CNN's step (tens of ms a round). Returns `rows` [steps, clients, width] (a batch's indices, padded
-    with its first; 0 where a client has no batch), `weights` (1/len(batch) on real rows, else 0; in the default
-    dtype), `lengths` [steps, clients], and for laying out what goes with each sample (`_padded`): each row's
-    position in the batches concatenated, and whether it is real."""
+    with its first; 0 where a client has no batch), `weights` (1/len(batch) on real rows, else 0), `lengths`
+    [steps, clients], and for laying out what goes with each sample (`_padded`): each row's position in the
+    batches concatenated, and whether it is real."""
     sizes = torch.tensor([b.shape[0] for b in batches])
     per_client = torch.tensor(counts)
-    client = torch.repeat_interleave(torch.arange(len(counts)), per_client)
+    client = torch.repeat_interleave(per_client)  # each batch's client
     step = torch.arange(len(batches)) - (per_client.cumsum(0) - per_client)[client]  # a batch's step in its client
     shape = (int(per_client.max()), len(counts))
     lengths = torch.zeros(shape, dtype=torch.long).index_put_((step, client), sizes)
@@ -558,7 +558,7 @@ def _laid_out(
     real = j < lengths[..., None]
     pos = first[..., None] + torch.where(real, j, 0)  # a padding row: its batch's first sample
     rows = torch.where(lengths[..., None] > 0, torch.cat(batches).long()[pos], 0)
-    weights = torch.where(real, 1.0 / lengths.clamp(min=1).to(torch.get_default_dtype())[..., None], 0.0)
+    weights = torch.where(real, 1.0 / lengths.clamp(min=1)[..., None], 0.0)  # in the default dtype
     return rows, weights, lengths, pos, real
 
 
