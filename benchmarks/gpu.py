@@ -151,10 +151,11 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
     })  # fmt: skip
 
 
-def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) -> dict:
+def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tuned: bool = False) -> dict:
     """Seconds of each training round (device synchronized), samples trained, whether clients ran batched. No round
     after the first starts if the one before says it would end after `deadline` (a `time.perf_counter` value):
-    the case is then `incomplete`, with the rounds it has."""
+    the case is then `incomplete`, with the rounds it has. `tuned`: the rounds under cuDNN's autotuner (`TUNED`,
+    set after `prepare`, which turns it off; restored after)."""
     calls = []
     real = batched.train_together
 
@@ -172,7 +173,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
-        with Sampler(device) as sampler:
+        with Sampler(device) as sampler, cudnn_flags(**(TUNED if tuned else {})):
             for rnd in range(1, cfg.train.rounds + 1):
                 if times and time.perf_counter() + times[-1] > deadline:
                     break
@@ -456,20 +457,21 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    """(shape, algorithm, model, executor) in priority order: the goals' cases, then the ImageNet-style ResNet-18 at
-    64 px batched (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured yet), then FedAvg's CNN on every
-    executor, pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with
-    per-client running statistics; every algorithm here declares a plan), then the rest of the ImageNet-style
-    ResNet-18's rows, then
-    Per-FedAvg's, pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step),
-    and KT-pFL's (from round 2, a distillation on the public batch before the local epochs)."""
+    """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN batched and as CUDA
+    graphs under cuDNN's autotuner (`-tuned`), then the ImageNet-style ResNet-18 at 64 px batched (FedAvg, FedRoD,
+    FedSelect, FedBasis: rows no GPU has measured yet), then FedAvg's CNN on every executor, pfl-research's shape,
+    the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics; every
+    algorithm here declares a plan), then the rest of the ImageNet-style ResNet-18's rows, then Per-FedAvg's,
+    pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step), and KT-pFL's
+    (from round 2, a distillation on the public batch before the local epochs)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     if a.quick:  # every code path once: the executors on both shapes, the other algorithms, ResNets, KT-pFL's data
         return [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, "batched")] + \
             [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in ("loop", "batched")] + \
             [("paper", "fedavg", resnet, "procs"), ("paper", "fedavg", resnet, "batched"),
-             ("paper64", "fedbasis", a.imagenet_model, "batched"), ("paper", "ktpfl", cnn, "batched")]  # fmt: skip
+             ("paper64", "fedbasis", a.imagenet_model, "batched"), ("paper", "ktpfl", cnn, "batched"),
+             ("paper", "fedavg", cnn, "batched-tuned")]  # fmt: skip
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast", "batched-compile", "batched-graphs")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
@@ -479,7 +481,8 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
-    first = goal_cases(a) + [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
+    first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-tuned", "batched-graphs-tuned")]
+    first += [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
     return first + [c for c in out if c not in first]
 
 
@@ -542,12 +545,16 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 # `-compile` / `-graphs`: executor.compile default / reduce-overhead (the step under torch.compile, and replayed as a
 # CUDA graph); `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run);
-# `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates)
+# `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates); `-tuned`: cuDNN's
+# autotuner on (`TUNED`: no setting of the library's yet — whether a whole round gains what the step probe's `tuned`
+# step gains; the algorithm it keeps is timed anew each run, so a run's rounding may differ from the last's)
 EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
              "loop-fast": {"batch_clients": False, "deterministic": False},
              "batched-fast": {"batch_clients": True, "deterministic": False},
              "batched-compile": {"batch_clients": True, "compile": "default"},
              "batched-graphs": {"batch_clients": True, "compile": "reduce-overhead"},
+             "batched-tuned": {"batch_clients": True}, "batched-graphs-tuned": {"batch_clients": True,
+                                                                                "compile": "reduce-overhead"},
              "loop-bf16": {"batch_clients": False, "precision": "bf16"},
              "batched-bf16": {"batch_clients": True, "precision": "bf16"}}  # fmt: skip
 
@@ -639,7 +646,7 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
         executor = EXECUTORS.get(ex, {"name": "procs", "workers": a.workers})
         try:
             m = time_rounds(config(alg, model, executor, a, shape), pool if ex == "procs" else None,
-                            t_start + a.deadline_s)  # fmt: skip
+                            t_start + a.deadline_s, ex.endswith("-tuned"))  # fmt: skip
         except Exception as e:  # a failed case is a result too; the next ones still run
             m = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         m.update(shape=shape, algorithm=alg, model=model, executor=ex)

@@ -5,6 +5,8 @@ import importlib.util
 import types
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -79,9 +81,31 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     assert todo[:7] == [("paper", "fedavg", "cnn", "batched")] + [
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
         ("paper", "fedavg", "cnn", "batched-compile"), ("paper", "fedavg", "cnn", "batched-graphs")]
-    assert todo[7:11] == [("paper64", alg, "resnet18_imagenet", "batched")
+    assert todo[7:9] == [("paper", "fedavg", "cnn", e) for e in ("batched-tuned", "batched-graphs-tuned")]
+    assert todo[9:13] == [("paper64", alg, "resnet18_imagenet", "batched")
                           for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
+
+
+def test_a_tuned_case_times_its_rounds_under_cudnns_autotuner_and_turns_it_off_after(tmp_path, monkeypatch):
+    """`-tuned` cases: every round (the warm-up too) with `cudnn.benchmark` on — set after `prepare`, which turns it
+    off — and off again after the case, so the next case runs as configured."""
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    a.rounds = 2
+    seen = []
+    real = gpu.Driver.train_round
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.backends.cudnn.benchmark)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gpu.Driver, "train_round", spy)
+    cfg = gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched-tuned"], a, "paper")
+    assert gpu.time_rounds(cfg, None, tuned=True)["rounds_timed"] == 1 and seen == [True, True]
+    assert torch.backends.cudnn.benchmark is False
+    gpu.time_rounds(cfg, None)
+    assert seen[2:] == [False, False]
 
 
 def test_no_round_starts_that_would_end_past_the_deadline(tmp_path, monkeypatch):
