@@ -11,9 +11,9 @@
    share of it; GPU utilisation (sampled) and peak memory. The same at 3×64×64 with the ImageNet-style ResNet-18
    (`paper64`: FedAvg, FedRoD, FedSelect, FedBasis).
 3. pfl-research's benchmark shape: 1,000 users × 50 images, cohort 50, batch 10, 1 local epoch, a 2-conv CNN.
-4. A profile of one batched FedAvg CNN round (paper shape, after a warm-up round): the operators that take the
-   device's time and the host's, and how often the host waits on the device (`profile.txt`) — what stands between
-   the round and the device's limit.
+4. A profile of one batched FedAvg CNN round (paper shape, after a warm-up round; `--profile ALG/MODEL` another
+   seed method's or model's): the operators that take the device's time and the host's, and how often the host
+   waits on the device (`profile.txt`) — what stands between the round and the device's limit.
 5. Where a batched step's time goes: one batched CNN step of 100 clients (vmapped gradient and SGD update, the
    batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
    and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
@@ -236,12 +236,13 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 
 def profile_round(a: argparse.Namespace, out: Path) -> dict:
-    """One batched FedAvg round of the CNN (paper shape) under `torch.profiler`, after a warm-up round: the top
-    operators by device time and by host time, and the count of each host–device synchronization, written to
-    `profile.txt`; returns the round's seconds and the synchronization counts."""
+    """One batched round of `--profile`'s algorithm and model (FedAvg's CNN; paper shape) under `torch.profiler`,
+    after a warm-up round: the top operators by device time and by host time, and the count of each host–device
+    synchronization, written to `profile.txt`; returns the round's seconds and the synchronization counts."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = config("fedavg", a.models[0], EXECUTORS["batched"], a, "paper")
+    alg, model = a.profile
+    cfg = config(alg, model, EXECUTORS["batched"], a, "paper")
     algo = prepare(cfg)
     device = algo.ctx.device
     executor, _ = make_executor(algo, None)
@@ -266,10 +267,10 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     where = "\n".join(f"{n:6d} {name}\n" + "".join(f"         {frame}\n" for frame in frames)
                       for (name, frames), n in waits.most_common(20))  # fmt: skip
     (out / "profile.txt").write_text(
-        f"one batched FedAvg round, {a.models[0]}, paper shape, {device} ({seconds:.3f} s under the profiler)\n"
+        f"one batched {alg} round, {model}, paper shape, {device} ({seconds:.3f} s under the profiler)\n"
         f"host waits on the device (calls): {syncs}\n\nby device time:\n{by_device}\n\nby host time:\n{by_host}\n"
         f"\nwhere the host waits (the next round, calls by their innermost {STACK} Python frames):\n{where}")
-    return {"seconds": seconds, "syncs": syncs}
+    return {"case": f"{alg} {model}", "seconds": seconds, "syncs": syncs}
 
 
 STACK = 5  # Python frames that tell one place a host wait comes from from another
@@ -585,12 +586,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step"])
+    ap.add_argument("--profile", default="fedavg/", metavar="ALG/MODEL",
+                    help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case or probe after this many s")
     ap.add_argument("--deadline-s", type=float, default=540.0,
                     help="start no round that would end after this many seconds")
     ap.add_argument("--tests-timeout-s", type=float, default=300.0)
     ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests, where installed")
     a = ap.parse_args(argv)
+    alg, _, model = a.profile.partition("/")
+    model = model or a.models[0]
+    if alg not in ALGORITHMS or model not in (*a.models, a.imagenet_model):
+        ap.error(f"--profile: {a.profile!r} is not a seed method and a model of this run, e.g. fedbasis/cnn")
+    a.profile = (alg, model)
     a.out = a.out or fresh_dir()
     return a
 
@@ -719,7 +727,8 @@ def write(result: dict, out: Path) -> None:
         if ratios:
             rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
     if (p := result.get("profile")) and "error" not in p:
-        rows += ["", f"profiled batched FedAvg round: {p['seconds']:.3f} s; host waits: {p['syncs']} (profile.txt)"]
+        rows += ["", f"profiled batched {p.get('case', 'fedavg cnn')} round: {p['seconds']:.3f} s; host waits: "
+                 f"{p['syncs']} (profile.txt)"]  # fmt: skip
     for name in ("profile", "step"):
         if "error" in (result.get(name) or {}):
             rows += ["", f"{name}: ERROR {result[name]['error']}"]
