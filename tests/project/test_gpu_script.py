@@ -178,15 +178,25 @@ def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     assert "step: ERROR OutOfMemoryError: CUDA out of memory. Tried to allocate" in (tmp_path / "gpu.txt").read_text()
 
 
-def test_the_profiled_round_is_fedavgs_cnn_or_the_seed_method_and_model_asked_for(tmp_path):
+def test_the_profiled_round_is_fedavgs_cnn_or_the_seed_method_and_model_asked_for(tmp_path, monkeypatch):
     """`--profile ALG/MODEL`: the round profiled (FedAvg's, of the first of `--models`, by default), named in
     `profile.txt` and in the result; anything but a seed method and a model of the run is refused by the parser."""
     gpu = _gpu_script()
     assert gpu.parse_args(["--out", "unused"]).profile == ("fedavg", "cnn")
-    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--profile", "fedbasis/cnn"])
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--models", "cnn", "mlp", "--profile",
+                        "fedbasis/mlp"])
+    built = []
+    real = gpu.config
+
+    def spy(algorithm, model, *args):
+        built.append((algorithm, model))
+        return real(algorithm, model, *args)
+
+    monkeypatch.setattr(gpu, "config", spy)
     got = gpu.profile_round(a, tmp_path)
-    assert got["case"] == "fedbasis cnn" and got["seconds"] > 0
-    assert (tmp_path / "profile.txt").read_text().startswith("one batched fedbasis round, cnn, paper shape, cpu (")
+    assert built == [("fedbasis", "mlp")]
+    assert got["case"] == "fedbasis mlp" and got["seconds"] > 0
+    assert (tmp_path / "profile.txt").read_text().startswith("one batched fedbasis round, mlp, paper shape, cpu (")
     for bad in ("fedprox/cnn", "fedbasis/vgg11", "fedbasis/cnn/x"):
         with pytest.raises(SystemExit) as e:
             gpu.parse_args(["--out", "unused", "--profile", bad])
