@@ -586,7 +586,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step"])
-    ap.add_argument("--profile", default="fedavg/", metavar="ALG/MODEL",
+    ap.add_argument("--profile", default="fedavg", metavar="ALG/MODEL",
                     help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case or probe after this many s")
     ap.add_argument("--deadline-s", type=float, default=540.0,
@@ -727,8 +727,8 @@ def write(result: dict, out: Path) -> None:
         if ratios:
             rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
     if (p := result.get("profile")) and "error" not in p:
-        rows += ["", f"profiled batched {p.get('case', 'fedavg cnn')} round: {p['seconds']:.3f} s; host waits: "
-                 f"{p['syncs']} (profile.txt)"]  # fmt: skip
+        rows += ["", f"profiled batched {p['case']} round: {p['seconds']:.3f} s; host waits: {p['syncs']} "
+                 "(profile.txt)"]  # fmt: skip
     for name in ("profile", "step"):
         if "error" in (result.get(name) or {}):
             rows += ["", f"{name}: ERROR {result[name]['error']}"]
