@@ -9,7 +9,8 @@ What it does, in order:
 2. starts `flower-superlink` (one port serves its Fleet, Control and runtime APIs; with `auth`, only registered
    SuperNodes may connect: each node's public key is registered with `flwr supernode register`) and the
    SuperNodes, node k with `--node-config "partition-id=k num-partitions=N"` (and its private key), each in its
-   own process group;
+   own process group, each process on a port of its own (`free_port`); while the run goes, a SuperNode whose port
+   was taken is started again on another and one that exits otherwise stops the run (`SuperNodes`);
 3. submits the app with `flwr run`, against a Flower home of its own (`<out>/flower/home`: no user configuration
    read or changed), and waits for it: the ServerApp (`flower.server`) writes `<out>`'s config, metrics, checkpoints
    and summary, which are the progress shown meanwhile (`Follower`: each evaluation and checkpointed round, and
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -36,7 +38,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pflbed.config import Config
@@ -87,10 +89,84 @@ def failure_reason(log: Path) -> str:
     return " ".join((errors[-1] if errors else last).split())[:300] or "no output"
 
 
-def free_port() -> int:
+PORTS = range(20000, 32768)  # below Linux's default ephemeral range (32768–60999) and macOS's (49152–65535)
+
+
+def _ephemeral() -> range:
+    """The ports the kernel gives outgoing connections (Linux's setting; its default where it cannot be read)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(draw: random.Random | None = None, attempts: int = 64) -> int:
+    """A port on 127.0.0.1 that is free now, for a SuperLink or SuperNode to listen on. Drawn at random (`draw`;
+    the OS's randomness by default) from `PORTS` outside the ephemeral range: a port the kernel picks as free (bind
+    to 0) lies in that range, from which every outgoing connection (the deployment's own, and on a shared machine
+    anyone's) takes its local port, so one could take it before the process started on it binds it; a port outside
+    it only another listener can take, and concurrent deployments rarely draw the same. Where the ephemeral range
+    leaves fewer than 1,000 of `PORTS` (an unusual setting), the kernel's choice."""
+    draw = draw or random.SystemRandom()
+    ephemeral = _ephemeral()
+    ports = [p for p in PORTS if p not in ephemeral]
+    for _ in range(attempts) if len(ports) >= 1000 else ():
+        port = draw.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # another listener's
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_taken(log: Path) -> bool:
+    """Whether the process that wrote `log` exited because its port was taken (EADDRINUSE, the OS's text)."""
+    try:
+        return "address already in use" in log.read_text(errors="replace").lower()
+    except OSError:
+        return False
+
+
+class SuperNodes:
+    """The deployment's SuperNodes, each started on a `free_port` and watched while the run goes. A SuperNode whose
+    port was taken after all exits at once ("address already in use"): `watch` starts it again on another port (up
+    to `restarts` times), appending to the same log, while the ServerApp still waits for its nodes. Any other exit
+    is returned, so that the launcher stops the run with the node's cause at once rather than the ServerApp waiting
+    out its timeout for a node that will not come."""
+
+    def __init__(self, procs: list[subprocess.Popen], work: Path, env: dict[str, str], restarts: int = 3) -> None:
+        self.procs, self.work, self.env, self.restarts = procs, work, env, restarts
+        self.nodes: dict[int, tuple[subprocess.Popen, list[str], int]] = {}  # k → process, command, restarts left
+
+    def log(self, k: int) -> Path:
+        return self.work / f"supernode-{k}.log"
+
+    def start(self, k: int, cmd: list[str]) -> None:
+        """Start SuperNode `k` as `cmd` (its command line without `--port`)."""
+        self.nodes[k] = (_start(self.procs, [*cmd, "--port", str(free_port())], self.log(k), self.env), cmd,
+                         self.restarts)  # fmt: skip
+
+    def watch(self) -> dict[int, int]:
+        """Start again each SuperNode that exited because its port was taken; those that exited otherwise (k → exit
+        code)."""
+        exited = {}
+        for k, (proc, cmd, left) in list(self.nodes.items()):
+            if proc.poll() is None:
+                continue
+            if left and port_taken(self.log(k)):
+                port = free_port()
+                with open(self.log(k), "a") as f:
+                    f.write(f"pflbed: SuperNode {k}'s port was taken; started again on port {port}\n")
+                self.nodes[k] = (_start(self.procs, [*cmd, "--port", str(port)], self.log(k), self.env, "a"), cmd,
+                                 left - 1)  # fmt: skip
+            else:
+                exited[k] = proc.returncode
+        return exited
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -167,8 +243,9 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
             time.sleep(0.05)
 
 
-def _start(procs: list[subprocess.Popen], cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "w") as f:
+def _start(procs: list[subprocess.Popen], cmd: list[str], log: Path, env: dict[str, str],
+           mode: str = "w") -> subprocess.Popen:  # fmt: skip
+    with open(log, mode) as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     procs.append(p)
     return p
@@ -265,11 +342,14 @@ class Follower:
                                "the deployment is running; no round evaluated or checkpointed yet")  # fmt: skip
 
 
-def _wait(proc: subprocess.Popen, follower: Follower, poll_s: float = 1.0) -> int:
-    """`proc`'s exit code, showing the run's progress meanwhile; stopped with it on any exception (Ctrl-C)."""
+def _wait(proc: subprocess.Popen, follower: Follower, poll_s: float = 1.0, watch: Callable[[], None] = lambda: None
+          ) -> int:  # fmt: skip
+    """`proc`'s exit code, showing the run's progress meanwhile and calling `watch` (which may raise) at each poll;
+    stopped with it on any exception (Ctrl-C)."""
     try:
         while proc.poll() is None:
             follower.poll()
+            watch()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(poll_s)
         follower.poll()
@@ -335,14 +415,15 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
         _wait_for_port(port, link, link_log)
         if auth:
             _register(keys, env, work / "register.log")
+        nodes = SuperNodes(procs, work, env)
         for k in range(supernodes):
             node = f"partition-id={k} num-partitions={supernodes}"
             if site_data is not None:  # TOML strings: the node config parser's format
                 data, states = site_data[k].resolve(), work / f"site-{k}-states"
                 node += f" data={json.dumps(str(data))} state-dir={json.dumps(str(states))}"
             key = ["--auth-supernode-private-key", str(keys[k][0])] if auth else []
-            _start(procs, [_tool("flower-supernode"), *node_tls, *key, "--superlink", f"127.0.0.1:{port}",
-                           "--port", str(free_port()), "--node-config", node], work / f"supernode-{k}.log", env)
+            nodes.start(k, [_tool("flower-supernode"), *node_tls, *key, "--superlink", f"127.0.0.1:{port}",
+                            "--node-config", node])  # fmt: skip
         security = " and ".join(w for w, on in (("TLS", tls), ("node authentication", auth)) if on)
         log(f"SuperLink on 127.0.0.1:{port}{f' ({security})' if security else ''}, {supernodes} SuperNodes; "
             f"logs in {shown}")  # fmt: skip
@@ -351,17 +432,25 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
         with open(run_log, "w") as f, RunProgress(progress, title, cfg.train.rounds, first, t0=started) as bar:
             flwr = subprocess.Popen([_tool("flwr"), "run", str(app), CONNECTION, "--stream"], stdout=f,
                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
-            code = _wait(flwr, Follower(out, bar, run_log, log))
+
+            def nodes_up() -> None:
+                if exited := nodes.watch():
+                    k, code = min(exited.items())
+                    cause = f"SuperNode {k} exited (code {code}): {failure_reason(nodes.log(k))}"
+                    raise failed(run_log, out, again, cause)
+
+            code = _wait(flwr, Follower(out, bar, run_log, log), watch=nodes_up)
     summary = out / "summary.json"
     if code != 0 or not summary.exists():
         raise failed(run_log, out, again)
     return json.loads(summary.read_text())
 
 
-def failed(run_log: Path, out: Path, again: str) -> FlowerRunError:
-    """The error for a deployment whose run did not finish: the cause from `run_log`, where the logs are, and (unless
-    it diverged, where the lr must change first) from which round and with which command it continues."""
-    reason = failure_reason(run_log)
+def failed(run_log: Path, out: Path, again: str, reason: str | None = None) -> FlowerRunError:
+    """The error for a deployment whose run did not finish: the cause (`reason`, else read from `run_log`), where the
+    logs are, and (unless it diverged, where the lr must change first) from which round and with which command it
+    continues."""
+    reason = failure_reason(run_log) if reason is None else reason
     logs = f"(logs: {out / 'flower'}/run.log, superlink.log, supernode-*.log)"
     diverged = "pflbed.errors.DivergedError: "
     if reason.startswith(diverged):

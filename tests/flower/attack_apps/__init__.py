@@ -26,7 +26,17 @@ from pathlib import Path
 
 from pflbed.config import Config
 from pflbed.flower.certificates import write_certificates, write_node_keys
-from pflbed.flower.local import CONNECTION, _env, _processes, _register, _start, _tool, _wait_for_port, free_port
+from pflbed.flower.local import (
+    CONNECTION,
+    SuperNodes,
+    _env,
+    _processes,
+    _register,
+    _start,
+    _tool,
+    _wait_for_port,
+    free_port,
+)
 from pflbed.flower.project import write_app
 
 HERE = Path(__file__).resolve().parent
@@ -81,11 +91,12 @@ def deploy(work: Path, app: Path, nodes: list[dict], *, late: list[dict] = (),
     no_install = "--disable-runtime-dependency-installation"
 
     def supernode(k: int) -> None:
-        _start(procs, [_tool("flower-supernode"), "--root-certificates", str(ca), "--auth-supernode-private-key",
-                       str(keys[k][0]), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                       "--node-config", node_config(everyone[k])], work / f"supernode-{k}.log", environ)  # fmt: skip
+        supernodes.start(k, [_tool("flower-supernode"), "--root-certificates", str(ca), "--auth-supernode-private-key",
+                        str(keys[k][0]), "--superlink", f"127.0.0.1:{port}", "--node-config",
+                        node_config(everyone[k])])  # fmt: skip
 
     with _processes() as procs:
+        supernodes = SuperNodes(procs, work, environ)
         link_log = work / "superlink.log"
         link = _start(procs, [_tool("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(cert),
                               "--ssl-keyfile", str(key), "--port", str(port), "--database", str(work / "superlink.db"),
@@ -97,6 +108,7 @@ def deploy(work: Path, app: Path, nodes: list[dict], *, late: list[dict] = (),
         run = _start(procs, [_tool("flwr"), "run", str(app), CONNECTION, "--stream"], work / "run.log", environ)
         waiting, deadline = list(range(len(nodes), len(everyone))), time.monotonic() + timeout
         while run.poll() is None:
+            supernodes.watch()  # a node whose port was taken starts again; how the others ended, the test reads
             if waiting and join_when():
                 for k in waiting:
                     supernode(k)
