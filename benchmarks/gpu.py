@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -260,7 +261,10 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     syncs = {e.key: e.count for e in table if e.key in SYNC_EVENTS}
     by_device = table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
     by_host = table.table(sort_by="self_cpu_time_total", row_limit=30)
-    with profile(activities=activities, with_stack=True) as traced:  # a third round: where the waits come from
+    with profile(activities=activities, with_stack=True) as traced, warnings.catch_warnings():  # a third round:
+        # where the waits come from; the stack tracer reads every module parameter's .grad, which warns for the
+        # stacked (non-leaf) parameters a batched step swaps in: a warning about the tracer, not the round
+        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
         driver.train_round(3, server)
         sync(device)
     waits = collections.Counter((e.name, python_frames(e)) for e in traced.events() if e.name in SYNC_EVENTS)
