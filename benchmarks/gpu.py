@@ -173,7 +173,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
         server = algo.init_server()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
+        times, flushes = [], []
         with Sampler(device) as sampler, cudnn_flags(**(TUNED if tuned else {})):
             for rnd in range(1, cfg.train.rounds + 1):
                 if times and time.perf_counter() + times[-1] > deadline:
@@ -181,10 +181,11 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
                 if rnd == 2:
                     sampler.util.clear()  # utilisation of the timed rounds only
                 sync(device)
-                t0 = time.perf_counter()
+                t0, flushed = time.perf_counter(), batched.cache_flushes(device)
                 server, _ = driver.train_round(rnd, server)
                 sync(device)
                 times.append(time.perf_counter() - t0)
+                flushes.append(batched.cache_flushes(device) - flushed)
         if own is not None:
             own.close()
     finally:
@@ -195,7 +196,8 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
     timed = times[1:] if cfg.train.rounds > 1 else times
     # every batched computation's clients in order: a call that ran out of memory, then its halves, shows as 100, 50, 50
     out = {"warmup_s": times[0], "rounds_timed": len(timed), "samples_per_round": samples,
-           "batched_clients": max(calls, default=0), "batched_calls": calls, **sampler.figures()}  # fmt: skip
+           "batched_clients": max(calls, default=0), "batched_calls": calls, "cache_flushes": flushes,
+           **sampler.figures()}  # fmt: skip
     if len(times) < cfg.train.rounds:
         out["incomplete"] = f"{len(times)} of {cfg.train.rounds} rounds: the next would pass --deadline-s"
     if timed:
@@ -730,6 +732,11 @@ def write(result: dict, out: Path) -> None:
                   and (m["shape"], m["algorithm"], m["model"]) in loops]  # fmt: skip
         if ratios:
             rows += ["", "speed-up over loop (loop s/round ÷ s/round):", *ratios]
+        ceiling = [f"{m['shape']} {m['algorithm']} {m['model']} {m['executor']}: {m['cache_flushes']} a round; "
+                   f"batched computations of {m['batched_calls']} clients" for m in result["speed"]
+                   if any(m.get("cache_flushes") or ())]  # fmt: skip
+        if ceiling:
+            rows += ["", "allocator cache flushes (memory at the GPU's ceiling; the executor then halves):", *ceiling]
     if (p := result.get("profile")) and "error" not in p:
         rows += ["", f"profiled batched {p['case']} round: {p['seconds']:.3f} s; host waits: {p['syncs']} "
                  "(profile.txt)"]  # fmt: skip

@@ -263,6 +263,63 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
     assert calls == [3]
 
 
+def test_a_round_that_fits_only_by_flushing_the_allocators_cache_keeps_its_results_and_the_next_take_half(
+    monkeypatch,
+):
+    """A batched computation during which the GPU's allocator had to flush its cache to allocate (`cache_flushes`
+    rises) stands — its results kept, not computed again — and the computations after it take half as many
+    clients, again after each that flushes; the results are the all-at-once ones within TOL. Under
+    `executor.batch_max_clients` the size is the user's and stays."""
+    torch.set_num_threads(1)
+    train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
+    flushes = [0]
+
+    def flushing(most, calls):  # a GPU that holds more than `most` clients only by flushing its cache
+        def train_(*a):
+            calls.append(len(a[1]))
+            flushes[0] += len(a[1]) > most
+            return train_together(*a)
+
+        return train_
+
+    monkeypatch.setattr(batched, "cache_flushes", lambda device: flushes[0])
+    whole = run(_cfg("fedper", True, 3, **train), write=False, progress=False)
+    n = len(whole.executor.states)
+    assert n > 4
+    calls = []
+    monkeypatch.setattr(batched, "train_together", flushing(n // 2, calls))
+    halved = run(_cfg("fedper", True, 3, **train), write=False, progress=False)
+    half = (n + 1) // 2
+    assert calls == [n, half, n - half, half, n - half]  # round 1 once, whole; rounds 2 and 3 in halves
+    assert halved.executor.most == half
+    assert _max_diff(whole.server, halved.server) <= TOL
+    assert all(_max_diff(whole.executor.states[c], halved.executor.states[c]) <= TOL
+               for c in whole.executor.states)  # fmt: skip
+
+    calls.clear()
+    monkeypatch.setattr(batched, "train_together", flushing(1, calls))
+    run(_cfg("fedper", True, 2, **train), write=False, progress=False)
+    expected, most = [n], half  # round 1 whole; round 2 halved again after each computation that flushed
+    while sum(expected) < 2 * n:
+        expected.append(min(most, 2 * n - sum(expected)))
+        most = (most + 1) // 2 if expected[-1] > 1 else most
+    assert calls == expected and expected[1:4] == [half, (half + 1) // 2, 1]
+
+    calls.clear()
+    capped = validate_config({**_cfg("fedper", True, 2, **train).model_dump(), "executor": {
+        "threads": 1, "batch_clients": True, "batch_max_clients": n - 1}})  # fmt: skip
+    run(capped, write=False, progress=False)
+    assert calls == [n - 1, 1, n - 1, 1]
+
+
+def test_cache_flushes_are_the_allocators_retries_on_a_gpu_and_none_elsewhere(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 7, "num_ooms": 1})
+    assert batched.cache_flushes(torch.device("cuda", 0)) == 7
+    assert batched.cache_flushes(torch.device("cpu")) == 0
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {})  # no allocation yet: no counters
+    assert batched.cache_flushes(torch.device("cuda", 0)) == 0
+
+
 def test_two_clients_are_trained_together_a_lone_one_alone_and_the_replies_are_the_batched_updates(
     monkeypatch, together
 ):

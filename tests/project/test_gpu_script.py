@@ -143,6 +143,32 @@ def test_each_batched_computation_is_recorded_and_fedbasis_s_timed_round_is_its_
     assert gpu.time_rounds(fedbasis, None)["batched_calls"] == [4, 4, 4]
 
 
+def test_each_rounds_allocator_cache_flushes_are_recorded_and_listed(tmp_path, monkeypatch):
+    """`cache_flushes`: per round, how often the GPU's allocator flushed its cache to allocate (counted around the
+    round, not the case); a case with any is listed under the table with its batched computations."""
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    flushes = [0]
+    real = gpu.batched.train_together
+
+    def train(*args, **kw):
+        flushes[0] += len(args[1]) > 1  # a flush during each batched computation of several clients
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gpu.batched, "cache_flushes", lambda device: flushes[0])
+    monkeypatch.setattr(gpu.batched, "train_together", train)
+    m = gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"] | {"batch_max_clients": 3}, a,
+                                   "paper"), None)  # fmt: skip
+    assert m["cache_flushes"] == [1, 1, 1] and flushes == [3]  # a round's 3 clients and its 1 (`batched_calls`)
+    m |= {"shape": "paper", "algorithm": "fedavg", "model": "cnn", "executor": "batched", "of_centralized": 0.5}
+    quiet = m | {"executor": "loop", "cache_flushes": [0, 0, 0]}
+    gpu.write({"device": "cpu", "gpu": None, "torch": "x", "cpu_count": 2, "quick": True, "args": vars(a),
+               "speed": [m, quiet]}, tmp_path)  # fmt: skip
+    text = (tmp_path / "gpu.txt").read_text()
+    assert "paper fedavg cnn batched: [1, 1, 1] a round; batched computations of [3, 1, 3, 1, 3, 1] clients" in text
+    assert "cnn loop: [0" not in text
+
+
 def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     """The compile probe times a convolution as unfold + bmm beside the vmapped one: the same function, or its
     timing compares nothing."""

@@ -54,7 +54,8 @@ class ExecutorConfig(Strict):
     )
     batch_max_clients: int | None = Field(
         None, ge=1, description="batched clients: at most this many in one batched computation; unset: all of a "
-        "round's, and on a GPU half as many whenever they do not fit in its memory (kept for the rounds after)"
+        "round's, and on a GPU half as many whenever they do not fit in its memory, or fit only by flushing its "
+        "allocator's cache (kept for the rounds after)"
     )
     compile: Literal["off", "default", "reduce-overhead"] = Field(
         "off", description="batched clients: the vmapped step under torch.compile (`default`: fused kernels; "
