@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -89,6 +90,14 @@ SIZE = {"paper": 32, "paper64": 64, "pflr": 32}  # image side of each shape
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fresh(device: torch.device) -> None:
+    """The GPU's cache emptied of the blocks earlier cases left: held there, they would count in this case's memory
+    in use (NVML sees what the allocator holds) and make its allocations flush the cache (`cache_flushes`)."""
+    if device.type == "cuda":
+        gc.collect()  # what a reference cycle still holds
+        torch.cuda.empty_cache()
 
 
 class Sampler:
@@ -171,6 +180,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
         executor, own = make_executor(algo, pool)
         driver = Driver(algo, executor)
         server = algo.init_server()
+        fresh(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times, flushes = [], []

@@ -227,3 +227,18 @@ def test_the_profiled_round_is_fedavgs_cnn_or_the_seed_method_and_model_asked_fo
         with pytest.raises(SystemExit) as e:
             gpu.parse_args(["--out", "unused", "--profile", bad])
         assert e.value.code == 2
+
+
+def test_each_case_starts_from_an_emptied_gpu_cache(tmp_path, monkeypatch):
+    """Each case's rounds start with the blocks earlier cases left released (`fresh`), before its peak memory is
+    reset: held, they would count in its memory in use and make it flush the cache."""
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    emptied, seen = [], []
+    monkeypatch.setattr(gpu.torch.cuda, "empty_cache", lambda: emptied.append(True))
+    gpu.fresh(gpu.torch.device("cuda", 0))
+    gpu.fresh(gpu.torch.device("cpu"))
+    assert emptied == [True]  # on a GPU only
+    monkeypatch.setattr(gpu, "fresh", seen.append)
+    gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"], a, "paper"), None)
+    assert seen == [gpu.torch.device("cpu")]
