@@ -162,17 +162,17 @@ class BatchedExecutor(LoopExecutor):
             while start < len(cids):
                 part = cids[start : start + (self.most or len(cids))]
                 sized = len(part) == 1 or ctx.cfg.executor.batch_max_clients is not None  # not ours to halve
-                flushed = cache_flushes(ctx.device)
+                half, flushed = (len(part) + 1) // 2, cache_flushes(ctx.device)
                 try:
                     trained = self.train([plans[c] for c in part], part, [built[c][1:] for c in part])
                 except torch.OutOfMemoryError:  # on a GPU: half as many at a time, from now on
                     if sized:
                         raise
-                    self.most = (len(part) + 1) // 2
+                    self.most = half
                     torch.cuda.empty_cache()
                     continue
                 if not sized and cache_flushes(ctx.device) > flushed:  # fitted, at the memory's ceiling: the
-                    self.most = (len(part) + 1) // 2  # results stand, the next computations take half as many
+                    self.most = half  # results stand, the next computations take half as many
                 for c, p in zip(part, trained, strict=True):
                     reply, new_state = self.finish(plans[c], p, built[c][2])
                     done[c] = private(algo, received[c], reply), new_state
@@ -199,9 +199,7 @@ def cache_flushes(device: torch.device) -> int:
 
     Why the executor watches it: a computation that needs nearly all of the device's memory may still fit, but only
     by such flushes, and then one at almost every step — each a wait for the device and its memory allocated again.
-    FedBasis's 100 ResNet-18 clients at once (K + 1 models each) used 140 of an H200's 141 GB and took 3.7× a
-    FedAvg round for 2× its work. Half as many clients at a time lose little: a computation that large keeps the
-    device busy either way."""
+    Half as many clients at a time lose little: a computation that large keeps the device busy either way."""
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
 
 
