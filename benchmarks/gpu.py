@@ -12,8 +12,9 @@
    (`paper64`: FedAvg, FedRoD, FedSelect, FedBasis).
 3. pfl-research's benchmark shape: 1,000 users × 50 images, cohort 50, batch 10, 1 local epoch, a 2-conv CNN.
 4. A profile of one batched FedAvg CNN round (paper shape, after a warm-up round; `--profile ALG/MODEL` another
-   seed method's or model's): the operators that take the device's time and the host's, and how often the host
-   waits on the device (`profile.txt`) — what stands between the round and the device's limit.
+   seed method's or model's, `--profile-clients N` at N clients): the operators that take the device's time and
+   the host's, and how often the host waits on the device (`profile.txt`) — what stands between the round and the
+   device's limit.
 5. Where a batched step's time goes: one batched CNN step of 100 clients (vmapped gradient and SGD update, the
    batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
    and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
@@ -136,12 +137,14 @@ class Sampler:
                 "nvml_peak_mem_mb": max(self.mem) / 2**20 if self.mem else None}  # fmt: skip
 
 
-def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, shape: str) -> dict:
+def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, shape: str,
+           clients: int | None = None) -> dict:
     """The measured experiment: `shape` = "paper" (the seeds' 100 × 500), "paper64" (the same at 64 px) or "pflr"
-    (pfl-research's 1,000 × 50)."""
-    clients, per_client, fraction, batch = (1000, 50, 0.05, 10) if shape == "pflr" else (100, 500, 1.0, 32)
+    (pfl-research's 1,000 × 50); `clients`: that many clients instead of the shape's (`--profile-clients`)."""
+    n, per_client, fraction, batch = (1000, 50, 0.05, 10) if shape == "pflr" else (100, 500, 1.0, 32)
     if a.quick:
-        clients, per_client = max(4, clients // 25), max(10, per_client // 25)
+        n, per_client = max(4, n // 25), max(10, per_client // 25)
+    clients = clients or n
     # val 10 % and test 10 % of each client's samples: per_client / 0.8 samples each, per_client of them to train
     public = (PUBLIC // 25 if a.quick else PUBLIC) if algorithm == "ktpfl" else 0
     n_train = int(clients * per_client / 0.8) + public
@@ -255,7 +258,7 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     alg, model = a.profile
-    cfg = config(alg, model, EXECUTORS["batched"], a, "paper")
+    cfg = config(alg, model, EXECUTORS["batched"], a, "paper", a.profile_clients)
     algo = prepare(cfg)
     device = algo.ctx.device
     executor, _ = make_executor(algo, None)
@@ -283,10 +286,11 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     where = "\n".join(f"{n:6d} {name}\n" + "".join(f"         {frame}\n" for frame in frames)
                       for (name, frames), n in waits.most_common(20))  # fmt: skip
     (out / "profile.txt").write_text(
-        f"one batched {alg} round, {model}, paper shape, {device} ({seconds:.3f} s under the profiler)\n"
+        f"one batched {alg} round, {model}, paper shape, {cfg.federation.clients} clients, {device} "
+        f"({seconds:.3f} s under the profiler)\n"
         f"host waits on the device (calls): {syncs}\n\nby device time:\n{by_device}\n\nby host time:\n{by_host}\n"
         f"\nwhere the host waits (the next round, calls by their innermost {STACK} Python frames):\n{where}")
-    return {"case": f"{alg} {model}", "seconds": seconds, "syncs": syncs}
+    return {"case": f"{alg} {model}", "clients": cfg.federation.clients, "seconds": seconds, "syncs": syncs}
 
 
 STACK = 5  # Python frames that tell one place a host wait comes from from another
@@ -604,6 +608,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step"])
     ap.add_argument("--profile", default="fedavg", metavar="ALG/MODEL",
                     help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
+    ap.add_argument("--profile-clients", type=int, default=None, metavar="N",
+                    help="the profiled round's clients (default: the paper shape's): fewer profile a round that "
+                    "fills the memory at its own size, its kernels without the allocator's pressure")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no speed case or probe after this many s")
     ap.add_argument("--deadline-s", type=float, default=540.0,
                     help="start no round that would end after this many seconds")
@@ -614,6 +621,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model = model or a.models[0]
     if alg not in ALGORITHMS or model not in (*a.models, a.imagenet_model):
         ap.error(f"--profile: {a.profile!r} is not a seed method and a model of this run, e.g. fedbasis/cnn")
+    if a.profile_clients is not None and a.profile_clients < 1:
+        ap.error(f"--profile-clients: {a.profile_clients} is not a number of clients (1 or more)")
     a.profile = (alg, model)
     a.out = a.out or fresh_dir()
     return a
@@ -748,8 +757,8 @@ def write(result: dict, out: Path) -> None:
         if ceiling:
             rows += ["", "allocator cache flushes (memory at the GPU's ceiling; the executor then halves):", *ceiling]
     if (p := result.get("profile")) and "error" not in p:
-        rows += ["", f"profiled batched {p['case']} round: {p['seconds']:.3f} s; host waits: {p['syncs']} "
-                 "(profile.txt)"]  # fmt: skip
+        rows += ["", f"profiled batched {p['case']} round, {p['clients']} clients: {p['seconds']:.3f} s; "
+                 f"host waits: {p['syncs']} (profile.txt)"]  # fmt: skip
     for name in ("profile", "step"):
         if "error" in (result.get(name) or {}):
             rows += ["", f"{name}: ERROR {result[name]['error']}"]

@@ -215,18 +215,44 @@ def test_the_profiled_round_is_fedavgs_cnn_or_the_seed_method_and_model_asked_fo
     real = gpu.config
 
     def spy(algorithm, model, *args):
-        built.append((algorithm, model))
-        return real(algorithm, model, *args)
+        cfg = real(algorithm, model, *args)
+        built.append((algorithm, model, cfg.federation.clients))
+        return cfg
 
     monkeypatch.setattr(gpu, "config", spy)
     got = gpu.profile_round(a, tmp_path)
-    assert built == [("fedbasis", "mlp")]
-    assert got["case"] == "fedbasis mlp" and got["seconds"] > 0
-    assert (tmp_path / "profile.txt").read_text().startswith("one batched fedbasis round, mlp, paper shape, cpu (")
-    for bad in ("fedprox/cnn", "fedbasis/vgg11", "fedbasis/cnn/x"):
+    assert built == [("fedbasis", "mlp", 4)]  # the quick paper shape's clients
+    assert got["case"] == "fedbasis mlp" and got["clients"] == 4 and got["seconds"] > 0
+    assert (tmp_path / "profile.txt").read_text().startswith(
+        "one batched fedbasis round, mlp, paper shape, 4 clients, cpu (")
+    for bad in (["--profile", "fedprox/cnn"], ["--profile", "fedbasis/vgg11"], ["--profile", "fedbasis/cnn/x"],
+                ["--profile-clients", "0"]):
         with pytest.raises(SystemExit) as e:
-            gpu.parse_args(["--out", "unused", "--profile", bad])
+            gpu.parse_args(["--out", "unused", *bad])
         assert e.value.code == 2
+
+
+def test_the_profiled_round_can_take_fewer_clients_than_the_shape(tmp_path, monkeypatch):
+    """`--profile-clients N`: the profiled round's federation has N clients (a round that fills the memory at the
+    shape's 100 is profiled without the allocator's pressure), said in `profile.txt`, the result and gpu.txt."""
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--models", "cnn", "mlp", "--profile",
+                        "fedavg/mlp", "--profile-clients", "2"])
+    built = []
+    real = gpu.config
+
+    def spy(algorithm, model, *args):
+        cfg = real(algorithm, model, *args)
+        built.append(cfg.federation.clients)
+        return cfg
+
+    monkeypatch.setattr(gpu, "config", spy)
+    got = gpu.profile_round(a, tmp_path)
+    assert built == [2] and got["clients"] == 2
+    assert ", paper shape, 2 clients, cpu (" in (tmp_path / "profile.txt").read_text()
+    gpu.write({"device": "cpu", "gpu": None, "torch": "x", "quick": True, "cpu_count": 2, "tests": None, "speed": [],
+               "skipped": [], "args": vars(a) | {"out": str(tmp_path)}, "profile": got}, tmp_path)
+    assert "profiled batched fedavg mlp round, 2 clients: " in (tmp_path / "gpu.txt").read_text()
 
 
 def test_each_case_starts_from_an_emptied_gpu_cache(tmp_path, monkeypatch):
