@@ -757,6 +757,40 @@ def test_batchnorm_of_a_bfloat16_batch_keeps_float32_statistics_as_torchs_own(ch
             assert torch.allclose(new[f"0.{s}"][i], getattr(own[0], s), rtol=1e-5, atol=0), s
 
 
+def test_a_forward_given_no_set_of_statistics_moves_the_clients_own_and_one_given_a_set_moves_that_set():
+    """With sets (an objective's further models' statistics), a BatchNorm layer finds its set by the running mean
+    the forward gives it: a set's, that set moves; its own buffer (a forward given no statistics, as a plain
+    `model(x)`), the client's own statistics under the layer's name move — as in the loop, each where torch's
+    kernel moves them — and nothing else does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3)).train()
+    layers = PerClientLayers(model)
+    x = torch.randn(2, 8, 3, 4, 4) * 2 + 1
+    own = {k: torch.stack([v, v]) for k, v in model.state_dict().items() if k in layers.buffer_keys}
+    ref = {f"ref.{k}": v + 0.5 for k, v in own.items() if k != "0.num_batches_tracked"}
+    ref["ref.0.num_batches_tracked"] = own["0.num_batches_tracked"].clone()
+    real = torch.ones(8, dtype=torch.bool)
+
+    def step(stats, x):
+        layers.enter(stats, real, [], sets=True)
+        model(x)  # the layer's own running mean: none of the sets'
+        torch.func.functional_call(model, {k[len("ref."):]: v for k, v in stats.items() if k.startswith("ref.")},
+                                   (x * 3,))  # fmt: skip
+        return layers.leave()
+
+    with layers.patched():
+        new = torch.func.vmap(step)({**own, **ref}, x)
+    assert sorted(new) == sorted([*own, *ref])
+    for i in range(2):
+        mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
+        theirs.load_state_dict({k[len("ref."):]: v[i] for k, v in ref.items()}, strict=False)
+        mine(x[i])
+        theirs(x[i] * 3)
+        for s in ("running_mean", "running_var"):
+            torch.testing.assert_close(new[f"0.{s}"][i], getattr(mine[0], s))
+            torch.testing.assert_close(new[f"ref.0.{s}"][i], getattr(theirs[0], s))
+
+
 def test_batchnorm_in_eval_mode_normalizes_a_bfloat16_batch_with_its_float32_running_statistics_as_torchs_own():
     """A frozen model's BatchNorm inside the step (eval mode, MOON's) under `precision: bf16`: torch's kernel
     normalizes the bfloat16 activations with the float32 running statistics in float32, and so must the per-client
