@@ -19,7 +19,10 @@
    batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
    and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
    as unfold + batched matrix products, and as one dense layer on all the samples.
-6. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
+6. What FedBasis's combination of its bases costs in a batched step (θ = ½·v' + ½·Σ α_k·v_k over ResNet-18's
+   parameters, 100 clients, forward and backward for its ψ and V steps) in three forms of the same sum, beside
+   one pass over the bases' memory.
+7. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
 
 A full run measures the goals' cases first (FedAvg's CNN batched, ResNet-18 batched for FedAvg, FedRoD, FedSelect
 and FedBasis, FedAvg's CNN compiled and as CUDA graphs), then profiles, then probes a step, then the ImageNet-style
@@ -353,6 +356,87 @@ def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
     return out
 
 
+def combine_forms(keys: list[str], group_of: dict[str, int], k: int) -> dict[str, Callable]:
+    """Forms of FedBasis's θ = ½·v' + ½·Σ_k α_k·v_k (`basis.combine` with a major basis), each `(v, alpha, m)` →
+    θ for one client: `combine` (the library's: a tensor contraction over k, batched matrix products under vmap),
+    `mul-add` (K scaled tensors added one by one) and `bcast` (α broadcast over the bases, summed over k)."""
+    from pflbed.algorithms.basis import combine, mixing_weights
+
+    def mul_add(v: dict, alpha: torch.Tensor, m: dict) -> dict:
+        w_major, w = mixing_weights(alpha, True)
+        out = {}
+        for key in keys:
+            mixed = v[key][0] * w[group_of[key], 0]
+            for j in range(1, k):
+                mixed = mixed + v[key][j] * w[group_of[key], j]
+            out[key] = mixed + w_major * m[key]
+        return out
+
+    def bcast(v: dict, alpha: torch.Tensor, m: dict) -> dict:
+        w_major, w = mixing_weights(alpha, True)
+        return {key: (w[group_of[key]].view(k, *[1] * (v[key].dim() - 1)) * v[key]).sum(0) + w_major * m[key]
+                for key in keys}  # fmt: skip
+
+    return {"combine": lambda v, alpha, m: combine(v, alpha, group_of, m, keys), "mul-add": mul_add, "bcast": bcast}
+
+
+def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
+    """What FedBasis's combination of bases costs in its batched step, on the ResNet model's parameters: θ(α, V)
+    (`combine_forms`; K = 4 bases and the major one, α per block) for each of `clients` clients, forward and
+    backward of ⟨θ, G⟩ — with respect to α (its ψ step: the bases fixed) and to the bases (its V step: α fixed) —
+    vmapped over the clients as the batched step runs it; and `pass`, one multiplication of every client's bases by
+    a number: one pass over their memory, the device's floor for anything that reads them. Each form's θ and
+    gradients against `combine`'s (`max_gap`: the largest difference relative to the largest value): a form that
+    computes something else is no alternative, and its time compares nothing; ms per forward and backward."""
+    from torch.func import grad, vmap
+
+    (clients, steps), k = ((4, 2) if a.quick else (100, 10)), 4
+    fresh(device)
+    torch.manual_seed(0)
+    model = build_model(a.models[1], (3, 32, 32), 10, device)
+    named = dict(model.named_parameters())
+    keys = list(named)
+    group_of = {key: gi for gi, b in enumerate(model.block_names()) for key in model.state_keys([b]) if key in named}
+    v = {key: torch.randn(clients, k, *t.shape, device=device) for key, t in named.items()}
+    m = {key: torch.randn(clients, *t.shape, device=device) for key, t in named.items()}
+    cot = {key: torch.randn(clients, *t.shape, device=device) for key, t in named.items()}
+    alpha = torch.softmax(torch.randn(clients, len(model.block_names()), k, device=device), -1)
+
+    def timed(fn: Callable[[], object]) -> float:
+        for j in range(steps + 2):
+            if j == 2:
+                sync(device)
+                t0 = time.perf_counter()
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    def gap(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got - want).abs().max() / want.abs().max())
+
+    def flat(t: torch.Tensor | dict) -> torch.Tensor:
+        return torch.cat([t[key].flatten() for key in keys]) if isinstance(t, dict) else t.flatten()
+
+    forms = combine_forms(keys, group_of, k)
+    thetas = {name: flat(vmap(form)(v, alpha, m)) for name, form in forms.items()}
+    out: dict = {"clients": clients, "K": k, "model": a.models[1], "params": sum(t.numel() for t in named.values())}
+    for wrt, argnum in (("alpha", 1), ("bases", 0)):
+        ref, out[wrt] = None, {}
+        for name, form in forms.items():
+            def inner(v: dict, alpha: torch.Tensor, m: dict, g: dict, form=form) -> torch.Tensor:
+                theta = form(v, alpha, m)
+                return sum((theta[key] * g[key]).sum() for key in keys)
+
+            grads_of = vmap(grad(inner, argnums=argnum))
+            got = flat(grads_of(v, alpha, m, cot))
+            ref = got if ref is None else ref
+            worst = max(gap(got, ref), gap(thetas[name], thetas["combine"]))
+            del got
+            out[wrt][name] = {"ms": timed(lambda grads_of=grads_of: grads_of(v, alpha, m, cot)), "max_gap": worst}
+    out["pass_ms"] = timed(lambda: [t.mul(1.0) for t in v.values()])
+    return out
+
+
 # cuDNN's autotuner (`torch.backends.cudnn.benchmark`), which `rng.deterministic_kernels` leaves off: it times every
 # algorithm for a new shape and keeps the fastest — among the deterministic ones while `deterministic` is on. Whether
 # it finds faster grouped convolutions (the vmapped step's) than the heuristics is what the `tuned` probes measure.
@@ -605,7 +689,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--imagenet-model", default="resnet18_imagenet", help="the paper64 cases' model")
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step", "combine"])
     ap.add_argument("--profile", default="fedavg", metavar="ALG/MODEL",
                     help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
     ap.add_argument("--profile-clients", type=int, default=None, metavar="N",
@@ -694,8 +778,8 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
 
 def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: float) -> None:
     """The profile of a batched round and the step probe, each unless skipped or past `--budget-s`."""
-    for name, probe in (("profile", lambda: profile_round(a, a.out)),
-                        ("step", lambda: step_probe(a, device))):  # fmt: skip
+    for name, probe in (("profile", lambda: profile_round(a, a.out)), ("step", lambda: step_probe(a, device)),
+                        ("combine", lambda: combine_probe(a, device))):  # fmt: skip
         if name in a.skip:
             continue
         if time.perf_counter() - t_start > a.budget_s:
@@ -759,7 +843,7 @@ def write(result: dict, out: Path) -> None:
     if (p := result.get("profile")) and "error" not in p:
         rows += ["", f"profiled batched {p['case']} round, {p['clients']} clients: {p['seconds']:.3f} s; "
                  f"host waits: {p['syncs']} (profile.txt)"]  # fmt: skip
-    for name in ("profile", "step"):
+    for name in ("profile", "step", "combine"):
         if "error" in (result.get(name) or {}):
             rows += ["", f"{name}: ERROR {result[name]['error']}"]
     if (c := result.get("step")) and "error" not in c:
@@ -769,6 +853,13 @@ def write(result: dict, out: Path) -> None:
                  f"autotuned by cuDNN: {c['batched_step_tuned_ms']:.2f} ms"]  # fmt: skip
         for name, forms in c["layers_ms"].items():
             rows.append(f"  {name} forward + backward, ms: " + ", ".join(f"{f} {v:.2f}" for f, v in forms.items()))
+    if (c := result.get("combine")) and "error" not in c:
+        rows += ["", f"combine probe: FedBasis's θ = ½·v' + ½·Σ α_k·v_k over {c['model']}'s {c['params']:,} "
+                 f"parameters, K = {c['K']}, {c['clients']} clients vmapped; forward + backward, ms (max gap to "
+                 f"combine's gradients); one pass over the bases' memory: {c['pass_ms']:.2f} ms"]  # fmt: skip
+        for wrt in ("alpha", "bases"):
+            rows.append(f"  with respect to {wrt}: " + ", ".join(f"{f} {r['ms']:.2f} ({r['max_gap']:.1e})"
+                                                                 for f, r in c[wrt].items()))  # fmt: skip
     if g := result.get("goals"):
         rows += ["", "goals:"] + [f"  {x['goal']}: {x['measured'] if x['measured'] is not None else 'not measured'} "
                                   f"({x['target']}{'; via ' + x['via'] if x['via'] else ''}) — "

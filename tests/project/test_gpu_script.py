@@ -182,6 +182,41 @@ def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     torch.testing.assert_close(gpu.conv_as_bmm(w, x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp_path):
+    """The combine probe times other forms of FedBasis's θ(α, V) beside `basis.combine`: each must give the same
+    gradients with respect to α and to the bases (`max_gap`, relative), or its time compares nothing; the figures
+    reach gpu.txt."""
+    import torch
+
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--models", "cnn", "mlp"])
+    forms = gpu.combine_forms
+
+    def with_wrong_ones(keys, group_of, k):  # what the gaps are for: each form's slip of the sum
+        out = forms(keys, group_of, k)
+        right = out["mul-add"]
+        out["no-major"] = lambda v, alpha, m: right(v, alpha, {key: 0 * t for key, t in m.items()})
+        out["one-group"] = lambda v, alpha, m: right(v, alpha.flip(0), m)
+        out["alpha-detached"] = lambda v, alpha, m: right(v, alpha.detach(), m)  # θ right, no gradient to α
+        return out
+
+    gpu.combine_forms = with_wrong_ones
+    got = gpu.combine_probe(a, torch.device("cpu"))
+    assert got["clients"] == 4 and got["K"] == 4 and got["params"] > 0
+    for wrt in ("alpha", "bases"):
+        assert set(got[wrt]) == {"combine", "mul-add", "bcast", "no-major", "one-group", "alpha-detached"}
+        for form in ("combine", "mul-add", "bcast"):
+            r = got[wrt][form]
+            assert r["ms"] > 0 and r["max_gap"] < 1e-4, (wrt, form)  # float32 sums in another order
+        assert got[wrt]["no-major"]["max_gap"] > 0.1 and got[wrt]["one-group"]["max_gap"] > 0.1, wrt
+    assert got["alpha"]["alpha-detached"]["max_gap"] == 1.0 and got["bases"]["alpha-detached"]["max_gap"] < 1e-4
+    assert got["pass_ms"] > 0
+    gpu.write({"device": "cpu", "gpu": None, "torch": "x", "quick": True, "cpu_count": 2, "tests": None, "speed": [],
+               "skipped": [], "args": vars(a) | {"out": str(tmp_path)}, "combine": got}, tmp_path)
+    text = (tmp_path / "gpu.txt").read_text()
+    assert "combine probe: FedBasis's θ" in text and "  with respect to bases: combine " in text
+
+
 def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     """A probe that fails (out of memory on a small GPU, say) is a result in gpu.txt, not the end of the call: the
     cases after the probes still run."""
@@ -190,7 +225,7 @@ def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     import torch
 
     gpu = _gpu_script()
-    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--skip", "profile"])
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--skip", "profile", "combine"])
 
     def broken(*args):
         raise torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate")
