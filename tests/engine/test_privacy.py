@@ -250,17 +250,27 @@ def test_a_round_that_draws_no_one_still_releases_noise():
     torch.testing.assert_close(out[0][1]["a"], privacy.noise(cfg.seed, 4, w, 2.0)["a"] / 3.0)
 
 
-def test_batched_clients_give_the_loops_dp_run(tmp_path):
-    """Batched clients clip where they finish (`engine.batched`); procs and Flower: the `fedper+dp` case of the
-    parity tests (tests/tiny.py's VARIANTS)."""
+def test_batched_clients_give_the_loops_dp_run(tmp_path, monkeypatch):
+    """Batched clients clip where they finish (`engine.batched`), and so does a client that trains alone, its
+    round's only one (Poisson sampling gives client 5 two such rounds here); procs and Flower: the `fedper+dp` case
+    of the parity tests (tests/tiny.py's VARIANTS)."""
+    from pflbed.engine import batched as engine_batched
     from pflbed.engine.loop import run
 
+    alone, real = [], engine_batched.BatchedExecutor.alone
+
+    def counted(self, plan, cid, *args):
+        alone.append(cid)
+        return real(self, plan, cid, *args)
+
+    monkeypatch.setattr(engine_batched.BatchedExecutor, "alone", counted)
     base = {**TINY, "privacy": DP, "executor": {**TINY["executor"], "name": "loop"}}
     loop = run(validate_config(base), tmp_path / "loop")
     batched = run(validate_config({**base, "executor": {**TINY["executor"], "batch_clients": True}}), tmp_path / "b")
     for k in loop.server:  # batched clients round differently (tests/engine/test_batched.py)
         torch.testing.assert_close(batched.server[k], loop.server[k], rtol=1e-4, atol=1e-5)
     assert loop.summary["privacy"] == batched.summary["privacy"]
+    assert alone == [5, 5]
 
 
 def test_epsilon_is_logged_every_evaluation_and_in_the_summary(tmp_path):
