@@ -150,9 +150,12 @@ class BatchedExecutor(LoopExecutor):
         built = {c: self.plan(rnd, c, payload) for c, payload in received.items()}
         plans = {c: plan for c, (plan, _, _) in built.items() if plan is not None}
         groups: dict[tuple, list[int]] = {}
+        batchable: dict[int, bool] = {}  # per model, not per client: a walk over its modules (100: 11 ms a round)
         for c, plan in plans.items():
             model = ctx.model if plan.model is None else plan.model
-            if batchable_model(model):
+            if id(model) not in batchable:
+                batchable[id(model)] = batchable_model(model)
+            if batchable[id(model)]:
                 shape = (Same(model), plan.phases, tuple(ph.data_key() for ph in plan.phases), plan.objective,
                          tuple(plan.start), tuple(plan.consts))  # one vmapped step  # fmt: skip
                 groups.setdefault(shape, []).append(c)
