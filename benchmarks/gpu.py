@@ -855,8 +855,8 @@ def write(result: dict, out: Path) -> None:
             rows.append(f"  {name} forward + backward, ms: " + ", ".join(f"{f} {v:.2f}" for f, v in forms.items()))
     if (c := result.get("combine")) and "error" not in c:
         rows += ["", f"combine probe: FedBasis's θ = ½·v' + ½·Σ α_k·v_k over {c['model']}'s {c['params']:,} "
-                 f"parameters, K = {c['K']}, {c['clients']} clients vmapped; forward + backward, ms (max gap to "
-                 f"combine's gradients); one pass over the bases' memory: {c['pass_ms']:.2f} ms"]  # fmt: skip
+                 f"parameters, K = {c['K']}, {c['clients']} clients vmapped; forward + backward, ms (largest gap to "
+                 f"combine's θ and gradients); one pass over the bases' memory: {c['pass_ms']:.2f} ms"]  # fmt: skip
         for wrt in ("alpha", "bases"):
             rows.append(f"  with respect to {wrt}: " + ", ".join(f"{f} {r['ms']:.2f} ({r['max_gap']:.1e})"
                                                                  for f, r in c[wrt].items()))  # fmt: skip
