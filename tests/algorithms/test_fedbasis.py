@@ -997,10 +997,13 @@ def test_joint_update_hands_each_batch_s_statistics_back_to_the_bases():
     assert all(torch.equal(new[k], stacked[k]) and torch.equal(new_major[k], mj[k]) for k in frozen.buffer_keys)
 
 
-def test_local_training_and_personalization_draw_only_from_the_given_generator():
-    """Every mini-batch order comes from the client's generator (`pflbed.rng`: draws keyed by what they are for):
-    the same generator gives the same result whatever the global RNG, another generator another result."""
-    algo = make({"K": 2, "coordinate_descent": False, "alpha_epochs": 1, "basis_epochs": 1})
+@pytest.mark.parametrize("augment", [[], ["crop", "flip"]])
+def test_local_training_and_personalization_draw_only_from_the_given_generator(augment):
+    """Every mini-batch order, and every augmentation of a batch, comes from the client's generator (`pflbed.rng`:
+    draws keyed by what they are for): the same generator gives the same result whatever the global RNG, another
+    generator another result."""
+    algo = make({"K": 2, "coordinate_descent": False, "alpha_epochs": 1, "basis_epochs": 1},
+                dataset={**TINY["dataset"], "augment": augment})  # fmt: skip
     server = random_server(algo)
     stacked, mj = algo.split(server)
     data = algo.ctx.client_data(0)  # more than one batch of 16
