@@ -416,6 +416,12 @@ def test_joint_update_ablation_trains_psi_and_v_together_through_the_sharpened_s
         assert torch.allclose(new[k], ref_s[k], atol=1e-5), k
         if major:
             assert torch.allclose(new_major[k], ref_m[k], atol=1e-5), k
+    # the client's reply: the round's trained bases, the major basis's among them; its state: α† and α*
+    payload = algo.join(stacked, mj)
+    reply, state = algo.client_update(payload, {}, data, ClientContext(3, 0, gen()))
+    assert sorted(reply) == sorted(payload)
+    assert all(torch.equal(v, algo.join(new, new_major)[k]) for k, v in reply.items())
+    assert torch.equal(state["alpha"], a_dag) and torch.equal(state["alpha_star"], a_star)
 
 
 def test_bn_statistics_frozen_option_and_track_bookkeeping():

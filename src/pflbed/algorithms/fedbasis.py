@@ -322,11 +322,8 @@ class FedBasis(Algorithm):
     def local_round(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, Tensors, Tensors | None]:
-        """One client's Eq. 9 (the plan) or Eq. 7 (client by client): (α*, α†, trained stacked bases, trained
-        major basis)."""
-        if self.opts.coordinate_descent:
-            plan = LocalSGDPlan(self.plan_tensors(stacked, major), self.phases, lambda t: (t, {}))
-            return self.round_result(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, generator)[0])
+        """One client's round of the joint update (Eq. 7, client by client; Eq. 9 is a plan, `sgd_plan`): (α*, α†,
+        trained stacked bases, trained major basis)."""
         psi, stacked, major = self.joint_step(stacked, major, data, generator)
         alpha = torch.softmax(psi / self.opts.tau, -1)
         return alpha, alpha, stacked, major
