@@ -487,6 +487,22 @@ def test_switch_round_sets_major_to_fedavg_and_bases_to_kmeans_centroids():
     assert set(no_major) == {k for k in out if not k.startswith("major.")}
 
 
+def test_the_warm_start_pools_the_rounds_that_poisson_sampling_draws():
+    """With `federation.sampling: poisson` the warm start pools the rounds whose Poisson draws hold K distinct
+    clients: its second round draws client 5 alone, so K = 2 pools from round 1 (fixed sampling's second round,
+    3 clients, would be enough alone), and K = 4 is refused (3 distinct clients in the 2 warm-up rounds)."""
+    from pflbed.federation import sample_clients
+
+    poisson = {**TINY["federation"], "sampling": "poisson"}
+    algo = make({"K": 2}, federation=poisson)
+    fed, cfg = algo.ctx.federation, algo.ctx.cfg
+    assert [sample_clients(cfg.seed, r, fed.participated, 0.5, True) for r in (1, 2)] == [[0, 2, 5], [5]]
+    assert algo.warmup_rounds == 2 and algo.pool_from == 1
+    assert make({"K": 2}).pool_from == 2  # fixed sampling
+    with pytest.raises(ConfigError, match="only 3 distinct clients train in the 2 warm-up rounds"):
+        make({"K": 4}, federation=poisson)
+
+
 def test_warm_start_pools_earlier_rounds_when_a_round_has_fewer_than_k_clients():
     from pflbed.federation import sample_clients
 
