@@ -217,6 +217,11 @@ def test_all_personal_masks_are_local_only_training_from_then_on():
         mine = algo.personal_model(hist[-1]["server"], hist[-1]["states"][c]).params
         for k in algo.keys:
             assert torch.equal(mine[k], state[k]), (c, k)
+    # a round with no global entry has no global pass: no backward for nothing, no batch drawn for it
+    c, server = algo.ctx.federation.participated[0], hist[-1]["server"]
+    plan = algo.round_plan(algo.configure(4, server, [c])[c], hist[-1]["states"][c], algo.ctx.client_data(c),
+                           ClientContext(4, c, torch.Generator().manual_seed(0)))  # fmt: skip
+    assert [ph.optimizer for ph in plan.phases] == ["personal"]
 
 
 # --- masks over rounds -------------------------------------------------------------------------------------------
@@ -375,7 +380,8 @@ def trained_from(algo: FedSelect, reply: dict, new_state: dict) -> dict[str, tor
     return out
 
 
-def test_client_round_composition_localalt_order_reply_and_gradselect_match_hand_reference():
+@pytest.mark.parametrize("eligible", ["all", "weights"])
+def test_client_round_composition_localalt_order_reply_and_gradselect_match_hand_reference(eligible):
     """One client round of Alg. 1 against references written out by hand, on a client whose masks exercise every
     case: a tensor partly personal with entries that just became personal (start from the fresh global value), one
     at its α limit (must not grow), one wholly personal (trained only in the personal pass), one wholly global.
@@ -386,10 +392,11 @@ def test_client_round_composition_localalt_order_reply_and_gradselect_match_hand
     decay make any leak or restart visible); the reply holds exactly the entries global during this training plus
     their packed mask; the client keeps its personal entries; GradSelect grows the mask by the top p of
     |θ_trained − θ_round_start| among still-global entries, and only below α; the grown mask is stored for the next
-    round (the training mask is what the server learns)."""
+    round (the training mask is what the server learns). With `eligible: weights` the classifier's bias is not
+    eligible: always global, it trains in the global pass only."""
     train = {**TINY["train"], "local_epochs": 2, "momentum": 0.5, "weight_decay": 0.01}
     p, alpha = 0.25, 0.3
-    algo, _ = drive({"p": p, "alpha": alpha, "eligible": "all"}, 0, train=train)
+    algo, _ = drive({"p": p, "alpha": alpha, "eligible": eligible}, 0, train=train)
     model, init = algo.ctx.model, algo.ctx.initial_params
     c = algo.ctx.federation.participated[0]
     data = algo.ctx.client_data(c)
@@ -398,6 +405,9 @@ def test_client_round_composition_localalt_order_reply_and_gradselect_match_hand
     w1, wc, bc = "blocks.fc1.1.weight", "blocks.classifier.weight", "blocks.classifier.bias"
     mask = {w1: rand[w1] < 0.1, wc: rand[wc] < 0.4, bc: torch.ones(10, dtype=torch.bool)}
     held = {w1: rand[w1] < 0.05, wc: mask[wc], bc: mask[bc]}  # fc1: half its personal entries are new this round
+    if eligible == "weights":
+        del mask[bc], held[bc]
+    assert sorted(mask) == sorted(k for k in algo.eligible if k in (w1, wc, bc))
     assert int(mask[wc].sum()) >= alpha * mask[wc].numel()
     server = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in init.items()}  # start ≠ initial model
     own = {k: init[k][m] + 1.0 for k, m in held.items()}  # the client's personal values from its last training
