@@ -779,7 +779,8 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
 
 
 def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: float) -> None:
-    """The profile of a batched round and the step probe, each unless skipped or past `--budget-s`."""
+    """The profile of a batched round, the step probe and the combine probe, each unless skipped or past
+    `--budget-s`."""
     for name, probe in (("profile", lambda: profile_round(a, a.out)), ("step", lambda: step_probe(a, device)),
                         ("combine", lambda: combine_probe(a, device))):  # fmt: skip
         if name in a.skip:

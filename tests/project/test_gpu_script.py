@@ -183,9 +183,10 @@ def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
 
 
 def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp_path):
-    """The combine probe times other forms of FedBasis's θ(α, V) beside `basis.combine`: each must give the same
-    gradients with respect to α and to the bases (`max_gap`, relative), or its time compares nothing; the figures
-    reach gpu.txt."""
+    """The combine probe times other forms of FedBasis's θ(α, V) beside `basis.combine`: each must give the same θ
+    and the same gradients with respect to α and to the bases (`max_gap`, relative), or its time compares nothing;
+    a form that slips (the major basis dropped, α's rows swapped, α detached) shows a gap; the figures reach
+    gpu.txt."""
     import torch
 
     gpu = _gpu_script()
