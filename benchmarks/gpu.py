@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pflbed.allocator import kept_freed_memory
 from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.engine.driver import Driver
@@ -190,7 +191,8 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times, flushes = [], []
-        with Sampler(device) as sampler, cudnn_flags(**(TUNED if tuned else {})):
+        with Sampler(device) as sampler, cudnn_flags(**(TUNED if tuned else {})), \
+                kept_freed_memory(cfg.executor.keep_freed_memory):  # as a run's rounds (`engine.loop.experiment`)
             for rnd in range(1, cfg.train.rounds + 1):
                 if times and time.perf_counter() + times[-1] > deadline:
                     break
@@ -266,25 +268,26 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     device = algo.ctx.device
     executor, _ = make_executor(algo, None)
     driver = Driver(algo, executor)
-    server, _ = driver.train_round(1, algo.init_server())
-    sync(device)
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        server, _ = driver.train_round(2, server)
+    with kept_freed_memory(cfg.executor.keep_freed_memory):  # as a run's rounds
+        server, _ = driver.train_round(1, algo.init_server())
         sync(device)
-    seconds = time.perf_counter() - t0
-    table = prof.key_averages()
-    syncs = {e.key: e.count for e in table if e.key in SYNC_EVENTS}
-    by_device = table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
-    by_host = table.table(sort_by="self_cpu_time_total", row_limit=30)
-    with profile(activities=activities, with_stack=True) as traced, warnings.catch_warnings():  # a third round:
-        # where the waits come from; the stack tracer reads every module parameter's .grad, which warns for the
-        # stacked (non-leaf) parameters a batched step swaps in: a warning about the tracer, not the round
-        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
-        driver.train_round(3, server)
-        sync(device)
+        cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            server, _ = driver.train_round(2, server)
+            sync(device)
+        seconds = time.perf_counter() - t0
+        table = prof.key_averages()
+        syncs = {e.key: e.count for e in table if e.key in SYNC_EVENTS}
+        by_device = table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+        by_host = table.table(sort_by="self_cpu_time_total", row_limit=30)
+        with profile(activities=activities, with_stack=True) as traced, warnings.catch_warnings():  # a third round:
+            # where the waits come from; the stack tracer reads every module parameter's .grad, which warns for the
+            # stacked (non-leaf) parameters a batched step swaps in: a warning about the tracer, not the round
+            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+            driver.train_round(3, server)
+            sync(device)
     waits = collections.Counter((e.name, python_frames(e)) for e in traced.events() if e.name in SYNC_EVENTS)
     where = "\n".join(f"{n:6d} {name}\n" + "".join(f"         {frame}\n" for frame in frames)
                       for (name, frames), n in waits.most_common(20))  # fmt: skip

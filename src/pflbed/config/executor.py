@@ -47,6 +47,13 @@ class ExecutorConfig(Strict):
         "(engine.threads.choose_threads); procs workers: 1",
     )
 
+    keep_freed_memory: bool = Field(
+        True, description="while the run trains and evaluates, keep the memory the process frees for its next "
+        "allocations (glibc's malloc: no mmap per large allocation, no trimming; pflbed.allocator) instead of "
+        "returning it to the system and faulting it in again — batched rounds on a CPU allocate hundreds of MB a "
+        "step (benchmarks/allocator.py); the process's memory does not shrink until the run ends; figures are the "
+        "same either way; no effect off glibc"
+    )
     batch_clients: bool | None = Field(
         None, description="executor.name=loop: train a round's clients together as one batched computation where "
         "the algorithm's update is a plan of local SGD (engine.batched; the algorithms index says which; equal to one "

@@ -21,6 +21,7 @@ from pflbed import privacy, rng
 from pflbed.algorithms import get_algorithm
 from pflbed.algorithms.base import Algorithm, Context
 from pflbed.algorithms.training import get_params
+from pflbed.allocator import kept_freed_memory
 from pflbed.config import Config, resolve_device
 from pflbed.data import DataSource, base_dataset, load_source
 from pflbed.data.augment import make_augment
@@ -214,6 +215,7 @@ def experiment(
     with RunProgress(progress, title, cfg.train.rounds, first - 1, t0=started) as bar, contextlib.ExitStack() as stack:
         if board is not None:
             stack.callback(board.close)
+        stack.enter_context(kept_freed_memory(cfg.executor.keep_freed_memory))
         try:
             for r in driver.rounds(server, first):
                 server = r.server

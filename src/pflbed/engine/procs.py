@@ -31,6 +31,7 @@ client's cost grows with its samples); the assignment only affects speed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -46,6 +47,7 @@ import torch.multiprocessing as mp
 
 from pflbed import compute, rng
 from pflbed.algorithms.base import Algorithm, Predictor, Tensors
+from pflbed.allocator import kept_freed_memory
 from pflbed.engine.executor import LoopExecutor, update_client
 from pflbed.engine.packed import Packed, pack, unpack
 
@@ -94,32 +96,35 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
     torch.set_num_threads(threads)
     algo: Algorithm | None = None
     device = torch.device("cpu")
-    while (msg := _get(tasks)) is not None:
-        kind, body = msg
-        if kind == "algorithm":
-            private, (source, federation) = body
-            algo = pickle.loads(private)
-            device = algo.ctx.device
-            rng.deterministic_kernels(device, algo.ctx.cfg.executor.deterministic)
-            algo.ctx.source, algo.ctx.federation = source.to(device), pickle.loads(federation).to(device)
-            continue
-        if kind == "forward":
-            tag, predictor, method, split, parts, batch_size = body
+    with contextlib.ExitStack() as kept:  # the run's allocator setting, for the worker's life (`pflbed.allocator`)
+        while (msg := _get(tasks)) is not None:
+            kind, body = msg
+            if kind == "algorithm":
+                private, (source, federation) = body
+                algo = pickle.loads(private)
+                kept.close()
+                kept.enter_context(kept_freed_memory(algo.ctx.cfg.executor.keep_freed_memory))
+                device = algo.ctx.device
+                rng.deterministic_kernels(device, algo.ctx.cfg.executor.deterministic)
+                algo.ctx.source, algo.ctx.federation = source.to(device), pickle.loads(federation).to(device)
+                continue
+            if kind == "forward":
+                tag, predictor, method, split, parts, batch_size = body
+                try:
+                    pred = pickle.loads(predictor)
+                    x = getattr(algo.ctx.source, split).x
+                    outs = [getattr(pred, method)(x[p.to(device)], batch_size).cpu() for p in parts]
+                    _put(results, (tag, outs, None, None))
+                except BaseException as e:
+                    _put(results, (tag, None, None, (type(e).__name__, str(e), traceback.format_exc())))
+                continue
+            rnd, cid, payload, state = body
             try:
-                pred = pickle.loads(predictor)
-                x = getattr(algo.ctx.source, split).x
-                outs = [getattr(pred, method)(x[p.to(device)], batch_size).cpu() for p in parts]
-                _put(results, (tag, outs, None, None))
-            except BaseException as e:
-                _put(results, (tag, None, None, (type(e).__name__, str(e), traceback.format_exc())))
-            continue
-        rnd, cid, payload, state = body
-        try:
-            before = compute.total()
-            reply, new_state = update_client(algo, rnd, cid, *unpack(payload, device), *unpack(state, device))
-            _put(results, (cid, pack(reply, new_state), compute.total() - before, None))
-        except BaseException as e:  # report it; the executor raises it in the main process
-            _put(results, (cid, None, None, (type(e).__name__, str(e), traceback.format_exc())))
+                before = compute.total()
+                reply, new_state = update_client(algo, rnd, cid, *unpack(payload, device), *unpack(state, device))
+                _put(results, (cid, pack(reply, new_state), compute.total() - before, None))
+            except BaseException as e:  # report it; the executor raises it in the main process
+                _put(results, (cid, None, None, (type(e).__name__, str(e), traceback.format_exc())))
 
 
 class WorkerError(RuntimeError):
