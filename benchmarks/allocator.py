@@ -55,7 +55,7 @@ def one(case: str, keep: bool, clients: int, samples: int, rounds: int) -> dict:
             times.append(time.perf_counter() - t0)
     digest = hashlib.sha256()
     for k in sorted(server):
-        digest.update(k.encode() + server[k].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(k.encode() + server[k].detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"s_per_round": statistics.median(times[1:]), "peak_gb": usage.ru_maxrss / 2**20,
             "sys_s": usage.ru_stime, "state": digest.hexdigest()}

@@ -148,6 +148,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.compile": st.sampled_from(["off", "default", "reduce-overhead"]),
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),
+    "executor.keep_freed_memory": st.booleans(),
     "executor.batch_clients": st.one_of(st.none(), st.booleans()),
     "executor.batch_max_clients": st.one_of(st.none(), st.integers(1, 1000)),
     "executor.threads": st.one_of(st.none(), st.integers(min_value=0, max_value=max_threads() + 1)),
