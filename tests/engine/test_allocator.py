@@ -10,6 +10,9 @@ import ctypes
 import pickle
 import platform
 import queue
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +146,14 @@ def test_a_procs_worker_holds_it_as_its_run_says_and_puts_it_back_when_it_stops(
     tag, outs, _, error = procs._get(results)
     assert error is None and bool(outs[0]) is not keep
     assert big_is_mmapped() and allocator._users == 0
+
+
+def test_the_side_by_side_benchmark_runs_and_finds_the_same_state_both_ways() -> None:
+    """`benchmarks/allocator.py` as the configuration guide names it, at a tiny size: one row, states equal."""
+    script = Path(__file__).parents[2] / "benchmarks" / "allocator.py"
+    out = subprocess.run([sys.executable, str(script), "--repeats", "1", "--clients", "2", "--samples", "20",
+                          "--rounds", "2", "--cases", "fedavg/mlp/batched"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = out.stdout.strip().splitlines()[-1].split()
+    assert row[0] == "fedavg/mlp/batched" and row[-1] == "yes"
