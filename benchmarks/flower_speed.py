@@ -31,6 +31,13 @@ def figures(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in ("timing", "provenance")}
 
 
+def executors(workers: int) -> dict[str, dict]:
+    """Each compared executor's section, every one named: the default, `auto`, would run a large enough federation
+    on `procs` and time it as `loop`."""
+    return {"loop": {"name": "loop", "threads": 1}, "procs": {"name": "procs", "workers": workers, "threads": 1},
+            "flower": {"name": "flower", "workers": workers, "threads": 1}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -39,9 +46,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     base = {"train": {"rounds": a.rounds}, "eval": {"every": 1000, "finetune": []}}
-    cfg = {n: validate_config({**base, "executor": ex}) for n, ex in {
-        "loop": {"threads": 1}, "procs": {"name": "procs", "workers": a.workers, "threads": 1},
-        "flower": {"name": "flower", "workers": a.workers, "threads": 1}}.items()}  # fmt: skip
+    cfg = {n: validate_config({**base, "executor": ex}) for n, ex in executors(a.workers).items()}
     clients = cfg["loop"].federation.clients
     with WorkerPool(a.workers, threads=1) as pool, FlowerSimulation(clients, a.workers) as sim:
         loop = run(cfg["loop"], write=False, progress=False)

@@ -37,10 +37,10 @@ from pflbed.models import build_model
 from pflbed.runs import run
 
 VARIANTS = {  # name → (executor section, model section)
-    "loop": ({"threads": 1}, {}),
+    "loop": ({"name": "loop", "threads": 1}, {}),  # named: the default, `auto`, picks procs for a large run
     "procs": ({"name": "procs", "threads": 1}, {}),
-    "batched": ({"threads": 1, "batch_clients": True}, {}),
-    "nhwc": ({"threads": 1}, {"channels_last": True}),
+    "batched": ({"name": "loop", "threads": 1, "batch_clients": True}, {}),
+    "nhwc": ({"name": "loop", "threads": 1}, {"channels_last": True}),
 }
 
 
@@ -98,8 +98,8 @@ def peak_rss_mb() -> float:
 
 
 SCALE_VARIANTS = {  # name → (executor section, model section)
-    "nchw": ({"threads": 1}, {}),
-    "nhwc": ({"threads": 1}, {"channels_last": True}),
+    "nchw": ({"name": "loop", "threads": 1}, {}),
+    "nhwc": ({"name": "loop", "threads": 1}, {"channels_last": True}),
     "procs": ({"name": "procs", "workers": 2, "threads": 1}, {}),
 }
 
@@ -145,7 +145,8 @@ def gpu(a: argparse.Namespace) -> None:
     name = torch.cuda.get_device_name()
     print(f"\nGPU ({name}): FedAvg, 100 clients all participating, 1 local epoch, batch 32, cnn")
     fed = {"clients": 100, "partition": "dirichlet", "alpha": 0.1}
-    runs = {"loop": {"device": "cuda", "batch_clients": False}, "batched": {"device": "cuda", "batch_clients": True},
+    runs = {"loop": {"device": "cuda", "name": "loop", "batch_clients": False},
+            "batched": {"device": "cuda", "name": "loop", "batch_clients": True},
             "procs": {"device": "cuda", "name": "procs", "workers": a.workers, "threads": 1}}  # fmt: skip
     for n, ex in runs.items():
         r = run(validate_config(config({"name": "cnn"}, ex, a.rounds + 1, 32, fed=fed)), write=False, progress=False)
