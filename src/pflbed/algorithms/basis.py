@@ -1,7 +1,7 @@
 """The machinery behind FedBasis (`pflbed.algorithms.fedbasis`), as functions: combining basis models, sharpening
-combination vectors, training through a combination (the mini-batch loop, trainable copies of the bases, and the
-hand-back of BatchNorm statistics to them), the k-means warm start, and the collapse diagnostics of the paper's
-Fig. 2.
+combination vectors, training through a combination (the mini-batch loop, trainable copies of the bases, the V
+step's reparameterization, and the hand-back of BatchNorm statistics to them), the k-means warm start, and the
+collapse diagnostics of the paper's Fig. 2.
 
 Kept free of any `Algorithm` so that each piece can be tested on hand-built tensors, and so that the
 combination used in training, in evaluation and in the tests is one and the same function; the algorithm file
@@ -33,8 +33,9 @@ from pflbed.algorithms.training import index_batches, weighted_mean
 Tensors = dict[str, torch.Tensor]
 
 MAJOR_WEIGHT = 0.5  # θ = ½·v' + ½·Σ_k α[k]·v_k (paper §4.4, "the major basis")
-# A plan's tensors (`CombinedObjective`): the stacked bases' parameters and statistics, the major basis's, and ψ
-BASES_V, STATS_V, BASES_M, STATS_M, PSI = "v.", "vs.", "m.", "ms.", "psi"
+# A plan's tensors (`CombinedObjective`): the stacked bases' parameters and statistics, the major basis's, ψ, and
+# the V step's own two (`v_step_theta`): the step P of the combination and the decay a of the starting bases
+BASES_V, STATS_V, BASES_M, STATS_M, PSI, STEP, DECAY = "v.", "vs.", "m.", "ms.", "psi", "dv.", "decay"
 
 
 def stack_bases(bases: list[Tensors], keys: Iterable[str] | None = None) -> Tensors:
@@ -77,6 +78,74 @@ def combine(
         mixed = torch.tensordot(w[group_of[k]].to(v.dtype), v, dims=1)
         out[k] = mixed + w_major * major[k] if major is not None else mixed
     return out
+
+
+def coefficients(alpha: torch.Tensor, major: bool) -> torch.Tensor:
+    """The (G, [1 +] K) coefficients c_i of the combination, one row per group: the major basis's ½ first (if any),
+    then the non-major bases' (`mixing_weights`)."""
+    w_major, w = mixing_weights(alpha, major)
+    return torch.cat([w.new_full((w.shape[0], 1), w_major), w], 1) if major else w
+
+
+def v_step_theta(
+    stacked: Mapping[str, torch.Tensor],
+    major: Mapping[str, torch.Tensor] | None,
+    alpha: torch.Tensor,
+    step: Mapping[str, torch.Tensor],
+    decay: torch.Tensor,
+    group_of: Mapping[str, int],
+    keys: Iterable[str],
+) -> Tensors:
+    """θ during the V step (Eq. 9 step 4), from the bases V⁰ it started from, its step P and decay a: θ = a·θ(α†, V⁰)
+    + P, with the gradient reaching P multiplied by S = Σ_i c_i² of the key's group (`coefficients`) and none
+    reaching a or V⁰.
+
+    Why: with α† fixed, θ = Σ_i c_i·v_i is linear in the bases, each basis's gradient is c_i·∇θL (Eq. 8), and
+    SGD with momentum μ and weight decay λ (`sgd.SGD`) keeps every basis of the form v_i = a·v_i⁰ + c_i·U: by
+    induction, d_i = c_i·∇θL + λ·v_i = λa·v_i⁰ + c_i·(∇θL + λU) and the momentum buffers take the same form, so one
+    SGD on U (gradient ∇θL, the same μ, λ and lr) and one on the scalar a (gradient 0, moved by λ alone: a = 1
+    without weight decay) follow every basis exactly. Trained as P = S·U (then θ = a·θ⁰ + P, and SGD on P with
+    gradient S·∇θL is S times SGD on U, weight decay included), the step holds one model's tensors a client
+    instead of K + 1 bases, their gradients and momenta: in a batched round of ResNet-18s the difference between
+    fitting a device and not. `trained_bases` gives the bases back: v_i = a·v_i⁰ + (c_i / S)·P. The same SGD in
+    exact arithmetic; in floating point the sums are formed in another order (the tests compare with SGD on every
+    basis written out, to 1e-5)."""
+    frozen, frozen_major = detached(stacked, major)
+    alpha = alpha.detach()
+    start = combine(frozen, alpha, group_of, frozen_major, keys)
+    scale = coefficients(alpha, major is not None).pow(2).sum(-1)  # S per group
+    a = decay.detach() + 0 * decay  # a gradient of zeros, not none: weight decay still moves a
+    out: Tensors = {}
+    for k in keys:
+        p = step[k]
+        s = scale[group_of[k]].to(p.dtype)
+        out[k] = a * start[k] + p + (s - 1) * (p - p.detach())  # the value a·θ⁰ + P; ∂/∂P = S·∇θL
+    return out
+
+
+def trained_bases(
+    stacked: Mapping[str, torch.Tensor],
+    major: Mapping[str, torch.Tensor] | None,
+    alpha: torch.Tensor,
+    step: Mapping[str, torch.Tensor],
+    decay: torch.Tensor,
+    group_of: Mapping[str, int],
+    keys: Iterable[str],
+) -> tuple[Tensors, Tensors | None]:
+    """The bases after a V step of `v_step_theta` from `stacked` / `major` (V⁰): v_i = a·v_i⁰ + (c_i / S)·P over
+    `keys`, as fresh tensors: (stacked, major or None). c_i / S is `stat_update_shares` of the coefficients: the
+    same split of a move of θ over the bases as for the statistics, and a basis with c_i = 0 only decays."""
+    shares_of = stat_update_shares(coefficients(alpha.detach(), major is not None))
+    new: Tensors = {}
+    new_major: Tensors | None = {} if major is not None else None
+    with torch.no_grad():
+        for k in keys:
+            p, shares = step[k], shares_of[group_of[k]].to(step[k].dtype)
+            if new_major is not None and major is not None:
+                new_major[k] = decay * major[k] + shares[0] * p
+                shares = shares[1:]
+            new[k] = decay * stacked[k] + shares.view(-1, *([1] * p.dim())) * p
+    return new, new_major
 
 
 def sharpen(alpha: torch.Tensor, tau: float) -> torch.Tensor:
@@ -224,11 +293,7 @@ def tracked_statistics(
     Every step stays on the tensors' device, with no value read back per statistic (a ResNet-18 has 40 of them
     per batch: a host read each would stall a GPU each time).
     """
-    w_major, w = mixing_weights(alpha, major is not None)
-    coeffs = w.double()
-    if major is not None:
-        coeffs = torch.cat([coeffs.new_full((coeffs.shape[0], 1), w_major), coeffs], 1)
-    shares_of = stat_update_shares(coeffs)  # (groups, [v'] + bases)
+    shares_of = stat_update_shares(coefficients(alpha.double(), major is not None))  # (groups, [v'] + bases)
     new: Tensors = {}
     new_major: Tensors | None = {} if major is not None else None
     with torch.no_grad():
@@ -255,14 +320,15 @@ def tracked_statistics(
 class CombinedObjective:
     """FedBasis's local loss as a plan's objective (`local_sgd.Objective`): cross-entropy of the combined model
     θ(α, V) (`combine`), the plan's tensors being the bases' parameters `v.<key>` (stacked, (K, …)), their
-    running statistics `vs.<key>`, the major basis's `m.<key>` / `ms.<key>` (if any) and ψ (`psi`, (G, K)).
+    running statistics `vs.<key>`, the major basis's `m.<key>` / `ms.<key>` (if any), ψ (`psi`, (G, K)), and the
+    V step's step `dv.<key>` and decay `decay` (`v_step_theta`: the bases themselves stay as the round sent them).
 
-    `alpha`: where α comes from — "softmax": softmax(ψ) (the ψ step, Eq. 9 steps 1–2, ψ trained); "sharpened":
-    SHARPEN(softmax(ψ); τ), held fixed (the V step with α†, Eq. 9 steps 3–4, ψ as the ψ step left it); "given":
-    the plan's constant `alpha` (a V step with an α† of the caller's). It also serves the model's BatchNorm
-    statistics per batch (`running`: combined from the bases with α detached — statistics are not trained) and,
-    with `track`, hands their update back to the bases (`hand_back`: `tracked_statistics`) — the hooks
-    `local_sgd.run_plan` and `engine.batched` call around each step. A class, not a closure: the algorithm
+    `alpha`: where α comes from — "softmax": softmax(ψ) (the ψ step, Eq. 9 steps 1–2, ψ trained, V frozen);
+    "sharpened": SHARPEN(softmax(ψ); τ), held fixed (the V step with α†, Eq. 9 steps 3–4, ψ as the ψ step left
+    it); "given": the plan's constant `alpha` (a V step with an α† of the caller's). It also serves the model's
+    BatchNorm statistics per batch (`running`: combined from the bases with α detached — statistics are not
+    trained) and, with `track`, hands their update back to the bases (`hand_back`: `tracked_statistics`) — the
+    hooks `local_sgd.run_plan` and `engine.batched` call around each step. A class, not a closure: the algorithm
     travels to `procs` workers by pickle, and clients' plans batch together when they share one objective.
     """
 
@@ -304,7 +370,13 @@ class CombinedObjective:
         w: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         stacked, major = self.bases(params, self.param_keys, False)
-        theta = combine(stacked, self.coefficients(params, consts), self.group_of, major, self.param_keys)
+        alpha = self.coefficients(params, consts)
+        if self.alpha == "softmax":
+            frozen, frozen_major = detached(stacked, major)  # V is frozen: no gradient of the bases computed
+            theta = combine(frozen, alpha, self.group_of, frozen_major, self.param_keys)
+        else:
+            step = {k: params[STEP + k] for k in self.param_keys}
+            theta = v_step_theta(stacked, major, alpha, step, params[DECAY], self.group_of, self.param_keys)
         logits = model_forward(model, theta, x)
         return F.cross_entropy(logits, y) if w is None else batch_mean(F.cross_entropy(logits, y, reduction="none"), w)
 

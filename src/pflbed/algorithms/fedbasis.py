@@ -58,9 +58,14 @@ Interpretations (the paper leaves these open):
     combined statistics during a client's update and are put back after it.
   - Eq. 9 is a plan (`sgd_plan`): the ψ step and the V step are two phases over the bases (`v.`, `m.`, their
     statistics `vs.`, `ms.`) and ψ, on `basis.CombinedObjective`, whose hooks combine the statistics before each
-    step and hand their update back after it; so `executor.batch_clients` trains a round's clients together, each
-    with its own copy of the bases. The joint update (`coordinate_descent: false`) runs client by client: ψ
-    without and V with weight decay in one step is not a plan's phase.
+    step and hand their update back after it; so `executor.batch_clients` trains a round's clients together.
+    The V step trains the bases through an exact reparameterization (`basis.v_step_theta`): with α† fixed every
+    basis stays v_i = a·v_i⁰ + c_i·U under SGD with momentum and weight decay, so SGD runs on one model-sized
+    step P = S·U (S = Σ_i c_i²) and the scalar decay a, and the bases are formed from them once, at the end
+    (`basis.trained_bases`): the same SGD on every basis up to float rounding (tested against it written out),
+    on one model's tensors, gradients and momenta per client instead of K + 1. The joint update
+    (`coordinate_descent: false`) runs client by client: ψ without and V with weight decay in one step is not a
+    plan's phase.
   - BatchNorm: affine γ, β are parameters and are combined like weights. Running mean/var are combined the same
     way (with α detached: they are statistics, not trained) into fresh tensors per batch, so a training forward
     updates only those copies. `bn_stats="track"` then hands each batch's update Δ of the combined statistic back
@@ -136,9 +141,11 @@ from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData,
 from pflbed.algorithms.basis import (
     BASES_M,
     BASES_V,
+    DECAY,
     PSI,
     STATS_M,
     STATS_V,
+    STEP,
     CombinedObjective,
     collapse_diagnostics,
     combine,
@@ -148,6 +155,7 @@ from pflbed.algorithms.basis import (
     sharpen,
     stack_bases,
     trainable_copies,
+    trained_bases,
 )
 from pflbed.algorithms.basis_plots import mixing_table, write_mixing_weights
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
@@ -353,28 +361,43 @@ class FedBasis(Algorithm):
                      objective=self.softmax)  # fmt: skip
 
     def basis_phase(self, objective: CombinedObjective) -> Phase:
-        """Eq. 9 step 4: `basis_epochs` epochs of SGD on every basis and v' (`train.*`), α† fixed."""
+        """Eq. 9 step 4: `basis_epochs` epochs of SGD on every basis and v' (`train.*`), α† fixed — as SGD on the
+        step of their combination and the decay of where they started (`basis.v_step_theta`), which follows the
+        SGD of every basis exactly, on one model's tensors."""
         lr = self.ctx.cfg.train.lr
-        return Phase((), self.opts.basis_epochs, lr, extra=((BASES_V, lr), (BASES_M, lr)), objective=objective)
+        return Phase((), self.opts.basis_epochs, lr, extra=((STEP, lr), (DECAY, lr)), objective=objective)
 
     def plan_tensors(self, stacked: Tensors, major: Tensors | None) -> Tensors:
-        """The bases as a plan's tensors (`basis.CombinedObjective`'s names), ψ = 0 (α uniform: Alg. 1 line 4)."""
+        """The bases as a plan's tensors (`basis.CombinedObjective`'s names), ψ = 0 (α uniform: Alg. 1 line 4), and
+        the V step's start: step 0, decay 1."""
         out = {BASES_V + k: stacked[k] for k in self.param_keys} | {STATS_V + k: stacked[k] for k in self.buffer_keys}
         if major is not None:
             out |= {BASES_M + k: major[k] for k in self.param_keys} | {STATS_M + k: major[k] for k in self.buffer_keys}
-        return {**out, PSI: torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device)}
+        out |= {STEP + k: torch.zeros_like(stacked[k][0]) for k in self.param_keys}
+        dtype = stacked[self.param_keys[0]].dtype
+        return {**out, DECAY: torch.ones((), dtype=dtype, device=self.ctx.device),
+                PSI: torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device)}  # fmt: skip
 
-    def plan_bases(self, tensors: Tensors) -> tuple[Tensors, Tensors | None]:
-        """(stacked bases, major basis or None) from a plan's tensors, in the model's key order."""
-        stacked = {k: tensors[(BASES_V if k in self.named else STATS_V) + k] for k in self.keys}
-        if BASES_M + self.param_keys[0] not in tensors:
-            return stacked, None
-        return stacked, {k: tensors[(BASES_M if k in self.named else STATS_M) + k] for k in self.keys}
+    def plan_bases(self, tensors: Tensors, alpha: torch.Tensor) -> tuple[Tensors, Tensors | None]:
+        """(stacked bases, major basis or None) in the model's key order, after a plan's V step with `alpha`
+        (`basis.trained_bases`); their statistics as the plan's hand-back left them."""
+        stacked = {k: tensors[STATS_V + k] for k in self.buffer_keys}
+        major = {k: tensors[STATS_M + k] for k in self.buffer_keys} if BASES_M + self.param_keys[0] in tensors else None
+        step = {k: tensors[STEP + k] for k in self.param_keys}
+        new, new_major = trained_bases({k: tensors[BASES_V + k] for k in self.param_keys},
+                                       None if major is None else {k: tensors[BASES_M + k] for k in self.param_keys},
+                                       alpha, step, tensors[DECAY], self.group_of, self.param_keys)  # fmt: skip
+        stacked |= new
+        if major is None or new_major is None:
+            return {k: stacked[k] for k in self.keys}, None
+        major |= new_major
+        return {k: stacked[k] for k in self.keys}, {k: major[k] for k in self.keys}
 
     def round_result(self, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, Tensors, Tensors | None]:
         """(α* = softmax(ψ*), α† = SHARPEN(α*; τ), V*) from a plan's trained tensors."""
         alpha_star = torch.softmax(tensors[PSI], -1)
-        return alpha_star, sharpen(alpha_star, self.opts.tau), *self.plan_bases(tensors)
+        alpha_dag = sharpen(alpha_star, self.opts.tau)
+        return alpha_star, alpha_dag, *self.plan_bases(tensors, alpha_dag)
 
     def finish(self, tensors: Tensors) -> tuple[Tensors, Tensors]:
         """Upload V*; keep α† and α*."""
@@ -471,7 +494,7 @@ class FedBasis(Algorithm):
         """Eq. 9 step 4 alone (the plan's second phase, with this α† as a constant): the trained bases."""
         plan = LocalSGDPlan(self.plan_tensors(stacked, major), (self.basis_phase(self.given),),
                             lambda t: (t, {}), consts={"alpha": alpha.detach()})  # fmt: skip
-        return self.plan_bases(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, gen)[0])
+        return self.plan_bases(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, gen)[0], alpha)
 
     def joint_step(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
