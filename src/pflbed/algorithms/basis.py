@@ -131,20 +131,24 @@ def trained_bases(
     decay: torch.Tensor,
     group_of: Mapping[str, int],
     keys: Iterable[str],
-) -> tuple[Tensors, Tensors | None]:
+) -> tuple[list[Tensors], Tensors | None]:
     """The bases after a V step of `v_step_theta` from `stacked` / `major` (V⁰): v_i = a·v_i⁰ + (c_i / S)·P over
-    `keys`, as fresh tensors: (stacked, major or None). c_i / S is `stat_update_shares` of the coefficients: the
-    same split of a move of θ over the bases as for the statistics, and a basis with c_i = 0 only decays."""
+    `keys`: (one dict per non-major basis, the major basis's or None), each entry a fresh tensor of its own — a
+    reply as it is, with no stacked copy of the K bases beside it. c_i / S is `stat_update_shares` of the
+    coefficients: the same split of a move of θ over the bases as for the statistics, and a basis with c_i = 0
+    only decays."""
     shares_of = stat_update_shares(coefficients(alpha.detach(), major is not None))
-    new: Tensors = {}
+    keys = list(keys)
+    new: list[Tensors] = [{} for _ in range(stacked[keys[0]].shape[0])] if keys else []
     new_major: Tensors | None = {} if major is not None else None
     with torch.no_grad():
         for k in keys:
             p, shares = step[k], shares_of[group_of[k]].to(step[k].dtype)
             if new_major is not None and major is not None:
-                new_major[k] = decay * major[k] + shares[0] * p
+                new_major[k] = (major[k] * decay).addcmul_(p, shares[0])
                 shares = shares[1:]
-            new[k] = decay * stacked[k] + shares.view(-1, *([1] * p.dim())) * p
+            for i, basis in enumerate(new):  # in place on the new tensor: no temporary between the kept ones
+                basis[k] = (stacked[k][i] * decay).addcmul_(p, shares[i])
     return new, new_major
 
 

@@ -378,31 +378,32 @@ class FedBasis(Algorithm):
         return {**out, DECAY: torch.ones((), dtype=dtype, device=self.ctx.device),
                 PSI: torch.zeros(len(self.groups), self.opts.K, device=self.ctx.device)}  # fmt: skip
 
-    def plan_bases(self, tensors: Tensors, alpha: torch.Tensor) -> tuple[Tensors, Tensors | None]:
-        """(stacked bases, major basis or None) in the model's key order, after a plan's V step with `alpha`
-        (`basis.trained_bases`); their statistics as the plan's hand-back left them."""
-        stacked = {k: tensors[STATS_V + k] for k in self.buffer_keys}
-        major = {k: tensors[STATS_M + k] for k in self.buffer_keys} if BASES_M + self.param_keys[0] in tensors else None
+    def plan_bases(self, tensors: Tensors, alpha: torch.Tensor) -> tuple[list[Tensors], Tensors | None]:
+        """(each non-major basis, the major basis or None) as full state dicts of fresh tensors, after a plan's V
+        step with `alpha` (`basis.trained_bases`); their statistics as the plan's hand-back left them."""
+        has_major = BASES_M + self.param_keys[0] in tensors
         step = {k: tensors[STEP + k] for k in self.param_keys}
-        new, new_major = trained_bases({k: tensors[BASES_V + k] for k in self.param_keys},
-                                       None if major is None else {k: tensors[BASES_M + k] for k in self.param_keys},
-                                       alpha, step, tensors[DECAY], self.group_of, self.param_keys)  # fmt: skip
-        stacked |= new
-        if major is None or new_major is None:
-            return {k: stacked[k] for k in self.keys}, None
-        major |= new_major
-        return {k: stacked[k] for k in self.keys}, {k: major[k] for k in self.keys}
+        bases, major = trained_bases({k: tensors[BASES_V + k] for k in self.param_keys},
+                                     {k: tensors[BASES_M + k] for k in self.param_keys} if has_major else None,
+                                     alpha, step, tensors[DECAY], self.group_of, self.param_keys)  # fmt: skip
+        bases = [{k: b[k] if k in self.named else tensors[STATS_V + k][i].clone() for k in self.keys}
+                 for i, b in enumerate(bases)]  # fmt: skip
+        if major is not None:
+            major = {k: major[k] if k in self.named else tensors[STATS_M + k].clone() for k in self.keys}
+        return bases, major
 
-    def round_result(self, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, Tensors, Tensors | None]:
-        """(α* = softmax(ψ*), α† = SHARPEN(α*; τ), V*) from a plan's trained tensors."""
+    def round_result(self, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, list[Tensors], Tensors | None]:
+        """(α* = softmax(ψ*), α† = SHARPEN(α*; τ), V* (each basis, the major one)) from a plan's trained tensors."""
         alpha_star = torch.softmax(tensors[PSI], -1)
         alpha_dag = sharpen(alpha_star, self.opts.tau)
         return alpha_star, alpha_dag, *self.plan_bases(tensors, alpha_dag)
 
     def finish(self, tensors: Tensors) -> tuple[Tensors, Tensors]:
-        """Upload V*; keep α† and α*."""
-        alpha_star, alpha_dag, stacked, major = self.round_result(tensors)
-        return self.join(stacked, major), {"alpha": alpha_dag, "alpha_star": alpha_star}
+        """Upload V* (its tensors fresh: the reply as they are); keep α† and α*."""
+        alpha_star, alpha_dag, bases, major = self.round_result(tensors)
+        reply = {MAJOR + k: v for k, v in major.items()} if major is not None else {}
+        reply |= {f"{BASIS}{i}.{k}": v for i, b in enumerate(bases) for k, v in b.items()}
+        return reply, {"alpha": alpha_dag, "alpha_star": alpha_star}
 
     def aggregate(self, rnd: int, server: Tensors, replies: dict[int, Tensors], weights: dict[int, float]) -> Tensors:
         """FedBasis rounds: V̄ = mean of the uploaded bases. Warm-up: FedAvg, and the k-means switch at its end."""
@@ -494,7 +495,8 @@ class FedBasis(Algorithm):
         """Eq. 9 step 4 alone (the plan's second phase, with this α† as a constant): the trained bases."""
         plan = LocalSGDPlan(self.plan_tensors(stacked, major), (self.basis_phase(self.given),),
                             lambda t: (t, {}), consts={"alpha": alpha.detach()})  # fmt: skip
-        return self.plan_bases(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, gen)[0], alpha)
+        bases, major = self.plan_bases(run_plan(self.ctx.model, plan, data, self.ctx.cfg.train, gen)[0], alpha)
+        return stack_bases(bases, self.keys), major
 
     def joint_step(
         self, stacked: Tensors, major: Tensors | None, data: ClientData, gen: torch.Generator
