@@ -350,6 +350,30 @@ def test_v_step_is_sgd_on_every_basis_with_alpha_frozen(major):
     assert new_major is None if not major else set(new_major) == set(algo.keys)
 
 
+@pytest.mark.parametrize("major", [True, False])
+def test_v_step_trains_one_model_sized_step_and_a_scalar_and_without_weight_decay_a_zero_step_is_no_change(major):
+    """The V step's reparameterization (`basis.v_step_theta`): what it trains is one model's parameters and one
+    scalar a client, whatever K (the memory a batched round needs: K + 1 bases, their gradients and momenta
+    otherwise); the bases are the round's start throughout. A basis with α† = 0 and no weight decay comes back
+    bit for bit (a = 1 exactly, its share of the step 0)."""
+    algo = sgd_algo({"major": major, "K": 3}, weight_decay=0.0)
+    server = random_server(algo)
+    plan = algo.sgd_plan(algo.configure(3, server, [0])[0], {}, algo.ctx.client_data(0))
+    psi_phase, v_phase = plan.phases
+    trained = [k for k in plan.start if any(k.startswith(prefix) for prefix, _ in v_phase.extra)]
+    assert sum(plan.start[k].numel() for k in trained) == sum(algo.ctx.initial_params[k].numel()
+                                                              for k in algo.param_keys) + 1  # fmt: skip
+    assert not any(k.startswith(("v.", "m.")) for k in trained)
+    stacked, mj = algo.split(server)
+    alpha = torch.tensor([[0.0, 0.4, 0.6], [0.0, 1.0, 0.0]])
+    new, new_major = algo.basis_step(stacked, mj, alpha, algo.ctx.client_data(0), gen())
+    for k in algo.param_keys:
+        assert torch.equal(new[k][0], stacked[k][0]), k
+        assert not torch.equal(new[k][1], stacked[k][1]), k
+        if major:
+            assert not torch.equal(new_major[k], mj[k]), k
+
+
 def test_client_round_is_psi_step_then_sharpen_then_v_step_with_alpha_dagger_and_uploads_v():
     """Alg. 1 lines 4–8 composed: α* = softmax(ψ*), α† = softmax(ψ*/τ) (SHARPEN), V trained with α† (not α*),
     and the upload is the trained V (all K bases and v'); the client keeps α† as `alpha` and α* as `alpha_star`.
