@@ -87,7 +87,8 @@ PUBLIC = 1000  # KT-pFL's public samples, held out of the training pool besides 
 # (`warmup_fraction` 0: the K bases independent initializations): with the default 30 % of a case's 2 rounds, the
 # untimed first round was FedAvg's and the one timed was FedBasis's first, which paid FedBasis's own warm-up: on the
 # H200 33 s, the card full (143,298 of its 143,771 MiB: ResNet-18, all 100 clients' five models, their gradients
-# and activations; the executor halves a round's clients once they run out of memory — `batched_calls` says when).
+# and activations — the V step's gradients and momenta are one model's since; the executor halves a round's
+# clients once they run out of memory — `batched_calls` says when).
 CASE_OPTIONS = {"fedbasis": {"alpha_epochs": 1, "basis_epochs": 1, "warmup_fraction": 0.0}}
 SIZE = {"paper": 32, "paper64": 64, "pflr": 32}  # image side of each shape
 
