@@ -379,7 +379,8 @@ def test_every_algorithm_is_batched_or_says_why_not():
 def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, augment=(), dataset=None, **train):
     """Three clients of unequal sizes (digits, Dir 0.3, of `clients`; `augment`: its augmentation; `dataset`: another
     dataset section), FedPer's two phases (or `algorithm`'s plan, from each client's `state(algo, cid)` where given),
-    momentum and weight decay."""
+    momentum and weight decay; the payloads of one round's `configure` (a tensor it sends every client shared by
+    their plans: `batched._one_or_stacked`)."""
     algorithm = algorithm or {"name": "fedper", "head_finetune_epochs": 1}
     dataset = dataset or {"name": "digits"}
     cfg = validate_config({"dataset": {**dataset, "augment": list(augment)}, "model": {"name": model},
@@ -391,7 +392,8 @@ def _plans(model, batch_size=8, algorithm=None, state=None, clients=6, augment=(
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)[:3]
     states = {c: state(algo, c) if state else algo.init_client(c) for c in cids}
-    plans = [algo.round_plan(algo.configure(1, server, [c])[c], states[c], ctx.client_data(c),
+    payloads = algo.configure(1, server, cids)  # as a round sends them: what they share, one object for all
+    plans = [algo.round_plan(payloads[c], states[c], ctx.client_data(c),
                              ClientContext(1, c, client_generator(cfg.seed, 1, c))) for c in cids]  # fmt: skip
     return cfg, ctx, cids, plans
 
@@ -401,8 +403,10 @@ def _in_float64(ctx, plans):
     """The model (the plans' own architecture, else the run's), the training pool and the plans' tensors in
     float64 — samples of a phase's own too, still one object for every plan — and torch's default dtype with them
     (the batched step's batch weights); why: the module's docstring."""
+    done = {}  # a tensor the plans share stays one object, shared
+
     def f64(tensors):
-        return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
+        return {k: done.setdefault(id(v), v.double()) if v.is_floating_point() else v for k, v in tensors.items()}
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -1385,3 +1389,52 @@ def test_a_phase_after_one_whose_objective_traced_its_own_forwards_draws_the_mod
     plans = [replace(p, phases=(*p.phases, Phase(every, 1, 0.05, objective=plain)), finish=lambda t: (t, {}))
              for p in plans]  # fmt: skip
     _assert_each_own(cfg, ctx, cids, plans)
+
+
+def test_a_tensor_every_client_is_sent_is_taken_once_and_one_each_client_has_its_own_is_stacked():
+    """Rule (`batched._one_or_stacked`): a key shared where every client's tensor is the same object, and the
+    caller allows it; equal values in different objects (a strict run's copies through bytes) are stacked, as are
+    the keys it does not allow and a lone client's."""
+    one, other = torch.ones(2), torch.ones(2)
+    shared, stacked = batched._one_or_stacked([{"a": one, "b": one, "c": one}, {"a": one, "b": other, "c": one}],
+                                              lambda k: k != "c")  # fmt: skip
+    assert list(shared) == ["a"] and shared["a"] is one
+    assert sorted(stacked) == ["b", "c"] and stacked["b"].shape == (2, 2)
+    alone, mine = batched._one_or_stacked([{"a": one}])
+    assert alone == {} and mine["a"].shape == (1, 2)
+
+
+def test_a_shared_start_comes_back_fresh_and_a_finish_that_writes_into_it_is_stopped():
+    """FedBABU's head, which its plan never trains, is the round's one tensor for every client batched together
+    (`_one_or_stacked`): `train_together` hands it back as that object, the executor's `finish` returns a copy of
+    it (a reply is fresh, as in the loop: the server may fold it in in place) — and a plan whose `finish` wrote
+    into it would have changed every other client's start: stopped."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "fedbabu"})
+    head = [k for k in plans[0].start if "classifier" in k]
+    assert head and all(p.start[k] is plans[0].start[k] for p in plans for k in head)
+    together = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                              [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+    assert all(t[k] is plans[0].start[k] for t in together for k in head)  # one tensor, not one a client
+    executor = BatchedExecutor.__new__(BatchedExecutor)  # its `finish` alone, outside a run's RNG and precision
+    executor.as_its_update = lambda n: contextlib.nullcontext()
+    noise = rng.global_stream(1, ctx.device)
+    plan = replace(plans[0], finish=lambda t: (t, {"head": t[head[0]]}))
+    reply, state = executor.finish(plan, together[0], noise)
+    assert all(reply[k] is not plan.start[k] and torch.equal(reply[k], plan.start[k]) for k in head)
+    assert state["head"] is not plan.start[head[0]]
+    writes = replace(plans[0], finish=lambda t: (t, {"head": t[head[0]].mul_(2)}))
+    with pytest.raises(RuntimeError, match="shares with other clients"):
+        executor.finish(writes, together[0], noise)
+
+
+def test_statistics_a_hook_moves_out_of_a_shared_tensor_become_each_clients_own(monkeypatch):
+    """Plans' running statistics are never shared (`batched._statistic`); were one shared, the step whose hook
+    moved it first (FedBasis's `hand_back` of its bases' statistics) gives each client its copy from then on:
+    still batched == each client's own."""
+    shared = []
+    real = batched._one_or_stacked
+    monkeypatch.setattr(batched, "_statistic", lambda key, buffers: False)
+    monkeypatch.setattr(batched, "_one_or_stacked", lambda *a: shared.append(list((out := real(*a))[0])) or out)
+    test_fedbasis_steps_together_are_each_clients_own("lenet5_bn")
+    assert any(k.startswith("vs.") for k in shared[0])  # the starts' (the first call's): shared

@@ -348,7 +348,7 @@ class FedBasis(Algorithm):
             return LocalSGDPlan(payload, (Phase(every, t.local_epochs, t.lr),), partial(_unchanged, state))
         if not o.coordinate_descent:
             return None
-        return LocalSGDPlan(self.plan_tensors(*self.split(payload)), self.phases, self.finish)
+        return LocalSGDPlan(self.payload_tensors(payload), self.phases, self.finish)
 
     @property
     def phases(self) -> tuple[Phase, Phase]:
@@ -366,6 +366,15 @@ class FedBasis(Algorithm):
         SGD of every basis exactly, on one model's tensors."""
         lr = self.ctx.cfg.train.lr
         return Phase((), self.opts.basis_epochs, lr, extra=((STEP, lr), (DECAY, lr)), objective=objective)
+
+    def payload_tensors(self, payload: Tensors) -> Tensors:
+        """`plan_tensors` of a payload, built once for the payload object the round sends every client
+        (`configure`): the same tensors in every client's plan, which batched clients take once for all of them
+        (`engine.batched`: K + 1 models a client fewer); the loop trains copies of them (`run_plan`)."""
+        memo = self._memo(payload)[2]
+        if "plan" not in memo:
+            memo["plan"] = self.plan_tensors(*self._parts(payload))
+        return memo["plan"]
 
     def plan_tensors(self, stacked: Tensors, major: Tensors | None) -> Tensors:
         """The bases as a plan's tensors (`basis.CombinedObjective`'s names), ψ = 0 (α uniform: Alg. 1 line 4), and

@@ -130,9 +130,17 @@ class BatchedExecutor(LoopExecutor):
         """A batched client's `finish` as `run_plan` runs it after the client's own steps (`as_its_update`): from
         where its training left its dropout stream (SCAFFOLD's option I takes a gradient pass in training mode,
         drawing masks) and under the run's precision (FedAS's Fisher trace, KT-pFL's soft predictions, that
-        gradient: their forwards in bfloat16 under `executor.precision: bf16`, as in the loop)."""
+        gradient: their forwards in bfloat16 under `executor.precision: bf16`, as in the loop). A tensor of the
+        start that no phase moved comes back uncopied, shared with the other clients (`train_together`): `finish`
+        may read it, never write into it (checked), and what it returns of it is copied, fresh like the loop's."""
+        given = {id(v): v for k, v in trained.items() if v is plan.start.get(k)}  # shared, not copied
+        versions = {i: v._version for i, v in given.items()}
         with self.as_its_update(noise):
-            return plan.finish(trained)
+            reply, new_state = plan.finish(trained)
+        if any(v._version != versions[i] for i, v in given.items()):
+            raise RuntimeError("a plan's finish wrote into a tensor its start shares with other clients")
+        return tuple({k: v.clone() if id(v) in given else v for k, v in out.items()}  # type: ignore[return-value]
+                     for out in (reply, new_state))  # fmt: skip
 
     def alone(self, plan: LocalSGDPlan, cid: int, payload: Tensors, gen: torch.Generator,
               noise: torch.Generator) -> tuple[Tensors, Tensors]:  # fmt: skip
@@ -216,13 +224,17 @@ def train_together(
     compile: str = "off",
     run: nn.Module | None = None,
 ) -> list[Tensors]:
-    """Run the same-shaped `plans` of several clients at once; returns each client's trained full state. `gens`:
+    """Run the same-shaped `plans` of several clients at once; returns each client's trained full state (a start
+    tensor every client shares and no phase moved as it is, the same object for all: `_one_or_stacked`). `gens`:
     each client's batch generator; `noise`: each client's dropout stream (`rng.global_stream` of the seed the loop
     gives torch's global RNG), needed where the model has dropout; `compile`: `executor.compile`; `run`: the run's
     model, whose compiled steps share one cache (`compiled`; None: `model`'s own)."""
     keys = list(plans[0].start)
-    params = {k: torch.stack([p.start[k] for p in plans]) for k in keys}  # new tensors: the starts stay untouched
-    consts = {k: torch.stack([p.consts[k] for p in plans]) for k in plans[0].consts}
+    buffers = tuple(k for k, _ in model.named_buffers())
+    shared, params = _one_or_stacked([p.start for p in plans], lambda k: not _statistic(k, buffers))  # stacked: new
+    # tensors, the starts stay untouched
+    entries = {ph.entries for ph in plans[0].phases if ph.entries is not None}  # masks indexed per client
+    shared_consts, consts = _one_or_stacked([p.consts for p in plans], lambda k: not k.startswith(tuple(entries)))
     layers = PerClientLayers(model)
     if layers.drops:
         if noise is None:
@@ -234,14 +246,48 @@ def train_together(
         if ph.epochs:
             buf = momenta.setdefault(ph.optimizer, {}) if ph.optimizer is not None else {}
             own, g, n = _sources(ph, datas, gens, noise)
+            if ph.rule is not None or ph.model:  # a rule moves what it likes; a second model's phase, its model
+                _own_copies(params, shared, [k for k in shared if ph.rule is not None or k[len(ph.model):] in
+                                             model_keys and k.startswith(ph.model)], len(plans))  # fmt: skip
             if ph.rule is not None:
                 _rule_phase(model, layers, params, ph, own, train, g, n, compile, run or model)
                 continue
             view = {k: params[ph.model + k] for k in model_keys} if ph.model else params  # the phase's model
-            _phase(model, layers, view, consts, objective_of(plans[0], ph), ph, own, train, g, n, buf, compile,
-                   run or model)  # fmt: skip
+            _phase(model, layers, view, {} if ph.model else shared, consts, shared_consts, objective_of(plans[0], ph),
+                   ph, own, train, g, n, buf, compile, run or model)  # fmt: skip
             params.update({ph.model + k: view[k] for k in model_keys} if ph.model else {})
-    return [{k: params[k][i].clone() for k in keys} for i in range(len(plans))]
+    return [{k: params[k][i].clone() if k in params else shared[k] for k in keys} for i in range(len(plans))]
+
+
+def _one_or_stacked(
+    tensors: list[Tensors], may_share: Callable[[str], bool] = lambda k: True
+) -> tuple[Tensors, Tensors]:
+    """(shared, stacked): each key's tensor once where every client's is the same object (a payload the round sent
+    them all, FedBasis's bases) and `may_share` allows, else the clients' stacked along a new leading dimension.
+
+    Why: a tensor no phase moves needs no copy per client — vmapped steps take it unbatched, once for all clients
+    (FedBasis: the bases, K + 1 models a client otherwise). A phase that moves a shared tensor (trains it, or its
+    forward moves it as statistics) first gives each client its own copy (`_own_copies`)."""
+    first = tensors[0]
+    same = [k for k in first if len(tensors) > 1 and may_share(k) and all(t[k] is first[k] for t in tensors[1:])]
+    return ({k: first[k] for k in same},
+            {k: torch.stack([t[k] for t in tensors]) for k in sorted(first) if k not in same})  # fmt: skip
+
+
+def _statistic(key: str, buffers: tuple[str, ...]) -> bool:
+    """Whether a plan's tensor `key` is running statistics (named after one of the model's `buffers`: its own, or
+    an objective's set, FedBasis's bases' `vs.`): not shared (`_one_or_stacked`) — a forward moves them, and one
+    that became each client's own within a phase (`_phase`) would change the compiled step's inputs."""
+    return key.endswith(buffers)
+
+
+def _own_copies(params: Tensors, shared: Tensors, keys: list[str], n: int) -> None:
+    """Shared tensors `keys` moved into `params`, one copy per client of the `n`: each client's to move. `params`
+    stays in the order of its keys, whatever was shared: a compiled step's graph is keyed on its inputs' order."""
+    for k in keys:
+        params[k] = torch.stack([shared.pop(k)] * n)
+    for k in sorted(params) if keys else ():
+        params[k] = params.pop(k)
 
 
 def _sources(
@@ -261,7 +307,9 @@ def _phase(
     model: BlockNet,
     layers: PerClientLayers,
     params: Tensors,
+    shared: Tensors,
     consts: Tensors,
+    shared_consts: Tensors,
     objective: Objective | None,
     ph: Phase,
     datas: list,
@@ -272,12 +320,16 @@ def _phase(
     compile: str,
     run: nn.Module,
 ) -> None:
-    """One phase of every client's plan; `buf`: the momentum buffers of the phase's optimizer (empty: a fresh
-    one), updated in place."""
-    sets = objective_statistics(objective, layers.buffer_keys, params)  # an objective's further statistics
-    stats = [k for k in layers.buffer_keys if k in params] + sets  # moved by forwards, trained by none
+    """One phase of every client's plan; `shared`, `shared_consts`: tensors the same for every client, taken by
+    the steps unbatched (`_one_or_stacked`; one the phase moves becomes each client's own in `params`, updated
+    in place); `buf`: the momentum buffers of the phase's optimizer (empty: a fresh one), updated in place."""
+    n = len(datas)
+    every = dict(sorted({**params, **shared}.items()))  # (one order, whatever is shared: `_own_copies`)
+    sets = objective_statistics(objective, layers.buffer_keys, every)  # an objective's further statistics
+    stats = [k for k in layers.buffer_keys if k in every] + sets  # moved by forwards, trained by none
     lr_of = {k: ph.lr for k in phase_keys(model, ph)}
-    lr_of |= {k: lr for prefix, lr in ph.extra for k in params if k.startswith(prefix) and k not in sets}
+    lr_of |= {k: lr for prefix, lr in ph.extra for k in every if k.startswith(prefix) and k not in sets}
+    _own_copies(params, shared, [k for k in shared if k in lr_of or k in stats], n)
     trains = {k: consts[ph.entries + k] for k in lr_of if ph.entries is not None and ph.entries + k in consts}
     trainable = list(lr_of)
     fixed = [k for k in params if k not in lr_of and k not in stats]
@@ -289,7 +341,7 @@ def _phase(
     traced = bool(getattr(objective, "models", ())) and bool(layers.drops)  # forwards beyond the model's one
     if traced:
         calls = layers.calls
-        one = {k: v[0] for k, v in params.items()}, {k: v[0] for k, v in consts.items()}
+        one = {k: v[0] for k, v in params.items()} | shared, {k: v[0] for k, v in consts.items()} | shared_consts
         noise_one = {"noise": draw(1, torch.Generator().manual_seed(0)).to(pool_x.device)} if draw else {}
         layers.trace(model, lambda: objective(model, *one, pool_x[:1], datas[0].y[:1], None, **noise_one))
     model.train()
@@ -297,10 +349,11 @@ def _phase(
     hooks = hasattr(objective, "running")  # statistics derived from the plan's tensors (`local_sgd.Objective`)
 
     def loss(
-        p: Tensors, q: Tensors, b: Tensors, cst: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-        m: list[torch.Tensor], r: list[torch.Tensor],
+        p: Tensors, q: Tensors, b: Tensors, cst: Tensors, z: Tensors, zc: Tensors, x: torch.Tensor, y: torch.Tensor,
+        w: torch.Tensor, m: list[torch.Tensor], r: list[torch.Tensor],
     ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
-        tensors = {**p, **q, **b}  # with the statistics: a forward may name its set (`enter`)
+        tensors = {**p, **q, **z, **b}  # with the statistics: a forward may name its set (`enter`)
+        cst = {**cst, **zc}
         if hooks:
             b = objective.running(tensors, cst)  # type: ignore[union-attr]
         layers.enter(b, w > 0, m, bool(sets))
@@ -314,7 +367,8 @@ def _phase(
         moved = layers.leave()
         return value, objective.hand_back(tensors, cst, b, moved) if hooks else moved  # type: ignore[union-attr]
 
-    grads_of = compiled(vmap(grad(loss, has_aux=True)), compile, run)
+    grads_of = compiled(vmap(grad(loss, has_aux=True), in_dims=(0, 0, 0, 0, None, None, 0, 0, 0, 0, 0)), compile,
+                        run)  # fmt: skip
     static = compile != "off"  # one shape for every step: a new one would compile again
     for s, live in enumerate(active):
         keep, live = _selection(live, len(datas), static, pool_x.device)
@@ -330,7 +384,10 @@ def _phase(
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         r = [] if inputs is None else [inputs[s] if whole else inputs[s][sel]]
         with layers.patched():
-            g, moved = grads_of(p, q, b, cst, x, y, w, masks, r)
+            g, moved = grads_of(p, q, b, cst, dict(shared), shared_consts, x, y, w, masks, r)
+        if any(k in shared for k in moved):  # a hook moved a shared tensor (`hand_back`): each client's own now
+            _own_copies(params, shared, [k for k in moved if k in shared], n)
+            stats += [k for k in moved if k in params and k not in stats]
         for k in (k for k in moved if k in params):  # the statistics each client's forward moved (a finished
             if whole:  # client's forward has no real row: its statistics come back as they were, `per_client_layers`)
                 params[k] = moved[k]
