@@ -63,7 +63,9 @@ Interpretations (the paper leaves these open):
     basis stays v_i = a·v_i⁰ + c_i·U under SGD with momentum and weight decay, so SGD runs on one model-sized
     step P = S·U (S = Σ_i c_i²) and the scalar decay a, and the bases are formed from them once, at the end
     (`basis.trained_bases`): the same SGD on every basis up to float rounding (tested against it written out),
-    on one model's tensors, gradients and momenta per client instead of K + 1. The joint update
+    on one model's tensors, gradients and momenta per client instead of K + 1. The bases V⁰ themselves are
+    built once per round's payload (`payload_tensors`), so batched clients hold them once for all, not K + 1
+    models a client (`engine.batched`). The joint update
     (`coordinate_descent: false`) runs client by client: ψ without and V with weight decay in one step is not a
     plan's phase.
   - BatchNorm: affine γ, β are parameters and are combined like weights. Running mean/var are combined the same

@@ -3,9 +3,11 @@
 A GPU spends most of a small model's step launching kernels, not computing; training the round's clients one after
 another leaves it idle. Here the clients whose update is a `LocalSGDPlan` (`Algorithm.sgd_plan`; which ones:
 docs/guide/speed.md, generated from the registry) are stacked: one tensor per parameter — and per extra per-client
-tensor (FedRoD's personal head), per constant (a proximal anchor, a correction, class counts, FedSelect's entry
-masks) — with a leading client dimension, and every step runs all clients' forward, backward and SGD update as single
-`torch.func.vmap` calls over `functional_call`.
+tensor (FedRoD's personal head), per constant (a correction, class counts, FedSelect's entry masks) — with a leading
+client dimension, and every step runs all clients' forward, backward and SGD update as single `torch.func.vmap` calls
+over `functional_call`. A tensor the round sends every client alike (one object in all their plans) that no phase
+moves — FedBasis's bases, a proximal anchor, FedBABU's frozen head — is held once and taken by every client's step
+unbatched (`_one_or_stacked`): on a GPU, FedBasis's K + 1 models a client fewer.
 
 Same rule as the loop, step for step: each client draws its mini-batch order — and, with `dataset.augment`, each
 batch's crop offsets and flips right after its indices, then any per-sample random inputs its objective takes
