@@ -385,14 +385,20 @@ def combine_forms(keys: list[str], group_of: dict[str, int], k: int) -> dict[str
 
 
 def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
-    """What FedBasis's combination of bases costs in its batched step, on the ResNet model's parameters: θ(α, V)
-    (`combine_forms`; K = 4 bases and the major one, α per block) for each of `clients` clients, forward and
-    backward of ⟨θ, G⟩ — with respect to α (its ψ step: the bases fixed) and to the bases (its V step: α fixed) —
-    vmapped over the clients as the batched step runs it; and `pass`, one multiplication of every client's bases by
-    a number: one pass over their memory, the device's floor for anything that reads them. Each form's θ and
-    gradients against `combine`'s (`max_gap`: the largest difference relative to the largest value): a form that
-    computes something else is no alternative, and its time compares nothing; ms per forward and backward."""
+    """What FedBasis's combination of bases costs in its batched step, on the ResNet model's parameters (K = 4
+    bases and the major one, α per block, `clients` clients vmapped), the bases held once for all clients as the
+    batched executor holds them (`engine.batched`: unbatched in the vmapped step).
+
+    `alpha`: its ψ step, θ(α, V) (`combine_forms`) forward and backward of ⟨θ, G⟩ with respect to α, the bases
+    fixed; each form's θ and gradient against `combine`'s (`max_gap`: the largest difference relative to the
+    largest value): a form that computes something else is no alternative, and its time compares nothing.
+    `v_step`: its V step, θ = a·θ(α†, V⁰) + P (`basis.v_step_theta`) forward and backward with respect to P and a,
+    against what it must give: S·G for P (S = Σ c_i² of the key's group), 0 for a. `pass_ms`: one multiplication of
+    every client's θ-sized tensor by a number, one pass over a model a client: the device's floor for producing
+    each client's θ. ms per forward and backward."""
     from torch.func import grad, vmap
+
+    from pflbed.algorithms.basis import v_step_theta
 
     (clients, steps), k = ((4, 2) if a.quick else (100, 10)), 4
     fresh(device)
@@ -401,8 +407,8 @@ def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
     named = dict(model.named_parameters())
     keys = list(named)
     group_of = {key: gi for gi, b in enumerate(model.block_names()) for key in model.state_keys([b]) if key in named}
-    v = {key: torch.randn(clients, k, *t.shape, device=device) for key, t in named.items()}
-    m = {key: torch.randn(clients, *t.shape, device=device) for key, t in named.items()}
+    v = {key: torch.randn(k, *t.shape, device=device) for key, t in named.items()}  # shared by every client
+    m = {key: torch.randn(*t.shape, device=device) for key, t in named.items()}
     cot = {key: torch.randn(clients, *t.shape, device=device) for key, t in named.items()}
     alpha = torch.softmax(torch.randn(clients, len(model.block_names()), k, device=device), -1)
 
@@ -421,25 +427,38 @@ def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
     def flat(t: torch.Tensor | dict) -> torch.Tensor:
         return torch.cat([t[key].flatten() for key in keys]) if isinstance(t, dict) else t.flatten()
 
+    shared = (None, 0, None)  # in_dims: the bases once, α per client
     forms = combine_forms(keys, group_of, k)
-    want = flat(vmap(forms["combine"])(v, alpha, m))
-    theta_gap = {name: gap(flat(vmap(form)(v, alpha, m)), want) for name, form in forms.items()}
+    want = flat(vmap(forms["combine"], in_dims=shared)(v, alpha, m))
+    theta_gap = {name: gap(flat(vmap(form, in_dims=shared)(v, alpha, m)), want) for name, form in forms.items()}
     del want  # a model's worth per client: not held while the forms are timed
-    out: dict = {"clients": clients, "K": k, "model": a.models[1], "params": sum(t.numel() for t in named.values())}
-    for wrt, argnum in (("alpha", 1), ("bases", 0)):
-        ref, out[wrt] = None, {}
-        for name, form in forms.items():
-            def inner(v: dict, alpha: torch.Tensor, m: dict, g: dict, form=form) -> torch.Tensor:
-                theta = form(v, alpha, m)
-                return sum((theta[key] * g[key]).sum() for key in keys)
+    out: dict = {"clients": clients, "K": k, "model": a.models[1], "params": sum(t.numel() for t in named.values()),
+                 "alpha": {}}  # fmt: skip
+    ref = None
+    for name, form in forms.items():
+        def inner(v: dict, alpha: torch.Tensor, m: dict, g: dict, form=form) -> torch.Tensor:
+            theta = form(v, alpha, m)
+            return sum((theta[key] * g[key]).sum() for key in keys)
 
-            grads_of = vmap(grad(inner, argnums=argnum))
-            got = flat(grads_of(v, alpha, m, cot))
-            ref = got if ref is None else ref
-            worst = max(gap(got, ref), theta_gap[name])
-            del got
-            out[wrt][name] = {"ms": timed(lambda grads_of=grads_of: grads_of(v, alpha, m, cot)), "max_gap": worst}
-    out["pass_ms"] = timed(lambda: [t.mul(1.0) for t in v.values()])
+        grads_of = vmap(grad(inner, argnums=1), in_dims=(*shared, 0))
+        got = grads_of(v, alpha, m, cot)
+        ref = got if ref is None else ref
+        worst = max(gap(got, ref), theta_gap[name])
+        out["alpha"][name] = {"ms": timed(lambda grads_of=grads_of: grads_of(v, alpha, m, cot)), "max_gap": worst}
+
+    def v_step(p: dict, decay: torch.Tensor, v: dict, alpha: torch.Tensor, m: dict, g: dict) -> torch.Tensor:
+        theta = v_step_theta(v, m, alpha, p, decay, group_of, keys)
+        return sum((theta[key] * g[key]).sum() for key in keys)
+
+    p0 = {key: torch.zeros_like(t) for key, t in cot.items()}
+    decay = torch.ones(clients, device=device)
+    step_of = vmap(grad(v_step, argnums=(0, 1)), in_dims=(0, 0, None, 0, None, 0))
+    dp, da = step_of(p0, decay, v, alpha, m, cot)
+    s = 0.25 + 0.25 * alpha.pow(2).sum(-1)  # S = Σ c_i², c = (½, ½·α): [clients, groups]
+    want_p = {key: s[:, group_of[key]].view(-1, *[1] * (t.dim() - 1)) * t for key, t in cot.items()}
+    out["v_step"] = {"v_step_theta": {"ms": timed(lambda: step_of(p0, decay, v, alpha, m, cot)),
+                                      "max_gap": max(gap(flat(dp), flat(want_p)), float(da.abs().max()))}}
+    out["pass_ms"] = timed(lambda: [t.mul(1.0) for t in cot.values()])
     return out
 
 
@@ -862,11 +881,11 @@ def write(result: dict, out: Path) -> None:
             rows.append(f"  {name} forward + backward, ms: " + ", ".join(f"{f} {v:.2f}" for f, v in forms.items()))
     if (c := result.get("combine")) and "error" not in c:
         rows += ["", f"combine probe: FedBasis's θ = ½·v' + ½·Σ α_k·v_k over {c['model']}'s {c['params']:,} "
-                 f"parameters, K = {c['K']}, {c['clients']} clients vmapped; forward + backward, ms (largest gap to "
-                 f"combine's θ and gradients); one pass over the bases' memory: {c['pass_ms']:.2f} ms"]  # fmt: skip
-        for wrt in ("alpha", "bases"):
-            rows.append(f"  with respect to {wrt}: " + ", ".join(f"{f} {r['ms']:.2f} ({r['max_gap']:.1e})"
-                                                                 for f, r in c[wrt].items()))  # fmt: skip
+                 f"parameters, K = {c['K']}, the bases shared by {c['clients']} clients vmapped; forward + backward, "
+                 f"ms (largest gap to what it must give); one pass over a model a client: {c['pass_ms']:.2f} ms"]
+        for step, what in (("alpha", "ψ step, with respect to α"), ("v_step", "V step, with respect to P and a")):
+            rows.append(f"  {what}: " + ", ".join(f"{f} {r['ms']:.2f} ({r['max_gap']:.1e})"
+                                                  for f, r in c[step].items()))  # fmt: skip
     if g := result.get("goals"):
         rows += ["", "goals:"] + [f"  {x['goal']}: {x['measured'] if x['measured'] is not None else 'not measured'} "
                                   f"({x['target']}{'; via ' + x['via'] if x['via'] else ''}) — "

@@ -182,12 +182,14 @@ def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     torch.testing.assert_close(gpu.conv_as_bmm(w, x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp_path):
-    """The combine probe times other forms of FedBasis's θ(α, V) beside `basis.combine`: each must give the same θ
-    and the same gradients with respect to α and to the bases (`max_gap`, relative), or its time compares nothing;
-    a form that slips (the major basis dropped, α's rows swapped, α detached) shows a gap; the figures reach
-    gpu.txt."""
+def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp_path, monkeypatch):
+    """The combine probe times other forms of FedBasis's θ(α, V) beside `basis.combine`, the bases shared by the
+    clients: each must give the same θ and the same gradient with respect to α (`max_gap`, relative), or its time
+    compares nothing; a form that slips (the major basis dropped, α's rows swapped, α detached) shows a gap. The V
+    step's θ must give P the gradient S·G and a none: one that drops S shows a gap. The figures reach gpu.txt."""
     import torch
+
+    from pflbed.algorithms import basis
 
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--models", "cnn", "mlp"])
@@ -201,21 +203,25 @@ def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp
         out["alpha-detached"] = lambda v, alpha, m: right(v, alpha.detach(), m)  # θ right, no gradient to α
         return out
 
-    gpu.combine_forms = with_wrong_ones
+    monkeypatch.setattr(gpu, "combine_forms", with_wrong_ones)
     got = gpu.combine_probe(a, torch.device("cpu"))
     assert got["clients"] == 4 and got["K"] == 4 and got["params"] > 0
-    for wrt in ("alpha", "bases"):
-        assert set(got[wrt]) == {"combine", "mul-add", "bcast", "no-major", "one-group", "alpha-detached"}
-        for form in ("combine", "mul-add", "bcast"):
-            r = got[wrt][form]
-            assert r["ms"] > 0 and r["max_gap"] < 1e-4, (wrt, form)  # float32 sums in another order
-        assert got[wrt]["no-major"]["max_gap"] > 0.1 and got[wrt]["one-group"]["max_gap"] > 0.1, wrt
-    assert got["alpha"]["alpha-detached"]["max_gap"] == 1.0 and got["bases"]["alpha-detached"]["max_gap"] < 1e-4
-    assert got["pass_ms"] > 0
+    assert set(got["alpha"]) == {"combine", "mul-add", "bcast", "no-major", "one-group", "alpha-detached"}
+    for form in ("combine", "mul-add", "bcast"):
+        r = got["alpha"][form]
+        assert r["ms"] > 0 and r["max_gap"] < 1e-4, form  # float32 sums in another order
+    assert got["alpha"]["no-major"]["max_gap"] > 0.1 and got["alpha"]["one-group"]["max_gap"] > 0.1
+    assert got["alpha"]["alpha-detached"]["max_gap"] == 1.0
+    step = got["v_step"]["v_step_theta"]
+    assert step["ms"] > 0 and step["max_gap"] < 1e-5 and got["pass_ms"] > 0
+    unscaled = basis.coefficients
+    monkeypatch.setattr(basis, "coefficients", lambda alpha, major: unscaled(alpha, major) * 0.5)  # S off by 4
+    assert gpu.combine_probe(a, torch.device("cpu"))["v_step"]["v_step_theta"]["max_gap"] > 0.1
     gpu.write({"device": "cpu", "gpu": None, "torch": "x", "quick": True, "cpu_count": 2, "tests": None, "speed": [],
                "skipped": [], "args": vars(a) | {"out": str(tmp_path)}, "combine": got}, tmp_path)
     text = (tmp_path / "gpu.txt").read_text()
-    assert "combine probe: FedBasis's θ" in text and "  with respect to bases: combine " in text
+    assert "combine probe: FedBasis's θ" in text and "  ψ step, with respect to α: combine " in text
+    assert "  V step, with respect to P and a: v_step_theta " in text
 
 
 def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
