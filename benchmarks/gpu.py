@@ -143,9 +143,10 @@ class Sampler:
 
 
 def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, shape: str,
-           clients: int | None = None) -> dict:
+           clients: int | None = None, channels_last: bool = False) -> dict:
     """The measured experiment: `shape` = "paper" (the seeds' 100 × 500), "paper64" (the same at 64 px) or "pflr"
-    (pfl-research's 1,000 × 50); `clients`: that many clients instead of the shape's (`--profile-clients`)."""
+    (pfl-research's 1,000 × 50); `clients`: that many clients instead of the shape's (`--profile-clients`);
+    `channels_last`: `model.channels_last` (the `-nhwc` cases)."""
     n, per_client, fraction, batch = (1000, 50, 0.05, 10) if shape == "pflr" else (100, 500, 1.0, 32)
     if a.quick:
         n, per_client = max(4, n // 25), max(10, per_client // 25)
@@ -157,7 +158,7 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
     return validate_config({
         "dataset": {"name": "synthetic", "synthetic": {"shape": [3, SIZE[shape], SIZE[shape]], "n_train": n_train,
                                                        "n_test": 1000}},
-        "model": {"name": model},
+        "model": {"name": model, "channels_last": channels_last},
         "federation": {"clients": clients, "partition": "iid", "sample_fraction": fraction, "val_fraction": 0.1,
                        "test_fraction": 0.1, "public": public},
         "train": {"rounds": a.rounds if model == a.models[0] and shape != "paper64" else a.big_rounds,
@@ -229,9 +230,14 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
 
 def centralized(model: str, batch: int, device: torch.device, steps: int, size: int = 32) -> float:
     """Plain SGD steps of `model` at `batch` on `device` (size × size images), data resident there: the most one
-    device trains."""
+    device trains — in the faster of the two layouts (`model.channels_last` off and on), as a round may run in
+    either (the `-nhwc` cases)."""
+    return max(_centralized(model, batch, device, steps, size, last) for last in (False, True))
+
+
+def _centralized(model: str, batch: int, device: torch.device, steps: int, size: int, channels_last: bool) -> float:
     torch.manual_seed(0)
-    net = build_model(model, (3, size, size), 10, device)
+    net = build_model(model, (3, size, size), 10, device, channels_last)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -587,9 +593,10 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN batched and as CUDA
-    graphs under cuDNN's autotuner (`-tuned`), then the ImageNet-style ResNet-18 at 64 px batched (FedAvg, FedRoD,
-    FedSelect, FedBasis: rows no GPU has measured yet), then FedAvg's CNN on every executor, pfl-research's shape,
+    """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN as CUDA graphs and
+    batched with its weights NHWC (`-nhwc`), then batched and as CUDA graphs under cuDNN's autotuner (`-tuned`), then
+    the ImageNet-style ResNet-18 at 64 px batched (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured
+    yet), then FedAvg's CNN on every executor, pfl-research's shape,
     the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics; every
     algorithm here declares a plan), then the rest of the ImageNet-style ResNet-18's rows, then Per-FedAvg's,
     pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step), and KT-pFL's
@@ -601,7 +608,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
             [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in ("loop", "batched")] + \
             [("paper", "fedavg", resnet, "procs"), ("paper", "fedavg", resnet, "batched"),
              ("paper64", "fedbasis", a.imagenet_model, "batched"), ("paper", "ktpfl", cnn, "batched"),
-             ("paper", "fedavg", cnn, "batched-tuned")]  # fmt: skip
+             ("paper", "fedavg", cnn, "batched-tuned"), ("paper", "fedavg", cnn, "batched-nhwc")]  # fmt: skip
     out = [("paper", "fedavg", cnn, e) for e in execs] + [("pflr", "fedavg", cnn, e) for e in execs]
     out += [("paper", "fedavg", cnn, e) for e in ("loop-fast", "batched-fast", "batched-compile", "batched-graphs")]
     out += [("paper", alg, cnn, e) for alg in ALGORITHMS[1:] for e in execs]
@@ -611,7 +618,8 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
-    first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-tuned", "batched-graphs-tuned")]
+    first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-graphs-nhwc", "batched-nhwc",
+                                                                      "batched-tuned", "batched-graphs-tuned")]
     first += [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
     return first + [c for c in out if c not in first]
 
@@ -623,7 +631,9 @@ RESNET_GOALS = {"fedavg": 0.8, "fedrod": 0.8, "fedselect": 0.5, "fedbasis": 0.5}
 # 0.25 s on an H100; on another GPU, the same multiple of that GPU's centralized CNN rate at batch 32 as 0.25 s is
 # of the H100's (measured there: benchmarks/results/gpu_h100.json).
 # bf16 and nondeterministic kernels change the figures beyond float rounding: they do not count.
-CNN_GOAL_S, GOAL_EXECUTORS = 0.25, ("loop", "batched", "procs", "batched-compile", "batched-graphs")
+CNN_GOAL_S = 0.25
+GOAL_EXECUTORS = ("loop", "batched", "procs", "batched-compile", "batched-graphs", "batched-nhwc",
+                  "batched-graphs-nhwc")
 
 
 def goals(result: dict, reference: Path = ROOT / "benchmarks" / "results" / "gpu_h100.json") -> list[dict]:
@@ -677,7 +687,9 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 # CUDA graph); `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run);
 # `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates); `-tuned`: cuDNN's
 # autotuner on (`TUNED`: no setting of the library's yet — whether a whole round gains what the step probe's `tuned`
-# step gains; the algorithm it keeps is timed anew each run, so a run's rounding may differ from the last's)
+# step gains; the algorithm it keeps is timed anew each run, so a run's rounding may differ from the last's);
+# `-nhwc`: model.channels_last (each client's convolution weights NHWC, as the step probe's `nhwc` layers: whether a
+# whole round gains what they gain; a setting of the library's, float32 and deterministic, so it counts for the goals)
 EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
              "loop-fast": {"batch_clients": False, "deterministic": False},
              "batched-fast": {"batch_clients": True, "deterministic": False},
@@ -686,7 +698,9 @@ EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True
              "batched-tuned": {"batch_clients": True}, "batched-graphs-tuned": {"batch_clients": True,
                                                                                 "compile": "reduce-overhead"},
              "loop-bf16": {"batch_clients": False, "precision": "bf16"},
-             "batched-bf16": {"batch_clients": True, "precision": "bf16"}}  # fmt: skip
+             "batched-bf16": {"batch_clients": True, "precision": "bf16"},
+             "batched-nhwc": {"batch_clients": True},
+             "batched-graphs-nhwc": {"batch_clients": True, "compile": "reduce-overhead"}}  # fmt: skip
 
 
 def fresh_dir(parent: Path = Path("runs")) -> Path:
@@ -787,7 +801,8 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
             continue
         executor = EXECUTORS.get(ex, {"name": "procs", "workers": a.workers})
         try:
-            m = time_rounds(config(alg, model, executor, a, shape), pool if ex == "procs" else None,
+            m = time_rounds(config(alg, model, executor, a, shape, channels_last=ex.endswith("-nhwc")),
+                            pool if ex == "procs" else None,
                             t_start + a.deadline_s, ex.endswith("-tuned"))  # fmt: skip
         except Exception as e:  # a failed case is a result too; the next ones still run
             m = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}

@@ -65,6 +65,10 @@ def test_the_goals_are_judged_on_each_algorithms_best_default_round_against_its_
     assert cnn["met"] is True and cnn["measured"] == 8.333 and cnn["target"] == ">= 8.00" and cnn["via"] == "batched"
     compiled = speed + [_case("fedavg", "cnn", "batched-compile", 0.25, 20000)]
     assert gpu.goals(_result("NVIDIA H200", compiled), ref)[-1]["via"] == "batched-compile"
+    nhwc = compiled + [_case("fedavg", "cnn", "batched-graphs-nhwc", 0.2, 20000)]  # a setting of the library's
+    assert gpu.goals(_result("NVIDIA H200", nhwc), ref)[-1]["via"] == "batched-graphs-nhwc"
+    tuned = compiled + [_case("fedavg", "cnn", "batched-graphs-tuned", 0.2, 20000)]  # cuDNN's autotuner: not one
+    assert gpu.goals(_result("NVIDIA H200", tuned), ref)[-1]["via"] == "batched-compile"
     slow = [m for m in speed if m["model"] != "cnn"] + [_case("fedavg", "cnn", "batched", 0.42, 20000)]
     assert gpu.goals(_result("NVIDIA H200", slow), ref)[-1]["met"] is False  # 5.95 × < 8 ×
     h100 = gpu.goals(_result("NVIDIA H100 80GB HBM3", speed), ref)[-1]
@@ -82,8 +86,9 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     assert todo[:7] == [("paper", "fedavg", "cnn", "batched")] + [
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
         ("paper", "fedavg", "cnn", "batched-compile"), ("paper", "fedavg", "cnn", "batched-graphs")]
-    assert todo[7:9] == [("paper", "fedavg", "cnn", e) for e in ("batched-tuned", "batched-graphs-tuned")]
-    assert todo[9:13] == [("paper64", alg, "resnet18_imagenet", "batched")
+    assert todo[7:11] == [("paper", "fedavg", "cnn", e) for e in ("batched-graphs-nhwc", "batched-nhwc",
+                                                                   "batched-tuned", "batched-graphs-tuned")]
+    assert todo[11:15] == [("paper64", alg, "resnet18_imagenet", "batched")
                           for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
 
