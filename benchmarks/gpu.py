@@ -585,16 +585,18 @@ def run_tests(a: argparse.Namespace, out: Path) -> dict:
 
 def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """The cases the goals are judged on (`goals`), in the order a full run measures them first: batched, and
-    FedAvg's CNN also compiled (torch.compile, and its CUDA graphs: `executor.compile`). Not `procs`: batched met
-    FedSelect's goal on the H200 (0.56; `procs` 0.38), and its `procs` row took 69 s of a ten-minute call."""
+    FedAvg's CNN also compiled (torch.compile, and its CUDA graphs: `executor.compile`; the graphs with NHWC weights
+    too, `model.channels_last`: the profile shows cuDNN converting each client's tensors to NHWC and back). Not
+    `procs`: batched met FedSelect's goal on the H200 (0.56; `procs` 0.38), and its `procs` row took 69 s of a
+    ten-minute call."""
     cnn, resnet = a.models
     out = [("paper", "fedavg", cnn, "batched")] + [("paper", alg, resnet, "batched") for alg in RESNET_GOALS]
-    return out + [("paper", "fedavg", cnn, e) for e in ("batched-compile", "batched-graphs")]
+    return out + [("paper", "fedavg", cnn, e) for e in ("batched-compile", "batched-graphs", "batched-graphs-nhwc")]
 
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN as CUDA graphs and
-    batched with its weights NHWC (`-nhwc`), then batched and as CUDA graphs under cuDNN's autotuner (`-tuned`), then
+    """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN batched with its
+    weights NHWC (`-nhwc`), then batched and as CUDA graphs under cuDNN's autotuner (`-tuned`), then
     the ImageNet-style ResNet-18 at 64 px batched (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured
     yet), then FedAvg's CNN on every executor, pfl-research's shape,
     the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics; every
@@ -618,8 +620,8 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
-    first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-graphs-nhwc", "batched-nhwc",
-                                                                      "batched-tuned", "batched-graphs-tuned")]
+    first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-nhwc", "batched-tuned",
+                                                                      "batched-graphs-tuned")]
     first += [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
     return first + [c for c in out if c not in first]
 

@@ -83,11 +83,11 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--out", "unused"])
     todo = gpu.cases(a)
-    assert todo[:7] == [("paper", "fedavg", "cnn", "batched")] + [
+    assert todo[:8] == [("paper", "fedavg", "cnn", "batched")] + [
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
-        ("paper", "fedavg", "cnn", "batched-compile"), ("paper", "fedavg", "cnn", "batched-graphs")]
-    assert todo[7:11] == [("paper", "fedavg", "cnn", e) for e in ("batched-graphs-nhwc", "batched-nhwc",
-                                                                   "batched-tuned", "batched-graphs-tuned")]
+        ("paper", "fedavg", "cnn", e) for e in ("batched-compile", "batched-graphs", "batched-graphs-nhwc")]
+    assert todo[8:11] == [("paper", "fedavg", "cnn", e) for e in ("batched-nhwc", "batched-tuned",
+                                                                   "batched-graphs-tuned")]
     assert todo[11:15] == [("paper64", alg, "resnet18_imagenet", "batched")
                           for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
