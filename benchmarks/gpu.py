@@ -12,7 +12,8 @@
    (`paper64`: FedAvg, FedRoD, FedSelect, FedBasis).
 3. pfl-research's benchmark shape: 1,000 users × 50 images, cohort 50, batch 10, 1 local epoch, a 2-conv CNN.
 4. A profile of one batched FedAvg CNN round (paper shape, after a warm-up round; `--profile ALG/MODEL` another
-   seed method's or model's, `--profile-clients N` at N clients): the operators that take the device's time and
+   seed method's or model's, `--profile-clients N` at N clients, `--profile-executor batched-graphs` its CUDA
+   graphs): the operators that take the device's time and
    the host's, and how often the host waits on the device (`profile.txt`) — what stands between the round and the
    device's limit.
 5. Where a batched step's time goes: one batched CNN step of 100 clients (vmapped gradient and SGD update, the
@@ -270,7 +271,8 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     alg, model = a.profile
-    cfg = config(alg, model, EXECUTORS["batched"], a, "paper", a.profile_clients)
+    ex = a.profile_executor
+    cfg = config(alg, model, EXECUTORS[ex], a, "paper", a.profile_clients, channels_last=ex.endswith("-nhwc"))
     algo = prepare(cfg)
     device = algo.ctx.device
     executor, _ = make_executor(algo, None)
@@ -299,11 +301,11 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
     where = "\n".join(f"{n:6d} {name}\n" + "".join(f"         {frame}\n" for frame in frames)
                       for (name, frames), n in waits.most_common(20))  # fmt: skip
     (out / "profile.txt").write_text(
-        f"one batched {alg} round, {model}, paper shape, {cfg.federation.clients} clients, {device} "
+        f"one {ex} {alg} round, {model}, paper shape, {cfg.federation.clients} clients, {device} "
         f"({seconds:.3f} s under the profiler)\n"
         f"host waits on the device (calls): {syncs}\n\nby device time:\n{by_device}\n\nby host time:\n{by_host}\n"
         f"\nwhere the host waits (the next round, calls by their innermost {STACK} Python frames):\n{where}")
-    return {"case": f"{alg} {model}", "clients": cfg.federation.clients, "seconds": seconds, "syncs": syncs}
+    return {"case": f"{alg} {model} {ex}", "clients": cfg.federation.clients, "seconds": seconds, "syncs": syncs}
 
 
 STACK = 5  # Python frames that tell one place a host wait comes from from another
@@ -705,6 +707,10 @@ EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True
              "batched-graphs-nhwc": {"batch_clients": True, "compile": "reduce-overhead"}}  # fmt: skip
 
 
+PROFILED = ("batched", "batched-compile", "batched-graphs", "batched-nhwc", "batched-graphs-nhwc")  # (`-tuned`: the
+# autotuner's flags are the timed rounds', not the profile's)
+
+
 def fresh_dir(parent: Path = Path("runs")) -> Path:
     """A new directory `parent/gpu-<date>-<time>` (`-2`, `-3`, … if that one exists), created."""
     stem = parent / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -733,6 +739,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step", "combine"])
     ap.add_argument("--profile", default="fedavg", metavar="ALG/MODEL",
                     help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
+    ap.add_argument("--profile-executor", default="batched", choices=PROFILED,
+                    help="the profiled round's executor (default: batched; batched-graphs: what stands between a "
+                    "round of CUDA graphs and the device, the host's work around the steps)")
     ap.add_argument("--profile-clients", type=int, default=None, metavar="N",
                     help="the profiled round's clients (default: the paper shape's): fewer profile a round that "
                     "fills the memory at its own size, its kernels without the allocator's pressure")
@@ -884,7 +893,7 @@ def write(result: dict, out: Path) -> None:
         if ceiling:
             rows += ["", "allocator cache flushes (memory at the GPU's ceiling; the executor then halves):", *ceiling]
     if (p := result.get("profile")) and "error" not in p:
-        rows += ["", f"profiled batched {p['case']} round, {p['clients']} clients: {p['seconds']:.3f} s; "
+        rows += ["", f"profiled {p['case']} round, {p['clients']} clients: {p['seconds']:.3f} s; "
                  f"host waits: {p['syncs']} (profile.txt)"]  # fmt: skip
     for name in ("profile", "step", "combine"):
         if "error" in (result.get(name) or {}):

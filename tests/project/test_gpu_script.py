@@ -261,19 +261,23 @@ def test_the_profiled_round_is_fedavgs_cnn_or_the_seed_method_and_model_asked_fo
     built = []
     real = gpu.config
 
-    def spy(algorithm, model, *args):
-        cfg = real(algorithm, model, *args)
-        built.append((algorithm, model, cfg.federation.clients))
+    def spy(algorithm, model, *args, **kw):
+        cfg = real(algorithm, model, *args, **kw)
+        built.append((algorithm, model, cfg.federation.clients, cfg.executor.compile, cfg.model.channels_last))
         return cfg
 
     monkeypatch.setattr(gpu, "config", spy)
     got = gpu.profile_round(a, tmp_path)
-    assert built == [("fedbasis", "mlp", 4)]  # the quick paper shape's clients
-    assert got["case"] == "fedbasis mlp" and got["clients"] == 4 and got["seconds"] > 0
+    assert built == [("fedbasis", "mlp", 4, "off", False)]  # the quick paper shape's clients
+    assert got["case"] == "fedbasis mlp batched" and got["clients"] == 4 and got["seconds"] > 0
     assert (tmp_path / "profile.txt").read_text().startswith(
         "one batched fedbasis round, mlp, paper shape, 4 clients, cpu (")
+    a.profile, a.profile_executor = ("fedavg", "cnn"), "batched-nhwc"  # `--profile-executor`: its settings
+    assert gpu.profile_round(a, tmp_path)["case"] == "fedavg cnn batched-nhwc"
+    assert built[1] == ("fedavg", "cnn", 4, "off", True)
+    assert gpu.parse_args(["--out", "x", "--profile-executor", "batched-graphs"]).profile_executor == "batched-graphs"
     for bad in (["--profile", "fedprox/cnn"], ["--profile", "fedbasis/vgg11"], ["--profile", "fedbasis/cnn/x"],
-                ["--profile-clients", "0"]):
+                ["--profile-clients", "0"], ["--profile-executor", "loop"], ["--profile-executor", "batched-tuned"]):
         with pytest.raises(SystemExit) as e:
             gpu.parse_args(["--out", "unused", *bad])
         assert e.value.code == 2
@@ -288,8 +292,8 @@ def test_the_profiled_round_can_take_fewer_clients_than_the_shape(tmp_path, monk
     built = []
     real = gpu.config
 
-    def spy(algorithm, model, *args):
-        cfg = real(algorithm, model, *args)
+    def spy(algorithm, model, *args, **kw):
+        cfg = real(algorithm, model, *args, **kw)
         built.append(cfg.federation.clients)
         return cfg
 
@@ -299,7 +303,7 @@ def test_the_profiled_round_can_take_fewer_clients_than_the_shape(tmp_path, monk
     assert ", paper shape, 2 clients, cpu (" in (tmp_path / "profile.txt").read_text()
     gpu.write({"device": "cpu", "gpu": None, "torch": "x", "quick": True, "cpu_count": 2, "tests": None, "speed": [],
                "skipped": [], "args": vars(a) | {"out": str(tmp_path)}, "profile": got}, tmp_path)
-    assert "profiled batched fedavg mlp round, 2 clients: " in (tmp_path / "gpu.txt").read_text()
+    assert "profiled fedavg mlp batched round, 2 clients: " in (tmp_path / "gpu.txt").read_text()
 
 
 def test_each_case_starts_from_an_emptied_gpu_cache(tmp_path, monkeypatch):
