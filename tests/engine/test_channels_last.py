@@ -15,6 +15,10 @@ CL = torch.channels_last
 LIGHT = {"architectures": ["lenet5", "mlp"], "server_steps": 3}
 
 
+def _max_gap(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 def _conv_weights(params):
     return [v for v in params.values() if v.dim() == 4]
 
@@ -60,3 +64,35 @@ def test_every_algorithm_runs_channels_last(name):
                            "train": {**TINY["train"], "rounds": 1}, "eval": {"every": 1, "finetune": ["lp"]},
                            "algorithm": {"name": name, **options}, "executor": {"threads": 1}})  # fmt: skip
     assert 0.0 <= run(cfg, write=False, progress=False).summary["final"]["pfl_acc"] <= 1.0
+
+
+def test_batched_clients_keep_each_clients_weights_channels_last():
+    """`model.channels_last` holds for a round's clients batched together (`engine.batched`): each client's
+    convolution weights stay NHWC through its steps and come back so — what `benchmarks/gpu.py`'s `-nhwc` cases
+    measure — and the round equals the NCHW round's up to rounding."""
+    from dataclasses import replace
+
+    from pflbed.algorithms.base import ClientContext
+    from pflbed.engine.batched import train_together
+    from pflbed.engine.executor import client_generator
+
+    torch.set_num_threads(1)
+    trained = {}
+    for layout, own in ((False, False), (True, False), (True, True)):  # `own`: each client its own start tensors
+        cfg = validate_config({**TINY, "dataset": {"name": "digits"},
+                               "model": {"name": "lenet5", "channels_last": layout},
+                               "algorithm": {"name": "fedavg"}, "executor": {"threads": 1}})  # fmt: skip
+        algo = prepare(cfg)
+        ctx, cids = algo.ctx, sorted(algo.ctx.federation.participated)[:3]
+        payloads = algo.configure(1, algo.init_server(), cids)
+        plans = [algo.round_plan(payloads[c], algo.init_client(c), ctx.client_data(c),
+                                 ClientContext(1, c, client_generator(cfg.seed, 1, c))) for c in cids]  # fmt: skip
+        plans = [replace(p, start={k: v.clone() for k, v in p.start.items()}) for p in plans] if own else plans
+        trained[layout, own] = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                                         [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+    for nchw, nhwc, own in zip(trained[False, False], trained[True, False], trained[True, True], strict=True):
+        assert _conv_weights(nhwc) and all(w.is_contiguous(memory_format=CL) for w in _conv_weights(nhwc))
+        assert all(w.is_contiguous(memory_format=CL) for w in _conv_weights(own)) and _max_gap(own, nhwc) == 0
+        assert not any(w.is_contiguous(memory_format=CL) for w in _conv_weights(nchw) if w.shape[1] > 1)  # (one
+        # input channel: both layouts at once)
+        assert all(torch.allclose(nchw[k], nhwc[k], atol=1e-5) for k in nchw)
