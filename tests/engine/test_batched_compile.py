@@ -112,6 +112,40 @@ def test_cuda_graphs_start_a_step_per_call_and_hand_back_copies(monkeypatch):
     assert plain()[0] is held and len(steps) == 2  # fused kernels alone: no graph memory to copy out of
 
 
+@pytest.mark.parametrize(("name", "model"), [("fedper", "lenet5_bn"), ("pfedme", "lenet5_bn")])
+def test_what_a_step_keeps_past_the_next_replay_is_copied_out_of_the_graphs_memory(name, model, monkeypatch):
+    """CUDA graphs on a CPU: a stand-in for `torch.compile(mode="reduce-overhead")` whose outputs are valid until
+    the next step begins (`cudagraph_mark_step_begin`), then overwritten (here with NaN: the graphs' memory reused
+    by the next replay). A plain phase (FedPer's) uses its gradients within the step and copies the statistics it
+    keeps (`compiled`'s `kept`); a rule's phase (pFedMe's) copies all: the run equals the eager one bit for bit —
+    a step that kept the graphs' own tensors would find them overwritten."""
+    torch.set_num_threads(1)
+    eager = run(_cfg(name, model, "off", 2), write=False, progress=False)
+    live = []  # the outputs of the steps since the last began
+
+    def graph(fn, mode):
+        assert mode == "reduce-overhead"
+
+        def replay(*args):
+            out = fn(*args)
+            live.extend(torch.utils._pytree.tree_leaves(out))
+            return out
+
+        return replay
+
+    def next_step():
+        for t in live:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+        live.clear()
+
+    monkeypatch.setattr(batched.torch, "compile", graph)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", next_step)
+    graphs = run(_cfg(name, model, "reduce-overhead", 2), write=False, progress=False)
+    assert all(torch.equal(eager.server[k], graphs.server[k]) for k in eager.server)
+    states = eager.executor.states
+    assert all(torch.equal(states[c][k], graphs.executor.states[c][k]) for c in states for k in states[c])
+
+
 def test_a_compiler_failure_names_the_setting_in_one_line(monkeypatch):
     def broken(*a):
         raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no C++ compiler\nfound"), None)

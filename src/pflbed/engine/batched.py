@@ -370,7 +370,7 @@ def _phase(
         return value, objective.hand_back(tensors, cst, b, moved) if hooks else moved  # type: ignore[union-attr]
 
     grads_of = compiled(vmap(grad(loss, has_aux=True), in_dims=(0, 0, 0, 0, None, None, 0, 0, 0, 0, 0)), compile,
-                        run)  # fmt: skip
+                        run, lambda out: (out[0], copies(out[1])))  # the gradients: used up within the step
     static = compile != "off"  # one shape for every step: a new one would compile again
     for s, live in enumerate(active):
         keep, live = _selection(live, len(datas), static, pool_x.device)
@@ -536,7 +536,12 @@ def _kept(keep: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> to
 _compiled_for: list[weakref.ref] = []  # the model whose steps dynamo's cache holds (`compiled`)
 
 
-def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
+def copies(out: Any) -> Any:
+    """Every tensor of a step's output copied (`compiled`'s default `kept`)."""
+    return torch.utils._pytree.tree_map(torch.clone, out)
+
+
+def compiled(step: Callable, mode: str, model: nn.Module, kept: Callable[[Any], Any] = copies) -> Callable:
     """`step` (of a run whose model is `model`) under `torch.compile` in `mode` (`executor.compile`), or itself
     when "off". A run's steps of other architectures (KT-pFL's zoo) share its cache, a graph per architecture.
 
@@ -545,7 +550,9 @@ def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
     round reuses the graph; a new shape (another number of clients batched, a phase training other keys) adds one
     (a phase's steps keep theirs: `_phase` computes its finished clients too). Under
     CUDA graphs (`reduce-overhead`) each call is a new step — its outputs live in memory the next replay reuses —
-    so they are copied out before the next call. A step of another run's model (the next run in this process)
+    so what the caller keeps past the next call is copied out first: `kept(out)` (default: all of it; `_phase`
+    uses its gradients before the next step, which the device runs after, in stream order, and copies only the
+    statistics it keeps — one copy of every client's gradients a step fewer). A step of another run's model (the next run in this process)
     starts from an empty cache: the last run's graphs could never serve it, and they count against dynamo's limit of
     graphs per code (8), past which it would run every later run's steps eagerly, saying so only in a warning."""
     if mode == "off":
@@ -563,7 +570,7 @@ def compiled(step: Callable, mode: str, model: nn.Module) -> Callable:
         except torch._dynamo.exc.BackendCompilerFailed as e:  # no compiler here, say: the setting is at fault
             raise ConfigError(f"executor.compile={mode}: torch.compile failed here ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]}); set executor.compile=off") from e  # fmt: skip
-        return torch.utils._pytree.tree_map(torch.clone, out) if mode == "reduce-overhead" else out
+        return kept(out) if mode == "reduce-overhead" else out
 
     return run
 
