@@ -552,9 +552,10 @@ def compiled(step: Callable, mode: str, model: nn.Module, kept: Callable[[Any], 
     CUDA graphs (`reduce-overhead`) each call is a new step — its outputs live in memory the next replay reuses —
     so what the caller keeps past the next call is copied out first: `kept(out)` (default: all of it; `_phase`
     uses its gradients before the next step, which the device runs after, in stream order, and copies only the
-    statistics it keeps — one copy of every client's gradients a step fewer). A step of another run's model (the next run in this process)
-    starts from an empty cache: the last run's graphs could never serve it, and they count against dynamo's limit of
-    graphs per code (8), past which it would run every later run's steps eagerly, saying so only in a warning."""
+    statistics it keeps — one copy of every client's gradients a step fewer). A step of another run's model (the
+    next run in this process) starts from an empty cache: the last run's graphs could never serve it, and they count
+    against dynamo's limit of graphs per code (8), past which it would run every later run's steps eagerly, saying
+    so only in a warning."""
     if mode == "off":
         return step
     if not _compiled_for or _compiled_for[0]() is not model:
