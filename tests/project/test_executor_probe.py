@@ -116,8 +116,8 @@ def test_a_wrong_compiled_rule_is_reported_as_a_rule_and_the_compiler_is_put_bac
     torch.set_num_threads(1)
     real, real_compile, backends = batched.compiled, torch.compile, []
 
-    def wrong(step, mode, model):
-        fast = real(step, mode, model)
+    def wrong(step, mode, model, *kept):
+        fast = real(step, mode, model, *kept)
         if mode == "off":
             return fast
         backends.append(torch.compile)
