@@ -1407,7 +1407,8 @@ def test_a_tensor_every_client_is_sent_is_taken_once_and_one_each_client_has_its
 def test_a_shared_start_comes_back_fresh_and_a_finish_that_writes_into_it_is_stopped():
     """FedBABU's head, which its plan never trains, is the round's one tensor for every client batched together
     (`_one_or_stacked`): `train_together` hands it back as that object, the executor's `finish` returns a copy of
-    it (a reply is fresh, as in the loop: the server may fold it in in place) — and a plan whose `finish` wrote
+    it (a reply is fresh, as in the loop: the server may fold it in in place), and each client's own tensors as
+    they are (a copy of those would cost a model a client for nothing) — and a plan whose `finish` wrote
     into it would have changed every other client's start: stopped."""
     torch.set_num_threads(1)
     cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "fedbabu"})
@@ -1423,6 +1424,7 @@ def test_a_shared_start_comes_back_fresh_and_a_finish_that_writes_into_it_is_sto
     reply, state = executor.finish(plan, together[0], noise)
     assert all(reply[k] is not plan.start[k] and torch.equal(reply[k], plan.start[k]) for k in head)
     assert state["head"] is not plan.start[head[0]]
+    assert all(reply[k] is together[0][k] for k in reply if k not in head)  # each client's own: not copied again
     writes = replace(plans[0], finish=lambda t: (t, {"head": t[head[0]].mul_(2)}))
     with pytest.raises(RuntimeError, match="shares with other clients"):
         executor.finish(writes, together[0], noise)
