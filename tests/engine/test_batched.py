@@ -601,6 +601,22 @@ def test_dittos_two_models_together_are_each_clients_own(model):
             assert _max_diff({k: got[k] for k in got if part(k)}, {k: plan.start[k] for k in got if part(k)}) > 1e-3
 
 
+def test_a_second_models_phase_while_the_first_model_is_still_shared_is_each_clients_own():
+    """Ditto's two phases the other way round: the personal model's phase (`Phase.model`) runs while w, which the
+    round sent every client, is still one shared tensor per key (`_one_or_stacked`). The personal phase sees its
+    own model only, under the model's names; were the shared w handed to it too, its keys would stand in for
+    the personal model's: batched == each client's own `run_plan`."""
+    torch.set_num_threads(1)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "ditto", "lam": 0.5, "personal_lr": 0.01},
+                                   state=_moved_personal_model)
+    plans = [replace(p, phases=p.phases[::-1], finish=lambda t: (t, {})) for p in plans]
+    assert [ph.model for ph in plans[0].phases] == ["personal.", ""]
+    assert all(p.start[k] is plans[0].start[k] for p in plans for k in p.start if not k.startswith("personal."))
+    together, alone = _each_own(cfg, ctx, cids, plans)
+    for got, want in zip(together, alone, strict=True):
+        assert _max_diff(want, got) <= TOL64
+
+
 @pytest.mark.parametrize("model", ["mlp", "lenet5_bn"])
 def test_a_phase_of_k_steps_together_is_each_clients_own(model):
     """pFedHN's plan (`Phase.steps`): K = 9 steps, across an epoch boundary for the smaller clients (a new
@@ -1402,6 +1418,31 @@ def test_a_tensor_every_client_is_sent_is_taken_once_and_one_each_client_has_its
     assert sorted(stacked) == ["b", "c"] and stacked["b"].shape == (2, 2)
     alone, mine = batched._one_or_stacked([{"a": one}])
     assert alone == {} and mine["a"].shape == (1, 2)
+
+
+def test_a_constant_every_client_is_sent_is_taken_once_and_entry_masks_always_per_client(monkeypatch):
+    """`train_together` shares constants as it shares starts: Ditto's anchor (the global model every client is
+    sent) is one tensor for all of them, not a model a client; FedSelect's entry masks, indexed per client by
+    their phase, are stacked even where every client's is the same object."""
+    torch.set_num_threads(1)
+    got = []
+    real = batched._one_or_stacked
+    monkeypatch.setattr(batched, "_one_or_stacked", lambda *a: got.append(out := real(*a)) or out)
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "ditto", "lam": 0.5, "personal_lr": 0.01})
+    anchor = set(plans[0].consts)
+    assert anchor and all(p.consts[k] is plans[0].consts[k] for p in plans for k in anchor)
+    train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                   [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+    assert set(got[1][0]) == anchor and not got[1][1]  # (shared, stacked) of the constants
+    got.clear()
+    cfg, ctx, cids, plans = _plans("mlp", algorithm={"name": "fedselect"})
+    phase = next(ph for ph in plans[0].phases if ph.entries is not None)
+    masks = [k for k in plans[0].consts if k.startswith(phase.entries)]
+    assert masks
+    same = [replace(p, consts={**p.consts, **{k: plans[0].consts[k] for k in masks}}) for p in plans]
+    train_together(ctx.model, same, [ctx.client_data(c) for c in cids], cfg.train,
+                   [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+    assert not set(masks) & set(got[1][0]) and set(masks) <= set(got[1][1])
 
 
 def test_a_shared_start_comes_back_fresh_and_a_finish_that_writes_into_it_is_stopped():
