@@ -17,9 +17,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from pflbed import rng
+from pflbed import compute, rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Algorithm, ClientContext
 from pflbed.algorithms.ktpfl import KTpFL
@@ -876,17 +878,36 @@ def test_batched_clients_share_one_pool_and_each_has_its_own_generator():
         train_together(ctx.model, plans, datas, cfg.train, gens(2))
 
 
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 30), size=st.integers(1, 12), epochs=st.integers(0, 3),
+       steps=st.one_of(st.none(), st.integers(0, 12)), rule=st.booleans())  # fmt: skip
+def test_a_phases_batches_at_once_are_its_batches_one_by_one(n, size, epochs, steps, rule):
+    """`Phase.batches_at_once` gives `Phase.batches`' indices concatenated and their sizes, leaves the generator
+    where taking them one by one leaves it (an epoch's order drawn only where one of its batches is taken) and
+    counts the same work (a rule's batch as its forwards: pFedMe's K of them)."""
+    train = validate_config({**TINY, "train": {**TINY["train"], "batch_size": size}}).train
+    ph = Phase(blocks=(), epochs=epochs, lr=0.1, steps=steps, rule=MoreauStep(3, 1.0, 0.1, 0.1) if rule else None)
+    idx = torch.arange(100, 100 + n)
+    mine, theirs = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
+    before = compute.total()
+    order, sizes = ph.batches_at_once(idx, train, mine)
+    counted = compute.total() - before
+    batches = list(ph.batches(idx, train, theirs))
+    assert counted == compute.total() - before - counted
+    assert sizes == [len(b) for b in batches] and order.dtype == idx.dtype
+    assert torch.equal(order, torch.cat(batches) if batches else idx[:0])
+    assert torch.equal(mine.get_state(), theirs.get_state())
+
+
 def _schedule_one_by_one(datas, train, ph, gens, draw):
     """`batched._schedule`'s layout filled batch by batch, sample for sample from the same generators: the rule
     its whole-tensor layout must keep."""
     per_client = []
     for d, g in zip(datas, gens, strict=True):
         per_client.append([])
-        for b in ph.batches(d.train, train, g):
-            if draw is None:  # neither augmented nor drawing inputs
-                per_client[-1].append((b, None, None))
-            else:
-                per_client[-1].append((b, d.augment.draw(len(b), g), draw(len(b), g)))
+        for b in ph.batches(d.train, train, g):  # a batch, then its augmentation's choices, then its inputs
+            choices = None if d.augment is None else d.augment.draw(len(b), g)
+            per_client[-1].append((b, choices, None if draw is None else draw(len(b), g)))
     steps, width = max(map(len, per_client)), max(len(b) for c in per_client for b, _, _ in c)
     rows = torch.zeros(steps, len(datas), width, dtype=torch.long)
     weights = torch.zeros(steps, len(datas), width)
@@ -898,20 +919,26 @@ def _schedule_one_by_one(datas, train, ph, gens, draw):
             lengths[s, c], rows[s, c], weights[s, c, : len(b)] = len(b), b[0], 1.0 / len(b)
             rows[s, c, : len(b)] = b
             if choices is not None:
-                draws[s, c, : len(b)], inputs[s, c, : len(b)] = choices, noise
+                draws[s, c, : len(b)] = choices
+            if noise is not None:
+                inputs[s, c, : len(b)] = noise
     active = [None if all(s < len(b) for b in per_client) else [c for c, b in enumerate(per_client) if s < len(b)]
               for s in range(steps)]  # fmt: skip
-    plain = draw is None
-    return rows, weights, active, None if plain else draws, lengths, None if plain else inputs
+    return rows, weights, active, None if datas[0].augment is None else draws, lengths, None if draw is None else inputs
 
 
-@pytest.mark.parametrize("epochs, steps, drawn", [(2, None, True), (3, 4, True), (1, 1, True), (2, None, False)])
-def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by_batch(epochs, steps, drawn):
+@pytest.mark.parametrize("augmented, drawn", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("epochs, steps", [(2, None), (3, 4), (1, 1), (2, 3), (2, 7), (3, 50)])
+def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by_batch(epochs, steps, augmented,
+                                                                                       drawn):
     """Clients of different sizes (batches of different counts, shorter last batches, one client of a single short
-    batch), augmented, with per-sample random inputs (`drawn`; else neither): the whole-tensor layout equals the
-    batch-by-batch one exactly, and leaves every generator where drawing batch by batch leaves it."""
+    batch), `augmented` or not, with per-sample random inputs (`drawn`) or not (with neither, each client's
+    batches are drawn at once: `Phase.batches_at_once`): the whole-tensor layout equals the batch-by-batch one
+    exactly, leaves every generator where drawing batch by batch leaves it, and counts the same work. Steps that
+    stop inside an epoch, at its end (3: two clients' whole first epoch, the next one's order never drawn) and
+    past the last."""
     x, y = torch.zeros(40, 1, 4, 4), torch.zeros(40, dtype=torch.long)
-    augment = Augment(1, True, (0.0,)) if drawn else None
+    augment = Augment(1, True, (0.0,)) if augmented else None
     starts = [0, 10, 13, 20]
     sizes = [10, 3, 7, 9]
     datas = [collections.namedtuple("Data", "x y augment train num_train")(x, y, augment, torch.arange(a, a + n), n)
@@ -924,8 +951,11 @@ def test_the_schedule_lays_out_every_clients_batches_and_draws_as_drawn_batch_by
 
     mine = [torch.Generator().manual_seed(c) for c in range(4)]
     theirs = [torch.Generator().manual_seed(c) for c in range(4)]
+    before = compute.total()
     got = batched._schedule(datas, train, ph, mine, draw if drawn else None)
+    counted = compute.total() - before
     want = _schedule_one_by_one(datas, train, ph, theirs, draw if drawn else None)
+    assert counted == compute.total() - before - counted
     names = ("rows", "weights", "active", "draws", "lengths", "inputs")
     for name, a, b in zip(names, got, want, strict=True):
         if a is None or name == "active":

@@ -164,20 +164,26 @@ class WeightedMean:
         self.keys = list(keys) if keys is not None else None
         self.base = base or {}
         self.out: Tensors = {}
+        self.floats: list[str] = []  # the keys averaged
+        self.ints: list[str] = []  # the keys whose maximum is taken
         self.added = 0
 
     def add(self, cid: int, reply: Tensors) -> None:
+        """Fold `reply` in: its float tensors with one multi-tensor call (`torch._foreach_add_`, each tensor's own
+        `add_` on a CPU, the same numbers) — why: on a GPU every call is a launch from the host, and a reply of a
+        10-tensor model was 10 launches a client, 1,000 a round of 100 clients, while the device sat idle."""
         self.added += 1
         if self.added == 1:
             self.keys = self.keys if self.keys is not None else list(reply)
             self.out = {k: torch.zeros_like(reply[k]) if reply[k].is_floating_point() else reply[k].clone()
                         for k in self.keys}  # fmt: skip
-        for k in self.keys:
-            acc = self.out[k]
-            if acc.is_floating_point():
-                acc.add_(reply[k], alpha=self.w[cid])
-            else:
-                torch.maximum(acc, reply[k], out=acc)
+            self.floats = [k for k in self.keys if self.out[k].is_floating_point()]
+            self.ints = [k for k in self.keys if k not in self.floats]
+        if self.floats:
+            torch._foreach_add_([self.out[k] for k in self.floats], [reply[k] for k in self.floats],
+                                alpha=self.w[cid])  # fmt: skip
+        for k in self.ints:
+            torch.maximum(self.out[k], reply[k], out=self.out[k])
 
     def result(self) -> Tensors:
         if not self.added:

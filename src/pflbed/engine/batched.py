@@ -599,22 +599,30 @@ def _schedule(
     augment = datas[0].augment
     if any(d.x is not datas[0].x or d.y is not datas[0].y or d.augment is not augment for d in datas):
         raise ValueError("batched clients index one shared training pool (`Context.client_data`)")
-    batches: list[torch.Tensor] = []  # every client's batches, client after client
+    orders: list[torch.Tensor] = []  # every client's batches' indices, client after client
+    sizes: list[int] = []  # the batches' sizes, in that order
     drawn: list[torch.Tensor] = []
     given: list[torch.Tensor] = []
     counts: list[int] = []  # each client's number of batches
     # every client's indices brought to the host in one copy: one wait for the device, not one per client
     host = torch.cat([d.train for d in datas]).cpu().split([d.num_train for d in datas])
     for indices, g in zip(host, gens, strict=True):
-        before = len(batches)
+        if augment is None and draw is None:  # nothing drawn between batches: all of them at once
+            order, its = ph.batches_at_once(indices, train, g)
+            orders.append(order)
+            sizes += its
+            counts.append(len(its))
+            continue
+        before = len(sizes)
         for b in ph.batches(indices, train, g):  # lazily: a batch, then its choices, then its inputs
-            batches.append(b)
+            orders.append(b)
+            sizes.append(len(b))
             if augment is not None:
                 drawn.append(augment.draw(len(b), g))
             if draw is not None:
                 given.append(draw(len(b), g).cpu())
-        counts.append(len(batches) - before)
-    rows, weights, lengths, pos, real = _laid_out(batches, counts)
+        counts.append(len(sizes) - before)
+    rows, weights, lengths, pos, real = _laid_out(torch.cat(orders), sizes, counts)
     draws = _padded(torch.cat(drawn), pos, real) if augment is not None else None
     inputs = _padded(torch.cat(given), pos, real) if draw is not None else None
     active = [None if all(s < n for n in counts) else [c for c, n in enumerate(counts) if s < n]
@@ -625,25 +633,25 @@ def _schedule(
 
 
 def _laid_out(
-    batches: list[torch.Tensor], counts: list[int]
+    order: torch.Tensor, batch_sizes: list[int], counts: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The clients' `batches` (client after client, `counts[c]` of client c) laid out by step and client, in a few
-    whole-tensor operations rather than a few small ones per batch — per batch, they cost more host time than a GPU
-    takes for a CNN's step (tens of ms a round). Returns `rows` [steps, clients, width] (a batch's indices, padded
-    with its first; 0 where a client has no batch), `weights` (1/len(batch) on real rows, else 0), `lengths`
-    [steps, clients], and for laying out what goes with each sample (`_padded`): each row's position in the
-    batches concatenated, and whether it is real."""
-    sizes = torch.tensor([b.shape[0] for b in batches])
+    """The clients' batches (their indices concatenated in `order`, client after client, of `batch_sizes`;
+    `counts[c]` of them client c's) laid out by step and client, in a few whole-tensor operations rather than a
+    few small ones per batch: per batch, they cost more host time than a GPU takes for a CNN's step (tens of ms a
+    round). Returns `rows` [steps, clients, width] (a batch's indices, padded with its first; 0 where a client has
+    no batch), `weights` (1/len(batch) on real rows, else 0), `lengths` [steps, clients], and for laying out what
+    goes with each sample (`_padded`): each row's position in `order`, and whether it is real."""
+    sizes = torch.tensor(batch_sizes, dtype=torch.long)
     per_client = torch.tensor(counts)
     client = torch.repeat_interleave(per_client)  # each batch's client
-    step = torch.arange(len(batches)) - (per_client.cumsum(0) - per_client)[client]  # a batch's step in its client
+    step = torch.arange(len(batch_sizes)) - (per_client.cumsum(0) - per_client)[client]  # its step in its client
     shape = (int(per_client.max()), len(counts))
     lengths = torch.zeros(shape, dtype=torch.long).index_put_((step, client), sizes)
     first = torch.zeros(shape, dtype=torch.long).index_put_((step, client), sizes.cumsum(0) - sizes)
     j = torch.arange(int(sizes.max()))
     real = j < lengths[..., None]
     pos = first[..., None] + torch.where(real, j, 0)  # a padding row: its batch's first sample
-    rows = torch.where(lengths[..., None] > 0, torch.cat(batches).long()[pos], 0)
+    rows = torch.where(lengths[..., None] > 0, order.long()[pos], 0)
     weights = torch.where(real, 1.0 / lengths.clamp(min=1)[..., None], 0.0)  # in the default dtype
     return rows, weights, lengths, pos, real
 

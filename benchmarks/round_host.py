@@ -1,0 +1,142 @@
+"""The host's work around a batched round's steps, each beside the form it replaced, in one process on the CPU.
+
+On a GPU the host's Python at a round's start (the clients' plans, the layout of their batches) is time the device
+waits for its first step, and at its end the server folds the replies in with one launch per call while the
+device sits idle. Neither can be timed on the GPU without one, so this times the host's part here and counts the
+calls: (1) 100 clients' plans (`BatchedExecutor.plan`, new rounds: each client's seed hashed once, not twice);
+(2) their batches laid out (`batched._schedule`: each client's batches drawn at once, `Phase.batches_at_once`,
+beside the batch-by-batch loop it replaced); (3) the replies folded into the weighted mean (`WeightedMean.add`:
+one multi-tensor call a reply, beside one `add_` a tensor). Prints ms (median of `--repeats`) and ratios.
+
+    python benchmarks/round_host.py [--clients 100] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu import EXECUTORS, config  # noqa: E402
+
+from pflbed import rng  # noqa: E402
+from pflbed.algorithms.training import WeightedMean  # noqa: E402
+from pflbed.engine import batched  # noqa: E402
+from pflbed.engine.loop import make_executor, prepare  # noqa: E402
+
+
+def timed(f: Callable[[], object], repeats: int) -> float:
+    """Median ms of `repeats` calls of `f`."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def calls(f: Callable[[], object]) -> int:
+    """The torch operators `f` calls at the top level (on a GPU, one launch or more each)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        f()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and
+               (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))  # fmt: skip
+
+
+def batch_by_batch(datas: list, train, ph, gens: list[torch.Generator]) -> tuple:
+    """The layout as `_schedule` built it before `Phase.batches_at_once`: each client's batches taken one by one."""
+    orders, sizes, counts = [], [], []
+    host = torch.cat([d.train for d in datas]).cpu().split([d.num_train for d in datas])
+    for indices, g in zip(host, gens, strict=True):
+        before = len(sizes)
+        for b in ph.batches(indices, train, g):
+            orders.append(b)
+            sizes.append(len(b))
+        counts.append(len(sizes) - before)
+    rows, weights, lengths, _, _ = batched._laid_out(torch.cat(orders), sizes, counts)
+    active = [None if all(s < n for n in counts) else [c for c, n in enumerate(counts) if s < n]
+              for s in range(len(rows))]  # fmt: skip
+    return rows, weights, active, None, lengths, None
+
+
+def fold_per_tensor(weights: dict[int, float], replies: dict[int, dict[str, torch.Tensor]]) -> dict:
+    """The weighted mean as `WeightedMean.add` folded it in before: one `add_` per tensor of every reply."""
+    w = torch.tensor(list(weights.values()), dtype=torch.float64)
+    norm = dict(zip(weights, (w / w.sum()).tolist(), strict=True))
+    out = {k: torch.zeros_like(v) for k, v in next(iter(replies.values())).items()}
+    for c, reply in replies.items():
+        for k, v in reply.items():
+            out[k].add_(v, alpha=norm[c])
+    return out
+
+
+def fold_at_once(weights: dict[int, float], replies: dict[int, dict[str, torch.Tensor]]) -> dict:
+    agg = WeightedMean(weights)
+    for c, reply in replies.items():
+        agg.add(c, reply)
+    return agg.result()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    shape = argparse.Namespace(quick=False, models=["cnn", "resnet18"], rounds=3, big_rounds=2, device="cpu")
+    algo = prepare(config("fedavg", "cnn", EXECUTORS["batched"], shape, "paper", a.clients))  # 500 samples each
+    ex, _ = make_executor(algo, None)
+    ctx, cids = algo.ctx, list(range(a.clients))
+    payload = algo.init_server()
+    rounds = iter(range(10, 10_000))  # new rounds: every client's seed is hashed afresh, as in a run
+
+    def plans() -> list:
+        rnd = next(rounds)
+        return [ex.plan(rnd, c, payload) for c in cids]
+
+    def plans_hashed_twice() -> list:
+        cached, rng.derive_seed = rng.derive_seed, rng.derive_seed.__wrapped__
+        try:
+            return plans()
+        finally:
+            rng.derive_seed = cached
+
+    ph = plans()[0][0].phases[0]
+    datas = [ctx.client_data(c) for c in cids]
+
+    def gens() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(c) for c in cids]
+
+    got, want = batched._schedule(datas, ctx.cfg.train, ph, gens()), batch_by_batch(datas, ctx.cfg.train, ph, gens())
+    assert all((x == y) if x is None or isinstance(x, list) else torch.equal(x, y)
+               for x, y in zip(got, want, strict=True))  # fmt: skip
+    replies = {c: {k: v + 0.01 * c for k, v in payload.items()} for c in cids}
+    weights = {c: float(ctx.federation.num_train(c)) for c in cids}
+    new, old = fold_at_once(weights, replies), fold_per_tensor(weights, replies)
+    assert all(torch.equal(new[k], old[k]) for k in old)
+
+    rows = [("plans", plans_hashed_twice, plans, False),
+            ("batches laid out", lambda: batch_by_batch(datas, ctx.cfg.train, ph, gens()),
+             lambda: batched._schedule(datas, ctx.cfg.train, ph, gens()), False),
+            ("replies folded in", lambda: fold_per_tensor(weights, replies), lambda: fold_at_once(weights, replies),
+             True)]  # fmt: skip
+    print(f"{a.clients} clients × {ctx.federation.num_train(0)} training samples, FedAvg, cnn, batch "
+          f"{ctx.cfg.train.batch_size}, one thread; ms per round (median of {a.repeats}); calls: the torch operators "
+          "called on the run's device (on a GPU each a launch; the plans and the layout run on the host)")
+    print(f"{'':20s} {'before ms':>10s} {'now ms':>8s} {'before ÷ now':>13s} {'calls before':>13s} {'calls now':>10s}")
+    for name, before, now, on_device in rows:
+        t_before, t_now = timed(before, a.repeats), timed(now, a.repeats)
+        n_before, n_now = (str(calls(before)), str(calls(now))) if on_device else ("-", "-")
+        print(f"{name:20s} {t_before:10.2f} {t_now:8.2f} {t_before / t_now:13.2f} {n_before:>13s} {n_now:>10s}")
+
+
+if __name__ == "__main__":
+    main()
