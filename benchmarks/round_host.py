@@ -5,8 +5,11 @@ waits for its first step, and at its end the server folds the replies in with on
 device sits idle. Neither can be timed on the GPU without one, so this times the host's part here and counts the
 calls: (1) 100 clients' plans (`BatchedExecutor.plan`, new rounds: each client's seed hashed once, not twice);
 (2) their batches laid out (`batched._schedule`: each client's batches drawn at once, `Phase.batches_at_once`,
-beside the batch-by-batch loop it replaced); (3) the replies folded into the weighted mean (`WeightedMean.add`:
-one multi-tensor call a reply, beside one `add_` a tensor). Prints ms (median of `--repeats`) and ratios.
+beside the batch-by-batch loop it replaced); (3) the replies and states checked for divergence
+(`guard.check_clients_later`, computed before the replies are handed on and read after, beside the one screen
+read before, `guard.screen_finite`: more calls, but none of them after a wait for the device); (4) the replies
+folded into the weighted mean (`WeightedMean.add`: one multi-tensor call a reply, beside one `add_` a tensor).
+Prints ms (median of `--repeats`) and ratios.
 
     python benchmarks/round_host.py [--clients 100] [--repeats 7]
 """
@@ -30,6 +33,7 @@ from gpu import EXECUTORS, config  # noqa: E402
 from pflbed import rng  # noqa: E402
 from pflbed.algorithms.training import WeightedMean  # noqa: E402
 from pflbed.engine import batched  # noqa: E402
+from pflbed.engine.guard import check_clients_later, screen_finite  # noqa: E402
 from pflbed.engine.loop import make_executor, prepare  # noqa: E402
 
 
@@ -126,6 +130,8 @@ def main() -> None:
     rows = [("plans", plans_hashed_twice, plans, False),
             ("batches laid out", lambda: batch_by_batch(datas, ctx.cfg.train, ph, gens()),
              lambda: batched._schedule(datas, ctx.cfg.train, ph, gens()), False),
+            ("replies checked", lambda: screen_finite(v for r in replies.values() for v in r.values()),
+             lambda: check_clients_later(1, [(c, r, {}) for c, r in replies.items()])(), True),
             ("replies folded in", lambda: fold_per_tensor(weights, replies), lambda: fold_at_once(weights, replies),
              True)]  # fmt: skip
     print(f"{a.clients} clients × {ctx.federation.num_train(0)} training samples, FedAvg, cnn, batch "
@@ -136,6 +142,8 @@ def main() -> None:
         t_before, t_now = timed(before, a.repeats), timed(now, a.repeats)
         n_before, n_now = (str(calls(before)), str(calls(now))) if on_device else ("-", "-")
         print(f"{name:20s} {t_before:10.2f} {t_now:8.2f} {t_before / t_now:13.2f} {n_before:>13s} {n_now:>10s}")
+    print("(the screen's calls before: on a CPU one norm per tensor; on a GPU a few multi-tensor calls, but read "
+          "before the replies are handed on)")
 
 
 if __name__ == "__main__":

@@ -1027,6 +1027,43 @@ def test_a_batched_round_screens_its_clients_together_and_checks_those_trained_a
     assert screens == [1]
 
 
+@pytest.mark.parametrize("name, after", [("fedavg", True), ("feddf", False)])
+def test_a_round_of_batched_clients_only_is_checked_after_its_replies_were_folded_in(name, after, monkeypatch):
+    """A round whose clients were all batched hands every reply on to the server before it reads its check (on a
+    GPU the host queues the folding-in while the device runs the last steps: `guard.check_clients_later`), and
+    before the round's server state is asked for; one with clients trained alone (FedDF's other architecture)
+    screens its batched clients before it hands any reply on, as the loop checks its clients in order."""
+    from pflbed.engine.driver import Driver
+
+    torch.set_num_threads(1)
+    screen, later = batched.screen_finite, batched.check_clients_later
+    events = []
+    monkeypatch.setattr(batched, "screen_finite", lambda tensors: events.append("screen") or screen(tensors))
+    monkeypatch.setattr(batched, "check_clients_later", lambda rnd, clients: (
+        lambda check: lambda: events.append("check") or check())(later(rnd, clients)))  # fmt: skip
+    algo = prepare(_cfg(name, True, 1))
+    agg = algo.aggregator
+    monkeypatch.setattr(algo, "aggregator", lambda rnd, server, weights: _Recorded(agg(rnd, server, weights), events))
+    Driver(algo, BatchedExecutor(algo)).train_round(1, algo.init_server())
+    n = FED["clients"]
+    assert events == (["add"] * n + ["check", "result"] if after else ["screen"] + ["add"] * n + ["result"])
+
+
+class _Recorded:
+    """An aggregator that records each reply folded in and its result asked for."""
+
+    def __init__(self, agg, events):
+        self.agg, self.events = agg, events
+
+    def add(self, cid, reply):
+        self.events.append("add")
+        self.agg.add(cid, reply)
+
+    def result(self):
+        self.events.append("result")
+        return self.agg.result()
+
+
 def test_a_trace_records_the_dropout_calls_made_in_training_mode_and_moves_nothing():
     """`PerClientLayers.trace` records what the step will ask masks for: the dropout calls of a forward in training
     mode, not those a forward makes in eval mode (a frozen model's, as MOON's), which draw none; and it draws from

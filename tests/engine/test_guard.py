@@ -6,7 +6,14 @@ import torch
 
 import pflbed
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.engine.guard import check_client, check_server, finite, first_negative_variance, screen_finite
+from pflbed.engine.guard import (
+    check_client,
+    check_clients_later,
+    check_server,
+    finite,
+    first_negative_variance,
+    screen_finite,
+)
 from pflbed.errors import DivergedError
 
 from ..algorithms.test_scaffold import BN_RUN
@@ -108,3 +115,48 @@ def test_the_screen_finds_a_nan_or_an_infinity_in_any_float_tensor_among_many(dt
     # the norm is L1: values whose squares pass float32's range (an L2 norm's inf, then a look at every tensor) are
     # still screened finite
     assert screen_finite([*many, torch.full((4,), 1e20, dtype=dtype if dtype != torch.float16 else torch.float32)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_check_read_later_names_what_check_client_names_on_the_first_bad_client(dtype):
+    """`check_clients_later`: computed over every client's reply and state at once, read once when it is called;
+    it raises as `check_client` raises on the first client of the list it finds a non-finite value in (a NaN, ±inf;
+    reply before state, keys in sorted order), passes finite values at the top of each type's range (their L1 norm
+    overflows the type itself), integers and empty tensors, and holds none of the tensors meanwhile."""
+    import weakref
+
+    top = torch.finfo(dtype).max
+    other = torch.float64 if dtype != torch.float64 else torch.float32  # a second group of tensors
+
+    def client(i):
+        return ({"b.weight": torch.ones(3, dtype=dtype), "a.bias": torch.full((5,), top, dtype=dtype),
+                 "n": torch.arange(3), "w": torch.ones(2, dtype=other), "e": torch.zeros(0, dtype=dtype)},
+                {"s.running_var": torch.ones(2, dtype=dtype), "t": torch.full((4,), -top, dtype=dtype)})  # fmt: skip
+
+    clients = [(c, *client(c)) for c in (7, 2, 9)]
+    check_clients_later(1, clients)()
+    held = weakref.ref(clients[0][1]["a.bias"])
+    check = check_clients_later(1, clients)
+    del clients
+    assert held() is None  # nothing kept alive until the read
+    check()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        clients = [(c, *client(c)) for c in (7, 2, 9)]
+        clients[1][2]["t"][1] = bad  # client 2's state
+        clients[2][1]["b.weight"][0] = bad  # client 9's reply, after
+        clients[2][1]["w"][0] = bad  # and one of the other type
+        with pytest.raises(DivergedError, match=r"round 4: client 2's state has non-finite values in 't'") as got:
+            check_clients_later(4, clients)()
+        with pytest.raises(DivergedError) as want:
+            for c, reply, state in clients:
+                check_client(4, c, reply, state)
+        assert str(got.value) == str(want.value)
+        clients[1][1]["b.weight"][2] = bad  # client 2's reply now too: named first, the keys in sorted order
+        clients[1][1]["a.bias"][0] = bad
+        with pytest.raises(DivergedError, match=r"client 2's reply has non-finite values in 'a.bias'") as got:
+            check_clients_later(4, clients)()
+        with pytest.raises(DivergedError) as want:
+            for c, reply, state in clients:
+                check_client(4, c, reply, state)
+        assert str(got.value) == str(want.value)
+    check_clients_later(1, [])()

@@ -64,7 +64,7 @@ from pflbed.algorithms.local_sgd import (
 from pflbed.config import TrainConfig
 from pflbed.engine import per_client_layers
 from pflbed.engine.executor import LoopExecutor, precision, private, seeded, update_client
-from pflbed.engine.guard import screen_finite
+from pflbed.engine.guard import check_clients_later, screen_finite
 from pflbed.engine.per_client_layers import PerClientLayers
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
@@ -191,9 +191,14 @@ class BatchedExecutor(LoopExecutor):
                     done[c] = private(algo, received[c], reply), new_state
                 del trained  # each reply must die once the server has folded it in (`LoopExecutor.stream`)
                 start += len(part)
-        # every batched client's reply and state screened at once: one wait for the device, not one per client
-        # (the client-by-client check, in client order, where the screen finds a value to look at)
-        screened = bool(done) and screen_finite(v for out in done.values() for part in out for v in part.values())
+        # every batched client's reply and state screened at once: one wait for the device, not one per client.
+        # A round of batched clients only: read once its replies were handed on (`check_clients_later`); one with
+        # clients trained alone: before, then client by client in client order where the screen finds a value to
+        # look at, as the loop checks them
+        every = len(done) == len(received)
+        later = check_clients_later(rnd, [(c, *done[c]) for c in received]) if every else None
+        screened = every or (bool(done) and screen_finite(v for out in done.values() for part in out
+                                                          for v in part.values()))  # fmt: skip
         for c in received:  # in client order; the rest exactly as the loop runs them, one at a time
             plan, (_, gen, noise) = plans.pop(c, None), built.pop(c)
             if c in done:
@@ -204,6 +209,8 @@ class BatchedExecutor(LoopExecutor):
             else:
                 out = update_client(algo, rnd, c, received[c], self.state(c))
             yield c, self.keep(rnd, c, *out)
+        if later is not None:  # before the stream ends: before the server's state of the round exists
+            later()
 
 
 def cache_flushes(device: torch.device) -> int:

@@ -82,7 +82,8 @@ class LoopExecutor:
 
     def keep(self, rnd: int, cid: int, reply: Tensors, new_state: Tensors, screened: bool = False) -> Tensors:
         """Check a client's (reply, new state), keep the state, return the reply. `screened`: found finite already,
-        with others' (`guard.screen_finite`; going through bytes in strict mode changes no value)."""
+        with others' (`guard.screen_finite`), or to be checked with them before the round ends
+        (`guard.check_clients_later`); going through bytes in strict mode changes no value."""
         reply, new_state = self.prepare(reply), self.prepare(new_state)
         if not screened:
             check_client(rnd, cid, reply, new_state)

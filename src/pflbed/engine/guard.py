@@ -10,7 +10,7 @@ the exchanged tensors rather than each algorithm's losses keeps the guard in one
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.nn.utils import get_total_norm
@@ -85,6 +85,40 @@ def check_client(rnd: int, cid: int, reply: Tensors, state: Tensors) -> None:
         key = first_nonfinite(tensors)
         if key is not None:
             raise client_diverged(rnd, cid, what, key)
+
+
+def check_clients_later(rnd: int, clients: list[tuple[int, Tensors, Tensors]]) -> Callable[[], None]:
+    """`check_client` on every one of `clients` (cid, reply, state), in their order, computed now and read later:
+    returns the check, which raises as `check_client` raises on the first of them it finds a non-finite value in,
+    and holds none of their tensors.
+
+    Why: a batched round hands its replies on to the server while a GPU may still be running its last steps; read
+    before, the check holds the server's folding-in of them (a few launches a reply) until the device is done,
+    and then the device idles while the host launches them. Each floating-point tensor's smallest and largest
+    value (`torch.aminmax`, which propagates NaN) are both finite exactly when every value is: no sum that
+    could overflow, so no tensor needs a second look (on a CPU also ≈ 6× faster than the L1 norm `screen_finite`
+    takes)."""
+    names: list[tuple[int, str, str]] = []
+    groups: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for cid, reply, state in clients:
+        for what, part in (("reply", reply), ("state", state)):
+            for k in sorted(part):
+                v = part[k]
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+                    at, ends = groups.setdefault(v.device, ([], []))
+                    at.append(len(names))
+                    ends.extend(torch.aminmax(v))
+                    names.append((cid, what, k))
+    # per device: its tensors, whether each is not finite (kept there: a host tensor moved to a GPU would wait)
+    flags = [(at, ~torch.isfinite(torch.stack(ends)).view(-1, 2).all(1)) for at, ends in groups.values()]
+
+    def check() -> None:
+        first = [at[int(bad.nonzero()[0, 0])] for at, bad in flags if bool(bad.any())]
+        if first:
+            cid, what, key = names[min(first)]
+            raise client_diverged(rnd, cid, what, key)
+
+    return check
 
 
 def check_server(rnd: int, server: Tensors) -> None:
