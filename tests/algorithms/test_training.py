@@ -246,6 +246,8 @@ def test_weighted_mean_of_one_reply_and_of_integer_tensors():
     assert torch.equal(out["w"], one[5]["w"]) and torch.equal(out["n"], one[5]["n"])
     two = {0: {"n": torch.tensor([3, 9, 1])}, 1: {"n": torch.tensor([4, 2, 1])}}
     assert torch.equal(weighted_mean(two, {0: 1.0, 1: 1.0})["n"], torch.tensor([4, 9, 1]))
+    below = {0: {"n": torch.tensor([-3, -9])}, 1: {"n": torch.tensor([-4, -2])}}  # the replies' maximum, not 0's
+    assert torch.equal(weighted_mean(below, {0: 1.0, 1: 1.0})["n"], torch.tensor([-3, -2]))
 
 
 def test_get_params_copies_exactly_the_requested_keys():

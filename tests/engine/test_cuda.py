@@ -328,3 +328,23 @@ def test_strict_mode_brings_what_went_through_bytes_back_to_the_device():
     r = run(_cfg({"name": "fedper"}, DEVICE, {"strict": True}, **one), write=False, progress=False)
     kept = [*r.server.values(), *(v for s in r.executor.states.values() for v in s.values())]
     assert r.executor.states and all(v.device.type == torch.device(DEVICE).type for v in kept)
+
+
+def test_a_check_read_later_takes_each_devices_tensors_on_their_device():
+    """`guard.check_clients_later` over replies on the device and a state kept on the host: each device's tensors
+    are screened there (a stack across devices would fail, and a host value moved to the GPU would wait for it),
+    and the first bad client is named whichever device its tensor is on; NaN propagates through the device's
+    minimum and maximum."""
+    from pflbed.engine.guard import check_clients_later
+    from pflbed.errors import DivergedError
+
+    def clients():
+        return [(c, {"w": torch.ones(3, device=DEVICE)}, {"s": torch.ones(2)}) for c in range(3)]
+
+    check_clients_later(1, clients())()
+    for part, where in ((2, "state"), (1, "reply")):
+        bad = clients()
+        bad[2][1]["w"][0] = float("nan")  # the last client's reply, on the device
+        bad[1][part]["s" if part == 2 else "w"][1] = float("nan")
+        with pytest.raises(DivergedError, match=f"client 1's {where} has non-finite values"):
+            check_clients_later(1, bad)()

@@ -648,7 +648,7 @@ def _laid_out(
     round). Returns `rows` [steps, clients, width] (a batch's indices, padded with its first; 0 where a client has
     no batch), `weights` (1/len(batch) on real rows, else 0), `lengths` [steps, clients], and for laying out what
     goes with each sample (`_padded`): each row's position in `order`, and whether it is real."""
-    sizes = torch.tensor(batch_sizes, dtype=torch.long)
+    sizes = torch.tensor(batch_sizes)
     per_client = torch.tensor(counts)
     client = torch.repeat_interleave(per_client)  # each batch's client
     step = torch.arange(len(batch_sizes)) - (per_client.cumsum(0) - per_client)[client]  # its step in its client
