@@ -3,7 +3,8 @@
 On a GPU the host's Python at a round's start (the clients' plans, the layout of their batches) is time the device
 waits for its first step, and at its end the server folds the replies in with one launch per call while the
 device sits idle. Neither can be timed on the GPU without one, so this times the host's part here and counts the
-calls: (1) 100 clients' plans (`BatchedExecutor.plan`, new rounds: each client's seed hashed once, not twice);
+calls: (1) 100 clients' plans (`BatchedExecutor.plans`, new rounds: each client's seed hashed once, not twice,
+the global RNG forked once for them all, not once each);
 (2) their batches laid out (`batched._schedule`: each client's batches drawn at once, `Phase.batches_at_once`,
 beside the batch-by-batch loop it replaced); (3) the replies and states checked for divergence
 (`guard.check_clients_later`, computed before the replies are handed on and read after, beside the one screen
@@ -33,6 +34,7 @@ from gpu import EXECUTORS, config  # noqa: E402
 from pflbed import rng  # noqa: E402
 from pflbed.algorithms.training import WeightedMean  # noqa: E402
 from pflbed.engine import batched  # noqa: E402
+from pflbed.engine.executor import precision, seeded  # noqa: E402
 from pflbed.engine.guard import check_clients_later, screen_finite  # noqa: E402
 from pflbed.engine.loop import make_executor, prepare  # noqa: E402
 
@@ -102,18 +104,28 @@ def main() -> None:
     payload = algo.init_server()
     rounds = iter(range(10, 10_000))  # new rounds: every client's seed is hashed afresh, as in a run
 
-    def plans() -> list:
-        rnd = next(rounds)
-        return [ex.plan(rnd, c, payload) for c in cids]
+    def plans(rnd: int | None = None) -> dict:
+        return ex.plans(rnd or next(rounds), {c: payload for c in cids})
 
-    def plans_hashed_twice() -> list:
-        cached, rng.derive_seed = rng.derive_seed, rng.derive_seed.__wrapped__
+    def plans_one_by_one(rnd: int | None = None) -> dict:
+        """The plans as `BatchedExecutor.plan` built them before: one fork of the RNG and one precision context a
+        client, its seed hashed twice (`seeded`'s two uses of it, not remembered)."""
+        rnd, cached, rng.derive_seed = rnd or next(rounds), rng.derive_seed, rng.derive_seed.__wrapped__
+        built = {}
         try:
-            return plans()
+            for c in cids:
+                with rng.fork(ctx.device):
+                    cctx = seeded(algo, rnd, c)
+                    with precision(algo):
+                        plan = algo.round_plan(payload, ex.state(c), ctx.client_data(c), cctx)
+                    built[c] = plan, cctx.generator, rng.global_now(ctx.device)
         finally:
             rng.derive_seed = cached
+        return built
 
-    ph = plans()[0][0].phases[0]
+    ph = plans(1)[0][0].phases[0]
+    assert all(old[0].phases == new[0].phases and torch.equal(old[1].get_state(), new[1].get_state())
+               for old, new in zip(plans_one_by_one(1).values(), plans(1).values(), strict=True))  # fmt: skip
     datas = [ctx.client_data(c) for c in cids]
 
     def gens() -> list[torch.Generator]:
@@ -127,7 +139,7 @@ def main() -> None:
     new, old = fold_at_once(weights, replies), fold_per_tensor(weights, replies)
     assert all(torch.equal(new[k], old[k]) for k in old)
 
-    rows = [("plans", plans_hashed_twice, plans, False),
+    rows = [("plans", plans_one_by_one, plans, False),
             ("batches laid out", lambda: batch_by_batch(datas, ctx.cfg.train, ph, gens()),
              lambda: batched._schedule(datas, ctx.cfg.train, ph, gens()), False),
             ("replies checked", lambda: screen_finite(v for r in replies.values() for v in r.values()),

@@ -106,17 +106,21 @@ class BatchedExecutor(LoopExecutor):
             n.set_state(used_n.get_state())
         return trained
 
-    def plan(self, rnd: int, cid: int, payload: Tensors) -> tuple[LocalSGDPlan | None, torch.Generator,
-                                                                   torch.Generator]:  # fmt: skip
-        """The client's plan as its update builds it (`update_client`, `Algorithm.client_update`): from its
-        generator, torch's global RNG seeded for it (FedALA's plan draws its sample and dropout masks first);
-        with the generator and the global RNG's stream as the plan left them, its training's to go on from."""
+    def plans(self, rnd: int, received: dict[int, Tensors]) -> dict[int, tuple[LocalSGDPlan | None, torch.Generator,
+                                                                                torch.Generator]]:  # fmt: skip
+        """Each client's plan as its update builds it (`update_client`, `Algorithm.client_update`): from its
+        generator, torch's global RNG seeded for it (FedALA's plan draws its sample and dropout masks first), under
+        the run's precision; with the generator and the global RNG's stream as the plan left them, its training's
+        to go on from. The global RNG is put back once, after them all: each plan seeds it afresh, so one fork for
+        the round's plans, not one each (a round's plans are host time a GPU waits through before the first step)."""
         algo, ctx = self.algo, self.algo.ctx
-        with rng.fork(ctx.device):
-            cctx = seeded(algo, rnd, cid)
-            with precision(algo):
+        built = {}
+        with rng.fork(ctx.device), precision(algo):
+            for cid, payload in received.items():
+                cctx = seeded(algo, rnd, cid)
                 plan = algo.round_plan(payload, self.state(cid), ctx.client_data(cid), cctx)
-            return plan, cctx.generator, rng.global_now(ctx.device)
+                built[cid] = plan, cctx.generator, rng.global_now(ctx.device)
+        return built
 
     @contextlib.contextmanager
     def as_its_update(self, noise: torch.Generator) -> Iterator[None]:
@@ -157,7 +161,7 @@ class BatchedExecutor(LoopExecutor):
     def stream(self, rnd: int, payloads: dict[int, Tensors]) -> Iterator[tuple[int, Tensors]]:
         algo, ctx = self.algo, self.algo.ctx
         received = {c: self.prepare(payloads[c]) for c in sorted(payloads)}
-        built = {c: self.plan(rnd, c, payload) for c, payload in received.items()}
+        built = self.plans(rnd, received)
         plans = {c: plan for c, (plan, _, _) in built.items() if plan is not None}
         groups: dict[tuple, list[int]] = {}
         batchable: dict[int, bool] = {}  # per model, not per client: a walk over its modules (100: 11 ms a round)
