@@ -1027,6 +1027,18 @@ def test_a_batched_round_screens_its_clients_together_and_checks_those_trained_a
     assert screens == [1]
 
 
+def test_a_rounds_plans_leave_the_global_rng_where_they_found_it():
+    """`BatchedExecutor.plans` seeds torch's global RNG for each client, as its update does, and puts it back after
+    them all: what runs after the plans in this process draws as if they had not run."""
+    torch.set_num_threads(1)
+    algo = prepare(_cfg("fedala", True, 1))
+    ex, server = BatchedExecutor(algo), algo.init_server()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    built = ex.plans(1, algo.configure(1, server, list(range(FED["clients"]))))
+    assert len(built) == FED["clients"] and torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize("name, after", [("fedavg", True), ("feddf", False)])
 def test_a_round_of_batched_clients_only_is_checked_after_its_replies_were_folded_in(name, after, monkeypatch):
     """A round whose clients were all batched hands every reply on to the server before it reads its check (on a

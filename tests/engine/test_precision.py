@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pflbed.algorithms import ALGORITHMS, fedas
+from pflbed.algorithms.fedala import FedALA
 from pflbed.algorithms.fedamp import FedAMP
 from pflbed.config import validate_config
 from pflbed.errors import ConfigError
@@ -100,6 +101,23 @@ def test_a_plans_finish_runs_under_autocast_batched_as_in_the_loop(batch_clients
     monkeypatch.setattr(fedas, "fisher_trace", fisher_trace)
     run(_cfg("fedas", batch_clients=batch_clients), write=False, progress=False)
     assert bool(together) == batch_clients  # the batched path ran where asked
+    assert flags and all(flags)
+
+
+@pytest.mark.parametrize("batch_clients", [False, True])
+def test_a_plans_building_runs_under_autocast_batched_as_in_the_loop(batch_clients, together, monkeypatch):
+    """Building a plan is part of the client's update too: FedALA learns its aggregation weights there (forwards
+    of the model from the second round on), under autocast in the loop, and so batched. Red with the batched
+    executor building the round's plans outside `precision`."""
+    flags, real = [], FedALA.learn_weights
+
+    def learn_weights(self, *a, **kw):
+        flags.append(torch.is_autocast_enabled("cpu"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(FedALA, "learn_weights", learn_weights)
+    run(_cfg("fedala", batch_clients=batch_clients), write=False, progress=False)
+    assert bool(together) == batch_clients
     assert flags and all(flags)
 
 
