@@ -20,13 +20,17 @@
    batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
    and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
    as unfold + batched matrix products, and as one dense layer on all the samples.
-6. What FedBasis's combination of its bases costs in a batched step (θ = ½·v' + ½·Σ α_k·v_k over ResNet-18's
+6. What a batched round spends outside its steps' gradients (`outside`): FedAvg's CNN round batched, then the
+   same with each step's vmapped gradient replaced by zeros — the plans, the batches' layout, each step's gather
+   and SGD update, the finish, the divergence check and the server's folding-in as a round runs them: the part of
+   the round no faster step can lift.
+7. What FedBasis's combination of its bases costs in a batched step (θ = ½·v' + ½·Σ α_k·v_k over ResNet-18's
    parameters, 100 clients, forward and backward for its ψ and V steps) in three forms of the same sum, beside
    one pass over the bases' memory.
-7. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
+8. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
 
 A full run measures the goals' cases first (FedAvg's CNN batched, ResNet-18 batched for FedAvg, FedRoD, FedSelect
-and FedBasis, FedAvg's CNN compiled and as CUDA graphs), then profiles, then probes a step, then the ImageNet-style
+and FedBasis, FedAvg's CNN compiled and as CUDA graphs), then profiles, then probes the round outside its gradients and a step, then the ImageNet-style
 ResNet-18's batched rows, then the rest: a short GPU allocation answers the questions still open before it spends
 time on rows already known.
 
@@ -366,6 +370,28 @@ def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
         out[name] = (time.perf_counter() - t0) / steps * 1e3
     out["layers_ms"] = layer_probe(device, clients, steps)
     return out
+
+
+def outside_probe(a: argparse.Namespace, device: torch.device) -> dict:
+    """FedAvg's batched CNN round (paper shape) timed as it runs, then with each step's vmapped gradient replaced by
+    zeros of its shape (`engine.batched.compiled` patched for the second timing, put back after): what the round
+    spends outside its gradients — the host's plans and layout before the first step, each step's gather and SGD
+    update, and after the last the finish, the divergence check and the server's folding-in — and so the least a
+    round can take whatever the step's speed. s per round (`time_rounds`: median of the timed rounds)."""
+    cfg = config("fedavg", a.models[0], EXECUTORS["batched"], a, "paper")
+    real = batched.compiled
+
+    def no_gradients(step: Callable, mode: str, model: torch.nn.Module, kept: Callable = batched.copies) -> Callable:
+        return lambda p, q, b, *rest: ({k: torch.zeros_like(v) for k, v in p.items()}, dict(b))
+
+    whole = time_rounds(cfg, None)
+    batched.compiled = no_gradients
+    try:
+        outside = time_rounds(cfg, None)
+    finally:
+        batched.compiled = real
+    return {"model": a.models[0], "clients": cfg.federation.clients, "round_s": whole["s_per_round"],
+            "outside_s": outside["s_per_round"]}  # fmt: skip
 
 
 def combine_forms(keys: list[str], group_of: dict[str, int], k: int) -> dict[str, Callable]:
@@ -736,7 +762,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--imagenet-model", default="resnet18_imagenet", help="the paper64 cases' model")
     ap.add_argument("--cases", nargs="*", default=[], metavar="SHAPE/ALG/MODEL/EXEC",
                     help="measure only these speed cases, in this order (default: all, in priority order)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "speed", "profile", "step", "combine"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["tests", "speed", "profile", "outside", "step", "combine"])  # fmt: skip
     ap.add_argument("--profile", default="fedavg", metavar="ALG/MODEL",
                     help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
     ap.add_argument("--profile-executor", default="batched", choices=PROFILED,
@@ -828,10 +855,10 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
 
 
 def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: float) -> None:
-    """The profile of a batched round, the step probe and the combine probe, each unless skipped or past
+    """The profile of a batched round, the outside, step and combine probes, each unless skipped or past
     `--budget-s`."""
-    for name, probe in (("profile", lambda: profile_round(a, a.out)), ("step", lambda: step_probe(a, device)),
-                        ("combine", lambda: combine_probe(a, device))):  # fmt: skip
+    for name, probe in (("profile", lambda: profile_round(a, a.out)), ("outside", lambda: outside_probe(a, device)),
+                        ("step", lambda: step_probe(a, device)), ("combine", lambda: combine_probe(a, device))):
         if name in a.skip:
             continue
         if time.perf_counter() - t_start > a.budget_s:
@@ -895,9 +922,13 @@ def write(result: dict, out: Path) -> None:
     if (p := result.get("profile")) and "error" not in p:
         rows += ["", f"profiled {p['case']} round, {p['clients']} clients: {p['seconds']:.3f} s; "
                  f"host waits: {p['syncs']} (profile.txt)"]  # fmt: skip
-    for name in ("profile", "step", "combine"):
+    for name in ("profile", "outside", "step", "combine"):
         if "error" in (result.get(name) or {}):
             rows += ["", f"{name}: ERROR {result[name]['error']}"]
+    if (c := result.get("outside")) and "error" not in c:
+        rows += ["", f"outside probe: FedAvg's {c['model']} round batched, {c['clients']} clients: "
+                 f"{c['round_s']:.3f} s; with each step's gradient replaced by zeros: {c['outside_s']:.3f} s (the "
+                 "plans, the layout, each step's gather and update, the finish, the check, the folding-in)"]
     if (c := result.get("step")) and "error" not in c:
         rows += ["", f"step probe: one batched {result['args']['models'][0]} step, {c['clients']} clients × batch "
                  f"{c['batch']} (a paper-shape round: {c['steps_per_round']} steps): {c['batched_step_ms']:.2f} ms; "

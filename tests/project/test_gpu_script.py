@@ -229,6 +229,45 @@ def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp
     assert "  V step, with respect to P and a: v_step_theta " in text
 
 
+def test_the_outside_probe_times_the_round_whole_then_without_its_gradients_and_puts_the_step_back(tmp_path,
+                                                                                                  monkeypatch):
+    """The outside probe times FedAvg's batched round as it runs, then with the executor's step replaced: a step
+    that computes no gradient (zeros: the round's parameters never move) — and puts the step back after, also when
+    the second timing fails. Its figures reach gpu.txt."""
+    from pflbed.engine import batched
+
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    real, timed, seen = batched.compiled, gpu.time_rounds, []
+
+    def time_rounds(cfg, pool, *rest):
+        seen.append(batched.compiled is real)
+        if not seen[-1]:  # the replaced step: zeros of each trained tensor, the statistics as they were
+            p, b = {"w": torch.ones(2, 3)}, {"s": torch.ones(1)}
+            step = batched.compiled(None, "off", None)
+            grads, moved = step(p, {}, b, {}, {}, {}, None, None, None, [], [])
+            assert torch.equal(grads["w"], torch.zeros(2, 3)) and moved == b and moved is not b
+        return timed(cfg, pool, *rest)
+
+    monkeypatch.setattr(gpu, "time_rounds", time_rounds)
+    got = gpu.outside_probe(a, torch.device("cpu"))
+    assert seen == [True, False] and batched.compiled is real
+    assert got["clients"] == 4 and got["round_s"] > 0 and got["outside_s"] > 0
+    gpu.write({"device": "cpu", "gpu": None, "torch": "x", "quick": True, "cpu_count": 2, "tests": None, "speed": [],
+               "skipped": [], "args": vars(a) | {"out": str(tmp_path)}, "outside": got}, tmp_path)
+    assert "outside probe: FedAvg's cnn round batched, 4 clients: " in (tmp_path / "gpu.txt").read_text()
+
+    def failing(cfg, pool, *rest):
+        if batched.compiled is not real:
+            raise RuntimeError("out of time")
+        return timed(cfg, pool, *rest)
+
+    monkeypatch.setattr(gpu, "time_rounds", failing)
+    with pytest.raises(RuntimeError, match="out of time"):
+        gpu.outside_probe(a, torch.device("cpu"))
+    assert batched.compiled is real
+
+
 def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     """A probe that fails (out of memory on a small GPU, say) is a result in gpu.txt, not the end of the call: the
     cases after the probes still run."""
@@ -237,7 +276,8 @@ def test_a_failing_probe_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     import torch
 
     gpu = _gpu_script()
-    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--skip", "profile", "combine"])
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path), "--skip", "profile", "outside",
+                        "combine"])  # fmt: skip
 
     def broken(*args):
         raise torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate")
