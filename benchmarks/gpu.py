@@ -30,9 +30,9 @@
 8. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
 
 A full run measures the goals' cases first (FedAvg's CNN batched, ResNet-18 batched for FedAvg, FedRoD, FedSelect
-and FedBasis, FedAvg's CNN compiled and as CUDA graphs), then profiles, then probes the round outside its gradients and a step, then the ImageNet-style
-ResNet-18's batched rows, then the rest: a short GPU allocation answers the questions still open before it spends
-time on rows already known.
+and FedBasis, FedAvg's CNN compiled and as CUDA graphs), then profiles, then probes the round outside its gradients
+and a step, then the ImageNet-style ResNet-18's batched rows, then the rest: a short GPU allocation answers the
+questions still open before it spends time on rows already known.
 
 Rounds are timed one by one with the device synchronized at both ends; the first round of each case is a warm-up
 (CUDA context, cuDNN heuristics, allocator) and reported apart. Cases run in priority order, each written to the
