@@ -377,7 +377,9 @@ def outside_probe(a: argparse.Namespace, device: torch.device) -> dict:
     zeros of its shape (`engine.batched.compiled` patched for the second timing, put back after): what the round
     spends outside its gradients — the host's plans and layout before the first step, each step's gather and SGD
     update, and after the last the finish, the divergence check and the server's folding-in — and so the least a
-    round can take whatever the step's speed. s per round (`time_rounds`: median of the timed rounds)."""
+    round can take whatever the step's speed. s per round (`time_rounds`: median of the timed rounds). The
+    replaced step stands in for a plain SGD phase's (FedAvg's), whose output is the gradients; eager, as the
+    `batched` executor runs it."""
     cfg = config("fedavg", a.models[0], EXECUTORS["batched"], a, "paper")
     real = batched.compiled
 

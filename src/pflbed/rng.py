@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: a float key is refused, as uncached
 def derive_seed(seed: int, *keys: int) -> int:
     """A 63-bit seed from (seed, *keys) via NumPy's SeedSequence hashing; remembered, since a client's update asks
     for its seed twice (torch's global RNG and its generator are seeded from it: `engine.executor.seeded`) and a

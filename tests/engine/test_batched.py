@@ -899,6 +899,14 @@ def test_a_phases_batches_at_once_are_its_batches_one_by_one(n, size, epochs, st
     assert torch.equal(mine.get_state(), theirs.get_state())
 
 
+def test_a_phase_of_negative_steps_is_refused():
+    """`steps` counts batches to take: a negative count is a caller's mistake, refused when the phase is made (taken
+    one by one, `islice` would refuse it; at once, it would give a schedule of nothing)."""
+    with pytest.raises(ValueError, match=r"^a phase's steps cannot be negative: -1$"):
+        Phase(blocks=(), epochs=1, lr=0.1, steps=-1)
+    assert Phase(blocks=(), epochs=1, lr=0.1, steps=0).steps == 0
+
+
 def _schedule_one_by_one(datas, train, ph, gens, draw):
     """`batched._schedule`'s layout filled batch by batch, sample for sample from the same generators: the rule
     its whole-tensor layout must keep."""

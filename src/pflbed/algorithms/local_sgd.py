@@ -78,6 +78,8 @@ class Phase:
                                       or self.objective or self.momentum is not None
                                       or self.weight_decay is not None):  # fmt: skip
             raise ValueError("a phase with a step rule takes its step from the rule alone")
+        if self.steps is not None and self.steps < 0:
+            raise ValueError(f"a phase's steps cannot be negative: {self.steps}")
 
     def sgd(self, train: TrainConfig) -> tuple[float, float]:
         """(momentum, weight decay) of the phase's SGD."""

@@ -213,8 +213,8 @@ class BatchedExecutor(LoopExecutor):
             else:
                 out = update_client(algo, rnd, c, received[c], self.state(c))
             yield c, self.keep(rnd, c, *out)
-        if later is not None:  # before the stream ends: before the server's state of the round exists
-            later()
+        if later is not None:  # before the stream ends: before the server's state of the round exists (every
+            later()  # consumer reads the stream to its end: the driver, `LoopExecutor.run`, DP's `replies`)
 
 
 def cache_flushes(device: torch.device) -> int:

@@ -37,8 +37,9 @@ def screen_finite(tensors: Iterable[object]) -> bool:
     True: every tensor is finite (a NaN or ±inf anywhere makes the norm NaN or inf). False: one may not be (or the
     norm overflowed): look tensor by tensor (`finite`). Why: on a GPU every read is a wait for the device and every
     kernel a launch from the host; a check per tensor was one wait per tensor of every client's reply — 1,000 a
-    round for 100 clients of a 10-tensor CNN — and a sum per tensor one launch each. A batched round screens all
-    its clients' replies and states at once (`BatchedExecutor.stream`)."""
+    round for 100 clients of a 10-tensor CNN — and a sum per tensor one launch each. A batched round with clients
+    trained alone screens its batched clients' replies and states at once (`BatchedExecutor.stream`); one of
+    batched clients only checks them with `check_clients_later`."""
     floats = [v for v in tensors if isinstance(v, torch.Tensor) and v.is_floating_point()]
     return not floats or bool(torch.isfinite(get_total_norm(floats, 1.0)))  # none: its 0 on the default device
 
@@ -97,7 +98,9 @@ def check_clients_later(rnd: int, clients: list[tuple[int, Tensors, Tensors]]) -
     and then the device idles while the host launches them. Each floating-point tensor's smallest and largest
     value (`torch.aminmax`, which propagates NaN) are both finite exactly when every value is: no sum that
     could overflow, so no tensor needs a second look (on a CPU also ≈ 6× faster than the L1 norm `screen_finite`
-    takes)."""
+    takes). Unlike the loop, which stops at a diverged client, the clients after it have been handed on (and their
+    states kept) by the time the check raises; the run stops all the same, before the round's server state
+    exists."""
     names: list[tuple[int, str, str]] = []
     groups: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for cid, reply, state in clients:
