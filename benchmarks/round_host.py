@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu import EXECUTORS, config  # noqa: E402
 
 from pflbed import rng  # noqa: E402
+from pflbed.algorithms.base import ClientContext  # noqa: E402
 from pflbed.algorithms.training import WeightedMean  # noqa: E402
 from pflbed.engine import batched  # noqa: E402
-from pflbed.engine.executor import precision, seeded  # noqa: E402
+from pflbed.engine.executor import client_generator, precision  # noqa: E402
 from pflbed.engine.guard import check_clients_later, screen_finite  # noqa: E402
 from pflbed.engine.loop import make_executor, prepare  # noqa: E402
 
@@ -102,25 +103,23 @@ def main() -> None:
     ex, _ = make_executor(algo, None)
     ctx, cids = algo.ctx, list(range(a.clients))
     payload = algo.init_server()
-    rounds = iter(range(10, 10_000))  # new rounds: every client's seed is hashed afresh, as in a run
+    rounds = iter(range(10, 10_000))  # new rounds, as in a run
 
     def plans(rnd: int | None = None) -> dict:
         return ex.plans(rnd or next(rounds), {c: payload for c in cids})
 
     def plans_one_by_one(rnd: int | None = None) -> dict:
         """The plans as `BatchedExecutor.plan` built them before: one fork of the RNG and one precision context a
-        client, its seed hashed twice (`seeded`'s two uses of it, not remembered)."""
-        rnd, cached, rng.derive_seed = rnd or next(rounds), rng.derive_seed, rng.derive_seed.__wrapped__
+        client, its seed hashed twice (as `seeded` did: once for the global RNG, once for its generator)."""
+        rnd = rnd or next(rounds)
         built = {}
-        try:
-            for c in cids:
-                with rng.fork(ctx.device):
-                    cctx = seeded(algo, rnd, c)
-                    with precision(algo):
-                        plan = algo.round_plan(payload, ex.state(c), ctx.client_data(c), cctx)
-                    built[c] = plan, cctx.generator, rng.global_now(ctx.device)
-        finally:
-            rng.derive_seed = cached
+        for c in cids:
+            with rng.fork(ctx.device):
+                rng.seed_global(rng.derive_seed(ctx.seed, rng.CLIENT, rnd, c), ctx.device)
+                cctx = ClientContext(rnd, c, client_generator(ctx.seed, rnd, c))
+                with precision(algo):
+                    plan = algo.round_plan(payload, ex.state(c), ctx.client_data(c), cctx)
+                built[c] = plan, cctx.generator, rng.global_now(ctx.device)
         return built
 
     ph = plans(1)[0][0].phases[0]

@@ -4,7 +4,6 @@ what privacy draws from the operating system in a deployment (`os_uniform`), whi
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator
 
@@ -12,11 +11,8 @@ import numpy as np
 import torch
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # typed: a float key is refused, as uncached
 def derive_seed(seed: int, *keys: int) -> int:
-    """A 63-bit seed from (seed, *keys) via NumPy's SeedSequence hashing; remembered, since a client's update asks
-    for its seed twice (torch's global RNG and its generator are seeded from it: `engine.executor.seeded`) and a
-    hash takes ≈ 10 µs, a millisecond a round of 100 clients before a batched round's first step."""
+    """A 63-bit seed from (seed, *keys) via NumPy's SeedSequence hashing."""
     return int(np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
 
 

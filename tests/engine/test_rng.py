@@ -43,8 +43,8 @@ def test_a_derived_seed_is_the_first_64_bit_word_of_numpy_s_seed_sequence_halved
     for seed, keys in [(0, ()), (7, (1, 2)), (2**40, (3, 0, 99))]:
         word = np.random.SeedSequence([seed, *keys]).generate_state(1, dtype=np.uint64)[0]
         assert rng.derive_seed(seed, *keys) == int(word) >> 1
-    assert rng.derive_seed(7, 1, 2) == rng.derive_seed(7, 1, 2)  # remembered: the same, however often asked
-    with pytest.raises(TypeError):  # a float key is refused, remembered int key or not (the cache is typed)
+    assert rng.derive_seed(7, 1, 2) == rng.derive_seed(7, 1, 2)  # the same, however often asked
+    with pytest.raises(TypeError):  # a float key is refused, whatever was asked before
         rng.derive_seed(7, 1, 2.0)
 
 

@@ -89,9 +89,13 @@ class Phase:
     def batches(self, idx: torch.Tensor, train: TrainConfig, generator: torch.Generator) -> Iterator[torch.Tensor]:
         """The phase's mini-batches of `idx`: `index_batches` over its epochs, `steps` of them at most (a rule's
         step takes `rule.batches` of them; each counts as the forwards the rule makes on it)."""
-        passes = 1 if self.rule is None else len(self.rule.forwards) // self.rule.batches
-        size = train.batch_size if self.batch_size is None else self.batch_size
+        size, passes = self._batch_size_and_passes(train)
         return islice(index_batches(idx, size, self.epochs, generator, passes), self.steps)
+
+    def _batch_size_and_passes(self, train: TrainConfig) -> tuple[int, int]:
+        """The phase's batch size, and the work a sample of a batch counts (a rule's step: its forwards per batch)."""
+        passes = 1 if self.rule is None else len(self.rule.forwards) // self.rule.batches
+        return train.batch_size if self.batch_size is None else self.batch_size, passes
 
     def batches_at_once(self, idx: torch.Tensor, train: TrainConfig, generator: torch.Generator
                         ) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
@@ -102,8 +106,7 @@ class Phase:
         per batch; a batched round of 100 clients lays out all their batches before its first step
         (`engine.batched`), and on a GPU that time is the device's, idle. Only for a caller that draws nothing
         else from `generator` between the batches (augmentation draws after each batch: `batches` there)."""
-        passes = 1 if self.rule is None else len(self.rule.forwards) // self.rule.batches
-        size = train.batch_size if self.batch_size is None else self.batch_size
+        size, passes = self._batch_size_and_passes(train)
         n = len(idx)
         epoch = [size] * (n // size) + ([n % size] if n % size or not n else [])  # an epoch's batch sizes (no
         # sample: one empty batch, as `Tensor.split` gives)
