@@ -175,11 +175,11 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
     })  # fmt: skip
 
 
-def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tuned: bool = False) -> dict:
+def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) -> dict:
     """Seconds of each training round (device synchronized), samples trained, whether clients ran batched. No round
     after the first starts if the one before says it would end after `deadline` (a `time.perf_counter` value):
-    the case is then `incomplete`, with the rounds it has. `tuned`: the rounds under cuDNN's autotuner (`TUNED`,
-    set after `prepare`, which turns it off; restored after)."""
+    the case is then `incomplete`, with the rounds it has. cuDNN's flags are put back after the case: its
+    `prepare` sets them for the case (`executor.deterministic`, `executor.autotune`), not for the cases after."""
     calls = []
     real = batched.train_together
 
@@ -189,30 +189,31 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
 
     batched.train_together = counted
     try:
-        algo = prepare(cfg)
-        device = algo.ctx.device
-        executor, own = make_executor(algo, pool)
-        driver = Driver(algo, executor)
-        server = algo.init_server()
-        fresh(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times, flushes = [], []
-        with Sampler(device) as sampler, cudnn_flags(**(TUNED if tuned else {})), \
-                kept_freed_memory(cfg.executor.keep_freed_memory):  # as a run's rounds (`engine.loop.experiment`)
-            for rnd in range(1, cfg.train.rounds + 1):
-                if times and time.perf_counter() + times[-1] > deadline:
-                    break
-                if rnd == 2:
-                    sampler.util.clear()  # utilisation of the timed rounds only
-                sync(device)
-                t0, flushed = time.perf_counter(), batched.cache_flushes(device)
-                server, _ = driver.train_round(rnd, server)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-                flushes.append(batched.cache_flushes(device) - flushed)
-        if own is not None:
-            own.close()
+        with cudnn_flags():  # as they were before the case, after it
+            algo = prepare(cfg)
+            device = algo.ctx.device
+            executor, own = make_executor(algo, pool)
+            driver = Driver(algo, executor)
+            server = algo.init_server()
+            fresh(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times, flushes = [], []
+            with Sampler(device) as sampler, kept_freed_memory(cfg.executor.keep_freed_memory):  # as a run's rounds
+                # (`engine.loop.experiment`)
+                for rnd in range(1, cfg.train.rounds + 1):
+                    if times and time.perf_counter() + times[-1] > deadline:
+                        break
+                    if rnd == 2:
+                        sampler.util.clear()  # utilisation of the timed rounds only
+                    sync(device)
+                    t0, flushed = time.perf_counter(), batched.cache_flushes(device)
+                    server, _ = driver.train_round(rnd, server)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+                    flushes.append(batched.cache_flushes(device) - flushed)
+            if own is not None:
+                own.close()
     finally:
         batched.train_together = real
     fed = algo.ctx.federation
@@ -235,12 +236,21 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf"), tu
 
 def centralized(model: str, batch: int, device: torch.device, steps: int, size: int = 32) -> float:
     """Plain SGD steps of `model` at `batch` on `device` (size × size images), data resident there: the most one
-    device trains — in the faster of the two layouts (`model.channels_last` off and on), as a round may run in
-    either (the `-nhwc` cases)."""
-    return max(_centralized(model, batch, device, steps, size, last) for last in (False, True))
+    device trains — in the fastest of the two layouts (`model.channels_last` off and on) and cuDNN's two ways of
+    choosing its algorithms (heuristics, autotuned: `executor.autotune`), as a round may run in either (the `-nhwc`
+    and `-tuned` cases)."""
+    return max(_centralized(model, batch, device, steps, size, last, tuned) for last in (False, True)
+               for tuned in (False, True))  # fmt: skip
 
 
-def _centralized(model: str, batch: int, device: torch.device, steps: int, size: int, channels_last: bool) -> float:
+def _centralized(model: str, batch: int, device: torch.device, steps: int, size: int, channels_last: bool,
+                 tuned: bool) -> float:  # fmt: skip
+    with cudnn_flags(**(TUNED if tuned else {})):
+        return _centralized_steps(model, batch, device, steps, size, channels_last)
+
+
+def _centralized_steps(model: str, batch: int, device: torch.device, steps: int, size: int,
+                       channels_last: bool) -> float:  # fmt: skip
     torch.manual_seed(0)
     net = build_model(model, (3, size, size), 10, device, channels_last)
     x = torch.randn(batch, 3, size, size, device=device)
@@ -276,7 +286,7 @@ def profile_round(a: argparse.Namespace, out: Path) -> dict:
 
     alg, model = a.profile
     ex = a.profile_executor
-    cfg = config(alg, model, EXECUTORS[ex], a, "paper", a.profile_clients, channels_last=ex.endswith("-nhwc"))
+    cfg = config(alg, model, EXECUTORS[ex], a, "paper", a.profile_clients, channels_last=channels_last(ex))
     algo = prepare(cfg)
     device = algo.ctx.device
     executor, _ = make_executor(algo, None)
@@ -498,9 +508,9 @@ def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
     return out
 
 
-# cuDNN's autotuner (`torch.backends.cudnn.benchmark`), which `rng.deterministic_kernels` leaves off: it times every
-# algorithm for a new shape and keeps the fastest — among the deterministic ones while `deterministic` is on. Whether
-# it finds faster grouped convolutions (the vmapped step's) than the heuristics is what the `tuned` probes measure.
+# cuDNN's autotuner (`torch.backends.cudnn.benchmark`; `executor.autotune`, off by default): it times every algorithm
+# for a new shape and keeps the fastest — among the deterministic ones while `deterministic` is on. Whether it finds
+# faster grouped convolutions (the vmapped step's) than the heuristics is what the `tuned` probes measure.
 TUNED = {"benchmark": True}
 
 
@@ -626,13 +636,13 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN batched with its
-    weights NHWC (`-nhwc`), then batched and as CUDA graphs under cuDNN's autotuner (`-tuned`), then
-    the ImageNet-style ResNet-18 at 64 px batched (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured
-    yet), then FedAvg's CNN on every executor, pfl-research's shape,
-    the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics; every
-    algorithm here declares a plan), then the rest of the ImageNet-style ResNet-18's rows, then Per-FedAvg's,
-    pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step), and KT-pFL's
-    (from round 2, a distillation on the public batch before the local epochs)."""
+    weights NHWC (`-nhwc`), then batched, as CUDA graphs and as CUDA graphs with NHWC weights under cuDNN's autotuner
+    (`-tuned`), then FedBasis's ResNet-18 round autotuned, then the ImageNet-style ResNet-18 at 64 px batched (FedAvg,
+    FedRoD, FedSelect, FedBasis: rows no GPU has measured yet), then FedAvg's CNN on every executor, pfl-research's
+    shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running statistics; every
+    algorithm here declares a plan), then the rest of the ImageNet-style ResNet-18's rows, then Per-FedAvg's, pFedMe's
+    and APFL's CNN rounds, loop against batched (their step rules: several gradients a step), and KT-pFL's (from round
+    2, a distillation on the public batch before the local epochs)."""
     cnn, resnet = a.models
     execs = ["loop", "batched", "procs"]
     if a.quick:  # every code path once: the executors on both shapes, the other algorithms, ResNets, KT-pFL's data
@@ -651,7 +661,9 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper", "fedavg", resnet, "batched-compile")]
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
     first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-nhwc", "batched-tuned",
-                                                                      "batched-graphs-tuned")]
+                                                                      "batched-graphs-tuned",
+                                                                      "batched-graphs-nhwc-tuned")]
+    first += [("paper", "fedbasis", resnet, "batched-tuned")]
     first += [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
     return first + [c for c in out if c not in first]
 
@@ -665,7 +677,7 @@ RESNET_GOALS = {"fedavg": 0.8, "fedrod": 0.8, "fedselect": 0.5, "fedbasis": 0.5}
 # bf16 and nondeterministic kernels change the figures beyond float rounding: they do not count.
 CNN_GOAL_S = 0.25
 GOAL_EXECUTORS = ("loop", "batched", "procs", "batched-compile", "batched-graphs", "batched-nhwc",
-                  "batched-graphs-nhwc")
+                  "batched-graphs-nhwc", "batched-tuned", "batched-graphs-tuned", "batched-graphs-nhwc-tuned")
 
 
 def goals(result: dict, reference: Path = ROOT / "benchmarks" / "results" / "gpu_h100.json") -> list[dict]:
@@ -717,26 +729,34 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 # `-compile` / `-graphs`: executor.compile default / reduce-overhead (the step under torch.compile, and replayed as a
 # CUDA graph); `-fast`: executor.deterministic off (the GPU's default, faster kernels whose rounding varies run to run);
-# `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates); `-tuned`: cuDNN's
-# autotuner on (`TUNED`: no setting of the library's yet — whether a whole round gains what the step probe's `tuned`
-# step gains; the algorithm it keeps is timed anew each run, so a run's rounding may differ from the last's);
-# `-nhwc`: model.channels_last (each client's convolution weights NHWC, as the step probe's `nhwc` layers: whether a
-# whole round gains what they gain; a setting of the library's, float32 and deterministic, so it counts for the goals)
+# `-bf16`: executor.precision=bf16 (autocast forwards and backwards, float32 parameters and updates); `-tuned`:
+# executor.autotune (cuDNN's autotuner: whether a whole round gains what the step probe's `tuned` step gains; it
+# times deterministic algorithms only, but which wins is timed anew each run, so a run's rounding may differ from the
+# last's: float rounding, as between the loop and batched clients, so it counts for the goals); `-nhwc`:
+# model.channels_last (each client's convolution weights NHWC, as the step probe's `nhwc` layers: whether a whole
+# round gains what they gain; a setting of the library's, float32 and deterministic, so it counts for the goals)
 EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
              "loop-fast": {"batch_clients": False, "deterministic": False},
              "batched-fast": {"batch_clients": True, "deterministic": False},
              "batched-compile": {"batch_clients": True, "compile": "default"},
              "batched-graphs": {"batch_clients": True, "compile": "reduce-overhead"},
-             "batched-tuned": {"batch_clients": True}, "batched-graphs-tuned": {"batch_clients": True,
-                                                                                "compile": "reduce-overhead"},
+             "batched-tuned": {"batch_clients": True, "autotune": True},
+             "batched-graphs-tuned": {"batch_clients": True, "compile": "reduce-overhead", "autotune": True},
              "loop-bf16": {"batch_clients": False, "precision": "bf16"},
              "batched-bf16": {"batch_clients": True, "precision": "bf16"},
              "batched-nhwc": {"batch_clients": True},
-             "batched-graphs-nhwc": {"batch_clients": True, "compile": "reduce-overhead"}}  # fmt: skip
+             "batched-graphs-nhwc": {"batch_clients": True, "compile": "reduce-overhead"},
+             "batched-graphs-nhwc-tuned": {"batch_clients": True, "compile": "reduce-overhead",
+                                           "autotune": True}}  # fmt: skip
 
 
-PROFILED = ("batched", "batched-compile", "batched-graphs", "batched-nhwc", "batched-graphs-nhwc")  # (`-tuned`: the
-# autotuner's flags are the timed rounds', not the profile's)
+PROFILED = ("batched", "batched-compile", "batched-graphs", "batched-nhwc", "batched-graphs-nhwc", "batched-tuned",
+            "batched-graphs-tuned", "batched-graphs-nhwc-tuned")
+
+
+def channels_last(executor: str) -> bool:
+    """Whether a case's convolution weights are channels-last (`model.channels_last`): an `-nhwc` executor."""
+    return "nhwc" in executor.split("-")
 
 
 def fresh_dir(parent: Path = Path("runs")) -> Path:
@@ -841,9 +861,9 @@ def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPoo
             continue
         executor = EXECUTORS.get(ex, {"name": "procs", "workers": a.workers})
         try:
-            m = time_rounds(config(alg, model, executor, a, shape, channels_last=ex.endswith("-nhwc")),
+            m = time_rounds(config(alg, model, executor, a, shape, channels_last=channels_last(ex)),
                             pool if ex == "procs" else None,
-                            t_start + a.deadline_s, ex.endswith("-tuned"))  # fmt: skip
+                            t_start + a.deadline_s)  # fmt: skip
         except Exception as e:  # a failed case is a result too; the next ones still run
             m = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         m.update(shape=shape, algorithm=alg, model=model, executor=ex)
@@ -867,7 +887,8 @@ def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: f
             result["skipped"].append(name)
             continue
         try:
-            result[name] = probe()
+            with cudnn_flags():  # as they were before the probe, after it (a profiled `-tuned` round's `prepare`)
+                result[name] = probe()
         except Exception as e:  # a failed probe is a result too; the cases after it still run
             result[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         write(result, a.out)

@@ -88,7 +88,7 @@ def global_from(generator: torch.Generator, device: torch.device) -> Iterator[No
         yield
 
 
-def deterministic_kernels(device: torch.device, on: bool) -> None:
+def deterministic_kernels(device: torch.device, on: bool, autotune: bool = False) -> None:
     """On a GPU, choose reproducible kernels (`executor.deterministic`): the same config and seed then give the
     same figures run after run on the same GPU and software, as on a CPU.
 
@@ -100,13 +100,18 @@ def deterministic_kernels(device: torch.device, on: bool) -> None:
     with no deterministic kernel warns instead of failing. Off: the faster defaults. The setting is per process
     (torch's flags are global), so each `procs` worker applies it too. Nothing changes on the CPU, whose kernels are
     deterministic already.
+
+    `autotune` (`executor.autotune`): cuDNN times its convolution algorithms on each new shape and keeps the fastest
+    (`cudnn.benchmark`) instead of choosing by heuristics. Under `on` it times only deterministic ones, so a run
+    stays reproducible within itself; but which algorithm wins a timing may differ from one process to the next,
+    and with it the rounding — two runs, or two `procs` workers, may then differ by float rounding.
     """
     if device.type != "cuda":
         return
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.benchmark = autotune
     torch.use_deterministic_algorithms(on, warn_only=True)
 
 

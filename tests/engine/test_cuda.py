@@ -221,6 +221,24 @@ def test_a_compiled_batched_step_on_the_device_matches_the_eager_one(case, mode)
     _compare(f"compiled_{mode}", case, eager, fast)
 
 
+@pytest.mark.parametrize("case", ["fedavg-lenet5_bn", "fedavg-alexnet", "fedbasis-lenet5_bn"])
+def test_an_autotuned_batched_round_on_the_device_matches_the_heuristics_one(case):
+    """`executor.autotune`: cuDNN's autotuner picks each convolution's algorithm by timing (deterministic ones only,
+    under `executor.deterministic`), and the batched round's results are the heuristics' up to float rounding; the
+    run leaves the autotuner on, as it set it, and the next run's `prepare` sets it from that run's config (on a GPU:
+    a CPU standing in sets no flag)."""
+    algorithm, sections = {c[0]: c[1:] for c in PER_CLIENT_LAYERS}[case]
+    gpu = torch.device(DEVICE).type == "cuda"
+    plain = run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **sections), write=False, progress=False)
+    assert not gpu or torch.backends.cudnn.benchmark is False
+    tuned = run(_cfg(algorithm, DEVICE, {"batch_clients": True, "autotune": True}, **sections), write=False,
+                progress=False)  # fmt: skip
+    assert not gpu or (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (True, True)
+    _compare("autotuned", case, plain, tuned)
+    run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **ONE_ROUND), write=False, progress=False)
+    assert not gpu or torch.backends.cudnn.benchmark is False
+
+
 @pytest.mark.parametrize("case", IDS)
 def test_procs_workers_sharing_the_device_match_the_loop(case, device_pool):
     algorithm, sections = _case(case)

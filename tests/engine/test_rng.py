@@ -94,3 +94,22 @@ def test_a_cpu_run_leaves_torch_s_process_wide_settings_and_other_devices_alone(
     with rng.fork(torch.device("cpu")):
         pass
     assert seen == {"devices": []}
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("autotune", [True, False])
+def test_a_gpu_run_sets_the_kernel_flags_its_config_asks_for(monkeypatch, deterministic, autotune) -> None:
+    """On a GPU device, `executor.deterministic` and `executor.autotune` become torch's flags as they are: cuDNN's
+    autotuner (`benchmark`) on only when asked, whichever the determinism (the flags are set, not read; no GPU
+    needed). The process-wide flags are put back after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    for flag in ("deterministic", "benchmark"):
+        monkeypatch.setattr(torch.backends.cudnn, flag, getattr(torch.backends.cudnn, flag))
+    try:
+        rng.deterministic_kernels(torch.device("cuda"), deterministic, autotune)
+        assert torch.backends.cudnn.benchmark is autotune
+        assert torch.backends.cudnn.deterministic is deterministic
+        assert torch.are_deterministic_algorithms_enabled() is deterministic
+    finally:
+        torch.use_deterministic_algorithms(before)

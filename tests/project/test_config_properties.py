@@ -145,6 +145,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.name": st.sampled_from(["auto", "loop", "procs"]),
     "executor.precision": st.sampled_from(["fp32", "bf16", "fp16"]),
     "executor.deterministic": st.booleans(),
+    "executor.autotune": st.booleans(),
     "executor.compile": st.sampled_from(["off", "default", "reduce-overhead"]),
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),

@@ -2,6 +2,7 @@
 (`--device cpu --quick`, as docs/guide/gpu.md shows it) must not overwrite the committed GPU results."""
 
 import importlib.util
+import time
 import types
 from pathlib import Path
 
@@ -67,8 +68,11 @@ def test_the_goals_are_judged_on_each_algorithms_best_default_round_against_its_
     assert gpu.goals(_result("NVIDIA H200", compiled), ref)[-1]["via"] == "batched-compile"
     nhwc = compiled + [_case("fedavg", "cnn", "batched-graphs-nhwc", 0.2, 20000)]  # a setting of the library's
     assert gpu.goals(_result("NVIDIA H200", nhwc), ref)[-1]["via"] == "batched-graphs-nhwc"
-    tuned = compiled + [_case("fedavg", "cnn", "batched-graphs-tuned", 0.2, 20000)]  # cuDNN's autotuner: not one
-    assert gpu.goals(_result("NVIDIA H200", tuned), ref)[-1]["via"] == "batched-compile"
+    for ex in ("batched-tuned", "batched-graphs-tuned", "batched-graphs-nhwc-tuned"):  # executor.autotune: one too
+        tuned = compiled + [_case("fedavg", "cnn", ex, 0.2, 20000)]
+        assert gpu.goals(_result("NVIDIA H200", tuned), ref)[-1]["via"] == ex
+    tuned = speed + [_case("fedbasis", "resnet18", "batched-tuned", 25.0, 4000)]
+    assert gpu.goals(_result("NVIDIA H200", tuned), ref)[3]["met"] is True
     slow = [m for m in speed if m["model"] != "cnn"] + [_case("fedavg", "cnn", "batched", 0.42, 20000)]
     assert gpu.goals(_result("NVIDIA H200", slow), ref)[-1]["met"] is False  # 5.95 × < 8 ×
     h100 = gpu.goals(_result("NVIDIA H100 80GB HBM3", speed), ref)[-1]
@@ -86,32 +90,49 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     assert todo[:8] == [("paper", "fedavg", "cnn", "batched")] + [
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
         ("paper", "fedavg", "cnn", e) for e in ("batched-compile", "batched-graphs", "batched-graphs-nhwc")]
-    assert todo[8:11] == [("paper", "fedavg", "cnn", e) for e in ("batched-nhwc", "batched-tuned",
-                                                                   "batched-graphs-tuned")]
-    assert todo[11:15] == [("paper64", alg, "resnet18_imagenet", "batched")
+    assert todo[8:12] == [("paper", "fedavg", "cnn", e) for e in ("batched-nhwc", "batched-tuned",
+                                                                   "batched-graphs-tuned", "batched-graphs-nhwc-tuned")]
+    assert todo[12] == ("paper", "fedbasis", "resnet18", "batched-tuned")
+    assert todo[13:17] == [("paper64", alg, "resnet18_imagenet", "batched")
                           for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
 
 
-def test_a_tuned_case_times_its_rounds_under_cudnns_autotuner_and_turns_it_off_after(tmp_path, monkeypatch):
-    """`-tuned` cases: every round (the warm-up too) with `cudnn.benchmark` on — set after `prepare`, which turns it
-    off — and off again after the case, so the next case runs as configured."""
+def test_a_tuned_case_runs_autotuned_and_leaves_cudnns_flags_as_it_found_them(tmp_path, monkeypatch):
+    """`-tuned` cases are `executor.autotune` (which a GPU run's `prepare` makes `cudnn.benchmark`, as it does the
+    deterministic flags: set here as a GPU's `prepare` would, on the CPU); after a case, or a probe (a profiled
+    `-tuned` round), cuDNN's flags are as before it, so the next case runs as configured."""
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
     a.rounds = 2
     seen = []
-    real = gpu.Driver.train_round
+    real_prepare, real_round = gpu.prepare, gpu.Driver.train_round
+
+    def as_on_a_gpu(cfg):
+        torch.backends.cudnn.benchmark = cfg.executor.autotune
+        torch.backends.cudnn.deterministic = cfg.executor.deterministic
+        return real_prepare(cfg)
 
     def spy(self, *args, **kwargs):
         seen.append(torch.backends.cudnn.benchmark)
-        return real(self, *args, **kwargs)
+        return real_round(self, *args, **kwargs)
 
+    monkeypatch.setattr(gpu, "prepare", as_on_a_gpu)
     monkeypatch.setattr(gpu.Driver, "train_round", spy)
-    cfg = gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched-tuned"], a, "paper")
-    assert gpu.time_rounds(cfg, None, tuned=True)["rounds_timed"] == 1 and seen == [True, True]
-    assert torch.backends.cudnn.benchmark is False
-    gpu.time_rounds(cfg, None)
+    for flag in ("benchmark", "deterministic"):
+        monkeypatch.setattr(torch.backends.cudnn, flag, False)
+    tuned = gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched-tuned"], a, "paper")
+    assert tuned.executor.autotune and tuned.executor.batch_clients
+    assert gpu.time_rounds(tuned, None)["rounds_timed"] == 1 and seen == [True, True]
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, False)
+    gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"], a, "paper"), None)
     assert seen[2:] == [False, False]
+    a.profile, a.profile_executor, a.skip = ("fedavg", "cnn"), "batched-tuned", ["outside", "step", "combine"]
+    result: dict = {"skipped": []}
+    monkeypatch.setattr(gpu, "write", lambda *args: None)
+    gpu.probes(a, result, torch.device("cpu"), time.perf_counter())
+    assert "error" not in result["profile"] and seen[-1] is True
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, False)
 
 
 def test_no_round_starts_that_would_end_past_the_deadline(tmp_path, monkeypatch):
@@ -315,9 +336,10 @@ def test_the_profiled_round_is_fedavgs_cnn_or_the_seed_method_and_model_asked_fo
     a.profile, a.profile_executor = ("fedavg", "cnn"), "batched-nhwc"  # `--profile-executor`: its settings
     assert gpu.profile_round(a, tmp_path)["case"] == "fedavg cnn batched-nhwc"
     assert built[1] == ("fedavg", "cnn", 4, "off", True)
-    assert gpu.parse_args(["--out", "x", "--profile-executor", "batched-graphs"]).profile_executor == "batched-graphs"
+    for ex in ("batched-graphs", "batched-graphs-nhwc-tuned"):
+        assert gpu.parse_args(["--out", "x", "--profile-executor", ex]).profile_executor == ex
     for bad in (["--profile", "fedprox/cnn"], ["--profile", "fedbasis/vgg11"], ["--profile", "fedbasis/cnn/x"],
-                ["--profile-clients", "0"], ["--profile-executor", "loop"], ["--profile-executor", "batched-tuned"]):
+                ["--profile-clients", "0"], ["--profile-executor", "loop"], ["--profile-executor", "batched-fast"]):
         with pytest.raises(SystemExit) as e:
             gpu.parse_args(["--out", "unused", *bad])
         assert e.value.code == 2
@@ -359,3 +381,25 @@ def test_each_case_starts_from_an_emptied_gpu_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu, "fresh", seen.append)
     gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"], a, "paper"), None)
     assert seen == [gpu.torch.device("cpu")]
+
+
+def test_the_centralized_limit_is_the_fastest_layout_and_way_of_choosing_kernels(monkeypatch):
+    """The most one device trains: the best of NHWC off and on, cuDNN's heuristics and its autotuner (each measured
+    under its own flags, put back after) — a round may run any of them (`-nhwc`, `-tuned`), so none is measured
+    against a limit it could beat."""
+    gpu = _gpu_script()
+    seen = []
+
+    def rate(model, batch, device, steps, size, channels_last):
+        seen.append((channels_last, torch.backends.cudnn.benchmark))
+        return {(False, False): 1.0, (False, True): 3.0, (True, False): 2.0, (True, True): 1.5}[seen[-1]]
+
+    monkeypatch.setattr(gpu, "_centralized_steps", rate)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert gpu.centralized("cnn", 32, torch.device("cpu"), 1) == 3.0
+    assert sorted(seen) == [(False, False), (False, True), (True, False), (True, True)]
+    assert torch.backends.cudnn.benchmark is False
+    assert [e for e in gpu.EXECUTORS if gpu.channels_last(e)] == ["batched-nhwc", "batched-graphs-nhwc",
+                                                                   "batched-graphs-nhwc-tuned"]  # fmt: skip
+    assert [e for e in gpu.EXECUTORS if gpu.EXECUTORS[e].get("autotune")] == [
+        "batched-tuned", "batched-graphs-tuned", "batched-graphs-nhwc-tuned"]

@@ -165,13 +165,13 @@ def test_default_out_and_config_text():
 
 # --- which configs are the same run ------------------------------------------------------------------------------
 def test_placement_keys():
-    assert PLACEMENT == ("device", "threads", "workers", "batch_clients", "compile", "deterministic")
+    assert PLACEMENT == ("device", "threads", "workers", "batch_clients", "compile", "deterministic", "autotune")
     assert IN_PROCESS == ("auto", "loop", "procs")
 
 
 @pytest.mark.parametrize(("key", "saved", "now"), [
     ("device", "cpu", "auto"), ("threads", 1, 2), ("workers", 1, 2), ("batch_clients", True, False),
-    ("compile", "default", "off"), ("deterministic", True, False),
+    ("compile", "default", "off"), ("deterministic", True, False), ("autotune", False, True),
 ])  # fmt: skip
 def test_each_placement_key_may_differ_when_resuming(tmp_path, key, saved, now):
     """Where a run computes, not what: a run started with e.g. executor.threads=1 is the same run with threads=2,
@@ -215,7 +215,7 @@ def test_placed_anywhere_drops_placement_and_in_process_names_only():
     """The comparison key of a config tree: its placement keys gone, and the executor's name unless it is Flower."""
     tree = {"seed": 1, "executor": {"name": "procs", "precision": "bf16", **{k: 1 for k in PLACEMENT}}}
     assert _placed_anywhere(tree) == {"seed": 1, "executor": {"precision": "bf16"}}
-    assert tree["executor"]["name"] == "procs" and len(tree["executor"]) == 8  # the caller's tree is left alone
+    assert tree["executor"]["name"] == "procs" and len(tree["executor"]) == 9  # the caller's tree is left alone
     for name in IN_PROCESS:
         assert _placed_anywhere({"executor": {"name": name}}) == {"executor": {}}
     assert _placed_anywhere({"executor": {"name": "flower", "threads": 2}}) == {"executor": {"name": "flower"}}
@@ -250,13 +250,14 @@ def test_run_config_with_placement_takes_its_placement_keys(no_cuda):
     """Each PLACEMENT key comes from `placement` (a saved GPU device included), every other key from the run."""
     saved = {"seed": 2, "executor": {"name": "loop", "device": "cuda", "threads": 1, "workers": 1,
                                      "batch_clients": True, "compile": "default", "deterministic": True,
-                                     "precision": "bf16"}}  # fmt: skip
-    now = _cfg(name="procs", device="auto", threads=2, workers=3, batch_clients=False, deterministic=False)
+                                     "autotune": False, "precision": "bf16"}}  # fmt: skip
+    now = _cfg(name="procs", device="auto", threads=2, workers=3, batch_clients=False, deterministic=False,
+               autotune=True)
     got = run_config(saved, now)
     assert got.seed == 2 and got.executor.precision == "bf16"
     assert {k: getattr(got.executor, k) for k in ("name", *PLACEMENT)} == {
         "name": "procs", "device": "auto", "threads": 2, "workers": 3, "batch_clients": False, "compile": "off",
-        "deterministic": False,
+        "deterministic": False, "autotune": True,
     }
 
 
@@ -417,8 +418,8 @@ def test_for_resume_refuses_a_directory_without_config_and_another_config(tmp_pa
     out = _saved(tmp_path, _cfg())
     assert _refused(RunDir.for_resume, out, validate_config({"seed": 1})) == (
         f"--resume {out}: the run was started with a different config (only executor.device, executor.threads, "
-        "executor.workers, executor.batch_clients, executor.compile, executor.deterministic may change when "
-        "resuming)")  # fmt: skip
+        "executor.workers, executor.batch_clients, executor.compile, executor.deterministic, executor.autotune may "
+        "change when resuming)")  # fmt: skip
 
 
 def test_for_resume_without_a_config_loads_the_runs_own(tmp_path, no_cuda):

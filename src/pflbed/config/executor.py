@@ -84,6 +84,12 @@ class ExecutorConfig(Strict):
         "config and seed give the same figures run after run; false: the faster defaults, whose figures vary by "
         "float rounding from run to run (docs/guide/gpu.md). No effect on a CPU"
     )
+    autotune: bool = Field(
+        False, description="on a GPU: cuDNN times its convolution algorithms on each new shape and keeps the fastest "
+        "(torch.backends.cudnn.benchmark) instead of choosing by heuristics — under executor.deterministic only "
+        "reproducible ones, but which wins may differ from one process to the next, and with it the figures' float "
+        "rounding (docs/guide/gpu.md); a run's first steps of each shape pay the timing. No effect on a CPU"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ExecutorConfig:

@@ -105,7 +105,7 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
                 kept.close()
                 kept.enter_context(kept_freed_memory(algo.ctx.cfg.executor.keep_freed_memory))
                 device = algo.ctx.device
-                rng.deterministic_kernels(device, algo.ctx.cfg.executor.deterministic)
+                rng.deterministic_kernels(device, algo.ctx.cfg.executor.deterministic, algo.ctx.cfg.executor.autotune)
                 algo.ctx.source, algo.ctx.federation = source.to(device), pickle.loads(federation).to(device)
                 continue
             if kind == "forward":

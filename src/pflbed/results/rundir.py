@@ -107,7 +107,7 @@ def config_text(cfg: Config) -> str:
 
 # Where a run computes, not what: a run checkpointed on a GPU may continue on a CPU and the reverse, with other
 # thread or worker counts. Each changes floats by rounding at most (`procs` not even that), never the experiment.
-PLACEMENT = ("device", "threads", "workers", "batch_clients", "compile", "deterministic")
+PLACEMENT = ("device", "threads", "workers", "batch_clients", "compile", "deterministic", "autotune")
 IN_PROCESS = ("auto", "loop", "procs")  # executors driven from this process; the same figures (`procs` bit for bit)
 
 
