@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import pickle
 import platform
-import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pflbed.config import validate_config
 from pflbed.engine import procs
 from pflbed.engine.loop import prepare
 from pflbed.runs import run
+from tests.engine.worker_here import run_worker_here
 from tests.tiny import TINY, figures
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
@@ -128,21 +128,8 @@ class Probe:
 def test_a_procs_worker_holds_it_as_its_run_says_and_puts_it_back_when_it_stops(keep: bool) -> None:
     """The worker loop, run here on plain queues: the algorithm's message, then a forward that probes, then stop."""
     cfg = {**TINY, "executor": {**TINY["executor"], "keep_freed_memory": keep}}
-    algo = prepare(validate_config(cfg))
-    ctx = algo.ctx
-    shared = ctx.source, ctx.federation
-    ctx.source = ctx.federation = None
-    private = pickle.dumps(algo)
-    ctx.source, ctx.federation = shared
-    tasks, results = queue.Queue(), queue.Queue()
-    procs._put(tasks, ("algorithm", (private, (shared[0], pickle.dumps(shared[1])))))
-    procs._put(tasks, ("forward", (0, pickle.dumps(Probe()), "mmapped", "test", [torch.arange(1)], 1)))
-    procs._put(tasks, None)
-    threads = torch.get_num_threads()
-    try:
-        procs._worker(threads, tasks, results)
-    finally:
-        torch.set_num_threads(threads)
+    results = run_worker_here(prepare(validate_config(cfg)),
+                              ("forward", (0, pickle.dumps(Probe()), "mmapped", "test", [torch.arange(1)], 1)))
     tag, outs, _, error = procs._get(results)
     assert error is None and bool(outs[0]) is not keep
     assert big_is_mmapped() and allocator._users == 0

@@ -240,27 +240,14 @@ def test_workers_out_of_range_is_a_config_error(value):
 def test_the_run_and_each_worker_set_the_kernels_its_executor_config_asks_for(monkeypatch, deterministic, autotune):
     """`executor.deterministic` and `executor.autotune` reach torch's flags where the run prepares and in a `procs`
     worker (the worker loop run here on plain queues), which sets the process's own flags: they are per process."""
-    import pickle
-    import queue
-
     from pflbed import rng
     from pflbed.config import validate_config
-    from pflbed.engine import procs
+
+    from .worker_here import run_worker_here
 
     seen = []
     monkeypatch.setattr(rng, "deterministic_kernels", lambda *args: seen.append(args))
     cfg = validate_config({**TINY, "executor": {**TINY["executor"], "deterministic": deterministic,
                                                 "autotune": autotune}})  # fmt: skip
-    algo = prepare(cfg)
-    ctx = algo.ctx
-    shared, (ctx.source, ctx.federation) = (ctx.source, ctx.federation), (None, None)
-    private = pickle.dumps(algo)
-    tasks, results = queue.Queue(), queue.Queue()
-    procs._put(tasks, ("algorithm", (private, (shared[0], pickle.dumps(shared[1])))))
-    procs._put(tasks, None)
-    threads = torch.get_num_threads()
-    try:
-        procs._worker(threads, tasks, results)
-    finally:
-        torch.set_num_threads(threads)
+    run_worker_here(prepare(cfg))
     assert seen == [(torch.device("cpu"), deterministic, autotune)] * 2
