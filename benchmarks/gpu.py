@@ -239,18 +239,15 @@ def centralized(model: str, batch: int, device: torch.device, steps: int, size: 
     device trains — in the fastest of the two layouts (`model.channels_last` off and on) and cuDNN's two ways of
     choosing its algorithms (heuristics, autotuned: `executor.autotune`), as a round may run in either (the `-nhwc`
     and `-tuned` cases)."""
-    return max(_centralized(model, batch, device, steps, size, last, tuned) for last in (False, True)
-               for tuned in (False, True))  # fmt: skip
+    rates = []
+    for last in (False, True):
+        for tuned in (False, True):
+            with cudnn_flags(**(TUNED if tuned else {})):
+                rates.append(_centralized(model, batch, device, steps, size, last))
+    return max(rates)
 
 
-def _centralized(model: str, batch: int, device: torch.device, steps: int, size: int, channels_last: bool,
-                 tuned: bool) -> float:  # fmt: skip
-    with cudnn_flags(**(TUNED if tuned else {})):
-        return _centralized_steps(model, batch, device, steps, size, channels_last)
-
-
-def _centralized_steps(model: str, batch: int, device: torch.device, steps: int, size: int,
-                       channels_last: bool) -> float:  # fmt: skip
+def _centralized(model: str, batch: int, device: torch.device, steps: int, size: int, channels_last: bool) -> float:
     torch.manual_seed(0)
     net = build_model(model, (3, size, size), 10, device, channels_last)
     x = torch.randn(batch, 3, size, size, device=device)

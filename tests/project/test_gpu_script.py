@@ -394,7 +394,7 @@ def test_the_centralized_limit_is_the_fastest_layout_and_way_of_choosing_kernels
         seen.append((channels_last, torch.backends.cudnn.benchmark))
         return {(False, False): 1.0, (False, True): 3.0, (True, False): 2.0, (True, True): 1.5}[seen[-1]]
 
-    monkeypatch.setattr(gpu, "_centralized_steps", rate)
+    monkeypatch.setattr(gpu, "_centralized", rate)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     assert gpu.centralized("cnn", 32, torch.device("cpu"), 1) == 3.0
     assert sorted(seen) == [(False, False), (False, True), (True, False), (True, True)]
