@@ -79,6 +79,7 @@ from pflbed.engine.driver import Driver
 from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import WorkerPool
 from pflbed.models import build_model
+from pflbed.rng import deterministic_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
@@ -189,7 +190,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
 
     batched.train_together = counted
     try:
-        with cudnn_flags():  # as they were before the case, after it
+        with kernel_flags():  # as they were before the case, after it
             algo = prepare(cfg)
             device = algo.ctx.device
             executor, own = make_executor(algo, pool)
@@ -236,13 +237,14 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
 
 def centralized(model: str, batch: int, device: torch.device, steps: int, size: int = 32) -> float:
     """Plain SGD steps of `model` at `batch` on `device` (size × size images), data resident there: the most one
-    device trains — in the fastest of the two layouts (`model.channels_last` off and on) and cuDNN's two ways of
+    device trains — with the GPU's default kernels (not deterministic: faster than a round's by default, whatever
+    ran before), in the fastest of the two layouts (`model.channels_last` off and on) and cuDNN's two ways of
     choosing its algorithms (heuristics, autotuned: `executor.autotune`), as a round may run in either (the `-nhwc`
     and `-tuned` cases)."""
     rates = []
     for last in (False, True):
         for tuned in (False, True):
-            with cudnn_flags(**(TUNED if tuned else {})):
+            with kernel_flags(deterministic=False, autotune=tuned):
                 rates.append(_centralized(model, batch, device, steps, size, last))
     return max(rates)
 
@@ -338,7 +340,9 @@ def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
     """Where a batched CNN step's time goes. One step of `clients` clients at batch 32 — the vmapped gradient of
     each client's mean loss and its SGD update, as `engine.batched` runs it, without the executor's bookkeeping —
     beside one plain model stepping on all clients' samples at once (the same arithmetic without the client
-    dimension), and each layer's forward and backward in three forms (`layer_probe`); ms per step."""
+    dimension), and each layer's forward and backward in several forms (`layer_probe`); ms per step. All with
+    deterministic kernels, as a round runs by default (`executor.deterministic`), so the figures explain the
+    rounds'; the step also autotuned (`executor.autotune`)."""
     from torch.func import functional_call, grad, vmap
 
     clients, steps = (8, 2) if a.quick else (100, 50)
@@ -365,9 +369,9 @@ def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
         opt.step()
 
     out: dict = {"clients": clients, "batch": 32, "steps_per_round": 16}
-    for name, step, flags in (("batched_step_ms", batched_step, {}), ("one_model_step_ms", one_model_step, {}),
-                              ("batched_step_tuned_ms", batched_step, TUNED)):  # fmt: skip
-        with cudnn_flags(**flags):
+    for name, step, tuned in (("batched_step_ms", batched_step, False), ("one_model_step_ms", one_model_step, False),
+                              ("batched_step_tuned_ms", batched_step, True)):  # fmt: skip
+        with kernel_flags(deterministic=True, autotune=tuned):
             for k in range(steps + 3):  # 3 steps of warm-up (and cuDNN's autotuning, where on)
                 if k == 3:
                     sync(device)
@@ -505,20 +509,26 @@ def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
     return out
 
 
-# cuDNN's autotuner (`torch.backends.cudnn.benchmark`; `executor.autotune`, off by default): it times every algorithm
-# for a new shape and keeps the fastest — among the deterministic ones while `deterministic` is on. Whether it finds
-# faster grouped convolutions (the vmapped step's) than the heuristics is what the `tuned` probes measure.
-TUNED = {"benchmark": True}
-
-
 @contextlib.contextmanager
-def cudnn_flags(**changed: bool) -> Iterator[None]:
-    """cuDNN's flags as they are, with `changed` set, for a forward and its backward alike (restored after)."""
+def kernel_flags(deterministic: bool | None = None, autotune: bool = False) -> Iterator[None]:
+    """How the GPU chooses its kernels, put back after: cuDNN's flags and torch's deterministic mode, which decides
+    cuDNN's convolutions as much as cuDNN's own flag does (a case's `prepare` sets both, process-wide). Given
+    `deterministic`, both are set as a GPU run with `executor.deterministic` and `executor.autotune` would set them
+    (`rng.deterministic_kernels`, told a GPU: the flags are the process's, whatever device is measured). cuDNN's
+    autotuner times every algorithm for a new shape and keeps the fastest, among the deterministic ones while
+    `deterministic` is on: whether it finds faster grouped convolutions (the vmapped step's) than the heuristics is
+    what the `tuned` probes measure."""
     cudnn = torch.backends.cudnn
     now = {"enabled": cudnn.enabled, "benchmark": cudnn.benchmark, "deterministic": cudnn.deterministic,
            "allow_tf32": cudnn.allow_tf32}  # fmt: skip
-    with cudnn.flags(**(now | changed)):
-        yield
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        with cudnn.flags(**now):
+            if deterministic is not None:
+                deterministic_kernels(torch.device("cuda"), deterministic, autotune)
+            yield
+    finally:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
 
 def conv_as_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -536,7 +546,7 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     step runs it (`vmap` over per-client weights: a grouped convolution), as unfold + batched matrix product (the
     same arithmetic as one `bmm` per layer), and as one dense layer on all those samples with one weight (the
     arithmetic without the client dimension); and the vmapped convolutions again autotuned by cuDNN (`tuned`:
-    `TUNED`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
+    `kernel_flags`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
     the profile shows it converting every group's tensors to it and back); ms per forward and backward."""
     from torch.func import vmap
 
@@ -560,7 +570,7 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
                      "tuned": vmap(conv), "nhwc": nhwc(vmap(conv))}  # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
-            with cudnn_flags(**(TUNED if form == "tuned" else {})):
+            with kernel_flags(deterministic=True, autotune=form == "tuned"):  # as the step probe's steps
                 for k in range(steps + 3):
                     if k == 3:
                         sync(device)
@@ -883,7 +893,7 @@ def probes(a: argparse.Namespace, result: dict, device: torch.device, t_start: f
             result["skipped"].append(name)
             continue
         try:
-            with cudnn_flags():  # as they were before the probe, after it (a profiled `-tuned` round's `prepare`)
+            with kernel_flags():  # as they were before the probe, after it (a profiled `-tuned` round's `prepare`)
                 result[name] = probe()
         except Exception as e:  # a failed probe is a result too; the cases after it still run
             result[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}

@@ -98,10 +98,24 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
 
 
-def test_a_tuned_case_runs_autotuned_and_leaves_cudnns_flags_as_it_found_them(tmp_path, monkeypatch):
-    """`-tuned` cases are `executor.autotune` (which a GPU run's `prepare` makes `cudnn.benchmark`, as it does the
-    deterministic flags: set here as a GPU's `prepare` would, on the CPU); after a case, or a probe (a profiled
-    `-tuned` round), cuDNN's flags are as before it, so the next case runs as configured."""
+@pytest.fixture
+def kernels():
+    """The process's kernel flags (cuDNN's and torch's deterministic mode) all off, and put back after the test
+    whatever it left: a probe's or case's flags must not reach the tests after it."""
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=False, deterministic=False, allow_tf32=cudnn.allow_tf32):
+        torch.use_deterministic_algorithms(False)
+        try:
+            yield lambda: (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                           torch.are_deterministic_algorithms_enabled())  # fmt: skip
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
+def test_a_tuned_case_runs_autotuned_and_leaves_the_kernel_flags_as_it_found_them(tmp_path, monkeypatch, kernels):
+    """`-tuned` cases are `executor.autotune` (which a GPU run's `prepare` makes `cudnn.benchmark`, as it sets the
+    deterministic flags, cuDNN's and torch's: set here as a GPU's `prepare` would, on the CPU); after a case, or a
+    probe (a profiled `-tuned` round), the flags are as before it, so the next case runs as configured."""
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
     a.rounds = 2
@@ -109,8 +123,7 @@ def test_a_tuned_case_runs_autotuned_and_leaves_cudnns_flags_as_it_found_them(tm
     real_prepare, real_round = gpu.prepare, gpu.Driver.train_round
 
     def as_on_a_gpu(cfg):
-        torch.backends.cudnn.benchmark = cfg.executor.autotune
-        torch.backends.cudnn.deterministic = cfg.executor.deterministic
+        gpu.deterministic_kernels(torch.device("cuda"), cfg.executor.deterministic, cfg.executor.autotune)
         return real_prepare(cfg)
 
     def spy(self, *args, **kwargs):
@@ -119,12 +132,10 @@ def test_a_tuned_case_runs_autotuned_and_leaves_cudnns_flags_as_it_found_them(tm
 
     monkeypatch.setattr(gpu, "prepare", as_on_a_gpu)
     monkeypatch.setattr(gpu.Driver, "train_round", spy)
-    for flag in ("benchmark", "deterministic"):
-        monkeypatch.setattr(torch.backends.cudnn, flag, False)
     tuned = gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched-tuned"], a, "paper")
-    assert tuned.executor.autotune and tuned.executor.batch_clients
+    assert tuned.executor.autotune and tuned.executor.batch_clients and tuned.executor.deterministic
     assert gpu.time_rounds(tuned, None)["rounds_timed"] == 1 and seen == [True, True]
-    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, False)
+    assert kernels() == (False, False, False)
     gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"], a, "paper"), None)
     assert seen[2:] == [False, False]
     a.profile, a.profile_executor, a.skip = ("fedavg", "cnn"), "batched-tuned", ["outside", "step", "combine"]
@@ -132,7 +143,35 @@ def test_a_tuned_case_runs_autotuned_and_leaves_cudnns_flags_as_it_found_them(tm
     monkeypatch.setattr(gpu, "write", lambda *args: None)
     gpu.probes(a, result, torch.device("cpu"), time.perf_counter())
     assert "error" not in result["profile"] and seen[-1] is True
-    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, False)
+    assert kernels() == (False, False, False)
+
+
+def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp_path, monkeypatch, kernels):
+    """A round runs deterministic kernels by default (`executor.deterministic`), so the probes that explain its
+    time do too, whatever the measurement before them left (the process's defaults on a fresh GPU are not); the
+    `tuned` step and layers are autotuned as well, the others not; the flags are put back after."""
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    seen: dict[str, set] = {"cross_entropy": set(), "conv2d": set()}
+    real = gpu.F
+
+    class Spy:
+        def __getattr__(self, name):
+            if name not in seen:
+                return getattr(real, name)
+
+            def call(*args, **kwargs):
+                seen[name].add(kernels())
+                return getattr(real, name)(*args, **kwargs)
+
+            return call
+
+    monkeypatch.setattr(gpu, "F", Spy())
+    out = gpu.step_probe(a, torch.device("cpu"))
+    assert out["batched_step_tuned_ms"] > 0 and set(out["layers_ms"]["conv2"]) >= {"vmap", "tuned", "nhwc"}
+    assert seen == {"cross_entropy": {(False, True, True), (True, True, True)},
+                    "conv2d": {(False, True, True), (True, True, True)}}  # fmt: skip
+    assert kernels() == (False, False, False)
 
 
 def test_no_round_starts_that_would_end_past_the_deadline(tmp_path, monkeypatch):
@@ -383,22 +422,24 @@ def test_each_case_starts_from_an_emptied_gpu_cache(tmp_path, monkeypatch):
     assert seen == [gpu.torch.device("cpu")]
 
 
-def test_the_centralized_limit_is_the_fastest_layout_and_way_of_choosing_kernels(monkeypatch):
+def test_the_centralized_limit_is_the_fastest_layout_and_way_of_choosing_kernels(monkeypatch, kernels):
     """The most one device trains: the best of NHWC off and on, cuDNN's heuristics and its autotuner (each measured
     under its own flags, put back after) — a round may run any of them (`-nhwc`, `-tuned`), so none is measured
-    against a limit it could beat."""
+    against a limit it could beat; all with the GPU's default kernels (not deterministic, faster), whatever the
+    measurement before it left."""
     gpu = _gpu_script()
     seen = []
 
     def rate(model, batch, device, steps, size, channels_last):
+        assert not torch.backends.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
         seen.append((channels_last, torch.backends.cudnn.benchmark))
         return {(False, False): 1.0, (False, True): 3.0, (True, False): 2.0, (True, True): 1.5}[seen[-1]]
 
     monkeypatch.setattr(gpu, "_centralized", rate)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    gpu.deterministic_kernels(torch.device("cuda"), True)  # as a case before it may leave them (`prepare`)
     assert gpu.centralized("cnn", 32, torch.device("cpu"), 1) == 3.0
     assert sorted(seen) == [(False, False), (False, True), (True, False), (True, True)]
-    assert torch.backends.cudnn.benchmark is False
+    assert kernels() == (False, True, True)
     assert [e for e in gpu.EXECUTORS if gpu.channels_last(e)] == ["batched-nhwc", "batched-graphs-nhwc",
                                                                    "batched-graphs-nhwc-tuned"]  # fmt: skip
     assert [e for e in gpu.EXECUTORS if gpu.EXECUTORS[e].get("autotune")] == [
