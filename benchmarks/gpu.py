@@ -29,10 +29,13 @@
    one pass over the bases' memory.
 8. The goals of the GPU work, judged from the figures above (`goals` in gpu.txt / gpu.json).
 
-A full run measures the goals' cases first (FedAvg's CNN batched, ResNet-18 batched for FedAvg, FedRoD, FedSelect
-and FedBasis, FedAvg's CNN compiled and as CUDA graphs), then profiles, then probes the round outside its gradients
-and a step, then the ImageNet-style ResNet-18's batched rows, then the rest: a short GPU allocation answers the
-questions still open before it spends time on rows already known.
+A full run runs the tests, then measures the goals' cases (FedAvg's CNN batched, ResNet-18 batched for FedAvg,
+FedRoD, FedSelect and FedBasis, FedAvg's CNN compiled and as CUDA graphs, with NHWC weights and autotuned), then
+profiles, then probes the round outside its gradients and a step, then the ImageNet-style ResNet-18's batched rows,
+then the rest: a short GPU allocation answers the questions still open before it spends time on rows already known.
+`--part goals` measures the goals' cases alone (and the centralized limit they are judged against), `--part rest`
+everything else: two calls on one machine, so that the goals' figures come back even if the machine fails during
+the second.
 
 Rounds are timed one by one with the device synchronized at both ends; the first round of each case is a warm-up
 (CUDA context, cuDNN heuristics, allocator) and reported apart. Cases run in priority order, each written to the
@@ -792,6 +795,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="measure only these speed cases, in this order (default: all, in priority order)")
     ap.add_argument("--skip", nargs="*", default=[],
                     choices=["tests", "speed", "profile", "outside", "step", "combine"])  # fmt: skip
+    ap.add_argument("--part", default="all", choices=["all", "goals", "rest"],
+                    help="goals: the goals' cases alone (no tests, no probes); rest: all but them (default: all)")
     ap.add_argument("--profile", default="fedavg", metavar="ALG/MODEL",
                     help="the profiled round's seed method and model (default: FedAvg, the first of --models)")
     ap.add_argument("--profile-executor", default="batched", choices=PROFILED,
@@ -832,22 +837,20 @@ def main() -> None:
     result: dict = {"device": a.device, "gpu": gpu, "torch": torch.__version__, "quick": a.quick,
                     "python": platform.python_version(), "cpu_count": os.cpu_count(),
                     "args": vars(a) | {"out": str(a.out)}}  # fmt: skip
-    result["tests"] = None if "tests" in a.skip else run_tests(a, a.out)
+    tests, first, probing, rest = parts(a)
+    result["tests"] = run_tests(a, a.out) if tests else None
     result["speed"], result["skipped"] = [], []
-    if "speed" not in a.skip:
+    if first or rest:
         steps = 20 if a.quick else 200
         result["centralized"] = {m: {b: centralized(m, b, device, steps) for b in (32, 10)} for m in a.models}
-        if any(c[0] == "paper64" for c in chosen_cases(a)):
+        if any(c[0] == "paper64" for c in first + rest):
             result["centralized"]["paper64"] = {32: centralized(a.imagenet_model, 32, device, steps, 64)}
-        with WorkerPool(a.workers, threads=1) as pool:
-            todo = chosen_cases(a)
-            goal = goal_cases(a)
-            first = [c for c in todo if c in goal] if not a.cases else todo
-            speed_cases(a, result, first, pool, t_start)
+    procs = any(c[3] == "procs" for c in first + rest)
+    with WorkerPool(a.workers, threads=1) if procs else contextlib.nullcontext() as pool:
+        speed_cases(a, result, first, pool, t_start)
+        if probing:
             probes(a, result, device, t_start)
-            speed_cases(a, result, [c for c in todo if c not in first], pool, t_start)
-    else:
-        probes(a, result, device, t_start)
+        speed_cases(a, result, rest, pool, t_start)
     result["seconds"] = time.perf_counter() - t_start
     write(result, a.out)
     print((a.out / "gpu.txt").read_text())
@@ -859,7 +862,18 @@ def main() -> None:
     sys.exit(1 if (tests and tests["exit_code"] != 0) or failed else 0)
 
 
-def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPool, t_start: float) -> None:
+def parts(a: argparse.Namespace) -> tuple[bool, list, bool, list]:
+    """What this call measures, in its order: whether the tests run, the speed cases measured first (the goals';
+    with `--cases`, those), whether the probes run, the speed cases after them. `--part goals`: the first cases
+    alone; `--part rest`: all but them; `--skip` leaves out what it names either way."""
+    todo = chosen_cases(a) if "speed" not in a.skip else []
+    first = todo if a.cases else [c for c in todo if c in goal_cases(a)]
+    rest = [c for c in todo if c not in first]
+    goals, others = a.part != "rest", a.part != "goals"
+    return others and "tests" not in a.skip, first if goals else [], others, rest if others else []
+
+
+def speed_cases(a: argparse.Namespace, result: dict, todo: list, pool: WorkerPool | None, t_start: float) -> None:
     """Time `todo`'s cases into `result["speed"]` (written out after each), those past `--budget-s` skipped."""
     for shape, alg, model, ex in todo:
         if time.perf_counter() - t_start > a.budget_s:

@@ -444,3 +444,26 @@ def test_the_centralized_limit_is_the_fastest_layout_and_way_of_choosing_kernels
                                                                    "batched-graphs-nhwc-tuned"]  # fmt: skip
     assert [e for e in gpu.EXECUTORS if gpu.EXECUTORS[e].get("autotune")] == [
         "batched-tuned", "batched-graphs-tuned", "batched-graphs-nhwc-tuned"]
+
+
+def test_a_call_in_two_parts_measures_the_goals_in_the_first_and_everything_else_in_the_second(tmp_path):
+    """`--part goals`: the goals' cases alone, no tests, no probes (a short first call whose figures come back even
+    if the machine fails during the second); `--part rest`: the tests, the probes and every other case; together
+    what one whole call measures, each once, in its order. `--skip` and `--cases` hold in each part."""
+    gpu = _gpu_script()
+
+    def parts(*extra):
+        return gpu.parts(gpu.parse_args(["--device", "cuda", "--out", str(tmp_path), *extra]))
+
+    a = gpu.parse_args(["--device", "cuda", "--out", str(tmp_path)])
+    goal, every = gpu.goal_cases(a), gpu.cases(a)
+    rest = [c for c in every if c not in goal]
+    assert every[: len(goal)] == goal and len(rest) > 20
+    assert parts() == (True, goal, True, rest)
+    assert parts("--part", "goals") == (False, goal, False, [])
+    assert parts("--part", "rest") == (True, [], True, rest)
+    assert parts("--skip", "tests", "speed") == (False, [], True, [])
+    assert parts("--part", "rest", "--skip", "tests") == (False, [], True, rest)
+    one = "paper/fedavg/cnn/loop"
+    assert parts("--part", "goals", "--cases", one) == (False, [("paper", "fedavg", "cnn", "loop")], False, [])
+    assert parts("--part", "rest", "--cases", one) == (True, [], True, [])
