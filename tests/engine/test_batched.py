@@ -13,6 +13,8 @@ phase, a stopped client still updated) moves them.
 import collections
 import contextlib
 import copy
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -221,15 +223,20 @@ def test_where_the_global_rng_stands_is_taken_and_put_back_without_drawing():
         assert torch.equal(torch.rand(4), torch.rand(4, generator=now))
 
 
-def _gpu_fitting(most, calls):
+def _gpu_fitting(most, calls, held=None):
     """`train_together` on a GPU whose memory holds at most `most` clients at a time; `calls`: each call's size.
-    One that does not fit runs out part way, its clients' streams drawn from (the retry must start them afresh)."""
+    One that does not fit runs out part way, its clients' streams drawn from (the retry must start them afresh),
+    holding a tensor as a computation would (a weak reference to it in `held`)."""
 
     def train(*a):
         calls.append(len(a[1]))
         if len(a[1]) > most:
             for g in [*a[4], *(a[5] or [])]:
                 torch.rand(1, generator=g)
+            activations = [torch.zeros(len(a[1]))]
+            activations.append(activations)  # in a reference cycle, as a computation's tensors may be
+            if held is not None:
+                held.append(weakref.ref(activations[0]))
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return train_together(*a)
 
@@ -239,9 +246,10 @@ def _gpu_fitting(most, calls):
 def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monkeypatch):
     """A round whose clients do not fit in the GPU's memory together is retried at once with half as many at a
     time (again, until they fit: one client at a time, if need be), and that size is kept for the rounds after; the
-    results are the all-at-once ones within TOL (each client's own generators). A client that does not fit alone,
-    and any out-of-memory error under `executor.batch_max_clients` (which sets the size outright), is the user's to
-    see."""
+    results are the all-at-once ones within TOL (each client's own generators). The device's cache is emptied
+    once the failed try's tensors are gone (not while its traceback holds them), so the retry allocates afresh. A
+    client that does not fit alone, and any out-of-memory error under `executor.batch_max_clients` (which sets the
+    size outright), is the user's to see."""
     torch.set_num_threads(1)
     train = {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01}
 
@@ -250,18 +258,24 @@ def test_a_round_too_big_for_the_gpu_is_trained_in_halves_and_the_size_kept(monk
                                 "model": {"name": ALEXNET_TINY}})  # fmt: skip
 
     whole = run(cfg(2), write=False, progress=False)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    held, emptied = [], []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append([r() is None for r in held]))
     n = len(whole.executor.states)
     halving = [n]
     while halving[-1] > 1:
         halving.append((halving[-1] + 1) // 2)
     assert n > 4 and halving[-3:] == [3, 2, 1]
     for most in (2, 1):
-        calls = []
-        monkeypatch.setattr(batched, "train_together", _gpu_fitting(most, calls))
-        halves = run(cfg(2), write=False, progress=False)
+        calls, emptied[:] = [], []
+        monkeypatch.setattr(batched, "train_together", _gpu_fitting(most, calls, held))
+        gc.disable()  # a cycle freed by the executor, not by a collection that happens to run
+        try:
+            halves = run(cfg(2), write=False, progress=False)
+        finally:
+            gc.enable()
         first_fit = halving.index(most)
         assert calls[: first_fit + 1] == halving[: first_fit + 1]  # tried whole, then halved until it fitted
+        assert emptied == [[True] * k for k in range(len(held) - first_fit + 1, len(held) + 1)]  # each try's gone
         assert all(k <= most for k in calls[first_fit:]) and halves.executor.most == most  # kept for round 2
         assert sum(calls[first_fit:]) == 2 * n  # every client trained once per round
         assert _max_diff(whole.server, halves.server) <= TOL

@@ -39,6 +39,7 @@ default only when the run's device is a GPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -185,8 +186,10 @@ class BatchedExecutor(LoopExecutor):
                 except torch.OutOfMemoryError:  # on a GPU: half as many at a time, from now on
                     if sized:
                         raise
-                    self.most = half
-                    torch.cuda.empty_cache()
+                    self.most, trained = half, None
+                if trained is None:  # out of the handler, the failed try's tensors die with its traceback (and
+                    gc.collect()  # any cycles among them): their memory goes back to the device, not to blocks
+                    torch.cuda.empty_cache()  # cached at the sizes of a try twice as large
                     continue
                 if not sized and cache_flushes(ctx.device) > flushed:  # fitted, at the memory's ceiling: the
                     self.most = half  # results stand, the next computations take half as many
