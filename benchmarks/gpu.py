@@ -82,7 +82,7 @@ from pflbed.engine.driver import Driver
 from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import WorkerPool
 from pflbed.models import build_model
-from pflbed.rng import deterministic_kernels
+from pflbed.rng import CUBLAS_DETERMINISTIC_WORKSPACE, deterministic_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
@@ -830,6 +830,10 @@ def main() -> None:
         if a.models == ["cnn", "resnet18"]:
             a.models = ["cnn", "resnet18_x025"]
     t_start = time.perf_counter()
+    # cuBLAS reads it when the process first uses it; a run's `prepare` sets it before its first step. Set later (by
+    # the first case's), the deterministic cases after the centralized limit would run with cuBLAS's default one. The
+    # limit's matrix products (the models' linear layers) run with it too, a negligible part of its steps
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     device = torch.device(a.device)
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)

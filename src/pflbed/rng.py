@@ -88,6 +88,11 @@ def global_from(generator: torch.Generator, device: torch.device) -> Iterator[No
         yield
 
 
+# cuBLAS's workspace configuration for reproducible results (`:SIZE_KiB:BUFFERS`, NVIDIA's documented setting): read
+# when a process first uses cuBLAS, so it must be set before then
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
 def deterministic_kernels(device: torch.device, on: bool, autotune: bool = False) -> None:
     """On a GPU, choose reproducible kernels (`executor.deterministic`): the same config and seed then give the
     same figures run after run on the same GPU and software, as on a CPU.
@@ -109,7 +114,7 @@ def deterministic_kernels(device: torch.device, on: bool, autotune: bool = False
     if device.type != "cuda":
         return
     if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = autotune
     torch.use_deterministic_algorithms(on, warn_only=True)

@@ -467,3 +467,25 @@ def test_a_call_in_two_parts_measures_the_goals_in_the_first_and_everything_else
     one = "paper/fedavg/cnn/loop"
     assert parts("--part", "goals", "--cases", one) == (False, [("paper", "fedavg", "cnn", "loop")], False, [])
     assert parts("--part", "rest", "--cases", one) == (True, [], True, [])
+
+
+def test_cublas_is_configured_for_reproducible_runs_before_the_first_measurement_uses_it(tmp_path, monkeypatch):
+    """cuBLAS reads its workspace configuration when the process first uses it, so `gpu.py` sets it (as a run's
+    `prepare` would) before the centralized limit, the first measurement: set by the first case's `prepare` only,
+    every deterministic case would run with cuBLAS's default, nondeterministic configuration."""
+    gpu = _gpu_script()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that the test's end puts back what was there before
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    seen = []
+
+    def centralized(*args):
+        seen.append(gpu.os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        return 1.0
+
+    monkeypatch.setattr(gpu, "centralized", centralized)
+    monkeypatch.setattr(gpu, "speed_cases", lambda *args: None)
+    monkeypatch.setattr(gpu.sys, "argv", ["gpu.py", "--device", "cpu", "--quick", "--part", "goals",
+                                          "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(SystemExit) as done:
+        gpu.main()
+    assert done.value.code == 0 and seen and set(seen) == {":4096:8"}
