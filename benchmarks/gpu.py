@@ -182,8 +182,9 @@ def config(algorithm: str, model: str, executor: dict, a: argparse.Namespace, sh
 def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) -> dict:
     """Seconds of each training round (device synchronized), samples trained, whether clients ran batched. No round
     after the first starts if the one before says it would end after `deadline` (a `time.perf_counter` value):
-    the case is then `incomplete`, with the rounds it has. cuDNN's flags are put back after the case: its
-    `prepare` sets them for the case (`executor.deterministic`, `executor.autotune`), not for the cases after."""
+    the case is then `incomplete`, with the rounds it has. The kernel flags are put back after the case
+    (`kernel_flags`): its `prepare` sets them for the case (`executor.deterministic`, `executor.autotune`), not for
+    the cases after."""
     calls = []
     real = batched.train_together
 
