@@ -19,7 +19,8 @@
 5. Where a batched step's time goes: one batched CNN step of 100 clients (vmapped gradient and SGD update, the
    batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
    and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
-   as unfold + batched matrix products, and as one dense layer on all the samples.
+   as unfold + batched matrix products, as one dense layer on all the samples, and vmapped again autotuned and in
+   channels-last memory (the convolutions) and in TF32 (the first linear layer).
 6. What a batched round spends outside its steps' gradients (`outside`): FedAvg's CNN round batched, then the
    same with each step's vmapped gradient replaced by zeros — the plans, the batches' layout, each step's gather
    and SGD update, the finish, the divergence check and the server's folding-in as a round runs them: the part of
@@ -82,7 +83,7 @@ from pflbed.engine.driver import Driver
 from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import WorkerPool
 from pflbed.models import build_model
-from pflbed.rng import CUBLAS_DETERMINISTIC_WORKSPACE, deterministic_kernels
+from pflbed.rng import CUBLAS_DETERMINISTIC_WORKSPACE, gpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
@@ -514,11 +515,12 @@ def combine_probe(a: argparse.Namespace, device: torch.device) -> dict:
 
 
 @contextlib.contextmanager
-def kernel_flags(deterministic: bool | None = None, autotune: bool = False) -> Iterator[None]:
-    """How the GPU chooses its kernels, put back after: cuDNN's flags and torch's deterministic mode, which decides
-    cuDNN's convolutions as much as cuDNN's own flag does (a case's `prepare` sets both, process-wide). Given
-    `deterministic`, both are set as a GPU run with `executor.deterministic` and `executor.autotune` would set them
-    (`rng.deterministic_kernels`, told a GPU: the flags are the process's, whatever device is measured). cuDNN's
+def kernel_flags(deterministic: bool | None = None, autotune: bool = False, tf32: bool | None = None) -> Iterator[None]:
+    """How the GPU chooses its kernels, put back after: cuDNN's flags, torch's deterministic mode, which decides
+    cuDNN's convolutions as much as cuDNN's own flag does, and the matrix products' TF32 flag (a case's `prepare`
+    sets them all, process-wide). Given `deterministic`, they are set as a GPU run with `executor.deterministic`,
+    `executor.autotune` and `executor.tf32` would set them (`rng.gpu_kernels`, told a GPU: the flags are the
+    process's, whatever device is measured). cuDNN's
     autotuner times every algorithm for a new shape and keeps the fastest, among the deterministic ones while
     `deterministic` is on: whether it finds faster grouped convolutions (the vmapped step's) than the heuristics is
     what the `tuned` probes measure."""
@@ -526,13 +528,15 @@ def kernel_flags(deterministic: bool | None = None, autotune: bool = False) -> I
     now = {"enabled": cudnn.enabled, "benchmark": cudnn.benchmark, "deterministic": cudnn.deterministic,
            "allow_tf32": cudnn.allow_tf32}  # fmt: skip
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    matmul = torch.backends.cuda.matmul.allow_tf32
     try:
         with cudnn.flags(**now):
             if deterministic is not None:
-                deterministic_kernels(torch.device("cuda"), deterministic, autotune)
+                gpu_kernels(torch.device("cuda"), deterministic, autotune, tf32)
             yield
     finally:
         torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+        torch.backends.cuda.matmul.allow_tf32 = matmul
 
 
 def conv_as_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -551,7 +555,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     same arithmetic as one `bmm` per layer), and as one dense layer on all those samples with one weight (the
     arithmetic without the client dimension); and the vmapped convolutions again autotuned by cuDNN (`tuned`:
     `kernel_flags`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
-    the profile shows it converting every group's tensors to it and back); ms per forward and backward."""
+    the profile shows it converting every group's tensors to it and back); fc1 vmapped again in TF32 (`tf32`:
+    `executor.tf32`; the convolutions are TF32 already, PyTorch's default); ms per forward and backward."""
     from torch.func import vmap
 
     n = 32
@@ -567,14 +572,16 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
         x = torch.randn(clients, n, *xshape, device=device, requires_grad=True)
         if name == "fc1":
             forms = {"vmap": lambda w, x: vmap(F.linear)(x, w), "bmm": lambda w, x: torch.bmm(x, w.transpose(1, 2)),
-                     "dense": lambda w, x: F.linear(x.flatten(0, 1), w[0])}  # fmt: skip
+                     "dense": lambda w, x: F.linear(x.flatten(0, 1), w[0]), "tf32": lambda w, x: vmap(F.linear)(x, w)}
+                     # fmt: skip
         else:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
                      "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
                      "tuned": vmap(conv), "nhwc": nhwc(vmap(conv))}  # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
-            with kernel_flags(deterministic=True, autotune=form == "tuned"):  # as the step probe's steps
+            # as the step probe's steps; `tf32`: TF32 matrix products too, as `executor.tf32: true` sets them
+            with kernel_flags(deterministic=True, autotune=form == "tuned", tf32=True if form == "tf32" else None):
                 for k in range(steps + 3):
                     if k == 3:
                         sync(device)
@@ -651,7 +658,8 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN batched with its
     weights NHWC (`-nhwc`) and under cuDNN's autotuner (`-tuned`), then the ImageNet-style ResNet-18 at 64 px batched
-    (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured yet), then FedAvg's CNN on every executor,
+    (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured yet), FedAvg's CNN as CUDA graphs with its linear
+    layers in TF32 (`-tf32`: what they weigh), then FedAvg's CNN on every executor,
     pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running
     statistics; every algorithm here declares a plan), then the rest of the ImageNet-style ResNet-18's rows, then
     Per-FedAvg's, pFedMe's and APFL's CNN rounds, loop against batched (their step rules: several gradients a step), and
@@ -675,6 +683,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
     first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-nhwc", "batched-tuned")]
     first += [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
+    first += [("paper", "fedavg", cnn, "batched-graphs-tf32")]
     return first + [c for c in out if c not in first]
 
 
@@ -684,7 +693,7 @@ RESNET_GOALS = {"fedavg": 0.8, "fedrod": 0.8, "fedselect": 0.5, "fedbasis": 0.5}
 # ... and FedAvg's batched CNN round (float32, deterministic kernels; compiled or not), 100 clients × 500 samples:
 # 0.25 s on an H100; on another GPU, the same multiple of that GPU's centralized CNN rate at batch 32 as 0.25 s is
 # of the H100's (measured there: benchmarks/results/gpu_h100.json).
-# bf16 and nondeterministic kernels change the figures beyond float rounding: they do not count.
+# bf16, TF32 matrix products and nondeterministic kernels change the figures beyond float rounding: they do not count.
 CNN_GOAL_S = 0.25
 GOAL_EXECUTORS = ("loop", "batched", "procs", "batched-compile", "batched-graphs", "batched-nhwc",
                   "batched-graphs-nhwc", "batched-tuned", "batched-graphs-tuned", "batched-graphs-nhwc-tuned")
@@ -744,7 +753,9 @@ def chosen_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 # times deterministic algorithms only, but which wins is timed anew each run, so a run's rounding may differ from the
 # last's: float rounding, as between the loop and batched clients, so it counts for the goals); `-nhwc`:
 # model.channels_last (each client's convolution weights NHWC, as the step probe's `nhwc` layers: whether a whole
-# round gains what they gain; a setting of the library's, float32 and deterministic, so it counts for the goals)
+# round gains what they gain; a setting of the library's, float32 and deterministic, so it counts for the goals);
+# `-tf32`: executor.tf32 (linear layers' matrix products in TensorFloat-32 too, as the convolutions are by default:
+# what they weigh in a round; a change of precision, so it does not count, as bf16 does not)
 EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True},
              "loop-fast": {"batch_clients": False, "deterministic": False},
              "batched-fast": {"batch_clients": True, "deterministic": False},
@@ -757,7 +768,8 @@ EXECUTORS = {"loop": {"batch_clients": False}, "batched": {"batch_clients": True
              "batched-nhwc": {"batch_clients": True},
              "batched-graphs-nhwc": {"batch_clients": True, "compile": "reduce-overhead"},
              "batched-graphs-nhwc-tuned": {"batch_clients": True, "compile": "reduce-overhead",
-                                           "autotune": True}}  # fmt: skip
+                                           "autotune": True},
+             "batched-graphs-tf32": {"batch_clients": True, "compile": "reduce-overhead", "tf32": True}}  # fmt: skip
 
 
 PROFILED = ("batched", "batched-compile", "batched-graphs", "batched-nhwc", "batched-graphs-nhwc", "batched-tuned",

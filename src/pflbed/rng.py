@@ -93,31 +93,41 @@ def global_from(generator: torch.Generator, device: torch.device) -> Iterator[No
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 
 
-def deterministic_kernels(device: torch.device, on: bool, autotune: bool = False) -> None:
-    """On a GPU, choose reproducible kernels (`executor.deterministic`): the same config and seed then give the
-    same figures run after run on the same GPU and software, as on a CPU.
+def gpu_kernels(device: torch.device, deterministic: bool, autotune: bool = False, tf32: bool | None = None) -> None:
+    """On a GPU, set how torch chooses its kernels for a run: reproducible ones (`executor.deterministic`), timed
+    ones (`executor.autotune`), and the float32 precision of matrix products and convolutions (`executor.tf32`).
 
-    Why it is needed: by default cuDNN picks convolution algorithms whose weight gradients accumulate with atomics,
-    in an order that varies run to run, and cuBLAS likewise with more than one workspace. The differences are float
-    rounding, but training grows them: two GPU runs of FedBasis on a BatchNorm LeNet differed by 5 % of a parameter's
-    magnitude after four rounds (benchmarks/results/gpu_h100.txt). Torch's deterministic mode makes cuDNN, cuBLAS (with
-    a fixed workspace, set here before its first use) and torch's own scatter-style kernels deterministic; an op
-    with no deterministic kernel warns instead of failing. Off: the faster defaults. The setting is per process
-    (torch's flags are global), so each `procs` worker applies it too. Nothing changes on the CPU, whose kernels are
-    deterministic already.
+    Why reproducible kernels are needed: by default cuDNN picks convolution algorithms whose weight gradients
+    accumulate with atomics, in an order that varies run to run, and cuBLAS likewise with more than one workspace.
+    The differences are float rounding, but training grows them: two GPU runs of FedBasis on a BatchNorm LeNet
+    differed by 5 % of a parameter's magnitude after four rounds (benchmarks/results/gpu_h100.txt). Torch's
+    deterministic mode makes cuDNN, cuBLAS (with a fixed workspace, set here before its first use) and torch's own
+    scatter-style kernels deterministic; an op with no deterministic kernel warns instead of failing. Off: the faster
+    defaults.
 
-    `autotune` (`executor.autotune`): cuDNN times its convolution algorithms on each new shape and keeps the fastest
-    (`cudnn.benchmark`) instead of choosing by heuristics. Under `on` it times only deterministic ones, so a run
-    stays reproducible within itself; but which algorithm wins a timing may differ from one process to the next,
-    and with it the rounding — two runs, or two `procs` workers, may then differ by float rounding.
+    `autotune`: cuDNN times its convolution algorithms on each new shape and keeps the fastest (`cudnn.benchmark`)
+    instead of choosing by heuristics. Under `deterministic` it times only deterministic ones, so a run stays
+    reproducible within itself; but which algorithm wins a timing may differ from one process to the next, and with
+    it the rounding — two runs, or two `procs` workers, may then differ by float rounding.
+
+    `tf32`: None, PyTorch's defaults on a GPU — convolutions in TensorFloat-32 (products of inputs rounded to 10
+    mantissa bits, sums in float32), matrix products (linear layers) in float32; True: both in TF32, faster where
+    linear layers weigh (tensor cores); False: both in float32, the most exact (FedDF's Adam distillation, whose
+    step takes a near-zero gradient's sign, moves by a whole learning rate under TF32: docs/guide/gpu.md). Set with
+    torch's `allow_tf32` flags, which torch's own code (cuDNN's context, inductor) reads.
+
+    Every flag is set, never left as an earlier run left it; they are per process (torch's flags are global), so
+    each `procs` worker applies them too. Nothing changes on the CPU, whose kernels are deterministic and float32.
     """
     if device.type != "cuda":
         return
-    if on:
+    if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
-    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = autotune
-    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    torch.backends.cudnn.allow_tf32 = tf32 is not False
 
 
 def os_uniform(n: int) -> np.ndarray:

@@ -122,7 +122,8 @@ def device_pool():
 # against the CPU, nor batched over its four rounds.
 CHAOTIC = {"fedbasis-bn"}
 
-# Cases compared with cuDNN's TF32 convolutions (PyTorch's GPU default) off on the device. FedDF's and pFedDF's
+# Cases compared with cuDNN's TF32 convolutions (PyTorch's GPU default) off on the device (`executor.tf32: false`,
+# which a run's `prepare` sets: a flag set before it would be overridden by the run's own). FedDF's and pFedDF's
 # servers distil the fused models with Adam, whose step is a gradient over its own running scale: where a gradient is
 # near zero, its rounding sets the step's sign and moves the weight by a whole learning rate. With TF32 the teachers'
 # logits differ from the CPU's by ~1e-3 relative, and after the tiny runs' 3 Adam steps the fused models did by
@@ -133,12 +134,11 @@ FULL_FLOAT32 = {"feddf", "pfeddf"}
 
 
 @pytest.mark.parametrize("case", [c for c in IDS if c not in CHAOTIC])
-def test_a_device_run_matches_the_cpu_run(case, monkeypatch):
+def test_a_device_run_matches_the_cpu_run(case):
     algorithm, sections = _case(case)
-    if case in FULL_FLOAT32:
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     cpu = run(_cfg(algorithm, "cpu", **sections), write=False, progress=False)
-    dev = run(_cfg(algorithm, DEVICE, {"batch_clients": False}, **sections), write=False, progress=False)
+    tf32 = {"tf32": False} if case in FULL_FLOAT32 else {}
+    dev = run(_cfg(algorithm, DEVICE, {"batch_clients": False, **tf32}, **sections), write=False, progress=False)
     assert all(v.device.type == torch.device(DEVICE).type for v in dev.server.values())
     _compare("device_vs_cpu", case, cpu, dev)
 
@@ -338,6 +338,29 @@ def test_bf16_trains_in_bfloat16_on_the_device(batch_clients, monkeypatch):
     executor = {"batch_clients": batch_clients, "precision": "bf16"}
     run(_cfg({"name": "fedavg"}, DEVICE, executor, train={**TINY["train"], "rounds": 1}), write=False, progress=False)
     assert torch.bfloat16 in seen and torch.float16 not in seen
+
+
+@pytest.mark.parametrize("tf32, flags", [(None, (False, True)), (True, (True, True)), (False, (False, False))])
+def test_a_device_run_trains_at_the_float32_precision_its_config_asks_for(tf32, flags, monkeypatch):
+    """`executor.tf32` is what the device's matrix products and convolutions run in while the run trains (torch's
+    flags, seen from inside a linear layer's forward): unset, PyTorch's defaults; true, both in TF32; false, neither
+    — whatever the process's flags were before (set here opposite to what the run must set). On the CPU standing
+    in, the flags are left as they were (a CPU has no TF32)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    monkeypatch.setattr(matmul, "allow_tf32", not flags[0])
+    monkeypatch.setattr(cudnn, "allow_tf32", not flags[1])
+    before = (matmul.allow_tf32, cudnn.allow_tf32)
+    seen = set()
+    real = torch.nn.Linear.forward
+
+    def forward(self, x):
+        seen.add((matmul.allow_tf32, cudnn.allow_tf32))
+        return real(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", forward)
+    executor = {"tf32": tf32}
+    run(_cfg({"name": "fedavg"}, DEVICE, executor, train={**TINY["train"], "rounds": 1}), write=False, progress=False)
+    assert seen == {flags if torch.device(DEVICE).type == "cuda" else before}
 
 
 def test_strict_mode_brings_what_went_through_bytes_back_to_the_device():

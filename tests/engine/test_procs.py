@@ -236,18 +236,21 @@ def test_workers_out_of_range_is_a_config_error(value):
         pflbed.config.validate_config({"executor": {"workers": value}})
 
 
-@pytest.mark.parametrize("deterministic, autotune", [(True, False), (False, True)])
-def test_the_run_and_each_worker_set_the_kernels_its_executor_config_asks_for(monkeypatch, deterministic, autotune):
-    """`executor.deterministic` and `executor.autotune` reach torch's flags where the run prepares and in a `procs`
-    worker (the worker loop run here on plain queues), which sets the process's own flags: they are per process."""
+@pytest.mark.parametrize("deterministic, autotune, tf32", [(True, False, None), (False, True, True),
+                                                          (True, True, False)])  # fmt: skip
+def test_the_run_and_each_worker_set_the_kernels_its_executor_config_asks_for(monkeypatch, deterministic, autotune,
+                                                                              tf32):  # fmt: skip
+    """`executor.deterministic`, `executor.autotune` and `executor.tf32` reach torch's flags where the run prepares
+    and in a `procs` worker (the worker loop run here on plain queues), which sets the process's own flags: they are
+    per process."""
     from pflbed import rng
     from pflbed.config import validate_config
 
     from .worker_here import run_worker_here
 
     seen = []
-    monkeypatch.setattr(rng, "deterministic_kernels", lambda *args: seen.append(args))
+    monkeypatch.setattr(rng, "gpu_kernels", lambda *args: seen.append(args))
     cfg = validate_config({**TINY, "executor": {**TINY["executor"], "deterministic": deterministic,
-                                                "autotune": autotune}})  # fmt: skip
+                                                "autotune": autotune, "tf32": tf32}})  # fmt: skip
     run_worker_here(prepare(cfg))
-    assert seen == [(torch.device("cpu"), deterministic, autotune)] * 2
+    assert seen == [(torch.device("cpu"), deterministic, autotune, tf32)] * 2

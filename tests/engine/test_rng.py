@@ -83,11 +83,15 @@ def test_a_cpu_run_leaves_torch_s_process_wide_settings_and_other_devices_alone(
     """The deterministic-kernel flags are the process's (a library's caller owns them): a CPU run, whose kernels are
     deterministic already, sets none; its RNG fork touches no accelerator's generator."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-              torch.backends.cudnn.benchmark)  # fmt: skip
-    rng.deterministic_kernels(torch.device("cpu"), True)
-    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-            torch.backends.cudnn.benchmark) == before  # fmt: skip
+    def flags():
+        return (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+                torch.backends.cuda.matmul.allow_tf32)  # fmt: skip
+
+    before = flags()
+    for tf32 in (True, False):
+        rng.gpu_kernels(torch.device("cpu"), True, True, tf32)
+        assert flags() == before
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     seen = {}
     monkeypatch.setattr(torch.random, "fork_rng", lambda **kw: seen.update(kw) or contextlib.nullcontext())
@@ -98,18 +102,24 @@ def test_a_cpu_run_leaves_torch_s_process_wide_settings_and_other_devices_alone(
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("autotune", [True, False])
-def test_a_gpu_run_sets_the_kernel_flags_its_config_asks_for(monkeypatch, deterministic, autotune) -> None:
-    """On a GPU device, `executor.deterministic` and `executor.autotune` become torch's flags as they are: cuDNN's
-    autotuner (`benchmark`) on only when asked, whichever the determinism (the flags are set, not read; no GPU
-    needed). The process-wide flags are put back after."""
+@pytest.mark.parametrize("tf32, matmul, conv", [(None, False, True), (True, True, True), (False, False, False)])
+def test_a_gpu_run_sets_the_kernel_flags_its_config_asks_for(monkeypatch, deterministic, autotune, tf32, matmul,
+                                                             conv) -> None:  # fmt: skip
+    """On a GPU device, `executor.deterministic`, `executor.autotune` and `executor.tf32` become torch's flags as
+    they are: cuDNN's autotuner (`benchmark`) on only when asked, whichever the determinism; TF32 unset: PyTorch's
+    defaults (convolutions in TF32, matrix products not), set: both or neither, whatever an earlier run left (the
+    flags start opposite to what is asked). Set, not read; no GPU needed. The process-wide flags are put back after."""
     before = torch.are_deterministic_algorithms_enabled()
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    for flag in ("deterministic", "benchmark"):
+    for flag in ("deterministic", "benchmark", "allow_tf32"):
         monkeypatch.setattr(torch.backends.cudnn, flag, getattr(torch.backends.cudnn, flag))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = not matmul, not conv
     try:
-        rng.deterministic_kernels(torch.device("cuda"), deterministic, autotune)
+        rng.gpu_kernels(torch.device("cuda"), deterministic, autotune, tf32)
         assert torch.backends.cudnn.benchmark is autotune
         assert torch.backends.cudnn.deterministic is deterministic
         assert torch.are_deterministic_algorithms_enabled() is deterministic
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (matmul, conv)
     finally:
         torch.use_deterministic_algorithms(before)

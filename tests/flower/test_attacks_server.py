@@ -190,6 +190,18 @@ def test_a_site_refuses_a_key_off_the_allow_list(key, value):
         site_policy.check(SITE, _json(_cfg(), **{key: value}))
 
 
+HOW_IT_COMPUTES = [("executor.precision", "bf16"), ("executor.tf32", True), ("executor.tf32", False),
+                   ("executor.deterministic", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value", HOW_IT_COMPUTES, ids=[f"{k}={v}" for k, v in HOW_IT_COMPUTES])
+def test_a_site_takes_the_server_s_choice_of_how_every_site_computes(key, value):
+    """The run's arithmetic is one experiment's, the same on every site: its precision (bf16, TF32) and kernels
+    are the server's to decide (none names a path, a download or data)."""
+    section, field = key.split(".")
+    assert getattr(getattr(site_policy.check(SITE, _json(_cfg(), **{key: value})), section), field) == value
+
+
 def test_a_refusal_shows_a_long_value_cut_to_one_short_line():
     """A value is shown as its repr, cut after 57 characters: a server's megabyte string is not echoed back."""
     value = "/" + "x" * 100

@@ -146,6 +146,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "executor.precision": st.sampled_from(["fp32", "bf16", "fp16"]),
     "executor.deterministic": st.booleans(),
     "executor.autotune": st.booleans(),
+    "executor.tf32": st.one_of(st.none(), st.booleans()),
     "executor.compile": st.sampled_from(["off", "default", "reduce-overhead"]),
     "executor.workers": st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
     "executor.strict": st.booleans(),

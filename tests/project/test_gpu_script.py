@@ -43,7 +43,8 @@ def _case(alg: str, model: str, executor: str, s_per_round: float, cent: float, 
 
 def test_the_goals_are_judged_on_each_algorithms_best_default_round_against_its_own_threshold(tmp_path):
     """ResNet-18: FedAvg and FedRoD need 0.8 of the centralized rate, FedSelect and FedBasis 0.5, from the best of
-    loop / batched / procs at the defaults (bf16 or nondeterministic kernels do not count, nor another shape);
+    loop / batched / procs at the defaults (bf16, TF32 matrix products or nondeterministic kernels do not count,
+    nor another shape);
     FedAvg's CNN round: 0.25 s on an H100, elsewhere the multiple of the centralized rate that 0.25 s is there."""
     gpu = _gpu_script()
     ref = tmp_path / "h100.json"
@@ -56,6 +57,7 @@ def test_the_goals_are_judged_on_each_algorithms_best_default_round_against_its_
              _case("fedbasis", "resnet18", "procs", 26.0, 4000),  # 0.48
              _case("fedavg", "cnn", "batched", 0.30, 20000), _case("fedavg", "cnn", "loop", 3.0, 20000),
              _case("fedavg", "cnn", "batched-fast", 0.2, 20000), _case("fedavg", "cnn", "batched-bf16", 0.2, 20000),
+             _case("fedavg", "cnn", "batched-graphs-tf32", 0.2, 20000),  # a change of precision: does not count
              _case("fedavg", "cnn", "batched-graphs", 0.32, 20000)]  # compiled counts: it only rounds  # fmt: skip
     got = {g["goal"].split(" round")[0].split(" s/")[0]: g for g in gpu.goals(_result("NVIDIA H200", speed), ref)}
     assert [got[k]["met"] for k in ("fedavg resnet18", "fedrod resnet18", "fedselect resnet18",
@@ -95,21 +97,26 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     assert todo[11:13] == [("paper", "fedavg", "cnn", e) for e in ("batched-nhwc", "batched-tuned")]
     assert todo[13:17] == [("paper64", alg, "resnet18_imagenet", "batched")
                           for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
+    assert todo[17] == ("paper", "fedavg", "cnn", "batched-graphs-tf32")
+    assert gpu.EXECUTORS["batched-graphs-tf32"] == gpu.EXECUTORS["batched-graphs"] | {"tf32": True}
     assert len(todo) == len(set(todo)) and ("paper", "fedavg", "cnn", "loop") in todo
 
 
 @pytest.fixture
 def kernels():
-    """The process's kernel flags (cuDNN's and torch's deterministic mode) all off, and put back after the test
-    whatever it left: a probe's or case's flags must not reach the tests after it."""
-    cudnn = torch.backends.cudnn
+    """The process's kernel flags (cuDNN's and torch's deterministic mode) all off, matrix products not in TF32, and
+    put back after the test whatever it left: a probe's or case's flags must not reach the tests after it."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    was = matmul.allow_tf32
     with cudnn.flags(enabled=cudnn.enabled, benchmark=False, deterministic=False, allow_tf32=cudnn.allow_tf32):
         torch.use_deterministic_algorithms(False)
+        matmul.allow_tf32 = False
         try:
             yield lambda: (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
                            torch.are_deterministic_algorithms_enabled())  # fmt: skip
         finally:
             torch.use_deterministic_algorithms(False)
+            matmul.allow_tf32 = was
 
 
 def test_a_tuned_case_runs_autotuned_and_leaves_the_kernel_flags_as_it_found_them(tmp_path, monkeypatch, kernels):
@@ -123,7 +130,7 @@ def test_a_tuned_case_runs_autotuned_and_leaves_the_kernel_flags_as_it_found_the
     real_prepare, real_round = gpu.prepare, gpu.Driver.train_round
 
     def as_on_a_gpu(cfg):
-        gpu.deterministic_kernels(torch.device("cuda"), cfg.executor.deterministic, cfg.executor.autotune)
+        gpu.gpu_kernels(torch.device("cuda"), cfg.executor.deterministic, cfg.executor.autotune, cfg.executor.tf32)
         return real_prepare(cfg)
 
     def spy(self, *args, **kwargs):
@@ -152,7 +159,7 @@ def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp
     `tuned` step and layers are autotuned as well, the others not; the flags are put back after."""
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
-    seen: dict[str, set] = {"cross_entropy": set(), "conv2d": set()}
+    seen: dict[str, set] = {"cross_entropy": set(), "conv2d": set(), "linear": set()}
     real = gpu.F
 
     class Spy:
@@ -161,7 +168,7 @@ def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp
                 return getattr(real, name)
 
             def call(*args, **kwargs):
-                seen[name].add(kernels())
+                seen[name].add((*kernels(), torch.backends.cuda.matmul.allow_tf32))
                 return getattr(real, name)(*args, **kwargs)
 
             return call
@@ -169,9 +176,11 @@ def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp
     monkeypatch.setattr(gpu, "F", Spy())
     out = gpu.step_probe(a, torch.device("cpu"))
     assert out["batched_step_tuned_ms"] > 0 and set(out["layers_ms"]["conv2"]) >= {"vmap", "tuned", "nhwc"}
-    assert seen == {"cross_entropy": {(False, True, True), (True, True, True)},
-                    "conv2d": {(False, True, True), (True, True, True)}}  # fmt: skip
-    assert kernels() == (False, False, False)
+    assert set(out["layers_ms"]["fc1"]) == {"vmap", "bmm", "dense", "tf32"}
+    assert seen == {"cross_entropy": {(False, True, True, False), (True, True, True, False)},
+                    "conv2d": {(False, True, True, False), (True, True, True, False)},
+                    "linear": {(False, True, True, False), (False, True, True, True)}}  # fmt: skip
+    assert kernels() == (False, False, False) and not torch.backends.cuda.matmul.allow_tf32
 
 
 def test_no_round_starts_that_would_end_past_the_deadline(tmp_path, monkeypatch):
@@ -432,14 +441,15 @@ def test_the_centralized_limit_is_the_fastest_layout_and_way_of_choosing_kernels
 
     def rate(model, batch, device, steps, size, channels_last):
         assert not torch.backends.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32  # PyTorch's defaults
         seen.append((channels_last, torch.backends.cudnn.benchmark))
         return {(False, False): 1.0, (False, True): 3.0, (True, False): 2.0, (True, True): 1.5}[seen[-1]]
 
     monkeypatch.setattr(gpu, "_centralized", rate)
-    gpu.deterministic_kernels(torch.device("cuda"), True)  # as a case before it may leave them (`prepare`)
+    gpu.gpu_kernels(torch.device("cuda"), True, False, False)  # as a case before it may leave them (`prepare`)
     assert gpu.centralized("cnn", 32, torch.device("cpu"), 1) == 3.0
     assert sorted(seen) == [(False, False), (False, True), (True, False), (True, True)]
-    assert kernels() == (False, True, True)
+    assert kernels() == (False, True, True) and not torch.backends.cudnn.allow_tf32
     assert [e for e in gpu.EXECUTORS if gpu.channels_last(e)] == ["batched-nhwc", "batched-graphs-nhwc",
                                                                    "batched-graphs-nhwc-tuned"]  # fmt: skip
     assert [e for e in gpu.EXECUTORS if gpu.EXECUTORS[e].get("autotune")] == [

@@ -79,6 +79,12 @@ class ExecutorConfig(Strict):
         "updates and exchanged tensors stay float32) — faster on GPUs with bf16 tensor cores, and it changes "
         "results (docs/guide/gpu.md); fp32: plain float32"
     )
+    tf32: bool | None = Field(
+        None, description="on a GPU, the float32 precision of matrix products and convolutions: unset, PyTorch's "
+        "defaults (convolutions in TensorFloat-32, matrix products such as linear layers in float32); true: both in "
+        "TF32, faster where linear layers weigh, and results change beyond float32's rounding; false: both in "
+        "float32, the most exact, with slower convolutions (docs/guide/gpu.md). No effect on a CPU"
+    )
     deterministic: bool = Field(
         True, description="on a GPU: reproducible kernels (cuDNN, cuBLAS and torch's deterministic modes), so one "
         "config and seed give the same figures run after run; false: the faster defaults, whose figures vary by "

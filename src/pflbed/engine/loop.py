@@ -77,7 +77,7 @@ def build_algorithm(cfg: Config, source: DataSource, fed: Federation, threads: i
     """`prepare`'s algorithm over a given data source and federation (a Flower site's or server's: `flower.sites`),
     its context of class `context`."""
     device = resolve_device(cfg.executor.device)
-    rng.deterministic_kernels(device, cfg.executor.deterministic, cfg.executor.autotune)
+    rng.gpu_kernels(device, cfg.executor.deterministic, cfg.executor.autotune, cfg.executor.tf32)
     algo_cls = get_algorithm(cfg.algorithm.name)
     options = algo_cls.Config.model_validate(cfg.algorithm_options())
     torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))

@@ -102,10 +102,10 @@ def _worker(threads: int, tasks: Any, results: Any) -> None:
             if kind == "algorithm":
                 private, (source, federation) = body
                 algo = pickle.loads(private)
+                ex, device = algo.ctx.cfg.executor, algo.ctx.device
                 kept.close()
-                kept.enter_context(kept_freed_memory(algo.ctx.cfg.executor.keep_freed_memory))
-                device = algo.ctx.device
-                rng.deterministic_kernels(device, algo.ctx.cfg.executor.deterministic, algo.ctx.cfg.executor.autotune)
+                kept.enter_context(kept_freed_memory(ex.keep_freed_memory))
+                rng.gpu_kernels(device, ex.deterministic, ex.autotune, ex.tf32)
                 algo.ctx.source, algo.ctx.federation = source.to(device), pickle.loads(federation).to(device)
                 continue
             if kind == "forward":

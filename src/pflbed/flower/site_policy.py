@@ -23,7 +23,7 @@ The allow-list (`ALLOWED`: a key, or a section whose every key is allowed). A ke
 - `sites.local`, `input_shape` (bounded, `max-sample`: image-folder sites resize to it), `num_classes` (bounded,
   `max-classes`: every client's prior is that long), `secagg`, `test` (the server's own file: a site never opens
   it), `max_client_samples`, `max_update` (the server's own checks of what the sites send);
-- `executor.name`, `round_timeout`, `supernodes`, `workers`, `threads`, `strict`, `device`, `precision`,
+- `executor.name`, `round_timeout`, `supernodes`, `workers`, `threads`, `strict`, `device`, `precision`, `tf32`,
   `deterministic`, `batch_clients`: how the server runs; a site's device is its own `device` node config; not
   `state_dir` (a directory the site would write);
 - `dataset.name` and the preprocessing a site holding `dataset=NAME` applies (`label`, `corruptions`, `severity`,
@@ -61,7 +61,8 @@ ALLOWED = frozenset({
     "federation.min_size", "federation.min_samples", "federation.train_per_client", "privacy", "sites.local",
     "sites.input_shape", "sites.num_classes", "sites.secagg", "sites.test", "executor.name", "executor.round_timeout",
     "executor.supernodes", "executor.workers", "executor.threads", "executor.strict", "executor.device",
-    "executor.precision", "executor.deterministic", "executor.batch_clients", "dataset.name", "dataset.label",
+    "executor.precision", "executor.tf32", "executor.deterministic", "executor.batch_clients", "dataset.name",
+    "dataset.label",
     "dataset.corruptions", "dataset.severity", "dataset.split", "dataset.domains", "dataset.image_size",
     "dataset.augment", "dataset.normalize", "dataset.hf.subset", "dataset.hf.splits", "dataset.hf.image_column",
     "dataset.hf.label_column", "dataset.hf.user_column", "dataset.hf.image_size", "dataset.hf.normalize",
