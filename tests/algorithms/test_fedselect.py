@@ -16,6 +16,7 @@ from pflbed.algorithms.fedselect import FedSelect, FedSelectOptions
 from pflbed.algorithms.local import LocalOnly
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase, run_plan
 from pflbed.algorithms.masks import (
+    any_each,
     eligible_keys,
     fill,
     grow_mask,
@@ -73,10 +74,47 @@ def test_wire_packing_matches_numpy_and_round_trips():
         x = torch.randn(shape, generator=g)
         flat = take(x, ~m)
         assert flat.numel() == int((~m).sum())
+        assert flat.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # a copy: the wire's own
         assert torch.equal(fill(~m, flat, torch.zeros(shape)) * (~m), x * (~m))
         assert torch.equal(fill(m, take(x, m), flat), x)  # own values + flat shared values = the whole tensor
     with pytest.raises(ValueError):
         fill(m, take(x, m)[:-1], flat)
+
+
+def test_mask_flags_are_read_at_once_and_wire_constants_made_once_per_device():
+    """`any_each` answers for every mask in one read of the device; the constants `pack_bits` and `unpack_bits` use
+    are made once per device, not per call (each a copy to, or a kernel on, a GPU)."""
+    masks = [torch.zeros(3, dtype=torch.bool), torch.tensor([False, True]), torch.ones(1, dtype=torch.bool)]
+    assert any_each(masks) == [False, True, True] and any_each([]) == []
+    from pflbed.algorithms import masks as module
+
+    for constant in (module._BIT_WEIGHTS, module._SHIFTS):
+        first = module._on(constant, torch.device("cpu"))
+        assert module._on(constant, torch.device("cpu")) is first and torch.equal(first, constant)
+        elsewhere = module._on(constant, torch.device("meta"))  # another device: a copy there, made once
+        assert elsewhere.device.type == "meta" and module._on(constant, torch.device("meta")) is elsewhere
+    assert module._SHIFTS.tolist() == [7, 6, 5, 4, 3, 2, 1, 0] and module._BIT_WEIGHTS.tolist() == [
+        128, 64, 32, 16, 8, 4, 2, 1]  # fmt: skip
+
+
+@pytest.mark.parametrize("update_every", [1, 2])
+def test_a_client_s_finish_reads_whether_its_masks_hold_personal_entries_in_one_go(update_every, monkeypatch):
+    """Whether each eligible tensor's mask has a personal entry, before and after its growth, is read from the device
+    once for all tensors (`any_each`), never tensor by tensor as a Python bool (each a wait on a GPU): a round of
+    100 clients of a ResNet-18 asked it 18,600 times. The reply and state are those of the hand reference tests."""
+    algo, hist = drive({"update_every": update_every}, rounds=2, federation=FULL)
+    c = 0
+    state, payload = hist[-1]["states"][c], algo.configure(3, hist[-1]["server"], [c])[c]
+    plan = algo.round_plan(payload, state, algo.ctx.client_data(c), ClientContext(3, c, torch.Generator()))
+    trained = {k: v + 0.01 for k, v in plan.start.items()}
+    reads = []
+    real = fedselect.any_each
+    monkeypatch.setattr(fedselect, "any_each", lambda ms: reads.append(len(ms)) or real(ms))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("a tensor read as a Python bool"))
+    reply, new_state = plan.finish(trained)
+    n = len(algo.eligible)
+    assert reads == ([n, n] if (int(state["rounds"]) + 1) % update_every == 0 else [n])
+    assert any(k.startswith("mask/") for k in reply) and any(k.startswith("held/") for k in new_state)
 
 
 def test_count_masked_aggregation_hand_computed():

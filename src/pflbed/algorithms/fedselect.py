@@ -128,6 +128,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pflbed.algorithms.base import Algorithm, Budget, ClientContext, ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.local_sgd import LocalSGDPlan, Phase
 from pflbed.algorithms.masks import (
+    any_each,
     eligible_keys,
     fill,
     grow_mask,
@@ -257,11 +258,11 @@ class FedSelect(Algorithm):
     ) -> tuple[Tensors, Tensors]:
         """Upload the entries global during this training; GradSelect (Alg. 3) in a mask-update round."""
         o = self.opts
+        held = dict(zip(self.eligible, any_each([mask[k] for k in self.eligible]), strict=True))  # one device read
         reply: Tensors = {}
         for k in self.keys:
-            m = mask.get(k)
-            if m is not None and m.any():
-                reply[k], reply[f"mask/{k}"] = take(trained[k], ~m), pack_bits(m)
+            if held.get(k):
+                reply[k], reply[f"mask/{k}"] = take(trained[k], ~mask[k]), pack_bits(mask[k])
             else:
                 reply[k] = trained[k]
 
@@ -269,16 +270,18 @@ class FedSelect(Algorithm):
         new_state: Tensors = {"rounds": torch.tensor(rounds, device=self.ctx.device)}
         update = rounds % o.update_every == 0
         new_mask = dict(mask)
+        for k in self.eligible if update else ():  # in key order: `random` draws from the generator in it
+            ref = start[k] if o.delta_from == "round_start" else state.get(f"ref/{k}", self.ctx.initial_params[k])
+            new_mask[k] = grow_mask(mask[k], trained[k] - ref, rate=o.p, limit=o.alpha, selection=o.selection,
+                                    cap=o.limit == "cap", generator=generator)  # fmt: skip
+        grown = dict(zip(self.eligible, any_each([new_mask[k] for k in self.eligible]), strict=True)) if update \
+            else held  # fmt: skip
         for k in self.eligible:
-            if update:
-                ref = start[k] if o.delta_from == "round_start" else state.get(f"ref/{k}", self.ctx.initial_params[k])
-                new_mask[k] = grow_mask(mask[k], trained[k] - ref, rate=o.p, limit=o.alpha, selection=o.selection,
-                                        cap=o.limit == "cap", generator=generator)  # fmt: skip
             if o.delta_from == "last_update" and (update or f"ref/{k}" in state):
                 new_state[f"ref/{k}"] = trained[k] if update else state[f"ref/{k}"]
-            if mask[k].any():
+            if held[k]:
                 new_state[f"held/{k}"], new_state[f"v/{k}"] = pack_bits(mask[k]), take(trained[k], mask[k])
-            if new_mask[k].any():
+            if grown[k]:
                 new_state[f"mask/{k}"] = pack_bits(new_mask[k])
         return reply, new_state
 

@@ -26,7 +26,21 @@ from pflbed.models import BlockNet
 
 Selection = Literal["largest", "smallest", "random"]
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device="cpu")  # moved where used
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device="cpu")
+_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8, device="cpu")  # bit k of a byte is (byte >> 7 - k) & 1
+_ON: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, id of a constant above) → its copy there
+
+
+def _on(constant: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`constant` on `device`, copied there once per process.
+
+    Why: a mask is packed or unpacked per tensor per client, thousands of times a round. A copy from the host's
+    pageable memory to a GPU waits for the work queued before it, so one per call stalled the host on the device
+    each time; a constant made per call is a kernel launch each time."""
+    key = (device, id(constant))
+    if key not in _ON:
+        _ON[key] = constant.to(device)
+    return _ON[key]
 
 
 # --- wire format -------------------------------------------------------------------------------------------------
@@ -40,7 +54,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
+    return (flat.view(-1, 8) * _on(_BIT_WEIGHTS, flat.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(bits: torch.Tensor, shape: Sequence[int] | torch.Size) -> torch.Tensor:
@@ -48,14 +62,14 @@ def unpack_bits(bits: torch.Tensor, shape: Sequence[int] | torch.Size) -> torch.
     n = math.prod(shape)
     if bits.dtype != torch.uint8 or bits.numel() != (n + 7) // 8:
         raise ValueError(f"packed mask of {bits.numel()} {bits.dtype} bytes does not fit shape {tuple(shape)}")
-    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)
-    flat = (bits.reshape(-1, 1) >> shifts) & 1
+    flat = (bits.reshape(-1, 1) >> _on(_SHIFTS, bits.device)) & 1
     return flat.reshape(-1)[:n].to(torch.bool).reshape(tuple(shape))
 
 
 def take(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """The entries of `values` where `where` is True, as a new flat (row-major) vector — what goes on the wire."""
-    return values[where].clone()
+    """The entries of `values` where `where` is True, as a new flat (row-major) vector — what goes on the wire
+    (boolean indexing copies: the result shares no memory with `values`)."""
+    return values[where]
 
 
 def fill(where: torch.Tensor, inside: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
@@ -72,10 +86,16 @@ def fill(where: torch.Tensor, inside: torch.Tensor, outside: torch.Tensor) -> to
     else:
         if outside.numel() != where.numel() - n_in:
             raise ValueError(f"{outside.numel()} values for {where.numel() - n_in} unselected entries")
-        out = torch.empty(where.shape, dtype=inside.dtype, device=inside.device)
-        out[~where] = outside.reshape(-1)
-    out[where] = inside.reshape(-1)
-    return out
+        out = torch.empty(where.shape, dtype=inside.dtype, device=inside.device).masked_scatter_(~where, outside)
+    return out.masked_scatter_(where, inside)  # in row-major order, as indexing with `where` would place them
+
+
+def any_each(masks: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each mask has a True entry, read from the device in one go.
+
+    Why: a client's reply and state ask this of every eligible tensor's mask, before and after its growth; asked
+    one tensor at a time, each answer is a wait for the device (thousands a round on a GPU)."""
+    return torch.stack([m.any() for m in masks]).tolist() if masks else []
 
 
 # --- aggregation -------------------------------------------------------------------------------------------------
