@@ -62,11 +62,10 @@ ALLOWED = frozenset({
     "sites.input_shape", "sites.num_classes", "sites.secagg", "sites.test", "executor.name", "executor.round_timeout",
     "executor.supernodes", "executor.workers", "executor.threads", "executor.strict", "executor.device",
     "executor.precision", "executor.tf32", "executor.deterministic", "executor.batch_clients", "dataset.name",
-    "dataset.label",
-    "dataset.corruptions", "dataset.severity", "dataset.split", "dataset.domains", "dataset.image_size",
-    "dataset.augment", "dataset.normalize", "dataset.hf.subset", "dataset.hf.splits", "dataset.hf.image_column",
-    "dataset.hf.label_column", "dataset.hf.user_column", "dataset.hf.image_size", "dataset.hf.normalize",
-    "sites.max_client_samples", "sites.max_update", "log.tensorboard",
+    "dataset.label", "dataset.corruptions", "dataset.severity", "dataset.split", "dataset.domains",
+    "dataset.image_size", "dataset.augment", "dataset.normalize", "dataset.hf.subset", "dataset.hf.splits",
+    "dataset.hf.image_column", "dataset.hf.label_column", "dataset.hf.user_column", "dataset.hf.image_size",
+    "dataset.hf.normalize", "sites.max_client_samples", "sites.max_update", "log.tensorboard",
 })  # fmt: skip
 
 # Node-config key → the default bound: what a modest node affords (a node with more raises it in its node config).
