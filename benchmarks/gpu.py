@@ -520,10 +520,9 @@ def kernel_flags(deterministic: bool | None = None, autotune: bool = False, tf32
     cuDNN's convolutions as much as cuDNN's own flag does, and the matrix products' TF32 flag (a case's `prepare`
     sets them all, process-wide). Given `deterministic`, they are set as a GPU run with `executor.deterministic`,
     `executor.autotune` and `executor.tf32` would set them (`rng.gpu_kernels`, told a GPU: the flags are the
-    process's, whatever device is measured). cuDNN's
-    autotuner times every algorithm for a new shape and keeps the fastest, among the deterministic ones while
-    `deterministic` is on: whether it finds faster grouped convolutions (the vmapped step's) than the heuristics is
-    what the `tuned` probes measure."""
+    process's, whatever device is measured). cuDNN's autotuner times every algorithm for a new shape and keeps the
+    fastest, among the deterministic ones while `deterministic` is on: whether it finds faster grouped convolutions
+    (the vmapped step's) than the heuristics is what the `tuned` probes measure."""
     cudnn = torch.backends.cudnn
     now = {"enabled": cudnn.enabled, "benchmark": cudnn.benchmark, "deterministic": cudnn.deterministic,
            "allow_tf32": cudnn.allow_tf32}  # fmt: skip
@@ -572,8 +571,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
         x = torch.randn(clients, n, *xshape, device=device, requires_grad=True)
         if name == "fc1":
             forms = {"vmap": lambda w, x: vmap(F.linear)(x, w), "bmm": lambda w, x: torch.bmm(x, w.transpose(1, 2)),
-                     "dense": lambda w, x: F.linear(x.flatten(0, 1), w[0]), "tf32": lambda w, x: vmap(F.linear)(x, w)}
-                     # fmt: skip
+                     "dense": lambda w, x: F.linear(x.flatten(0, 1), w[0]),
+                     "tf32": lambda w, x: vmap(F.linear)(x, w)}  # fmt: skip
         else:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
                      "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
