@@ -19,8 +19,9 @@
 5. Where a batched step's time goes: one batched CNN step of 100 clients (vmapped gradient and SGD update, the
    batched executor's step without its bookkeeping) beside one plain model stepping on all those samples at once;
    and each layer's forward and backward as the step runs it (vmapped per-client weights: grouped convolutions),
-   as unfold + batched matrix products, as one dense layer on all the samples, and vmapped again autotuned and in
-   channels-last memory (the convolutions) and in TF32 (the first linear layer).
+   as unfold + batched matrix products, as one dense layer on all the samples, and vmapped again autotuned, in
+   channels-last memory and with the weight gradient as one batched matrix product (the convolutions), and in TF32
+   (the first linear layer).
 6. What a batched round spends outside its steps' gradients (`outside`): FedAvg's CNN round batched, then the
    same with each step's vmapped gradient replaced by zeros — the plans, the batches' layout, each step's gather
    and SGD update, the finish, the divergence check and the server's folding-in as a round runs them: the part of
@@ -547,6 +548,44 @@ def conv_as_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.view(b, -1, n, h, wd).transpose(1, 2)
 
 
+class GroupedConvBmmWgrad(torch.autograd.Function):
+    """Each client's 5×5 convolution (padding 2) as the vmapped step runs it — one grouped cuDNN convolution, one
+    group a client — forward and input gradient, but the weight gradient as one batched matrix product: `w`
+    [clients, out, in, 5, 5], `x` [clients, batch, in, H, W] → [clients, batch, out, H, W].
+
+    Why a probe form: cuDNN runs a grouped convolution's backward one group after another (the profile's 1,600
+    kernels a round of each kind). A group's weight gradient is a product whose output (out × in·25) is small while
+    its inner dimension (batch·H·W) is long: one at a time they leave most of the GPU idle, one `bmm` over the
+    clients would not. Its patches come from one unfold of each client's batch stacked into a tall image (each
+    sample padded, so no patch mixes two samples; the patches straddling two samples are computed and meet zero
+    gradients), so no copy reorders them."""
+
+    @staticmethod
+    def forward(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        g, n, c, h, wd = x.shape
+        y = F.conv2d(x.transpose(0, 1).reshape(n, g * c, h, wd), w.flatten(0, 1), padding=2, groups=g)
+        return y.view(n, g, -1, h, wd).transpose(0, 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        w, x = ctx.saved_tensors
+        g, n, c, h, wd = x.shape
+        o = w.shape[1]
+        dy_n = dy.transpose(0, 1).reshape(n, g * o, h, wd)
+        dx = torch.nn.grad.conv2d_input((n, g * c, h, wd), w.flatten(0, 1), dy_n, padding=2, groups=g)
+        tall = F.pad(x, (2, 2, 2, 2)).transpose(1, 2).reshape(g, c, n * (h + 4), wd + 4)
+        cols = F.unfold(tall, 5)  # [clients, in·25, (n·(h+4) − 4)·wd]: every row of patches of the tall image
+        dyt = dy.new_zeros(g, o, n, h + 4, wd)
+        dyt[:, :, :, :h] = dy.transpose(1, 2)  # each sample's gradient at its rows; the straddling rows zero
+        dyt = dyt.view(g, o, n * (h + 4), wd)[:, :, : n * (h + 4) - 4].reshape(g, o, -1)
+        dw = torch.bmm(dyt, cols.transpose(1, 2)).view_as(w)
+        return dw, dx.view(n, g, c, h, wd).transpose(0, 1)
+
+
 def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     """Where the batched CNN step's time goes: each layer of McMahan's CNN at 32 px (conv1 3→32 5×5 at 32×32,
     conv2 32→64 5×5 at 16×16, fc1 4096→512), forward and backward for `clients` clients × batch 32, as the batched
@@ -554,8 +593,10 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     same arithmetic as one `bmm` per layer), and as one dense layer on all those samples with one weight (the
     arithmetic without the client dimension); and the vmapped convolutions again autotuned by cuDNN (`tuned`:
     `kernel_flags`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
-    the profile shows it converting every group's tensors to it and back); fc1 vmapped again in TF32 (`tf32`:
-    `executor.tf32`; the convolutions are TF32 already, PyTorch's default); ms per forward and backward."""
+    the profile shows it converting every group's tensors to it and back) and with its weight gradient as one
+    batched matrix product (`wgrad_bmm`: `GroupedConvBmmWgrad`, not a form the library runs: whether it would pay);
+    fc1 vmapped again in TF32 (`tf32`: `executor.tf32`; the convolutions are TF32 already, PyTorch's default); ms
+    per forward and backward."""
     from torch.func import vmap
 
     n = 32
@@ -576,7 +617,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
         else:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
                      "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
-                     "tuned": vmap(conv), "nhwc": nhwc(vmap(conv))}  # fmt: skip
+                     "tuned": vmap(conv), "nhwc": nhwc(vmap(conv)), "wgrad_bmm": GroupedConvBmmWgrad.apply}
+                     # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
             # as the step probe's steps; `tf32`: TF32 matrix products too, as `executor.tf32: true` sets them

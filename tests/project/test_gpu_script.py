@@ -175,7 +175,8 @@ def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp
 
     monkeypatch.setattr(gpu, "F", Spy())
     out = gpu.step_probe(a, torch.device("cpu"))
-    assert out["batched_step_tuned_ms"] > 0 and set(out["layers_ms"]["conv2"]) >= {"vmap", "tuned", "nhwc"}
+    assert out["batched_step_tuned_ms"] > 0 and set(out["layers_ms"]["conv2"]) == {"vmap", "bmm", "dense", "tuned",
+                                                                                  "nhwc", "wgrad_bmm"}
     assert set(out["layers_ms"]["fc1"]) == {"vmap", "bmm", "dense", "tf32"}
     assert seen == {"cross_entropy": {(False, True, True, False), (True, True, True, False)},
                     "conv2d": {(False, True, True, False), (True, True, True, False)},
@@ -254,6 +255,27 @@ def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     w, x = torch.randn(3, 4, 2, 5, 5, generator=g), torch.randn(3, 6, 2, 7, 9, generator=g)
     want = torch.stack([F.conv2d(x[i], w[i], padding=2) for i in range(3)])
     torch.testing.assert_close(gpu.conv_as_bmm(w, x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes", [((3, 4, 2, 5, 5), (3, 6, 2, 7, 9)), ((2, 8, 3, 5, 5), (2, 1, 3, 8, 8))])
+def test_the_layer_probes_batched_weight_gradient_form_is_each_clients_own_convolution_and_its_gradients(shapes):
+    """The `wgrad_bmm` form (cuDNN's grouped convolution forward and input gradient, the weight gradient as one
+    batched matrix product over each client's tall image of padded samples) computes what the vmapped convolution
+    computes, its gradients too — in float64, to rounding — or its time compares nothing; patches that mixed two
+    samples, or a sample's gradient at another's rows, would show."""
+    import torch.nn.functional as F
+    from torch.func import vmap
+
+    gpu = _gpu_script()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(*shapes[0], generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(*shapes[1], generator=g, dtype=torch.float64, requires_grad=True)
+    got = gpu.GroupedConvBmmWgrad.apply(w, x)
+    want = vmap(lambda w, x: F.conv2d(x, w, padding=2))(w, x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    cot = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (w, x), cot), torch.autograd.grad(want, (w, x), cot), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp_path, monkeypatch):
