@@ -617,8 +617,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
         else:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
                      "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
-                     "tuned": vmap(conv), "nhwc": nhwc(vmap(conv)), "wgrad_bmm": GroupedConvBmmWgrad.apply}
-                     # fmt: skip
+                     "tuned": vmap(conv), "nhwc": nhwc(vmap(conv)),
+                     "wgrad_bmm": GroupedConvBmmWgrad.apply}  # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
             # as the step probe's steps; `tf32`: TF32 matrix products too, as `executor.tf32: true` sets them
