@@ -79,7 +79,8 @@ import torch.nn.functional as F
 
 from pflbed.allocator import kept_freed_memory
 from pflbed.config import validate_config
-from pflbed.engine import batched
+from pflbed.engine import batched, conv_weight_grad
+from pflbed.engine.conv_weight_grad import WeightGradAsProduct
 from pflbed.engine.driver import Driver
 from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import WorkerPool
@@ -187,14 +188,19 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
     the case is then `incomplete`, with the rounds it has. The kernel flags are put back after the case
     (`kernel_flags`): its `prepare` sets them for the case (`executor.deterministic`, `executor.autotune`), not for
     the cases after."""
-    calls = []
-    real = batched.train_together
+    calls, products = [], set()
+    real, choose = batched.train_together, conv_weight_grad.chosen
 
     def counted(*args, **kw):
         calls.append(len(args[1]))
         return real(*args, **kw)
 
-    batched.train_together = counted
+    def chosen(*args, **kw):
+        out = choose(*args, **kw)
+        products.add(tuple(sorted(out)))
+        return out
+
+    batched.train_together, conv_weight_grad.chosen = counted, chosen
     try:
         with kernel_flags():  # as they were before the case, after it
             algo = prepare(cfg)
@@ -222,7 +228,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
             if own is not None:
                 own.close()
     finally:
-        batched.train_together = real
+        batched.train_together, conv_weight_grad.chosen = real, choose
     fed = algo.ctx.federation
     per_round = len(fed.participated) * cfg.federation.sample_fraction
     samples = round(per_round * statistics.mean(fed.num_train(c) for c in fed.participated))
@@ -231,6 +237,8 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
     out = {"warmup_s": times[0], "rounds_timed": len(timed), "samples_per_round": samples,
            "batched_clients": max(calls, default=0), "batched_calls": calls, "cache_flushes": flushes,
            **sampler.figures()}  # fmt: skip
+    if products:  # `executor.autotune`'s choice in an eager batched step: the convolutions whose weight gradient
+        out["conv_products"] = sorted(set().union(*products))  # it computed as a product (`conv_weight_grad`)
     if len(times) < cfg.train.rounds:
         out["incomplete"] = f"{len(times)} of {cfg.train.rounds} rounds: the next would pass --deadline-s"
     if timed:
@@ -548,44 +556,6 @@ def conv_as_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.view(b, -1, n, h, wd).transpose(1, 2)
 
 
-class GroupedConvBmmWgrad(torch.autograd.Function):
-    """Each client's 5×5 convolution (padding 2) as the vmapped step runs it — one grouped cuDNN convolution, one
-    group a client — forward and input gradient, but the weight gradient as one batched matrix product: `w`
-    [clients, out, in, 5, 5], `x` [clients, batch, in, H, W] → [clients, batch, out, H, W].
-
-    Why a probe form: cuDNN runs a grouped convolution's backward one group after another (the profile's 1,600
-    kernels a round of each kind). A group's weight gradient is a product whose output (out × in·25) is small while
-    its inner dimension (batch·H·W) is long: one at a time they leave most of the GPU idle, one `bmm` over the
-    clients would not. Its patches come from one unfold of each client's batch stacked into a tall image (each
-    sample padded, so no patch mixes two samples; the patches straddling two samples are computed and meet zero
-    gradients), so no copy reorders them."""
-
-    @staticmethod
-    def forward(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        g, n, c, h, wd = x.shape
-        y = F.conv2d(x.transpose(0, 1).reshape(n, g * c, h, wd), w.flatten(0, 1), padding=2, groups=g)
-        return y.view(n, g, -1, h, wd).transpose(0, 1)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-        w, x = ctx.saved_tensors
-        g, n, c, h, wd = x.shape
-        o = w.shape[1]
-        dy_n = dy.transpose(0, 1).reshape(n, g * o, h, wd)
-        dx = torch.nn.grad.conv2d_input((n, g * c, h, wd), w.flatten(0, 1), dy_n, padding=2, groups=g)
-        tall = F.pad(x, (2, 2, 2, 2)).transpose(1, 2).reshape(g, c, n * (h + 4), wd + 4)
-        cols = F.unfold(tall, 5)  # [clients, in·25, (n·(h+4) − 4)·wd]: every row of patches of the tall image
-        dyt = dy.new_zeros(g, o, n, h + 4, wd)
-        dyt[:, :, :, :h] = dy.transpose(1, 2)  # each sample's gradient at its rows; the straddling rows zero
-        dyt = dyt.view(g, o, n * (h + 4), wd)[:, :, : n * (h + 4) - 4].reshape(g, o, -1)
-        dw = torch.bmm(dyt, cols.transpose(1, 2)).view_as(w)
-        return dw, dx.view(n, g, c, h, wd).transpose(0, 1)
-
-
 def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     """Where the batched CNN step's time goes: each layer of McMahan's CNN at 32 px (conv1 3→32 5×5 at 32×32,
     conv2 32→64 5×5 at 16×16, fc1 4096→512), forward and backward for `clients` clients × batch 32, as the batched
@@ -594,7 +564,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     arithmetic without the client dimension); and the vmapped convolutions again autotuned by cuDNN (`tuned`:
     `kernel_flags`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
     the profile shows it converting every group's tensors to it and back) and with its weight gradient as one
-    batched matrix product (`wgrad_bmm`: `GroupedConvBmmWgrad`, not a form the library runs: whether it would pay);
+    batched matrix product (`wgrad_bmm`: `conv_weight_grad.WeightGradAsProduct`, which `executor.autotune` times
+    against cuDNN's in an eager batched step);
     fc1 vmapped again in TF32 (`tf32`: `executor.tf32`; the convolutions are TF32 already, PyTorch's default); ms
     per forward and backward."""
     from torch.func import vmap
@@ -618,7 +589,7 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
                      "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
                      "tuned": vmap(conv), "nhwc": nhwc(vmap(conv)),
-                     "wgrad_bmm": GroupedConvBmmWgrad.apply}  # fmt: skip
+                     "wgrad_bmm": vmap(lambda w, x: WeightGradAsProduct.apply(x, w, (2, 2)))}  # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
             # as the step probe's steps; `tf32`: TF32 matrix products too, as `executor.tf32: true` sets them
@@ -687,18 +658,21 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     batched; FedAvg's CNN also compiled (torch.compile, and its CUDA graphs: `executor.compile`), its graphs with NHWC
     weights (`model.channels_last`: the profile shows cuDNN converting each client's tensors to NHWC and back) and
     under cuDNN's autotuner (`executor.autotune`: the vmapped convolutions are grouped ones, which its heuristics
-    may serve poorly), with NHWC weights and without; FedBasis's ResNet-18 autotuned. Not `procs`: batched met
-    FedSelect's goal on the H200 (0.56; `procs` 0.38), and its `procs` row took 69 s of a ten-minute call."""
+    may serve poorly), with NHWC weights and without, and eager under the autotuner (where it also times the
+    convolutions' weight gradient as one product over the clients, `conv_weight_grad`); FedBasis's ResNet-18
+    autotuned. Not `procs`: batched met FedSelect's goal on the H200 (0.56; `procs` 0.38), and its `procs` row took
+    69 s of a ten-minute call."""
     cnn, resnet = a.models
     out = [("paper", "fedavg", cnn, "batched")] + [("paper", alg, resnet, "batched") for alg in RESNET_GOALS]
     out += [("paper", "fedavg", cnn, e) for e in ("batched-compile", "batched-graphs", "batched-graphs-nhwc",
-                                                   "batched-graphs-nhwc-tuned", "batched-graphs-tuned")]
+                                                   "batched-graphs-nhwc-tuned", "batched-graphs-tuned",
+                                                   "batched-tuned")]  # fmt: skip
     return out + [("paper", "fedbasis", resnet, "batched-tuned")]
 
 
 def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(shape, algorithm, model, executor) in priority order: the goals' cases, then FedAvg's CNN batched with its
-    weights NHWC (`-nhwc`) and under cuDNN's autotuner (`-tuned`), then the ImageNet-style ResNet-18 at 64 px batched
+    weights NHWC (`-nhwc`), then the ImageNet-style ResNet-18 at 64 px batched
     (FedAvg, FedRoD, FedSelect, FedBasis: rows no GPU has measured yet), FedAvg's CNN as CUDA graphs with its linear
     layers in TF32 (`-tf32`: what they weigh), then FedAvg's CNN on every executor,
     pfl-research's shape, the other algorithms on the CNN, then ResNet-18 (BatchNorm: batched with per-client running
@@ -722,7 +696,7 @@ def cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     out += [("paper64", alg, a.imagenet_model, e) for alg in ALGORITHMS if alg != "fedper" for e in execs]
     out += [("paper", "fedavg", resnet, "batched-compile")]
     out += [("paper", alg, cnn, e) for alg in LAST for e in ("loop", "batched")]
-    first = goal_cases(a) + [("paper", "fedavg", cnn, e) for e in ("batched-nhwc", "batched-tuned")]
+    first = goal_cases(a) + [("paper", "fedavg", cnn, "batched-nhwc")]
     first += [("paper64", alg, a.imagenet_model, "batched") for alg in RESNET_GOALS]
     first += [("paper", "fedavg", cnn, "batched-graphs-tf32")]
     return first + [c for c in out if c not in first]
@@ -1020,6 +994,11 @@ def write(result: dict, out: Path) -> None:
                    if any(m.get("cache_flushes") or ())]  # fmt: skip
         if ceiling:
             rows += ["", "allocator cache flushes (memory at the GPU's ceiling; the executor then halves):", *ceiling]
+        tuned = [f"{m['shape']} {m['algorithm']} {m['model']} {m['executor']}: "
+                 f"{', '.join(m['conv_products']) or 'none'}" for m in result["speed"] if "conv_products" in m]
+        if tuned:
+            rows += ["", "convolutions whose weight gradient autotune computed as a product (conv_weight_grad):",
+                     *tuned]  # fmt: skip
     if (p := result.get("profile")) and "error" not in p:
         rows += ["", f"profiled {p['case']} round, {p['clients']} clients: {p['seconds']:.3f} s; "
                  f"host waits: {p['syncs']} (profile.txt)"]  # fmt: skip

@@ -39,7 +39,7 @@ from pflbed.algorithms.masks import pack_bits
 from pflbed.algorithms.pfedme import MoreauStep
 from pflbed.config import validate_config
 from pflbed.data.augment import Augment
-from pflbed.engine import batched
+from pflbed.engine import batched, conv_weight_grad
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
 from pflbed.engine.executor import LoopExecutor, client_generator, update_client
 from pflbed.engine.loop import prepare
@@ -437,14 +437,15 @@ def _in_float64(ctx, plans):
         torch.set_default_dtype(default)
 
 
-def _each_own(cfg, ctx, cids, plans, rnd=1, float64=True):
+def _each_own(cfg, ctx, cids, plans, rnd=1, float64=True, autotune=False):
     """Batched, then each client alone (`run_plan`, torch's global RNG seeded as `update_client` seeds it), in
-    float64 (`_in_float64`; else in the run's own dtype), as round `rnd`'s updates."""
+    float64 (`_in_float64`; else in the run's own dtype), as round `rnd`'s updates; `autotune`: train_together's."""
     noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device) for c in cids]
     as_run = (ctx.model if plans[0].model is None else plans[0].model, ctx.client_data, plans)
     with _in_float64(ctx, plans) if float64 else contextlib.nullcontext(as_run) as (model, data, plans):
         together = train_together(model, plans, [data(c) for c in cids], cfg.train,
-                                  [client_generator(cfg.seed, rnd, c) for c in cids], noise)  # fmt: skip
+                                  [client_generator(cfg.seed, rnd, c) for c in cids], noise,
+                                  autotune=autotune)  # fmt: skip
         alone = []
         for c, plan in zip(cids, plans, strict=True):
             rng.seed_global(rng.derive_seed(cfg.seed, rng.CLIENT, rnd, c), ctx.device)
@@ -683,6 +684,44 @@ def test_fedbasis_steps_together_are_each_clients_own(model):
         assert _max_diff({k: want[k] for k in got}, got) <= TOL64  # (`run_plan` adds the template's own tensors)
         assert float(got["psi"].abs().max()) > 1e-3 and _max_diff(got, plan.start) > 100 * TOL  # both steps trained
         assert not stats or _max_diff({k: got[k] for k in stats}, {k: plan.start[k] for k in stats}) > 100 * TOL
+
+
+FEDBASIS = {"name": "fedbasis", "K": 2, "warmup_fraction": 0.0, "alpha_epochs": 1, "basis_epochs": 1}
+
+
+@pytest.mark.parametrize("model, algorithm", [("lenet5", None), ("lenet5_bn", None), (ALEXNET_TINY, None),
+                                              ("lenet5_bn", FEDBASIS), ("lenet5", {"name": "perfedavg",
+                                                                                   "variant": "hf"})])  # fmt: skip
+def test_convolutions_whose_weight_gradient_is_a_product_are_each_clients_own_sgd(monkeypatch, model, algorithm):
+    """`executor.autotune`'s other form of a convolution (`conv_weight_grad`): where the timing chose the weight
+    gradient as a product, every client's result is still its own `run_plan`'s — FedPer's two phases with a
+    BatchNorm and a dropout model, FedBasis's combined model, Per-FedAvg's Hessian-vector products (a second
+    derivative through the product). Each eligible convolution's shape is timed once, for the round's clients, and
+    the product's backward is what ran."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
+    asked, ran = [], []
+    monkeypatch.setattr(conv_weight_grad, "product_faster", lambda key: asked.append(key) or True)
+    backward = conv_weight_grad.WeightGradAsProduct.backward
+
+    def spy(ctx, dy):
+        ran.append(tuple(ctx.needs_input_grad[:2]))
+        return backward(ctx, dy)
+
+    monkeypatch.setattr(conv_weight_grad.WeightGradAsProduct, "backward", staticmethod(spy))
+    cfg, ctx, cids, plans = _plans(model, 8, algorithm, lr=0.01)
+    plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, plans, autotune=True)
+    convs = [m for m in (plans[0].model or ctx.model).modules() if conv_weight_grad.eligible(m)]
+    assert len(asked) == len(set(asked)) == len({(m.in_channels, m.out_channels) for m in convs}) >= 2  # a
+    # timing per shape (AlexNet's first convolution, of stride 4, is not eligible)
+    assert {k[2:4] for k in asked} == {(len(cids), 8)}  # at the round's clients and batch
+    assert (True, True) in ran
+    first = model != ALEXNET_TINY  # a model whose first layer is eligible: its input takes no gradient
+    assert any(k[-1] for k in asked) == ((False, True) in ran) == first
+    for plan, got, want in zip(plans, together, alone, strict=True):
+        assert _max_diff({k: want[k] for k in got}, got) <= TOL64
+        assert _max_diff(got, plan.start) > 100 * TOL
 
 
 @pytest.mark.parametrize("mlg", ["sample", "batch"])
@@ -1014,6 +1053,36 @@ def test_batch_clients_is_on_by_default_only_on_a_gpu_and_only_in_the_loop():
     for executor in ({"batch_clients": False}, {"name": "procs"}):
         with pytest.raises(ConfigError, match="batch_max_clients applies to batched clients"):
             validate_config({"executor": {**executor, "batch_max_clients": 4}})
+
+
+def test_a_compiled_step_never_takes_the_product_form(monkeypatch):
+    """torch.compile cannot capture `conv_weight_grad`'s product under vmap: with `executor.compile` the batched
+    step keeps the grouped convolution's weight gradient, autotune or not, and times nothing."""
+    from .test_batched_compile import on_aot_eager
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(conv_weight_grad, "chosen", lambda *a, **k: pytest.fail("timed for a compiled step"))
+    cfg, ctx, cids, plans = _plans("lenet5", 8, None, local_epochs=1)
+    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
+    with on_aot_eager() as modes:
+        out = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                             [client_generator(cfg.seed, 1, c) for c in cids], noise, "default", autotune=True)
+    assert modes and len(out) == len(cids)
+
+
+def test_autotune_times_no_convolution_on_a_cpu(monkeypatch):
+    """`executor.autotune` has no effect on a CPU: a batched run of a convolutional model there never times the
+    product form of its convolutions' weight gradient (`conv_weight_grad`), which loses on a CPU."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(conv_weight_grad, "chosen", lambda *a, **k: pytest.fail("timed on a CPU"))
+    calls = []
+    together = batched.train_together
+    monkeypatch.setattr(batched, "train_together", lambda *a, **k: calls.append(a) or together(*a, **k))
+    cfg = validate_config({**TINY, "dataset": DATA, "model": {"name": "lenet5"},
+                           "train": {**TINY["train"], "rounds": 1}, "algorithm": {"name": "fedavg"},
+                           "executor": {"threads": 1, "batch_clients": True, "autotune": True}})  # fmt: skip
+    run(cfg, write=False, progress=False)
+    assert calls and all(a[-1] is False for a in calls)
 
 
 def test_a_batched_client_that_diverges_stops_the_run_naming_its_round_and_itself():

@@ -89,12 +89,12 @@ def test_a_full_run_measures_the_goals_first_and_every_case_once():
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--out", "unused"])
     todo = gpu.cases(a)
-    assert todo[:11] == gpu.goal_cases(a) == [("paper", "fedavg", "cnn", "batched")] + [
+    assert todo[:12] == gpu.goal_cases(a) == [("paper", "fedavg", "cnn", "batched")] + [
         ("paper", alg, "resnet18", "batched") for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")] + [
         ("paper", "fedavg", "cnn", e) for e in ("batched-compile", "batched-graphs", "batched-graphs-nhwc",
-                                                "batched-graphs-nhwc-tuned", "batched-graphs-tuned")] + [
-        ("paper", "fedbasis", "resnet18", "batched-tuned")]
-    assert todo[11:13] == [("paper", "fedavg", "cnn", e) for e in ("batched-nhwc", "batched-tuned")]
+                                                "batched-graphs-nhwc-tuned", "batched-graphs-tuned",
+                                                "batched-tuned")] + [("paper", "fedbasis", "resnet18", "batched-tuned")]
+    assert todo[12:13] == [("paper", "fedavg", "cnn", "batched-nhwc")]
     assert todo[13:17] == [("paper64", alg, "resnet18_imagenet", "batched")
                           for alg in ("fedavg", "fedrod", "fedselect", "fedbasis")]  # fmt: skip
     assert todo[17] == ("paper", "fedavg", "cnn", "batched-graphs-tf32")
@@ -244,6 +244,35 @@ def test_each_rounds_allocator_cache_flushes_are_recorded_and_listed(tmp_path, m
     assert "cnn loop: [0" not in text
 
 
+def test_the_convolutions_autotune_computed_as_products_are_recorded_and_listed(tmp_path, monkeypatch):
+    """`conv_products`: which convolutions a case's eager batched steps computed with their weight gradient as a
+    product (`conv_weight_grad.chosen`, asked only under `executor.autotune` on a GPU: here asked by hand), listed
+    under the table; a case that never asked has none, and the choosing is the library's again after the case."""
+    from pflbed.engine import conv_weight_grad
+
+    gpu = _gpu_script()
+    a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    real, choose = gpu.batched.train_together, conv_weight_grad.chosen
+    monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
+
+    def train(model, plans, datas, *args, **kw):
+        conv_weight_grad.chosen(model, datas[0].x[:1], len(plans), 32, lambda key: key[4] == 64)  # (conv2's)
+        return real(model, plans, datas, *args, **kw)
+
+    monkeypatch.setattr(gpu.batched, "train_together", train)
+    m = gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"], a, "paper"), None)
+    assert m["conv_products"] == ["blocks.conv2.0"] and conv_weight_grad.chosen is choose
+    monkeypatch.setattr(gpu.batched, "train_together", real)
+    plain = gpu.time_rounds(gpu.config("fedavg", "cnn", gpu.EXECUTORS["batched"], a, "paper"), None)
+    assert "conv_products" not in plain
+    m |= {"shape": "paper", "algorithm": "fedavg", "model": "cnn", "executor": "batched-tuned", "of_centralized": 1}
+    gpu.write({"device": "cpu", "gpu": None, "torch": "x", "cpu_count": 2, "quick": True, "args": vars(a),
+               "speed": [m, plain | {**{k: m[k] for k in ("shape", "algorithm", "model")}, "executor": "batched",
+                                     "of_centralized": 1}]}, tmp_path)  # fmt: skip
+    text = (tmp_path / "gpu.txt").read_text()
+    assert "as a product (conv_weight_grad):\npaper fedavg cnn batched-tuned: blocks.conv2.0\n" in text
+
+
 def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     """The compile probe times a convolution as unfold + bmm beside the vmapped one: the same function, or its
     timing compares nothing."""
@@ -255,27 +284,6 @@ def test_the_layer_probes_matrix_product_form_is_each_clients_own_convolution():
     w, x = torch.randn(3, 4, 2, 5, 5, generator=g), torch.randn(3, 6, 2, 7, 9, generator=g)
     want = torch.stack([F.conv2d(x[i], w[i], padding=2) for i in range(3)])
     torch.testing.assert_close(gpu.conv_as_bmm(w, x), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("shapes", [((3, 4, 2, 5, 5), (3, 6, 2, 7, 9)), ((2, 8, 3, 5, 5), (2, 1, 3, 8, 8))])
-def test_the_layer_probes_batched_weight_gradient_form_is_each_clients_own_convolution_and_its_gradients(shapes):
-    """The `wgrad_bmm` form (cuDNN's grouped convolution forward and input gradient, the weight gradient as one
-    batched matrix product over each client's tall image of padded samples) computes what the vmapped convolution
-    computes, its gradients too — in float64, to rounding — or its time compares nothing; patches that mixed two
-    samples, or a sample's gradient at another's rows, would show."""
-    import torch.nn.functional as F
-    from torch.func import vmap
-
-    gpu = _gpu_script()
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(*shapes[0], generator=g, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(*shapes[1], generator=g, dtype=torch.float64, requires_grad=True)
-    got = gpu.GroupedConvBmmWgrad.apply(w, x)
-    want = vmap(lambda w, x: F.conv2d(x, w, padding=2))(w, x)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    cot = torch.randn(want.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(got, (w, x), cot), torch.autograd.grad(want, (w, x), cot), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_the_combine_probes_forms_are_fedbasis_combination_and_its_gradients(tmp_path, monkeypatch):

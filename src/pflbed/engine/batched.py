@@ -32,6 +32,9 @@ own (`Phase.data`). Anything else runs through the loop, client by client — th
 the whole phase — a step with fewer clients would compile again — so every client of the batch is computed to the
 phase's last step and the results of those whose batches ran out are dropped (`_kept`): the same updates.
 
+Under `executor.autotune` on a GPU an eager step computes each convolution's weight gradient as one matrix
+product over the clients where a timing finds it faster than cuDNN's grouped kernels (`conv_weight_grad`).
+
 Measured on CPU it loses to the loop for convolutional models (docs/guide/speed.md), so `batch_clients` is on by
 default only when the run's device is a GPU.
 """
@@ -63,7 +66,7 @@ from pflbed.algorithms.local_sgd import (
     statistics,
 )
 from pflbed.config import TrainConfig
-from pflbed.engine import per_client_layers
+from pflbed.engine import conv_weight_grad, per_client_layers
 from pflbed.engine.executor import LoopExecutor, precision, private, seeded, update_client
 from pflbed.engine.guard import check_clients_later, screen_finite
 from pflbed.engine.per_client_layers import PerClientLayers
@@ -101,7 +104,8 @@ class BatchedExecutor(LoopExecutor):
         model = ctx.model if plans[0].model is None else plans[0].model
         with precision(algo):
             trained = train_together(model, plans, [ctx.client_data(c) for c in cids], ctx.cfg.train, gens, noise,
-                                     ctx.cfg.executor.compile, ctx.model)  # fmt: skip
+                                     ctx.cfg.executor.compile, ctx.model,
+                                     ctx.cfg.executor.autotune and ctx.device.type == "cuda")  # fmt: skip
         for (g, n), used_g, used_n in zip(streams, gens, noise, strict=True):
             g.set_state(used_g.get_state())
             n.set_state(used_n.get_state())
@@ -239,19 +243,24 @@ def train_together(
     noise: list[torch.Generator] | None = None,
     compile: str = "off",
     run: nn.Module | None = None,
+    autotune: bool = False,
 ) -> list[Tensors]:
     """Run the same-shaped `plans` of several clients at once; returns each client's trained full state (a start
     tensor every client shares and no phase moved as it is, the same object for all: `_one_or_stacked`). `gens`:
     each client's batch generator; `noise`: each client's dropout stream (`rng.global_stream` of the seed the loop
     gives torch's global RNG), needed where the model has dropout; `compile`: `executor.compile`; `run`: the run's
-    model, whose compiled steps share one cache (`compiled`; None: `model`'s own)."""
+    model, whose compiled steps share one cache (`compiled`; None: `model`'s own); `autotune`: time each eligible
+    convolution's weight gradient as a product against cuDNN's grouped one and keep the faster
+    (`conv_weight_grad`; `executor.autotune` on a GPU; eager steps only)."""
     keys = list(plans[0].start)
     buffers = tuple(k for k, _ in model.named_buffers())
     shared, params = _one_or_stacked([p.start for p in plans], lambda k: not _statistic(k, buffers))  # stacked: new
     # tensors, the starts stay untouched
     entries = {ph.entries for ph in plans[0].phases if ph.entries is not None}  # masks indexed per client
     shared_consts, consts = _one_or_stacked([p.consts for p in plans], lambda k: not k.startswith(tuple(entries)))
-    layers = PerClientLayers(model)
+    products = (conv_weight_grad.chosen(model, datas[0].x[:1], len(plans), train.batch_size)
+                if autotune and compile == "off" else frozenset())  # fmt: skip
+    layers = PerClientLayers(model, products)
     if layers.drops:
         if noise is None:
             raise ValueError("a model with dropout needs each client's dropout stream (`noise`)")

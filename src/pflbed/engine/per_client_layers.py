@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from pflbed.engine import conv_weight_grad
+
 Tensors = dict[str, torch.Tensor]
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -63,9 +65,11 @@ class PerClientLayers:
 
     Use: `layers.trace(...)` once; `masks = layers.draw(...)` before each step; inside the vmapped function
     `layers.enter(stats, real, masks)`, the forward, then `layers.leave()` returns the new statistics — all within
-    `layers.patched()`."""
+    `layers.patched()`. `products`: the convolutions whose weight gradient the step computes as a product
+    (`conv_weight_grad.chosen`), patched with the rest."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, products: frozenset[str] = frozenset()) -> None:
+        self.model, self.products = model, products
         self.norms = {n: m for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
         self.drops = {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)}
         self.buffer_keys = [f"{n}.{s}" for n in self.norms for s in _STATS]
@@ -129,9 +133,12 @@ class PerClientLayers:
         new, self._stats, self._new, self._real, self._sets = self._new, {}, {}, None, None
         return new
 
-    def patched(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
         """The layers' per-client forwards, for the duration (the model's own afterwards)."""
-        return self._forwards(self._norm_forward, self._drop_forward)
+        with self._forwards(self._norm_forward, self._drop_forward), conv_weight_grad.patched(self.model,
+                                                                                               self.products):
+            yield
 
     @contextlib.contextmanager
     def _forwards(self, norm: Callable[[str, nn.Module], Callable], drop: Callable[[str, nn.Module], Callable]
