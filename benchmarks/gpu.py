@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from pflbed.allocator import kept_freed_memory
 from pflbed.config import validate_config
 from pflbed.engine import batched, conv_weight_grad
-from pflbed.engine.conv_weight_grad import WeightGradAsProduct
+from pflbed.engine.conv_weight_grad import product_conv
 from pflbed.engine.driver import Driver
 from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import WorkerPool
@@ -237,7 +237,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
     out = {"warmup_s": times[0], "rounds_timed": len(timed), "samples_per_round": samples,
            "batched_clients": max(calls, default=0), "batched_calls": calls, "cache_flushes": flushes,
            **sampler.figures()}  # fmt: skip
-    if products:  # `executor.autotune`'s choice in an eager batched step: the convolutions whose weight gradient
+    if products:  # `executor.autotune`'s choice for a batched step: the convolutions whose weight gradient
         out["conv_products"] = sorted(set().union(*products))  # it computed as a product (`conv_weight_grad`)
     if len(times) < cfg.train.rounds:
         out["incomplete"] = f"{len(times)} of {cfg.train.rounds} rounds: the next would pass --deadline-s"
@@ -564,8 +564,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     arithmetic without the client dimension); and the vmapped convolutions again autotuned by cuDNN (`tuned`:
     `kernel_flags`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
     the profile shows it converting every group's tensors to it and back) and with its weight gradient as one
-    batched matrix product (`wgrad_bmm`: `conv_weight_grad.WeightGradAsProduct`, which `executor.autotune` times
-    against cuDNN's in an eager batched step);
+    batched matrix product (`wgrad_bmm`: `conv_weight_grad.product_conv`, which `executor.autotune` times against
+    cuDNN's for a batched step);
     fc1 vmapped again in TF32 (`tf32`: `executor.tf32`; the convolutions are TF32 already, PyTorch's default); ms
     per forward and backward."""
     from torch.func import vmap
@@ -589,7 +589,7 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
             forms = {"vmap": vmap(conv), "bmm": conv_as_bmm,
                      "dense": lambda w, x: F.conv2d(x.flatten(0, 1), w[0], padding=2),
                      "tuned": vmap(conv), "nhwc": nhwc(vmap(conv)),
-                     "wgrad_bmm": vmap(lambda w, x: WeightGradAsProduct.apply(x, w, (2, 2)))}  # fmt: skip
+                     "wgrad_bmm": vmap(lambda w, x: product_conv(x, w, (2, 2)))}  # fmt: skip
         out[name] = {}
         for form, fn in forms.items():
             # as the step probe's steps; `tf32`: TF32 matrix products too, as `executor.tf32: true` sets them
@@ -658,8 +658,8 @@ def goal_cases(a: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     batched; FedAvg's CNN also compiled (torch.compile, and its CUDA graphs: `executor.compile`), its graphs with NHWC
     weights (`model.channels_last`: the profile shows cuDNN converting each client's tensors to NHWC and back) and
     under cuDNN's autotuner (`executor.autotune`: the vmapped convolutions are grouped ones, which its heuristics
-    may serve poorly), with NHWC weights and without, and eager under the autotuner (where it also times the
-    convolutions' weight gradient as one product over the clients, `conv_weight_grad`); FedBasis's ResNet-18
+    may serve poorly, and where it also times the convolutions' weight gradient as one product over the clients,
+    `conv_weight_grad`), with NHWC weights and without, and eager under the autotuner; FedBasis's ResNet-18
     autotuned. Not `procs`: batched met FedSelect's goal on the H200 (0.56; `procs` 0.38), and its `procs` row took
     69 s of a ten-minute call."""
     cnn, resnet = a.models

@@ -697,18 +697,13 @@ def test_convolutions_whose_weight_gradient_is_a_product_are_each_clients_own_sg
     gradient as a product, every client's result is still its own `run_plan`'s — FedPer's two phases with a
     BatchNorm and a dropout model, FedBasis's combined model, Per-FedAvg's Hessian-vector products (a second
     derivative through the product). Each eligible convolution's shape is timed once, for the round's clients, and
-    the product's backward is what ran."""
+    the product is what ran."""
     torch.set_num_threads(1)
     monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
     asked, ran = [], []
     monkeypatch.setattr(conv_weight_grad, "product_faster", lambda key: asked.append(key) or True)
-    backward = conv_weight_grad.WeightGradAsProduct.backward
-
-    def spy(ctx, dy):
-        ran.append(tuple(ctx.needs_input_grad[:2]))
-        return backward(ctx, dy)
-
-    monkeypatch.setattr(conv_weight_grad.WeightGradAsProduct, "backward", staticmethod(spy))
+    product = conv_weight_grad._product
+    monkeypatch.setattr(conv_weight_grad, "_product", lambda *a: ran.append(a[1].shape) or product(*a))
     cfg, ctx, cids, plans = _plans(model, 8, algorithm, lr=0.01)
     plans = [replace(p, finish=lambda t: (t, {})) for p in plans]
     together, alone = _each_own(cfg, ctx, cids, plans, autotune=True)
@@ -716,9 +711,8 @@ def test_convolutions_whose_weight_gradient_is_a_product_are_each_clients_own_sg
     assert len(asked) == len(set(asked)) == len({(m.in_channels, m.out_channels) for m in convs}) >= 2  # a
     # timing per shape (AlexNet's first convolution, of stride 4, is not eligible)
     assert {k[2:4] for k in asked} == {(len(cids), 8)}  # at the round's clients and batch
-    assert (True, True) in ran
-    first = model != ALEXNET_TINY  # a model whose first layer is eligible: its input takes no gradient
-    assert any(k[-1] for k in asked) == ((False, True) in ran) == first
+    assert len({tuple(s) for s in ran}) == len(convs)
+    assert any(k[-1] for k in asked) == (model != ALEXNET_TINY)  # the first layer eligible: its input the data
     for plan, got, want in zip(plans, together, alone, strict=True):
         assert _max_diff({k: want[k] for k in got}, got) <= TOL64
         assert _max_diff(got, plan.start) > 100 * TOL
@@ -1055,19 +1049,49 @@ def test_batch_clients_is_on_by_default_only_on_a_gpu_and_only_in_the_loop():
             validate_config({"executor": {**executor, "batch_max_clients": 4}})
 
 
-def test_a_compiled_step_never_takes_the_product_form(monkeypatch):
-    """torch.compile cannot capture `conv_weight_grad`'s product under vmap: with `executor.compile` the batched
-    step keeps the grouped convolution's weight gradient, autotune or not, and times nothing."""
+def test_a_phase_that_freezes_the_convolutions_computes_no_product(monkeypatch):
+    """A product whose weight the phase does not train would cost its forward for nothing (`PerClientLayers.patched`
+    takes only the trained ones): FedPer's head-only epoch computes none, its epoch of every block one per
+    convolution and step; with the product chosen, each client's result is still its own `run_plan`'s."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
+    monkeypatch.setattr(conv_weight_grad, "product_faster", lambda key: True)
+    ran = []
+    product = conv_weight_grad._product
+    monkeypatch.setattr(conv_weight_grad, "_product", lambda *a: ran.append(1) or product(*a))
+    cfg, ctx, cids, plans = _plans("lenet5", 8, None, local_epochs=1)
+    assert [len(ph.blocks) for ph in plans[0].phases] == [1, 5]  # the head's epoch, then every block's
+    head = [replace(p, phases=p.phases[:1]) for p in plans]
+    together, alone = _each_own(cfg, ctx, cids, head, autotune=True)
+    assert not ran and all(_max_diff(a, b) <= TOL64 for a, b in zip(together, alone, strict=True))
+    _each_own(cfg, ctx, cids, plans, autotune=True)
+    steps = -(-max(ctx.client_data(c).num_train for c in cids) // 8)
+    assert len(ran) == 2 * steps  # two convolutions a step, in the second phase's steps
+
+
+def test_a_compiled_step_takes_the_product_form_in_its_graph(monkeypatch):
+    """`conv_weight_grad.product_conv` is plain operations, so torch.compile captures it under `vmap` and `grad`
+    with no graph break (aot_eager: dynamo and AOT autograd, as inductor takes them); each client's result is still
+    its own `run_plan`'s (float32: the compiled step's rounding), with a BatchNorm model."""
     from .test_batched_compile import on_aot_eager
 
     torch.set_num_threads(1)
-    monkeypatch.setattr(conv_weight_grad, "chosen", lambda *a, **k: pytest.fail("timed for a compiled step"))
-    cfg, ctx, cids, plans = _plans("lenet5", 8, None, local_epochs=1)
+    monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
+    monkeypatch.setattr(conv_weight_grad, "product_faster", lambda key: True)
+    ran = []
+    product = conv_weight_grad._product
+    monkeypatch.setattr(conv_weight_grad, "_product", lambda *a: ran.append(1) or product(*a))
+    cfg, ctx, cids, plans = _plans("lenet5_bn", 8, None, local_epochs=1)
     noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
+    data = [ctx.client_data(c) for c in cids]
     with on_aot_eager() as modes:
-        out = train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
-                             [client_generator(cfg.seed, 1, c) for c in cids], noise, "default", autotune=True)
-    assert modes and len(out) == len(cids)
+        torch._dynamo.utils.counters.clear()
+        out = train_together(ctx.model, plans, data, cfg.train, [client_generator(cfg.seed, 1, c) for c in cids],
+                             noise, "default", autotune=True)  # fmt: skip
+        assert modes and ran and not torch._dynamo.utils.counters["graph_break"]
+    _, alone = _each_own(cfg, ctx, cids, plans, float64=False)
+    for got, want in zip(out, alone, strict=True):
+        assert _max_diff(want, got) <= TOL
 
 
 def test_autotune_times_no_convolution_on_a_cpu(monkeypatch):

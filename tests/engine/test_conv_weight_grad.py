@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import grad, vmap
 
 from pflbed.engine import conv_weight_grad
-from pflbed.engine.conv_weight_grad import WeightGradAsProduct, chosen, eligible, patched, product_faster
+from pflbed.engine.conv_weight_grad import chosen, eligible, patched, product_conv, product_faster
 
 
 def _gradients(conv, w, x, y):
@@ -31,9 +31,9 @@ def _gradients(conv, w, x, y):
        h=st.integers(1, 7), w=st.integers(1, 7), kh=st.integers(1, 4), kw=st.integers(1, 4), ph=st.integers(0, 2),
        pw=st.integers(0, 2))  # fmt: skip
 def test_the_product_s_gradients_are_the_convolution_s(clients, n, c, o, h, w, kh, kw, ph, pw):
-    """Rule (`weight_grad`): for any stride-1 shape (kernels rectangular, wider than the padded image excluded),
-    padding different across and down, several samples a client, the product form's value, weight and input
-    gradients and second derivative equal the vmapped convolution's to float64 rounding."""
+    """Rule (`product_conv`): for any stride-1 shape (kernels rectangular, wider than the padded image excluded),
+    padding different across and down, several samples a client, the product form's weight and input gradients and
+    second derivative equal the vmapped convolution's to float64 rounding, and its value exactly."""
     if kh > h + 2 * ph or kw > w + 2 * pw:
         return
     torch.manual_seed(clients * 1000 + n * 100 + kh * 10 + kw)
@@ -41,27 +41,11 @@ def test_the_product_s_gradients_are_the_convolution_s(clients, n, c, o, h, w, k
     x = torch.randn(clients, n, c, h, w, dtype=torch.float64)
     y = torch.randn(clients, n, o, h + 2 * ph - kh + 1, w + 2 * pw - kw + 1, dtype=torch.float64)
     want = _gradients(lambda x, wt: F.conv2d(x, wt, None, 1, (ph, pw)), wt, x, y)
-    got = _gradients(lambda x, wt: WeightGradAsProduct.apply(x, wt, (ph, pw)), wt, x, y)
+    got = _gradients(lambda x, wt: product_conv(x, wt, (ph, pw)), wt, x, y)
     for a, b in zip(want, got, strict=True):
         assert (a - b).abs().max() <= 1e-10 * (1 + a.abs().max())
-
-
-def test_the_product_computes_only_the_gradients_asked_for(monkeypatch):
-    """A step's first convolution takes no input gradient (its input is the data), and a frozen weight needs none:
-    neither is computed."""
-    asked = []
-
-    def spy(name, f):
-        return lambda *a, **k: asked.append(name) or f(*a, **k)
-
-    for name in ("conv2d_input", "conv2d_weight"):
-        monkeypatch.setattr(torch.nn.grad, name, spy(name, getattr(torch.nn.grad, name)))
-    monkeypatch.setattr(conv_weight_grad, "weight_grad", spy("weight", conv_weight_grad.weight_grad))
-    wt, x = torch.randn(2, 3, 2, 3, 3), torch.randn(2, 4, 2, 5, 5)
-    for argnums, want in ((0, ["weight"]), (1, ["conv2d_input"]), ((0, 1), ["conv2d_input", "weight"])):
-        asked.clear()
-        vmap(grad(lambda wt, x: WeightGradAsProduct.apply(x, wt, (1, 1)).square().sum(), argnums=argnums))(wt, x)
-        assert asked == want, argnums
+    assert torch.equal(vmap(product_conv, in_dims=(0, 0, None))(x, wt.requires_grad_(), (ph, pw)),
+                       vmap(F.conv2d, in_dims=(0, 0, None, None, None))(x, wt, None, 1, (ph, pw)))  # the value: exactly
 
 
 class _Net(nn.Module):
@@ -121,8 +105,8 @@ def test_chosen_times_each_eligible_shape_once_and_keeps_those_where_the_product
 
 
 def test_patched_convolutions_compute_the_same_and_their_own_forward_comes_back():
-    """Rule (`patched`): the named convolutions run as `WeightGradAsProduct`, bias added, within the block only;
-    the model's output and gradients are its own to float rounding."""
+    """Rule (`patched`): the named convolutions run as `product_conv`, bias added, within the block only; the
+    model's output and gradients are its own to float rounding."""
     torch.manual_seed(0)
     net = _Net().double().eval()
     x = torch.randn(3, 2, 13, 13, dtype=torch.float64)
@@ -130,9 +114,8 @@ def test_patched_convolutions_compute_the_same_and_their_own_forward_comes_back(
     want = torch.autograd.functional.jacobian(lambda w: torch.func.functional_call(net, {"a.weight": w}, (x,)),
                                               net.a.weight)  # fmt: skip
     calls = []
-    apply = WeightGradAsProduct.apply
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(WeightGradAsProduct, "apply", lambda *a: calls.append(a[1].shape) or apply(*a))
+        mp.setattr(conv_weight_grad, "product_conv", lambda *a: calls.append(a[1].shape) or product_conv(*a))
         with patched(net, frozenset({"a", "b", "d"})):
             got = torch.autograd.functional.jacobian(lambda w: torch.func.functional_call(net, {"a.weight": w}, (x,)),
                                                      net.a.weight)  # fmt: skip
@@ -150,7 +133,7 @@ def test_a_timing_compares_the_two_forms_and_one_out_of_memory_keeps_the_grouped
     key = ("cpu", torch.float32, 2, 4, 3, 2, 6, 6, (3, 3), (1, 1), False)
     assert product_faster(key, reps=1) in (True, False)  # (on the CPU it can go either way)
     ran = []
-    monkeypatch.setattr(conv_weight_grad, "weight_grad", lambda *a: ran.append(1) or torch.zeros(a[2]))
+    monkeypatch.setattr(conv_weight_grad, "_product", lambda x, w, p: ran.append(1) or F.conv2d(x, w, None, 1, p))
     times = iter([2.0, 1.0, 1.0, 2.0, 1.0, 1.0])  # grouped, then product
     monkeypatch.setattr(conv_weight_grad, "_seconds", lambda step, args, reps: (step(*args), next(times, 1.0))[1])
     assert [product_faster(key) for _ in range(3)] == [True, False, False] and len(ran) == 3
@@ -158,7 +141,7 @@ def test_a_timing_compares_the_two_forms_and_one_out_of_memory_keeps_the_grouped
     def oom(*a, **k):
         raise torch.OutOfMemoryError("out of memory")
 
-    monkeypatch.setattr(conv_weight_grad, "weight_grad", oom)
+    monkeypatch.setattr(conv_weight_grad, "_product", oom)
     assert product_faster(key, reps=1) is False
 
 

@@ -239,26 +239,28 @@ def test_an_autotuned_batched_round_on_the_device_matches_the_heuristics_one(cas
     assert not gpu or torch.backends.cudnn.benchmark is False
 
 
-@pytest.mark.parametrize("case", ["fedavg-lenet5_bn", "fedavg-alexnet", "fedbasis-lenet5_bn", "pfedme-alexnet"])
-def test_convolutions_whose_weight_gradient_is_a_product_on_the_device_match_cudnns(case, monkeypatch):
-    """`executor.autotune` in an eager batched step, its timing made to choose the product form of every eligible
+@pytest.mark.parametrize("case, compile_", [("fedavg-lenet5_bn", "off"), ("fedavg-alexnet", "off"),
+                                            ("fedbasis-lenet5_bn", "off"), ("pfedme-alexnet", "off"),
+                                            ("fedavg-lenet5_bn", "reduce-overhead")])  # fmt: skip
+def test_convolutions_whose_weight_gradient_is_a_product_on_the_device_match_cudnns(case, compile_, monkeypatch):
+    """`executor.autotune` in a batched step, its timing made to choose the product form of every eligible
     convolution's weight gradient (`conv_weight_grad`): the round's results are cuDNN's up to float rounding, and on
-    a GPU the product is what ran."""
+    a GPU the product is what ran; compiled as CUDA graphs too."""
     from pflbed.engine import conv_weight_grad
 
     algorithm, sections = {c[0]: c[1:] for c in PER_CLIENT_LAYERS}[case]
     monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
     monkeypatch.setattr(conv_weight_grad, "product_faster", lambda key: True)
     ran = []
-    backward = conv_weight_grad.WeightGradAsProduct.backward
-    monkeypatch.setattr(conv_weight_grad.WeightGradAsProduct, "backward",
-                        staticmethod(lambda ctx, dy: ran.append(1) or backward(ctx, dy)))  # fmt: skip
-    plain = run(_cfg(algorithm, DEVICE, {"batch_clients": True}, **sections), write=False, progress=False)
+    product = conv_weight_grad._product
+    monkeypatch.setattr(conv_weight_grad, "_product", lambda *a: ran.append(1) or product(*a))
+    torch._dynamo.reset()
+    executor = {"batch_clients": True, "compile": compile_}
+    plain = run(_cfg(algorithm, DEVICE, executor, **sections), write=False, progress=False)
     assert not ran
-    tuned = run(_cfg(algorithm, DEVICE, {"batch_clients": True, "autotune": True}, **sections), write=False,
-                progress=False)  # fmt: skip
+    tuned = run(_cfg(algorithm, DEVICE, executor | {"autotune": True}, **sections), write=False, progress=False)
     assert bool(ran) == (torch.device(DEVICE).type == "cuda")
-    _compare("conv_products", case, plain, tuned)
+    _compare(f"conv_products_{compile_}", case, plain, tuned)
 
 
 @pytest.mark.parametrize("case", IDS)

@@ -94,8 +94,8 @@ class ExecutorConfig(Strict):
         False, description="on a GPU: cuDNN times its convolution algorithms on each new shape and keeps the fastest "
         "(torch.backends.cudnn.benchmark) instead of choosing by heuristics — under executor.deterministic only "
         "reproducible ones, but which wins may differ from one process to the next, and with it the figures' float "
-        "rounding (docs/guide/gpu.md); a run's first steps of each shape pay the timing. Batched clients' eager "
-        "steps also time each convolution's weight gradient as one matrix product over the clients against cuDNN's "
+        "rounding (docs/guide/gpu.md); a run's first steps of each shape pay the timing. Batched clients' steps "
+        "also time each convolution's weight gradient as one matrix product over the clients against cuDNN's "
         "grouped kernels and keep the faster. No effect on a CPU"
     )
 

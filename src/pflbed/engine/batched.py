@@ -32,7 +32,7 @@ own (`Phase.data`). Anything else runs through the loop, client by client — th
 the whole phase — a step with fewer clients would compile again — so every client of the batch is computed to the
 phase's last step and the results of those whose batches ran out are dropped (`_kept`): the same updates.
 
-Under `executor.autotune` on a GPU an eager step computes each convolution's weight gradient as one matrix
+Under `executor.autotune` on a GPU a step computes each convolution's weight gradient as one matrix
 product over the clients where a timing finds it faster than cuDNN's grouped kernels (`conv_weight_grad`).
 
 Measured on CPU it loses to the loop for convolutional models (docs/guide/speed.md), so `batch_clients` is on by
@@ -251,15 +251,14 @@ def train_together(
     gives torch's global RNG), needed where the model has dropout; `compile`: `executor.compile`; `run`: the run's
     model, whose compiled steps share one cache (`compiled`; None: `model`'s own); `autotune`: time each eligible
     convolution's weight gradient as a product against cuDNN's grouped one and keep the faster
-    (`conv_weight_grad`; `executor.autotune` on a GPU; eager steps only)."""
+    (`conv_weight_grad`; `executor.autotune` on a GPU)."""
     keys = list(plans[0].start)
     buffers = tuple(k for k, _ in model.named_buffers())
     shared, params = _one_or_stacked([p.start for p in plans], lambda k: not _statistic(k, buffers))  # stacked: new
     # tensors, the starts stay untouched
     entries = {ph.entries for ph in plans[0].phases if ph.entries is not None}  # masks indexed per client
     shared_consts, consts = _one_or_stacked([p.consts for p in plans], lambda k: not k.startswith(tuple(entries)))
-    products = (conv_weight_grad.chosen(model, datas[0].x[:1], len(plans), train.batch_size)
-                if autotune and compile == "off" else frozenset())  # fmt: skip
+    products = conv_weight_grad.chosen(model, datas[0].x[:1], len(plans), train.batch_size) if autotune else frozenset()
     layers = PerClientLayers(model, products)
     if layers.drops:
         if noise is None:
@@ -408,8 +407,9 @@ def _phase(
         masks = layers.draw([int(lengths[s, i]) for i in ids], w.shape[1], [noise[i] for i in ids],
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         r = [] if inputs is None else [inputs[s] if whole else inputs[s][sel]]
-        with layers.patched():
-            g, moved = grads_of(p, q, b, cst, dict(shared), shared_consts, x, y, w, masks, r)
+        with layers.patched(lambda k: objective is not None or k in lr_of):  # (an objective's forward may
+            g, moved = grads_of(p, q, b, cst, dict(shared), shared_consts, x, y, w, masks, r)  # train any weight:
+            # FedBasis's combined ones)
         if any(k in shared for k in moved):  # a hook moved a shared tensor (`hand_back`): each client's own now
             _own_copies(params, shared, [k for k in moved if k in shared], n)
             stats += [k for k in moved if k in params and k not in stats]
@@ -479,7 +479,7 @@ def _rule_phase(
                              device) if layers.calls and noise is not None else [] for j in rule.forwards]  # fmt: skip
         p = {k: params[k] if whole else params[k][sel] for k in moving}
         b = {k: params[k] if whole else params[k][sel] for k in stats}
-        with layers.patched():
+        with layers.patched(lambda k: k in moving):
             new, moved = steps(p, b, batch, masks)
         moved = {k: v for k, v in moved.items() if k in params}  # (a finished client's come back as they were)
         for k, v in {**new, **moved}.items():
@@ -520,7 +520,8 @@ class _ClientGradients:
             g, moved = grad(lambda q: self._loss(q, j), has_aux=True)(p)
             return sum((g[k] * v[k]).sum() for k in g), moved
 
-        hv, moved = grad(dot, has_aux=True)(params)
+        with conv_weight_grad.second_order():
+            hv, moved = grad(dot, has_aux=True)(params)
         self.stats = {**self.stats, **moved}
         return hv
 
