@@ -1071,27 +1071,34 @@ def test_a_phase_that_freezes_the_convolutions_computes_no_product(monkeypatch):
 
 def test_a_compiled_step_takes_the_product_form_in_its_graph(monkeypatch):
     """`conv_weight_grad.product_conv` is plain operations, so torch.compile captures it under `vmap` and `grad`
-    with no graph break (aot_eager: dynamo and AOT autograd, as inductor takes them); each client's result is still
-    its own `run_plan`'s (float32: the compiled step's rounding), with a BatchNorm model."""
+    (aot_eager: dynamo and AOT autograd, as inductor takes them): the same graphs, with no break and no
+    recompilation, capture more operations, and give other rounding than without it; each client's result is still
+    its own `run_plan`'s (float32: the compiled step's rounding), with a BatchNorm model. (No spy on the product
+    here: its side effect would make dynamo recompile the step at every call.)"""
+    from torch._dynamo.utils import counters
+
     from .test_batched_compile import on_aot_eager
 
     torch.set_num_threads(1)
     monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
     monkeypatch.setattr(conv_weight_grad, "product_faster", lambda key: True)
-    ran = []
-    product = conv_weight_grad._product
-    monkeypatch.setattr(conv_weight_grad, "_product", lambda *a: ran.append(1) or product(*a))
     cfg, ctx, cids, plans = _plans("lenet5_bn", 8, None, local_epochs=1)
-    noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
     data = [ctx.client_data(c) for c in cids]
-    with on_aot_eager() as modes:
-        torch._dynamo.utils.counters.clear()
-        out = train_together(ctx.model, plans, data, cfg.train, [client_generator(cfg.seed, 1, c) for c in cids],
-                             noise, "default", autotune=True)  # fmt: skip
-        assert modes and ran and not torch._dynamo.utils.counters["graph_break"]
+    outs, stats = [], []
+    for autotune in (False, True):
+        noise = [rng.global_stream(rng.derive_seed(cfg.seed, rng.CLIENT, 1, c), ctx.device) for c in cids]
+        with on_aot_eager() as modes:
+            counters.clear()
+            outs.append(train_together(ctx.model, plans, data, cfg.train,
+                                       [client_generator(cfg.seed, 1, c) for c in cids], noise, "default",
+                                       autotune=autotune))  # fmt: skip
+            stats.append(dict(counters["stats"]))
+            assert modes and not counters["graph_break"] and counters["frames"]["ok"] == 2  # (two phases)
+    assert stats[1]["unique_graphs"] == stats[0]["unique_graphs"] == 2
+    assert stats[1]["calls_captured"] > stats[0]["calls_captured"]
     _, alone = _each_own(cfg, ctx, cids, plans, float64=False)
-    for got, want in zip(out, alone, strict=True):
-        assert _max_diff(want, got) <= TOL
+    for plain, got, want in zip(*outs, alone, strict=True):
+        assert _max_diff(want, got) <= TOL and _max_diff(plain, got) > 0
 
 
 def test_autotune_times_no_convolution_on_a_cpu(monkeypatch):
