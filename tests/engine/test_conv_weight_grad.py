@@ -84,6 +84,7 @@ def test_chosen_times_each_eligible_shape_once_and_keeps_those_where_the_product
     shapes moves no BatchNorm statistic, draws no dropout mask and leaves the model's mode as it was."""
     monkeypatch.setattr(conv_weight_grad, "_CHOICES", {})
     net = _Net().train()
+    net.b.eval()  # a module in its own mode stays in it
     before = {k: v.clone() for k, v in net.state_dict().items()}
     asked = []
 
@@ -95,7 +96,8 @@ def test_chosen_times_each_eligible_shape_once_and_keeps_those_where_the_product
     assert chosen(net, sample, 5, 8, faster) == {"a", "b", "c"}
     assert [(k[2:8], k[-1]) for k in asked] == [((5, 8, 4, 2, 13, 13), True), ((5, 8, 4, 4, 13, 13), False),
                                                 ((5, 8, 3, 4, 2, 2), False)]  # fmt: skip
-    assert net.training and all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert net.training and not net.b.training and all(m.training for n, m in net.named_modules() if n != "b")
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
     assert chosen(net, sample, 5, 8, faster) == {"a", "b", "c"} and len(asked) == 3  # remembered
     assert set(conv_weight_grad.choices().values()) == {True, False}
     chosen(net, sample, 4, 8, faster)

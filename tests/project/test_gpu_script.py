@@ -156,7 +156,8 @@ def test_a_tuned_case_runs_autotuned_and_leaves_the_kernel_flags_as_it_found_the
 def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp_path, monkeypatch, kernels):
     """A round runs deterministic kernels by default (`executor.deterministic`), so the probes that explain its
     time do too, whatever the measurement before them left (the process's defaults on a fresh GPU are not); the
-    `tuned` step and layers are autotuned as well, the others not; the flags are put back after."""
+    `tuned` step and layers are autotuned as well, the others not; the flags are put back after. The layer probe's
+    `wgrad_bmm` form is the library's product form."""
     gpu = _gpu_script()
     a = gpu.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path)])
     seen: dict[str, set] = {"cross_entropy": set(), "conv2d": set(), "linear": set()}
@@ -174,7 +175,11 @@ def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp
             return call
 
     monkeypatch.setattr(gpu, "F", Spy())
+    products = []  # the `wgrad_bmm` form: the library's (`conv_weight_grad.product_conv`), on conv1 and conv2
+    product = gpu.conv_weight_grad._product
+    monkeypatch.setattr(gpu.conv_weight_grad, "_product", lambda *a: products.append(a[1].shape) or product(*a))
     out = gpu.step_probe(a, torch.device("cpu"))
+    assert {tuple(s) for s in products} == {(32, 3, 5, 5), (64, 32, 5, 5)}
     assert out["batched_step_tuned_ms"] > 0 and set(out["layers_ms"]["conv2"]) == {"vmap", "bmm", "dense", "tuned",
                                                                                   "nhwc", "wgrad_bmm"}
     assert set(out["layers_ms"]["fc1"]) == {"vmap", "bmm", "dense", "tf32"}

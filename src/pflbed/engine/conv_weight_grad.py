@@ -1,11 +1,12 @@
 """Batched clients' convolutions with their weight gradient as a matrix product (`executor.autotune`, on a GPU).
 
-Why: a vmapped step runs a convolution of per-client weights as one grouped convolution, a group a client. cuDNN
-computes a grouped convolution's weight gradient group after group: one kernel a client, each a product whose
-output (out × in·k²) is small and whose inner dimension (batch · height · width) is long, which leaves most of a
-large GPU idle (an H200's profile of FedAvg's batched CNN round: 1,600 such kernels a round, 45 % of its device
-time). The same gradient is a matrix product per client — the output gradient times the input's patches — which
-the vmapped step runs as one batched product over all the clients.
+Why: a vmapped step runs a convolution of per-client weights as one grouped convolution, a group a client, and
+cuDNN runs a grouped convolution's backward group after group (an H200's profile of FedAvg's batched CNN round:
+1,600 backward kernels a round of each kind, one a client and step, the largest kind 45 % of the round's device
+time). A client's weight gradient is a product whose output (out × in·k²) is small and whose inner dimension
+(batch · height · width) is long: one at a time such products leave most of a large GPU idle. The same gradient
+is a matrix product per client — the output gradient times the input's patches — which the vmapped step runs as
+one batched product over all the clients.
 
 `product_conv` is the convolution with that weight gradient: its value and input gradient as before (one grouped
 convolution each), and a term that is exactly zero — a product minus itself, detached — through which the weight
@@ -157,13 +158,14 @@ def _input_shapes(model: nn.Module, sample: torch.Tensor) -> dict[str, tuple[nn.
         return hook
 
     hooks = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules() if eligible(m)]
-    was = model.training
+    modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
             model(sample)
     finally:
-        model.train(was)
+        for m, training in modes.items():
+            m.training = training
         for h in hooks:
             h.remove()
     return seen
