@@ -31,9 +31,10 @@ def _gradients(conv, w, x, y):
        h=st.integers(1, 7), w=st.integers(1, 7), kh=st.integers(1, 4), kw=st.integers(1, 4), ph=st.integers(0, 2),
        pw=st.integers(0, 2))  # fmt: skip
 def test_the_product_s_gradients_are_the_convolution_s(clients, n, c, o, h, w, kh, kw, ph, pw):
-    """Rule (`product_conv`): for any stride-1 shape (kernels rectangular, wider than the padded image excluded),
-    padding different across and down, several samples a client, the product form's weight and input gradients and
-    second derivative equal the vmapped convolution's to float64 rounding, and its value exactly."""
+    """Rule (`weight_grad`, `product_conv`): for any stride-1 shape (kernels rectangular, wider than the padded
+    image excluded), padding different across and down, several samples a client, the product form's weight and
+    input gradients and second derivative equal the vmapped convolution's to float64 rounding, and its value
+    exactly."""
     if kh > h + 2 * ph or kw > w + 2 * pw:
         return
     torch.manual_seed(clients * 1000 + n * 100 + kh * 10 + kw)
@@ -46,6 +47,24 @@ def test_the_product_s_gradients_are_the_convolution_s(clients, n, c, o, h, w, k
         assert (a - b).abs().max() <= 1e-10 * (1 + a.abs().max())
     assert torch.equal(vmap(product_conv, in_dims=(0, 0, None))(x, wt.requires_grad_(), (ph, pw)),
                        vmap(F.conv2d, in_dims=(0, 0, None, None, None))(x, wt, None, 1, (ph, pw)))  # the value: exactly
+
+
+def test_the_product_computes_only_the_gradients_asked_for(monkeypatch):
+    """A step's first convolution takes no input gradient (its input is the data), and a frozen weight needs none:
+    neither is computed (a frozen layer costs what the plain convolution costs)."""
+    asked = []
+
+    def spy(name, f):
+        return lambda *a, **k: asked.append(name) or f(*a, **k)
+
+    for name in ("conv2d_input", "conv2d_weight"):
+        monkeypatch.setattr(torch.nn.grad, name, spy(name, getattr(torch.nn.grad, name)))
+    monkeypatch.setattr(conv_weight_grad, "weight_grad", spy("weight", conv_weight_grad.weight_grad))
+    wt, x = torch.randn(2, 3, 2, 3, 3), torch.randn(2, 4, 2, 5, 5)
+    for argnums, want in ((0, ["weight"]), (1, ["conv2d_input"]), ((0, 1), ["conv2d_input", "weight"])):
+        asked.clear()
+        vmap(grad(lambda wt, x: product_conv(x, wt, (1, 1)).square().sum(), argnums=argnums))(wt, x)
+        assert asked == want, argnums
 
 
 class _Net(nn.Module):
@@ -135,7 +154,7 @@ def test_a_timing_compares_the_two_forms_and_one_out_of_memory_keeps_the_grouped
     key = ("cpu", torch.float32, 2, 4, 3, 2, 6, 6, (3, 3), (1, 1), False)
     assert product_faster(key, reps=1) in (True, False)  # (on the CPU it can go either way)
     ran = []
-    monkeypatch.setattr(conv_weight_grad, "_product", lambda x, w, p: ran.append(1) or F.conv2d(x, w, None, 1, p))
+    monkeypatch.setattr(conv_weight_grad, "weight_grad", lambda *a: ran.append(1) or torch.zeros(a[2]))
     times = iter([2.0, 1.0, 1.0, 2.0, 1.0, 1.0])  # grouped, then product
     monkeypatch.setattr(conv_weight_grad, "_seconds", lambda step, args, reps: (step(*args), next(times, 1.0))[1])
     assert [product_faster(key) for _ in range(3)] == [True, False, False] and len(ran) == 3
@@ -143,7 +162,7 @@ def test_a_timing_compares_the_two_forms_and_one_out_of_memory_keeps_the_grouped
     def oom(*a, **k):
         raise torch.OutOfMemoryError("out of memory")
 
-    monkeypatch.setattr(conv_weight_grad, "_product", oom)
+    monkeypatch.setattr(conv_weight_grad, "weight_grad", oom)
     assert product_faster(key, reps=1) is False
 
 

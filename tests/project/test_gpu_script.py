@@ -176,8 +176,8 @@ def test_the_step_and_layer_probes_run_deterministic_kernels_as_a_round_does(tmp
 
     monkeypatch.setattr(gpu, "F", Spy())
     products = []  # the `wgrad_bmm` form: the library's (`conv_weight_grad.product_conv`), on conv1 and conv2
-    product = gpu.conv_weight_grad._product
-    monkeypatch.setattr(gpu.conv_weight_grad, "_product", lambda *a: products.append(a[1].shape) or product(*a))
+    product = gpu.conv_weight_grad.weight_grad
+    monkeypatch.setattr(gpu.conv_weight_grad, "weight_grad", lambda *a: products.append(a[2]) or product(*a))
     out = gpu.step_probe(a, torch.device("cpu"))
     assert {tuple(s) for s in products} == {(32, 3, 5, 5), (64, 32, 5, 5)}
     assert out["batched_step_tuned_ms"] > 0 and set(out["layers_ms"]["conv2"]) == {"vmap", "bmm", "dense", "tuned",

@@ -407,9 +407,8 @@ def _phase(
         masks = layers.draw([int(lengths[s, i]) for i in ids], w.shape[1], [noise[i] for i in ids],
                             pool_x.device) if layers.calls and noise is not None else []  # fmt: skip
         r = [] if inputs is None else [inputs[s] if whole else inputs[s][sel]]
-        with layers.patched(lambda k: objective is not None or k in lr_of):  # (an objective's forward may
-            g, moved = grads_of(p, q, b, cst, dict(shared), shared_consts, x, y, w, masks, r)  # train any weight:
-            # FedBasis's combined ones)
+        with layers.patched():
+            g, moved = grads_of(p, q, b, cst, dict(shared), shared_consts, x, y, w, masks, r)
         if any(k in shared for k in moved):  # a hook moved a shared tensor (`hand_back`): each client's own now
             _own_copies(params, shared, [k for k in moved if k in shared], n)
             stats += [k for k in moved if k in params and k not in stats]
@@ -479,7 +478,7 @@ def _rule_phase(
                              device) if layers.calls and noise is not None else [] for j in rule.forwards]  # fmt: skip
         p = {k: params[k] if whole else params[k][sel] for k in moving}
         b = {k: params[k] if whole else params[k][sel] for k in stats}
-        with layers.patched(lambda k: k in moving):
+        with layers.patched():
             new, moved = steps(p, b, batch, masks)
         moved = {k: v for k, v in moved.items() if k in params}  # (a finished client's come back as they were)
         for k, v in {**new, **moved}.items():
@@ -520,8 +519,7 @@ class _ClientGradients:
             g, moved = grad(lambda q: self._loss(q, j), has_aux=True)(p)
             return sum((g[k] * v[k]).sum() for k in g), moved
 
-        with conv_weight_grad.second_order():
-            hv, moved = grad(dot, has_aux=True)(params)
+        hv, moved = grad(dot, has_aux=True)(params)
         self.stats = {**self.stats, **moved}
         return hv
 

@@ -8,17 +8,17 @@ time). A client's weight gradient is a product whose output (out × in·k²) is 
 is a matrix product per client — the output gradient times the input's patches — which the vmapped step runs as
 one batched product over all the clients.
 
-`product_conv` is the convolution with that weight gradient: its value and input gradient as before (one grouped
-convolution each), and a term that is exactly zero — a product minus itself, detached — through which the weight
-gradient flows: the patches of the client's batch from one unfold of it laid out as a single tall image, each
-sample padded (so no patch mixes two samples: the patches that straddle two are computed and meet zero gradient
-rows), so no copy reorders them. The price: the product is computed in the forward too, and its patches kept
-for the backward. The values are the convolution's exactly, the weight gradient the same up to float rounding; the
-product runs at matrix products' precision (`executor.tf32`: float32 by default, where cuDNN's convolutions run in
-TF32). Why a zero term and not a custom backward: torch.compile cannot capture a custom autograd function under
-`vmap` (torch 2.13: dynamo's wrapper of it has no batching rule), and a custom operator's backward does not run
-under `torch.func.grad` (pytorch/pytorch#168393); plain operations run everywhere the step runs, CUDA graphs
-included.
+`product_conv` is the convolution with that backward (`WeightGradAsProduct`): its value and input gradient as
+before (one grouped convolution each), its weight gradient from one unfold of the client's batch laid out as a
+single tall image, each sample padded (so no patch mixes two samples: the patches that straddle two are computed
+and meet zero gradient rows), so no copy reorders them. Its backward is itself made of differentiable operations,
+so second derivatives (a rule's Hessian-vector products) are exact too. The values are the convolution's exactly,
+the gradients the same up to rounding; the product runs at matrix products' precision (`executor.tf32`: float32
+by default, where cuDNN's convolutions run in TF32). torch.compile cannot trace a custom autograd function under
+`vmap` (torch 2.13: dynamo's wrapper of it has no batching rule), so dynamo puts the call in its graph untraced
+(`torch.compiler.allow_in_graph`), and AOT autograd, which runs it under the real `vmap`, captures its forward and
+backward: compiled steps and CUDA graphs take it too. (A custom operator instead would not run under
+`torch.func.grad`: pytorch/pytorch#168393.)
 
 Which form pays depends on the GPU, the layer's shape and the number of clients, so it is timed, as cuDNN times
 its own algorithms under `executor.autotune`: `chosen` times both forms of each eligible convolution (stride 1,
@@ -43,34 +43,53 @@ Key = tuple[object, ...]
 _CHOICES: dict[Key, bool] = {}  # per shape: whether the product form was the faster
 
 
+class WeightGradAsProduct(torch.autograd.Function):
+    """One client's stride-1 convolution `F.conv2d(x, w, padding=padding)` whose weight gradient is computed as a
+    matrix product (`weight_grad`); each gradient only where asked for (a step's first layer takes none for its
+    input, a frozen layer none for its weight). Written per client; under `vmap` its forward and input gradient
+    are grouped convolutions and its product a batched one."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:  # type: ignore[override]
+        return F.conv2d(x, w, None, 1, padding)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+        x, w, padding = inputs
+        ctx.save_for_backward(x, w)
+        ctx.padding = padding
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # noqa: ANN001
+        x, w = ctx.saved_tensors
+        dx = torch.nn.grad.conv2d_input(x.shape, w, dy, padding=ctx.padding) if ctx.needs_input_grad[0] else None
+        dw = weight_grad(x, dy, w.shape, ctx.padding) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+@torch.compiler.allow_in_graph
 def product_conv(x: torch.Tensor, w: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
-    """One client's stride-1 convolution `F.conv2d(x, w, padding=padding)` whose weight gradient flows through a
-    matrix product: its value and input gradient are the convolution's (cuDNN's grouped kernels under `vmap`), and
-    a term that is exactly zero — the same product minus itself, detached — carries the weight gradient (the output
-    gradient's rows times the patches, a batched product under `vmap`). Plain operations only, so `vmap`, `grad`
-    and torch.compile take it as they take the convolution. Exact to first order only (`second_order`). For a
-    weight that takes a gradient: a frozen one would pay the product for nothing, and whether it takes one cannot
-    be asked (`requires_grad` reads False inside `grad` under torch.compile), so the step patches only the layers
-    its phase trains (`patched`)."""
-    y = F.conv2d(x, w.detach(), None, 1, padding)
-    p = _product(x.detach(), w, padding)
-    return y + (p - p.detach())
+    """`WeightGradAsProduct` as a call torch.compile keeps in its graph untraced (see the module docstring)."""
+    return WeightGradAsProduct.apply(x, w, padding)
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
-    """The convolution of `x` [n, in, H, W] by `w` [out, in, kh, kw] as one matrix product: `w` times the patches
-    of the samples stacked into one tall image, each padded (so no patch mixes two samples; the rows of patches
-    that straddle two are computed and dropped), [n, out, H′, W′]. Its gradient with respect to `w` is the output
-    gradient's rows — zero at the straddling rows — times the patches: one product, no copy reordering them."""
+def weight_grad(x: torch.Tensor, dy: torch.Tensor, shape: torch.Size, padding: tuple[int, int]) -> torch.Tensor:
+    """The weight gradient of a stride-1 convolution of `x` [n, in, H, W] whose output's gradient is `dy`
+    [n, out, H′, W′]: dy's rows times the patches of the samples stacked into one tall image, each padded by
+    `padding`; the tall image's rows of patches that straddle two samples meet zero rows of gradient."""
     n, c, h, wd = x.shape
-    o, _, kh, kw = w.shape
+    o, _, kh, kw = shape
     ph, pw = padding
     hp, wp = h + 2 * ph, wd + 2 * pw
     ho, wo = hp - kh + 1, wp - kw + 1
     tall = F.pad(x, (pw, pw, ph, ph)).transpose(0, 1).reshape(1, c, n * hp, wp)
     patches = F.unfold(tall, (kh, kw))[0]  # [in·kh·kw, (n·hp − kh + 1)·wo]: every row of patches, in order
-    rows = F.pad(w.reshape(o, -1) @ patches, (0, (kh - 1) * wo))  # [out, n·hp·wo]: each sample's hp rows
-    return rows.view(o, n, hp, wo)[:, :, :ho].transpose(0, 1)
+    rows = dy.new_zeros(o, n, hp, wo)
+    rows[:, :, :ho] = dy.transpose(0, 1)  # each sample's gradient at its rows of the tall image
+    rows = rows.view(o, n * hp * wo)[:, : (n * hp - kh + 1) * wo]
+    return (rows @ patches.T).view(shape)
 
 
 def eligible(m: nn.Module) -> bool:
@@ -120,26 +139,8 @@ def patched(model: nn.Module, names: Collection[str]) -> Iterator[None]:
             del m.forward
 
 
-_SECOND_ORDER = [False]  # within `second_order`
-
-
-@contextlib.contextmanager
-def second_order() -> Iterator[None]:
-    """Forwards whose gradients are differentiated again (a rule's Hessian-vector products) take the plain
-    convolution meanwhile: `product_conv` is exact to first order only — its input gradient comes from the
-    convolution of the detached weight, so a second derivative would miss that gradient's dependence on the
-    weight."""
-    was, _SECOND_ORDER[0] = _SECOND_ORDER[0], True
-    try:
-        yield
-    finally:
-        _SECOND_ORDER[0] = was
-
-
 def _product_forward(m: nn.Conv2d) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if _SECOND_ORDER[0]:
-            return F.conv2d(x, m.weight, m.bias, 1, m.padding)
         y = product_conv(x, m.weight, tuple(m.padding))
         return y if m.bias is None else y + m.bias.view(-1, 1, 1)
 

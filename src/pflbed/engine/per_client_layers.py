@@ -66,7 +66,7 @@ class PerClientLayers:
     Use: `layers.trace(...)` once; `masks = layers.draw(...)` before each step; inside the vmapped function
     `layers.enter(stats, real, masks)`, the forward, then `layers.leave()` returns the new statistics — all within
     `layers.patched()`. `products`: the convolutions whose weight gradient the step computes as a product
-    (`conv_weight_grad.chosen`), patched with the rest where the phase trains them."""
+    (`conv_weight_grad.chosen`), patched with the rest."""
 
     def __init__(self, model: nn.Module, products: frozenset[str] = frozenset()) -> None:
         self.model, self.products = model, products
@@ -134,11 +134,10 @@ class PerClientLayers:
         return new
 
     @contextlib.contextmanager
-    def patched(self, trained: Callable[[str], bool] = lambda name: True) -> Iterator[None]:
-        """The layers' per-client forwards, for the duration (the model's own afterwards); of the `products`,
-        those whose weight `trained(name)` says the step trains (a frozen one would pay the product for nothing)."""
-        products = [n for n in self.products if trained(f"{n}.weight")]
-        with self._forwards(self._norm_forward, self._drop_forward), conv_weight_grad.patched(self.model, products):
+    def patched(self) -> Iterator[None]:
+        """The layers' per-client forwards, for the duration (the model's own afterwards)."""
+        with self._forwards(self._norm_forward, self._drop_forward), conv_weight_grad.patched(self.model,
+                                                                                               self.products):
             yield
 
     @contextlib.contextmanager
