@@ -583,6 +583,7 @@ def compiled(step: Callable, mode: str, model: nn.Module, kept: Callable[[Any], 
     if not _compiled_for or _compiled_for[0]() is not model:
         torch._dynamo.reset()
         _compiled_for[:] = [weakref.ref(model)]
+    conv_weight_grad.keep_in_graph()  # (a step may compute weight gradients as products)
     fast = torch.compile(step, mode=mode)
 
     def run(*args: Any) -> Any:

@@ -16,9 +16,9 @@ so second derivatives (a rule's Hessian-vector products) are exact too. The valu
 the gradients the same up to rounding; the product runs at matrix products' precision (`executor.tf32`: float32
 by default, where cuDNN's convolutions run in TF32). torch.compile cannot trace a custom autograd function under
 `vmap` (torch 2.13: dynamo's wrapper of it has no batching rule), so dynamo puts the call in its graph untraced
-(`torch.compiler.allow_in_graph`), and AOT autograd, which runs it under the real `vmap`, captures its forward and
-backward: compiled steps and CUDA graphs take it too. (A custom operator instead would not run under
-`torch.func.grad`: pytorch/pytorch#168393.)
+(`keep_in_graph`: `torch.compiler.allow_in_graph`), and AOT autograd, which runs it under the real `vmap`,
+captures its forward and backward: compiled steps and CUDA graphs take it too. (A custom operator instead would
+not run under `torch.func.grad`: pytorch/pytorch#168393.)
 
 Which form pays depends on the GPU, the layer's shape and the number of clients, so it is timed, as cuDNN times
 its own algorithms under `executor.autotune`: `chosen` times both forms of each eligible convolution (stride 1,
@@ -69,10 +69,16 @@ class WeightGradAsProduct(torch.autograd.Function):
         return dx, dw, None
 
 
-@torch.compiler.allow_in_graph
 def product_conv(x: torch.Tensor, w: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
-    """`WeightGradAsProduct` as a call torch.compile keeps in its graph untraced (see the module docstring)."""
+    """`WeightGradAsProduct`, as a call torch.compile keeps in its graphs untraced (`keep_in_graph`)."""
     return WeightGradAsProduct.apply(x, w, padding)
+
+
+def keep_in_graph() -> None:
+    """Have torch.compile keep `product_conv` in its graphs untraced (see the module docstring). Called where a
+    step is compiled (`batched.compiled`), not at import: importing torch's compiler costs every fresh process a
+    second (`algorithms/sgd.py`)."""
+    torch.compiler.allow_in_graph(product_conv)
 
 
 def weight_grad(x: torch.Tensor, dy: torch.Tensor, shape: torch.Size, padding: tuple[int, int]) -> torch.Tensor:
