@@ -565,9 +565,8 @@ def layer_probe(device: torch.device, clients: int, steps: int) -> dict:
     `kernel_flags`) and in channels-last memory (`nhwc`: inputs and weights; cuDNN's own grouped kernels work in it, and
     the profile shows it converting every group's tensors to it and back) and with its weight gradient as one
     batched matrix product (`wgrad_bmm`: `conv_weight_grad.product_conv`, which `executor.autotune` times against
-    cuDNN's for a batched step);
-    fc1 vmapped again in TF32 (`tf32`: `executor.tf32`; the convolutions are TF32 already, PyTorch's default); ms
-    per forward and backward."""
+    cuDNN's for a batched step); fc1 vmapped again in TF32 (`tf32`: `executor.tf32`; the convolutions are TF32
+    already, PyTorch's default); ms per forward and backward."""
     from torch.func import vmap
 
     n = 32

@@ -118,7 +118,7 @@ def test_chosen_times_each_eligible_shape_once_and_keeps_those_where_the_product
     assert net.training and not net.b.training and all(m.training for n, m in net.named_modules() if n != "b")
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
     assert chosen(net, sample, 5, 8, faster) == {"a", "b", "c"} and len(asked) == 3  # remembered
-    assert set(conv_weight_grad.choices().values()) == {True, False}
+    assert set(conv_weight_grad._CHOICES.values()) == {True, False}
     chosen(net, sample, 4, 8, faster)
     assert len(asked) == 6
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: cuDNN's kernels, not timed

@@ -127,11 +127,6 @@ def chosen(
     return frozenset(out)
 
 
-def choices() -> dict[Key, bool]:
-    """Every shape timed in this process and whether the product won (for benchmarks' records)."""
-    return dict(_CHOICES)
-
-
 @contextlib.contextmanager
 def patched(model: nn.Module, names: Collection[str]) -> Iterator[None]:
     """The convolutions `names` of `model` computed by `product_conv` for the duration (their own after)."""
