@@ -107,6 +107,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "models/zoo.py": ["test_models", "test_fedper_models", "test_imagenet_resnet"],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
+    "engine/conv_weight_grad.py": ["test_conv_weight_grad", "test_batched"],
     "engine/driver.py": ["test_driver", "test_fedavg", "test_privacy", "test_privacy_deployed", "test_guard"],
     "engine/guard.py": ["test_guard", "test_driver", "test_cli"],
     "engine/wire.py": ["test_wire", "test_contract", "test_executor"],

@@ -113,6 +113,7 @@ def test_chosen_times_each_eligible_shape_once_and_keeps_those_where_the_product
 
     sample = torch.randn(1, 2, 13, 13)
     assert chosen(net, sample, 5, 8, faster) == {"a", "b", "c"}
+    assert {k[:2] for k in asked} == {("cpu", torch.float32)}  # the device and dtype the step runs in
     assert [(k[2:8], k[-1]) for k in asked] == [((5, 8, 4, 2, 13, 13), True), ((5, 8, 4, 4, 13, 13), False),
                                                 ((5, 8, 3, 4, 2, 2), False)]  # fmt: skip
     assert net.training and not net.b.training and all(m.training for n, m in net.named_modules() if n != "b")
@@ -121,8 +122,10 @@ def test_chosen_times_each_eligible_shape_once_and_keeps_those_where_the_product
     assert set(conv_weight_grad._CHOICES.values()) == {True, False}
     chosen(net, sample, 4, 8, faster)
     assert len(asked) == 6
+    chosen(net.double(), sample.double(), 4, 8, faster)  # another dtype: timed anew
+    assert len(asked) == 9 and {k[1] for k in asked[6:]} == {torch.float64}
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: cuDNN's kernels, not timed
-        assert chosen(net, sample, 7, 8, faster) == frozenset() and len(asked) == 6
+        assert chosen(net, sample.double(), 7, 8, faster) == frozenset() and len(asked) == 9
 
 
 def test_patched_convolutions_compute_the_same_and_their_own_forward_comes_back():
@@ -179,3 +182,65 @@ def test_a_product_whose_patches_would_crowd_the_gpu_s_memory_is_not_timed(monke
     assert not conv_weight_grad._fits(need, cuda)
     free[0] = 8 * need
     assert conv_weight_grad._fits(need, cuda) and conv_weight_grad._fits(10**15, torch.device("cpu"))
+
+
+def test_the_memory_bound_is_the_size_of_the_patches_the_product_takes(monkeypatch):
+    """Rule (`product_faster`): the bytes checked against the free memory are those of the patches `weight_grad`
+    unfolds, for every client — for a key rectangular in kernel, padding and image."""
+    unfolded, checked = [], []
+    unfold = F.unfold
+    monkeypatch.setattr(conv_weight_grad.F, "unfold",
+                        lambda *a, **k: unfolded.append(unfold(*a, **k)) or unfolded[-1])  # fmt: skip
+    monkeypatch.setattr(conv_weight_grad, "_fits", lambda nbytes, device: checked.append(nbytes) and False)
+    clients, batch, c, h, w, k, padding = 3, 4, 2, 6, 7, (3, 2), (2, 1)
+    product_faster(("cpu", torch.float64, clients, batch, 5, c, h, w, k, padding, False))
+    conv_weight_grad.weight_grad(torch.randn(batch, c, h, w), torch.randn(batch, 5, h + 2, w + 1), (5, c, *k),
+                                 padding)  # fmt: skip
+    assert checked == [clients * unfolded[0].numel() * 8]
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_the_two_timed_forms_are_the_step_s_gradient_at_the_key_s_shape(monkeypatch, first):
+    """Rule (`product_faster`): what is timed is the step's own work at the key's shape, device and dtype: the
+    weight gradient, and the input's unless the convolution's input is the model's (`first`), of the convolution
+    with the key's padding (a key rectangular in kernel, padding and image), the same in both forms."""
+    ran = []
+    monkeypatch.setattr(conv_weight_grad, "_seconds",
+                        lambda step, args, reps: (ran.append((step(*args), args)), 1.0)[1])  # fmt: skip
+    key = ("meta", torch.float64, 3, 4, 5, 2, 6, 7, (3, 2), (1, 0), first)
+    product_faster(key)
+    shapes = [(3, 5, 2, 3, 2)] if first else [(3, 5, 2, 3, 2), (3, 4, 2, 6, 7)]
+    for out, args in ran:
+        assert [tuple(a.shape) for a in args] == [(3, 5, 2, 3, 2), (3, 4, 2, 6, 7)]
+        out = [out] if first else list(out)
+        assert [tuple(o.shape) for o in out] == shapes
+        assert all(o.device.type == "meta" and o.dtype == torch.float64 for o in [*out, *args])
+    ran.clear()
+    torch.manual_seed(0)
+    product_faster(("cpu", torch.float64, 3, 4, 5, 2, 6, 7, (3, 2), (1, 0), first))
+    (grouped, _), (product, _) = ran
+    for a, b in zip([grouped] if first else grouped, [product] if first else product, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * a.abs().max()
+
+
+def test_a_timing_is_the_best_of_its_timed_calls_after_two_untimed_ones(monkeypatch):
+    """Rule (`_seconds`): `reps` timed calls after two warm-ups, each from the device's wait before it to the
+    wait after it; the shortest."""
+    clock = iter([0, 10, 10, 19, 19, 22, 22, 27, 27, 31])  # five calls: 10 and 9 (untimed), 3, 5 and 4
+    monkeypatch.setattr(conv_weight_grad.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert conv_weight_grad._seconds(lambda t: calls.append(t), (torch.zeros(1),), reps=3) == 3
+    assert len(calls) == 5
+
+
+def test_timing_waits_for_the_gpu_it_runs_on(monkeypatch):
+    """Rule (`_sync`, `_fits`): a GPU's timing waits for that GPU, and its memory is that GPU's; a CPU waits for
+    nothing."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: asked.append(("sync", device)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(("free", device)) or (800, 10**12))
+    gpu = torch.device("cuda", 1)
+    conv_weight_grad._sync(gpu)
+    conv_weight_grad._sync(torch.device("cpu"))
+    assert conv_weight_grad._fits(100, gpu) and not conv_weight_grad._fits(101, gpu)
+    assert asked == [("sync", gpu), ("free", gpu), ("free", gpu)]
