@@ -58,7 +58,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "algorithms/training.py": ["test_training", "test_fedavg", "test_local", "test_fedrod"],
     "algorithms/ktpfl.py": [*_KT, "test_payload_fits", "test_view_fits"],
     "algorithms/feddf.py": ["test_feddf", "test_pfeddf", "test_payload_fits", "test_view_fits"],
-    "algorithms/local_sgd.py": ["test_fedavg", "test_training", "test_batched"],
+    "algorithms/local_sgd.py": ["test_fedavg", "test_training", "test_batched", "test_compute"],
     "algorithms/server_extras.py": ["test_scaffold", "test_feddyn"],
     "evaluation/evaluate.py": ["test_evaluation", "test_metrics"],
     "evaluation/newclients.py": ["test_evaluation", "test_metrics"],
@@ -195,6 +195,10 @@ class _Timeout(Exception):
 # Caches keyed by everything their result depends on, none of it mutated code: kept between mutants (the data
 # loaders read files; the accountant's ε is Opacus's, of its arguments).
 PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_multiplier")
+# Module-level memos that are plain dicts (module, name): emptied before every test, as the functools caches are.
+# A memo filled under the unmutated code (or another mutant) keeps the code that fills it from running: masks'
+# constants copied to a device once, the convolutions' timed choices.
+MEMOS = (("pflbed.algorithms.masks", "_ON"), ("pflbed.engine.conv_weight_grad", "_CHOICES"))
 
 
 def kept_caches(mutant: str) -> tuple[str, ...]:
@@ -205,8 +209,8 @@ def kept_caches(mutant: str) -> tuple[str, ...]:
 
 def clear_caches(mutant: str = "", pure: bool = False) -> None:
     """Empty the in-process caches of pflbed and the tests before the next mutant: the memoized federations
-    (`federation._MEMORY`, keyed by the config, not by the code that built them) and each `functools` cache
-    (`tests.tiny.loop_run`, ...) but the `PURE_CACHES` — and those too where `mutant` lies in their code (a data
+    (`federation._MEMORY`, keyed by the config, not by the code that built them), the `MEMOS` and each `functools`
+    cache (`tests.tiny.loop_run`, ...) but the `PURE_CACHES` — and those too where `mutant` lies in their code (a data
     loader's mutant: its cache holds what the unmutated loader decoded). Modules stay imported across `pytest.main`
     calls, so without this a result computed under one mutant (or the original) is read back under the next one,
     whose own code then never runs: a false survivor. `pure`: empty every cache."""
@@ -218,9 +222,9 @@ def clear_caches(mutant: str = "", pure: bool = False) -> None:
             qualified = f"{name}.{getattr(value, '__name__', '')}"
             if callable(getattr(value, "cache_clear", None)) and not qualified.startswith(kept):
                 value.cache_clear()
-    federation = sys.modules.get("pflbed.federation.federation")  # not imported: nothing memoized
-    if federation is not None:
-        federation._MEMORY.clear()
+    for module, name in (("pflbed.federation.federation", "_MEMORY"), *MEMOS):
+        if module in sys.modules:  # not imported: nothing memoized
+            getattr(sys.modules[module], name).clear()
 
 
 def _alarm(*_):

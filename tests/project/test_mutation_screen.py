@@ -172,3 +172,23 @@ def test_a_loader_s_mutant_empties_the_loader_s_cache_that_other_mutants_keep(mo
     assert decodes_again("pflbed.data.fake_loader.x_load__mutmut_1")  # the loader's own mutant
     assert decodes_again("pflbed.data.digits.x__to_dataset__mutmut_3")  # a loader's cache may hold another's work
     assert decodes_again("", pure=True)  # `--reach`'s recording while loaders are screened: each test loads afresh
+
+
+def test_module_memos_are_emptied_before_every_mutant():
+    """A plain dict a module memoizes into (masks' constants per device, the convolutions' timed choices) is
+    emptied like the functools caches: filled under the unmutated code, it would keep the mutated code that fills
+    it from running (a false survivor: `masks._on`'s copy replaced by None survived so)."""
+    import importlib.util
+
+    import torch
+
+    from pflbed.algorithms import masks
+    from pflbed.engine import conv_weight_grad
+
+    spec = importlib.util.spec_from_file_location("mutation_screen", ROOT / "benchmarks" / "mutation_screen.py")
+    screen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screen)
+    masks._on(masks._SHIFTS, torch.device("cpu"))
+    conv_weight_grad._CHOICES[("a shape",)] = True
+    screen.clear_caches("pflbed.algorithms.fedavg.x_step__mutmut_1")
+    assert not masks._ON and not conv_weight_grad._CHOICES
