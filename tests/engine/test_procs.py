@@ -254,3 +254,20 @@ def test_the_run_and_each_worker_set_the_kernels_its_executor_config_asks_for(mo
                                                 "autotune": autotune, "tf32": tf32}})  # fmt: skip
     run_worker_here(prepare(cfg))
     assert seen == [(torch.device("cpu"), deterministic, autotune, tf32)] * 2
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_each_worker_keeps_freed_memory_as_its_executor_config_asks(monkeypatch, keep):
+    """`executor.keep_freed_memory` reaches the allocator of a `procs` worker, whose allocator is its own
+    process's (the worker loop run here on plain queues)."""
+    import contextlib
+
+    from pflbed.engine import procs
+
+    from .worker_here import run_worker_here
+
+    seen = []
+    monkeypatch.setattr(procs, "kept_freed_memory", lambda on: seen.append(on) or contextlib.nullcontext())
+    cfg = pflbed.config.validate_config({**TINY, "executor": {**TINY["executor"], "keep_freed_memory": keep}})
+    run_worker_here(prepare(cfg))
+    assert seen == [keep]
