@@ -138,17 +138,24 @@ def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_pat
     assert not (project / "mutants" / "screen-s-0.txt").read_text()
 
 
+def _screen_module():
+    """benchmarks/mutation_screen.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_screen", ROOT / "benchmarks" / "mutation_screen.py")
+    screen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screen)
+    return screen
+
+
 def test_a_loader_s_mutant_empties_the_loader_s_cache_that_other_mutants_keep(monkeypatch):
     """The data loaders' caches (keyed by their files) are kept between mutants of other code, but a mutant of a
     loader empties them: else the loader's result, decoded by the unmutated code, is read back and the mutated code
     never runs (a false survivor)."""
     import functools
-    import importlib.util
     import types
 
-    spec = importlib.util.spec_from_file_location("mutation_screen", ROOT / "benchmarks" / "mutation_screen.py")
-    screen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(screen)
+    screen = _screen_module()
     calls = []
     loader = types.ModuleType("pflbed.data.fake_loader")
 
@@ -178,16 +185,12 @@ def test_module_memos_are_emptied_before_every_mutant():
     """A plain dict a module memoizes into (masks' constants per device, the convolutions' timed choices) is
     emptied like the functools caches: filled under the unmutated code, it would keep the mutated code that fills
     it from running (a false survivor: `masks._on`'s copy replaced by None survived so)."""
-    import importlib.util
-
     import torch
 
     from pflbed.algorithms import masks
     from pflbed.engine import conv_weight_grad
 
-    spec = importlib.util.spec_from_file_location("mutation_screen", ROOT / "benchmarks" / "mutation_screen.py")
-    screen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(screen)
+    screen = _screen_module()
     masks._on(masks._SHIFTS, torch.device("cpu"))
     conv_weight_grad._CHOICES[("a shape",)] = True
     screen.clear_caches("pflbed.algorithms.fedavg.x_step__mutmut_1")
