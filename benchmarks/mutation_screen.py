@@ -15,7 +15,8 @@ still be killed by another test file, so the score is a lower bound of mutmut's.
 
 Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`; `report` reads every
 `screen-*` file in name order, a later verdict replacing an earlier one), one `KILLED|SURVIVED|TIMEOUT <mutant>`
-line each (a timeout counts as killed, as in mutmut). `--skip FILE` leaves out the mutants named in FILE (one per
+line each (a timeout counts as killed, as in mutmut; the screen then goes on in a fresh process, since the
+tests it cut short may have left state behind). `--skip FILE` leaves out the mutants named in FILE (one per
 line: e.g. those an earlier run already killed with a subset of today's tests). Each test selection first runs on the
 unmutated code, and a failure there stops the screen: with a stale `mutants/` copy of src (a file edited after
 `generate`) or of the tests, every mutant would count as killed.
@@ -33,7 +34,9 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "mutants"
@@ -188,10 +191,6 @@ def generate() -> None:
     print(f"{len(all_mutants())} mutants")
 
 
-class _Timeout(Exception):
-    pass
-
-
 # Caches keyed by everything their result depends on, none of it mutated code: kept between mutants (the data
 # loaders read files; the accountant's ε is Opacus's, of its arguments).
 PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_multiplier")
@@ -227,8 +226,28 @@ def clear_caches(mutant: str = "", pure: bool = False) -> None:
             getattr(sys.modules[module], name).clear()
 
 
-def _alarm(*_):
-    raise _Timeout
+def _on_timeout(fh: TextIO, mutant: list[str], start: str) -> Callable[..., None]:
+    """SIGALRM's handler while mutants are screened: the mutant under test (`mutant[0]`) timed out, which counts as
+    killed (as in mutmut); it is recorded in `fh` and the screen goes on in a fresh process, which the results file
+    resumes. Why not raise an exception where the signal lands and go on in this process: there it can be lost —
+    in a finalizer that the garbage collector runs, Python reports the exception and drops it (a mutant looping over
+    `gc.collect()` ran for hours past its limit so), and the code's own `except Exception` takes it for one of its
+    errors — and the tests it does cut short may leave their state behind (a `monkeypatch` not undone, a fixture not
+    torn down) for the next mutants' tests."""
+    own = os.dup(1), os.dup(2)  # the process's stdout and stderr: pytest's capture points them elsewhere while a
+    # test runs, and the fresh process would inherit that
+
+    def handler(*_: object) -> None:
+        fh.write(f"TIMEOUT {mutant[0]}\n")
+        fh.flush()
+        os.dup2(own[0], 1)
+        os.dup2(own[1], 2)
+        os.write(2, f"mutation_screen: {mutant[0]} timed out; going on in a fresh process\n".encode())
+        os.environ.pop("MUTANT_UNDER_TEST", None)
+        os.chdir(start)  # the command line's paths are relative to where it ran
+        os.execv(sys.executable, sys.orig_argv)
+
+    return handler
 
 
 def _key(nodeid: str) -> str:
@@ -283,6 +302,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
         tests: list[str] | None = None, out_name: str = "screen", keyword: str | None = None,
         reached: bool = False) -> None:
     files_given = [test_path(n) for n in tests] if tests else None  # before chdir: a misspelt name stops here
+    start = os.getcwd()
     os.chdir(MUTANTS)  # mutmut's copy of the tests and the mutated src
     sys.path.insert(0, str(MUTANTS / "src"))
     # ... in this process and in every one a test starts (`python -m pflbed`, a worker): else a test that runs
@@ -301,7 +321,6 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     todo = [(m, s) for m, s in all_mutants().items() if m not in skip and (only is None or m in only)][shard::shards]
     out = MUTANTS / f"{out_name}-{shard}.txt"
     done = {line.split()[1] for line in out.read_text().splitlines()} if out.exists() else set()
-    signal.signal(signal.SIGALRM, _alarm)
     passing: set[tuple[str, ...]] = set()  # test selections the unmutated code passes
     reaching: dict[tuple[str, ...], dict[str, list[str]]] = {}  # selection -> function -> its tests (`reached`)
 
@@ -313,6 +332,8 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             return pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files], plugins=plugins)
 
     with out.open("a") as fh:
+        under_test = [""]
+        signal.signal(signal.SIGALRM, _on_timeout(fh, under_test, start))
         for name, source in todo:
             if name in done:
                 continue
@@ -338,16 +359,15 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
                     fh.flush()
                     continue
                 files = sorted({nodeid.split("::")[0] for nodeid in only_ids})
-            signal.alarm(timeout)
+            under_test[0] = name
+            signal.alarm(timeout)  # past it: `_on_timeout`
             try:
                 rc = pytest_rc(files, k, name, only_ids)
-                if rc == pytest.ExitCode.USAGE_ERROR:  # a selection pytest cannot read: no verdict
-                    sys.exit(f"mutation_screen: pytest cannot select the tests of {name} (a usage error)")
-                verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing
-            except _Timeout:
-                verdict = "TIMEOUT"
             finally:
                 signal.alarm(0)
+            if rc == pytest.ExitCode.USAGE_ERROR:  # a selection pytest cannot read: no verdict
+                sys.exit(f"mutation_screen: pytest cannot select the tests of {name} (a usage error)")
+            verdict = {0: "SURVIVED", 5: "NOTESTS"}.get(rc, "KILLED")  # 5: pytest collected nothing
             fh.write(f"{verdict} {name}\n")
             fh.flush()
 

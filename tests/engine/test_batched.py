@@ -1104,6 +1104,16 @@ def test_a_compiled_step_takes_the_product_form_in_its_graph(monkeypatch):
         assert _max_diff(want, got) <= TOL and _max_diff(plain, got) > 0
 
 
+def test_train_together_times_no_convolution_unless_asked(monkeypatch):
+    """`train_together`'s default is `autotune` off: a caller that does not ask for the timing gets the grouped
+    convolution's weight gradient, the client-by-client step's kernels, on any device."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(conv_weight_grad, "chosen", lambda *a, **k: pytest.fail("timed unasked"))
+    cfg, ctx, cids, plans = _plans("lenet5", 8, None, local_epochs=1)
+    train_together(ctx.model, plans, [ctx.client_data(c) for c in cids], cfg.train,
+                   [client_generator(cfg.seed, 1, c) for c in cids])  # fmt: skip
+
+
 def test_autotune_times_no_convolution_on_a_cpu(monkeypatch):
     """`executor.autotune` has no effect on a CPU: a batched run of a convolutional model there never times the
     product form of its convolutions' weight gradient (`conv_weight_grad`), which loses on a CPU."""

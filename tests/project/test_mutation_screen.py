@@ -6,6 +6,7 @@ module, `src/pflbed/toy.py`, with a test file that misses some of its mutants (t
 commands must do: `generate` makes the mutants and a copy of the tests, the two shards screen every mutant once,
 `report` counts them, and the last command screens the named survivors again, against the other tests."""
 
+import collections
 import re
 import shutil
 import subprocess
@@ -64,10 +65,10 @@ def _commands():
     return commands
 
 
-def _shell(command, cwd, ok=True):
+def _shell(command, cwd, ok=True, timeout=300):
     """`command`'s output (`ok`: it succeeded); `python` is this interpreter."""
     path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
-    out = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=300,
+    out = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                          env={"PATH": path, "HOME": str(cwd)})  # fmt: skip
     if ok:
         assert out.returncode == 0, f"{command}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
@@ -81,21 +82,27 @@ def _verdicts(project):
     return [(verdict, name) for verdict, name in lines]
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="the page's commands are bash")
-def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_path):
+def _project(tmp_path, module, tests):
+    """A copy of the project's layout holding the screen, one module `src/pflbed/toy.py` of source `module`, and
+    the test files `tests` ((folder, name, source) each)."""
     project = tmp_path / "project"
     (project / "benchmarks").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "mutation_screen.py", project / "benchmarks")
     (project / "pyproject.toml").write_text(PYPROJECT)
     (project / "src" / "pflbed").mkdir(parents=True)
     (project / "src" / "pflbed" / "__init__.py").write_text("")
-    (project / "src" / "pflbed" / "toy.py").write_text(TOY)
-    for folder, name, text in [("project", "test_toy.py", WEAK), ("algorithms", "test_contract.py", STRICT)]:
+    (project / "src" / "pflbed" / "toy.py").write_text(module)
+    for folder, name, text in tests:
         (project / "tests" / folder).mkdir(parents=True, exist_ok=True)
         (project / "tests" / folder / "__init__.py").write_text("")
         (project / "tests" / folder / name).write_text(text)
     (project / "tests" / "__init__.py").write_text("")
+    return project
 
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="the page's commands are bash")
+def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_path):
+    project = _project(tmp_path, TOY, [("project", "test_toy.py", WEAK), ("algorithms", "test_contract.py", STRICT)])
     generate, shard0, shard1, report, rerun = _commands()
     assert "mutants" in _shell(generate, project)
     assert (project / "mutants" / "tests" / "algorithms" / "test_contract.py").read_text() == STRICT
@@ -136,6 +143,61 @@ def test_the_contributing_page_s_mutation_screen_commands_run_as_written(tmp_pat
     out = _shell(rerun.replace("screen-r", "screen-s"), project, ok=False)
     assert out.returncode != 0 and "the unmutated code fails tests/algorithms/test_contract.py" in out.stderr
     assert not (project / "mutants" / "screen-s-0.txt").read_text()
+
+
+SPIN = '''import gc
+
+
+class _Cycle:
+    """Garbage only the collector frees, whose finalizer runs Python: where a time limit's signal may land."""
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        sum(range(100))
+
+
+def drain(n):
+    while n > 0:
+        try:
+            n -= 1
+            _Cycle()
+            gc.collect()
+        except Exception:  # the code's own handler, which must not take the time limit for one of its errors
+            pass
+    return n
+'''
+SPIN_TEST = """from pflbed.toy import drain
+
+
+def test_drain():
+    assert drain(3) == 0
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="the screen's commands are bash")
+def test_a_mutant_that_never_ends_times_out_and_the_screen_goes_on_afresh(tmp_path):
+    """A mutant that loops for ever (`n -= 1` as `n += 1`) counts as killed at its time limit, however its loop
+    meets the limit's signal: inside a finalizer the garbage collector runs, where Python drops the exception a
+    signal's handler raises, or inside the code's own `except Exception`. Either once took a one-shot alarm and
+    ran on for hours. After a timeout the screen goes on in a fresh process and screens every mutant once."""
+    project = _project(tmp_path, SPIN, [("project", "test_toy.py", SPIN_TEST)])
+    _shell("python benchmarks/mutation_screen.py generate", project)
+    out = _shell("python benchmarks/mutation_screen.py run --reach --timeout 1", project, ok=False, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    verdicts = _verdicts(project)
+    names = [name for _, name in verdicts]
+    assert len(names) == len(set(names)) and {n for n in names if ".x_drain__" in n}
+    timed_out = [name for verdict, name in verdicts if verdict == "TIMEOUT"]
+    assert timed_out and all(".x_drain__" in n for n in timed_out)
+    assert {v for v, _ in verdicts} >= {"KILLED", "SURVIVED"}  # the rest as the test finds them
+    assert [line for line in out.stderr.splitlines() if "timed out" in line] == \
+        [f"mutation_screen: {name} timed out; going on in a fresh process" for name in timed_out]  # fmt: skip
+    count = collections.Counter(v for v, _ in verdicts)
+    killed = count["KILLED"] + count["TIMEOUT"]
+    row = f"| `toy.py` | {len(names)} | {killed} | {count['SURVIVED']} | {count['NOTESTS']} |"
+    assert row in _shell("python benchmarks/mutation_screen.py report", project)
 
 
 def _screen_module():
