@@ -198,6 +198,12 @@ PURE_CACHES = ("pflbed.data.", "pflbed.privacy._epsilon", "pflbed.privacy.noise_
 # A memo filled under the unmutated code (or another mutant) keeps the code that fills it from running: masks'
 # constants copied to a device once, the convolutions' timed choices.
 MEMOS = (("pflbed.algorithms.masks", "_ON"), ("pflbed.engine.conv_weight_grad", "_CHOICES"))
+# Tests that fail on mutmut's copy of the code, mutated or not, in any process: left out of every selection (else the
+# selection's check on the unmutated code stops the screen). The compiled product step: dynamo cannot trace the
+# `ContextVar.get` of mutmut's trampolines around `batched.py`'s functions and breaks the graph, which the test
+# counts; its rule (`keep_in_graph`) is planted by hand (benchmarks/results/mutation.md).
+UNSCREENABLE = ("tests/engine/test_batched.py::test_a_compiled_step_takes_the_product_form_in_its_graph",)
+DESELECT = [arg for test in UNSCREENABLE for arg in ("--deselect", test)]
 
 
 def kept_caches(mutant: str) -> tuple[str, ...]:
@@ -294,7 +300,7 @@ def reach(args: list[str], pure: bool = False) -> dict[str, list[str]] | None:
                 hits[name].append(item.nodeid)
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        rc = pytest.main(["-p", "no:cacheprovider", "-q", *args], plugins=[Recorder()])
+        rc = pytest.main(["-p", "no:cacheprovider", "-q", *DESELECT, *args], plugins=[Recorder()])
     return hits if rc == 0 else None
 
 
@@ -329,7 +335,7 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
         os.environ["MUTANT_UNDER_TEST"] = mutant
         plugins = [_Only(only_ids)] if only_ids is not None else []
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return pytest.main(["-p", "no:cacheprovider", "-q", "-x", *k, *files], plugins=plugins)
+            return pytest.main(["-p", "no:cacheprovider", "-q", "-x", *DESELECT, *k, *files], plugins=plugins)
 
     with out.open("a") as fh:
         under_test = [""]
