@@ -100,45 +100,43 @@ def test_a_cpu_run_leaves_torch_s_process_wide_settings_and_other_devices_alone(
     assert seen == {"devices": []}
 
 
+@pytest.fixture
+def kernel_flags(monkeypatch):
+    """torch's process-wide kernel flags, which `gpu_kernels` sets, put back after the test."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    for flag in ("deterministic", "benchmark", "allow_tf32"):
+        monkeypatch.setattr(torch.backends.cudnn, flag, getattr(torch.backends.cudnn, flag))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("autotune", [True, False])
 @pytest.mark.parametrize("tf32, matmul, conv", [(None, False, True), (True, True, True), (False, False, False)])
-def test_a_gpu_run_sets_the_kernel_flags_its_config_asks_for(monkeypatch, deterministic, autotune, tf32, matmul,
-                                                             conv) -> None:  # fmt: skip
+def test_a_gpu_run_sets_the_kernel_flags_its_config_asks_for(monkeypatch, kernel_flags, deterministic, autotune, tf32,
+                                                             matmul, conv) -> None:  # fmt: skip
     """On a GPU device, `executor.deterministic`, `executor.autotune` and `executor.tf32` become torch's flags as
     they are: cuDNN's autotuner (`benchmark`) on only when asked, whichever the determinism; TF32 unset: PyTorch's
     defaults (convolutions in TF32, matrix products not), set: both or neither, whatever an earlier run left (the
-    flags start opposite to what is asked). Set, not read; no GPU needed. The process-wide flags are put back after."""
-    before = torch.are_deterministic_algorithms_enabled()
+    flags start opposite to what is asked). Set, not read; no GPU needed."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the caller's, not the one a run sets
-    for flag in ("deterministic", "benchmark", "allow_tf32"):
-        monkeypatch.setattr(torch.backends.cudnn, flag, getattr(torch.backends.cudnn, flag))
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = not matmul, not conv
-    try:
-        rng.gpu_kernels(torch.device("cuda"), deterministic, autotune, tf32)
-        assert torch.backends.cudnn.benchmark is autotune
-        assert torch.backends.cudnn.deterministic is deterministic
-        assert torch.are_deterministic_algorithms_enabled() is deterministic
-        assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op with no deterministic kernel: a warning
-        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (matmul, conv)
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the caller's own workspace kept
-    finally:
-        torch.use_deterministic_algorithms(before)
+    rng.gpu_kernels(torch.device("cuda"), deterministic, autotune, tf32)
+    assert torch.backends.cudnn.benchmark is autotune
+    assert torch.backends.cudnn.deterministic is deterministic
+    assert torch.are_deterministic_algorithms_enabled() is deterministic
+    assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op with no deterministic kernel: a warning
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (matmul, conv)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the caller's own workspace kept
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_a_deterministic_gpu_run_fixes_cublas_s_workspace_where_the_caller_did_not(monkeypatch, deterministic):
+def test_a_deterministic_gpu_run_fixes_cublas_s_workspace_where_the_caller_did_not(monkeypatch, kernel_flags,
+                                                                                   deterministic):  # fmt: skip
     """cuBLAS is deterministic only with a fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, read at its first use): a
     deterministic run sets it where the process has none; a run that is not leaves the process's environment."""
-    before = torch.are_deterministic_algorithms_enabled()
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    for flag in ("deterministic", "benchmark", "allow_tf32"):
-        monkeypatch.setattr(torch.backends.cudnn, flag, getattr(torch.backends.cudnn, flag))
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    try:
-        rng.gpu_kernels(torch.device("cuda"), deterministic)
-        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == (rng.CUBLAS_DETERMINISTIC_WORKSPACE if deterministic
-                                                             else None)  # fmt: skip
-    finally:
-        torch.use_deterministic_algorithms(before)
+    rng.gpu_kernels(torch.device("cuda"), deterministic)
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == (rng.CUBLAS_DETERMINISTIC_WORKSPACE if deterministic
+                                                         else None)  # fmt: skip
