@@ -236,10 +236,10 @@ def _on_timeout(fh: TextIO, mutant: list[str], start: str) -> Callable[..., None
     """SIGALRM's handler while mutants are screened: the mutant under test (`mutant[0]`) timed out, which counts as
     killed (as in mutmut); it is recorded in `fh` and the screen goes on in a fresh process, which the results file
     resumes. Why not raise an exception where the signal lands and go on in this process: there it can be lost —
-    in a finalizer that the garbage collector runs, Python reports the exception and drops it (a mutant looping over
-    `gc.collect()` ran on past its limit so, until stopped), and the code's own `except Exception` takes it for one of its
-    errors — and the tests it does cut short may leave their state behind (a `monkeypatch` not undone, a fixture not
-    torn down) for the next mutants' tests."""
+    in a finalizer that the garbage collector runs, Python reports the exception and drops it (a mutant looping
+    over `gc.collect()` ran on past its limit so, until stopped), and the code's own `except Exception` takes it for
+    one of its errors — and the tests it does cut short may leave their state behind (a `monkeypatch` not undone, a
+    fixture not torn down) for the next mutants' tests."""
     own = os.dup(1), os.dup(2)  # the process's stdout and stderr: pytest's capture points them elsewhere while a
     # test runs, and the fresh process would inherit that
 
