@@ -15,8 +15,9 @@ still be killed by another test file, so the score is a lower bound of mutmut's.
 
 Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.txt`; `report` reads every
 `screen-*` file in name order, a later verdict replacing an earlier one), one `KILLED|SURVIVED|TIMEOUT <mutant>`
-line each (a timeout counts as killed, as in mutmut; the screen then goes on in a fresh process, since the
-tests it cut short may have left state behind). `--skip FILE` leaves out the mutants named in FILE (one per
+line each (a timeout counts as killed, as in mutmut: past `--timeout` seconds, or three times the tests' own time
+on the unmutated code where longer; the screen then goes on in a fresh process, since the tests it cut short may
+have left state behind). `--skip FILE` leaves out the mutants named in FILE (one per
 line: e.g. those an earlier run already killed with a subset of today's tests). Each test selection first runs on the
 unmutated code, and a failure there stops the screen: with a stale `mutants/` copy of src (a file edited after
 `generate`) or of the tests, every mutant would count as killed.
@@ -30,10 +31,12 @@ import contextlib
 import glob
 import io
 import json
+import math
 import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -204,6 +207,9 @@ MEMOS = (("pflbed.algorithms.masks", "_ON"), ("pflbed.engine.conv_weight_grad", 
 # counts; its rule (`keep_in_graph`) is planted by hand (benchmarks/results/mutation.md).
 UNSCREENABLE = ("tests/engine/test_batched.py::test_a_compiled_step_takes_the_product_form_in_its_graph",)
 DESELECT = [arg for test in UNSCREENABLE for arg in ("--deselect", test)]
+# A mutant's time limit is `--timeout` or this many times its tests' seconds on the unmutated code, whichever is
+# longer: a fixed limit shorter than the tests counts a mutant they would let survive as killed (a timeout).
+SLOWER = 3
 
 
 def kept_caches(mutant: str) -> tuple[str, ...]:
@@ -276,8 +282,9 @@ class _Only:
         items[:] = [item for item, k in zip(items, keep, strict=True) if k]
 
 
-def reach(args: list[str], pure: bool = False) -> dict[str, list[str]] | None:
-    """The tests of a selection (`args`: pytest's) that reach each mutated function, None if the selection fails: one
+def reach(args: list[str], pure: bool = False) -> tuple[dict[str, list[str]], dict[str, float]] | None:
+    """The tests of a selection (`args`: pytest's) that reach each mutated function, and each test's seconds (node id
+    -> seconds), None if the selection fails: one
     run of them on the unmutated code (so it is also the check that the unmutated code passes) with mutmut's
     trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`, as `mutmut run` records them before
     testing), the caches emptied before each test so that each one's calls are its own (`pure`: the data loaders'
@@ -288,6 +295,7 @@ def reach(args: list[str], pure: bool = False) -> dict[str, list[str]] | None:
     from mutmut.state import state
 
     hits: dict[str, list[str]] = collections.defaultdict(list)
+    seconds: dict[str, float] = {}
 
     class Recorder:
         @pytest.hookimpl(hookwrapper=True)
@@ -295,13 +303,15 @@ def reach(args: list[str], pure: bool = False) -> dict[str, list[str]] | None:
             clear_caches(pure=pure)
             state()._stats.clear()
             os.environ["MUTANT_UNDER_TEST"] = "stats"
+            began = time.perf_counter()
             yield
+            seconds[item.nodeid] = time.perf_counter() - began
             for name in state()._stats:
                 hits[name].append(item.nodeid)
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = pytest.main(["-p", "no:cacheprovider", "-q", *DESELECT, *args], plugins=[Recorder()])
-    return hits if rc == 0 else None
+    return (hits, seconds) if rc == 0 else None
 
 
 def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | None = None,
@@ -328,7 +338,8 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
     out = MUTANTS / f"{out_name}-{shard}.txt"
     done = {line.split()[1] for line in out.read_text().splitlines()} if out.exists() else set()
     passing: set[tuple[str, ...]] = set()  # test selections the unmutated code passes
-    reaching: dict[tuple[str, ...], dict[str, list[str]]] = {}  # selection -> function -> its tests (`reached`)
+    reaching: dict[tuple[str, ...], tuple[dict[str, list[str]], dict[str, float]]] = {}  # selection -> `reach`'s
+    took: dict[tuple[str, ...], float] = {}  # selection -> its seconds on the unmutated code
 
     def pytest_rc(files: list[str], k: list[str], mutant: str, only_ids: set[str] | None = None) -> int:
         clear_caches(mutant)
@@ -347,26 +358,30 @@ def run(shard: int, shards: int, skip: set[str], timeout: int, only: set[str] | 
             k = ["-k", keyword.format(stem=Path(source).stem)] if keyword else []
             selection = tuple(files + k)
             if selection not in passing:  # else every mutant would count as killed
+                began = time.perf_counter()
                 if reached:  # one run both checks the selection and records which test reaches what
-                    hits = reach([*k, *files], pure=any(kept_caches(m) != PURE_CACHES for m, _ in todo))
-                    ok = hits is not None
-                    reaching[selection] = hits or {}
+                    found = reach([*k, *files], pure=any(kept_caches(m) != PURE_CACHES for m, _ in todo))
+                    ok = found is not None
+                    reaching[selection] = found or ({}, {})
                 else:
                     ok = pytest_rc(files, k, "none") == 0
+                took[selection] = time.perf_counter() - began
                 if not ok:
                     sys.exit(f"mutation_screen: the unmutated code fails {' '.join(files + k)}: mutants/ or its "
                              "tests/ copy is stale (run `generate` again)")
                 passing.add(selection)
-            only_ids = None
+            only_ids, baseline = None, took[selection]
             if reached:  # only the tests that call the mutated function: their files, the rest deselected
-                only_ids = set(reaching[selection].get(name.partition("__mutmut_")[0], []))
+                hits, seconds = reaching[selection]
+                only_ids = set(hits.get(name.partition("__mutmut_")[0], []))
                 if not only_ids:
                     fh.write(f"NOTESTS {name}\n")
                     fh.flush()
                     continue
                 files = sorted({nodeid.split("::")[0] for nodeid in only_ids})
+                baseline = sum(seconds[i] for i in only_ids)
             under_test[0] = name
-            signal.alarm(timeout)  # past it: `_on_timeout`
+            signal.alarm(max(timeout, math.ceil(SLOWER * baseline)))  # past it: `_on_timeout`
             try:
                 rc = pytest_rc(files, k, name, only_ids)
             finally:
@@ -408,7 +423,8 @@ def main() -> None:
     p.add_argument("command", choices=["generate", "run", "report"])
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--timeout", type=int, default=120, help="seconds per mutant (then it counts as killed)")
+    p.add_argument("--timeout", type=int, default=120, help="seconds per mutant at least (then it counts as killed); "
+                   f"{SLOWER}× its tests' seconds on the unmutated code where longer")
     p.add_argument("--skip", type=Path, help="file of mutant names to leave out (run) / count as killed (report)")
     p.add_argument("--only", type=Path, help="file of the mutant names to run (run)")
     p.add_argument("--tests", help="comma-separated test modules to run instead of each file's own (run)")

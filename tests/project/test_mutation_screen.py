@@ -7,6 +7,7 @@ commands must do: `generate` makes the mutants and a copy of the tests, the two 
 `report` counts them, and the last command screens the named survivors again, against the other tests."""
 
 import collections
+import json
 import re
 import shutil
 import subprocess
@@ -198,6 +199,24 @@ def test_a_mutant_that_never_ends_times_out_and_the_screen_goes_on_afresh(tmp_pa
     killed = count["KILLED"] + count["TIMEOUT"]
     row = f"| `toy.py` | {len(names)} | {killed} | {count['SURVIVED']} | {count['NOTESTS']} |"
     assert row in _shell("python benchmarks/mutation_screen.py report", project)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="the screen's commands are bash")
+def test_a_mutant_s_time_limit_is_at_least_three_times_its_tests_own_time(tmp_path):
+    """A limit (`--timeout 1`) shorter than the tests' own time on the unmutated code (1.2 s here) is stretched to
+    `SLOWER` times that time, with and without `--reach`: else every mutant of the slow test would count as killed
+    (timed out), the survivors among them too."""
+    slow = WEAK.replace("from pflbed", "import time\n\nfrom pflbed").replace(
+        "def test_a_share_and_scaled():\n", "def test_a_share_and_scaled():\n    time.sleep(1.2)\n")
+    project = _project(tmp_path, TOY, [("project", "test_toy.py", slow)])
+    _shell("python benchmarks/mutation_screen.py generate", project)
+    shares = [n for n in json.loads((project / "mutants/src/pflbed/toy.py.meta").read_text())["exit_code_by_key"]
+              if ".x_share__" in n]  # fmt: skip
+    (project / "shares.txt").write_text("\n".join(shares))
+    for out, reach in (("all", ""), ("reach", "--reach")):
+        _shell(f"python benchmarks/mutation_screen.py run --only shares.txt --timeout 1 {reach} --out {out}", project)
+        verdicts = {line.split()[0] for line in (project / "mutants" / f"{out}-0.txt").read_text().splitlines()}
+        assert verdicts == {"KILLED", "SURVIVED"}, (out, verdicts)  # the weak test's own: the guard's survive
 
 
 def _screen_module():
