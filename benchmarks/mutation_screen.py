@@ -17,10 +17,10 @@ Results go to `mutants/screen-<shard>.txt` (`--out NAME`: `mutants/NAME-<shard>.
 `screen-*` file in name order, a later verdict replacing an earlier one), one `KILLED|SURVIVED|TIMEOUT <mutant>`
 line each (a timeout counts as killed, as in mutmut: past `--timeout` seconds, or three times the tests' own time
 on the unmutated code where longer; the screen then goes on in a fresh process, since the tests it cut short may
-have left state behind). `--skip FILE` leaves out the mutants named in FILE (one per
-line: e.g. those an earlier run already killed with a subset of today's tests). Each test selection first runs on the
-unmutated code, and a failure there stops the screen: with a stale `mutants/` copy of src (a file edited after
-`generate`) or of the tests, every mutant would count as killed.
+have left state behind). `--skip FILE` leaves out the mutants named in FILE (one per line: e.g. those an earlier run
+already killed with a subset of today's tests). Each test selection first runs on the unmutated code, and a failure
+there stops the screen: with a stale `mutants/` copy of src (a file edited after `generate`) or of the tests, every
+mutant would count as killed.
 """
 
 from __future__ import annotations
@@ -284,13 +284,12 @@ class _Only:
 
 def reach(args: list[str], pure: bool = False) -> tuple[dict[str, list[str]], dict[str, float]] | None:
     """The tests of a selection (`args`: pytest's) that reach each mutated function, and each test's seconds (node id
-    -> seconds), None if the selection fails: one
-    run of them on the unmutated code (so it is also the check that the unmutated code passes) with mutmut's
-    trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`, as `mutmut run` records them before
-    testing), the caches emptied before each test so that each one's calls are its own (`pure`: the data loaders'
-    too, when their own mutants are screened: else only the first test to load a file is seen to reach the
-    loader). Calls made in a process a test starts are not seen: a test that reaches a function only there is left
-    out (`--reach` then misses it; screen such mutants without it)."""
+    -> seconds), None if the selection fails: one run of them on the unmutated code (so it is also the check that
+    the unmutated code passes) with mutmut's trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`,
+    as `mutmut run` records them before testing), the caches emptied before each test so that each one's calls are
+    its own (`pure`: the data loaders' too, when their own mutants are screened: else only the first test to load a
+    file is seen to reach the loader). Calls made in a process a test starts are not seen: a test that reaches a
+    function only there is left out (`--reach` then misses it; screen such mutants without it)."""
     import pytest
     from mutmut.state import state
 

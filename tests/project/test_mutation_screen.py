@@ -77,8 +77,9 @@ def _shell(command, cwd, ok=True, timeout=300):
     return out
 
 
-def _verdicts(project):
-    lines = [line.split() for f in sorted((project / "mutants").glob("screen-*.txt")) for line in
+def _verdicts(project, out="screen"):
+    """(verdict, mutant) of every line of the results files `mutants/<out>-*.txt`."""
+    lines = [line.split() for f in sorted((project / "mutants").glob(f"{out}-*.txt")) for line in
              f.read_text().splitlines()]  # fmt: skip
     return [(verdict, name) for verdict, name in lines]
 
@@ -182,7 +183,7 @@ def test_a_mutant_that_never_ends_times_out_and_the_screen_goes_on_afresh(tmp_pa
     """A mutant that loops for ever (`n -= 1` as `n += 1`) counts as killed at its time limit, however its loop
     meets the limit's signal: inside a finalizer the garbage collector runs, where Python drops the exception a
     signal's handler raises, or inside the code's own `except Exception`. Either once took a one-shot alarm and
-    ran on for hours. After a timeout the screen goes on in a fresh process and screens every mutant once."""
+    ran on until stopped. After a timeout the screen goes on in a fresh process and screens every mutant once."""
     project = _project(tmp_path, SPIN, [("project", "test_toy.py", SPIN_TEST)])
     _shell("python benchmarks/mutation_screen.py generate", project)
     out = _shell("python benchmarks/mutation_screen.py run --reach --timeout 1", project, ok=False, timeout=60)
@@ -215,7 +216,7 @@ def test_a_mutant_s_time_limit_is_at_least_three_times_its_tests_own_time(tmp_pa
     (project / "shares.txt").write_text("\n".join(shares))
     for out, reach in (("all", ""), ("reach", "--reach")):
         _shell(f"python benchmarks/mutation_screen.py run --only shares.txt --timeout 1 {reach} --out {out}", project)
-        verdicts = {line.split()[0] for line in (project / "mutants" / f"{out}-0.txt").read_text().splitlines()}
+        verdicts = {verdict for verdict, _ in _verdicts(project, out)}
         assert verdicts == {"KILLED", "SURVIVED"}, (out, verdicts)  # the weak test's own: the guard's survive
 
 
@@ -295,5 +296,5 @@ def test_the_tests_that_fail_on_mutmut_s_copy_are_left_out_of_every_selection(tm
     stems = ",".join(Path(p).stem for p in files)
     for out, reach in (("all", ""), ("reach", "--reach")):
         _shell(f"python benchmarks/mutation_screen.py run --tests {stems} {reach} --out {out}", project)
-        verdicts = {line.split()[0] for line in (project / "mutants" / f"{out}-0.txt").read_text().splitlines()}
+        verdicts = {verdict for verdict, _ in _verdicts(project, out)}
         assert {"KILLED", "SURVIVED"} <= verdicts  # the weak test's verdicts, as in the page's run
