@@ -92,9 +92,8 @@ def weight_grad(x: torch.Tensor, dy: torch.Tensor, shape: torch.Size, padding: t
     ho, wo = hp - kh + 1, wp - kw + 1
     tall = F.pad(x, (pw, pw, ph, ph)).transpose(0, 1).reshape(1, c, n * hp, wp)
     patches = F.unfold(tall, (kh, kw))[0]  # [in·kh·kw, (n·hp − kh + 1)·wo]: every row of patches, in order
-    rows = dy.new_zeros(o, n, hp, wo)
-    rows[:, :, :ho] = dy.transpose(0, 1)  # each sample's gradient at its rows of the tall image
-    rows = rows.view(o, n * hp * wo)[:, : (n * hp - kh + 1) * wo]
+    rows = F.pad(dy.transpose(0, 1), (0, 0, 0, hp - ho))  # each sample's gradient at its rows of the tall image
+    rows = rows.reshape(o, n * hp * wo)[:, : (n * hp - kh + 1) * wo]
     return (rows @ patches.T).view(shape)
 
 
