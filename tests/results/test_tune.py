@@ -116,6 +116,7 @@ from optuna.trial import TrialState  # noqa: E402
 
 from pflbed.cli import main  # noqa: E402
 from pflbed.results.tune import (  # noqa: E402
+    TuneMethod,
     Tuner,
     TuneSuite,
     _Surplus,
@@ -415,6 +416,10 @@ def test_equal_budgets_are_enforced(tmp_path, capsys):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"tune": {"budget": 2, "objective": "selected.pfl_acc"}}, "tune.objective: not a validation figure"),
+    ({"tune": {"budget": 2, "objective": "pfl_acc"}}, "suite.yaml: tune.objective: not a validation figure; give one "
+     "of pfl_val, gfl_val, new_val or a summary field ending in _val (never a test figure) (got 'pfl_acc')"),
+    ({"methods": {"P": {"set": {"algorithm.name": "fedprox"}, "objective": "selected.gfl_acc"}}},
+     "suite.yaml: methods.P.objective: not a validation figure"),
     ({"tune": {"trials": 0, "budget": 1}}, "tune.trials: "),
     ({"tune": {"trials": 2}}, "tune.budget: "),
     ({"seeds": [0, 100], "tune": {"budget": 1, "seed": 100}}, "tune.seed: 100 is one of the reported seeds"),
@@ -442,6 +447,23 @@ def test_bad_suites_fail_in_one_line_naming_the_field(tmp_path, capsys, change, 
     assert main(["tune", "-c", write(tmp_path, {**suite(tmp_path), **change})]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
+
+
+def test_a_suite_without_tune_or_no_mapping_at_all_is_named_as_such(tmp_path, capsys):
+    """A bench suite given to `pflbed tune` is told where it belongs; a file that is no mapping is told so, with or
+    without `--set` (an override does not turn it into an empty suite whose first missing field is reported)."""
+    tree = suite(tmp_path)
+    del tree["tune"]
+    f = write(tmp_path, tree)
+    assert main(["tune", "-c", f]) == 2
+    assert capsys.readouterr().err.strip() == (f"pflbed: error: {f}: tune: missing (trials per method, …); `pflbed "
+                                               "bench` runs suites without one")  # fmt: skip
+    (tmp_path / "suite.yaml").write_text("[1, 2]\n")
+    for extra in ([], ["--set", "tune.trials=2"]):
+        assert main(["tune", "-c", f, *extra]) == 2
+        assert capsys.readouterr().err.strip() == (f"pflbed: error: {f}: config: Input should be a valid dictionary "
+                                                   "or instance of TuneSuite")  # fmt: skip
+    assert TuneMethod.model_validate({"objective": None}).objective is None  # null: the suite's objective
 
 
 def test_without_optuna_tune_says_so_in_one_line(tmp_path, monkeypatch, capsys):
@@ -747,6 +769,8 @@ def test_set_overrides_the_suite_by_its_own_dotted_keys(tmp_path):
 @pytest.mark.parametrize(("item", "message"), [
     ("tune.trails=2", "--set tune.trails: unknown key; did you mean tune.trials?"),
     ("tune.trials=0", "--set tune.trials: Input should be greater than or equal to 1"),
+    ("tune={budget: 0}", "--set tune.budget: Input should be greater than 0 (got 0)"),  # the error below the key set
+    ("tune.foo.bar=1", "--set tune.foo: unknown key"),  # the error above the key set
     ("train.rounds=2", "--set train.rounds: not a key of a tune suite (name, base, seeds, tune, methods, report, "
                        "out); a run config key goes under base (--set base.train.rounds=…)"),
     ("base.train.roundz=2", "--set base.train.roundz: unknown key; did you mean base.train.rounds?"),

@@ -20,7 +20,8 @@ OBJECTIVES = (*CURVES, "new_val")
 
 
 def _check_objective(v: str | None) -> str | None:
-    if v is None or v in OBJECTIVES or v.rsplit(".", 1)[-1].endswith("_val"):
+    """A validation figure: each of `OBJECTIVES` and each summary field of one ends in _val, no test figure does."""
+    if v is None or v.endswith("_val"):
         return v
     raise ValueError(f"not a validation figure; give one of {', '.join(OBJECTIVES)} or a summary field "
                      "ending in _val (never a test figure)")  # fmt: skip
@@ -104,8 +105,8 @@ def load_tune_suite(path: str | Path, overrides: list[str] | None = None) -> Tun
     if isinstance(tree, dict) and "tune" not in tree:
         raise ConfigError(f"{p}: tune: missing (trials per method, …); `pflbed bench` runs suites without one")
     keys = []
-    if overrides:
-        tree, keys = apply_overrides(tree if isinstance(tree, dict) else {}, overrides)
+    if overrides and isinstance(tree, dict | None):  # a file that is no mapping is refused as it is, not emptied
+        tree, keys = apply_overrides(tree or {}, overrides)
     try:
         suite = TuneSuite.model_validate(tree or {})
     except ValidationError as e:
