@@ -466,6 +466,18 @@ def test_a_suite_without_tune_or_no_mapping_at_all_is_named_as_such(tmp_path, ca
     assert TuneMethod.model_validate({"objective": None}).objective is None  # null: the suite's objective
 
 
+def test_a_set_naming_a_method_the_suite_lacks_lists_the_methods_it_has(tmp_path, capsys):
+    two = suite(tmp_path, methods={"FedAvg": {"set": {"algorithm.name": "fedavg"}},
+                                   "FedProx": {"set": {"algorithm.name": "fedprox"}}})
+    none = suite(tmp_path)
+    del none["methods"]
+    for tree, item, shown in ((two, "methods=[FedAvg, Ditto]", "'Ditto' in the suite (FedAvg, FedProx)"),
+                              (none, "methods=[A]", "'A' in the suite (it has none)"),
+                              (none, "methods.A.set.train.lr=0.1", "'A' in the suite (it has none)")):
+        assert main(["tune", "-c", write(tmp_path, tree), "--set", item]) == 2
+        assert capsys.readouterr().err.strip() == f"pflbed: error: --set {item.split('=')[0]}: no method {shown}"
+
+
 def test_without_optuna_tune_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "optuna", None)
     assert main(["tune", "-c", write(tmp_path, suite(tmp_path))]) == 2

@@ -144,12 +144,12 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[st
         methods = tree.get("methods") if isinstance(tree.get("methods"), dict) else {}
         if key == "methods" and isinstance(value, list):
             if missing := [m for m in value if m not in methods]:
-                raise ConfigError(f"--set methods: no method {missing[0]!r} in the suite ({', '.join(methods)})")
+                raise ConfigError(f"--set methods: no method {missing[0]!r} in the suite ({_listed(methods)})")
             tree["methods"] = {m: methods[m] for m in value}
         elif parts[0] == "methods" and len(parts) > 1:
             name = parts[1]
             if name not in methods:
-                raise ConfigError(f"--set {key}: no method {name!r} in the suite ({', '.join(methods)})")
+                raise ConfigError(f"--set {key}: no method {name!r} in the suite ({_listed(methods)})")
             if len(parts) == 2:
                 if value is None:
                     del methods[name]
@@ -170,6 +170,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[st
             _set(tree, key, value, key)
         keys.append(key)
     return tree, keys
+
+
+def _listed(methods: dict[str, Any]) -> str:
+    return ", ".join(methods) or "it has none"
 
 
 def _set(node: Any, dotted: str, value: Any, key: str) -> None:
