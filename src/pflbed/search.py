@@ -40,9 +40,6 @@ class Search:
     def text(self) -> str:
         return f"{'log-uniform' if self.log else 'uniform'} [{self.low:g}, {self.high:g}]"
 
-    def as_yaml(self) -> dict[str, Any]:
-        return {"low": self.low, "high": self.high, **({"log": True} if self.log else {})}
-
 
 @dataclass(frozen=True)
 class IntSearch:
@@ -63,9 +60,6 @@ class IntSearch:
     def text(self) -> str:
         return f"int{' log' if self.log else ''} [{self.low}, {self.high}]"
 
-    def as_yaml(self) -> dict[str, Any]:
-        return {"low": self.low, "high": self.high, "int": True, **({"log": True} if self.log else {})}
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -83,9 +77,6 @@ class Choice:
 
     def text(self) -> str:
         return "one of " + ", ".join(repr(o) for o in self.options)
-
-    def as_yaml(self) -> dict[str, Any]:
-        return {"choices": list(self.options)}
 
 
 Space = Search | IntSearch | Choice
@@ -128,7 +119,7 @@ def parse_space(value: Any, where: str) -> Space:
         if keys == {"choices"}:
             return Choice(value["choices"])
         if {"low", "high"} <= keys <= {"low", "high", "log", "int"}:
-            log, is_int = bool(value.get("log", False)), bool(value.get("int", False))
+            log, is_int = bool(value.get("log")), bool(value.get("int"))
             low, high = value["low"], value["high"]
             if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)):
                 raise ValueError("low and high must be numbers")
@@ -144,4 +135,3 @@ def check_declared(model: type[BaseModel], where: str) -> None:
     for name in declared(model):
         if name not in model.model_fields:
             raise ConfigError(f"{where}.search: {name!r} is not an option of {model.__name__}")
-

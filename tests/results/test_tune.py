@@ -77,10 +77,37 @@ def test_a_declaration_naming_no_option_is_caught():
 def test_parse_space_forms_and_errors():
     assert parse_space({"low": 1e-3, "high": 1, "log": True}, "w") == Search(1e-3, 1.0, True)
     assert parse_space({"low": 1, "high": 4, "int": True}, "w") == IntSearch(1, 4)
+    assert parse_space({"low": 1, "high": 8, "int": True, "log": True}, "w") == IntSearch(1, 8, True)  # every key
+    assert parse_space({"low": 0.5, "high": 0.5}, "w") == Search(0.5, 0.5)  # one value: a range Optuna takes
     assert parse_space([1, "a"], "w") == Choice([1, "a"])
-    for bad in ({"low": 0, "high": 1, "log": True}, {"low": 2, "high": 1}, {"lo": 1}, 3):
-        with pytest.raises(ConfigError, match="^w: "):
+    forms = "give {low: L, high: H[, log: true][, int: true]} or {choices: [...]}"
+    for bad, message in (({"low": 0, "high": 1, "log": True}, "a log range needs low > 0, got 0.0"),
+                         ({"low": 2, "high": 1}, "low 2.0 must not exceed high 1.0"),
+                         ({"low": True, "high": 2}, "low and high must be numbers"),  # YAML's yes is no bound
+                         ({"low": 1, "high": 2.5, "int": True}, "an integer range needs integer low and high"),
+                         ({"low": 0, "high": 4, "int": True, "log": True}, "a log range needs low > 0, got 0"),
+                         ({"choices": []}, "a choice needs at least one option"),
+                         ({"lo": 1}, f"unknown keys ['lo']; {forms}"), (3, forms)):
+        with pytest.raises(ConfigError) as e:
             parse_space(bad, "w")
+        assert str(e.value) == f"w: {message}", bad
+
+
+def test_a_space_hands_its_bounds_and_scale_to_the_sampler_and_says_them():
+    """What the trial is asked for is the space's: an integer range drawn log-uniform is drawn so (not uniform)."""
+
+    class Trial:
+        def __getattr__(self, method):
+            return lambda *args, **kwargs: (method, args, kwargs)
+
+    spaces = (Search(1e-3, 1.0, True), Search(0.0, 0.9), IntSearch(1, 64, True), IntSearch(1, 5),
+              Choice([1, "a", None]))
+    assert [s.suggest(Trial(), "k") for s in spaces] == [
+        ("suggest_float", ("k", 1e-3, 1.0), {"log": True}), ("suggest_float", ("k", 0.0, 0.9), {"log": False}),
+        ("suggest_int", ("k", 1, 64), {"log": True}), ("suggest_int", ("k", 1, 5), {"log": False}),
+        ("suggest_categorical", ("k", [1, "a", None]), {})]
+    assert [s.text() for s in spaces] == ["log-uniform [0.001, 1]", "uniform [0, 0.9]", "int log [1, 64]", "int [1, 5]",
+                                          "one of 1, 'a', None"]
 
 
 def test_algorithms_name_shows_the_search_space(capsys):
@@ -775,7 +802,33 @@ def test_set_overrides_the_suite_by_its_own_dotted_keys(tmp_path):
     assert s.methods["FedProx"].space == {"algorithm.mu": None} and list(s.methods) == ["FedAvg", "FedProx"]
     assert s.report == {"P-FL": "final.pfl_acc", "G-FL": "selected.gfl_acc"}  # the other column kept
     assert list(load_tune_suite(f, ["methods=[Ditto, FedAvg]"]).methods) == ["Ditto", "FedAvg"]
+    s = load_tune_suite(f, ["tune.space={train.lr: null}", "tune.space.train.momentum={low: 0.0, high: 0.9}",
+                            "methods.FedAvg.objective=gfl_val", "methods.FedProx.set={algorithm.name: fedprox, "
+                            "train.lr: 0.3}", "methods.Ditto={set: {algorithm.name: ditto}, objective: gfl_val}",
+                            "report={X: final.pfl_acc}"])  # whole sections, and a method's own (not flat) key
+    assert s.tune.space == {"train.lr": None, "train.momentum": {"low": 0.0, "high": 0.9}}
+    assert s.methods["FedAvg"].objective == "gfl_val" and s.methods["FedAvg"].set == {"algorithm.name": "fedavg"}
+    assert s.methods["FedProx"].set == {"algorithm.name": "fedprox", "train.lr": 0.3}
+    assert s.methods["FedProx"].space == {"algorithm.mu": {"low": 0.01, "high": 0.1}}
+    assert s.methods["Ditto"].objective == "gfl_val" and s.report == {"X": "final.pfl_acc"}
+    assert list(load_tune_suite(f, ["methods={FedAvg: {set: {algorithm.name: fedavg}}}"]).methods) == ["FedAvg"]
     assert load_tune_suite(f).tune.trials == 8  # the file itself is untouched
+    f = write(tmp_path, suite(tmp_path, 8, {"FedAvg": None}))  # a method left empty in the file, filled by --set
+    assert load_tune_suite(f, ["methods.FedAvg.set.algorithm.name=fedavg"]).methods["FedAvg"].set == {
+        "algorithm.name": "fedavg"}
+
+
+def test_a_set_below_a_value_that_is_no_section_is_one_line_naming_it(tmp_path, capsys):
+    f = write(tmp_path, suite(tmp_path))
+    for items, message in ((["methods.FedAvg.set=5", "methods.FedAvg.set.train.lr=0.1"],
+                            "methods.FedAvg.set.train.lr: set is not a mapping"),
+                           (["tune=5", "tune.space.train.lr=null"], "tune.space.train.lr: space is not a mapping"),
+                           (["methods.FedAvg=5", "methods.FedAvg.objective=gfl_val"],
+                            "methods.FedAvg.objective: not a section"),
+                           (["methods.FedAvg.objective=gfl_val", "methods.FedAvg.objective.x=1"],
+                            "methods.FedAvg.objective.x: objective is not a section")):
+        assert main(["tune", "-c", f, *(a for item in items for a in ("--set", item))]) == 2
+        assert capsys.readouterr().err.strip() == f"pflbed: error: --set {message}", items
 
 
 @pytest.mark.parametrize(("item", "message"), [

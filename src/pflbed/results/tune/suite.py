@@ -182,7 +182,7 @@ def _set(node: Any, dotted: str, value: Any, key: str) -> None:
     try:
         set_dotted(node, dotted, value)
     except ConfigError as e:
-        raise ConfigError(f"--set {key}: {str(e).split(': ', 1)[-1]}") from None
+        raise ConfigError(f"--set {key}: {str(e).removeprefix(f'{dotted}: ')}") from None
 
 
 def _flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None:
