@@ -148,6 +148,7 @@ from pflbed.results.tune import (  # noqa: E402
     TuneSuite,
     _Surplus,
     _trial_seconds,
+    apply_overrides,
     load_tune_suite,
     shown_storage,
 )
@@ -805,12 +806,13 @@ def test_set_overrides_the_suite_by_its_own_dotted_keys(tmp_path):
     s = load_tune_suite(f, ["tune.space={train.lr: null}", "tune.space.train.momentum={low: 0.0, high: 0.9}",
                             "methods.FedAvg.objective=gfl_val", "methods.FedProx.set={algorithm.name: fedprox, "
                             "train.lr: 0.3}", "methods.Ditto={set: {algorithm.name: ditto}, objective: gfl_val}",
-                            "report={X: final.pfl_acc}"])  # whole sections, and a method's own (not flat) key
+                            "report={X: final.pfl_acc}", "report.acc.mean=final.pfl_acc"])  # whole sections, a
+    # method's own (not flat) key, a column whose name has a dot
     assert s.tune.space == {"train.lr": None, "train.momentum": {"low": 0.0, "high": 0.9}}
     assert s.methods["FedAvg"].objective == "gfl_val" and s.methods["FedAvg"].set == {"algorithm.name": "fedavg"}
     assert s.methods["FedProx"].set == {"algorithm.name": "fedprox", "train.lr": 0.3}
     assert s.methods["FedProx"].space == {"algorithm.mu": {"low": 0.01, "high": 0.1}}
-    assert s.methods["Ditto"].objective == "gfl_val" and s.report == {"X": "final.pfl_acc"}
+    assert s.methods["Ditto"].objective == "gfl_val" and s.report == {"X": "final.pfl_acc", "acc.mean": "final.pfl_acc"}
     assert list(load_tune_suite(f, ["methods={FedAvg: {set: {algorithm.name: fedavg}}}"]).methods) == ["FedAvg"]
     assert load_tune_suite(f).tune.trials == 8  # the file itself is untouched
     f = write(tmp_path, suite(tmp_path, 8, {"FedAvg": None}))  # a method left empty in the file, filled by --set
@@ -818,11 +820,23 @@ def test_set_overrides_the_suite_by_its_own_dotted_keys(tmp_path):
         "algorithm.name": "fedavg"}
 
 
+def test_apply_overrides_returns_a_new_tree_and_creates_the_sections_it_sets():
+    tree = {"tune": {"trials": 2}, "methods": {"A": {"set": {"train.lr": 0.1}}}}
+    new, keys = apply_overrides(tree, ["tune.trials=3", "methods.A.set.train.lr=0.2"])
+    assert new == {"tune": {"trials": 3}, "methods": {"A": {"set": {"train.lr": 0.2}}}} and keys == [
+        "tune.trials", "methods.A.set.train.lr"]
+    assert tree == {"tune": {"trials": 2}, "methods": {"A": {"set": {"train.lr": 0.1}}}}  # the caller's, untouched
+    assert apply_overrides({}, ["tune.space.train.lr=null"])[0] == {"tune": {"space": {"train.lr": None}}}
+
+
 def test_a_set_below_a_value_that_is_no_section_is_one_line_naming_it(tmp_path, capsys):
     f = write(tmp_path, suite(tmp_path))
     for items, message in ((["methods.FedAvg.set=5", "methods.FedAvg.set.train.lr=0.1"],
-                            "methods.FedAvg.set.train.lr: set is not a mapping"),
-                           (["tune=5", "tune.space.train.lr=null"], "tune.space.train.lr: space is not a mapping"),
+                            "methods.FedAvg.set.train.lr: set is not a section"),
+                           (["methods.FedAvg.set=5", "methods.FedAvg.set.seed=1"],
+                            "methods.FedAvg.set.seed: set is not a section"),
+                           (["tune=5", "tune.space.train.lr=null"], "tune.space.train.lr: space is not a section"),
+                           (["report=5", "report.X=final.pfl_acc"], "report.X: report is not a section"),
                            (["methods.FedAvg=5", "methods.FedAvg.objective=gfl_val"],
                             "methods.FedAvg.objective: not a section"),
                            (["methods.FedAvg.objective=gfl_val", "methods.FedAvg.objective.x=1"],
@@ -839,6 +853,7 @@ def test_a_set_below_a_value_that_is_no_section_is_one_line_naming_it(tmp_path, 
     ("train.rounds=2", "--set train.rounds: not a key of a tune suite (name, base, seeds, tune, methods, report, "
                        "out); a run config key goes under base (--set base.train.rounds=…)"),
     ("base.train.roundz=2", "--set base.train.roundz: unknown key; did you mean base.train.rounds?"),
+    ("base.train={roundz: 2}", "--set base.train.roundz: unknown key; did you mean base.train.rounds?"),
     ("methods.FedAvgg.set.train.lr=0.1", "--set methods.FedAvgg.set.train.lr: no method 'FedAvgg' in the suite "
                                          "(FedAvg)"),
     ("methods=[FedAvg, Ditto]", "--set methods: no method 'Ditto' in the suite (FedAvg)"),

@@ -188,6 +188,6 @@ def _set(node: Any, dotted: str, value: Any, key: str) -> None:
 def _flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None:
     mapping = node.setdefault(field, {}) if isinstance(node, dict) else None
     if not isinstance(mapping, dict):
-        raise ConfigError(f"--set {key}: {field} is not a mapping")
+        raise ConfigError(f"--set {key}: {field} is not a section")  # as `_set` says it
     mapping[flat_key] = value
 
