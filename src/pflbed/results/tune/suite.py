@@ -20,7 +20,8 @@ OBJECTIVES = (*CURVES, "new_val")
 
 
 def _check_objective(v: str | None) -> str | None:
-    """A validation figure: each of `OBJECTIVES` and each summary field of one ends in _val, no test figure does."""
+    """A validation figure's name ends in _val (each of `OBJECTIVES`, each summary field that is one); no test
+    figure's does."""
     if v is None or v.endswith("_val"):
         return v
     raise ValueError(f"not a validation figure; give one of {', '.join(OBJECTIVES)} or a summary field "
@@ -186,8 +187,10 @@ def _set(node: Any, dotted: str, value: Any, key: str) -> None:
 
 
 def _flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None:
-    mapping = node.setdefault(field, {}) if isinstance(node, dict) else None
+    if not isinstance(node, dict):  # the section above `field` is none (`tune=5`): said as `_set` says it
+        raise ConfigError(f"--set {key}: not a section")
+    mapping = node.setdefault(field, {})
     if not isinstance(mapping, dict):
-        raise ConfigError(f"--set {key}: {field} is not a section")  # as `_set` says it
+        raise ConfigError(f"--set {key}: {field} is not a section")
     mapping[flat_key] = value
 
