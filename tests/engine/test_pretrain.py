@@ -168,3 +168,133 @@ def test_a_run_records_the_weights_it_started_from(pretrained, tmp_path):
     import hashlib
 
     assert rec["sha256"] == hashlib.sha256((out / "model.pt").read_bytes()).hexdigest() and rec["blocks"] == ["all"]
+
+
+# --- what is kept and written (each rule pinned by a test that a wrong version turns red) ----------------------------
+def _spy_epochs(monkeypatch, accs):
+    """Script the held-out accuracy of each epoch, and record the weights the model had when it was measured."""
+    import pflbed.engine.pretrain as pre
+
+    scripted, states = iter(accs), []
+
+    def measured(model, x, y, idx):
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(scripted)
+
+    monkeypatch.setattr(pre, "_accuracy", measured)
+    return states
+
+
+def test_the_kept_epoch_is_the_earliest_best_one_with_the_weights_it_had_then(tmp_path, monkeypatch):
+    """Held-out accuracies 0.5, 0.7, 0.7, 0.6: epoch 2 is kept (the best, the earlier of a tie, not the last), and the
+    saved weights are the ones measured then, not the training's last."""
+    states, lines = _spy_epochs(monkeypatch, [0.5, 0.7, 0.7, 0.6]), []
+    summary = pretrain(_cfg(pretrain__epochs=4), tmp_path / "p", log=lines.append)
+    assert (summary["selected_epoch"], summary["val_acc"]) == (2, 0.7)
+    assert [(e["epoch"], e["val_acc"]) for e in summary["epochs"]] == [(1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)]
+    saved = torch.load(tmp_path / "p" / "model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(saved[k], states[1][k]) for k in saved)
+    assert not all(torch.equal(saved[k], states[3][k]) for k in saved)
+    loss = summary["epochs"][1]["train_loss"]
+    assert lines[1] == f"epoch 2/4: loss {loss:.4f}, held-out acc 70.00" and len(lines) == 4
+
+
+def test_without_held_out_data_the_last_epoch_is_kept(tmp_path, monkeypatch):
+    states, lines = _spy_epochs(monkeypatch, []), []  # never measured: an accuracy asked for would stop the run
+    summary = pretrain(_cfg(pretrain__epochs=2, pretrain__val_fraction=0), tmp_path / "p", log=lines.append)
+    assert states == [] and (summary["selected_epoch"], summary["val_acc"]) == (2, None)
+    assert [e["val_acc"] for e in summary["epochs"]] == [None, None] and summary["source"]["val"] == 0
+    assert lines[0] == f"epoch 1/2: loss {summary['epochs'][0]['train_loss']:.4f}"
+
+
+def test_held_out_accuracy_is_the_share_of_the_indexed_samples_predicted_right():
+    from pflbed.engine.pretrain import _accuracy
+
+    model = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3, 2))  # predicts class 0 where x0 > x1, else 1
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    y = torch.tensor([0, 1, 1, 2])
+    assert _accuracy(model, x, y, torch.tensor([0, 1, 2])) == pytest.approx(2 / 3)
+    assert _accuracy(model, x, y, torch.tensor([3])) == 0.0 and _accuracy(model, x, y, torch.tensor([0])) == 1.0
+    assert _accuracy(model, x, y, torch.tensor([], dtype=torch.long)) == 0.0
+
+
+def test_the_summary_and_files_say_what_was_trained_on_and_checked(tmp_path):
+    import time
+
+    import yaml
+
+    from pflbed.version import __version__
+
+    cfg, began = _cfg(pretrain__epochs=2), time.perf_counter()
+    summary = pretrain(cfg, tmp_path / "p", log=lambda *_: None)
+    elapsed = time.perf_counter() - began
+    n = len(source_indices(load_source(cfg.dataset), cfg))
+    assert summary["source"] == {"dataset": "digits", "split": "test", "domains": ["rot0", "rot90"], "samples": n,
+                                 "train": n - round(0.25 * n), "val": round(0.25 * n)}  # fmt: skip
+    fed = build_federation(load_source(cfg.dataset), cfg.federation, 0)
+    assert summary["checked_against"] == {"federation": fed.key,
+                                          "samples_used": {k: len(v) for k, v in fed.used_indices().items()}}
+    assert {k: summary[k] for k in ("pflbed_version", "dataset", "model", "seed")} == {
+        "pflbed_version": __version__, "dataset": "digits-rot4", "model": "lenet5", "seed": 0}
+    assert [set(e) for e in summary["epochs"]] == [{"epoch", "train_loss", "val_acc"}] * 2
+    assert 0 < summary["seconds"] <= elapsed and summary["seconds"] == round(summary["seconds"], 3)
+    assert (tmp_path / "p" / "summary.json").read_text() == json.dumps(summary, indent=1) + "\n"
+    written = (tmp_path / "p" / "config.yaml").read_text()
+    assert yaml.safe_load(written) == cfg.to_dict() and written == yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    blob = torch.load(tmp_path / "p" / "model.pt", weights_only=True)
+    assert blob["source"]["domains"] == ["rot0", "rot90"] and blob["architecture"] == "lenet5"
+
+
+def test_each_optimizer_setting_and_the_seed_reach_the_training(tmp_path):
+    def weights(**over):  # one epoch: two steps of 64 (momentum acts on the second)
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        pretrain(_cfg(pretrain__epochs=1, **over), out, log=lambda *_: None)
+        return torch.cat([v.flatten() for v in torch.load(out / "model.pt", weights_only=True)["state_dict"].values()])
+
+    base = weights()
+    assert torch.equal(base, weights())  # the comparison below is not noise
+    for over in ({"pretrain__momentum": 0.0}, {"pretrain__weight_decay": 0.0}, {"pretrain__lr": 0.01},
+                 {"pretrain__batch_size": 32}, {"seed": 1}):  # fmt: skip
+        assert not torch.equal(weights(**over), base), over
+
+
+def test_an_output_directory_is_replaced_only_when_empty_or_forced(tmp_path):
+    from pflbed.errors import PflbedError
+
+    cfg, quiet = _cfg(pretrain__epochs=1), (lambda *_: None)
+    (tmp_path / "empty").mkdir()
+    pretrain(cfg, tmp_path / "empty", log=quiet)  # an empty directory: used
+    assert (tmp_path / "empty" / "model.pt").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("keep")
+    with pytest.raises(PflbedError, match=r"^--out .*full: exists and is not empty \(--force replaces it\)$"):
+        pretrain(cfg, tmp_path / "full", log=quiet)
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
+    pretrain(cfg, tmp_path / "full", force=True, log=quiet)
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["config.yaml", "model.pt", "summary.json"]
+    (tmp_path / "file").write_text("a file")
+    with pytest.raises(PflbedError, match="exists and is not empty"):
+        pretrain(cfg, tmp_path / "file", force=True, log=quiet)
+    assert (tmp_path / "file").read_text() == "a file"
+
+
+def test_bad_sources_and_a_diverging_pretraining_stop_in_one_line_writing_nothing(tmp_path):
+    from pflbed.errors import DivergedError
+
+    quiet = lambda *_: None  # noqa: E731
+    for over, error, message in (
+        ({"pretrain__val_fraction": 0.9999}, ConfigError, "pretrain.val_fraction: leaves no training sample"),
+        ({"pretrain__domains": ["rot0", "nope"]}, ConfigError,
+         "pretrain.domains: unknown ['nope']; digits-rot4 has ['rot0', 'rot90', 'rot180', 'rot270']"),
+        ({"pretrain__lr": 1e12}, DivergedError,
+         "diverged in round 1: pretraining loss (epoch, not round) — lower pretrain.lr"),
+    ):  # fmt: skip
+        with pytest.raises(error) as e:
+            pretrain(_cfg(**over), tmp_path / "p", log=quiet)
+        assert str(e.value) == message
+        assert list(tmp_path.iterdir()) == []
+    cfg = _cfg(dataset__name="digits", pretrain__domains=["rot0"], pretrain__split="test")
+    with pytest.raises(ConfigError, match=r"^pretrain.domains: digits has no domains$"):
+        source_indices(load_source(cfg.dataset), cfg)

@@ -97,7 +97,7 @@ def pretrain(cfg: Config, out: Path, force: bool = False, log=print) -> dict[str
                        weight_decay=p.weight_decay, generator=batches)  # fmt: skip
     for e, loss in enumerate(steps, 1):
         if not math.isfinite(loss):
-            raise DivergedError(e, "pretraining loss (epoch, not round) — lower pretrain.lr")
+            raise DivergedError(e, "pretraining loss (epoch, not round)", hint="lower pretrain.lr")
         acc = _accuracy(model, split.x, split.y, data.val) if len(val) else None
         epochs.append({"epoch": e, "train_loss": loss, "val_acc": acc})
         log(f"epoch {e}/{p.epochs}: loss {loss:.4f}" + ("" if acc is None else f", held-out acc {100 * acc:.2f}"))
