@@ -178,7 +178,7 @@ def _spy_epochs(monkeypatch, accs):
     scripted, states = iter(accs), []
 
     def measured(model, x, y, idx):
-        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        states.append({k: v.clone() for k, v in model.state_dict().items()} | {"held_out": idx.clone()})
         return next(scripted)
 
     monkeypatch.setattr(pre, "_accuracy", measured)
@@ -193,7 +193,7 @@ def test_the_kept_epoch_is_the_earliest_best_one_with_the_weights_it_had_then(tm
     assert (summary["selected_epoch"], summary["val_acc"]) == (2, 0.7)
     assert [(e["epoch"], e["val_acc"]) for e in summary["epochs"]] == [(1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)]
     saved = torch.load(tmp_path / "p" / "model.pt", weights_only=True)["state_dict"]
-    assert all(torch.equal(saved[k], states[1][k]) for k in saved)
+    assert all(torch.equal(saved[k], states[1][k]) for k in saved)  # (`held_out` is no weight)
     assert not all(torch.equal(saved[k], states[3][k]) for k in saved)
     loss = summary["epochs"][1]["train_loss"]
     assert lines[1] == f"epoch 2/4: loss {loss:.4f}, held-out acc 70.00" and len(lines) == 4
@@ -298,3 +298,81 @@ def test_bad_sources_and_a_diverging_pretraining_stop_in_one_line_writing_nothin
     cfg = _cfg(dataset__name="digits", pretrain__domains=["rot0"], pretrain__split="test")
     with pytest.raises(ConfigError, match=r"^pretrain.domains: digits has no domains$"):
         source_indices(load_source(cfg.dataset), cfg)
+
+
+def test_the_held_out_share_is_a_draw_of_the_run_s_seed_alone(tmp_path, monkeypatch):
+    """The held-out samples: `val_fraction` of the source, drawn from the run's seed — another seed draws others, and
+    whatever the process drew before (the global generator) changes nothing."""
+    cfg, source = _cfg(pretrain__epochs=1), load_source(_cfg().dataset)
+    drawn = []
+    for seed, before in ((0, 1), (0, 2), (1, 1)):
+        states = _spy_epochs(monkeypatch, [0.5])
+        torch.manual_seed(before)
+        pretrain(_cfg(pretrain__epochs=1, seed=seed), tmp_path / f"{seed}-{before}", log=lambda *_: None)
+        drawn.append(states[0]["held_out"])
+    idx = source_indices(source, cfg)
+    assert set(drawn[0].tolist()) <= set(idx.tolist()) and len(drawn[0]) == round(0.25 * len(idx))
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
+
+
+def test_each_random_stream_is_the_run_s_seed_and_its_own_number(tmp_path, monkeypatch):
+    """The source draw, the held-out split, the batches and the initial weights each come from `derive_seed(seed,
+    STREAM, k)`: the run's seed in each (another seed, other draws) and one number each (no two share a stream). The
+    numbers are part of what a seed means: changing one changes every published pretrained model of that seed."""
+    import types
+
+    import pflbed.engine.pretrain as pre
+    from pflbed import rng
+
+    calls = []
+    monkeypatch.setattr(pre, "rng", types.SimpleNamespace(
+        derive_seed=lambda *args: calls.append(args) or rng.derive_seed(*args)))  # fmt: skip
+    pretrain(_cfg(pretrain__epochs=1, pretrain__samples=50, seed=7), tmp_path / "p", log=lambda *_: None)
+    assert sorted(calls) == [(7, pre.STREAM, 0), (7, pre.STREAM, 1), (7, pre.STREAM, 2), (7, pre.STREAM, 3)]
+
+
+def test_the_thread_count_is_the_config_s_else_the_model_s(tmp_path):
+    from pflbed.engine.threads import choose_threads
+    from pflbed.models import build_model
+
+    before = torch.get_num_threads()
+    try:
+        pretrain(_cfg(pretrain__epochs=1, executor__threads=2), tmp_path / "a", log=lambda *_: None)
+        assert torch.get_num_threads() == 2
+        pretrain(_cfg(pretrain__epochs=1, executor__threads=None), tmp_path / "b", log=lambda *_: None)
+        source = load_source(_cfg().dataset)
+        lenet = build_model("lenet5", source.input_shape, source.num_classes, torch.device("cpu"))
+        assert torch.get_num_threads() == choose_threads(lenet) != 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_stale_temporary_directory_is_not_carried_into_the_output(tmp_path):
+    (tmp_path / ".p.tmp").mkdir()
+    (tmp_path / ".p.tmp" / "stale.txt").write_text("from a run that stopped")
+    pretrain(_cfg(pretrain__epochs=1), tmp_path / "p", log=lambda *_: None)
+    assert sorted(q.name for q in (tmp_path / "p").iterdir()) == ["config.yaml", "model.pt", "summary.json"]
+    assert not (tmp_path / ".p.tmp").exists()
+
+
+def test_an_empty_split_or_domains_without_samples_in_it_are_named():
+    import types
+
+    class Split:
+        def __init__(self, domains):
+            self.domain = torch.tensor(domains, dtype=torch.long)
+
+        def __len__(self):
+            return len(self.domain)
+
+    def source(test):
+        return types.SimpleNamespace(name="toy", test=test, domain_names=["a", "b"])
+
+    cfg = _cfg(pretrain__domains=["b"])
+    with pytest.raises(DataError) as e:
+        source_indices(source(Split([])), cfg)
+    assert str(e.value) == "pretrain.split: toy has no test split"
+    with pytest.raises(ConfigError) as e:
+        source_indices(source(Split([0, 0])), cfg)
+    assert str(e.value) == "pretrain.domains: no test sample of toy is in ['b']"
+    assert source_indices(source(Split([0, 1])), cfg).tolist() == [1]
