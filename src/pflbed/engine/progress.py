@@ -43,7 +43,10 @@ def interval_s() -> float:
 
 
 def status(record: dict[str, Any]) -> str:
-    parts = [f"{name} {100 * record[k]:.1f}" for k, name in (("gfl_acc", "G-FL"), ("pfl_acc", "P-FL")) if record.get(k)]
+    """An evaluation's accuracies as shown beside the rounds ("G-FL 25.0 · P-FL 50.0"); one that was not measured
+    (None or absent) is left out, an accuracy of 0 is shown."""
+    parts = [f"{name} {100 * record[k]:.1f}" for k, name in (("gfl_acc", "G-FL"), ("pfl_acc", "P-FL"))
+             if record.get(k) is not None]  # fmt: skip
     return " · ".join(parts)
 
 
