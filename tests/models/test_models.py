@@ -227,6 +227,44 @@ def test_inference_rows_bound_the_widest_activation(monkeypatch):
     assert out.shape == (7, 10) and sizes == [1, 3, 3, 1]  # one measuring row, then 3 + 3 + 1
 
 
+def test_inference_rows_are_measured_per_row_shape_on_batched_tensor_outputs_one_row_at_least(monkeypatch):
+    """The bound counts each layer output's bytes a row — 1-D outputs (4 bytes a float row) and 1-byte rows included,
+    a layer's tuple (an LSTM's) or scalar output skipped; it is measured per row shape (another width is another
+    bound), applies to a single row too (only an empty input is not measured), and a row wider than the bound is
+    evaluated alone."""
+    from pflbed.models import inference
+
+    class Odd(nn.Module):
+        """A user's model: an LSTM (a tuple out) and a scalar beside a 1-D output of 4 bytes a row."""
+
+        def __init__(self):
+            super().__init__()
+            self.lstm, self.total, self.first = nn.LSTM(1, 1, batch_first=True), _Sum(), _First()
+
+        def forward(self, x):
+            self.lstm(x[:, :1, None]), self.total(x)
+            return self.first(x)
+
+    class _Sum(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    class _First(nn.Module):
+        def forward(self, x):
+            return x[:, 0]
+
+    monkeypatch.setattr(inference, "ACTIVATION_BYTES", 100)
+    rows = inference.inference_rows
+    assert rows(Odd(), "forward", torch.zeros(5, 3), 256) == 100 // 4  # lstm's 1×1 floats, x[:, 0]: 4 bytes a row
+    ident = nn.Sequential(nn.Identity())  # hooks see its layers, not the model called by its method
+    assert rows(ident, "forward", torch.zeros(5, 1, dtype=torch.uint8), 256) == 100  # 1 byte a row
+    assert rows(ident, "forward", torch.zeros(5, 1, dtype=torch.uint8), 40) == 40  # never past the batch size
+    assert rows(ident, "forward", torch.zeros(5, 2, 1), 256) == 100 // 8
+    assert rows(ident, "forward", torch.zeros(5, 20, 1), 256) == 100 // 80  # same trailing shape, another row
+    assert rows(ident, "forward", torch.zeros(5, 1000), 256) == 1  # wider than the bound: a row at a time
+    assert rows(nn.Sequential(nn.Identity()), "forward", torch.zeros(1, 10), 256) == 100 // 40  # one row: measured
+
+
 def test_the_zoo_dropout_draws_torchs_cpu_masks_and_nothing_in_eval():
     """`ReproducibleDropout`: on the CPU torch's own dropout, mask for mask and value for value under the same seed
     (so the zoo's CPU results did not change), and the identity in eval mode."""
