@@ -101,6 +101,33 @@ def test_it_turns_off_mmap_and_trimming_and_puts_back_glibcs_defaults_then_trims
     assert libc.calls[2:] == [("mallopt", -4, 65536), ("mallopt", -1, 128 * 1024), ("malloc_trim", 0)]
 
 
+@pytest.mark.parametrize(("system", "libc"), [("Linux", "musl"), ("Darwin", "glibc"), ("Windows", "")])
+def test_only_glibc_on_linux_is_touched(system, libc, monkeypatch) -> None:
+    """Another C library's mallopt takes other parameters (or none): off glibc on Linux nothing is loaded or set."""
+    monkeypatch.setattr(allocator.platform, "system", lambda: system)
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda *a, **k: (libc, "1.0"))
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda *a, **k: pytest.fail("a C library was loaded"))
+    assert allocator._glibc() is None
+    with kept_freed_memory():
+        pass
+
+
+def test_glibc_is_loaded_where_ctypes_finds_it_else_by_its_usual_name_else_not_at_all(monkeypatch) -> None:
+    found, loaded = [], []
+
+    def load(name):
+        loaded.append(name)
+        if name == "missing":
+            raise OSError(name)
+        return name
+
+    monkeypatch.setattr(allocator.ctypes, "CDLL", load)
+    for where in ("/lib/libc-found.so", None, "missing"):
+        monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda n, w=where: found.append(n) or w)
+        assert allocator._glibc() == (None if where == "missing" else where or "libc.so.6")
+    assert found == ["c"] * 3 and loaded == ["/lib/libc-found.so", "libc.so.6", "missing"]
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_runs_rounds_and_evaluations_hold_it_as_configured(keep: bool) -> None:
     seen: list[bool] = []

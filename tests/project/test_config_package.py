@@ -28,6 +28,26 @@ def test_the_registry_is_registered_for_the_config():
         check_config(pflbed.config.Config.model_validate({"algorithm": {"mu": 0.1}}))
 
 
+def test_the_check_imports_the_registry_once_when_it_is_not_yet_and_says_so_when_it_cannot(monkeypatch):
+    """`check_algorithm` before `pflbed.algorithms` is imported: the API layer's loader runs once (it registers the
+    check, used from then on); with no loader, or one that registers nothing, a clear error instead of no check."""
+    calls = []
+    monkeypatch.setattr(hooks, "_registry", hooks._registry)  # restored after the registrations below
+    monkeypatch.setattr(hooks, "_check", None)
+    monkeypatch.setattr(hooks, "load_algorithms",
+                        lambda: (calls.append("load"), hooks.register_algorithms({}, calls.append)))  # fmt: skip
+    hooks.check_algorithm("config 1")
+    hooks.check_algorithm("config 2")
+    assert calls == ["load", "config 1", "config 2"] and hooks.registered_algorithms() == {}
+    for loader in (None, lambda: calls.append("load")):
+        monkeypatch.setattr(hooks, "_check", None)
+        monkeypatch.setattr(hooks, "load_algorithms", loader)
+        with pytest.raises(RuntimeError, match=r"^pflbed.algorithms is not imported: a config's algorithm options "
+                                               r"cannot be checked$"):  # fmt: skip
+            hooks.check_algorithm("config 3")
+    assert calls[3:] == ["load"]
+
+
 def test_an_algorithm_registered_from_outside_is_known_by_name():
     """Once the registry is imported it is the authority on names, so an algorithm registered from outside pflbed
     runs by name, and one taken out of it is unknown again."""
