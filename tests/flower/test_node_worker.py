@@ -245,3 +245,97 @@ def test_another_users_process_gets_no_answer():
     finally:
         worker.kill()
         shutil.rmtree(where)
+
+
+def test_a_workers_directory_of_another_user_is_refused_and_without_xdg_it_is_the_users_own_in_tmp(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "pflbed").mkdir(mode=0o700)
+    uid = os.getuid()
+    monkeypatch.setattr(node_app.os, "getuid", lambda: uid + 1)  # as if another user had made it first
+    with pytest.raises(PflbedError, match="must be a directory of this user with mode 0700"):
+        node_app.socket_dir()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr(node_app.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    if uid == 0:  # root: as another user (whose directory root makes), else uid 0 reads as any number dropped
+        uid = 4321
+        (tmp_path / "tmp" / f"pflbed-{uid}").mkdir(mode=0o700)
+        os.chown(tmp_path / "tmp" / f"pflbed-{uid}", uid, -1)
+    monkeypatch.setattr(node_app.os, "getuid", lambda: uid)
+    d = node_app.socket_dir()
+    assert d == tmp_path / "tmp" / f"pflbed-{uid}" and d.stat().st_mode & 0o777 == 0o700
+
+
+def test_one_node_config_in_any_key_order_is_one_worker_and_one_node(tmp_path, monkeypatch):
+    """Flower may hand a node's config in another key order from one message to the next."""
+    from pflbed.flower.node_worker import Node
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    one, other = {"partition-id": 1, "num-partitions": 3}, {"num-partitions": 3, "partition-id": 1}
+    assert node_app._socket_path(_context(one)) == node_app._socket_path(_context(other))
+    assert node_app._socket_path(_context(one)) != node_app._socket_path(_context({**one, "partition-id": 2}))
+    node = Node()
+    node.answer("query", _message("partitions"), _context(one))
+    node.answer("query", _message("partitions"), _context(other))
+
+
+def test_the_worker_answers_each_kind_with_its_handler_and_refuses_any_other(monkeypatch):
+    from pflbed.flower import client
+    from pflbed.flower.node_worker import Node
+
+    for kind in ("train", "query", "evaluate"):
+        monkeypatch.setattr(client, kind, lambda msg, ctx, k=kind: k)
+    node, ctx = Node(), _context({"partition-id": 0, "num-partitions": 2})
+    assert [node.answer(k, _message("x"), ctx) for k in ("train", "query", "evaluate")] == ["train", "query",
+                                                                                            "evaluate"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="^unknown message kind 'algorithm'$"):
+        node.answer("algorithm", _message("x"), ctx)
+
+
+def test_a_blob_larger_than_one_read_arrives_whole_and_one_cut_short_is_a_connection_error():
+    """Read from a connection whose every byte has arrived (the worst case for reading past a blob's end)."""
+
+    class Arrived:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def recv(self, n: int) -> bytes:
+            out, self.data = self.data[:n], self.data[n:]
+            return out
+
+        def sendall(self, data: bytes) -> None:
+            self.data += data
+
+    data, conn = os.urandom(3 * (1 << 20) + 5), Arrived(b"")  # more than three reads of 1 MiB
+    send_blob(conn, data)
+    send_blob(conn, b"next")
+    assert read_blob(conn) == data and read_blob(conn) == b"next"  # nothing of the next blob read with the first
+    conn.sendall((100).to_bytes(8, "big") + b"only ten b")
+    with pytest.raises(ConnectionError, match="^the connection closed mid-message$"):
+        read_blob(conn)
+
+
+@pytest.mark.parametrize(("code", "start_s", "why"), [("raise SystemExit(3)", 60.0, "stopped"),
+                                                      ("import time; time.sleep(30)", 0.3, "did not start within 0 s")])
+def test_a_worker_that_stops_or_does_not_listen_in_time_is_one_error_naming_its_log(short_dir, monkeypatch, code,
+                                                                                     start_s, why):  # fmt: skip
+    """The worker's log is private (0600): it holds what a site's handlers printed."""
+    started = []
+    real = subprocess.Popen
+
+    def popen(args, **kw):
+        started.append(real([sys.executable, "-c", code], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(node_app.subprocess, "Popen", popen)
+    monkeypatch.setattr(node_app, "START_S", start_s)
+    path = short_dir / "w.sock"
+    try:
+        with pytest.raises(PflbedError, match=rf"^this node's pflbed worker {why}; see {path.with_suffix('.log')}$"):
+            node_app._worker(path)
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+    assert len(started) == 1 and path.with_suffix(".log").stat().st_mode & 0o777 == 0o600
