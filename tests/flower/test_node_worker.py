@@ -20,7 +20,8 @@ def test_a_workers_directory_someone_else_could_enter_is_refused(tmp_path, monke
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     (tmp_path / "pflbed").mkdir(mode=0o755)
     os.chmod(tmp_path / "pflbed", 0o755)
-    with pytest.raises(PflbedError, match="must be a directory of this user with mode 0700"):
+    with pytest.raises(PflbedError, match=r"/pflbed: the node workers' directory must be a directory of this user "
+                                          r"with mode 0700; remove it, or set XDG_RUNTIME_DIR to a private directory$"):
         node_app.socket_dir()
     os.chmod(tmp_path / "pflbed", 0o700)
     assert node_app.socket_dir() == tmp_path / "pflbed"
@@ -130,7 +131,7 @@ def test_a_message_of_another_run_clears_what_the_worker_built():
     assert site_node._validated.cache_info().currsize == 1
     node.answer("query", _message("partitions", run_id=8), plain)
     assert site_node._validated.cache_info().currsize == 0
-    with pytest.raises(RuntimeError, match="serves another node config"):
+    with pytest.raises(RuntimeError, match="^this node's worker serves another node config$"):
         node.answer("query", _message("partitions", run_id=8), _context({"partition-id": 1, "num-partitions": 2}))
 
 
@@ -316,7 +317,10 @@ def test_a_blob_larger_than_one_read_arrives_whole_and_one_cut_short_is_a_connec
         read_blob(conn)
 
 
-@pytest.mark.parametrize(("code", "start_s", "why"), [("raise SystemExit(3)", 60.0, "stopped"),
+_STOPS = "print('out', flush=True); import sys; sys.exit('err')"
+
+
+@pytest.mark.parametrize(("code", "start_s", "why"), [(_STOPS, 60.0, "stopped"),
                                                       ("import time; time.sleep(30)", 0.3, "did not start within 0 s")])
 def test_a_worker_that_stops_or_does_not_listen_in_time_is_one_error_naming_its_log(short_dir, monkeypatch, code,
                                                                                      start_s, why):  # fmt: skip
@@ -339,3 +343,38 @@ def test_a_worker_that_stops_or_does_not_listen_in_time_is_one_error_naming_its_
             p.kill()
             p.wait()
     assert len(started) == 1 and path.with_suffix(".log").stat().st_mode & 0o777 == 0o600
+    if why == "stopped":  # what it printed, both streams
+        assert path.with_suffix(".log").read_text().splitlines() == ["out", "err"]
+
+
+def test_a_worker_that_closes_mid_answer_is_one_error_naming_its_log(short_dir, monkeypatch):
+    """The worker died while answering (killed, out of memory): the ClientApp says so, not a traceback."""
+    import threading
+
+    ours, theirs = socket.socketpair()
+
+    def read_and_close():
+        for _ in range(3):
+            read_blob(theirs)
+        theirs.close()
+
+    threading.Thread(target=read_and_close).start()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir))
+    monkeypatch.setattr(node_app, "_worker", lambda path: ours)
+    ctx = _context({"partition-id": 0, "num-partitions": 2})
+    log = node_app._socket_path(ctx).with_suffix(".log")
+    with pytest.raises(PflbedError, match=rf"^this node's pflbed worker stopped; see {log}$"):
+        node_app.query(_message("partitions"), ctx)
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_a_socket_path_of_the_longest_length_still_goes_to_the_worker(tmp_path, monkeypatch, spare):
+    from pflbed.flower import client
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    ctx = _context({"partition-id": 0, "num-partitions": 2})
+    monkeypatch.setattr(node_app, "MAX_SOCKET_PATH", len(os.fsencode(node_app._socket_path(ctx))) - spare)
+    monkeypatch.setattr(node_app, "_worker", lambda path: pytest.fail("to the worker"))
+    monkeypatch.setattr(client, "query", lambda msg, ctx: pytest.fail("in process"))
+    with pytest.raises(pytest.fail.Exception, match="to the worker" if spare == 0 else "in process"):
+        node_app.query(_message("partitions"), ctx)
