@@ -243,6 +243,7 @@ def test_another_users_process_gets_no_answer():
             os.waitpid(pid, 0)
             raise AssertionError("the other user's process did not finish")
         assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert _ask(path) == b"M"  # and its own user is still served
     finally:
         worker.kill()
         shutil.rmtree(where)
@@ -378,3 +379,53 @@ def test_a_socket_path_of_the_longest_length_still_goes_to_the_worker(tmp_path, 
     monkeypatch.setattr(client, "query", lambda msg, ctx: pytest.fail("in process"))
     with pytest.raises(pytest.fail.Exception, match="to the worker" if spare == 0 else "in process"):
         node_app.query(_message("partitions"), ctx)
+
+
+def _reply(path, blobs):
+    """The worker's whole reply to three blobs (b"" for none: the connection closed)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(str(path))
+        for blob in blobs:
+            send_blob(s, blob)
+        try:
+            return read_blob(s)
+        except ConnectionError:
+            return b""
+
+
+def _blobs(node_config):
+    from flwr.common.serde import context_to_proto, message_to_proto
+
+    return [b"query", message_to_proto(_message("partitions")).SerializeToString(),
+            context_to_proto(_context(node_config)).SerializeToString()]  # fmt: skip
+
+
+def test_the_worker_answers_refuses_in_words_drops_what_it_cannot_read_and_outlives_a_client_that_left(tmp_path):
+    """Served from `serve` itself (the ClientApp starts it as `__main__`): an answer; a refusal as the exception's
+    module, name and text; a broken request closed unanswered; a client gone before its answer; then still serving,
+    its SuperExec only watched (never signalled), and gone when idle even with its socket already removed."""
+    import json
+
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker, path = _start(tmp_path, parent.pid, idle_s=3.0)
+    plain = {"partition-id": 1, "num-partitions": 3}
+    try:
+        assert _reply(path, _blobs(plain))[:1] == b"M"
+        refused = _reply(path, _blobs({"partition-id": 2, "num-partitions": 3}))
+        assert refused[:1] == b"E" and json.loads(refused[1:]) == {
+            "module": "builtins", "name": "RuntimeError", "text": "this node's worker serves another node config"}
+        assert _reply(path, [b"query", b"\xff not a message", b""]) == b""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+            gone.connect(str(path))
+            gone.shutdown(socket.SHUT_RD)  # before its request: the answer meets a closed end, whatever the timing
+            for blob in _blobs(plain):
+                send_blob(gone, blob)
+        assert _reply(path, _blobs(plain))[:1] == b"M"
+        time.sleep(1.2)  # two of its watches
+        assert parent.poll() is None and worker.poll() is None
+        path.unlink()
+        assert worker.wait(timeout=15) == 0
+    finally:
+        parent.kill()
+        worker.kill()
