@@ -394,10 +394,10 @@ def _reply(path, blobs):
             return b""
 
 
-def _blobs(node_config):
+def _blobs(node_config, group="partitions"):
     from flwr.common.serde import context_to_proto, message_to_proto
 
-    return [b"query", message_to_proto(_message("partitions")).SerializeToString(),
+    return [b"query", message_to_proto(_message(group)).SerializeToString(),
             context_to_proto(_context(node_config)).SerializeToString()]  # fmt: skip
 
 
@@ -426,6 +426,13 @@ def test_the_worker_answers_refuses_in_words_drops_what_it_cannot_read_and_outli
         assert parent.poll() is None and worker.poll() is None
         path.unlink()
         assert worker.wait(timeout=15) == 0
+        (tmp_path / "site").mkdir()
+        site_worker, site_path = _start(tmp_path / "site", parent.pid)  # a site's refusal: pflbed's own class
+        refused = _reply(site_path, _blobs({"data": str(tmp_path / "none.npz"), "partition-id": 0}, "train-me"))
+        assert refused[:1] == b"E" and json.loads(refused[1:])["module"] == "pflbed.flower.sites"
+        assert json.loads(refused[1:])["name"] == "SiteError" and "answers only" in json.loads(refused[1:])["text"]
     finally:
         parent.kill()
         worker.kill()
+        if "site_worker" in locals():
+            site_worker.kill()
