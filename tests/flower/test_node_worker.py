@@ -135,24 +135,12 @@ def test_a_message_of_another_run_clears_what_the_worker_built():
         node.answer("query", _message("partitions", run_id=8), _context({"partition-id": 1, "num-partitions": 2}))
 
 
-def _request():
-    """A partition query as the ClientApp sends it: the three blobs (kind, Message, Context)."""
-    from flwr.app import RecordDict
-    from flwr.common.serde import recorddict_to_proto
-    from flwr.proto.message_pb2 import Context, Message, Metadata
-
-    meta = Metadata(run_id=1, message_id="m", src_node_id=1, dst_node_id=2, group_id="partitions", ttl=60,
-                    message_type="query", created_at=1.0)  # fmt: skip
-    msg = Message(metadata=meta, content=recorddict_to_proto(RecordDict()))
-    return [b"query", msg.SerializeToString(), Context(run_id=1, node_id=2).SerializeToString()]
-
-
 def _ask(path):
     """The worker's answer to a partition query (its first byte; b"" for none)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(20)
     s.connect(str(path))
-    for blob in _request():
+    for blob in _blobs({}):
         send_blob(s, blob)
     try:
         return read_blob(s)[:1]
@@ -218,7 +206,7 @@ def test_another_users_process_gets_no_answer():
     os.chmod(path, 0o777)  # the directory check is the first defense; this is the second
     try:
         assert _ask(path) == b"M"  # the control: its own user is answered
-        request = _request()  # built here: the forked child (of a threaded process) only makes system calls
+        request = _blobs({})  # built here: the forked child (of a threaded process) only makes system calls
         pid = os.fork()
         if pid == 0:  # the other user: connects, asks, must read nothing
             code = 2
@@ -395,6 +383,7 @@ def _reply(path, blobs):
 
 
 def _blobs(node_config, group="partitions"):
+    """A query as the ClientApp sends it to the worker: three blobs (its kind, the Message, the Context)."""
     from flwr.common.serde import context_to_proto, message_to_proto
 
     return [b"query", message_to_proto(_message(group)).SerializeToString(),
