@@ -137,15 +137,7 @@ def test_a_message_of_another_run_clears_what_the_worker_built():
 
 def _ask(path):
     """The worker's answer to a partition query (its first byte; b"" for none)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(20)
-    s.connect(str(path))
-    for blob in _blobs({}):
-        send_blob(s, blob)
-    try:
-        return read_blob(s)[:1]
-    except ConnectionError:  # closed (reset, with the request unread, or closed before any answer)
-        return b""
+    return _reply(path, _blobs({}))[:1]
 
 
 def _start(tmp_path, parent, idle_s=600.0):
@@ -248,7 +240,7 @@ def test_a_workers_directory_of_another_user_is_refused_and_without_xdg_it_is_th
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     monkeypatch.setattr(node_app.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    if uid == 0:  # root: as another user (whose directory root makes), else uid 0 reads as any number dropped
+    if uid == 0:  # root: another user's (root makes it), since a name without the uid would also read `pflbed-0`
         uid = 4321
         (tmp_path / "tmp" / f"pflbed-{uid}").mkdir(mode=0o700)
         os.chown(tmp_path / "tmp" / f"pflbed-{uid}", uid, -1)
@@ -398,7 +390,7 @@ def test_the_worker_answers_refuses_in_words_drops_what_it_cannot_read_and_outli
 
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     worker, path = _start(tmp_path, parent.pid, idle_s=3.0)
-    plain = {"partition-id": 1, "num-partitions": 3}
+    workers, plain = [worker], {"partition-id": 1, "num-partitions": 3}
     try:
         assert _reply(path, _blobs(plain))[:1] == b"M"
         refused = _reply(path, _blobs({"partition-id": 2, "num-partitions": 3}))
@@ -417,11 +409,12 @@ def test_the_worker_answers_refuses_in_words_drops_what_it_cannot_read_and_outli
         assert worker.wait(timeout=15) == 0
         (tmp_path / "site").mkdir()
         site_worker, site_path = _start(tmp_path / "site", parent.pid)  # a site's refusal: pflbed's own class
+        workers.append(site_worker)
         refused = _reply(site_path, _blobs({"data": str(tmp_path / "none.npz"), "partition-id": 0}, "train-me"))
-        assert refused[:1] == b"E" and json.loads(refused[1:])["module"] == "pflbed.flower.sites"
-        assert json.loads(refused[1:])["name"] == "SiteError" and "answers only" in json.loads(refused[1:])["text"]
+        info = json.loads(refused[1:])
+        assert refused[:1] == b"E" and info["module"] == "pflbed.flower.sites"
+        assert info["name"] == "SiteError" and "answers only" in info["text"]
     finally:
         parent.kill()
-        worker.kill()
-        if "site_worker" in locals():
-            site_worker.kill()
+        for w in workers:
+            w.kill()
