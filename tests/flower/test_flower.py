@@ -305,9 +305,18 @@ def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
 
     from pflbed.cli import main
 
-    assert main(["flower", "app", "--out", str(tmp_path / "app"), "--set", "train.rounds=3"]) == 0
-    conf = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
-    ok, errors, _ = flwr_validate(conf, check_module=True, project_dir=tmp_path / "app")
+    app = tmp_path / "projects" / "app"  # its parent made too
+    assert main(["flower", "app", "--out", str(app), "--set", "train.rounds=3"]) == 0
+    conf = tomllib.loads((app / "pyproject.toml").read_text())
+    ok, errors, _ = flwr_validate(conf, check_module=True, project_dir=app)
     assert ok, errors
-    pflbed_cfg = json.loads(conf["tool"]["flwr"]["app"]["config"]["config"])
+    assert conf["project"]["description"] == "A pflbed experiment (fedavg on digits, seed 0) as a Flower app"
+    run_config = conf["tool"]["flwr"]["app"]["config"]
+    pflbed_cfg = json.loads(run_config["config"])
     assert pflbed_cfg["train"]["rounds"] == 3 and pflbed_cfg["executor"]["name"] == "flower"
+    assert run_config["out"] == "runs/fedavg-digits-seed0" and run_config["resume"] is False
+    assert not (app / "site.toml").exists()  # the data is the server's: no site config
+    capsys.readouterr()
+    assert main(["flower", "app", "--out", str(app), "--run-dir", str(tmp_path / "r"), "--set", "seed=2"]) == 0
+    run_config = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert run_config["out"] == str(tmp_path / "r") and json.loads(run_config["config"])["seed"] == 2

@@ -4,6 +4,7 @@ deployment itself, and a failed deployment's one-line cause, exit code and advic
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,6 +123,69 @@ def test_the_cause_is_read_from_flowers_log(tmp_path):
     e = local.failed(log, tmp_path / "run", "pflbed flower local --resume run")
     assert e.exit_code == 3 and str(e).startswith("diverged in round 2: client 0's reply — lower train.lr (logs:")
     assert "--resume" not in str(e)
+
+
+def test_without_a_panel_or_an_exception_the_cause_is_the_logs_last_line_in_one_line_of_at_most_300_characters(
+    tmp_path,
+):
+    """A log Flower wrote in another encoding is still read; a cause is one line (a user's terminal, the note the
+    error ends with), cut at 300 characters; no log and an empty one say so."""
+    log = tmp_path / "run.log"
+    assert local.failure_reason(log) == "no log"
+    log.write_bytes(b"")
+    assert local.failure_reason(log) == "no output"
+    log.write_bytes(b"INFO : starting\n  the SuperLink went \xff away\t  at   once \n\n  \n")
+    assert local.failure_reason(log) == "the SuperLink went \ufffd away at once"
+    log.write_text("x" * 299 + " yz\n")
+    assert local.failure_reason(log) == "x" * 299 + " "
+    log.write_text("ValueError: first\n  File x\nKeyError: 'second'\nERROR : Exit Code: 201\n")
+    assert local.failure_reason(log) == "KeyError: 'second'"  # the last exception, not the last line
+
+
+def test_the_resume_command_keeps_the_deployments_security_and_sites(tmp_path):
+    out = tmp_path / "run"
+    assert local.resume_command(out, False, False) == f"pflbed flower local --resume {out}"
+    assert local.resume_command(out, True, True, [Path("a"), Path("b c")]) == (
+        f"pflbed flower local --resume {out} --tls --auth --site-data a b c")
+    assert local.resume_command(out, False, True, []) == f"pflbed flower local --resume {out} --auth"
+
+
+def test_a_failed_run_names_its_last_checkpointed_round(tmp_path):
+    from pflbed.results.checkpoint import save_checkpoint
+
+    log, out = tmp_path / "run.log", tmp_path / "run"
+    log.write_text("RuntimeError: the SuperLink went away\n")
+    save_checkpoint(out, 3, {}, {}, [], {})
+    e = local.failed(log, out, "pflbed flower local --resume run --tls")
+    assert str(e) == (f"the Flower deployment's run did not finish: RuntimeError: the SuperLink went away (logs: {out}/"
+                      "flower/run.log, superlink.log, supernode-*.log); round 3 is checkpointed; fix the cause, then "
+                      "continue with 'pflbed flower local --resume run --tls'")  # fmt: skip
+    assert str(local.failed(log, out, "again", "SuperNode 1 exited (code 2): x")).startswith(
+        "the Flower deployment's run did not finish: SuperNode 1 exited (code 2): x (logs: ")
+
+
+def test_the_superlink_is_waited_for_until_it_listens_exits_or_its_time_is_up(tmp_path):
+    log = tmp_path / "superlink.log"
+    log.write_text("ValueError: bad certificate\n")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            local._wait_for_port(port, sleeping, log)  # returns: it listens
+            listening.close()  # nobody listens any more
+            with pytest.raises(local.FlowerRunError) as e:
+                local._wait_for_port(port, sleeping, log, timeout=1)
+            assert str(e.value) == f"the SuperLink did not listen on port {port} within 1 s; see {log}"
+        finally:
+            sleeping.kill()
+            sleeping.wait()
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    exited.wait()
+    with pytest.raises(local.FlowerRunError) as e:
+        local._wait_for_port(port, exited, log)
+    assert str(e.value) == f"the SuperLink exited at start (code 3): ValueError: bad certificate; see {log}"
 
 
 def test_resume_takes_only_a_deployment_run_and_a_finished_one_is_left_alone(tmp_path, capsys):

@@ -19,7 +19,8 @@ from pflbed.flower import local  # noqa: E402
 from .test_flower_local import ARGS  # noqa: E402
 
 # a stand-in SuperNode: listens on its `--port` until stopped; a taken port is the OS's EADDRINUSE, as Flower's
-NODE = """import socket, sys, time
+NODE = """import os, socket, sys, time
+print("home", os.environ["FLWR_HOME"], flush=True)
 s = socket.socket()
 s.bind(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])))
 s.listen()
@@ -61,8 +62,10 @@ def test_ports_are_drawn_outside_the_ephemeral_range_and_free(monkeypatch, taken
     monkeypatch.setattr(local, "_ephemeral", lambda: range(21000, 60000))  # 1,000 left: still drawn
     assert 20000 <= local.free_port(random.Random(0)) < 21000
     monkeypatch.setattr(local, "_ephemeral", lambda: range(20999, 60000))  # 999 left: the kernel's
+    port = local.free_port(Never())
+    assert port in ephemeral  # where the kernel's choices lie
     with socket.socket() as s:
-        s.bind(("127.0.0.1", local.free_port(Never())))  # and free
+        s.bind(("127.0.0.1", port))  # and free
 
 
 class Never(random.Random):
@@ -77,6 +80,19 @@ def test_the_ephemeral_range_is_the_kernels_setting():
         return
     low, high = map(int, path.read_text().split())
     assert local._ephemeral() == range(low, high + 1)
+
+
+@pytest.mark.parametrize("setting", [None, "32768\n"], ids=["unreadable", "malformed"])
+def test_where_the_kernel_does_not_say_the_ephemeral_range_is_linuxs_default(setting, tmp_path, monkeypatch):
+    class Proc(type(tmp_path)):  # the setting's path, read from tmp_path
+        def read_text(self, *a, **k):
+            assert str(self) == "/proc/sys/net/ipv4/ip_local_port_range"
+            if setting is None:
+                raise PermissionError(str(self))
+            return setting
+
+    monkeypatch.setattr(local, "Path", Proc)
+    assert local._ephemeral() == range(32768, 61000)
 
 
 def test_a_supernode_on_a_taken_port_exits_and_says_so(tmp_path, taken):
@@ -114,8 +130,8 @@ def test_a_supernode_whose_port_was_taken_starts_again_on_another_until_its_rest
 ):
     """The first port drawn is taken: the node exits, `watch` starts it again on a fresh port, appending to its log,
     and reports nothing; with its restarts spent, the exit is reported (node → exit code)."""
-    draws = iter([taken])
-    monkeypatch.setattr(local, "free_port", lambda: next(draws, None) or local.PORTS.start + 7)
+    draws, fresh = iter([taken]), local.free_port()  # not a fixed port: tests run side by side
+    monkeypatch.setattr(local, "free_port", lambda: next(draws, None) or fresh)
     with local._processes() as procs:
         nodes = local.SuperNodes(procs, tmp_path, local._env(tmp_path), restarts=1)
         nodes.start(3, [sys.executable, "-c", NODE])
@@ -123,12 +139,13 @@ def test_a_supernode_whose_port_was_taken_starts_again_on_another_until_its_rest
         _exited(first)
         assert nodes.watch() == {}
         again = nodes.nodes[3][0]
-        assert again is not first and again.args[-1] == str(local.PORTS.start + 7)
-        assert _listening(local.PORTS.start + 7) and again.poll() is None
+        assert again is not first and again.args[-1] == str(fresh)
+        assert _listening(fresh) and again.poll() is None
         assert nodes.watch() == {}
         log = nodes.log(3).read_text()
         assert "Address already in use" in log
-        assert f"pflbed: SuperNode 3's port was taken; started again on port {local.PORTS.start + 7}" in log
+        assert log.count(f"home {tmp_path}\n") == 2  # the deployment's environment, at each start
+        assert f"pflbed: SuperNode 3's port was taken; started again on port {fresh}" in log
         draws = iter([taken, taken])
         nodes.start(4, [sys.executable, "-c", NODE])
         _exited(nodes.nodes[4][0])

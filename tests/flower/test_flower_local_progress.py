@@ -63,6 +63,54 @@ def test_the_server_app_s_warnings_are_passed_on_once_even_without_progress(tmp_
     assert said == ["pflbed: warning: privacy noise … ≥ 1: the noise outweighs …", "pflbed: warning: a second one"]
 
 
+def test_a_warning_is_passed_on_once_it_is_whole_from_the_log_s_first_byte_in_any_encoding(tmp_path):
+    """The ServerApp writes while the launcher reads: a line is read once it ends, from where the last whole line
+    ended; a line that does not decode is still passed on."""
+    run_log, said = tmp_path / "run.log", []
+    with RunProgress(False, "t", 4) as bar:
+        follower = local.Follower(tmp_path, bar, run_log, said.append)
+        run_log.write_bytes(b"pflbed: warning: first \xff\nINFO : x\npflbed: warn")
+        follower.poll()
+        assert said == ["pflbed: warning: first \ufffd"]
+        with open(run_log, "ab") as f:
+            f.write(b"ing: second\n")
+        follower.poll()
+        follower.poll()
+        with open(run_log, "ab") as f:
+            f.write(b"pflbed: warning: third\n")
+        follower.poll()
+    assert said == ["pflbed: warning: first \ufffd", "pflbed: warning: second", "pflbed: warning: third"]
+
+
+def test_only_whole_evaluation_records_count(tmp_path):
+    """metrics.jsonl as the ServerApp may leave it between two writes: a last line not yet ended (even one that
+    parses), a broken line, a record without a round or with a round that is no integer."""
+    with RunProgress(False, "t", 4) as bar:
+        follower = local.Follower(tmp_path, bar)
+        assert follower._records() == []
+        (tmp_path / "metrics.jsonl").write_text('{"round": 1}\nnot json\n[2]\n{"round": "2"}\n{"pfl_acc": 1}\n'
+                                                '{"round": 2, "pfl_acc": 0.5}\n{"round": 3}')  # fmt: skip
+        assert follower._records() == [{"round": 1}, {"round": 2, "pfl_acc": 0.5}]
+
+
+def test_a_checkpoint_shows_its_round_once_and_the_last_round_says_the_final_stages_run(tmp_path, capsys):
+    with RunProgress(True, "t", 2, interval=0) as bar:
+        follower = local.Follower(tmp_path, bar)
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 1, "pfl_acc": 0.25}) + "\n")
+        follower.poll()
+        save_checkpoint(tmp_path, 1, {}, {}, [], {})  # the evaluated round: nothing new
+        follower.poll()
+        (tmp_path / "checkpoints" / "last.pt").write_bytes(b"being written")  # no round to read yet
+        follower.poll()
+        save_checkpoint(tmp_path, 2, {}, {}, [], {})
+        follower.poll()
+    lines = [x.split("] t: ", 1)[1] for x in capsys.readouterr().out.splitlines()]
+    rounds = [x for x in lines if x.startswith("round ")]
+    assert rounds[0] == "round 1/2 evaluated: P-FL 25.0" and len(rounds) == 2 and rounds[1].startswith("round 2/2, ")
+    assert lines[-1] == "all 2 rounds done; the deployment runs the final evaluation stages"
+    assert lines.count("the deployment is running; round 1/2 done") == 3, lines
+
+
 def test_no_progress_reads_nothing(tmp_path, capsys, monkeypatch):
     with RunProgress(False, "t", 4) as bar:
         follower = local.Follower(tmp_path, bar)

@@ -389,6 +389,8 @@ def test_the_app_project_of_a_site_local_run_gives_each_site_a_node_config_flowe
     main(["flower", "app", "--set", "sites.local=true", "--set", "sites.input_shape=[1,28,28]", "--set",
           "sites.num_classes=10", "--set", "federation.clients=3", "--out", str(tmp_path / "app")])  # fmt: skip
     node = parse_config_args([str(tmp_path / "app" / "site.toml")])
+    assert "# train.npz (+ val.npz, test.npz): x [1, 28, 28], y in 0…9; or image folders" in (
+        tmp_path / "app" / "site.toml").read_text()  # what the site's files must hold
     assert node == {"partition-id": 0, "num-partitions": 3, "data": "/path/to/this/site/data",
                     "state-dir": "/path/to/this/site/states"}  # fmt: skip
     run_config = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
