@@ -100,6 +100,12 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
         "test_attacks_server", "test_flower_secagg",
     ],
     "private_files.py": ["test_private_files", "test_flower_node_states"],
+    # `pflbed flower local`: its processes, ports, progress and causes (the deployment tests start real ones)
+    "flower/local.py": ["test_flower_local", "test_flower_local_nodes", "test_flower_local_progress",
+                        "test_flower_local_processes"],
+    "flower/certificates.py": ["test_flower_certificates", "test_private_files"],
+    "flower/project.py": ["test_flower", "test_flower_sites"],
+    "flower/records.py": ["test_flower"],
     "memory.py": ["test_memory", "test_pfedhn", "test_fedrod_hyper"],
     "results/rundir.py": ["test_rundir", "test_report", "test_trained", "test_resume", "test_cli"],
     "results/bench.py": ["test_bench", "test_bench_tables"],

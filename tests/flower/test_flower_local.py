@@ -118,6 +118,8 @@ def test_the_cause_is_read_from_flowers_log(tmp_path):
     log.write_text("╭─ Error ───╮\n│ Failed to parse the Flower    │\n│ configuration file. │\n╰──────╯\n")
     e = local.failed(log, tmp_path / "run", "pflbed flower local --resume run")
     assert e.exit_code == 4 and "did not finish: Failed to parse the Flower configuration file. (logs:" in str(e)
+    log.write_text("╭─ Error ─╮\n│ Unknown key: X │\n╰─────────╯\n")
+    assert local.failure_reason(log) == "Unknown key: X"
     log.write_text("Traceback (most recent call last):\n  File x\npflbed.errors.DivergedError: diverged in round 2: "
                    "client 0's reply — lower train.lr\nERROR : Exit Code: 201\n")  # fmt: skip
     e = local.failed(log, tmp_path / "run", "pflbed flower local --resume run")

@@ -96,11 +96,12 @@ def test_only_whole_evaluation_records_count(tmp_path):
 def test_a_checkpoint_shows_its_round_once_and_the_last_round_says_the_final_stages_run(tmp_path, capsys):
     with RunProgress(True, "t", 2, interval=0) as bar:
         follower = local.Follower(tmp_path, bar)
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "last.pt").write_bytes(b"being written")  # no round to read yet
+        follower.poll()
         (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 1, "pfl_acc": 0.25}) + "\n")
         follower.poll()
         save_checkpoint(tmp_path, 1, {}, {}, [], {})  # the evaluated round: nothing new
-        follower.poll()
-        (tmp_path / "checkpoints" / "last.pt").write_bytes(b"being written")  # no round to read yet
         follower.poll()
         save_checkpoint(tmp_path, 2, {}, {}, [], {})
         follower.poll()
@@ -108,7 +109,8 @@ def test_a_checkpoint_shows_its_round_once_and_the_last_round_says_the_final_sta
     rounds = [x for x in lines if x.startswith("round ")]
     assert rounds[0] == "round 1/2 evaluated: P-FL 25.0" and len(rounds) == 2 and rounds[1].startswith("round 2/2, ")
     assert lines[-1] == "all 2 rounds done; the deployment runs the final evaluation stages"
-    assert lines.count("the deployment is running; round 1/2 done") == 3, lines
+    assert lines[0] == "the deployment is running; no round evaluated or checkpointed yet"
+    assert lines.count("the deployment is running; round 1/2 done") == 2, lines
 
 
 def test_no_progress_reads_nothing(tmp_path, capsys, monkeypatch):
