@@ -152,7 +152,8 @@ def test_each_node_key_is_registered_with_the_superlink_and_a_refusal_stops_the_
     the first refusal is the error, with Flower's cause and its log."""
     flwr = tmp_path / "flwr"
     flwr.write_text(f"#!{sys.executable}\nimport os, sys\nprint(*sys.argv[1:], os.environ['FLWR_HOME'])\n"
-                    "if sys.argv[3].endswith('bad.pub'):\n    sys.exit('ValueError: the key is not a public key')\n")  # fmt: skip
+                    "if sys.argv[3].endswith('bad.pub'):\n"
+                    "    sys.exit('ValueError: the key is not a public key')\n")  # fmt: skip
     flwr.chmod(0o755)
     monkeypatch.setattr(local, "_tool", lambda name: str(flwr) if name == "flwr" else pytest.fail(name))
     env, log = local._env(tmp_path / "home"), tmp_path / "register.log"

@@ -63,7 +63,8 @@ def write_app(path: Path, cfg: Config, out: Path, resume: bool = False) -> Path:
     text = PYPROJECT.format(what=what, config=json.dumps(config_json(cfg)), out=json.dumps(str(out)),
                           resume=json.dumps(resume))
     (path / "pyproject.toml").write_text(text)
-    if cfg.sites.local:  # what each site writes for its own SuperNode (`--node-config site.toml`)
+    if cfg.sites.local:  # what each site writes for its own SuperNode (`--node-config site.toml`); with `local`,
+        # the config has both the sample shape and the classes (`SitesConfig`)
         (path / "site.toml").write_text(SITE_TOML.format(n=cfg.federation.clients, shape=cfg.sites.input_shape,
-                                                         top=(cfg.sites.num_classes or 0) - 1))  # fmt: skip
+                                                         top=cfg.sites.num_classes - 1))  # fmt: skip
     return path
