@@ -102,7 +102,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "private_files.py": ["test_private_files", "test_flower_node_states"],
     # `pflbed flower local`: its processes, ports, progress and causes (the deployment tests start real ones)
     "flower/local.py": ["test_flower_local", "test_flower_local_nodes", "test_flower_local_progress",
-                        "test_flower_local_processes"],
+                        "test_flower_local_processes", "test_flower_local_commands"],
     "flower/certificates.py": ["test_flower_certificates", "test_private_files"],
     "flower/project.py": ["test_flower", "test_flower_sites"],
     "flower/records.py": ["test_flower"],

@@ -1,0 +1,136 @@
+"""The commands `pflbed flower local` hands Flower (`flower/local.py`), run against stand-in tools that record how
+they were called: the SuperLink's TLS and authentication options, each node's key registered, each SuperNode's
+certificate, key and node config (its site's data and states), the `flwr` connection, and a resumed deployment
+starting from a fresh SuperLink. The deployment tests (`-m deployment`) run the same commands against Flower."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pflbed.config import load_config
+
+pytest.importorskip("flwr")  # the `flower` extra
+
+from pflbed.errors import PflbedError  # noqa: E402
+from pflbed.flower import local  # noqa: E402
+
+from .test_flower_local import SETS  # noqa: E402
+
+# one stand-in for every tool: records its name, arguments and Flower home; the SuperLink listens on its port,
+# a SuperNode waits to be stopped, `flwr run` writes the run's summary (or none: a run that did not finish)
+TOOL = """import json, os, socket, sys, time
+from pathlib import Path
+tool, args = Path(sys.argv[0]).name, sys.argv[1:]
+with open(os.environ["PFLBED_TEST_CALLS"], "a") as f:
+    f.write(json.dumps([tool, args, os.environ["FLWR_HOME"]]) + "\\n")
+if tool == "flower-superlink":
+    s = socket.socket()
+    s.bind(("127.0.0.1", int(args[args.index("--port") + 1])))
+    s.listen()
+    time.sleep(60)
+elif tool == "flower-supernode":
+    time.sleep(60)
+elif args[0] == "run" and os.environ["PFLBED_TEST_SUMMARY"]:
+    Path(os.environ["PFLBED_TEST_SUMMARY"]).write_text(json.dumps({"rounds": 2}))
+"""
+
+
+@pytest.fixture
+def tools(tmp_path, monkeypatch):
+    """The stand-in tools' calls so far: [tool, arguments, FLWR_HOME] each, in order."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    for name in ("flower-superlink", "flower-supernode", "flwr"):
+        (bin_dir / name).write_text(f"#!{sys.executable}\n{TOOL}")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr(local, "_tool", lambda name: str(bin_dir / name))
+    monkeypatch.setenv("PFLBED_TEST_CALLS", str(calls))
+    monkeypatch.chdir(tmp_path)
+    return lambda: [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+
+def _option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypatch):
+    monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
+    sites = [tmp_path / "site-a", tmp_path / "site-b"]
+    said: list[str] = []
+    cfg = load_config(None, SETS)
+    summary = local.run_local(cfg, Path("run"), 2, tls=True, auth=True, site_data=sites, log=said.append,
+                              progress=False)  # fmt: skip
+    assert summary == {"rounds": 2}
+    work = tmp_path / "run" / "flower"
+    certs, keys, home = work / "certificates", work / "keys", str(work / "home")
+    calls = tools()
+    # the SuperLink listens, then the keys are registered one by one; the SuperNodes and `flwr run` start side by side
+    assert [c[0] for c in calls[:3]] == ["flower-superlink", "flwr", "flwr"]
+    assert sorted(c[0] for c in calls[3:]) == ["flower-supernode", "flower-supernode", "flwr"]
+    started = sorted(calls[3:], key=lambda c: c[0] == "flwr")  # the SuperNodes, then `flwr run`
+    assert all(c[2] == home for c in calls)  # a Flower home of its own
+    link = calls[0][1]
+    port = _option(link, "--port")
+    assert link == ["--ssl-ca-certfile", f"{certs}/ca.crt", "--ssl-certfile", f"{certs}/superlink.pem",
+                    "--ssl-keyfile", f"{certs}/superlink.key", "--port", port, "--database", f"{work}/superlink.db",
+                    "--disable-runtime-dependency-installation", "--enable-supernode-auth"]  # fmt: skip
+    assert [c[1] for c in calls[1:3]] == [["supernode", "register", f"{keys}/node-{k}.pub", "pflbed-local"]
+                                          for k in range(2)]  # fmt: skip
+    nodes = sorted((c[1] for c in started[:2]), key=lambda a: _option(a, "--node-config"))
+    for k, node in enumerate(nodes):
+        assert node[:-2] == ["--root-certificates", f"{certs}/ca.crt", "--auth-supernode-private-key",
+                             f"{keys}/node-{k}", "--superlink", f"127.0.0.1:{port}", "--node-config",
+                             f'partition-id={k} num-partitions=2 data="{sites[k]}" '
+                             f'state-dir="{work}/site-{k}-states"']  # fmt: skip
+        assert node[-2] == "--port" and node[-1] != port
+    assert started[2][1] == ["run", f"{work}/app", "pflbed-local", "--stream"]
+    assert (work / "home" / "config.toml").read_text() == (
+        f'[superlink]\ndefault = "pflbed-local"\n\n[superlink.pflbed-local]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{certs}/ca.crt"\n')  # fmt: skip
+    assert "resume = false" in (work / "app" / "pyproject.toml").read_text()
+    assert said == [f"SuperLink on 127.0.0.1:{port} (TLS and node authentication), 2 SuperNodes; logs in run/flower"]
+
+
+def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_afresh(tools, tmp_path,
+                                                                                       monkeypatch):  # fmt: skip
+    """A deployment whose run did not finish, continued: the run directory stays, the SuperLink's state and the
+    Flower home and app go (a fresh SuperLink), the app resumes, and the first command says so."""
+    monkeypatch.setenv("PFLBED_TEST_SUMMARY", "")  # `flwr run` ends without a summary: the run did not finish
+    shown: list[str] = []
+    monkeypatch.setattr(local, "announce", lambda on, text: shown.append(text))
+    cfg = load_config(None, SETS)
+    with pytest.raises(local.FlowerRunError, match="did not finish"):
+        local.run_local(cfg, Path("run"), 1, log=lambda _: None, progress=False)
+    work = tmp_path / "run" / "flower"
+    calls = tools()
+    assert calls[0][0] == "flower-superlink" and sorted(c[0] for c in calls[1:]) == ["flower-supernode", "flwr"]
+    port = _option(calls[0][1], "--port")
+    assert calls[0][1] == ["--insecure", "--port", port, "--database", f"{work}/superlink.db",
+                           "--disable-runtime-dependency-installation"]  # fmt: skip
+    node = next(c[1] for c in calls if c[0] == "flower-supernode")
+    assert node[:-2] == ["--insecure", "--superlink", f"127.0.0.1:{port}", "--node-config",
+                         "partition-id=0 num-partitions=1"]  # fmt: skip
+    assert (work / "home" / "config.toml").read_text().endswith(f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    assert not (work / "certificates").exists() and not (work / "keys").exists()
+
+    for stale in ("superlink.db", "superlink.db-wal", "home/stale", "app/stale"):
+        (work / stale).write_text("the failed deployment's")
+    (tmp_path / "run" / "kept").write_text("the run's")
+    monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
+    assert local.run_local(cfg, Path("run"), 1, resume=True, log=lambda _: None, progress=False) == {"rounds": 2}
+    assert shown == ["fedavg on synthetic: 2 rounds; starting a SuperLink and 1 SuperNodes…",
+                     "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…"]
+    assert not any((work / s).exists() for s in ("superlink.db", "superlink.db-wal", "home/stale", "app/stale"))
+    assert (tmp_path / "run" / "kept").read_text() == "the run's"
+    assert "resume = true" in (work / "app" / "pyproject.toml").read_text()
+
+
+def test_a_deployment_needs_a_supernode_and_one_data_directory_per_supernode(tools, tmp_path):
+    cfg = load_config(None, SETS)
+    with pytest.raises(PflbedError, match="^--supernodes must be at least 1$"):
+        local.run_local(cfg, Path("run"), 0, progress=False)
+    with pytest.raises(PflbedError, match="^1 --site-data directories for 2 SuperNodes$"):
+        local.run_local(cfg, Path("run"), 2, site_data=[tmp_path], progress=False)
+    assert tools() == [] and not (tmp_path / "run").exists()
