@@ -4,6 +4,7 @@ certificate, key and node config (its site's data and states), the `flwr` connec
 starting from a fresh SuperLink. The deployment tests (`-m deployment`) run the same commands against Flower."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,8 +33,10 @@ if tool == "flower-superlink":
     time.sleep(60)
 elif tool == "flower-supernode":
     time.sleep(60)
-elif args[0] == "run" and os.environ["PFLBED_TEST_SUMMARY"]:
-    Path(os.environ["PFLBED_TEST_SUMMARY"]).write_text(json.dumps({"rounds": 2}))
+elif args[0] == "run":
+    print("INFO : the ServerApp starts\\npflbed: warning: a reply refused", flush=True)
+    if os.environ["PFLBED_TEST_SUMMARY"]:
+        Path(os.environ["PFLBED_TEST_SUMMARY"]).write_text(json.dumps({"rounds": 2}))
 """
 
 
@@ -90,7 +93,14 @@ def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypa
         f'[superlink]\ndefault = "pflbed-local"\n\n[superlink.pflbed-local]\naddress = "127.0.0.1:{port}"\n'
         f'root-certificates = "{certs}/ca.crt"\n')  # fmt: skip
     assert "resume = false" in (work / "app" / "pyproject.toml").read_text()
-    assert said == [f"SuperLink on 127.0.0.1:{port} (TLS and node authentication), 2 SuperNodes; logs in run/flower"]
+    assert f'out = "{tmp_path}/run"' in (work / "app" / "pyproject.toml").read_text()  # absolute, for the ServerApp
+    assert sorted(p.name for p in work.glob("*.log")) == ["register.log", "run.log", "superlink.log",
+                                                           "supernode-0.log", "supernode-1.log"]  # fmt: skip
+    assert (work / "run.log").read_text() == "INFO : the ServerApp starts\npflbed: warning: a reply refused\n"
+    assert said == [f"SuperLink on 127.0.0.1:{port} (TLS and node authentication), 2 SuperNodes; logs in run/flower",
+                    "pflbed: warning: a reply refused"]  # the ServerApp's warning, passed on
+    with pytest.raises(PflbedError, match="holds a finished run of this config"):  # not overwritten unasked
+        local.run_local(cfg, Path("run"), 2, tls=True, auth=True, site_data=sites, progress=False)
 
 
 def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_afresh(tools, tmp_path,
@@ -98,11 +108,15 @@ def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_a
     """A deployment whose run did not finish, continued: the run directory stays, the SuperLink's state and the
     Flower home and app go (a fresh SuperLink), the app resumes, and the first command says so."""
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", "")  # `flwr run` ends without a summary: the run did not finish
-    shown: list[str] = []
-    monkeypatch.setattr(local, "announce", lambda on, text: shown.append(text))
+    shown: list[tuple[bool, str]] = []
+    monkeypatch.setattr(local, "announce", lambda on, text: shown.append((on, text)))
     cfg = load_config(None, SETS)
-    with pytest.raises(local.FlowerRunError, match="did not finish"):
-        local.run_local(cfg, Path("run"), 1, log=lambda _: None, progress=False)
+    said: list[str] = []
+    with pytest.raises(local.FlowerRunError) as e:
+        local.run_local(cfg, Path("run"), 1, log=said.append, progress=False)
+    assert str(e.value).startswith("the Flower deployment's run did not finish: pflbed: warning: a reply refused")
+    assert str(e.value).endswith("no round was checkpointed yet (it starts over); fix the cause, then continue with "
+                                 "'pflbed flower local --resume run'")  # fmt: skip
     work = tmp_path / "run" / "flower"
     calls = tools()
     assert calls[0][0] == "flower-superlink" and sorted(c[0] for c in calls[1:]) == ["flower-supernode", "flwr"]
@@ -114,15 +128,19 @@ def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_a
                          "partition-id=0 num-partitions=1"]  # fmt: skip
     assert (work / "home" / "config.toml").read_text().endswith(f'address = "127.0.0.1:{port}"\ninsecure = true\n')
     assert not (work / "certificates").exists() and not (work / "keys").exists()
+    assert said[0] == f"SuperLink on 127.0.0.1:{port}, 1 SuperNodes; logs in run/flower"
+    with pytest.raises(PflbedError, match="continue it with 'pflbed flower local --resume run --tls --site-data s'"):
+        local.run_local(cfg, Path("run"), 1, tls=True, site_data=[Path("s")], progress=False)
 
-    for stale in ("superlink.db", "superlink.db-wal", "home/stale", "app/stale"):
+    for stale in ("superlink.db", "superlink.db-wal", "home/stale"):
         (work / stale).write_text("the failed deployment's")
+    shutil.rmtree(work / "app")  # one the failed deployment left, one not
     (tmp_path / "run" / "kept").write_text("the run's")
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
     assert local.run_local(cfg, Path("run"), 1, resume=True, log=lambda _: None, progress=False) == {"rounds": 2}
-    assert shown == ["fedavg on synthetic: 2 rounds; starting a SuperLink and 1 SuperNodes…",
-                     "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…"]
-    assert not any((work / s).exists() for s in ("superlink.db", "superlink.db-wal", "home/stale", "app/stale"))
+    assert shown == [(False, "fedavg on synthetic: 2 rounds; starting a SuperLink and 1 SuperNodes…"),
+                     (False, "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…")]
+    assert not any((work / s).exists() for s in ("superlink.db", "superlink.db-wal", "home/stale"))
     assert (tmp_path / "run" / "kept").read_text() == "the run's"
     assert "resume = true" in (work / "app" / "pyproject.toml").read_text()
 
