@@ -16,17 +16,21 @@ pytest.importorskip("flwr")  # the `flower` extra
 
 from pflbed.errors import PflbedError  # noqa: E402
 from pflbed.flower import local  # noqa: E402
+from pflbed.results.checkpoint import save_checkpoint  # noqa: E402
 
 from .test_flower_local import SETS  # noqa: E402
 
 # one stand-in for every tool: records its name, arguments and Flower home; the SuperLink listens on its port,
-# a SuperNode waits to be stopped, `flwr run` writes the run's summary (or none: a run that did not finish)
+# a SuperNode waits to be stopped, `flwr run` waits for the `NODES` SuperNodes, then writes the run's summary (or
+# none: a run that did not finish)
 TOOL = """import json, os, socket, sys, time
 from pathlib import Path
 tool, args = Path(sys.argv[0]).name, sys.argv[1:]
 with open(os.environ["PFLBED_TEST_CALLS"], "a") as f:
     f.write(json.dumps([tool, args, os.environ["FLWR_HOME"]]) + "\\n")
-if tool == "flower-superlink":
+if tool == "flower-superlink" and os.environ.get("PFLBED_TEST_LINK_FAILS"):
+    sys.exit("OSError: the database is locked")
+elif tool == "flower-superlink":
     s = socket.socket()
     s.bind(("127.0.0.1", int(args[args.index("--port") + 1])))
     s.listen()
@@ -34,7 +38,12 @@ if tool == "flower-superlink":
 elif tool == "flower-supernode":
     time.sleep(60)
 elif args[0] == "run":
-    print("INFO : the ServerApp starts\\npflbed: warning: a reply refused", flush=True)
+    deadline = time.monotonic() + 30  # the run waits for its SuperNodes, as Flower's does
+    while open(os.environ["PFLBED_TEST_CALLS"]).read().count('"flower-supernode"') < int(os.environ["NODES"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    print("INFO : the ServerApp starts", flush=True)
+    print("pflbed: warning: a reply refused", file=sys.stderr, flush=True)
     if os.environ["PFLBED_TEST_SUMMARY"]:
         Path(os.environ["PFLBED_TEST_SUMMARY"]).write_text(json.dumps({"rounds": 2}))
 """
@@ -60,6 +69,7 @@ def _option(args: list[str], name: str) -> str:
 
 def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypatch):
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
+    monkeypatch.setenv("NODES", "2")
     sites = [tmp_path / "site-a", tmp_path / "site-b"]
     said: list[str] = []
     cfg = load_config(None, SETS)
@@ -103,11 +113,12 @@ def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypa
         local.run_local(cfg, Path("run"), 2, tls=True, auth=True, site_data=sites, progress=False)
 
 
-def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_afresh(tools, tmp_path,
-                                                                                       monkeypatch):  # fmt: skip
+def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_afresh(tools, tmp_path, monkeypatch,
+                                                                                       capsys):  # fmt: skip
     """A deployment whose run did not finish, continued: the run directory stays, the SuperLink's state and the
     Flower home and app go (a fresh SuperLink), the app resumes, and the first command says so."""
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", "")  # `flwr run` ends without a summary: the run did not finish
+    monkeypatch.setenv("NODES", "1")
     shown: list[tuple[bool, str]] = []
     monkeypatch.setattr(local, "announce", lambda on, text: shown.append((on, text)))
     cfg = load_config(None, SETS)
@@ -137,9 +148,15 @@ def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_a
     shutil.rmtree(work / "app")  # one the failed deployment left, one not
     (tmp_path / "run" / "kept").write_text("the run's")
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
-    assert local.run_local(cfg, Path("run"), 1, resume=True, log=lambda _: None, progress=False) == {"rounds": 2}
+    save_checkpoint(tmp_path / "run", 1, {}, {}, [], {})
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    capsys.readouterr()
+    assert local.run_local(cfg, Path("run"), 1, resume=True, log=lambda _: None, progress=True) == {"rounds": 2}
+    lines = capsys.readouterr().out.splitlines()  # the resumed run's progress starts at its checkpoint
+    assert lines[0].endswith("] fedavg on synthetic: resumed after round 1/2") and len(lines) > 1
+    assert all(x.endswith("] fedavg on synthetic: the deployment is running; round 1/2 done") for x in lines[1:])
     assert shown == [(False, "fedavg on synthetic: 2 rounds; starting a SuperLink and 1 SuperNodes…"),
-                     (False, "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…")]
+                     (True, "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…")]
     assert not any((work / s).exists() for s in ("superlink.db", "superlink.db-wal", "home/stale"))
     assert (tmp_path / "run" / "kept").read_text() == "the run's"
     assert "resume = true" in (work / "app" / "pyproject.toml").read_text()
@@ -152,3 +169,12 @@ def test_a_deployment_needs_a_supernode_and_one_data_directory_per_supernode(too
     with pytest.raises(PflbedError, match="^1 --site-data directories for 2 SuperNodes$"):
         local.run_local(cfg, Path("run"), 2, site_data=[tmp_path], progress=False)
     assert tools() == [] and not (tmp_path / "run").exists()
+
+
+def test_a_superlink_that_exits_at_start_is_the_error_with_its_cause_and_log(tools, tmp_path, monkeypatch):
+    monkeypatch.setenv("PFLBED_TEST_LINK_FAILS", "1")
+    with pytest.raises(local.FlowerRunError) as e:
+        local.run_local(load_config(None, SETS), Path("run"), 1, progress=False)
+    assert str(e.value) == ("the SuperLink exited at start (code 1): OSError: the database is locked; see "
+                            f"{tmp_path}/run/flower/superlink.log")  # fmt: skip
+    assert [c[0] for c in tools()] == ["flower-superlink"]  # nothing else started
