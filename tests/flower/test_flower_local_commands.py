@@ -111,6 +111,12 @@ def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypa
                     "pflbed: warning: a reply refused"]  # the ServerApp's warning, passed on
     with pytest.raises(PflbedError, match="holds a finished run of this config"):  # not overwritten unasked
         local.run_local(cfg, Path("run"), 2, tls=True, auth=True, site_data=sites, progress=False)
+    for stale in ("superlink.db", "home/stale", "app/stale"):  # as the replaced deployment left them
+        (work / stale).write_text("the replaced deployment's")
+    assert local.run_local(cfg, Path("run"), 2, force=True, site_data=sites, log=said.append, progress=False) == (
+        {"rounds": 2})  # fmt: skip
+    assert not any((work / s).exists() for s in ("superlink.db", "home/stale", "app/stale"))  # a fresh SuperLink
+    assert (work / "home" / "config.toml").read_text().endswith("insecure = true\n")
 
 
 def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_afresh(tools, tmp_path, monkeypatch,
@@ -162,12 +168,15 @@ def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_a
     assert "resume = true" in (work / "app" / "pyproject.toml").read_text()
 
 
-def test_a_deployment_needs_a_supernode_and_one_data_directory_per_supernode(tools, tmp_path):
+def test_a_deployment_needs_a_supernode_and_one_data_directory_per_supernode(tools, tmp_path, monkeypatch):
     cfg = load_config(None, SETS)
     with pytest.raises(PflbedError, match="^--supernodes must be at least 1$"):
         local.run_local(cfg, Path("run"), 0, progress=False)
     with pytest.raises(PflbedError, match="^1 --site-data directories for 2 SuperNodes$"):
         local.run_local(cfg, Path("run"), 2, site_data=[tmp_path], progress=False)
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "soon")  # refused before anything starts, as by `pflbed run`
+    with pytest.raises(PflbedError, match="PFLBED_PROGRESS_INTERVAL"):
+        local.run_local(cfg, Path("run"), 1, progress=True)
     assert tools() == [] and not (tmp_path / "run").exists()
 
 

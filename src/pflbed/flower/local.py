@@ -383,11 +383,12 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
     shown = out / "flower"  # as the user gave it, for messages; Flower gets absolute paths
     work = out.resolve() / "flower"
     home = work / "home"
-    if resume:  # the failed deployment's SuperLink state and Flower home go; the run directory stays
-        for stale in ("home", "app"):
-            shutil.rmtree(work / stale, ignore_errors=True)
-        for db in work.glob("superlink.db*"):
-            db.unlink()
+    # an earlier deployment's SuperLink state, Flower home and app go (a resumed one's, or one `force` replaces):
+    # each deployment starts a fresh SuperLink; the run directory and the sites' states stay
+    for stale in ("home", "app"):
+        shutil.rmtree(work / stale, ignore_errors=True)
+    for db in work.glob("superlink.db*"):
+        db.unlink()
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     app = write_app(work / "app", cfg, out.resolve(), resume=resume)
