@@ -67,7 +67,7 @@ def _option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypatch):
+def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
     monkeypatch.setenv("NODES", "2")
     sites = [tmp_path / "site-a", tmp_path / "site-b"]
@@ -113,8 +113,14 @@ def test_tls_auth_and_sites_reach_every_flower_command(tools, tmp_path, monkeypa
         local.run_local(cfg, Path("run"), 2, tls=True, auth=True, site_data=sites, progress=False)
     for stale in ("superlink.db", "home/stale", "app/stale"):  # as the replaced deployment left them
         (work / stale).write_text("the replaced deployment's")
-    assert local.run_local(cfg, Path("run"), 2, force=True, site_data=sites, log=said.append, progress=False) == (
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    capsys.readouterr()
+    assert local.run_local(cfg, Path("run"), 2, force=True, site_data=sites, log=said.append, progress=True) == (
         {"rounds": 2})  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()  # a new run: from round 0
+    assert lines and all(x.endswith("] fedavg on synthetic: the deployment is running; no round evaluated or "
+                                    "checkpointed yet") for x in lines[1:]), lines  # fmt: skip
+    assert lines[0] == "fedavg on synthetic: 2 rounds; starting a SuperLink and 2 SuperNodes…"
     assert not any((work / s).exists() for s in ("superlink.db", "home/stale", "app/stale"))  # a fresh SuperLink
     assert (work / "home" / "config.toml").read_text().endswith("insecure = true\n")
 
@@ -149,20 +155,26 @@ def test_without_tls_every_connection_is_plain_and_a_resumed_deployment_starts_a
     with pytest.raises(PflbedError, match="continue it with 'pflbed flower local --resume run --tls --site-data s'"):
         local.run_local(cfg, Path("run"), 1, tls=True, site_data=[Path("s")], progress=False)
 
+    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
+    capsys.readouterr()
+    with pytest.raises(local.FlowerRunError):  # resumed before any round was checkpointed: it starts over
+        local.run_local(cfg, Path("run"), 1, resume=True, log=lambda _: None, progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(x.endswith("] fedavg on synthetic: the deployment is running; no round evaluated or "
+                                    "checkpointed yet") for x in lines)  # fmt: skip
+
     for stale in ("superlink.db", "superlink.db-wal", "home/stale"):
         (work / stale).write_text("the failed deployment's")
     shutil.rmtree(work / "app")  # one the failed deployment left, one not
     (tmp_path / "run" / "kept").write_text("the run's")
     monkeypatch.setenv("PFLBED_TEST_SUMMARY", str(tmp_path / "run" / "summary.json"))
     save_checkpoint(tmp_path / "run", 1, {}, {}, [], {})
-    monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
-    capsys.readouterr()
     assert local.run_local(cfg, Path("run"), 1, resume=True, log=lambda _: None, progress=True) == {"rounds": 2}
     lines = capsys.readouterr().out.splitlines()  # the resumed run's progress starts at its checkpoint
     assert lines[0].endswith("] fedavg on synthetic: resumed after round 1/2") and len(lines) > 1
     assert all(x.endswith("] fedavg on synthetic: the deployment is running; round 1/2 done") for x in lines[1:])
     assert shown == [(False, "fedavg on synthetic: 2 rounds; starting a SuperLink and 1 SuperNodes…"),
-                     (True, "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…")]
+                     *[(True, "fedavg on synthetic: 2 rounds, resuming; starting a SuperLink and 1 SuperNodes…")] * 2]
     assert not any((work / s).exists() for s in ("superlink.db", "superlink.db-wal", "home/stale"))
     assert (tmp_path / "run" / "kept").read_text() == "the run's"
     assert "resume = true" in (work / "app" / "pyproject.toml").read_text()
@@ -175,8 +187,8 @@ def test_a_deployment_needs_a_supernode_and_one_data_directory_per_supernode(too
     with pytest.raises(PflbedError, match="^1 --site-data directories for 2 SuperNodes$"):
         local.run_local(cfg, Path("run"), 2, site_data=[tmp_path], progress=False)
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "soon")  # refused before anything starts, as by `pflbed run`
-    with pytest.raises(PflbedError, match="PFLBED_PROGRESS_INTERVAL"):
-        local.run_local(cfg, Path("run"), 1, progress=True)
+    with pytest.raises(PflbedError, match="PFLBED_PROGRESS_INTERVAL"):  # progress is shown unless turned off
+        local.run_local(cfg, Path("run"), 1)
     assert tools() == [] and not (tmp_path / "run").exists()
 
 
