@@ -4,7 +4,6 @@ deployment itself, and a failed deployment's one-line cause, exit code and advic
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -164,30 +163,6 @@ def test_a_failed_run_names_its_last_checkpointed_round(tmp_path):
                       "continue with 'pflbed flower local --resume run --tls'")  # fmt: skip
     assert str(local.failed(log, out, "again", "SuperNode 1 exited (code 2): x")).startswith(
         "the Flower deployment's run did not finish: SuperNode 1 exited (code 2): x (logs: ")
-
-
-def test_the_superlink_is_waited_for_until_it_listens_exits_or_its_time_is_up(tmp_path):
-    log = tmp_path / "superlink.log"
-    log.write_text("ValueError: bad certificate\n")
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        port = listening.getsockname()[1]
-        sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-        try:
-            local._wait_for_port(port, sleeping, log)  # returns: it listens
-            listening.close()  # nobody listens any more
-            with pytest.raises(local.FlowerRunError) as e:
-                local._wait_for_port(port, sleeping, log, timeout=1)
-            assert str(e.value) == f"the SuperLink did not listen on port {port} within 1 s; see {log}"
-        finally:
-            sleeping.kill()
-            sleeping.wait()
-    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    exited.wait()
-    with pytest.raises(local.FlowerRunError) as e:
-        local._wait_for_port(port, exited, log)
-    assert str(e.value) == f"the SuperLink exited at start (code 3): ValueError: bad certificate; see {log}"
 
 
 def test_resume_takes_only_a_deployment_run_and_a_finished_one_is_left_alone(tmp_path, capsys):

@@ -21,8 +21,8 @@ from pflbed.results.checkpoint import save_checkpoint  # noqa: E402
 from .test_flower_local import SETS  # noqa: E402
 
 # one stand-in for every tool: records its name, arguments and Flower home; the SuperLink listens on its port,
-# a SuperNode waits to be stopped, `flwr run` waits for the `NODES` SuperNodes, then writes the run's summary (or
-# none: a run that did not finish)
+# a SuperNode waits to be stopped, `flwr supernode register` refuses a key named bad, `flwr run` waits for the
+# `NODES` SuperNodes, then writes the run's summary (or none: a run that did not finish)
 TOOL = """import json, os, socket, sys, time
 from pathlib import Path
 tool, args = Path(sys.argv[0]).name, sys.argv[1:]
@@ -37,6 +37,10 @@ elif tool == "flower-superlink":
     time.sleep(60)
 elif tool == "flower-supernode":
     time.sleep(60)
+elif args[0] == "supernode":  # register
+    print(*args, os.environ["FLWR_HOME"])
+    if args[2].endswith("bad.pub"):
+        sys.exit("ValueError: the key is not a public key")
 elif args[0] == "run":
     deadline = time.monotonic() + 30  # the run waits for its SuperNodes, as Flower's does
     while open(os.environ["PFLBED_TEST_CALLS"]).read().count('"flower-supernode"') < int(os.environ["NODES"]):
@@ -199,3 +203,19 @@ def test_a_superlink_that_exits_at_start_is_the_error_with_its_cause_and_log(too
     assert str(e.value) == ("the SuperLink exited at start (code 1): OSError: the database is locked; see "
                             f"{tmp_path}/run/flower/superlink.log")  # fmt: skip
     assert [c[0] for c in tools()] == ["flower-superlink"]  # nothing else started
+
+
+def test_each_node_key_is_registered_with_the_superlink_and_a_refusal_stops_the_start(tools, tmp_path):
+    """`--auth`: `flwr supernode register <public key> <connection>` per node, against the deployment's Flower home;
+    the first refusal is the error, with Flower's cause and its log."""
+    env, log = local._env(tmp_path / "home"), tmp_path / "register.log"
+    keys = [(tmp_path / f"node-{k}", tmp_path / f"node-{k}.pub") for k in range(2)]
+    local._register(keys, env, log)
+    assert log.read_text().splitlines() == [
+        f"supernode register {tmp_path}/node-{k}.pub pflbed-local {tmp_path}/home" for k in range(2)]
+    bad = [*keys[:1], (tmp_path / "bad", tmp_path / "bad.pub"), *keys[1:]]
+    with pytest.raises(local.FlowerRunError) as e:
+        local._register(bad, env, log)
+    assert str(e.value) == (f"registering the SuperNode key {tmp_path}/bad.pub failed: ValueError: the key is not a "
+                            f"public key; see {log}")  # fmt: skip
+    assert len(log.read_text().splitlines()) == 3  # the log begins anew; node-1 was not asked

@@ -17,6 +17,7 @@ from pflbed.cli import main  # noqa: E402
 from pflbed.flower import local  # noqa: E402
 
 from .test_flower_local import ARGS  # noqa: E402
+from .test_flower_local_processes import fake_files  # noqa: E402
 
 # a stand-in SuperNode: listens on its `--port` until stopped; a taken port is the OS's EADDRINUSE, as Flower's
 NODE = """import os, socket, sys, time
@@ -82,16 +83,9 @@ def test_the_ephemeral_range_is_the_kernels_setting():
     assert local._ephemeral() == range(low, high + 1)
 
 
-@pytest.mark.parametrize("setting", [None, "32768\n"], ids=["unreadable", "malformed"])
-def test_where_the_kernel_does_not_say_the_ephemeral_range_is_linuxs_default(setting, tmp_path, monkeypatch):
-    class Proc(type(tmp_path)):  # the setting's path, read from tmp_path
-        def read_text(self, *a, **k):
-            assert str(self) == "/proc/sys/net/ipv4/ip_local_port_range"
-            if setting is None:
-                raise PermissionError(str(self))
-            return setting
-
-    monkeypatch.setattr(local, "Path", Proc)
+@pytest.mark.parametrize("setting", [PermissionError("not ours"), "32768\n"], ids=["unreadable", "malformed"])
+def test_where_the_kernel_does_not_say_the_ephemeral_range_is_linuxs_default(setting, monkeypatch):
+    fake_files(monkeypatch, {"/proc/sys/net/ipv4/ip_local_port_range": setting})
     assert local._ephemeral() == range(32768, 61000)
 
 

@@ -4,6 +4,7 @@ this process's own), signals to groups already gone or not ours, and the environ
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,20 +28,26 @@ STATS = {
 }
 
 
-@pytest.fixture
-def proc_tree(tmp_path, monkeypatch):
-    """/proc as `STATS` (plus "17", a process gone before its stat is read, and entries that are not processes)."""
-    base = type(tmp_path)
+def fake_files(monkeypatch, files: dict[str, str | OSError]) -> None:
+    """`local` reads `files` (path → its text, or the error reading it raises) and no other file: a path it was not
+    meant to read fails the test rather than passing for a missing file."""
 
-    class Proc(base):
+    class Read(Path(".").__class__):
         def read_text(self, *a, **k):
-            pid = self.parts[2]
-            if pid not in STATS:
-                raise FileNotFoundError(str(self))
-            assert str(self) == f"/proc/{pid}/stat"
-            return STATS[pid]
+            if str(self) not in files:
+                pytest.fail(f"read {self}")
+            if isinstance(text := files[str(self)], OSError):
+                raise text
+            return text
 
-    monkeypatch.setattr(local, "Path", Proc)
+    monkeypatch.setattr(local, "Path", Read)
+
+
+@pytest.fixture
+def proc_tree(monkeypatch):
+    """/proc as `STATS` (plus "17", a process gone before its stat is read, and entries that are not processes)."""
+    fake_files(monkeypatch, {**{f"/proc/{pid}/stat": stat for pid, stat in STATS.items()},
+                             "/proc/17/stat": FileNotFoundError("/proc/17/stat")})  # fmt: skip
     monkeypatch.setattr(local.os, "listdir", lambda d: [*STATS, "17", "self", "sys"] if d == "/proc" else [])
 
 
@@ -147,23 +154,25 @@ def test_a_port_taken_is_read_from_a_log_in_any_encoding(tmp_path):
     assert not local.port_taken(Path(tmp_path / "none.log"))
 
 
-def test_each_node_key_is_registered_with_the_superlink_and_a_refusal_stops_the_start(tmp_path, monkeypatch):
-    """`--auth`: `flwr supernode register <public key> <connection>` per node, against the deployment's Flower home;
-    the first refusal is the error, with Flower's cause and its log."""
-    flwr = tmp_path / "flwr"
-    flwr.write_text(f"#!{sys.executable}\nimport os, sys\nprint(*sys.argv[1:], os.environ['FLWR_HOME'])\n"
-                    "if sys.argv[3].endswith('bad.pub'):\n"
-                    "    sys.exit('ValueError: the key is not a public key')\n")  # fmt: skip
-    flwr.chmod(0o755)
-    monkeypatch.setattr(local, "_tool", lambda name: str(flwr) if name == "flwr" else pytest.fail(name))
-    env, log = local._env(tmp_path / "home"), tmp_path / "register.log"
-    keys = [(tmp_path / f"node-{k}", tmp_path / f"node-{k}.pub") for k in range(2)]
-    local._register(keys, env, log)
-    assert log.read_text().splitlines() == [
-        f"supernode register {tmp_path}/node-{k}.pub pflbed-local {tmp_path}/home" for k in range(2)]
-    bad = [*keys[:1], (tmp_path / "bad", tmp_path / "bad.pub"), *keys[1:]]
+def test_the_superlink_is_waited_for_until_it_listens_exits_or_its_time_is_up(tmp_path):
+    log = tmp_path / "superlink.log"
+    log.write_text("ValueError: bad certificate\n")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        sleeping = _sleeper()
+        try:
+            local._wait_for_port(port, sleeping, log)  # returns: it listens
+            listening.close()  # nobody listens any more
+            with pytest.raises(local.FlowerRunError) as e:
+                local._wait_for_port(port, sleeping, log, timeout=1)
+            assert str(e.value) == f"the SuperLink did not listen on port {port} within 1 s; see {log}"
+        finally:
+            sleeping.kill()
+            sleeping.wait()
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    exited.wait()
     with pytest.raises(local.FlowerRunError) as e:
-        local._register(bad, env, log)
-    assert str(e.value) == (f"registering the SuperNode key {tmp_path}/bad.pub failed: ValueError: the key is not a "
-                            f"public key; see {log}")  # fmt: skip
-    assert len(log.read_text().splitlines()) == 3  # the log begins anew; node-1 was not asked
+        local._wait_for_port(port, exited, log)
+    assert str(e.value) == f"the SuperLink exited at start (code 3): ValueError: bad certificate; see {log}"
