@@ -149,6 +149,13 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
     "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],
+    # the config's checks and its messages for bad input (`pflbed run --set ...`: one line naming the field)
+    **{f"config/{name}.py": ["test_config_package", "test_config_hints", "test_config_properties", "test_cli",
+                             "test_device"]
+       for name in ("algorithm", "base", "executor", "federation", "hints", "load", "model", "root")},  # fmt: skip
+    # `pflbed data show` and the report's figures
+    "results/partition_plot.py": ["test_cli", "test_report", "test_report_pages"],
+    "results/report_figures.py": ["test_report", "test_report_pages"],
 }
 
 
@@ -294,8 +301,9 @@ def reach(args: list[str], pure: bool = False) -> tuple[dict[str, list[str]], di
     the unmutated code passes) with mutmut's trampolines recording every call per test (`MUTANT_UNDER_TEST=stats`,
     as `mutmut run` records them before testing), the caches emptied before each test so that each one's calls are
     its own (`pure`: the data loaders' too, when their own mutants are screened: else only the first test to load a
-    file is seen to reach the loader). Calls made in a process a test starts are not seen: a test that reaches a
-    function only there is left out (`--reach` then misses it; screen such mutants without it)."""
+    file is seen to reach the loader). Calls made in a process a test starts are not seen (it runs unmutated and
+    unrecorded: recording fails outside mutants/): a test that reaches a function only there is left out (`--reach`
+    then misses it; screen such mutants without it)."""
     import pytest
     from mutmut.state import state
 
@@ -314,8 +322,20 @@ def reach(args: list[str], pure: bool = False) -> tuple[dict[str, list[str]], di
             for name in state()._stats:
                 hits[name].append(item.nodeid)
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        rc = pytest.main(["-p", "no:cacheprovider", "-q", *DESELECT, *args], plugins=[Recorder()])
+    import subprocess
+
+    popen_init = subprocess.Popen.__init__
+
+    def unrecorded(self, *args, env=None, **kwargs):  # mutmut's recording fails in a process started elsewhere
+        return popen_init(self, *args, env={**(os.environ if env is None else env), "MUTANT_UNDER_TEST": "none"},
+                          **kwargs)  # fmt: skip
+
+    subprocess.Popen.__init__ = unrecorded
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            rc = pytest.main(["-p", "no:cacheprovider", "-q", *DESELECT, *args], plugins=[Recorder()])
+    finally:
+        subprocess.Popen.__init__ = popen_init
     return (hits, seconds) if rc == 0 else None
 
 

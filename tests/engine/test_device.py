@@ -152,3 +152,24 @@ def test_a_cuda_device_past_the_last_is_a_config_error():
     """Holds on any machine: cuda:<device count> never exists (with no CUDA at all, the message says so)."""
     with pytest.raises(ConfigError, match=r"^executor\.device: (no such CUDA device|CUDA is not available)"):
         pflbed.config.validate_config({"executor": {"device": f"cuda:{torch.cuda.device_count()}"}})
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with two CUDA devices, the second current: the CUDA branch of `resolve_device` on any machine
+    (torch only reports devices here; no tensor is made)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+
+def test_cuda_devices_resolve_with_their_index(two_gpus):
+    """`cuda` and `auto` are the current device, by its index (tensors report `cuda:1`, never `cuda`); `cuda:N` is
+    device N up to the last; past it, one line naming the devices there are."""
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"^executor\.device: no such CUDA device: this machine has 2 \(cuda:0 to "
+                                          r"cuda:1\) \(got 'cuda:2'\)$"):  # fmt: skip
+        validate_config({"executor": {"device": "cuda:2"}})

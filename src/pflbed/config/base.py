@@ -42,7 +42,7 @@ def number_error(x: Any) -> str | None:
         return "must be a finite number"
     if isinstance(x, float) and abs(x) > FLOAT_MAX:
         return f"must be within float32's range, ±{FLOAT_MAX:g}"
-    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
+    if isinstance(x, int) and abs(x) > INT_MAX:  # a bool is an int, within any bound
         return f"must be at most {INT_MAX} in magnitude"
     return None
 

@@ -1,0 +1,56 @@
+"""The bounds every number in a config shares (`pflbed.config.base`), at their edges: the largest value passes and
+the next one is refused with its reason, in a config section, in a list field and in an algorithm's options.
+
+The property tests (`test_config_properties`) only see that a huge value runs or is refused; a float beyond
+float32's range that is let through then diverges (exit 3, also allowed there), so the edges are checked here."""
+
+import math
+
+import pytest
+
+from pflbed.config import FLOAT_MAX, INT_MAX, check_numbers, validate_config
+from pflbed.errors import ConfigError
+
+PAST_FLOAT = math.nextafter(FLOAT_MAX, math.inf)
+
+
+def test_a_float_field_holds_float32s_range_and_no_more():
+    """`train.lr` has only a lower bound of its own: float32's range is its upper one."""
+    assert validate_config({"train": {"lr": FLOAT_MAX}}).train.lr == FLOAT_MAX
+    with pytest.raises(ConfigError, match=r"^train\.lr: must be within float32's range, ±3\.4e\+38"):
+        validate_config({"train": {"lr": PAST_FLOAT}})
+
+
+def test_each_float_of_a_list_field_is_held_to_the_range():
+    assert validate_config({"eval": {"new_clients": {"lrs": [0.1, FLOAT_MAX]}}}).eval.new_clients.lrs[1] == FLOAT_MAX
+    with pytest.raises(ConfigError, match=r"^eval\.new_clients\.lrs: must be within float32's range"):
+        validate_config({"eval": {"new_clients": {"lrs": [0.1, PAST_FLOAT]}}})
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    (INT_MAX, None), (-INT_MAX, None), (True, None), (FLOAT_MAX, None), (-FLOAT_MAX, None), ("text", None),
+    (INT_MAX + 1, f"must be at most {INT_MAX} in magnitude"), (-INT_MAX - 1, f"must be at most {INT_MAX} in magnitude"),
+    (PAST_FLOAT, "must be within float32's range, ±3.4e+38"), (-PAST_FLOAT, "must be within float32's range, ±3.4e+38"),
+    (math.inf, "must be a finite number"), (math.nan, "must be a finite number"),
+])  # fmt: skip
+def test_an_option_is_held_to_the_shared_bounds_at_their_edges(value, error):
+    """`check_numbers` on an algorithm's options: integers to int32's magnitude, floats finite and within
+    float32's range; the error names the option and the value."""
+    if error is None:
+        check_numbers({"opt": value}, "algorithm.")
+    else:
+        with pytest.raises(ConfigError) as e:
+            check_numbers({"opt": value}, "algorithm.")
+        assert str(e.value) == f"algorithm.opt: {error} (got {value!r})"
+
+
+def test_the_options_bounds_reach_into_lists_and_nested_options():
+    """An option may be a list or a mapping (an algorithm registered from outside pflbed): each number in it is
+    checked, and the error names it by its path."""
+    check_numbers({"sizes": [1, 2, INT_MAX], "inner": {"lr": 0.1, "deeper": {"steps": [3]}}}, "algorithm.")
+    with pytest.raises(ConfigError, match=r"^algorithm\.sizes: must be at most"):
+        check_numbers({"sizes": [1, INT_MAX + 1]}, "algorithm.")
+    with pytest.raises(ConfigError, match=r"^algorithm\.inner\.deeper\.lr: must be a finite number \(got nan\)$"):
+        check_numbers({"inner": {"ok": 1, "deeper": {"lr": math.nan}}}, "algorithm.")
+    with pytest.raises(ConfigError, match=r"^algorithm\.inner\.steps: must be at most"):
+        check_numbers({"inner": {"steps": [[0], 2**40]}}, "algorithm.")
