@@ -232,6 +232,9 @@ def test_suite_file_errors_name_the_file_and_the_field(tmp_path):
     bad.write_text("name: x\nseeed: [1]\ntables: {t: {methods: {A: {}}}}\n")
     with pytest.raises(ConfigError, match=re.escape(f"{bad}: seeed: unknown key; did you mean seeds?")):
         load_suite(bad)
+    bad.write_text("name: x\ntables: {t: {methods: {A: {}}, metods: {}}}\n")  # under a table's name: no section
+    with pytest.raises(ConfigError, match=re.escape(f"{bad}: tables.t.metods: unknown key") + "$"):
+        load_suite(bad)
 
 
 def test_a_bad_cell_config_names_the_cell(tmp_path):

@@ -71,7 +71,7 @@ def first_error(err: ValidationError, prefix: str = "", model: type[BaseModel] |
     """The first validation error as one line naming the dotted field; with `model` (the validated class), a
     near-miss suggestion for an unknown key or an unknown choice."""
     e = err.errors()[0]
-    parts = [str(p) for p in e["loc"] if not str(p).startswith("function-after")]
+    parts = [str(p) for p in e["loc"]]
     loc = ".".join(parts)
     field = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
     if e["type"] == "extra_forbidden":
@@ -84,11 +84,9 @@ def first_error(err: ValidationError, prefix: str = "", model: type[BaseModel] |
     if field == "model.name" and e["type"] == "value_error":
         hint = did_you_mean(e.get("input"), MODEL_NAMES)
     if e["type"] == "literal_error" and model is not None:
-        section = _section(model, [p for p in parts[:-1] if not p.isdigit()])
-        info = section.model_fields.get(parts[-1]) if section else None
-        if info is None and len(parts) > 1 and parts[-1].isdigit():  # an item of a list of choices
-            section = _section(model, parts[:-2])
-            info = section.model_fields.get(parts[-2]) if section else None
+        names = parts[:-1] if parts[-1].isdigit() else parts  # an item of a list of choices: the list's field
+        section = _section(model, names[:-1])
+        info = section.model_fields.get(names[-1]) if section else None
         if info is not None:
             hint = did_you_mean(e.get("input"), _literals(info.annotation))
     message = f"{field}: {msg} (got {got}){hint}"
