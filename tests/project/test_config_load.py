@@ -1,0 +1,71 @@
+"""Reading a config: `--set key=value` overrides, the YAML file, and a DP target checked before anything runs —
+each mistake one `ConfigError` line with the whole message checked."""
+
+import re
+
+import pytest
+
+from pflbed.config import load_config, parse_override
+from pflbed.errors import ConfigError
+
+
+@pytest.mark.parametrize(("item", "parsed"), [
+    ("train.lr=0.1", ("train.lr", 0.1)),
+    (" train.lr = 0.1", ("train.lr", 0.1)),
+    ("dataset.path=a=b", ("dataset.path", "a=b")),  # the first = separates: a value may hold one
+    ("eval.finetune=[ft, lp]", ("eval.finetune", ["ft", "lp"])),
+    ("dataset.path=", ("dataset.path", "")),  # nothing after =: the empty string, not YAML's null
+    ("dataset.path=  ", ("dataset.path", "")),
+    ("dataset.path=[a, b", ("dataset.path", "[a, b")),  # not YAML: the text as it is
+    ("seed=null", ("seed", None)),
+])  # fmt: skip
+def test_an_override_is_a_key_and_a_yaml_value(item, parsed):
+    assert parse_override(item) == parsed
+
+
+@pytest.mark.parametrize("item", ["train.lr", "=0.1", " =0.1", ""])
+def test_an_override_without_a_key_and_an_equals_sign_is_refused(item):
+    with pytest.raises(ConfigError) as e:
+        parse_override(item)
+    assert str(e.value) == f"--set {item!r}: expected key=value"
+
+
+def test_an_override_below_a_value_is_refused():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.lr=0.1", "train.lr.max=1"])
+    assert str(e.value) == "train.lr.max: lr is not a section"
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("- 1\n- 2\n", "top level must be a mapping of config keys"),
+    ("seed: 1\ntrain:\n\trounds: 2\n", "invalid YAML at line 3"),  # a tab indents line 3
+    ("seed: \x07\n", "invalid YAML"),  # a character YAML refuses to read: no line to name
+])  # fmt: skip
+def test_a_config_file_that_is_not_a_mapping_of_keys_is_named(tmp_path, text, error):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: {error}"
+
+
+def test_an_empty_config_file_is_the_defaults(tmp_path):
+    (tmp_path / "c.yaml").write_text("# nothing set\n")
+    assert load_config(tmp_path / "c.yaml") == load_config(None)
+
+
+def test_an_unreachable_privacy_target_is_refused_with_what_it_was_computed_for():
+    """The noise for `privacy.target_epsilon` is derived at validation, from δ, the sampling rate, the rounds and
+    the accountant, so that a target out of reach stops the run before it starts."""
+    sets = ["privacy.clip=1", "privacy.target_epsilon=0.0001", "privacy.delta=0.001", "federation.sample_fraction=0.5",
+            "train.rounds=2"]  # fmt: skip
+    floors = {}
+    for accountant in ("rdp", "prv"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*sets, f"privacy.accountant={accountant}"])
+        found = re.fullmatch(r"privacy\.target_epsilon: 0\.0001 is out of reach: even σ = 1000 gives ε = (\S+) at "
+                             r"δ = 0\.001 after 2 rounds at sampling rate 0\.5", str(e.value))  # fmt: skip
+        assert found, str(e.value)
+        floors[accountant] = found[1]
+    assert floors["rdp"] != floors["prv"]
+    assert load_config(None, [*sets[:1], "privacy.target_epsilon=8"]).privacy.target_epsilon == 8
