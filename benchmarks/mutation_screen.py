@@ -150,9 +150,9 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
     "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],
     # the config's checks and its messages for bad input (`pflbed run --set ...`: one line naming the field)
-    **{f"config/{name}.py": ["test_config_checks", "test_config_bounds", "test_config_hints", "test_config_load",
-                             "test_config_package",
-                             "test_config_properties", "test_cli", "test_device"]
+    **{f"config/{name}.py": [
+        "test_config_checks", "test_config_bounds", "test_config_hints", "test_config_load", "test_config_package",
+        "test_config_properties", "test_cli", "test_device"]
        for name in ("algorithm", "base", "dataset", "evaluation", "executor", "federation", "hints", "load", "log",
                     "model", "privacy", "root", "sites")},  # fmt: skip
     # `pflbed data show` and the report's figures
