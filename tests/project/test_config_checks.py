@@ -312,3 +312,16 @@ def test_a_setting_whose_extra_is_missing_says_which_to_install(monkeypatch, ext
     assert str(e.value) == message
     monkeypatch.undo()
     load_config(None, sets)
+
+
+@pytest.mark.parametrize(("sets", "poisson", "randomness"), [
+    ([], False, "seeded"),
+    (["federation.sampling=poisson"], True, "seeded"),
+    (["privacy.clip=1.0", "privacy.noise_multiplier=1.0"], True, "seeded"),  # privacy's accountant needs Poisson
+    ([*FLOWER, "federation.sampling=fixed"], False, "os"),  # a deployment: never from the seed unless asked
+    ([*FLOWER, "privacy.clip=1.0", "privacy.noise_multiplier=1.0", "privacy.randomness=seeded"], True, "seeded"),
+])  # fmt: skip
+def test_sampling_and_randomness_default_to_what_the_run_needs(sets, poisson, randomness):
+    cfg = load_config(None, sets)
+    assert cfg.poisson_sampling() is poisson
+    assert cfg.privacy_randomness() == randomness
