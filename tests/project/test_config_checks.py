@@ -110,7 +110,8 @@ CASES = {
         "federation.pflbed: participated must be > 0",
         ["federation.protocol=pflbed", "federation.pflbed.participated=1.0e-9"]),
     "new clients from no share": (
-        ["federation.protocol=pflbed", "federation.pflbed.new=0"], "federation.pflbed: new clients need new > 0",
+        ["federation.protocol=pflbed", "federation.pflbed.new=0", "federation.pflbed.new_clients_per_domain=1"],
+        "federation.pflbed: new clients need new > 0",
         ["federation.protocol=pflbed", "federation.pflbed.new=0", "federation.pflbed.new_clients_per_domain=0"]),
     "a standard setting under PFLBED": (
         ["federation.protocol=pflbed", "federation.clients=7"],
