@@ -149,6 +149,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
     "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],
+    "results/tune/suite.py": ["test_tune", "test_tune_protocol"],
     # the config's checks and its messages for bad input (`pflbed run --set ...`: one line naming the field)
     **{f"config/{name}.py": [
         "test_config_checks", "test_config_bounds", "test_config_hints", "test_config_load", "test_config_package",

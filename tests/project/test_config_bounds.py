@@ -54,3 +54,14 @@ def test_the_options_bounds_reach_into_lists_and_nested_options():
         check_numbers({"inner": {"ok": 1, "deeper": {"lr": math.nan}}}, "algorithm.")
     with pytest.raises(ConfigError, match=r"^algorithm\.inner\.steps: must be at most"):
         check_numbers({"inner": {"steps": [[0], 2**40]}}, "algorithm.")
+
+
+def test_threads_are_bounded_at_four_per_core_even_where_the_cores_are_unknown(monkeypatch):
+    import os
+
+    from pflbed.config import max_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert max_threads() == 12
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # the OS cannot tell: one core assumed
+    assert max_threads() == 4

@@ -229,9 +229,9 @@ CASES = {
         "not on the sites",
         [*FLOWER, "federation.protocol=pflbed"]),
     "public data on the sites": (
-        [*LOCAL, "federation.public=10"],
+        [*LOCAL, "federation.public=1"],
         "config: federation.public does not apply with sites.local=true: public data is not on the sites",
-        [*FLOWER, "federation.public=10"]),
+        [*FLOWER, "federation.public=1"]),
     "a manifest of the sites' data": (
         [*LOCAL, "federation.manifest=m.json"],
         "config: federation.manifest does not apply with sites.local=true: the sites hold the data",

@@ -69,3 +69,45 @@ def test_an_unreachable_privacy_target_is_refused_with_what_it_was_computed_for(
         floors[accountant] = found[1]
     assert floors["rdp"] != floors["prv"]
     assert load_config(None, [*sets[:1], "privacy.target_epsilon=8"]).privacy.target_epsilon == 8
+
+
+def test_a_config_file_that_cannot_be_read_as_text_is_named(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(missing)
+    assert str(e.value) == f"{missing}: cannot read config (No such file or directory)"
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"seed: \xe9\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(latin)
+    assert str(e.value) == f"{latin}: not UTF-8 text (byte 6); a config is a YAML text file"
+
+
+def test_a_config_file_is_read_up_to_its_bound_and_no_further(tmp_path, monkeypatch):
+    """A file of the bound's size is read; one byte more is refused, having read no more than that byte: `-c
+    /dev/zero` (a file that never ends) is refused, not read into memory."""
+    from pflbed.config import load
+
+    monkeypatch.setattr(load, "MAX_YAML_BYTES", 2**20)
+    path = tmp_path / "c.yaml"
+    path.write_text("#" * (2**20 - 1) + "\n")
+    assert load_config(path) == load_config(None)
+    path.write_text("#" * 2**20 + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: larger than 1 MB; a config is a YAML text file"
+
+    class Endless:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self, size=-1):
+            assert size is not None and 0 <= size <= 2**20 + 1, f"read({size})"
+            return b"\0" * size
+
+    monkeypatch.setattr(load, "open", lambda *a, **k: Endless(), raising=False)
+    with pytest.raises(ConfigError, match=r": larger than 1 MB; a config is a YAML text file$"):
+        load_config("/dev/zero")
