@@ -127,3 +127,21 @@ def test_a_check_of_a_whole_config_or_options_is_named_by_what_it_checks():
     with pytest.raises(ValidationError) as v:
         Options(steps=1, lr=0.1)
     assert first_error(v.value) == "lr: unknown key"  # without the model, no near miss is looked for
+
+
+def test_no_near_miss_is_looked_for_through_a_list_of_sections():
+    """A section inside a list has no dotted name of its own to suggest: the unknown key is named, nothing more
+    (and no crash looking for its section)."""
+    from pydantic import BaseModel, ValidationError
+
+    from pflbed.config import first_error
+
+    class Item(BaseModel, extra="forbid"):
+        size: int = 1
+
+    class Holder(BaseModel, extra="forbid"):
+        items: list[Item] = []
+
+    with pytest.raises(ValidationError) as v:
+        Holder.model_validate({"items": [{"sise": 2}]})
+    assert first_error(v.value, model=Holder) == "items.0.sise: unknown key"

@@ -232,8 +232,13 @@ def test_suite_file_errors_name_the_file_and_the_field(tmp_path):
     bad.write_text("name: x\nseeed: [1]\ntables: {t: {methods: {A: {}}}}\n")
     with pytest.raises(ConfigError, match=re.escape(f"{bad}: seeed: unknown key; did you mean seeds?")):
         load_suite(bad)
-    bad.write_text("name: x\ntables: {t: {methods: {A: {}}, metods: {}}}\n")  # under a table's name: no section
-    with pytest.raises(ConfigError, match=re.escape(f"{bad}: tables.t.metods: unknown key") + "$"):
+    bad.write_text("name: x\ntables: {t: {methods: {A: {}}, metods: {}}}\n")  # in a table, by its name
+    with pytest.raises(ConfigError, match=re.escape(f"{bad}: tables.t.metods: unknown key; did you mean "
+                                                    "tables.t.methods?") + "$"):  # fmt: skip
+        load_suite(bad)
+    bad.write_text("name: x\ntables: {t: {methods: {A: {sme_as: B}}}}\n")  # two mappings down
+    with pytest.raises(ConfigError, match=re.escape(f"{bad}: tables.t.methods.A.sme_as: unknown key; did you mean "
+                                                    "tables.t.methods.A.same_as?") + "$"):  # fmt: skip
         load_suite(bad)
 
 

@@ -847,6 +847,9 @@ def test_a_set_below_a_value_that_is_no_section_is_one_line_naming_it(tmp_path, 
 
 @pytest.mark.parametrize(("item", "message"), [
     ("tune.trails=2", "--set tune.trails: unknown key; did you mean tune.trials?"),
+    ("methods.FedAvg.budgt=1", "--set methods.FedAvg.budgt: unknown key; did you mean methods.FedAvg.budget?"),
+    ("methods.FedAvg.prune_on=pfl_vall", "--set methods.FedAvg.prune_on: Input should be 'pfl_val' or 'gfl_val' "
+                                         "(got 'pfl_vall'); did you mean pfl_val?"),
     ("tune.trials=0", "--set tune.trials: Input should be greater than or equal to 1"),
     ("tune={budget: 0}", "--set tune.budget: Input should be greater than 0 (got 0)"),  # the error below the key set
     ("tune.foo.bar=1", "--set tune.foo: unknown key"),  # the error above the key set

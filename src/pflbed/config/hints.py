@@ -16,12 +16,17 @@ from pflbed.hints import closest, did_you_mean, then
 
 
 def _section(model: type[BaseModel] | None, path: list[str]) -> type[BaseModel] | None:
-    """The model class of the section at `path` under `model` (None: no such section)."""
-    for part in path:
+    """The model class of the section at `path` under `model` (None: no such section). A mapping of sections (a
+    suite's `tables`, `methods`) is passed through by its key: `methods.FedAvg` is a method's section."""
+    parts = iter(path)
+    for part in parts:
         info = model.model_fields.get(part) if model is not None else None
         if info is None:
             return None
-        model = _model_class(info.annotation)
+        annotation = info.annotation
+        if get_origin(annotation) is dict and _model_class(get_args(annotation)[1]) is not None:
+            annotation = get_args(annotation)[1] if next(parts, None) is not None else None
+        model = _model_class(annotation)
     return model
 
 
