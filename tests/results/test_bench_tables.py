@@ -9,8 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
-from pflbed.config import validate_config
+from pflbed.config import _first_error, validate_config
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.results import bench as bench_mod
 from pflbed.results.bench import DIVERGED, Bench, Suite, Table, _get, _merge, _slug, _source, load_suite
@@ -434,3 +435,22 @@ def test_a_failed_job_stops_the_other_workers_now(tmp_path, pool, monkeypatch, p
     assert all(p.terminated for p in procs.values()) == (pool_class is _Pool)
     ((wait, cancel),) = made.shutdowns
     assert not wait and cancel
+
+
+@pytest.mark.parametrize(("tables", "message", "passes"), [
+    ({"main": {"methods": {"A": {"set": {"train.lr": 0.1}}, "B": {"same_as": "A", "set": {"train.lr": 0.2}}}}},
+     "tables.main: methods.B: give either set or same_as",
+     {"main": {"methods": {"A": {"set": {"train.lr": 0.1}}, "B": {"same_as": "A"}}}}),
+    ({"main": {"settings": {"s1": {}, "s2": {}}, "methods": {"A": {"same_as": "other/A"}}},
+      "other": {"settings": {"s1": {}}, "methods": {"A": {}}}},
+     "config: tables.main.methods.A.same_as: table 'other' lacks some settings",  # the suite's own check
+     {"main": {"settings": {"s1": {}}, "methods": {"A": {"same_as": "other/A"}}},
+      "other": {"settings": {"s1": {}, "s2": {}}, "methods": {"A": {}}}}),
+])  # fmt: skip
+def test_a_method_that_reuses_runs_takes_nothing_else_and_finds_every_setting(tables, message, passes):
+    """Runs reused from another method (`same_as`) are that method's: settings of their own would be ignored, and
+    every setting of the reusing table must have been run by the other table."""
+    with pytest.raises(ValidationError) as e:
+        Suite.model_validate({**SUITE, "tables": tables})
+    assert _first_error(e.value, model=Suite) == message
+    Suite.model_validate({**SUITE, "tables": passes})
