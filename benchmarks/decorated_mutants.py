@@ -110,6 +110,7 @@ def all_plants(files: list[str]) -> Iterator[tuple[str, int, int, int, str]]:
 
 
 def run(files: list[str], shard: int, shards: int, out: Path, tests: list[str] | None, timeout: int) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
     done = {line.split(" ", 1)[1] for line in out.read_text().splitlines()} if out.exists() else set()
     work = Path(tempfile.mkdtemp(prefix=f"decorated-{shard}-"))
     shutil.copytree(ROOT / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))

@@ -156,9 +156,6 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
         "test_config_properties", "test_cli", "test_device"]
        for name in ("algorithm", "base", "dataset", "evaluation", "executor", "federation", "hints", "load", "log",
                     "model", "privacy", "root", "sites")},  # fmt: skip
-    # `pflbed data show` and the report's figures
-    "results/partition_plot.py": ["test_cli", "test_report", "test_report_pages"],
-    "results/report_figures.py": ["test_report", "test_report_pages"],
 }
 
 

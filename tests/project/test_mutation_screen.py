@@ -298,3 +298,52 @@ def test_the_tests_that_fail_on_mutmut_s_copy_are_left_out_of_every_selection(tm
         _shell(f"python benchmarks/mutation_screen.py run --tests {stems} {reach} --out {out}", project)
         verdicts = {verdict for verdict, _ in _verdicts(project, out)}
         assert {"KILLED", "SURVIVED"} <= verdicts  # the weak test's verdicts, as in the page's run
+
+
+BOUNDED = '''def checked(f):
+    return f
+
+
+@checked
+def bounded(x):
+    if x < 0 or x > 10:
+        raise ValueError("out of range")
+    return x
+'''
+BOUNDED_WEAK = """import pytest
+
+from pflbed.config.toy import bounded
+
+
+def test_bounded():
+    assert bounded(5) == 5
+    with pytest.raises(ValueError):
+        bounded(-1)
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="the page's commands are bash")
+def test_the_contributing_page_s_decorated_mutant_commands_run_as_written(tmp_path):
+    """The page's `decorated_mutants.py` commands on a decorated function mutmut would skip: each plant listed once,
+    the two shards run each once, and a test that checks only the middle and one side of the range kills the
+    dropped raise and `and` for `or` but not the edges moved (`<=` for `<`, `>=` for `>`, 10 → 11)."""
+    project = _project(tmp_path, "", [("config", "test_toy.py", BOUNDED_WEAK)])
+    (project / "src" / "pflbed" / "toy.py").unlink()
+    (project / "src" / "pflbed" / "config").mkdir()
+    (project / "src" / "pflbed" / "config" / "__init__.py").write_text("")
+    (project / "src" / "pflbed" / "config" / "toy.py").write_text(BOUNDED)
+    shutil.copy(ROOT / "benchmarks" / "decorated_mutants.py", project / "benchmarks")
+    page = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", page, re.S) if "decorated_mutants.py list" in b)
+    listing, shard0, shard1 = block.strip().splitlines()
+    plants = [line.split(" ", 2)[2] for line in _shell(listing, project).splitlines()]
+    assert sorted(plants) == sorted([
+        "line 7: Or -> And", "line 8: raise dropped", "line 7: Lt -> LtE", "line 7: Gt -> GtE", "line 7: 0 -> 1",
+        "line 7: 10 -> 11"])  # fmt: skip
+    _shell(f"{shard0}\n{shard1}", project)
+    results = [line.split(" ", 1) for f in ("dec-0.txt", "dec-1.txt")
+               for line in (project / "mutants" / f).read_text().splitlines()]  # fmt: skip
+    assert sorted(key for _, key in results) == sorted(f"pflbed/config/toy.py bounded {p}" for p in plants)
+    survived = sorted(key.rsplit(": ", 1)[1] for verdict, key in results if verdict == "SURVIVED")
+    assert survived == ["0 -> 1", "10 -> 11", "Gt -> GtE", "Lt -> LtE"]
+    assert (project / "src" / "pflbed" / "config" / "toy.py").read_text() == BOUNDED  # planted in a copy only
