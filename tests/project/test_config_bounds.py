@@ -5,6 +5,7 @@ The property tests (`test_config_properties`) only see that a huge value runs or
 float32's range that is let through then diverges (exit 3, also allowed there), so the edges are checked here."""
 
 import math
+import re
 
 import pytest
 
@@ -65,3 +66,21 @@ def test_threads_are_bounded_at_four_per_core_even_where_the_cores_are_unknown(m
     assert max_threads() == 12
     monkeypatch.setattr(os, "cpu_count", lambda: None)  # the OS cannot tell: one core assumed
     assert max_threads() == 4
+
+
+def test_a_suite_s_seeds_are_each_a_run_seed_once():
+    """`Seeds` (a bench or tune suite's): mean ± std over distinct runs, so a seed given twice is refused."""
+    from pydantic import BaseModel, ValidationError
+
+    from pflbed.config.base import SEED_MAX, Seeds
+
+    class Suite(BaseModel):
+        seeds: Seeds
+
+    assert Suite(seeds=[0, SEED_MAX]).seeds == [0, SEED_MAX]
+    for seeds, error in (([2, 1, 2], "each seed once: a repeated seed reruns the same run and counts it twice in "
+                                     "mean ± std"),
+                         ([], "List should have at least 1 item"), ([SEED_MAX + 1], "less than or equal to"),
+                         ([-1], "greater than or equal to 0")):  # fmt: skip
+        with pytest.raises(ValidationError, match=re.escape(error)):
+            Suite(seeds=seeds)

@@ -130,14 +130,17 @@ def test_a_check_of_a_whole_config_or_options_is_named_by_what_it_checks():
 
 
 def test_no_near_miss_is_looked_for_through_a_list_of_sections():
-    """A section inside a list has no dotted name of its own to suggest: the unknown key is named, nothing more
-    (and no crash looking for its section)."""
+    """A section inside a list has no dotted name of its own to suggest: the unknown key or choice is named,
+    nothing more (and no crash looking for its section)."""
+    from typing import Literal
+
     from pydantic import BaseModel, ValidationError
 
     from pflbed.config import first_error
 
     class Item(BaseModel, extra="forbid"):
         size: int = 1
+        kind: Literal["a", "b"] = "a"
 
     class Holder(BaseModel, extra="forbid"):
         items: list[Item] = []
@@ -145,3 +148,6 @@ def test_no_near_miss_is_looked_for_through_a_list_of_sections():
     with pytest.raises(ValidationError) as v:
         Holder.model_validate({"items": [{"sise": 2}]})
     assert first_error(v.value, model=Holder) == "items.0.sise: unknown key"
+    with pytest.raises(ValidationError) as v:
+        Holder.model_validate({"items": [{"kind": "c"}]})
+    assert first_error(v.value, model=Holder) == "items.0.kind: Input should be 'a' or 'b' (got 'c')"
