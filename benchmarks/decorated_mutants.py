@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -127,6 +128,8 @@ def run(files: list[str], shard: int, shards: int, out: Path, tests: list[str] |
                 continue
             original = (work / "src" / rel).read_text()
             (work / "src" / rel).write_text(planted_source(original, k, i, j))
+            # else a plant written within the second of the last one, of its size, runs the last one's bytecode
+            Path(importlib.util.cache_from_source(str(work / "src" / rel))).unlink(missing_ok=True)
             selection = tests or test_files(str(rel.relative_to("pflbed")))
             try:
                 rc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p",
