@@ -11,8 +11,8 @@ plant is written into a copy of src/ (one per shard) and the source file's tests
     python benchmarks/decorated_mutants.py list src/pflbed/config/*.py
     python benchmarks/decorated_mutants.py run src/pflbed/config/*.py --shard 0 --shards 2 --out mutants/dec-0.txt
 
-Results: one `KILLED|SURVIVED <file>:<line> <what>` line per plant, resumable (a plant already in `--out` is not run
-again).
+Results: one `KILLED|SURVIVED <file> <function> line <n>: <change>` line per plant, resumable (a plant already in
+`--out` is not run again).
 """
 
 from __future__ import annotations
@@ -114,13 +114,13 @@ def run(files: list[str], shard: int, shards: int, out: Path, tests: list[str] |
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {line.split(" ", 1)[1] for line in out.read_text().splitlines()} if out.exists() else set()
     work = Path(tempfile.mkdtemp(prefix=f"decorated-{shard}-"))
-    shutil.copytree(ROOT / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     env = {**os.environ, "PYTHONPATH": str(work / "src")}
-    where = subprocess.run([sys.executable, "-c", "import pflbed; print(pflbed.__file__)"], env=env,
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
-    if not where.startswith(str(work)):
-        sys.exit(f"decorated_mutants: the tests would import {where.strip()}, not the planted copy")
     try:
+        shutil.copytree(ROOT / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        where = subprocess.run([sys.executable, "-c", "import pflbed; print(pflbed.__file__)"], env=env,
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        if not where.startswith(str(work)):
+            sys.exit(f"decorated_mutants: the tests would import {where.strip()}, not the planted copy")
         for f, k, i, j, what in list(all_plants(files))[shard::shards]:
             rel = Path(f).resolve().relative_to(ROOT / "src")
             key = f"{rel} {what}"
