@@ -117,6 +117,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "data/flickr_aes.py": ["test_loaders"],
     "models/pretrained.py": ["test_imagenet_resnet", "test_pretrain"],
     "models/zoo.py": ["test_models", "test_fedper_models", "test_imagenet_resnet"],
+    # a model's blocks: which parameters are the head, the body, the top K (what personalization keeps)
+    "models/blocks.py": ["test_models", "test_fedper_models", "test_fedper", "test_fedbn", "test_fedrod"],
     "engine/batched.py": ["test_batched", "test_augment", "test_precision", "test_privacy"],
     "engine/per_client_layers.py": ["test_batched"],
     "engine/conv_weight_grad.py": ["test_conv_weight_grad", "test_batched"],
@@ -146,6 +148,16 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     # generated data, and `pflbed data list`'s rows
     "data/synthetic.py": ["test_data", "test_partition", "test_natural", "test_exclude_test"],
     "data/catalog.py": ["test_catalog", "test_data_commands", "test_loaders"],
+    # datasets by name: a config's dataset section to its loader's arguments, and `pflbed data list`
+    "data/__init__.py": ["test_sources_by_name", "test_data", "test_data_commands", "test_catalog", "test_domains",
+                         "test_folders", "test_loaders", "test_hf"],
+    "hints.py": ["test_hints", "test_config_hints", "test_config_package", "test_config_checks", "test_data"],
+    "errors.py": ["test_errors", "test_guard", "test_driver", "test_cli"],
+    # `pflbed algorithms`: what each method accepts
+    "results/catalog.py": ["test_algorithm_catalog", "test_public_surface", "test_cli"],
+    "results/tune/__init__.py": ["test_tune", "test_tune_protocol"],  # the Tuner: equal budgets, the trial seed
+    "results/tensorboard.py": ["test_cli"],
+    "version.py": ["test_private_files"],  # the torch whose weights_only loading holds
     "results/tune/trials.py": ["test_tune_protocol", "test_tune"],
     "results/tune/studies.py": ["test_tune_protocol", "test_tune"],
     "results/tune/reruns.py": ["test_tune_protocol", "test_tune"],

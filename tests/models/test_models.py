@@ -36,6 +36,26 @@ def test_block_selection_is_structural():
         m.state_keys(["nope"])
 
 
+def _net(n: int, head: int) -> BlockNet:
+    return BlockNet([(f"b{i}", nn.Linear(2, 2)) for i in range(n)], num_head_blocks=head)
+
+
+def test_a_blocknet_needs_a_body_and_a_head_and_takes_every_top_count_from_none_to_all():
+    """A head of every block leaves no body to share (FedPer, FedRep, … would share nothing): refused, as is none.
+    `top_blocks` takes 0 (FedPer with K_P = 0 is FedAvg) up to every block, and nothing outside."""
+    for head in (0, 3):
+        with pytest.raises(ValueError, match=r"^a BlockNet needs at least one body block and one head block$"):
+            _net(3, head)
+    m = _net(3, 2)
+    assert (m.body_blocks(), m.head_blocks()) == (["b0"], ["b1", "b2"])
+    assert [m.top_blocks(k) for k in (0, 1, 3)] == [[], ["b2"], ["b0", "b1", "b2"]]
+    for k in (-1, 4):
+        with pytest.raises(ValueError, match=rf"^cannot take {k} top blocks of a 3-block model$"):
+            m.top_blocks(k)
+    with pytest.raises(KeyError, match=r"unknown blocks \['nope'\]; model has \['b0', 'b1', 'b2'\]"):
+        m.state_keys(["b0", "nope"])
+
+
 def test_module_state_keys_selects_by_type_not_name():
     m = BlockNet([("a", nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))), ("weird_bn_name", nn.Linear(4, 2))])
     keys = m.module_state_keys((nn.BatchNorm1d,))

@@ -167,10 +167,10 @@ def load_source(dataset: Any) -> DataSource:
     if base == "folder":
         if dataset.path is None:
             raise DataError("dataset.path: the folder dataset needs the root of a <domain>/<class>/<image> tree")
-        options["normalize"] = getattr(dataset, "normalize", "symmetric")
+        options["normalize"] = dataset.normalize
     elif base in NAMED_FOLDERS:
-        options["normalize"] = getattr(dataset, "normalize", "symmetric")
-    elif getattr(dataset, "normalize", "symmetric") != "symmetric":
+        options["normalize"] = dataset.normalize
+    elif dataset.normalize != "symmetric":
         raise DataError(f"dataset.normalize: {dataset.normalize} applies to folder datasets; {dataset.name} has its "
                         "own normalization")  # fmt: skip
     elif base == "synthetic":
@@ -179,7 +179,7 @@ def load_source(dataset: Any) -> DataSource:
         options.update(dataset.hf.model_dump())
     if base in SIZED and dataset.image_size is not None:  # unset: the loader's own size (folders 32, Tiny ImageNet 64)
         options["image_size"] = dataset.image_size
-    options.update({k: getattr(dataset, k) for k in LOADER_OPTIONS if getattr(dataset, k, None) is not None})
+    options.update({k: getattr(dataset, k) for k in LOADER_OPTIONS if getattr(dataset, k) is not None})
     with torch.device("cpu"):
         source = load_dataset(base, path=dataset.path, **options)
         domains = tuple(dataset.domains or domains)

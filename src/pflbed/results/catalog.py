@@ -36,11 +36,13 @@ def type_name(annotation: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return "None"
+    if annotation is Ellipsis:  # tuple[int, ...]
+        return "..."
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__name__
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"  # typing's forms have names too
     return str(annotation).replace("typing.", "")
 
 
