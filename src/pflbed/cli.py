@@ -20,6 +20,9 @@ from pflbed.results.console import console as make_console
 _CLI_START = time.monotonic()  # where a command's time starts where the process's start is unknown
 
 
+SET_HELP = "override a config key, e.g. --set train.rounds=5 (repeatable)"
+
+
 def _parser() -> argparse.ArgumentParser:
     from pflbed import __version__
 
@@ -71,8 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     fp = fa.add_parser("app", help="write a Flower app project for the experiment into --out")
     for g in (fl, fp):
         g.add_argument("-c", "--config", help="YAML config file")
-        g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.rounds=5 (repeatable)")  # fmt: skip
+        g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     fl.add_argument("--supernodes", type=int, metavar="N",
                     help="SuperNodes to start (default 2; with --resume, the run's own)")
     fl.add_argument("--site-data", type=Path, nargs="+", metavar="DIR",
@@ -92,14 +94,14 @@ def _parser() -> argparse.ArgumentParser:
     fs = fa.add_parser("sites", help="write each client of the config's federation as a site directory (its "
                        "train, val and test samples), to try --site-data or to give each machine its data")
     fs.add_argument("-c", "--config", help="YAML config file")
-    fs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    fs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     fs.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the site-<client> directories go")
     fp.add_argument("--out", type=Path, required=True, help="the project directory")
     fp.add_argument("--run-dir", type=Path, help="where the ServerApp writes the run (default: runs/<...>)")
     t = sub.add_parser("pretrain", help="train the config's model centrally on a declared source no client uses, "
                        "for model.init_from")  # fmt: skip
     t.add_argument("-c", "--config", help="YAML config file (its pretrain section, dataset, model and federation)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     t.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt, summary.json and "
                    "config.yaml go (then: --set model.init_from=DIR)")  # fmt: skip
     t.add_argument("--force", action="store_true", help="replace what is in --out")
@@ -125,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("name", nargs="?", help="one algorithm: its options with types, defaults, ranges and meaning")
     c = sub.add_parser("config", help="print the resolved config (YAML) of -c/--set, or the defaults")
     c.add_argument("-c", "--config", help="YAML config file")
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     c.add_argument("--defaults", action="store_true", help="the default config (what `pflbed run` alone runs)")
     d = sub.add_parser("data", help="datasets")
     d.add_argument("action", choices=["list", "show", "export", "new-client"],
@@ -138,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--path", help="list: a dataset directory to describe (any file-backed dataset's files, or a "
                    "folder dataset root)")
     d.add_argument("-c", "--config", help="show, export: YAML config whose dataset and federation to use")
-    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     d.add_argument("--png", type=Path, help="show: also draw the partition heat-map into this PNG file")
     d.add_argument("--force", action="store_true", help="export: replace an existing OUT; new-client: existing "
                    "files in --out")  # fmt: skip

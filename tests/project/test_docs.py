@@ -35,6 +35,38 @@ def test_every_algorithm_has_a_page_in_the_site_s_navigation_and_every_config_ke
     assert "| `sites.local` |" in reference and "| `executor.precision` |" in reference
 
 
+def test_the_command_line_reference_is_the_parser_s_every_command_and_option():
+    """Read from the parser: each command's heading and description, each option as typed with its default (a
+    required one says so), and text that Markdown would take for an HTML tag escaped outside code."""
+    import argparse
+
+    from pflbed.cli import _parser
+
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert page == generate.cli_page()
+    sections = dict(s.split("\n", 1) for s in page.split("\n## ")[1:])
+    assert list(sections) == ["pflbed run", "pflbed bench", "pflbed tune", "pflbed flower local", "pflbed flower app",
+                              "pflbed flower sites", "pflbed pretrain", "pflbed personalize", "pflbed report",
+                              "pflbed algorithms", "pflbed config", "pflbed data"]  # fmt: skip
+    commands = generate._commands(_parser(), ["pflbed"])
+    for words, parser in commands:
+        rows = sections[" ".join(words)]
+        assert rows.startswith(f"\n{parser.description}\n"), words
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert all(f"`{o}" in rows for o in action.option_strings), (words, action.dest)
+    assert len(commands) == len(sections)
+    bench = sections["pflbed bench"]
+    assert "| `-c CONFIG`, `--config CONFIG` | required | suite YAML file |" in bench
+    assert "| `--jobs N` | `1` |" in bench and "| `--shard I/N` | `1/1` |" in bench and "| `--list` |  |" in bench
+    assert "| `RUN …` | required | finished run directories |" in sections["pflbed report"]
+    assert "| `{list,show,export,new-client}` | required |" in sections["pflbed data"]
+    assert "| `OUT/RUN` |  | export: OUT" in sections["pflbed data"]
+    assert "| `--method {native,ft,lp}` | `native` |" in sections["pflbed personalize"]
+    assert "into &lt;run>/tensorboard/" in (ROOT / "docs" / "reference" / "config.md").read_text()
+    assert generate._cell("a <run> `<code>` b | c\nd < 1") == "a &lt;run> `<code>` b \\| c d < 1"
+
+
 def test_a_page_goes_stale_when_the_code_changes(monkeypatch):
     """The freshness check can fail: an option description changed in the code makes its page stale."""
     from pflbed.algorithms.fedper import FedPer
