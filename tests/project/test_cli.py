@@ -392,6 +392,7 @@ def test_tensorboard_logs_every_number_of_every_record_at_its_round(tmp_path):
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
+    assert "round" not in events.Tags()["scalars"] and "pfl_acc" in events.Tags()["scalars"]  # the step, not a curve
     for key, get in (("pfl_acc", lambda r: r["pfl_acc"]),
                      ("diag/personal_fraction/all", lambda r: r["diag"]["personal_fraction"]["all"])):  # fmt: skip
         points = [(e.step, e.value) for e in events.Scalars(key)]

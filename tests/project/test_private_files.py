@@ -154,13 +154,30 @@ def test_a_checkpoint_holding_client_states_is_private(tmp_path, open_umask):
 def test_a_torch_before_2_6_is_refused_for_its_weights_only_loading(version, safe, monkeypatch):
     import importlib.metadata
 
+    def installed(name: str) -> str:  # torch is at `version`; nothing else is installed
+        if name != "torch":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
     assert torch_is_safe(version) is safe
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    monkeypatch.setattr(importlib.metadata, "version", installed)
     if safe:
         check_torch()
     else:
-        with pytest.raises(ImportError, match=r"pflbed needs torch >= 2\.6 .*weights_only"):
+        with pytest.raises(ImportError) as exc:
             check_torch()
+        assert str(exc.value) == ("pflbed needs torch >= 2.6 (its weights_only loading, which pflbed relies on to "
+                                  "read files others made, can run code before 2.6); found torch " + version)
+
+
+def test_without_torch_installed_its_own_import_says_so(monkeypatch):
+    import importlib.metadata
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert check_torch() is None
 
 
 def test_the_package_requires_a_torch_whose_safe_loading_holds():

@@ -38,7 +38,7 @@ def type_name(annotation: Any) -> str:
         return "None"
     if annotation is Ellipsis:  # tuple[int, ...]
         return "..."
-    if isinstance(annotation, type) and not typing.get_args(annotation):
+    if isinstance(annotation, type):  # a class; `list[int]` is not one
         return annotation.__name__
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is not None:
