@@ -434,7 +434,8 @@ def test_equal_budgets_are_enforced(tmp_path, capsys):
                "FedProx": {"set": {"algorithm.name": "fedprox"}, "trials": 3}}  # fmt: skip
     assert main(["tune", "-c", write(tmp_path, suite(tmp_path, 2, methods))]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "methods.FedProx.trials: 3 against tune.trials 2" in err
+    assert err == ("pflbed: error: methods.FedProx.trials: 3 against tune.trials 2: every method gets the same budget "
+                   "(say tune.unequal_budgets: true to allow it)")  # fmt: skip
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2, methods, unequal_budgets=True)))
     assert [m.trials for m in tuner.methods] == [2, 3]
     methods["FedProx"] = {"set": {"algorithm.name": "fedprox"}, "budget": 5}
@@ -713,6 +714,16 @@ def test_a_storage_url_is_shown_without_its_password():
     assert shown_storage("mysql+pymysql://u:p:q@h/d") == "mysql+pymysql://u:***@h/d"
     for kept in ("postgresql://user@db-host/pflbed", "sqlite:////data/study.db"):
         assert shown_storage(kept) == kept
+
+
+def test_the_study_is_named_in_messages_by_its_file_or_by_its_url_without_a_password(tmp_path):
+    spec = TuneSuite.model_validate(suite(tmp_path, 1))
+    local = Tuner(spec, out=tmp_path / "t")
+    assert (local.storage_path, local.storage_shown) == (str(tmp_path / "t" / "study.db"), "study.db")
+    assert local.storage_url == f"sqlite:///{(tmp_path / 't' / 'study.db').resolve()}"
+    shared = Tuner(spec, out=tmp_path / "t", storage="postgresql://user:s3cret@db-host/pflbed")
+    assert shared.storage_path == shared.storage_shown == "postgresql://user:***@db-host/pflbed"
+    assert shared.storage_url == "postgresql://user:s3cret@db-host/pflbed"
 
 
 def test_opening_a_new_database_that_another_worker_is_creating_waits_and_retries(tmp_path, monkeypatch):
