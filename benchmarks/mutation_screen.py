@@ -155,6 +155,10 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "errors.py": ["test_errors", "test_guard", "test_driver", "test_cli"],
     # `pflbed algorithms`: what each method accepts
     "results/catalog.py": ["test_algorithm_catalog", "test_public_surface", "test_cli"],
+    # the command line: its parser (the generated reference pins every option), each command's checks and messages
+    "cli.py": ["test_cli_parser", "test_cli", "test_data_commands", "test_interrupt", "test_resume", "test_report",
+               "test_trained", "test_executor_probe", "test_pretrain", "test_docs", "test_bench",
+               "test_flower_local_commands"],
     "results/tune/__init__.py": ["test_tune", "test_tune_protocol"],  # the Tuner: equal budgets, the trial seed
     "results/tensorboard.py": ["test_cli"],
     "version.py": ["test_private_files"],  # the torch whose weights_only loading holds

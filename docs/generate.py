@@ -251,7 +251,12 @@ def cli_page() -> str:
              "Every `pflbed` command and its options, read from the command-line parser itself (`pflbed COMMAND "
              "--help` prints the same). A wrong option or value stops the command with one line naming it (exit "
              "code 2); a run that diverges exits with code 3.\n"]  # fmt: skip
-    for words, parser in _commands(_parser(), ["pflbed"]):
+    root = _parser()
+    (sub,) = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)]
+    lines += ["## pflbed\n", f"{root.description} `pflbed --version` prints its version.\n",
+              "| command | what it does |", "|---|---|"]  # fmt: skip
+    lines += [f"| `pflbed {a.dest}` | {_cell(a.help)} |" for a in sub._choices_actions] + [""]
+    for words, parser in _commands(root, ["pflbed"]):
         lines += [f"## {' '.join(words)}\n", f"{parser.description}\n",
                   "| option | default | meaning |", "|---|---|---|"]  # fmt: skip
         for action in parser._actions:

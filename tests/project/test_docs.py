@@ -45,6 +45,11 @@ def test_the_command_line_reference_is_the_parser_s_every_command_and_option():
     page = (ROOT / "docs" / "reference" / "cli.md").read_text()
     assert page == generate.cli_page()
     sections = dict(s.split("\n", 1) for s in page.split("\n## ")[1:])
+    root = sections.pop("pflbed")
+    assert root.startswith("\nPersonalized federated learning benchmark. `pflbed --version` prints its version.\n")
+    assert "| `pflbed tune` | fair hyperparameter search (Optuna): the same training compute per method, chosen on " \
+           "validation, then default vs tuned over seeds |" in root  # fmt: skip
+    assert root.count("| `pflbed ") == 10
     assert list(sections) == ["pflbed run", "pflbed bench", "pflbed tune", "pflbed flower local", "pflbed flower app",
                               "pflbed flower sites", "pflbed pretrain", "pflbed personalize", "pflbed report",
                               "pflbed algorithms", "pflbed config", "pflbed data"]  # fmt: skip

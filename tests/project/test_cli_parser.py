@@ -1,0 +1,121 @@
+"""What each command line parses to: the names, types and defaults the commands read (`args.out` a Path, `--shard`
+a pair, `--set` a list in order), and a missing or malformed option refused by argparse in one line, exit code 2.
+Every option is given once here; the generated reference (`docs/reference/cli.md`) pins the help texts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pflbed.cli import _parser
+
+P = Path
+
+CASES = [  # argv, the parsed names and values (all of them)
+    (["run"], dict(command="run", config=None, overrides=[], out=None, resume=None, force=False, no_progress=False)),
+    (["run", "-c", "a.yaml", "--set", "x=1", "--set", "y=2", "--out", "o", "--resume", "r", "--force",
+      "--no-progress"],
+     dict(command="run", config="a.yaml", overrides=["x=1", "y=2"], out=P("o"), resume=P("r"), force=True,
+          no_progress=True)),
+    (["bench", "-c", "s.yaml"],
+     dict(command="bench", config="s.yaml", max_cells=None, jobs=1, shard=(1, 1), table_only=False, list=False)),
+    (["bench", "--config", "s.yaml", "--max-cells", "0", "--jobs", "2", "--shard", "2/3", "--table-only", "--list"],
+     dict(command="bench", config="s.yaml", max_cells=0, jobs=2, shard=(2, 3), table_only=True, list=True)),
+    (["tune", "-c", "t.yaml"],
+     dict(command="tune", config="t.yaml", overrides=[], out=None, storage=None, worker=False, max_trials=None,
+          jobs=1, table_only=False)),
+    (["tune", "-c", "t.yaml", "--set", "seeds=[0]", "--out", "o", "--storage", "sqlite:///s.db", "--worker",
+      "--max-trials", "3", "--jobs", "2", "--table-only"],
+     dict(command="tune", config="t.yaml", overrides=["seeds=[0]"], out=P("o"), storage="sqlite:///s.db",
+          worker=True, max_trials=3, jobs=2, table_only=True)),
+    (["flower", "local"],
+     dict(command="flower", action="local", config=None, overrides=[], supernodes=None, site_data=None,
+          secagg=False, tls=False, auth=False, out=None, force=False, resume=None, no_progress=False)),
+    (["flower", "local", "-c", "a.yaml", "--set", "x=1", "--supernodes", "3", "--site-data", "s1", "s2", "--secagg",
+      "--tls", "--auth", "--out", "o", "--force", "--resume", "r", "--no-progress"],
+     dict(command="flower", action="local", config="a.yaml", overrides=["x=1"], supernodes=3,
+          site_data=[P("s1"), P("s2")], secagg=True, tls=True, auth=True, out=P("o"), force=True, resume=P("r"),
+          no_progress=True)),
+    (["flower", "app", "--out", "o"],
+     dict(command="flower", action="app", config=None, overrides=[], out=P("o"), run_dir=None)),
+    (["flower", "app", "-c", "a.yaml", "--set", "x=1", "--out", "o", "--run-dir", "d"],
+     dict(command="flower", action="app", config="a.yaml", overrides=["x=1"], out=P("o"), run_dir=P("d"))),
+    (["flower", "sites", "-c", "a.yaml", "--set", "x=1", "--out", "o"],
+     dict(command="flower", action="sites", config="a.yaml", overrides=["x=1"], out=P("o"))),
+    (["flower", "sites", "--out", "o"], dict(command="flower", action="sites", config=None, overrides=[], out=P("o"))),
+    (["pretrain", "--out", "o"], dict(command="pretrain", config=None, overrides=[], out=P("o"), force=False)),
+    (["pretrain", "-c", "a.yaml", "--set", "x=1", "--out", "o", "--force"],
+     dict(command="pretrain", config="a.yaml", overrides=["x=1"], out=P("o"), force=True)),
+    (["personalize", "r", "--data", "d.npz", "--out", "o"],
+     dict(command="personalize", run=P("r"), data=P("d.npz"), val=None, test=None, method="native", epochs=None,
+          lr=None, seed=0, out=P("o"))),
+    (["personalize", "r", "--data", "d.npz", "--val", "v.npz", "--test", "t.npz", "--method", "lp", "--epochs", "4",
+      "--lr", "0.05", "--seed", "3", "--out", "o"],
+     dict(command="personalize", run=P("r"), data=P("d.npz"), val=P("v.npz"), test=P("t.npz"), method="lp",
+          epochs=4, lr=0.05, seed=3, out=P("o"))),
+    (["report", "a", "b", "-o", "x.html"], dict(command="report", runs=[P("a"), P("b")], out=P("x.html"), format=None)),
+    (["report", "a", "--out", "x", "--format", "md"], dict(command="report", runs=[P("a")], out=P("x"), format="md")),
+    (["algorithms"], dict(command="algorithms", name=None)),
+    (["algorithms", "fedrod"], dict(command="algorithms", name="fedrod")),
+    (["config"], dict(command="config", config=None, overrides=[], defaults=False)),
+    (["config", "-c", "a.yaml", "--set", "x=1", "--defaults"],
+     dict(command="config", config="a.yaml", overrides=["x=1"], defaults=True)),
+    (["data", "list"],
+     dict(command="data", action="list", target=None, path=None, config=None, overrides=[], png=None, force=False,
+          out_dir=None, client=None)),
+    (["data", "new-client", "r", "--path", "p", "-c", "a.yaml", "--set", "x=1", "--png", "m.png", "--force", "--out",
+      "o", "--client", "7"],
+     dict(command="data", action="new-client", target=P("r"), path="p", config="a.yaml", overrides=["x=1"],
+          png=P("m.png"), force=True, out_dir=P("o"), client=7)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "parsed"), CASES, ids=[" ".join(a[:2]) + f"-{i}" for i, (a, _) in enumerate(CASES)])
+def test_a_command_line_parses_to_the_names_types_and_defaults_its_command_reads(argv, parsed):
+    assert vars(_parser().parse_args(argv)) == parsed
+
+
+MALFORMED = [  # argv, argparse's one line: the command that refuses it, then what is wrong
+    ([], "pflbed: error: the following arguments are required: command"),
+    (["bench"], "pflbed bench: error: the following arguments are required: -c/--config"),
+    (["tune"], "pflbed tune: error: the following arguments are required: -c/--config"),
+    (["flower"], "pflbed flower: error: the following arguments are required: {local,app,sites}"),
+    (["flower", "app"], "pflbed flower app: error: the following arguments are required: --out"),
+    (["flower", "sites"], "pflbed flower sites: error: the following arguments are required: --out"),
+    (["pretrain"], "pflbed pretrain: error: the following arguments are required: --out"),
+    (["personalize"], "pflbed personalize: error: the following arguments are required: RUN, --data, --out"),
+    (["personalize", "r", "--out", "o"], "pflbed personalize: error: the following arguments are required: --data"),
+    (["personalize", "r", "--data", "d"], "pflbed personalize: error: the following arguments are required: --out"),
+    (["report", "a"], "pflbed report: error: the following arguments are required: -o/--out"),
+    (["data"], "pflbed data: error: the following arguments are required: action"),
+    (["data", "drop"],
+     "pflbed data: error: argument action: invalid choice: 'drop' (choose from 'list', 'show', 'export', "
+     "'new-client')"),
+    (["personalize", "r", "--data", "d", "--out", "o", "--method", "all"],
+     "pflbed personalize: error: argument --method: invalid choice: 'all' (choose from 'native', 'ft', 'lp')"),
+    (["report", "a", "-o", "x", "--format", "pdf"],
+     "pflbed report: error: argument --format: invalid choice: 'pdf' (choose from 'html', 'md')"),
+    (["personalize", "r", "--data", "d", "--out", "o", "--epochs", "2.5"],
+     "pflbed personalize: error: argument --epochs: invalid int value: '2.5'"),
+    (["flower", "local", "--supernodes", "x"],
+     "pflbed flower local: error: argument --supernodes: invalid int value: 'x'"),
+    (["bench", "-c", "s", "--shard", "3/2"], "pflbed bench: error: argument --shard: need 1 <= I <= N, got '3/2'"),
+    (["run", "--rounds", "3"], "pflbed: error: unrecognized arguments: --rounds 3"),  # the root parser's line
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "said"), MALFORMED)
+def test_a_missing_or_malformed_option_is_one_line_with_exit_code_2(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1] == said, err[-1]
+
+
+def test_version_prints_the_package_s_version(capsys):
+    from pflbed import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"pflbed {__version__}\n"
