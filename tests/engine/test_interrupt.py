@@ -34,6 +34,15 @@ def test_ctrl_c_names_the_checkpointed_round_and_the_resume_command(tmp_path, mo
     assert [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def test_ctrl_c_after_the_run_finished_points_to_its_results(tmp_path):
+    from pflbed.cli import _interrupted_run
+
+    (tmp_path / "config.yaml").write_text("{}")
+    (tmp_path / "summary.json").write_text("{}")
+    said = _interrupted_run(tmp_path, "pflbed run --resume x", 5)
+    assert said == f"interrupted after the run finished; results in {tmp_path}"
+
+
 def test_ctrl_c_before_any_checkpoint_or_before_the_run_started(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     _interrupt_at(monkeypatch, 1)

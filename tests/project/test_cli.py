@@ -173,6 +173,9 @@ def test_data_show_prints_partition_and_writes_heatmap(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rot270" in out and "new" in out and "class-balanced" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "c.yaml").write_text("dataset: {name: digits-rot4}\n")  # the same from a file, and --set over it
+    assert main(["data", "show", "-c", str(tmp_path / "c.yaml"), *args[2:]]) == 0
+    assert capsys.readouterr().out == out.rpartition("heat-map: ")[0]
 
 
 # --- unsafe run directories, failures mid-run --------------------------------------------------------------------
@@ -352,7 +355,9 @@ def test_config_prints_the_resolved_config_that_validates_back(capsys):
     assert main(["config", "--set", "train.rounds=7", "--set", "algorithm.name=fedper"]) == 0
     cfg = validate_config(yaml.safe_load(capsys.readouterr().out))
     assert cfg.train.rounds == 7 and cfg.algorithm.name == "fedper"
-    assert main(["config", "--defaults", "--set", "train.rounds=7"]) == 2
+    for extra in (["--set", "train.rounds=7"], ["-c", "any.yaml"]):
+        assert main(["config", "--defaults", *extra]) == 2
+        assert capsys.readouterr().err == "pflbed: error: --defaults prints the defaults: leave out -c and --set\n"
 
 
 def test_piped_output_does_not_wrap(capsys):

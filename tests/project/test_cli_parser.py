@@ -119,3 +119,21 @@ def test_version_prints_the_package_s_version(capsys):
     with pytest.raises(SystemExit) as exc:
         _parser().parse_args(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out == f"pflbed {__version__}\n"
+
+
+def test_counts_jobs_and_shards_are_taken_up_to_their_edges_and_refused_past_them(capsys):
+    """The neighbours of `test_cli`'s refusals: the smallest and largest value taken, and each malformed shard."""
+    from pflbed.config.base import max_threads
+
+    top = max_threads()
+    taken = [(["--jobs", "1"], "jobs", 1), (["--jobs", str(top)], "jobs", top), (["--max-cells", "0"], "max_cells", 0),
+             (["--shard", "1/1"], "shard", (1, 1)), (["--shard", "3/3"], "shard", (3, 3)),
+             (["--shard", "1/3"], "shard", (1, 3))]  # fmt: skip
+    for argv, name, value in taken:
+        assert getattr(_parser().parse_args(["bench", "-c", "s", *argv]), name) == value, argv
+    refused = [("0/2", "need 1 <= I <= N, got '0/2'"), ("x", "expected I/N such as 1/2, got 'x'"),
+               ("1/2/3", "expected I/N such as 1/2, got '1/2/3'"), ("1/", "expected I/N such as 1/2, got '1/'")]
+    for shard, said in refused:
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["bench", "-c", "s", "--shard", shard])
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"pflbed bench: error: argument --shard: {said}"

@@ -67,11 +67,11 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
     (["new-client", "{run}", "--out", "{out}", "--client", "99"], "does not exist"),
     (["new-client", "{out}", "--out", "{out}"], "not a pflbed run directory"),
     (["new-client", "{run}", "--out", "{out}", "--set", "seed=1"], "takes the run's own config"),
-    (["new-client", "--out", "{out}"], "data new-client needs RUN"),
-    (["new-client", "{run}"], "data new-client needs --out DIR"),
+    (["new-client", "--out", "{out}"], "pflbed: error: data new-client needs RUN, the run directory"),
+    (["new-client", "{run}"], "pflbed: error: data new-client needs --out DIR"),
     (["list", "--out", "{out}"], "data list takes no --out"),
     (["list", "{run}"], "data list takes no OUT or RUN"),
-    (["export"], "data export needs OUT"),
+    (["export"], "pflbed: error: data export needs OUT, the manifest file to write"),
     (["export", "/proc/m.json"], "pflbed: error: /proc/m.json: No such file or directory"),  # not the temporary file
 ])  # fmt: skip
 def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
@@ -113,3 +113,12 @@ def test_data_list_describes_digits_without_loading_it(monkeypatch):
     monkeypatch.setitem(DATASETS, "digits", lambda *a, **k: pytest.fail("digits loaded to be listed"))
     row = next(r for r in describe_datasets() if r["name"] == "digits")
     assert (row["location"], row["train"], row["test"]) == (source.origin, len(source.train), len(source.test))
+
+
+def test_data_list_at_a_path_describes_the_tree_there(tmp_path, capsys):
+    from tests import data_formats as fx
+
+    root = fx.make_domain_tree(tmp_path / "mine", ("art",), 2, per_class=3, size=4)
+    assert main(["data", "list", "--path", str(root)]) == 0
+    folder = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("folder "))
+    assert folder.split() == ["folder", str(root.resolve())]
