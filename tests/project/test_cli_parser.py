@@ -1,6 +1,7 @@
 """What each command line parses to: the names, types and defaults the commands read (`args.out` a Path, `--shard`
 a pair, `--set` a list in order), and a missing or malformed option refused by argparse in one line, exit code 2.
-Every option is given once here; the generated reference (`docs/reference/cli.md`) pins the help texts."""
+Every option is given once here; the generated reference (`docs/reference/cli.md`) pins the help texts. Then `main`:
+each command to its function, and each kind of failure to its one line and exit code."""
 
 from __future__ import annotations
 
@@ -137,3 +138,90 @@ def test_counts_jobs_and_shards_are_taken_up_to_their_edges_and_refused_past_the
         with pytest.raises(SystemExit):
             _parser().parse_args(["bench", "-c", "s", "--shard", shard])
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"pflbed bench: error: argument --shard: {said}"
+
+
+# --- main: each command to its function, each failure to its line and exit code -----------------------------------
+
+
+@pytest.fixture
+def called(monkeypatch) -> list[str]:
+    """Each command's function replaced by one that records the command's name."""
+    import pflbed.cli as cli
+
+    seen: list[str] = []
+    for name in ("run", "bench", "data", "flower", "personalize", "pretrain", "algorithms", "config", "report", "tune"):
+        monkeypatch.setattr(cli, f"_cmd_{name}", lambda args, name=name: seen.append(name))
+    return seen
+
+
+def test_main_runs_each_command_s_own_function(called):
+    from pflbed.cli import main
+
+    for argv, parsed in CASES:
+        called.clear()
+        assert main(argv) == 0 and called == [parsed["command"]], argv
+
+
+def _raising(monkeypatch, exc: BaseException) -> None:
+    import pflbed.cli as cli
+
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "_cmd_config", fail)
+
+
+@pytest.mark.parametrize(("exc", "code", "line"), [
+    ("user", 2, "pflbed: error: config.yaml: train.lr: must be > 0"),
+    ("diverged", 3, "pflbed: error: diverged in round 4: the loss is nan — lower train.lr (or the algorithm's own "
+                    "lrs)"),
+    ("cells", 3, "pflbed: error: 2 cell(s) diverged"),
+    ("file", 2, "pflbed: error: runs/a/metrics.jsonl: No space left on device"),
+    ("io", 2, "pflbed: error: I/O: disk gone"),
+    ("ctrl-c", 130, "pflbed: interrupted"),
+    ("described", 130, "pflbed: interrupted; round 3 of 5 is checkpointed"),
+])  # fmt: skip
+def test_main_says_each_failure_in_one_line_with_its_exit_code(monkeypatch, capsys, exc, code, line):
+    import errno
+
+    from pflbed.cli import DivergedCells, Interrupted, main
+    from pflbed.errors import DivergedError, PflbedError
+
+    made = {"user": PflbedError("config.yaml: train.lr: must be > 0"), "diverged": DivergedError(4, "the loss is nan"),
+            "cells": DivergedCells("2 cell(s) diverged"), "io": OSError("disk gone"),
+            "file": OSError(errno.ENOSPC, "No space left on device", "runs/a/metrics.jsonl"),
+            "ctrl-c": KeyboardInterrupt(),
+            "described": Interrupted(lambda: "interrupted; round 3 of 5 is checkpointed")}
+    _raising(monkeypatch, made[exc])
+    assert main(["config"]) == code
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_sigterm_stops_the_command_with_its_own_exit_code(monkeypatch, capsys):
+    import pflbed.cli as cli
+
+    _raising(monkeypatch, KeyboardInterrupt())
+    monkeypatch.setattr(cli, "_TERMINATED", [True])  # as the SIGTERM handler leaves it
+    assert cli.main(["config"]) == 128 + 15
+    assert capsys.readouterr().err == "pflbed: interrupted\n"
+
+
+def test_only_the_process_s_own_command_line_counts_from_the_process_start_and_takes_sigterm(monkeypatch, called):
+    """`main()` (no argv: `pflbed ...`) times the whole process and turns SIGTERM into Ctrl-C; `main([...])` from
+    Python times the call and leaves the caller's signal handlers alone."""
+    import pflbed.cli as cli
+
+    clocks, handlers = [], []
+    monkeypatch.setattr(cli, "command_clock", lambda whole_process: clocks.append(whole_process) or (lambda: 0.0))
+    monkeypatch.setattr(cli, "_terminate_as_ctrl_c", lambda: handlers.append(True))
+    assert cli.main(["config"]) == 0 and (clocks, handlers) == ([False], [])
+    monkeypatch.setattr("sys.argv", ["pflbed", "config"])
+    assert cli.main() == 0 and (clocks, handlers) == ([False, True], [True])
+
+
+def test_data_list_joins_a_dataset_s_sizes_and_domains_on_its_second_line():
+    from pflbed.cli import _data_listing
+
+    rows = [{"name": "pacs", "location": "/d/pacs", "train": 30, "test": 0, "domains": "art, photo", "error": None},
+            {"name": "x", "location": "not found", "train": None, "test": None, "domains": "", "error": "x: bad"}]
+    assert _data_listing(rows) == "pacs  /d/pacs\n      30 train, 0 test; domains art, photo\nx     x: bad\n"
