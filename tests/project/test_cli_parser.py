@@ -225,3 +225,7 @@ def test_data_list_joins_a_dataset_s_sizes_and_domains_on_its_second_line():
     rows = [{"name": "pacs", "location": "/d/pacs", "train": 30, "test": 0, "domains": "art, photo", "error": None},
             {"name": "x", "location": "not found", "train": None, "test": None, "domains": "", "error": "x: bad"}]
     assert _data_listing(rows) == "pacs  /d/pacs\n      30 train, 0 test; domains art, photo\nx     x: bad\n"
+    far = "/data/" + "-".join(["fashion-mnist"] * 10)  # a path wider than the listing: kept whole, to copy it
+    wide = [{**rows[0], "location": far, "train": None}, {**rows[1], "error": f"not found: set dataset.path to {far}"}]
+    assert _data_listing(wide) == (f"pacs  {far}\n      domains art, photo\n"
+                                   f"x     not found: set dataset.path to\n      {far}\n")
