@@ -190,6 +190,15 @@ def test_export_needs_out_refuses_to_replace_one_and_writes_nothing_on_a_bad_con
     assert main(["data", "export", "-c", cfg]) == 2
     assert "data export needs OUT" in _err(capsys)
     out = _export(tmp_path, STANDARD)
+    written = json.loads(out.read_text())
+    said = " ".join(capsys.readouterr().out.split())
+    dataset = written["dataset"]
+    assert said == (f"manifest: {out} ({len(written['participated'])} participated and {len(written['new'])} new "
+                    f"clients of {dataset['name']}, fingerprint {dataset['fingerprint']}); run it with --set "
+                    f"federation.manifest={out}")  # fmt: skip
+    assert len(written["new"]) == 2
+    assert main(["data", "export", str(tmp_path), "-c", cfg]) == 2
+    assert _err(capsys) == f"pflbed: error: {tmp_path}: is a directory; give the manifest file to write"
     before = out.read_text()
     assert main(["data", "export", str(out), "-c", cfg]) == 2
     assert f"{out} exists; --force replaces it" in _err(capsys) and out.read_text() == before
