@@ -64,9 +64,15 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
 @pytest.mark.parametrize(("args", "said"), [
     (["new-client", "{trained}", "--out", "{out}"], "holds no new clients"),
     (["new-client", "{run}", "--out", "{out}", "--client", "{participant}"], "took part in training"),
-    (["new-client", "{run}", "--out", "{out}", "--client", "99"], "does not exist"),
+    (["new-client", "{run}", "--out", "{out}", "--client", "99"],
+     "pflbed: error: --client 99: client 99 of {run} does not exist; its held-out clients are {new}"),
     (["new-client", "{out}", "--out", "{out}"], "not a pflbed run directory"),
-    (["new-client", "{run}", "--out", "{out}", "--set", "seed=1"], "takes the run's own config"),
+    (["new-client", "{run}", "--out", "{out}", "--set", "seed=1"],
+     "pflbed: error: data new-client takes the run's own config (RUN/config.yaml): leave out -c and --set"),
+    (["new-client", "{sited}", "--out", "{out}"],
+     "pflbed: error: {sited}: its clients' data stayed on their sites (sites.local); a new site brings its own"),
+    (["new-client", "{run}", "--out", "{file}"],
+     "pflbed: error: --out {file}: is a file; give the directory to write train.npz, val.npz and test.npz into"),
     (["new-client", "--out", "{out}"], "pflbed: error: data new-client needs RUN, the run directory"),
     (["new-client", "{run}"], "pflbed: error: data new-client needs --out DIR"),
     (["list", "--out", "{out}"], "data list takes no --out"),
@@ -77,8 +83,12 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
 def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
     run = _run_dir(tmp_path / "run", "federation.clients=6", "federation.new_clients=2")
     trained = _run_dir(tmp_path / "trained", "federation.clients=6")
-    participant = _federation(run)[1].participated[0]
-    paths = {"run": run, "trained": trained, "out": tmp_path / "nc", "participant": participant}
+    fed = _federation(run)[1]
+    sited = _run_dir(tmp_path / "sited", "sites.local=true", "sites.input_shape=[1,8,8]", "sites.num_classes=10",
+                     "executor.name=flower", "executor.supernodes=2", "federation.clients=2")  # fmt: skip
+    (tmp_path / "file").write_text("")
+    paths = {"run": run, "trained": trained, "out": tmp_path / "nc", "participant": fed.participated[0],
+             "new": ", ".join(map(str, fed.new)), "sited": sited, "file": tmp_path / "file"}  # fmt: skip
     assert main(["data", *(a.format(**paths) for a in args)]) == 2
     err = capsys.readouterr().err.strip()
     assert said.format(**paths) in err and "\n" not in err and "Traceback" not in err, err
