@@ -47,6 +47,18 @@ def test_new_client_writes_a_held_out_client_s_raw_samples(tmp_path, capsys):
         assert torch.allclose(source.inputs(x), source.train.x[idx], atol=1e-5)  # exactly the run's inputs
 
 
+def test_new_client_of_a_run_scored_on_the_global_test_set_takes_that_set(tmp_path):
+    """`eval.pfl_test: global`: the run scores every client on the global test set, so the new client's test.npz is
+    that set (its own test share went unused)."""
+    run = _run_dir(tmp_path / "run", "federation.clients=6", "federation.new_clients=2", "eval.pfl_test=global")
+    assert main(["data", "new-client", str(run), "--out", str(tmp_path / "nc")]) == 0
+    source, fed = _federation(run)
+    with np.load(tmp_path / "nc" / "test.npz") as f:
+        y = f["y"]
+    assert np.array_equal(y, getattr(source, fed.global_split).y[fed.global_test].numpy())
+    assert len(y) != len(fed.clients[fed.new[0]].test)
+
+
 def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_path):
     run = _run_dir(tmp_path / "run", "dataset.name=digits-rot4", "federation.protocol=pflbed",
                    "federation.pflbed.clients_per_domain=3", "federation.pflbed.new_clients_per_domain=2")  # fmt: skip
