@@ -286,3 +286,102 @@ def test_a_cell_finished_by_another_bench_meanwhile_is_read_not_rerun(suite_file
     final, took = next(_run_cells([(table.cell_config(*cell), table.run_dir(*cell))], jobs=1))
     assert took is None and final == json.loads(summary.read_text())["final"]
     assert summary.stat().st_mtime_ns == stamp
+
+
+# --- `pflbed bench` itself, on a stand-in suite: what it lists, runs, prints and returns -----------------------------
+
+
+class _Table:
+    name = "t"
+
+    @staticmethod
+    def run_dir(seed: int) -> str:
+        return f"runs/t/seed{seed}"
+
+
+class _FakeBench:
+    """Cells seed 0 and 1 of one table; seed 1 still to run unless `done`; `diverged` names diverged cells."""
+
+    def __init__(self, calls: list, done: bool = False, diverged: tuple[str, ...] = (), stop: bool = False) -> None:
+        self.calls, self.done, self._diverged, self.stop = calls, done, list(diverged), stop
+
+    def cells(self):
+        return [(_Table, (0,)), (_Table, (1,))]
+
+    def pending(self):
+        return [] if self.done else [(_Table, (1,))]
+
+    def run(self, max_cells, log, shard, jobs):
+        self.calls.append(("run", max_cells, shard, jobs, log is not None))
+        if self.stop:
+            raise KeyboardInterrupt
+
+    def write_tables(self):
+        self.calls.append(("tables",))
+        md = self.tmp / "table.md"
+        md.write_text("| the table |\n")
+        return md, self.tmp / "table.csv"
+
+    def diverged(self):
+        return self._diverged
+
+
+@pytest.fixture
+def fake_bench(tmp_path, monkeypatch):
+    from pflbed.results import bench
+
+    calls: list = []
+    made: dict = {}
+
+    def use(**kwargs):
+        made.update(kwargs)
+
+    def build(suite):
+        b = _FakeBench(calls, **made)
+        b.tmp = tmp_path
+        return b
+
+    monkeypatch.setattr(bench, "load_suite", lambda path: path)
+    monkeypatch.setattr(bench, "Bench", build)
+    return calls, use
+
+
+def test_bench_list_says_which_cells_are_done_and_runs_nothing(fake_bench, capsys):
+    calls, _ = fake_bench
+    assert main(["bench", "-c", "s.yaml", "--list"]) == 0
+    assert capsys.readouterr().out == "done  runs/t/seed0\ntodo  runs/t/seed1\n" and calls == []
+
+
+def test_bench_runs_its_cells_as_asked_then_writes_and_prints_the_tables(fake_bench, tmp_path, capsys):
+    calls, use = fake_bench
+    assert main(["bench", "-c", "s.yaml", "--max-cells", "1", "--jobs", "2", "--shard", "2/3"]) == 0
+    assert calls == [("run", 1, (2, 3), 2, True), ("tables",)]
+    out = capsys.readouterr().out
+    assert out == (f"| the table |\n\ntables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'} — 1 cells still to "
+                   "run (re-run to continue)\n")  # fmt: skip
+    calls.clear()
+    use(done=True)
+    assert main(["bench", "-c", "s.yaml", "--table-only"]) == 0
+    assert calls == [("tables",)]
+    assert capsys.readouterr().out.endswith(f"tables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'}\n")
+
+
+def test_bench_with_diverged_cells_writes_the_tables_and_exits_3_naming_one(fake_bench, capsys):
+    calls, use = fake_bench
+    use(done=True, diverged=("runs/t/seed1", "runs/t/seed0"))
+    assert main(["bench", "-c", "s.yaml"]) == 3
+    assert calls == [("run", None, (1, 1), 1, True), ("tables",)]
+    assert capsys.readouterr().err == ("pflbed: error: 2 cell(s) diverged, e.g. runs/t/seed1 (its diverged.json says "
+                                       "where; delete a cell's directory to run it anew)\n")  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "again"), [
+    ([], "pflbed bench -c s.yaml"),
+    (["--jobs", "1", "--shard", "1/1"], "pflbed bench -c s.yaml"),  # the defaults, not repeated
+    (["--shard", "1/2", "--max-cells", "0"], "pflbed bench -c s.yaml --shard 1/2 --max-cells 0"),
+])  # fmt: skip
+def test_a_ctrl_c_in_a_bench_repeats_only_the_options_given(fake_bench, capsys, given, again):
+    _, use = fake_bench
+    use(stop=True)
+    assert main(["bench", "-c", "s.yaml", *given]) == 130
+    assert capsys.readouterr().err.strip().endswith(f"continue with '{again}'")
