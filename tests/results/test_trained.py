@@ -19,6 +19,7 @@ from pflbed.cli import main
 from pflbed.data import load_dataset
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.digits import MEAN, STD
+from pflbed.data.samples import read_samples
 from pflbed.errors import DataError, PflbedError
 from pflbed.results import trained
 from pflbed.results.trained import load_model
@@ -200,7 +201,20 @@ def test_personalize_cli_with_npz_and_image_folders(runs, tmp_path, capsys):
     assert summary["samples"] == 30 and summary["test_samples"] == len(test[1])
     # an image folder for --val needs an image folder for --data too (their raw ranges differ)
     assert main([*args[:-2], "--val", str(folder), "--out", str(tmp_path / "q")]) == 2
-    assert "one format" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("pflbed: error: --data and --val must be of one format (both .npz or both "
+                                       "image folders)\n")  # fmt: skip
+    # image folders for both: read as the run's samples at the images' range, as the Python API reads them
+    train_folder = tmp_path / "train"
+    for i, (img, label) in enumerate(zip(x, y, strict=True)):
+        (train_folder / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.uint8(img * 255 / 16)).save(train_folder / str(label) / f"{i}.png")
+    assert main(["personalize", str(runs["fedavg"][0]), "--data", str(train_folder), "--val", str(folder), "--method",
+                 "ft", "--epochs", "2", "--lr", "0.05", "--out", str(tmp_path / "f")]) == 0  # fmt: skip
+    xf, yf, scale = read_samples(train_folder, run.source)
+    xv, yv, _ = read_samples(folder, run.source)
+    direct = run.personalize(xf, yf, method="ft", epochs=2, lr=0.05, val=(xv, yv), scale=scale, seed=0)
+    written = json.loads((tmp_path / "f" / "summary.json").read_text())
+    assert scale == 255.0 and [e["val_acc"] for e in written["epochs"]] == [e["val_acc"] for e in direct.epochs]
 
 
 def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_one(runs, tmp_path, capsys):
