@@ -180,14 +180,19 @@ def test_native_personalization_is_the_methods_own(runs, monkeypatch):
             assert len(called) == 1  # ft / lp fine-tune the generic model, not the method's own
 
 
+def _as_folder(root, x, y):
+    """Raw digits (0…16) as a folder of class sub-folders of 8-bit PNGs (0…255)."""
+    for i, (img, label) in enumerate(zip(x, y, strict=True)):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.uint8(img * 255 / 16)).save(root / str(label) / f"{i}.png")
+    return root
+
+
 def test_personalize_cli_with_npz_and_image_folders(runs, tmp_path, capsys):
     (x, y), val, test = _client_samples()
     np.savez(tmp_path / "train.npz", x=x, y=y)
     np.savez(tmp_path / "test.npz", x=test[0], y=test[1])
-    folder = tmp_path / "val"
-    for i, (img, label) in enumerate(zip(*val, strict=True)):
-        (folder / str(label)).mkdir(parents=True, exist_ok=True)
-        Image.fromarray(np.uint8(img * 255 / 16)).save(folder / str(label) / f"{i}.png")
+    folder = _as_folder(tmp_path / "val", *val)
     out = tmp_path / "p"
     args = ["personalize", str(runs["fedavg"][0]), "--data", str(tmp_path / "train.npz"), "--test",
             str(tmp_path / "test.npz"), "--method", "ft", "--epochs", "3", "--lr", "0.05"]  # fmt: skip
@@ -204,17 +209,19 @@ def test_personalize_cli_with_npz_and_image_folders(runs, tmp_path, capsys):
     assert capsys.readouterr().err == ("pflbed: error: --data and --val must be of one format (both .npz or both "
                                        "image folders)\n")  # fmt: skip
     # image folders for both: read as the run's samples at the images' range, as the Python API reads them
-    train_folder = tmp_path / "train"
-    for i, (img, label) in enumerate(zip(x, y, strict=True)):
-        (train_folder / str(label)).mkdir(parents=True, exist_ok=True)
-        Image.fromarray(np.uint8(img * 255 / 16)).save(train_folder / str(label) / f"{i}.png")
-    assert main(["personalize", str(runs["fedavg"][0]), "--data", str(train_folder), "--val", str(folder), "--method",
-                 "ft", "--epochs", "2", "--lr", "0.05", "--out", str(tmp_path / "f")]) == 0  # fmt: skip
+    train_folder, test_folder = _as_folder(tmp_path / "train", x, y), _as_folder(tmp_path / "test", *test)
+    assert main(["personalize", str(runs["fedavg"][0]), "--data", str(train_folder), "--val", str(folder), "--test",
+                 str(test_folder), "--method", "ft", "--epochs", "8", "--lr", "0.05", "--out", str(tmp_path / "f")
+                 ]) == 0  # fmt: skip
     xf, yf, scale = read_samples(train_folder, run.source)
     xv, yv, _ = read_samples(folder, run.source)
-    direct = run.personalize(xf, yf, method="ft", epochs=2, lr=0.05, val=(xv, yv), scale=scale, seed=0)
+    direct = run.personalize(xf, yf, method="ft", epochs=8, lr=0.05, val=(xv, yv), scale=scale, seed=0)
     written = json.loads((tmp_path / "f" / "summary.json").read_text())
     assert scale == 255.0 and [e["val_acc"] for e in written["epochs"]] == [e["val_acc"] for e in direct.epochs]
+    xt, yt, _ = read_samples(test_folder, run.source)
+    assert written["test_acc"] == pytest.approx(direct.accuracy(xt, yt, scale))
+    assert written["zero_shot_test_acc"] == pytest.approx(direct.zero_shot_accuracy(xt, yt, scale))
+    assert direct.accuracy(xt, yt, scale) != direct.accuracy(xt, yt, None)  # the range matters on these samples
 
 
 def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_one(runs, tmp_path, capsys):
