@@ -230,6 +230,16 @@ def test_finished_run_is_never_overwritten_silently(tmp_path, capsys):
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0  # resume: says so, changes nothing
     assert "already finished" in capsys.readouterr().out
     assert (out / "summary.json").read_bytes() == before
+    # --set alone changes the run's own config (where the run may run differently), not the defaults
+    assert main(["run", "--resume", str(out), "--set", "executor.threads=1", "--no-progress"]) == 0
+    assert "already finished" in capsys.readouterr().out
+    for flags, said in ((["--out", str(tmp_path / "other")], "--out and --resume name different directories; "
+                         "--resume continues in place"),
+                        (["--force"], "--force and --resume contradict each other: --force starts over, --resume "
+                         "continues")):  # fmt: skip
+        assert main(["run", "--resume", str(out), *flags]) == 2
+        assert _one_error_line(capsys) == f"pflbed: error: {said}"
+    assert main(["run", "--resume", str(out), "--out", str(out), "--no-progress"]) == 0  # the same directory
     assert main(["run", *FAST, "--set", "seed=1", "--out", str(out), "--force"]) == 0  # explicit: replaced
     assert json.loads((out / "summary.json").read_text())["seed"] == 1
 

@@ -239,11 +239,14 @@ def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_o
     generic = float((run.generic_model()(run.inputs(test[0])).argmax(1).numpy() == test[1]).mean())
     assert summary["zero_shot_test_acc"] == pytest.approx(generic)
     assert f"test accuracy {100 * summary['test_acc']:.2f} % (zero-shot {100 * generic:.2f} %)" in printed
-    assert main(["personalize", str(runs["fedavg"][0]), *base, "--val", str(tmp_path / "val.npz"),
+    assert main(["personalize", str(runs["fedavg"][0]), *base, "--val", str(tmp_path / "val.npz"), "--epochs", "6",
                  "--out", str(tmp_path / "b")]) == 0  # fmt: skip
     printed = " ".join(capsys.readouterr().out.split())
     generic_val = float((run.generic_model()(run.inputs(val[0])).argmax(1).numpy() == val[1]).mean())
-    assert "validation accuracy" in printed and f"(zero-shot {100 * generic_val:.2f} %)" in printed
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    kept = b["epochs"][b["selected_epoch"] - 1]["val_acc"]  # the kept epoch's, which selection made the best
+    assert kept == max(e["val_acc"] for e in b["epochs"]) and len({e["val_acc"] for e in b["epochs"]}) > 1
+    assert f"validation accuracy {100 * kept:.2f} % (zero-shot {100 * generic_val:.2f} %)" in printed
     assert main(["personalize", str(runs["fedper"][0]), *base, "--test", str(tmp_path / "test.npz"),
                  "--out", str(tmp_path / "c")]) == 0  # fmt: skip
     assert "(the method has no zero-shot model)" in " ".join(capsys.readouterr().out.split())
