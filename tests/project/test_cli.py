@@ -19,7 +19,9 @@ FAST = [
 def test_run_writes_config_metrics_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", *FAST, "--out", str(out)]) == 0
-    assert "FedAvg+FT" in capsys.readouterr().out  # the results table
+    printed = capsys.readouterr().out.splitlines()
+    assert any("FedAvg+FT" in line for line in printed)  # the results table
+    assert printed[-1] == f"results: {out}" and not [x for x in printed if x.startswith("[")]  # --no-progress
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in lines] == [1, 2, 3]
     s = json.loads((out / "summary.json").read_text())
@@ -395,6 +397,13 @@ def test_redirected_output_logs_each_evaluation_and_stage_as_it_happens(tmp_path
              "artifacts"]  # fmt: skip
     assert [s.split(":")[0].rstrip("…") for s in stages] == [n for n in names for _ in (0, 1)]
     assert all(s.endswith("…") for s in stages[::2]) and all(": done in" in s for s in stages[1::2])
+
+
+def test_a_run_without_out_goes_to_runs_named_by_algorithm_dataset_and_seed(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *FAST, "--set", "seed=3"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "results: runs/fedavg-synthetic-seed3"
+    assert (tmp_path / "runs" / "fedavg-synthetic-seed3" / "summary.json").is_file()
 
 
 def test_tensorboard_logs_every_number_of_every_record_at_its_round(tmp_path):

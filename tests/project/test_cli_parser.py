@@ -5,6 +5,7 @@ each command to its function, and each kind of failure to its one line and exit 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,18 @@ def test_data_list_joins_a_dataset_s_sizes_and_domains_on_its_second_line():
     wide = [{**rows[0], "location": far, "train": None}, {**rows[1], "error": f"not found: set dataset.path to {far}"}]
     assert _data_listing(wide) == (f"pacs  {far}\n      domains art, photo\n"
                                    f"x     not found: set dataset.path to\n      {far}\n")
+
+
+def test_data_list_on_a_terminal_wraps_to_its_width_up_to_120_columns(monkeypatch):
+    import shutil
+    import sys
+
+    from pflbed.cli import _data_listing
+
+    row = [{"name": "x", "location": "not found: " + " ".join(["word"] * 40), "train": None, "test": None,
+            "domains": "", "error": None}]  # fmt: skip
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    for columns, width in ((60, 60), (200, 120)):
+        monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback, c=columns: os.terminal_size((c, 24)))
+        lines = _data_listing(row).splitlines()
+        assert max(map(len, lines)) <= width and max(map(len, lines)) > width - 6, (columns, lines)
