@@ -463,7 +463,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> None:
     src = s["source"]
     held = "" if s["val_acc"] is None else f", held-out accuracy {100 * s['val_acc']:.2f} %"
     console.print(f"pretrained {s['model']} on {src['train']} samples of {src['dataset']}'s {src['split']} split "
-                  f"(domains {src['domains'] or 'all'}), disjoint from the federation's data: epoch "
+                  f"(domains {', '.join(src['domains'] or []) or 'all'}), disjoint from the federation's data: epoch "
                   f"{s['selected_epoch']} kept{held}; {s['seconds']:.1f} s")  # fmt: skip
     console.print(f"model: {args.out / 'model.pt'} (use: --set model.init_from={args.out})")
 

@@ -376,3 +376,21 @@ def test_an_empty_split_or_domains_without_samples_in_it_are_named():
         source_indices(source(Split([0, 0])), cfg)
     assert str(e.value) == "pretrain.domains: no test sample of toy is in ['b']"
     assert source_indices(source(Split([0, 1])), cfg).tolist() == [1]
+
+
+def test_pretrain_command_says_what_it_trained_on_and_how_to_use_it(tmp_path, capsys):
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**ROT, "pretrain": {**ROT["pretrain"], "epochs": 2}}))
+    out = tmp_path / "pre"
+    assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    src = s["source"]
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.endswith(
+        f"pretrained lenet5 on {src['train']} samples of digits's test split (domains rot0, rot90), disjoint "
+        f"from the federation's data: epoch {s['selected_epoch']} kept, held-out accuracy {100 * s['val_acc']:.2f} "
+        f"%; {s['seconds']:.1f} s model: {out / 'model.pt'} (use: --set model.init_from={out})")  # fmt: skip
+    assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--out", str(out)]) == 2  # there already: --force
+    assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--out", str(out), "--force"]) == 0
+    assert src["domains"] == ["rot0", "rot90"]
