@@ -245,3 +245,12 @@ def test_data_list_on_a_terminal_wraps_to_its_width_up_to_120_columns(monkeypatc
         monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback, c=columns: os.terminal_size((c, 24)))
         lines = _data_listing(row).splitlines()
         assert max(map(len, lines)) <= width and max(map(len, lines)) > width - 6, (columns, lines)
+
+
+def test_data_list_in_a_pipe_is_120_columns_whatever_the_terminal_s_width(monkeypatch):
+    from pflbed.cli import _data_listing
+
+    row = [{"name": "x", "location": "not found: " + " ".join(["word"] * 40), "train": None, "test": None,
+            "domains": "", "error": None}]  # fmt: skip
+    monkeypatch.setenv("COLUMNS", "60")  # the terminal the pipe's reader may sit at: not where the text goes
+    assert max(map(len, _data_listing(row).splitlines())) > 100
