@@ -213,14 +213,11 @@ def _flags(action: argparse.Action) -> str:
     """An option as typed (`-c`, `--config FILE`) or a positional argument by its name (`RUN`)."""
     metavar = action.metavar.replace("|", "/") if isinstance(action.metavar, str) else None  # a | splits the cell
     choices = "{" + ",".join(map(str, action.choices)) + "}" if action.choices else None
+    value = (metavar or choices or action.dest.upper()) + (" …" if action.nargs in ("+", "*") else "")
     if not action.option_strings:
-        name = metavar or choices or action.dest.upper()
-        return f"`{name} …`" if action.nargs in ("+", "*") else f"`{name}`"
+        return f"`{value}`"
     if action.nargs == 0:
         return ", ".join(f"`{o}`" for o in action.option_strings)
-    value = metavar or choices or action.dest.upper()
-    if action.nargs in ("+", "*"):
-        value += " …"
     return ", ".join(f"`{o} {value}`" for o in action.option_strings)
 
 
