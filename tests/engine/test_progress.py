@@ -200,3 +200,11 @@ def test_a_terminal_gets_a_bar_for_the_rounds_with_the_last_evaluation_and_one_p
         assert " 3/3 " in _shown(bar)[1]
         bar.close()
     assert bar.live is None and "waiting" not in sys.stdout.getvalue()
+
+
+def test_a_terminal_s_bar_shows_the_title_and_the_status_as_written_brackets_included(monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _Stream(tty=True))
+    with RunProgress(True, "fedavg [lenet5]", 2, interval=0) as bar:
+        bar.round_done(1, {"gfl_acc": 0.25})
+        bar.live.update(bar.task, status="[bold]x[/bold]")
+        assert _shown(bar)[0].startswith("fedavg [lenet5]: rounds ") and " [bold]x[/bold] " in _shown(bar)[0]

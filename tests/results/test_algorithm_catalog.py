@@ -97,3 +97,65 @@ def test_the_catalog_lists_every_registered_algorithm_in_name_order():
     assert [r["name"] for r in rows] == sorted(ALGORITHMS)
     fedavg = next(r for r in rows if r["name"] == "fedavg")
     assert fedavg["paper"].startswith("FedAvg — McMahan et al.") and fedavg["options"] == []
+
+
+# --- the command: `pflbed algorithms [NAME]` ----------------------------------------------------------------------
+def _table(lines: list[str]) -> tuple[list[str], list[list[str]]]:
+    """A printed rich table's header cells and its rows' cells (stdout is not a terminal here: nothing wraps)."""
+    header = next(line for line in lines if line.startswith("┃"))
+    rows = [line for line in lines if line.startswith("│")]
+    return [c.strip() for c in header.split("┃")[1:-1]], [[c.strip() for c in r.split("│")[1:-1]] for r in rows]
+
+
+def test_algorithms_name_prints_its_paper_a_row_per_option_its_search_and_whether_privacy_applies(monkeypatch,
+                                                                                                  capsys):
+    import pflbed.algorithms as registry
+    from pflbed.cli import main
+
+    toy = type("Toy", (ToyAlgorithm,), {"dp_refused": "each client's update is read alone"})
+    monkeypatch.setattr(registry, "get_algorithm", lambda name: toy)
+    assert main(["algorithms", "toy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("toy: `pflbed algorithms` and the algorithm pages: each option's type, default, range and "
+                        "search space as the user reads them, taken from the option model itself. ToyAlgorithm's "
+                        "paper is this module's first paragraph.")
+    assert lines[1].strip() == "toy options (--set algorithm.<option>=VALUE)"
+    assert _table(lines) == (["option", "type", "default", "range", "meaning", "search (pflbed tune)"], [
+        ["rate", "float", "0.1", "> 0, ≤ 1", "the rate", "log-uniform [0.01, 1]"],
+        ["steps", "int", "3", "≥ 1, < 10", "", "int [1, 5]"],
+        ["names", "list[str]", "['a', 'b']", "", "made on each read", ""],
+        ["mode", "one of 'x', 'y'", "'x'", "", "", ""],
+    ])  # fmt: skip
+    assert lines[-2:] == [
+        "search space (pflbed tune): train.lr: log-uniform [0.001, 0.3] (left out: train.local_epochs, "
+        "train.momentum, never read by its training with its default options), and the options with a search column",
+        "client-level DP (privacy.*) and SecAgg+ (sites.secagg): refused, because each client's update is read alone"]
+
+    class NoOptions(BaseModel):
+        search: ClassVar[dict[str, Any]] = {}
+
+    bare = type("Bare", (ReadsEveryKey,), {"Config": NoOptions, "dp_refused": None})
+    monkeypatch.setattr(registry, "get_algorithm", lambda name: bare)
+    assert main(["algorithms", "bare"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [
+        "bare has no options of its own",
+        "search space (pflbed tune): train.lr: log-uniform [0.001, 0.3], train.local_epochs: int [1, 5], "
+        "train.momentum: uniform [0, 0.9], and the options with a search column",
+        "client-level DP (privacy.*) and SecAgg+ (sites.secagg): apply"]
+
+
+def test_algorithms_prints_one_row_each_with_the_paper_cut_at_110_characters_and_the_options_defaults(monkeypatch,
+                                                                                                      capsys):
+    import pflbed.results.catalog as module
+    from pflbed.cli import main
+
+    listed = [{"name": "short", "paper": "p" * 110, "options": []},
+              {"name": "long", "paper": "q" * 111, "options": [{"name": "rate", "default": 0.1},
+                                                              {"name": "mode", "default": "x"}]}]  # fmt: skip
+    monkeypatch.setattr(module, "catalog", lambda: listed)
+    assert main(["algorithms"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].strip() == "algorithms (--set algorithm.name=NAME; `pflbed algorithms NAME` for its options)"
+    assert _table(lines) == (["name", "paper", "options (default)"], [
+        ["short", "p" * 110, ""], ["long", "q" * 109 + "…", "rate=0.1, mode='x'"]])

@@ -86,9 +86,10 @@ class RunProgress:
         self.done0 = self.done = done
         self.live: Progress | None = None
         if self.mode == "live":
-            self.live = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                                 "{task.total}"), TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+            self.live = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total}"),
+                                 TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn(),
+                                 TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip  # the run's title, as written
             self.live.start()
             self.task = self.live.add_task(f"{title}: rounds", total=rounds, completed=done, status="")
         elif self.mode == "lines" and done:
