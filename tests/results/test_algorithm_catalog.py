@@ -159,3 +159,12 @@ def test_algorithms_prints_one_row_each_with_the_paper_cut_at_110_characters_and
     assert lines[0].strip() == "algorithms (--set algorithm.name=NAME; `pflbed algorithms NAME` for its options)"
     assert _table(lines) == (["name", "paper", "options (default)"], [
         ["short", "p" * 110, ""], ["long", "q" * 109 + "…", "rate=0.1, mode='x'"]])
+
+
+def test_an_unknown_name_is_one_line_naming_the_command_s_argument_the_known_names_and_the_nearest(capsys):
+    from pflbed.algorithms import ALGORITHMS
+    from pflbed.cli import main
+
+    assert main(["algorithms", "fedavgg"]) == 2
+    assert capsys.readouterr().err == (f"pflbed: error: algorithms NAME: unknown algorithm 'fedavgg'; known: "
+                                       f"{', '.join(sorted(ALGORITHMS))}; did you mean fedavg?\n")

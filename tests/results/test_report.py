@@ -7,6 +7,7 @@ import base64
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -299,3 +300,22 @@ def test_a_summary_s_plots_are_taken_from_the_run_directory_only_and_odd_numbers
     data = read_run(run)
     assert data.artifacts == {}
     assert comparison([data])[1][0][-1] == "—"
+
+
+def test_report_prints_the_file_written_its_size_in_kib_and_the_seconds_it_took(tmp_path, monkeypatch, capsys):
+    """A stand-in report of 600 KiB, written in 2.5 s of a stand-in clock: the line names all three."""
+    import time
+
+    import pflbed.results.report as module
+
+    ticks = [100.0, 102.5]
+    monkeypatch.setattr(time, "perf_counter", lambda: ticks.pop(0) if len(ticks) > 1 else ticks[0])
+
+    def write_report(runs: list[Path], out: Path, fmt: str) -> Path:
+        out.write_bytes(b"x" * (600 * 1024))
+        return out
+
+    monkeypatch.setattr(module, "write_report", write_report)
+    out = tmp_path / "r.html"
+    assert main(["report", str(tmp_path), "-o", str(out)]) == 0
+    assert capsys.readouterr().out == f"report: {out} (600 KiB, 2.5 s)\n"

@@ -238,7 +238,12 @@ def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_o
     run = pflbed.load_run(runs["fedavg"][0])
     generic = float((run.generic_model()(run.inputs(test[0])).argmax(1).numpy() == test[1]).mean())
     assert summary["zero_shot_test_acc"] == pytest.approx(generic)
-    assert f"test accuracy {100 * summary['test_acc']:.2f} % (zero-shot {100 * generic:.2f} %)" in printed
+    assert summary["test_samples"] == len(test[1]) and summary["method"] == "ft"
+    a = tmp_path / "a"
+    assert re.fullmatch(  # the whole of both lines: no validation set, so the last epoch is kept
+        re.escape(f"personalized fedavg (ft), {len(y)} samples, lr 0.05: epoch 2 of 2 kept, test accuracy "
+                  f"{100 * summary['test_acc']:.2f} % (zero-shot {100 * generic:.2f} %); ") + r"\d+\.\d s\n"
+        + re.escape(f"model: {a / 'model.pt'}, summary: {a / 'summary.json'}\n"), printed)
     assert main(["personalize", str(runs["fedavg"][0]), *base, "--val", str(tmp_path / "val.npz"), "--epochs", "6",
                  "--out", str(tmp_path / "b")]) == 0  # fmt: skip
     printed = " ".join(capsys.readouterr().out.split())
@@ -251,6 +256,11 @@ def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_o
                  "--out", str(tmp_path / "c")]) == 0  # fmt: skip
     assert "(the method has no zero-shot model)" in " ".join(capsys.readouterr().out.split())
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["zero_shot_test_acc"] is None
+    # neither a test nor a validation set: no accuracy to print
+    assert main(["personalize", str(runs["fedavg"][0]), *base, "--out", str(tmp_path / "d")]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(rf"personalized fedavg \(native\), {len(y)} samples, lr 0\.05: epoch 2 of 2 kept; \d+\.\d s",
+                        line)  # fmt: skip
 
 
 @pytest.mark.parametrize(("arrays", "message"), [
