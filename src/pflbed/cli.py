@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -274,7 +275,7 @@ def _cmd_run(args: argparse.Namespace) -> None:
         out, resume, force = args.out or default_out(cfg), False, args.force
     from pflbed.runs import run  # after the config's checks: it imports torch (a second), a mistake is said at once
 
-    with _continuable(out, f"pflbed run --resume {out}", cfg.train.rounds):
+    with _continuable(out, shlex.join(["pflbed", "run", "--resume", str(out)]), cfg.train.rounds):
         result = run(cfg, out, progress=not args.no_progress, resume=resume, force=force)
     print_table(result.summary, command_s=args.clock())
     make_console().print(f"results: {result.out}")
@@ -291,9 +292,10 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
     if not args.table_only:
-        again = " ".join(["pflbed bench -c", args.config, *(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
-                          *(["--shard", "/".join(map(str, args.shard))] if args.shard != (1, 1) else []),
-                          *(["--max-cells", str(args.max_cells)] if args.max_cells is not None else [])])
+        given = [*(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
+                 *(["--shard", "/".join(map(str, args.shard))] if args.shard != (1, 1) else []),
+                 *(["--max-cells", str(args.max_cells)] if args.max_cells is not None else [])]
+        again = shlex.join(["pflbed", "bench", "-c", args.config, *given])  # a path with a space stays one word
         try:
             bench.run(args.max_cells, log=console.print, shard=args.shard, jobs=args.jobs)
         except KeyboardInterrupt:
@@ -310,8 +312,6 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _cmd_tune(args: argparse.Namespace) -> None:
-    import shlex
-
     from pflbed.results.tune import Tuner, load_tune_suite, optuna_module
 
     suite = load_tune_suite(args.config, args.overrides)
@@ -322,7 +322,9 @@ def _cmd_tune(args: argparse.Namespace) -> None:
         raise PflbedError("--worker runs trials only; --table-only writes the table: give one")
     again = shlex.join(["pflbed", "tune", "-c", args.config, *(x for o in args.overrides for x in ("--set", o)),
                         *(["--out", str(args.out)] if args.out else []),
-                        *(["--storage", args.storage] if args.storage else []), *(["--worker"] if args.worker else [])])
+                        *(["--storage", args.storage] if args.storage else []), *(["--worker"] if args.worker else []),
+                        *(["--max-trials", str(args.max_trials)] if args.max_trials is not None else []),
+                        *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])  # the options given, as bench's
     try:
         if not args.table_only:
             tuner.run_trials(args.max_trials, worker=args.worker, log=console.print)

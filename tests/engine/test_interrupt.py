@@ -23,12 +23,12 @@ def _interrupt_at(monkeypatch, rnd):
 
 
 def test_ctrl_c_names_the_checkpointed_round_and_the_resume_command(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "run"
+    out = tmp_path / "my run"  # a space: the command quotes the path as a shell reads it back
     _interrupt_at(monkeypatch, 3)
     assert main(["run", *FAST, "--out", str(out)]) == 130
     err = capsys.readouterr().err.strip()
     assert err == (f"pflbed: interrupted; round 2 of 4 is checkpointed in {out}/checkpoints/last.pt; continue with "
-                   f"'pflbed run --resume {out}'")  # fmt: skip
+                   f"'pflbed run --resume '{out}''")  # fmt: skip
     monkeypatch.undo()
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0  # the command it gave
     assert [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
@@ -60,7 +60,7 @@ def test_ctrl_c_before_any_checkpoint_or_before_the_run_started(tmp_path, monkey
 def test_ctrl_c_in_a_bench_says_how_to_continue(tmp_path, monkeypatch, capsys):
     from pflbed.results import bench
 
-    suite = tmp_path / "suite.yaml"
+    suite = tmp_path / "my suite.yaml"
     suite.write_text("name: s\n")
     monkeypatch.setattr(bench, "load_suite", lambda path: object())
     monkeypatch.setattr(bench, "Bench", lambda s: type("B", (), {"run": lambda *a, **k: (_ for _ in ()).throw(
@@ -68,7 +68,7 @@ def test_ctrl_c_in_a_bench_says_how_to_continue(tmp_path, monkeypatch, capsys):
     assert main(["bench", "-c", str(suite), "--jobs", "2", "--shard", "2/3"]) == 130
     assert capsys.readouterr().err.strip() == (f"pflbed: interrupted; finished cells are kept and an interrupted cell "
                                                f"continues from its checkpoint: continue with 'pflbed bench -c "
-                                               f"{suite} --jobs 2 --shard 2/3'")  # fmt: skip
+                                               f"'{suite}' --jobs 2 --shard 2/3'")  # fmt: skip
 
 
 def test_ctrl_c_keeps_every_evaluated_round_and_the_resumed_run_ends_the_same(tmp_path, monkeypatch, capsys):

@@ -147,7 +147,9 @@ def test_the_resume_command_keeps_the_deployments_security_and_sites(tmp_path):
     out = tmp_path / "run"
     assert local.resume_command(out, False, False) == f"pflbed flower local --resume {out}"
     assert local.resume_command(out, True, True, [Path("a"), Path("b c")]) == (
-        f"pflbed flower local --resume {out} --tls --auth --site-data a b c")
+        f"pflbed flower local --resume {out} --tls --auth --site-data a 'b c'")  # as a shell reads it back
+    spaced = tmp_path / "my run"
+    assert local.resume_command(spaced, False, False) == f"pflbed flower local --resume '{spaced}'"
     assert local.resume_command(out, False, True, []) == f"pflbed flower local --resume {out} --auth"
 
 

@@ -124,6 +124,108 @@ def test_algorithms_name_shows_the_search_space(capsys):
             "train.momentum, train.weight_decay, never read by its training with its default options)") in out
 
 
+class _FakeTuner:
+    """`pflbed tune`'s view of a Tuner: methods A and B, those in `short` still short of their budget."""
+
+    calls: list = []
+    short: tuple[str, ...] = ()
+    stop = False
+
+    def __init__(self, suite, out, storage) -> None:
+        from types import SimpleNamespace
+
+        self.calls.append(("tuner", suite, out, storage))
+        self.methods = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
+        self.storage_path = "study.db"
+
+    def run_trials(self, max_trials, worker, log) -> None:
+        self.calls.append(("trials", max_trials, worker, log is not None))
+        if self.stop:
+            raise KeyboardInterrupt
+
+    def finished(self, method) -> bool:
+        return method.name not in self.short
+
+    def bench(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(run=lambda log, jobs: self.calls.append(("re-runs", jobs, log is not None))), None
+
+    def write_tables(self):
+        self.calls.append(("tables",))
+        return Path("t.md"), Path("t.json")
+
+
+@pytest.fixture
+def fake_tuner(tmp_path, monkeypatch):
+    """The command alone: a stand-in suite loader, Optuna check and Tuner, run in tmp_path (the table's files)."""
+    import pflbed.results.tune as tune
+
+    monkeypatch.chdir(tmp_path)
+    Path("t.md").write_text("| the table |\n")
+    monkeypatch.setattr(_FakeTuner, "calls", [])
+    monkeypatch.setattr(tune, "load_tune_suite", lambda config, overrides: ("suite", config, tuple(overrides)))
+    monkeypatch.setattr(tune, "optuna_module", lambda: _FakeTuner.calls.append(("optuna",)))
+    monkeypatch.setattr(tune, "Tuner", _FakeTuner)
+    return _FakeTuner
+
+
+def test_tune_runs_the_trials_then_the_re_runs_once_every_study_is_done_then_prints_the_table(fake_tuner, capsys):
+    from pflbed.cli import main
+
+    assert main(["tune", "-c", "s.yaml", "--set", "a=1", "--out", "o", "--storage", "sqlite:///x.db",
+                 "--max-trials", "3", "--jobs", "2"]) == 0  # fmt: skip
+    assert fake_tuner.calls == [("optuna",), ("tuner", ("suite", "s.yaml", ("a=1",)), Path("o"), "sqlite:///x.db"),
+                                ("trials", 3, False, True), ("re-runs", 2, True), ("tables",)]  # fmt: skip
+    assert capsys.readouterr().out == "| the table |\n\ntables: t.md, t.json; study: study.db\n"
+
+
+def test_tune_with_a_study_short_of_its_budget_writes_the_table_without_re_runs_and_names_the_study(
+        fake_tuner, monkeypatch, capsys):  # fmt: skip
+    from pflbed.cli import main
+
+    monkeypatch.setattr(fake_tuner, "short", ("B",))
+    assert main(["tune", "-c", "s.yaml"]) == 0
+    assert [c[0] for c in fake_tuner.calls] == ["optuna", "tuner", "trials", "tables"]
+    assert fake_tuner.calls[1][2:] == (None, None) and fake_tuner.calls[2] == ("trials", None, False, True)
+    assert capsys.readouterr().out.splitlines()[-1] == ("tables: t.md, t.json; study: study.db — studies still short "
+                                                         "of their budget: B (re-run to continue)")  # fmt: skip
+
+
+def test_a_tune_worker_runs_trials_only_and_table_only_writes_the_table_only(fake_tuner, capsys):
+    from pflbed.cli import main
+
+    assert main(["tune", "-c", "s.yaml", "--worker"]) == 0
+    assert fake_tuner.calls[2:] == [("trials", None, True, True)] and capsys.readouterr().out == ""
+    fake_tuner.calls.clear()
+    assert main(["tune", "-c", "s.yaml", "--table-only"]) == 0  # every study done, still no re-runs
+    assert fake_tuner.calls[2:] == [("tables",)]
+    assert capsys.readouterr().out.endswith("tables: t.md, t.json; study: study.db\n")
+    fake_tuner.calls.clear()
+    assert main(["tune", "-c", "s.yaml", "--worker", "--table-only"]) == 2
+    assert capsys.readouterr().err == ("pflbed: error: --worker runs trials only; --table-only writes the table: "
+                                       "give one\n")  # fmt: skip
+    assert [c[0] for c in fake_tuner.calls] == ["optuna", "tuner"]  # nothing ran
+
+
+@pytest.mark.parametrize("worker", [False, True])
+def test_an_interrupted_tune_names_the_command_that_continues_it_with_the_options_given(fake_tuner, monkeypatch,
+                                                                                        capsys, worker):
+    from pflbed.cli import main
+
+    monkeypatch.setattr(fake_tuner, "stop", True)
+    given = ["-c", "my suite.yaml", "--set", "a=1", "--set", "b=[x, y]", "--out", "o", "--storage", "sqlite:///x.db",
+             "--max-trials", "3", "--jobs", "2", *(["--worker"] if worker else [])]  # fmt: skip
+    assert main(["tune", *given]) == 130
+    assert capsys.readouterr().err == (
+        "pflbed: interrupted; finished trials and re-runs are kept: continue with: pflbed tune -c 'my suite.yaml' "
+        f"--set a=1 --set 'b=[x, y]' --out o --storage sqlite:///x.db{' --worker' if worker else ''} --max-trials 3 "
+        "--jobs 2\n")  # every option given, as typed
+    assert fake_tuner.calls[-1][0] == "trials"
+    assert main(["tune", "-c", "s.yaml", "--jobs", "1"]) == 130  # the defaults, not repeated
+    assert capsys.readouterr().err.endswith("continue with: pflbed tune -c s.yaml\n")
+
+
 # --- studies -------------------------------------------------------------------------------------------------------
 optuna = pytest.importorskip("optuna")
 

@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -70,8 +71,8 @@ class FlowerDivergedError(FlowerRunError):
 
 def resume_command(out: Path, tls: bool, auth: bool, site_data: list[Path] | None = None) -> str:
     """The command that continues the deployment's run in `out` with the same security (and sites)."""
-    sites = f" --site-data {' '.join(map(str, site_data))}" if site_data else ""
-    return f"pflbed flower local --resume {out}" + " --tls" * tls + " --auth" * auth + sites
+    sites = ["--site-data", *map(str, site_data)] if site_data else []
+    return shlex.join(["pflbed", "flower", "local", "--resume", str(out), *["--tls"] * tls, *["--auth"] * auth, *sites])
 
 
 def failure_reason(log: Path) -> str:
