@@ -222,6 +222,12 @@ def test_personalize_cli_with_npz_and_image_folders(runs, tmp_path, capsys):
     assert written["test_acc"] == pytest.approx(direct.accuracy(xt, yt, scale))
     assert written["zero_shot_test_acc"] == pytest.approx(direct.zero_shot_accuracy(xt, yt, scale))
     assert direct.accuracy(xt, yt, scale) != direct.accuracy(xt, yt, None)  # the range matters on these samples
+    # no test set: the line scores the kept epoch and the unadapted model on the validation folder, at its range
+    assert main(["personalize", str(runs["fedavg"][0]), "--data", str(train_folder), "--val", str(folder), "--method",
+                 "ft", "--epochs", "8", "--lr", "0.05", "--out", str(tmp_path / "g")]) == 0  # fmt: skip
+    zero_shot = direct.zero_shot_accuracy(xv, yv, scale)
+    assert zero_shot != direct.zero_shot_accuracy(xv, yv, None)  # the range matters on these samples too
+    assert f"(zero-shot {100 * zero_shot:.2f} %)" in capsys.readouterr().out
 
 
 def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_one(runs, tmp_path, capsys):
