@@ -451,6 +451,19 @@ def test_the_commands_time_counts_from_the_process_start():
     assert call < 0.5
 
 
+def test_the_command_clock_counts_from_the_process_start_else_the_cli_s_first_line_and_from_the_call_in_python(
+        monkeypatch):  # fmt: skip
+    import time
+
+    from pflbed import cli
+
+    monkeypatch.setattr(cli, "_CLI_START", time.monotonic() - 1e4)  # the CLI's first line ran 10,000 s ago
+    monkeypatch.setattr(cli, "since_process_start", lambda: None)  # a process start the OS does not tell
+    assert 1e4 <= cli.command_clock(True)() < 1e4 + 60 and cli.command_clock(False)() < 60
+    monkeypatch.setattr(cli, "since_process_start", lambda: 2e4)  # the process started before it
+    assert cli.command_clock(True)() == 2e4 and cli.command_clock(False)() < 60
+
+
 _DRIVER = """
 import json, sys
 from pflbed.cli import main
