@@ -460,6 +460,8 @@ def test_the_command_clock_counts_from_the_process_start_else_the_cli_s_first_li
     monkeypatch.setattr(cli, "_CLI_START", time.monotonic() - 1e4)  # the CLI's first line ran 10,000 s ago
     monkeypatch.setattr(cli, "since_process_start", lambda: None)  # a process start the OS does not tell
     assert 1e4 <= cli.command_clock(True)() < 1e4 + 60 and cli.command_clock(False)() < 60
+    monkeypatch.setattr(cli, "_CLI_START", time.monotonic())  # ... or just now: no second is made up
+    assert cli.command_clock(True)() < 0.5
     monkeypatch.setattr(cli, "since_process_start", lambda: 2e4)  # the process started before it
     assert cli.command_clock(True)() == 2e4 and cli.command_clock(False)() < 60
 
