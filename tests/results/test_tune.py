@@ -125,7 +125,7 @@ def test_algorithms_name_shows_the_search_space(capsys):
 
 
 class _FakeTuner:
-    """`pflbed tune`'s view of a Tuner: methods A and B, those in `short` still short of their budget."""
+    """`pflbed tune`'s view of a Tuner: methods A, B and C, those in `short` still short of their budget."""
 
     calls: list = []
     short: tuple[str, ...] = ()
@@ -135,7 +135,7 @@ class _FakeTuner:
         from types import SimpleNamespace
 
         self.calls.append(("tuner", suite, out, storage))
-        self.methods = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
+        self.methods = [SimpleNamespace(name=name) for name in "ABC"]
         self.storage_path = "study.db"
 
     def run_trials(self, max_trials, worker, log) -> None:
@@ -184,12 +184,12 @@ def test_tune_with_a_study_short_of_its_budget_writes_the_table_without_re_runs_
         fake_tuner, monkeypatch, capsys):  # fmt: skip
     from pflbed.cli import main
 
-    monkeypatch.setattr(fake_tuner, "short", ("B",))
+    monkeypatch.setattr(fake_tuner, "short", ("A", "C"))
     assert main(["tune", "-c", "s.yaml"]) == 0
     assert [c[0] for c in fake_tuner.calls] == ["optuna", "tuner", "trials", "tables"]
     assert fake_tuner.calls[1][2:] == (None, None) and fake_tuner.calls[2] == ("trials", None, False, True)
     assert capsys.readouterr().out.splitlines()[-1] == ("tables: t.md, t.json; study: study.db — studies still short "
-                                                         "of their budget: B (re-run to continue)")  # fmt: skip
+                                                         "of their budget: A, C (re-run to continue)")  # fmt: skip
 
 
 def test_a_tune_worker_runs_trials_only_and_table_only_writes_the_table_only(fake_tuner, capsys):
