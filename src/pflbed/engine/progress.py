@@ -86,10 +86,11 @@ class RunProgress:
         self.done0 = self.done = done
         self.live: Progress | None = None
         if self.mode == "live":
+            # the run's title and the status as written: brackets in them are text, not rich markup
             self.live = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
                                  TextColumn("{task.completed}/{task.total}"),
                                  TextColumn("{task.fields[status]}", markup=False), TimeElapsedColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip  # the run's title, as written
+                                 TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
             self.live.start()
             self.task = self.live.add_task(f"{title}: rounds", total=rounds, completed=done, status="")
         elif self.mode == "lines" and done:
