@@ -162,7 +162,7 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "results/tune/__init__.py": ["test_tune", "test_tune_protocol"],  # the Tuner: equal budgets, the trial seed
     "results/tensorboard.py": ["test_cli"],
     # `pflbed data show` and the report's figures: the partition table and heat-map, the curves
-    "results/partition_plot.py": ["test_report", "test_report_pages", "test_data_commands", "test_cli"],
+    "results/partition_plot.py": ["test_partition_plot", "test_report", "test_report_pages", "test_data_commands"],
     "results/report_figures.py": ["test_report", "test_report_pages"],
     "results/console.py": ["test_console", "test_algorithm_catalog"],  # what every command prints through
     "version.py": ["test_private_files"],  # the torch whose weights_only loading holds

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from pflbed.results.catalog import bounds, catalog, options, paper, shared_search, type_name
 from pflbed.search import IntSearch, Search
+from tests.printed import table_cells
 
 
 @pytest.mark.parametrize(("annotation", "text"), [
@@ -100,13 +101,6 @@ def test_the_catalog_lists_every_registered_algorithm_in_name_order():
 
 
 # --- the command: `pflbed algorithms [NAME]` ----------------------------------------------------------------------
-def _table(lines: list[str]) -> tuple[list[str], list[list[str]]]:
-    """A printed rich table's header cells and its rows' cells (stdout is not a terminal here: nothing wraps)."""
-    header = next(line for line in lines if line.startswith("┃"))
-    rows = [line for line in lines if line.startswith("│")]
-    return [c.strip() for c in header.split("┃")[1:-1]], [[c.strip() for c in r.split("│")[1:-1]] for r in rows]
-
-
 def test_algorithms_name_prints_its_paper_a_row_per_option_its_search_and_whether_privacy_applies(monkeypatch,
                                                                                                   capsys):
     import pflbed.algorithms as registry
@@ -120,7 +114,7 @@ def test_algorithms_name_prints_its_paper_a_row_per_option_its_search_and_whethe
                         "search space as the user reads them, taken from the option model itself. ToyAlgorithm's "
                         "paper is this module's first paragraph.")
     assert lines[1].strip() == "toy options (--set algorithm.<option>=VALUE)"
-    assert _table(lines) == (["option", "type", "default", "range", "meaning", "search (pflbed tune)"], [
+    assert table_cells(lines) == (["option", "type", "default", "range", "meaning", "search (pflbed tune)"], [
         ["rate", "float", "0.1", "> 0, ≤ 1", "the rate", "log-uniform [0.01, 1]"],
         ["steps", "int", "3", "≥ 1, < 10", "", "int [1, 5]"],
         ["names", "list[str]", "['a', 'b']", "", "made on each read", ""],
@@ -157,7 +151,7 @@ def test_algorithms_prints_one_row_each_with_the_paper_cut_at_110_characters_and
     assert main(["algorithms"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].strip() == "algorithms (--set algorithm.name=NAME; `pflbed algorithms NAME` for its options)"
-    assert _table(lines) == (["name", "paper", "options (default)"], [
+    assert table_cells(lines) == (["name", "paper", "options (default)"], [
         ["short", "p" * 110, ""], ["long", "q" * 109 + "…", "rate=0.1, mode='x'"]])
 
 

@@ -1,0 +1,62 @@
+"""`pflbed data show`'s table and the heat-map's order, on a stand-in source and federation whose every count is
+known: participated clients first, then new ones, each group by domain then id; each client's sizes and non-zero
+class counts; the shared per-domain test/val sizes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pflbed.results.partition_plot import _order, client_counts, plot_partition, print_partition
+from tests.printed import table_cells
+
+
+def _client(train: list[int], val: int, test: int, domain: int) -> SimpleNamespace:
+    return SimpleNamespace(train=torch.tensor(train, dtype=torch.long), val=[0] * val, test=[0] * test, domain=domain)
+
+
+def _toy(domain_names: list[str] | None) -> tuple[SimpleNamespace, SimpleNamespace]:
+    source = SimpleNamespace(name="toy", num_classes=3, domain_names=domain_names,
+                             train=SimpleNamespace(y=torch.tensor([0, 0, 1, 2, 2, 2, 1, 0])))  # fmt: skip
+    clients = [_client([0, 1, 2], 1, 2, domain=1), _client([3, 4], 3, 4, domain=0),
+               _client([5, 6, 7], 5, 6, domain=0), _client([], 7, 8, domain=1)]  # fmt: skip
+    fed = SimpleNamespace(clients=clients, participated=[0, 2], new=[1, 3], domain_test=[[0, 1, 2], [3]],
+                          domain_val=[[4], [5, 6]])  # fmt: skip
+    return source, fed
+
+
+def test_clients_are_ordered_participated_then_new_each_by_domain_then_id():
+    source, fed = _toy(["a", "b"])
+    assert _order(fed) == [2, 0, 1, 3]
+    assert client_counts(source, fed).tolist() == [[2, 1, 0], [0, 0, 2], [1, 1, 1], [0, 0, 0]]
+
+
+def test_data_show_s_table_gives_each_client_s_role_domain_sizes_and_class_counts_then_the_shared_sets(capsys):
+    print_partition(*_toy(["a", "b"]))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].strip() == "toy: 2 participated + 2 new clients"
+    assert table_cells(lines) == (["client", "role", "domain", "train", "val", "test", "class counts"], [
+        ["2", "participated", "a", "3", "5", "6", "0:1 1:1 2:1"],
+        ["0", "participated", "b", "3", "1", "2", "0:2 1:1"],
+        ["1", "new", "a", "2", "3", "4", "2:2"],
+        ["3", "new", "b", "0", "7", "8", ""],
+    ])  # fmt: skip
+    assert lines[-1] == "shared test/val sets per domain (class-balanced): a: 3/1, b: 1/2"
+
+
+def test_without_domain_names_the_domain_column_is_empty_and_the_shared_sets_go_by_number(capsys):
+    print_partition(*_toy(None))
+    lines = capsys.readouterr().out.splitlines()
+    assert [row[2] for row in table_cells(lines)[1]] == ["", "", "", ""]
+    assert lines[-1] == "shared test/val sets per domain (class-balanced): 0: 3/1, 1: 1/2"
+    source, fed = _toy(None)
+    fed.domain_test = fed.domain_val = []  # no shared sets: no line for them
+    print_partition(source, fed)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("└")
+
+
+def test_the_heat_map_is_a_png_at_the_path_its_directory_made(tmp_path):
+    path = tmp_path / "new" / "p.png"
+    assert plot_partition(*_toy(["a", "b"]), path) == path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
