@@ -2,6 +2,7 @@
 recorded so a run checks again), and `model.init_from` / `model.init_blocks` load exactly the blocks asked for."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -394,3 +395,10 @@ def test_pretrain_command_says_what_it_trained_on_and_how_to_use_it(tmp_path, ca
     assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--out", str(out)]) == 2  # there already: --force
     assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--out", str(out), "--force"]) == 0
     assert src["domains"] == ["rot0", "rot90"]
+    capsys.readouterr()
+    # --set over the file; nothing held out: no held-out accuracy to print, the last epoch kept
+    assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--set", "pretrain.val_fraction=0", "--set",
+                 "pretrain.epochs=1", "--out", str(out), "--force"]) == 0  # fmt: skip
+    s = json.loads((out / "summary.json").read_text())
+    assert len(s["epochs"]) == 1 and s["val_acc"] is None
+    assert re.search(r"from the federation's data: epoch 1 kept; \d+\.\d s\n", capsys.readouterr().out)
