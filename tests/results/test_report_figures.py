@@ -1,0 +1,62 @@
+"""The report figures' rules, each on inputs whose answer is known: the grid's columns, the y range of accuracy and
+size panels, which curves coincide, each run's colour, line style and marker, and text kept as text in the SVG."""
+
+from __future__ import annotations
+
+import pytest
+
+from pflbed.results.report_figures import Panel, Series, _grid_columns, _points, _y_range, curves_svg, run_series
+
+
+@pytest.mark.parametrize(("panels", "columns"), [(1, 1), (3, 3), (4, 4), (5, 3), (6, 3), (7, 4), (8, 4), (9, 3),
+                                                 (12, 4)])  # fmt: skip
+def test_the_grid_has_4_columns_or_3_where_that_leaves_fewer_empty_cells(panels, columns):
+    assert _grid_columns(panels) == columns
+
+
+class _Axis:
+    """The y limits matplotlib chose (`lim`), and those `_y_range` sets."""
+
+    def __init__(self, lim: tuple[float, float]) -> None:
+        self.lim = lim
+
+    def get_ylim(self) -> tuple[float, float]:
+        return self.lim
+
+    def set_ylim(self, lo: float, hi: float) -> None:
+        self.lim = (lo, hi)
+
+
+@pytest.mark.parametrize(("unit", "lim", "want"), [
+    ("%", (10.0, 90.0), (10.0, 90.0)),  # within 0-100 and taller than 5 points: as chosen
+    ("%", (40.0, 42.0), (38.5, 43.5)),  # a flat curve: 5 points tall around its middle
+    ("%", (-0.04, 0.04), (0, 5)),  # at 0 %: from 0 up to 5
+    ("%", (-5.0, 120.0), (0, 100)),  # never outside 0-100
+    ("MB", (14.7, 15.1), (0, pytest.approx(16.61))),  # sizes from 0, with a tenth above the largest
+    ("MB", (-0.05, 0.0), (0, 1e-9)),
+    ("", (0.2, 0.3), (0.2, 0.3)),  # another unit: as chosen
+])  # fmt: skip
+def test_the_y_range_of_accuracies_and_of_sizes(unit, lim, want):
+    ax = _Axis(lim)
+    _y_range(ax, unit)
+    assert ax.lim == want
+
+
+def test_curves_coincide_when_their_points_agree_to_nine_decimals():
+    def points(values: list[float]) -> tuple:
+        return _points(Series("r", "#000", [1, 2], values))
+
+    assert points([0.1 + 0.2, 0.5]) == points([0.3, 0.5 + 3e-10]) == ((1, 2), (0.3, 0.5))
+    assert points([0.3, 0.5]) != points([0.3, 0.5 + 3e-9])
+    assert _points(Series("r", "#000", [1, 3], [0.3, 0.5])) != points([0.3, 0.5])  # other rounds
+
+
+def test_each_run_has_its_own_colour_line_style_and_marker_in_every_panel():
+    assert run_series(5, "r", [1], [2.0]) == Series("r", "#8c564b", [1], [2.0], "--", "P")
+    assert run_series(9, "q", [], []) == Series("q", "#17becf", [], [], "--", "s")
+    assert run_series(10, "q", [], []).colour == "#1f77b4"  # the colours come round again after ten
+
+
+def test_the_curves_keep_their_words_as_text_in_the_svg():
+    svg = curves_svg([Panel("pfl_acc", "P-FL accuracy", "%", "%", [run_series(0, "fedavg", [1, 2], [40.0, 50.0])])])
+    assert ">P-FL accuracy</text>" in svg and ">fedavg</text>" in svg  # searchable, not glyph outlines
