@@ -402,3 +402,6 @@ def test_pretrain_command_says_what_it_trained_on_and_how_to_use_it(tmp_path, ca
     s = json.loads((out / "summary.json").read_text())
     assert len(s["epochs"]) == 1 and s["val_acc"] is None
     assert re.search(r"from the federation's data: epoch 1 kept; \d+\.\d s\n", capsys.readouterr().out)
+    assert main(["pretrain", "-c", str(tmp_path / "c.yaml"), "--set", "pretrain.domains=null", "--set",
+                 "pretrain.epochs=1", "--out", str(tmp_path / "all")]) == 0  # every domain  # fmt: skip
+    assert "samples of digits's test split (domains all), disjoint" in " ".join(capsys.readouterr().out.split())

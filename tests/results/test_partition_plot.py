@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pflbed.results.partition_plot import _order, client_counts, plot_partition, print_partition
@@ -43,6 +44,10 @@ def test_data_show_s_table_gives_each_client_s_role_domain_sizes_and_class_count
         ["3", "new", "b", "0", "7", "8", ""],
     ])  # fmt: skip
     assert lines[-1] == "shared test/val sets per domain (class-balanced): a: 3/1, b: 1/2"
+    for line in (x for x in lines if x.startswith("│")):  # numbers to the right of their column, words to the left
+        for k, raw in enumerate(line.split("│")[1:-1]):
+            value, width = raw.strip(), len(raw) - 2
+            assert raw == f" {value.rjust(width) if k in (0, 3, 4, 5) else value.ljust(width)} ", (k, raw)
 
 
 def test_without_domain_names_the_domain_column_is_empty_and_the_shared_sets_go_by_number(capsys):
@@ -56,7 +61,15 @@ def test_without_domain_names_the_domain_column_is_empty_and_the_shared_sets_go_
     assert capsys.readouterr().out.splitlines()[-1].startswith("└")
 
 
-def test_the_heat_map_is_a_png_at_the_path_its_directory_made(tmp_path):
-    path = tmp_path / "new" / "p.png"
-    assert plot_partition(*_toy(["a", "b"]), path) == path
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_the_heat_map_is_a_png_at_the_path_its_directories_made_and_a_second_one_replaces_it(tmp_path):
+    path = tmp_path / "new" / "dir" / "p.png"
+    for _ in range(2):
+        assert plot_partition(*_toy(["a", "b"]), path) == path
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_test_and_val_sets_must_pair_up_by_domain():
+    source, fed = _toy(["a", "b"])
+    fed.domain_val = fed.domain_val[:1]
+    with pytest.raises(ValueError, match="zip"):
+        print_partition(source, fed)
