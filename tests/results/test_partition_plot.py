@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pflbed.results.partition_plot import _order, client_counts, plot_partition, print_partition
+from pflbed.results.partition_plot import _order, client_counts, plot_partition, print_partition, tick_step
 from tests.printed import table_cells
 
 
@@ -73,3 +73,14 @@ def test_shared_test_and_val_sets_must_pair_up_by_domain():
     fed.domain_val = fed.domain_val[:1]
     with pytest.raises(ValueError, match="zip"):
         print_partition(source, fed)
+
+
+@pytest.mark.parametrize(("n", "axis", "label", "step"), [
+    (10, 5.0, 1.0, 2),  # 2 items are exactly a label's width: enough
+    (10, 5.0, 0.4, 1),
+    (100, 9.0, 0.3, 5),
+    (0, 1.0, 0.6, 1),  # no items: the axis counts as one item's width
+    (100_000, 1.0, 1.0, 10_000),  # nothing fits: the largest step
+])  # fmt: skip
+def test_the_tick_step_is_the_smallest_round_one_that_gives_each_label_its_width(n, axis, label, step):
+    assert tick_step(n, axis, label) == step
