@@ -61,11 +61,16 @@ def test_without_domain_names_the_domain_column_is_empty_and_the_shared_sets_go_
     assert capsys.readouterr().out.splitlines()[-1].startswith("└")
 
 
-def test_the_heat_map_is_a_png_at_the_path_its_directories_made_and_a_second_one_replaces_it(tmp_path):
+def test_the_heat_map_is_a_png_at_the_path_its_directories_made_and_a_second_one_replaces_it(tmp_path, monkeypatch):
+    import matplotlib
+
+    monkeypatch.setitem(matplotlib.rcParams, "savefig.dpi", 50)  # a user's matplotlibrc: not the report's size
     path = tmp_path / "new" / "dir" / "p.png"
     for _ in range(2):
         assert plot_partition(*_toy(["a", "b"]), path) == path
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        png = path.read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        assert int.from_bytes(png[16:20], "big") == 600  # 6 in wide (4 clients) at 100 dpi, shown at its size
 
 
 def test_shared_test_and_val_sets_must_pair_up_by_domain():
