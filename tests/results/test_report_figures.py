@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from pflbed.results.report_figures import Panel, Series, _grid_columns, _points, _y_range, curves_svg, run_series
+from pflbed.results.report_figures import (
+    Panel,
+    Series,
+    _grid_columns,
+    _points,
+    _value,
+    _y_range,
+    curves_svg,
+    histogram_svg,
+    run_series,
+)
 
 
 @pytest.mark.parametrize(("panels", "columns"), [(1, 1), (3, 3), (4, 4), (5, 3), (6, 3), (7, 4), (8, 4), (9, 3),
@@ -30,6 +40,8 @@ class _Axis:
 @pytest.mark.parametrize(("unit", "lim", "want"), [
     ("%", (10.0, 90.0), (10.0, 90.0)),  # within 0-100 and taller than 5 points: as chosen
     ("%", (40.0, 42.0), (38.5, 43.5)),  # a flat curve: 5 points tall around its middle
+    ("%", (40.0, 45.5), (40.0, 45.5)),
+    ("%", (0.5, 5.5), (0.5, 5.5)),  # above 5 %: not pulled down to 0
     ("%", (-0.04, 0.04), (0, 5)),  # at 0 %: from 0 up to 5
     ("%", (-5.0, 120.0), (0, 100)),  # never outside 0-100
     ("MB", (14.7, 15.1), (0, pytest.approx(16.61))),  # sizes from 0, with a tenth above the largest
@@ -60,3 +72,15 @@ def test_each_run_has_its_own_colour_line_style_and_marker_in_every_panel():
 def test_the_curves_keep_their_words_as_text_in_the_svg():
     svg = curves_svg([Panel("pfl_acc", "P-FL accuracy", "%", "%", [run_series(0, "fedavg", [1, 2], [40.0, 50.0])])])
     assert ">P-FL accuracy</text>" in svg and ">fedavg</text>" in svg  # searchable, not glyph outlines
+
+
+@pytest.mark.parametrize(("v", "text"), [(0.123456, "0.1235"), (-0.5, "-0.5"), (1.0, "1.00"), (1.5, "1.50"),
+                                         (87.254, "87.25")])  # fmt: skip
+def test_a_tooltip_s_value_has_four_significant_digits_below_1_and_two_decimals_from_1(v, text):
+    assert _value(v) == text
+
+
+def test_the_histogram_is_6_5_by_2_8_inches_with_its_words_as_text():
+    svg = histogram_svg([("fedavg", "#1f77b4", [50.0, 60.0]), ("none", "#ff7f0e", [])])
+    assert svg.startswith("<svg") and 'width="468pt" height="201.6pt"' in svg  # at 72 pt per inch
+    assert ">fedavg</text>" in svg and ">none</text>" not in svg  # a run without clients' figures: not drawn
