@@ -11,6 +11,7 @@ from pflbed.results.report_figures import (
     _grid_columns,
     _points,
     _value,
+    _with_titles,
     _y_range,
     curves_svg,
     histogram_svg,
@@ -69,9 +70,26 @@ def test_each_run_has_its_own_colour_line_style_and_marker_in_every_panel():
     assert run_series(10, "q", [], []).colour == "#1f77b4"  # the colours come round again after ten
 
 
-def test_the_curves_keep_their_words_as_text_in_the_svg():
-    svg = curves_svg([Panel("pfl_acc", "P-FL accuracy", "%", "%", [run_series(0, "fedavg", [1, 2], [40.0, 50.0])])])
+def test_the_curves_keep_their_words_as_text_in_an_svg_element_that_is_the_same_bytes_each_time():
+    def drawn() -> str:
+        series = [run_series(0, "fedavg", [1, 2], [40.0, 50.0])]
+        return curves_svg([Panel("pfl_acc", "P-FL accuracy", "%", "%", series)])
+
+    svg = drawn()
     assert ">P-FL accuracy</text>" in svg and ">fedavg</text>" in svg  # searchable, not glyph outlines
+    assert svg.startswith("<svg ") and "<metadata" not in svg and "rdf" not in svg  # to inline: no prolog, no RDF
+    assert "<title>fedavg · round 2 · P-FL accuracy: 50.00 %</title>" in svg  # each point's tooltip
+    assert drawn() == svg
+
+
+def test_each_marker_of_a_line_gets_its_tooltip_and_a_line_whose_markers_do_not_match_is_left_alone():
+    svg = ('<g id="a"><g><use x="1"/><use x="2"/></g></g>'  # at the very start
+           '<g id="b"><g><use x="3"/></g></g><g id="c"><g><use x="4"/></g></g>')  # fmt: skip
+    tips = {"gone": ["?"], "a": ["run · round 1: 1 %", "<b> & c"], "b": ["one", "two"], "c": ["last"]}
+    assert _with_titles(svg, tips) == (
+        '<g id="a"><g><g><title>run · round 1: 1 %</title><use x="1"/></g><g><title>&lt;b&gt; &amp; c</title>'
+        '<use x="2"/></g></g></g><g id="b"><g><use x="3"/></g></g><g id="c"><g><g><title>last</title><use x="4"/>'
+        '</g></g></g>')  # fmt: skip
 
 
 @pytest.mark.parametrize(("v", "text"), [(0.123456, "0.1235"), (-0.5, "-0.5"), (1.0, "1.00"), (1.5, "1.50"),
