@@ -3,6 +3,8 @@ size panels, which curves coincide, each run's colour, line style and marker, an
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pflbed.results.report_figures import (
@@ -78,6 +80,7 @@ def test_the_curves_keep_their_words_as_text_in_an_svg_element_that_is_the_same_
     svg = drawn()
     assert ">P-FL accuracy</text>" in svg and ">fedavg</text>" in svg  # searchable, not glyph outlines
     assert svg.startswith("<svg ") and "<metadata" not in svg and "rdf" not in svg  # to inline: no prolog, no RDF
+    assert re.match(r"<svg [^>]*>\n <defs>", svg)  # the metadata gone, nothing in its place
     assert "<title>fedavg · round 2 · P-FL accuracy: 50.00 %</title>" in svg  # each point's tooltip
     assert drawn() == svg
 
