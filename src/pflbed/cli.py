@@ -320,11 +320,11 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     console = make_console()
     if args.worker and args.table_only:
         raise PflbedError("--worker runs trials only; --table-only writes the table: give one")
-    again = shlex.join(["pflbed", "tune", "-c", args.config, *(x for o in args.overrides for x in ("--set", o)),
-                        *(["--out", str(args.out)] if args.out else []),
-                        *(["--storage", args.storage] if args.storage else []), *(["--worker"] if args.worker else []),
-                        *(["--max-trials", str(args.max_trials)] if args.max_trials is not None else []),
-                        *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])])  # the options given, as bench's
+    given = [*(x for o in args.overrides for x in ("--set", o)), *(["--out", str(args.out)] if args.out else []),
+             *(["--storage", args.storage] if args.storage else []), *(["--worker"] if args.worker else []),
+             *(["--max-trials", str(args.max_trials)] if args.max_trials is not None else []),
+             *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])]  # as bench's: the options given, not defaults
+    again = shlex.join(["pflbed", "tune", "-c", args.config, *given])
     try:
         if not args.table_only:
             tuner.run_trials(args.max_trials, worker=args.worker, log=console.print)
