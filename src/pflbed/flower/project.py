@@ -36,6 +36,7 @@ clientapp = "pflbed.flower.node_app:app"
 config = {config}
 out = {out}
 resume = {resume}
+force = false
 """
 
 

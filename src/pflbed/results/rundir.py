@@ -156,32 +156,35 @@ class RunDir:
 
     @classmethod
     def check(cls, path: Path, cfg: Config, *, force: bool = False, resume: bool = False,
-              resume_with: str | None = None) -> RunDir:  # fmt: skip
+              resume_with: str | None = None, out_name: str = "--out", force_name: str = "--force") -> RunDir:
         """Refuse a path that cannot hold this run, or holds a run that `force` does not allow replacing; create
         nothing yet. With `resume`, an unfinished run of the same config is the expected case. `resume_with`: the
-        command that continues an unfinished run there (default `pflbed run --resume PATH`)."""
+        command that continues an unfinished run there (default `pflbed run --resume PATH`); `out_name` and
+        `force_name`: what the messages call the path and the option that replaces a run (a Flower app's run config
+        says `out` and `--run-config force=true`)."""
         if path.exists() and not path.is_dir():
-            raise PflbedError(f"--out {path}: exists and is not a directory")
+            raise PflbedError(f"{out_name} {path}: exists and is not a directory")
         ancestor = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" always do
         if not ancestor.is_dir():
-            raise PflbedError(f"--out {path}: {ancestor} is a file, not a directory")
+            raise PflbedError(f"{out_name} {path}: {ancestor} is a file, not a directory")
         if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise PflbedError(f"--out {path}: {ancestor} is not writable")
+            raise PflbedError(f"{out_name} {path}: {ancestor} is not writable")
         run = cls(path)
         existing = path / "config.yaml"
         if path.exists() and not existing.exists() and any(path.iterdir()):
-            raise PflbedError(f"--out {path}: is a non-empty directory that holds no pflbed run")
+            raise PflbedError(f"{out_name} {path}: is a non-empty directory that holds no pflbed run")
         if force or not existing.exists():
             return run
         if not same_config(existing, cfg):
-            raise PflbedError(f"--out {path}: holds a run of a different config; choose another --out "
-                              "(or pass --force to replace it)")  # fmt: skip
+            raise PflbedError(f"{out_name} {path}: holds a run of a different config; choose another {out_name} "
+                              f"(or pass {force_name} to replace it)")  # fmt: skip
         if run.finished:
             what = "is finished; nothing to resume" if resume else "holds a finished run of this config"
-            raise PflbedError(f"--out {path}: {what}; choose another --out (or pass --force to run it again)")
+            raise PflbedError(f"{out_name} {path}: {what}; choose another {out_name} (or pass {force_name} to run it "
+                              "again)")  # fmt: skip
         if not resume:
-            raise PflbedError(f"--out {path}: holds an unfinished run of this config; continue it with "
-                              f"'{resume_with or f'pflbed run --resume {path}'}' (or pass --force to start "
+            raise PflbedError(f"{out_name} {path}: holds an unfinished run of this config; continue it with "
+                              f"'{resume_with or f'pflbed run --resume {path}'}' (or pass {force_name} to start "
                               "over)")  # fmt: skip
         return run
 
