@@ -104,7 +104,9 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "flower/local.py": ["test_flower_local", "test_flower_local_nodes", "test_flower_local_progress",
                         "test_flower_local_processes", "test_flower_local_commands"],
     "flower/certificates.py": ["test_flower_certificates", "test_private_files"],
-    "flower/project.py": ["test_flower", "test_flower_sites"],
+    "flower/project.py": ["test_flower", "test_flower_sites", "test_flower_server"],
+    "flower/server.py": ["test_flower_server"],  # its run directory; `main` (decorated) is not mutated
+    "flower/simulation.py": ["test_flower"],  # the in-process runtime: its tests that start one
     "flower/records.py": ["test_flower"],
     "memory.py": ["test_memory", "test_pfedhn", "test_fedrod_hyper"],
     "results/rundir.py": ["test_rundir", "test_report", "test_trained", "test_resume", "test_cli"],

@@ -5,6 +5,7 @@ runtime and Ray costs seconds.
 """
 
 import json
+import logging
 import tomllib
 
 import pytest
@@ -262,6 +263,69 @@ def test_clientapps_ask_ray_for_a_share_of_the_gpu_only_for_a_gpu_run(monkeypatc
     gpu_sim.gpu_share = 0.5
     with pytest.raises(ValueError, match="gpu=True cannot serve a run on cpu"):
         simulate(prepare(_fedavg(rounds=1)), lambda ex: None, gpu_sim)
+
+
+@pytest.mark.parametrize(("workers", "cores", "used"), [(None, 8, 4), (None, 2, 2), (None, None, 1), (3, 8, 3), (9, 1, 4),
+                                                    (0, 3, 3)])  # fmt: skip
+def test_a_simulation_runs_a_clientapp_process_per_worker_asked_else_per_core_never_more_than_supernodes(
+        monkeypatch, workers, cores, used):
+    """`executor.workers` ClientApp processes (unset or 0: one per core; a machine that cannot tell its cores: 1),
+    never more than SuperNodes (4 here): Ray is started with that many CPUs, each ClientApp asking for one."""
+    backends = []
+    monkeypatch.setattr("pflbed.flower.simulation.run_simulation", lambda **kw: backends.append(kw))
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    with FlowerSimulation(supernodes=4, workers=workers) as s:
+        s.thread.join()
+    (kw,) = backends
+    assert (s.workers, kw["num_supernodes"], kw["backend_config"]["init_args"]["num_cpus"]) == (used, 4, used)
+    assert kw["backend_config"]["client_resources"]["num_cpus"] == 1 and kw["client_app"] is client.app
+
+
+@pytest.mark.parametrize(("supernodes", "workers", "expected"), [(None, None, (6, None)), (2, 3, (2, 3))])
+def test_a_run_without_a_simulation_starts_one_of_its_config_s_size_and_closes_it(monkeypatch, supernodes, workers,
+                                                                                   expected):
+    """`executor.supernodes` SuperNodes (unset: one per client, 6 here) and `executor.workers` ClientApp processes;
+    the experiment's value comes back and the simulation is closed after it."""
+    started = []
+
+    class Recorded:
+        def __init__(self, supernodes, workers, gpu):
+            started.append(self)
+            self.args, self.closed = (supernodes, workers, gpu), False
+
+        def run(self, algo, experiment):
+            return experiment("executor")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+    monkeypatch.setattr("pflbed.flower.simulation.FlowerSimulation", Recorded)
+    cfg = parity_config("fedavg", {"name": "flower", "threads": 1, "supernodes": supernodes, "workers": workers})
+    assert simulate(prepare(cfg), lambda ex: (ex, "value")) == ("executor", "value")
+    (sim,) = started
+    assert (sim.args, sim.closed) == ((*expected, False), True)
+
+
+def test_flower_s_notice_that_run_simulation_is_deprecated_is_left_out_and_nothing_else(monkeypatch):
+    """Every simulation start would print it (pflbed needs the in-process entry point); Flower's other deprecation
+    notices and lines still show. Logged with Flower's own functions, so a change of their wording shows here."""
+    from flwr.supercore.logger import FLOWER_LOGGER, log, warn_deprecated_feature
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage().split("\n")[0])
+    FLOWER_LOGGER.addHandler(handler)
+    try:
+        warn_deprecated_feature("The `run_simulation` function is deprecated and will be removed")
+        warn_deprecated_feature("Passing `enable_tf_gpu_growth=True` is deprecated.")
+        log(logging.INFO, "Starting Flower simulation: `run_simulation` called")
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)
+    assert seen == ["DEPRECATED FEATURE: Passing `enable_tf_gpu_growth=True` is deprecated.",
+                    "Starting Flower simulation: `run_simulation` called"]
 
 
 def test_flower_options_need_the_flower_executor_and_the_extra(monkeypatch):
