@@ -265,8 +265,9 @@ def test_clientapps_ask_ray_for_a_share_of_the_gpu_only_for_a_gpu_run(monkeypatc
         simulate(prepare(_fedavg(rounds=1)), lambda ex: None, gpu_sim)
 
 
-@pytest.mark.parametrize(("workers", "cores", "used"), [(None, 8, 4), (None, 2, 2), (None, None, 1), (3, 8, 3), (9, 1, 4),
-                                                    (0, 3, 3)])  # fmt: skip
+@pytest.mark.parametrize(("workers", "cores", "used"), [
+    (None, 8, 4), (None, 2, 2), (None, None, 1), (3, 8, 3), (9, 1, 4), (0, 3, 3),
+])  # fmt: skip
 def test_a_simulation_runs_a_clientapp_process_per_worker_asked_else_per_core_never_more_than_supernodes(
         monkeypatch, workers, cores, used):
     """`executor.workers` ClientApp processes (unset or 0: one per core; a machine that cannot tell its cores: 1),
