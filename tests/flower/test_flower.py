@@ -6,6 +6,8 @@ runtime and Ray costs seconds.
 
 import json
 import logging
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -265,6 +267,64 @@ def test_clientapps_ask_ray_for_a_share_of_the_gpu_only_for_a_gpu_run(monkeypatc
         simulate(prepare(_fedavg(rounds=1)), lambda ex: None, gpu_sim)
 
 
+def test_a_simulation_whose_runtime_stopped_says_why_instead_of_waiting_for_it(monkeypatch):
+    def stops(**kw):
+        raise RuntimeError("Ray could not start")
+
+    monkeypatch.setattr("pflbed.flower.simulation.run_simulation", stops)
+    with FlowerSimulation(supernodes=2, workers=1) as sim:
+        sim.thread.join()
+        with pytest.raises(RuntimeError, match=r"^the Flower simulation stopped: RuntimeError\('Ray could not "
+                                               r"start'\)$"):  # fmt: skip
+            sim.run(_standing_in("cpu"), lambda ex: None)
+
+
+def test_a_simulation_left_open_does_not_keep_python_from_exiting():
+    """A program that never closes its simulation (an error before `close`, no `with`) still ends: the thread
+    serving it is a daemon. Here the runtime never returns, as a running one does not."""
+    code = ("import threading, pflbed.flower.simulation as s\n"
+            "s.run_simulation = lambda **kw: threading.Event().wait()\n"
+            "s.FlowerSimulation(supernodes=2, workers=1)\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _standing_in(device: str):
+    """An algorithm as `simulate` reads it: its device, config and clients (6), on a device it need not have."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ctx=SimpleNamespace(device=torch.device(device), cfg=_fedavg(rounds=1),
+                                               federation=SimpleNamespace(clients=list(range(6)))))  # fmt: skip
+
+
+class _Served:
+    """A running simulation as `simulate` uses it: `run` records what it was handed. `gpu_share` as the real one's,
+    or absent (any object with `run`: then a CPU simulation)."""
+
+    def __init__(self, *share: float):
+        if share:
+            self.gpu_share = share[0]
+        self.handed = None
+
+    def run(self, algo, experiment):
+        self.handed = (algo, experiment)
+        return "value"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("share", [(), (0.0,), (0.5,)])
+def test_a_simulation_serves_only_runs_on_its_kind_of_device_and_is_handed_the_run_s_own(device, share):
+    sim, algo = _Served(*share), _standing_in(device)
+    experiment = lambda ex: None  # noqa: E731
+    gpu = bool(share) and share[0] > 0
+    if gpu == (device == "cuda"):
+        assert simulate(algo, experiment, sim) == "value" and sim.handed == (algo, experiment)
+    else:
+        with pytest.raises(ValueError, match=f"^a Flower simulation started with gpu={gpu} cannot serve a run on "
+                                             f"{device}$"):  # fmt: skip
+            simulate(algo, experiment, sim)
+        assert sim.handed is None
+
+
 @pytest.mark.parametrize(("workers", "cores", "used"), [
     (None, 8, 4), (None, 2, 2), (None, None, 1), (3, 8, 3), (9, 1, 4), (0, 3, 3),
 ])  # fmt: skip
@@ -278,15 +338,20 @@ def test_a_simulation_runs_a_clientapp_process_per_worker_asked_else_per_core_ne
     with FlowerSimulation(supernodes=4, workers=workers) as s:
         s.thread.join()
     (kw,) = backends
-    assert (s.workers, kw["num_supernodes"], kw["backend_config"]["init_args"]["num_cpus"]) == (used, 4, used)
-    assert kw["backend_config"]["client_resources"]["num_cpus"] == 1 and kw["client_app"] is client.app
+    assert (s.workers, kw["num_supernodes"]) == (used, 4)
+    # Ray with no dashboard (no port, no process of its own) and the ClientApps' output kept out of the terminal
+    assert kw["backend_config"]["init_args"] == {"num_cpus": used, "include_dashboard": False, "log_to_driver": False,
+                                                 "logging_level": logging.ERROR}  # fmt: skip
+    assert kw["backend_config"]["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}  # no GPU unless asked
+    assert kw["client_app"] is client.app
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize(("supernodes", "workers", "expected"), [(None, None, (6, None)), (2, 3, (2, 3))])
-def test_a_run_without_a_simulation_starts_one_of_its_config_s_size_and_closes_it(monkeypatch, supernodes, workers,
-                                                                                   expected):
-    """`executor.supernodes` SuperNodes (unset: one per client, 6 here) and `executor.workers` ClientApp processes;
-    the experiment's value comes back and the simulation is closed after it."""
+def test_a_run_without_a_simulation_starts_one_of_its_config_s_size_and_device_and_closes_it(
+        monkeypatch, supernodes, workers, expected, device):
+    """`executor.supernodes` SuperNodes (unset: one per client, 6 here), `executor.workers` ClientApp processes, and
+    a share of the GPU for a GPU run; it serves the run, its value comes back, and it is closed after it."""
     started = []
 
     class Recorded:
@@ -295,6 +360,7 @@ def test_a_run_without_a_simulation_starts_one_of_its_config_s_size_and_closes_i
             self.args, self.closed = (supernodes, workers, gpu), False
 
         def run(self, algo, experiment):
+            self.algo = algo
             return experiment("executor")
 
         def __enter__(self):
@@ -304,10 +370,12 @@ def test_a_run_without_a_simulation_starts_one_of_its_config_s_size_and_closes_i
             self.closed = True
 
     monkeypatch.setattr("pflbed.flower.simulation.FlowerSimulation", Recorded)
-    cfg = parity_config("fedavg", {"name": "flower", "threads": 1, "supernodes": supernodes, "workers": workers})
-    assert simulate(prepare(cfg), lambda ex: (ex, "value")) == ("executor", "value")
+    algo = _standing_in(device)
+    algo.ctx.cfg = parity_config("fedavg", {"name": "flower", "threads": 1, "supernodes": supernodes,
+                                            "workers": workers})  # fmt: skip
+    assert simulate(algo, lambda ex: (ex, "value")) == ("executor", "value")
     (sim,) = started
-    assert (sim.args, sim.closed) == ((*expected, False), True)
+    assert (sim.args, sim.closed, sim.algo) == ((*expected, device == "cuda"), True, algo)
 
 
 def test_flower_s_notice_that_run_simulation_is_deprecated_is_left_out_and_nothing_else(monkeypatch):
