@@ -18,7 +18,7 @@ from pflbed.flower.project import write_app  # noqa: E402
 from pflbed.flower.server import RESULTS, run_directory  # noqa: E402
 
 CFG = validate_config({"train": {"rounds": 3}, "executor": {"name": "flower"}})
-AGAIN = "flwr run … --run-config resume=true"
+AGAIN = "flwr run DIR CONNECTION --run-config resume=true"  # DIR, CONNECTION: as the Flower guide says
 
 
 def _started(tmp_path, cfg=CFG):

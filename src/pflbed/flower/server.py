@@ -62,8 +62,8 @@ def run_directory(cfg: Config, run_config: Mapping[str, object]) -> tuple[RunDir
     prepared = started.is_file() and started.read_text() == config_text(cfg) \
         and not any((out / name).exists() for name in RESULTS)  # fmt: skip
     if not prepared:
-        RunDir.check(out, cfg, force=force, resume=resume, resume_with="flwr run … --run-config resume=true",
-                     out_name="out", force_name="--run-config force=true")  # fmt: skip
+        RunDir.check(out, cfg, force=force, resume=resume, out_name="out", force_name="--run-config force=true",
+                     resume_with="flwr run DIR CONNECTION --run-config resume=true")  # as the Flower guide names them
     return RunDir(out), resume
 
 
