@@ -15,7 +15,7 @@ pytest.importorskip("flwr")  # the `flower` extra; CI installs it, so these test
 from flwr.common.config import fuse_dicts, get_project_config, parse_config_args  # noqa: E402
 
 from pflbed.flower.project import write_app  # noqa: E402
-from pflbed.flower.server import RESULTS, run_directory  # noqa: E402
+from pflbed.flower.server import run_directory  # noqa: E402
 
 CFG = validate_config({"train": {"rounds": 3}, "executor": {"name": "flower"}})
 AGAIN = "flwr run DIR CONNECTION --run-config resume=true"  # DIR, CONNECTION: as the Flower guide says
@@ -52,9 +52,9 @@ def test_a_second_flwr_run_neither_replaces_a_finished_run_nor_restarts_one_with
     assert _refused(CFG, {"out": str(out)}) == f"out {out}: holds a finished run of this config; {again}"
     assert _refused(CFG, {"out": str(out), "resume": True}) == f"out {out}: is finished; nothing to resume; {again}"
     assert run_directory(CFG, {"out": str(out), "force": True})[0].path == out
-    for result in RESULTS[:1] + RESULTS[2:]:  # metrics, or checkpoints (a summary is the finished case above)
+    for result in ("metrics.jsonl", "checkpoints"):  # a summary is the finished case above
         out = _started(tmp_path / result)
-        (out / result).mkdir()
+        (out / result).write_text("{}\n") if result.endswith(".jsonl") else (out / result).mkdir()
         assert _refused(CFG, {"out": str(out), "resume": False}) == (
             f"out {out}: holds an unfinished run of this config; continue it with '{AGAIN}' (or pass --run-config "
             "force=true to start over)")  # fmt: skip

@@ -49,7 +49,8 @@ def write_attack_app(path: Path, cfg: Config, out: Path, serverapp: str | None =
     more string entries of the run config, for the modified component."""
     app = write_app(path, cfg, out.resolve())
     text = (app / "pyproject.toml").read_text()
-    assert text.rstrip().splitlines()[-1].startswith("resume = "), "the run config is no longer the last table"
+    tables = [line for line in text.splitlines() if line.startswith("[")]
+    assert tables[-1] == "[tool.flwr.app.config]", "the run config is no longer the last table"
     text += "".join(f"{k} = {json.dumps(v)}\n" for k, v in (run_config or {}).items())
     for component, module in (("serverapp", serverapp), ("clientapp", clientapp)):
         if module is None:
