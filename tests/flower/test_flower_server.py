@@ -54,7 +54,10 @@ def test_a_second_flwr_run_neither_replaces_a_finished_run_nor_restarts_one_with
     assert run_directory(CFG, {"out": str(out), "force": True})[0].path == out
     for result in ("metrics.jsonl", "checkpoints"):  # a summary is the finished case above
         out = _started(tmp_path / result)
-        (out / result).write_text("{}\n") if result.endswith(".jsonl") else (out / result).mkdir()
+        if result == "checkpoints":
+            (out / result).mkdir()
+        else:
+            (out / result).write_text("{}\n")
         assert _refused(CFG, {"out": str(out), "resume": False}) == (
             f"out {out}: holds an unfinished run of this config; continue it with '{AGAIN}' (or pass --run-config "
             "force=true to start over)")  # fmt: skip
