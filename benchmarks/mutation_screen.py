@@ -109,7 +109,8 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "flower/simulation.py": ["test_flower"],  # the in-process runtime: its tests that start one
     "flower/records.py": ["test_flower"],
     "memory.py": ["test_memory", "test_pfedhn", "test_fedrod_hyper"],
-    "results/rundir.py": ["test_rundir", "test_report", "test_trained", "test_resume", "test_cli"],
+    "results/rundir.py": ["test_rundir", "test_report", "test_trained", "test_resume", "test_cli",
+                          "test_flower_server"],  # `has_results`: what the ServerApp takes as prepared
     "results/bench.py": ["test_bench", "test_bench_tables"],
     "results/tune/tables.py": ["test_tune_tables", "test_tune", "test_tune_protocol"],
     "results/config_diff.py": ["test_report", "test_config_diff"],

@@ -25,8 +25,6 @@ from pflbed.flower.site_executor import SiteExecutor, discover_sites
 from pflbed.flower.sites import server_algorithm
 from pflbed.results.rundir import RunDir, config_text
 
-RESULTS = ("metrics.jsonl", "summary.json", "checkpoints")  # what a run directory holds once a run has results
-
 app = ServerApp()
 
 
@@ -58,13 +56,11 @@ def run_directory(cfg: Config, run_config: Mapping[str, object]) -> tuple[RunDir
     unfinished one over unless the run config says `force = true` (`resume = true` continues it)."""
     out = Path(str(run_config["out"]))
     resume, force = _flag(run_config, "resume"), _flag(run_config, "force")
-    started = out / "config.yaml"
-    prepared = started.is_file() and started.read_text() == config_text(cfg) \
-        and not any((out / name).exists() for name in RESULTS)  # fmt: skip
-    if not prepared:
+    rundir, started = RunDir(out), out / "config.yaml"
+    if not (started.is_file() and started.read_text() == config_text(cfg) and not rundir.has_results):
         RunDir.check(out, cfg, force=force, resume=resume, out_name="out", force_name="--run-config force=true",
                      resume_with="flwr run DIR CONNECTION --run-config resume=true")  # as the Flower guide names them
-    return RunDir(out), resume
+    return rundir, resume
 
 
 def _flag(run_config: Mapping[str, object], key: str) -> bool:

@@ -154,6 +154,11 @@ class RunDir:
     def finished(self) -> bool:
         return (self.path / "summary.json").is_file()
 
+    @property
+    def has_results(self) -> bool:
+        """Whether a run here has recorded anything: metrics, a checkpoint or its summary (`start` leaves none)."""
+        return any((self.path / name).exists() for name in ("metrics.jsonl", "summary.json", "checkpoints"))
+
     @classmethod
     def check(cls, path: Path, cfg: Config, *, force: bool = False, resume: bool = False,
               resume_with: str | None = None, out_name: str = "--out", force_name: str = "--force") -> RunDir:
