@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     t.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt, summary.json and "
                    "config.yaml go (then: --set model.init_from=DIR)")  # fmt: skip
-    t.add_argument("--force", action="store_true", help="replace what is in --out")
+    t.add_argument("--force", action="store_true", help="replace an earlier pretraining's output in --out")
     z = sub.add_parser("personalize", help="personalize a trained run's model for a new client from its samples")
     z.add_argument("run", type=Path, metavar="RUN", help="a run directory (finished, or with a checkpoint)")
     z.add_argument("--data", type=Path, required=True, metavar="FILE",
@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--lr", type=float, help="default: the new-client learning rate the run chose on validation")
     z.add_argument("--seed", type=int, default=0, help="seed of the personalization's batch order")
     z.add_argument("--out", type=Path, required=True, metavar="DIR", help="where model.pt and summary.json go")
+    z.add_argument("--force", action="store_true", help="replace the model.pt and summary.json already in --out")
     rp = sub.add_parser("report", help="one run, or several compared, as one self-contained HTML (or Markdown) file")
     rp.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="finished run directories")
     rp.add_argument("-o", "--out", type=Path, required=True, metavar="FILE", help="the report file (.html or .md)")
@@ -418,8 +419,9 @@ def _cmd_flower(args: argparse.Namespace) -> None:
 
 def _cmd_personalize(args: argparse.Namespace) -> None:
     from pflbed.data.samples import read_samples
-    from pflbed.results.trained import load_run
+    from pflbed.results.trained import check_out, load_run
 
+    check_out(args.out, args.force)  # before the personalization, which a refused --out would waste
     run = load_run(args.run)
     x, y, scale = read_samples(args.data, run.source)
     val = None
@@ -441,7 +443,7 @@ def _cmd_personalize(args: argparse.Namespace) -> None:
     elif val is not None:
         kept = model.epochs[model.selected_epoch - 1]["val_acc"]
         scored = _with_zero_shot("validation", kept, model.zero_shot_accuracy(*val, scale))
-    out = model.save(args.out)
+    out = model.save(args.out, args.force)
     console = make_console()
     what = f"{run.config.algorithm.name} ({args.method}), {len(y)} samples, lr {model.lr:g}"
     console.print(f"personalized {what}: epoch {model.selected_epoch} of {len(model.epochs)} kept{scored}; "

@@ -261,23 +261,45 @@ def test_each_optimizer_setting_and_the_seed_reach_the_training(tmp_path):
         assert not torch.equal(weights(**over), base), over
 
 
-def test_an_output_directory_is_replaced_only_when_empty_or_forced(tmp_path):
+def test_an_output_directory_is_replaced_only_when_empty_or_an_earlier_pretraining_s_and_forced(tmp_path):
+    """`--force` replaces an earlier pretraining's output, nothing else: forcing a directory with other files in it
+    (a parent of several pretrained models, a run's, the working directory) deleted them all."""
     from pflbed.errors import PflbedError
 
     cfg, quiet = _cfg(pretrain__epochs=1), (lambda *_: None)
     (tmp_path / "empty").mkdir()
     pretrain(cfg, tmp_path / "empty", log=quiet)  # an empty directory: used
-    assert (tmp_path / "empty" / "model.pt").exists()
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "mine.txt").write_text("keep")
-    with pytest.raises(PflbedError, match=r"^--out .*full: exists and is not empty \(--force replaces it\)$"):
-        pretrain(cfg, tmp_path / "full", log=quiet)
-    assert [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
-    pretrain(cfg, tmp_path / "full", force=True, log=quiet)
-    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["config.yaml", "model.pt", "summary.json"]
+    written = sorted(p.name for p in (tmp_path / "empty").iterdir())
+    assert written == ["config.yaml", "model.pt", "summary.json"]
+    before = (tmp_path / "empty" / "summary.json").read_text()
+    with pytest.raises(PflbedError) as e:
+        pretrain(cfg, tmp_path / "empty", log=quiet)
+    assert str(e.value) == f"--out {tmp_path / 'empty'}: holds an earlier pretraining's output (--force replaces it)"
+    assert (tmp_path / "empty" / "summary.json").read_text() == before
+    pretrain(_cfg(pretrain__epochs=2), tmp_path / "empty", force=True, log=quiet)  # replaced
+    assert len(json.loads((tmp_path / "empty" / "summary.json").read_text())["epochs"]) == 2
+    (tmp_path / "empty" / "summary.json").unlink()  # some of the earlier output: still the earlier output's
+    pretrain(cfg, tmp_path / "empty", force=True, log=quiet)
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == written
+    full = tmp_path / "full"
+    (full / "lenet5").mkdir(parents=True)
+    for name in ("mine.txt", "model.pt", "a", "b", "c"):
+        (full / name).write_text("keep")
+    for force in (False, True):
+        with pytest.raises(PflbedError) as e:
+            pretrain(cfg, full, force=force, log=quiet)
+        assert str(e.value) == (f"--out {full}: holds files pflbed pretrain did not write (a, b, c, …); choose "
+                                "another --out (--force replaces only an earlier pretraining's)")  # fmt: skip
+    assert sorted(p.name for p in full.iterdir()) == ["a", "b", "c", "lenet5", "mine.txt", "model.pt"]
+    (full / "a").unlink()
+    (full / "b").unlink()
+    with pytest.raises(PflbedError, match=r"did not write \(c, lenet5, mine\.txt\); choose"):  # three: no …
+        pretrain(cfg, full, force=True, log=quiet)
     (tmp_path / "file").write_text("a file")
-    with pytest.raises(PflbedError, match="exists and is not empty"):
+    with pytest.raises(PflbedError) as e:
         pretrain(cfg, tmp_path / "file", force=True, log=quiet)
+    assert str(e.value) == (f"--out {tmp_path / 'file'}: is a file; give the directory to write model.pt, "
+                            "summary.json, config.yaml into")  # fmt: skip
     assert (tmp_path / "file").read_text() == "a file"
 
 

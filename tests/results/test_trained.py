@@ -269,6 +269,50 @@ def test_personalize_cli_prints_the_zero_shot_accuracy_beside_the_personalized_o
                         line)  # fmt: skip
 
 
+def test_personalize_replaces_a_personalized_model_only_when_forced_and_never_a_run_s_files(runs, tmp_path, capsys,
+                                                                                             monkeypatch):
+    """`--out` a run's directory replaced its summary.json with the personalization's, silently: the run no longer
+    read as one. A second personalization into the same --out replaced the first without being asked. Both are
+    refused in one line before any personalization; --force replaces a personalized model, never a run's or a
+    pretrained model's files; a folder of other files (the new client's samples) keeps them."""
+    (x, y), _, _ = _client_samples()
+    data = tmp_path / "client"
+    data.mkdir()
+    np.savez(data / "train.npz", x=x, y=y)
+    base = ["personalize", str(runs["fedavg"][0]), "--data", str(data / "train.npz"), "--epochs", "1", "--lr", "0.05"]
+
+    def refused(out, *flags, message):
+        assert main([*base, "--out", str(out), *flags]) == 2
+        assert capsys.readouterr().err == f"pflbed: error: --out {out}: {message}\n"
+
+    assert main([*base, "--out", str(data)]) == 0  # beside the samples, which stay
+    assert sorted(p.name for p in data.iterdir()) == ["model.pt", "summary.json", "train.npz"]
+    first = (data / "summary.json").read_text()
+    personalized = []
+    monkeypatch.setattr(trained.TrainedRun, "personalize", lambda *a, **k: personalized.append(a))
+    refused(data, message="holds a personalized model already (model.pt, summary.json); --force replaces it")
+    (data / "model.pt").unlink()
+    refused(data, message="holds a personalized model already (summary.json); --force replaces it")
+    run = runs["fedavg"][0]
+    kept = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for flags in ((), ("--force",)):
+        refused(run, *flags, message="is a run's or a pretrained model's directory (it has config.yaml), whose "
+                                     "summary.json a personalization's would replace; choose another --out")
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == kept
+    (tmp_path / "file").write_text("mine")
+    refused(tmp_path / "file", "--force", message="is a file; give the directory to write model.pt and "
+                                                  "summary.json into")  # fmt: skip
+    assert (tmp_path / "file").read_text() == "mine" and not personalized
+    monkeypatch.undo()
+    assert main([*base, "--epochs", "2", "--out", str(data), "--force"]) == 0
+    assert (data / "summary.json").read_text() != first and (data / "model.pt").exists()
+    assert len(json.loads((data / "summary.json").read_text())["epochs"]) == 2
+    p = pflbed.load_run(run).personalize(x, y, method="ft", epochs=1, lr=0.05)  # the Python API: the same rule
+    with pytest.raises(PflbedError, match=r"holds a personalized model already \(model\.pt, summary\.json\)"):
+        p.save(data)
+    assert p.save(data, force=True) == data and json.loads((data / "summary.json").read_text())["method"] == "ft"
+
+
 @pytest.mark.parametrize(("arrays", "message"), [
     ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"x: samples of shape \[28, 28\], but digits samples are"),
     ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"y: labels must be in 0…9"),

@@ -38,7 +38,7 @@ from pflbed.errors import ConfigError, DataError, DivergedError, PflbedError
 from pflbed.federation import build_federation
 from pflbed.federation.federation import check_disjoint
 from pflbed.models import build_model
-from pflbed.models.pretrained import save_model
+from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.version import __version__
 
 STREAM = 0x9E7  # pretraining's own random streams: 0 the sample draw, 1 the held-out split, 2 batches, 3 init
@@ -70,8 +70,7 @@ def source_indices(source: DataSource, cfg: Config) -> torch.Tensor:
 
 def pretrain(cfg: Config, out: Path, force: bool = False, log=print) -> dict[str, Any]:
     """Pretrain `cfg.model` on the declared source, write `out` (see the module docstring); returns the summary."""
-    if out.exists() and not (out.is_dir() and (force or not any(out.iterdir()))):
-        raise PflbedError(f"--out {out}: exists and is not empty (--force replaces it)")
+    _check_out(out, force)
     started = time.perf_counter()
     p, device = cfg.pretrain, resolve_device(cfg.executor.device)
     source = load_source(cfg.dataset)
@@ -117,10 +116,30 @@ def pretrain(cfg: Config, out: Path, force: bool = False, log=print) -> dict[str
     save_model(model, tmp, cfg.model.name, source.input_shape, source.num_classes, record)
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    if out.exists():
+    if out.exists():  # empty, or an earlier pretraining's files alone (`_check_out`)
         shutil.rmtree(out)
     tmp.replace(out)
     return summary
+
+
+OUTPUT = (MODEL_FILE, "summary.json", "config.yaml")  # what `pretrain` writes into `out`, and all it writes
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """`out` may be new, empty, or (with `force`) an earlier pretraining's output. Not anything else: the output
+    replaces `out` whole, so forcing a directory with other files in it (a parent of several pretrained models, a
+    run's, the working directory) deleted them."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise PflbedError(f"--out {out}: is a file; give the directory to write {', '.join(OUTPUT)} into")
+    other = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT)
+    if other:
+        raise PflbedError(f"--out {out}: holds files pflbed pretrain did not write ({', '.join(other[:3])}"
+                          f"{', …' if len(other) > 3 else ''}); choose another --out (--force replaces only an "
+                          "earlier pretraining's)")  # fmt: skip
+    if any(out.iterdir()) and not force:
+        raise PflbedError(f"--out {out}: holds an earlier pretraining's output (--force replaces it)")
 
 
 def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> float:

@@ -103,14 +103,32 @@ class Personalized:
             raise PflbedError("test x: no samples to score")
         return _accuracy(model, self.run.inputs(x, scale, "test x"), labels)
 
-    def save(self, out: Path) -> Path:
-        """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`."""
+    def save(self, out: Path, force: bool = False) -> Path:
+        """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`, where
+        `check_out` allows them."""
+        check_out(out, force)
         save_model(self.model, out, getattr(self.model, "zoo_name", None), self.info["input_shape"],
                    self.info["num_classes"])  # fmt: skip
         summary = {"method": self.method, "lr": self.lr, "selected_epoch": self.selected_epoch,
                    "epochs": self.epochs, "seconds": round(self.seconds, 3), **self.info}  # fmt: skip
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         return out
+
+
+def check_out(out: Path, force: bool = False) -> None:
+    """Refuse an `out` whose files a personalization's would replace without being asked to (`force`), and one whose
+    files are never a personalization's to replace: a run's or a pretrained model's directory (its config.yaml),
+    whose summary.json would become the personalization's. Other files in `out` (the new client's samples, say)
+    stay: only model.pt and summary.json are written."""
+    if out.exists() and not out.is_dir():
+        raise PflbedError(f"--out {out}: is a file; give the directory to write {MODEL_FILE} and {SUMMARY_FILE} into")
+    if (out / "config.yaml").exists():
+        raise PflbedError(f"--out {out}: is a run's or a pretrained model's directory (it has config.yaml), whose "
+                          f"{SUMMARY_FILE} a personalization's would replace; choose another --out")  # fmt: skip
+    held = [name for name in (MODEL_FILE, SUMMARY_FILE) if (out / name).exists()]
+    if held and not force:
+        raise PflbedError(f"--out {out}: holds a personalized model already ({', '.join(held)}); --force replaces "
+                          "it")  # fmt: skip
 
 
 def load_model(path: str | Path, run: TrainedRun | str | Path | None = None) -> torch.nn.Module:
