@@ -97,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     fs.add_argument("-c", "--config", help="YAML config file")
     fs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     fs.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the site-<client> directories go")
+    fs.add_argument("--force", action="store_true", help="replace the site directories an earlier export wrote")
     fp.add_argument("--out", type=Path, required=True, help="the project directory")
+    fp.add_argument("--force", action="store_true", help="replace the project (pyproject.toml, site.toml) already "
+                    "in --out")  # fmt: skip
     fp.add_argument("--run-dir", type=Path, help="where the ServerApp writes the run (default: runs/<...>)")
     t = sub.add_parser("pretrain", help="train the config's model centrally on a declared source no client uses, "
                        "for model.init_from")  # fmt: skip
@@ -353,13 +356,13 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         from pflbed.flower.project import write_app
 
         cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
-        app = write_app(args.out, cfg, args.run_dir or default_out(cfg))
+        app = write_app(args.out, cfg, args.run_dir or default_out(cfg), force=args.force)
         make_console().print(f"Flower app project: {app}/pyproject.toml (docs/guide/flower.md)")
         return
     if args.action == "sites":
         from pflbed.flower.sites import export_sites
 
-        dirs = export_sites(load_config(args.config, args.overrides), args.out)
+        dirs = export_sites(load_config(args.config, args.overrides), args.out, force=args.force)
         make_console().print(f"{len(dirs)} site directories in {args.out}; try them with: pflbed flower local "
                              f"--site-data {args.out}/site-*")  # fmt: skip
         return

@@ -433,6 +433,39 @@ def test_local_deployment_with_tls_auth_and_node_states_equals_loop_and_leaves_n
     assert _figures(json.loads((out / "summary.json").read_text())) == _figures(json.loads(json.dumps(loop.summary)))
 
 
+def test_flower_app_replaces_a_project_only_when_forced_and_never_another_project_s(tmp_path, capsys):
+    """`flower app --out DIR` wrote over whatever pyproject.toml DIR held: `--out .` in a user's own repository
+    replaced theirs, and a second project replaced the first (and a site's filled-in site.toml) unasked. Now an
+    earlier pflbed project goes only with --force, with its site.toml when the new one has none; another project's
+    pyproject.toml (or one that is no TOML) never; other files stay."""
+    from pflbed.cli import main
+
+    def refused(out, *flags, message):
+        assert main(["flower", "app", "--out", str(out), *flags]) == 2
+        assert capsys.readouterr().err == f"pflbed: error: --out {out}: {message}\n"
+
+    app, local = tmp_path / "app", ["--set", "sites.local=true", "--set", "sites.input_shape=[1,8,8]", "--set",
+                                    "sites.num_classes=10", "--set", "federation.clients=3"]  # fmt: skip
+    assert main(["flower", "app", "--out", str(app), *local]) == 0
+    (app / "notes.md").write_text("mine")
+    first = {name: (app / name).read_text() for name in ("pyproject.toml", "site.toml")}
+    refused(app, message="holds a Flower app project already (pyproject.toml, site.toml); --force replaces it")
+    assert {name: (app / name).read_text() for name in first} == first
+    (app / "pyproject.toml").unlink()
+    refused(app, message="holds a Flower app project already (site.toml); --force replaces it")
+    assert main(["flower", "app", "--out", str(app), "--set", "seed=3", "--force"]) == 0
+    assert sorted(p.name for p in app.iterdir()) == ["notes.md", "pyproject.toml"]  # no stale site.toml
+    assert '\\"seed\\": 3' in (app / "pyproject.toml").read_text()
+    for text in ('[project]\nname = "theirs"\n', "not [[ toml", '[tool.flwr.app.components]\nserverapp = "x:app"\n'):
+        (app / "pyproject.toml").write_text(text)
+        for flags in ((), ("--force",)):
+            refused(app, *flags, message="holds the pyproject.toml of another project; choose another --out")
+        assert (app / "pyproject.toml").read_text() == text
+    (tmp_path / "file").write_text("mine")
+    refused(tmp_path / "file", "--force", message="is a file; give the directory to write the project into")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
     from flwr.common.config import validate_config as flwr_validate
 
@@ -450,6 +483,7 @@ def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
     assert run_config["out"] == "runs/fedavg-digits-seed0" and run_config["resume"] is False
     assert not (app / "site.toml").exists()  # the data is the server's: no site config
     capsys.readouterr()
-    assert main(["flower", "app", "--out", str(app), "--run-dir", str(tmp_path / "r"), "--set", "seed=2"]) == 0
+    assert main(["flower", "app", "--out", str(app), "--run-dir", str(tmp_path / "r"), "--set", "seed=2",
+                 "--force"]) == 0  # fmt: skip
     run_config = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert run_config["out"] == str(tmp_path / "r") and json.loads(run_config["config"])["seed"] == 2

@@ -301,9 +301,9 @@ def test_replace_device_gives_a_copy_on_the_device_and_the_same_config_where_it_
     assert moved.executor.model_dump(exclude={"device"}) == cfg.executor.model_dump(exclude={"device"})
 
 
-def test_exported_sites_hold_each_participant_s_own_samples_and_a_second_export_replaces_the_first(tmp_path):
+def test_exported_sites_hold_each_participant_s_own_samples_and_a_forced_export_replaces_the_first(tmp_path):
     """`export_sites`: site-<cid>/{train,val,test}.npz hold exactly the simulated client's samples, in order; run
-    again into the same folder (after a change of the config), it writes over the earlier files."""
+    again into the same folder with `force` (after a change of the config), it replaces the earlier files."""
     from pflbed.data import load_source
     from pflbed.federation import build_federation
     from pflbed.flower.sites import export_sites
@@ -312,7 +312,7 @@ def test_exported_sites_hold_each_participant_s_own_samples_and_a_second_export_
 
     for seed in (0, 1):
         cfg = validate_config({**TINY, "seed": seed})
-        dirs = export_sites(cfg, tmp_path / "sites")
+        dirs = export_sites(cfg, tmp_path / "sites", force=seed > 0)
         source = load_source(cfg.dataset)
         fed = build_federation(source, cfg.federation, cfg.seed)
         assert [d.name for d in dirs] == [f"site-{c}" for c in fed.participated]
@@ -321,6 +321,57 @@ def test_exported_sites_hold_each_participant_s_own_samples_and_a_second_export_
                 with np.load(d / f"{name}.npz") as f:
                     assert np.array_equal(f["y"], source.train.y[idx].numpy()), (seed, cid, name)
                     assert np.array_equal(f["x"], source.train.x[idx].numpy())
+
+
+def test_an_export_replaces_an_earlier_one_only_when_forced_and_leaves_none_of_its_sites(tmp_path, capsys):
+    """An export into a folder that held a larger earlier one left that export's extra sites beside the new ones,
+    and the command's own hint (`--site-data DIR/site-*`) ran them all: another federation's clients, with samples
+    of the new ones. Now an earlier export is replaced only with --force, whole; a site-<n> that export did not
+    write (a site's real data) is refused even then; other files in the folder stay."""
+    from pflbed.cli import main
+
+    sites = tmp_path / "sites"
+
+    def export(clients, *flags):
+        return main(["flower", "sites", "--out", str(sites), "--set", f"federation.clients={clients}", *flags])
+
+    def refused(clients, *flags, message):
+        assert export(clients, *flags) == 2
+        assert capsys.readouterr().err == f"pflbed: error: --out {sites}: {message}\n"
+
+    assert export(5) == 0
+    (sites / "README").write_text("mine")
+    written = {p.relative_to(sites): p.read_bytes() for p in sites.rglob("*.npz")}
+    assert len(written) == 15
+    refused(3, message="holds site directories already (site-0, site-1, site-2, …); --force replaces them")
+    assert {p.relative_to(sites): p.read_bytes() for p in sites.rglob("*.npz")} == written
+    assert export(3, "--force") == 0
+    assert sorted(p.name for p in sites.iterdir()) == ["README", "site-0", "site-1", "site-2"]
+    assert all(sorted(q.name for q in (sites / f"site-{c}").iterdir()) == ["test.npz", "train.npz", "val.npz"]
+               for c in range(3))  # fmt: skip
+    assert export(2, "--force", "--set", "seed=1") == 0
+    for c in (2, 10):  # named in number order: site-10 after site-2 (not after site-1)
+        (sites / f"site-{c}").mkdir()
+        (sites / f"site-{c}" / "train.npz").write_bytes(b"")
+    refused(2, message="holds site directories already (site-0, site-1, site-2, …); --force replaces them")
+    (sites / "site-10" / "data.csv").write_text("a site's own")
+    refused(2, "--force", message="site-10 is not a site directory pflbed flower sites wrote (it holds data.csv); "
+                                  "choose another --out")  # fmt: skip
+    (sites / "site-10" / "data.csv").unlink()
+    (sites / "site-10" / "train.npz").unlink()
+    (sites / "site-10").rmdir()
+    (sites / "site-10").write_text("")
+    refused(2, "--force", message="site-10 is not a site directory pflbed flower sites wrote (it is a file); "
+                                  "choose another --out")  # fmt: skip
+    assert (sites / "site-10").is_file() and (sites / "site-2" / "train.npz").exists()
+    (sites / "site-10").unlink()
+    (sites / "site-x").mkdir()  # not an export's name: none of its business
+    assert export(2, "--force") == 0
+    assert sorted(p.name for p in sites.iterdir()) == ["README", "site-0", "site-1", "site-x"]
+    (tmp_path / "file").write_text("")
+    assert main(["flower", "sites", "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err == (f"pflbed: error: --out {tmp_path / 'file'}: is a file; give the directory to "
+                                       "write the site-<client> directories into\n")  # fmt: skip
 
 
 def _files(n_data, n_val=None, n_test=None):

@@ -10,9 +10,11 @@ ServerApp writes, on the SuperLink's machine.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 from pflbed.config import Config
+from pflbed.errors import PflbedError
 
 PYPROJECT = """[build-system]
 requires = ["hatchling"]
@@ -56,16 +58,41 @@ def config_json(cfg: Config) -> str:
     return json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
 
 
-def write_app(path: Path, cfg: Config, out: Path, resume: bool = False) -> Path:
+FILES = ("pyproject.toml", "site.toml")  # what `write_app` writes, and all it writes
+
+
+def _is_ours(pyproject: Path) -> bool:
+    """Whether `pyproject` is a project `write_app` wrote: pflbed's ServerApp as its component."""
+    try:
+        tree = tomllib.loads(pyproject.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    components = tree.get("tool", {}).get("flwr", {}).get("app", {}).get("components", {})
+    return isinstance(components, dict) and components.get("serverapp") == "pflbed.flower.server:app"
+
+
+def write_app(path: Path, cfg: Config, out: Path, resume: bool = False, force: bool = False) -> Path:
     """Write the project into `path` (created); returns `path`. `out`: the run directory on the SuperLink's side;
-    `resume`: the ServerApp continues the run there from its last checkpoint."""
+    `resume`: the ServerApp continues the run there from its last checkpoint.
+
+    An earlier project in `path` is replaced only with `force` (a site's edited site.toml would go with it), and
+    another project's pyproject.toml never: `--out .` in a user's own repository replaced theirs."""
+    if path.exists() and not path.is_dir():
+        raise PflbedError(f"--out {path}: is a file; give the directory to write the project into")
+    if (path / FILES[0]).exists() and not _is_ours(path / FILES[0]):
+        raise PflbedError(f"--out {path}: holds the pyproject.toml of another project; choose another --out")
+    held = [name for name in FILES if (path / name).exists()]
+    if held and not force:
+        raise PflbedError(f"--out {path}: holds a Flower app project already ({', '.join(held)}); --force replaces "
+                          "it")  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
+    (path / FILES[1]).unlink(missing_ok=True)  # an earlier site-local project's, which this one may not be
     what = f"{cfg.algorithm.name} on {cfg.dataset.name}, seed {cfg.seed}"
     text = PYPROJECT.format(what=what, config=json.dumps(config_json(cfg)), out=json.dumps(str(out)),
                           resume=json.dumps(resume))
-    (path / "pyproject.toml").write_text(text)
+    (path / FILES[0]).write_text(text)
     if cfg.sites.local:  # what each site writes for its own SuperNode (`--node-config site.toml`); with `local`,
         # the config has both the sample shape and the classes (`SitesConfig`)
-        (path / "site.toml").write_text(SITE_TOML.format(n=cfg.federation.clients, shape=cfg.sites.input_shape,
+        (path / FILES[1]).write_text(SITE_TOML.format(n=cfg.federation.clients, shape=cfg.sites.input_shape,
                                                          top=cfg.sites.num_classes - 1))  # fmt: skip
     return path

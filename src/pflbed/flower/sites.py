@@ -351,22 +351,44 @@ def describe_sites(dirs: list[Path]) -> tuple[tuple[int, ...], int]:
     return shapes.pop(), max(2, top + 1)
 
 
-def export_sites(cfg: Config, out: Path) -> list[Path]:
+SITE_FILES = ("train.npz", "val.npz", "test.npz")  # what `export_sites` writes into each site directory
+
+
+def export_sites(cfg: Config, out: Path, force: bool = False) -> list[Path]:
     """Write each participated client of `cfg`'s simulated federation as a site directory `out/site-<cid>` holding
     `train.npz`, `val.npz` and `test.npz` — exactly the samples the simulated client trains, validates and is
-    tested on, in the same order — so that a site-local deployment over them can be compared with the simulation."""
+    tested on, in the same order — so that a site-local deployment over them can be compared with the simulation.
+
+    Site directories already in `out` are replaced only with `force`, and only an earlier export's: writing over
+    them left an earlier, larger federation's sites beside the new ones, and `--site-data out/site-*` ran both."""
+    import shutil
+
     from pflbed.data import load_source
     from pflbed.federation import build_federation
 
+    if out.exists() and not out.is_dir():
+        raise PflbedError(f"--out {out}: is a file; give the directory to write the site-<client> directories into")
+    earlier = sorted((d for d in out.glob("site-*") if d.name[5:].isdigit()), key=lambda d: int(d.name[5:]))
+    for d in earlier:
+        other = sorted(f"holds {p.name}" for p in d.iterdir() if p.name not in SITE_FILES) if d.is_dir() else [
+            "is a file"]  # fmt: skip
+        if other:
+            raise PflbedError(f"--out {out}: {d.name} is not a site directory pflbed flower sites wrote (it "
+                              f"{other[0]}); choose another --out")  # fmt: skip
+    if earlier and not force:
+        raise PflbedError(f"--out {out}: holds site directories already ({', '.join(d.name for d in earlier[:3])}"
+                          f"{', …' if len(earlier) > 3 else ''}); --force replaces them")  # fmt: skip
     source = load_source(cfg.dataset)
     fed = build_federation(source, cfg.federation, cfg.seed)
     x, y = source.train.x, source.train.y
+    for d in earlier:  # an earlier export's alone (checked above), after the config's own checks
+        shutil.rmtree(d)
     dirs = []
     for cid in fed.participated:
         d = out / f"site-{cid}"
         d.mkdir(parents=True, exist_ok=True)
         split = fed.clients[cid]
-        for name, idx in (("train", split.train), ("val", split.val), ("test", split.test)):
-            np.savez(d / f"{name}.npz", x=x[idx].cpu().numpy(), y=y[idx].cpu().numpy())
+        for name, idx in zip(SITE_FILES, (split.train, split.val, split.test), strict=True):
+            np.savez(d / name, x=x[idx].cpu().numpy(), y=y[idx].cpu().numpy())
         dirs.append(d)
     return dirs
