@@ -131,33 +131,6 @@ def _code_block(page: str, heading: str | None, lang: str) -> str:
     return text.split(f"```{lang}\n", 1)[1].split("```", 1)[0]
 
 
-def _commands(block: str) -> list[list[str]]:
-    """A bash block's commands: continuation lines joined, comments dropped, each split as the shell would."""
-    import shlex
-
-    return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-SMALL_RUN = ["--set", "train.rounds=1", "--set", "eval.new_clients.epochs=2", "--set", "eval.new_clients.lrs=[0.01]",
-             "--set", "eval.new_clients.fractions=[1.0]", "--set", "eval.finetune=[]", "--set", "executor.name=loop",
-             "--set", "model.name=mlp", "--set", "train.local_epochs=1",
-             "--no-progress"]  # fmt: skip
-
-
-def test_getting_started_s_new_client_commands_run_as_written(tmp_path, monkeypatch):
-    """The guide's first personalized new client: a run holding clients out, one of them written as files
-    (`data new-client`), then personalized from them — each command as the page shows it (the run at 1 round)."""
-    from pflbed.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    commands = _commands(_code_block("getting-started.md", "The first personalized new client", "bash"))
-    assert [c[:2] for c in commands] == [["pflbed", "run"], ["pflbed", "data"], ["pflbed", "personalize"]]
-    for command in commands:
-        assert main(command[1:] + (SMALL_RUN if command[1] == "run" else [])) == 0, command
-    assert sorted(p.name for p in (tmp_path / "new-client").iterdir()) == ["test.npz", "train.npz", "val.npz"]
-    assert (tmp_path / "runs" / "new-client" / "summary.json").is_file()
-
-
 def test_the_home_page_s_python_example_runs(tmp_path, monkeypatch):
     """docs/index.md's example, with a new client's raw samples as `x`, `y` (and 1 round instead of 20):
     `personalize` returns a `Personalized`, whose labels come from `predict` and whose model is `.model`."""

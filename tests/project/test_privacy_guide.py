@@ -2,10 +2,7 @@
 short settings appended (one round, fewer clients, no fine-tuning), and the noise-to-signal figure it quotes for its
 first example is that of the command as written — under 1, so that run is not warned."""
 
-import glob
 import importlib.util
-import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -15,23 +12,14 @@ from pflbed.cli import main
 from pflbed.config import load_config
 from pflbed.data.fmnist import HOW_TO_GET, find_fmnist
 
+from ..doc_commands import commands, expanded, with_sets
+
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide" / "privacy.md"
 # appended to a command in this test only: the same keys and combinations, run small
 SHORT = {"run": ["train.rounds=1", "federation.clients=40", "eval.finetune=[]", "executor.threads=1"],
          "sites": ["federation.clients=2"],
          "local": ["train.rounds=1", "eval.finetune=[]", "executor.threads=1"]}  # fmt: skip
-
-
-def commands(text: str) -> list[list[str]]:
-    """The `pflbed` commands of the page's bash blocks (continued lines joined, comments dropped), as argv."""
-    found = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            argv = shlex.split(line, comments=True)
-            if argv[:1] == ["pflbed"]:
-                found.append(argv[1:])
-    return found
 
 
 def sets(argv: list[str]) -> list[str]:
@@ -57,8 +45,7 @@ def test_the_guides_commands_run_as_written(tmp_path, monkeypatch):
         if argv[0] == "flower" and importlib.util.find_spec("flwr") is None:
             pytest.skip("the flower extra: pip install -e '.[flower]'")
         short = SHORT.get(argv[0] if argv[0] == "run" else argv[1], [])
-        expanded = [p for a in argv for p in (sorted(glob.glob(a)) if "*" in a else [a])]  # as the shell does
-        assert main([*expanded, *[a for s in short for a in ("--set", s)]]) == 0, argv
+        assert main(with_sets(expanded(argv), *short)) == 0, argv
 
 
 def test_the_guides_first_example_is_not_swamped_by_its_noise_and_its_figure_is_quoted():
