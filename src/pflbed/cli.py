@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -252,10 +251,11 @@ def _resume_flags(args: argparse.Namespace) -> None:
 
 def _finished(rundir) -> bool:
     """Print a finished run's results and say so (--resume on a finished run changes nothing)."""
+    from pflbed.results.rundir import read_summary
     from pflbed.results.summary import print_table
 
     if rundir.finished:
-        print_table(json.loads((rundir.path / "summary.json").read_text()))
+        print_table(read_summary(rundir.path / "summary.json"))
         make_console().print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
     return rundir.finished
 

@@ -254,6 +254,22 @@ def test_unfinished_run_points_to_resume(tmp_path, capsys):
     assert "--resume" in _one_error_line(capsys)
 
 
+def test_resuming_a_finished_run_whose_summary_is_damaged_is_one_line(tmp_path, capsys):
+    """`--resume` on a finished run prints its table; a summary.json without a run's keys (damaged, or a
+    pretraining's beside a config.yaml that reads as a run's) was a KeyError traceback."""
+    out = tmp_path / "run"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out)]) == 0
+    assert "already finished: nothing to resume, nothing changed" in capsys.readouterr().out
+    for text, why in (('{"epochs": []}', "no algorithm (str) in it, as every pflbed summary has"),
+                      ('{"algorithm":', "not valid JSON (Expecting value, line 1)")):
+        (out / "summary.json").write_text(text)
+        assert main(["run", "--resume", str(out)]) == 2
+        assert _one_error_line(capsys) == (f"pflbed: error: {out / 'summary.json'}: {why}; the file is damaged "
+                                           "(rerun the run, or restore the file)")  # fmt: skip
+
+
 def test_final_state_is_saved_and_loads_without_pickled_code(tmp_path):
     import torch
 

@@ -320,6 +320,26 @@ def test_check_refuses_a_non_empty_directory_holding_no_run_even_with_force(tmp_
                                                                     "holds no pflbed run")  # fmt: skip
 
 
+def test_a_pretrained_or_personalized_model_s_directory_is_no_run_to_replace_or_resume(tmp_path):
+    """A pretraining's directory holds a config.yaml that reads as a run's: `--force` took it and its summary.json
+    and left the weights, and `--resume` printed a traceback. Its model.pt, which no run writes, says what it is."""
+    cfg = _cfg()
+    out = _saved(tmp_path, cfg, "pretrained")
+    (out / "model.pt").write_bytes(b"weights")
+    (out / "summary.json").write_text('{"epochs": []}')
+    for force in (False, True):
+        assert _refused(RunDir.check, out, cfg, force=force) == (f"--out {out}: holds a pretrained or personalized "
+                                                                 "model (model.pt), not a run; choose another --out")
+    assert _refused(RunDir.check, out, cfg, out_name="out") == (f"out {out}: holds a pretrained or personalized "
+                                                                "model (model.pt), not a run; choose another out")
+    assert _refused(RunDir.for_resume, out, None) == (f"--resume {out}: holds a pretrained or personalized model "
+                                                      "(model.pt), not a run")  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.pt", "summary.json"]
+    (out / "config.yaml").unlink()  # a personalization's: no config.yaml, so no run either
+    assert _refused(RunDir.check, out, cfg, force=True) == f"--out {out}: is a non-empty directory that holds no " \
+                                                            "pflbed run"  # fmt: skip
+
+
 def test_check_refuses_another_configs_run_unless_forced(tmp_path):
     out = _saved(tmp_path, _cfg())
     other = validate_config({"train": {"rounds": 4}})

@@ -45,6 +45,15 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _refuse_a_model(path: Path, name: str) -> None:
+    """A pretraining's directory holds a config.yaml that reads as a run's: replacing it as one (`--force`) took its
+    config.yaml and summary.json and left its weights, and resuming it printed a traceback. Its model.pt
+    (`models.pretrained.MODEL_FILE`; a personalization's too) is what no run writes."""
+    if (path / "model.pt").exists():
+        then = "" if name == "--resume" else f"; choose another {name}"
+        raise PflbedError(f"{name} {path}: holds a pretrained or personalized model (model.pt), not a run{then}")
+
+
 def read_summary(path: Path) -> dict[str, Any]:
     """A run's `summary.json`, with the entries every reader of it takes (the results, the timing) of their types."""
     summary = read_json(path)
@@ -178,6 +187,7 @@ class RunDir:
         existing = path / "config.yaml"
         if path.exists() and not existing.exists() and any(path.iterdir()):
             raise PflbedError(f"{out_name} {path}: is a non-empty directory that holds no pflbed run")
+        _refuse_a_model(path, out_name)
         if force or not existing.exists():
             return run
         if not same_config(existing, cfg):
@@ -222,6 +232,7 @@ class RunDir:
         saved = path / "config.yaml"
         if not saved.is_file():
             raise PflbedError(f"--resume {path}: not a pflbed run directory (no config.yaml)")
+        _refuse_a_model(path, "--resume")
         if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
                               f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip
