@@ -536,6 +536,11 @@ def _cmd_data(args: argparse.Namespace) -> None:
     if (args.out_dir is not None or args.client is not None) != (args.action == "new-client"):
         raise PflbedError("data new-client needs --out DIR" if args.action == "new-client" else
                           f"data {args.action} takes no --out or --client (only data new-client does)")  # fmt: skip
+    for option, given, action in (("--path", args.path is not None, "list"), ("--png", args.png is not None, "show")):
+        if given and args.action != action:  # was silently ignored: the reader saw another listing than asked for
+            raise PflbedError(f"data {args.action} takes no {option} (only data {action} does)")
+    if args.path is not None and not Path(args.path).is_dir():
+        raise PflbedError(f"--path {args.path}: no such directory (a dataset's files, or a folder dataset's root)")
     if args.action == "export":
         _data_export(args)
         return

@@ -89,6 +89,14 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
     (["new-client", "{run}"], "pflbed: error: data new-client needs --out DIR"),
     (["list", "--out", "{out}"], "data list takes no --out"),
     (["list", "{run}"], "data list takes no OUT or RUN"),
+    (["list", "--path", "{out}"], "pflbed: error: --path {out}: no such directory (a dataset's files, or a folder "
+                                  "dataset's root)"),  # it listed every dataset as not found there
+    (["list", "--path", "{file}"], "pflbed: error: --path {file}: no such directory"),
+    (["show", "--path", "{run}"], "pflbed: error: data show takes no --path (only data list does)"),
+    (["export", "{out}", "--path", "{run}"], "pflbed: error: data export takes no --path (only data list does)"),
+    (["list", "--png", "{file}"], "pflbed: error: data list takes no --png (only data show does)"),
+    (["new-client", "{run}", "--out", "{out}", "--png", "{file}"],
+     "pflbed: error: data new-client takes no --png (only data show does)"),
     (["export"], "pflbed: error: data export needs OUT, the manifest file to write"),
     (["export", "/proc/m.json"], "pflbed: error: /proc/m.json: No such file or directory"),  # not the temporary file
 ])  # fmt: skip
