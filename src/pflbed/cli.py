@@ -614,13 +614,12 @@ def _data_new_client(args: argparse.Namespace) -> None:
     from pflbed.data import load_source
     from pflbed.federation import build_federation
     from pflbed.federation.new_client import SPLITS, held_out, write_client
-    from pflbed.results.rundir import read_config_tree, run_config
+    from pflbed.results.rundir import read_config_tree, require_run, run_config
 
     run, out = args.target, args.out_dir
     if args.config or args.overrides:
         raise PflbedError("data new-client takes the run's own config (RUN/config.yaml): leave out -c and --set")
-    if not (run / "config.yaml").is_file():
-        raise PflbedError(f"{run}: not a pflbed run directory (no config.yaml)")
+    require_run(run)
     cfg = run_config(read_config_tree(run / "config.yaml"))
     if cfg.sites.local:
         raise PflbedError(f"{run}: its clients' data stayed on their sites (sites.local); a new site brings its own")

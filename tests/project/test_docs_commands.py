@@ -14,8 +14,8 @@ from pflbed.data.fmnist import HOW_TO_GET, find_fmnist
 from ..doc_commands import ROOT, commands, expanded, page_commands, with_sets
 
 # appended to a command in these tests only: the same keys and combinations, run small
-SHORT = {"run": ["train.rounds=1", "eval.finetune=[]", "executor.threads=1", "eval.new_clients.epochs=1",
-                 "eval.new_clients.lrs=[0.01]", "eval.new_clients.fractions=[1.0]"],
+SHORT = {"run": ["train.rounds=1", "train.local_epochs=1", "eval.finetune=[]", "executor.threads=1",
+                 "eval.new_clients.epochs=1", "eval.new_clients.lrs=[0.01]", "eval.new_clients.fractions=[1.0]"],
          "local": ["train.rounds=1", "eval.finetune=[]", "executor.threads=1"],
          "pretrain": ["pretrain.epochs=1"]}  # fmt: skip
 # every page with commands, and the tests that run them (this file's unless named with their file)

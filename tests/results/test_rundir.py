@@ -29,6 +29,7 @@ from pflbed.results.rundir import (
     read_jsonl,
     read_metrics,
     read_summary,
+    require_run,
     run_config,
     same_config,
 )
@@ -320,7 +321,7 @@ def test_check_refuses_a_non_empty_directory_holding_no_run_even_with_force(tmp_
                                                                     "holds no pflbed run")  # fmt: skip
 
 
-def test_a_pretrained_or_personalized_model_s_directory_is_no_run_to_replace_or_resume(tmp_path):
+def test_a_pretrained_or_personalized_model_s_directory_is_no_run_to_replace_or_resume(tmp_path, capsys):
     """A pretraining's directory holds a config.yaml that reads as a run's: `--force` took it and its summary.json
     and left the weights, and `--resume` printed a traceback. Its model.pt, which no run writes, says what it is."""
     cfg = _cfg()
@@ -334,7 +335,20 @@ def test_a_pretrained_or_personalized_model_s_directory_is_no_run_to_replace_or_
                                                                 "model (model.pt), not a run; choose another out")
     assert _refused(RunDir.for_resume, out, None) == (f"--resume {out}: holds a pretrained or personalized model "
                                                       "(model.pt), not a run")  # fmt: skip
+    assert _refused(require_run, out) == f"{out}: holds a pretrained or personalized model (model.pt), not a run"
+    from pflbed.cli import main
+
+    for argv in (["report", str(out), "-o", str(tmp_path / "r.html")], ["data", "new-client", str(out), "--out",
+                 str(tmp_path / "nc")], ["personalize", str(out), "--data", "x.npz", "--out", str(tmp_path / "p")],
+                 ["run", "--resume", str(out)]):  # a report of a "damaged" summary, a run "without a checkpoint"
+        assert main(argv) == 2, argv
+        said = capsys.readouterr().err
+        assert said.endswith(f"{out}: holds a pretrained or personalized model (model.pt), not a run\n"), said
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.pt", "summary.json"]
+    run = _saved(tmp_path, cfg, "a-run")
+    assert require_run(run) == run
+    assert _refused(require_run, tmp_path, "--resume") == f"--resume {tmp_path}: not a pflbed run directory (no " \
+                                                          "config.yaml)"  # fmt: skip
     (out / "config.yaml").unlink()  # a personalization's: no config.yaml, so no run either
     assert _refused(RunDir.check, out, cfg, force=True) == f"--out {out}: is a non-empty directory that holds no " \
                                                             "pflbed run"  # fmt: skip

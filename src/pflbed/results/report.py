@@ -38,7 +38,7 @@ from typing import Any
 from pflbed.errors import PflbedError
 from pflbed.results.config_diff import diff_rows
 from pflbed.results.report_figures import Panel, curves_svg, histogram_svg, run_colour, run_series
-from pflbed.results.rundir import read_config_tree, read_metrics, read_summary
+from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run
 
 ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
             ("gfl_val", "G-FL validation"), ("pfl_acc_p10", "P-FL test, 10th-percentile client"))  # fmt: skip
@@ -78,8 +78,7 @@ def _inside(file: Path, run: Path) -> bool:
 def read_run(path: Path) -> RunData:
     """A finished run directory's files (an unfinished run has no summary yet: refused)."""
     summary, metrics, config = path / "summary.json", path / "metrics.jsonl", path / "config.yaml"
-    if not config.is_file():
-        raise PflbedError(f"{path}: not a pflbed run directory (no config.yaml)")
+    require_run(path)
     if not summary.is_file():
         raise PflbedError(f"{path}: the run is not finished (no summary.json); finish it with 'pflbed run --resume'")
     s = read_summary(summary)

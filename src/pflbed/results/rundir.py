@@ -45,13 +45,22 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _refuse_a_model(path: Path, name: str) -> None:
-    """A pretraining's directory holds a config.yaml that reads as a run's: replacing it as one (`--force`) took its
-    config.yaml and summary.json and left its weights, and resuming it printed a traceback. Its model.pt
-    (`models.pretrained.MODEL_FILE`; a personalization's too) is what no run writes."""
+def require_run(path: Path, name: str = "") -> Path:
+    """`path`, where it holds a run: its config.yaml, and no model.pt. A pretraining's directory holds a config.yaml
+    that reads as a run's, so its model.pt (`models.pretrained.MODEL_FILE`; a personalization's too), which no run
+    writes, says what it is: replaced as a run (`--force`) it lost its config.yaml and summary.json and kept its
+    weights, resumed it was a traceback, loaded or reported a run "without a checkpoint" or "damaged". `name`: the
+    option that gave the path (`--resume`), for the message."""
+    shown = f"{name} {path}" if name else str(path)
+    if not (path / "config.yaml").is_file():
+        raise PflbedError(f"{shown}: not a pflbed run directory (no config.yaml)")
+    _refuse_a_model(path, shown)
+    return path
+
+
+def _refuse_a_model(path: Path, shown: str, then: str = "") -> None:
     if (path / "model.pt").exists():
-        then = "" if name == "--resume" else f"; choose another {name}"
-        raise PflbedError(f"{name} {path}: holds a pretrained or personalized model (model.pt), not a run{then}")
+        raise PflbedError(f"{shown}: holds a pretrained or personalized model (model.pt), not a run{then}")
 
 
 def read_summary(path: Path) -> dict[str, Any]:
@@ -187,7 +196,7 @@ class RunDir:
         existing = path / "config.yaml"
         if path.exists() and not existing.exists() and any(path.iterdir()):
             raise PflbedError(f"{out_name} {path}: is a non-empty directory that holds no pflbed run")
-        _refuse_a_model(path, out_name)
+        _refuse_a_model(path, f"{out_name} {path}", f"; choose another {out_name}")
         if force or not existing.exists():
             return run
         if not same_config(existing, cfg):
@@ -229,10 +238,7 @@ class RunDir:
     @classmethod
     def for_resume(cls, path: Path, cfg: Config | None) -> tuple[RunDir, Config]:
         """Open an existing run dir to continue it; `cfg`, if given, must equal the run's own config."""
-        saved = path / "config.yaml"
-        if not saved.is_file():
-            raise PflbedError(f"--resume {path}: not a pflbed run directory (no config.yaml)")
-        _refuse_a_model(path, "--resume")
+        saved = require_run(path, "--resume") / "config.yaml"
         if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
                               f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip

@@ -32,7 +32,7 @@ from pflbed.models import build_model
 from pflbed.models.blocks import BlockNet
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
-from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, run_config
+from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run, run_config
 
 Method = Literal["native", "ft", "lp"]
 EPOCHS_MAX = 100_000  # as eval.new_clients.epochs
@@ -164,9 +164,7 @@ class TrainedRun:
         from pflbed.engine.loop import prepare  # the engine builds what the run built
 
         self.path = Path(path)
-        conf = self.path / "config.yaml"
-        if not conf.is_file():
-            raise PflbedError(f"{self.path}: not a pflbed run directory (no config.yaml)")
+        conf = require_run(self.path) / "config.yaml"
         if not checkpoint_path(self.path).is_file():
             raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
                               "round): nothing to load")  # fmt: skip
