@@ -225,6 +225,27 @@ def test_an_unfinished_run_is_one_line_exit_2(tmp_path, runs, capsys):
     assert "\n" not in err and "the run is not finished" in err and not (tmp_path / "r.html").exists()
 
 
+def test_a_report_is_never_written_onto_a_directory_or_a_run_s_own_file(tmp_path, runs, capsys):
+    """`-o RUN/summary.json` replaced the run's summary with the report; `-o DIR` failed with a bare "Is a
+    directory" once every figure was drawn. Both are one line before anything is read; a file of its own inside a
+    run directory is fine."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)  # the module's runs stay as they are, whatever happens here
+    kept = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "metrics.csv",
+                                                         "config.yaml")}  # fmt: skip
+    for name in kept:
+        assert main(["report", str(run), "-o", str(run / name)]) == 2
+        assert capsys.readouterr().err == f"pflbed: error: -o {run / name}: is a run's own file; give the report " \
+                                          "a name of its own\n"  # fmt: skip
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    assert main(["report", str(run), "-o", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"pflbed: error: -o {tmp_path}: is a directory; give the report's file " \
+                                      "(.html or .md)\n"  # fmt: skip
+    (tmp_path / "notes").mkdir()
+    assert main(["report", str(run), "-o", str(tmp_path / "notes" / "summary.json")]) == 0  # no run's: a name
+    assert main(["report", str(run), "-o", str(run / "report.md")]) == 0
+
+
 def test_the_note_says_when_each_run_was_evaluated_and_how_to_get_more_points(runs, tmp_path):
     """A 4-round run evaluated every 2 rounds draws 2-point curves: the note says so and how to get more; a run
     with enough points gets no such advice."""

@@ -38,7 +38,7 @@ from typing import Any
 from pflbed.errors import PflbedError
 from pflbed.results.config_diff import diff_rows
 from pflbed.results.report_figures import Panel, curves_svg, histogram_svg, run_colour, run_series
-from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run
+from pflbed.results.rundir import RUN_FILES, read_config_tree, read_metrics, read_summary, require_run
 
 ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
             ("gfl_val", "G-FL validation"), ("pfl_acc_p10", "P-FL test, 10th-percentile client"))  # fmt: skip
@@ -417,6 +417,10 @@ def write_report(run_dirs: list[Path], out: Path, fmt: str = "html") -> Path:
     """Write the report of `run_dirs` to `out` (html, or md with figures in `<out stem>_files/`)."""
     if not run_dirs:
         raise PflbedError("report: name at least one run directory")
+    if out.is_dir():  # was a bare "Is a directory" once every figure was drawn
+        raise PflbedError(f"-o {out}: is a directory; give the report's file (.html or .md)")
+    if out.name in RUN_FILES and (out.parent / "config.yaml").is_file():  # it replaced a run's summary.json
+        raise PflbedError(f"-o {out}: is a run's own file; give the report a name of its own")
     runs = [read_run(Path(p)) for p in run_dirs]
     names = [r.name for r in runs]
     for i, r in enumerate(runs):  # two runs of the same name (e.g. a/run, b/run): tell them apart

@@ -45,6 +45,9 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+RUN_FILES = ("metrics.jsonl", "metrics.csv", "summary.json", "config.yaml")  # a run's own files, beside its folders
+
+
 def require_run(path: Path, name: str = "") -> Path:
     """`path`, where it holds a run: its config.yaml, and no model.pt. A pretraining's directory holds a config.yaml
     that reads as a run's, so its model.pt (`models.pretrained.MODEL_FILE`; a personalization's too), which no run
@@ -220,7 +223,7 @@ class RunDir:
         created = list(takewhile(lambda p: not p.exists(), (self.path, *self.path.parents)))  # innermost first
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            for stale in ("metrics.jsonl", "metrics.csv", "summary.json", "config.yaml"):
+            for stale in RUN_FILES:
                 (self.path / stale).unlink(missing_ok=True)
             for stale in ("checkpoints", "plots"):
                 shutil.rmtree(self.path / stale, ignore_errors=True)
