@@ -551,6 +551,9 @@ def _cmd_data(args: argparse.Namespace) -> None:
         from pflbed.config import load_config
 
         cfg = load_config(args.config, args.overrides)  # before the modules that import torch: a mistake at once
+        if args.png is not None and (args.png.suffix.lower() != ".png" or args.png.is_dir()):  # matplotlib took
+            # the suffix for the format (.json: a traceback) and added .png to a name without one, which it printed bare
+            raise PflbedError(f"--png {args.png}: give the heat-map's file name, ending in .png")
         from pflbed.data import load_source
         from pflbed.federation import build_federation
         from pflbed.results.partition_plot import plot_partition, print_partition

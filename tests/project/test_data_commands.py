@@ -95,6 +95,10 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
     (["show", "--path", "{run}"], "pflbed: error: data show takes no --path (only data list does)"),
     (["export", "{out}", "--path", "{run}"], "pflbed: error: data export takes no --path (only data list does)"),
     (["list", "--png", "{file}"], "pflbed: error: data list takes no --png (only data show does)"),
+    (["show", "--png", "{file}"], "pflbed: error: --png {file}: give the heat-map's file name, ending in .png"),
+    (["show", "--png", "{out}.json"], "pflbed: error: --png {out}.json: give the heat-map's file name, ending in "
+                                      ".png"),  # a ValueError traceback; {file}: written as file.png, said as file
+    (["show", "--png", "{run}/dir.png"], "pflbed: error: --png {run}/dir.png: give the heat-map's file name"),
     (["new-client", "{run}", "--out", "{out}", "--png", "{file}"],
      "pflbed: error: data new-client takes no --png (only data show does)"),
     (["export"], "pflbed: error: data export needs OUT, the manifest file to write"),
@@ -107,6 +111,7 @@ def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
     sited = _run_dir(tmp_path / "sited", "sites.local=true", "sites.input_shape=[1,8,8]", "sites.num_classes=10",
                      "executor.name=flower", "executor.supernodes=2", "federation.clients=2")  # fmt: skip
     (tmp_path / "file").write_text("")
+    (run / "dir.png").mkdir()
     paths = {"run": run, "trained": trained, "out": tmp_path / "nc", "participant": fed.participated[0],
              "new": ", ".join(map(str, fed.new)), "sited": sited, "file": tmp_path / "file"}  # fmt: skip
     assert main(["data", *(a.format(**paths) for a in args)]) == 2
