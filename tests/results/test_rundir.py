@@ -32,6 +32,7 @@ from pflbed.results.rundir import (
     require_run,
     run_config,
     same_config,
+    suite_dir,
 )
 
 DAMAGED = "the file is damaged (rerun the run, or restore the file)"
@@ -352,6 +353,45 @@ def test_a_pretrained_or_personalized_model_s_directory_is_no_run_to_replace_or_
     (out / "config.yaml").unlink()  # a personalization's: no config.yaml, so no run either
     assert _refused(RunDir.check, out, cfg, force=True) == f"--out {out}: is a non-empty directory that holds no " \
                                                             "pflbed run"  # fmt: skip
+
+
+def test_a_suite_s_directory_is_no_file_and_no_run_s_or_model_s_directory(tmp_path, capsys):
+    """`bench` and `tune` wrote their tables, studies and trials among a run's files when the suite's out (or
+    tune's --out) named a run; a file was a message about a cell's run directory or the study's database. A
+    directory holding a config file alone (the user's own) is no run."""
+    from pflbed.cli import main
+
+    run = _saved(tmp_path, _cfg(), "run")
+    (run / "metrics.jsonl").write_text("")
+    model = _saved(tmp_path, _cfg(), "pretrained")
+    (model / "model.pt").write_bytes(b"")
+    personal = tmp_path / "personal"  # a personalization's: model.pt and summary.json, no config.yaml
+    personal.mkdir()
+    (personal / "model.pt").write_bytes(b"")
+    (tmp_path / "file").write_text("")
+    for path in (run, model, personal):
+        for name in ("out", "--out"):
+            assert _refused(suite_dir, path, name) == (f"{name} {path}: is a run's or a model's directory; give "
+                                                       "the suite a directory of its own")  # fmt: skip
+    assert _refused(suite_dir, tmp_path / "file") == f"out {tmp_path / 'file'}: is a file; give the suite a directory"
+    own = _saved(tmp_path, _cfg(), "project")  # a config.yaml of the user's, no results
+    assert suite_dir(own) == own and suite_dir(tmp_path / "new") == tmp_path / "new"
+    suite = {"name": "s", "seeds": [0], "base": {"train": {"rounds": 1}},
+             "tables": {"t": {"title": "t", "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}},
+                              "report": {"P-FL": "final.pfl_acc"}}}}  # fmt: skip
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump({**suite, "out": str(run)}))
+    before = sorted(p.name for p in run.iterdir())
+    assert main(["bench", "-c", str(tmp_path / "suite.yaml")]) == 2
+    assert capsys.readouterr().err == (f"pflbed: error: out {run}: is a run's or a model's directory; give the "
+                                       "suite a directory of its own\n")  # fmt: skip
+    tune = {"name": "s", "seeds": [0], "base": {"train": {"rounds": 1}}, "tune": {"budget": 1},
+            "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}}}  # fmt: skip
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump(tune))
+    assert main(["tune", "-c", str(tmp_path / "tune.yaml"), "--out", str(model)]) == 2
+    assert capsys.readouterr().err == (f"pflbed: error: --out {model}: is a run's or a model's directory; give the "
+                                       "suite a directory of its own\n")  # fmt: skip
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert sorted(p.name for p in model.iterdir()) == ["config.yaml", "model.pt"]
 
 
 def test_check_refuses_another_configs_run_unless_forced(tmp_path):

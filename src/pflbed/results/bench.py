@@ -41,7 +41,7 @@ from pflbed.config import Config, _first_error, set_dotted, validate_config
 from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
-from pflbed.results.rundir import read_summary
+from pflbed.results.rundir import read_summary, suite_dir
 
 
 class MethodSpec(BaseModel):
@@ -263,7 +263,7 @@ class Table:
 class Bench:
     def __init__(self, suite: Suite, root: Path | None = None) -> None:
         self.suite = suite
-        self.out = Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name
+        self.out = suite_dir(Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name)
         self.tables = [Table(n, spec, suite, self.out) for n, spec in suite.tables.items()]
 
     def table(self, name: str) -> Table | None:

@@ -61,6 +61,18 @@ def require_run(path: Path, name: str = "") -> Path:
     return path
 
 
+def suite_dir(path: Path, name: str = "out") -> Path:
+    """`path`, as the directory of a suite (`bench`'s runs and tables, `tune`'s studies, trials and tables): not a
+    file (it was a message about a cell's run directory, or about the study's database), and not a run's or a
+    model's directory (its results, or a pretrained or personalized model.pt: a config file alone is no run), among
+    whose files the suite's were written."""
+    if path.exists() and not path.is_dir():
+        raise PflbedError(f"{name} {path}: is a file; give the suite a directory")
+    if RunDir(path).has_results or (path / "model.pt").exists():
+        raise PflbedError(f"{name} {path}: is a run's or a model's directory; give the suite a directory of its own")
+    return path
+
+
 def _refuse_a_model(path: Path, shown: str, then: str = "") -> None:
     if (path / "model.pt").exists():
         raise PflbedError(f"{shown}: holds a pretrained or personalized model (model.pt), not a run{then}")

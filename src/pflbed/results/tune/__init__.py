@@ -51,6 +51,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pflbed.errors import ConfigError
+from pflbed.results.rundir import suite_dir
 from pflbed.results.tune.reruns import Reruns, _trial_seconds
 from pflbed.results.tune.studies import Method, Studies, _dead, _process, optuna_module, shown_storage
 from pflbed.results.tune.suite import TuneMethod, TuneSpec, TuneSuite, apply_overrides, load_tune_suite
@@ -73,7 +74,7 @@ class Tuner(Studies, Trials, Reruns, Tables):
                     raise ConfigError(f"methods.{m}.{key}: {own} against tune.{key} {shared}: every method gets "
                                       "the same budget (say tune.unequal_budgets: true to allow it)")  # fmt: skip
         self.suite = suite
-        self.out = Path(out or suite.out or Path("runs") / "tune" / suite.name)
+        self.out = suite_dir(Path(out or suite.out or Path("runs") / "tune" / suite.name), "--out" if out else "out")
         self.storage_url = storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
         self.storage_shown = "study.db" if storage is None else shown_storage(storage)  # table.json: no local path
         self.storage_path = str(self.out / "study.db") if storage is None else self.storage_shown  # messages
