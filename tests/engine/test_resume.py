@@ -50,6 +50,53 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     assert lines == list(range(20, 81, 20))  # no duplicated or missing evaluations
 
 
+def test_a_run_in_progress_is_neither_resumed_nor_replaced_by_a_second_process(tmp_path, capsys):
+    """`--resume` (what the refusal of an unfinished run suggests) or `--force` while the first process still ran:
+    both wrote the directory, its metrics interleaved (rounds 115, 135, 120, …) and both printed "results". Now
+    refused in one line, the directory untouched; once the first process ends (here: killed), nothing holds it."""
+    from pflbed.results.rundir import RunDir
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    long = [*ARGS, "--set", "train.rounds=100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "pflbed", "run", *long, "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert (out / "metrics.jsonl").exists(), proc.stderr.read().decode()
+        said = f"pflbed: error: {out}: a run is in progress there, in another process; wait for it to end, or stop " \
+               "it first\n"  # fmt: skip
+        for argv in ([*ARGS, "--out", str(out), "--force"], [*ARGS, "--out", str(out)]):  # short, should it run
+            assert main(["run", *argv]) == 2
+            assert capsys.readouterr().err == said, argv
+        second = subprocess.run([sys.executable, "-m", "pflbed", "run", "--resume", str(out)], capture_output=True,
+                                text=True, timeout=60)  # its own process: resumed here, it would run for ever
+        assert (second.returncode, second.stderr) == (2, said)
+        assert (out / "config.yaml").is_file() and proc.poll() is None  # not replaced; still running
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    RunDir(out).refuse_in_progress()  # the lock went with the process
+    logged = len((out / "metrics.jsonl").read_text().splitlines())
+    proc = subprocess.Popen([sys.executable, "-m", "pflbed", "run", "--resume", str(out), "--no-progress"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:  # a resumed run holds it as well
+        deadline = time.time() + 120
+        while len((out / "metrics.jsonl").read_text().splitlines()) <= logged and proc.poll() is None and \
+                time.time() < deadline:  # fmt: skip
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert main(["run", *ARGS, "--out", str(out), "--force"]) == 2
+        assert capsys.readouterr().err == said
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    rounds = [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == sorted(set(rounds)) and len(rounds) > logged
+
+
 def test_resume_refuses_another_config(tmp_path, capsys):
     out = tmp_path / "run"
     short = [*ARGS, "--set", "train.rounds=30"]

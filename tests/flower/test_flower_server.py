@@ -22,9 +22,12 @@ AGAIN = "flwr run DIR CONNECTION --run-config resume=true"  # DIR, CONNECTION: a
 
 
 def _started(tmp_path, cfg=CFG):
-    """The run directory as `pflbed flower local` leaves it before it submits (checked, then started)."""
+    """The run directory as `pflbed flower local` leaves it before it submits (checked, started, released for the
+    ServerApp's process to hold)."""
     out = tmp_path / "run"
-    RunDir.check(out, cfg).start(cfg)
+    rundir = RunDir.check(out, cfg)
+    rundir.start(cfg)
+    rundir.release()
     (out / "flower" / "home").mkdir(parents=True)  # the deployment's own files sit beside it
     return out
 

@@ -394,6 +394,33 @@ def test_a_suite_s_directory_is_no_file_and_no_run_s_or_model_s_directory(tmp_pa
     assert sorted(p.name for p in model.iterdir()) == ["config.yaml", "model.pt"]
 
 
+def test_a_directory_is_held_by_one_run_at_a_time_from_its_start_or_its_resumption(tmp_path):
+    """`hold` takes the directory (a lock of the kernel's on the directory itself: two holders in one process
+    conflict as two processes do); `check`, `for_resume` and `hold` refuse while another holds it, and `start`
+    takes it once the directory exists. Released, it is free again; a directory not made yet holds nothing."""
+    said = "a run is in progress there, in another process; wait for it to end, or stop it first"
+    cfg = _cfg()
+    out = _saved(tmp_path, cfg)
+    first = RunDir(out)
+    first.hold()
+    first.hold()  # again: still one hold, released at once below
+    for refused in (lambda: RunDir.check(out, cfg, resume=True), lambda: RunDir.check(out, cfg, force=True),
+                    lambda: RunDir.for_resume(out, None), lambda: RunDir(out).hold(),
+                    lambda: RunDir(out).start(cfg)):  # fmt: skip
+        assert _refused(refused) == f"{out}: {said}"
+    assert (out / "config.yaml").read_text() == config_text(cfg)  # start removed nothing
+    first.release()
+    first.release()
+    RunDir.check(out, cfg, resume=True).refuse_in_progress()
+    new = RunDir(tmp_path / "new")
+    new.hold()  # nothing to hold yet
+    assert new._held is None and not new.path.exists()
+    new.start(cfg)
+    assert _refused(RunDir(new.path).hold) == f"{new.path}: {said}"
+    new.release()
+    RunDir(new.path).refuse_in_progress()
+
+
 def test_check_refuses_another_configs_run_unless_forced(tmp_path):
     out = _saved(tmp_path, _cfg())
     other = validate_config({"train": {"rounds": 4}})

@@ -186,7 +186,21 @@ def experiment(
     when the command started (`time.perf_counter`), where the progress lines' clock starts.
 
     Checkpoints: every `train.checkpoint_every` rounds, after every evaluation (an interrupted run keeps every
-    round it has scored: resumed, it ends as if never stopped) and after the last round."""
+    round it has scored: resumed, it ends as if never stopped) and after the last round. The process that writes
+    the run directory holds it throughout (`RunDir.hold`): not two runs at once there."""
+    if rundir is None:
+        return _experiment(cfg, algo, executor, rundir, progress, resume, on_record, started)
+    rundir.hold()  # before its checkpoint is read or its files replaced; a new directory: once `start` makes it
+    try:
+        return _experiment(cfg, algo, executor, rundir, progress, resume, on_record, started)
+    finally:
+        rundir.release()
+
+
+def _experiment(
+    cfg: Config, algo: Algorithm, executor: LoopExecutor, rundir: RunDir | None, progress: bool, resume: bool,
+    on_record: Callable[[dict[str, Any]], None] | None, started: float | None,
+) -> RunResult:
     saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
     initial = None if saved else algo.init_server()  # before the directory is written: a refusal there leaves none
     if rundir and not resume:

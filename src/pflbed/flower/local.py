@@ -381,6 +381,7 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
     rundir = RunDir.check(out, cfg, force=force, resume=resume, resume_with=again)
     if not resume:
         rundir.start(cfg)
+        rundir.release()  # the ServerApp's process holds the run directory while it runs the experiment
     shown = out / "flower"  # as the user gave it, for messages; Flower gets absolute paths
     work = out.resolve() / "flower"
     home = work / "home"

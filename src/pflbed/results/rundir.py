@@ -22,6 +22,11 @@ from typing import Any
 import yaml
 
 from pflbed.config import Config
+
+try:
+    import fcntl
+except ImportError:  # no advisory locks (Windows): a run there is not guarded against a second process
+    fcntl = None  # type: ignore[assignment]
 from pflbed.errors import PflbedError
 
 SUMMARY_KEYS = {"algorithm": str, "dataset": str, "rounds": int, "final": dict, "timing": dict}  # what readers need
@@ -182,6 +187,34 @@ def run_config(tree: dict[str, Any], placement: Config | None = None) -> Config:
 class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._held: int | None = None  # the directory's descriptor while this process holds it (`hold`)
+
+    def hold(self) -> None:
+        """Take the directory for this process until `release` (or the process's end, however it ends: the lock
+        is the kernel's, on the directory itself, so a killed run leaves none behind). A second process resuming
+        or replacing a run still in progress there interleaved its metrics with the first's and rewrote its
+        checkpoints: it is refused instead. Nothing to take where the directory does not exist yet (`start`
+        takes it once made)."""
+        if fcntl is None or self._held is not None or not self.path.is_dir():
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PflbedError(f"{self.path}: a run is in progress there, in another process; wait for it to end, or "
+                              "stop it first") from None  # fmt: skip
+        self._held = fd
+
+    def release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)  # and with it the lock
+            self._held = None
+
+    def refuse_in_progress(self) -> None:
+        """`hold`'s refusal at once, before a command loads its data, holding nothing."""
+        self.hold()
+        self.release()
 
     @property
     def finished(self) -> bool:
@@ -208,6 +241,7 @@ class RunDir:
         if not os.access(ancestor, os.W_OK | os.X_OK):
             raise PflbedError(f"{out_name} {path}: {ancestor} is not writable")
         run = cls(path)
+        run.refuse_in_progress()
         existing = path / "config.yaml"
         if path.exists() and not existing.exists() and any(path.iterdir()):
             raise PflbedError(f"{out_name} {path}: is a non-empty directory that holds no pflbed run")
@@ -228,13 +262,15 @@ class RunDir:
         return run
 
     def start(self, cfg: Config) -> None:
-        """Create the directory (removing an earlier run's files, which `check` allowed) and write config.yaml.
+        """Create the directory (removing an earlier run's files, which `check` allowed) and write config.yaml,
+        holding the directory (`hold`) from then on: the caller releases it.
 
         An unwritable location becomes one error line, and what this call created is removed again: the directory,
         and the parents it made unless another run has written there since (`bench --jobs` starts cells at once)."""
         created = list(takewhile(lambda p: not p.exists(), (self.path, *self.path.parents)))  # innermost first
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            self.hold()  # before an earlier run's files go: not while another process writes them
             for stale in RUN_FILES:
                 (self.path / stale).unlink(missing_ok=True)
             for stale in ("checkpoints", "plots"):
@@ -254,6 +290,7 @@ class RunDir:
     def for_resume(cls, path: Path, cfg: Config | None) -> tuple[RunDir, Config]:
         """Open an existing run dir to continue it; `cfg`, if given, must equal the run's own config."""
         saved = require_run(path, "--resume") / "config.yaml"
+        cls(path).refuse_in_progress()
         if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
                               f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip
