@@ -292,6 +292,8 @@ def test_an_output_directory_is_replaced_only_when_empty_or_an_earlier_pretraini
                                 "another --out (--force replaces only an earlier pretraining's)")  # fmt: skip
     assert sorted(p.name for p in full.iterdir()) == ["a", "b", "c", "lenet5", "mine.txt", "model.pt"]
     (full / "a").unlink()
+    with pytest.raises(PflbedError, match=r"did not write \(b, c, lenet5, …\); choose"):  # four: three named
+        pretrain(cfg, full, force=True, log=quiet)
     (full / "b").unlink()
     with pytest.raises(PflbedError, match=r"did not write \(c, lenet5, mine\.txt\); choose"):  # three: no …
         pretrain(cfg, full, force=True, log=quiet)

@@ -456,7 +456,8 @@ def test_flower_app_replaces_a_project_only_when_forced_and_never_another_projec
     assert main(["flower", "app", "--out", str(app), "--set", "seed=3", "--force"]) == 0
     assert sorted(p.name for p in app.iterdir()) == ["notes.md", "pyproject.toml"]  # no stale site.toml
     assert '\\"seed\\": 3' in (app / "pyproject.toml").read_text()
-    for text in ('[project]\nname = "theirs"\n', "not [[ toml", '[tool.flwr.app.components]\nserverapp = "x:app"\n'):
+    for text in ('[project]\nname = "theirs"\n', "not [[ toml", '[tool.flwr.app.components]\nserverapp = "x:app"\n',
+                 "tool = 1\n", '[tool.flwr.app]\ncomponents = "pflbed.flower.server:app"\n'):
         (app / "pyproject.toml").write_text(text)
         for flags in ((), ("--force",)):
             refused(app, *flags, message="holds the pyproject.toml of another project; choose another --out")
@@ -464,6 +465,14 @@ def test_flower_app_replaces_a_project_only_when_forced_and_never_another_projec
     (tmp_path / "file").write_text("mine")
     refused(tmp_path / "file", "--force", message="is a file; give the directory to write the project into")
     assert (tmp_path / "file").read_text() == "mine"
+    from pflbed.config import validate_config
+    from pflbed.errors import PflbedError
+    from pflbed.flower.project import write_app
+
+    cfg = validate_config({"executor": {"name": "flower"}})
+    write_app(tmp_path / "api", cfg, tmp_path / "run")
+    with pytest.raises(PflbedError, match="holds a Flower app project already"):  # the API asks for force too
+        write_app(tmp_path / "api", cfg, tmp_path / "run")
 
 
 def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):

@@ -305,6 +305,7 @@ def test_exported_sites_hold_each_participant_s_own_samples_and_a_forced_export_
     """`export_sites`: site-<cid>/{train,val,test}.npz hold exactly the simulated client's samples, in order; run
     again into the same folder with `force` (after a change of the config), it replaces the earlier files."""
     from pflbed.data import load_source
+    from pflbed.errors import PflbedError
     from pflbed.federation import build_federation
     from pflbed.flower.sites import export_sites
 
@@ -312,6 +313,9 @@ def test_exported_sites_hold_each_participant_s_own_samples_and_a_forced_export_
 
     for seed in (0, 1):
         cfg = validate_config({**TINY, "seed": seed})
+        if seed > 0:  # the API asks for force too
+            with pytest.raises(PflbedError, match="holds site directories already"):
+                export_sites(cfg, tmp_path / "sites")
         dirs = export_sites(cfg, tmp_path / "sites", force=seed > 0)
         source = load_source(cfg.dataset)
         fed = build_federation(source, cfg.federation, cfg.seed)
@@ -347,6 +351,7 @@ def test_an_export_replaces_an_earlier_one_only_when_forced_and_leaves_none_of_i
     assert {p.relative_to(sites): p.read_bytes() for p in sites.rglob("*.npz")} == written
     assert export(3, "--force") == 0
     assert sorted(p.name for p in sites.iterdir()) == ["README", "site-0", "site-1", "site-2"]
+    refused(3, message="holds site directories already (site-0, site-1, site-2); --force replaces them")
     assert all(sorted(q.name for q in (sites / f"site-{c}").iterdir()) == ["test.npz", "train.npz", "val.npz"]
                for c in range(3))  # fmt: skip
     assert export(2, "--force", "--set", "seed=1") == 0

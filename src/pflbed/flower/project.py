@@ -67,8 +67,10 @@ def _is_ours(pyproject: Path) -> bool:
         tree = tomllib.loads(pyproject.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return False
-    components = tree.get("tool", {}).get("flwr", {}).get("app", {}).get("components", {})
-    return isinstance(components, dict) and components.get("serverapp") == "pflbed.flower.server:app"
+    node: object = tree
+    for key in ("tool", "flwr", "app", "components"):  # any of them may be missing, or no table (`tool = 1`)
+        node = node.get(key) if isinstance(node, dict) else None
+    return isinstance(node, dict) and node.get("serverapp") == "pflbed.flower.server:app"
 
 
 def write_app(path: Path, cfg: Config, out: Path, resume: bool = False, force: bool = False) -> Path:

@@ -386,7 +386,7 @@ def export_sites(cfg: Config, out: Path, force: bool = False) -> list[Path]:
     dirs = []
     for cid in fed.participated:
         d = out / f"site-{cid}"
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(parents=True)  # new: an earlier export's went above, and no other is taken
         split = fed.clients[cid]
         for name, idx in zip(SITE_FILES, (split.train, split.val, split.test), strict=True):
             np.savez(d / name, x=x[idx].cpu().numpy(), y=y[idx].cpu().numpy())

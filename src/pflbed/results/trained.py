@@ -115,7 +115,7 @@ class Personalized:
         return out
 
 
-def check_out(out: Path, force: bool = False) -> None:
+def check_out(out: Path, force: bool) -> None:
     """Refuse an `out` whose files a personalization's would replace without being asked to (`force`), and one whose
     files are never a personalization's to replace: a run's or a pretrained model's directory (its config.yaml),
     whose summary.json would become the personalization's. Other files in `out` (the new client's samples, say)
