@@ -421,6 +421,22 @@ def test_a_directory_is_held_by_one_run_at_a_time_from_its_start_or_its_resumpti
     RunDir(new.path).refuse_in_progress()
 
 
+def test_a_file_system_without_locks_runs_unguarded_rather_than_failing(tmp_path, monkeypatch):
+    """Some network file systems refuse `flock` (ENOLCK): the run goes on as on Windows, holding nothing, instead
+    of stopping with a traceback."""
+    import errno
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir_mod.fcntl, "flock", no_locks)
+    out = _saved(tmp_path, _cfg())
+    run = RunDir(out)
+    run.hold()
+    assert run._held is None
+    RunDir.check(out, _cfg(), resume=True)
+
+
 def test_check_refuses_another_configs_run_unless_forced(tmp_path):
     out = _saved(tmp_path, _cfg())
     other = validate_config({"train": {"rounds": 4}})

@@ -22,12 +22,12 @@ from typing import Any
 import yaml
 
 from pflbed.config import Config
+from pflbed.errors import PflbedError
 
 try:
     import fcntl
 except ImportError:  # no advisory locks (Windows): a run there is not guarded against a second process
     fcntl = None  # type: ignore[assignment]
-from pflbed.errors import PflbedError
 
 SUMMARY_KEYS = {"algorithm": str, "dataset": str, "rounds": int, "final": dict, "timing": dict}  # what readers need
 
@@ -204,6 +204,9 @@ class RunDir:
             os.close(fd)
             raise PflbedError(f"{self.path}: a run is in progress there, in another process; wait for it to end, or "
                               "stop it first") from None  # fmt: skip
+        except OSError:  # a file system without these locks (some network ones): unguarded, as on Windows
+            os.close(fd)
+            return
         self._held = fd
 
     def release(self) -> None:
