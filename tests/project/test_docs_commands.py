@@ -18,7 +18,7 @@ SHORT = {"run": ["train.rounds=1", "train.local_epochs=1", "eval.finetune=[]", "
                  "eval.new_clients.epochs=1", "eval.new_clients.lrs=[0.01]", "eval.new_clients.fractions=[1.0]"],
          "local": ["train.rounds=1", "eval.finetune=[]", "executor.threads=1"],
          "pretrain": ["pretrain.epochs=1"]}  # fmt: skip
-# every page with commands, and the tests that run them (this file's unless named with their file)
+# every page with commands, and the tests that run them (this file's, unless named with their tests/ file)
 RUN_BY = {
     "README.md": ["test_the_readme_shows_getting_started_s_fashion_mnist_commands"],
     "docs/getting-started.md": ["test_getting_started_s_digits_commands_run_as_written",
@@ -26,8 +26,8 @@ RUN_BY = {
     "docs/guide/after-the-run.md": ["test_after_the_run_s_commands_run_as_written"],
     "docs/guide/flower.md": ["test_the_flower_guide_s_simulation_runs_as_written",
                              "test_the_flower_guide_s_deployments_run_as_written"],
-    "docs/guide/privacy.md": ["test_privacy_guide.py::test_the_guides_commands_run_as_written"],
-    "docs/guide/tuning.md": ["test_tune.py::test_the_tuning_guide_s_small_study_runs_as_written",
+    "docs/guide/privacy.md": ["project/test_privacy_guide.py::test_the_guides_commands_run_as_written"],
+    "docs/guide/tuning.md": ["results/test_tune.py::test_the_tuning_guide_s_small_study_runs_as_written",
                              "test_the_tuning_guide_s_worker_commands_run_as_written"],
 }  # fmt: skip
 
@@ -70,10 +70,9 @@ def test_every_page_with_commands_names_the_tests_that_run_them():
     assert sorted(p for p in pages if page_commands(p)) == sorted(RUN_BY)
     for tests in RUN_BY.values():
         for test in tests:
-            module, _, name = test.rpartition("::")
-            where = module[: -len(".py")] if module else __name__.rpartition(".")[2]
-            package = "results" if where == "test_tune" else "project"
-            assert callable(getattr(importlib.import_module(f"tests.{package}.{where}"), name, None)), test
+            file, _, name = test.rpartition("::")
+            module = f"tests.{file.removesuffix('.py').replace('/', '.')}" if file else __name__
+            assert callable(getattr(importlib.import_module(module), name, None)), test
 
 
 def _getting_started() -> tuple[list[list[str]], list[list[str]]]:

@@ -35,6 +35,7 @@ client counts the server sends (`site-sizes`) must agree with what this site hol
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -361,8 +362,6 @@ def export_sites(cfg: Config, out: Path, force: bool = False) -> list[Path]:
 
     Site directories already in `out` are replaced only with `force`, and only an earlier export's: writing over
     them left an earlier, larger federation's sites beside the new ones, and `--site-data out/site-*` ran both."""
-    import shutil
-
     from pflbed.data import load_source
     from pflbed.federation import build_federation
 
