@@ -381,11 +381,20 @@ def _cmd_flower(args: argparse.Namespace) -> None:
                     f"federation.clients={len(sites)}", *(["sites.secagg=true"] if args.secagg else [])]  # fmt: skip
         return ["executor.name=flower", f"executor.supernodes={2 if supernodes is None else supernodes}"]
 
-    def described() -> list[str]:  # what the files say, before the user's own --set (which wins)
+    def described() -> list[str]:
+        """What the site files say of the run's inputs, where the config file and --set leave it unsaid: the
+        config's own figures win (its 10 classes are no 5 because these sites hold labels 0…4 only), and image
+        folders, which say no input shape, run when the config gives both."""
+        from pflbed.config.load import config_tree
         from pflbed.flower.sites import describe_sites
 
+        said = config_tree(args.config, args.overrides).get("sites")
+        unsaid = [k for k in ("input_shape", "num_classes") if not isinstance(said, dict) or said.get(k) is None]
+        if not unsaid:
+            return []
         shape, classes = describe_sites(sites)
-        return [f"sites.input_shape={list(shape)}", f"sites.num_classes={classes}"]
+        found = {"input_shape": list(shape), "num_classes": classes}
+        return [f"sites.{k}={found[k]}" for k in unsaid]
 
     if args.resume:
         _resume_flags(args)

@@ -72,6 +72,12 @@ def read_yaml_file(p: Path, what: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read an optional YAML file, apply overrides and validate, raising `ConfigError` with one line."""
+    return validate_config(config_tree(path, overrides))
+
+
+def config_tree(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The keys an optional YAML file and the overrides set, as a nested dict, before validation: what a user said,
+    apart from the defaults (`pflbed flower local --site-data` fills in only what it leaves unsaid)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -82,7 +88,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(tree, key, value)
-    return validate_config(tree)
+    return tree
 
 
 def validate_config(tree: dict[str, Any]) -> Config:
