@@ -359,7 +359,7 @@ def step_probe(a: argparse.Namespace, device: torch.device) -> dict:
     rounds'; the step also autotuned (`executor.autotune`)."""
     from torch.func import functional_call, grad, vmap
 
-    clients, steps = (8, 2) if a.quick else (100, 50)
+    clients, steps = (2, 1) if a.quick else (100, 50)
     torch.manual_seed(0)
     model = build_model(a.models[0], (3, 32, 32), 10, device)
     p = {k: v.detach().unsqueeze(0).repeat(clients, *[1] * v.dim()) for k, v in model.state_dict().items()}
