@@ -309,6 +309,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     console.print(md.read_text())
     left = len(bench.pending())
     console.print(f"tables: {md}, {cs}" + (f" — {left} cells still to run (re-run to continue)" if left else ""))
+    for line in bench.unreported():  # after the tables, where the reader looks; --table-only rewrites them mended
+        console.print(f"note: {line} (its cells show —)")
     diverged = bench.diverged()
     if diverged:  # results of their cells (the tables say so), and still a failure of the command
         raise DivergedCells(f"{len(diverged)} cell(s) diverged, e.g. {diverged[0]} (its diverged.json says where; "

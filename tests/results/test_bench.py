@@ -302,8 +302,10 @@ class _Table:
 class _FakeBench:
     """Cells seed 0 and 1 of one table; seed 1 still to run unless `done`; `diverged` names diverged cells."""
 
-    def __init__(self, calls: list, done: bool = False, diverged: tuple[str, ...] = (), stop: bool = False) -> None:
+    def __init__(self, calls: list, done: bool = False, diverged: tuple[str, ...] = (), stop: bool = False,
+                 unreported: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.calls, self.done, self._diverged, self.stop = calls, done, list(diverged), stop
+        self._unreported = list(unreported)
 
     def cells(self):
         return [(_Table, (0,)), (_Table, (1,))]
@@ -324,6 +326,9 @@ class _FakeBench:
 
     def diverged(self):
         return self._diverged
+
+    def unreported(self):
+        return self._unreported
 
 
 @pytest.fixture
@@ -364,6 +369,15 @@ def test_bench_runs_its_cells_as_asked_then_writes_and_prints_the_tables(fake_be
     assert main(["bench", "-c", "s.yaml", "--table-only"]) == 0
     assert calls == [("tables",)]
     assert capsys.readouterr().out.endswith(f"tables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'}\n")
+
+
+def test_each_report_field_no_finished_run_has_is_a_note_after_the_tables(fake_bench, tmp_path, capsys):
+    _, use = fake_bench
+    use(done=True, unreported=("table t, A: column P-FL's field f is in none", "table t, B: …"))
+    assert main(["bench", "-c", "s.yaml", "--table-only"]) == 0
+    assert capsys.readouterr().out.endswith(f"tables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'}\nnote: table "
+                                            "t, A: column P-FL's field f is in none (its cells show —)\nnote: table "
+                                            "t, B: … (its cells show —)\n")  # fmt: skip
 
 
 def test_bench_with_diverged_cells_writes_the_tables_and_exits_3_naming_one(fake_bench, capsys):

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from pflbed.config import _first_error, validate_config
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.results import bench as bench_mod
-from pflbed.results.bench import DIVERGED, Bench, Suite, Table, _get, _merge, _slug, _source, load_suite
+from pflbed.results.bench import DIVERGED, Bench, Suite, Table, _fields, _get, _merge, _slug, _source, load_suite
 from pflbed.results.rundir import config_text
 
 from ..tiny import TINY
@@ -217,6 +217,35 @@ def test_merged_bases_share_no_nested_dicts():
 def test_get_reads_numbers_only():
     assert _get({"a": {"b": 3}}, "a.b") == 3.0 and isinstance(_get({"a": {"b": 3}}, "a.b"), float)
     assert _get({"a": 1}, "a.b") is None and _get({"a": {"b": "x"}}, "a.b") is None and _get({}, "a") is None
+
+
+def test_a_report_field_no_finished_run_has_is_named_with_the_nearest_field_they_have(tmp_path):
+    """A misspelt report field showed "—", as a figure merely missing: each field that none of its row's finished
+    runs has, over every setting, is named with the closest field they do have. A field some run has, if only as
+    null (Local's G-FL) or in one setting's run (Local's `ft`), a column the row leaves out (None), and a row with no
+    finished run give no line."""
+    suite = json.loads(json.dumps(SUITE))
+    methods = suite["tables"]["main"]["methods"]
+    methods["FedAvg"]["report"] = {"P-FL": "final.pfl_ac"}
+    methods["FedAvg+FT"]["report"]["G-FL"] = "algoritm"  # close to no figure: `algorithm` is a name
+    methods["Local"]["report"] = {"P-FL": "final.ft.pfl_acc"}
+    methods["Ditto"] = {"set": {"algorithm.name": "ditto"}, "report": {"P-FL": "final.nothing"}}
+    suite["tables"]["reuse"]["report"]["eps"] = "privacy.epsilon"
+    bench = _bench(tmp_path, suite)
+    main = bench.table("main")
+    assert bench.unreported() == []  # no finished run yet
+    for setting, seed in (("Dir(0.3)", 0), ("Dir(0.1)", 1)):
+        finish(main, setting, "FedAvg", seed, {"gfl_acc": 0.5, "pfl_acc": 0.6, "ft": {"pfl_acc": 0.7}})
+    finish(main, "Dir(0.3)", "Local", 0, {"gfl_acc": None, "pfl_acc": 0.8})
+    finish(main, "Dir(0.1)", "Local", 1, {"gfl_acc": None, "pfl_acc": 0.8, "ft": {"pfl_acc": 0.9}})
+    assert bench.unreported() == [
+        "table main, FedAvg: column P-FL's field final.pfl_ac is in none of its 2 finished run(s)' summary.json; did "
+        "you mean final.pfl_acc?",
+        "table main, FedAvg+FT: column G-FL's field algoritm is in none of its 2 finished run(s)' summary.json",
+        "table reuse, Local: column eps's field privacy.epsilon is in none of its 2 finished run(s)' summary.json"]
+    assert main.markdown().splitlines()[4].startswith("| FedAvg | 50.00 ± 0.00 | — | 50.00 ± 0.00 | — |")
+    # the fields offered: a summary's figures at any depth, not its names or flags
+    assert _fields({"a": {"b": {"c": 1}, "d": "x"}, "flag": True, "n": 2.5}) == ["a.b.c", "n"]
 
 
 def test_default_results_directory_and_unknown_table(tmp_path):

@@ -224,6 +224,24 @@ class Table:
                 rows.append(row)
         return rows
 
+    def unreported(self) -> list[str]:
+        """A line for each report field that none of its row's finished runs has: its cells show "—" as if the
+        figure were merely missing, which hid a misspelt field (`final.pfl_ac`) in a table that looked complete."""
+        import difflib
+
+        lines = []
+        for m in self.spec.methods:
+            summaries = [read_summary(d / "summary.json") for st in self.spec.settings
+                         for d in self.finished_runs(m, st).values()]  # fmt: skip
+            for col, field in self.report_of(m).items():
+                if field is None or not summaries or any(_lookup(x, field) is not _ABSENT for x in summaries):
+                    continue
+                close = difflib.get_close_matches(field, _fields(summaries[0]), n=1)
+                lines.append(f"table {self.name}, {m}: column {col}'s field {field} is in none of its "
+                             f"{len(summaries)} finished run(s)' summary.json"
+                             + (f"; did you mean {close[0]}?" if close else ""))  # fmt: skip
+        return lines
+
     def columns(self) -> list[str]:
         cols = list(self.spec.report)
         for spec in self.spec.methods.values():
@@ -336,6 +354,10 @@ class Bench:
             w.writerows(t.csv_rows())
         return buf.getvalue()
 
+    def unreported(self) -> list[str]:
+        """Every table's report fields that no finished run of their row has (`Table.unreported`)."""
+        return [line for t in self.tables for line in t.unreported()]
+
     def write_tables(self) -> tuple[Path, Path]:
         self.out.mkdir(parents=True, exist_ok=True)
         md, cs = self.out / "table.md", self.out / "table.csv"
@@ -399,20 +421,41 @@ def _one_core(cfg: Config) -> Config:
     return cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"name": "loop"})})
 
 
-def _get(tree: dict[str, Any], dotted: str) -> float | None:
-    """A number at a dotted path; keys may themselves contain dots (`per_lr.0.005.last`): longest match first."""
+_ABSENT = object()  # `_lookup`'s answer for a path that is not in the tree (a field whose value is null is there)
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    """The value at a dotted path, or `_ABSENT`; keys may themselves contain dots (`per_lr.0.005.last`): longest
+    match first."""
     parts, node, i = dotted.split("."), tree, 0
     while i < len(parts):
         if not isinstance(node, dict):
-            return None
+            return _ABSENT
         for j in range(len(parts), i, -1):
             key = ".".join(parts[i:j])
             if key in node:
                 node, i = node[key], j
                 break
         else:
-            return None
+            return _ABSENT
+    return node
+
+
+def _get(tree: dict[str, Any], dotted: str) -> float | None:
+    """A number at a dotted path (None: absent, null or not a number)."""
+    node = _lookup(tree, dotted)
     return float(node) if isinstance(node, int | float) and not isinstance(node, bool) else None
+
+
+def _fields(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of a summary's figures (its numbers, nested sections included)."""
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out += _fields(v, f"{prefix}{k}.")
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def _mean_std(vals: list[float]) -> tuple[float, float]:
