@@ -167,6 +167,7 @@ def test_run_directories_and_labels():
     assert _slug("a  b") == "a-b" and _slug("a_b.c+d=e") == "a_b.c+d=e"
     assert _slug("MAX") == "MAX" and _slug("(X)") == "X"
     assert _slug("") == "default" and _slug("()") == "default"
+    assert _slug("..") == "default" and _slug("(.)") == "default" and _slug("..a") == "..a"  # never . or ..
     suite = Suite.model_validate(SUITE)
     table = Table("main", suite.tables["main"], suite, Path("out"))
     assert table.run_dir("Dir(0.3)", "FedAvg+FT", 2) == Path("out/runs/main/Dir-0.3/FedAvg+FT/seed2")
@@ -270,6 +271,14 @@ def test_suite_file_errors_name_the_file_and_the_field(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"{bad}: tables.t.methods.A.sme_as: unknown key; did you mean "
                                                     "tables.t.methods.A.same_as?") + "$"):  # fmt: skip
         load_suite(bad)
+    for name in ("../../elsewhere", "a/b", "a\\\\b", "..", ".", ""):  # the results went outside benchmarks/results
+        bad.write_text(f"name: '{name}'\ntables: {{t: {{methods: {{A: {{}}}}}}}}\n")
+        with pytest.raises(ConfigError) as e:
+            load_suite(bad)
+        assert str(e.value) == (f"{bad}: name: must be one directory's name (no /, \\ or NUL, not . or ..); give out "
+                                f"to choose where the results go (got {name!r})")  # fmt: skip
+    bad.write_text("name: '...a b'\ntables: {t: {methods: {A: {}}}}\n")
+    assert Bench(load_suite(bad), tmp_path).out == tmp_path / "...a b"
 
 
 def test_a_bad_cell_config_names_the_cell(tmp_path):

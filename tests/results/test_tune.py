@@ -1174,3 +1174,11 @@ def test_the_tuning_guide_s_small_study_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv[1:]) == 0
     assert (tmp_path / "runs" / "tune" / "digits-small" / "table.md").is_file()
+
+
+def test_a_tune_suite_s_name_is_one_directory_s_name(tmp_path):
+    """`runs/tune/<name>`: a name `../x` put the study and its runs outside it."""
+    with pytest.raises(ConfigError) as e:
+        load_tune_suite(write(tmp_path, {**suite(tmp_path), "name": "../x"}))
+    assert str(e.value).endswith("name: must be one directory's name (no /, \\ or NUL, not . or ..); give out to "
+                                 "choose where the results go (got '../x')")  # fmt: skip

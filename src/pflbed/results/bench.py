@@ -33,9 +33,9 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
 from pflbed.config.base import Seeds
@@ -87,7 +87,7 @@ class TableSpec(BaseModel):
 
 class Suite(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: SuiteName
     base: dict[str, Any] = Field(default_factory=dict)
     seeds: Seeds = Field(default_factory=lambda: [0, 1, 2])
     tables: dict[str, TableSpec] = Field(min_length=1)
@@ -130,11 +130,24 @@ def _source(same_as: str) -> tuple[str | None, str]:
 
 
 def _slug(s: str) -> str:
-    """A directory name for a setting or method label: `Dir(0.3)` → `Dir-0.3`, `FedRoD (hyper)` → `FedRoD-hyper`."""
+    """A directory name for a setting or method label: `Dir(0.3)` → `Dir-0.3`, `FedRoD (hyper)` → `FedRoD-hyper`;
+    never `.` or `..` (a method `..` ran in its table's directory)."""
     out = "".join(c if c.isalnum() or c in "_.+=" else "-" for c in s)
     while "--" in out:
         out = out.replace("--", "-")
-    return out.strip("-") or "default"
+    out = out.strip("-")
+    return out if out.strip(".") else "default"
+
+
+def _plain_name(v: str) -> str:
+    """A suite's name is one directory's name under the results directory: `../x` or `a/b` put it elsewhere."""
+    if not v.strip(".") or any(c in v for c in "/\\\0"):
+        raise ValueError("must be one directory's name (no /, \\ or NUL, not . or ..); give out to choose where the "
+                         "results go")  # fmt: skip
+    return v
+
+
+SuiteName = Annotated[str, AfterValidator(_plain_name)]
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pflbed.config import _first_error, parse_override, set_dotted, validate_config
 from pflbed.config.base import Seeds
 from pflbed.errors import ConfigError
-from pflbed.results.bench import _merge, _slug, read_suite_file
+from pflbed.results.bench import SuiteName, _merge, _slug, read_suite_file
 
 CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
 IMPORTANCE_MIN_TRIALS = 10  # parameter importances (a random forest over the trials) from fewer are noise
@@ -78,7 +78,7 @@ class TuneMethod(BaseModel):
 
 class TuneSuite(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: SuiteName
     base: dict[str, Any] = Field(default_factory=dict)
     seeds: Seeds = Field(default_factory=lambda: [0, 1, 2])
     tune: TuneSpec
