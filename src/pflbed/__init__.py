@@ -38,13 +38,24 @@ def run(
     config: _Any = None, out: str | _Path | None = None, *, write: bool = True, progress: bool = False,
     force: bool = False,
 ):  # fmt: skip
-    """Run one experiment from a `Config`, a dict of config keys, or None (the embedded default).
+    """Run one experiment from a `Config`, a dict of config keys, a YAML config file's path, or None (the embedded
+    default).
 
     A run already in `out` is refused (`PflbedError`) unless `force`; a diverging run raises `DivergedError`."""
+    from collections.abc import Mapping
+
     from pflbed.config import Config, validate_config
     from pflbed.runs import run as _run
 
-    cfg = config if isinstance(config, Config) else validate_config(dict(config or {}))
+    if isinstance(config, str | _Path):  # `pflbed.run("config.yaml")`, as `pflbed run -c`: was a bare ValueError
+        cfg = load_config(config)
+    elif isinstance(config, Config):
+        cfg = config
+    elif config is None or isinstance(config, Mapping):
+        cfg = validate_config(dict(config or {}))
+    else:
+        raise TypeError(f"pflbed.run: config must be a Config, a dict of config keys, a YAML file's path or None, not "
+                        f"{type(config).__name__}")  # fmt: skip
     return _run(cfg, _Path(out) if out else None, write=write, progress=progress, force=force)
 
 

@@ -19,6 +19,32 @@ def test_the_package_namespace_is_its_api():
     assert all(hasattr(pflbed, n) for n in pflbed.__all__)
 
 
+def test_pflbed_run_takes_a_config_a_dict_a_yaml_file_s_path_or_nothing(tmp_path, monkeypatch):
+    """`pflbed.run("config.yaml")`, as `pflbed run -c`, was a bare ValueError of `dict("config.yaml")`; another type
+    is a TypeError naming it."""
+    import pflbed.runs
+    from pflbed.errors import ConfigError
+
+    got = []
+    monkeypatch.setattr(pflbed.runs, "run", lambda cfg, out, **kw: got.append((cfg, out, kw)))
+    f = tmp_path / "c.yaml"
+    f.write_text("train: {rounds: 3}\n")
+    for config in (str(f), f, {"train": {"rounds": 3}}, pflbed.load_config(f)):
+        pflbed.run(config, out="o")
+        cfg, out, kw = got.pop()
+        assert cfg == pflbed.load_config(f) and out == Path("o")
+        assert kw == {"write": True, "progress": False, "force": False}
+    pflbed.run(None, write=False)
+    assert got.pop()[0] == pflbed.load_config()
+    with pytest.raises(ConfigError, match=r"none\.yaml: cannot read config \(No such file or directory\)$"):
+        pflbed.run(str(tmp_path / "none.yaml"))
+    with pytest.raises(TypeError) as e:
+        pflbed.run(["train.rounds=3"])
+    assert str(e.value) == ("pflbed.run: config must be a Config, a dict of config keys, a YAML file's path or None, "
+                            "not list")  # fmt: skip
+    assert got == []
+
+
 @pytest.mark.parametrize("action, own, other", [("local", "--supernodes", "--run-dir"),
                                                 ("app", "--run-dir", "--supernodes")])  # fmt: skip
 def test_flower_subcommands_have_their_own_help(action, own, other, capsys):
