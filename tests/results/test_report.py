@@ -246,6 +246,21 @@ def test_a_report_is_never_written_onto_a_directory_or_a_run_s_own_file(tmp_path
     assert main(["report", str(run), "-o", str(run / "report.md")]) == 0
 
 
+def test_a_run_given_twice_is_one_line_and_two_runs_of_one_name_are_told_apart(tmp_path, runs, capsys, monkeypatch):
+    """The same run twice (`RUN RUN`, `RUN ./RUN/`) was drawn as two runs; two runs of one name are numbered."""
+    monkeypatch.chdir(runs[0].parent)
+    name = runs[0].name
+    assert main(["report", name, str(runs[1]), f"./{name}/", "-o", str(tmp_path / "r.html")]) == 2
+    assert capsys.readouterr().err == f"pflbed: error: {name}: given twice; name each run once\n"
+    assert main(["report", name, str(runs[0]), "-o", str(tmp_path / "r.html")]) == 2
+    assert capsys.readouterr().err == f"pflbed: error: {runs[0]}: given twice (as {name} too); name each run once\n"
+    assert not (tmp_path / "r.html").exists()
+    twin = tmp_path / "elsewhere" / name
+    shutil.copytree(runs[0], twin)
+    assert main(["report", name, str(twin), "-o", str(tmp_path / "r.md")]) == 0
+    assert f"| {name} (1) |" in (tmp_path / "r.md").read_text() and f"| {name} (2) |" in (tmp_path / "r.md").read_text()
+
+
 def test_the_note_says_when_each_run_was_evaluated_and_how_to_get_more_points(runs, tmp_path):
     """A 4-round run evaluated every 2 rounds draws 2-point curves: the note says so and how to get more; a run
     with enough points gets no such advice."""

@@ -421,6 +421,12 @@ def write_report(run_dirs: list[Path], out: Path, fmt: str = "html") -> Path:
         raise PflbedError(f"-o {out}: is a directory; give the report's file (.html or .md)")
     if out.name in RUN_FILES and (out.parent / "config.yaml").is_file():  # it replaced a run's summary.json
         raise PflbedError(f"-o {out}: is a run's own file; give the report a name of its own")
+    seen: dict[Path, Path] = {}
+    for p in map(Path, run_dirs):  # the same run twice was drawn as two, "run (1)" and "run (2)"
+        if p.resolve() in seen:
+            first = seen[p.resolve()]
+            raise PflbedError(f"{p}: given twice{'' if first == p else f' (as {first} too)'}; name each run once")
+        seen[p.resolve()] = p
     runs = [read_run(Path(p)) for p in run_dirs]
     names = [r.name for r in runs]
     for i, r in enumerate(runs):  # two runs of the same name (e.g. a/run, b/run): tell them apart
