@@ -23,6 +23,11 @@ def commands(text: str) -> list[list[str]]:
     return found
 
 
+def page_python(page: str) -> list[str]:
+    """The Python code blocks of a page named from the repository root, as a reader copies them."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+
+
 def page_commands(page: str) -> list[list[str]]:
     """`commands` of a page named from the repository root (`README.md`, `docs/guide/flower.md`)."""
     return commands((ROOT / page).read_text())

@@ -1,6 +1,7 @@
-"""Every `pflbed` command a documentation page shows in a bash block runs as written, from a working directory of
-its own, with only short settings appended (one round, no fine-tuning, one new-client epoch): the page's promise
-to a reader who copies it. A page that gains commands without a test that runs them fails the first test."""
+"""Every `pflbed` command a documentation page shows in a bash block, and every Python block, runs as written, from
+a working directory of its own, with only short settings appended (one round, no fine-tuning, one new-client
+epoch): the page's promise to a reader who copies it. A page that gains commands or code without a test that runs
+them fails the first test."""
 
 import importlib.util
 import json
@@ -11,7 +12,7 @@ import pytest
 from pflbed.cli import _parser, main
 from pflbed.data.fmnist import HOW_TO_GET, find_fmnist
 
-from ..doc_commands import ROOT, commands, expanded, page_commands, with_sets
+from ..doc_commands import ROOT, commands, expanded, page_commands, page_python, with_sets
 
 # appended to a command in these tests only: the same keys and combinations, run small
 SHORT = {"run": ["train.rounds=1", "train.local_epochs=1", "eval.finetune=[]", "executor.threads=1",
@@ -30,6 +31,13 @@ RUN_BY = {
     "docs/guide/tuning.md": ["results/test_tune.py::test_the_tuning_guide_s_small_study_runs_as_written",
                              "test_the_tuning_guide_s_worker_commands_run_as_written"],
 }  # fmt: skip
+# every page with Python blocks, and the tests that run them
+PYTHON_RUN_BY = {
+    "README.md": ["test_the_readme_s_python_is_getting_started_s"],
+    "docs/getting-started.md": ["test_getting_started_s_python_runs_as_written"],
+    "docs/guide/after-the-run.md": ["test_after_the_run_s_python_runs_as_written"],
+    "docs/index.md": ["project/test_docs.py::test_the_home_page_s_python_example_runs"],
+}
 
 
 def short(argv: list[str]) -> list[str]:
@@ -68,7 +76,8 @@ def test_every_page_with_commands_names_the_tests_that_run_them():
 
     pages = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
     assert sorted(p for p in pages if page_commands(p)) == sorted(RUN_BY)
-    for tests in RUN_BY.values():
+    assert sorted(p for p in pages if page_python(p)) == sorted(PYTHON_RUN_BY)
+    for tests in [*RUN_BY.values(), *PYTHON_RUN_BY.values()]:
         for test in tests:
             file, _, name = test.rpartition("::")
             module = f"tests.{file.removesuffix('.py').replace('/', '.')}" if file else __name__
@@ -85,6 +94,36 @@ def _getting_started() -> tuple[list[list[str]], list[list[str]]]:
 def test_the_readme_shows_getting_started_s_fashion_mnist_commands():
     """The README's commands are the getting started page's first ones, which the next tests run."""
     assert page_commands("README.md") == _getting_started()[0]
+
+
+def test_the_readme_s_python_is_getting_started_s():
+    assert page_python("README.md") == page_python("docs/getting-started.md")
+
+
+def test_getting_started_s_python_runs_as_written(workdir, capsys):
+    """The Python API's first example (1 round for its 20): a run in `runs/x`, its P-FL printed."""
+    (code,) = page_python("docs/getting-started.md")
+    assert code.count('"rounds": 20') == 1
+    exec(code.replace('"rounds": 20', '"rounds": 1'), {})  # noqa: S102  (the page's own code)
+    summary = json.loads((workdir / "runs" / "x" / "summary.json").read_text())
+    assert capsys.readouterr().out == f"{summary['final']['pfl_acc']}\n"
+
+
+def test_after_the_run_s_python_runs_as_written(workdir):
+    """On the run the page's reader has (`pflbed run`'s default, short), and `my_digits.npz`, samples of their own:
+    here some of the digits' held-out ones, raw."""
+    import numpy as np
+
+    from pflbed.data import load_digits_source
+    from pflbed.federation.new_client import raw_samples
+
+    (code,) = page_python("docs/guide/after-the-run.md")
+    assert main(with_sets(["run", "--no-progress"], *SHORT["run"])) == 0
+    source = load_digits_source()
+    np.savez(workdir / "my_digits.npz", x=raw_samples(source, source.test.x[:12]), y=source.test.y[:12].numpy())
+    namespace: dict = {}
+    exec(code, namespace)  # noqa: S102  (the page's own code)
+    assert namespace["labels"].shape == (12,) and namespace["head"] is not None
 
 
 def test_getting_started_s_fashion_mnist_commands_run_as_written(workdir):
