@@ -374,6 +374,9 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     if args.secagg and sites is None:
         raise PflbedError("--secagg needs --site-data: secure aggregation protects the sites' updates, and without "
                           "--site-data the server holds all the data")  # fmt: skip
+    gone = next((d for d in sites or [] if not d.exists()), None)  # a shell glob that matched nothing: `sites/site-*`
+    if gone is not None:  # said before a deployment starts, whose node would say it in its log
+        raise PflbedError(f"--site-data {gone}: no such file or directory")
     if sites is not None and args.supernodes is not None and args.supernodes != len(sites):
         raise PflbedError(f"--supernodes {args.supernodes} but {len(sites)} --site-data directories (one node each)")
 

@@ -292,9 +292,15 @@ def test_site_data_directories_tell_the_run_its_input_shape_and_label_space(tmp_
                             "sites.num_classes")
     np.savez(a / "val.npz", x=np.zeros((2, 8, 8)), y=np.array([0, 1]))  # val.npz is read before a val/ folder
     assert describe_sites([a]) == ((1, 8, 8), 5)
+    (a / "test.npz").rename(a / "test.keep")
+    (a / "test" / "0").mkdir(parents=True)  # and a test/ image folder
+    with pytest.raises(SiteError, match="image folders do not say the run's input shape"):
+        describe_sites([a])
+    (a / "test.keep").rename(a / "test.npz")
+    assert describe_sites([a]) == ((1, 8, 8), 5)
     with pytest.raises(SiteError) as e:
         describe_sites([a, tmp_path / "site-*"])  # a shell glob that matched nothing
-    assert str(e.value) == f"--site-data {tmp_path / 'site-*'}: no such file or directory"
+    assert str(e.value) == f"data {tmp_path / 'site-*'}: no such file or directory"
 
 
 def test_flower_local_fills_in_from_the_site_files_only_what_the_config_leaves_unsaid(tmp_path, monkeypatch, capsys):
@@ -321,8 +327,10 @@ def test_flower_local_fills_in_from_the_site_files_only_what_the_config_leaves_u
     config = tmp_path / "ten.yaml"
     config.write_text("sites:\n  num_classes: 10\n")
 
-    def deploy(site: Path, *given: str) -> str:
-        assert main(["flower", "local", "--site-data", str(site), "--out", str(tmp_path / "run"), *given]) == 2
+    def deploy(*given: str | Path) -> str:
+        sites = [str(g) for g in given if isinstance(g, Path)]
+        rest = [g for g in given if isinstance(g, str)]
+        assert main(["flower", "local", "--site-data", *sites, "--out", str(tmp_path / "run"), *rest]) == 2
         return capsys.readouterr().err.strip()
 
     assert deploy(npz) == "pflbed: error: not deployed" and seen.pop() == ([1, 8, 8], 5)
@@ -333,7 +341,8 @@ def test_flower_local_fills_in_from_the_site_files_only_what_the_config_leaves_u
     assert deploy(images, *both) == "pflbed: error: not deployed" and seen.pop() == ([1, 16, 16], 10)
     assert deploy(images, "-c", str(config)) == (f"pflbed: error: {images}: image folders do not say the run's input "
                                                  "shape; --set sites.input_shape and sites.num_classes")
-    assert deploy(tmp_path / "site-*") == f"pflbed: error: --site-data {tmp_path / 'site-*'}: no such file or directory"
+    gone = f"pflbed: error: --site-data {tmp_path / 'site-*'}: no such file or directory"
+    assert deploy(tmp_path / "site-*") == gone == deploy(npz, tmp_path / "site-*", *both)  # also when nothing is read
     assert seen == []
 
 

@@ -14,6 +14,7 @@ import pytest
 
 import pflbed
 from pflbed.cli import main
+from pflbed.errors import PflbedError
 from pflbed.results.config_diff import config_diff, diff_rows
 from pflbed.results.report import comparison, curves_note, display_name, figures, panels, read_run
 from pflbed.results.report_figures import curves_svg
@@ -244,6 +245,14 @@ def test_a_report_is_never_written_onto_a_directory_or_a_run_s_own_file(tmp_path
     (tmp_path / "notes").mkdir()
     assert main(["report", str(run), "-o", str(tmp_path / "notes" / "summary.json")]) == 0  # no run's: a name
     assert main(["report", str(run), "-o", str(run / "report.md")]) == 0
+
+
+def test_a_report_of_no_run_is_one_line(tmp_path):
+    from pflbed.results.report import write_report
+
+    with pytest.raises(PflbedError) as e:
+        write_report([], tmp_path / "r.html")
+    assert str(e.value) == "report: name at least one run directory" and not (tmp_path / "r.html").exists()
 
 
 def test_a_run_given_twice_is_one_line_and_two_runs_of_one_name_are_told_apart(tmp_path, runs, capsys, monkeypatch):

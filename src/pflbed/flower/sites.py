@@ -340,8 +340,6 @@ def describe_sites(dirs: list[Path]) -> tuple[tuple[int, ...], int]:
     `pflbed flower local --site-data` fills in when the config does not say."""
     shapes, top = set(), 0
     for d in dirs:
-        if not d.exists():  # a shell glob that matched nothing arrives as itself, `sites/site-*`
-            raise SiteError(f"--site-data {d}: no such file or directory")
         if d.is_dir() and (not (d / "train.npz").is_file() or any(
                 (d / s).is_dir() and not (d / f"{s}.npz").exists() for s in ("val", "test"))):  # fmt: skip
             raise SiteError(f"{d}: image folders do not say the run's input shape; --set sites.input_shape and "
