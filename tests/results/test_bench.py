@@ -393,6 +393,7 @@ def test_bench_with_diverged_cells_writes_the_tables_and_exits_3_naming_one(fake
     ([], "pflbed bench -c s.yaml"),
     (["--jobs", "1", "--shard", "1/1"], "pflbed bench -c s.yaml"),  # the defaults, not repeated
     (["--shard", "1/2", "--max-cells", "0"], "pflbed bench -c s.yaml --shard 1/2 --max-cells 0"),
+    (["--jobs", "2"], "pflbed bench -c s.yaml --jobs 2"),
 ])  # fmt: skip
 def test_a_ctrl_c_in_a_bench_repeats_only_the_options_given(fake_bench, capsys, given, again):
     _, use = fake_bench

@@ -245,6 +245,8 @@ def test_a_report_is_never_written_onto_a_directory_or_a_run_s_own_file(tmp_path
     (tmp_path / "notes").mkdir()
     assert main(["report", str(run), "-o", str(tmp_path / "notes" / "summary.json")]) == 0  # no run's: a name
     assert main(["report", str(run), "-o", str(run / "report.md")]) == 0
+    assert main(["report", str(run), "-o", str(tmp_path / "new" / "dirs" / "r.html")]) == 0  # made as needed
+    assert (tmp_path / "new" / "dirs" / "r.html").is_file()
 
 
 def test_a_report_of_no_run_is_one_line(tmp_path):
