@@ -289,6 +289,28 @@ def test_corrupt_checkpoint_says_how_to_recover(tmp_path, capsys):
     assert "unreadable checkpoint" in err and "delete" in err and "--resume" in err
 
 
+def test_a_finished_run_s_corrupt_checkpoint_says_to_run_it_again_and_that_works(tmp_path, capsys, monkeypatch):
+    """A finished run's checkpoint holds its trained models: `--resume` (the advice for an unfinished run) would say
+    "already finished" and mend nothing; the advice is the run again, in place, which then serves."""
+    import shlex
+
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *FAST, "--out", "run"]) == 0
+    (tmp_path / "run" / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")
+    gen = np.random.default_rng(0)
+    np.savez(tmp_path / "mine.npz", x=gen.normal(size=(8, 8, 8)).astype(np.float32), y=np.arange(8) % 2)
+    personalize = ["personalize", "run", "--data", "mine.npz", "--out", "mine", "--epochs", "1"]
+    capsys.readouterr()
+    assert main(personalize) == 2
+    err = _one_error_line(capsys)
+    assert err.endswith("; the finished run's models were in it: run it again with 'pflbed run -c run/config.yaml "
+                        "--out run --force'")  # fmt: skip
+    again = shlex.split(err.rsplit("run it again with ", 1)[1].strip("'"))
+    assert main(again[1:]) == 0 and main(personalize) == 0
+
+
 def test_diverging_run_stops_with_exit_3_naming_round_and_client(tmp_path, capsys):
     out = tmp_path / "run"
     args = [*FAST, "--set", "train.rounds=6", "--set", "train.checkpoint_every=1"]

@@ -13,6 +13,7 @@ continues.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +107,13 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
             clients = _unpack_states(blob["clients"], torch.device(device))
     except Exception as e:
         reason = " ".join(str(e).split())[:80]
-        raise PflbedError(
-            f"{path}: unreadable checkpoint ({type(e).__name__}: {reason}); to start the run over, delete that file "
-            f"and run 'pflbed run --resume {run_dir}' again (or rerun it with --force)"
-        ) from None
+        if (run_dir / "summary.json").is_file():  # a finished run: its trained models were in it, --resume has none
+            again = shlex.join(["pflbed", "run", "-c", str(run_dir / "config.yaml"), "--out", str(run_dir), "--force"])
+            advice = f"the finished run's models were in it: run it again with '{again}'"
+        else:
+            advice = (f"to start the run over, delete that file and run 'pflbed run --resume {run_dir}' again (or rerun "
+                      "it with --force)")  # fmt: skip
+        raise PflbedError(f"{path}: unreadable checkpoint ({type(e).__name__}: {reason}); {advice}") from None
     return {
         "round": int(blob["round"]), "server": server, "clients": clients,
         "history": json.loads(blob["history"]), "timing": json.loads(blob["timing"]),
