@@ -111,8 +111,8 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
             again = shlex.join(["pflbed", "run", "-c", str(run_dir / "config.yaml"), "--out", str(run_dir), "--force"])
             advice = f"the finished run's models were in it: run it again with '{again}'"
         else:
-            advice = (f"to start the run over, delete that file and run 'pflbed run --resume {run_dir}' again (or rerun "
-                      "it with --force)")  # fmt: skip
+            advice = (f"to start the run over, delete that file and run 'pflbed run --resume {run_dir}' again (or "
+                      "rerun it with --force)")  # fmt: skip
         raise PflbedError(f"{path}: unreadable checkpoint ({type(e).__name__}: {reason}); {advice}") from None
     return {
         "round": int(blob["round"]), "server": server, "clients": clients,
