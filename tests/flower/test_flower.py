@@ -481,7 +481,9 @@ def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
     from pflbed.cli import main
 
     app = tmp_path / "projects" / "app"  # its parent made too
-    assert main(["flower", "app", "--out", str(app), "--set", "train.rounds=3"]) == 0
+    (tmp_path / "c.yaml").write_text("train: {rounds: 5, local_epochs: 2}\n")  # --set wins over the file
+    assert main(["flower", "app", "-c", str(tmp_path / "c.yaml"), "--out", str(app), "--set", "train.rounds=3"]) == 0
+    assert capsys.readouterr().out == f"Flower app project: {app}/pyproject.toml (docs/guide/flower.md)\n"
     conf = tomllib.loads((app / "pyproject.toml").read_text())
     ok, errors, _ = flwr_validate(conf, check_module=True, project_dir=app)
     assert ok, errors
@@ -489,6 +491,7 @@ def test_flower_app_writes_a_project_flower_accepts(tmp_path, capsys):
     run_config = conf["tool"]["flwr"]["app"]["config"]
     pflbed_cfg = json.loads(run_config["config"])
     assert pflbed_cfg["train"]["rounds"] == 3 and pflbed_cfg["executor"]["name"] == "flower"
+    assert pflbed_cfg["train"]["local_epochs"] == 2
     assert run_config["out"] == "runs/fedavg-digits-seed0" and run_config["resume"] is False
     assert not (app / "site.toml").exists()  # the data is the server's: no site config
     capsys.readouterr()

@@ -231,7 +231,7 @@ def test_a_report_field_no_finished_run_has_is_named_with_the_nearest_field_they
     methods["FedAvg+FT"]["report"]["G-FL"] = "algoritm"  # close to no figure: `algorithm` is a name
     methods["Local"]["report"] = {"P-FL": "final.ft.pfl_acc"}
     methods["Ditto"] = {"set": {"algorithm.name": "ditto"}, "report": {"P-FL": "final.nothing"}}
-    suite["tables"]["reuse"]["report"]["eps"] = "privacy.epsilon"
+    suite["tables"]["reuse"]["report"].update(eps="privacy.epsilon", FT="final.ft.pfl_ac")  # FT: Dir(0.1)'s run has ft
     bench = _bench(tmp_path, suite)
     main = bench.table("main")
     assert bench.unreported() == []  # no finished run yet
@@ -243,7 +243,9 @@ def test_a_report_field_no_finished_run_has_is_named_with_the_nearest_field_they
         "table main, FedAvg: column P-FL's field final.pfl_ac is in none of its 2 finished run(s)' summary.json; did "
         "you mean final.pfl_acc?",
         "table main, FedAvg+FT: column G-FL's field algoritm is in none of its 2 finished run(s)' summary.json",
-        "table reuse, Local: column eps's field privacy.epsilon is in none of its 2 finished run(s)' summary.json"]
+        "table reuse, Local: column eps's field privacy.epsilon is in none of its 2 finished run(s)' summary.json",
+        "table reuse, Local: column FT's field final.ft.pfl_ac is in none of its 2 finished run(s)' summary.json; did "
+        "you mean final.ft.pfl_acc?"]
     assert main.markdown().splitlines()[4].startswith("| FedAvg | 50.00 ± 0.00 | — | 50.00 ± 0.00 | — |")
     # the fields offered: a summary's figures at any depth, not its names or flags
     assert _fields({"a": {"b": {"c": 1}, "d": "x"}, "flag": True, "n": 2.5}) == ["a.b.c", "n"]
@@ -277,8 +279,9 @@ def test_suite_file_errors_name_the_file_and_the_field(tmp_path):
             load_suite(bad)
         assert str(e.value) == (f"{bad}: name: must be one directory's name (no /, \\ or NUL, not . or ..); give out "
                                 f"to choose where the results go (got {name!r})")  # fmt: skip
-    bad.write_text("name: '...a b'\ntables: {t: {methods: {A: {}}}}\n")
-    assert Bench(load_suite(bad), tmp_path).out == tmp_path / "...a b"
+    for name in ("...a b", "X", "x.X"):
+        bad.write_text(f"name: '{name}'\ntables: {{t: {{methods: {{A: {{}}}}}}}}\n")
+        assert Bench(load_suite(bad), tmp_path).out == tmp_path / name
 
 
 def test_a_bad_cell_config_names_the_cell(tmp_path):

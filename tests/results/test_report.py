@@ -249,12 +249,15 @@ def test_a_report_is_never_written_onto_a_directory_or_a_run_s_own_file(tmp_path
     assert (tmp_path / "new" / "dirs" / "r.html").is_file()
 
 
-def test_a_report_of_no_run_is_one_line(tmp_path):
+def test_a_report_of_no_run_or_in_an_unknown_format_is_one_line(tmp_path):
     from pflbed.results.report import write_report
 
     with pytest.raises(PflbedError) as e:
         write_report([], tmp_path / "r.html")
     assert str(e.value) == "report: name at least one run directory" and not (tmp_path / "r.html").exists()
+    with pytest.raises(PflbedError) as e:
+        write_report([tmp_path / "no run"], tmp_path / "r.pdf", "pdf")  # said before any run is read
+    assert str(e.value) == "--format: unknown 'pdf'; choose html or md"
 
 
 def test_a_run_given_twice_is_one_line_and_two_runs_of_one_name_are_told_apart(tmp_path, runs, capsys, monkeypatch):

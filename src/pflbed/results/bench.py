@@ -249,7 +249,8 @@ class Table:
             for col, field in self.report_of(m).items():
                 if field is None or not summaries or any(_lookup(x, field) is not _ABSENT for x in summaries):
                     continue
-                close = difflib.get_close_matches(field, _fields(summaries[0]), n=1)
+                have = list(dict.fromkeys(f for x in summaries for f in _fields(x)))  # every run's, in order
+                close = difflib.get_close_matches(field, have, n=1)
                 lines.append(f"table {self.name}, {m}: column {col}'s field {field} is in none of its "
                              f"{len(summaries)} finished run(s)' summary.json"
                              + (f"; did you mean {close[0]}?" if close else ""))  # fmt: skip

@@ -417,6 +417,8 @@ def write_report(run_dirs: list[Path], out: Path, fmt: str = "html") -> Path:
     """Write the report of `run_dirs` to `out` (html, or md with figures in `<out stem>_files/`)."""
     if not run_dirs:
         raise PflbedError("report: name at least one run directory")
+    if fmt not in ("html", "md"):  # before the runs are read and their figures drawn
+        raise PflbedError(f"--format: unknown {fmt!r}; choose html or md")
     if out.is_dir():  # was a bare "Is a directory" once every figure was drawn
         raise PflbedError(f"-o {out}: is a directory; give the report's file (.html or .md)")
     if out.name in RUN_FILES and (out.parent / "config.yaml").is_file():  # it replaced a run's summary.json
@@ -436,8 +438,6 @@ def write_report(run_dirs: list[Path], out: Path, fmt: str = "html") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "html":
         out.write_text(render_html(runs, figs))
-    elif fmt == "md":
-        out.write_text(render_markdown(runs, figs, out.parent / f"{out.stem}_files", out.parent))
     else:
-        raise PflbedError(f"--format: unknown {fmt!r}; choose html or md")
+        out.write_text(render_markdown(runs, figs, out.parent / f"{out.stem}_files", out.parent))
     return out
