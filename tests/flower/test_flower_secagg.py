@@ -391,7 +391,8 @@ def test_what_secure_aggregation_cannot_carry_is_refused(capsys):
         validate_config({**base, "sites": sites, "algorithm": {"name": "ktpfl"}})
     validate_config({**base, "sites": sites, "algorithm": {"name": "fedrep"}})
     assert main(["flower", "local", "--secagg"]) == 2
-    assert "--secagg needs --site-data" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("pflbed: error: --secagg needs --site-data: secure aggregation protects the "
+                                       "sites' updates, and without --site-data the server holds all the data\n")
 
 
 def test_a_site_s_secure_update_is_its_clients_weighted_mean_from_the_shared_payload(tmp_path, monkeypatch):

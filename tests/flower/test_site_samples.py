@@ -400,6 +400,8 @@ def test_an_export_replaces_an_earlier_one_only_when_forced_and_leaves_none_of_i
         assert capsys.readouterr().err == f"pflbed: error: --out {sites}: {message}\n"
 
     assert export(5) == 0
+    assert capsys.readouterr().out == f"5 site directories in {sites}; try them with: pflbed flower local " \
+                                      f"--site-data {sites}/site-*\n"  # fmt: skip
     (sites / "README").write_text("mine")
     written = {p.relative_to(sites): p.read_bytes() for p in sites.rglob("*.npz")}
     assert len(written) == 15
@@ -410,7 +412,9 @@ def test_an_export_replaces_an_earlier_one_only_when_forced_and_leaves_none_of_i
     refused(3, message="holds site directories already (site-0, site-1, site-2); --force replaces them")
     assert all(sorted(q.name for q in (sites / f"site-{c}").iterdir()) == ["test.npz", "train.npz", "val.npz"]
                for c in range(3))  # fmt: skip
-    assert export(2, "--force", "--set", "seed=1") == 0
+    (tmp_path / "two.yaml").write_text("federation: {clients: 2}\nseed: 1\n")  # the config file is read
+    assert main(["flower", "sites", "-c", str(tmp_path / "two.yaml"), "--out", str(sites), "--force"]) == 0
+    assert sorted(p.name for p in sites.iterdir()) == ["README", "site-0", "site-1"]
     for c in (2, 10):  # named in number order: site-10 after site-2 (not after site-1)
         (sites / f"site-{c}").mkdir()
         (sites / f"site-{c}" / "train.npz").write_bytes(b"")
