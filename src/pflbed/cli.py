@@ -412,7 +412,10 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         if cfg.sites.local and sites is None:
             raise PflbedError(f"--resume {args.resume}: the run keeps its data on the sites; give their directories "
                               "again with --site-data")  # fmt: skip
-        given_cfg = load_config(args.config, [*args.overrides, *fixed(supernodes)]) if given else None
+        # -c: the whole config again (checked against the run's); --set, --supernodes alone: changes to the run's
+        # own config, as `pflbed run --resume` (they were applied to the defaults: any of them refused the resume)
+        given_cfg = load_config(args.config or args.resume / "config.yaml", [*args.overrides, *fixed(supernodes)]) \
+            if given else None  # fmt: skip
         rundir, cfg = RunDir.for_resume(args.resume, given_cfg)
         if _finished(rundir):
             return

@@ -204,3 +204,74 @@ def test_supernodes_past_the_clients_or_the_machine_s_memory_are_refused_before_
     assert err.startswith("pflbed: error: executor.supernodes (--supernodes): 3 SuperNodes need at least ") and (
         err.endswith("; at most 2 here")), err  # fmt: skip
     assert started == [] and list(tmp_path.iterdir()) == []
+
+
+def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(tmp_path, monkeypatch, capsys):
+    """The options of `pflbed flower local` as the deployment receives them (`run_local`, here a stand-in: the
+    deployments themselves are the deployment suite's): the SuperNodes (2 by default; one per `--site-data`
+    directory, which sets `sites.local`, `federation.clients` and, with `--secagg`, `sites.secagg`); on `--resume`,
+    the run's own config and SuperNodes, changed only where a resume may change it (`executor.threads`), a run of
+    another kind (a Flower simulation included) refused, and a site-local run's sites asked for again."""
+    import numpy as np
+
+    from pflbed.errors import PflbedError
+
+    calls = []
+
+    def deployment(cfg, out, supernodes, **kw):
+        calls.append((cfg, out, supernodes, {k: kw[k] for k in ("tls", "auth", "force", "resume", "site_data")}))
+        raise PflbedError("not deployed")
+
+    monkeypatch.setattr(local, "run_local", deployment)
+    monkeypatch.chdir(tmp_path)
+
+    def deploy(*argv: str) -> str:
+        assert main(["flower", "local", *argv]) == 2
+        return capsys.readouterr().err.strip().removeprefix("pflbed: error: ")
+
+    assert deploy("--out", "run", "--tls", *ARGS) == "not deployed"
+    cfg, out, supernodes, kw = calls.pop()
+    assert (cfg.executor.name, cfg.executor.supernodes, supernodes, out) == ("flower", 2, 2, Path("run"))
+    assert kw == {"tls": True, "auth": False, "force": False, "resume": False, "site_data": None}
+    sites = [tmp_path / f"site-{k}" for k in range(3)]
+    for d in sites:
+        d.mkdir()
+        np.savez(d / "train.npz", x=np.zeros((6, 8, 8)), y=np.arange(6) % 3)
+    assert deploy("--site-data", *map(str, sites), "--secagg", "--auth", "--force", *ARGS) == "not deployed"
+    cfg, out, supernodes, kw = calls.pop()
+    assert (cfg.sites.local, cfg.sites.secagg, cfg.federation.clients, cfg.executor.supernodes, supernodes) == (
+        True, True, 3, 3, 3)  # fmt: skip
+    assert kw == {"tls": False, "auth": True, "force": True, "resume": False, "site_data": sites}
+    assert deploy("--site-data", *map(str, sites), *ARGS) == "not deployed" and not calls.pop()[0].sites.secagg
+    assert deploy("--site-data", *map(str, sites), "--supernodes", "2", *ARGS) == (
+        "--supernodes 2 but 3 --site-data directories (one node each)")  # fmt: skip
+
+    def unfinished(name: str, *sets: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(config_text(load_config(None, [*SETS, "executor.name=flower", *sets])))
+        return d
+
+    dep = unfinished("dep", "executor.supernodes=3")
+    for given in ((), ("--supernodes", "3"), ("--set", "executor.threads=2")):
+        assert deploy("--resume", str(dep), *given) == "not deployed", given
+        cfg, out, supernodes, kw = calls.pop()
+        assert (out, supernodes, kw["resume"], cfg.executor.supernodes) == (dep, 3, True, 3)
+        assert cfg.executor.threads == (2 if "--set" in given else 1) and cfg.train.rounds == 2
+    for given in (("--supernodes", "2"), ("--set", "train.rounds=5")):
+        assert deploy("--resume", str(dep), *given) == (
+            f"--resume {dep}: the run was started with a different config (only executor.device, executor.threads, "
+            "executor.workers, executor.batch_clients, executor.compile, executor.deterministic, executor.autotune "
+            "may change when resuming)")  # fmt: skip
+    simulation = unfinished("sim")  # `pflbed run --set executor.name=flower`: no SuperNodes of its own
+    assert deploy("--resume", str(simulation)) == (
+        f"--resume {simulation}: not a run of 'pflbed flower local'; continue it with 'pflbed run --resume "
+        f"{simulation}'")  # fmt: skip
+    kept = unfinished("kept", "executor.supernodes=3", "sites.local=true", "sites.input_shape=[1,8,8]",
+                      "sites.num_classes=3", "federation.clients=3")  # fmt: skip
+    assert deploy("--resume", str(kept)) == (f"--resume {kept}: the run keeps its data on the sites; give their "
+                                             "directories again with --site-data")  # fmt: skip
+    assert deploy("--resume", str(kept), "--site-data", *map(str, sites)) == "not deployed"
+    cfg, out, supernodes, kw = calls.pop()
+    assert (out, supernodes, kw["site_data"], cfg.sites.local) == (kept, 3, sites, True)
+    assert calls == []
