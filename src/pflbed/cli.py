@@ -407,11 +407,18 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         if cfg.executor.name != "flower" or cfg.executor.supernodes is None:
             raise PflbedError(f"--resume {args.resume}: not a run of 'pflbed flower local'; continue it with "
                               f"'pflbed run --resume {args.resume}'")  # fmt: skip
-        given = args.config or args.overrides or args.supernodes is not None
+        # --site-data and --secagg too: a run's sites, or their secure aggregation, cannot be added when resuming
+        given = args.config or args.overrides or args.supernodes is not None or sites is not None
         supernodes = cfg.executor.supernodes if args.supernodes is None else args.supernodes
         if cfg.sites.local and sites is None:
             raise PflbedError(f"--resume {args.resume}: the run keeps its data on the sites; give their directories "
                               "again with --site-data")  # fmt: skip
+        if not cfg.sites.local and sites is not None:
+            raise PflbedError(f"--resume {args.resume}: the run's data is the server's (not sites.local); resume it "
+                              "without --site-data")  # fmt: skip
+        if cfg.sites.local and len(sites) != supernodes:
+            raise PflbedError(f"--resume {args.resume}: the run has {supernodes} sites; give as many --site-data "
+                              f"directories (got {len(sites)})")  # fmt: skip
         # -c: the whole config again (checked against the run's); --set, --supernodes alone: changes to the run's
         # own config, as `pflbed run --resume` (they were applied to the defaults: any of them refused the resume)
         given_cfg = load_config(args.config or args.resume / "config.yaml", [*args.overrides, *fixed(supernodes)]) \

@@ -258,11 +258,11 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
         cfg, out, supernodes, kw = calls.pop()
         assert (out, supernodes, kw["resume"], cfg.executor.supernodes) == (dep, 3, True, 3)
         assert cfg.executor.threads == (2 if "--set" in given else 1) and cfg.train.rounds == 2
+    different = ("--resume {}: the run was started with a different config (only executor.device, executor.threads, "
+                 "executor.workers, executor.batch_clients, executor.compile, executor.deterministic, "
+                 "executor.autotune may change when resuming)")  # fmt: skip
     for given in (("--supernodes", "2"), ("--set", "train.rounds=5")):
-        assert deploy("--resume", str(dep), *given) == (
-            f"--resume {dep}: the run was started with a different config (only executor.device, executor.threads, "
-            "executor.workers, executor.batch_clients, executor.compile, executor.deterministic, executor.autotune "
-            "may change when resuming)")  # fmt: skip
+        assert deploy("--resume", str(dep), *given) == different.format(dep)
     simulation = unfinished("sim")  # `pflbed run --set executor.name=flower`: no SuperNodes of its own
     assert deploy("--resume", str(simulation)) == (
         f"--resume {simulation}: not a run of 'pflbed flower local'; continue it with 'pflbed run --resume "
@@ -274,4 +274,9 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
     assert deploy("--resume", str(kept), "--site-data", *map(str, sites)) == "not deployed"
     cfg, out, supernodes, kw = calls.pop()
     assert (out, supernodes, kw["site_data"], cfg.sites.local) == (kept, 3, sites, True)
+    assert deploy("--resume", str(kept), "--site-data", *map(str, sites[:2])) == (
+        f"--resume {kept}: the run has 3 sites; give as many --site-data directories (got 2)")  # fmt: skip
+    assert deploy("--resume", str(kept), "--site-data", *map(str, sites), "--secagg") == different.format(kept)
+    assert deploy("--resume", str(dep), "--site-data", *map(str, sites)) == (
+        f"--resume {dep}: the run's data is the server's (not sites.local); resume it without --site-data")
     assert calls == []
