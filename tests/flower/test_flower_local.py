@@ -3,6 +3,7 @@ deployment itself, and a failed deployment's one-line cause, exit code and advic
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -216,11 +217,15 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
 
     from pflbed.errors import PflbedError
 
-    calls = []
+    calls, outcomes = [], []  # outcomes: what the next deployment ends with (default: a refusal)
 
     def deployment(cfg, out, supernodes, **kw):
-        calls.append((cfg, out, supernodes, {k: kw[k] for k in ("tls", "auth", "force", "resume", "site_data")}))
-        raise PflbedError("not deployed")
+        calls.append((cfg, out, supernodes, {k: kw[k] for k in ("tls", "auth", "force", "resume", "site_data",
+                                                                "progress")}))  # fmt: skip
+        outcome = outcomes.pop() if outcomes else PflbedError("not deployed")
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     monkeypatch.setattr(local, "run_local", deployment)
     monkeypatch.chdir(tmp_path)
@@ -232,7 +237,7 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
     assert deploy("--out", "run", "--tls", *ARGS) == "not deployed"
     cfg, out, supernodes, kw = calls.pop()
     assert (cfg.executor.name, cfg.executor.supernodes, supernodes, out) == ("flower", 2, 2, Path("run"))
-    assert kw == {"tls": True, "auth": False, "force": False, "resume": False, "site_data": None}
+    assert kw == {"tls": True, "auth": False, "force": False, "resume": False, "site_data": None, "progress": True}
     sites = [tmp_path / f"site-{k}" for k in range(3)]
     for d in sites:
         d.mkdir()
@@ -241,7 +246,7 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
     cfg, out, supernodes, kw = calls.pop()
     assert (cfg.sites.local, cfg.sites.secagg, cfg.federation.clients, cfg.executor.supernodes, supernodes) == (
         True, True, 3, 3, 3)  # fmt: skip
-    assert kw == {"tls": False, "auth": True, "force": True, "resume": False, "site_data": sites}
+    assert kw == {"tls": False, "auth": True, "force": True, "resume": False, "site_data": sites, "progress": True}
     assert deploy("--site-data", *map(str, sites), *ARGS) == "not deployed" and not calls.pop()[0].sites.secagg
     assert deploy("--site-data", *map(str, sites), "--supernodes", "2", *ARGS) == (
         "--supernodes 2 but 3 --site-data directories (one node each)")  # fmt: skip
@@ -274,6 +279,23 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
     assert deploy("--resume", str(kept), "--site-data", *map(str, sites)) == "not deployed"
     cfg, out, supernodes, kw = calls.pop()
     assert (out, supernodes, kw["site_data"], cfg.sites.local) == (kept, 3, sites, True)
+    # what the command prints: the deployment's results and where; on Ctrl-C, the round kept and how to go on
+    assert main(["run", "--no-progress", "--out", "plain", *ARGS]) == 0
+    capsys.readouterr()
+    outcomes.append(json.loads((tmp_path / "plain" / "summary.json").read_text()))
+    assert main(["flower", "local", "--out", "run", "--no-progress", *ARGS]) == 0
+    printed = capsys.readouterr().out
+    assert calls.pop()[3]["progress"] is False and "│ FedAvg │" in printed and printed.endswith("results: run\n")
+    assert re.search(r"\ntime: [\d.]+ s wall .*; [\d.]+ s since the command started\n", printed), printed
+    from pflbed.results.checkpoint import save_checkpoint
+
+    save_checkpoint(kept, 1, {}, {}, [], {})
+    outcomes.append(KeyboardInterrupt())
+    assert main(["flower", "local", "--resume", str(kept), "--site-data", *map(str, sites), "--tls"]) == 130
+    assert capsys.readouterr().err == (f"pflbed: interrupted; round 1 of 2 is checkpointed in {kept}/checkpoints/"
+                                       f"last.pt; continue with '{local.resume_command(kept, True, False, sites)}'\n")
+    assert "--site-data" in local.resume_command(kept, True, False, sites)
+    calls.pop()
     assert deploy("--resume", str(kept), "--site-data", *map(str, sites[:2])) == (
         f"--resume {kept}: the run has 3 sites; give as many --site-data directories (got 2)")  # fmt: skip
     assert deploy("--resume", str(kept), "--site-data", *map(str, sites), "--secagg") == different.format(kept)
