@@ -366,9 +366,9 @@ def _reply(path, blobs):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(20)
         s.connect(str(path))
-        for blob in blobs:
-            send_blob(s, blob)
-        try:
+        try:  # a broken request may be closed before its last blob is sent (a broken pipe, not only an empty read)
+            for blob in blobs:
+                send_blob(s, blob)
             return read_blob(s)
         except ConnectionError:
             return b""
