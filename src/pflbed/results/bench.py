@@ -41,6 +41,7 @@ from pflbed.config import Config, _first_error, set_dotted, validate_config
 from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
+from pflbed.hints import did_you_mean
 from pflbed.results.rundir import read_summary, suite_dir
 
 
@@ -240,8 +241,6 @@ class Table:
     def unreported(self) -> list[str]:
         """A line for each report field that none of its row's finished runs has: its cells show "—" as if the
         figure were merely missing, which hid a misspelt field (`final.pfl_ac`) in a table that looked complete."""
-        import difflib
-
         lines = []
         for m in self.spec.methods:
             summaries = [read_summary(d / "summary.json") for st in self.spec.settings
@@ -249,11 +248,9 @@ class Table:
             for col, field in self.report_of(m).items():
                 if field is None or not summaries or any(_lookup(x, field) is not _ABSENT for x in summaries):
                     continue
-                have = list(dict.fromkeys(f for x in summaries for f in _fields(x)))  # every run's, in order
-                close = difflib.get_close_matches(field, have, n=1)
+                have = dict.fromkeys(f for x in summaries for f in _fields(x))  # every run's, in order
                 lines.append(f"table {self.name}, {m}: column {col}'s field {field} is in none of its "
-                             f"{len(summaries)} finished run(s)' summary.json"
-                             + (f"; did you mean {close[0]}?" if close else ""))  # fmt: skip
+                             f"{len(summaries)} finished run(s)' summary.json{did_you_mean(field, have)}")
         return lines
 
     def columns(self) -> list[str]:
