@@ -10,13 +10,18 @@ from typing import Any
 
 def closest(word: Any, options: Any) -> str | None:
     """The option `word` most likely misspells (difflib, similarity ≥ 0.7), else the closest option containing it
-    (`epochs` → `local_epochs`); None when nothing is near."""
+    (`epochs` → `local_epochs`); None when nothing is near. Letter case is ignored: names are lower case and
+    papers write them as `FedAvg`, `FedRoD` or `CNN`, which a case-sensitive comparison would find near nothing."""
     word, options = str(word), [str(o) for o in options]
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.7)
-    containing = [o for o in options if len(word) >= 3 and word in o]
+    folded = {}
+    for o in options:
+        folded.setdefault(o.casefold(), o)  # the first option of each spelling, as difflib's own order
+    word = word.casefold()
+    close = difflib.get_close_matches(word, folded, n=1, cutoff=0.7)
+    containing = [o for o in folded if len(word) >= 3 and word in o]
     if not close and containing:
         close = difflib.get_close_matches(word, containing, n=1, cutoff=0)
-    return close[0] if close else None
+    return folded[close[0]] if close else None
 
 
 def did_you_mean(word: Any, options: Any) -> str:

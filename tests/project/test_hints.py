@@ -17,6 +17,10 @@ from pflbed.hints import closest, did_you_mean, then
     ("epochs", ["local_epochs", "global_epochs_x"], "local_epochs"),  # the closest of those containing it
     ("zzz", ["lr", "rounds"], None),
     (3, [1, 2, 3], "3"),  # any value, as text
+    ("FedAvg", ["fedprox", "fedavg"], "fedavg"),  # a paper's spelling of a lower-case name
+    ("CNN", ["cnn_bn", "cnn"], "cnn"),  # the same name in other case, before a longer one
+    ("fedavg", ["FedProx", "FedAvg"], "FedAvg"),  # the option as it is written (a suite's method names)
+    ("rod", ["FedRoD", "FedProx"], "FedRoD"),  # contained, in other case
 ])  # fmt: skip
 def test_closest(word, options, expected):
     assert closest(word, options) == expected
