@@ -224,29 +224,35 @@ def test_a_report_field_no_finished_run_has_is_named_with_the_nearest_field_they
     """A misspelt report field showed "—", as a figure merely missing: each field that none of its row's finished
     runs has, over every setting, is named with the closest field they do have. A field some run has, if only as
     null (Local's G-FL) or in one setting's run (Local's `ft`), a column the row leaves out (None), and a row with no
-    finished run give no line."""
+    finished run give no line. A column of the table's own is named once, and only where none of the rows reading it
+    has the field (`zs`, over FedAvg's runs only: FedAvg+FT's are FedAvg's, Local gives its own zs): a field only some
+    methods give (`diag`, Local's only) is their figure and the others' "—" is the answer."""
     suite = json.loads(json.dumps(SUITE))
     methods = suite["tables"]["main"]["methods"]
     methods["FedAvg"]["report"] = {"P-FL": "final.pfl_ac"}
     methods["FedAvg+FT"]["report"]["G-FL"] = "algoritm"  # close to no figure: `algorithm` is a name
-    methods["Local"]["report"] = {"P-FL": "final.ft.pfl_acc"}
+    methods["Local"]["report"] = {"P-FL": "final.ft.pfl_acc", "zs": "final.diag.x"}  # its own zs, which it has
     methods["Ditto"] = {"set": {"algorithm.name": "ditto"}, "report": {"P-FL": "final.nothing"}}
     suite["tables"]["reuse"]["report"].update(eps="privacy.epsilon", FT="final.ft.pfl_ac")  # FT: Dir(0.1)'s run has ft
+    suite["tables"]["main"]["report"] = {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc", "diag": "final.diag.x",
+                                         "zs": "final.zero_shot"}  # fmt: skip
     bench = _bench(tmp_path, suite)
     main = bench.table("main")
     assert bench.unreported() == []  # no finished run yet
     for setting, seed in (("Dir(0.3)", 0), ("Dir(0.1)", 1)):
         finish(main, setting, "FedAvg", seed, {"gfl_acc": 0.5, "pfl_acc": 0.6, "ft": {"pfl_acc": 0.7}})
     finish(main, "Dir(0.3)", "Local", 0, {"gfl_acc": None, "pfl_acc": 0.8})
-    finish(main, "Dir(0.1)", "Local", 1, {"gfl_acc": None, "pfl_acc": 0.8, "ft": {"pfl_acc": 0.9}})
+    finish(main, "Dir(0.1)", "Local", 1, {"gfl_acc": None, "pfl_acc": 0.8, "ft": {"pfl_acc": 0.9}, "diag": {"x": 1}})
     assert bench.unreported() == [
+        "table main: column zs's field final.zero_shot is in none of the table's 2 finished run(s)' summary.json",
         "table main, FedAvg: column P-FL's field final.pfl_ac is in none of its 2 finished run(s)' summary.json; did "
         "you mean final.pfl_acc?",
         "table main, FedAvg+FT: column G-FL's field algoritm is in none of its 2 finished run(s)' summary.json",
-        "table reuse, Local: column eps's field privacy.epsilon is in none of its 2 finished run(s)' summary.json",
-        "table reuse, Local: column FT's field final.ft.pfl_ac is in none of its 2 finished run(s)' summary.json; did "
+        "table reuse: column eps's field privacy.epsilon is in none of the table's 2 finished run(s)' summary.json",
+        "table reuse: column FT's field final.ft.pfl_ac is in none of the table's 2 finished run(s)' summary.json; "
+        "did "
         "you mean final.ft.pfl_acc?"]
-    assert main.markdown().splitlines()[4].startswith("| FedAvg | 50.00 ± 0.00 | — | 50.00 ± 0.00 | — |")
+    assert main.markdown().splitlines()[4].startswith("| FedAvg | 50.00 ± 0.00 | — | — | — | 50.00 ± 0.00 | — |")
     # the fields offered: a summary's figures at any depth, not its names or flags
     assert _fields({"a": {"b": {"c": 1}, "d": "x"}, "flag": True, "n": 2.5}) == ["a.b.c", "n"]
 

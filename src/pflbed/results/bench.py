@@ -239,18 +239,25 @@ class Table:
         return rows
 
     def unreported(self) -> list[str]:
-        """A line for each report field that none of its row's finished runs has: its cells show "—" as if the
-        figure were merely missing, which hid a misspelt field (`final.pfl_ac`) in a table that looked complete."""
+        """A line for each report field that no finished run reading it has: its cells show "—" as if the figure
+        were merely missing, which hid a misspelt field (`final.pfl_ac`) in a table that looked complete.
+
+        A column of the table is named only when none of the table's rows reading it has the field: one that some
+        row has is a figure only some methods give (FedSelect's personal fraction, a zero-shot accuracy a method
+        without a global head has not), and its "—" elsewhere is the answer. A row's own column (its `report`) was
+        asked of that row, so it is named when none of the row's runs has it."""
+        runs = {m: {d: read_summary(d / "summary.json") for st in self.spec.settings
+                    for d in self.finished_runs(m, st).values()} for m in self.spec.methods}  # fmt: skip
         lines = []
-        for m in self.spec.methods:
-            summaries = [read_summary(d / "summary.json") for st in self.spec.settings
-                         for d in self.finished_runs(m, st).values()]  # fmt: skip
-            for col, field in self.report_of(m).items():
-                if field is None or not summaries or any(_lookup(x, field) is not _ABSENT for x in summaries):
-                    continue
-                have = dict.fromkeys(f for x in summaries for f in _fields(x))  # every run's, in order
-                lines.append(f"table {self.name}, {m}: column {col}'s field {field} is in none of its "
-                             f"{len(summaries)} finished run(s)' summary.json{did_you_mean(field, have)}")
+        for col, field in self.spec.report.items():
+            readers = [m for m, spec in self.spec.methods.items() if col not in (spec.report or {})]
+            summaries = list({d: x for m in readers for d, x in runs[m].items()}.values())  # a reused run once
+            if line := _unreported(col, field, summaries, "the table's"):
+                lines.append(f"table {self.name}: {line}")
+        for m, spec in self.spec.methods.items():
+            for col, field in (spec.report or {}).items():
+                if line := _unreported(col, field, list(runs[m].values()), "its"):
+                    lines.append(f"table {self.name}, {m}: {line}")
         return lines
 
     def columns(self) -> list[str]:
@@ -456,6 +463,16 @@ def _get(tree: dict[str, Any], dotted: str) -> float | None:
     """A number at a dotted path (None: absent, null or not a number)."""
     node = _lookup(tree, dotted)
     return float(node) if isinstance(node, int | float) and not isinstance(node, bool) else None
+
+
+def _unreported(col: str, field: str | None, summaries: list[dict[str, Any]], whose: str) -> str | None:
+    """The note for a column whose field none of `summaries` has (None: some has it, it is left out, or there is
+    no finished run yet), with the closest field they do have."""
+    if field is None or not summaries or any(_lookup(x, field) is not _ABSENT for x in summaries):
+        return None
+    have = dict.fromkeys(f for x in summaries for f in _fields(x))  # every run's, in order
+    return (f"column {col}'s field {field} is in none of {whose} {len(summaries)} finished run(s)' summary.json"
+            f"{did_you_mean(field, have)}")  # fmt: skip
 
 
 def _fields(tree: dict[str, Any], prefix: str = "") -> list[str]:
