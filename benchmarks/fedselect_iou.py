@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pflbed.data import load_source
-from pflbed.federation.federation import build_federation
+from pflbed.federation.build import build_federation
 from pflbed.results.bench import Bench, load_suite
 
 

@@ -24,7 +24,7 @@ import torch
 
 from pflbed.config import DatasetConfig, FederationConfig, load_config
 from pflbed.data import load_source
-from pflbed.federation.federation import build_federation
+from pflbed.federation.build import build_federation
 from pflbed.results.bench import Bench, load_suite
 
 ALGORITHMS = ("ktpfl", "sim_pfl", "topk_pfl", "fedmd")

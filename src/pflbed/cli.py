@@ -45,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace the run already in --out (finished, unfinished or of another config)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
-    b.add_argument("-c", "--config", required=True, help="suite YAML file")
+    b.add_argument("-c", "--config", required=True, help="suite YAML file, or a suite's results directory (the "
+                   "suite it ran is kept there)")  # fmt: skip
+    b.add_argument("--out", type=Path, help="results directory (default: the suite's out, else "
+                   "benchmarks/results/<name>; another runs the suite anew there)")  # fmt: skip
     b.add_argument("--max-cells", type=_count, help="run at most N unfinished cells, then write the tables")
     b.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                    help="run N cells at a time in worker processes with one torch thread each (e.g. N = cores)")
@@ -288,15 +291,17 @@ def _cmd_run(args: argparse.Namespace) -> None:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from pflbed.results.bench import Bench, load_suite
 
-    bench = Bench(load_suite(args.config))
+    bench = Bench(load_suite(args.config), out=args.out)
     console = make_console()
     if args.list:
         pending = {(t.name, c) for t, c in bench.pending()}
         for t, cell in bench.cells():
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
+    finished_before = not bench.pending()
     if not args.table_only:
-        given = [*(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
+        given = [*(["--out", str(args.out)] if args.out else []),
+                 *(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
                  *(["--shard", "/".join(map(str, args.shard))] if args.shard != (1, 1) else []),
                  *(["--max-cells", str(args.max_cells)] if args.max_cells is not None else [])]
         again = shlex.join(["pflbed", "bench", "-c", args.config, *given])  # a path with a space stays one word
@@ -309,6 +314,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     console.print(md.read_text())
     left = len(bench.pending())
     console.print(f"tables: {md}, {cs}" + (f" — {left} cells still to run (re-run to continue)" if left else ""))
+    if finished_before and not args.table_only:  # a clone's committed results: the tables came at once, unexplained
+        console.print(f"note: nothing ran: every cell in {bench.out} had finished before (the tables are theirs); "
+                      "--out ANOTHER_DIRECTORY runs the suite anew there")  # fmt: skip
     for line in bench.unreported():  # after the tables, where the reader looks; --table-only rewrites them mended
         console.print(f"note: {line} (its cells show —)")
     diverged = bench.diverged()

@@ -62,7 +62,7 @@ def test_the_command_line_reference_is_the_parser_s_every_command_and_option():
                 assert all(f"`{o}" in rows for o in action.option_strings), (words, action.dest)
     assert len(commands) == len(sections)
     bench = sections["pflbed bench"]
-    assert "| `-c CONFIG`, `--config CONFIG` | required | suite YAML file |" in bench
+    assert "| `-c CONFIG`, `--config CONFIG` | required | suite YAML file, or a suite's results directory" in bench
     assert "| `--jobs N` | `1` |" in bench and "| `--shard I/N` | `1/1` |" in bench and "| `--list` |  |" in bench
     assert "| `RUN …` | required | finished run directories |" in sections["pflbed report"]
     assert "| `{list,show,export,new-client}` | required |" in sections["pflbed data"]

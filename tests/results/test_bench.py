@@ -73,7 +73,9 @@ def test_bench_is_resumable_and_tables_are_means(suite_file, tmp_path, capsys):
     assert len(csv_lines) == 1 + 3 * 2 * 2 + 1 + 2
 
 
-def test_bad_suites_are_one_line_errors(tmp_path, capsys):
+def test_bad_suites_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """... and write nothing: the suites have no `out`, so anything written would be under the working directory."""
+    monkeypatch.chdir(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**SUITE, "tables": {"t": {"methods": {"X": {"same_as": "Nope"}}}}}))
     assert main(["bench", "-c", str(bad)]) == 2
@@ -100,6 +102,7 @@ def test_bad_suites_are_one_line_errors(tmp_path, capsys):
             assert main(["bench", "-c", str(bad)]) == 2
             err = capsys.readouterr().err.strip()
             assert "\n" not in err and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
 
 
 def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):
@@ -341,9 +344,10 @@ def fake_bench(tmp_path, monkeypatch):
     def use(**kwargs):
         made.update(kwargs)
 
-    def build(suite):
+    def build(suite, out=None):
         b = _FakeBench(calls, **made)
-        b.tmp = tmp_path
+        b.tmp, b.out = tmp_path, out or "benchmarks/results/s"
+        calls.append(("bench", suite, out))
         return b
 
     monkeypatch.setattr(bench, "load_suite", lambda path: path)
@@ -354,21 +358,43 @@ def fake_bench(tmp_path, monkeypatch):
 def test_bench_list_says_which_cells_are_done_and_runs_nothing(fake_bench, capsys):
     calls, _ = fake_bench
     assert main(["bench", "-c", "s.yaml", "--list"]) == 0
-    assert capsys.readouterr().out == "done  runs/t/seed0\ntodo  runs/t/seed1\n" and calls == []
+    assert capsys.readouterr().out == "done  runs/t/seed0\ntodo  runs/t/seed1\n"
+    assert calls == [("bench", "s.yaml", None)]
 
 
 def test_bench_runs_its_cells_as_asked_then_writes_and_prints_the_tables(fake_bench, tmp_path, capsys):
     calls, use = fake_bench
     assert main(["bench", "-c", "s.yaml", "--max-cells", "1", "--jobs", "2", "--shard", "2/3"]) == 0
-    assert calls == [("run", 1, (2, 3), 2, True), ("tables",)]
+    assert calls == [("bench", "s.yaml", None), ("run", 1, (2, 3), 2, True), ("tables",)]
     out = capsys.readouterr().out
     assert out == (f"| the table |\n\ntables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'} — 1 cells still to "
                    "run (re-run to continue)\n")  # fmt: skip
     calls.clear()
     use(done=True)
     assert main(["bench", "-c", "s.yaml", "--table-only"]) == 0
-    assert calls == [("tables",)]
+    assert calls == [("bench", "s.yaml", None), ("tables",)]
     assert capsys.readouterr().out.endswith(f"tables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'}\n")
+
+
+def test_a_bench_whose_cells_had_all_finished_says_that_nothing_ran_and_how_to_run_it_anew(fake_bench, tmp_path,
+                                                                                         capsys):  # fmt: skip
+    """A clone's committed results answer `pflbed bench -c SUITE` with their tables at once: without a word, a user
+    reproducing a table took them for a run. Said only when nothing was left to run (not for --table-only, which
+    asks for no run); `--out` goes to the bench, and to the command that continues it."""
+    calls, use = fake_bench
+    tables = f"tables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'}"
+    use(done=True)
+    assert main(["bench", "-c", "s.yaml"]) == 0
+    assert capsys.readouterr().out.endswith(f"{tables}\nnote: nothing ran: every cell in benchmarks/results/s had "
+                                            "finished before (the tables are theirs); --out ANOTHER_DIRECTORY runs "
+                                            "the suite anew there\n")  # fmt: skip
+    assert main(["bench", "-c", "s.yaml", "--table-only"]) == 0
+    assert capsys.readouterr().out.endswith(f"{tables}\n")
+    use(done=False)
+    calls.clear()
+    assert main(["bench", "-c", "s.yaml", "--out", "elsewhere"]) == 0
+    assert capsys.readouterr().out.endswith(f"{tables} — 1 cells still to run (re-run to continue)\n")
+    assert calls[0] == ("bench", "s.yaml", Path("elsewhere"))
 
 
 def test_each_report_field_no_finished_run_has_is_a_note_after_the_tables(fake_bench, tmp_path, capsys):
@@ -384,7 +410,7 @@ def test_bench_with_diverged_cells_writes_the_tables_and_exits_3_naming_one(fake
     calls, use = fake_bench
     use(done=True, diverged=("runs/t/seed1", "runs/t/seed0"))
     assert main(["bench", "-c", "s.yaml"]) == 3
-    assert calls == [("run", None, (1, 1), 1, True), ("tables",)]
+    assert calls == [("bench", "s.yaml", None), ("run", None, (1, 1), 1, True), ("tables",)]
     assert capsys.readouterr().err == ("pflbed: error: 2 cell(s) diverged, e.g. runs/t/seed1 (its diverged.json says "
                                        "where; delete a cell's directory to run it anew)\n")  # fmt: skip
 
@@ -394,6 +420,7 @@ def test_bench_with_diverged_cells_writes_the_tables_and_exits_3_naming_one(fake
     (["--jobs", "1", "--shard", "1/1"], "pflbed bench -c s.yaml"),  # the defaults, not repeated
     (["--shard", "1/2", "--max-cells", "0"], "pflbed bench -c s.yaml --shard 1/2 --max-cells 0"),
     (["--jobs", "2"], "pflbed bench -c s.yaml --jobs 2"),
+    (["--jobs", "2", "--out", "my dir"], "pflbed bench -c s.yaml --out 'my dir' --jobs 2"),
 ])  # fmt: skip
 def test_a_ctrl_c_in_a_bench_repeats_only_the_options_given(fake_bench, capsys, given, again):
     _, use = fake_bench

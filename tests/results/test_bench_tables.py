@@ -257,6 +257,27 @@ def test_a_report_field_no_finished_run_has_is_named_with_the_nearest_field_they
     assert _fields({"a": {"b": {"c": 1}, "d": "x"}, "flag": True, "n": 2.5}) == ["a.b.c", "n"]
 
 
+def test_a_suites_results_directory_holds_its_suite_and_stands_for_it(tmp_path):
+    """`--out` runs a suite elsewhere; the directory keeps the suite it ran (without its `out`), so the directory,
+    wherever it is moved, is read as that suite with its results there: `-c DIR --table-only` and the scripts that
+    read a suite's runs take it in place of the suite file. The suite is written before any cell runs."""
+    suite = Suite.model_validate({**SUITE, "out": "elsewhere"})
+    res = tmp_path / "res"
+    bench = Bench(suite, tmp_path / "root", out=res)
+    assert bench.out == res  # the command's --out, before the suite's out and the root
+    assert bench.run(max_cells=0) == 0 and "elsewhere" not in (res / "suite.yaml").read_text()
+    assert load_suite(res) == suite.model_copy(update={"out": str(res)})
+    assert Bench(load_suite(res)).out == res
+    res.rename(tmp_path / "moved")
+    assert Bench(load_suite(tmp_path / "moved")).out == tmp_path / "moved"
+    (tmp_path / "moved" / "suite.yaml").unlink()
+    bench.write_tables()  # the tables write it too
+    assert load_suite(res).tables == suite.tables
+    with pytest.raises(ConfigError, match=r"^\S+moved: a directory without suite.yaml; give a suite file or the "
+                                          r"results directory of one"):  # fmt: skip
+        load_suite(tmp_path / "moved")
+
+
 def test_default_results_directory_and_unknown_table(tmp_path):
     suite = Suite.model_validate(SUITE)
     assert Bench(suite).out == Path("benchmarks/results/fab")

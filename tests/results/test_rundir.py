@@ -19,9 +19,9 @@ from pflbed.results.rundir import (
     PLACEMENT,
     SUMMARY_KEYS,
     RunDir,
-    _atomic_write,
     _flat,
     _placed_anywhere,
+    atomic_write,
     config_text,
     default_out,
     read_config_tree,
@@ -507,7 +507,7 @@ def test_start_at_an_unwritable_location_is_one_line_and_removes_what_it_created
     assert _refused(RunDir(out).start, _cfg()) == f"--out {out}: cannot write the run directory (Permission denied)"
     monkeypatch.undo()
 
-    monkeypatch.setattr(rundir_mod, "_atomic_write", refuse)
+    monkeypatch.setattr(rundir_mod, "atomic_write", refuse)
     deep = tmp_path / "new" / "sub" / "run"
     assert _refused(RunDir(deep).start, _cfg()) == f"--out {deep}: cannot write the run directory (Permission denied)"
     assert not (tmp_path / "new").exists()  # the parents this call made go too
@@ -522,7 +522,7 @@ def test_start_at_an_unwritable_location_is_one_line_and_removes_what_it_created
         (tmp_path / "suite" / "b").mkdir()
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(rundir_mod, "_atomic_write", another_run_meanwhile)
+    monkeypatch.setattr(rundir_mod, "atomic_write", another_run_meanwhile)
     assert "cannot write" in _refused(RunDir(tmp_path / "suite" / "a").start, _cfg())
     assert os.listdir(tmp_path / "suite") == ["b"]  # its own directory gone, the other run's parent kept
 
@@ -614,7 +614,7 @@ def test_flat_dots_nested_keys_and_writes_lists_as_json():
     assert _flat({"k": 1}, "p.") == {"p.k": 1}
 
 
-def test_atomic_write_goes_through_a_temp_file_in_the_same_directory(tmp_path, monkeypatch):
+def testatomic_write_goes_through_a_temp_file_in_the_same_directory(tmp_path, monkeypatch):
     """A reader (or a crash) never sees half a file: the text is written to a hidden temp file beside it, then
     renamed over it."""
     target = tmp_path / "summary.json"
@@ -627,12 +627,12 @@ def test_atomic_write_goes_through_a_temp_file_in_the_same_directory(tmp_path, m
         return real(self, to)
 
     monkeypatch.setattr(Path, "replace", replace)
-    _atomic_write(target, "new")
+    atomic_write(target, "new")
     assert renames == [(tmp_path / f".summary.json.{os.getpid()}.tmp", target, "new")]
     assert target.read_text() == "new" and os.listdir(tmp_path) == ["summary.json"]
 
 
-def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+def test_a_failedatomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
     """A write that fails (a full disk) leaves the old file and no hidden temp file, which would make an empty run
     directory 'a non-empty directory that holds no pflbed run' on the next try."""
     target = tmp_path / "config.yaml"
@@ -643,7 +643,7 @@ def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "replace", full)
     with pytest.raises(OSError, match="No space left"):
-        _atomic_write(target, "new")
+        atomic_write(target, "new")
     assert os.listdir(tmp_path) == ["config.yaml"] and target.read_text() == "old"
 
 
@@ -656,5 +656,5 @@ def test_a_write_failing_before_its_temp_file_exists_raises_its_own_error(tmp_pa
 
     monkeypatch.setattr(Path, "write_text", refused)
     with pytest.raises(PermissionError, match="Permission denied"):
-        _atomic_write(tmp_path / "config.yaml", "new")
+        atomic_write(tmp_path / "config.yaml", "new")
     assert os.listdir(tmp_path) == []

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
+import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
@@ -42,7 +43,7 @@ from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
-from pflbed.results.rundir import read_summary, suite_dir
+from pflbed.results.rundir import atomic_write, read_summary, suite_dir
 
 
 class MethodSpec(BaseModel):
@@ -115,8 +116,18 @@ def read_suite_file(p: Path) -> Any:
     return read_yaml_file(p, "suite")
 
 
+SUITE_FILE = "suite.yaml"  # in a suite's results directory: the suite its cells ran, whose results are there
+
+
 def load_suite(path: str | Path) -> Suite:
+    """The suite of a suite file, or of a results directory (`SUITE_FILE`, its results that directory): the
+    suite a `--out` elsewhere ran, for `--table-only`, `--list` and the scripts that read a suite's runs."""
     p = Path(path)
+    if p.is_dir():
+        if not (p / SUITE_FILE).is_file():
+            raise ConfigError(f"{p}: a directory without {SUITE_FILE}; give a suite file or the results directory "
+                              "of one (`pflbed bench` writes its suite there)")  # fmt: skip
+        return load_suite(p / SUITE_FILE).model_copy(update={"out": str(p)})
     tree = read_suite_file(p)
     try:
         return Suite.model_validate(tree or {})
@@ -297,9 +308,12 @@ class Table:
 
 
 class Bench:
-    def __init__(self, suite: Suite, root: Path | None = None) -> None:
+    def __init__(self, suite: Suite, root: Path | None = None, out: Path | None = None) -> None:
+        """`out` (a command's `--out`) before the suite's own `out`, before `root`/<name> (default
+        benchmarks/results)."""
         self.suite = suite
-        self.out = suite_dir(Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name)
+        out = out or (Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name)
+        self.out = suite_dir(out)
         self.tables = [Table(n, spec, suite, self.out) for n, spec in suite.tables.items()]
 
     def table(self, name: str) -> Table | None:
@@ -350,6 +364,7 @@ class Bench:
         position = {(t.name, c): k for k, (t, c) in enumerate(cells)}
         todo = [(t, c) for t, c in pending if position[(t.name, c)] % n_shard == i_shard - 1]
         configs = {(t.name, c): t.cell_config(*c) for t, c in todo}  # validate every cell before running any
+        self.write_suite()  # then the suite beside what it runs (a suite refused above writes nothing)
         total, done = len(cells), len(cells) - len(pending)
         todo = todo[:max_cells] if max_cells is not None else todo
         tasks = [(configs[(t.name, c)], t.run_dir(*c)) for t, c in todo]
@@ -376,8 +391,16 @@ class Bench:
         """Every table's report fields that no finished run of their row has (`Table.unreported`)."""
         return [line for t in self.tables for line in t.unreported()]
 
-    def write_tables(self) -> tuple[Path, Path]:
+    def write_suite(self) -> Path:
+        """The suite beside its results (`SUITE_FILE`), without its `out`: the directory is its results wherever it
+        is moved, and `load_suite(directory)` reads it back."""
         self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / SUITE_FILE
+        atomic_write(path, yaml.safe_dump(self.suite.model_dump(mode="json", exclude={"out"}), sort_keys=False))
+        return path
+
+    def write_tables(self) -> tuple[Path, Path]:
+        self.write_suite()
         md, cs = self.out / "table.md", self.out / "table.csv"
         md.write_text(self.markdown())
         cs.write_text(self.csv())

@@ -278,7 +278,7 @@ class RunDir:
                 (self.path / stale).unlink(missing_ok=True)
             for stale in ("checkpoints", "plots"):
                 shutil.rmtree(self.path / stale, ignore_errors=True)
-            _atomic_write(self.path / "config.yaml", config_text(cfg))
+            atomic_write(self.path / "config.yaml", config_text(cfg))
         except OSError as e:
             if created:
                 shutil.rmtree(self.path, ignore_errors=True)
@@ -301,7 +301,7 @@ class RunDir:
 
     def rewrite_metrics(self, history: list[dict[str, Any]]) -> None:
         """Make metrics.jsonl exactly the checkpointed history (drops lines logged after the checkpoint)."""
-        _atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+        atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
         self._write_csv()
         (self.path / "summary.json").unlink(missing_ok=True)
 
@@ -320,10 +320,10 @@ class RunDir:
         writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        _atomic_write(self.path / "metrics.csv", buf.getvalue())
+        atomic_write(self.path / "metrics.csv", buf.getvalue())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -336,7 +336,7 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     """`text` as the whole of `path`, never half of it: written beside it, then renamed over it. A failed write (a full
     disk) leaves no temp file, which would make an emptied run directory one that 'holds no pflbed run'."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
