@@ -111,3 +111,13 @@ def test_a_config_file_is_read_up_to_its_bound_and_no_further(tmp_path, monkeypa
     monkeypatch.setattr(load, "open", lambda *a, **k: Endless(), raising=False)
     with pytest.raises(ConfigError, match=r": larger than 1 MB; a config is a YAML text file$"):
         load_config("/dev/zero")
+
+
+def test_overrides_are_a_list_not_one_string():
+    """`load_config(None, "train.rounds=3")` read each character as an override ("--set 't': expected key=value");
+    one string is refused as such, the list form read."""
+    for given in ("train.rounds=3", b"train.rounds=3"):
+        with pytest.raises(TypeError, match=r"^overrides: a list of 'KEY=VALUE' strings, got one string: \[.*3'\]$"):
+            load_config(None, given)
+    assert load_config(None, ["train.rounds=3"]).train.rounds == 3
+    assert load_config(None, ("train.rounds=3",)).train.rounds == 3

@@ -558,6 +558,8 @@ def test_the_learning_rate_the_run_chose_is_read_where_the_summary_has_it(runs, 
     (np.zeros(2), r"^y: expected 3 labels \(one per sample\), got shape \[2\]$"),
     (np.array([0.0, 0.5, 1.0]), r"^y: labels must be integers$"),
     (np.array([-1, 0, 1]), r"^y: labels must be in 0…9 \(digits has 10 classes\), got -1…1$"),
+    (np.array(["0", "1", "2"]), r"^y: labels must be integers \(got <U1 values\)$"),  # was torch's dtype error
+    ([0, None, 1], r"^y: labels must be integers \(got object values\)$"),
 ])  # fmt: skip
 def test_the_api_checks_labels_as_the_command_does(runs, y, message):
     """`TrainedRun.labels` (what `personalize` and the scores take): one label per sample, integers (floats holding
@@ -636,7 +638,7 @@ def test_a_saved_model_and_its_summary_and_no_unpickling_of_what_a_file_names(ru
     run = pflbed.load_run(runs["fedavg"][0])
     (x, y), val, (xt, _) = _client_samples()
     p = run.personalize(x, y, method="ft", epochs=2, lr=0.05, val=val)
-    p.save(tmp_path / "p")
+    assert p.save(str(tmp_path / "p")) == tmp_path / "p"  # a path as text too, as the guide's `.save(dir)` reads
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary == {"method": "ft", "lr": 0.05, "selected_epoch": p.selected_epoch, "epochs": p.epochs,
                        "seconds": round(p.seconds, 3), **p.info}  # fmt: skip
@@ -672,3 +674,19 @@ def test_a_method_s_own_personal_model_is_saved_and_loaded_with_its_run(tmp_path
     with pytest.raises(PflbedError, match=r"^gpfl's generic model is not one network of body and head to fine-tune "
                                           r"or probe: use --method native$"):  # fmt: skip
         run.personalize(x, y, method="ft", epochs=1, lr=0.05)
+
+
+def test_the_api_refuses_what_is_no_client_id_and_no_validation_pair(runs):
+    """A client id given as text ("3") was reported as "client 3 did not participate", and one given as 3.0 or True
+    was taken as a client; a `val` that is not an (x, y) pair was an IndexError from inside `personalize`."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, (xt, _) = _client_samples()
+    cid = run.algo.ctx.federation.participated[0]
+    for bad in (str(cid), float(cid), True):
+        with pytest.raises(TypeError, match=rf"^cid: a client id \(int\), got {type(bad).__name__} {bad!r}$"):
+            run.predict(xt, cid=bad)
+    assert np.array_equal(run.predict(xt, cid=np.int64(cid)), run.predict(xt, cid=cid))  # numpy's integers are ids
+    for val, got in (((xt,), "tuple of 1"), (xt, "ndarray"), ([xt, y, y], "list of 3")):
+        with pytest.raises(PflbedError, match=rf"^val: expected \(x, y\), the validation samples and their labels; "
+                                              rf"got {got}$"):  # fmt: skip
+            run.personalize(x, y, epochs=1, lr=0.05, val=val)

@@ -85,6 +85,8 @@ def config_tree(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
         tree = loaded or {}
+    if isinstance(overrides, str | bytes):  # iterated, its characters were each a `--set` ("'t': expected key=value")
+        raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got one string: [{overrides!r}]")
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(tree, key, value)

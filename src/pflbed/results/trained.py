@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,9 +104,10 @@ class Personalized:
             raise PflbedError("test x: no samples to score")
         return _accuracy(model, self.run.inputs(x, scale, "test x"), labels)
 
-    def save(self, out: Path, force: bool = False) -> Path:
+    def save(self, out: str | Path, force: bool = False) -> Path:
         """`out/model.pt` (state dict, architecture, input shape, classes) and `out/summary.json`, where
         `check_out` allows them."""
+        out = Path(out)
         check_out(out, force)
         save_model(self.model, out, getattr(self.model, "zoo_name", None), self.info["input_shape"],
                    self.info["num_classes"])  # fmt: skip
@@ -205,6 +207,8 @@ class TrainedRun:
 
     def personal_model(self, cid: int) -> torch.nn.Module:
         """Participating client `cid`'s personal model (the one scored for its P-FL)."""
+        if not isinstance(cid, numbers.Integral) or isinstance(cid, bool):  # "3" was "client 3 did not participate"
+            raise TypeError(f"cid: a client id (int), got {type(cid).__name__} {cid!r}")
         fed = self.algo.ctx.federation
         if self.config.sites.local:
             raise PflbedError(f"client {cid}'s personal model stayed on its site (sites.local): the run holds the "
@@ -255,6 +259,9 @@ class TrainedRun:
         if not len(ys):  # nothing to learn from: the model would come back untouched, as if personalized
             raise PflbedError("x: no samples to personalize from")
         if val is not None:
+            if not isinstance(val, tuple | list) or len(val) != 2:
+                raise PflbedError(f"val: expected (x, y), the validation samples and their labels; got "
+                                  f"{type(val).__name__}{f' of {len(val)}' if isinstance(val, tuple | list) else ''}")
             xv, yv = self.inputs(val[0], scale, "val x"), self.labels(val[1], "val y", len(val[0]))
             if not len(yv):
                 raise PflbedError("val x: no samples to choose an epoch on (leave out the validation set instead)")
@@ -329,7 +336,10 @@ class TrainedRun:
 
     def labels(self, y: Any, what: str, n: int) -> torch.Tensor:
         """`n` integer labels of this run's classes, checked (`what` names them in errors)."""
-        labels = torch.as_tensor(np.asarray(y))
+        raw = np.asarray(y)
+        if raw.dtype.kind not in "biuf":  # text or objects: torch's own error named its dtypes, not the labels
+            raise PflbedError(f"{what}: labels must be integers (got {raw.dtype} values)")
+        labels = torch.as_tensor(raw)
         k = self.source.num_classes
         if labels.ndim != 1 or len(labels) != n:
             raise PflbedError(f"{what}: expected {n} labels (one per sample), got shape {list(labels.shape)}")
