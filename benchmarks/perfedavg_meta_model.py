@@ -65,12 +65,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     bench = Bench(load_suite(args.suite))
+    read = 0
     for table, (setting, method, seed) in bench.cells():
         path = table.run_dir(setting, method, seed)
         if method not in ("Per-FedAvg", "FedAvg") or not (path / "checkpoints").is_dir():
             continue
         figs = cell_figures(path)
+        read += 1
         print(f"{method}, {setting}, seed {seed}: " + ", ".join(f"{k} {v:.3g}" for k, v in figs.items()), flush=True)
+    if not read:  # the committed results keep no checkpoints: an empty output read as "nothing to say"
+        print(f"no finished Per-FedAvg or FedAvg cell with a checkpoint in {bench.out}: run the suite first")
 
 
 if __name__ == "__main__":
