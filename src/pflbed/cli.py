@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a suite (settings × methods × seeds) and write mean ± std tables")
     b.add_argument("-c", "--config", required=True, help="suite YAML file, or a suite's results directory (the "
                    "suite it ran is kept there)")  # fmt: skip
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the suite, e.g. --set base.train.rounds=5, --set 'seeds=[0]', --set "
+                   "'tables.NAME.methods=[FedAvg]' (repeatable; with --out, as other cells are another suite's)")
     b.add_argument("--out", type=Path, help="results directory (default: the suite's out, else "
                    "benchmarks/results/<name>; another runs the suite anew there)")  # fmt: skip
     b.add_argument("--max-cells", type=_count, help="run at most N unfinished cells, then write the tables")
@@ -291,7 +294,7 @@ def _cmd_run(args: argparse.Namespace) -> None:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from pflbed.results.bench import Bench, load_suite
 
-    bench = Bench(load_suite(args.config), out=args.out)
+    bench = Bench(load_suite(args.config, args.overrides), out=args.out)
     console = make_console()
     if args.list:
         pending = {(t.name, c) for t, c in bench.pending()}
@@ -300,7 +303,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         return
     finished_before = not bench.pending()
     if not args.table_only:
-        given = [*(["--out", str(args.out)] if args.out else []),
+        given = [*(x for o in args.overrides for x in ("--set", o)), *(["--out", str(args.out)] if args.out else []),
                  *(["--jobs", str(args.jobs)] if args.jobs > 1 else []),
                  *(["--shard", "/".join(map(str, args.shard))] if args.shard != (1, 1) else []),
                  *(["--max-cells", str(args.max_cells)] if args.max_cells is not None else [])]

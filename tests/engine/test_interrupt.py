@@ -62,7 +62,7 @@ def test_ctrl_c_in_a_bench_says_how_to_continue(tmp_path, monkeypatch, capsys):
 
     suite = tmp_path / "my suite.yaml"
     suite.write_text("name: s\n")
-    monkeypatch.setattr(bench, "load_suite", lambda path: object())
+    monkeypatch.setattr(bench, "load_suite", lambda path, overrides: object())
     monkeypatch.setattr(bench, "Bench", lambda s, out=None: type("B", (), {"pending": lambda self: [],
                                                                           "run": lambda *a, **k: (_ for _ in ()).throw(
         KeyboardInterrupt)})())  # fmt: skip

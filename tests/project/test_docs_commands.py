@@ -25,6 +25,7 @@ RUN_BY = {
     "docs/getting-started.md": ["test_getting_started_s_digits_commands_run_as_written",
                                 "test_getting_started_s_fashion_mnist_commands_run_as_written"],
     "docs/guide/after-the-run.md": ["test_after_the_run_s_commands_run_as_written"],
+    "docs/guide/benchmarks.md": ["results/test_bench.py::test_the_benchmarks_guide_s_small_trial_runs_as_written"],
     "docs/guide/flower.md": ["test_the_flower_guide_s_simulation_runs_as_written",
                              "test_the_flower_guide_s_deployments_run_as_written"],
     "docs/guide/privacy.md": ["project/test_privacy_guide.py::test_the_guides_commands_run_as_written"],

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -350,7 +352,7 @@ def fake_bench(tmp_path, monkeypatch):
         calls.append(("bench", suite, out))
         return b
 
-    monkeypatch.setattr(bench, "load_suite", lambda path: path)
+    monkeypatch.setattr(bench, "load_suite", lambda path, overrides: (path, *overrides) if overrides else path)
     monkeypatch.setattr(bench, "Bench", build)
     return calls, use
 
@@ -395,6 +397,9 @@ def test_a_bench_whose_cells_had_all_finished_says_that_nothing_ran_and_how_to_r
     assert main(["bench", "-c", "s.yaml", "--out", "elsewhere"]) == 0
     assert capsys.readouterr().out.endswith(f"{tables} — 1 cells still to run (re-run to continue)\n")
     assert calls[0] == ("bench", "s.yaml", Path("elsewhere"))
+    calls.clear()
+    assert main(["bench", "-c", "s.yaml", "--set", "seeds=[0]", "--set", "base.train.rounds=2", "--out", "o"]) == 0
+    assert calls[0] == ("bench", ("s.yaml", "seeds=[0]", "base.train.rounds=2"), Path("o"))  # the suite, as set
 
 
 def test_each_report_field_no_finished_run_has_is_a_note_after_the_tables(fake_bench, tmp_path, capsys):
@@ -421,9 +426,35 @@ def test_bench_with_diverged_cells_writes_the_tables_and_exits_3_naming_one(fake
     (["--shard", "1/2", "--max-cells", "0"], "pflbed bench -c s.yaml --shard 1/2 --max-cells 0"),
     (["--jobs", "2"], "pflbed bench -c s.yaml --jobs 2"),
     (["--jobs", "2", "--out", "my dir"], "pflbed bench -c s.yaml --out 'my dir' --jobs 2"),
+    (["--out", "o", "--set", "seeds=[0]", "--set", "tables=[t]"],
+     "pflbed bench -c s.yaml --set 'seeds=[0]' --set 'tables=[t]' --out o"),
 ])  # fmt: skip
 def test_a_ctrl_c_in_a_bench_repeats_only_the_options_given(fake_bench, capsys, given, again):
     _, use = fake_bench
     use(stop=True)
     assert main(["bench", "-c", "s.yaml", *given]) == 130
     assert capsys.readouterr().err.strip().endswith(f"continue with '{again}'")
+
+
+def test_the_benchmarks_guide_s_small_trial_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/guide/benchmarks.md's `--set`/`--out` example, as the page shows it, from a working directory of its own
+    (the suite file named from the repository): the three rows it keeps run for 2 rounds on one seed, into `--out`,
+    whose suite.yaml is the suite as changed."""
+    from pflbed.data.fmnist import HOW_TO_GET, find_fmnist
+
+    if find_fmnist() is None:
+        pytest.skip(f"Fashion-MNIST is not on this machine: {HOW_TO_GET}")
+    root = Path(__file__).resolve().parents[2]
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", (root / "docs" / "guide" / "benchmarks.md").read_text(),
+                                       re.S) if "--out runs/bench/fedselect-small" in b)  # fmt: skip
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["pflbed", "bench", "-c"]
+    argv[3] = str(root / argv[3])
+    monkeypatch.chdir(tmp_path)
+    assert main(argv[1:]) == 0
+    out = tmp_path / "runs" / "bench" / "fedselect-small"
+    assert "| FedSelect α=0.3 |" in (out / "table.md").read_text()
+    suite = load_suite(out)
+    assert suite.seeds == [0] and suite.base["train"]["rounds"] == 2
+    assert list(suite.tables["fedselect"].methods) == ["FedAvg", "FedAvg+FT", "FedSelect α=0.3"]
+    assert sorted(p.name for p in (out / "runs" / "fedselect" / "default").iterdir()) == ["FedAvg", "FedSelect-α=0.3"]

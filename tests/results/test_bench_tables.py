@@ -331,8 +331,8 @@ def test_cells_of_an_edited_suite_are_listed_and_refused(filled):
     (main.run_dir(*other) / "config.yaml").write_text(config_text(validate_config(old)))
     assert filled.stale() == [main.run_dir(*other)]
     with pytest.raises(PflbedError, match=re.escape(f"1 cell(s) were run with another version of the suite, e.g. "
-                                                    f"{main.run_dir(*other)}; delete them (or restore the suite) "
-                                                    "and re-run")):  # fmt: skip
+                                                    f"{main.run_dir(*other)}; delete them, restore the suite, or run "
+                                                    "it in another directory (--out)")):  # fmt: skip
         filled.run(log=lambda _: None)
 
 

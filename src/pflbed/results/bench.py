@@ -38,12 +38,13 @@ from typing import Annotated, Any
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pflbed.config import Config, _first_error, set_dotted, validate_config
+from pflbed.config import Config, _first_error, parse_override, set_dotted, validate_config
 from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
 from pflbed.results.rundir import atomic_write, read_summary, suite_dir
+from pflbed.results.suite_overrides import flat_set, set_in, set_labelled
 
 
 class MethodSpec(BaseModel):
@@ -119,20 +120,74 @@ def read_suite_file(p: Path) -> Any:
 SUITE_FILE = "suite.yaml"  # in a suite's results directory: the suite its cells ran, whose results are there
 
 
-def load_suite(path: str | Path) -> Suite:
+def load_suite(path: str | Path, overrides: list[str] | None = None) -> Suite:
     """The suite of a suite file, or of a results directory (`SUITE_FILE`, its results that directory): the
-    suite a `--out` elsewhere ran, for `--table-only`, `--list` and the scripts that read a suite's runs."""
+    suite a `--out` elsewhere ran, for `--table-only`, `--list` and the scripts that read a suite's runs; with
+    `--set KEY=VALUE` overrides applied (`apply_overrides`), an error naming the `--set` it comes from."""
     p = Path(path)
     if p.is_dir():
         if not (p / SUITE_FILE).is_file():
             raise ConfigError(f"{p}: a directory without {SUITE_FILE}; give a suite file or the results directory "
                               "of one (`pflbed bench` writes its suite there)")  # fmt: skip
-        return load_suite(p / SUITE_FILE).model_copy(update={"out": str(p)})
+        return load_suite(p / SUITE_FILE, overrides).model_copy(update={"out": str(p)})
     tree = read_suite_file(p)
+    keys: list[str] = []
+    if overrides and isinstance(tree, dict | None):  # a file that is no mapping is refused as it is, not emptied
+        tree, keys = apply_overrides(tree or {}, overrides)
     try:
         return Suite.model_validate(tree or {})
     except ValidationError as e:
-        raise ConfigError(f"{p}: {_first_error(e, model=Suite)}") from None
+        loc = ".".join(str(x) for x in e.errors()[0]["loc"])
+        given = any(loc == k or loc.startswith(f"{k}.") or k.startswith(f"{loc}.") for k in keys)
+        raise ConfigError(f"{'--set ' if given else f'{p}: '}{_first_error(e, model=Suite)}") from None
+
+
+_TABLE_FLAT = ("report", "column_scale")  # a table's mappings whose keys are column names
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of the suite's tree with each `KEY=VALUE` set (the value read as YAML), and the keys set. KEY is the
+    suite's own dotted path: `base.train.rounds=5`, `seeds=[0]`, `tables=[main]` (keep those tables),
+    `tables.T.methods=[A, B]`, `tables.T.methods.A=null` (drop one), `tables.T.methods.A.set.train.lr=0.1`,
+    `tables.T.settings.Dir(0.3).federation.alpha=0.5`, `tables.T.report.P-FL=final.pfl_acc`."""
+    tree, keys = copy.deepcopy(tree), []
+    fields = list(Suite.model_fields)
+    for item in overrides:
+        key, value = parse_override(item)
+        parts = key.split(".")
+        if parts[0] not in fields:
+            raise ConfigError(f"--set {key}: not a key of a bench suite ({', '.join(fields)}); a run config key "
+                              f"goes under base (--set base.{key}=…) or a table's base "
+                              f"(--set tables.NAME.base.{key}=…)")  # fmt: skip
+        if parts[0] == "tables":
+            if found := set_labelled(tree, "tables", parts[1:], value, "table", key):
+                _set_in_table(*found, value, key)
+        else:
+            set_in(tree, key, value, key)
+        keys.append(key)
+    return tree, keys
+
+
+def _set_in_table(tables: dict[str, Any], name: str, parts: list[str], value: Any, key: str) -> None:
+    """`tables.NAME.<parts>` = `value`: a method's `set` and `report`, a setting's keys and the table's columns are
+    each one key below them; the rest is a dotted path (`base.train.rounds`)."""
+    if not isinstance(tables[name], dict):
+        raise ConfigError(f"--set {key}: not a section")
+    field, rest, where = parts[0], parts[1:], f"table {name!r}"
+    if field in ("methods", "settings"):
+        what = field.removesuffix("s")
+        if found := set_labelled(tables[name], field, rest, value, what, key, where):
+            entries, label, below = found
+            if field == "settings":
+                flat_set(entries, label, ".".join(below), value, key)
+            elif below[0] in ("set", "report") and len(below) > 1:
+                flat_set(entries[label], below[0], ".".join(below[1:]), value, key)
+            else:
+                set_in(entries[label], ".".join(below), value, key)
+    elif field in _TABLE_FLAT and rest:
+        flat_set(tables[name], field, ".".join(rest), value, key)
+    else:
+        set_in(tables[name], ".".join(parts), value, key)
 
 
 def _source(same_as: str) -> tuple[str | None, str]:
@@ -358,7 +413,7 @@ class Bench:
         stale = self.stale()
         if stale:
             raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
-                              "delete them (or restore the suite) and re-run")  # fmt: skip
+                              "delete them, restore the suite, or run it in another directory (--out)")  # fmt: skip
         i_shard, n_shard = shard
         cells, pending = self.cells(), self.pending()
         position = {(t.name, c): k for k, (t, c) in enumerate(cells)}

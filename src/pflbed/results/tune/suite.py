@@ -8,10 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pflbed.config import _first_error, parse_override, set_dotted, validate_config
+from pflbed.config import _first_error, parse_override, validate_config
 from pflbed.config.base import Seeds
 from pflbed.errors import ConfigError
 from pflbed.results.bench import SuiteName, _merge, _slug, read_suite_file
+from pflbed.results.suite_overrides import flat_set, set_in, set_labelled
 
 CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
 IMPORTANCE_MIN_TRIALS = 10  # parameter importances (a random forest over the trials) from fewer are noise
@@ -142,55 +143,19 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[st
             raise ConfigError(f"--set {key}: not a key of a tune suite ({', '.join(fields)}); a run config key "
                               f"goes under base (--set base.{key}=…) or a method's set "
                               f"(--set methods.NAME.set.{key}=…)")  # fmt: skip
-        methods = tree.get("methods") if isinstance(tree.get("methods"), dict) else {}
-        if key == "methods" and isinstance(value, list):
-            if missing := [m for m in value if m not in methods]:
-                raise ConfigError(f"--set methods: no method {missing[0]!r} in the suite ({_listed(methods)})")
-            tree["methods"] = {m: methods[m] for m in value}
-        elif parts[0] == "methods" and len(parts) > 1:
-            name = parts[1]
-            if name not in methods:
-                raise ConfigError(f"--set {key}: no method {name!r} in the suite ({_listed(methods)})")
-            if len(parts) == 2:
-                if value is None:
-                    del methods[name]
+        if parts[0] == "methods":
+            if found := set_labelled(tree, "methods", parts[1:], value, "method", key):
+                methods, name, below = found
+                if below[0] in _FLAT_IN_METHOD and len(below) > 1:
+                    flat_set(methods[name], below[0], ".".join(below[1:]), value, key)
                 else:
-                    methods[name] = value
-            elif parts[2] in _FLAT_IN_METHOD and len(parts) > 3:
-                spec = methods[name] if isinstance(methods[name], dict) else {}
-                methods[name] = spec
-                _flat_set(spec, parts[2], ".".join(parts[3:]), value, key)
-            else:
-                _set(methods[name], ".".join(parts[2:]), value, key)
+                    set_in(methods[name], ".".join(below), value, key)
         elif tuple(parts[:2]) in _FLAT and len(parts) > 2:
-            _flat_set(tree.setdefault("tune", {}), "space", ".".join(parts[2:]), value, key)
+            flat_set(tree.setdefault("tune", {}), "space", ".".join(parts[2:]), value, key)
         elif tuple(parts[:1]) in _FLAT and len(parts) > 1:
             tree.setdefault("report", TuneSuite.model_fields["report"].get_default(call_default_factory=True))
-            _flat_set(tree, "report", ".".join(parts[1:]), value, key)
+            flat_set(tree, "report", ".".join(parts[1:]), value, key)
         else:
-            _set(tree, key, value, key)
+            set_in(tree, key, value, key)
         keys.append(key)
     return tree, keys
-
-
-def _listed(methods: dict[str, Any]) -> str:
-    return ", ".join(methods) or "it has none"
-
-
-def _set(node: Any, dotted: str, value: Any, key: str) -> None:
-    if not isinstance(node, dict):
-        raise ConfigError(f"--set {key}: not a section")
-    try:
-        set_dotted(node, dotted, value)
-    except ConfigError as e:
-        raise ConfigError(f"--set {key}: {str(e).removeprefix(f'{dotted}: ')}") from None
-
-
-def _flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None:
-    if not isinstance(node, dict):  # the section above `field` is none (`tune=5`): said as `_set` says it
-        raise ConfigError(f"--set {key}: not a section")
-    mapping = node.setdefault(field, {})
-    if not isinstance(mapping, dict):
-        raise ConfigError(f"--set {key}: {field} is not a section")
-    mapping[flat_key] = value
-
