@@ -44,7 +44,7 @@ from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
 from pflbed.results.rundir import atomic_write, read_summary, suite_dir
-from pflbed.results.suite_overrides import flat_set, set_in, set_labelled
+from pflbed.results.suite_overrides import flat_set, set_by_overrides, set_in, set_labelled
 
 
 class MethodSpec(BaseModel):
@@ -137,9 +137,8 @@ def load_suite(path: str | Path, overrides: list[str] | None = None) -> Suite:
     try:
         return Suite.model_validate(tree or {})
     except ValidationError as e:
-        loc = ".".join(str(x) for x in e.errors()[0]["loc"])
-        given = any(loc == k or loc.startswith(f"{k}.") or k.startswith(f"{loc}.") for k in keys)
-        raise ConfigError(f"{'--set ' if given else f'{p}: '}{_first_error(e, model=Suite)}") from None
+        where = "--set " if set_by_overrides(e, keys) else f"{p}: "
+        raise ConfigError(f"{where}{_first_error(e, model=Suite)}") from None
 
 
 _TABLE_FLAT = ("report", "column_scale")  # a table's mappings whose keys are column names

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from pflbed.config import set_dotted
 from pflbed.errors import ConfigError
 
@@ -71,3 +73,10 @@ def set_labelled(tree: dict[str, Any], field: str, parts: Sequence[str], value: 
     else:
         mapping[label] = value
     return None
+
+
+def set_by_overrides(error: ValidationError, keys: Sequence[str]) -> bool:
+    """Whether the suite's first validation error lies at, below or above a key a `--set` gave (`seeds.0` of
+    `seeds=[-1]`; a table's own check of a method set in it): its message then names the `--set`, not the file."""
+    loc = ".".join(str(x) for x in error.errors()[0]["loc"])
+    return any(loc == k or loc.startswith(f"{k}.") or k.startswith(f"{loc}.") for k in keys)

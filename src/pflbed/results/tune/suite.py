@@ -12,7 +12,7 @@ from pflbed.config import _first_error, parse_override, validate_config
 from pflbed.config.base import Seeds
 from pflbed.errors import ConfigError
 from pflbed.results.bench import SuiteName, _merge, _slug, read_suite_file
-from pflbed.results.suite_overrides import flat_set, set_in, set_labelled
+from pflbed.results.suite_overrides import flat_set, set_by_overrides, set_in, set_labelled
 
 CURVES = ("pfl_val", "gfl_val")  # objectives read from the evaluation records: pruned on their curve
 IMPORTANCE_MIN_TRIALS = 10  # parameter importances (a random forest over the trials) from fewer are noise
@@ -112,9 +112,8 @@ def load_tune_suite(path: str | Path, overrides: list[str] | None = None) -> Tun
     try:
         suite = TuneSuite.model_validate(tree or {})
     except ValidationError as e:
-        loc = ".".join(str(x) for x in e.errors()[0]["loc"])
-        given = any(loc == k or loc.startswith(f"{k}.") or k.startswith(f"{loc}.") for k in keys)
-        raise ConfigError(f"{'--set ' if given else f'{p}: '}{_first_error(e, model=TuneSuite)}") from None
+        where = "--set " if set_by_overrides(e, keys) else f"{p}: "
+        raise ConfigError(f"{where}{_first_error(e, model=TuneSuite)}") from None
     base_keys = [k.removeprefix("base.") for k in keys if k.startswith("base.")]
     if base_keys:  # a wrong run config key under base, named as given (else a method's config names it later)
         try:
