@@ -39,8 +39,7 @@ def flat_set(node: Any, field: str, flat_key: str, value: Any, key: str) -> None
     mapping[flat_key] = value
 
 
-def label_at(mapping: dict[str, Any], parts: Sequence[str], what: str, key: str,
-             where: str = "the suite") -> tuple[str, list[str]]:  # fmt: skip
+def label_at(mapping: dict[str, Any], parts: Sequence[str], what: str, key: str, where: str) -> tuple[str, list[str]]:
     """The label of `mapping` that `parts` start with (the longest, as a label may hold dots) and the parts after
     it; a label `where` has not is one line listing those it has."""
     for j in range(len(parts), 0, -1):
