@@ -15,8 +15,9 @@ import pytest
 from pflbed.cli import _parser
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-SYNOPSIS = re.compile(r"[\[{<…]|\.\.\.")  # a synopsis, `pflbed run [-c FILE.yaml] [--set key=value ...]`: not a command
+PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "results" / "README.md", *(ROOT / "docs").rglob("*.md")])
+SYNOPSIS = re.compile(r"[\[{…]|\.\.\.")  # a synopsis, `pflbed run [-c FILE.yaml] [--set key=value ...]`: not a command
+ANGLED = re.compile(r"<[^<>]*>")  # `<same name>`: one value to fill in, spaces and all
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$|/[A-Z][A-Z_]*(\.\w+)?$")  # a value to fill in: `--method M`, `seeds/FILE`
 
 
@@ -45,7 +46,8 @@ class _Refused(Exception):
 def _parse(words: list[str]) -> str | None:
     """The parser's complaint about `words`, or None. A mention of an option alone (`pflbed run --resume`) or of a
     command without its required options (`pflbed bench`) is prose, not a command to copy: only an unknown command,
-    option or choice is a complaint."""
+    option or choice is a complaint, and a missing required option where a value is given without it (`pflbed
+    bench SUITE.yaml`, written for `-c SUITE.yaml`)."""
     parser = _parser()
 
     def refuse(message: str) -> None:
@@ -65,14 +67,27 @@ def _parse(words: list[str]) -> str | None:
         choice = re.search(r"invalid choice: '([^']*)'", message)
         if "unrecognized arguments" in message or (choice and not PLACEHOLDER.search(choice[1])):
             return message
+        if "arguments are required" in message and any(not w.startswith("-") for w in _after_command(words)):
+            return message
     except SystemExit:  # --help, --version
         pass
     return None
 
 
+def _after_command(words: list[str]) -> list[str]:
+    """`words` after the command's names (`bench`, `flower local`): its options and their values."""
+    parser, i = _parser(), 0
+    while i < len(words):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or words[i] not in subs[0].choices:
+            break
+        parser, i = subs[0].choices[words[i]], i + 1
+    return words[i:]
+
+
 @pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}:{c[:60]}" for p, c in COMMANDS])
 def test_an_inline_command_takes_options_the_parser_has_and_names_files_that_exist(page, command):
-    words = shlex.split(command)
+    words = shlex.split(ANGLED.sub("PLACEHOLDER", command))
     if words[0] == "pflbed" and not SYNOPSIS.search(command):
         assert _parse(words[1:]) is None, f"{page}: `{command}`: {_parse(words[1:])}"
     for word in words[1:]:
