@@ -355,6 +355,25 @@ def test_a_pretrained_or_personalized_model_s_directory_is_no_run_to_replace_or_
                                                             "pflbed run"  # fmt: skip
 
 
+def test_a_directory_of_many_runs_given_for_one_says_where_its_runs_are(tmp_path):
+    """`pflbed report DIR` / `personalize DIR` of a bench suite's results directory or a tune directory said only "no
+    config.yaml": it names what it is and where its runs are. A directory with neither mark says no more."""
+    bench, tune, trials, plain = (tmp_path / n for n in ("bench", "tune", "trials-only", "plain"))
+    for d in (bench, tune, trials, plain):
+        d.mkdir()
+    (bench / "suite.yaml").write_text("name: s\n")
+    (tune / "study.db").write_bytes(b"")
+    (trials / "trials").mkdir()
+    assert _refused(require_run, bench) == f"{bench}: not a pflbed run directory (no config.yaml): it is a bench " \
+                                           f"suite's results directory, whose runs are {bench}/runs/<table>/" \
+                                           "<setting>/<method>/seed<N>"  # fmt: skip
+    for d in (tune, trials):
+        assert _refused(require_run, d) == f"{d}: not a pflbed run directory (no config.yaml): it is a tune " \
+                                           f"directory, whose trials are {d}/trials/<method>/trialNNNN and re-runs " \
+                                           f"{d}/final/runs/…"  # fmt: skip
+    assert _refused(require_run, plain) == f"{plain}: not a pflbed run directory (no config.yaml)"
+
+
 def test_a_suite_s_directory_is_no_file_and_no_run_s_or_model_s_directory(tmp_path, capsys):
     """`bench` and `tune` wrote their tables, studies and trials among a run's files when the suite's out (or
     tune's --out) named a run; a file was a message about a cell's run directory or the study's database. A

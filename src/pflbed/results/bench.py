@@ -43,7 +43,7 @@ from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
-from pflbed.results.rundir import atomic_write, read_summary, suite_dir
+from pflbed.results.rundir import SUITE_FILE, atomic_write, read_summary, suite_dir
 from pflbed.results.suite_overrides import flat_set, set_by_overrides, set_in, set_labelled
 
 
@@ -115,9 +115,6 @@ class Suite(BaseModel):
 def read_suite_file(p: Path) -> Any:
     """A suite file's YAML tree; an unreadable or malformed file is one ConfigError naming it."""
     return read_yaml_file(p, "suite")
-
-
-SUITE_FILE = "suite.yaml"  # in a suite's results directory: the suite its cells ran, whose results are there
 
 
 def load_suite(path: str | Path, overrides: list[str] | None = None) -> Suite:

@@ -61,9 +61,24 @@ def require_run(path: Path, name: str = "") -> Path:
     option that gave the path (`--resume`), for the message."""
     shown = f"{name} {path}" if name else str(path)
     if not (path / "config.yaml").is_file():
-        raise PflbedError(f"{shown}: not a pflbed run directory (no config.yaml)")
+        raise PflbedError(f"{shown}: not a pflbed run directory (no config.yaml){_what_it_is(path)}")
     _refuse_a_model(path, shown)
     return path
+
+
+SUITE_FILE = "suite.yaml"  # in a bench suite's results directory: the suite its cells ran, whose results are there
+
+
+def _what_it_is(path: Path) -> str:
+    """Where the runs are, for a directory of many: a suite's results directory or a tune directory was given to a
+    command that takes one run (`report`, `personalize`), and "no config.yaml" alone left the user guessing."""
+    if (path / SUITE_FILE).is_file():
+        return f": it is a bench suite's results directory, whose runs are {path / 'runs'}/<table>/<setting>/" \
+               "<method>/seed<N>"
+    if (path / "study.db").is_file() or (path / "trials").is_dir():
+        return f": it is a tune directory, whose trials are {path / 'trials'}/<method>/trialNNNN and re-runs " \
+               f"{path / 'final' / 'runs'}/…"
+    return ""
 
 
 def suite_dir(path: Path, name: str = "out") -> Path:
