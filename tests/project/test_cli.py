@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from pflbed.cli import main
 
@@ -635,3 +636,27 @@ def test_counts_of_cells_trials_and_jobs_are_bounded(argv, expected, tmp_path, c
         main([argv[0], "-c", str(tmp_path / "none.yaml"), *argv[1:]])
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(expected.format(top=top, over=top + 1))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("command", "given", "said"), [
+    (["run"], "suite", "a bench suite, not a run config: give it to `pflbed bench -c '{path}'`"),
+    (["config"], "tune", "a tune suite, not a run config: give it to `pflbed tune -c '{path}'`"),
+    (["pretrain", "--out", "pre"], "suite", "a bench suite, not a run config: give it to `pflbed bench -c '{path}'`"),
+    (["bench"], "config", "a run config, not a bench suite: give it to `pflbed run -c '{path}'`"),
+    (["bench"], "tune", "a tune suite (it has tune), not a bench suite: give it to `pflbed tune -c '{path}'`"),
+    (["tune"], "config", "a run config, not a tune suite: give it to `pflbed run -c '{path}'`"),
+    (["tune"], "suite", "a bench suite (it has tables), not a tune suite: give it to `pflbed bench -c '{path}'`"),
+])  # fmt: skip
+def test_another_command_s_file_is_named_with_the_command_it_is_for(command, given, said, tmp_path, monkeypatch,
+                                                                    capsys):  # fmt: skip
+    """A suite given to `pflbed run` was "name: unknown key", a run config given to `pflbed bench` "name: Field
+    required": neither said what the file is. Each says which command takes it (the path quoted for a shell)."""
+    monkeypatch.chdir(tmp_path)
+    trees = {"config": {"train": {"rounds": 2}, "dataset": {"name": "digits"}},
+             "suite": {"name": "s", "tables": {"t": {"methods": {"A": {}}}}},
+             "tune": {"name": "s", "tune": {"budget": 1}, "methods": {"A": {}}}}  # fmt: skip
+    path = tmp_path / "my file.yaml"
+    path.write_text(yaml.safe_dump(trees[given]))
+    assert main([*command, "-c", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"pflbed: error: {path}: {said.format(path=path)}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my file.yaml"]

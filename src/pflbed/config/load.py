@@ -7,6 +7,7 @@ nothing heavy is imported), then the algorithm's options through the algorithm r
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,10 @@ def config_tree(path: str | Path | None = None, overrides: list[str] | None = No
         loaded = read_yaml_file(p, "config")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
+        if isinstance(loaded, dict) and (kind := "tune" if "tune" in loaded else "bench" if "tables" in loaded
+                                         else None):  # fmt: skip
+            raise ConfigError(f"{p}: a {kind} suite, not a run config: give it to "
+                              f"`{shlex.join(['pflbed', kind, '-c', str(p)])}`")  # fmt: skip
         tree = loaded or {}
     if isinstance(overrides, str | bytes):  # iterated, its characters were each a `--set` ("'t': expected key=value")
         raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got one string: [{overrides!r}]")

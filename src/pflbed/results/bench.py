@@ -30,6 +30,7 @@ import csv
 import io
 import json
 import math
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,9 +113,29 @@ class Suite(BaseModel):
         return self
 
 
-def read_suite_file(p: Path) -> Any:
-    """A suite file's YAML tree; an unreadable or malformed file is one ConfigError naming it."""
-    return read_yaml_file(p, "suite")
+def read_suite_file(p: Path, command: str = "bench") -> Any:
+    """A suite file's YAML tree; an unreadable or malformed file is one ConfigError naming it, and so is another
+    command's file (a run config, the other kind of suite): "name: Field required" did not say which it was."""
+    tree = read_yaml_file(p, "suite")
+    if isinstance(tree, dict) and (kind := file_kind(tree)) not in (command, None):
+        raise ConfigError(f"{p}: {FILE_KINDS[kind]}, not a {command} suite: give it to "
+                          f"`{shlex.join(['pflbed', kind, '-c', str(p)])}`")  # fmt: skip
+    return tree
+
+
+FILE_KINDS = {"run": "a run config", "bench": "a bench suite (it has tables)", "tune": "a tune suite (it has tune)"}
+
+
+def file_kind(tree: dict[str, Any]) -> str | None:
+    """Which command a YAML file's top-level keys are for (`FILE_KINDS`); None where they say no more than that
+    it is a suite (`name`, `seeds`, …) or nothing (an empty file)."""
+    if "tune" in tree:
+        return "tune"
+    if "tables" in tree:
+        return "bench"
+    if tree and set(tree) <= set(Config.model_fields):
+        return "run"
+    return None
 
 
 def load_suite(path: str | Path, overrides: list[str] | None = None) -> Suite:

@@ -103,7 +103,7 @@ class TuneSuite(BaseModel):
 def load_tune_suite(path: str | Path, overrides: list[str] | None = None) -> TuneSuite:
     """The suite file with `--set KEY=VALUE` overrides applied; an error names the file's field or the `--set`."""
     p = Path(path)
-    tree = read_suite_file(p)
+    tree = read_suite_file(p, "tune")
     if isinstance(tree, dict) and "tune" not in tree:
         raise ConfigError(f"{p}: tune: missing (trials per method, …); `pflbed bench` runs suites without one")
     keys = []
