@@ -301,6 +301,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         for t, cell in bench.cells():
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return
+    if args.table_only and not bench.out.is_dir():  # tables of nothing, and a results directory made for them
+        raise PflbedError(f"--table-only: {bench.out} holds no results of this suite; run it first (without "
+                          "--table-only)")  # fmt: skip
     finished_before = not bench.pending()
     if not args.table_only:
         given = [*(x for o in args.overrides for x in ("--set", o)), *(["--out", str(args.out)] if args.out else []),
@@ -337,6 +340,9 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     console = make_console()
     if args.worker and args.table_only:
         raise PflbedError("--worker runs trials only; --table-only writes the table: give one")
+    if args.table_only and args.storage is None and not (tuner.out / "study.db").is_file():  # else a study made
+        raise PflbedError(f"--table-only: {tuner.out} holds no study of this suite; run it first (without "
+                          "--table-only)")  # fmt: skip
     given = [*(x for o in args.overrides for x in ("--set", o)), *(["--out", str(args.out)] if args.out else []),
              *(["--storage", args.storage] if args.storage else []), *(["--worker"] if args.worker else []),
              *(["--max-trials", str(args.max_trials)] if args.max_trials is not None else []),

@@ -348,12 +348,14 @@ def fake_bench(tmp_path, monkeypatch):
 
     def build(suite, out=None):
         b = _FakeBench(calls, **made)
-        b.tmp, b.out = tmp_path, out or "benchmarks/results/s"
+        b.tmp, b.out = tmp_path, out or Path("benchmarks/results/s")
         calls.append(("bench", suite, out))
         return b
 
     monkeypatch.setattr(bench, "load_suite", lambda path, overrides: (path, *overrides) if overrides else path)
     monkeypatch.setattr(bench, "Bench", build)
+    monkeypatch.chdir(tmp_path)
+    Path("benchmarks/results/s").mkdir(parents=True)  # the suite's results directory, which --table-only reads
     return calls, use
 
 
@@ -376,6 +378,11 @@ def test_bench_runs_its_cells_as_asked_then_writes_and_prints_the_tables(fake_be
     assert main(["bench", "-c", "s.yaml", "--table-only"]) == 0
     assert calls == [("bench", "s.yaml", None), ("tables",)]
     assert capsys.readouterr().out.endswith(f"tables: {tmp_path / 'table.md'}, {tmp_path / 'table.csv'}\n")
+    calls.clear()  # a directory that does not exist: no tables of nothing, and no directory made for them
+    assert main(["bench", "-c", "s.yaml", "--table-only", "--out", "new"]) == 2
+    assert capsys.readouterr().err == ("pflbed: error: --table-only: new holds no results of this suite; run it first "
+                                       "(without --table-only)\n")  # fmt: skip
+    assert calls == [("bench", "s.yaml", Path("new"))] and not Path("new").exists()
 
 
 def test_a_bench_whose_cells_had_all_finished_says_that_nothing_ran_and_how_to_run_it_anew(fake_bench, tmp_path,

@@ -135,6 +135,7 @@ class _FakeTuner:
         from types import SimpleNamespace
 
         self.calls.append(("tuner", suite, out, storage))
+        self.out = Path(out or "tune-dir")
         self.methods = [SimpleNamespace(name=name) for name in "ABC"]
         self.storage_path = "study.db"
 
@@ -198,6 +199,14 @@ def test_a_tune_worker_runs_trials_only_and_table_only_writes_the_table_only(fak
     assert main(["tune", "-c", "s.yaml", "--worker"]) == 0
     assert fake_tuner.calls[2:] == [("trials", None, True, True)] and capsys.readouterr().out == ""
     fake_tuner.calls.clear()
+    assert main(["tune", "-c", "s.yaml", "--table-only"]) == 2  # no study yet: no table of nothing, no study made
+    assert capsys.readouterr().err == ("pflbed: error: --table-only: tune-dir holds no study of this suite; run it "
+                                       "first (without --table-only)\n")  # fmt: skip
+    assert main(["tune", "-c", "s.yaml", "--table-only", "--storage", "sqlite:///x.db"]) == 0  # a storage elsewhere
+    capsys.readouterr()
+    fake_tuner.calls.clear()
+    Path("tune-dir").mkdir()
+    Path("tune-dir", "study.db").write_bytes(b"")
     assert main(["tune", "-c", "s.yaml", "--table-only"]) == 0  # every study done, still no re-runs
     assert fake_tuner.calls[2:] == [("tables",)]
     assert capsys.readouterr().out.endswith("tables: t.md, t.json; study: study.db\n")
