@@ -121,3 +121,17 @@ def test_overrides_are_a_list_not_one_string():
             load_config(None, given)
     assert load_config(None, ["train.rounds=3"]).train.rounds == 3
     assert load_config(None, ("train.rounds=3",)).train.rounds == 3
+
+
+def test_a_run_s_directory_given_as_a_config_names_the_config_in_it(tmp_path):
+    """`pflbed run -c runs/x` (a run's directory, where its config.yaml was meant) says where that config is; a
+    directory without one says only that it is a directory."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "run")
+    assert str(e.value) == (f"{tmp_path / 'run'}: cannot read config (Is a directory); a run's directory: its config "
+                            f"is {tmp_path / 'run' / 'config.yaml'}")  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == f"{tmp_path}: cannot read config (Is a directory)"

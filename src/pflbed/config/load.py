@@ -56,7 +56,9 @@ def read_yaml_file(p: Path, what: str) -> Any:
         with open(p, "rb") as f:
             raw = f.read(MAX_YAML_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read {what} ({e.strerror})") from None
+        held = p / "config.yaml" if isinstance(e, IsADirectoryError) and (p / "config.yaml").is_file() else None
+        raise ConfigError(f"{p}: cannot read {what} ({e.strerror})"
+                          + (f"; a run's directory: its config is {held}" if held else "")) from None
     if len(raw) > MAX_YAML_BYTES:
         raise ConfigError(f"{p}: larger than {MAX_YAML_BYTES // 2**20} MB; a {what} is a YAML text file")
     try:
