@@ -33,6 +33,13 @@ def page_commands(page: str) -> list[list[str]]:
     return commands((ROOT / page).read_text())
 
 
+def page_command(page: str, marker: str) -> list[str]:
+    """The one `pflbed` command of a page holding `marker` (`--out runs/tune/digits-small`), as argv without the
+    `pflbed`, its `-c` file named from the repository root: run from a working directory of a test's own."""
+    argv = next(a for a in page_commands(page) if marker in shlex.join(a))
+    return [str(ROOT / w) if k and argv[k - 1] == "-c" else w for k, w in enumerate(argv)]
+
+
 def expanded(argv: list[str]) -> list[str]:
     """`argv` with its wildcards expanded in the working directory, as the shell does."""
     return [p for a in argv for p in (sorted(glob.glob(a)) if "*" in a else [a])]

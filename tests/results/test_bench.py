@@ -2,8 +2,6 @@
 
 import json
 import os
-import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import yaml
 from pflbed.cli import main
 from pflbed.results.bench import Bench, load_suite
 
+from ..doc_commands import page_command
 from ..tiny import TINY
 
 TABLE = {
@@ -451,14 +450,10 @@ def test_the_benchmarks_guide_s_small_trial_runs_as_written(tmp_path, monkeypatc
 
     if find_fmnist() is None:
         pytest.skip(f"Fashion-MNIST is not on this machine: {HOW_TO_GET}")
-    root = Path(__file__).resolve().parents[2]
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", (root / "docs" / "guide" / "benchmarks.md").read_text(),
-                                       re.S) if "--out runs/bench/fedselect-small" in b)  # fmt: skip
-    argv = shlex.split(block.replace("\\\n", " "))
-    assert argv[:3] == ["pflbed", "bench", "-c"]
-    argv[3] = str(root / argv[3])
+    argv = page_command("docs/guide/benchmarks.md", "--out runs/bench/fedselect-small")
+    assert argv[:2] == ["bench", "-c"]
     monkeypatch.chdir(tmp_path)
-    assert main(argv[1:]) == 0
+    assert main(argv) == 0
     out = tmp_path / "runs" / "bench" / "fedselect-small"
     assert "| FedSelect α=0.3 |" in (out / "table.md").read_text()
     suite = load_suite(out)

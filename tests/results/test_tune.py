@@ -241,7 +241,6 @@ optuna = pytest.importorskip("optuna")
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -265,6 +264,7 @@ from pflbed.results.tune import (  # noqa: E402
 )
 from pflbed.results.tune.tables import _pct, _short  # noqa: E402
 
+from ..doc_commands import page_command  # noqa: E402
 from .test_tune_protocol import _seconds, _timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1175,13 +1175,10 @@ def test_plots_are_titled_by_method_in_percent_and_importances_need_enough_trial
 def test_the_tuning_guide_s_small_study_runs_as_written(tmp_path, monkeypatch):
     """docs/guide/tuning.md's `--set`/`--out` example, as the page shows it, from a working directory of its own
     (the suite file named from the repository): it finishes, and its output is where `--out` says."""
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "guide" / "tuning.md").read_text(),
-                                       re.S) if "--out runs/tune/digits-small" in b)  # fmt: skip
-    argv = shlex.split(block.replace("\\\n", " "))
-    assert argv[:3] == ["pflbed", "tune", "-c"]
-    argv[3] = str(ROOT / argv[3])
+    argv = page_command("docs/guide/tuning.md", "--out runs/tune/digits-small")
+    assert argv[:2] == ["tune", "-c"]
     monkeypatch.chdir(tmp_path)
-    assert main(argv[1:]) == 0
+    assert main(argv) == 0
     assert (tmp_path / "runs" / "tune" / "digits-small" / "table.md").is_file()
 
 

@@ -39,11 +39,12 @@ from typing import Annotated, Any
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pflbed.config import Config, _first_error, parse_override, set_dotted, validate_config
+from pflbed.config import Config, _first_error, set_dotted, validate_config
 from pflbed.config.base import Seeds
 from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
+from pflbed.results import suite_overrides
 from pflbed.results.rundir import SUITE_FILE, atomic_write, read_summary, suite_dir
 from pflbed.results.suite_overrides import flat_set, set_by_overrides, set_in, set_labelled
 
@@ -167,22 +168,17 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[st
     suite's own dotted path: `base.train.rounds=5`, `seeds=[0]`, `tables=[main]` (keep those tables),
     `tables.T.methods=[A, B]`, `tables.T.methods.A=null` (drop one), `tables.T.methods.A.set.train.lr=0.1`,
     `tables.T.settings.Dir(0.3).federation.alpha=0.5`, `tables.T.report.P-FL=final.pfl_acc`."""
-    tree, keys = copy.deepcopy(tree), []
-    fields = list(Suite.model_fields)
-    for item in overrides:
-        key, value = parse_override(item)
-        parts = key.split(".")
-        if parts[0] not in fields:
-            raise ConfigError(f"--set {key}: not a key of a bench suite ({', '.join(fields)}); a run config key "
-                              f"goes under base (--set base.{key}=…) or a table's base "
-                              f"(--set tables.NAME.base.{key}=…)")  # fmt: skip
-        if parts[0] == "tables":
-            if found := set_labelled(tree, "tables", parts[1:], value, "table", key):
-                _set_in_table(*found, value, key)
-        else:
-            set_in(tree, key, value, key)
-        keys.append(key)
-    return tree, keys
+    return suite_overrides.apply_overrides(tree, overrides, list(Suite.model_fields), "bench",
+                                           "a table's base (--set tables.NAME.base.{key}=…)", _in_tables)
+
+
+def _in_tables(tree: dict[str, Any], key: str, parts: list[str], value: Any) -> bool:
+    """`tables…` keys: a table's label, then `_set_in_table`'s rule below it."""
+    if parts[0] != "tables":
+        return False
+    if found := set_labelled(tree, "tables", parts[1:], value, "table", key):
+        _set_in_table(*found, value, key)
+    return True
 
 
 def _set_in_table(tables: dict[str, Any], name: str, parts: list[str], value: Any, key: str) -> None:

@@ -5,13 +5,35 @@ method) may hold dots itself (`Dir(0.3)`), so it is matched as the longest label
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
-from pflbed.config import set_dotted
+from pflbed.config import parse_override, set_dotted
 from pflbed.errors import ConfigError
+
+Rule = Callable[[dict[str, Any], str, list[str], Any], bool]
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str], fields: Sequence[str], suite: str, elsewhere: str,
+                    rule: Rule) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """A copy of the suite's tree with each `KEY=VALUE` set (the value read as YAML), and the keys set. `rule(tree,
+    key, parts, value)` places a key the suite's own structure places (its labels, its mappings of one-key
+    entries) and says so; any other is a dotted path. A KEY whose first part is none of `fields` is refused, with
+    where a run config key goes: under `base`, or `elsewhere` (`{key}` the key given)."""
+    tree, keys = copy.deepcopy(tree), []
+    for item in overrides:
+        key, value = parse_override(item)
+        parts = key.split(".")
+        if parts[0] not in fields:
+            raise ConfigError(f"--set {key}: not a key of a {suite} suite ({', '.join(fields)}); a run config key "
+                              f"goes under base (--set base.{key}=…) or {elsewhere.format(key=key)}")  # fmt: skip
+        if not rule(tree, key, parts, value):
+            set_in(tree, key, value, key)
+        keys.append(key)
+    return tree, keys
 
 
 def listed(labels: Any) -> str:

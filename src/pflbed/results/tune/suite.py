@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pflbed.config import _first_error, parse_override, validate_config
+from pflbed.config import _first_error, validate_config
 from pflbed.config.base import Seeds
 from pflbed.errors import ConfigError
+from pflbed.results import suite_overrides
 from pflbed.results.bench import SuiteName, _merge, _slug, read_suite_file
 from pflbed.results.suite_overrides import flat_set, set_by_overrides, set_in, set_labelled
 
@@ -133,28 +133,24 @@ _FLAT_IN_METHOD = ("set", "space", "report")
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     """A copy of the suite's tree with each `KEY=VALUE` set (the value read as YAML), and the keys set. KEY is the
     suite's own dotted path; `methods=[A, B]` keeps those methods, `methods.A=null` drops one."""
-    tree, keys = copy.deepcopy(tree), []
-    fields = list(TuneSuite.model_fields)
-    for item in overrides:
-        key, value = parse_override(item)
-        parts = key.split(".")
-        if parts[0] not in fields:
-            raise ConfigError(f"--set {key}: not a key of a tune suite ({', '.join(fields)}); a run config key "
-                              f"goes under base (--set base.{key}=…) or a method's set "
-                              f"(--set methods.NAME.set.{key}=…)")  # fmt: skip
-        if parts[0] == "methods":
-            if found := set_labelled(tree, "methods", parts[1:], value, "method", key):
-                methods, name, below = found
-                if below[0] in _FLAT_IN_METHOD and len(below) > 1:
-                    flat_set(methods[name], below[0], ".".join(below[1:]), value, key)
-                else:
-                    set_in(methods[name], ".".join(below), value, key)
-        elif tuple(parts[:2]) in _FLAT and len(parts) > 2:
-            flat_set(tree.setdefault("tune", {}), "space", ".".join(parts[2:]), value, key)
-        elif tuple(parts[:1]) in _FLAT and len(parts) > 1:
-            tree.setdefault("report", TuneSuite.model_fields["report"].get_default(call_default_factory=True))
-            flat_set(tree, "report", ".".join(parts[1:]), value, key)
-        else:
-            set_in(tree, key, value, key)
-        keys.append(key)
-    return tree, keys
+    return suite_overrides.apply_overrides(tree, overrides, list(TuneSuite.model_fields), "tune",
+                                           "a method's set (--set methods.NAME.set.{key}=…)", _in_tune_suite)
+
+
+def _in_tune_suite(tree: dict[str, Any], key: str, parts: list[str], value: Any) -> bool:
+    """A method's label and its `set`, `space` and `report`; the shared search space; the table's columns."""
+    if parts[0] == "methods":
+        if found := set_labelled(tree, "methods", parts[1:], value, "method", key):
+            methods, name, below = found
+            if below[0] in _FLAT_IN_METHOD and len(below) > 1:
+                flat_set(methods[name], below[0], ".".join(below[1:]), value, key)
+            else:
+                set_in(methods[name], ".".join(below), value, key)
+    elif tuple(parts[:2]) in _FLAT and len(parts) > 2:
+        flat_set(tree.setdefault("tune", {}), "space", ".".join(parts[2:]), value, key)
+    elif tuple(parts[:1]) in _FLAT and len(parts) > 1:
+        tree.setdefault("report", TuneSuite.model_fields["report"].get_default(call_default_factory=True))
+        flat_set(tree, "report", ".".join(parts[1:]), value, key)
+    else:
+        return False
+    return True
