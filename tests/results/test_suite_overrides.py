@@ -45,6 +45,8 @@ TREE = {
     ("tables.main.methods.Local.set.algorithm.name=local", ("tables", "main", "methods", "Local", "set",
                                                            "algorithm.name"), "local"),  # `Local:` with no body
     ("tables.main.methods.FedAvg+FT.same_as=Local", ("tables", "main", "methods", "FedAvg+FT", "same_as"), "Local"),
+    ("tables.main.methods.FedAvg.set={algorithm.name: local}", ("tables", "main", "methods", "FedAvg", "set"),
+     {"algorithm.name": "local"}),  # a row's whole set
     ("tables.main.methods.FedAvg.report.sel. P-FL=final.x", ("tables", "main", "methods", "FedAvg", "report",
                                                             "sel. P-FL"), "final.x"),  # a column: one key, dots too
     ("tables.extra.methods.FedAvg.v2.set.train.lr=1", ("tables", "extra", "methods", "FedAvg.v2", "set", "train.lr"),
@@ -92,10 +94,13 @@ def test_labels_are_kept_dropped_or_replaced_in_the_order_given():
                                            "(FedAvg, FedAvg.v2)"),
     ("seeds.0=1", "--set seeds.0: seeds is not a section"),
     ("tables.main.report.P-FL.x=1", "--set tables.main.report.P-FL.x: report is not a section"),
+    ("tables.main.settings.Dir(0.1).federation.alpha=1", "--set tables.main.settings.Dir(0.1).federation.alpha: "
+                                                         "Dir(0.1) is not a section"),
 ])  # fmt: skip
 def test_a_key_the_suite_does_not_have_is_one_line_naming_it(item, message):
     tree = copy.deepcopy(TREE)
     tree["tables"]["main"]["report"] = "final.pfl_acc"  # a column mapping that is no mapping
+    tree["tables"]["main"]["settings"]["Dir(0.1)"] = "alpha 0.1"  # a setting that is no mapping
     with pytest.raises(ConfigError) as e:
         apply_overrides(tree, [item])
     assert str(e.value) == message
