@@ -39,12 +39,14 @@ def run(
     force: bool = False,
 ):  # fmt: skip
     """Run one experiment from a `Config`, a dict of config keys, a YAML config file's path, or None (the embedded
-    default).
+    default). A dict's keys may be nested (`{"train": {"rounds": 5}}`) or dotted as `--set` and a suite's `set`
+    write them (`{"train.rounds": 5}`); a dotted key is set after the nested ones.
 
     A run already in `out` is refused (`PflbedError`) unless `force`; a diverging run raises `DivergedError`."""
+    import copy
     from collections.abc import Mapping
 
-    from pflbed.config import Config, validate_config
+    from pflbed.config import Config, set_dotted, validate_config
     from pflbed.runs import run as _run
 
     if isinstance(config, str | _Path):  # `pflbed.run("config.yaml")`, as `pflbed run -c`: was a bare ValueError
@@ -52,7 +54,11 @@ def run(
     elif isinstance(config, Config):
         cfg = config
     elif config is None or isinstance(config, Mapping):
-        cfg = validate_config(dict(config or {}))
+        tree = {k: copy.deepcopy(v) for k, v in (config or {}).items() if "." not in str(k)}
+        for key, value in (config or {}).items():  # "train.rounds: unknown key" was all a dotted key got
+            if "." in str(key):
+                set_dotted(tree, str(key), copy.deepcopy(value))
+        cfg = validate_config(tree)
     else:
         raise TypeError(f"pflbed.run: config must be a Config, a dict of config keys, a YAML file's path or None, not "
                         f"{type(config).__name__}")  # fmt: skip

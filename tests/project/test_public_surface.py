@@ -1,5 +1,6 @@
 """What a user meets first: the package namespace, `--help` pages, `pflbed algorithms`, the shipped configs."""
 
+import copy
 import inspect
 import re
 from pathlib import Path
@@ -21,7 +22,8 @@ def test_the_package_namespace_is_its_api():
 
 def test_pflbed_run_takes_a_config_a_dict_a_yaml_file_s_path_or_nothing(tmp_path, monkeypatch):
     """`pflbed.run("config.yaml")`, as `pflbed run -c`, was a bare ValueError of `dict("config.yaml")`; another type
-    is a TypeError naming it."""
+    is a TypeError naming it. A dict's dotted keys (`{"train.rounds": 3}`, as `--set` writes them) were "unknown
+    key"; they are set after the nested ones, and the caller's dict is left as it was."""
     import pflbed.runs
     from pflbed.errors import ConfigError
 
@@ -36,6 +38,15 @@ def test_pflbed_run_takes_a_config_a_dict_a_yaml_file_s_path_or_nothing(tmp_path
         assert kw == {"write": True, "progress": False, "force": False}
     pflbed.run(None, write=False)
     assert got.pop()[0] == pflbed.load_config()
+    given = {"train.rounds": 3, "train": {"rounds": 9, "lr": 0.2}, "eval.new_clients": {"epochs": 2},
+             "eval.new_clients.lrs": [0.1], "seed": 4}  # dotted after nested, a dotted section then a key in it
+    before = copy.deepcopy(given)
+    pflbed.run(given, out="o")
+    assert got.pop()[0] == pflbed.load_config(None, ["train.lr=0.2", "train.rounds=3", "eval.new_clients.epochs=2",
+                                                     "eval.new_clients.lrs=[0.1]", "seed=4"])  # fmt: skip
+    assert given == before  # the caller's dict, its sections too, as it was
+    with pytest.raises(ConfigError, match=r"^train\.round: unknown key; did you mean train\.rounds\?$"):
+        pflbed.run({"train.round": 3})
     with pytest.raises(ConfigError, match=r"none\.yaml: cannot read config \(No such file or directory\)$"):
         pflbed.run(str(tmp_path / "none.yaml"))
     with pytest.raises(TypeError) as e:
