@@ -96,11 +96,16 @@ def test_labels_are_kept_dropped_or_replaced_in_the_order_given():
     ("tables.main.report.P-FL.x=1", "--set tables.main.report.P-FL.x: report is not a section"),
     ("tables.main.settings.Dir(0.1).federation.alpha=1", "--set tables.main.settings.Dir(0.1).federation.alpha: "
                                                          "Dir(0.1) is not a section"),
+    ("tables.main.methods.FedAvg.set.train.lr=1", "--set tables.main.methods.FedAvg.set.train.lr: set is not a "
+                                                  "section"),
+    ("tables.main.methods.FedAvg+FT.same_as.x=1", "--set tables.main.methods.FedAvg+FT.same_as.x: same_as is not a "
+                                                  "section"),
 ])  # fmt: skip
 def test_a_key_the_suite_does_not_have_is_one_line_naming_it(item, message):
     tree = copy.deepcopy(TREE)
     tree["tables"]["main"]["report"] = "final.pfl_acc"  # a column mapping that is no mapping
     tree["tables"]["main"]["settings"]["Dir(0.1)"] = "alpha 0.1"  # a setting that is no mapping
+    tree["tables"]["main"]["methods"]["FedAvg"]["set"] = "fedavg"  # a row's set that is no mapping
     with pytest.raises(ConfigError) as e:
         apply_overrides(tree, [item])
     assert str(e.value) == message
