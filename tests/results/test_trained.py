@@ -617,8 +617,11 @@ def test_a_participant_without_a_kept_state_gets_its_initial_one(runs):
     cid = run.algo.ctx.federation.participated[-1]
     kept = run.personal_model(cid).state_dict()
     run.states.pop(cid)
+    asked, real_init = [], run.algo.init_client
+    run.algo.init_client = lambda c: asked.append(c) or real_init(c)  # FedPer's is the same for every id; KT-pFL's not
     initial = run.personal_model(cid).state_dict()
-    expected = trained._module(run.algo.personal_model(run.server, run.algo.init_client(cid))).state_dict()
+    assert asked == [cid]
+    expected = trained._module(run.algo.personal_model(run.server, real_init(cid))).state_dict()
     assert all(torch.equal(initial[k], expected[k]) for k in expected)
     assert not all(torch.equal(initial[k], kept[k]) for k in kept)
 
