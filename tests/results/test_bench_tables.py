@@ -267,6 +267,7 @@ def test_a_suites_results_directory_holds_its_suite_and_stands_for_it(tmp_path):
     assert bench.out == res  # the command's --out, before the suite's out and the root
     assert bench.run(max_cells=0) == 0 and "elsewhere" not in (res / "suite.yaml").read_text()
     assert load_suite(res) == suite.model_copy(update={"out": str(res)})
+    assert list(load_suite(res).tables["main"].settings) == ["Dir(0.3)", "Dir(0.1)"]  # its columns' order, not sorted
     assert Bench(load_suite(res)).out == res
     res.rename(tmp_path / "moved")
     assert Bench(load_suite(tmp_path / "moved")).out == tmp_path / "moved"
