@@ -98,6 +98,8 @@ def test_labels_are_kept_dropped_or_replaced_in_the_order_given():
                                                          "Dir(0.1) is not a section"),
     ("tables.main.methods.FedAvg.set.train.lr=1", "--set tables.main.methods.FedAvg.set.train.lr: set is not a "
                                                   "section"),
+    ("tables.main.base.federation.clients.x=1", "--set tables.main.base.federation.clients.x: clients is not a "
+                                                "section"),
     ("tables.main.methods.FedAvg+FT.same_as.x=1", "--set tables.main.methods.FedAvg+FT.same_as.x: same_as is not a "
                                                   "section"),
 ])  # fmt: skip
