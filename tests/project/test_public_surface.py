@@ -38,13 +38,17 @@ def test_pflbed_run_takes_a_config_a_dict_a_yaml_file_s_path_or_nothing(tmp_path
         assert kw == {"write": True, "progress": False, "force": False}
     pflbed.run(None, write=False)
     assert got.pop()[0] == pflbed.load_config()
-    given = {"train.rounds": 3, "train": {"rounds": 9, "lr": 0.2}, "eval.new_clients": {"epochs": 2},
-             "eval.new_clients.lrs": [0.1], "seed": 4}  # dotted after nested, a dotted section then a key in it
+    given = {"train.rounds": 3, "train": {"rounds": 9, "lr": 0.2}, "eval": {"new_clients": {"epochs": 2}},
+             "eval.new_clients.lrs": [0.1], "seed": 4}  # dotted after nested, into a section two levels down
     before = copy.deepcopy(given)
     pflbed.run(given, out="o")
     assert got.pop()[0] == pflbed.load_config(None, ["train.lr=0.2", "train.rounds=3", "eval.new_clients.epochs=2",
                                                      "eval.new_clients.lrs=[0.1]", "seed=4"])  # fmt: skip
     assert given == before  # the caller's dict, its sections too, as it was
+    deep = {"federation.x": {"y": {"z": 1}}, "federation.x.y.w": 2}  # a dotted section, then a key inside it
+    with pytest.raises(ConfigError, match=r"^federation\.x: unknown key"):
+        pflbed.run(deep)
+    assert deep == {"federation.x": {"y": {"z": 1}}, "federation.x.y.w": 2}  # refused, and left as it was
     with pytest.raises(ConfigError, match=r"^train\.round: unknown key; did you mean train\.rounds\?$"):
         pflbed.run({"train.round": 3})
     with pytest.raises(ConfigError, match=r"none\.yaml: cannot read config \(No such file or directory\)$"):
