@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from pflbed.cli import main
+from pflbed.config import load_config
 
 FAST = [
     "--set", "dataset.name=synthetic", "--set", "model.name=mlp", "--set", "federation.clients=5",
@@ -645,6 +646,7 @@ def test_counts_of_cells_trials_and_jobs_are_bounded(argv, expected, tmp_path, c
     (["bench"], "config", "a run config, not a bench suite: give it to `pflbed run -c '{path}'`"),
     (["bench"], "tune", "a tune suite (it has tune), not a bench suite: give it to `pflbed tune -c '{path}'`"),
     (["tune"], "config", "a run config, not a tune suite: give it to `pflbed run -c '{path}'`"),
+    (["bench"], "full config", "a run config, not a bench suite: give it to `pflbed run -c '{path}'`"),  # every key
     (["tune"], "suite", "a bench suite (it has tables), not a tune suite: give it to `pflbed bench -c '{path}'`"),
 ])  # fmt: skip
 def test_another_command_s_file_is_named_with_the_command_it_is_for(command, given, said, tmp_path, monkeypatch,
@@ -654,7 +656,8 @@ def test_another_command_s_file_is_named_with_the_command_it_is_for(command, giv
     monkeypatch.chdir(tmp_path)
     trees = {"config": {"train": {"rounds": 2}, "dataset": {"name": "digits"}},
              "suite": {"name": "s", "tables": {"t": {"methods": {"A": {}}}}},
-             "tune": {"name": "s", "tune": {"budget": 1}, "methods": {"A": {}}}}  # fmt: skip
+             "tune": {"name": "s", "tune": {"budget": 1}, "methods": {"A": {}}},
+             "full config": load_config().to_dict()}  # fmt: skip
     path = tmp_path / "my file.yaml"
     path.write_text(yaml.safe_dump(trees[given]))
     assert main([*command, "-c", str(path)]) == 2
