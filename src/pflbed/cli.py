@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                    "suite it ran is kept there)")  # fmt: skip
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the suite, e.g. --set base.train.rounds=5, --set 'seeds=[0]', --set "
-                   "'tables.NAME.methods=[FedAvg]' (repeatable; with --out, as other cells are another suite's)")
+                   "'tables.NAME.methods=[FedAvg]' (repeatable; give the changed suite its own --out: cells run "
+                   "with another version of a suite are refused)")  # fmt: skip
     b.add_argument("--out", type=Path, help="results directory (default: the suite's out, else "
                    "benchmarks/results/<name>; another runs the suite anew there)")  # fmt: skip
     b.add_argument("--max-cells", type=_count, help="run at most N unfinished cells, then write the tables")
