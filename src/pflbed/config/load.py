@@ -78,6 +78,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate_config(config_tree(path, overrides))
 
 
+def file_kind(tree: dict[str, Any]) -> str | None:
+    """Which command a YAML file's top-level keys are for: `tune` (it has `tune`), `bench` (it has `tables`), `run`
+    (only config sections); None where they say no more than that it is a suite (`name`, `seeds`, …) or nothing
+    (an empty file). Read by the config loader and the suite loaders alike, so a file given to the wrong command
+    is named the same way by each."""
+    if "tune" in tree:
+        return "tune"
+    if "tables" in tree:
+        return "bench"
+    if tree and set(tree) <= set(Config.model_fields):
+        return "run"
+    return None
+
+
 def config_tree(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """The keys an optional YAML file and the overrides set, as a nested dict, before validation: what a user said,
     apart from the defaults (`pflbed flower local --site-data` fills in only what it leaves unsaid)."""
@@ -87,8 +101,7 @@ def config_tree(path: str | Path | None = None, overrides: list[str] | None = No
         loaded = read_yaml_file(p, "config")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of config keys")
-        if isinstance(loaded, dict) and (kind := "tune" if "tune" in loaded else "bench" if "tables" in loaded
-                                         else None):  # fmt: skip
+        if isinstance(loaded, dict) and (kind := file_kind(loaded)) in ("bench", "tune"):
             raise ConfigError(f"{p}: a {kind} suite, not a run config: give it to "
                               f"`{shlex.join(['pflbed', kind, '-c', str(p)])}`")  # fmt: skip
         tree = loaded or {}

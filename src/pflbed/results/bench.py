@@ -41,7 +41,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
 from pflbed.config.base import Seeds
-from pflbed.config.load import read_yaml_file
+from pflbed.config.load import file_kind, read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
 from pflbed.results import suite_overrides
@@ -116,7 +116,8 @@ class Suite(BaseModel):
 
 def read_suite_file(p: Path, command: str = "bench") -> Any:
     """A suite file's YAML tree; an unreadable or malformed file is one ConfigError naming it, and so is another
-    command's file (a run config, the other kind of suite): "name: Field required" did not say which it was."""
+    command's file (a run config, the other kind of suite; `config.load.file_kind`): "name: Field required" did
+    not say which it was."""
     tree = read_yaml_file(p, "suite")
     if isinstance(tree, dict) and (kind := file_kind(tree)) not in (command, None):
         raise ConfigError(f"{p}: {FILE_KINDS[kind]}, not a {command} suite: give it to "
@@ -125,18 +126,6 @@ def read_suite_file(p: Path, command: str = "bench") -> Any:
 
 
 FILE_KINDS = {"run": "a run config", "bench": "a bench suite (it has tables)", "tune": "a tune suite (it has tune)"}
-
-
-def file_kind(tree: dict[str, Any]) -> str | None:
-    """Which command a YAML file's top-level keys are for (`FILE_KINDS`); None where they say no more than that
-    it is a suite (`name`, `seeds`, …) or nothing (an empty file)."""
-    if "tune" in tree:
-        return "tune"
-    if "tables" in tree:
-        return "bench"
-    if tree and set(tree) <= set(Config.model_fields):
-        return "run"
-    return None
 
 
 def load_suite(path: str | Path, overrides: list[str] | None = None) -> Suite:
