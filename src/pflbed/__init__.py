@@ -42,12 +42,21 @@ def run(
     default). A dict's keys may be nested (`{"train": {"rounds": 5}}`) or dotted as `--set` and a suite's `set`
     write them (`{"train.rounds": 5}`); a dotted key is set after the nested ones.
 
-    A run already in `out` is refused (`PflbedError`) unless `force`; a diverging run raises `DivergedError`."""
+    A run already in `out` is refused (`PflbedError`) unless `force`; a diverging run raises `DivergedError`.
+
+    A script calling it must do so under `if __name__ == "__main__":`: the `procs` executor's workers (the default
+    executor's choice for a sizeable run on a CPU with several cores) import the script again as they start."""
     import copy
     from collections.abc import Mapping
 
     from pflbed.config import Config, set_dotted, validate_config
+    from pflbed.engine.procs import starting_worker
     from pflbed.runs import run as _run
+
+    if starting_worker():  # the run it would start, in every worker, was "a run is in progress there" at best
+        raise SystemExit("pflbed.run was called in a worker process as it started: each worker of executor procs "
+                         "imports the script that started the run, so call pflbed.run under "
+                         "`if __name__ == \"__main__\":`")  # fmt: skip
 
     if isinstance(config, str | _Path):  # `pflbed.run("config.yaml")`, as `pflbed run -c`: was a bare ValueError
         cfg = load_config(config)

@@ -193,6 +193,7 @@ def test_a_pool_whose_worker_died_with_its_queue_full_lets_its_process_exit():
         "    pool.forward(b'', 'logits', 'test', [torch.arange(1)], 1)\n"
         "except WorkerError:\n"
         "    pass\n"
+        "pool.started[1].wait()  # killed once it started: dying as it starts is another message\n"
         "pool.procs[1].kill()\n"
         "pool.procs[1].join()\n"
         "try:  # one part to each worker: worker 1 will never answer\n"
@@ -271,3 +272,52 @@ def test_each_worker_keeps_freed_memory_as_its_executor_config_asks(monkeypatch,
     cfg = pflbed.config.validate_config({**TINY, "executor": {**TINY["executor"], "keep_freed_memory": keep}})
     run_worker_here(prepare(cfg))
     assert seen == [keep]
+
+
+GUARD = ('pflbed.run was called in a worker process as it started: each worker of executor procs imports the script '
+         'that started the run, so call pflbed.run under `if __name__ == "__main__":`')
+
+
+def test_a_script_calling_run_at_its_top_level_is_told_to_guard_the_call(tmp_path):
+    """"spawn" runs the script again in each worker as it starts: a script calling `pflbed.run` at its top level
+    started a run in every worker, which was refused there as "a run is in progress" (or started workers of its
+    own), and all the script's caller read was "a worker process died". Each worker now says why in one line, and
+    the run that the script started says its worker died as it started."""
+    script = tmp_path / "train.py"
+    script.write_text(f"import pflbed\npflbed.run({{**{TINY!r}, 'executor': {{'name': 'procs', 'workers': 2}}}}, "
+                      "out='run')\n")  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1
+    assert GUARD in lines and {x for x in lines if x.startswith("pflbed.run")} == {GUARD}, done.stderr
+    assert lines[-1] == ("pflbed.engine.procs.WorkerError: a worker process died (exit code 1) as it started; what "
+                         "it printed is above")  # fmt: skip
+    assert done.stderr.count("Traceback") == 1  # the script's own; a worker's is its one line
+
+
+@pytest.mark.parametrize("source", ["stdin", "interactive class"])
+def test_workers_that_could_not_import_the_script_or_its_class_are_refused_and_auto_runs_the_loop(tmp_path, source):
+    """A worker imports the script that started the run again, from its file, and a class by its module: a script
+    read from standard input, or an algorithm class defined in an interactive session (`python -c`, a notebook),
+    left every worker dying as it started. `procs` named outright is refused before anything is written; `auto`,
+    whose choice changes only the speed, runs the loop instead."""
+    algorithm = ("from pflbed.algorithms import register\nfrom pflbed.algorithms.fedavg import FedAvg\n"
+                 "class Mine(FedAvg):\n    name = 'mine'\nregister(Mine)\n")  # fmt: skip
+    body = (f"import pflbed, pflbed.engine.auto, sys\n{algorithm if source != 'stdin' else ''}"
+            "pflbed.engine.auto.PROCS_MIN_MACS = 0  # auto would choose procs for any run\n"
+            f"cfg = {{**{TINY!r}, 'algorithm': {{'name': '{'mine' if source != 'stdin' else 'fedavg'}'}}}}\n"
+            "try:\n"
+            "    pflbed.run({**cfg, 'executor': {'name': 'procs', 'workers': 2}}, out='procs')\n"
+            "except pflbed.errors.PflbedError as e:\n"
+            "    print(e)\n"
+            "r = pflbed.run({**cfg, 'executor': {'name': 'auto', 'workers': 2}}, out='auto')\n"
+            "print(type(r.executor).__name__)\n")  # fmt: skip
+    command = [sys.executable, "-"] if source == "stdin" else [sys.executable, "-c", body]
+    done = subprocess.run(command, input=body if source == "stdin" else None, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    why = ("the script calling pflbed.run was read from <stdin>, which its worker processes cannot import"
+           if source == "stdin" else "the algorithm class Mine is defined in this interactive session, where its "
+           "worker processes cannot import it; define it in a module")  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, f"executor.name: procs: {why}; or use executor.name: loop\n"
+                                                 "LoopExecutor\n"), done.stderr  # fmt: skip
+    assert not (tmp_path / "procs").exists()

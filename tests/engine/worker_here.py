@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import queue
+import threading
 
 import torch
 
@@ -28,7 +29,7 @@ def run_worker_here(algo: Algorithm, *tasks: object) -> queue.Queue:
     procs._put(tasks_q, None)
     threads = torch.get_num_threads()
     try:
-        procs._worker(threads, tasks_q, results)
+        procs._worker(threads, tasks_q, results, threading.Event())
     finally:
         torch.set_num_threads(threads)
     return results

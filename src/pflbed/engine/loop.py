@@ -29,7 +29,7 @@ from pflbed.engine.auto import choose_executor
 from pflbed.engine.batched import BatchedExecutor
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, precision
-from pflbed.engine.procs import ProcsExecutor, WorkerPool
+from pflbed.engine.procs import ProcsExecutor, WorkerPool, why_workers_cannot_start
 from pflbed.engine.progress import RunProgress, announce, interval_s, plain_lines
 from pflbed.engine.threads import choose_threads, provenance
 from pflbed.errors import ConfigError, DivergedError, PflbedError
@@ -129,6 +129,10 @@ def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[Loop
     """The configured executor, and the worker pool it started (None: none, or the caller's `pool` was used)."""
     ex = algo.ctx.cfg.executor
     name = "loop" if ex.batch_clients else choose_executor(ex, algo.ctx)
+    if name == "procs" and (why := why_workers_cannot_start(algo)) is not None:
+        if ex.name == "procs":
+            raise PflbedError(f"executor.name: procs: {why}; or use executor.name: loop")
+        name = "loop"  # auto's choice changes only the speed
     if name == "loop":
         batched = ex.batch_clients if ex.batch_clients is not None else algo.ctx.device.type == "cuda"
         return (BatchedExecutor if batched else LoopExecutor)(algo, strict=ex.strict), None

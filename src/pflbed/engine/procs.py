@@ -35,6 +35,7 @@ import contextlib
 import os
 import pickle
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import Iterator
@@ -89,9 +90,38 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _worker(threads: int, tasks: Any, results: Any) -> None:
+def starting_worker() -> bool:
+    """Whether this process is a spawned worker still starting: importing the script that started the pool.
+
+    Why it matters: "spawn" runs the parent's `__main__` script again in each worker, as `__mp_main__`, before the
+    worker's own code; a script that calls `pflbed.run` at its top level, not under `if __name__ == "__main__":`,
+    would start a run in every worker. The flag is the one `multiprocessing` sets for that phase (and reads itself to
+    refuse starting processes in it)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def why_workers_cannot_start(algo: Algorithm) -> str | None:
+    """Why a spawned worker could not take `algo`, or None. A worker imports the parent's `__main__` again, from its
+    file, and unpickles classes by module and name: a script read from standard input has no file to import (every
+    worker would fail as it started), and a class defined in an interactive session (a notebook, `python -c`) no
+    module a worker could import it from."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(getattr(main, "__spec__", None), "name", None) is None and path is not None and not os.path.isfile(path):
+        return f"the script calling pflbed.run was read from {path}, which its worker processes cannot import"
+    if path is None:
+        for what, obj in [("algorithm", algo), *(("model", m) for m in algo.ctx.model.modules())]:
+            if type(obj).__module__ == "__main__":
+                return (f"the {what} class {type(obj).__qualname__} is defined in this interactive session, where its "
+                        "worker processes cannot import it; define it in a module")  # fmt: skip
+    return None
+
+
+def _worker(threads: int, tasks: Any, results: Any, started: Any) -> None:
     """A worker's loop: receive an algorithm, then clients to update with it (or evaluation forwards to run on its
-    data), until told to stop (None), or until its parent is gone (`exit_with_parent`)."""
+    data), until told to stop (None), or until its parent is gone (`exit_with_parent`). `started` is set first: a
+    worker that dies before it is set died while starting (`WorkerPool._next`)."""
+    started.set()
     exit_with_parent()
     torch.set_num_threads(threads)
     algo: Algorithm | None = None
@@ -144,7 +174,9 @@ class WorkerPool:
         self.device = torch.device("cpu")  # the loaded algorithm's (`load`)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(workers)]
-        self.procs = [ctx.Process(target=_worker, args=(threads, q, self.results), daemon=True) for q in self.tasks]
+        self.started = [ctx.Event() for _ in range(workers)]
+        self.procs = [ctx.Process(target=_worker, args=(threads, q, self.results, e), daemon=True)
+                      for q, e in zip(self.tasks, self.started, strict=True)]  # fmt: skip
         for p in self.procs:
             p.start()
 
@@ -207,9 +239,11 @@ class WorkerPool:
             try:
                 return _get(self.results, timeout=_POLL_S)
             except queue.Empty:
-                dead = [p for p in self.procs if not p.is_alive()]
+                dead = [(p, e) for p, e in zip(self.procs, self.started, strict=True) if not p.is_alive()]
                 if dead:
-                    raise WorkerError(f"a worker process died (exit code {dead[0].exitcode})") from None
+                    p, started = dead[0]
+                    when = "" if started.is_set() else " as it started; what it printed is above"
+                    raise WorkerError(f"a worker process died (exit code {p.exitcode}){when}") from None
 
     def discard(self, n: int) -> None:
         """Collect and drop `n` outstanding results."""
