@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pflbed import plugins
 from pflbed.errors import DivergedError, PflbedError
 from pflbed.results.console import console as make_console
 
@@ -559,6 +560,8 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
         cited = a["paper"] if len(a["paper"]) <= 110 else a["paper"][:109] + "…"  # in full: algorithms NAME
         t.add_row(a["name"], cited, ", ".join(f"{o['name']}={o['default']!r}" for o in a["options"]))
     console.print(t)
+    for why in plugins.left_out(plugins.ALGORITHMS).values():  # a plugin that is not listed says why
+        console.print(f"left out: {why}")
 
 
 def _cmd_config(args: argparse.Namespace) -> None:

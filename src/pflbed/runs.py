@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pflbed.algorithms import only_here
 from pflbed.engine import loop
+from pflbed.errors import PflbedError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -25,6 +27,10 @@ def run(
     flower` hosted inside a Flower ServerApp, in `simulation` (a running `flower.simulation.FlowerSimulation` to
     reuse) or in a simulation of its own."""
     host = None
+    if cfg.executor.name == "flower" and only_here(cfg.algorithm.name):  # each app failed, "unknown algorithm"
+        raise PflbedError(f"executor.name: flower: algorithm {cfg.algorithm.name} was registered in this process "
+                          "(pflbed.algorithms.register), and Flower's apps build it by name in processes of their "
+                          "own: make it a plugin (docs/guide/plugins.md)")  # fmt: skip
     if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
         def host(algo, experiment):
             from pflbed.flower.simulation import simulate  # after prepare and the run directory's check, as before

@@ -28,6 +28,7 @@ RUN_BY = {
     "docs/guide/benchmarks.md": ["results/test_bench.py::test_the_benchmarks_guide_s_small_trial_runs_as_written"],
     "docs/guide/flower.md": ["test_the_flower_guide_s_simulation_runs_as_written",
                              "test_the_flower_guide_s_deployments_run_as_written"],
+    "docs/guide/plugins.md": ["project/test_plugins.py::test_the_plugins_guide_s_package_runs_as_written"],
     "docs/guide/privacy.md": ["project/test_privacy_guide.py::test_the_guides_commands_run_as_written"],
     "docs/guide/tuning.md": ["results/test_tune.py::test_the_tuning_guide_s_small_study_runs_as_written",
                              "test_the_tuning_guide_s_worker_commands_run_as_written"],
@@ -37,6 +38,7 @@ PYTHON_RUN_BY = {
     "README.md": ["test_the_readme_s_python_is_getting_started_s"],
     "docs/getting-started.md": ["test_getting_started_s_python_runs_as_written"],
     "docs/guide/after-the-run.md": ["test_after_the_run_s_python_runs_as_written"],
+    "docs/guide/plugins.md": ["project/test_plugins.py::test_the_plugins_guide_s_package_runs_as_written"],
     "docs/index.md": ["project/test_docs.py::test_the_home_page_s_python_example_runs"],
 }
 

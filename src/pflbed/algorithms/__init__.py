@@ -1,5 +1,6 @@
 """Algorithm registry. Every module in this package that defines an `Algorithm` subclass with a `name` is
-registered automatically, so adding an algorithm means adding one file — no engine or registry edits.
+registered automatically, so adding an algorithm means adding one file — no engine or registry edits. Algorithms
+of other installed packages join it as plugins (`pflbed.plugins`: the entry points of "pflbed.algorithms").
 
 The registry also checks a config's algorithm section (`check_config`): the options models are the algorithms'
 own, so they are checked here, where the classes are known. `pflbed.config.validate_config` reaches this check
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from pflbed import hooks
+from pflbed import hooks, plugins
 from pflbed.algorithms.base import Algorithm
 from pflbed.config.algorithm import unknown_algorithm
 from pflbed.config.base import check_numbers
@@ -27,12 +28,20 @@ if TYPE_CHECKING:
 
 _SHARED = {"base", "common", "training", "partial"}  # modules with shared pieces, not algorithms
 ALGORITHMS: dict[str, type[Algorithm]] = {}
+REGISTERED_HERE: set[str] = set()  # names `register` added: this process's alone (`only_here`)
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Add an algorithm defined outside pflbed (usable as a class decorator)."""
+    """Add an algorithm defined outside pflbed (usable as a class decorator), in this process only: the command
+    line and Flower's apps do not see it; a plugin (`pflbed.plugins`) is seen by every process."""
     ALGORITHMS[cls.name] = cls
+    REGISTERED_HERE.add(cls.name)
     return cls
+
+
+def only_here(name: str) -> bool:
+    """Whether algorithm `name` was registered in this process (`register`), where no other process finds it."""
+    return name in REGISTERED_HERE and ALGORITHMS[name].__module__.partition(".")[0] != "pflbed"
 
 
 def _discover() -> None:
@@ -43,13 +52,24 @@ def _discover() -> None:
         for obj in vars(module).values():
             if (isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__
                     and "name" in vars(obj)):  # fmt: skip
-                register(obj)
+                ALGORITHMS[obj.name] = obj
+
+
+def _plugin_problem(name: str, obj: object) -> str | None:
+    """What is wrong with a plugin declared as algorithm `name`, or None."""
+    if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
+        return f"is {plugins.what(obj)}, not a subclass of pflbed.algorithms.base.Algorithm"
+    if getattr(obj, "name", None) != name:
+        return f"is named {getattr(obj, 'name', None)!r} in its class, not {name!r} as its entry point"
+    return None
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
+        if (why := plugins.problem(plugins.ALGORITHMS, name)) is not None:
+            raise ConfigError(f"algorithm.name: {why}") from None
         raise unknown_algorithm(name, ALGORITHMS) from None
 
 
@@ -84,7 +104,9 @@ def _options_hint(message: str, name: str, key: str) -> str:
     return f"{message}; {key} is an option of {', '.join(takers)}" if takers else message
 
 
+__all__ = ["ALGORITHMS", "Algorithm", "check_config", "get_algorithm", "register"]
+
 _discover()
 hooks.register_algorithms(ALGORITHMS, check_config)
-
-__all__ = ["ALGORITHMS", "Algorithm", "check_config", "get_algorithm", "register"]
+# Last: a plugin's module may import anything of this package's (its base classes, `register`).
+ALGORITHMS.update(plugins.load(plugins.ALGORITHMS, ALGORITHMS, _plugin_problem))  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 from pydantic import BaseModel, ConfigDict
 
-from pflbed import hooks
+from pflbed import hooks, plugins
 from pflbed.errors import ConfigError
 from pflbed.hints import did_you_mean
 
@@ -39,8 +39,11 @@ def unknown_algorithm(name: str, known: Collection[str]) -> ConfigError:
 
 
 def check_algorithm_name(name: str) -> None:
-    """`ConfigError` unless `name` is a known algorithm: the registry's, else (not imported yet) a built-in one."""
+    """`ConfigError` unless `name` is a known algorithm: the registry's, else (not imported yet) a built-in one or a
+    plugin's (`pflbed.plugins`: named in its package's metadata; whether it loads is checked with the registry)."""
     known = hooks.registered_algorithms()
-    known = ALGORITHM_NAMES if known is None else known
+    known = {*ALGORITHM_NAMES, *plugins.names(plugins.ALGORITHMS)} if known is None else known
     if name not in known:
+        if (why := plugins.problem(plugins.ALGORITHMS, name)) is not None:
+            raise ConfigError(f"algorithm.name: {why}")
         raise unknown_algorithm(name, known)

@@ -11,7 +11,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from pflbed.config.dataset import OWN_DATA
-from pflbed.config.model import MODEL_NAMES
+from pflbed.config.model import known_models
 from pflbed.hints import closest, did_you_mean, then
 
 
@@ -87,7 +87,7 @@ def first_error(err: ValidationError, prefix: str = "", model: type[BaseModel] |
         return f"{field}: {msg}"  # a whole section (model-level checks) would not fit on one readable line
     hint = ""
     if field == "model.name" and e["type"] == "value_error":
-        hint = did_you_mean(e.get("input"), MODEL_NAMES)
+        hint = did_you_mean(e.get("input"), known_models())
     if e["type"] == "literal_error" and model is not None:
         names = parts[:-1] if parts[-1].isdigit() else parts  # an item of a list of choices: the list's field
         section = _section(model, names[:-1])

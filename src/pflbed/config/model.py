@@ -10,6 +10,7 @@ import sys
 
 from pydantic import Field, field_validator
 
+from pflbed import plugins
 from pflbed.config.base import Strict
 
 MODEL_NAMES = (
@@ -20,10 +21,11 @@ MODEL_NAMES = (
 
 
 def known_models() -> tuple[str, ...]:
-    """The zoo's live names once it is imported (models registered from outside pflbed included), else the built-in
-    ones: read from `sys.modules`, never imported here (the zoo imports torch)."""
+    """The zoo's live names once it is imported (models registered from outside pflbed and plugins included), else
+    the built-in ones and the plugins' declared ones (`pflbed.plugins`): read from `sys.modules`, never imported here
+    (the zoo imports torch)."""
     zoo = sys.modules.get("pflbed.models.zoo")
-    return MODEL_NAMES if zoo is None else tuple(zoo.MODELS)
+    return tuple(dict.fromkeys((*MODEL_NAMES, *plugins.names(plugins.MODELS)))) if zoo is None else tuple(zoo.models())
 
 
 class ModelConfig(Strict):
@@ -47,6 +49,8 @@ class ModelConfig(Strict):
     @classmethod
     def _known(cls, v: str) -> str:
         known = known_models()
+        if v not in known and (why := plugins.problem(plugins.MODELS, v)) is not None:
+            raise ValueError(why)
         if v not in known:
             raise ValueError(f"unknown model; known: {', '.join(sorted(known))}")
         return v

@@ -198,12 +198,12 @@ def _parameters(cfg: Config) -> int:
     """The model's parameter count for the run's input shape and classes, built on the meta device (no memory)."""
     import torch
 
-    from pflbed.models import MODELS
+    from pflbed.models.zoo import models
 
     shape = tuple(cfg.sites.input_shape or [])
     try:
         with torch.device("meta"):
-            model = MODELS[cfg.model.name](shape, int(cfg.sites.num_classes or 0))
+            model = models()[cfg.model.name](shape, int(cfg.sites.num_classes or 0))
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         raise SiteError(f"model.name={cfg.model.name} cannot take samples of shape {list(shape)}: {e}") from None
     return sum(p.numel() for p in model.parameters())

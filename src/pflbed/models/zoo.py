@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from pydantic import AfterValidator
 from torch import nn
 
+from pflbed import plugins
+from pflbed.errors import ConfigError
 from pflbed.memory import check_fits
 from pflbed.models.blocks import BlockNet
 
@@ -575,6 +577,26 @@ MODELS: dict[str, Callable[[tuple[int, ...], int], BlockNet]] = {
 }
 
 
+def _plugin_problem(name: str, obj: object) -> str | None:
+    """What is wrong with a plugin declared as model `name`, or None (what it builds is checked by `build_model`)."""
+    return None if callable(obj) else f"is {plugins.what(obj)}, not a function of (input_shape, num_classes)"
+
+
+_with_plugins = False
+
+
+def models() -> dict[str, Callable[[tuple[int, ...], int], BlockNet]]:
+    """`MODELS`, the installed plugins' models added on the first call (`pflbed.plugins`).
+
+    Not as this module is imported: a plugin module may import pflbed's algorithms, whose base module imports this
+    one, and would then find it half imported."""
+    global _with_plugins
+    if not _with_plugins:
+        _with_plugins = True
+        MODELS.update(plugins.load(plugins.MODELS, MODELS, _plugin_problem))  # type: ignore[arg-type]
+    return MODELS
+
+
 def build_model(
     name: str,
     input_shape: tuple[int, ...],
@@ -593,18 +615,23 @@ def build_model(
     differ by rounding, hence opt-in. Parameters keep the layout through loading, copying and checkpoints.
     """
     try:
-        factory = MODELS[name]
+        factory = models()[name]
     except KeyError:
+        if (why := plugins.problem(plugins.MODELS, name)) is not None:
+            raise ConfigError(f"model.name: {why}") from None
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
     with torch.device("cpu"):
         model = factory(input_shape, num_classes)
+    if not isinstance(model, BlockNet):  # a model of another package's: the algorithms split models by its blocks
+        raise ConfigError(f"model.name: {name} built a {type(model).__name__}, not a pflbed.models.blocks.BlockNet "
+                          "(its blocks are what the algorithms split into body and head)")  # fmt: skip
     model.zoo_name = name  # what rebuilds it (a saved personal model: `results.trained.load_model`)
     model = model.to(device)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 def _known(names: list[str]) -> list[str]:
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in models()]
     if unknown:
         raise ValueError(f"unknown models {unknown}; known: {sorted(MODELS)}")
     return names
