@@ -42,7 +42,7 @@ def names(group: str) -> tuple[str, ...]:
 
 
 def _where(ep: EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
+    dist = ep.dist  # None for one not read from a package's metadata
     return f"{ep.value}, package {dist.name} {dist.version}" if dist is not None else ep.value
 
 

@@ -321,3 +321,51 @@ def test_workers_that_could_not_import_the_script_or_its_class_are_refused_and_a
     assert (done.returncode, done.stdout) == (0, f"executor.name: procs: {why}; or use executor.name: loop\n"
                                                  "LoopExecutor\n"), done.stderr  # fmt: skip
     assert not (tmp_path / "procs").exists()
+
+
+def test_a_worker_is_starting_while_multiprocessing_says_it_inherits_its_parent_s_state(monkeypatch):
+    import multiprocessing
+
+    from pflbed.engine.procs import starting_worker
+
+    assert starting_worker() is False
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    assert starting_worker() is True
+
+
+def _main(monkeypatch, path, spec=None):
+    """This process's `__main__` as a script at `path` (None: an interactive session) run with `-m spec`, or not."""
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=spec) if spec else None
+    if path is not None:
+        main.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+
+def test_why_workers_cannot_start_names_a_script_without_a_file_and_an_interactive_session_s_class(monkeypatch,
+                                                                                                   tmp_path):
+    from torch import nn
+
+    from pflbed.config import validate_config
+    from pflbed.engine.procs import why_workers_cannot_start
+
+    algo = prepare(validate_config(TINY))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for path, spec in [(script, None), (tmp_path / "gone.py", "pkg.train"), (None, None)]:
+        _main(monkeypatch, path, spec)
+        assert why_workers_cannot_start(algo) is None, (path, spec)
+    _main(monkeypatch, "<stdin>")
+    assert why_workers_cannot_start(algo) == ("the script calling pflbed.run was read from <stdin>, which its worker "
+                                              "processes cannot import")  # fmt: skip
+    _main(monkeypatch, None)
+    head = algo.ctx.model.blocks["classifier"]
+    monkeypatch.setattr(head, "__class__", type("MyLinear", (nn.Linear,), {"__module__": "__main__"}))
+    assert why_workers_cannot_start(algo) == ("the model class MyLinear is defined in this interactive session, "
+                                              "where its worker processes cannot import it; define it in a module")
+    monkeypatch.setattr(algo, "__class__", type("Mine", (FedAvg,), {"name": "mine", "__module__": "__main__"}))
+    assert why_workers_cannot_start(algo).startswith("the algorithm class Mine is defined in this interactive session")
+    _main(monkeypatch, script)  # a script's classes: its file is imported again in each worker
+    assert why_workers_cannot_start(algo) is None

@@ -5,7 +5,7 @@ import pytest
 
 import pflbed.config
 from pflbed import hooks
-from pflbed.algorithms import ALGORITHMS, check_config, register
+from pflbed.algorithms import ALGORITHMS, REGISTERED_HERE, check_config, register
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.config import ALGORITHM_NAMES, MODEL_NAMES, validate_config
 from pflbed.errors import ConfigError
@@ -60,6 +60,7 @@ def test_an_algorithm_registered_from_outside_is_known_by_name():
         assert validate_config({"algorithm": {"name": "mine"}}).algorithm.name == "mine"
     finally:
         ALGORITHMS.pop("mine")
+        REGISTERED_HERE.discard("mine")
     with pytest.raises(ConfigError, match=r"^algorithm.name: unknown algorithm 'mine'; known: apfl, "):
         validate_config({"algorithm": {"name": "mine"}})
 

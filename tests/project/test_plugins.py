@@ -14,7 +14,8 @@ import yaml
 
 import pflbed
 from pflbed import plugins
-from pflbed.algorithms import ALGORITHMS, REGISTERED_HERE, _plugin_problem, get_algorithm, register
+from pflbed.algorithms import ALGORITHMS, _plugin_problem, get_algorithm, register
+from pflbed.algorithms.base import Algorithm
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.config import validate_config
 from pflbed.errors import ConfigError, PflbedError
@@ -126,10 +127,24 @@ class Misnamed(FedAvg):
 
 
 class Unnamed(FedAvg):
-    """Its `name` is FedAvg's, inherited: a plugin class must name itself."""
+    """Its `name` is FedAvg's, inherited: a plugin class is named as its entry point."""
+
+
+class Nameless(Algorithm):
+    """No `name` at all (the base class only declares it)."""
 
 
 NOT_A_MODEL = 3
+
+
+@pytest.fixture
+def zoo(monkeypatch):
+    """The zoo, its plugins not yet added, on a copy of its models (restored after the test)."""
+    from pflbed.models import zoo
+
+    monkeypatch.setattr(zoo, "MODELS", dict(zoo.MODELS))
+    monkeypatch.setattr(zoo, "_with_plugins", False)
+    return zoo
 
 
 def _declare(monkeypatch, group, entries):
@@ -145,8 +160,9 @@ def test_each_plugin_is_loaded_or_left_out_with_its_reason(monkeypatch, tmp_path
     monkeypatch.syspath_prepend(tmp_path)
     _declare(monkeypatch, plugins.ALGORITHMS, [
         ("mine", f"{here}:Mine"), ("fedavg", f"{here}:Mine"), ("misnamed", f"{here}:Misnamed"),
-        ("unnamed", f"{here}:Unnamed"), ("function", f"{here}:_declare"), ("twice", f"{here}:Mine"),
-        ("twice", f"{here}:Misnamed"), ("exits", "exits_on_import:X"), ("absent", f"{here}:Nothing")])  # fmt: skip
+        ("unnamed", f"{here}:Unnamed"), ("nameless", f"{here}:Nameless"), ("function", f"{here}:_declare"),
+        ("twice", f"{here}:Mine"), ("twice", f"{here}:Misnamed"), ("exits", "exits_on_import:X"),
+        ("absent", f"{here}:Nothing")])  # fmt: skip
     found = plugins.load(plugins.ALGORITHMS, {"fedavg"}, _plugin_problem)
     assert found == {"mine": Mine}
     assert plugins.left_out(plugins.ALGORITHMS) == {
@@ -158,12 +174,15 @@ def test_each_plugin_is_loaded_or_left_out_with_its_reason(monkeypatch, tmp_path
                     "pflbed.algorithms.base.Algorithm",
         "misnamed": f"the plugin 'misnamed' ({here}:Misnamed) is named 'other' in its class, not 'misnamed' as its "
                     "entry point",
+        "nameless": f"the plugin 'nameless' ({here}:Nameless) is named None in its class, not 'nameless' as its "
+                    "entry point",
         "twice": f"the plugin name 'twice' is declared twice ({here}:Mine; {here}:Misnamed); uninstall one",
         "unnamed": f"the plugin 'unnamed' ({here}:Unnamed) is named 'fedavg' in its class, not 'unnamed' as its entry "
                    "point",
     }  # fmt: skip
     assert plugins.problem(plugins.ALGORITHMS, "mine") is None
     assert plugins.problem(plugins.MODELS, "exits") is None  # another group's
+    assert plugins.left_out(plugins.MODELS) == {}  # a group never loaded
 
 
 def test_a_keyboard_interrupt_while_a_plugin_imports_is_not_taken_for_its_fault(monkeypatch, tmp_path):
@@ -174,7 +193,7 @@ def test_a_keyboard_interrupt_while_a_plugin_imports_is_not_taken_for_its_fault(
         plugins.load(plugins.MODELS, (), _model_problem)
 
 
-def test_a_left_out_plugin_s_name_says_why_wherever_it_is_checked(monkeypatch):
+def test_a_left_out_plugin_s_name_says_why_wherever_it_is_checked(monkeypatch, zoo):
     """The config's check of `algorithm.name` and `model.name`, the registry and the zoo: each gives the plugin's
     reason, not "unknown" (an algorithm's and a model's, one group each)."""
     _declare(monkeypatch, plugins.ALGORITHMS, [("misnamed", f"{__name__}:Misnamed")])
@@ -185,14 +204,25 @@ def test_a_left_out_plugin_s_name_says_why_wherever_it_is_checked(monkeypatch):
         with pytest.raises(ConfigError) as e:
             check()
         assert str(e.value) == f"algorithm.name: {why}"
-    _declare(monkeypatch, plugins.MODELS, [("three", f"{__name__}:NOT_A_MODEL")])
-    assert plugins.load(plugins.MODELS, (), _model_problem) == {}
+    _declare(monkeypatch, plugins.MODELS, [("three", f"{__name__}:NOT_A_MODEL"), ("tiny", "pflbed.models.zoo:mlp")])
+    assert plugins.load(plugins.MODELS, (), _model_problem) == {"tiny": mlp}
     why = f"the plugin 'three' ({__name__}:NOT_A_MODEL) is an int, not a function of (input_shape, num_classes)"
     for check, got in [(lambda: validate_config({"model": {"name": "three"}}), " (got 'three')"),
                        (lambda: build_model("three", (4,), 2), "")]:  # fmt: skip
         with pytest.raises(ConfigError) as e:
             check()
         assert str(e.value) == f"model.name: {why}{got}"
+
+
+def test_the_zoo_adds_the_plugins_models_once_on_first_use(monkeypatch, zoo):
+    """Not as the zoo is imported (a plugin importing pflbed's algorithms would find it half imported), and not
+    again on every lookup."""
+    _declare(monkeypatch, plugins.MODELS, [("tiny", "pflbed.models.zoo:mlp"), ("three", f"{__name__}:NOT_A_MODEL")])
+    loads, load = [], plugins.load
+    monkeypatch.setattr(plugins, "load", lambda *args: loads.append(args[0]) or load(*args))
+    assert zoo.models()["tiny"] is mlp and "three" not in zoo.MODELS
+    assert zoo.models() is zoo.MODELS and loads == [plugins.MODELS]
+    assert build_model("tiny", (4,), 2).zoo_name == "tiny"
 
 
 def test_a_model_that_builds_no_block_net_is_refused_by_name(monkeypatch):
@@ -215,8 +245,8 @@ def test_the_names_a_config_takes_before_the_registry_loads_include_the_declared
 
     monkeypatch.setattr(hooks, "_registry", None)
     monkeypatch.delitem(sys.modules, "pflbed.models.zoo")  # as before the zoo is imported (`known_models`)
-    monkeypatch.setattr(plugins, "names", lambda group: ("zeta", "fedavg") if group == plugins.ALGORITHMS
-                        else ("omega", "mlp"))  # fmt: skip
+    declared = {plugins.ALGORITHMS: ("zeta", "fedavg"), plugins.MODELS: ("omega", "mlp")}
+    monkeypatch.setattr(plugins, "names", declared.__getitem__)
     check_algorithm_name("zeta")
     with pytest.raises(ConfigError) as e:
         check_algorithm_name("zetq")
@@ -228,7 +258,7 @@ def test_an_algorithm_registered_here_is_refused_on_flower_before_anything_is_wr
     """Flower's apps build the algorithm by name in processes of their own: each failed with "unknown algorithm".
     A plugin is found there; a class registered in this process is refused, saying so."""
     monkeypatch.setitem(ALGORITHMS, "mine", FedAvg)  # restored (removed) after the test
-    monkeypatch.setattr(sys.modules["pflbed.algorithms"], "REGISTERED_HERE", set(REGISTERED_HERE))
+    monkeypatch.setattr(sys.modules["pflbed.algorithms"], "REGISTERED_HERE", set())
     register(Mine)
     cfg = {**TINY, "algorithm": {"name": "mine"}, "executor": {"name": "flower"}}
     with pytest.raises(PflbedError) as e:
@@ -237,3 +267,5 @@ def test_an_algorithm_registered_here_is_refused_on_flower_before_anything_is_wr
                             "(pflbed.algorithms.register), and Flower's apps build it by name in processes of their "
                             "own: make it a plugin (docs/guide/plugins.md)")  # fmt: skip
     assert not (tmp_path / "r").exists()
+    ran = pflbed.run({**cfg, "executor": {"name": "loop"}}, out=tmp_path / "loop")  # in this process: it runs
+    assert ran.summary["algorithm"] == "mine"

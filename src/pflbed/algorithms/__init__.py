@@ -41,7 +41,7 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 
 def only_here(name: str) -> bool:
     """Whether algorithm `name` was registered in this process (`register`), where no other process finds it."""
-    return name in REGISTERED_HERE and ALGORITHMS[name].__module__.partition(".")[0] != "pflbed"
+    return name in REGISTERED_HERE
 
 
 def _discover() -> None:
