@@ -107,7 +107,7 @@ def why_workers_cannot_start(algo: Algorithm) -> str | None:
     module a worker could import it from."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if getattr(getattr(main, "__spec__", None), "name", None) is None and path is not None and not os.path.isfile(path):
+    if getattr(main.__spec__, "name", None) is None and path is not None and not os.path.isfile(path):
         return f"the script calling pflbed.run was read from {path}, which its worker processes cannot import"
     if path is None:
         for what, obj in [("algorithm", algo), *(("model", m) for m in algo.ctx.model.modules())]:
