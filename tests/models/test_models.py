@@ -298,3 +298,13 @@ def test_the_zoo_dropout_draws_torchs_cpu_masks_and_nothing_in_eval():
         torch.manual_seed(3)
         assert torch.equal(ours, F.dropout(x, p, training=True)), p
     assert ReproducibleDropout(0.5).eval()(x) is x
+
+
+def test_a_zoo_model_keeps_torch_s_layout_unless_asked_and_an_unknown_name_lists_the_zoo():
+    from pflbed.models.zoo import MODELS
+
+    conv = build_model("cnn", (1, 28, 28), 10).blocks["conv2"][0].weight  # 32 input channels: the layouts differ
+    assert conv.is_contiguous() and not conv.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(KeyError) as e:
+        build_model("nope", (1, 28, 28), 10)
+    assert e.value.args == (f"unknown model 'nope'; known: {sorted(MODELS)}",)
