@@ -534,6 +534,7 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from pflbed.algorithms import get_algorithm
+    from pflbed.models.zoo import models
     from pflbed.results.catalog import catalog, options, paper, shared_search
 
     console = make_console()
@@ -560,8 +561,10 @@ def _cmd_algorithms(args: argparse.Namespace) -> None:
         cited = a["paper"] if len(a["paper"]) <= 110 else a["paper"][:109] + "…"  # in full: algorithms NAME
         t.add_row(a["name"], cited, ", ".join(f"{o['name']}={o['default']!r}" for o in a["options"]))
     console.print(t)
-    for why in plugins.left_out(plugins.ALGORITHMS).values():  # a plugin that is not listed says why
-        console.print(f"left out: {why}")
+    models()  # the model plugins loaded too (on first use), so that those left out are listed with the algorithms'
+    for group in (plugins.ALGORITHMS, plugins.MODELS):  # a plugin that is not listed says why
+        for why in plugins.left_out(group).values():
+            console.print(f"left out ({group}): {why}")
 
 
 def _cmd_config(args: argparse.Namespace) -> None:

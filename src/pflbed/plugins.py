@@ -76,7 +76,8 @@ def load(group: str, own: Collection[str], check: Callable[[str, object], str | 
         except BaseException as e:  # noqa: BLE001  (a plugin's import may raise anything, SystemExit included)
             if isinstance(e, KeyboardInterrupt):
                 raise
-            problems[name] = f"the plugin {name!r} ({where}) did not import: {type(e).__name__}: {e}"
+            said = str(e).strip().splitlines()[:1]  # one line: the first of what it said
+            problems[name] = f"the plugin {name!r} ({where}) did not import: {': '.join([type(e).__name__, *said])}"
             continue
         if (why := check(name, obj)) is not None:
             problems[name] = f"the plugin {name!r} ({where}) {why}"

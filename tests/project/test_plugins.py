@@ -98,8 +98,9 @@ def test_a_plugin_runs_in_the_loop_in_procs_workers_and_on_flower_as_the_algorit
 def test_a_plugin_that_cannot_be_used_is_one_line_at_the_command_line_and_listed_as_left_out(tmp_path):
     """Using a broken plugin's name is one line naming the plugin, its package and why, exit 2, nothing written;
     `pflbed algorithms` lists what it left out; a misspelt name is suggested among the plugins' names."""
-    install(tmp_path / "site", {"mine": MINE},
-            {plugins.ALGORITHMS: {"mine": "mine:Mine", "broken": "nothere:X", "fedavg": "mine:Mine"}})  # fmt: skip
+    install(tmp_path / "site", {"mine": MINE}, {plugins.ALGORITHMS: {"mine": "mine:Mine", "broken": "nothere:X",
+                                                                     "fedavg": "mine:Mine"},
+                                              plugins.MODELS: {"cnn": "mine:Mine"}})  # fmt: skip
     done = cli(["run", "--set", "algorithm.name=broken", "--out", "r"], tmp_path / "site", tmp_path)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == ("pflbed: error: algorithm.name: the plugin 'broken' (nothere:X, package myfl 0.1) did not "
@@ -110,10 +111,13 @@ def test_a_plugin_that_cannot_be_used_is_one_line_at_the_command_line_and_listed
     assert ", local, mine, moon," in misspelt.stderr and misspelt.stderr.count(" fedavg,") == 1
     listed = cli(["algorithms"], tmp_path / "site", tmp_path)
     assert listed.returncode == 0 and "│ mine " in listed.stdout
-    assert listed.stdout.splitlines()[-2:] == [
-        "left out: the plugin 'broken' (nothere:X, package myfl 0.1) did not import: ModuleNotFoundError: No module "
-        "named 'nothere'",
-        "left out: the plugin 'fedavg' (mine:Mine, package myfl 0.1) takes the name of pflbed's own, which stays"]
+    assert listed.stdout.splitlines()[-3:] == [
+        "left out (pflbed.algorithms): the plugin 'broken' (nothere:X, package myfl 0.1) did not import: "
+        "ModuleNotFoundError: No module named 'nothere'",
+        "left out (pflbed.algorithms): the plugin 'fedavg' (mine:Mine, package myfl 0.1) takes the name of pflbed's "
+        "own, which stays",
+        "left out (pflbed.models): the plugin 'cnn' (mine:Mine, package myfl 0.1) takes the name of pflbed's own, "
+        "which stays"]
 
 
 class Mine(FedAvg):
@@ -157,18 +161,22 @@ def _declare(monkeypatch, group, entries):
 def test_each_plugin_is_loaded_or_left_out_with_its_reason(monkeypatch, tmp_path):
     here = __name__
     (tmp_path / "exits_on_import.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "says_much.py").write_text("raise RuntimeError('first line\\nsecond line')\n")
+    (tmp_path / "says_nothing.py").write_text("raise RuntimeError\n")
     monkeypatch.syspath_prepend(tmp_path)
     _declare(monkeypatch, plugins.ALGORITHMS, [
         ("mine", f"{here}:Mine"), ("fedavg", f"{here}:Mine"), ("misnamed", f"{here}:Misnamed"),
         ("unnamed", f"{here}:Unnamed"), ("nameless", f"{here}:Nameless"), ("function", f"{here}:_declare"),
         ("twice", f"{here}:Mine"), ("twice", f"{here}:Misnamed"), ("exits", "exits_on_import:X"),
-        ("absent", f"{here}:Nothing")])  # fmt: skip
+        ("absent", f"{here}:Nothing"), ("much", "says_much:X"), ("nothing", "says_nothing:X")])  # fmt: skip
     found = plugins.load(plugins.ALGORITHMS, {"fedavg"}, _plugin_problem)
     assert found == {"mine": Mine}
     assert plugins.left_out(plugins.ALGORITHMS) == {
         "absent": f"the plugin 'absent' ({here}:Nothing) did not import: AttributeError: module '{here}' has no "
                   "attribute 'Nothing'",
         "exits": "the plugin 'exits' (exits_on_import:X) did not import: SystemExit: 3",
+        "much": "the plugin 'much' (says_much:X) did not import: RuntimeError: first line",
+        "nothing": "the plugin 'nothing' (says_nothing:X) did not import: RuntimeError",
         "fedavg": f"the plugin 'fedavg' ({here}:Mine) takes the name of pflbed's own, which stays",
         "function": f"the plugin 'function' ({here}:_declare) is a function, not a subclass of "
                     "pflbed.algorithms.base.Algorithm",
