@@ -68,8 +68,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        if (why := plugins.problem(plugins.ALGORITHMS, name)) is not None:
-            raise ConfigError(f"algorithm.name: {why}") from None
         raise unknown_algorithm(name, ALGORITHMS) from None
 
 

@@ -33,7 +33,10 @@ class AlgorithmConfig(BaseModel):
 
 
 def unknown_algorithm(name: str, known: Collection[str]) -> ConfigError:
-    """The one-line error for an `algorithm.name` that is not in `known`, with the near miss it probably meant."""
+    """The one-line error for an `algorithm.name` that is not in `known`: why, where it is a plugin the registry left
+    out (`pflbed.plugins`), else the near miss it probably meant."""
+    if (why := plugins.problem(plugins.ALGORITHMS, name)) is not None:
+        return ConfigError(f"algorithm.name: {why}")
     return ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: {', '.join(sorted(known))}"
                        f"{did_you_mean(name, known)}")  # fmt: skip
 
@@ -44,6 +47,4 @@ def check_algorithm_name(name: str) -> None:
     known = hooks.registered_algorithms()
     known = {*ALGORITHM_NAMES, *plugins.names(plugins.ALGORITHMS)} if known is None else known
     if name not in known:
-        if (why := plugins.problem(plugins.ALGORITHMS, name)) is not None:
-            raise ConfigError(f"algorithm.name: {why}")
         raise unknown_algorithm(name, known)
