@@ -151,6 +151,34 @@ def test_tables_are_written_into_a_new_nested_directory(filled, tmp_path):
     assert md.read_text() == "## fab\n\n" + MAIN_MD + "\n" + REUSE_MD and cs.read_text() == CSV
 
 
+def half_then_full_disk(monkeypatch, name: str):
+    """From now on, a `Path.write_text` into a file whose name holds `name` (the file, or a temp file beside it)
+    writes half its text, then fails as a full disk does; other files are written."""
+    write_text = Path.write_text
+
+    def write(self, text, *args, **kwargs):
+        if name not in self.name:
+            return write_text(self, text, *args, **kwargs)
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write)
+
+
+@pytest.mark.parametrize("name", ["table.md", "table.csv"])
+def test_tables_are_replaced_whole_or_left_as_they_were(filled, monkeypatch, name):
+    """Each table is written beside itself, then renamed over it: shards of a suite finishing together both write
+    them, and two writes into one file at once left a mix of both; a write that fails half way (a full disk)
+    leaves the table before it, not half a table."""
+    md, cs = filled.write_tables()
+    before = md.read_text(), cs.read_text()
+    half_then_full_disk(monkeypatch, name)
+    with pytest.raises(OSError, match="No space left"):
+        filled.write_tables()
+    monkeypatch.undo()
+    assert (md.read_text(), cs.read_text()) == before and list(md.parent.glob(".*.tmp")) == []
+
+
 def test_a_cell_is_logged_with_its_rows_columns(filled):
     """The figures line of a finished cell: a column whose field is None is skipped and the later ones still shown
     (FedAvg+FT: only its fine-tuned P-FL), a field the summary lacks is "—"."""

@@ -18,6 +18,8 @@ from pflbed.results.report import STYLE, _html_table, _md_table
 from pflbed.results.tune.suite import TuneSuite
 from pflbed.results.tune.tables import Tables, _pct, _short, _space
 
+from .test_bench_tables import half_then_full_disk
+
 
 def make_suite(name="fab", seeds=(0, 1, 2), **tune):
     tune = {"budget": 5, "trials": 20, "sampler": "random", "pruner": "hyperband", **tune}
@@ -418,7 +420,7 @@ def test_draw_records_why_optuna_could_not_draw(tmp_path, monkeypatch, error):
 # --- table.md, table.json, report.html -------------------------------------------------------------------------------
 
 
-def test_write_tables(tmp_path):
+def test_write_tables(tmp_path, monkeypatch):
     """`write_tables` draws, then writes table.md and report.html from the rows with those plots, and table.json
     (the suite, seeds, trial seed, sampler, pruner, the storage as shown, and the rows), into a new directory."""
     studies = {"FedProx": _study(2), "FedAvg+FT": _study(0, pruned=1)}
@@ -438,3 +440,10 @@ def test_write_tables(tmp_path):
     assert json.loads(text) == {"suite": "fab", "seeds": [0, 1, 2], "trial_seed": 100, "sampler": "random",
                                 "pruner": "hyperband", "storage": "postgresql://u@db/x",
                                 "methods": json.loads(json.dumps(final))}  # fmt: skip
+    written = {p: p.read_text() for p in (md, js, t.out / "report.html")}
+    for name in written:  # each file is replaced whole or left as it was
+        half_then_full_disk(monkeypatch, name.name)
+        with pytest.raises(OSError, match="No space left"):
+            t.write_tables()
+        monkeypatch.undo()
+        assert {p: p.read_text() for p in written} == written and list(t.out.glob(".*.tmp")) == []

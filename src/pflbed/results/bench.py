@@ -457,10 +457,12 @@ class Bench:
         return path
 
     def write_tables(self) -> tuple[Path, Path]:
+        """table.md and table.csv, each whole or as it was: shards of one suite (`--shard`) finishing together both
+        write them, and a shorter table written over a longer one in place kept the longer one's tail."""
         self.write_suite()
         md, cs = self.out / "table.md", self.out / "table.csv"
-        md.write_text(self.markdown())
-        cs.write_text(self.csv())
+        atomic_write(md, self.markdown())
+        atomic_write(cs, self.csv())
         return md, cs
 
 

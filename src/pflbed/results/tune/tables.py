@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pflbed.results.bench import _slug
+from pflbed.results.rundir import atomic_write
 from pflbed.results.tune.studies import optuna_module
 from pflbed.results.tune.suite import IMPORTANCE_MIN_TRIALS, PLOTS
 
@@ -162,9 +163,9 @@ class Tables:
         rows = self.rows()
         self.out.mkdir(parents=True, exist_ok=True)
         md, js = self.out / "table.md", self.out / "table.json"
-        (self.out / "report.html").write_text(self.html(rows))
-        md.write_text(self.markdown(rows))
-        js.write_text(json.dumps({"suite": self.suite.name, "seeds": self.suite.seeds, "trial_seed": self.seed,
+        atomic_write(self.out / "report.html", self.html(rows))  # each whole or as it was (`atomic_write`)
+        atomic_write(md, self.markdown(rows))
+        atomic_write(js, json.dumps({"suite": self.suite.name, "seeds": self.suite.seeds, "trial_seed": self.seed,
                                   "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
                                   "storage": self.storage_shown, "methods": rows}, indent=2) + "\n")  # fmt: skip
         return md, js
