@@ -783,6 +783,22 @@ def test_diagnostics_are_basis_cosine_and_entropies_of_alpha_star_and_alpha_dagg
     assert torch.allclose(table[1], torch.cat([torch.full((2, 1), 0.5), 0.5 * a_dag[4]], 1))
 
 
+def test_a_block_without_state_has_no_coefficient_vector_and_every_vector_learns():
+    """A block with no parameters or statistics (a ResNet's pooling; here a ReLU block) has nothing to combine: it
+    gets no row of ψ. A row of its own got no gradient and stayed uniform, so every client's α* read log K of
+    entropy there (collapse, to the diagnostics) and Fig. 4 drew a block of uniform weights. Every row a client
+    learns moves off uniform in one ψ step."""
+    net = BlockNet([("fc1", nn.Sequential(nn.Flatten(), nn.Linear(64, 16))), ("act", nn.ReLU()),
+                    ("classifier", nn.Linear(16, 10))])  # fmt: skip
+    algo = make({"K": 2, "alpha_epochs": 1, "basis_epochs": 1}, model=net)
+    assert algo.groups == ["fc1", "classifier"] and set(algo.group_of.values()) == {0, 1}
+    server = random_server(algo)
+    payload = algo.configure(3, server, [0])[0]
+    _, state = algo.client_update(payload, {}, algo.ctx.client_data(0), ClientContext(3, 0, gen(5)))
+    assert state["alpha_star"].shape == (2, 2)
+    assert all(not torch.allclose(row, torch.full((2,), 0.5), atol=1e-6) for row in state["alpha_star"])
+
+
 # --- end to end ----------------------------------------------------------------------------------------------------
 def test_fedbasis_learns_end_to_end_in_strict_mode_and_is_deterministic():
     """Reference run: FedAvg on the same config and seed. The warm-up round *is* FedAvg (same |D_m| weights,

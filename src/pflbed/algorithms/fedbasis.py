@@ -26,8 +26,11 @@ Options (`algorithm.<key>`; the paper's values are the defaults):
   - `coordinate_descent` (True): Eq. 9. False = the joint update of Eq. 7 (Table 3 "CD ✗"): ψ and V trained together
     for `alpha_epochs + basis_epochs` epochs (the same number of passes), forward with α = softmax(ψ/τ) — the
     ablation keeps τ = 0.1, so the temperature must enter somewhere; it enters the one parameterization there is.
-  - `layerwise` (True): one coefficient vector per block of the model (`BlockNet.block_names()`; the paper's "4
-    ResNet blocks + classifier"); False: a single vector for the whole network (Eq. 4 as first written).
+  - `layerwise` (True): one coefficient vector per block of the model that holds parameters or statistics
+    (`BlockNet.block_names()`; the paper's "4 ResNet blocks + classifier", §4.4). Deviation: on the zoo's ResNets
+    the stem (first convolution and its BatchNorm) is a block with a vector of its own, 6 vectors where the paper
+    counts 5 (it does not say which vector the stem takes). False: a single vector for the whole network (Eq. 4
+    as first written).
   - `alpha_epochs`, `basis_epochs` (5, 5): they *replace* `train.local_epochs` in the FedBasis rounds;
     `train.local_epochs` is used by the FedAvg warm-up rounds only (the paper's setup trains 5 local epochs there:
     set `train.local_epochs=5` to reproduce it).
@@ -211,9 +214,11 @@ class FedBasis(Algorithm):
         named = {k for k, _ in model.named_parameters()}
         self.param_keys = [k for k in self.keys if k in named]
         self.buffer_keys = [k for k in self.keys if k not in named]
-        self.groups = model.block_names() if o.layerwise else ["all"]
-        self.group_of = {k: (gi if o.layerwise else 0) for gi, b in enumerate(model.block_names())
-                         for k in model.state_keys([b])}  # fmt: skip
+        # a block with no state (a ResNet's pooling) has nothing to combine: a row of its own got no gradient and
+        # stayed uniform, read by the entropies as collapse and drawn in Fig. 4 as a block of uniform weights
+        blocks = [b for b in model.block_names() if model.state_keys([b])]
+        self.groups = blocks if o.layerwise else ["all"]
+        self.group_of = {k: (gi if o.layerwise else 0) for gi, b in enumerate(blocks) for k in model.state_keys([b])}
         block_of = {k: b for b in model.block_names() for k in model.state_keys([b])}
         self.block_params = {b: [k for k in self.param_keys if block_of[k] == b] for b in model.block_names()}
         self.var_keys = {f"{n}.running_var" for n, m in model.named_modules()
