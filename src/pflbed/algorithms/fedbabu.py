@@ -25,8 +25,11 @@ Interpretations and deviations:
 - The fixed head is sent down with the body each round (the paper broadcasts the whole model), but only the body
   goes up; the server keeps the head as initialized.
 - Aggregation weighted by |D_m| (FedAvg); zero-shot for new clients is the global model with its fixed head.
-- Head-only fine-tuning (`finetune: head` or `lp`) trains the head on body features computed once in eval mode;
-  for the zoo's models (no BatchNorm, no dropout) this equals a train-mode forward through the frozen body.
+- Head-only fine-tuning (`finetune: head` or `lp`) trains the head on body features computed once in eval mode
+  (BatchNorm with its running statistics, dropout off). On a model without BatchNorm or dropout (`cnn`, `lenet5`,
+  `mlp`) this equals a train-mode forward through the frozen body; on one with them (`resnet18`, `lenet5_bn`,
+  `alexnet_small`) it does not, and the authors' models use batch statistics always (BatchNorm without running
+  statistics): a deviation there.
 - Momentum (if configured) restarts every round; fine-tuning uses the engine's budget (lr, epochs, momentum).
 """
 

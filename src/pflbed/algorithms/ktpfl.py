@@ -104,7 +104,9 @@ Interpretations and deviations:
     same per-client sequence shifted by one exchange, so round 1 is a prediction-only exchange on the untrained
     models (no local training); every later round is distil → local → predict. T engine rounds therefore hold
     T − 1 local trainings: run train.rounds = the code's rounds + 1 for the same count. `epoch_ramp` counts
-    local trainings (E = min(k, train.local_epochs) at the k-th).
+    the rounds that hold a local training, as the code counts its rounds (E = min(k, train.local_epochs) in the
+    k-th): every client trains every round there; under partial participation a client's first local training in
+    the k-th such round gets min(k, E) epochs too, not 1.
   - Not reproduced from the code: the initial pre-training of every client on its private data; grey images
     replicated to 3 channels (the zoo takes 1 channel); separately re-created optimizers are the same here
     (SGD, one optimizer per phase per round, so momentum restarts; `train.weight_decay` applies to local training
@@ -314,7 +316,8 @@ class KTpFL(Algorithm):
                      stream=(self.ctx.seed, DISTILL_STREAM, batch_round) if private else None)  # fmt: skip
 
     def _epochs(self, rnd: int) -> int:
-        """Local epochs of this round: train.local_epochs, or the ramp min(k, E) at the k-th local training."""
+        """Local epochs of this round: train.local_epochs, or the ramp min(k, E) in the k-th round that holds a
+        local training (counted by round, as the authors' code does, not by the client's own trainings)."""
         e = self.ctx.cfg.train.local_epochs
         k = rnd - (1 if self.opts.order == "distill_first" and not self.homogeneous else 0)
         return min(k, e) if self.opts.epoch_ramp else e
