@@ -157,7 +157,9 @@ def test_the_personal_model_is_figure_2a_with_the_server_s_modules_and_the_clien
     assert torch.allclose(joining, generic + server[HEAD[1]], atol=1e-4)
 
 
-def test_a_client_starts_from_the_initial_head_and_its_context_or_the_codes_shared_random_context():
+def test_a_client_starts_from_the_initial_head_and_its_context_or_a_random_context_of_its_own():
+    """`initial_context: random` is the authors' code's v_i: each client's constructor draws torch.rand(1, K) in
+    turn from one seeded generator, so every client starts from a context of its own."""
     algo = prepare(_cfg())
     init = algo.ctx.initial_params
     states = [algo.init_client(c) for c in (0, 1)]
@@ -166,8 +168,9 @@ def test_a_client_starts_from_the_initial_head_and_its_context_or_the_codes_shar
         assert torch.equal(s["context"], init[HEAD[0]].sum(0))
     coded = prepare(_cfg(initial_context="random"))
     a, b = coded.init_client(0)["context"], coded.init_client(4)["context"]
-    want = torch.rand(algo.k, generator=rng.generator(coded.ctx.seed, STREAM, 1))
-    assert torch.equal(a, want) and torch.equal(b, want)
+    for cid, v in ((0, a), (4, b)):
+        assert torch.equal(v, torch.rand(algo.k, generator=rng.generator(coded.ctx.seed, STREAM, 1, cid)))
+    assert not torch.equal(a, b)
     _, trained = _update(coded, coded.init_server(), coded.init_client(0))
     assert torch.equal(trained["context"], trained["personal." + HEAD[0]].sum(0))
 

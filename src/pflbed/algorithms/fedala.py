@@ -27,7 +27,8 @@ Choices and deviations (sources: the authors' poster and slides, which quote the
 TsingZ0/FedALA and PFLlib's `utils/ALA.py`, read only):
   1. p counts blocks from the top (`layers`, `BlockNet.top_blocks`), the paper's layers. The code counts parameter
      tensors (its `-p 2`, the last Linear's weight and bias, is p = 1 here). `layers: 0` learns no weight: Eq. 4 is
-     then FedAvg's overwrite and the run is FedAvg's bit for bit; `layers` = every block is the code's `-p 0`.
+     then FedAvg's overwrite and, on a model without BatchNorm, the run is FedAvg's bit for bit (with it, the
+     statistics stay the client's own, 2.); `layers` = every block is the code's `-p 0`.
   2. ALA mixes parameters (the paper's Θ). BatchNorm statistics, not parameters, stay the local model's own, as in
      the code, which overwrites, mixes and averages parameters only; the server averages the whole state (FedAvg's
      rule), so the generic model has averaged statistics.

@@ -42,7 +42,10 @@ Choices and deviations:
   5. The server averages the whole state (BatchNorm statistics with the Fisher weights, integer counters by their
      maximum). Should Σ F_j not be a positive finite number (all gradients vanished; PFLlib issue #242 reports a
      NaN trace), the round falls back to the sample-count weights.
-  6. The payload is f^g alone: the code sends the whole global model, of which a client reads only the body.
+  6. The payload is f^g alone: the code sends the whole global model, of which a client reads only the body. f^g
+     brings the body's BatchNorm statistics (the server's average), which replace the client's before alignment;
+     the code's clients take parameters only and keep their own statistics (on a model with BatchNorm, a
+     deviation; local training moves them again).
   7. Clients not sampled do nothing (the code computes their trace too, but only logs it).
   8. Ablations of the code as options: `align_epochs: 0` is its `--wo_local` (f^g installed unaligned) and
      `weighting: samples` its `--wo_global` (FedAvg's weights). Its unused `progress` and `yxy_hyper` are not

@@ -36,8 +36,9 @@ Choices and deviations:
      itself (β = 0, the default); the authors' code uploads 0.5·W_i^hd + 0.5·W^hd (β = 0.5), which makes W^hd a
      moving average of the personalized heads' mean. This changes results: β = 0.5 reproduces the code.
   2. v_i before a client first trains (`initial_context`): `head` (default) computes it from W_i^hd like every later
-     v_i; the code starts every client from the same U(0, 1)^K draw (`random`: drawn once from the run's stream
-     (seed, 0xFEDC9, 1)) until its first participation. Only first participations differ.
+     v_i; the code starts every client from a U(0, 1)^K draw of its own (`random`: client i's from the run's stream
+     (seed, 0xFEDC9, 1, i); the code's clients draw one after the other from one seeded generator) until its first
+     participation. Only first participations differ.
   3. Evaluation (`eval_noise`): the policy is the noise-free softmax by default, so a model's predictions are a
      function of its input. The code's Gumbel-softmax samples noise in evaluation too; `eval_noise: true` does so,
      drawing from (seed, 0xFEDC9, 2) afresh for each evaluation call (reproducible for a given `eval.batch_size`).
@@ -63,6 +64,9 @@ Choices and deviations:
      (W_i^fe, W_i^hd, Θ_i on E_i, W^fe the frozen reference, at the budget's lr and momentum, no weight decay);
      `lp` trains W_i^hd alone on the frozen W^fe's features (computed once, in eval mode) through the policy. v_i
      stays fixed while training and is recomputed from W_i^hd for each yielded model, as after a round.
+ 11. BatchNorm running statistics come down with W^fe (the server's average), and a client trains from them and is
+     scored with them. The code's clients download parameters only (`set_parameters` over `.parameters()`), so
+     each keeps, and is scored with, statistics of its own: on a model with BatchNorm, a deviation.
 
 Defaults (`algorithm.<key>`): λ (`lam`) 5, the authors' run script (MNIST, lr 0.005, batch 10; their repository's
 default is 0, PFLlib's 1); τ 1; σ {10, 15, 20, 50}; β 0. E_i^d grows with how far W_i^fe moves in a round, so λ
@@ -114,7 +118,7 @@ class FedCPOptions(BaseModel):
                               "head (0: W_i^hd, the paper's Figure 2; 0.5: the authors' code)")  # fmt: skip
     initial_context: Literal["head", "random"] = Field("head", description="v_i before a client first trains: head: "
                                                        "from its personalized head; random: the code's U(0, 1)^K, "
-                                                       "the same for every client")  # fmt: skip
+                                                       "a draw for each client")  # fmt: skip
     eval_noise: bool = Field(False, description="Gumbel noise in the policy at evaluation too, as the authors' code "
                              "evaluates (false: the noise-free softmax)")  # fmt: skip
 
@@ -332,8 +336,8 @@ class FedCP(Algorithm):
 
     def init_client(self, cid: int) -> Tensors:
         head = {PERSONAL + k: self.ctx.initial_params[k] for k in self.head_keys}
-        if self.opts.initial_context == "random":  # the code's torch.rand(1, K) after a fixed seed
-            v = torch.rand(self.k, generator=rng.generator(self.ctx.seed, STREAM, 1), device="cpu")
+        if self.opts.initial_context == "random":  # the code's torch.rand(1, K), drawn by each client in turn
+            v = torch.rand(self.k, generator=rng.generator(self.ctx.seed, STREAM, 1, cid), device="cpu")
             return {**head, CONTEXT: v.to(self.ctx.device)}
         return {**head, CONTEXT: self.context(head)}
 

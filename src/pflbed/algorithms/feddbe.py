@@ -52,6 +52,10 @@ Choices and deviations:
      local update from θ̄ and a zero memory (every block and the memory at the budget's lr and momentum, no weight
      decay, the running mean restarted), "lp" the library's linear probe of the global model (with the default
      split, a memory in front of the linear classifier adds nothing its bias cannot).
+  8. BatchNorm running statistics come down with the global model (the server's average); a client trains from
+     them and its personal model is scored with them. The code's clients download parameters only
+     (`set_parameters` over `.parameters()`) and keep statistics of their own: on a model with BatchNorm, a
+     deviation.
 Not for client-level DP or SecAgg+ (`dp_refused`); the server state holds nothing per client.
 """
 

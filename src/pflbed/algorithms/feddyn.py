@@ -19,10 +19,12 @@ Which model is scored (`eval_model`): the clients always start from θ^t, Algori
 model of the authors' code). G-FL and P-FL (FedDyn has no personal model: P-FL scores the same model) and every
 personalization (+FT/+LP, new clients, zero-shot) use
 - `cloud` (default): θ^t = mean − h^t/α, the model Algorithm 1 returns;
-- `mean`: the round's uniform mean (1/|P_t|) Σ_{k∈P_t} θ_k^t of the client models — the model the authors' code
-  evaluates for its reported figures (its `avg_model`; it also logs the mean of every client's latest model, not
-  offered here). The mean is kept in the server state (`mean/<parameter>`, the initial model before round 1) and
-  never sent; BatchNorm statistics are the same in both (they carry no h).
+- `mean`: the round's uniform mean (1/|P_t|) Σ_{k∈P_t} θ_k^t of the client models — the authors' code's `avg_model`.
+  That code scores it, the cloud model and the mean of every client's latest model (`all_model`, the curve its
+  CIFAR-10 example plots; not offered here); which of them the paper's tables report it does not say. With every
+  client in every round `mean` and `all_model` are the same model. The mean is kept in the server state
+  (`mean/<parameter>`, the initial model before round 1) and never sent; BatchNorm statistics are the same in both
+  (they carry no h).
 
 Under client-level DP (`privacy`): the mean over P_t becomes the release w + (Σ_{P_t} Δ̃_k + z)/(qN) (DP-FedAvg's
 fixed denominator, `pflbed.privacy`), and h's step uses it with |P_t| replaced by its expectation qN:

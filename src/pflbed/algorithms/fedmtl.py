@@ -13,10 +13,13 @@ server each round; and deep-model PFL tables use MOCHA with a fixed relationship
 implemented: learning Ω; MOCHA's dual (CoCoA-style) local solver — clients take SGD steps on the primal objective.
 
 A sampled client i receives w̄, runs E epochs of SGD on f_i(w_i) + λ‖w_i − w̄‖² (w̄ fixed) from its own w_i (its
-state; w^0 at first), keeps the result and replies its change Δ_i. The server: w̄ ← w̄ + (1/m) Σ_{i∈S} Δ_i, m the
-number of participating clients — so w̄ is always the mean of every client's current model. P-FL scores w_i; there
-is no generic model (the tables report no G-FL or +FT for Fed-MTL). New clients start from w̄, the task mean, and
-fine-tune (FT/LP). `lam` defaults to 0.1; choose it on validation.
+state; w^0 at first), f_i the *mean* loss over its samples, as SGD on mini-batches takes it. Deviation: MOCHA's f_i
+sums the loss over the client's n_i samples, which relative to the mean form divides λ by n_i client by client
+(small clients pulled towards w̄ harder); here every client's pull is λ, whatever its size. The client keeps the
+result and replies its change Δ_i. The server: w̄ ← w̄ + (1/m) Σ_{i∈S} Δ_i, m the number of participating clients —
+so w̄ is always the mean of every client's current model. P-FL scores w_i; there is no generic model (the tables
+report no G-FL or +FT for Fed-MTL). New clients start from w̄, the task mean, and fine-tune (FT/LP). `lam` defaults
+to 0.1; choose it on validation.
 
 The update is a plan (`sgd_plan`, `local_sgd.RegularizedObjective` with μ = 2λ, anchored at w̄), so
 `executor.batch_clients` trains a round's clients together.
