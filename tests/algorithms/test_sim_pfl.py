@@ -42,6 +42,25 @@ def test_sim_pfl_hand_computed_weights_include_self_and_ignore_c_and_sizes():
     assert torch.allclose(T[2], (r * S[0] + r * S[1] + S[2]) / (1 + 2 * r), atol=1e-6)
 
 
+def test_minmax_weights_are_the_authors_rule_the_least_similar_teacher_gets_nothing():
+    """`weights: minmax`, the authors' code: (cos − row min) / Σ (cos − row min). Same three clients as above: rows 0
+    and 1 hold a similarity 0, so they are the cosine rows; row 2's smallest similarity is 1/√2 (to s0 and s1), so all
+    its weight is its own. Every similarity of a row equal (identical predictions): a uniform row, not 0/0."""
+    algo = prepare(validate_config({**CFG, "algorithm": {**SIM, "weights": "minmax"}}))
+    S = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]], [[0.5, 0.5]]], dtype=torch.float64)
+    r = 1 / math.sqrt(2)
+    expected = torch.tensor([[1 / (1 + r), 0, r / (1 + r)], [0, 1 / (1 + r), r / (1 + r)], [0, 0, 1]],
+                            dtype=torch.float64)  # fmt: skip
+    T, W = algo.mixing(_rows(3, 2), S, torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert torch.allclose(W, expected, atol=1e-6)
+    assert torch.allclose(T[2], S[2], atol=1e-6)
+    same = S[2].expand(3, 1, 2).clone()
+    _, W = algo.mixing(_rows(3, 2), same, torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert torch.allclose(W, torch.full((3, 3), 1 / 3, dtype=torch.float64))
+    assert torch.allclose(prepare(validate_config({**CFG, "algorithm": SIM})).mixing(_rows(3, 2), S, W[0])[1],
+                          _cosine_weights(S), atol=1e-6)  # fmt: skip
+
+
 def test_sim_pfl_end_to_end_strict():
     """Strict run against references: the last round's W and targets are the rule applied to the clients' final
     predictions on ξ_R (recomputed from their stored models); P-FL learned and not below the Local control by

@@ -12,7 +12,9 @@ digest → revisit) is the same per-client sequence.
 Deviations from Li & Wang: the consensus is the mean of temperature-softmax probabilities and the digest loss is
 KL(t ‖ s) (the KT-pFL paper's FedMD; Li & Wang average class scores and do not fix the loss); no transfer-learning
 phase on labelled public data before collaboration (the public data here is unlabelled); the consensus averages
-the clients replying in the round (all of them under full participation), uniformly — not weighted by |D_m|.
+the clients replying in the round (all of them under full participation), uniformly — not weighted by |D_m|;
+T defaults to 10, KT-pFL's own, where Li & Wang use none and the KT-pFL authors' FedMD code takes its soft
+predictions and distils at T = 1 (`temperature: 1`; the fmnist_ktpfl_lowdata suite chooses T on validation).
 The stored matrix `W` (diagnostics, heat-map) is the uniform mixing matrix of the last round.
 """
 
