@@ -9,7 +9,8 @@ the paper's) and `include_self` (default true). Interpretations: the similarity 
 which case the K most similar *other* clients are used; K larger than the number of candidates means all of them;
 ties are broken by `torch.topk`. `W` stores the last round's matrix for diagnostics and the heat-map.
 Deviation: T defaults to 10, KT-pFL's own; the authors' code for this baseline takes its soft predictions and
-distils at T = 1 (`temperature: 1`). Their code's K is about half the clients; the paper's footnote, followed here, says 5.
+distils at T = 1 (`temperature: 1`). Their code's K is about half the clients; the paper's footnote, followed
+here, says 5.
 """
 
 from __future__ import annotations
