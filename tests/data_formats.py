@@ -309,13 +309,15 @@ def make_tinyimagenet(root: Path, wnids: tuple[str, ...] = ("n03", "n01", "n02")
 # --- miniImageNet (the mini-imagenet-cache pickles) -----------------------------------------------------------
 
 
-def make_miniimagenet(root: Path, classes_per_split: int = 2, per_class: int = 10, side: int = 84) -> Path:
+def make_miniimagenet(root: Path, classes_per_split: int = 2, per_class: int = 10, side: int = 84,
+                      val: str = "val") -> Path:  # fmt: skip
     """`root/mini-imagenet-cache-{train,val,test}.pkl`: dicts `image_data` (uint8 [N, side, side, 3]) and
     `class_dict` (wnid -> list of row indices), pickled by Python 3 as the published files are. Class wnids are
-    n0000 … in the order train, val, test; red = the class's global index × 10, green = index within class."""
+    n0000 … in the order train, val, test; red = the class's global index × 10, green = index within class.
+    `val`: the validation file's name, `val` (the cache's first release) or `validation` (learn2learn, Zenodo)."""
     root.mkdir(parents=True, exist_ok=True)
     g = 0
-    for split in ("train", "val", "test"):
+    for split in ("train", val, "test"):
         images, class_dict = [], {}
         for _ in range(classes_per_split):
             wnid = f"n{g:04d}"

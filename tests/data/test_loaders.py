@@ -576,6 +576,18 @@ def test_miniimagenet_pools_classes_and_holds_out_a_sixth(env: Path) -> None:
     assert (px[:, 2, 3, 3] == 7).all() and (px[:, :, 9, 0] == 255).all()  # blue; bottom-left marker
 
 
+def test_miniimagenet_reads_the_validation_split_under_either_published_name(env: Path) -> None:
+    """learn2learn and Zenodo serve the validation pickle as `-validation.pkl`, the cache's first release and most
+    copies as `-val.pkl`: the same data under either name loads the same source."""
+    first = load_dataset("miniimagenet", path=fx.make_miniimagenet(env / "val", classes_per_split=2, per_class=6,
+                                                                   side=6))  # fmt: skip
+    other = load_dataset("miniimagenet", path=fx.make_miniimagenet(env / "validation", classes_per_split=2, per_class=6,
+                                                                   side=6, val="validation"))  # fmt: skip
+    assert first.num_classes == other.num_classes == 6
+    for a, b in ((first.train, other.train), (first.test, other.test)):
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+
+
 def test_miniimagenet_refuses_malicious_pickle(env: Path) -> None:
     fx.make_miniimagenet(env, classes_per_split=1, per_class=6, side=4)
     marker = env / "owned"

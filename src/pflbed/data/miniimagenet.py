@@ -32,15 +32,24 @@ from pflbed.errors import DataError
 
 NAME, TITLE = "miniimagenet", "miniImageNet"
 TOPS = ("mini-imagenet",)
-FILES = tuple(f"mini-imagenet-cache-{s}.pkl" for s in ("train", "val", "test"))
+# Each split's pickle, under every name its published copies give it: the validation split is `-val` in the cache's
+# first release and in most copies of it, `-validation` where learn2learn and Zenodo serve it.
+NAMES = tuple(tuple(f"mini-imagenet-cache-{s}.pkl" for s in split) for split in (("train",), ("val", "validation"),
+                                                                                  ("test",)))  # fmt: skip
 TEST_FRACTION = 1 / 6
 MEAN, STD = 0.5, 0.5
-HOW_TO_GET = (f"put {', '.join(FILES)} (the miniImageNet cache pickles, e.g. as learn2learn downloads them) into "
-              f"dataset.path or $PFLBED_DATA/{NAME}")  # fmt: skip
+HOW_TO_GET = (f"put {NAMES[0][0]}, {NAMES[1][0]} (or {NAMES[1][1]}), {NAMES[2][0]} (the miniImageNet cache "
+              f"pickles, e.g. as learn2learn downloads them) into dataset.path or $PFLBED_DATA/{NAME}")  # fmt: skip
 
 
 def _holds(directory: Path) -> bool:
-    return any((directory / f).is_file() for f in FILES)
+    return any(f.is_file() for f in _files(directory))
+
+
+def _files(directory: Path) -> list[Path]:
+    """Each split's pickle in `directory`: the first of its names that is there, else its first name (the one a
+    refusal names)."""
+    return [next((directory / f for f in names if (directory / f).is_file()), directory / names[0]) for names in NAMES]
 
 
 def find_miniimagenet(path: str | os.PathLike[str] | None = None) -> Path | None:
@@ -72,9 +81,9 @@ def _read(path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
 
 
 @lru_cache(maxsize=1)
-def _load_cached(directory: str, stamp: tuple) -> DataSource:
+def _load_cached(directory: str, files: tuple[str, ...], stamp: tuple) -> DataSource:
     del stamp  # only part of the cache key
-    parts = [(Path(directory) / f, *_read(Path(directory) / f)) for f in FILES]
+    parts = [(Path(f), *_read(Path(f))) for f in files]
     sides = {images.shape[1] for _, images, _ in parts}
     if len(sides) != 1:
         raise DataError(f"{directory}: the three files hold images of different sizes {sorted(sides)}")
@@ -107,8 +116,8 @@ def _load_cached(directory: str, stamp: tuple) -> DataSource:
 def load_miniimagenet(path: str | os.PathLike[str] | None = None, download: bool = False) -> DataSource:
     """miniImageNet, 100 classes pooled: x float32 [N, 3, 84, 84], 50,000 train / 10,000 test. Cached; read-only."""
     directory = store.locate(NAME, TITLE, path, TOPS, _holds, HOW_TO_GET, download)
-    files = [directory / f for f in FILES]
+    files = _files(directory)
     missing = next((f for f in files if not f.is_file()), None)
     if missing is not None:
         raise DataError(f"{missing}: no such file: the {TITLE} copy in {directory} is incomplete")
-    return _load_cached(str(directory), store.stamp(files))
+    return _load_cached(str(directory), tuple(map(str, files)), store.stamp(files))
