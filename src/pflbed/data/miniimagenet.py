@@ -34,8 +34,8 @@ NAME, TITLE = "miniimagenet", "miniImageNet"
 TOPS = ("mini-imagenet",)
 # Each split's pickle, under every name its published copies give it: the validation split is `-val` in the cache's
 # first release and in most copies of it, `-validation` where learn2learn and Zenodo serve it.
-NAMES = tuple(tuple(f"mini-imagenet-cache-{s}.pkl" for s in split) for split in (("train",), ("val", "validation"),
-                                                                                  ("test",)))  # fmt: skip
+NAMES = (("mini-imagenet-cache-train.pkl",), ("mini-imagenet-cache-val.pkl", "mini-imagenet-cache-validation.pkl"),
+         ("mini-imagenet-cache-test.pkl",))
 TEST_FRACTION = 1 / 6
 MEAN, STD = 0.5, 0.5
 HOW_TO_GET = (f"put {NAMES[0][0]}, {NAMES[1][0]} (or {NAMES[1][1]}), {NAMES[2][0]} (the miniImageNet cache "

@@ -458,7 +458,8 @@ class Bench:
 
     def write_tables(self) -> tuple[Path, Path]:
         """table.md and table.csv, each whole or as it was: shards of one suite (`--shard`) finishing together both
-        write them, and a shorter table written over a longer one in place kept the longer one's tail."""
+        write them, and two writes into one file at once could leave a shorter table followed by a longer one's
+        tail."""
         self.write_suite()
         md, cs = self.out / "table.md", self.out / "table.csv"
         atomic_write(md, self.markdown())

@@ -166,8 +166,8 @@ class Tables:
         atomic_write(self.out / "report.html", self.html(rows))  # each whole or as it was (`atomic_write`)
         atomic_write(md, self.markdown(rows))
         atomic_write(js, json.dumps({"suite": self.suite.name, "seeds": self.suite.seeds, "trial_seed": self.seed,
-                                  "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
-                                  "storage": self.storage_shown, "methods": rows}, indent=2) + "\n")  # fmt: skip
+                                     "sampler": self.suite.tune.sampler, "pruner": self.suite.tune.pruner,
+                                     "storage": self.storage_shown, "methods": rows}, indent=2) + "\n")  # fmt: skip
         return md, js
 
 
