@@ -90,14 +90,16 @@ def _tiny(path: PathArg) -> dict[str, Any]:
 
 
 def _flickr(path: PathArg) -> dict[str, Any]:
-    """Where the ratings file is and how many workers it holds that the loader keeps; no image is opened."""
+    """Where the ratings file is, how many ratings and workers the loader keeps, and how many rated images `40K/`
+    lacks (the published archive lacks some); no image is opened."""
     found = flickr_aes.find_flickr_aes(path)
     if found is None:
         return _row(None, flickr_aes.HOW_TO_GET)
-    rows = flickr_aes.selected(flickr_aes.read_ratings(found))
+    rows, missing = flickr_aes.present(found, flickr_aes.selected(flickr_aes.read_ratings(found)))
     workers = len({w for w, _, _ in rows})
+    lacking = f"; {len(missing)} rated images missing from {flickr_aes.IMAGES}/" if missing else ""
     return _row(found, "", domains=f"{len(rows)} ratings by {workers} workers with {flickr_aes.MIN_RATINGS}–"
-                f"{flickr_aes.MAX_RATINGS} ratings (users)")  # fmt: skip
+                f"{flickr_aes.MAX_RATINGS} ratings (users){lacking}")  # fmt: skip
 
 
 def _mini(path: PathArg) -> dict[str, Any]:
