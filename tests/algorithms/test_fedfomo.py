@@ -88,6 +88,21 @@ def test_three_clients_weights_are_clipped_gains_over_distance_normalized_and_co
                                      torch.tensor([2.0, 0.5, 1.0], dtype=F64)).sum()) == pytest.approx(1.0)  # fmt: skip
 
 
+@pytest.mark.parametrize("norm", ["l2", "l1"])
+def test_the_distance_is_euclidean_or_the_authors_l1_over_every_parameter(norm):
+    """Two models that both lower the loss by 1: A moved by 1 in three entries (two of one tensor, one of another), B
+    by 1.5 in one entry. Euclidean: ‖A‖ = √3, ‖B‖ = 1.5 → weights ∝ 1/√3, 1/1.5; L1: ‖A‖ = 3 → 1/3, 1/1.5."""
+    algo = _algo(norm=norm)
+    own = algo.init_client(0)
+    first, last = algo.param_keys[0], algo.param_keys[-1]
+    a = _shifted(_shifted(_shifted(own, first, (0, 0), 1.0), first, (0, 2), 1.0), last, (0,), -1.0)
+    b = _shifted(own, first, (0, 1), 1.5)
+    _fake_losses(algo, {id(own): 2.0, id(a): 1.0, id(b): 1.0})
+    _, w, _ = algo.federated_update(own, [a, b], algo.ctx.client_data(0))
+    raw = [1 / math.sqrt(3), 1 / 1.5] if norm == "l2" else [1 / 3, 1 / 1.5]
+    assert torch.allclose(w, torch.tensor([r / sum(raw) for r in raw], dtype=F64), atol=1e-9)
+
+
 def test_when_no_model_lowers_the_validation_loss_the_client_keeps_its_model():
     """All gains ≤ 0 (one candidate equal to θ itself: 0/0 counts as 0): every weight is 0, θ^t = θ bit for bit."""
     algo = _algo()
@@ -473,7 +488,7 @@ def test_called_with_an_uploaded_clients_data_the_start_is_its_own_stored_model(
     assert n == 5 and all(torch.equal(own[k], server[f"local/2/{k}"]) for k in algo.keys)
 
 
-@pytest.mark.parametrize("key, value", [("affinity", "signed"), ("candidates", "latest")])
+@pytest.mark.parametrize("key, value", [("affinity", "signed"), ("candidates", "latest"), ("norm", "l3")])
 def test_an_unknown_rule_is_a_config_error(key, value):
     with pytest.raises(ConfigError, match=f"algorithm.{key}"):
         validate_config(_tree(**{key: value}))

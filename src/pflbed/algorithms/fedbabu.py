@@ -31,6 +31,13 @@ Interpretations and deviations:
   `alexnet_small`) it does not, and the authors' models use batch statistics always (BatchNorm without running
   statistics): a deviation there.
 - Momentum (if configured) restarts every round; fine-tuning uses the engine's budget (lr, epochs, momentum).
+- The authors' fine-tuning budget (their `analysis.ipynb` and `--ft_ep`, github.com/jhoon-oh/FedBABU) is 5 epochs
+  of SGD at lr 1e-3, momentum 0.9, batch 50 on the whole model, the same for FedAvg+FT; the engine's defaults are
+  1 epoch at 0.01 with `train.*`'s momentum and batch. `eval.ft_epochs: 5`, `eval.ft_lr: 0.001`, `train.momentum:
+  0.9` and `train.batch_size: 50` give theirs.
+- Two of the authors' training choices are not made here: their lr drops ×0.1 at 1/2 and 3/4 of the rounds (pflbed
+  has no schedule), and they fine-tune the checkpoint of best test accuracy (the PFLBED protocol never selects on
+  test; the final model is fine-tuned).
 """
 
 from __future__ import annotations

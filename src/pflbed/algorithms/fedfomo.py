@@ -27,9 +27,10 @@ Round structure (one engine round):
   - configure: for client i, candidates are the clients ≠ i in the pool (`candidates`: every client that has
     uploaded at least once, the default, or the authors' latest round's uploaders; their latest models); up to M
     are chosen as above. Payload: `m/{slot}/{param}` and `fomo/ids` (the slots' client ids). In round 1 nobody
-    has uploaded: the round's sampled clients only train locally (`train.local_epochs`) and upload. The authors'
-    first round differs: every client of the federation trains one local epoch and a random subset of the
-    sampled size uploads (a round of non-sampled clients is outside the engine's contract: not reproduced).
+    has uploaded: the round's sampled clients only train locally (`train.local_epochs`) and upload, as in the
+    authors' released commands (`-fr 1.0`). With a federating ratio below 1 their first round differs: every
+    client of the federation trains one local epoch and a random subset of the sampled size uploads (a round of
+    non-sampled clients is outside the engine's contract: not reproduced).
   - client: weights on the validation split → θ_i^t → local training → reply (`{param}` of the trained model,
     `fomo/w`, `fomo/ids`; with `affinity: deltas` also the normalized signed gains `fomo/gain`, always finite);
     the client state is the trained model (θ_i for the next time it is sampled).
@@ -41,9 +42,9 @@ Choices (the paper leaves them open or they follow from our contract):
     initial model before its first round). It is the expansion point of the first-order rule, not a candidate:
     a candidate equal to it has w = 0/0, taken as 0, and adds a zero term (θ_i − θ_i) to the update, so including
     it would change nothing. M therefore counts other clients' models.
-  - ‖·‖ is the Euclidean norm over all trainable parameters (flattened together). The update is applied to every
-    floating-point tensor of the state (BatchNorm running statistics are combined like the weights); integer
-    buffers (BatchNorm's batch counter) keep the client's own value.
+  - ‖·‖ is the Euclidean norm over all trainable parameters (flattened together; `norm: l1` below). The update
+    is applied to every floating-point tensor of the state (BatchNorm running statistics are combined like the
+    weights); integer buffers (BatchNorm's batch counter) keep the client's own value.
   - L_i is the mean cross-entropy on the validation split, models in eval mode (dropout off, BN running
     statistics), computed in float64. A loss that is not finite gives weight 0 (a diverged candidate); an infinite
     gain (a finite candidate loss against a non-finite own loss) takes all the weight, shared equally.
@@ -82,11 +83,21 @@ The authors' code, as options (the defaults are the rules above):
   - `candidates: last_round`: the download pool is the clients that uploaded in the latest round with an upload
     (the authors' `uploaded_clients`: the previous round's participants), instead of every client that ever
     uploaded. New clients draw on the same pool.
+  - `norm: l1`: the distance in the weights is the L1 norm, Σ over the parameters of |θ_n − θ_prev|, the default
+    of the authors' code (`--model_delta_norm l1`, which their released commands keep). The paper writes ‖·‖
+    without naming the norm, so the default stays Euclidean. Under L1, a model that differs in many parameters is
+    discounted more, relative to one that differs in a few, than under L2.
 
 Not reproduced from the authors' code (it differs from the paper's rule): its released commands measure the gains
 against the client's model *before* its last local training (`--baseline_model first_model`) and count the
-client's freshly trained model among the candidates (so that model can receive weight); its hierarchical variant
-also clusters the clients into sub-federations.
+client's freshly trained model among the candidates (so that model can receive weight); they also cluster the
+clients into sub-federations every round (`-nf 5`: spectral clustering of the affinities) and add the clusters'
+averages and their mean to every client's candidates.
+
+What is scored: the authors' code logs each client's test accuracy right after its federated update, before its
+local training (`local_eval` precedes `local_train`; after the last round one more update is made and scored).
+Here a client's P-FL model is its state, the model after its local training, as for every algorithm of the
+engine.
 
 New clients (the paper defines none): the same first-order rule as one FedFomo update with every stored model of
 the pool as a candidate — θ_prev is the run's initial model (a new client never uploaded), the weights come from
@@ -144,6 +155,8 @@ class FedFomoOptions(BaseModel):
     candidates: Literal["uploaded", "last_round"] = Field("uploaded", description="download pool: every client "
                                                           "that ever uploaded, or the authors' latest round's "
                                                           "uploaders")  # fmt: skip
+    norm: Literal["l2", "l1"] = Field("l2", description="‖θ_n − θ_prev‖ in the weights: Euclidean, or the "
+                                      "authors' code's default, the L1 norm (summed absolute differences)")
 
 
 def signed_gains(own_loss: torch.Tensor, losses: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
@@ -229,8 +242,11 @@ class FedFomo(Algorithm):
         return ce.mean() if sw is None else (sw * ce).sum() / sw.sum()
 
     def distance(self, a: Tensors, b: Tensors) -> torch.Tensor:
-        """‖a − b‖ over the trainable parameters, flattened together (float64)."""
-        return torch.sqrt(sum(((a[k].to(torch.float64) - b[k].to(torch.float64)) ** 2).sum() for k in self.param_keys))
+        """‖a − b‖ over the trainable parameters, flattened together (float64): Euclidean, or L1 (`norm`)."""
+        diffs = [a[k].to(torch.float64) - b[k].to(torch.float64) for k in self.param_keys]
+        if self.opts.norm == "l1":
+            return sum(d.abs().sum() for d in diffs)
+        return torch.sqrt(sum((d**2).sum() for d in diffs))
 
     def federated_update(
         self, own: Tensors, models: list[Tensors], data: ClientData
