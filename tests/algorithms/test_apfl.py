@@ -102,3 +102,16 @@ def test_with_batchnorm_only_parameters_mix_and_the_personal_statistics_are_trac
     for k in server:
         want = new[k] if k in stats else a * new[k] + (1 - a) * reply[k]
         assert torch.equal(pred.params[k], want), k
+
+
+@pytest.mark.parametrize(("mean", "expected"), [("size", 2.8), ("uniform", 2.0)])
+def test_the_server_mean_is_size_weighted_or_the_authors_uniform_mean(mean, expected):
+    """Two clients of 10 and 90 samples replying all-ones and all-threes: (10·1 + 90·3)/100 = 2.8 weighted by size;
+    (1 + 3)/2 = 2 under Algorithm 1's and the authors' code's 1/|S|."""
+    algo = _algo(server_mean=mean)
+    server = algo.init_server()
+    mean_of = algo.aggregator(1, server, {0: 10.0, 1: 90.0})
+    for cid, value in ((0, 1.0), (1, 3.0)):
+        mean_of.add(cid, {k: torch.full_like(v, value) for k, v in server.items()})
+    out = mean_of.result()
+    assert all(torch.allclose(out[k], torch.full_like(v, expected), atol=1e-6) for k, v in server.items())

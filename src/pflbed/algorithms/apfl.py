@@ -7,12 +7,23 @@ v̄_i = α_i v_i + (1 − α_i) w (Eq. 3). In a sampled round it starts from the
 - w ← w − η ∇f_i(w; ξ)                          (the global model's local copy; the reply)
 - v_i ← v_i − η ∇_v f_i(v̄_i; ξ) = v_i − η α_i ∇f_i(v̄_i; ξ)
 - α_i ← α_i − η_α ⟨v_i − w, ∇f_i(v̄_i; ξ)⟩        (Eq. 10, adaptive α), kept in [0, 1].
-The server averages the w's (|D_i|-weighted). P-FL scores v̄_i = α_i v_i + (1 − α_i) w with the current global w;
+The server averages the w's (|D_i|-weighted by default; below). P-FL scores v̄_i = α_i v_i + (1 − α_i) w with the current global w;
 G-FL scores w.
 
 Choices: `train.local_epochs` · ⌈n_i/B⌉ steps of plain SGD at η = `train.lr` (momentum and weight decay unused);
 v_i starts at w^0; `alpha` (initial α_i) 0.5 and `alpha_lr` η_α = η unless set (the paper tunes both); `adaptive`
 false keeps α fixed (the paper's non-adaptive variant). New clients fine-tune w (FT/LP).
+
+The server's mean (`server_mean`): the default weighs each client's w by its training-set size, FedAvg's rule, which
+every FedAvg-based method here shares. Algorithm 1 and the authors' code (FedTorch, `fedavg_aggregation_centered`:
+1/(number of online clients), the size weighting commented out) average uniformly: `server_mean: uniform`. The
+two agree when the round's clients hold equally many samples; under client-level DP the weights are uniform
+whatever is set.
+
+Read from the authors' code but not followed (the paper's Eq. 3 and 10 are): they mix the two models' outputs,
+α v(x) + (1 − α) w(x), where the paper and this file mix parameters; they step w first and then v with the new
+w, not both at the step's starting values; and their optional α update runs once per round, on an approximate
+gradient with an added 0.02·α.
 
 BatchNorm (the paper's models have none): only parameters mix. v̄'s running statistics and counters are its own,
 kept in v_i's entries and updated by v̄'s training forwards; w's by w's. Mixing statistics like parameters would
@@ -27,7 +38,7 @@ rule through v̄ (the sums of ⟨v − w, ∇f(v̄)⟩ in another order than aut
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pflbed.algorithms.base import ClientData, Context, Predictor, Tensors
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.local_sgd import Gradients, LocalSGDPlan, Phase
+from pflbed.algorithms.training import WeightedMean
 from pflbed.search import Search, Space, same_as
 
 ALPHA = "alpha"
@@ -49,6 +61,9 @@ class APFLOptions(BaseModel):
     alpha_lr: float | None = Field(None, gt=0, description="η_α (None: train.lr)",
                                    json_schema_extra=same_as("train.lr"))
     adaptive: bool = Field(True, description="learn α_i (Eq. 10); False: keep it fixed")
+    server_mean: Literal["size", "uniform"] = Field("size", description="the server's mean of the w's: weighted "
+                                                    "by |D_i|, or uniform over the round's clients (Algorithm 1 "
+                                                    "and the authors' code)")  # fmt: skip
 
 
 def mixture(v: Tensors, w: Tensors, alpha: torch.Tensor, params: list[str]) -> Tensors:
@@ -84,6 +99,9 @@ class APFL(FedAvg):
             return {k: p[k] for k in keys}, {**{k: p[LOCAL + k] for k in keys}, ALPHA: p[ALPHA]}
 
         return LocalSGDPlan(start, (phase,), finish)
+
+    def aggregator(self, rnd: int, server: Tensors, weights: dict[int, float]) -> WeightedMean:
+        return WeightedMean({c: 1.0 for c in weights} if self.opts.server_mean == "uniform" else weights)
 
     def personal_model(self, server: Tensors, state: Tensors) -> Predictor:
         return Predictor(self.ctx.model, mixture({k: state[k] for k in server}, server, state[ALPHA], self.params))
