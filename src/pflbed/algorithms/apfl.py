@@ -7,8 +7,8 @@ v̄_i = α_i v_i + (1 − α_i) w (Eq. 3). In a sampled round it starts from the
 - w ← w − η ∇f_i(w; ξ)                          (the global model's local copy; the reply)
 - v_i ← v_i − η ∇_v f_i(v̄_i; ξ) = v_i − η α_i ∇f_i(v̄_i; ξ)
 - α_i ← α_i − η_α ⟨v_i − w, ∇f_i(v̄_i; ξ)⟩        (Eq. 10, adaptive α), kept in [0, 1].
-The server averages the w's (|D_i|-weighted by default; below). P-FL scores v̄_i = α_i v_i + (1 − α_i) w with the current global w;
-G-FL scores w.
+The server averages the w's (|D_i|-weighted by default; below). P-FL scores v̄_i = α_i v_i + (1 − α_i) w with
+the current global w; G-FL scores w.
 
 Choices: `train.local_epochs` · ⌈n_i/B⌉ steps of plain SGD at η = `train.lr` (momentum and weight decay unused);
 v_i starts at w^0; `alpha` (initial α_i) 0.5 and `alpha_lr` η_α = η unless set (the paper tunes both); `adaptive`
