@@ -1,4 +1,4 @@
-"""GPFL (Zhang et al., ICCV 2023, Eqs. 1-5): local SGD on L^P + L^alg + λ·L^mlg + (μ/2)·(‖C‖² + ‖V‖²) over the
+"""GPFL (Zhang et al., ICCV 2023, Eqs. 3-11): local SGD on L^P + L^alg + λ·L^mlg + (μ/2)·(‖C‖² + ‖V‖²) over the
 body φ, the personal head ψ_i, the Conditional Valve V and the Global Category Embedding C; the server averages φ, V
 and C; client i predicts with ψ_i(CoV(φ(x), p_i)), the generic model with cos(CoV(φ(x), g), C). Everything below is
 written out by hand, independently of the module's code."""
@@ -38,7 +38,7 @@ def _blocks(model, w, names, x):
 
 
 def _valve(w, c, f):
-    """Eqs. 1-2: σ[(γ(c) + 1) ⊙ f + β(c)], γ, β = LayerNorm(ReLU(Linear(c))), LayerNorm written out."""
+    """Eqs. 3-4: σ[(γ(c) + 1) ⊙ f + β(c)], γ, β = LayerNorm(ReLU(Linear(c))), LayerNorm written out."""
 
     def side(name):
         h = F.relu(w[f"cov.{name}.0.weight"] @ c + w[f"cov.{name}.0.bias"])
@@ -71,9 +71,9 @@ def _hand(algo, server, head, g, p, cid=0, seed=7, lam=0.0, mu=0.0, mlg="sample"
         w = {k: v.detach().requires_grad_() for k, v in w.items()}
         f = _blocks(model, w, model.body_blocks(), x).flatten(1)
         f_g, f_p = _valve(w, g, f), _valve(w, p, f)
-        personal = F.cross_entropy(_blocks(model, w, model.head_blocks(), f_p), y)  # Eq. 5
-        angle = -_cos(f_g, w[TABLE]).log_softmax(1)[torch.arange(len(y)), y].mean()  # Eq. 3
-        gap = f_g - frozen[y]  # Eq. 4
+        personal = F.cross_entropy(_blocks(model, w, model.head_blocks(), f_p), y)  # Eq. 10
+        angle = -_cos(f_g, w[TABLE]).log_softmax(1)[torch.arange(len(y)), y].mean()  # Eq. 8
+        gap = f_g - frozen[y]  # Eq. 9
         magnitude = gap.norm(dim=1).mean() if mlg == "sample" else gap.pow(2).sum().sqrt()
         decay = sum(v.pow(2).sum() for k, v in w.items() if k.startswith(("cov.", "gce.")))
         loss = personal + angle + lam * magnitude + mu / 2 * decay
@@ -170,7 +170,7 @@ def test_the_personal_model_is_the_own_head_on_the_valve_with_p_from_the_servers
 
 
 def test_a_per_sample_and_a_batch_magnitude_term_agree_on_batches_of_one():
-    """With one sample per batch the mean of per-sample norms (Eq. 4) is the code's batch Frobenius norm."""
+    """With one sample per batch the mean of per-sample norms (Eq. 9) is the code's batch Frobenius norm."""
     one = _algo(batch_size=1, epochs=1, lam=0.5, mlg="sample")
     server, state = one.init_server(), one.init_client(2)
     a, _ = _update(one, server, state, cid=2)
@@ -228,3 +228,28 @@ def test_the_valve_and_the_embedding_start_from_the_runs_seed():
     assert first.keys() == again.keys() == other.keys() and len(first) >= 2
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert all(not torch.equal(first[k], other[k]) for k in (TABLE, "cov.gamma.0.weight", "cov.beta.0.weight"))
+
+
+@pytest.mark.parametrize("mlg", ["sample", "batch"])
+def test_mu_acts_as_the_authors_weight_decay_on_the_valve_and_the_embedding_only(mlg):
+    """The authors' code applies μ as the weight decay of V's and C's SGD optimizers: a gradient of + μ·tensor, the
+    gradient of (μ/2)‖·‖² (the paper's Eq. 11 writes μ‖·‖₂, not squared: the code is followed). So the objective's
+    gradient with μ minus that without is μ·V and μ·C on those tensors and 0 on the body and head."""
+    mu = 0.3
+    grads = []
+    for m in (mu, 0.0):
+        algo = _algo(mu=m, mlg=mlg)
+        server, state = algo.init_server(), algo.init_client(0)
+        plan = algo.sgd_plan(server, state, algo.ctx.client_data(0))
+        data = algo.ctx.client_data(0)
+        x, y = data.x[data.train[:8]], data.y[data.train[:8]]
+        params = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in plan.start.items()}
+        algo.ctx.model.train()
+        loss = plan.objective(algo.ctx.model, params, plan.consts, x, y, None)
+        trained = [k for k, v in params.items() if v.requires_grad]
+        grads.append(dict(zip(trained, torch.autograd.grad(loss, [params[k] for k in trained]), strict=True)))
+    decayed = [k for k in grads[0] if k.startswith(("cov.", "gce."))]
+    assert decayed and len(decayed) < len(grads[0])
+    for k in grads[0]:
+        expected = mu * plan.start[k] if k in decayed else torch.zeros_like(plan.start[k])
+        assert torch.allclose(grads[0][k] - grads[1][k], expected, atol=1e-6), k

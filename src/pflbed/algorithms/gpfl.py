@@ -1,21 +1,19 @@
 """GPFL — Zhang, Hua, Wang, Song, Xue, Ma, Cao & Guan, "GPFL: Simultaneously Learning Global and Personalized
-Feature Information for Personalized Federated Learning", ICCV 2023 (arXiv 2308.10279), Eqs. 1-5.
-
-Source note: the paper's full text could not be read here; the equations are those of the authors' poster (its
-numbering below; the paper's own numbers may differ) and the rules the poster leaves open are the authors' public
-code's (read, not copied).
+Feature Information for Personalized Federated Learning", ICCV 2023 (arXiv 2308.10279, §3.2, Eqs. 3-11,
+Algorithm 1). Equation numbers are the paper's; the rules it leaves open are the authors' public code's (read, not
+copied).
 
 Model: a feature extractor φ(·; W^fe) (the BlockNet body, shared; f_i = φ(x) flattened to K values), a personal
 head ψ(·; W_i^h) (the head blocks, never leaving client i), the Conditional Valve CoV(·; V) and the Global Category
 Embedding GCE(·; C), a table C ∈ R^{U×K} with one row per class u (both shared). Client i trains on
 
-    f^G = σ[(γ + 1) ⊙ f + β],  f^P = σ[(γ_i + 1) ⊙ f + β_i],  σ = ReLU                                   (Eq. 1)
-    {γ, β} = CoV(f, g; V),  {γ_i, β_i} = CoV(f, p_i; V),  γ(c) = LN(ReLU(W_γ c + b_γ)), β(c) likewise   (Eq. 2)
-    g = (1/U)·Σ_u C_u,  p_i = Σ_u α_{i,u}·C_u  (α_i: client i's training label frequencies; both constants)
-    L^alg = −log( exp(cos(f^G, C_y)) / Σ_u exp(cos(f^G, C_u)) )        (angle-level guidance, no temperature) (Eq. 3)
-    L^mlg = ‖f^G − Ĉ_y‖₂   (Ĉ: a frozen copy of the C the client received)   (magnitude-level guidance)   (Eq. 4)
-    L^P = CE(ψ(f^P; W_i^h), y)                                                       (the personalized task) (Eq. 5)
-    L = L^P + L^alg + λ·L^mlg + (μ/2)·(‖C‖² + ‖V‖²),
+    f^G = σ[(γ + 1) ⊙ f + β],  f^P = σ[(γ_i + 1) ⊙ f + β_i],  σ = ReLU                                   (Eq. 3)
+    {γ, β} = CoV(f, g; V),  {γ_i, β_i} = CoV(f, p_i; V),  γ(c) = LN(ReLU(W_γ c + b_γ)), β(c) likewise   (Eq. 4)
+    g = (1/U)·Σ_u Ĉ_u,  p_i = Σ_u α_i^u·Ĉ_u  (α_i: client i's training label frequencies; both constants)  (5-7)
+    L^alg = −log( exp(cos(f^G, C_y)) / Σ_u exp(cos(f^G, C_u)) )        (angle-level guidance, no temperature) (Eq. 8)
+    L^mlg = ‖f^G − Ĉ_y‖₂   (Ĉ: a frozen copy of the C the client received)   (magnitude-level guidance)   (Eq. 9)
+    L^P = CE(ψ(f^P; W_i^h), y)                                                      (the personalized task) (Eq. 10)
+    L = L^P + L^alg + λ·L^mlg + (μ/2)·(‖C‖² + ‖V‖²)                            (Eq. 11 as the code applies μ)
 
 E epochs of mini-batch SGD at `train.lr` on W^fe, W_i^h, V and C together (the code's three SGD optimizers, one
 lr; μ is their weight decay on C and V, written here as the equivalent penalty). The server averages W^fe, V and C
@@ -25,14 +23,14 @@ global route argmax_u cos(CoV(φ(x), g), C_u) is the generic model (G-FL; the pa
 Choices and deviations:
   1. The conditional inputs (`conditional`). Default `received`: g and p_i from the C the client receives in the
      round (the server's C^t), fixed during local training (no gradient flows into C through them), the reading
-     of Eq. 2 with the one shared C. The authors' code instead recomputes them, at the end of each round, from
+     of Eq. 4 with the one shared C. The authors' code instead recomputes them, at the end of each round, from
      the client's own GCE just before the new global one overwrites it — its locally trained C_i, one round
      behind the C it then trains with — and starts every client at g = p_i = 0. `local` is that rule: g, p_i
      from the client's GCE after its last training, kept in its state (0 before it first trains; there every
      client receives every round's C, so its unsampled clients recompute theirs from the previous global C, while
-     here a client's kept values change only when it trains). The two change results. Which one the paper's text
-     prescribes could not be checked.
-  2. The magnitude term (`mlg`). Default `sample`: Eq. 4 per sample, averaged over the mini-batch (the loss is
+     here a client's kept values change only when it trains). The two change results. The paper prescribes
+     `received`: Eq. 5 and 7 build g and p_i from Ĉ, the copy of the received C^t (Algorithm 1, lines 6-8).
+  2. The magnitude term (`mlg`). Default `sample`: Eq. 9 per sample, averaged over the mini-batch (the loss is
      an expectation over the client's data). The authors' code takes one Frobenius norm of the whole mini-batch's
      F^G − Ĉ_Y matrix (`batch`); that is about √B times larger, so the code's λ = 0.01 (the authors' setting for
      the 4-layer CNN at batch 10) is weaker under `sample`: `batch` with λ matches `sample` with about λ·√B.
@@ -52,6 +50,13 @@ Choices and deviations:
      frozen f^P (computed once, eval mode), `ft` trains φ, V and the head on L^P (the personalized route's
      cross-entropy), C not involved. `eval.finetune` of participated clients goes through the same `personalize`,
      which sees no client state: it starts from the initial head, not the client's.
+  9. μ: Eq. 11 adds μ‖V‖₂ + μ‖C‖₂, norms not squared (gradient μ·V/‖V‖); the authors' code passes μ as the weight
+     decay of V's and C's SGD optimizers (gradient μ·V), which is (μ/2)‖·‖² here. The code is followed: its
+     defaults (λ, μ below) were tuned under it.
+ 10. p_i: Eq. 7 divides Σ_u α_i^u Ĉ_u by U; the authors' code does not, nor does this file (p_i is U times the
+     paper's, a convex combination of the rows of Ĉ like g).
+ 11. What is reported: the paper, following pFedMe, reports the best per-round mean test accuracy of the
+     personalized models; the PFLBED protocol never selects on test (the final round, or validation's choice).
 The update is a plan (`sgd_plan`: one phase over every block with V and C as extra tensors, `GPFLObjective`, Ĉ, g
 and p_i the client's constants), so `executor.batch_clients` trains a round's clients together. Every reply entry
 is the client's new value of a payload entry (W^fe, V, C) and the server reads them only through their weighted
@@ -89,13 +94,13 @@ STREAM = 0x6BF1  # the init stream of V and C (not one of pflbed.rng's tags)
 class GPFLOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     search: ClassVar[dict[str, Space]] = {"lam": Search(1e-4, 1.0, log=True), "mu": Search(1e-3, 1.0, log=True)}
-    lam: float = Field(0.01, ge=0, le=100, description="λ, the weight of the magnitude-level guidance L^mlg (Eq. 4; "
+    lam: float = Field(0.01, ge=0, le=100, description="λ, the weight of the magnitude-level guidance L^mlg (Eq. 9; "
                        "the authors' 0.01 for the 4-layer CNN and MLP)")  # fmt: skip
     mu: float = Field(0.1, ge=0, le=100, description="μ, the weight decay of the GCE table C and the CoV's "
                       "parameters V, as the penalty (μ/2)·(‖C‖² + ‖V‖²) (the authors' 0.1 for the 4-layer CNN and "
                       "MLP)")  # fmt: skip
     mlg: Literal["sample", "batch"] = Field(
-        "sample", description="L^mlg: sample — each sample's ‖f^G − Ĉ_y‖₂ averaged over the batch (Eq. 4); batch — "
+        "sample", description="L^mlg: sample — each sample's ‖f^G − Ĉ_y‖₂ averaged over the batch (Eq. 9); batch — "
         "one Frobenius norm of the mini-batch's F^G − Ĉ_Y (the authors' code, ≈ √B times larger)")
     conditional: Literal["received", "local"] = Field(
         "received", description="g and p_i from: received — the C the client receives each round; local — the "
@@ -103,18 +108,19 @@ class GPFLOptions(BaseModel):
 
 
 def cosine_logits(f: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cos(f_b, C_u) for every sample b and class u: the logits of Eq. 3 (no temperature, no margin)."""
+    """cos(f_b, C_u) for every sample b and class u: the logits of Eq. 8 (no temperature, no margin)."""
     return F.normalize(f.flatten(1), dim=1) @ F.normalize(table, dim=1).T
 
 
 def conditional_inputs(table: torch.Tensor, prior: torch.Tensor) -> Tensors:
-    """g = (1/U)·Σ_u C_u and p_i = Σ_u α_{i,u}·C_u (Eq. 2's conditional inputs), detached constants."""
+    """g = (1/U)·Σ_u C_u and p_i = Σ_u α_{i,u}·C_u (Eq. 5 and 7, without Eq. 7's 1/U: choice 10), detached
+    constants."""
     table = table.detach()
     return {"g": table.mean(0), "p": prior.to(table) @ table}
 
 
 class ConditionalValve(nn.Module):
-    """CoV(f, c; V) = σ[(γ(c) + 1) ⊙ f + β(c)], γ(c) = LN(ReLU(W_γ c + b_γ)), β(c) = LN(ReLU(W_β c + b_β)) (Eqs. 1-2);
+    """CoV(f, c; V) = σ[(γ(c) + 1) ⊙ f + β(c)], γ(c) = LN(ReLU(W_γ c + b_γ)), β(c) = LN(ReLU(W_β c + b_β)) (Eqs. 3-4);
     c is one K-vector for the whole batch, f is flattened to K values and the output has f's shape."""
 
     def __init__(self, dim: int) -> None:
@@ -176,8 +182,8 @@ class GPFLObjective:
         f_g = functional_call(self.cov, valve, (f, consts["g"])).flatten(1)
         reduction = "mean" if w is None else "none"
         personal = F.cross_entropy(run_blocks(model, params, model.head_blocks(), f_p), y, reduction=reduction)
-        angle = F.cross_entropy(cosine_logits(f_g, params[TABLE]), y, reduction=reduction)  # Eq. 3
-        gap = f_g - F.embedding(y, consts["frozen"]).to(f_g)  # f^G − Ĉ_y, Ĉ frozen (Eq. 4)
+        angle = F.cross_entropy(cosine_logits(f_g, params[TABLE]), y, reduction=reduction)  # Eq. 8
+        gap = f_g - F.embedding(y, consts["frozen"]).to(f_g)  # f^G − Ĉ_y, Ĉ frozen (Eq. 9)
         if self.mlg == "sample":
             norms = torch.linalg.vector_norm(gap, dim=1)
             per = personal + angle + self.lam * (norms.mean() if w is None else norms)
