@@ -1,7 +1,8 @@
 """GPFL — Zhang, Hua, Wang, Song, Xue, Ma, Cao & Guan, "GPFL: Simultaneously Learning Global and Personalized
 Feature Information for Personalized Federated Learning", ICCV 2023 (arXiv 2308.10279, §3.2, Eqs. 3-11,
-Algorithm 1). Equation numbers are the paper's; the rules it leaves open are the authors' public code's (read, not
-copied).
+Algorithm 1).
+
+Equation numbers are the paper's; the rules it leaves open are the authors' public code's (read, not copied).
 
 Model: a feature extractor φ(·; W^fe) (the BlockNet body, shared; f_i = φ(x) flattened to K values), a personal
 head ψ(·; W_i^h) (the head blocks, never leaving client i), the Conditional Valve CoV(·; V) and the Global Category
