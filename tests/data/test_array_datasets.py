@@ -339,6 +339,36 @@ def test_emnist_defaults_to_balanced_and_a_missing_file_is_named(env: Path) -> N
                                    "is incomplete")  # fmt: skip
 
 
+def test_idx_files_under_the_dotted_names_unpackers_restore_are_found(env: Path) -> None:
+    """MNIST's `.gz` files store `train-images.idx3-ubyte` inside, the name 7-Zip and desktop unpackers restore:
+    each IDX loader finds its files under that spelling too, the same arrays as under the archive's names."""
+    loaders = (("mnist", fx.make_mnist, mnist.load_mnist), ("fmnist", make_fmnist_dir, fmnist.load_fmnist),
+               ("emnist", lambda d: fx.make_emnist(d, split="balanced"), emnist.load_emnist))  # fmt: skip
+    for name, make, load in loaders:
+        src = make(env / name / "as-published")
+        ref = load(env / name / "as-published")
+        dotted = env / name / "unpacked"
+        dotted.mkdir(parents=True)
+        for f in src.iterdir():
+            raw = gzip.decompress(f.read_bytes())
+            (dotted / f.name.removesuffix(".gz").replace("-idx", ".idx")).write_bytes(raw)
+        assert all(".idx" in f.name and "-idx" not in f.name for f in dotted.iterdir())
+        got = load(dotted)
+        assert got.origin == str(dotted), name
+        assert torch.equal(got.train.x, ref.train.x) and torch.equal(got.test.y, ref.test.y), name
+
+
+def test_emnist_and_fashion_mnist_are_found_in_torchvision_s_folders(env: Path) -> None:
+    """torchvision keeps EMNIST's unpacked files in `<root>/EMNIST/raw/` and Fashion-MNIST's in
+    `<root>/FashionMNIST/raw/` (MNIST's `MNIST/raw/` is tested above): `dataset.path=<root>` finds both."""
+    gz = fx.make_emnist(env / "tmp", split="balanced", n_train=20, n_test=10)
+    (env / "EMNIST").mkdir()
+    gz.rename(env / "EMNIST" / "raw")
+    assert emnist.find_emnist(env) == env / "EMNIST" / "raw" and len(emnist.load_emnist(env).train) == 20
+    d = make_fmnist_dir(env / "tv" / "FashionMNIST" / "raw", gz=False)
+    assert fmnist.find_fmnist(env / "tv") == d and fmnist.load_fmnist(env / "tv").origin == str(d)
+
+
 def test_emnist_unknown_split_lists_the_splits(env: Path) -> None:
     with pytest.raises(DataError) as info:
         emnist.load_emnist(env, split="words")

@@ -340,6 +340,32 @@ def test_femnist_leaf_train_test_layout(env: Path) -> None:
     assert np.array_equal(source.train.y.numpy(), [1, 2, 3, 4, 2, 3, 4, 5, 6])
 
 
+def test_femnist_a_writer_in_shards_of_two_leaf_runs_is_one_line(env: Path) -> None:
+    """LEAF writes each writer to one shard of a split and names shards after the run's options; a second run's
+    shards left beside the first's would double a writer's samples: refused, naming both shards."""
+    fx.write_leaf_json(env / "train" / "all_data_0_niid_05_keep_0_train_9.json", {"w1": fx.femnist_user_data(1, 4)})
+    fx.write_leaf_json(env / "train" / "all_data_0_niid_1_keep_64_train_9.json", {"w1": fx.femnist_user_data(1, 3),
+                                                                                 "w2": fx.femnist_user_data(2, 3)})
+    fx.write_leaf_json(env / "test" / "all_data_0_niid_05_keep_0_test_9.json", {"w1": fx.femnist_user_data(1, 2)})
+    second = env / "train" / "all_data_0_niid_1_keep_64_train_9.json"
+    with pytest.raises(DataError, match="writer 'w1' is also in all_data_0_niid_05_keep_0_train_9.json") as info:
+        load_dataset("femnist", path=env)
+    one_line_naming(info, second)
+    second.unlink()
+    assert load_dataset("femnist", path=env).user_names == ("w1",)
+
+
+def test_femnist_pixels_outside_zero_one_are_one_line(env: Path) -> None:
+    """LEAF writes pixels as floats in [0, 1]; a copy rescaled to 0–255 would load as a white image: refused."""
+    data = fx.femnist_user_data(1, 3)
+    data["x"][1][5] = 255.0
+    shard = fx.write_leaf_json(env / "all_data" / "all_data_0.json", {"w1": data})
+    with pytest.raises(DataError, match=r"user 'w1': pixel values must lie in \[0, 1\], as LEAF writes them; "
+                       r"got 0\.\.255 \(a copy rescaled to 0–255\?\)$") as info:  # fmt: skip
+        load_dataset("femnist", path=env)
+    one_line_naming(info, shard)
+
+
 def test_femnist_truncated_shard_is_named(env: Path) -> None:
     d = fx.make_femnist_all_data(env, users=2, per_user=3, files=1)
     shard = d / "all_data_0.json"

@@ -30,7 +30,7 @@ from pflbed.data.mnist import idx_sizes, read_idx_pair, to_dataset
 from pflbed.errors import DataError
 
 NAME, TITLE = "emnist", "EMNIST"
-TOPS = ("gzip",)
+TOPS = ("gzip", "EMNIST/raw")  # NIST's zip unpacked; torchvision.datasets.EMNIST(root)'s folder
 # split -> (label range on disk [lo, hi), number of classes); letters' labels are shifted down by lo
 SPLITS = {"byclass": ((0, 62), 62), "bymerge": ((0, 47), 47), "balanced": ((0, 47), 47), "letters": ((1, 27), 26),
           "digits": ((0, 10), 10), "mnist": ((0, 10), 10)}  # fmt: skip

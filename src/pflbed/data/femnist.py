@@ -14,6 +14,10 @@ here, with a fixed seed: a random `TEST_FRACTION` (10 %, LEAF's default) to `tes
 writer with two or more, the rest to `train`. Either way each sample keeps its writer: `user` holds indices into
 `user_names` (writer ids sorted), the same writer the same index in both splits — what a natural (per-writer)
 partition needs. Inputs are (x − 0.5) / 0.5, the fixed [−1, 1] scaling used for image folders.
+
+Refused with a one-line error naming the shard: a writer found in two shards of one split (shards of two LEAF runs
+left side by side: its samples would be doubled and split two ways), and pixels outside [0, 1] (a copy rescaled to
+0–255 would load as blank paper).
 """
 
 from __future__ import annotations
@@ -101,16 +105,27 @@ def _read_shard(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
                             f"out of range 0..{NUM_CLASSES - 1}")  # fmt: skip
         if not np.isfinite(x).all():
             raise DataError(f"{path}: user {user!r}: x holds NaN or infinite values")
+        if x.size and (x.min() < 0 or x.max() > 1):
+            raise DataError(f"{path}: user {user!r}: pixel values must lie in [0, 1], as LEAF writes them; got "
+                            f"{float(x.min()):g}..{float(x.max()):g} (a copy rescaled to 0–255?)")  # fmt: skip
         out.append((str(user), x, y))
     return out
 
 
 def _by_user(paths: list[Path]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    """Each writer's samples from the one shard of `paths` that holds it. LEAF writes every writer to exactly one
+    shard of a split, and names its shards after the run's options; so a writer in two shards means shards of two
+    runs side by side (LEAF's README: delete the old folders before running it again), whose samples would be
+    doubled and split two ways: a one-line error naming both."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    where: dict[str, Path] = {}
     for path in paths:
         for user, x, y in _read_shard(path):
-            parts.setdefault(user, []).append((x, y))
-    return {u: (np.concatenate([x for x, _ in p]), np.concatenate([y for _, y in p])) for u, p in parts.items()}
+            if user in where:
+                raise DataError(f"{path}: writer {user!r} is also in {where[user].name}: shards of two LEAF runs? "
+                                "keep one run's shards in the folder")  # fmt: skip
+            where[user], out[user] = path, (x, y)
+    return out
 
 
 def _dataset(users: dict[str, tuple[np.ndarray, np.ndarray]], index: dict[str, int]) -> ArrayDataset:

@@ -5,11 +5,13 @@ and a silent 30 MB fetch inside a training run is a surprise. The directory is l
 `origin` always tells which copy a run used:
 
 1. the `path` argument;
-2. `$PFLBED_DATA` (the directory itself or `$PFLBED_DATA/fashion-mnist`);
+2. `$PFLBED_DATA` (the directory itself, `$PFLBED_DATA/fashion-mnist` or torchvision's
+   `$PFLBED_DATA/FashionMNIST/raw`);
 3. `/usr/share/datasets/fashion-mnist` (Debian/Ubuntu package `dataset-fashion-mnist`);
 4. the download cache, `$PFLBED_CACHE/fashion-mnist` or `~/.cache/pflbed/fashion-mnist`.
 
-A directory qualifies when it holds all four files, each either gzipped or raw.
+A directory qualifies when it holds all four files, each raw, gzipped or under the dotted name unpackers give
+them (`store.spellings`). With an explicit `path`, its `fashion-mnist/` and `FashionMNIST/raw/` are tried too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pflbed.errors import DataError
 BASE_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 SUBDIR = "fashion-mnist"
+TORCHVISION = Path("FashionMNIST", "raw")  # where torchvision.datasets.FashionMNIST(root) keeps the files
 
 # (images, labels) file stems per split, as distributed upstream.
 FILES: dict[str, tuple[str, str]] = {
@@ -67,8 +70,8 @@ def cache_dir() -> Path:
 
 
 def _file_in(directory: Path, stem: str) -> Path | None:
-    """The raw file if present (cheaper to read), else the gzipped one."""
-    for name in (stem, f"{stem}.gz"):
+    """The file under the first of its `store.spellings` present: raw (cheaper to read), gzipped, dotted."""
+    for name in store.spellings(stem):
         candidate = directory / name
         if candidate.is_file():
             return candidate
@@ -83,7 +86,8 @@ def _files_in(directory: Path) -> dict[str, Path] | None:
 
 
 def _with_subdir(directory: Path) -> list[Path]:
-    return [directory, directory / SUBDIR]
+    """The directory itself, its `fashion-mnist/`, and torchvision's layout, `FashionMNIST/raw/`."""
+    return [directory, directory / SUBDIR, directory / TORCHVISION]
 
 
 def _candidates(path: str | os.PathLike[str] | None) -> list[Path]:

@@ -97,15 +97,24 @@ def not_found(name: str, title: str, path: str | os.PathLike[str] | None, how: s
     return DataError(f"dataset {name} ({title}) not found (looked in {where}); {how}")
 
 
+def spellings(stem: str, gz: bool = True) -> tuple[str, ...]:
+    """The names file `stem` goes by, in the order tried: raw (cheaper to read), gzipped (when `gz`), and, for an
+    IDX file, with a dot before `idx` (`train-images.idx3-ubyte`): the name MNIST's `.gz` files store inside, which
+    7-Zip and desktop unpackers restore instead of the archive's own name."""
+    names = (stem, f"{stem}.gz") if gz else (stem,)
+    dotted = re.sub(r"-(idx\d-ubyte)$", r".\1", stem)
+    return (*names, dotted) if dotted != stem else names
+
+
 def has_any(*names: str) -> Callable[[Path], bool]:
-    """A `holds` test: the directory holds at least one of the files `names` (each also tried with `.gz`)."""
-    return lambda d: any((d / n).is_file() or (d / f"{n}.gz").is_file() for n in names)
+    """A `holds` test: the directory holds at least one of the files `names` (each under its `spellings`)."""
+    return lambda d: any((d / n).is_file() for stem in names for n in spellings(stem))
 
 
 def file_in(directory: Path, stem: str, what: str, gz: bool = True) -> Path:
-    """`directory/stem`, raw if present (cheaper to read) else gzipped (when `gz`); a one-line error naming it if
-    neither is there."""
-    for name in (stem, f"{stem}.gz") if gz else (stem,):
+    """`directory/stem` under the first of its `spellings` present (raw, gzipped when `gz`, dotted); a one-line
+    error naming it if none is there."""
+    for name in spellings(stem, gz):
         if (directory / name).is_file():
             return directory / name
     missing = f"{directory / stem}: no such file{f' (nor {stem}.gz)' if gz else ''}"
