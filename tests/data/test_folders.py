@@ -353,8 +353,8 @@ def test_an_image_gone_between_listing_and_loading_is_named(tree: Path, monkeypa
     victim = tree.resolve() / "art" / "blue" / "b.PNG"
     real = folders._scan
 
-    def scan_then_lose_one(root):
-        listed = real(root)
+    def scan_then_lose_one(root, skip_classless=False):
+        listed = real(root, skip_classless)
         victim.unlink()
         return listed
 

@@ -28,6 +28,7 @@ from pflbed.data import (
     tinyimagenet,
 )
 from pflbed.data.arrays import DataSource, held_out
+from pflbed.data.catalog import DESCRIBE
 from pflbed.data.safepickle import load_pickle
 from pflbed.errors import ConfigError, DataError
 
@@ -666,6 +667,22 @@ def test_pacs_by_name(env: Path) -> None:
     assert source.name == "pacs" and source.num_classes == 7 and source.origin == str(root.resolve())
     assert source.domain_names == ("art_painting", "cartoon", "photo", "sketch") and len(source.train) == 56
     assert load_dataset("pacs", path=env, image_size=4) is source
+
+
+def test_a_named_benchmark_passes_over_a_top_level_folder_without_folders_but_a_plain_tree_does_not(env: Path) -> None:
+    """Some libraries keep an `image_list/` of `.txt` split files beside PACS's, Office-Home's or DomainNet's
+    domains: no folder inside, so no domain; the named loader passes over it (the same pool as without it), while
+    a tree of unknown layout (`folder`) still refuses it as a domain without class folders."""
+    root = make_named_tree(env / "PACS", ("art_painting", "photo"), 7)
+    plain = load_dataset("pacs", path=root, image_size=4)
+    (root / "image_list").mkdir()
+    (root / "image_list" / "photo_train_kfold.txt").write_text("photo/class_000/0.png 1\n")
+    with_lists = load_dataset("pacs", path=root, image_size=4)
+    assert with_lists.domain_names == ("art_painting", "photo") and torch.equal(with_lists.train.x, plain.train.x)
+    assert DESCRIBE["pacs"](root)["domains"] == "art_painting, photo"  # `pflbed data list`'s row, the same tree
+    with pytest.raises(DataError, match="domain folder has no class folders") as info:
+        load_dataset("folder", path=root, image_size=4)
+    one_line_naming(info, root.resolve() / "image_list")
 
 
 def test_officehome_real_world_spelling_and_wrong_trees(env: Path) -> None:

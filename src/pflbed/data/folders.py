@@ -107,17 +107,21 @@ def _root(path: str | os.PathLike[str]) -> Path:
     return root.resolve()
 
 
-def _scan(root: Path) -> _Tree:
-    """List the tree without opening any image, rejecting layouts that would silently lose a class or domain."""
-    domains = _subdirs(root)
+def _scan(root: Path, skip_classless: bool = False) -> _Tree:
+    """List the tree without opening any image, rejecting layouts that would silently lose a class or domain.
+    `skip_classless`: a top-level folder without any folder inside is no domain and is passed over (a named
+    benchmark's copy may carry one, e.g. the `image_list/` of `.txt` lists some libraries keep beside the domains);
+    otherwise it is an error, as any folder may be a domain of a tree of unknown layout."""
+    domains, per_domain = [], []
+    for domain in _subdirs(root):
+        classes = _subdirs(root / domain)
+        if classes:
+            domains.append(domain)
+            per_domain.append(classes)
+        elif not skip_classless:
+            raise DataError(f"{_show(root / domain)}: domain folder has no class folders")
     if not domains:
         raise DataError(f"{_show(root)}: no domain folders (expected <root>/<domain>/<class>/<image>)")
-    per_domain: list[list[str]] = []
-    for domain in domains:
-        classes = _subdirs(root / domain)
-        if not classes:
-            raise DataError(f"{_show(root / domain)}: domain folder has no class folders")
-        per_domain.append(classes)
     all_classes = sorted({c for classes in per_domain for c in classes})
     index = {name: i for i, name in enumerate(all_classes)}
     files: list[tuple[int, int, str]] = []
@@ -208,29 +212,32 @@ def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: in
     )
 
 
-def load_domain_folders(path: str | os.PathLike[str], image_size: int = 32, normalize: str = "symmetric") -> DataSource:
+def load_domain_folders(
+    path: str | os.PathLike[str], image_size: int = 32, normalize: str = "symmetric", skip_classless: bool = False
+) -> DataSource:
     """Load `root/<domain>/<class>/<image>` as one pool: x float32 [N, 3, S, S] (`normalize`: `symmetric` in
     [-1, 1], `imagenet` standardized with ImageNet's channel mean and standard deviation), y and domain int64.
 
     Order is domain, class, file name (all sorted); domain `d` is the d-th sorted domain folder name and class
     `c` the c-th name of the sorted union of class folders. `test` is empty ([0, 3, S, S]): the protocol
     splits the pool itself. Repeated calls on an unchanged tree return the same object; treat it as read-only.
+    `skip_classless`: pass over top-level folders that hold no folder (`_scan`).
     """
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
         raise DataError(f"{_show(Path(path))}: image_size must be a positive integer, got {image_size!r}")
     if normalize not in NORMALIZATIONS:
         raise DataError(f"{_show(Path(path))}: normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
-    tree = _scan(_root(path))
+    tree = _scan(_root(path), skip_classless)
     return _load_cached(tree, _stamp(tree), image_size, normalize)
 
 
-def describe_domain_folders(path: str | os.PathLike[str]) -> dict[str, Any]:
+def describe_domain_folders(path: str | os.PathLike[str], skip_classless: bool = False) -> dict[str, Any]:
     """Domains, classes, per-domain image counts and the number of skipped non-image files from the listing alone
     (no image is opened), for listings.
 
     Raises the same layout errors as `load_domain_folders`, so a listing flags a broken tree before a run does.
     """
-    tree = _scan(_root(path))
+    tree = _scan(_root(path), skip_classless)
     counts = dict.fromkeys(tree.domains, 0)
     for d, _, _ in tree.files:
         counts[tree.domains[d]] += 1

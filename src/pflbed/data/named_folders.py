@@ -4,6 +4,10 @@ the tree found is that dataset: its domain folders are among the dataset's domai
 classes number what the dataset has. So `dataset.name=pacs dataset.path=DIR` is all a run needs, and a wrong or
 half-copied tree is a one-line error before any image is decoded.
 
+A top-level folder that holds no folder is no domain and is passed over: copies prepared by some libraries keep an
+`image_list/` of `.txt` split files beside the domains. A folder that does hold folders but is not one of the
+dataset's domains is an error, so a misnamed domain is not silently left out.
+
 Domain folder names are compared ignoring case and treating spaces, `_` and `-` alike (Office-Home's "Real World"
 is "Real_World" in some copies). None has an official archive with a published digest, so `download=True` only
 says where to get it.
@@ -64,7 +68,7 @@ def find_named(name: str, path: str | os.PathLike[str] | None = None) -> Path | 
 def check_tree(name: str, directory: Path) -> dict:
     """The folder listing of `directory` (`describe_domain_folders`), checked against benchmark `name`."""
     b = BENCHMARKS[name]
-    tree = describe_domain_folders(directory)
+    tree = describe_domain_folders(directory, skip_classless=True)
     known = {_key(d) for d in b.domains}
     stray = [d for d in tree["domains"] if _key(d) not in known]
     if stray:
@@ -85,7 +89,7 @@ def load_named(
     b = BENCHMARKS[name]
     directory = store.locate(name, b.title, path, b.tops, _holds(name), how_to_get(name), download)
     check_tree(name, directory)
-    pool = load_domain_folders(directory, image_size=image_size, normalize=normalize)
+    pool = load_domain_folders(directory, image_size=image_size, normalize=normalize, skip_classless=True)
     key = (name, id(pool))
     if key not in _NAMED:  # the same object for an unchanged tree, as the pool itself is
         while len(_NAMED) >= 4:  # the folder loader keeps 4 pools: keep no more alive here
