@@ -68,8 +68,8 @@ def test_a_missing_dataset_is_not_downloaded_by_default_and_the_error_says_where
 
 
 def test_a_missing_fashion_mnist_is_not_downloaded_by_default_and_each_place_says_what_it_holds(env, no_fetch):
-    """Fashion-MNIST's not-found line lists each directory tried (`path` and its fashion-mnist/) with what it held:
-    no such directory, or how many of the four files."""
+    """Fashion-MNIST's not-found line lists each directory tried (`path`, its fashion-mnist/ and FashionMNIST/raw/)
+    with what it held: no such directory, or how many of the four files."""
     partial = env / "partial"
     partial.mkdir()
     write_idx(partial / "train-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
@@ -80,7 +80,8 @@ def test_a_missing_fashion_mnist_is_not_downloaded_by_default_and_each_place_say
         with pytest.raises(DataError) as info:
             fmnist.load_fmnist(path)
         assert _one_line(info) == (f"dataset fmnist (Fashion-MNIST) not found (looked in: {path} ({first}); "
-                                   f"{path / 'fashion-mnist'} (no such directory)); {how}")  # fmt: skip
+                                   f"{path / 'fashion-mnist'} (no such directory); {path / 'FashionMNIST' / 'raw'} "
+                                   f"(no such directory)); {how}")  # fmt: skip
 
 
 def _fake_fetch(monkeypatch: pytest.MonkeyPatch, build) -> list[tuple[tuple, Path]]:

@@ -464,3 +464,25 @@ def test_find_named_looks_in_the_given_path(env: Path) -> None:
     root = fx.make_domain_tree(env / "data" / "PACS", ("photo",), 7, size=2)
     assert find_named("pacs", env / "data") == root
     assert find_named("pacs", env / "elsewhere") is None
+
+
+def test_byte_identical_copies_within_a_domain_are_left_out_with_one_warning(tmp_path: Path, capsys) -> None:
+    """A file byte for byte equal to one before it (load order: class, then name) in its domain is left out, in
+    its own class or another; the same bytes in another domain stay (each domain's test set is cut from its own
+    samples). The listing counts files as found; the load warns once."""
+    root = tmp_path / "tree"
+    for domain, cls, name, colour in (("art", "a", "0.png", (1, 2, 3)), ("art", "a", "1.png", (1, 2, 3)),
+                                      ("art", "a", "2.png", (9, 9, 9)), ("art", "b", "0.png", (1, 2, 3)),
+                                      ("art", "b", "5.png", (7, 7, 7)), ("photo", "a", "0.png", (1, 2, 3))):  # fmt: skip
+        path = root / domain / cls / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(fx.png_bytes(colour, size=2))
+    assert describe_domain_folders(root)["images"] == {"art": 5, "photo": 1}
+    pool = load_domain_folders(root, image_size=2)
+    px = np.rint((pool.train.x[:, :, 0, 0].numpy() * 0.5 + 0.5) * 255).astype(int).tolist()
+    assert px == [[1, 2, 3], [9, 9, 9], [7, 7, 7], [1, 2, 3]]
+    assert pool.train.y.tolist() == [0, 0, 1, 0] and pool.train.domain.tolist() == [0, 0, 0, 1]
+    art = root.resolve() / "art"
+    assert capsys.readouterr().err == (f"pflbed: warning: {root.resolve()}: left out 2 byte-identical copie(s) of "
+                                       f"another image of their domain, e.g. {art / 'a' / '1.png'}\n")  # fmt: skip
+    assert load_domain_folders(root, image_size=2) is pool and capsys.readouterr().err == ""

@@ -657,7 +657,7 @@ def make_named_tree(root: Path, domains: tuple[str, ...], classes: int, per_clas
             for i in range(per_class):
                 path = root / domain / f"class_{c:03d}" / f"{i}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(fx.png_bytes((c % 256, 40 * d, 0), size=4))
+                path.write_bytes(fx.png_bytes((c % 256, 40 * d, i), size=4))  # distinct files: no copies
     return root
 
 

@@ -13,12 +13,17 @@ skipped, as torchvision's `ImageFolder` skips them, and counted: loading prints 
 an example, and `describe_domain_folders` reports `skipped`, so a half-copied tree of, say, `.webp` exports does not
 go unnoticed. Hidden entries (`.DS_Store`) are ignored outright; a folder inside a class folder is an error.
 
+A file byte for byte identical to one before it in the same domain is left out of the pool, with one warning line
+that counts them (`distinct`): the protocol cuts each domain's test set from the pool, where a copy on each side
+would score a training sample as a test one. The listing (`describe_domain_folders`) counts files as found.
+
 Truncated files raise like any corrupt image, unless the process has set Pillow's global
 `ImageFile.LOAD_TRUNCATED_IMAGES`, which opts into padding them with grey; this module never sets it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -174,26 +179,56 @@ def decode_image(path: str, size: int) -> np.ndarray:
         raise DataError(f"{_show(path)}: cannot read image ({_one_line(exc)})") from None
 
 
+def distinct(files: tuple[tuple[int, int, str], ...]) -> tuple[list[tuple[int, int, str]], list[str]]:
+    """`files` less the byte-identical copies of a file earlier in load order within the same domain, and the paths
+    left out. Why: the protocol carves each domain's test set out of the pool, and a copy on each side of that cut
+    scores a memorized sample as a test one. DomainNet's archives hold such copies (DomainBed's download script
+    deletes a list of 9,431 after unzipping). A copy whose bytes differ (re-encoded) is not detected."""
+    seen: set[tuple[int, bytes]] = set()
+    kept: list[tuple[int, int, str]] = []
+    dropped: list[str] = []
+    for d, c, path in files:
+        try:
+            digest = hashlib.blake2b(Path(path).read_bytes(), digest_size=16).digest()
+        except OSError as exc:
+            raise DataError(f"{_show(path)}: cannot read image ({exc.strerror or _one_line(exc)})") from None
+        if (d, digest) in seen:
+            dropped.append(path)
+        else:
+            seen.add((d, digest))
+            kept.append((d, c, path))
+    return kept, dropped
+
+
+def copies_notice(root: str, dropped: list[str]) -> str | None:
+    """The warning line for the byte-identical copies `distinct` left out (None: none were)."""
+    if not dropped:
+        return None
+    return (f"pflbed: warning: {_show(root)}: left out {len(dropped)} byte-identical copie(s) of another image of "
+            f"their domain, e.g. {_show(dropped[0])}")  # fmt: skip
+
+
 @lru_cache(maxsize=4)
 def _load_cached(tree: _Tree, stamp: tuple[tuple[int, int], ...], image_size: int, normalize: str) -> DataSource:
     """Decode once per (tree, file identity, size, normalization); callers share the result and must not modify it."""
     del stamp  # only part of the cache key
-    notice = skipped_notice(tree)
-    if notice:  # once per decoded tree: repeated loads hit the cache
-        print(notice, file=sys.stderr, flush=True)
-    n, s = len(tree.files), image_size
-    check_decoded(n, s, f"the {n:,} images of {_show(tree.root)}")
+    s = image_size
+    check_decoded(len(tree.files), s, f"the {len(tree.files):,} images of {_show(tree.root)}")
+    files, dropped = distinct(tree.files)
+    for notice in (skipped_notice(tree), copies_notice(tree.root, dropped)):
+        if notice:  # once per decoded tree: repeated loads hit the cache
+            print(notice, file=sys.stderr, flush=True)
     # Preallocated and filled in place: for DomainNet-sized pools a list of per-image tensors plus a final
     # `torch.stack` would need twice the memory at the peak.
-    x = torch.empty((n, 3, s, s), dtype=torch.float32)
-    for i, (_, _, path) in enumerate(tree.files):
+    x = torch.empty((len(files), 3, s, s), dtype=torch.float32)
+    for i, (_, _, path) in enumerate(files):
         x[i] = torch.from_numpy(decode_image(path, s)).permute(2, 0, 1)
     means, stds = NORMALIZATIONS[normalize]
     mean = torch.tensor(means, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(stds, dtype=torch.float32).view(1, 3, 1, 1)
     x.div_(255.0).sub_(mean).div_(std)
-    y = torch.tensor([c for _, c, _ in tree.files], dtype=torch.int64)
-    domain = torch.tensor([d for d, _, _ in tree.files], dtype=torch.int64)
+    y = torch.tensor([c for _, c, _ in files], dtype=torch.int64)
+    domain = torch.tensor([d for d, _, _ in files], dtype=torch.int64)
     empty = ArrayDataset(
         x=torch.empty((0, 3, s, s), dtype=torch.float32),
         y=torch.empty(0, dtype=torch.int64),
