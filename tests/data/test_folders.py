@@ -471,9 +471,9 @@ def test_byte_identical_copies_within_a_domain_are_left_out_with_one_warning(tmp
     its own class or another; the same bytes in another domain stay (each domain's test set is cut from its own
     samples). The listing counts files as found; the load warns once."""
     root = tmp_path / "tree"
-    for domain, cls, name, colour in (("art", "a", "0.png", (1, 2, 3)), ("art", "a", "1.png", (1, 2, 3)),
-                                      ("art", "a", "2.png", (9, 9, 9)), ("art", "b", "0.png", (1, 2, 3)),
-                                      ("art", "b", "5.png", (7, 7, 7)), ("photo", "a", "0.png", (1, 2, 3))):  # fmt: skip
+    files = (("art", "a", "0.png", (1, 2, 3)), ("art", "a", "1.png", (1, 2, 3)), ("art", "a", "2.png", (9, 9, 9)),
+             ("art", "b", "0.png", (1, 2, 3)), ("art", "b", "5.png", (7, 7, 7)), ("photo", "a", "0.png", (1, 2, 3)))
+    for domain, cls, name, colour in files:
         path = root / domain / cls / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(fx.png_bytes(colour, size=2))
