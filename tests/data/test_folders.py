@@ -486,3 +486,31 @@ def test_byte_identical_copies_within_a_domain_are_left_out_with_one_warning(tmp
     assert capsys.readouterr().err == (f"pflbed: warning: {root.resolve()}: left out 2 byte-identical copie(s) of "
                                        f"another image of their domain, e.g. {art / 'a' / '1.png'}\n")  # fmt: skip
     assert load_domain_folders(root, image_size=2) is pool and capsys.readouterr().err == ""
+
+
+def test_a_file_unreadable_when_its_copies_are_looked_for_is_named(tree: Path, monkeypatch) -> None:
+    """Finding byte-identical copies reads every image once before decoding: a file that cannot be read then is a
+    one-line error naming it with the system's reason."""
+    victim = tree.resolve() / "art" / "blue" / "b.PNG"
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self == victim:
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    with pytest.raises(DataError) as exc:
+        load_domain_folders(tree, image_size=4)
+    assert str(exc.value) == f"{victim}: cannot read image (Permission denied)"
+
+
+def test_a_plain_tree_s_listing_refuses_a_top_level_folder_without_class_folders_as_its_load_does(tree: Path) -> None:
+    """Only a named benchmark passes over such a folder (its domains are known); `folder`'s listing and load both
+    refuse it, naming it."""
+    (tree / "image_list").mkdir()
+    (tree / "image_list" / "art.txt").write_text("art/blue/b.PNG 0\n")
+    for call in (lambda: describe_domain_folders(tree), lambda: load_domain_folders(tree, image_size=4)):
+        with pytest.raises(DataError) as exc:
+            call()
+        assert str(exc.value) == f"{tree.resolve() / 'image_list'}: domain folder has no class folders"

@@ -349,20 +349,23 @@ def test_femnist_a_writer_in_shards_of_two_leaf_runs_is_one_line(env: Path) -> N
                                                                                  "w2": fx.femnist_user_data(2, 3)})
     fx.write_leaf_json(env / "test" / "all_data_0_niid_05_keep_0_test_9.json", {"w1": fx.femnist_user_data(1, 2)})
     second = env / "train" / "all_data_0_niid_1_keep_64_train_9.json"
-    with pytest.raises(DataError, match="writer 'w1' is also in all_data_0_niid_05_keep_0_train_9.json") as info:
+    with pytest.raises(DataError, match="writer 'w1' is also in all_data_0_niid_05_keep_0_train_9.json: shards of "
+                       "two LEAF runs\\? keep one run's shards in the folder$") as info:  # fmt: skip
         load_dataset("femnist", path=env)
     one_line_naming(info, second)
     second.unlink()
     assert load_dataset("femnist", path=env).user_names == ("w1",)
 
 
-def test_femnist_pixels_outside_zero_one_are_one_line(env: Path) -> None:
-    """LEAF writes pixels as floats in [0, 1]; a copy rescaled to 0–255 would load as a white image: refused."""
+@pytest.mark.parametrize(("pixel", "span"), [(255.0, "0..255"), (1.01, "0..1.01"), (-0.5, "-0.5..1")])
+def test_femnist_pixels_outside_zero_one_are_one_line(env: Path, pixel: float, span: str) -> None:
+    """LEAF writes pixels as floats in [0, 1]; a copy rescaled to 0–255 would load as a white image: refused, as is
+    any pixel outside [0, 1]."""
     data = fx.femnist_user_data(1, 3)
-    data["x"][1][5] = 255.0
+    data["x"][1][5] = pixel
     shard = fx.write_leaf_json(env / "all_data" / "all_data_0.json", {"w1": data})
     with pytest.raises(DataError, match=r"user 'w1': pixel values must lie in \[0, 1\], as LEAF writes them; "
-                       r"got 0\.\.255 \(a copy rescaled to 0–255\?\)$") as info:  # fmt: skip
+                       rf"got {re.escape(span)} \(a copy rescaled to 0–255\?\)$") as info:  # fmt: skip
         load_dataset("femnist", path=env)
     one_line_naming(info, shard)
 
@@ -559,6 +562,20 @@ def test_flickr_aes_ratings_of_images_the_archive_lacks_are_left_out_after_choos
     assert err == (f"pflbed: warning: {env / '40K'}: 1 rated image(s) missing, their 2 rating(s) left out, "
                    "e.g. farm1_7_flickr.jpg\n")  # fmt: skip
     assert load_dataset("flickr-aes", path=env, image_size=4) is source and capsys.readouterr().err == ""
+
+
+def test_flickr_aes_a_rewritten_ratings_file_or_image_is_read_again(env: Path) -> None:
+    """The load is cached per unchanged files: a ratings file rewritten with another score, or an image replaced,
+    is read again."""
+    fx.make_flickr_aes(env, _flickr_ratings())
+    first = load_dataset("flickr-aes", path=env, image_size=4)
+    csv_file = env / "FLICKR-AES_image_labeled_by_each_worker.csv"
+    csv_file.write_text(csv_file.read_text().replace("W60, farm1_0_flickr.jpg, 3", "W60, farm1_0_flickr.jpg, 1"))
+    second = load_dataset("flickr-aes", path=env, image_size=4)
+    changed = int((second.train.y != first.train.y).sum() + (second.test.y != first.test.y).sum())
+    assert second is not first and changed == 1  # W60's one rating of image 0, now score 1
+    (env / "40K" / "farm1_3_flickr.jpg").write_bytes(fx.png_bytes((9, 9, 9), size=4))
+    assert load_dataset("flickr-aes", path=env, image_size=4) is not second
 
 
 def test_flickr_aes_no_rated_image_or_no_worker_in_range_is_one_line(env: Path) -> None:
