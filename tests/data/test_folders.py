@@ -488,21 +488,23 @@ def test_byte_identical_copies_within_a_domain_are_left_out_with_one_warning(tmp
     assert load_domain_folders(root, image_size=2) is pool and capsys.readouterr().err == ""
 
 
-def test_a_file_unreadable_when_its_copies_are_looked_for_is_named(tree: Path, monkeypatch) -> None:
+@pytest.mark.parametrize(("error", "reason"), [(PermissionError(13, "Permission denied"), "Permission denied"),
+                                               (OSError("read\nfailed"), "read failed")])  # fmt: skip
+def test_a_file_unreadable_when_its_copies_are_looked_for_is_named(tree: Path, monkeypatch, error, reason) -> None:
     """Finding byte-identical copies reads every image once before decoding: a file that cannot be read then is a
-    one-line error naming it with the system's reason."""
+    one-line error naming it with the system's reason (or the error's own text, on one line)."""
     victim = tree.resolve() / "art" / "blue" / "b.PNG"
     real = Path.read_bytes
 
     def read_bytes(self):
         if self == victim:
-            raise PermissionError(13, "Permission denied")
+            raise error
         return real(self)
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
     with pytest.raises(DataError) as exc:
         load_domain_folders(tree, image_size=4)
-    assert str(exc.value) == f"{victim}: cannot read image (Permission denied)"
+    assert str(exc.value) == f"{victim}: cannot read image ({reason})"
 
 
 def test_a_plain_tree_s_listing_refuses_a_top_level_folder_without_class_folders_as_its_load_does(tree: Path) -> None:
