@@ -35,8 +35,9 @@ keeps those methods, `methods.A=null` drops one). Under a method's `set` / `spac
 
 The tune directory is `--out`, else the suite's `out`, else `runs/tune/<name>` under the working directory (as
 `pflbed run` writes `runs/…`): never into the repository unless asked. A study remembers the setup its trials ran
-with (base, the method's set, space, objective and trial seed); a later command whose suite differs there stops
-with one line naming the key instead of mixing trials of two setups (the budget, seeds and table columns may change).
+with (base, the method's set, space, objective, trial seed and reported seeds); a later command whose suite
+differs there stops with one line naming the key instead of mixing trials of two setups (the budget and the table
+columns may change; the reported seeds may not: the trials' data leaves out their test samples).
 
 Storage: an SQLite file `study.db` in the tune directory by default; `--storage URL` takes any Optuna storage, and
 `pflbed tune --worker` on other machines joins the same studies (Optuna's distributed mode). A killed `pflbed tune`
