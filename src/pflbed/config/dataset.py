@@ -88,7 +88,8 @@ class DatasetConfig(Strict):
                            "is found")  # fmt: skip
     label: Literal["fine", "coarse"] | None = Field(None, description="cifar100: fine (100 classes, default) or "
                                                     "coarse (20 superclasses)")  # fmt: skip
-    corruptions: list[str] | None = Field(None, description="cifar10c: the corruptions (domains); default all 19")
+    corruptions: list[str] | None = Field(None, description="cifar10c: the corruptions (domains); default the "
+                                          "benchmark's 15 (the 4 extra only when named)")
     severity: int | None = Field(None, ge=1, le=5, description="cifar10c: corruption severity 1–5 (default 5)")
     split: Literal["byclass", "bymerge", "balanced", "letters", "digits", "mnist"] | None = Field(
         None, description="emnist: the split (default balanced)"

@@ -13,8 +13,9 @@ from pflbed.config.base import INT_MAX, SEED_MAX, Strict
 class PflbedSplitConfig(Strict):
     """PFLBED split of each domain (FedBasis paper §5): fractions of the domain's samples, clients per portion."""
 
-    participated: float = Field(0.6, ge=0, le=1, description="PFLBED: share of each domain's clients that train")
-    new: float = Field(0.2, ge=0, le=1, description="PFLBED: share of each domain's clients held out as new clients")
+    participated: float = Field(0.6, ge=0, le=1, description="PFLBED: share of each domain's samples given to its "
+                                "training clients")
+    new: float = Field(0.2, ge=0, le=1, description="PFLBED: share of each domain's samples given to its new clients")
     val: float = Field(0.05, gt=0, le=1,
         description="PFLBED: share of each domain's pool kept as its shared validation set")
     test: float = Field(0.15, gt=0, le=1, description="PFLBED: share of each domain's pool kept as its shared test set")
