@@ -158,7 +158,9 @@ def test_a_run_refuses_weights_pretrained_on_its_own_data(pretrained, tmp_path, 
 
 
 def test_a_run_records_the_weights_it_started_from(pretrained, tmp_path):
-    out, _ = pretrained
+    """The file, its hash and blocks, and how `pflbed pretrain` made it: source, epochs, the epoch kept, its
+    held-out accuracy (from the pretraining's summary beside the weights)."""
+    out, summary = pretrained
     args = ["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", f"model.init_from={out}"]
     for k, v in {"dataset.name": "digits-rot4", "model.name": "lenet5", "federation.protocol": "pflbed",
                  "federation.pflbed.clients_per_domain": 4, "federation.pflbed.new_clients_per_domain": 2,
@@ -169,6 +171,23 @@ def test_a_run_records_the_weights_it_started_from(pretrained, tmp_path):
     import hashlib
 
     assert rec["sha256"] == hashlib.sha256((out / "model.pt").read_bytes()).hexdigest() and rec["blocks"] == ["all"]
+    kept = {"selected_epoch": summary["selected_epoch"], "val_acc": summary["val_acc"]}
+    assert rec["pretraining"] == {"source": summary["source"], "epochs": len(summary["epochs"]), **kept}
+    assert summary["source"]["samples"] > 0 and len(summary["epochs"]) == _cfg().pretrain.epochs
+
+
+def test_weights_from_elsewhere_have_no_pretraining_record(tmp_path):
+    """No summary beside the weights, one too large, unreadable, or of another kind: the record is left out."""
+    from pflbed.results.summary import pretraining_record
+
+    f = tmp_path / "summary.json"
+    assert pretraining_record(f) is None
+    for text in ("not json", json.dumps({"final": {}}), json.dumps({"source": {}, "epochs": 3}),
+                 json.dumps({"source": {"samples": 1}, "epochs": []}) + " " * 1_000_000):  # fmt: skip
+        f.write_text(text)
+        assert pretraining_record(f) is None, text[:40]
+    f.write_text(json.dumps({"source": {"samples": 7}, "epochs": [{}, {}], "selected_epoch": 2, "val_acc": 0.5}))
+    assert pretraining_record(f) == {"source": {"samples": 7}, "epochs": 2, "selected_epoch": 2, "val_acc": 0.5}
 
 
 # --- what is kept and written (each rule pinned by a test that a wrong version turns red) ----------------------------

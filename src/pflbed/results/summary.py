@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -60,11 +62,31 @@ def build_summary(
 
 def init_record(cfg) -> dict[str, Any]:
     """The starting weights a run loaded (`model.init_from`): the file, its SHA-256 and the blocks — the config
-    names a path, the hash says which weights it held."""
+    names a path, the hash says which weights it held — and, for weights `pflbed pretrain` made, how (`pretraining`).
+    """
     from pflbed.models.pretrained import model_file  # late: printing a summary needs no torch
 
     f = model_file(cfg.model.init_from)
-    return {"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "blocks": cfg.model.init_blocks}
+    record = {"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "blocks": cfg.model.init_blocks}
+    how = pretraining_record(f.parent / "summary.json")
+    return {**record, "pretraining": how} if how is not None else record
+
+
+def pretraining_record(path: Path) -> dict[str, Any] | None:
+    """From the `summary.json` `pflbed pretrain` writes beside its weights: the source (dataset, split, domains and
+    sample counts), the epochs run, the epoch kept and its held-out accuracy. Why: a result that starts from
+    pretrained weights depends on them, so its summary says what they were trained on and how well. None for
+    weights from elsewhere (no such file, too large, or not a pretraining summary)."""
+    try:
+        if path.stat().st_size > 1_000_000:
+            return None
+        blob = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(blob, dict) and isinstance(blob.get("source"), dict) and isinstance(blob.get("epochs"), list)):
+        return None
+    return {"source": blob["source"], "epochs": len(blob["epochs"]), "selected_epoch": blob.get("selected_epoch"),
+            "val_acc": blob.get("val_acc")}  # fmt: skip
 
 
 _LABELS = {"fedavg": "FedAvg", "local": "Local"}
