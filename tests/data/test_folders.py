@@ -483,8 +483,8 @@ def test_byte_identical_copies_within_a_domain_are_left_out_with_one_warning(tmp
     assert px == [[1, 2, 3], [9, 9, 9], [7, 7, 7], [1, 2, 3]]
     assert pool.train.y.tolist() == [0, 0, 1, 0] and pool.train.domain.tolist() == [0, 0, 0, 1]
     art = root.resolve() / "art"
-    assert capsys.readouterr().err == (f"pflbed: warning: {root.resolve()}: left out 2 byte-identical copie(s) of "
-                                       f"another image of their domain, e.g. {art / 'a' / '1.png'}\n")  # fmt: skip
+    assert capsys.readouterr().err == (f"pflbed: warning: {root.resolve()}: left out 2 image file(s) byte-identical "
+                                       f"to an earlier one of their domain, e.g. {art / 'a' / '1.png'}\n")  # fmt: skip
     assert load_domain_folders(root, image_size=2) is pool and capsys.readouterr().err == ""
 
 

@@ -204,8 +204,8 @@ def copies_notice(root: str, dropped: list[str]) -> str | None:
     """The warning line for the byte-identical copies `distinct` left out (None: none were)."""
     if not dropped:
         return None
-    return (f"pflbed: warning: {_show(root)}: left out {len(dropped)} byte-identical copie(s) of another image of "
-            f"their domain, e.g. {_show(dropped[0])}")  # fmt: skip
+    return (f"pflbed: warning: {_show(root)}: left out {len(dropped)} image file(s) byte-identical to an earlier one "
+            f"of their domain, e.g. {_show(dropped[0])}")  # fmt: skip
 
 
 @lru_cache(maxsize=4)
