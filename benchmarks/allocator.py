@@ -29,8 +29,8 @@ def one(case: str, keep: bool, clients: int, samples: int, rounds: int) -> dict:
 
     from pflbed.allocator import kept_freed_memory
     from pflbed.config import validate_config
+    from pflbed.engine.build import make_executor, prepare
     from pflbed.engine.driver import Driver
-    from pflbed.engine.loop import make_executor, prepare
 
     alg, model, executor = case.split("/")
     cfg = validate_config({
@@ -48,7 +48,7 @@ def one(case: str, keep: bool, clients: int, samples: int, rounds: int) -> dict:
     ex, _ = make_executor(algo)
     driver = Driver(algo, ex)
     server, times = algo.init_server(), []
-    with kept_freed_memory(keep):  # as `engine.loop.experiment` holds it around a run's rounds
+    with kept_freed_memory(keep):  # as `results.experiment` holds it around a run's rounds
         for rnd in range(1, rounds + 1):
             t0 = time.perf_counter()
             server, _ = driver.train_round(rnd, server)

@@ -20,8 +20,8 @@ import torch
 
 from pflbed.config import validate_config
 from pflbed.engine.auto import choose_executor, training_macs
-from pflbed.engine.loop import prepare
-from pflbed.runs import run
+from pflbed.engine.build import prepare
+from pflbed.results.experiment import run
 
 FMNIST = {"dataset": {"name": "fmnist"}, "federation": {"clients": 20, "train_per_client": 200}}
 EXPERIMENTS = {  # name → config (executor filled in below)

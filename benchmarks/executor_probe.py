@@ -70,10 +70,11 @@ from pflbed.algorithms import ALGORITHMS  # noqa: E402
 from pflbed.algorithms.base import ClientContext  # noqa: E402
 from pflbed.config import validate_config  # noqa: E402
 from pflbed.engine import batched  # noqa: E402
-from pflbed.engine import loop as engine_loop  # noqa: E402
+from pflbed.engine.build import prepare  # noqa: E402
 from pflbed.engine.executor import client_generator  # noqa: E402
 from pflbed.errors import ConfigError, DataError, DivergedError  # noqa: E402
-from pflbed.runs import run  # noqa: E402
+from pflbed.results import experiment  # noqa: E402
+from pflbed.results.experiment import run  # noqa: E402
 from tests.engine.test_batched import _each_own, _in_float64, _max_diff  # noqa: E402
 from tests.engine.test_batched_compile import on_aot_eager  # noqa: E402
 from tests.project.test_algorithm_option_properties import LIGHT, domain  # noqa: E402
@@ -160,7 +161,7 @@ def _round1(cfg: dict[str, Any]) -> tuple[Any, Any, list[int], list[Any]] | None
     """(validated config, run context, clients, their round-1 plans without `finish`) of the draw's first four
     participating clients; None where the algorithm runs client by client (its batched run is the loop's code)."""
     c = validate_config({**cfg, "executor": EXECUTORS["loop"]})
-    algo = engine_loop.prepare(c)
+    algo = prepare(c)
     ctx, server = algo.ctx, algo.init_server()
     cids = sorted(ctx.federation.participated)[:4]
     payloads = algo.configure(1, server, cids)
@@ -233,7 +234,7 @@ class _Stop(KeyboardInterrupt):
 def _resume(cfg: dict[str, Any], executor: str, pool: Any) -> dict[str, Any]:
     kw = {"pool": pool} if executor == "procs" else {}
     tmp = Path(tempfile.mkdtemp())
-    save = engine_loop.save_checkpoint
+    save = experiment.save_checkpoint
 
     def save_then_stop(path: Path, rnd: int, *rest: Any, **k: Any) -> None:
         save(path, rnd, *rest, **k)
@@ -242,13 +243,13 @@ def _resume(cfg: dict[str, Any], executor: str, pool: Any) -> dict[str, Any]:
 
     try:
         a = _run(cfg, executor, out=tmp / "straight", **kw)
-        engine_loop.save_checkpoint = save_then_stop
+        experiment.save_checkpoint = save_then_stop
         try:
             b = _run(cfg, executor, out=tmp / "resumed", **kw)
         except _Stop:
             b = None
         finally:
-            engine_loop.save_checkpoint = save
+            experiment.save_checkpoint = save
         if b is None:
             b = _run(cfg, executor, out=tmp / "resumed", resume=True, **kw)
         if isinstance(a, str) or isinstance(b, str):

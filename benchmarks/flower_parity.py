@@ -19,7 +19,7 @@ from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
 from pflbed.flower.local import run_local
 from pflbed.flower.simulation import FlowerSimulation
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 TINY = {  # tests/tiny.py, with the light zoo of tests/engine/test_procs.py for the distillation family
     "dataset": {"name": "synthetic"}, "model": {"name": "mlp"},

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pflbed.config import validate_config
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 
 def processes(word: str) -> dict[int, str]:

@@ -30,7 +30,7 @@ from pflbed.config import validate_config
 from pflbed.engine import wire
 from pflbed.flower.local import run_local
 from pflbed.flower.sites import export_sites
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 ALGOS = ["fedavg", "fedper", "fedrod", "fedselect", "fedbasis"]
 FIGURES = ("pfl_acc", "pfl_acc_std", "pfl_acc_min", "pfl_acc_p10", "pfl_val", "gfl_val")

@@ -24,7 +24,7 @@ from pflbed.config import validate_config
 from pflbed.engine.procs import WorkerPool
 from pflbed.flower.local import run_local
 from pflbed.flower.simulation import FlowerSimulation
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 
 def figures(summary: dict) -> dict:

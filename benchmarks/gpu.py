@@ -80,9 +80,9 @@ import torch.nn.functional as F
 from pflbed.allocator import kept_freed_memory
 from pflbed.config import validate_config
 from pflbed.engine import batched, conv_weight_grad
+from pflbed.engine.build import make_executor, prepare
 from pflbed.engine.conv_weight_grad import product_conv
 from pflbed.engine.driver import Driver
-from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import WorkerPool
 from pflbed.models import build_model
 from pflbed.rng import CUBLAS_DETERMINISTIC_WORKSPACE, gpu_kernels
@@ -213,7 +213,7 @@ def time_rounds(cfg, pool: WorkerPool | None, deadline: float = float("inf")) ->
                 torch.cuda.reset_peak_memory_stats(device)
             times, flushes = [], []
             with Sampler(device) as sampler, kept_freed_memory(cfg.executor.keep_freed_memory):  # as a run's rounds
-                # (`engine.loop.experiment`)
+                # (`results.experiment`)
                 for rnd in range(1, cfg.train.rounds + 1):
                     if times and time.perf_counter() + times[-1] > deadline:
                         break

@@ -179,6 +179,30 @@ def find_cycles(src: Path = SRC, package: str = "pflbed") -> list[list[str]]:
     return sorted(cycles)
 
 
+def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
+    """The index in `layers` (bottom first; each a tuple of module or package names) of the longest name that is
+    `module` or a package holding it, so that a module can sit above its package (`pflbed.flower.server`, a Flower
+    app, above `pflbed.flower`, Flower's executor); None where no name does. The top-level package's name (no dot)
+    stands for its `__init__` only, so a new top-level module has no layer until it is given one."""
+    best, depth = None, -1
+    for i, names in enumerate(layers):
+        for name in names:
+            inside = "." in name and module.startswith(name + ".")
+            if (module == name or inside) and name.count(".") > depth:
+                best, depth = i, name.count(".")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[tuple[str, str]]:
+    """Every (module, imported module) of `graph` where the imported one sits in a higher layer, sorted; a module in
+    no layer is reported as (module, "no layer")."""
+    out = [(m, "no layer") for m in graph if layer_of(m, layers) is None]
+    for module, targets in graph.items():
+        here = layer_of(module, layers)
+        out += [(module, t) for t in targets if here is not None and (layer_of(t, layers) or 0) > here]
+    return sorted(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     src = Path(argv[0]) if argv else SRC

@@ -133,9 +133,10 @@ TESTS_FOR = {  # source file under src/pflbed -> test modules; default tests/<fo
     "engine/executor.py": [
         "test_executor", "test_driver", "test_fedavg", "test_training", "test_privacy", "test_precision",
     ],
-    # the loop executor and a run's set-up, seeding, resuming, safe unpickling, downloads, augmentation
-    "engine/loop.py": ["test_executor", "test_driver", "test_fedavg", "test_resume", "test_interrupt", "test_cli",
-                       "test_progress"],
+    # a run's set-up and the experiment around its rounds: seeding, resuming, safe unpickling, downloads, augmentation
+    "engine/build.py": ["test_executor", "test_driver", "test_fedavg", "test_auto", "test_pretrain", "test_privacy"],
+    "results/experiment.py": ["test_driver", "test_resume", "test_interrupt", "test_cli", "test_progress",
+                              "test_executor"],
     "rng.py": ["test_rng", "test_executor", "test_driver", "test_privacy", "test_privacy_deployed", "test_batched"],
     "results/checkpoint.py": ["test_resume", "test_interrupt"],
     "data/safepickle.py": ["test_safepickle", "test_loaders"],

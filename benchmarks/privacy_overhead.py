@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pflbed.config import validate_config
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 SETUP = {  # benchmarks/suites/privacy_fmnist.yaml's federation and training
     "dataset": {"name": "fmnist"}, "model": {"name": "lenet5"},

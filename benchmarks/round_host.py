@@ -35,9 +35,9 @@ from pflbed import rng  # noqa: E402
 from pflbed.algorithms.base import ClientContext  # noqa: E402
 from pflbed.algorithms.training import WeightedMean  # noqa: E402
 from pflbed.engine import batched  # noqa: E402
+from pflbed.engine.build import make_executor, prepare  # noqa: E402
 from pflbed.engine.executor import client_generator, precision  # noqa: E402
 from pflbed.engine.guard import check_clients_later, screen_finite  # noqa: E402
-from pflbed.engine.loop import make_executor, prepare  # noqa: E402
 
 
 def timed(f: Callable[[], object], repeats: int) -> float:

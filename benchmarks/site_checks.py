@@ -24,8 +24,8 @@ import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
-from pflbed.engine.loop import prepare
 from pflbed.flower.site_eval import evaluate_site
 from pflbed.flower.site_message import check_payload, check_view
 

@@ -34,7 +34,7 @@ from threads import step_time  # benchmarks/threads.py: the same plain SGD step
 from pflbed.config import validate_config
 from pflbed.engine.procs import WorkerPool
 from pflbed.models import build_model
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 VARIANTS = {  # name → (executor section, model section)
     "loop": ({"name": "loop", "threads": 1}, {}),  # named: the default, `auto`, picks procs for a large run

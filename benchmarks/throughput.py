@@ -18,8 +18,8 @@ import torch
 from pflbed.algorithms.base import ClientData
 from pflbed.algorithms.training import load_params, local_sgd
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare
 from pflbed.federation import sample_clients
 
 

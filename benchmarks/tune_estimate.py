@@ -21,8 +21,8 @@ import torch
 
 from pflbed import compute
 from pflbed.errors import DivergedError
+from pflbed.results.experiment import run
 from pflbed.results.tune import Tuner, load_tune_suite
-from pflbed.runs import run
 
 
 def measure(cfg) -> dict[str, float]:

@@ -7,7 +7,7 @@ import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 TINY = {
     "dataset": {"name": "synthetic"},

@@ -51,7 +51,7 @@ def run(
 
     from pflbed.config import Config, set_dotted, validate_config
     from pflbed.engine.procs import starting_worker
-    from pflbed.runs import run as _run
+    from pflbed.results.experiment import run as _run
 
     if starting_worker():  # the run it would start, in every worker, was "a run is in progress there" at best
         raise SystemExit("pflbed.run was called in a worker process as it started: each worker of executor procs "

@@ -8,7 +8,7 @@ than in torch (`benchmarks/allocator.py` measures it). With per-allocation `mmap
 top put off, a freed block stays in the heap and the next one reuses its pages.
 
 The cost: the process's memory no longer shrinks while this is on, so it is on only while a run trains and
-evaluates (`engine.loop.experiment`, a `procs` worker for its life) and put back afterwards, the heap trimmed
+evaluates (`results.experiment`, a `procs` worker for its life) and put back afterwards, the heap trimmed
 then. Results do not change (the allocator decides where a tensor lives, never its values). Elsewhere than glibc
 (macOS, musl, Windows) it does nothing.
 """

@@ -285,7 +285,8 @@ def _cmd_run(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config, args.overrides)
         out, resume, force = args.out or default_out(cfg), False, args.force
-    from pflbed.runs import run  # after the config's checks: it imports torch (a second), a mistake is said at once
+    # after the config's checks: it imports torch (a second), a mistake is said at once
+    from pflbed.results.experiment import run
 
     with _continuable(out, shlex.join(["pflbed", "run", "--resume", str(out)]), cfg.train.rounds):
         result = run(cfg, out, progress=not args.no_progress, resume=resume, force=force)

@@ -16,7 +16,7 @@ from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.config import validate_config
 from pflbed.engine.driver import Driver
 from pflbed.models import MODELS
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import FED, PARITY_CASES, TINY, parity_config
 from .test_reply_fits import _bn_net  # a tiny BatchNorm model

@@ -13,7 +13,7 @@ from pflbed.algorithms.apple import COEF, CORE, CORES, DR, P0
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.training import finetune_epochs, fresh_client_params, index_batches, train_from
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 
 from ..tiny import TINY, same_tensors

@@ -16,8 +16,8 @@ from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedamp import cosine, heur_row
 from pflbed.algorithms.training import finetune_epochs, index_batches, load_params, weighted_mean
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
-from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
 

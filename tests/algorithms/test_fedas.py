@@ -15,7 +15,7 @@ from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.local_sgd import run_plan
 from pflbed.algorithms.training import index_batches, load_params, weighted_mean
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 
 from ..tiny import TINY, same_tensors
 

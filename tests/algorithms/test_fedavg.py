@@ -6,7 +6,7 @@ import pflbed
 from pflbed.algorithms.base import ClientContext, Predictor
 from pflbed.algorithms.training import train_from, weighted_mean
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.evaluation.evaluate import Predictions, client_scores
 from pflbed.models import MODELS, BlockNet
 

@@ -33,7 +33,7 @@ from pflbed.algorithms.basis_plots import mixing_table
 from pflbed.algorithms.fedbasis import STREAM, FedBasis
 from pflbed.algorithms.training import finetune_epochs, get_params, train_from, weighted_mean
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
 from pflbed.models.zoo import SafeBatchNorm1d

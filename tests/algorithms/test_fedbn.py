@@ -6,8 +6,8 @@ import pflbed
 from pflbed.algorithms.base import Budget, ClientContext, Predictor
 from pflbed.algorithms.training import get_params, load_params, sgd_epochs
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare
 from pflbed.evaluation.evaluate import Predictions, client_scores
 from pflbed.federation import sample_clients
 from pflbed.models import MODELS, BlockNet

@@ -14,8 +14,8 @@ from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.fedcac import COLLABORATORS, CUSTOM, MASK, collaborators, critical_mask, overlap_matrix
 from pflbed.algorithms.masks import pack_bits, unpack_bits
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
-from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 
 from ..tiny import TINY, same_tensors

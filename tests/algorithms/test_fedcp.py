@@ -12,7 +12,7 @@ from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedcp import STREAM, context_of, mmd2
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import BlockNet
 from pflbed.models.zoo import MODELS

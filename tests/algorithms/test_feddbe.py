@@ -13,7 +13,7 @@ from pflbed.algorithms.feddbe import CONSENSUS, PRBM, RUNNING
 from pflbed.algorithms.local_sgd import run_plan
 from pflbed.algorithms.training import finetune_epochs, get_params, index_batches, load_params
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
 

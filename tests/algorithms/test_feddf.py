@@ -10,7 +10,7 @@ from pflbed import rng
 from pflbed.algorithms import feddf
 from pflbed.algorithms.training import get_params, load_params, train_from
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 
 from ..tiny import TINY

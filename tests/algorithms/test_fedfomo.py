@@ -15,7 +15,7 @@ from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.fedfomo import IDS, WEIGHTS, affinity_deltas, first_order_weights
 from pflbed.algorithms.training import finetune_epochs, load_params, train_from
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 
 from ..tiny import TINY

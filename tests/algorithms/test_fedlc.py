@@ -12,7 +12,7 @@ from pflbed.algorithms.fedlc import CalibratedObjective, calibration
 from pflbed.algorithms.fedrod import class_counts
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 
 from ..tiny import TINY
 

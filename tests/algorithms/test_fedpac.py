@@ -20,7 +20,7 @@ from pflbed.algorithms.fedpac import (
 from pflbed.algorithms.partial import block_params, blocks_for, personalize_blocks
 from pflbed.algorithms.training import get_params, index_batches, load_params, local_sgd
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 
 from ..tiny import TINY, same_tensors
 

@@ -15,7 +15,7 @@ from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.cli import main
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
 from pflbed.models import build_model

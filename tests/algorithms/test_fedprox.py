@@ -7,7 +7,7 @@ import pflbed
 from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 
 from ..tiny import TINY, same_tensors
 

@@ -17,7 +17,7 @@ from pflbed.algorithms.fedrod import (
 )
 from pflbed.algorithms.training import get_params, load_params, sgd_epochs
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.evaluation.evaluate import last
 from pflbed.models import MODELS, BlockNet, build_model
 

@@ -12,7 +12,7 @@ from pflbed.algorithms.fedrod_hyper import HyperNetwork
 from pflbed.algorithms.training import get_params, load_params
 from pflbed.cli import main
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.evaluation.evaluate import last
 from pflbed.models import build_model
 

@@ -31,8 +31,8 @@ from pflbed.algorithms.masks import (
 from pflbed.algorithms.training import get_params, index_batches, load_params, local_sgd
 from pflbed.config import validate_config
 from pflbed.engine import wire
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
 from pflbed.federation import sample_clients

@@ -11,8 +11,8 @@ from torch.func import functional_call
 from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.training import index_batches
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
-from pflbed.engine.loop import prepare
 
 from ..tiny import TINY
 

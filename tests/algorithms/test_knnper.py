@@ -14,7 +14,7 @@ from pflbed.algorithms.base import Budget, Predictor
 from pflbed.algorithms.knnper import knn_probs
 from pflbed.algorithms.training import validation_data
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.evaluation.evaluate import Predictions, client_score, evaluate
 from pflbed.evaluation.newclients import subset
 

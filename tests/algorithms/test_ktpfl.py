@@ -13,7 +13,7 @@ from pflbed.algorithms import get_algorithm, ktpfl
 from pflbed.algorithms.sgd import SGD
 from pflbed.algorithms.training import index_batches
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 
 from ..tiny import TINY

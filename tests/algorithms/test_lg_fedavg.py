@@ -6,7 +6,7 @@ from pflbed.algorithms.base import Budget, ClientContext
 from pflbed.algorithms.partial import block_params
 from pflbed.algorithms.training import get_params, load_params, local_sgd
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import last
 

@@ -6,7 +6,7 @@ from pflbed import rng
 from pflbed.algorithms.base import Budget, ClientContext, Predictor
 from pflbed.algorithms.training import train_from
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.evaluation.evaluate import Predictions, client_scores, last
 

@@ -15,8 +15,8 @@ from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.perfedavg import PERSONAL_STREAM, PerFedAvg
 from pflbed.algorithms.training import index_batches, load_params
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
-from pflbed.runs import run
+from pflbed.engine.build import prepare
+from pflbed.results.experiment import run
 
 from ..tiny import TINY, figures, same_tensors
 

@@ -7,7 +7,7 @@ from pflbed import rng
 from pflbed.algorithms.base import ClientContext
 from pflbed.algorithms.training import get_params, load_params, local_sgd, train_from
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 
 from .test_feddf import CFG, FED, HETERO
 

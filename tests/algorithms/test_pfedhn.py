@@ -27,9 +27,9 @@ from pflbed.algorithms.training import finetune_epochs
 from pflbed.cli import main
 from pflbed.config import validate_config
 from pflbed.engine import wire
+from pflbed.engine.build import prepare
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare
 from pflbed.evaluation.evaluate import last
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
-from pflbed.engine.loop import prepare
 from pflbed.flower.reply_check import ReplyCheck
 from pflbed.models import MODELS, BlockNet
 

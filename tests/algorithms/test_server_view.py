@@ -10,8 +10,8 @@ import torch
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.base import Budget, own_rows
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
-from pflbed.engine.loop import prepare
 from pflbed.evaluation.evaluate import last
 
 from ..tiny import FED, LIGHT, TINY

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import pflbed
 from pflbed.algorithms import distill as kd
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 
 from .test_ktpfl import CFG, HETERO, _probs, _rows, final_predictions, local_reference_pfl
 

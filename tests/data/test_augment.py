@@ -14,10 +14,10 @@ from pflbed.config import validate_config
 from pflbed.data.augment import Augment, make_augment
 from pflbed.engine import driver
 from pflbed.engine.batched import train_together
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import client_generator
-from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import TINY, figures, parity_config
 

@@ -20,8 +20,8 @@ from pflbed import allocator
 from pflbed.allocator import kept_freed_memory
 from pflbed.config import validate_config
 from pflbed.engine import procs
-from pflbed.engine.loop import prepare
-from pflbed.runs import run
+from pflbed.engine.build import prepare
+from pflbed.results.experiment import run
 from tests.engine.worker_here import run_worker_here
 from tests.tiny import TINY, figures
 

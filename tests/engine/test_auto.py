@@ -10,8 +10,8 @@ from pflbed.config import validate_config
 from pflbed.engine import auto
 from pflbed.engine.auto import PROCS_MIN_MACS, choose_executor, forward_macs, training_macs
 from pflbed.engine.batched import BatchedExecutor
+from pflbed.engine.build import make_executor, prepare
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import make_executor, prepare
 from pflbed.engine.procs import ProcsExecutor
 from pflbed.engine.threads import LARGE_MODEL_PARAMS
 
@@ -75,7 +75,7 @@ def test_a_named_executor_is_kept(rule):
 
 def test_make_executor_builds_the_choice_and_batch_clients_means_the_loop(monkeypatch, pool):
     algo = prepare(validate_config(TINY))
-    monkeypatch.setattr("pflbed.engine.loop.choose_executor", lambda ex, ctx: "procs")
+    monkeypatch.setattr("pflbed.engine.build.choose_executor", lambda ex, ctx: "procs")
     assert isinstance(make_executor(algo, pool)[0], ProcsExecutor)
     batched = prepare(validate_config({**TINY, "executor": {"batch_clients": True}}))
     assert isinstance(make_executor(batched, pool)[0], BatchedExecutor)
@@ -86,11 +86,11 @@ def test_make_executor_passes_strict_and_sizes_its_own_pool_from_the_config(monk
     """The loop stays unbatched on a CPU unless asked; `strict` reaches every executor; a pool the caller gives
     is not the run's to close; a pool of its own has `executor.workers` workers (default: every core, 1 where the
     count is unknown) of `executor.threads` threads (default 1). Recorded, not started."""
-    from pflbed.engine import loop
+    from pflbed.engine import build
 
     started = []
-    monkeypatch.setattr(loop, "WorkerPool", lambda workers, threads: started.append((workers, threads)) or "own")
-    monkeypatch.setattr(loop, "ProcsExecutor", lambda algo, pool, strict: ("procs", pool, strict))
+    monkeypatch.setattr(build, "WorkerPool", lambda workers, threads: started.append((workers, threads)) or "own")
+    monkeypatch.setattr(build, "ProcsExecutor", lambda algo, pool, strict: ("procs", pool, strict))
     for strict in (True, False):
         algo = prepare(validate_config({**TINY, "executor": {"name": "loop", "strict": strict}}))
         executor, own = make_executor(algo)
@@ -101,5 +101,5 @@ def test_make_executor_passes_strict_and_sizes_its_own_pool_from_the_config(monk
     assert type(make_executor(algo)[0]) is BatchedExecutor and make_executor(algo)[0].strict
     for cores, executor, want in [(4, {}, (4, 1)), (4, {"workers": 3, "threads": 2}, (3, 2)), (None, {}, (1, 1))]:
         procs = prepare(validate_config({**TINY, "executor": {"name": "procs", **executor}}))
-        monkeypatch.setattr(loop.os, "cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr(build.os, "cpu_count", lambda cores=cores: cores)
         assert make_executor(procs) == (("procs", "own", False), "own") and started.pop() == want

@@ -41,13 +41,13 @@ from pflbed.config import validate_config
 from pflbed.data.augment import Augment
 from pflbed.engine import batched, conv_weight_grad
 from pflbed.engine.batched import BatchedExecutor, batchable_model, train_together
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import LoopExecutor, client_generator, update_client
-from pflbed.engine.loop import prepare
 from pflbed.engine.per_client_layers import PerClientLayers
 from pflbed.errors import ConfigError, DivergedError
 from pflbed.models import build_model
 from pflbed.models.zoo import ReproducibleDropout
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import ALEXNET_TINY, DATA, TINY
 
@@ -107,7 +107,7 @@ def test_a_round_asks_whether_each_model_is_batchable_once_not_once_per_client(m
     """Whether a model can be batched (a walk over its modules) is asked once a round for each of the round's
     models, not for each client: with 100 clients it was 11 ms of every round's host time before its first step."""
     from pflbed.engine import batched
-    from pflbed.engine.loop import run
+    from pflbed.results.experiment import run
 
     asked, real = [], batched.batchable_model
 
@@ -1038,7 +1038,7 @@ def test_which_models_are_batched():
 
 def test_batch_clients_is_on_by_default_only_on_a_gpu_and_only_in_the_loop():
     algo = prepare(validate_config({**TINY, "algorithm": {"name": "fedavg"}}))
-    from pflbed.engine.loop import make_executor
+    from pflbed.engine.build import make_executor
 
     ex, _ = make_executor(algo)
     assert type(ex) is LoopExecutor  # CPU: off unless asked for

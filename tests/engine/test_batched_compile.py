@@ -17,7 +17,7 @@ import yaml
 from pflbed.config import validate_config
 from pflbed.engine import batched
 from pflbed.errors import ConfigError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import DATA, TINY
 

@@ -5,9 +5,9 @@ import torch
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.models import MODELS, build_model
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import TINY
 

@@ -6,7 +6,7 @@ from pflbed import compute
 from pflbed.config import validate_config
 from pflbed.data import load_source
 from pflbed.federation import build_federation, sample_clients
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import TINY
 

@@ -28,7 +28,7 @@ import torch
 
 import pflbed
 from pflbed.engine.procs import WorkerPool
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import DATA, TINY
 from .test_device import CASES, FED, _cfg

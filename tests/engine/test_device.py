@@ -21,10 +21,10 @@ from torch.overrides import TorchFunctionMode
 import pflbed
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import resolve_device, validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.federation import federation
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import DATA, TINY
 

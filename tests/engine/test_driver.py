@@ -15,12 +15,13 @@ import torch
 from pflbed import privacy, rng
 from pflbed.algorithms.training import weighted_mean
 from pflbed.config import validate_config
+from pflbed.engine import build, wire
 from pflbed.engine import driver as driver_module
-from pflbed.engine import loop, wire
+from pflbed.engine.build import prepare
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare
 from pflbed.errors import DivergedError, PflbedError
+from pflbed.results import experiment as runner
 
 from ..tiny import TINY
 
@@ -264,7 +265,7 @@ def test_the_summary_s_times_add_up_each_phase_and_round_to_four_places(monkeypa
     from types import SimpleNamespace
 
     from pflbed.results.checkpoint import load_checkpoint
-    from pflbed.runs import run
+    from pflbed.results.experiment import run
 
     real_rounds = Driver.rounds
 
@@ -275,7 +276,7 @@ def test_the_summary_s_times_add_up_each_phase_and_round_to_four_places(monkeypa
 
     ticks = iter(range(100, 1000))  # a clock that does not start at 0
     monkeypatch.setattr(Driver, "rounds", fixed_times)
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     cfg = validate_config({**TINY, "train": {**TINY["train"], "checkpoint_every": 0}, "eval": {"every": 4}})
     summary = run(cfg, tmp_path / "run", progress=False).summary
     timing = summary["timing"]
@@ -296,7 +297,7 @@ def test_the_initial_model_is_drawn_from_the_run_s_seed():
 
 
 def test_torch_threads_are_the_config_s_else_the_caller_s_else_the_model_size_policy(monkeypatch):
-    monkeypatch.setattr(loop, "choose_threads", lambda model: 3)
+    monkeypatch.setattr(build, "choose_threads", lambda model: 3)
     try:
         for executor, threads, want in [({"threads": 2}, None, 2), ({"threads": 2}, 4, 2), ({}, 4, 4), ({}, None, 3)]:
             torch.set_num_threads(1)
@@ -311,7 +312,7 @@ def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in
     hands it the trained server state, each method and its index (the index keys the method's streams), and
     reports what it returns, as the loop's own personalization would."""
     from pflbed.evaluation.evaluate import evaluate_personalized
-    from pflbed.runs import run
+    from pflbed.results.experiment import run
 
     cfg = validate_config({**TINY, "eval": {"every": 2, "finetune": ["ft", "lp"]}, "executor": {"threads": 1}})
     here = run(cfg, write=False, progress=False)
@@ -323,7 +324,7 @@ def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in
             return evaluate_personalized(self.algo, server, method,
                                          lambda c: rng.generator(cfg.seed, rng.FINETUNE, i, c))  # fmt: skip
 
-    monkeypatch.setattr(loop, "make_executor", lambda algo, pool=None: (OnSites(algo, strict=True), None))
+    monkeypatch.setattr(runner, "make_executor", lambda algo, pool=None: (OnSites(algo, strict=True), None))
     there = run(cfg, write=False, progress=False)
     assert asked == [("ft", 0, True), ("lp", 1, True)]
     for s in (here.summary, there.summary):
@@ -333,10 +334,10 @@ def test_where_the_sites_personalize_the_experiment_asks_them_once_per_method_in
 
 def test_run_hands_on_its_threads_pool_and_record_callback(monkeypatch):
     given, records = [], []
-    real = loop.make_executor
-    monkeypatch.setattr(loop, "make_executor", lambda algo, pool=None: given.append(pool) or real(algo))
+    real = runner.make_executor
+    monkeypatch.setattr(runner, "make_executor", lambda algo, pool=None: given.append(pool) or real(algo))
     try:
-        result = loop.run(validate_config(TINY), write=False, progress=False, threads=3, pool="the caller's",
+        result = runner.run(validate_config(TINY), write=False, progress=False, threads=3, pool="the caller's",
                           on_record=records.append)  # fmt: skip
         assert torch.get_num_threads() == 3
     finally:
@@ -344,17 +345,8 @@ def test_run_hands_on_its_threads_pool_and_record_callback(monkeypatch):
     assert given == ["the caller's"] and records == result.history and len(records) == 2
 
 
-def test_the_engine_s_run_refuses_flower_without_a_host_before_loading_anything(monkeypatch):
-    monkeypatch.setattr(loop, "prepare", lambda *a: pytest.fail("loaded the data"))
-    with pytest.raises(PflbedError) as info:
-        loop.run(validate_config({**TINY, "executor": {"name": "flower"}}), write=False, progress=False)
-    said = ("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts the experiment "
-            "in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
-    assert str(info.value) == said
-
-
 def test_a_written_run_says_where_it_is_and_logs_to_tensorboard_only_when_asked(tmp_path):
-    from pflbed.runs import run
+    from pflbed.results.experiment import run
 
     result = run(validate_config({**TINY, "executor": {"threads": 1}}), tmp_path / "run", progress=False)
     assert result.out == tmp_path / "run" and (result.out / "summary.json").exists()
@@ -369,7 +361,7 @@ def _short(rounds: int = 2):
 def _early_clock(monkeypatch):
     """The engine's clock read 1,000 s early: a progress line stamped from when `run` was called then reads
     ≥ 1,000 s, one stamped from any later start reads the seconds the run took."""
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() - 1e3))
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() - 1e3))
 
 
 def _stamps(lines: list[str]) -> list[float]:
@@ -384,18 +376,18 @@ def _timed(out: str) -> list[str]:
 def test_run_by_default_writes_under_runs_shows_progress_and_never_overwrites(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
-    loop.run(_short())
+    runner.run(_short())
     assert (tmp_path / "runs" / "fedavg-synthetic-seed0" / "summary.json").exists()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fedavg on synthetic: 2 rounds; loading the data…" and _stamps(lines)
     with pytest.raises(PflbedError, match="choose another --out \\(or pass --force"):
-        loop.run(_short())
+        runner.run(_short())
 
 
 def test_resuming_says_so_and_the_lines_count_from_when_run_was_called(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     _early_clock(monkeypatch)
-    loop.run(_short(), tmp_path / "r", resume=True)  # nothing to resume yet: the run starts
+    runner.run(_short(), tmp_path / "r", resume=True)  # nothing to resume yet: the run starts
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "fedavg on synthetic: 2 rounds, resuming; loading the data…"
@@ -417,14 +409,14 @@ def _stopped_after_round_1(path, executor=None, **kwargs):
     cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []},
                            **({"executor": executor} if executor else {})})  # fmt: skip
     with pytest.raises(Stop):
-        loop.run(cfg, path, progress=False, on_record=stop, **kwargs)
+        runner.run(cfg, path, progress=False, on_record=stop, **kwargs)
     return cfg
 
 
 def test_a_run_resumed_from_its_checkpoint_says_after_which_round(tmp_path, monkeypatch, capsys):
     cfg = _stopped_after_round_1(tmp_path / "r")
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
-    resumed = loop.run(cfg, tmp_path / "r", resume=True)
+    resumed = runner.run(cfg, tmp_path / "r", resume=True)
     lines = _timed(capsys.readouterr().out)
     assert lines[0] == "fedavg on synthetic: resumed after round 1/3" and lines[1].startswith("fedavg on synthetic: "
                                                                                               "round 2/3 evaluated")
@@ -434,11 +426,11 @@ def test_a_run_resumed_from_its_checkpoint_says_after_which_round(tmp_path, monk
 
 
 def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monkeypatch, capsys):
-    """`executor.name: flower` hands the experiment to its host (Flower's simulation, in `pflbed.runs`): here a
+    """`executor.name: flower` hands the experiment to its host (by default Flower's simulation): here a
     host that runs it with the in-process executor, so it must give the loop's figures, written, reported and
     timed as a loop run's are."""
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
-    plain = loop.run(_short(), tmp_path / "loop", progress=False)
+    plain = runner.run(_short(), tmp_path / "loop", progress=False)
     hosted_cfg = validate_config({**_short().to_dict(), "executor": {"name": "flower", "threads": 1}})
     algos, records = [], []
 
@@ -447,12 +439,12 @@ def test_a_hosted_run_is_the_same_experiment_run_inside_its_host(tmp_path, monke
         return experiment(LoopExecutor(algo, strict=True))
 
     _early_clock(monkeypatch)
-    hosted = loop.run(hosted_cfg, tmp_path / "hosted", host=host, on_record=records.append)
+    hosted = runner.run(hosted_cfg, tmp_path / "hosted", host=host, on_record=records.append)
     assert len(algos) == 1 and algos[0].ctx.cfg is hosted_cfg
     assert hosted.history == plain.history == records and (tmp_path / "hosted" / "summary.json").exists()
     assert min(_stamps(capsys.readouterr().out.splitlines())) >= 1e3
     hosted_cfg = _stopped_after_round_1(tmp_path / "stopped", {"name": "flower", "threads": 1}, host=host)
-    resumed = loop.run(hosted_cfg, tmp_path / "stopped", host=host, resume=True)
+    resumed = runner.run(hosted_cfg, tmp_path / "stopped", host=host, resume=True)
     lines = _timed(capsys.readouterr().out)
     assert lines[0] == "fedavg on synthetic: resumed after round 1/3" and len(resumed.history) == 3
 
@@ -461,17 +453,17 @@ def test_a_run_over_an_earlier_one_counts_only_its_own_privacy_releases(tmp_path
     """`--force` reuses the directory, privacy ledger's file included: the new run's ε must not count the earlier
     run's releases, while a resumed run's must (test_privacy)."""
     cfg = validate_config({**_short().to_dict(), "privacy": DP})
-    first = loop.run(cfg, tmp_path / "r", progress=False)
+    first = runner.run(cfg, tmp_path / "r", progress=False)
     lines = (tmp_path / "r" / privacy.LEDGER).read_text().splitlines()
-    again = loop.run(cfg, tmp_path / "r", progress=False, force=True)
+    again = runner.run(cfg, tmp_path / "r", progress=False, force=True)
     assert (tmp_path / "r" / privacy.LEDGER).read_text().splitlines() == lines and len(lines) == 2
     assert again.summary["privacy"] == first.summary["privacy"]
 
 
 def test_resuming_with_nothing_written_starts_the_run() -> None:
 
-    assert (loop.run(_short(), write=False, progress=False, resume=True).history
-            == loop.run(_short(), write=False, progress=False).history)  # fmt: skip
+    assert (runner.run(_short(), write=False, progress=False, resume=True).history
+            == runner.run(_short(), write=False, progress=False).history)  # fmt: skip
 
 
 def _poison_from(round_: int, monkeypatch) -> None:
@@ -500,14 +492,14 @@ def test_a_diverged_run_names_its_last_evaluation_and_checkpoint(tmp_path, monke
     _poison_from(3, monkeypatch)
     cfg = validate_config({**_short(3).to_dict(), "eval": {"every": 1, "finetune": []}})
     with pytest.raises(DivergedError, match=_kept(3, 2, 2, tmp_path / "r")):
-        loop.run(cfg, tmp_path / "r", progress=False)
+        runner.run(cfg, tmp_path / "r", progress=False)
 
 
 def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
     cfg = _stopped_after_round_1(tmp_path / "r")
     _poison_from(2, monkeypatch)
     with pytest.raises(DivergedError, match=_kept(2, 1, 1, tmp_path / "r")):
-        loop.run(cfg, tmp_path / "r", progress=False, resume=True)
+        runner.run(cfg, tmp_path / "r", progress=False, resume=True)
 
 
 def test_personalizing_new_clients_reports_each_step_of_its_work(tmp_path, monkeypatch, capsys):
@@ -516,8 +508,8 @@ def test_personalizing_new_clients_reports_each_step_of_its_work(tmp_path, monke
     monkeypatch.setenv("PFLBED_PROGRESS_INTERVAL", "0")
     cfg = validate_config({**_short().to_dict(), "federation": {**TINY["federation"], "new_clients": 2},
                            "eval": {"every": 2, "finetune": [], "new_clients": {"epochs": 1, "lrs": [0.05]}}})
-    loop.run(cfg, write=False)
-    total = work(loop.prepare(cfg))
+    runner.run(cfg, write=False)
+    total = work(runner.prepare(cfg))
     stage = "fedavg on synthetic: personalizing 2 new clients: "
     steps = [x.split(stage, 1)[1].split(",")[0] for x in capsys.readouterr().out.splitlines() if stage in x]
     steps = [s for s in steps if "done" not in s]

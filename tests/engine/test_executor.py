@@ -7,8 +7,8 @@ import torch
 
 from pflbed import rng
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import LoopExecutor, client_generator, update_client
-from pflbed.engine.loop import prepare
 from pflbed.errors import DivergedError
 
 from ..tiny import TINY

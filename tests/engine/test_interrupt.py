@@ -50,7 +50,7 @@ def test_ctrl_c_before_any_checkpoint_or_before_the_run_started(tmp_path, monkey
     assert capsys.readouterr().err.strip() == (f"pflbed: interrupted before the first checkpoint (the first "
                                                f"evaluation or train.checkpoint_every); 'pflbed run --resume {out}' "
                                                "starts the run over")  # fmt: skip
-    monkeypatch.setattr("pflbed.engine.loop.prepare", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr("pflbed.results.experiment.prepare", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     fresh = tmp_path / "fresh"
     assert main(["run", *FAST, "--out", str(fresh)]) == 130
     err = capsys.readouterr().err.strip()

@@ -13,7 +13,7 @@ from pflbed.algorithms.fedala import FedALA
 from pflbed.algorithms.fedamp import FedAMP
 from pflbed.config import validate_config
 from pflbed.errors import ConfigError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import TINY
 

@@ -10,7 +10,7 @@ import torch
 from pflbed.cli import main
 from pflbed.config import validate_config
 from pflbed.data import load_source
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.engine.pretrain import pretrain, source_indices
 from pflbed.errors import ConfigError, DataError
 from pflbed.federation import build_federation

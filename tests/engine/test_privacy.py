@@ -12,9 +12,9 @@ from pflbed import privacy, rng
 from pflbed.algorithms import ALGORITHMS
 from pflbed.algorithms.common import ClientContext
 from pflbed.config import load_config, validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, update_client
-from pflbed.engine.loop import prepare
 from pflbed.errors import ConfigError, DivergedError
 from pflbed.federation import sample_clients
 
@@ -255,7 +255,7 @@ def test_batched_clients_give_the_loops_dp_run(tmp_path, monkeypatch):
     round's only one (Poisson sampling gives client 5 two such rounds here); procs and Flower: the `fedper+dp` case
     of the parity tests (tests/tiny.py's VARIANTS)."""
     from pflbed.engine import batched as engine_batched
-    from pflbed.engine.loop import run
+    from pflbed.results.experiment import run
 
     alone, real = [], engine_batched.BatchedExecutor.alone
 
@@ -274,7 +274,7 @@ def test_batched_clients_give_the_loops_dp_run(tmp_path, monkeypatch):
 
 
 def test_epsilon_is_logged_every_evaluation_and_in_the_summary(tmp_path):
-    from pflbed.engine.loop import run
+    from pflbed.results.experiment import run
 
     result = run(config(), tmp_path / "r")
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -291,7 +291,7 @@ def test_epsilon_is_logged_every_evaluation_and_in_the_summary(tmp_path):
 def test_integer_entries_in_what_clients_receive_are_refused_before_the_run(tmp_path):
     """BatchNorm's batch counters cannot be clipped or noised: FedAvg on a BatchNorm model is refused with one line,
     before a run directory exists; FedBN, which keeps BatchNorm on the clients, runs."""
-    from pflbed.engine.loop import run
+    from pflbed.results.experiment import run
 
     bn = {**TINY, "model": {"name": "lenet5_bn"}, "dataset": {"name": "synthetic", "synthetic": {"shape": [1, 28, 28]}},
           "privacy": DP, "train": {**TINY["train"], "rounds": 1}}  # fmt: skip
@@ -361,7 +361,7 @@ def test_a_run_whose_noise_the_updates_outweigh_is_not_warned(capsys):
 def test_a_divergence_under_dp_names_the_noise_and_the_clients_per_round():
     """A client that diverges under DP is reported with the noise that preceded it: under DP the noise is the first
     suspect, not only the learning rate."""
-    from pflbed.engine.loop import run
+    from pflbed.results.experiment import run
 
     cfg = config(train={**TINY["train"], "lr": 1e30})
     with pytest.raises(DivergedError) as e:

@@ -13,11 +13,12 @@ from pflbed import privacy
 from pflbed.algorithms.base import Tensors
 from pflbed.cli import main
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, update_client
-from pflbed.engine.loop import prepare, run
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
+from pflbed.results.experiment import run
 
 from ..tiny import TINY
 
@@ -342,7 +343,7 @@ def test_an_integer_entry_is_refused_by_name_and_dtype_and_only_batchnorm_gets_t
     with pytest.raises(ConfigError, match=r"num_batches_tracked \(int64\).*; use a model without BatchNorm"):
         run(validate_config(bn), tmp_path / "bn", progress=False)
     from pflbed.algorithms.fedavg import FedAvg
-    from pflbed.engine.loop import check_dp_payload
+    from pflbed.engine.build import check_dp_payload
 
     class Counted(FedAvg):  # an undeclared integer entry that is no BatchNorm counter
         def configure(self, rnd, server, cids):
@@ -426,7 +427,7 @@ def test_a_deployment_killed_mid_run_and_resumed_counts_every_release_of_its_led
 
 def test_the_integer_entry_line_names_three_then_an_ellipsis_and_the_batchnorm_hint_word_for_word(tmp_path):
     from pflbed.algorithms.fedavg import FedAvg
-    from pflbed.engine.loop import check_dp_payload
+    from pflbed.engine.build import check_dp_payload
 
     def counted(names):
         class Counted(FedAvg):

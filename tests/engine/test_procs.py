@@ -10,10 +10,10 @@ import torch
 
 import pflbed
 from pflbed.algorithms.fedavg import FedAvg
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.engine.procs import ProcsExecutor, WorkerError, assign
 from pflbed.errors import ConfigError, DivergedError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import PARITY_CASES, TINY, loop_run, parity_config
 from ..tiny import figures as _figures

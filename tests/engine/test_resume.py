@@ -222,12 +222,13 @@ def _tiny_run(tmp_path, **train):
 
 
 def test_checkpoints_come_every_n_rounds_after_every_evaluation_and_after_the_last_round(tmp_path, monkeypatch):
-    from pflbed.engine import loop
-    from pflbed.runs import run
+    from pflbed.results import experiment
+    from pflbed.results.experiment import run
 
     saved = []
-    real = loop.save_checkpoint
-    monkeypatch.setattr(loop, "save_checkpoint", lambda d, rnd, *a, **k: saved.append(rnd) or real(d, rnd, *a, **k))
+    real = experiment.save_checkpoint
+    monkeypatch.setattr(experiment, "save_checkpoint",
+                        lambda d, rnd, *a, **k: saved.append(rnd) or real(d, rnd, *a, **k))
     run(_tiny_run(tmp_path, rounds=9, checkpoint_every=3), tmp_path / "a", progress=False)
     assert saved == [3, 4, 6, 8, 9]  # every 3rd, each evaluated round (4, 8), the last
     saved.clear()
@@ -241,7 +242,7 @@ def test_checkpoints_come_every_n_rounds_after_every_evaluation_and_after_the_la
 def test_a_run_stopped_in_its_final_stages_resumes_to_the_same_summary(tmp_path):
     """Killed after its last round's checkpoint, during the fine-tuning: resumed, it trains no round again and
     its summary (per-client figures included, which come from the checkpoint) is the uninterrupted one."""
-    from pflbed.runs import run
+    from pflbed.results.experiment import run
 
     cfg = _tiny_run(tmp_path, rounds=4)
     whole = run(cfg, tmp_path / "run", progress=False).summary
@@ -253,7 +254,7 @@ def test_a_run_stopped_in_its_final_stages_resumes_to_the_same_summary(tmp_path)
 
 
 def test_resume_where_no_checkpoint_was_written_yet_starts_the_run(tmp_path):
-    from pflbed.runs import run
+    from pflbed.results.experiment import run
 
     cfg = _tiny_run(tmp_path, rounds=4)
     fresh = run(cfg, tmp_path / "fresh", progress=False).summary

@@ -11,11 +11,11 @@ import torch
 from pflbed.algorithms.fedavg import FedAvg
 from pflbed.algorithms.training import WeightedMean, weighted_mean
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import LoopExecutor
-from pflbed.engine.loop import prepare
 from pflbed.engine.procs import ProcsExecutor
 from pflbed.federation import sample_clients
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import TINY
 

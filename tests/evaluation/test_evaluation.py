@@ -708,7 +708,7 @@ def _dropout_run(monkeypatch):
     """FedAvg on AlexNet (dropout) with a new client, prepared, and the parameters of every personalization's final
     model as it is made (`finals`)."""
     from pflbed.config import validate_config
-    from pflbed.engine.loop import prepare
+    from pflbed.engine.build import prepare
 
     from ..tiny import DATA, TINY
 

@@ -86,7 +86,7 @@ def test_a_run_on_its_exported_manifest_is_the_original_run(tmp_path, case):
 def test_the_new_clients_personalize_on_the_manifests_subsets(tmp_path, monkeypatch):
     """A manifest's S/M subsets, not the seed's draws, are what each new client trains on."""
     from pflbed.evaluation import newclients
-    from pflbed.runs import run
+    from pflbed.results.experiment import run
 
     m = json.loads(_export(tmp_path, STANDARD).read_text())
     clients = m["new_client_subsets"]["clients"]

@@ -7,9 +7,9 @@ import contextlib
 import json
 
 from pflbed.config import validate_config
-from pflbed.engine.loop import experiment
 from pflbed.flower.site_executor import SiteExecutor, discover_sites
 from pflbed.flower.sites import export_sites, server_algorithm
+from pflbed.results.experiment import experiment
 
 from ..fake_flower import FakeGrid
 from ..tiny import TINY

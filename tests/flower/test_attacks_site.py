@@ -518,8 +518,8 @@ def test_a_round_s_timing_adds_up_the_seconds_of_the_replies_it_takes(tmp_path, 
     two clients each, every client sampled), a refused reply's left out. The server's own seconds add up over the
     rounds too: its clock here ticks one second a reading, so each round's messages and wait take one each, and
     each reply taken one more."""
-    from pflbed.engine.loop import experiment
     from pflbed.flower import executor
+    from pflbed.results.experiment import experiment
 
     monkeypatch.setattr(executor, "time", ticking_time())
 

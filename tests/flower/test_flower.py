@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.federation import sample_clients
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import PARITY_CASES, TINY, loop_run, parity_config
 from ..tiny import figures as _figures

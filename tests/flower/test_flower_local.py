@@ -17,8 +17,8 @@ from pflbed import memory
 from pflbed.cli import main
 from pflbed.config import load_config
 from pflbed.results.checkpoint import checkpoint_round
+from pflbed.results.experiment import run
 from pflbed.results.rundir import config_text
-from pflbed.runs import run
 
 from ..tiny import figures
 from .processes import marked_processes

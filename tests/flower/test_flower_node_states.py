@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pflbed.federation import sample_clients
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import PARITY_CASES, figures, loop_run, parity_config, same_tensors
 
@@ -99,7 +99,7 @@ def test_a_resumed_run_sends_the_states_it_holds(tmp_path, monkeypatch):
     loop run."""
     import shutil
 
-    import pflbed.engine.loop as loop_mod
+    import pflbed.results.experiment as experiment_mod
 
     torch.set_num_threads(1)
     states = tmp_path / "states"
@@ -107,17 +107,17 @@ def test_a_resumed_run_sends_the_states_it_holds(tmp_path, monkeypatch):
     sampled = {r: set(sample_clients(cfg.seed, r, list(range(6)), cfg.federation.sample_fraction)) for r in range(1, 5)}
     again = sampled[1] & (sampled[2] | sampled[3] | sampled[4])  # in the checkpoint (trained), and trained again
     assert any(sum(c in sampled[r] for r in (2, 3, 4)) > 1 for c in again)
-    real_save = loop_mod.save_checkpoint
+    real_save = experiment_mod.save_checkpoint
 
     def save_then_die(path, rnd, *a, **k):
         real_save(path, rnd, *a, **k)
         if rnd == 1:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(experiment_mod, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(cfg, tmp_path / "run", progress=False, simulation=FakeSimulation(FakeGrid()))
-    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
+    monkeypatch.setattr(experiment_mod, "save_checkpoint", real_save)
     shutil.rmtree(states)
     grid, sent = FakeGrid(), []
     real = grid.send_and_receive
@@ -139,7 +139,7 @@ def test_a_node_keeps_its_states_where_its_node_config_says_else_where_the_confi
     from flwr.app import Context, RecordDict
 
     from pflbed.config import validate_config
-    from pflbed.engine.loop import prepare
+    from pflbed.engine.build import prepare
     from pflbed.flower import client
 
     from ..tiny import TINY

@@ -6,7 +6,7 @@ import pytest
 
 from pflbed.config import validate_config
 from pflbed.errors import DivergedError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import parity_config
 

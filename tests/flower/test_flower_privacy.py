@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pflbed.config import validate_config
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 from ..tiny import parity_config
 

@@ -12,7 +12,7 @@ import torch
 from pflbed.cli import main
 from pflbed.config import load_config, validate_config
 from pflbed.errors import ConfigError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 pytest.importorskip("flwr")  # the `flower` extra
 
@@ -84,8 +84,8 @@ def _secure_in_process(tmp_path, sets, grid=None, executor=None, tamper=None, **
     process (`FakeGrid`: the real protocol, the nodes' mod included, without a deployment);
     `grid`: the fake grid's other options (lost sites); `executor`, `privacy`: options of the secure run's own
     (a round timeout; distributed noise); `tamper(reply)`: each reply as the server gets it, changed in place."""
-    from pflbed.engine.loop import experiment
     from pflbed.flower.secagg import SecAggExecutor
+    from pflbed.results.experiment import experiment
 
     from .site_setup import _server_task, _site_cfg, _sites, server_executor
 

@@ -13,10 +13,9 @@ import yaml
 
 from pflbed.algorithms import ALGORITHMS
 from pflbed.config import validate_config
-from pflbed.engine.loop import experiment
 from pflbed.errors import PflbedError
 from pflbed.results.checkpoint import load_checkpoint
-from pflbed.runs import run
+from pflbed.results.experiment import experiment, run
 
 from ..tiny import TINY, figures
 
@@ -102,12 +101,12 @@ def test_the_server_loads_no_data_and_g_fl_from_the_sites_is_their_sample_weight
     client.algorithm.cache_clear()
     # the sites read their .npz files; the server process must not open any dataset
     import pflbed.data as data
-    import pflbed.engine.loop as loop
+    import pflbed.engine.build as build
 
     def no_data(*a, **kw):
         raise AssertionError("the server loaded a dataset")
 
-    for mod, name in ((data, "load_source"), (loop, "load_source"), (data, "load_dataset")):
+    for mod, name in ((data, "load_source"), (build, "load_source"), (data, "load_dataset")):
         monkeypatch.setattr(mod, name, no_data)
     result = run_sites(cfg, grid)
     assert result.summary["gfl_source"] == "the sites' test data, sample-weighted"
@@ -463,7 +462,7 @@ def test_the_server_combines_the_sites_numbers_as_a_simulated_run_computes_them(
 
 @pytest.mark.parametrize("name", ["fedavg", "local"])
 def test_a_site_asked_for_no_client_or_without_a_generic_model_counts_nothing_correct(name):
-    from pflbed.engine.loop import prepare
+    from pflbed.engine.build import prepare
     from pflbed.evaluation.evaluate import Predictions
     from pflbed.flower.site_eval import _counts
 

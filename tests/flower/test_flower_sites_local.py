@@ -11,7 +11,7 @@ from pflbed.cli import main
 from pflbed.config import load_config
 from pflbed.data import load_source
 from pflbed.errors import DataError
-from pflbed.runs import run
+from pflbed.results.experiment import run
 
 pytest.importorskip("flwr")  # the `flower` extra
 

@@ -256,7 +256,7 @@ def test_a_site_and_the_server_build_on_one_thread_unless_the_run_says_otherwise
     sizes = [report(files, 1, cfg, 0)["num_train"]]
     before = torch.get_num_threads()
     try:
-        with mock.patch("pflbed.engine.loop.choose_threads", return_value=2):  # what a large model would get
+        with mock.patch("pflbed.engine.build.choose_threads", return_value=2):  # what a large model would get
             for build in (lambda: server_algorithm(cfg, sizes), lambda: site_algorithm(cfg, files, 1, 0, sizes)):
                 torch.set_num_threads(2)
                 build()

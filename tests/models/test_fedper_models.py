@@ -9,7 +9,7 @@ from torch import nn
 
 from pflbed.algorithms.fedper import FedPer
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.models import build_model
 from pflbed.models.zoo import MOBILENET_V1_BLOCKS, BasicBlock, DepthwiseSeparable
 

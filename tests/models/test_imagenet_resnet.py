@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflbed.config import validate_config
-from pflbed.engine.loop import prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import ConfigError
 from pflbed.models import build_model
 

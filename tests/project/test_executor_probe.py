@@ -17,7 +17,7 @@ import torch
 from hypothesis.internal.conjecture import providers
 
 from pflbed.engine import batched
-from pflbed.engine import loop as engine_loop
+from pflbed.results import experiment
 from tests import seeded_examples
 from tests.engine import test_batched
 
@@ -181,7 +181,7 @@ def test_a_resume_from_a_wrong_checkpoint_is_a_mismatch(planted, monkeypatch):
     checkpoint's server state is loaded moved by 1e-3."""
     torch.set_num_threads(1)
     cfg = probe.config("fedavg", {}, 2)  # features 2: the MLP
-    real = engine_loop.load_checkpoint
+    real = experiment.load_checkpoint
 
     def moved(*a, **kw):
         blob = real(*a, **kw)
@@ -190,7 +190,7 @@ def test_a_resume_from_a_wrong_checkpoint_is_a_mismatch(planted, monkeypatch):
         return blob
 
     if planted:
-        monkeypatch.setattr(engine_loop, "load_checkpoint", moved)
+        monkeypatch.setattr(experiment, "load_checkpoint", moved)
     assert probe.compare("resume", cfg, "loop", None, None)["result"] == ("MISMATCH" if planted else "equal")
 
 

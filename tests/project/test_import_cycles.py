@@ -17,9 +17,54 @@ def test_pflbed_has_no_import_cycles():
     assert _finder().find_cycles(ROOT / "src") == []
 
 
-# The layers above the config (DESIGN §2) and the API on top (`pflbed` itself, `pflbed.cli`, `pflbed.runs`).
-ABOVE_CONFIG = ("pflbed.algorithms", "pflbed.models", "pflbed.data", "pflbed.federation", "pflbed.evaluation",
-                "pflbed.engine", "pflbed.results", "pflbed.flower", "pflbed.cli", "pflbed.runs")  # fmt: skip
+# DESIGN §2's layers, bottom first: each imports only from its own layer and those below. The utilities every
+# layer uses sit at the bottom with the config. Flower's executor (client apps, site nodes, simulation) is an
+# executor beside the engine's; the Flower apps that write a run directory (the deployment's ServerApp, the
+# site-local launcher) sit above the results layer, which runs the experiment around the rounds.
+LAYERS = [
+    ("pflbed.config", "pflbed.errors", "pflbed.rng", "pflbed.hooks", "pflbed.privacy", "pflbed.private_files",
+     "pflbed.allocator", "pflbed.compute", "pflbed.memory", "pflbed.hints", "pflbed.plugins", "pflbed.search",
+     "pflbed.version"),
+    ("pflbed.data",),
+    ("pflbed.federation",),
+    ("pflbed.models",),
+    ("pflbed.algorithms",),
+    ("pflbed.evaluation",),
+    ("pflbed.engine", "pflbed.flower"),
+    ("pflbed.results",),
+    ("pflbed.flower.server", "pflbed.flower.local"),
+    ("pflbed", "pflbed.cli", "pflbed.__main__"),
+]  # fmt: skip
+ABOVE_CONFIG = tuple(name for names in LAYERS[1:] for name in names if name != "pflbed")  # "pflbed": exactly
+
+
+def test_every_layer_imports_only_from_its_own_and_those_below():
+    """DESIGN §2: imports point downwards only, wherever the statement is (a function-level import runs too).
+    Every module has a layer: a new top-level module is placed here before it is imported."""
+    assert _finder().upward_imports(_finder().import_graph(ROOT / "src"), LAYERS) == []
+
+
+def test_the_engine_never_imports_flower():
+    """Flower is an optional extra: the engine runs without it; Flower's executor builds on the engine."""
+    graph = _finder().import_graph(ROOT / "src")
+    assert sorted((m, t) for m in graph if m.startswith("pflbed.engine")
+                  for t in graph[m] if t.startswith("pflbed.flower")) == []  # fmt: skip
+
+
+def test_the_layer_check_reports_an_upward_import_and_a_module_without_a_layer(tmp_path):
+    src = _write(tmp_path, {
+        "pflbed/__init__.py": "",
+        "pflbed/low/__init__.py": "",
+        "pflbed/low/a.py": "def f():\n    from pflbed.high import b  # upwards, inside a function\n",
+        "pflbed/low/app.py": "from pflbed.high import b  # an app above its package: allowed\n",
+        "pflbed/high/__init__.py": "",
+        "pflbed/high/b.py": "from pflbed.low import a\n",
+        "pflbed/stray.py": "",
+    })  # fmt: skip
+    finder = _finder()
+    layers = [("pflbed.low",), ("pflbed.high",), ("pflbed", "pflbed.low.app")]
+    assert finder.upward_imports(finder.import_graph(src), layers) == [
+        ("pflbed.low.a", "pflbed.high.b"), ("pflbed.stray", "no layer")]
 
 
 def test_the_config_reaches_no_layer_above_it():

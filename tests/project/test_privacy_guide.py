@@ -53,7 +53,7 @@ def test_the_guides_first_example_is_not_swamped_by_its_noise_and_its_figure_is_
     is below 1, and it is the one the guide quotes."""
     if find_fmnist() is None:
         pytest.skip(f"Fashion-MNIST is not on this machine: {HOW_TO_GET}")
-    from pflbed.engine.loop import prepare
+    from pflbed.engine.build import prepare
 
     cfg = load_config(None, sets(GUIDE_COMMANDS[0]))
     algo = prepare(cfg, threads=1)

@@ -24,11 +24,11 @@ def test_pflbed_run_takes_a_config_a_dict_a_yaml_file_s_path_or_nothing(tmp_path
     """`pflbed.run("config.yaml")`, as `pflbed run -c`, was a bare ValueError of `dict("config.yaml")`; another type
     is a TypeError naming it. A dict's dotted keys (`{"train.rounds": 3}`, as `--set` writes them) were "unknown
     key"; they are set after the nested ones, and the caller's dict is left as it was."""
-    import pflbed.runs
+    import pflbed.results.experiment
     from pflbed.errors import ConfigError
 
     got = []
-    monkeypatch.setattr(pflbed.runs, "run", lambda cfg, out, **kw: got.append((cfg, out, kw)))
+    monkeypatch.setattr(pflbed.results.experiment, "run", lambda cfg, out, **kw: got.append((cfg, out, kw)))
     f = tmp_path / "c.yaml"
     f.write_text("train: {rounds: 3}\n")
     for config in (str(f), f, {"train": {"rounds": 3}}, pflbed.load_config(f)):

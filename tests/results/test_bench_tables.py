@@ -400,14 +400,14 @@ class _Clock:
 
 @pytest.fixture
 def fake_run(monkeypatch):
-    """`pflbed.runs.run` recorded, not run: its arguments, and a summary with known figures."""
+    """`pflbed.results.experiment.run` recorded, not run: its arguments, and a summary with known figures."""
     calls = []
 
     def run(cfg, path, **kwargs):
         calls.append((cfg, path, kwargs))
         return SimpleNamespace(summary={"final": {"pfl_acc": 0.9}})
 
-    monkeypatch.setattr("pflbed.runs.run", run)
+    monkeypatch.setattr("pflbed.results.experiment.run", run)
     monkeypatch.setattr(bench_mod, "time", _Clock())
     return calls
 
@@ -432,7 +432,7 @@ def test_a_diverged_cell_records_its_round_and_message(tmp_path, monkeypatch):
         path.mkdir()
         raise err
 
-    monkeypatch.setattr("pflbed.runs.run", run)
+    monkeypatch.setattr("pflbed.results.experiment.run", run)
     monkeypatch.setattr(bench_mod, "time", _Clock())
     assert bench_mod._run_cell(validate_config(TINY), tmp_path / "c") == ({"diverged": 5}, 3.5)
     assert json.loads((tmp_path / "c" / DIVERGED).read_text()) == {"round": 5, "error": str(err)}

@@ -444,11 +444,11 @@ def test_a_ctrl_c_leaves_its_trial_running_for_the_next_command_to_queue_again(t
     """Ctrl-C in a trial: no Optuna traceback, the trial is left RUNNING (Optuna's optimize would record it FAIL
     at once, so `recover` never saw it), and the next command, finding its process gone, queues its parameters again
     and runs them."""
-    import pflbed.runs
+    import pflbed.results.experiment
 
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
-    real = pflbed.runs.run
-    monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    real = pflbed.results.experiment.run
+    monkeypatch.setattr(pflbed.results.experiment, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         tuner.run_trials(log=lambda *_: None)
     study = tuner.study(tuner.methods[0])
@@ -456,7 +456,7 @@ def test_a_ctrl_c_leaves_its_trial_running_for_the_next_command_to_queue_again(t
     assert left.state == TrialState.RUNNING
     assert not [r for r in caplog.records if r.name.startswith("optuna") and "failed" in r.getMessage()]
     study._storage.set_trial_user_attr(left._trial_id, "pid", 2**22 + 12345)  # its process is gone
-    monkeypatch.setattr(pflbed.runs, "run", real)
+    monkeypatch.setattr(pflbed.results.experiment, "run", real)
     again = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
     logs: list[str] = []
     assert again.run_trials(log=logs.append) == 2
@@ -516,9 +516,9 @@ def test_a_trial_begun_when_the_others_spent_the_budget_to_the_pass_is_surplus(t
 def test_a_trial_that_raises_is_failed_and_its_error_goes_on(tmp_path, monkeypatch):
     """An error inside a trial that is not the run's (not a divergence, a refusal or a prune): the trial is recorded
     failed, not counted, and the error reaches the command (one line there), not swallowed."""
-    import pflbed.runs
+    import pflbed.results.experiment
 
-    monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(pflbed.results.experiment, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     tuner = Tuner(TuneSuite.model_validate(suite(tmp_path, 2)))
     with pytest.raises(OSError, match="disk full"):
         tuner.run_trials(log=lambda *_: None)

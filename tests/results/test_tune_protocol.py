@@ -487,9 +487,9 @@ def test_a_trial_keeps_its_heartbeat_without_optunas_warning_that_only_optimize_
 def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(tmp_path, monkeypatch, sampler):
     """The main process seeds its sampler (a study restarted draws the same way); a worker's sampler is unseeded, so
     two workers started together on one study do not draw the same parameters. Either sampler."""
-    import pflbed.runs
+    import pflbed.results.experiment
 
-    monkeypatch.setattr(pflbed.runs, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(pflbed.results.experiment, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     drawn = {}
     for name, worker in (("main", False), ("again", False), ("worker", True)):
         tuner = _tuner(tmp_path / name, FEDAVG, budget=100, first="sampled", sampler=sampler)
@@ -503,7 +503,7 @@ def test_a_worker_draws_its_own_parameters_and_the_main_process_the_seeded_ones(
 def test_a_trial_counts_no_compute_when_it_starts(tmp_path, monkeypatch):
     """A trial starts with 0 sample passes recorded (other workers read it into the spent budget at once) and its
     owner: the host and process that `recover` checks."""
-    import pflbed.runs
+    import pflbed.results.experiment
 
     seen = []
 
@@ -511,7 +511,7 @@ def test_a_trial_counts_no_compute_when_it_starts(tmp_path, monkeypatch):
         seen.append(tuner.study(tuner.methods[0]).get_trials()[-1].user_attrs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pflbed.runs, "run", run)
+    monkeypatch.setattr(pflbed.results.experiment, "run", run)
     tuner = _tuner(tmp_path, FEDAVG, budget=100, first="sampled")
     with pytest.raises(KeyboardInterrupt):
         tuner.run_trials(**QUIET)

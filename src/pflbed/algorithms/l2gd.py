@@ -66,7 +66,7 @@ class L2GD(FedAvg):
     name = "l2gd"
     Config = L2GDOptions
     # under client-level DP: the run lengths are an instruction to the clients, never replied, and public (drawn from
-    # the seed and the round): neither clipped nor noised (`engine.loop.check_dp_payload`)
+    # the seed and the round): neither clipped nor noised (`engine.build.check_dp_payload`)
     dp_instructions = (RUNS,)
 
     @staticmethod

@@ -38,9 +38,9 @@ from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
 from pflbed.algorithms.base import Algorithm
 from pflbed.config import validate_config
+from pflbed.engine.build import prepare
 from pflbed.engine.executor import update_client
 from pflbed.engine.guard import first_nonfinite
-from pflbed.engine.loop import prepare
 from pflbed.flower import secagg_node as secagg
 from pflbed.flower import site_policy
 from pflbed.flower.node_states import NODE_CONFIG_KEY, NodeStates

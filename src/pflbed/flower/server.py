@@ -3,8 +3,8 @@
 Its run config names the experiment: `config` (the pflbed config as JSON), `out` (the run directory, written by
 the ServerApp's process on the SuperLink's machine), `resume` (continue the run in `out` from its last
 checkpoint: `pflbed flower local --resume`, or `flwr run … --run-config resume=true`) and `force` (replace the run
-in `out`). The experiment is `engine.loop.experiment` on a
-`FlowerExecutor` over this run's grid — the same rounds, files and summary as any other executor.
+in `out`). The experiment is `results.experiment.experiment`
+on a `FlowerExecutor` over this run's grid — the same rounds, files and summary as any other executor.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from pflbed.config import Config, validate_config
-from pflbed.engine.loop import experiment, prepare
+from pflbed.engine.build import prepare
 from pflbed.errors import PflbedError
 from pflbed.flower.executor import FlowerExecutor
 from pflbed.flower.secagg import SecAggExecutor
 from pflbed.flower.site_executor import SiteExecutor, discover_sites
 from pflbed.flower.sites import server_algorithm
+from pflbed.results.experiment import experiment
 from pflbed.results.rundir import RunDir, config_text
 
 app = ServerApp()

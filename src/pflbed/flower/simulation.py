@@ -1,7 +1,7 @@
 """Experiments in Flower's simulation runtime (`executor.name: flower`).
 
 An experiment runs inside a ServerApp: its `main(grid, context)` builds a `FlowerExecutor` on the grid and hands
-it to the same experiment function as every other executor (`engine.loop`: round driver, run directory,
+it to the same experiment function as every other executor (`results.experiment`: round driver, run directory,
 checkpoints, final stages). The ClientApp is `flower.client.app`.
 
 `FlowerSimulation` keeps one simulation runtime running for several experiments, as `engine.procs.WorkerPool`

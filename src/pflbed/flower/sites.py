@@ -48,7 +48,7 @@ from pflbed.algorithms.base import Algorithm, ClientData, Context
 from pflbed.config import Config
 from pflbed.data.arrays import ArrayDataset, DataSource
 from pflbed.data.samples import read_image_folder, read_npz_arrays
-from pflbed.engine.loop import build_algorithm
+from pflbed.engine.build import build_algorithm
 from pflbed.errors import ConfigError, DataError, PflbedError
 from pflbed.federation.federation import ClientSplit, Federation, client_split
 from pflbed.federation.partition import split_local

@@ -475,7 +475,7 @@ def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict
 
     A cell that another process finished after this bench made its plan (a second bench on an overlapping set of
     cells) is read, not run again: the run would refuse a finished directory and stop the whole bench."""
-    from pflbed.runs import run as run_one
+    from pflbed.results.experiment import run as run_one
 
     if (path / "summary.json").exists():
         return read_summary(path / "summary.json")["final"], None

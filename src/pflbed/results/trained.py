@@ -1,6 +1,6 @@
 """A trained run, loaded for use (`pflbed.load_run`, `pflbed personalize`; docs/guide/after-the-run.md).
 
-A run directory holds what is needed: `config.yaml` rebuilds the run's data, federation and model (`engine.loop.
+A run directory holds what is needed: `config.yaml` rebuilds the run's data, federation and model (`engine.build.
 prepare`), and `checkpoints/last.pt` holds the last checkpointed round's server and client states (the final ones
 once the run is finished). From these: the generic model, each participating client's personal model, predictions
 on raw samples (transformed as the run's loader transformed its own data: `DataSource.inputs`), and
@@ -163,7 +163,7 @@ class TrainedRun:
     (the checkpoint's)."""
 
     def __init__(self, path: str | Path, device: str | None = None) -> None:
-        from pflbed.engine.loop import prepare  # the engine builds what the run built
+        from pflbed.engine.build import prepare  # the engine builds what the run built
 
         self.path = Path(path)
         conf = require_run(self.path) / "config.yaml"

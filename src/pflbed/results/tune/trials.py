@@ -148,7 +148,7 @@ class Trials:
         optuna = optuna_module()
         from optuna.trial import TrialState
 
-        from pflbed.runs import run
+        from pflbed.results.experiment import run
 
         for key, value in _process().items():
             trial.set_user_attr(key, value)

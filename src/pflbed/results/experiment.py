@@ -1,14 +1,15 @@
-"""One experiment (DESIGN §5): the rounds of `driver.Driver`, with the run directory, checkpoints, progress, timing
-and the final fine-tuning and new-client stages around them.
+"""One experiment (DESIGN §5, §7): the rounds of the engine's `Driver`, with the run directory, checkpoints and
+resume, progress, timing, the final fine-tuning and new-client stages, and the summary around them; on any
+executor: the engine's own (`loop`, `procs`, `auto`), or Flower's simulation (`executor.name: flower`).
 
-Everything that can fail on user input (config, data, federation, output directory) is checked in `prepare`
-before the run directory is touched.
+This is the results layer: it builds on the engine (`engine.build` prepares the run and its executor) and on
+Flower's executor, which the engine never imports. `pflbed.run`, `pflbed run`, benches and tuning trials come here;
+a Flower deployment's ServerApp (`flower.server`) runs `experiment` on its own executor.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,33 +19,26 @@ from typing import Any
 import torch
 
 from pflbed import privacy, rng
-from pflbed.algorithms import get_algorithm
-from pflbed.algorithms.base import Algorithm, Context
-from pflbed.algorithms.training import get_params
+from pflbed.algorithms import only_here
+from pflbed.algorithms.base import Algorithm
 from pflbed.allocator import kept_freed_memory
-from pflbed.config import Config, resolve_device
-from pflbed.data import DataSource, base_dataset, load_source
-from pflbed.data.augment import make_augment
-from pflbed.engine.auto import choose_executor
-from pflbed.engine.batched import BatchedExecutor
+from pflbed.config import Config
+from pflbed.engine.build import make_executor, prepare
 from pflbed.engine.driver import Driver
 from pflbed.engine.executor import LoopExecutor, precision
-from pflbed.engine.procs import ProcsExecutor, WorkerPool, why_workers_cannot_start
+from pflbed.engine.procs import WorkerPool
 from pflbed.engine.progress import RunProgress, announce, interval_s, plain_lines
-from pflbed.engine.threads import choose_threads, provenance
-from pflbed.errors import ConfigError, DivergedError, PflbedError
+from pflbed.engine.threads import provenance
+from pflbed.errors import DivergedError, PflbedError
 from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
-from pflbed.federation import Federation, build_federation
-from pflbed.federation.federation import check_disjoint
-from pflbed.federation.manifest import check_fractions
-from pflbed.models import build_model
-from pflbed.models.pretrained import apply_weights, load_weights
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
 from pflbed.results.summary import build_summary
 from pflbed.results.tensorboard import TensorBoardLog
+
+Host = Callable[[Algorithm, Callable[[LoopExecutor], "RunResult"]], "RunResult"]
 
 
 @dataclass
@@ -56,113 +50,29 @@ class RunResult:
     executor: LoopExecutor
 
 
-def prepare(cfg: Config, threads: int | None = None) -> Algorithm:
-    """Load data, build the federation and the initial model, and instantiate the algorithm.
-
-    Torch threads: `executor.threads` if set, else the caller's `threads` (a bench worker's one thread), else the
-    model-size policy of `choose_threads` (oversubscribed cores slow small models by orders of magnitude).
-
-    Device (`executor.device`): the data and the federation are built on the CPU (partitioning is NumPy, the
-    federation cache is keyed by content) and moved to the device once, here; the model is initialized on the CPU
-    and moved, so one seed gives the same initial weights on every device.
-    """
-    source = load_source(cfg.dataset)
-    fed = build_federation(source, cfg.federation, cfg.seed)
-    check_fractions(fed, cfg)
-    return build_algorithm(cfg, source, fed, threads)
-
-
-def build_algorithm(cfg: Config, source: DataSource, fed: Federation, threads: int | None = None,
-                    context: type[Context] = Context) -> Algorithm:  # fmt: skip
-    """`prepare`'s algorithm over a given data source and federation (a Flower site's or server's: `flower.sites`),
-    its context of class `context`."""
-    device = resolve_device(cfg.executor.device)
-    rng.gpu_kernels(device, cfg.executor.deterministic, cfg.executor.autotune, cfg.executor.tf32)
-    algo_cls = get_algorithm(cfg.algorithm.name)
-    options = algo_cls.Config.model_validate(cfg.algorithm_options())
-    torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
-    model = build_model(cfg.model.name, source.input_shape, source.num_classes, device, cfg.model.channels_last)
-    if cfg.model.init_from:
-        init_model(model, cfg, fed)
-    torch.set_num_threads(cfg.executor.threads or threads or choose_threads(model))
-    augment = make_augment(cfg.dataset.augment, source.input_shape, source.pixel_norm)
-    ctx = context(cfg, source.to(device), fed.to(device), options, model, get_params(model), device, augment)
-    algo = algo_cls(ctx)
-    if cfg.privacy.enabled and fed.participated:
-        check_dp_payload(algo)
-    return algo
-
-
-def check_dp_payload(algo: Algorithm) -> None:
-    """Refuse, before anything runs, a DP run whose clients would receive integer entries, each named with its
-    dtype: a client replies the new values of the entries it received, and an integer one (BatchNorm's
-    `num_batches_tracked`) can be neither clipped nor noised (`privacy.clip_reply` would refuse the first reply).
-
-    Exempt: the entries an algorithm declares in `dp_instructions`, instructions to the clients that are never
-    replied and hold nothing private (L2GD's run lengths, drawn from the round and the seed); the driver noises the
-    float entries only."""
-    cfg, first = algo.ctx.cfg, algo.ctx.federation.participated[0]
-    exempt = set(algo.dp_instructions)
-    ints = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in
-            sorted(algo.configure(1, algo.init_server(), [first])[first].items())
-            if not v.is_floating_point() and k not in exempt]  # fmt: skip
-    if not ints:
-        return
-    more = " …" if len(ints) > 3 else ""
-    hint = "; use a model without BatchNorm, or fedbn, which keeps BatchNorm on the clients" if any(
-        "num_batches_tracked" in k for k in ints) else ""  # fmt: skip
-    raise ConfigError(f"privacy.clip: {cfg.algorithm.name} on {cfg.model.name} sends integer entries that cannot "
-                      f"be clipped or noised: {', '.join(ints[:3])}{more}{hint}")  # fmt: skip
-
-
-def init_model(model: torch.nn.Module, cfg: Config, fed: Federation) -> None:
-    """`model.init_from` into `model` (the blocks of `model.init_blocks`), after checking that a recorded pretraining
-    source shares no sample with `fed`. Every algorithm starts from the result (`Context.initial_params`); models an
-    algorithm draws afresh (FedBasis's independent bases without warm-up, other architectures) stay random."""
-    weights = load_weights(cfg.model.init_from)
-    if weights.source is not None:
-        check_disjoint(fed, base_dataset(cfg.dataset), weights.source, "model.init_from")
-    apply_weights(model, weights, cfg.model.init_blocks, cfg.model.name)
-
-
-def make_executor(algo: Algorithm, pool: WorkerPool | None = None) -> tuple[LoopExecutor, WorkerPool | None]:
-    """The configured executor, and the worker pool it started (None: none, or the caller's `pool` was used)."""
-    ex = algo.ctx.cfg.executor
-    name = "loop" if ex.batch_clients else choose_executor(ex, algo.ctx)
-    if name == "procs" and (why := why_workers_cannot_start(algo)) is not None:
-        if ex.name == "procs":
-            raise PflbedError(f"executor.name: procs: {why}; or use executor.name: loop")
-        name = "loop"  # auto's choice changes only the speed
-    if name == "loop":
-        batched = ex.batch_clients if ex.batch_clients is not None else algo.ctx.device.type == "cuda"
-        return (BatchedExecutor if batched else LoopExecutor)(algo, strict=ex.strict), None
-    own = None
-    if pool is None:
-        pool = own = WorkerPool(ex.workers or os.cpu_count() or 1, ex.threads or 1)
-    return ProcsExecutor(algo, pool, strict=ex.strict), own
-
 
 def run(
     cfg: Config, out: Path | None = None, *, write: bool = True, progress: bool = True, resume: bool = False,
-    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None,
-    host: Callable[[Algorithm, Callable[[LoopExecutor], RunResult]], RunResult] | None = None,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    force: bool = False, threads: int | None = None, pool: WorkerPool | None = None, simulation: Any = None,
+    host: Host | None = None, on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunResult:  # fmt: skip
     """Run one experiment; with `write`, results go to `out` (default `runs/<algo>-<data>-seed<seed>`).
 
     With `resume`, continue from the run directory's last checkpoint (or from the start if it has none). An
     existing run in `out` is refused unless `force` (see `RunDir.check`). A non-finite loss or parameter stops
     the run with `DivergedError`, keeping the metrics logged so far and the last checkpoint. `pool`: worker
-    processes to reuse for `executor.name: procs` (else the run starts and stops its own). With `executor.name:
-    flower` the same experiment runs inside a Flower ServerApp: `host(algo, experiment)` runs `experiment` (a
-    function of the executor) there. The engine does not import Flower: `pflbed.runs.run` (what `pflbed.run` and
-    the CLI call) passes Flower's simulation as the host. `on_record` is called with each evaluation's record once
-    it is logged (`pflbed tune` reports the validation curve to its pruner there; an exception it raises stops the
-    run, which keeps its metrics and last checkpoint).
+    processes to reuse for `executor.name: procs` (else the run starts and stops its own). `on_record` is called
+    with each evaluation's record once it is logged (`pflbed tune` reports the validation curve to its pruner
+    there; an exception it raises stops the run, which keeps its metrics and last checkpoint).
+
+    With `executor.name: flower` the experiment runs inside a ServerApp: `host(algo, experiment)` runs
+    `experiment` (a function of the executor) there; by default Flower's simulation, `simulation` (a running
+    `flower.simulation.FlowerSimulation` to reuse) or one of its own, imported only then (Flower is an extra).
     """
-    if cfg.executor.name == "flower" and host is None:
-        raise PflbedError("executor.name: flower runs through pflbed.runs.run (or pflbed.run, the CLI), which hosts "
-                          "the experiment in Flower; pflbed.engine.loop.run does not import Flower")  # fmt: skip
+    if cfg.executor.name == "flower" and only_here(cfg.algorithm.name):  # each app failed, "unknown algorithm"
+        raise PflbedError(f"executor.name: flower: algorithm {cfg.algorithm.name} was registered in this process "
+                          "(pflbed.algorithms.register), and Flower's apps build it by name in processes of their "
+                          "own: make it a plugin (docs/guide/plugins.md)")  # fmt: skip
     started = time.perf_counter()
     if plain_lines(progress):  # a bad PFLBED_PROGRESS_INTERVAL is refused before anything is written
         interval_s()
@@ -171,6 +81,12 @@ def run(
     algo = prepare(cfg, threads)
     rundir = RunDir.check(out or default_out(cfg), cfg, force=force, resume=resume) if write else None
     if cfg.executor.name == "flower":  # the experiment runs inside a ServerApp of Flower's simulation runtime
+        if host is None:
+            from pflbed.flower.simulation import simulate  # after prepare and the run directory's check
+
+            def host(algo, experiment):
+                return simulate(algo, experiment, simulation)
+
         return host(algo, lambda ex: experiment(cfg, algo, ex, rundir, progress, resume, on_record, started))
     executor, own_pool = make_executor(algo, pool)
     try:
