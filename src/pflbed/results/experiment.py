@@ -33,6 +33,7 @@ from pflbed.errors import DivergedError, PflbedError
 from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
+from pflbed.evaluation.pretrained import pretrained_accuracy
 from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
 from pflbed.results.summary import build_summary
@@ -204,6 +205,11 @@ def _experiment(
     timing["s_per_round"] = timing["train_s"] / cfg.train.rounds
     timing = {k: round(v, 4) for k, v in timing.items()}
     summary = build_summary(cfg, fed, history, finetuned, per_client, timing, new_clients)
+    if cfg.model.init_from:  # what the starting weights alone score on the same test sets
+        on_sites = hasattr(executor, "evaluate_on_sites")  # the test data is on the sites, not here
+        with precision(algo):
+            summary["init_from"]["test_acc"] = ({"why": "the test data is on the sites"} if on_sites
+                                                else pretrained_accuracy(algo.ctx))  # fmt: skip
     summary["provenance"] = provenance(algo.ctx.device)
     summary.update(getattr(executor, "summary_extra", {}))
     if rundir:
