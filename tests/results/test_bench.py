@@ -460,3 +460,42 @@ def test_the_benchmarks_guide_s_small_trial_runs_as_written(tmp_path, monkeypatc
     assert suite.seeds == [0] and suite.base["train"]["rounds"] == 2
     assert list(suite.tables["fedselect"].methods) == ["FedAvg", "FedAvg+FT", "FedSelect α=0.3"]
     assert sorted(p.name for p in (out / "runs" / "fedselect" / "default").iterdir()) == ["FedAvg", "FedSelect-α=0.3"]
+
+
+def test_pretrained_targets_scores_the_weights_per_setting_and_seed_on_each_cell_s_own_test_sets(tmp_path, capsys):
+    """benchmarks/pretrained_targets.py: each setting's and seed's federation is its own (the figures differ by seed
+    and setting), and every row is `init_from.test_acc` of that cell, in %."""
+    import importlib.util
+
+    from pflbed.engine.build import prepare
+    from pflbed.engine.pretrain import pretrain
+    from pflbed.evaluation.pretrained import pretrained_accuracy
+
+    from ..evaluation.test_pretrained import _cfg
+
+    weights = tmp_path / "mlp"
+    pretrain(_cfg(), weights, log=lambda *_: None)
+    base = {"dataset": {"name": "digits-rot4"}, "model": {"name": "mlp", "init_from": str(weights)},
+            "federation": {"protocol": "pflbed", "pflbed": {"clients_per_domain": 4, "new_clients_per_domain": 2}},
+            "train": {"rounds": 1}, "executor": {"threads": 1}}  # fmt: skip
+    settings = {"rot4": {}, "two": {"dataset.name": "digits", "dataset.domains": ["rot0", "rot180"]}}
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump({"name": "p", "seeds": [0, 1], "base": base, "out": str(tmp_path / "out"),
+                                     "tables": {"t": {"settings": settings, "methods": {
+                                         "A": {"set": {"algorithm.name": "fedavg"}}}}}}))  # fmt: skip
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pretrained_targets.py"
+    spec = importlib.util.spec_from_file_location("pretrained_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(str(suite), "t")
+    rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith(("| rot4", "| two"))]
+    table = Bench(load_suite(suite)).tables[0]
+    want = {}
+    for setting in settings:
+        for seed in (0, 1):
+            acc = pretrained_accuracy(prepare(table.cell_config(setting, "A", seed)).ctx)
+            for name, v in {"all (G-FL)": acc["global"], **acc["domains"]}.items():
+                want.setdefault((setting, name), []).append(f"{100 * v:.2f}")
+    assert {(r[0].removeprefix("| "), r[1]): r[2].split(", ") for r in rows} == want
+    assert [n for s, n in want if s == "two"] == ["all (G-FL)", "rot0", "rot180"]
+    assert want[("rot4", "rot0")][0] != want[("rot4", "rot0")][1] and want[("two", "rot0")] != want[("rot4", "rot0")]
