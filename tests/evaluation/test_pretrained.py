@@ -2,6 +2,7 @@
 file, its own classifier included whatever blocks the run loaded, on G-FL's test set and each domain's."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,6 +62,14 @@ def test_the_whole_file_is_scored_on_the_global_and_each_domain_s_test_set(weigh
     seen, unseen = (got["domains"]["rot0"], got["domains"]["rot90"]), (got["domains"]["rot180"],
                                                                        got["domains"]["rot270"])  # fmt: skip
     assert min(seen) > max(unseen)
+
+
+def test_domains_without_names_are_numbered_in_the_federation_s_order(weights):
+    """A source whose domains carry no names (the PFLBED split numbers them 0, 1, …): the same figures, by number."""
+    ctx = prepare(_cfg(model__init_from=str(weights))).ctx
+    named = pretrained_accuracy(ctx)
+    numbered = pretrained_accuracy(replace(ctx, source=replace(ctx.source, domain_names=())))
+    assert numbered == {"global": named["global"], "domains": dict(zip("0123", named["domains"].values(), strict=True))}
 
 
 def test_scoring_draws_nothing_from_torch_s_random_stream(weights):
