@@ -178,3 +178,18 @@ def test_print_table_marks_missing_figures_and_omits_absent_sections():
     rows, _, _ = _printed(_printable("local"))
     assert [r[0] for r in rows] == ["method", "Local", "Local+FT", "Local+LP", "method", *["Local (zero-shot)",
                                     "Local+FT", "Local+LP"]]  # fmt: skip
+
+
+def test_the_starting_weights_score_is_printed_under_the_selected_round_only_where_recorded():
+    """`init_from.test_acc`: G-FL and each domain in order, as percentages; a `why` in its place; no line for a run
+    from scratch or a summary written before the figure was recorded."""
+    acc = {"global": 0.2799, "domains": {"rot0": 0.8413, "rot90": 0.0424}}
+    _, lines, _ = _printed(_printable(init_from={"path": "m.pt", "test_acc": acc}))
+    at = lines.index("selected on validation (pfl_val): round 6 — G-FL 55.00, P-FL 45.00")
+    assert lines[at + 1] == "starting weights alone, before training: G-FL 27.99, rot0 84.13, rot90 4.24"
+    _, lines, _ = _printed(_printable(init_from={"test_acc": {"global": 0.5}}))
+    assert "starting weights alone, before training: G-FL 50.00" in lines
+    _, lines, _ = _printed(_printable(init_from={"test_acc": {"why": "the test data is on the sites"}}))
+    assert "starting weights alone: not scored (the test data is on the sites)" in lines
+    for summary in (_printable(), _printable(init_from={"path": "m.pt"})):
+        assert not any(ln.startswith("starting weights") for ln in _printed(summary)[1])

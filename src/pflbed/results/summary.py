@@ -132,6 +132,8 @@ def print_table(summary: dict[str, Any], console: Console | None = None, command
         f"selected on validation ({s['criterion']}): round {s['round']} — G-FL {_pct(s['gfl_acc'])}, "
         f"P-FL {_pct(s['pfl_acc'])}"
     )
+    if (line := starting_weights_line(summary)) is not None:
+        console.print(line)
     print_new_clients(summary, console)
     if p := summary.get("privacy"):
         eps = "∞ (no noise)" if p["epsilon"] is None else f"{p['epsilon']:.2f}"
@@ -139,6 +141,18 @@ def print_table(summary: dict[str, Any], console: Console | None = None, command
                       f"{p['noise_multiplier']:.3f}, C = {p['clip']:g}, q = {p['sampling_rate']:g}, Poisson, "
                       f"{p['accountant'].upper()}{_noise_source(p)})")  # fmt: skip
     console.print(time_line(tm, command_s))
+
+
+def starting_weights_line(summary: dict[str, Any]) -> str | None:
+    """What the starting weights alone scored before training (`init_from.test_acc`), printed under the results
+    they are read against; None for a run from scratch or a summary written before the figure was recorded."""
+    acc = (summary.get("init_from") or {}).get("test_acc")
+    if acc is None:
+        return None
+    if "why" in acc:
+        return f"starting weights alone: not scored ({acc['why']})"
+    domains = "".join(f", {name} {_pct(v)}" for name, v in acc.get("domains", {}).items())
+    return f"starting weights alone, before training: G-FL {_pct(acc['global'])}{domains}"
 
 
 def time_line(timing: dict[str, float], command_s: float | None = None) -> str:
