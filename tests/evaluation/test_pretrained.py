@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import yaml
 
 from pflbed.cli import main
 from pflbed.engine.build import prepare
@@ -101,16 +102,11 @@ def test_weights_without_a_classifier_for_the_run_s_classes_say_why(weights, tmp
 
 def test_a_run_s_summary_records_the_score_and_where_the_sites_hold_the_test_data_says_why(weights, tmp_path,
                                                                                          monkeypatch):  # fmt: skip
-    args = ["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", f"model.init_from={weights}",
-            "--set", "model.init_blocks=[body]"]  # fmt: skip
-    for k, v in {"dataset.name": "digits-rot4", "model.name": "mlp", "federation.protocol": "pflbed",
-                 "federation.pflbed.clients_per_domain": 4, "federation.pflbed.new_clients_per_domain": 2,
-                 "train.rounds": 1, "eval.finetune": "[]", "eval.new_clients.epochs": 1}.items():  # fmt: skip
-        args += ["--set", f"{k}={v}"]
-    assert main(args) == 0
+    cfg = _cfg(model__init_from=str(weights), model__init_blocks=["body"])
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    assert main(["run", "--no-progress", "-c", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "r")]) == 0
     rec = json.loads((tmp_path / "r" / "summary.json").read_text())["init_from"]
-    ctx = prepare(_cfg(model__init_from=str(weights), model__init_blocks=["body"])).ctx
-    assert rec["test_acc"] == _by_hand(ctx, weights)
+    assert rec["test_acc"] == _by_hand(prepare(cfg).ctx, weights)
 
     class OnSites(LoopExecutor):
         def evaluate_on_sites(self, server, quick):
