@@ -1,7 +1,7 @@
 """How well a run's starting weights (`model.init_from`) score on its targets before any federated training.
 
 Why: a result that starts from pretrained weights is read against what those weights alone reach on the same test
-sets (REFERENCE, pretrained starts: "the pretrained model's accuracy per target domain"). The weights are scored
+sets, target domain by target domain: what the federated training added, and where. The weights are scored
 whole — every block of the file, its classifier included — whatever `model.init_blocks` the run loaded, since the
 question is what the pretraining learned, not what the run kept of it. Scored on the run's test sets: G-FL's global
 one and, under PFLBED, each domain's shared one; plain accuracy, as G-FL is (both sets are class-balanced).
