@@ -31,7 +31,8 @@ TsingZ0/FedALA and PFLlib's `utils/ALA.py`, read only):
      statistics stay the client's own, 2.); `layers` = every block is the code's `-p 0`.
   2. ALA mixes parameters (the paper's Θ). BatchNorm statistics, not parameters, stay the local model's own, as in
      the code, which overwrites, mixes and averages parameters only; the server averages the whole state (FedAvg's
-     rule), so the generic model has averaged statistics.
+     rule), so the generic model has averaged statistics, where the code's global model (a copy of the first
+     reply with its parameters re-averaged) carries the first replying client's. This changes G-FL only.
   3. ALA is off while the received model equals the local one (every parameter): in the first round. The start
      phase then waits for the first aggregation that runs; a client first sampled later holds Θ^0 and runs it (as
      in the code). The code tests the signed sum of the first tensor's difference for zero.

@@ -39,6 +39,13 @@ training starts from u_i, the anchor itself: the argmin does not depend on the s
 nothing but its payload (its state is only its id). The reply is w_i. Plain SGD is stable on the proximal term for
 train.lr · λ/α_k < 2; beyond, the run diverges (reported as such).
 
+Reference code: the authors published none. PFLlib's reimplementation (TsingZ0/PFLlib, `serveramp.py`,
+`clientamp.py`) differs from this file in three ways, so its numbers are not ours: its local SGD starts from the
+client's own w_i^{k−1}, not from u_i (with a few epochs of SGD the start matters, though the exact argmin does not);
+its u_i mixes the parameters only, so a client keeps its own BatchNorm statistics; and its proximal term is built
+from detached tensors, so it carries no gradient and the client trains on cross-entropy alone. Its defaults are
+α_k = λ = σ = 1 (ours α_k = λ = 0.01, σ = 1: the same pull μ = 1, neighbour weights 100× smaller).
+
 Server: it keeps every client's latest uploaded model under `local/{cid}/{param}` and, in configure, builds u_i for
 each client of the round from the stored models; the aggregate only stores the replies.
 

@@ -12,7 +12,9 @@ which, with g_k = f_k(x) − τ·n_{c,k}^{−1/4} (the calibrated logits), is ex
 (Σ n_c/n · w_c), and the global model predicts with its *uncalibrated* logits (the calibration is training only).
 A client sends and keeps nothing beyond FedAvg's: its class counts are its own.
 
-Choices and deviations:
+Choices and deviations (reference code: the authors published none; compared with the public reimplementations,
+read only: KarhouTam/FL-bench `src/client/fedlc.py`, bytedance/FedDecorr `approach/fedlogitcal.py`, TsingZ0/PFLlib
+`clientlc.py`, Flower's `baselines/fedlc`):
   1. `denominator`. The paper prints its loss with the denominator over y' ≠ y,
      −log(e^{g_y} / Σ_{y'≠y} e^{g_{y'}}), the margin form above with its "1 +" dropped. That form is unbounded below
      (it falls without limit as g_y grows: training on it collapses, as a public reimplementation reports), so the
@@ -23,7 +25,8 @@ Choices and deviations:
      10⁻⁸ samples (a margin of 100·τ), as one reimplementation does.
   3. τ: the paper's value for each setting could not be verified here; the default 1.0 is the common
      reimplementations' default, and the search (log-uniform 0.05–2) holds every value they use (0.1, 0.5, 1).
-  4. Counts are the client's exact training label counts (its class prior × its training-set size).
+  4. Counts are the client's exact training label counts (its class prior × its training-set size), as in the
+     paper, FL-bench and FedDecorr; PFLlib sums the counts over all clients instead.
 Personalization (+FT/+LP, new clients) fine-tunes the global model, as for FedAvg. The update is a plan
 (`sgd_plan`): `executor.batch_clients` trains a round's clients together.
 """

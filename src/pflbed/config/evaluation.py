@@ -19,7 +19,9 @@ class NewClientsConfig(Strict):
     )
     epochs: int = Field(20, ge=1, le=100_000, description="new clients: personalization epochs")
     lrs: list[float] = Field(default_factory=lambda: [0.005, 0.01, 0.05], min_length=1,
-        description="new clients: the learning rates tried, the best chosen on each client's validation data")
+        description="new clients: the learning rates tried; one is chosen for all new clients, the best mean "
+        "validation accuracy over them (Last and Best each choose their own). A client's mini-batch order is drawn "
+        "per place in this list, so reordering or extending it changes the draws")
     zero_shot: bool = Field(True, description="also evaluate with no adaptation, where the method allows it")
 
     @model_validator(mode="after")
