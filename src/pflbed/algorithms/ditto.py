@@ -18,9 +18,17 @@ v_k (`Phase.model`: v_k's tensors travel beside w's under `personal.`, its Batch
 proximal objective (`local_sgd.RegularizedObjective`, anchored at w^t, the client's constants), so
 `executor.batch_clients` trains a round's clients together.
 
-Deviations: the personal update runs `personal_epochs` epochs (default: `train.local_epochs`) where the paper
-counts s local iterations; both updates share the client's generator (global first). New clients: the paper
-defines no new-client procedure; they fine-tune the global model (FT/LP), as the FedBasis paper's tables do.
+Deviations (the authors' code: litian96/ditto, `flearn/trainers_MTL/ditto.py`, read only):
+- The personal update runs `personal_epochs` epochs (default: `train.local_epochs`) where the paper counts s local
+  iterations. The code interleaves the two updates: at each of its local iterations one personal step, then one
+  global step, on the same mini-batch. Here the global phase runs whole, then the personal one, each drawing its
+  own mini-batches from the client's generator; the personal steps are anchored at the received w^t either way.
+- The personal phase uses `train.*`'s optimizer, as the global phase does (momentum, weight decay); the paper and
+  the code take plain gradient steps: `train.momentum: 0` and `train.weight_decay: 0` give them.
+- The code samples clients with probability proportional to their data size and averages the replies unweighted;
+  here clients are sampled uniformly and the replies averaged n_k-weighted (the same in expectation).
+- New clients: the paper defines no new-client procedure; they fine-tune the global model (FT/LP), as the FedBasis
+  paper's tables do.
 """
 
 from __future__ import annotations

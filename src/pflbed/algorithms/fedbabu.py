@@ -24,7 +24,8 @@ Interpretations and deviations:
   i.e. one random draw shared by all clients, as the paper prescribes.
 - The fixed head is sent down with the body each round (the paper broadcasts the whole model), but only the body
   goes up; the server keeps the head as initialized.
-- Aggregation weighted by |D_m| (FedAvg); zero-shot for new clients is the global model with its fixed head.
+- Aggregation weighted by |D_m| (FedAvg); the authors' code takes the plain mean (`main_fed.py`), the same under
+  its equal shards. Zero-shot for new clients is the global model with its fixed head.
 - Head-only fine-tuning (`finetune: head` or `lp`) trains the head on body features computed once in eval mode
   (BatchNorm with its running statistics, dropout off). On a model without BatchNorm or dropout (`cnn`, `lenet5`,
   `mlp`) this equals a train-mode forward through the frozen body; on one with them (`resnet18`, `lenet5_bn`,

@@ -13,7 +13,11 @@ keeps h (zero at first):
 
 m the number of (participating) clients. Faithful to Algorithm 1, the mean over P_t is uniform, not |D_k|-weighted;
 BatchNorm statistics are averaged (uniformly) with the model and carry no h. `alpha` defaults to 0.01, in the
-paper's grid {0.1, 0.01, 0.001}.
+paper's grid {0.1, 0.01, 0.001}. One α serves every client, as Algorithm 1 writes; the authors' code
+(alpemreacar/FedDyn, `utils_methods.py` `train_FedDyn`, read only) gives client k its own α_k = α · n̄/n_k (its
+"adaptive alpha", n̄ the mean client size), so a small client is pulled harder towards θ^{t−1}; the two agree when
+clients hold equally many samples. That code also clips every local gradient's norm at 10, for every method it
+runs; not here.
 
 Which model is scored (`eval_model`): the clients always start from θ^t, Algorithm 1's server model (the "cloud"
 model of the authors' code). G-FL and P-FL (FedDyn has no personal model: P-FL scores the same model) and every

@@ -1,5 +1,5 @@
-"""Fed-MTL — Smith, Chiang, Sanjabi & Talwalkar, "Federated Multi-Task Learning", NeurIPS 2017 (MOCHA), as the
-personalized-FL baseline tables run it: one model per client, coupled by a task-relationship regularizer.
+"""Fed-MTL — Smith, Chiang, Sanjabi & Talwalkar, "Federated Multi-Task Learning", NeurIPS 2017 (MOCHA), the
+personalized-FL tables' Fed-MTL baseline: one model per client, coupled by a task-relationship regularizer.
 
 MOCHA's problem (Eq. 1): min_{W, Ω} Σ_i f_i(w_i) + R(W, Ω), with R(W, Ω) = λ · tr(W Ω Wᵀ) for the clients' models
 W = [w_1 … w_m]. Formulation implemented: Ω fixed to the mean-regularized relationship Ω = I − 11ᵀ/m (MOCHA §3
@@ -9,13 +9,15 @@ lists it among its special cases; Evgeniou & Pontil 2004), so that
 
 Why this one: it needs no client's model at the server, only w̄ — which the server keeps exactly from the clients'
 changes — whereas learning Ω (MOCHA's alternating Ω step, Ω ∝ (WᵀW)^{1/2}) needs every client's full model at the
-server each round; and deep-model PFL tables use MOCHA with a fixed relationship for the same reason. Not
-implemented: learning Ω; MOCHA's dual (CoCoA-style) local solver — clients take SGD steps on the primal objective.
+server each round. Not implemented: learning Ω; MOCHA's dual (CoCoA-style) local solver — clients take SGD steps on
+the primal objective.
 
 A sampled client i receives w̄, runs E epochs of SGD on f_i(w_i) + λ‖w_i − w̄‖² (w̄ fixed) from its own w_i (its
-state; w^0 at first), f_i the *mean* loss over its samples, as SGD on mini-batches takes it. Deviation: MOCHA's f_i
-sums the loss over the client's n_i samples, which relative to the mean form divides λ by n_i client by client
-(small clients pulled towards w̄ harder); here every client's pull is λ, whatever its size. The client keeps the
+state; w^0 at first), f_i the *mean* loss over its samples, as SGD on mini-batches takes it. Deviation from the
+paper: its Eq. 1 sums the loss over the client's n_i samples, which relative to the mean form divides λ by n_i
+client by client (small clients pulled towards w̄ harder); here every client's pull is λ, whatever its size. The
+authors' code (`compute_primal.m`) takes each task's mean loss, as here, and writes the regularizer
+λ/2 · tr(W Ω Wᵀ): its λ is twice ours. The client keeps the
 result and replies its change Δ_i. The server: w̄ ← w̄ + (1/m) Σ_{i∈S} Δ_i, m the number of participating clients —
 so w̄ is always the mean of every client's current model. P-FL scores w_i; there is no generic model (the tables
 report no G-FL or +FT for Fed-MTL). New clients start from w̄, the task mean, and fine-tune (FT/LP). `lam` defaults

@@ -21,7 +21,11 @@ Interpretations and deviations:
 - Heads start from the run's initial model, the same for every client (the paper only says the heads are
   initialized; a shared initial draw makes the round-0 personal model equal the initial global model).
 - Each phase builds a fresh optimizer, so momentum (if configured) never carries from the head phase into the body
-  phase or across rounds.
+  phase or across rounds. The authors' code (lgcollins/FedRep, `main_fedrep.py`, `models/Update.py`, read only)
+  trains with momentum 0.5 and weight decay 1e-4 on the weights (not the biases); here `train.*` applies.
+- The authors' code ends with one more round in which every client, the body frozen, trains its head for 10 epochs
+  on the final body, and reports the accuracy after it. Here P-FL scores each client's last trained head on the
+  final body: a client not sampled lately keeps an older head, one never sampled the initial head.
 - No global head exists, so there is no generic model (G-FL is null) and no zero-shot model for new clients.
 - New clients: start from the server body and a fresh initial head; `lp` trains the head alone on the frozen body
   (what the paper's new-client experiment does: only a head is learned on the fixed representation), `ft` trains

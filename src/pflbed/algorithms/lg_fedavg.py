@@ -29,9 +29,13 @@ Interpretations and deviations:
   (unsupervised / fair representation learning) are not implemented.
 - The official code keeps, per device, the round with the best *test* accuracy ("best local models"); pflbed never
   selects on test — the run reports the last round and the round chosen on validation.
-- One version of the official CIFAR CNN lists its weight groups as [fc1, fc2, fc3, conv2, conv1], so there
-  `--num_layers_keep 2` makes the two *conv* layers global; we follow the paper's definition (global = top).
+- The official CIFAR CNN (`models/Nets.py`) lists its weight groups as [fc1, fc2, fc3, conv2, conv1] and
+  `main_lg.py` keeps the last `--num_layers_keep` of the list global, so the README's CIFAR command
+  (`--num_layers_keep 2`) makes the two *conv* layers global; we follow the paper's definition (global = top).
 - No generic model (the global top alone is not a classifier of raw inputs; G-FL is null) and no zero-shot model.
+  The official code also reports the accuracy of the plain average of every device's whole model and of
+  ensembles of all devices' outputs; both need every device's local layers in one place, which the protocol never
+  sends, so neither is offered.
 - New clients: lower blocks from the initial model + the trained global top. `ft` trains everything. `lp` = "local"
   (default) trains only the lower, local blocks under the frozen global top — the LG-FedAvg reading of "keep the
   federated part fixed, learn the personal part", and how the method adapts a new device. This is not a linear

@@ -24,7 +24,8 @@ Choices and deviations:
   4. The frozen models' forwards run in eval mode (the code sets them so): BatchNorm uses their running statistics
      and does not update them.
   5. Defaults: μ = 1 and τ = 0.5 (the code's; the paper's best μ is 5 on CIFAR-10, 1 on CIFAR-100 and
-     Tiny-ImageNet); the search covers its README grid (μ 0.001-10 log-uniform, τ 0.1-1).
+     Tiny-ImageNet); the search covers its README grid (μ 0.001-10 log-uniform, τ 0.1-1). The code trains with
+     SGD momentum 0.9 and weight decay 1e-5 (`main.py`); here `train.*` applies.
 Personalization (+FT/+LP, new clients) fine-tunes the global model, as for FedAvg. The update is a plan
 (`sgd_plan`): `executor.batch_clients` trains a round's clients together.
 """

@@ -25,10 +25,12 @@ two modes coincide at `sample_fraction` 1.
 
 Choices: R = `train.local_epochs` · ⌈n_i/B⌉; η = `train.lr`; the mean is |D_i|-weighted, as in the authors' code
 (Alg. 1 weights the sampled clients equally). Eq. 7–8 are plain gradient steps: `train.momentum` and
-`train.weight_decay` are not used. β mixes the trainable parameters only (the authors' code mixes
-`model.parameters()`): BatchNorm running statistics take the plain weighted mean of the replies, the batch counters
-their maximum — mixing them with β > 1 extrapolated running variances below zero (one round on `cnn_bn` at β = 2:
-604 of 608 negative, G-FL at chance). Defaults: λ = 15, K = 5, β = 1 (the paper's MNIST setting) and η_p = 0.01
+`train.weight_decay` are not used. The authors' inner solver (CharlieDinh/pFedMe, `pFedMeOptimizer`, read only) also
+adds μ·θ to each of Eq. 7's steps, μ = 0.001, a weight decay the paper does not write; not here. β mixes the
+trainable parameters only (the authors' code mixes `model.parameters()`): BatchNorm running statistics take the
+plain weighted mean of the replies, the batch counters their maximum — mixing them with β > 1 extrapolated running
+variances below zero (one round on `cnn_bn` at β = 2: 604 of 608 negative, G-FL at chance).
+Defaults: λ = 15, K = 5, β = 1 (the paper's MNIST setting) and η_p = 0.01
 (`personal_lr`; the authors' value for Synthetic and CIFAR-10, their MNIST runs use 0.1 for the convex model and 0.09
 for the non-convex one); choose them on validation. A client not yet trained has θ_i = w^0. New clients fine-tune w
 (FT/LP; the paper defines no new-client procedure).

@@ -8,7 +8,9 @@ zero). A sampled client receives (x, c), starts y ← x and takes K local steps
 
 (here: `train.local_epochs` epochs of mini-batch SGD, K = epochs · ⌈n_i / B⌉ steps, the correction c − c_i added to
 every step's gradient). Then it updates its control variate:
-- option I:  c_i⁺ = ∇f_i(x), the gradient of its loss at the server model (one more pass over its data);
+- option I:  c_i⁺ = ∇f_i(x), the gradient of its loss at the server model (one more pass over its data; the
+  cross-entropy alone, on the samples as stored, in training mode: no augmentation and no weight decay, which the
+  local steps have where configured, and dropout drawn, BatchNorm on the batch's statistics);
 - option II: c_i⁺ = c_i − c + (x − y) / (K η_l)  (the paper's cheaper choice, the default);
 and replies (y, Δc_i = c_i⁺ − c_i). The server: x ← x + η_g · mean(y − x), c ← c + (1/N) Σ_{i∈S} Δc_i, N the
 number of (participating) clients.
