@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import torch
 from pflbed.cli import main
 from pflbed.errors import PflbedError
 from pflbed.results.checkpoint import checkpoint_path
+
+from ..tiny import PARITY_CASES, loop_run, parity_config
 
 ARGS = [
     "--set", "dataset.name=synthetic", "--set", "model.name=mlp", "--set", "federation.clients=8",
@@ -263,3 +266,123 @@ def test_resume_where_no_checkpoint_was_written_yet_starts_the_run(tmp_path):
         s.pop("timing")
     assert resumed == fresh
     assert (tmp_path / "new" / "config.yaml").read_text() == (tmp_path / "fresh" / "config.yaml").read_text()
+
+
+def _finished_and_unfinished(tmp_path, name, *extra, label=None):
+    """A finished run and an unfinished copy of it (its summary removed), of algorithm `name`."""
+    import shutil
+
+    label = label or name
+    run_dir = tmp_path / label
+    args = [*ARGS, "--set", f"algorithm.name={name}", "--set", "train.rounds=4", "--set", "train.checkpoint_every=1",
+            "--set", "eval.every=2", *extra]  # fmt: skip
+    assert main(["run", *args, "--out", str(run_dir)]) == 0
+    unfinished = tmp_path / f"{label}-unfinished"
+    shutil.copytree(run_dir, unfinished)
+    (unfinished / "summary.json").unlink()
+    return run_dir, unfinished
+
+
+def test_a_checkpoint_another_config_wrote_is_refused_in_one_line_by_resume_and_personalize(tmp_path, capsys):
+    """A checkpoint copied from a run of another model (a state of other shapes), of another algorithm (a state
+    without the run's entries), of another federation (a client the run does not have), with a client's state of
+    other shapes, or at a round after the config's last is refused before any tensor is loaded into the model: one
+    line naming the file and what does not fit, exit 2, by `run --resume` and by `personalize`; the run's own
+    checkpoint still resumes."""
+    import numpy as np
+
+    mlp, unfinished = _finished_and_unfinished(tmp_path, "fedavg")
+    cnn, _ = _finished_and_unfinished(tmp_path, "fedper", "--set", "model.name=cnn", label="fedper-cnn")
+    fedper_mlp, fedper_unfinished = _finished_and_unfinished(tmp_path, "fedper")
+    own = checkpoint_path(unfinished).read_bytes()
+    data = tmp_path / "new.npz"
+    np.savez(data, x=np.zeros((8, 1, 8, 8), np.float32), y=np.arange(8) % 2)
+
+    def refused(source_or_blob, why, target=unfinished):
+        path = checkpoint_path(target)
+        if isinstance(source_or_blob, dict):
+            torch.save(source_or_blob, path)
+        else:
+            path.write_bytes(checkpoint_path(source_or_blob).read_bytes())
+        for argv in (["run", "--resume", str(target), "--no-progress"],
+                     ["personalize", str(target), "--data", str(data), "--out", str(tmp_path / "p"),
+                      "--epochs", "1"]):  # fmt: skip
+            assert main(argv) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and err.startswith(f"pflbed: error: {path}: the checkpoint does not fit the run's "
+                                                      f"config ({why}")  # fmt: skip
+        assert not (target / "summary.json").exists() and not (tmp_path / "p").exists()
+
+    refused(cnn, "the server state's 'blocks.")  # another model: the same names, other shapes
+    blob = torch.load(checkpoint_path(fedper_mlp), weights_only=True)
+    refused(blob, "the server state has no 'blocks.classifier.")  # no head on FedPer's server
+    layout = json.loads(blob["clients"]["layout"])
+    refs = json.loads(blob["clients"]["refs"])
+    cid, state = next(iter(refs.items()))
+    key, at = next((k, i) for k, i in state.items() if len(layout[i][1]) == 1)  # the head's bias
+    layout[at] = [layout[at][0], [1], [1], layout[at][3]]
+    refused({**blob, "clients": {**blob["clients"], "layout": json.dumps(layout)}},
+            f"client {cid}'s state's {key!r} is float [1] where", target=fedper_unfinished)  # fmt: skip
+    blob = torch.load(checkpoint_path(mlp), weights_only=True)
+    key = next(iter(blob["server"]))
+    refused({**blob, "server": {**blob["server"], key: blob["server"][key][:1]}}, f"the server state's {key!r} is ")
+    refused({**blob, "round": 5}, "it is at round 5, after the config's last round (4)")
+    clients = json.loads(blob["clients"]["refs"])
+    refused({**blob, "clients": {**blob["clients"], "refs": json.dumps({**clients, "8": {}})}},
+            "it holds a state for client 8, which the federation does not have")
+    checkpoint_path(unfinished).write_bytes(own)
+    assert main(["run", "--resume", str(unfinished), "--no-progress"]) == 0
+    assert _summary(unfinished) == _summary(mlp)
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("round", "x", "ValueError: round x"), ("round", 0, "ValueError: round 0"),
+    ("history", "not json", "JSONDecodeError: "), ("history", '[1]', "ValueError: history is not a list of records"),
+    ("timing", '{"wall_s": "x"}', "ValueError: timing is not a mapping of seconds"),
+    ("extra", '[]', "ValueError: extra is not a mapping"),
+    ("extra", '{"per_client": 3}', "ValueError: extra is not a mapping"),
+])  # fmt: skip
+def test_a_checkpoint_s_plain_values_of_another_type_make_it_unreadable(tmp_path, field, value, reason):
+    from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {4: {"head": torch.ones(3)}}, [{"round": 2}], {"wall_s": 1.0},
+                    {"per_client": {}})  # fmt: skip
+    assert load_checkpoint(tmp_path)["extra"] == {"per_client": {}}
+    blob = torch.load(checkpoint_path(tmp_path), weights_only=True)
+    torch.save({**blob, field: value}, checkpoint_path(tmp_path))
+    with pytest.raises(PflbedError, match=rf"unreadable checkpoint \({reason}"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("name", PARITY_CASES)
+def test_every_algorithm_s_trained_states_fit_its_fresh_set_up(name):
+    """What a resume checks (`check_fits`) holds for every algorithm's own trained states: its server and client
+    states keep every entry of their initial ones, of the same shapes (the parity tests' loop run, 4 rounds)."""
+    from pflbed.engine.build import prepare
+    from pflbed.results.checkpoint import check_fits
+
+    done = loop_run(name)
+    saved = {"round": 4, "server": done.server, "clients": done.executor.states}
+    check_fits(saved, prepare(parity_config(name, {"threads": 1})), 4, Path("run"))
+
+
+def test_checking_a_checkpoint_draws_nothing_from_the_run_s_random_stream():
+    """The fresh states a checkpoint is checked against may be drawn at random (an algorithm's initial models):
+    torch's global RNG is as it was after the check, so the resumed run draws what the uninterrupted one drew."""
+    from types import SimpleNamespace
+
+    from pflbed.results.checkpoint import check_fits
+
+    class Drawing:
+        ctx = SimpleNamespace(federation=SimpleNamespace(participated=[0]), device=torch.device("cpu"))
+
+        def init_server(self):
+            return {"w": torch.rand(2)}
+
+        def init_client(self, cid):
+            return {"h": torch.rand(3)}
+
+    before = torch.random.get_rng_state()
+    check_fits({"round": 1, "server": {"w": torch.ones(2)}, "clients": {0: {"h": torch.ones(3)}}}, Drawing(), 1,
+               Path("run"))  # fmt: skip
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from pflbed.algorithms.base import Algorithm, Tensors
 from pflbed.engine.packed import Packed, pack, unpack
 from pflbed.errors import PflbedError
 from pflbed.private_files import private_dir, save_private
+from pflbed.rng import fork
 
 _FORMAT = 2
 
@@ -105,17 +107,62 @@ def load_checkpoint(run_dir: Path, device: torch.device | str = "cpu") -> dict[s
             clients = {int(c): {k: v.to(device) for k, v in s.items()} for c, s in blob["clients"].items()}
         else:
             clients = _unpack_states(blob["clients"], torch.device(device))
+        rnd, history, timing, extra = blob["round"], *(json.loads(blob[k]) for k in ("history", "timing", "extra"))
+        if type(rnd) is not int or rnd < 1:
+            raise ValueError(f"round {str(rnd)[:20]}")
+        if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+            raise ValueError("history is not a list of records")
+        if not isinstance(timing, dict) or not all(type(v) in (int, float) for v in timing.values()):
+            raise ValueError("timing is not a mapping of seconds")
+        if not isinstance(extra, dict) or not isinstance(extra.get("per_client", {}), dict):
+            raise ValueError("extra is not a mapping")
     except Exception as e:
         reason = " ".join(str(e).split())[:80]
-        if (run_dir / "summary.json").is_file():  # a finished run: its trained models were in it, --resume has none
-            again = shlex.join(["pflbed", "run", "-c", str(run_dir / "config.yaml"), "--out", str(run_dir), "--force"])
-            advice = f"the finished run's models were in it: run it again with '{again}'"
-        else:
-            advice = (f"to start the run over, delete that file and run 'pflbed run --resume {run_dir}' again (or "
-                      "rerun it with --force)")  # fmt: skip
-        raise PflbedError(f"{path}: unreadable checkpoint ({type(e).__name__}: {reason}); {advice}") from None
-    return {
-        "round": int(blob["round"]), "server": server, "clients": clients,
-        "history": json.loads(blob["history"]), "timing": json.loads(blob["timing"]),
-        "extra": json.loads(blob["extra"]),
-    }  # fmt: skip
+        raise PflbedError(f"{path}: unreadable checkpoint ({type(e).__name__}: {reason}); {_advice(run_dir)}") from None
+    return {"round": rnd, "server": server, "clients": clients, "history": history, "timing": timing, "extra": extra}
+
+
+def _advice(run_dir: Path) -> str:
+    """What to do about a checkpoint that cannot serve: start over, or rerun a finished run."""
+    if (run_dir / "summary.json").is_file():  # a finished run: its trained models were in it, --resume has none
+        again = shlex.join(["pflbed", "run", "-c", str(run_dir / "config.yaml"), "--out", str(run_dir), "--force"])
+        return f"the finished run's models were in it: run it again with '{again}'"
+    return (f"to start the run over, delete that file and run 'pflbed run --resume {run_dir}' again (or rerun it "
+            "with --force)")  # fmt: skip
+
+
+def check_fits(saved: dict[str, Any], algo: Algorithm, rounds: int, run_dir: Path) -> None:
+    """Refuse, in one line naming the file, a checkpoint that the run's own config did not write: one copied from
+    another run, or a config edited since. Loading it would fail deep inside the model (a tensor of another
+    shape, a missing parameter) or, worse, go on from a round the config does not have. The run's fresh states
+    are its reference: every entry of `init_server()` and of each checkpointed client's `init_client` must be
+    there with the same shape and kind (entries added by training, as some algorithms' servers keep, are free);
+    every checkpointed client must be one of the federation's; the round at most `rounds`."""
+    path = checkpoint_path(run_dir)
+
+    def misfit(got: Tensors, want: Tensors, what: str) -> str | None:
+        for k, v in want.items():
+            if k not in got:
+                return f"{what} has no {k!r}"
+            if tuple(got[k].shape) != tuple(v.shape) or got[k].is_floating_point() != v.is_floating_point():
+                return f"{what}'s {k!r} is {_kind(got[k])} where the run's set-up makes {_kind(v)}"
+        return None
+
+    why = None
+    if saved["round"] > rounds:
+        why = f"it is at round {saved['round']}, after the config's last round ({rounds})"
+    clients = set(algo.ctx.federation.participated)
+    with fork(algo.ctx.device):  # an initial state drawn at random: the run's own streams stay untouched
+        why = why or misfit(saved["server"], algo.init_server(), "the server state")
+        for cid, state in saved["clients"].items():
+            if why:
+                break
+            why = (f"it holds a state for client {cid}, which the federation does not have" if cid not in clients
+                   else misfit(state, algo.init_client(cid), f"client {cid}'s state"))  # fmt: skip
+    if why:
+        raise PflbedError(f"{path}: the checkpoint does not fit the run's config ({why}: another run's checkpoint, "
+                          f"or a config changed since?); {_advice(run_dir)}")  # fmt: skip
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"{'float' if t.is_floating_point() else 'integer'} {list(t.shape)}"

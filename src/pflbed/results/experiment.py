@@ -34,7 +34,7 @@ from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
 from pflbed.evaluation.pretrained import pretrained_accuracy
-from pflbed.results.checkpoint import load_checkpoint, save_checkpoint
+from pflbed.results.checkpoint import check_fits, load_checkpoint, save_checkpoint
 from pflbed.results.rundir import RunDir, default_out
 from pflbed.results.summary import build_summary
 from pflbed.results.tensorboard import TensorBoardLog
@@ -123,6 +123,8 @@ def _experiment(
     on_record: Callable[[dict[str, Any]], None] | None, started: float | None,
 ) -> RunResult:
     saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
+    if saved:
+        check_fits(saved, algo, cfg.train.rounds, rundir.path)
     initial = None if saved else algo.init_server()  # before the directory is written: a refusal there leaves none
     if rundir and not resume:
         rundir.start(cfg)
@@ -130,7 +132,7 @@ def _experiment(
     if saved:
         server, executor.states, history = saved["server"], saved["clients"], saved["history"]
         timing = saved["timing"]
-        per_client = {int(c): v for c, v in saved["extra"]["per_client"].items()}
+        per_client = {int(c): v for c, v in saved["extra"].get("per_client", {}).items()}
         first = saved["round"] + 1
         rundir.rewrite_metrics(history)
     else:

@@ -32,7 +32,7 @@ from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
 from pflbed.models.blocks import BlockNet
 from pflbed.models.pretrained import MODEL_FILE, save_model
-from pflbed.results.checkpoint import checkpoint_path, load_checkpoint
+from pflbed.results.checkpoint import check_fits, checkpoint_path, load_checkpoint
 from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run, run_config
 
 Method = Literal["native", "ft", "lp"]
@@ -181,6 +181,7 @@ class TrainedRun:
         self.algo: Algorithm = prepare(self.config) if not self.config.sites.local else self._without_data()
         saved = load_checkpoint(self.path, self.algo.ctx.device)
         assert saved is not None  # checked above
+        check_fits(saved, self.algo, self.config.train.rounds, self.path)
         self.round: int = saved["round"]
         self.server, self.states = saved["server"], saved["clients"]
 
