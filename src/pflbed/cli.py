@@ -263,7 +263,13 @@ def _finished(rundir) -> bool:
     from pflbed.results.summary import print_table
 
     if rundir.finished:
-        print_table(read_summary(rundir.path / "summary.json"))
+        path = rundir.path / "summary.json"
+        summary = read_summary(path)
+        try:
+            print_table(summary)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:  # hand-edited: an entry of another type
+            raise PflbedError(f"{path}: its results cannot be printed ({type(e).__name__}: {e}); the file is damaged "
+                              "(rerun the run, or restore the file)") from None  # fmt: skip
         make_console().print(f"{rundir.path} is already finished: nothing to resume, nothing changed")
     return rundir.finished
 

@@ -237,6 +237,12 @@ def test_finished_run_is_never_overwritten_silently(tmp_path, capsys):
     # --set alone changes the run's own config (where the run may run differently), not the defaults
     assert main(["run", "--resume", str(out), "--set", "executor.threads=1", "--no-progress"]) == 0
     assert "already finished" in capsys.readouterr().out
+    summary = json.loads(before)
+    (out / "summary.json").write_text(json.dumps({**summary, "selected": [1]}))  # hand-edited: was a traceback
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 2
+    assert _one_error_line(capsys).startswith(f"pflbed: error: {out / 'summary.json'}: its results cannot be printed "
+                                              "(TypeError: ")  # fmt: skip
+    (out / "summary.json").write_bytes(before)
     for flags, said in ((["--out", str(tmp_path / "other")], "--out and --resume name different directories; "
                          "--resume continues in place"),
                         (["--force"], "--force and --resume contradict each other: --force starts over, --resume "

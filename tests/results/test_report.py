@@ -352,6 +352,31 @@ def test_a_summary_s_plots_are_taken_from_the_run_directory_only_and_odd_numbers
     assert comparison([data])[1][0][-1] == "—"
 
 
+@pytest.mark.parametrize("entry", [("selected",), ("new_clients",), ("new_clients", "methods"), ("communication",),
+                                   ("final", "ft"), ("privacy",), ("per_client",), ("per_client", "pfl_acc")])
+def test_a_summary_s_entries_of_another_type_are_dashes_in_the_report_not_a_crash(runs, tmp_path, capsys, entry):
+    """A hand-edited summary whose objects became lists (or a list a number): the report is written, the cells
+    read from that entry are dashes (each was a traceback)."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    summary = json.loads((run / "summary.json").read_text())
+    *parents, key = entry
+    at = summary
+    for k in parents:
+        if not isinstance(at.get(k), dict):
+            at[k] = {}
+        at = at[k]
+    at[key] = 3 if key == "pfl_acc" else [1]
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0, capsys.readouterr().err
+    header, rows = comparison([read_run(run)])
+    cells = dict(zip(header, rows[0], strict=True))
+    if entry == ("selected",):
+        assert cells["selected round"] == cells["P-FL at the selected round"] == "—"
+    if entry == ("privacy",):
+        assert cells["DP ε (δ)"] == "— (—)"
+
+
 def test_report_prints_the_file_written_its_size_in_kib_and_the_seconds_it_took(tmp_path, monkeypatch, capsys):
     """A stand-in report of 600 KiB, written in 2.5 s of a stand-in clock: the line names all three."""
     import time

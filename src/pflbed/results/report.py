@@ -90,6 +90,16 @@ def read_run(path: Path) -> RunData:
     return RunData(path.name or str(path), path, config.read_text(), s, history, artifacts)
 
 
+def _entries(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """`d[key]` where it is a JSON object, else none: a hand-edited summary's entry of another type shows as "—"."""
+    v = d.get(key)
+    return v if isinstance(v, dict) else {}
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
 def _pct(v: Any) -> str:
     return f"{100 * v:.2f}" if _number(v) else "—"
 
@@ -124,13 +134,13 @@ def comparison(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in runs:
         s, f = r.summary, r.summary["final"]
-        sel = s.get("selected") or {}
-        ft = ((s.get("new_clients") or {}).get("methods") or {}).get("ft", {}).get("M", {})
-        comm = s.get("communication") or {}
+        sel = _entries(s, "selected")
+        ft = _entries(_entries(_entries(_entries(s, "new_clients"), "methods"), "ft"), "M")
+        comm = _entries(s, "communication")
         rows.append([r.name, display_name(s["algorithm"]), s["dataset"], str(s["rounds"]), _pct(f.get("gfl_acc")),
                      _pct(f.get("pfl_acc")), _pct(f.get("pfl_acc_std")), _pct(f.get("pfl_acc_p10")),
-                     str(sel.get("round", "—")), _pct(sel.get("pfl_acc")), _pct((f.get("ft") or {}).get("pfl_acc")),
-                     _pct((f.get("lp") or {}).get("pfl_acc")), _pct(ft.get("best")),
+                     _fixed(sel.get("round"), 0), _pct(sel.get("pfl_acc")), _pct(_entries(f, "ft").get("pfl_acc")),
+                     _pct(_entries(f, "lp").get("pfl_acc")), _pct(ft.get("best")),
                      f"{_mb(comm.get('up_bytes_per_round'))} / {_mb(comm.get('down_bytes_per_round'))}",
                      _fixed(s["timing"].get("wall_s"), 1)])  # fmt: skip
     if any("privacy" in r.summary for r in runs):  # client-level DP: the guarantee each run ended with
@@ -140,10 +150,13 @@ def comparison(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _epsilon(p: dict[str, Any] | None) -> str:
+def _epsilon(p: Any) -> str:
     if p is None:
         return "no DP"
-    return f"{'∞' if p['epsilon'] is None else format(p['epsilon'], '.2f')} ({p['delta']:g})"
+    p = p if isinstance(p, dict) else {}
+    eps, delta = p.get("epsilon"), p.get("delta")
+    shown = "∞" if eps is None and "epsilon" in p else _fixed(eps, 2)
+    return f"{shown} ({format(delta, 'g') if _number(delta) else '—'})"
 
 
 # --- figures -----------------------------------------------------------------------------------------------------
@@ -203,8 +216,8 @@ def figures(runs: list[RunData]) -> list[Figure]:
     out = []
     if grid := panels(runs):
         out.append(Figure("curves", "learning curves", "curves", curves_svg(grid)))
-    hist = [(r.name, run_colour(i), [100 * v for v in r.summary.get("per_client", {}).get("pfl_acc") or []])
-            for i, r in enumerate(runs)]  # fmt: skip
+    hist = [(r.name, run_colour(i), [100 * v for v in _list(_entries(r.summary, "per_client").get("pfl_acc"))
+                                     if _number(v)]) for i, r in enumerate(runs)]  # fmt: skip
     if any(v for *_, v in hist):
         out.append(Figure("per-client", "per-client P-FL", "clients", histogram_svg(hist)))
     federations: dict[str, list[RunData]] = {}  # one heat-map per distinct federation, named by its runs
@@ -223,7 +236,7 @@ def figures(runs: list[RunData]) -> list[Figure]:
 
 
 def _timing_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
-    keys = list(dict.fromkeys(k for r in runs for k in r.summary.get("timing", {})))
+    keys = list(dict.fromkeys(k for r in runs for k in _entries(r.summary, "timing")))
     return ["run", *keys], [[r.name, *(_fixed(r.summary["timing"].get(k), 2) for k in keys)] for r in runs]
 
 
