@@ -146,6 +146,24 @@ def test_init_from_a_plain_state_dict_and_its_errors(pretrained, tmp_path):
     (tmp_path / "junk.pt").write_text("not torch")
     with pytest.raises(ConfigError, match="not a torch weights file"):
         prepare(_cfg(model__init_from=str(tmp_path / "junk.pt")))
+    for value in (float("nan"), float("inf")):  # was a divergence in round 1 blaming train.lr, a run directory left
+        broken = {**saved, "blocks.fc1.1.weight": saved["blocks.fc1.1.weight"].clone()}
+        broken["blocks.fc1.1.weight"][0, 1] = value
+        torch.save(broken, tmp_path / "nan.pt")
+        with pytest.raises(ConfigError) as info:
+            prepare(_cfg(model__init_from=str(tmp_path / "nan.pt"), model__init_blocks=["conv1"]))
+        assert str(info.value) == (f"model.init_from: {tmp_path / 'nan.pt'}: 'blocks.fc1.1.weight' holds non-finite "
+                                   "values (NaN or inf); no run can start from it")  # fmt: skip
+    import collections
+    import pickle
+    import warnings
+
+    (tmp_path / "pickled.pt").write_bytes(pickle.dumps(collections.OrderedDict(x=1)))  # not torch's own file
+    with warnings.catch_warnings(record=True) as caught:  # torch's warning of a foreign pickle: not printed
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="not a torch weights file"):
+            prepare(_cfg(model__init_from=str(tmp_path / "pickled.pt")))
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_a_run_refuses_weights_pretrained_on_its_own_data(pretrained, tmp_path, capsys):

@@ -26,6 +26,7 @@ Accepted files:
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,15 +73,22 @@ def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
 
             blob = load_file(f, device="cpu")
         else:
-            blob = torch.load(f, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch warns of a file pickled elsewhere: the line below says it all
+                warnings.simplefilter("ignore")
+                blob = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
         kind = "safetensors" if safetensors else "torch weights"
         raise ConfigError(f"{what}: {f} is not a {kind} file ({type(e).__name__})") from None
     if isinstance(blob, dict) and isinstance(blob.get("state_dict"), dict):
-        return Weights(dict(blob["state_dict"]), f, blob.get("architecture"), blob.get("source"))
-    if isinstance(blob, dict) and blob and all(isinstance(k, str) and torch.is_tensor(v) for k, v in blob.items()):
-        return Weights(dict(blob), f)
-    raise ConfigError(f"{what}: {f} holds neither a state dict nor a pflbed model file")
+        weights = Weights(dict(blob["state_dict"]), f, blob.get("architecture"), blob.get("source"))
+    elif isinstance(blob, dict) and blob and all(isinstance(k, str) and torch.is_tensor(v) for k, v in blob.items()):
+        weights = Weights(dict(blob), f)
+    else:
+        raise ConfigError(f"{what}: {f} holds neither a state dict nor a pflbed model file")
+    for k, v in weights.state.items():  # NaN weights would surface rounds later as a divergence blaming the lr
+        if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ConfigError(f"{what}: {f}: {k!r} holds non-finite values (NaN or inf); no run can start from it")
+    return weights
 
 
 IMAGENET_RESNETS = {"resnet18_imagenet": "ResNet-18", "resnet34_imagenet": "ResNet-34"}  # zoo name → network
