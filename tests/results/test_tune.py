@@ -910,6 +910,22 @@ def test_a_storage_that_cannot_be_opened_is_one_line_without_its_password(tmp_pa
     assert not (tmp_path / "out" / "trials").exists()
 
 
+def test_a_study_file_that_is_no_database_is_one_line_naming_it(tmp_path, capsys):
+    """The default `study.db` overwritten (or a --storage URL naming a file that is no database): one line naming
+    the file, without SQLAlchemy's statement and link (three lines before), and not blaming --storage when none
+    was given."""
+    f = write(tmp_path, suite(tmp_path))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "study.db").write_bytes(bytes(range(256)) * 12)
+    assert main(["tune", "-c", f, "--table-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pflbed: error: {tmp_path / 'out' / 'study.db'}: DatabaseError: ") and "\n" not in err, err
+    url = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    assert main(["tune", "-c", f, "--storage", url, "--table-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pflbed: error: --storage {url}: DatabaseError: ") and "\n" not in err, err
+
+
 # --- --set, --out, the default directory, the plots (issue 49) ----------------------------------------------------
 def test_set_overrides_the_suite_by_its_own_dotted_keys(tmp_path):
     methods = {"FedAvg": {"set": {"algorithm.name": "fedavg"}},

@@ -305,8 +305,11 @@ class Studies:
             raise self._storage_error(e) from None
 
     def _storage_error(self, e: Exception) -> PflbedError:
-        """A storage Optuna cannot open, as one line that names it without its password."""
-        return PflbedError(f"--storage {self.storage_shown}: {type(e).__name__}: {e}")
+        """A storage Optuna cannot open, as one line that names it without its password: the default file by its
+        path (no --storage was given), the first line of the error (SQLAlchemy adds the statement and a link)."""
+        where = self.storage_path if self.storage_shown == "study.db" else f"--storage {self.storage_shown}"
+        first = next(iter(str(e).splitlines()), "")
+        return PflbedError(f"{where}: {type(e).__name__}: {first}")
 
     def counts(self, study) -> tuple[int, int]:
         """(finished trials: complete or pruned, running trials)."""
