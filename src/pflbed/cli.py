@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from pflbed import plugins
 from pflbed.errors import DivergedError, PflbedError
@@ -24,10 +25,18 @@ _CLI_START = time.monotonic()  # where a command's time starts where the process
 SET_HELP = "override a config key, e.g. --set train.rounds=5 (repeatable)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose error is one line, as every other error of the command line: argparse prints the
+    whole usage block above it (five lines for `personalize`), which `--help` shows to whoever asks."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     from pflbed import __version__
 
-    p = argparse.ArgumentParser(prog="pflbed", description="Personalized federated learning benchmark.")
+    p = _Parser(prog="pflbed", description="Personalized federated learning benchmark.")
     p.add_argument("--version", action="version", version=f"pflbed {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment (default: FedAvg on the embedded digits data)")

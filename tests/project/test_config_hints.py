@@ -62,6 +62,9 @@ def test_the_suggestion_stays_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "pflbed: error: train.round: unknown key; did you mean train.rounds?"
     assert not (tmp_path / "run").exists()
+    assert main(["config", "--set", "train.rou\nnds=3"]) == 2  # a key holding a newline: shown escaped
+    err = capsys.readouterr().err.strip()
+    assert err == "pflbed: error: 'train.rou\\nnds': unknown key; did you mean train.rounds?"
 
 
 def test_an_unknown_dataset_in_the_python_api_says_how_to_bring_ones_own():

@@ -79,6 +79,7 @@ def first_error(err: ValidationError, prefix: str = "", model: type[BaseModel] |
     parts = [str(p) for p in e["loc"]]
     loc = ".".join(parts)
     field = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+    field = field if field.isprintable() else repr(field)  # a key holding a newline stays on the error's one line
     if e["type"] == "extra_forbidden":
         return f"{field}: unknown key" + (_unknown_key_hint(model, parts, prefix, e.get("input")) if model else "")
     msg = e["msg"].removeprefix("Value error, ")
