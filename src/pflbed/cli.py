@@ -316,6 +316,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     console = make_console()
     if args.list:
         pending = {(t.name, c) for t, c in bench.pending()}
+        for t, cell in bench.pending():  # a cell the run would refuse is refused here too, not listed as to do
+            t.cell_config(*cell)
         for t, cell in bench.cells():
             console.print(f"{'todo' if (t.name, cell) in pending else 'done'}  {t.run_dir(*cell)}")
         return

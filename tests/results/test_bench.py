@@ -302,6 +302,10 @@ class _Table:
     def run_dir(seed: int) -> str:
         return f"runs/t/seed{seed}"
 
+    @staticmethod
+    def cell_config(seed: int) -> None:
+        return None
+
 
 class _FakeBench:
     """Cells seed 0 and 1 of one table; seed 1 still to run unless `done`; `diverged` names diverged cells."""
@@ -363,6 +367,21 @@ def test_bench_list_says_which_cells_are_done_and_runs_nothing(fake_bench, capsy
     assert main(["bench", "-c", "s.yaml", "--list"]) == 0
     assert capsys.readouterr().out == "done  runs/t/seed0\ntodo  runs/t/seed1\n"
     assert calls == [("bench", "s.yaml", None)]
+
+
+def test_bench_list_refuses_a_cell_the_run_would_refuse(tmp_path, capsys):
+    """A setting with a mistyped key: `--list` listed its cells as to do (exit 0) where running them is refused."""
+    import yaml
+
+    suite = {"name": "s", "out": str(tmp_path / "out"), "seeds": [0],
+             "tables": {"t": {"settings": {"a": {"train.rondz": 3}},
+                              "methods": {"FedAvg": {"set": {"algorithm.name": "fedavg"}}}}}}  # fmt: skip
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(suite))
+    for extra in ([], ["--list"]):
+        assert main(["bench", "-c", str(tmp_path / "s.yaml"), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "train.rondz: unknown key; did you mean train.rounds?" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_runs_its_cells_as_asked_then_writes_and_prints_the_tables(fake_bench, tmp_path, capsys):
