@@ -6,6 +6,7 @@ import re
 import pytest
 
 from pflbed.config import load_config, parse_override
+from pflbed.config.load import read_yaml_file
 from pflbed.errors import ConfigError
 
 
@@ -47,6 +48,23 @@ def test_a_config_file_that_is_not_a_mapping_of_keys_is_named(tmp_path, text, er
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert str(e.value) == f"{path}: {error}"
+
+
+def test_a_key_given_twice_in_a_config_or_suite_is_refused_a_merged_key_may_be_overridden(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: `rounds: 1` then, further down, `rounds: 200` ran 200
+    rounds, unsaid. A key a merge (`<<: *anchor`) brings in is overridden as YAML means it to be."""
+    from pflbed.results.bench import load_suite
+
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  rounds: 1\n  lr: 0.1\n  rounds: 200\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: key 'rounds' given twice (lines 2 and 4); a mapping holds each key once"
+    path.write_text("name: s\nname: t\ntables: {}\n")
+    with pytest.raises(ConfigError, match=r"key 'name' given twice \(lines 1 and 2\)"):
+        load_suite(path, [])
+    path.write_text("x: &base {rounds: 3, lr: 0.1}\ntrain:\n  <<: *base\n  rounds: 2\n")
+    assert read_yaml_file(path, "config")["train"] == {"rounds": 2, "lr": 0.1}
 
 
 def test_an_empty_config_file_is_the_defaults(tmp_path):

@@ -45,6 +45,27 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+class _RepeatedKey(yaml.YAMLError):
+    pass
+
+
+class _OnceEachKey(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last silently, so a file
+    setting `rounds: 1` and further down `rounds: 200` would run whichever came last, unsaid. The keys a merge
+    (`<<: *anchor`) brings in are not the mapping's own: they may be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    raise _RepeatedKey(f"key {key_node.value!r} given twice (lines {seen[key_node.value]} and "
+                                       f"{line}); a mapping holds each key once")  # fmt: skip
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
+
+
 MAX_YAML_BYTES = 16 * 2**20  # a config or suite is a page of text; a larger file is the wrong file
 
 
@@ -66,7 +87,9 @@ def read_yaml_file(p: Path, what: str) -> Any:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); a {what} is a YAML text file") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_OnceEachKey)  # noqa: S506 — a SafeLoader that also refuses a repeated key
+    except _RepeatedKey as e:
+        raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
