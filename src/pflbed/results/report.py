@@ -436,6 +436,9 @@ def write_report(run_dirs: list[Path], out: Path, fmt: str = "html") -> Path:
         raise PflbedError(f"-o {out}: is a directory; give the report's file (.html or .md)")
     if out.name in RUN_FILES and (out.parent / "config.yaml").is_file():  # it replaced a run's summary.json
         raise PflbedError(f"-o {out}: is a run's own file; give the report a name of its own")
+    above = next((d for d in [out.parent, *out.parent.parents] if d.exists()), None)
+    if above is not None and not above.is_dir():  # was "File exists", naming the file, once every figure was drawn
+        raise PflbedError(f"-o {out}: {above} is a file, not a directory; give the report a path in a directory")
     seen: dict[Path, Path] = {}
     for p in map(Path, run_dirs):  # the same run twice was drawn as two, "run (1)" and "run (2)"
         if p.resolve() in seen:
