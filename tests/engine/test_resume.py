@@ -374,7 +374,8 @@ def test_checking_a_checkpoint_draws_nothing_from_the_run_s_random_stream():
     from pflbed.results.checkpoint import check_fits
 
     class Drawing:
-        ctx = SimpleNamespace(federation=SimpleNamespace(participated=[0]), device=torch.device("cpu"))
+        ctx = SimpleNamespace(federation=SimpleNamespace(participated=[0]), device=torch.device("cpu"),
+                              cfg=SimpleNamespace(sites=SimpleNamespace(local=False)))
 
         def init_server(self):
             return {"w": torch.rand(2)}
