@@ -30,6 +30,11 @@ class _Parser(argparse.ArgumentParser):
     whole usage block above it (five lines for `personalize`), which `--help` shows to whoever asks."""
 
     def error(self, message: str) -> NoReturn:
+        missing = message.removeprefix("the following arguments are required: ")
+        choices = next((a.choices for a in self._actions if not a.option_strings and a.choices and
+                        missing.startswith(str(a.metavar or a.dest))), None)  # fmt: skip
+        if choices and missing != message:  # `pflbed` alone, `pflbed data`: what may follow, named
+            message += f" (one of: {', '.join(choices)}; see '{self.prog} --help')"
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
