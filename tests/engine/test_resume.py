@@ -366,24 +366,34 @@ def test_every_algorithm_s_trained_states_fit_its_fresh_set_up(name):
     check_fits(saved, prepare(parity_config(name, {"threads": 1})), 4, Path("run"))
 
 
-def test_checking_a_checkpoint_draws_nothing_from_the_run_s_random_stream():
+def test_checking_a_checkpoint_draws_nothing_from_the_run_s_random_stream_and_asks_each_client_s_own_state():
     """The fresh states a checkpoint is checked against may be drawn at random (an algorithm's initial models):
-    torch's global RNG is as it was after the check, so the resumed run draws what the uninterrupted one drew."""
+    torch's global RNG is as it was after the check, so the resumed run draws what the uninterrupted one drew. Each
+    checkpointed client is compared with its own initial state (heterogeneous clients' differ), and an entry of
+    another kind or shape is named with both."""
     from types import SimpleNamespace
 
     from pflbed.results.checkpoint import check_fits
 
+    asked = []
+
     class Drawing:
-        ctx = SimpleNamespace(federation=SimpleNamespace(participated=[0]), device=torch.device("cpu"),
+        ctx = SimpleNamespace(federation=SimpleNamespace(participated=[0, 3]), device=torch.device("cpu"),
                               cfg=SimpleNamespace(sites=SimpleNamespace(local=False)))
 
         def init_server(self):
             return {"w": torch.rand(2)}
 
         def init_client(self, cid):
-            return {"h": torch.rand(3)}
+            asked.append(cid)
+            return {"h": torch.rand(3), "n": torch.zeros(cid, dtype=torch.long)}
 
     before = torch.random.get_rng_state()
-    check_fits({"round": 1, "server": {"w": torch.ones(2)}, "clients": {0: {"h": torch.ones(3)}}}, Drawing(), 1,
-               Path("run"))  # fmt: skip
-    assert torch.equal(torch.random.get_rng_state(), before)
+    states = {0: {"h": torch.ones(3), "n": torch.zeros(0, dtype=torch.long)},
+              3: {"h": torch.ones(3), "n": torch.zeros(3, dtype=torch.long)}}  # fmt: skip
+    check_fits({"round": 1, "server": {"w": torch.ones(2)}, "clients": states}, Drawing(), 1, Path("run"))
+    assert torch.equal(torch.random.get_rng_state(), before) and asked == [0, 3]
+    states[3]["n"] = torch.zeros(2)
+    with pytest.raises(PflbedError, match=r"\(client 3's state's 'n' is float \[2\] where the run's set-up makes "
+                                          r"integer \[3\]: another run's checkpoint"):  # fmt: skip
+        check_fits({"round": 1, "server": {"w": torch.ones(2)}, "clients": states}, Drawing(), 1, Path("run"))
