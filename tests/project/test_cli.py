@@ -645,23 +645,6 @@ def test_counts_of_cells_trials_and_jobs_are_bounded(argv, expected, tmp_path, c
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("argv", "said"), [
-    (["personalize", "r", "--data", "d.npz", "--out", "o", "--epochs", "abc"],
-     "pflbed personalize: error: argument --epochs: invalid int value: 'abc'"),
-    (["flower", "local", "--supernodes", "x"],
-     "pflbed flower local: error: argument --supernodes: invalid int value: 'x'"),
-    (["run", "--bogus"], "pflbed: error: unrecognized arguments: --bogus"),
-    ([], "pflbed: error: the following arguments are required: command (one of: run, bench, tune, flower, pretrain, "
-         "personalize, report, algorithms, config, data; see 'pflbed --help')"),
-    (["data"], "pflbed data: error: the following arguments are required: action (one of: list, show, export, "
-               "new-client; see 'pflbed data --help')"),
-])  # fmt: skip
-def test_an_option_argparse_refuses_is_one_line_without_the_usage_block(argv, said, capsys):
-    with pytest.raises(SystemExit) as done:
-        main(argv)
-    assert done.value.code == 2 and capsys.readouterr().err == said + "\n"
-
-
 @pytest.mark.parametrize(("command", "given", "said"), [
     (["run"], "suite", "a bench suite, not a run config: give it to `pflbed bench -c '{path}'`"),
     (["config"], "tune", "a tune suite, not a run config: give it to `pflbed tune -c '{path}'`"),
