@@ -367,6 +367,47 @@ def test_every_field_of_a_manifest_is_checked_and_named(tmp_path, exported, case
     assert str(e.value) == f"federation.manifest: {path}: " + message.format(fingerprint=source.fingerprint())
 
 
+@pytest.mark.parametrize("where", ["own test", "another's train", "public", "domain val", "global test"])
+def test_a_sample_in_two_places_is_refused_naming_both(tmp_path, exported, where):
+    """A client's train index also in its own test split, another client's train, the public set, a domain's
+    validation set or a global test set drawn from the training pool: a run scored models on what they trained on,
+    or counted a sample twice, and said nothing (each was accepted). Test sets may share samples with a global test
+    set drawn from the training pool (PFLBED's is the domains' test sets together), and stay accepted."""
+    m, source = json.loads(json.dumps(exported[0])), exported[1]
+    i = m["clients"][0]["train"][0]
+    edit, other = {
+        "own test": (lambda: m["clients"][0]["test"].append(i), "client 0's test"),
+        "another's train": (lambda: m["clients"][3]["train"].append(i), "client 3's train"),
+        "public": (lambda: m.update(public=[*m["public"], i]), "public"),
+        "domain val": (lambda: m.update(domain_val=[[i]], domain_test=[[m["clients"][1]["test"][0]]]), "domain_val[0]"),
+        "global test": (lambda: m.update(global_split="train", global_test=[i]), "global_test"),
+    }[where]
+    m["clients"][3].pop("prior", None)
+    edit()
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m))
+    with pytest.raises(DataError) as e:
+        read_manifest(path, source)
+    first, second = ("global_test", "client 0's train") if where == "global test" else ("client 0's train", other)
+    assert str(e.value) == (f"federation.manifest: {path}: malformed manifest: {first} and {second} share index {i}; "
+                            "a sample belongs to one place")  # fmt: skip
+    both = json.loads(json.dumps(exported[0]))
+    a, b = both["clients"][0]["val"].pop(), both["clients"][0]["test"].pop()  # now in no client's splits
+    c = both["clients"][1]["test"][0]  # a client's test sample in the global test set: test data both
+    both.update(domain_val=[[a]], domain_test=[[b]], global_split="train", global_test=[b, c])
+    path.write_text(json.dumps(both))
+    assert read_manifest(path, source).global_test.tolist() == [b, c]
+
+
+def test_an_index_past_int64_is_out_of_range_not_a_crash(tmp_path, exported):
+    m, source = json.loads(json.dumps(exported[0])), exported[1]
+    m["clients"][0]["train"].append(2**70)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m))
+    with pytest.raises(DataError, match=f"client 0's train holds index {2**70}, outside 0…1999$"):
+        read_manifest(path, source)
+
+
 def test_a_manifest_is_written_into_new_folders_and_read_back_under_a_key_of_its_text(tmp_path, exported):
     """Its federation's key (what run directories and caches compare) is 20 hex digits, as a partitioned
     federation's, and follows the file's text: the same file the same key, any edit another."""

@@ -317,6 +317,8 @@ def test_personalize_replaces_a_personalized_model_only_when_forced_and_never_a_
     ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"x: samples of shape \[28, 28\], but digits samples are"),
     ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"y: labels must be in 0…9"),
     ({"x": np.zeros((4, 8, 8)), "y": np.zeros(3)}, r"4 samples in x but 3 labels in y"),
+    ({"x": np.array(5.0), "y": np.zeros(4)}, r"bad\.npz: x is a single number, not an array of samples$"),  # len()
+    ({"x": np.zeros((4, 8, 8)), "y": np.array(3)}, r"bad\.npz: y is a single number, not an array of samples$"),
     ({"x": np.zeros((4, 8, 8))}, r"an \.npz with arrays x \(samples\) and y \(labels\) is needed; it has x$"),
     ({"x": np.full((4, 8, 8), "a"), "y": np.zeros(4)}, r"x: samples must be real numbers \(got <U1\)$"),
     ({"x": np.array([[[np.nan] * 8] * 8] + [np.zeros((8, 8))] * 3), "y": np.zeros(4)},

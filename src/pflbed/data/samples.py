@@ -28,6 +28,8 @@ def read_samples(path: str | Path, source: DataSource) -> tuple[np.ndarray, np.n
     if not path.is_file():
         raise DataError(f"{path}: no such file or folder")
     x, y = read_npz_arrays(path)
+    if x.ndim == 0 or y.ndim == 0:  # len() of a 0-d array raises: a scalar holds no samples
+        raise DataError(f"{path}: {'x' if x.ndim == 0 else 'y'} is a single number, not an array of samples")
     if len(x) != len(y):
         raise DataError(f"{path}: {len(x)} samples in x but {len(y)} labels in y")
     return x, y, None

@@ -140,9 +140,9 @@ def _indices(values: Any, n: int, what: str) -> torch.Tensor:
     """A list of distinct integer indices in [0, n) as an int64 tensor, order kept."""
     if not isinstance(values, list) or not all(type(v) is int for v in values):
         raise _Bad(f"{what} must be a list of integer indices")
+    if values and (min(values) < 0 or max(values) >= n):  # in Python's integers: 2**70 overflows int64
+        raise _Bad(f"{what} holds index {min(values) if min(values) < 0 else max(values)}, outside 0…{n - 1}")
     a = np.asarray(values, dtype=np.int64)
-    if len(a) and (int(a.min()) < 0 or int(a.max()) >= n):
-        raise _Bad(f"{what} holds index {int(a.min()) if int(a.min()) < 0 else int(a.max())}, outside 0…{n - 1}")
     if len(np.unique(a)) != len(a):
         raise _Bad(f"{what} holds an index twice")
     return torch.from_numpy(a)
@@ -193,10 +193,32 @@ def _federation(m: dict[str, Any], source: DataSource, key: str) -> Federation:
     if len(domain_val) != len(domain_test) or (domain_test and any(c.domain >= len(domain_test) for c in clients)):
         raise _Bad("domain_val and domain_test must hold one set for each client's domain")
     public = _indices(_get(m, "public", list), n, "public")
+    parts = [(f"client {cid}'s {s}", t) for cid, c in enumerate(clients)
+             for s, t in (("train", c.train), ("val", c.val), ("test", c.test))]  # fmt: skip
+    parts += [("public", public), *((f"domain_val[{d}]", t) for d, t in enumerate(domain_val)),
+              *((f"domain_test[{d}]", t) for d, t in enumerate(domain_test))]  # fmt: skip
+    _disjoint(parts, n)
+    if split == "train":  # test sets may share samples with it (PFLBED's is the domains' together), no other set
+        _disjoint([("global_test", global_test), *((w, t) for w, t in parts if not w.endswith("test") and
+                                                     not w.startswith("domain_test"))], n)  # fmt: skip
     subsets, fractions = _subsets(m.get("new_client_subsets"), clients, sorted(new), n)
     return Federation(clients, sorted(participated), sorted(new), global_test, k, key, global_split=split,
                       domain_val=domain_val, domain_test=domain_test, public=public, new_subsets=subsets,
                       new_fractions=fractions)  # fmt: skip
+
+
+def _disjoint(parts: list[tuple[str, torch.Tensor]], n: int) -> None:
+    """Every sample of the training pool in one place at most: a client's test index also in its (or another
+    client's) train split, or in the public set, would score a model on what it trained on, and the run would say
+    nothing. A federation pflbed draws is disjoint by construction; a manifest is checked."""
+    owner = np.full(n, -1, dtype=np.int64)
+    for i, (name, t) in enumerate(parts):
+        idx = t.numpy()
+        held = owner[idx]
+        if (held >= 0).any():
+            at = int(np.flatnonzero(held >= 0)[0])
+            raise _Bad(f"{parts[held[at]][0]} and {name} share index {int(idx[at])}; a sample belongs to one place")
+        owner[idx] = i
 
 
 def _subsets(raw: Any, clients: list[ClientSplit], new: list[int], n: int
