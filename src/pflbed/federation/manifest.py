@@ -193,14 +193,12 @@ def _federation(m: dict[str, Any], source: DataSource, key: str) -> Federation:
     if len(domain_val) != len(domain_test) or (domain_test and any(c.domain >= len(domain_test) for c in clients)):
         raise _Bad("domain_val and domain_test must hold one set for each client's domain")
     public = _indices(_get(m, "public", list), n, "public")
-    parts = [(f"client {cid}'s {s}", t) for cid, c in enumerate(clients)
-             for s, t in (("train", c.train), ("val", c.val), ("test", c.test))]  # fmt: skip
-    parts += [("public", public), *((f"domain_val[{d}]", t) for d, t in enumerate(domain_val)),
-              *((f"domain_test[{d}]", t) for d, t in enumerate(domain_test))]  # fmt: skip
-    _disjoint(parts, n)
+    learned = [(f"client {cid}'s {s}", t) for cid, c in enumerate(clients) for s, t in (("train", c.train),
+               ("val", c.val))] + [("public", public), *((f"domain_val[{d}]", t) for d, t in enumerate(domain_val))]
+    tested = [(f"client {cid}'s test", c.test) for cid, c in enumerate(clients)]
+    _disjoint(learned + tested + [(f"domain_test[{d}]", t) for d, t in enumerate(domain_test)], n)
     if split == "train":  # test sets may share samples with it (PFLBED's is the domains' together), no other set
-        _disjoint([("global_test", global_test), *((w, t) for w, t in parts if not w.endswith("test") and
-                                                     not w.startswith("domain_test"))], n)  # fmt: skip
+        _disjoint([("global_test", global_test), *learned], n)
     subsets, fractions = _subsets(m.get("new_client_subsets"), clients, sorted(new), n)
     return Federation(clients, sorted(participated), sorted(new), global_test, k, key, global_split=split,
                       domain_val=domain_val, domain_test=domain_test, public=public, new_subsets=subsets,
