@@ -18,6 +18,7 @@ from typing import NoReturn
 from pflbed import plugins
 from pflbed.errors import DivergedError, PflbedError
 from pflbed.results.console import console as make_console
+from pflbed.writable import check_writable
 
 _CLI_START = time.monotonic()  # where a command's time starts where the process's start is unknown
 
@@ -400,13 +401,19 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         from pflbed.flower.project import write_app
 
         cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
+        from pflbed.results.rundir import files_dir
+
+        files_dir(args.out, f"--out {args.out}", "the project")
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg), force=args.force)
         make_console().print(f"Flower app project: {app}/pyproject.toml (docs/guide/flower.md)")
         return
     if args.action == "sites":
         from pflbed.flower.sites import export_sites
+        from pflbed.results.rundir import files_dir
 
-        dirs = export_sites(load_config(args.config, args.overrides), args.out, force=args.force)
+        cfg = load_config(args.config, args.overrides)
+        out = files_dir(args.out, f"--out {args.out}", "the site-<client> directories")
+        dirs = export_sites(cfg, out, force=args.force)
         make_console().print(f"{len(dirs)} site directories in {args.out}; try them with: pflbed flower local "
                              f"--site-data {args.out}/site-*")  # fmt: skip
         return
@@ -486,21 +493,34 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     console.print(f"results: {out}")
 
 
-def _cmd_personalize(args: argparse.Namespace) -> None:
+def _read_samples(run, path: Path, scored: bool = False) -> tuple:
+    """A `personalize` file's (x, y, scale), its samples and labels checked here and named by the file: checked
+    later, a bad --test file (`scored`, so it needs a sample) was found once the personalization was done, and a
+    bad --data file was called "x"."""
     from pflbed.data.samples import read_samples
+
+    x, y, scale = read_samples(path, run.source)
+    run.inputs(x, scale, str(path))
+    run.labels(y, f"{path}: y", len(x))
+    if scored and not len(y):
+        raise PflbedError(f"{path}: no samples to score")
+    return x, y, scale
+
+
+def _cmd_personalize(args: argparse.Namespace) -> None:
     from pflbed.results.trained import check_out, load_run
 
     check_out(args.out, args.force)  # before the personalization, which a refused --out would waste
     run = load_run(args.run)
-    x, y, scale = read_samples(args.data, run.source)
+    x, y, scale = _read_samples(run, args.data)
     val = None
     if args.val is not None:
-        xv, yv, vscale = read_samples(args.val, run.source)
+        xv, yv, vscale = _read_samples(run, args.val)
         if vscale != scale:
             raise PflbedError("--data and --val must be of one format (both .npz or both image folders)")
         val = (xv, yv)
     if args.test is not None:  # read before the personalization, which a bad file would waste
-        xt, yt, tscale = read_samples(args.test, run.source)
+        xt, yt, tscale = _read_samples(run, args.test, scored=True)
     model = run.personalize(x, y, method=args.method, epochs=args.epochs, lr=args.lr, val=val, scale=scale,
                             seed=args.seed)  # fmt: skip
     scored = ""  # the kept model's accuracy and, beside it, that of the unadapted model it started from
@@ -625,6 +645,8 @@ def _cmd_data(args: argparse.Namespace) -> None:
         if args.png is not None and (args.png.suffix.lower() != ".png" or args.png.is_dir()):  # matplotlib took
             # the suffix for the format (.json: a traceback) and added .png to a name without one, which it printed bare
             raise PflbedError(f"--png {args.png}: give the heat-map's file name, ending in .png")
+        if args.png is not None:  # was the bare "No such file or directory" after the table, under a file
+            check_writable(args.png.parent, f"--png {args.png}")
         from pflbed.data import load_source
         from pflbed.federation import build_federation
         from pflbed.results.partition_plot import plot_partition, print_partition
@@ -671,6 +693,7 @@ def _data_export(args: argparse.Namespace) -> None:
         raise PflbedError(f"{args.target}: is a directory; give the manifest file to write")
     if args.target.exists() and not args.force:
         raise PflbedError(f"{args.target} exists; --force replaces it")
+    check_writable(args.target.parent, str(args.target))  # was "File exists" under a file, once the data was read
     from pflbed.data import load_source
     from pflbed.federation import build_federation
     from pflbed.federation.manifest import manifest, write_manifest
@@ -688,7 +711,7 @@ def _data_new_client(args: argparse.Namespace) -> None:
     from pflbed.data import load_source
     from pflbed.federation import build_federation
     from pflbed.federation.new_client import SPLITS, held_out, write_client
-    from pflbed.results.rundir import read_config_tree, require_run, run_config
+    from pflbed.results.rundir import files_dir, read_config_tree, require_run, run_config
 
     run, out = args.target, args.out_dir
     if args.config or args.overrides:
@@ -697,8 +720,7 @@ def _data_new_client(args: argparse.Namespace) -> None:
     cfg = run_config(read_config_tree(run / "config.yaml"))
     if cfg.sites.local:
         raise PflbedError(f"{run}: its clients' data stayed on their sites (sites.local); a new site brings its own")
-    if out.exists() and not out.is_dir():
-        raise PflbedError(f"--out {out}: is a file; give the directory to write train.npz, val.npz and test.npz into")
+    files_dir(out, f"--out {out}", "train.npz, val.npz and test.npz")
     there = next((out / f"{s}.npz" for s in SPLITS if (out / f"{s}.npz").exists()), None)
     if there is not None and not args.force:
         raise PflbedError(f"{there} exists; --force replaces it")

@@ -340,6 +340,9 @@ def test_an_output_directory_is_replaced_only_when_empty_or_an_earlier_pretraini
     assert str(e.value) == (f"--out {tmp_path / 'file'}: is a file; give the directory to write model.pt, "
                             "summary.json, config.yaml into")  # fmt: skip
     assert (tmp_path / "file").read_text() == "a file"
+    with pytest.raises(PflbedError) as e:  # was a temporary directory's "Not a directory", after the training
+        pretrain(cfg, tmp_path / "file" / "under", log=quiet)
+    assert str(e.value) == f"--out {tmp_path / 'file' / 'under'}: {tmp_path / 'file'} is a file, not a directory"
 
 
 def test_bad_sources_and_a_diverging_pretraining_stop_in_one_line_writing_nothing(tmp_path):

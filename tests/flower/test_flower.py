@@ -465,6 +465,12 @@ def test_flower_app_replaces_a_project_only_when_forced_and_never_another_projec
     (tmp_path / "file").write_text("mine")
     refused(tmp_path / "file", "--force", message="is a file; give the directory to write the project into")
     assert (tmp_path / "file").read_text() == "mine"
+    refused(tmp_path / "file" / "under", message=f"{tmp_path / 'file'} is a file, not a directory")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("seed: 0\n")  # its pyproject.toml went among a run's files
+    refused(tmp_path / "run", "--force", message="is a run's or a pretrained model's directory; write the project "
+                                                 "elsewhere")  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]
     from pflbed.config import validate_config
     from pflbed.errors import PflbedError
     from pflbed.flower.project import write_app

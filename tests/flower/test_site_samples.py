@@ -437,6 +437,14 @@ def test_an_export_replaces_an_earlier_one_only_when_forced_and_leaves_none_of_i
     assert main(["flower", "sites", "--out", str(tmp_path / "file")]) == 2
     assert capsys.readouterr().err == (f"pflbed: error: --out {tmp_path / 'file'}: is a file; give the directory to "
                                        "write the site-<client> directories into\n")  # fmt: skip
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text("{}")  # the sites were written among a run's files
+    for out, said in ((tmp_path / "run", "is a run's or a pretrained model's directory; write the site-<client> "
+                                         "directories elsewhere"),
+                      (tmp_path / "file" / "under", f"{tmp_path / 'file'} is a file, not a directory")):  # fmt: skip
+        assert main(["flower", "sites", "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"pflbed: error: --out {out}: {said}\n"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["summary.json"]
 
 
 def _files(n_data, n_val=None, n_test=None):

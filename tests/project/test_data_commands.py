@@ -103,6 +103,14 @@ def test_new_client_of_the_pflbed_protocol_takes_its_domain_s_shared_sets(tmp_pa
      "pflbed: error: data new-client takes no --png (only data show does)"),
     (["export"], "pflbed: error: data export needs OUT, the manifest file to write"),
     (["export", "/proc/m.json"], "pflbed: error: /proc/m.json: No such file or directory"),  # not the temporary file
+    (["export", "{file}/m.json"], "pflbed: error: {file}/m.json: {file} is a file, not a directory"),  # "File exists"
+    (["show", "--png", "{file}/h.png"], "pflbed: error: --png {file}/h.png: {file} is a file, not a directory"),
+    (["new-client", "{run}", "--out", "{file}/nc"], "pflbed: error: --out {file}/nc: {file} is a file, not a "
+                                                    "directory"),  # fmt: skip
+    (["new-client", "{run}", "--out", "{run}"], "pflbed: error: --out {run}: is a run's or a pretrained model's "
+     "directory; write train.npz, val.npz and test.npz elsewhere"),  # written among the run's files
+    (["new-client", "{run}", "--out", "{suite}"], "pflbed: error: --out {suite}: is a bench suite's or a tune "
+                                                  "directory"),  # fmt: skip
 ])  # fmt: skip
 def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
     run = _run_dir(tmp_path / "run", "federation.clients=6", "federation.new_clients=2")
@@ -112,8 +120,11 @@ def test_data_commands_refuse_in_one_line(tmp_path, capsys, args, said):
                      "executor.name=flower", "executor.supernodes=2", "federation.clients=2")  # fmt: skip
     (tmp_path / "file").write_text("")
     (run / "dir.png").mkdir()
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "suite.yaml").write_text("")
     paths = {"run": run, "trained": trained, "out": tmp_path / "nc", "participant": fed.participated[0],
-             "new": ", ".join(map(str, fed.new)), "sited": sited, "file": tmp_path / "file"}  # fmt: skip
+             "new": ", ".join(map(str, fed.new)), "sited": sited, "file": tmp_path / "file",
+             "suite": tmp_path / "suite"}  # fmt: skip
     assert main(["data", *(a.format(**paths) for a in args)]) == 2
     err = capsys.readouterr().err.strip()
     assert said.format(**paths) in err and "\n" not in err and "Traceback" not in err, err

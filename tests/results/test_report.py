@@ -251,7 +251,7 @@ def test_a_report_is_never_written_onto_a_directory_or_a_run_s_own_file(tmp_path
     under_a_file = run / "metrics.csv" / "deeper" / "r.html"  # was "File exists" once every figure was drawn
     assert main(["report", str(run), "-o", str(under_a_file)]) == 2
     assert capsys.readouterr().err == f"pflbed: error: -o {under_a_file}: {run / 'metrics.csv'} is a file, not a " \
-                                      "directory; give the report a path in a directory\n"  # fmt: skip
+                                      "directory\n"  # fmt: skip
 
 
 def test_a_report_of_no_run_or_in_an_unknown_format_is_one_line(tmp_path):

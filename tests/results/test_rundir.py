@@ -393,6 +393,8 @@ def test_a_suite_s_directory_is_no_file_and_no_run_s_or_model_s_directory(tmp_pa
             assert _refused(suite_dir, path, name) == (f"{name} {path}: is a run's or a model's directory; give "
                                                        "the suite a directory of its own")  # fmt: skip
     assert _refused(suite_dir, tmp_path / "file") == f"out {tmp_path / 'file'}: is a file; give the suite a directory"
+    assert _refused(suite_dir, tmp_path / "file" / "s", "--out") == f"--out {tmp_path / 'file' / 's'}: " \
+                                                                   f"{tmp_path / 'file'} is a file, not a directory"
     own = _saved(tmp_path, _cfg(), "project")  # a config.yaml of the user's, no results
     assert suite_dir(own) == own and suite_dir(tmp_path / "new") == tmp_path / "new"
     suite = {"name": "s", "seeds": [0], "base": {"train": {"rounds": 1}},
@@ -677,3 +679,35 @@ def test_a_write_failing_before_its_temp_file_exists_raises_its_own_error(tmp_pa
     with pytest.raises(PermissionError, match="Permission denied"):
         atomic_write(tmp_path / "config.yaml", "new")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_files_directory_is_no_other_command_s_directory(tmp_path):
+    """`files_dir` (`data new-client --out`, `flower sites --out`, `flower app --out`): a run's directory (its
+    config.yaml, or a result alone), a pretrained model's (its config.yaml), a bench suite's (suite.yaml) and a tune
+    directory (its study, or its trials) are refused, each named; a new or empty directory, one of other files and a
+    personalization's (whose --out a new client's samples may share) are taken."""
+    from pflbed.results.rundir import files_dir
+
+    made = {"config": "config.yaml", "summary": "summary.json", "metrics": "metrics.jsonl", "suite": "suite.yaml",
+            "study": "study.db"}  # fmt: skip
+    for name, file in made.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text("")
+    for name in ("checkpoints", "trials"):
+        (tmp_path / name / name).mkdir(parents=True)
+    (tmp_path / "personal").mkdir()
+    (tmp_path / "personal" / "model.pt").write_text("")
+    (tmp_path / "file").write_text("")
+    run_like = ("config", "summary", "metrics", "checkpoints")
+    for name in (*run_like, "suite", "study", "trials", "file"):
+        with pytest.raises(PflbedError) as e:
+            files_dir(tmp_path / name, f"--out {tmp_path / name}", "samples")
+        what = "a run's or a pretrained model's directory" if name in run_like else "a bench suite's or a tune " \
+            "directory"  # fmt: skip
+        said = "is a file; give the directory to write samples into" if name == "file" else \
+            f"is {what}; write samples elsewhere"  # fmt: skip
+        assert str(e.value) == f"--out {tmp_path / name}: {said}"
+    for fine in (tmp_path / "new", tmp_path / "personal", tmp_path / "trials" / "trials"):
+        assert files_dir(fine, "--out", "samples") == fine
+    with pytest.raises(PflbedError, match=r"is a file, not a directory$"):
+        files_dir(tmp_path / "file" / "under", "--out", "samples")

@@ -302,7 +302,8 @@ def test_personalize_replaces_a_personalized_model_only_when_forced_and_never_a_
     (tmp_path / "file").write_text("mine")
     refused(tmp_path / "file", "--force", message="is a file; give the directory to write model.pt and "
                                                   "summary.json into")  # fmt: skip
-    assert (tmp_path / "file").read_text() == "mine" and not personalized
+    refused(tmp_path / "file" / "under", message=f"{tmp_path / 'file'} is a file, not a directory")  # after the
+    assert (tmp_path / "file").read_text() == "mine" and not personalized  # personalization, "Not a directory"
     monkeypatch.undo()
     assert main([*base, "--epochs", "2", "--out", str(data), "--force"]) == 0
     assert (data / "summary.json").read_text() != first and (data / "model.pt").exists()
@@ -314,15 +315,15 @@ def test_personalize_replaces_a_personalized_model_only_when_forced_and_never_a_
 
 
 @pytest.mark.parametrize(("arrays", "message"), [
-    ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"x: samples of shape \[28, 28\], but digits samples are"),
-    ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"y: labels must be in 0…9"),
+    ({"x": np.zeros((4, 28, 28)), "y": np.zeros(4)}, r"bad\.npz: samples of shape \[28, 28\], but digits samples are"),
+    ({"x": np.zeros((4, 8, 8)), "y": np.array([0, 1, 2, 10])}, r"bad\.npz: y: labels must be in 0…9"),
     ({"x": np.zeros((4, 8, 8)), "y": np.zeros(3)}, r"4 samples in x but 3 labels in y"),
     ({"x": np.array(5.0), "y": np.zeros(4)}, r"bad\.npz: x is a single number, not an array of samples$"),  # len()
     ({"x": np.zeros((4, 8, 8)), "y": np.array(3)}, r"bad\.npz: y is a single number, not an array of samples$"),
     ({"x": np.zeros((4, 8, 8))}, r"an \.npz with arrays x \(samples\) and y \(labels\) is needed; it has x$"),
-    ({"x": np.full((4, 8, 8), "a"), "y": np.zeros(4)}, r"x: samples must be real numbers \(got <U1\)$"),
+    ({"x": np.full((4, 8, 8), "a"), "y": np.zeros(4)}, r"bad\.npz: samples must be real numbers \(got <U1\)$"),
     ({"x": np.array([[[np.nan] * 8] * 8] + [np.zeros((8, 8))] * 3), "y": np.zeros(4)},
-     r"x: 1 of 4 samples hold NaN or infinite values$"),  # a NaN sample trained a NaN model, exit 0
+     r"bad\.npz: 1 of 4 samples hold NaN or infinite values$"),  # a NaN sample trained a NaN model, exit 0
     ({"x": np.zeros((0, 8, 8)), "y": np.zeros(0)}, r"x: no samples to personalize from$"),  # the model, untouched
 ])  # fmt: skip
 def test_bad_samples_are_one_line_exit_2(runs, tmp_path, capsys, arrays, message):
@@ -355,14 +356,14 @@ def test_a_file_that_is_no_npz_is_one_line_exit_2(runs, tmp_path, capsys, conten
     (["--lr", "-1"], r"--lr must be a finite number > 0 \(got -1\)$"),
     (["--lr", "nan"], r"--lr must be a finite number > 0 \(got nan\)$"),
     (["--lr", "0"], r"--lr must be a finite number > 0 \(got 0\)$"),
-    (["--val", "{label}"], r"val y: labels must be in 0…9 \(digits has 10 classes\), got 0…10$"),
-    (["--test", "{label}"], r"test y: labels must be in 0…9 \(digits has 10 classes\), got 0…10$"),
+    (["--val", "{label}"], r"\S*label\.npz: y: labels must be in 0…9 \(digits has 10 classes\), got 0…10$"),
+    (["--test", "{label}"], r"\S*label\.npz: y: labels must be in 0…9 \(digits has 10 classes\), got 0…10$"),
     (["--seed", "-1"], r"--seed must be in 0…9223372036854775807 \(got -1\)$"),
     (["--seed", str(2**64)], rf"--seed must be in 0…9223372036854775807 \(got {2**64}\)$"),  # was a traceback
     (["--val", "{empty}"], r"val x: no samples to choose an epoch on"),  # was a KeyError
-    (["--val", "{nan}"], r"val x: 1 of 3 samples hold NaN or infinite values$"),
-    (["--test", "{empty}"], r"test x: no samples to score$"),  # was a NaN accuracy in summary.json
-    (["--test", "{nan}"], r"test x: 1 of 3 samples hold NaN or infinite values$"),
+    (["--val", "{nan}"], r"\S*nan\.npz: 1 of 3 samples hold NaN or infinite values$"),
+    (["--test", "{empty}"], r"\S*empty\.npz: no samples to score$"),  # was a NaN accuracy in summary.json
+    (["--test", "{nan}"], r"\S*nan\.npz: 1 of 3 samples hold NaN or infinite values$"),
 ])  # fmt: skip
 def test_bad_options_and_evaluation_samples_are_one_line_exit_2(runs, tmp_path, capsys, flags, message):
     (x, y), _, _ = _client_samples()
@@ -695,3 +696,82 @@ def test_the_api_refuses_what_is_no_client_id_and_no_validation_pair(runs):
         with pytest.raises(PflbedError, match=rf"^val: expected \(x, y\), the validation samples and their labels; "
                                               rf"got {got}$"):  # fmt: skip
             run.personalize(x, y, epochs=1, lr=0.05, val=val)
+
+
+def test_the_api_s_options_of_another_type_are_named_and_a_scale_must_be_a_range(runs):
+    """`epochs="3"`, `lr="0.1"`, `seed=1.5` failed deep in a comparison or in torch (a bool was taken as 1); a
+    `scale` of 0 was taken for unset and a negative one flipped every pixel: each is refused, naming the option.
+    numpy's numbers are numbers."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, _ = _client_samples()
+    for option, bad, kind in (("epochs", "3", "whole number"), ("epochs", True, "whole number"),
+                              ("epochs", 1.0, "whole number"), ("lr", "0.1", "number"), ("lr", False, "number"),
+                              ("seed", 1.5, "whole number"), ("seed", None, "whole number")):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"^{option}: a {kind}, got {type(bad).__name__} {re.escape(repr(bad))}$"):
+            run.personalize(x, y, method="ft", **{"epochs": 1, "lr": 0.05, option: bad})
+    for bad in (0, -16.0, float("nan"), float("inf"), True, "16"):
+        with pytest.raises(DataError, match=rf"^x: scale must be a finite number > 0, the largest value the samples' "
+                                            rf"format holds \(255 for 8-bit images\); got {re.escape(repr(bad))}$"):
+            run.personalize(x, y, method="ft", epochs=1, lr=0.05, scale=bad)
+    kept = run.personalize(x, y, method="ft", epochs=np.int64(1), lr=np.float64(0.05), seed=np.int64(0), scale=16.0)
+    same = run.personalize(x, y, method="ft", epochs=1, lr=0.05).model.state_dict()
+    assert all(torch.equal(v, same[k]) for k, v in kept.model.state_dict().items())
+
+
+def test_samples_far_beyond_their_range_and_infinite_labels_are_refused_not_blamed_on_the_lr(runs):
+    """Pixels of 1e30 are finite: they trained, diverged in the first epoch, and the message said to lower the lr.
+    Values up to 10,000 times the range are taken (8-bit images given to digits are 16 times it), one step above
+    is refused, and the range is the `scale` given. An infinite label equalled its rounding and became int64's
+    minimum."""
+    from pflbed.data.arrays import RAW_RANGE_MAX
+
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, _ = _client_samples()
+    edge = np.float32(RAW_RANGE_MAX * 16.0)
+    at, above = x.astype(np.float32), x.astype(np.float32)
+    at[0, 0, 0], above[0, 0, 0] = -edge, np.nextafter(edge, np.float32(np.inf))
+    run.inputs(at)
+    with pytest.raises(DataError, match=r"^x: values up to 1\.6e\+05, over 10,000 times the range 0…16 the samples "
+                                        r"are scaled by; give raw samples in it, or pass their own range as scale$"):
+        run.inputs(above)
+    run.inputs(above, scale=255.0)  # the range given is the range checked
+    with pytest.raises(DataError, match=r"over 10,000 times the range 0…255 "):
+        run.inputs(above * 16, scale=255.0)
+    with pytest.raises(DataError, match=r"^x: values up to 1\.6e\+31, "):
+        run.personalize(x * np.float32(1e30), y, method="ft", epochs=1, lr=0.05)
+    for bad in (np.inf, -np.inf):
+        with pytest.raises(PflbedError, match=r"^y: labels must be integers$"):
+            run.labels(np.array([0.0, bad, 1.0]), "y", 3)
+
+
+def test_a_device_asked_for_that_this_machine_lacks_is_refused_not_replaced_by_the_cpu(runs):
+    """Without a device, a GPU run loads on the CPU of a machine without one (its config's device is replaced);
+    a device asked for is the one used, or an error naming it, not a silent CPU."""
+    for bad in ("cuda:99", "tpu", "cuda:x"):
+        with pytest.raises(PflbedError, match=rf"^device '{bad}': "):
+            pflbed.load_run(runs["fedavg"][0], device=bad)
+    assert pflbed.load_run(runs["fedavg"][0], device=torch.device("cpu")).config.executor.device == "cpu"
+
+
+@pytest.mark.parametrize(("option", "arrays", "message"), [
+    ("--data", {"x": np.zeros((3, 4, 8)), "y": np.zeros(3)}, r"bad\.npz: samples of shape \[4, 8\], but digits"),
+    ("--val", {"x": np.zeros((3, 8, 8)), "y": np.array([0, np.inf, 1])}, r"bad\.npz: y: labels must be integers$"),
+    ("--test", {"x": np.zeros((3, 4, 8)), "y": np.zeros(3)}, r"bad\.npz: samples of shape \[4, 8\], but digits"),
+    ("--test", {"x": np.full((3, 8, 8), 1e30), "y": np.zeros(3)}, r"bad\.npz: values up to 1e\+30, over 10,000 "),
+    ("--test", {"x": np.zeros((0, 8, 8)), "y": np.zeros(0)}, r"bad\.npz: no samples to score$"),
+])  # fmt: skip
+def test_each_samples_file_is_checked_before_the_personalization_and_named(runs, tmp_path, capsys, monkeypatch,
+                                                                          option, arrays, message):  # fmt: skip
+    """A bad --test file was found once the personalization it then wasted was done; every file's samples are
+    checked first, and named by their file rather than "x" or "test x"."""
+    (x, y), _, _ = _client_samples()
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "bad.npz", **arrays)
+    data = tmp_path / ("bad.npz" if option == "--data" else "train.npz")
+    called = []
+    monkeypatch.setattr(trained.TrainedRun, "personalize", lambda *a, **k: called.append(1))
+    extra = [] if option == "--data" else [option, str(tmp_path / "bad.npz")]
+    rc = main(["personalize", str(runs["fedavg"][0]), "--data", str(data), *extra, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and re.match(rf"pflbed: error: {re.escape(str(tmp_path))}/{message}", err), err
+    assert not called and not (tmp_path / "o").exists()

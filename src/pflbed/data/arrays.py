@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from pflbed.errors import DataError
+
+# Raw samples reaching this many times their range are no samples of it (a format's overflow, a wrong file): on the
+# normalized scale, training on them diverged in its first epoch, and the divergence was blamed on the lr. A
+# bound far above the mismatches that still train (8-bit images given to digits, 0–16: 16×) keeps them accepted.
+RAW_RANGE_MAX = 10_000
 
 
 @dataclass(frozen=True)
@@ -82,11 +88,20 @@ class DataSource:
         if x.ndim < 1 or tuple(x.shape[1:]) not in (self.raw_shape, self.input_shape):
             raise DataError(f"{what}: samples of shape {list(x.shape[1:])}, but {self.name} samples are "
                             f"{list(self.raw_shape)}")  # fmt: skip
+        real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+        if scale is not None and not (real and math.isfinite(scale) and scale > 0):
+            raise DataError(f"{what}: scale must be a finite number > 0, the largest value the samples' format "
+                            f"holds (255 for 8-bit images); got {scale!r}")  # fmt: skip
+        scale = scale or self.raw_scale  # 0 was taken for unset, a negative scale flipped every pixel
+        if x.numel() and (top := float(x.abs().max())) > RAW_RANGE_MAX * scale:
+            raise DataError(f"{what}: values up to {top:.3g}, over {RAW_RANGE_MAX:,} times the range 0…{scale:g} "
+                            f"the samples are scaled by; give raw samples in it, or pass their own range as "
+                            f"scale")  # fmt: skip
         if tuple(x.shape[1:]) != self.input_shape:
             x = x.permute(0, 3, 1, 2) if self.raw_channels_last else x.unsqueeze(1)
         mean, std = (v if isinstance(v, float | int) else torch.tensor(v).view(-1, *[1] * (x.ndim - 2))
                      for v in self.pixel_norm)  # fmt: skip
-        return ((x / (scale or self.raw_scale) - mean) / std).contiguous()
+        return ((x / scale - mean) / std).contiguous()
 
     def to(self, device: torch.device | str) -> DataSource:
         """Both splits' samples and labels on `device` (`ArrayDataset.to`); the same object where already there."""

@@ -40,6 +40,7 @@ from pflbed.federation.federation import check_disjoint
 from pflbed.models import build_model
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.version import __version__
+from pflbed.writable import check_writable
 
 STREAM = 0x9E7  # pretraining's own random streams: 0 the sample draw, 1 the held-out split, 2 batches, 3 init
 
@@ -128,7 +129,9 @@ OUTPUT = (MODEL_FILE, "summary.json", "config.yaml")  # what `pretrain` writes i
 def _check_out(out: Path, force: bool) -> None:
     """`out` may be new, empty, or (with `force`) an earlier pretraining's output. Not anything else: the output
     replaces `out` whole, so forcing a directory with other files in it (a parent of several pretrained models, a
-    run's, the working directory) deleted them."""
+    run's, the working directory) deleted them. The output is made beside `out` and renamed into place, so it is
+    `out`'s parent that must be writable."""
+    check_writable(out.parent, f"--out {out}")  # was a temporary directory's "Not a directory", after the training
     if not out.exists():
         return
     if not out.is_dir():

@@ -369,8 +369,9 @@ class Bench:
         """`out` (a command's `--out`) before the suite's own `out`, before `root`/<name> (default
         benchmarks/results)."""
         self.suite = suite
+        given = out is not None
         out = out or (Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name)
-        self.out = suite_dir(out)
+        self.out = suite_dir(out, "--out" if given else "out")
         self.tables = [Table(n, spec, suite, self.out) for n, spec in suite.tables.items()]
 
     def table(self, name: str) -> Table | None:

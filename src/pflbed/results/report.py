@@ -39,6 +39,7 @@ from pflbed.errors import PflbedError
 from pflbed.results.config_diff import diff_rows
 from pflbed.results.report_figures import Panel, curves_svg, histogram_svg, run_colour, run_series
 from pflbed.results.rundir import RUN_FILES, read_config_tree, read_metrics, read_summary, require_run
+from pflbed.writable import check_writable
 
 ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
             ("gfl_val", "G-FL validation"), ("pfl_acc_p10", "P-FL test, 10th-percentile client"))  # fmt: skip
@@ -436,9 +437,7 @@ def write_report(run_dirs: list[Path], out: Path, fmt: str = "html") -> Path:
         raise PflbedError(f"-o {out}: is a directory; give the report's file (.html or .md)")
     if out.name in RUN_FILES and (out.parent / "config.yaml").is_file():  # it replaced a run's summary.json
         raise PflbedError(f"-o {out}: is a run's own file; give the report a name of its own")
-    above = next((d for d in [out.parent, *out.parent.parents] if d.exists()), None)
-    if above is not None and not above.is_dir():  # was "File exists", naming the file, once every figure was drawn
-        raise PflbedError(f"-o {out}: {above} is a file, not a directory; give the report a path in a directory")
+    check_writable(out.parent, f"-o {out}")  # was "File exists", naming the file, once every figure was drawn
     seen: dict[Path, Path] = {}
     for p in map(Path, run_dirs):  # the same run twice was drawn as two, "run (1)" and "run (2)"
         if p.resolve() in seen:

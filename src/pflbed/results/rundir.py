@@ -23,6 +23,7 @@ import yaml
 
 from pflbed.config import Config
 from pflbed.errors import PflbedError
+from pflbed.writable import check_writable
 
 try:
     import fcntl
@@ -88,9 +89,27 @@ def suite_dir(path: Path, name: str = "out") -> Path:
     whose files the suite's were written."""
     if path.exists() and not path.is_dir():
         raise PflbedError(f"{name} {path}: is a file; give the suite a directory")
+    check_writable(path, f"{name} {path}")
     if RunDir(path).has_results or (path / "model.pt").exists():
         raise PflbedError(f"{name} {path}: is a run's or a model's directory; give the suite a directory of its own")
     return path
+
+
+def files_dir(path: Path, shown: str, writes: str) -> Path:
+    """`path`, as a directory for files a command writes beside nothing of another command's (`writes` names
+    them): not a file, in a place this process may write, and not a run's, a pretrained model's, a bench suite's or
+    a tune directory. `data new-client --out RUN` wrote a held-out client's samples among the run's own files, and
+    `flower sites --out` its site directories; either was then taken for part of the run (or the suite) it lay in."""
+    if path.exists() and not path.is_dir():
+        raise PflbedError(f"{shown}: is a file; give the directory to write {writes} into")
+    check_writable(path, shown)
+    if (path / "config.yaml").is_file() or RunDir(path).has_results:
+        what = "a run's or a pretrained model's directory"
+    elif (path / SUITE_FILE).is_file() or (path / "study.db").is_file() or (path / "trials").is_dir():
+        what = "a bench suite's or a tune directory"
+    else:
+        return path
+    raise PflbedError(f"{shown}: is {what}; write {writes} elsewhere")
 
 
 def _refuse_a_model(path: Path, shown: str, then: str = "") -> None:
@@ -253,11 +272,7 @@ class RunDir:
         says `out` and `--run-config force=true`)."""
         if path.exists() and not path.is_dir():
             raise PflbedError(f"{out_name} {path}: exists and is not a directory")
-        ancestor = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" always do
-        if not ancestor.is_dir():
-            raise PflbedError(f"{out_name} {path}: {ancestor} is a file, not a directory")
-        if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise PflbedError(f"{out_name} {path}: {ancestor} is not writable")
+        check_writable(path, f"{out_name} {path}")
         run = cls(path)
         run.refuse_in_progress()
         existing = path / "config.yaml"

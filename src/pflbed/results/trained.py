@@ -27,13 +27,14 @@ import torch
 from pflbed import rng
 from pflbed.algorithms.base import Algorithm, Budget, ClientData, Predictor
 from pflbed.algorithms.training import finetune_epochs
-from pflbed.config import SEED_MAX, Config
+from pflbed.config import SEED_MAX, Config, resolve_device
 from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
 from pflbed.models.blocks import BlockNet
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import check_fits, checkpoint_path, load_checkpoint
 from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run, run_config
+from pflbed.writable import check_writable
 
 Method = Literal["native", "ft", "lp"]
 EPOCHS_MAX = 100_000  # as eval.new_clients.epochs
@@ -124,6 +125,7 @@ def check_out(out: Path, force: bool) -> None:
     stay: only model.pt and summary.json are written."""
     if out.exists() and not out.is_dir():
         raise PflbedError(f"--out {out}: is a file; give the directory to write {MODEL_FILE} and {SUMMARY_FILE} into")
+    check_writable(out, f"--out {out}")
     if (out / "config.yaml").exists():
         raise PflbedError(f"--out {out}: is a run's or a pretrained model's directory (it has config.yaml), whose "
                           f"{SUMMARY_FILE} a personalization's would replace; choose another --out")  # fmt: skip
@@ -171,8 +173,12 @@ class TrainedRun:
             raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
                               "round): nothing to load")  # fmt: skip
         tree = read_config_tree(conf)
-        if device is not None:
-            tree = {**tree, "executor": {**(tree.get("executor") or {}), "device": device}}
+        if device is not None:  # asked for: a device this machine lacks is an error, not the run's CPU fallback
+            try:
+                resolve_device(str(device))
+            except ValueError as e:
+                raise PflbedError(f"device {str(device)!r}: {e}") from None
+            tree = {**tree, "executor": {**(tree.get("executor") or {}), "device": str(device)}}
         self.config: Config = run_config(tree)  # a GPU run loads on the CPU where this machine has no GPU
         summary = self.path / "summary.json"
         self.summary: dict[str, Any] | None = read_summary(summary) if summary.is_file() else None
@@ -253,6 +259,12 @@ class TrainedRun:
         one the run chose on validation for new clients, or else — with `val` — each of the run's new-client grid
         (`eval.new_clients.lrs`), keeping the best on validation; without either, the grid's first. With `val` =
         (x, y), every epoch is scored on it and the best epoch is kept (earliest on ties)."""
+        for name, value, kind in (("epochs", epochs, numbers.Integral), ("lr", lr, numbers.Real),
+                                  ("seed", seed, numbers.Integral)):  # "3" failed deep in a comparison: TypeError
+            if (value is not None or name == "seed") and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise TypeError(f"{name}: a {'whole ' if kind is numbers.Integral else ''}number, got "
+                                f"{type(value).__name__} {value!r}")  # fmt: skip
+        epochs, lr, seed = None if epochs is None else int(epochs), None if lr is None else float(lr), int(seed)
         if method not in ("native", "ft", "lp"):
             raise PflbedError(f"--method: unknown {method!r}; choose native, ft or lp")
         ctx = self.algo.ctx
@@ -344,7 +356,8 @@ class TrainedRun:
         k = self.source.num_classes
         if labels.ndim != 1 or len(labels) != n:
             raise PflbedError(f"{what}: expected {n} labels (one per sample), got shape {list(labels.shape)}")
-        if labels.dtype.is_floating_point and not bool((labels == labels.round()).all()):
+        if labels.dtype.is_floating_point and not bool((torch.isfinite(labels) & (labels == labels.round())).all()):
+            # an infinite label equals its rounding: it became int64's minimum, "labels must be in 0…9, got -922…"
             raise PflbedError(f"{what}: labels must be integers")
         labels = labels.long()
         if n and (int(labels.min()) < 0 or int(labels.max()) >= k):
@@ -361,5 +374,6 @@ class TrainedRun:
 
 def load_run(path: str | Path, device: str | None = None) -> TrainedRun:
     """Load the run in directory `path` (see `TrainedRun`) onto `device` (cpu, cuda, cuda:N, auto); unset: the
-    run's own device where this machine has it, else the CPU."""
+    run's own device where this machine has it, else the CPU. A `device` this machine does not have is refused.
+    """
     return TrainedRun(path, device)
