@@ -61,6 +61,9 @@ class IntSearch:
         return f"int{' log' if self.log else ''} [{self.low}, {self.high}]"
 
 
+_NONE = object()  # no offending option found (None is an option)
+
+
 @dataclass(frozen=True)
 class Choice:
     """One of a few values (numbers, strings, booleans or None)."""
@@ -68,8 +71,14 @@ class Choice:
     options: tuple[Any, ...]
 
     def __init__(self, options: list[Any] | tuple[Any, ...]) -> None:
+        if not isinstance(options, list | tuple):  # a string was taken as its characters: "0.1" offered 0, . and 1
+            raise ValueError(f"choices must be a list of options, got {type(options).__name__} {options!r}")
         if not options:
             raise ValueError("a choice needs at least one option")
+        odd = next((o for o in options if o is not None and not isinstance(o, bool | int | float | str)), _NONE)
+        if odd is not _NONE:  # Optuna stores numbers, strings, booleans and None alone
+            raise ValueError(f"an option must be a number, a string, a boolean or null, got {type(odd).__name__} "
+                             f"{odd!r}")  # fmt: skip
         object.__setattr__(self, "options", tuple(options))
 
     def suggest(self, trial: Any, name: str) -> Any:
@@ -119,7 +128,9 @@ def parse_space(value: Any, where: str) -> Space:
         if keys == {"choices"}:
             return Choice(value["choices"])
         if {"low", "high"} <= keys <= {"low", "high", "log", "int"}:
-            log, is_int = bool(value.get("log")), bool(value.get("int"))
+            if any(not isinstance(value.get(k, False), bool) for k in ("log", "int")):  # bool("no") is True
+                raise ValueError("log and int must be true or false")
+            log, is_int = value.get("log", False), value.get("int", False)
             low, high = value["low"], value["high"]
             if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)):
                 raise ValueError("low and high must be numbers")

@@ -80,6 +80,8 @@ def test_parse_space_forms_and_errors():
     assert parse_space({"low": 1, "high": 8, "int": True, "log": True}, "w") == IntSearch(1, 8, True)  # every key
     assert parse_space({"low": 0.5, "high": 0.5}, "w") == Search(0.5, 0.5)  # one value: a range Optuna takes
     assert parse_space([1, "a"], "w") == Choice([1, "a"])
+    assert parse_space([None, True, 0.5, 2, "x"], "w") == Choice((None, True, 0.5, 2, "x"))  # each kind Optuna keeps
+    assert parse_space({"low": 1, "high": 2, "log": False, "int": False}, "w") == Search(1.0, 2.0)
     forms = "give {low: L, high: H[, log: true][, int: true]} or {choices: [...]}"
     for bad, message in (({"low": 0, "high": 1, "log": True}, "a log range needs low > 0, got 0.0"),
                          ({"low": 2, "high": 1}, "low 2.0 must not exceed high 1.0"),
@@ -87,6 +89,12 @@ def test_parse_space_forms_and_errors():
                          ({"low": 1, "high": 2.5, "int": True}, "an integer range needs integer low and high"),
                          ({"low": 0, "high": 4, "int": True, "log": True}, "a log range needs low > 0, got 0"),
                          ({"choices": []}, "a choice needs at least one option"),
+                         ({"choices": "0.1"}, "choices must be a list of options, got str '0.1'"),  # 0, . and 1
+                         ({"choices": {"a": 1}}, "choices must be a list of options, got dict {'a': 1}"),
+                         ({"choices": [1, [2, 3]]}, "an option must be a number, a string, a boolean or null, got "
+                                                    "list [2, 3]"),  # fmt: skip
+                         ({"low": 1, "high": 2, "log": "no"}, "log and int must be true or false"),  # bool("no")
+                         ({"low": 1, "high": 2, "int": 1}, "log and int must be true or false"),
                          ({"lo": 1}, f"unknown keys ['lo']; {forms}"), (3, forms)):
         with pytest.raises(ConfigError) as e:
             parse_space(bad, "w")
