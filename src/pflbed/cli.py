@@ -399,10 +399,9 @@ def _cmd_flower(args: argparse.Namespace) -> None:
 
     if args.action == "app":
         from pflbed.flower.project import write_app
-
-        cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
         from pflbed.results.rundir import files_dir
 
+        cfg = load_config(args.config, [*args.overrides, "executor.name=flower"])
         files_dir(args.out, f"--out {args.out}", "the project")
         app = write_app(args.out, cfg, args.run_dir or default_out(cfg), force=args.force)
         make_console().print(f"Flower app project: {app}/pyproject.toml (docs/guide/flower.md)")

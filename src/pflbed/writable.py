@@ -1,10 +1,10 @@
 """Whether a command may write where it was told to, asked before any work it would waste.
 
-Why a check of its own: Python's own errors come late and name the wrong thing. A report, a manifest or a heat-map
-below a path that is a file failed with "File exists" (or "Not a directory") once the runs were read and the figures
-drawn; one in a directory this process may not write failed with "Permission denied" naming a temporary file.
-Every command that writes takes its path through `check_writable` first, so the mistake is one line naming the
-option, before anything is computed.
+Why a check of its own: Python's own errors come late and name the wrong thing. A report, a manifest or a
+pretrained model below a path that is a file failed with "File exists" or "Not a directory" once the runs were read,
+the figures drawn or the model trained, and the pretraining's message named its temporary directory. The commands
+that write (run, report, pretrain, personalize, bench, tune, data, flower) take their paths through
+`check_writable` first, so the mistake is one line naming the option, before anything is computed.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def test_pflbed_has_no_import_cycles():
 LAYERS = [
     ("pflbed.config", "pflbed.errors", "pflbed.rng", "pflbed.hooks", "pflbed.privacy", "pflbed.private_files",
      "pflbed.allocator", "pflbed.compute", "pflbed.memory", "pflbed.hints", "pflbed.plugins", "pflbed.search",
-     "pflbed.version"),
+     "pflbed.version", "pflbed.writable"),
     ("pflbed.data",),
     ("pflbed.federation",),
     ("pflbed.models",),
