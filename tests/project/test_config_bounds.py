@@ -86,3 +86,53 @@ def test_a_suite_s_seeds_are_each_a_run_seed_once():
         Suite(seeds=[2, 1, 2])
     assert e.value.errors()[0]["msg"] == ("Value error, each seed once: a repeated seed reruns the same run and "
                                           "counts it twice in mean ± std")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("train.rounds", True), ("train.rounds", False), ("train.lr", True), ("federation.alpha", True),
+    ("seed", True), ("eval.new_clients.lrs", [0.1, True]), ("algorithm.mu", True),
+])  # fmt: skip
+def test_a_number_field_refuses_a_boolean_and_a_boolean_field_takes_one(key, value):
+    """true (YAML's yes, on and True too) was 1 and false 0: `--set train.rounds=true` ran one round, `train.lr: on`
+    trained at 1.0, without a word. A field that takes booleans still does."""
+    tree: dict = {"algorithm": {"name": "fedprox"}}
+    head, _, last = key.rpartition(".")
+    node = tree
+    for part in head.split(".") if head else []:
+        node = node.setdefault(part, {})
+    node[last] = value
+    with pytest.raises(ConfigError) as e:
+        validate_config(tree)
+    assert str(e.value) == f"{key}: must be a number, not a boolean (got {value!r})"
+    assert validate_config({"train": {"rounds": 2, "lr": 1}, "executor": {"strict": True}}).executor.strict is True
+    from typing import Any
+
+    from pflbed.config.base import Seeds, boolean_for_a_number
+
+    for kind, takes_it in ((int | bool, True), (bool | None, True), (Any, True), (float | None, False),
+                           (Seeds, False), (dict[str, float], False), (str, True)):  # fmt: skip
+        assert boolean_for_a_number(kind, True) is not takes_it, kind
+        assert boolean_for_a_number(kind, 1) is False
+
+
+def test_a_suite_s_numbers_refuse_booleans_and_non_finite_scales(tmp_path):
+    """A suite's `seeds: [true]` ran seed 1 and `scale: .nan` printed "nan ± nan"; bench and tune suites alike."""
+    import yaml
+
+    from pflbed.results.bench import load_suite
+    from pflbed.results.tune.suite import load_tune_suite
+
+    table = {"methods": {"A": {"set": {"algorithm.name": "fedavg"}}}}
+    for suite, message in (({"seeds": [True]}, "seeds: must be a number, not a boolean (got [True])"),
+                           ({"tables": {"t": {**table, "scale": math.nan}}}, "tables.t.scale: Input should be a "
+                                                                              "finite number (got nan)"),
+                           ({"tables": {"t": {**table, "column_scale": {"P-FL": True}}}},
+                            "tables.t.column_scale: must be a number, not a boolean")):  # fmt: skip
+        path = tmp_path / "s.yaml"
+        path.write_text(yaml.safe_dump({"name": "s", "seeds": [0], "tables": {"t": table}, **suite}))
+        with pytest.raises(ConfigError) as e:
+            load_suite(path)
+        assert message in str(e.value), str(e.value)
+    path.write_text(yaml.safe_dump({"name": "s", "seeds": [0], "tune": {"budget": True}, "methods": {"A": {}}}))
+    with pytest.raises(ConfigError, match=r"tune\.budget: must be a number, not a boolean"):
+        load_tune_suite(path)

@@ -518,3 +518,24 @@ def test_pretrained_targets_scores_the_weights_per_setting_and_seed_on_each_cell
     assert {(r[0].removeprefix("| "), r[1]): r[2].split(", ") for r in rows} == want
     assert [n for s, n in want if s == "two"] == ["all (G-FL)", "rot0", "rot180"]
     assert want[("rot4", "rot0")][0] != want[("rot4", "rot0")][1] and want[("two", "rot0")] != want[("rot4", "rot0")]
+
+
+def test_a_table_without_settings_or_columns_or_scaling_a_column_it_lacks_is_refused(tmp_path):
+    """`settings: {}` crashed once the cells were counted (min() of nothing), `report: {}` gave rows without a
+    figure, and a `column_scale` of a column not reported was ignored without a word."""
+    from pflbed.errors import ConfigError
+    from pflbed.results.bench import load_suite
+
+    table = {"methods": {"A": {"set": {"algorithm.name": "fedavg"}}}}
+    for extra, message in (({"settings": {}}, "tables.t.settings: Dictionary should have at least 1 item"),
+                           ({"report": {}}, "tables.t.report: Dictionary should have at least 1 item"),
+                           ({"report": {"P-FL": "final.pfl_acc"}, "column_scale": {"G-FL": 1.0}},
+                            "column_scale.G-FL: no such column; the report's are P-FL")):  # fmt: skip
+        path = tmp_path / "s.yaml"
+        path.write_text(yaml.safe_dump({"name": "s", "seeds": [0], "tables": {"t": {**table, **extra}}}))
+        with pytest.raises(ConfigError) as e:
+            load_suite(path)
+        assert message in str(e.value), str(e.value)
+    path.write_text(yaml.safe_dump({"name": "s", "seeds": [0], "tables": {"t": {
+        **table, "report": {"P-FL": "final.pfl_acc"}, "column_scale": {"P-FL": 1.0}}}}))  # fmt: skip
+    assert load_suite(path).tables["t"].column_scale == {"P-FL": 1.0}

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from pflbed import hooks, plugins
 from pflbed.algorithms.base import Algorithm
 from pflbed.config.algorithm import unknown_algorithm
-from pflbed.config.base import check_numbers
+from pflbed.config.base import boolean_for_a_number, check_numbers
 from pflbed.config.hints import first_error
 from pflbed.errors import ConfigError
 from pflbed.hints import then
@@ -77,8 +77,13 @@ def check_config(cfg: Config) -> None:
     client-level DP (`privacy.clip`) refuses for it. Run by `pflbed.config.validate_config` after the other keys."""
     name = cfg.algorithm.name
     algo_cls = get_algorithm(name)
+    given = cfg.algorithm_options()
+    for key, value in given.items():  # the options' models are plain pydantic ones, which took true for 1
+        field = algo_cls.Config.model_fields.get(key)
+        if field is not None and boolean_for_a_number(field.annotation, value):
+            raise ConfigError(f"algorithm.{key}: must be a number, not a boolean (got {value!r})")
     try:
-        options = algo_cls.Config.model_validate(cfg.algorithm_options())
+        options = algo_cls.Config.model_validate(given)
     except ValidationError as e:
         message = first_error(e, "algorithm.", algo_cls.Config)
         if e.errors()[0]["type"] == "extra_forbidden":

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
 
 from pflbed.errors import ConfigError
 
@@ -47,7 +48,21 @@ def number_error(x: Any) -> str | None:
     return None
 
 
-class Strict(BaseModel):
+class Numbers(BaseModel):
+    """A model whose number fields refuse true and false (and YAML's yes, on, True): pydantic took them for 1 and 0,
+    so `--set train.rounds=true` ran one round, `train.lr: on` trained at 1.0 and a suite's `seeds: [true]` ran
+    seed 1, silently."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and boolean_for_a_number(field.annotation, v):
+            raise ValueError("must be a number, not a boolean")
+        return v
+
+
+class Strict(Numbers):
     """A config section: unknown keys are refused, so a typo never passes as a default."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -60,6 +75,27 @@ class Strict(BaseModel):
             if isinstance(x, float) and (error := number_error(x)):
                 raise ValueError(error)
         return v
+
+
+def boolean_for_a_number(annotation: Any, value: Any) -> bool:
+    """Whether `value` (or an item or a value of it) is a boolean given to a field of type `annotation` that takes
+    numbers and no boolean."""
+    items = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else [value]
+    return any(isinstance(x, bool) for x in items) and _numbers_only(annotation)
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field's type takes numbers and no boolean anywhere (`int`, `float | None`, `list[int]`, …)."""
+    kinds, todo = set(), [annotation]
+    while todo:
+        t = todo.pop()
+        args = get_args(t)
+        if args:
+            todo.extend(a for a in args if not isinstance(a, int | float | str | FieldInfo))  # Annotated's extras
+            todo.append(get_origin(t))
+        else:
+            kinds.add(t)
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 def check_numbers(tree: dict[str, Any], prefix: str) -> None:

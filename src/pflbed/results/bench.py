@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
 from pflbed.config import Config, _first_error, set_dotted, validate_config
-from pflbed.config.base import Seeds
+from pflbed.config.base import Numbers, Seeds
 from pflbed.config.load import file_kind, read_yaml_file
 from pflbed.errors import ConfigError, DivergedError, PflbedError
 from pflbed.hints import did_you_mean
@@ -49,8 +49,8 @@ from pflbed.results.rundir import SUITE_FILE, atomic_write, read_summary, suite_
 from pflbed.results.suite_overrides import flat_set, set_by_overrides, set_in, set_labelled
 
 
-class MethodSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MethodSpec(Numbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
     same_as: str | None = Field(None, description="reuse another method's runs ('<table>/<method>': another table's)")
     report: dict[str, str | None] | None = Field(None, description="columns → summary fields, overriding the suite's")
@@ -61,14 +61,15 @@ class MethodSpec(BaseModel):
         return _source(self.same_as) if self.same_as is not None else (None, name)
 
 
-class TableSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TableSpec(Numbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     title: str | None = None
     base: dict[str, Any] = Field(default_factory=dict, description="config keys merged over the suite's base")
     seeds: Seeds | None = Field(None, description="default: the suite's seeds")
-    settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"": {}})
+    settings: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"": {}}, min_length=1)  # {}: no rows
     methods: dict[str, MethodSpec] = Field(min_length=1)
-    report: dict[str, str] = Field(default_factory=lambda: {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc"})
+    report: dict[str, str] = Field(default_factory=lambda: {"G-FL": "final.gfl_acc", "P-FL": "final.pfl_acc"},
+                                   min_length=1)  # {}: rows without a figure  # fmt: skip
     scale: float = Field(100.0, description="multiply reported values (100: accuracies as %)")
     column_scale: dict[str, float] = Field(default_factory=dict, description="per-column scale overriding `scale`")
 
@@ -80,6 +81,10 @@ class TableSpec(BaseModel):
                 raise ValueError(f"methods.{m}.same_as: must name a method that has its own runs")
             if spec.same_as is not None and spec.set:
                 raise ValueError(f"methods.{m}: give either set or same_as")
+        for column in self.column_scale:  # one for a column not reported was ignored without a word
+            if column not in self.report:
+                raise ValueError(f"column_scale.{column}: no such column; the report's are "
+                                 f"{', '.join(self.report)}")  # fmt: skip
         for kind, names in (("methods", list(self.methods)), ("settings", list(self.settings))):
             dirs: dict[str, str] = {}
             for n in names:
@@ -90,8 +95,8 @@ class TableSpec(BaseModel):
         return self
 
 
-class Suite(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Suite(Numbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: SuiteName
     base: dict[str, Any] = Field(default_factory=dict)
     seeds: Seeds = Field(default_factory=lambda: [0, 1, 2])

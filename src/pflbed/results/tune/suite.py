@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pflbed.config import _first_error, validate_config
-from pflbed.config.base import Seeds
+from pflbed.config.base import Numbers, Seeds
 from pflbed.errors import ConfigError
 from pflbed.results import suite_overrides
 from pflbed.results.bench import SuiteName, _merge, _slug, read_suite_file
@@ -29,8 +29,8 @@ def _check_objective(v: str | None) -> str | None:
                      "ending in _val (never a test figure)")  # fmt: skip
 
 
-class TuneSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TuneSpec(Numbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     budget: float = Field(gt=0, le=1e6, description="training compute per method, in base runs: the sample passes of "
                           "FedAvg's local training over one run of the base configuration (the same for every "
                           "method); trials start while a study has spent less, the last one is cut when it is spent")
@@ -61,8 +61,8 @@ class TuneSpec(BaseModel):
         return _check_objective(v)
 
 
-class TuneMethod(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TuneMethod(Numbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     set: dict[str, Any] = Field(default_factory=dict, description="config overrides (dotted keys)")
     budget: float | None = Field(None, gt=0, le=1e6, description="only with tune.unequal_budgets: true")
     trials: int | None = Field(None, ge=1, le=100_000, description="only with tune.unequal_budgets: true")
@@ -77,8 +77,8 @@ class TuneMethod(BaseModel):
         return _check_objective(v)
 
 
-class TuneSuite(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TuneSuite(Numbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: SuiteName
     base: dict[str, Any] = Field(default_factory=dict)
     seeds: Seeds = Field(default_factory=lambda: [0, 1, 2])
