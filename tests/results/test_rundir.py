@@ -560,6 +560,25 @@ def test_for_resume_refuses_a_directory_without_config_and_another_config(tmp_pa
         "change when resuming)")  # fmt: skip
 
 
+def test_for_resume_refuses_a_run_whose_folder_is_a_file_or_whose_file_is_a_folder(tmp_path):
+    """`checkpoints` as a file held no checkpoint: the run started over, deleting its metrics, then failed naming a
+    temporary file. Each of the run's folders and files of the wrong kind is refused, and nothing is touched."""
+    for name, folder in (("checkpoints", True), ("plots", True), ("metrics.jsonl", False), ("metrics.csv", False),
+                         ("summary.json", False)):  # fmt: skip
+        out = _saved(tmp_path, _cfg(), name)
+        (out / "metrics.csv").write_text("round\n1\n") if name != "metrics.csv" else None
+        (out / name).write_text("") if folder else (out / name).mkdir()
+        kept = sorted(p.name for p in out.iterdir())
+        assert _refused(RunDir.for_resume, out, None) == (
+            f"--resume {out}: {name} is a {'file' if folder else 'directory'}, not the run's "
+            f"{'folder' if folder else 'file'}; restore it or move it away")  # fmt: skip
+        assert sorted(p.name for p in out.iterdir()) == kept
+    fine = _saved(tmp_path, _cfg(), "fine")
+    (fine / "checkpoints").mkdir()
+    (fine / "metrics.jsonl").write_text("")
+    assert RunDir.for_resume(fine, None)[0].path == fine
+
+
 def test_for_resume_without_a_config_loads_the_runs_own(tmp_path, no_cuda):
     saved = validate_config({"seed": 6, "executor": {"threads": 2}})
     out = _saved(tmp_path, saved)

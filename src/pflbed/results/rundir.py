@@ -324,6 +324,11 @@ class RunDir:
         """Open an existing run dir to continue it; `cfg`, if given, must equal the run's own config."""
         saved = require_run(path, "--resume") / "config.yaml"
         cls(path).refuse_in_progress()
+        for name, folder in [*((n, True) for n in ("checkpoints", "plots")), *((n, False) for n in RUN_FILES)]:
+            there = path / name  # a file where the checkpoints go was no checkpoint: the run started over, deleting
+            if there.exists() and there.is_dir() != folder:  # its metrics, then failed on a temporary file's name
+                raise PflbedError(f"--resume {path}: {name} is a {'file' if folder else 'directory'}, not the "
+                                  f"run's {'folder' if folder else 'file'}; restore it or move it away")  # fmt: skip
         if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
                               f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip
