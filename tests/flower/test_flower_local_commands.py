@@ -219,3 +219,12 @@ def test_each_node_key_is_registered_with_the_superlink_and_a_refusal_stops_the_
     assert str(e.value) == (f"registering the SuperNode key {tmp_path}/bad.pub failed: ValueError: the key is not a "
                             f"public key; see {log}")  # fmt: skip
     assert len(log.read_text().splitlines()) == 3  # the log begins anew; node-1 was not asked
+
+
+def test_auth_without_tls_is_refused_before_anything_starts_or_is_written(tools, tmp_path):
+    """Flower's SuperLink refuses node authentication over plain connections: it exited at start, its reason only
+    in its log, and left an unfinished run that only --resume or --force would then take."""
+    with pytest.raises(PflbedError, match=r"^--auth needs --tls: Flower authenticates SuperNodes only over encrypted "
+                                          r"connections$"):  # fmt: skip
+        local.run_local(load_config(None, SETS), Path("run"), 2, auth=True, progress=False)
+    assert tools() == [] and not (tmp_path / "run").exists()

@@ -374,6 +374,8 @@ def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, aut
         interval_s()
     if supernodes < 1:
         raise PflbedError("--supernodes must be at least 1")
+    if auth and not tls:  # the SuperLink exited at start, the reason in its log, leaving an unfinished run behind
+        raise PflbedError("--auth needs --tls: Flower authenticates SuperNodes only over encrypted connections")
     check_processes(supernodes, NODE_BYTES, "SuperNodes", "executor.supernodes (--supernodes)")
     if site_data is not None and len(site_data) != supernodes:
         raise PflbedError(f"{len(site_data)} --site-data directories for {supernodes} SuperNodes")
