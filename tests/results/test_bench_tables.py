@@ -551,3 +551,16 @@ def test_a_method_that_reuses_runs_takes_nothing_else_and_finds_every_setting(ta
         Suite.model_validate({**SUITE, "tables": tables})
     assert _first_error(e.value, model=Suite) == message
     Suite.model_validate({**SUITE, "tables": passes})
+
+
+def test_a_summary_whose_time_is_no_number_keeps_its_figures_and_leaves_the_time_to_the_others(tmp_path):
+    """A hand-edited `timing.wall_s` ("x", true) was a TypeError traceback from the table: the row's time is the
+    mean over the summaries that hold one, and its figures count every finished seed."""
+    main = _bench(tmp_path).table("main")
+    finish(main, "Dir(0.3)", "FedAvg", 0, {"gfl_acc": 0.50, "pfl_acc": 0.60}, wall_s="x")
+    finish(main, "Dir(0.3)", "FedAvg", 1, {"gfl_acc": 0.54, "pfl_acc": 0.64}, wall_s=8.0)
+    finish(main, "Dir(0.1)", "FedAvg", 0, {"gfl_acc": 0.40, "pfl_acc": 0.45}, wall_s=True)
+    rows = {(r["method"], r["setting"]): r for r in main.collect()}
+    assert rows[("FedAvg", "Dir(0.3)")]["seeds"] == 2 and rows[("FedAvg", "Dir(0.3)")]["wall_s"] == 8.0
+    assert rows[("FedAvg", "Dir(0.3)")]["P-FL"] == (pytest.approx(62.0), pytest.approx(2.0))
+    assert rows[("FedAvg", "Dir(0.1)")]["seeds"] == 1 and rows[("FedAvg", "Dir(0.1)")]["wall_s"] is None

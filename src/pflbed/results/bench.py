@@ -306,7 +306,8 @@ class Table:
                     vals = [v for v in (_get(x, field) for x in summaries) if v is not None] if field else []
                     k = s.column_scale.get(col, s.scale)
                     row[col] = _mean_std([v * k for v in vals]) if vals else None
-                wall = [x["timing"]["wall_s"] for x in summaries]
+                wall = [w for x in summaries if (w := _get(x, "timing.wall_s")) is not None]  # a hand-edited "x"
+                # was a TypeError traceback: the time is a note beside the row's figures, which stand without it
                 row["wall_s"] = sum(wall) / len(wall) if wall else None
                 rows.append(row)
         return rows
