@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from pflbed.cli import main
+from pflbed.errors import PflbedError
 from pflbed.results.bench import Bench, load_suite
 
 from ..doc_commands import page_command
@@ -114,6 +115,26 @@ def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):
     assert main(["bench", "-c", str(suite_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "another version of the suite" in err
+
+
+def test_another_suite_s_results_directory_is_refused_as_out(tmp_path, capsys):
+    """`bench -c A --out <B's results>` replaced B's suite.yaml and tables with A's, B's cells left under runs/ as
+    if they were A's. A suite of the same name continues there (its edited cells are refused cell by cell)."""
+    from pflbed.results.bench import Suite
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "suite.yaml").write_text("name: other\n")
+    for given, shown in ((theirs, "--out"), (None, "out")):
+        suite = Suite.model_validate({**SUITE, **({} if given else {"out": str(theirs)})})
+        with pytest.raises(PflbedError) as e:
+            Bench(suite, out=given)
+        assert str(e.value) == f"{shown} {theirs}: holds the results of suite 'other'; give suite 'tiny' a directory " \
+                               "of its own"  # fmt: skip
+    assert (theirs / "suite.yaml").read_text() == "name: other\n"
+    for text in ("name: tiny\n", "[broken", "- a list\n"):  # its own; a damaged file is its readers' to name
+        (theirs / "suite.yaml").write_text(text)
+        assert Bench(Suite.model_validate(SUITE), out=theirs).out == theirs
 
 
 def test_report_paths_may_cross_keys_with_dots():

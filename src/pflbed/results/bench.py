@@ -378,6 +378,11 @@ class Bench:
         given = out is not None
         out = out or (Path(suite.out) if suite.out else (root or Path("benchmarks/results")) / suite.name)
         self.out = suite_dir(out, "--out" if given else "out")
+        theirs = _suite_name(self.out / SUITE_FILE)
+        if theirs is not None and theirs != suite.name:  # its suite.yaml and tables were replaced by this one's,
+            # its cells left behind under runs/ as if they were this suite's
+            raise PflbedError(f"{'--out' if given else 'out'} {self.out}: holds the results of suite {theirs!r}; "
+                              f"give suite {suite.name!r} a directory of its own")  # fmt: skip
         self.tables = [Table(n, spec, suite, self.out) for n, spec in suite.tables.items()]
 
     def table(self, name: str) -> Table | None:
@@ -475,6 +480,16 @@ class Bench:
 
 
 DIVERGED = "diverged.json"  # in a cell's run directory: the run diverged (its round and message)
+
+
+def _suite_name(path: Path) -> str | None:
+    """The name in a results directory's suite file, if it is one that names a suite."""
+    try:
+        tree = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # damaged: its own readers say so
+        return None
+    name = tree.get("name") if isinstance(tree, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _run_cell(cfg: Config, path: Path, threads: int | None = None) -> tuple[dict[str, Any], float | None]:
