@@ -3,7 +3,6 @@ the loaded models are the run's final ones, personalization keeps the epoch vali
 line, exit code 2."""
 
 import json
-import pickle
 import re
 import shutil
 from dataclasses import replace
@@ -651,8 +650,49 @@ def test_a_saved_model_and_its_summary_and_no_unpickling_of_what_a_file_names(ru
     assert np.array_equal(load_model(tmp_path / "p")(run.inputs(xt)).argmax(1).numpy(), p.predict(xt))
     (tmp_path / "bad").mkdir()
     torch.save({"architecture": _Payload()}, tmp_path / "bad" / "model.pt")
-    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
-        load_model(tmp_path / "bad")
+    with pytest.raises(PflbedError, match=r"model\.pt: not a readable model file \(UnpicklingError\)$"):
+        load_model(tmp_path / "bad")  # refused unread: `_ran` would have raised an AssertionError
+
+
+def test_a_directory_without_a_saved_model_or_with_another_file_is_one_line(runs, tmp_path):
+    """`load_model` on what `Personalized.save` did not write: a missing, truncated or empty file, a checkpoint, a
+    bare state dict, a tensor, entries of the wrong types or an architecture no zoo has were FileNotFound, torch,
+    EOF, Key, Index and Type errors from inside it; the file's own path is refused too."""
+    run = pflbed.load_run(runs["fedavg"][0])
+    (x, y), _, _ = _client_samples()
+    good = run.personalize(x, y, method="ft", epochs=1, lr=0.05).save(tmp_path / "good")
+    blob = torch.load(good / "model.pt", weights_only=True)
+    saved = (good / "model.pt").read_bytes()
+    not_saved = "not a model pflbed saved (a mapping of its state_dict, architecture, input_shape and num_classes)"
+    cases = {
+        "empty": (None, "{d}: no model.pt in it; give the directory `pflbed personalize --out` (or "
+                        "`Personalized.save`) wrote"),
+        "truncated": (saved[:100], "{d}/model.pt: not a readable model file (RuntimeError)"),
+        "nothing": (b"", "{d}/model.pt: not a readable model file (EOFError)"),
+        "checkpoint": ((runs["fedavg"][0] / "checkpoints" / "last.pt").read_bytes(), f"{{d}}/model.pt: {not_saved}"),
+        "tensor": (torch.zeros(3), f"{{d}}/model.pt: {not_saved}"),
+        "state dict": (blob["state_dict"], f"{{d}}/model.pt: {not_saved}"),
+        "classes": ({**blob, "num_classes": -3}, f"{{d}}/model.pt: {not_saved}"),
+        "one class": ({**blob, "num_classes": 1}, f"{{d}}/model.pt: {not_saved}"),
+        "shape": ({**blob, "input_shape": "abc"}, f"{{d}}/model.pt: {not_saved}"),
+        "zero size": ({**blob, "input_shape": [1, 0, 8]}, f"{{d}}/model.pt: {not_saved}"),
+        "architecture": ({**blob, "architecture": 5}, f"{{d}}/model.pt: {not_saved}"),
+        "no tensors": ({k: v for k, v in blob.items() if k != "state_dict"}, f"{{d}}/model.pt: {not_saved}"),
+        "no zoo's": ({**blob, "architecture": "nope"}, "{d}/model.pt: cannot rebuild its 'nope' model (no model of "
+                                                       "the zoo)"),
+    }  # fmt: skip
+    for name, (content, message) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        if isinstance(content, bytes):
+            (d / "model.pt").write_bytes(content)
+        elif content is not None:
+            torch.save(content, d / "model.pt")
+        with pytest.raises(PflbedError) as e:
+            load_model(d)
+        assert str(e.value) == message.format(d=d), name
+    with pytest.raises(PflbedError, match=r"model\.pt: is a file; give the directory holding model\.pt$"):
+        load_model(good / "model.pt")
 
 
 def test_a_method_s_own_personal_model_is_saved_and_loaded_with_its_run(tmp_path, runs):

@@ -226,7 +226,7 @@ def apply_weights(model: BlockNet, weights: Weights, blocks: list[str], architec
 
 def save_model(model: torch.nn.Module, out: Path, architecture: str | None, input_shape: tuple[int, ...],
                num_classes: int, source: dict[str, Any] | None = None) -> Path:  # fmt: skip
-    """`out/model.pt` in the format `load_weights` (and `pflbed.load_model`) read."""
+    """`out/model.pt` in the format `load_weights` (and `pflbed.results.trained.load_model`) read."""
     blob: dict[str, Any] = {"state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                             "architecture": architecture, "input_shape": list(input_shape),
                             "num_classes": int(num_classes)}  # fmt: skip

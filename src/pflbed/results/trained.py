@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -143,9 +144,14 @@ def load_model(path: str | Path, run: TrainedRun | str | Path | None = None) -> 
     not one (FedRoD's body with two heads, FedProto's prototypes, FedCP's policy, FedDBE's, GPFL's) is rebuilt from
     its `run` (a `TrainedRun` or its directory): the file holds tensors only, and the code that makes a module of
     them is the run's algorithm, never anything the file names (no unpickling)."""
-    blob = torch.load(Path(path) / MODEL_FILE, weights_only=True)
+    blob = _read_model(Path(path))
     if blob["architecture"] is not None:
-        model = build_model(blob["architecture"], tuple(blob["input_shape"]), int(blob["num_classes"]))
+        try:
+            model = build_model(blob["architecture"], tuple(blob["input_shape"]), blob["num_classes"])
+        except (KeyError, PflbedError, ValueError, RuntimeError) as e:  # a name no zoo has; shapes it cannot take
+            why = "no model of the zoo" if isinstance(e, KeyError) else " ".join(str(e).split())[:120]
+            raise PflbedError(f"{Path(path) / MODEL_FILE}: cannot rebuild its {blob['architecture']!r} model "
+                              f"({why})") from None  # fmt: skip
     elif run is None:
         raise PflbedError(f"{path}: the model is a method's own personal model, not one of the zoo's architectures: "
                           "load it with its run (load_model(path, run=RUN_DIR))")  # fmt: skip
@@ -158,6 +164,32 @@ def load_model(path: str | Path, run: TrainedRun | str | Path | None = None) -> 
         first = str(e).strip().splitlines()[1:2] or [str(e)]
         raise PflbedError(f"{path}: its tensors do not fit the model rebuilt ({first[0].strip()})") from None
     return model.eval()
+
+
+def _read_model(path: Path) -> dict[str, Any]:
+    """The blob `save_model` wrote in `path`, its entries of their types; one line naming the file for anything
+    else. A missing file, a truncated one, a checkpoint or a bare state dict saved as model.pt were FileNotFound,
+    torch, Key and Index errors from inside `load_model`."""
+    f = path / MODEL_FILE
+    if path.is_file():
+        raise PflbedError(f"{path}: is a file; give the directory holding {MODEL_FILE}")
+    if not f.is_file():
+        raise PflbedError(f"{path}: no {MODEL_FILE} in it; give the directory `pflbed personalize --out` (or "
+                          f"`Personalized.save`) wrote")  # fmt: skip
+    try:
+        with warnings.catch_warnings():  # torch warns of a file pickled elsewhere: the line below says it all
+            warnings.simplefilter("ignore")
+            blob = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
+        raise PflbedError(f"{f}: not a readable model file ({type(e).__name__})") from None
+    ok = isinstance(blob, dict) and isinstance(blob.get("state_dict"), dict) and "architecture" in blob
+    arch, shape, classes = (blob.get(k) for k in ("architecture", "input_shape", "num_classes")) if ok else [None] * 3
+    sized = isinstance(shape, list) and bool(shape) and all(type(d) is int and d > 0 for d in shape) and \
+        type(classes) is int and classes > 1  # fmt: skip
+    if not ok or not (arch is None or (isinstance(arch, str) and sized)):
+        raise PflbedError(f"{f}: not a model pflbed saved (a mapping of its state_dict, architecture, input_shape "
+                          "and num_classes)")  # fmt: skip
+    return blob
 
 
 class TrainedRun:
