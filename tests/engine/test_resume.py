@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -397,3 +398,42 @@ def test_checking_a_checkpoint_draws_nothing_from_the_run_s_random_stream_and_as
     with pytest.raises(PflbedError, match=r"\(client 3's state's 'n' is float \[2\] where the run's set-up makes "
                                           r"integer \[3\]: another run's checkpoint"):  # fmt: skip
         check_fits({"round": 1, "server": {"w": torch.ones(2)}, "clients": states}, Drawing(), 1, Path("run"))
+
+
+def test_a_config_edited_since_its_checkpoint_is_refused_by_resume_and_load_run(tmp_path, capsys):
+    """An edited config.yaml whose checkpoint still fits went on under the edit: FedAvg's rounds resumed as FedProx's,
+    another seed's federation, more rounds, and the summary named the edit as the whole run's config. Refused, naming
+    the key, before anything is written; a placement key (threads) may change, and a checkpoint written before
+    checkpoints kept their config, or a key only one side has, is not compared."""
+    import pflbed
+
+    _, unfinished = _finished_and_unfinished(tmp_path, "fedavg")
+    conf = unfinished / "config.yaml"
+    own, kept = conf.read_text(), sorted(p.name for p in unfinished.iterdir())
+    metrics = (unfinished / "metrics.jsonl").read_text()
+    for old, new, key, now, was in (("name: fedavg", "name: fedprox", "algorithm.name", '"fedprox"', '"fedavg"'),
+                                    ("rounds: 4", "rounds: 6", "train.rounds", "6", "4"),
+                                    ("seed: 0\ndataset:", "seed: 5\ndataset:", "seed", "5", "0")):  # fmt: skip
+        assert old in own, old
+        conf.write_text(own.replace(old, new, 1))
+        said = f"{conf}: not the config the run's checkpoint (round 4) was written with: {key} is {now}, was {was}; "
+        assert main(["run", "--resume", str(unfinished), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"pflbed: error: {said}only executor.device, ") and err.endswith(": restore it"), err
+        with pytest.raises(PflbedError, match=f"^{re.escape(said)}"):
+            pflbed.load_run(unfinished)
+        assert sorted(p.name for p in unfinished.iterdir()) == kept
+        assert (unfinished / "metrics.jsonl").read_text() == metrics
+    conf.write_text(own.replace("threads: null", "threads: 2", 1))
+    assert "threads: 2" in conf.read_text()
+    pflbed.load_run(unfinished)  # a placement key is the run's to change
+    blob = torch.load(checkpoint_path(unfinished), weights_only=True)
+    extra = json.loads(blob["extra"])
+    extra["config"]["algorithm"]["retired_option"] = 3  # a key this version no longer has
+    extra["config"]["train"].pop("lr")  # a key the checkpoint's version did not have yet
+    torch.save({**blob, "extra": json.dumps(extra)}, checkpoint_path(unfinished))
+    pflbed.load_run(unfinished)
+    conf.write_text(own.replace("name: fedavg", "name: fedprox", 1))
+    extra.pop("config")  # written before checkpoints kept their config: nothing to compare with
+    torch.save({**blob, "extra": json.dumps(extra)}, checkpoint_path(unfinished))
+    assert pflbed.load_run(unfinished).config.algorithm.name == "fedprox"

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from pflbed.algorithms.base import Algorithm, Tensors
+from pflbed.config import Config
 from pflbed.engine.packed import Packed, pack, unpack
 from pflbed.errors import PflbedError
 from pflbed.private_files import private_dir, save_private
+from pflbed.results.rundir import PLACEMENT, config_record
 from pflbed.rng import fork
 
 _FORMAT = 2
@@ -129,6 +131,39 @@ def _advice(run_dir: Path) -> str:
         return f"the finished run's models were in it: run it again with '{again}'"
     return (f"to start the run over, delete that file and run 'pflbed run --resume {run_dir}' again (or rerun it "
             "with --force)")  # fmt: skip
+
+
+def check_config(saved: dict[str, Any], cfg: Config, run_dir: Path) -> None:
+    """Refuse a run whose config.yaml was edited after its checkpoint was written, naming the first key changed
+    (called after `check_fits`, whose message names a checkpoint copied from another run).
+    A checkpoint that still fits (`check_fits`) went on under the edited config: FedAvg's rounds resumed as
+    FedProx's, another seed's federation, more rounds, and the summary named the edited config as the whole run's.
+    Keys only one side has are not compared: a run written before a key was added (or after one was removed)
+    continues. A checkpoint from before checkpoints kept their config is not checked."""
+    then = saved["extra"].get("config")
+    if not isinstance(then, dict):
+        return
+    changed = _first_change(then, config_record(cfg))
+    if changed is not None:
+        key, was, now = changed
+        raise PflbedError(f"{run_dir / 'config.yaml'}: not the config the run's checkpoint (round "
+                          f"{saved['round']}) was written with: {key} is {_shown(now)}, was {_shown(was)}; only "
+                          f"executor.{', executor.'.join(PLACEMENT)} may change: restore it")  # fmt: skip
+
+
+def _first_change(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> tuple[str, Any, Any] | None:
+    for key in then.keys() & now.keys():
+        a, b = then[key], now[key]
+        if isinstance(a, dict) and isinstance(b, dict):
+            if (inner := _first_change(a, b, f"{prefix}{key}.")) is not None:
+                return inner
+        elif a != b:
+            return f"{prefix}{key}", a, b
+    return None
+
+
+def _shown(value: Any) -> str:
+    return " ".join(json.dumps(value).split())[:60]
 
 
 def check_fits(saved: dict[str, Any], algo: Algorithm, rounds: int, run_dir: Path) -> None:

@@ -34,8 +34,8 @@ from pflbed.evaluation.evaluate import evaluate_personalized
 from pflbed.evaluation.newclients import evaluate_new_clients
 from pflbed.evaluation.newclients import work as new_client_work
 from pflbed.evaluation.pretrained import pretrained_accuracy
-from pflbed.results.checkpoint import check_fits, load_checkpoint, save_checkpoint
-from pflbed.results.rundir import RunDir, default_out
+from pflbed.results.checkpoint import check_config, check_fits, load_checkpoint, save_checkpoint
+from pflbed.results.rundir import RunDir, config_record, default_out
 from pflbed.results.summary import build_summary
 from pflbed.results.tensorboard import TensorBoardLog
 
@@ -125,6 +125,7 @@ def _experiment(
     saved = load_checkpoint(rundir.path, algo.ctx.device) if (rundir and resume) else None
     if saved:
         check_fits(saved, algo, cfg.train.rounds, rundir.path)
+        check_config(saved, cfg, rundir.path)
     initial = None if saved else algo.init_server()  # before the directory is written: a refusal there leaves none
     if rundir and not resume:
         rundir.start(cfg)
@@ -141,6 +142,7 @@ def _experiment(
         server, history, per_client, first = initial, [], {}, 1
         timing = {"wall_s": 0.0, "train_s": 0.0, "eval_s": 0.0}
     t_start, wall_before = time.perf_counter(), timing["wall_s"]
+    record = config_record(cfg)  # kept in each checkpoint: a config.yaml edited since is refused on resume
     ledger = None  # a DP run's releases, durable in the run directory: kept across a resume, whatever it replays
     if cfg.privacy.enabled:
         ledger = privacy.Ledger(rundir.path / privacy.LEDGER if rundir else None, cfg.privacy_randomness(),
@@ -172,7 +174,7 @@ def _experiment(
                 if rundir and (r.record is not None or (every and r.rnd % every == 0) or r.rnd == cfg.train.rounds):
                     timing["wall_s"] = wall_before + time.perf_counter() - t_start
                     save_checkpoint(rundir.path, r.rnd, server, executor.states, history, timing,
-                                    {"per_client": per_client})  # fmt: skip
+                                    {"per_client": per_client, "config": record})  # fmt: skip
                     checkpointed = r.rnd
                 del r  # the round's server state lives on in `server` only
         except DivergedError as e:  # the driver knows the round; the experiment adds what it kept

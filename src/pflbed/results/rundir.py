@@ -190,6 +190,12 @@ def _placed_anywhere(tree: dict[str, Any]) -> dict[str, Any]:
     return {**tree, "executor": executor}
 
 
+def config_record(cfg: Config) -> dict[str, Any]:
+    """What of `cfg` a run may not change once it has started (all but the `PLACEMENT` keys), as plain JSON values:
+    a checkpoint keeps it, so that a config.yaml edited since is found (`results.checkpoint.check_config`)."""
+    return json.loads(json.dumps(_placed_anywhere(cfg.to_dict()), default=str))
+
+
 def same_config(saved: Path, cfg: Config) -> bool:
     """Whether the config.yaml at `saved` describes `cfg`: compared as configs, not as text, so a run written before
     a config key was added (its default then applies) is still the same run; `PLACEMENT` keys are not compared;

@@ -33,7 +33,7 @@ from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
 from pflbed.models.blocks import BlockNet
 from pflbed.models.pretrained import MODEL_FILE, save_model
-from pflbed.results.checkpoint import check_fits, checkpoint_path, load_checkpoint
+from pflbed.results.checkpoint import check_config, check_fits, checkpoint_path, load_checkpoint
 from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run, run_config
 from pflbed.writable import check_writable
 
@@ -220,6 +220,7 @@ class TrainedRun:
         saved = load_checkpoint(self.path, self.algo.ctx.device)
         assert saved is not None  # checked above
         check_fits(saved, self.algo, self.config.train.rounds, self.path)
+        check_config(saved, self.config, self.path)
         self.round: int = saved["round"]
         self.server, self.states = saved["server"], saved["clients"]
 
