@@ -479,11 +479,13 @@ def _cmd_flower(args: argparse.Namespace) -> None:
         inferred = described() if sites is not None else []
         cfg = load_config(args.config, [*inferred, *args.overrides, *fixed(args.supernodes)])
         out = args.out or default_out(cfg)
-    from pflbed.flower.local import resume_command, run_local  # after the config's checks, as `pflbed run`
+    from pflbed.flower.local import check_site_data, resume_command, run_local  # after the config's checks
 
     console = make_console()
     supernodes = cfg.executor.supernodes
     assert supernodes is not None  # set by `fixed`, or checked on resume
+    for k, d in enumerate(sites or []):  # as each node will check it, before the deployment starts
+        check_site_data(cfg, d, k, supernodes)
     with _continuable(out, resume_command(out, args.tls, args.auth, sites), cfg.train.rounds):
         summary = run_local(cfg, out, supernodes, tls=args.tls, auth=args.auth, force=args.force,
                             resume=bool(args.resume), site_data=sites, log=console.print,

@@ -1081,6 +1081,8 @@ def test_a_site_s_report_carries_the_token_kept_in_its_own_state_directory(tmp_p
     with pytest.raises(SiteError, match=r"^site 0: the server asked for this node's data, but its config names no "
                                         r"data=$"):  # fmt: skip
         site_node.site_report(_context({}), _tampered(plain))
+    with pytest.raises(SiteError, match=r"^site 1: client \d+ of 5000 has no training samples"):  # named once
+        site_node.site_report(_context({**node, "clients": 5000}), _tampered(cfg))
 
 
 def test_a_site_token_is_made_once_readable_by_its_owner_only(tmp_path):

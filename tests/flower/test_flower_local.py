@@ -302,3 +302,44 @@ def test_what_flower_local_hands_its_deployment_from_its_options_and_on_resume(t
     assert deploy("--resume", str(dep), "--site-data", *map(str, sites)) == (
         f"--resume {dep}: the run's data is the server's (not sites.local); resume it without --site-data")
     assert calls == []
+
+
+def test_site_data_a_site_would_refuse_is_refused_before_the_deployment_starts(tmp_path, monkeypatch, capsys):
+    """A site whose labels are negative or outside `sites.num_classes`, whose training file holds no sample, or
+    whose inferred classes exceed a site's bound refused the run only once its node had started: exit 4, the reason
+    in a log or in Flower's wrapping of it, and an unfinished run left behind that --resume would not mend. The
+    same checks now run on each directory first, naming it; nothing is deployed or written."""
+    import numpy as np
+
+    from pflbed.errors import PflbedError
+
+    deployed = []
+
+    def deployment(*args, **kwargs):
+        deployed.append(args)
+        raise PflbedError("not deployed")
+
+    monkeypatch.setattr(local, "run_local", deployment)
+    monkeypatch.chdir(tmp_path)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for d in (good, bad):
+        d.mkdir()
+    np.savez(good / "train.npz", x=np.zeros((6, 8, 8)), y=np.arange(6) % 3)
+    cases = [({"x": np.zeros((6, 8, 8)), "y": np.arange(6) - 3}, [], "labels [-3, -2, -1] are outside the run's "
+              "label space 0…2 (sites.num_classes)"),
+             ({"x": np.zeros((0, 8, 8)), "y": np.zeros(0, int)}, ["sites.input_shape=[1,8,8]", "sites.num_classes=3"],
+              "its training data holds no samples"),
+             ({"x": np.zeros((6, 8, 8)), "y": np.arange(6)}, ["sites.num_classes=3"], "labels [3, 4, 5] are outside "
+              "the run's label space 0…2 (sites.num_classes)")]  # fmt: skip
+    for arrays, sets, said in cases:
+        np.savez(bad / "train.npz", **arrays)
+        extra = [a for s in sets for a in ("--set", s)]
+        assert main(["flower", "local", "--site-data", str(good), str(bad), "--out", "run", *extra, *ARGS]) == 2
+        assert capsys.readouterr().err.strip() == f"pflbed: error: --site-data {bad}: {said}"
+    np.savez(bad / "train.npz", x=np.zeros((6, 8, 8)), y=np.arange(6) + 1000)  # 1006 classes inferred: over the
+    assert main(["flower", "local", "--site-data", str(good), str(bad), "--out", "run", *ARGS]) == 2  # bound
+    assert "sites.num_classes=1006, above this site's bound max-classes=1000" in capsys.readouterr().err
+    assert deployed == [] and not (tmp_path / "run").exists()
+    np.savez(bad / "train.npz", x=np.ones((6, 8, 8)), y=np.arange(6) % 3)
+    assert main(["flower", "local", "--site-data", str(good), str(bad), "--out", "run", *ARGS]) == 2
+    assert capsys.readouterr().err.strip() == "pflbed: error: not deployed" and len(deployed) == 1

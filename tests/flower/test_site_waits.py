@@ -123,7 +123,10 @@ def test_start_up_with_no_site_at_all_says_so(tmp_path, clock):
 
 @pytest.mark.parametrize("reason, said", [("", "no reason"), ("Traceback (most recent call last):\n  File x\n"
                                                               "SiteError: site 1: no data\n\n", "SiteError: site 1: "
-                                                              "no data")])  # fmt: skip
+                                                              "no data"),
+                                         ("<class 'pflbed.flower.sites.SiteError'>:<'site 0: client 0 of 1 has no "
+                                          "training samples'>", "site 0: client 0 of 1 has no training samples"),
+                                         ('<class \'KeyError\'>:<"\'x\'">', "'x'")])  # Flower's wrapping  # fmt: skip
 def test_a_node_refusing_the_start_up_question_is_named_with_the_last_line_of_its_reason(reason, said, tmp_path):
     cfg = _cfg()
     _, grid = _sites(tmp_path, cfg)

@@ -22,6 +22,7 @@ site's own, stops it with one line naming the site).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -49,9 +50,12 @@ class FlowerClientError(RuntimeError):
 
 
 def last_line(reason: str) -> str:
-    """A node's error as a line may show it: the last line of its reason (the error, without its traceback)."""
+    """A node's error as a line may show it: the last line of its reason (the error, without its traceback), and of
+    Flower's wrapping of an exception, `<class 'pflbed.flower.sites.SiteError'>:<'site 0: …'>`, the message."""
     reason = reason.strip()
-    return reason.splitlines()[-1] if reason else "no reason"
+    line = reason.splitlines()[-1] if reason else "no reason"
+    wrapped = re.fullmatch(r"<class '[\w.]+'>:<(['\"])(.*)\1>", line)
+    return wrapped.group(2) if wrapped else line
 
 
 class Replies:

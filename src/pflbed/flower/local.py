@@ -361,6 +361,29 @@ def _wait(proc: subprocess.Popen, follower: Follower, poll_s: float = 1.0, watch
             proc.wait()
 
 
+def check_site_data(cfg: Config, path: Path, site: int, sites: int) -> None:
+    """Site `site`'s data (`--site-data path`) as its SuperNode will read, report and have it checked at start-up:
+    the run's config as the site accepts it (`site_policy.check`), its files (`sites.read_site`), its report against
+    the run's input shape and label space (`sites.check_report`). Each site's own checks stay, and run again in its
+    node: here they run before the deployment starts, since a site that refuses only once started left an unfinished
+    run behind, its reason in a node's log or in Flower's wrapping of it."""
+    from pflbed.flower.client import PARTITION, PARTITIONS
+    from pflbed.flower.project import config_json
+    from pflbed.flower.site_policy import check
+    from pflbed.flower.sites import DATA, check_report, read_site, report
+
+    node = {PARTITION: site, PARTITIONS: sites, DATA: str(path)}
+    try:
+        accepted = check(node, config_json(cfg))
+        files = read_site(node, accepted)
+        assert files is not None  # the node config names its data
+        if not len(files.data):  # else "client 0 of 1 has no training samples; lower clients="
+            raise PflbedError("its training data holds no samples")
+        check_report(cfg, site, report(files, 1, accepted, site))
+    except PflbedError as e:
+        raise PflbedError(f"--site-data {path}: {str(e).removeprefix(f'site {site}: ')}") from None
+
+
 def run_local(cfg: Config, out: Path, supernodes: int, *, tls: bool = False, auth: bool = False,
               force: bool = False, resume: bool = False, site_data: list[Path] | None = None,
               log=print, progress: bool = True) -> dict:  # fmt: skip

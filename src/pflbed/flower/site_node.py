@@ -109,5 +109,5 @@ def site_report(context: Any, config_json: str) -> dict[str, Any]:
         assert files is not None
         token = site_token(str(node.get(NODE_CONFIG_KEY) or DEFAULT_STATE_DIR))  # binds this site to its node
         return {**report(files, num_clients(node), cfg, site), TOKEN: token}
-    except PflbedError as e:  # which site, in the one line the server shows
-        raise SiteError(f"site {site}: {e}") from None
+    except PflbedError as e:  # which site, in the one line the server shows (once: some messages name it already)
+        raise SiteError(f"site {site}: {str(e).removeprefix(f'site {site}: ')}") from None
