@@ -212,8 +212,11 @@ def _jobs(text: str) -> int:
     one per cell until the machine's memory was gone)."""
     from pflbed.config.base import max_threads
 
-    n = _count(text)
-    if not 1 <= n <= max_threads():
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= n <= max_threads():  # a negative one too: "0 or more" (a count's bound) was said of -1, not of 0
         raise argparse.ArgumentTypeError(f"must be 1 to {max_threads()} (4 × this machine's cores), got {text!r}")
     return n
 
@@ -422,6 +425,9 @@ def _cmd_flower(args: argparse.Namespace) -> None:
     if args.secagg and sites is None:
         raise PflbedError("--secagg needs --site-data: secure aggregation protects the sites' updates, and without "
                           "--site-data the server holds all the data")  # fmt: skip
+    twice = next((d for i, d in enumerate(sites or []) if d.resolve() in {e.resolve() for e in sites[:i]}), None)
+    if twice is not None:  # two SuperNodes serving one site's data trained it twice, as two sites
+        raise PflbedError(f"--site-data {twice}: given twice; each site once")
     gone = next((d for d in sites or [] if not d.exists()), None)  # a shell glob that matched nothing: `sites/site-*`
     if gone is not None:  # said before a deployment starts, whose node would say it in its log
         raise PflbedError(f"--site-data {gone}: no such file or directory")
@@ -718,7 +724,7 @@ def _data_new_client(args: argparse.Namespace) -> None:
     if args.config or args.overrides:
         raise PflbedError("data new-client takes the run's own config (RUN/config.yaml): leave out -c and --set")
     require_run(run)
-    cfg = run_config(read_config_tree(run / "config.yaml"))
+    cfg = run_config(read_config_tree(run / "config.yaml"), path=run / "config.yaml")
     if cfg.sites.local:
         raise PflbedError(f"{run}: its clients' data stayed on their sites (sites.local); a new site brings its own")
     files_dir(out, f"--out {out}", "train.npz, val.npz and test.npz")

@@ -339,6 +339,10 @@ def test_site_data_a_site_would_refuse_is_refused_before_the_deployment_starts(t
     np.savez(bad / "train.npz", x=np.zeros((6, 8, 8)), y=np.arange(6) + 1000)  # 1006 classes inferred: over the
     assert main(["flower", "local", "--site-data", str(good), str(bad), "--out", "run", *ARGS]) == 2  # bound
     assert "sites.num_classes=1006, above this site's bound max-classes=1000" in capsys.readouterr().err
+    for twice in (str(good), f"{tmp_path}/x/../good"):  # one site's data trained twice, as two sites
+        assert main(["flower", "local", "--site-data", str(good), twice, "--out", "run", *ARGS]) == 2
+        said = capsys.readouterr().err.strip()
+        assert said == f"pflbed: error: --site-data {Path(twice)}: given twice; each site once"
     assert deployed == [] and not (tmp_path / "run").exists()
     np.savez(bad / "train.npz", x=np.ones((6, 8, 8)), y=np.arange(6) % 3)
     assert main(["flower", "local", "--site-data", str(good), str(bad), "--out", "run", *ARGS]) == 2

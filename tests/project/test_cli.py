@@ -628,6 +628,8 @@ def test_a_config_or_suite_that_is_not_yaml_text_is_one_line(command, kind, tmp_
     (["bench", "--max-cells", "-1"], "argument --max-cells: must be 0 or more, got '-1'"),
     (["bench", "--max-cells", "x"], "argument --max-cells: expected a whole number, got 'x'"),
     (["bench", "--jobs", "0"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '0'"),
+    (["bench", "--jobs", "-1"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '-1'"),
+    (["tune", "--jobs", "x"], "argument --jobs: expected a whole number, got 'x'"),
     (["bench", "--jobs", "{over}"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '{over}'"),
     (["tune", "--max-trials", "-2"], "argument --max-trials: must be 0 or more, got '-2'"),
     (["tune", "--jobs", "{over}"], "argument --jobs: must be 1 to {top} (4 × this machine's cores), got '{over}'"),

@@ -31,6 +31,14 @@ def test_an_override_without_a_key_and_an_equals_sign_is_refused(item):
     assert str(e.value) == f"--set {item!r}: expected key=value"
 
 
+@pytest.mark.parametrize("item", [5, None, ("seed", 1), b"seed=1"])
+def test_an_override_that_is_no_text_is_a_type_error_naming_it(item):
+    """`load_config(None, [5])` was an AttributeError from inside the parser."""
+    with pytest.raises(TypeError) as e:
+        load_config(None, [item])
+    assert str(e.value) == f"overrides: 'key=value' strings, got {type(item).__name__} {item!r}"
+
+
 def test_an_override_below_a_value_is_refused():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["train.lr=0.1", "train.lr.max=1"])

@@ -573,6 +573,9 @@ def test_for_resume_refuses_a_run_whose_folder_is_a_file_or_whose_file_is_a_fold
             f"--resume {out}: {name} is a {'file' if folder else 'directory'}, not the run's "
             f"{'folder' if folder else 'file'}; restore it or move it away")  # fmt: skip
         assert sorted(p.name for p in out.iterdir()) == kept
+    edited = _saved(tmp_path, _cfg(), "edited")  # a mistake in an edited config.yaml is named with the file
+    (edited / "config.yaml").write_text((edited / "config.yaml").read_text().replace("rounds: 3", "rounds: three"))
+    assert _refused(RunDir.for_resume, edited, None).startswith(f"{edited / 'config.yaml'}: train.rounds: ")
     fine = _saved(tmp_path, _cfg(), "fine")
     (fine / "checkpoints").mkdir()
     (fine / "metrics.jsonl").write_text("")

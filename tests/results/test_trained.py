@@ -497,8 +497,16 @@ def test_a_run_directory_is_loaded_unfinished_and_refused_without_config_or_chec
     with pytest.raises(PflbedError, match=rf"^{re.escape(str(path))}: has no checkpoint \(the run stopped before its "
                                           r"first checkpointed round\): nothing to load$"):  # fmt: skip
         pflbed.load_run(path)
+    (path / "checkpoints" / "last.pt").mkdir()  # was "has no checkpoint" too
+    with pytest.raises(PflbedError, match=r"last\.pt: is a directory, not a checkpoint$"):
+        pflbed.load_run(path)
+    (path / "checkpoints" / "last.pt").rmdir()
+    shutil.copy(runs["fedavg"][0] / "checkpoints" / "last.pt", path / "checkpoints" / "last.pt")
     with pytest.raises(PflbedError, match=rf"^{re.escape(str(tmp_path))}: not a pflbed run directory \(no config"):
         pflbed.load_run(tmp_path)
+    (path / "config.yaml").write_text((path / "config.yaml").read_text().replace("name: fedavg", "name: nope", 1))
+    with pytest.raises(PflbedError, match=rf"^{re.escape(str(path / 'config.yaml'))}: algorithm\.name: unknown "):
+        pflbed.load_run(path)  # an edited config's mistake, named with its file (before its checkpoint is read)
 
 
 def test_version_and_data_show_writes_no_picture_unasked(tmp_path, capsys, monkeypatch):

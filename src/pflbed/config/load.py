@@ -35,6 +35,8 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def parse_override(item: str) -> tuple[str, Any]:
     """`key=value` with the value read as YAML (so numbers, booleans and lists get their types)."""
+    if not isinstance(item, str):  # the API's overrides: 5 was an AttributeError from inside
+        raise TypeError(f"overrides: 'key=value' strings, got {type(item).__name__} {item!r}")
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected key=value")

@@ -206,10 +206,13 @@ def same_config(saved: Path, cfg: Config) -> bool:
         return False
 
 
-def run_config(tree: dict[str, Any], placement: Config | None = None) -> Config:
+def run_config(tree: dict[str, Any], placement: Config | None = None, path: Path | None = None) -> Config:
     """A run's saved config tree, validated here: its `PLACEMENT` keys replaced by `placement`'s when given, else
-    its device made the CPU where the saved one does not exist on this machine (a GPU run loaded on a laptop)."""
+    its device made the CPU where the saved one does not exist on this machine (a GPU run loaded on a laptop).
+    `path`: the file it was read from, which a value it refuses is named with (an edited config.yaml's mistake
+    was said as if the user had typed it)."""
     from pflbed.config import resolve_device, validate_config
+    from pflbed.errors import ConfigError
 
     executor = dict(tree.get("executor") or {})
     if placement is not None:
@@ -221,7 +224,12 @@ def run_config(tree: dict[str, Any], placement: Config | None = None) -> Config:
             resolve_device(str(executor.get("device", "cpu")))
         except ValueError:
             executor["device"] = "cpu"
-    return validate_config({**tree, "executor": executor})
+    try:
+        return validate_config({**tree, "executor": executor})
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {e}") from None
 
 
 class RunDir:
@@ -338,7 +346,7 @@ class RunDir:
         if cfg is not None and not same_config(saved, cfg):
             raise PflbedError(f"--resume {path}: the run was started with a different config (only executor."
                               f"{', executor.'.join(PLACEMENT)} may change when resuming)")  # fmt: skip
-        return cls(path), run_config(read_config_tree(saved), cfg)
+        return cls(path), run_config(read_config_tree(saved), cfg, saved)
 
     def rewrite_metrics(self, history: list[dict[str, Any]]) -> None:
         """Make metrics.jsonl exactly the checkpointed history (drops lines logged after the checkpoint)."""

@@ -201,6 +201,8 @@ class TrainedRun:
 
         self.path = Path(path)
         conf = require_run(self.path) / "config.yaml"
+        if checkpoint_path(self.path).exists() and not checkpoint_path(self.path).is_file():
+            raise PflbedError(f"{checkpoint_path(self.path)}: is a directory, not a checkpoint")  # "has none"
         if not checkpoint_path(self.path).is_file():
             raise PflbedError(f"{self.path}: has no checkpoint (the run stopped before its first checkpointed "
                               "round): nothing to load")  # fmt: skip
@@ -211,7 +213,7 @@ class TrainedRun:
             except ValueError as e:
                 raise PflbedError(f"device {str(device)!r}: {e}") from None
             tree = {**tree, "executor": {**(tree.get("executor") or {}), "device": str(device)}}
-        self.config: Config = run_config(tree)  # a GPU run loads on the CPU where this machine has no GPU
+        self.config: Config = run_config(tree, path=conf)  # a GPU run loads on the CPU where it has no GPU
         summary = self.path / "summary.json"
         self.summary: dict[str, Any] | None = read_summary(summary) if summary.is_file() else None
         metrics = self.path / "metrics.jsonl"
