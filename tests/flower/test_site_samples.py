@@ -322,9 +322,12 @@ def test_flower_local_fills_in_from_the_site_files_only_what_the_config_leaves_u
     npz, images = tmp_path / "npz", tmp_path / "images"
     npz.mkdir()
     np.savez(npz / "train.npz", x=np.zeros((6, 8, 8)), y=np.arange(6) % 5)
+    from PIL import Image
+
     for c in (0, 1):
         (images / str(c)).mkdir(parents=True)
-    config = tmp_path / "ten.yaml"
+        Image.fromarray(np.full((16, 16), 40 * c, np.uint8)).save(images / str(c) / "a.png")  # each site's data is
+    config = tmp_path / "ten.yaml"  # read as its node will, before the deployment
     config.write_text("sites:\n  num_classes: 10\n")
 
     def deploy(*given: str | Path) -> str:

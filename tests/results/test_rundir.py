@@ -733,3 +733,17 @@ def test_a_files_directory_is_no_other_command_s_directory(tmp_path):
         assert files_dir(fine, "--out", "samples") == fine
     with pytest.raises(PflbedError, match=r"is a file, not a directory$"):
         files_dir(tmp_path / "file" / "under", "--out", "samples")
+
+
+def test_a_checkpoint_s_config_record_leaves_out_placement_and_the_files_locations():
+    """What a run may change once started: where it runs (`PLACEMENT`) and where its files are on this machine
+    (`LOCATIONS`: a run moved to another machine); everything else is recorded, and compared on resume."""
+    from pflbed.results.rundir import LOCATIONS, PLACEMENT, config_record
+
+    cfg = validate_config({"dataset": {"path": "/data/digits"}, "executor": {"threads": 2}})
+    record = config_record(cfg)
+    assert not set(PLACEMENT) & set(record["executor"])
+    for section, key in LOCATIONS.items():
+        assert key in cfg.to_dict()[section] and key not in record[section], (section, key)
+    assert record["seed"] == 0 and record["train"]["rounds"] == cfg.train.rounds
+    assert record["dataset"]["name"] == "digits" and json.loads(json.dumps(record)) == record

@@ -148,7 +148,8 @@ def check_config(saved: dict[str, Any], cfg: Config, run_dir: Path) -> None:
         key, was, now = changed
         raise PflbedError(f"{run_dir / 'config.yaml'}: not the config the run's checkpoint (round "
                           f"{saved['round']}) was written with: {key} is {_shown(now)}, was {_shown(was)}; only "
-                          f"executor.{', executor.'.join(PLACEMENT)} may change: restore it")  # fmt: skip
+                          f"executor.{', executor.'.join(PLACEMENT)} and the files' locations may change: restore "
+                          "it")  # fmt: skip
 
 
 def _first_change(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> tuple[str, Any, Any] | None:

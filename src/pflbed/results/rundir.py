@@ -190,10 +190,21 @@ def _placed_anywhere(tree: dict[str, Any]) -> dict[str, Any]:
     return {**tree, "executor": executor}
 
 
+# Where a run's files are on the machine running it: a run moved to another machine (a site-local run's server
+# test file, the dataset's directory) is loaded or resumed with them changed in its config.yaml.
+LOCATIONS = {"dataset": "path", "sites": "test", "model": "init_from", "federation": "manifest",
+             "executor": "state_dir"}  # fmt: skip
+
+
 def config_record(cfg: Config) -> dict[str, Any]:
-    """What of `cfg` a run may not change once it has started (all but the `PLACEMENT` keys), as plain JSON values:
-    a checkpoint keeps it, so that a config.yaml edited since is found (`results.checkpoint.check_config`)."""
-    return json.loads(json.dumps(_placed_anywhere(cfg.to_dict()), default=str))
+    """What of `cfg` a run may not change once it has started, as plain JSON values: all but the `PLACEMENT` keys
+    and the files' `LOCATIONS`. A checkpoint keeps it, so that a config.yaml edited since is found
+    (`results.checkpoint.check_config`)."""
+    tree = json.loads(json.dumps(_placed_anywhere(cfg.to_dict()), default=str))
+    for section, key in LOCATIONS.items():
+        if isinstance(tree.get(section), dict):
+            tree[section].pop(key, None)
+    return tree
 
 
 def same_config(saved: Path, cfg: Config) -> bool:
