@@ -437,3 +437,16 @@ def test_a_config_edited_since_its_checkpoint_is_refused_by_resume_and_load_run(
     extra.pop("config")  # written before checkpoints kept their config: nothing to compare with
     torch.save({**blob, "extra": json.dumps(extra)}, checkpoint_path(unfinished))
     assert pflbed.load_run(unfinished).config.algorithm.name == "fedprox"
+
+
+def test_an_edit_is_named_by_the_first_key_changed_in_the_config_s_order():
+    """Two edits at once name the earlier of them in the checkpoint's config, whatever the hash seed (a set's order
+    named either); a section is entered where both sides have it, and a value that became a section is a change."""
+    from pflbed.results.checkpoint import _first_change
+
+    then = {"seed": 0, "train": {"lr": 0.1, "rounds": 4}, "algorithm": {"name": "fedavg"}}
+    assert _first_change(then, {**then, "algorithm": {"name": "fedprox"}, "train": {"lr": 0.1, "rounds": 6}}) == \
+        ("train.rounds", 4, 6)  # fmt: skip
+    assert _first_change(then, {**then, "seed": 3, "train": {"lr": 0.2, "rounds": 4}}) == ("seed", 0, 3)
+    assert _first_change(then, {**then, "seed": {"a": 1}}) == ("seed", 0, {"a": 1})
+    assert _first_change(then, {"train": {"rounds": 4}, "new": 1}) is None

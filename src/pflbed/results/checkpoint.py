@@ -153,7 +153,7 @@ def check_config(saved: dict[str, Any], cfg: Config, run_dir: Path) -> None:
 
 
 def _first_change(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> tuple[str, Any, Any] | None:
-    for key in then.keys() & now.keys():
+    for key in (k for k in then if k in now):  # in the config's order: one message for one edit, every time
         a, b = then[key], now[key]
         if isinstance(a, dict) and isinstance(b, dict):
             if (inner := _first_change(a, b, f"{prefix}{key}.")) is not None:
