@@ -112,9 +112,13 @@ def test_cells_of_an_edited_suite_are_refused(suite_file, capsys):
     tree = yaml.safe_load(suite_file.read_text())
     tree["base"]["train"]["lr"] = 0.2
     suite_file.write_text(yaml.safe_dump(tree))
-    assert main(["bench", "-c", str(suite_file)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "another version of the suite" in err
+    out = yaml.safe_load(suite_file.read_text())["out"]
+    tables = {p.name: p.read_text() for p in Path(out).glob("table.*")}
+    for flags in ([], ["--list"], ["--table-only"]):  # the last two listed it as done, tabled it with the others
+        assert main(["bench", "-c", str(suite_file), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "another version of the suite" in err, flags
+    assert {p.name: p.read_text() for p in Path(out).glob("table.*")} == tables
 
 
 def test_another_suite_s_results_directory_is_refused_as_out(tmp_path, capsys):
@@ -341,6 +345,9 @@ class _FakeBench:
 
     def pending(self):
         return [] if self.done else [(_Table, (1,))]
+
+    def refuse_stale(self):  # no cell of another version of the suite here
+        pass
 
     def run(self, max_cells, log, shard, jobs):
         self.calls.append(("run", max_cells, shard, jobs, log is not None))

@@ -416,6 +416,14 @@ class Bench:
                 out.append(saved.parent)
         return out
 
+    def refuse_stale(self) -> None:
+        """Refuse a results directory holding cells of another version of the suite: a run would mix them into its
+        tables, and so did `--table-only` and `--list` (which listed them as done)."""
+        stale = self.stale()
+        if stale:
+            raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
+                              "delete them, restore the suite, or run it in another directory (--out)")  # fmt: skip
+
     def run(self, max_cells: int | None = None, log=print, shard: tuple[int, int] = (1, 1), jobs: int = 1) -> int:
         """Run the unfinished cells (at most `max_cells`); returns how many ran.
 
@@ -424,10 +432,7 @@ class Bench:
         finishes one, so uneven cells balance out. `shard` = (i, n) runs only the cells whose position in the suite
         is i-1 modulo n, for splitting a suite across machines without running a cell twice.
         """
-        stale = self.stale()
-        if stale:
-            raise PflbedError(f"{len(stale)} cell(s) were run with another version of the suite, e.g. {stale[0]}; "
-                              "delete them, restore the suite, or run it in another directory (--out)")  # fmt: skip
+        self.refuse_stale()
         i_shard, n_shard = shard
         cells, pending = self.cells(), self.pending()
         position = {(t.name, c): k for k, (t, c) in enumerate(cells)}
