@@ -313,6 +313,7 @@ DAMAGED = [  # a run file truncated, overwritten or hand-edited: each was a trac
     ("metrics.jsonl", '{"round": 2}\ngarbage\n', r"metrics\.jsonl: line 2 is not valid JSON \(Expecting value\)"),
     ("metrics.jsonl", "[1]\n", r"metrics\.jsonl: line 1 is a JSON list, not an object"),
     ("metrics.jsonl", '{"pfl_acc": 0.5}\n', r"metrics\.jsonl: record 1 has no round \(int\)"),
+    ("metrics.jsonl", None, r"metrics\.jsonl: a directory, not a file"),  # its curves were left out unsaid
     ("config.yaml", "a: [\n", r"config\.yaml: not valid YAML \(line 2\)"),
     ("config.yaml", "- 1\n", r"config\.yaml: a YAML list, not a mapping of config sections"),
 ]  # fmt: skip
@@ -325,7 +326,11 @@ def test_a_damaged_run_file_is_one_line_naming_it_for_every_command_reading_it(r
     one line naming the file and what is wrong with it, nothing written."""
     run = tmp_path / "run"
     shutil.copytree(runs[0], run)
-    (run / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    if content is None:
+        (run / name).unlink()
+        (run / name).mkdir()
+    else:
+        (run / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     np.savez(tmp_path / "x.npz", x=np.zeros((2, 32)), y=np.zeros(2, dtype=np.int64))
     out = str(tmp_path / "out")
     commands = {"report": ["report", str(run), "-o", str(tmp_path / "out" / "r.html")],

@@ -38,7 +38,7 @@ from typing import Any
 from pflbed.errors import PflbedError
 from pflbed.results.config_diff import diff_rows
 from pflbed.results.report_figures import Panel, curves_svg, histogram_svg, run_colour, run_series
-from pflbed.results.rundir import RUN_FILES, read_config_tree, read_metrics, read_summary, require_run
+from pflbed.results.rundir import RUN_FILES, read_config_tree, read_history, read_summary, require_run
 from pflbed.writable import check_writable
 
 ACCURACY = (("gfl_acc", "G-FL test"), ("pfl_acc", "P-FL test"), ("pfl_val", "P-FL validation"),
@@ -83,7 +83,7 @@ def read_run(path: Path) -> RunData:
     if not summary.is_file():
         raise PflbedError(f"{path}: the run is not finished (no summary.json); finish it with 'pflbed run --resume'")
     s = read_summary(summary)
-    history = read_metrics(metrics) if metrics.is_file() else []
+    history = read_history(metrics)
     read_config_tree(config)  # read once here: a damaged one is named before any figure is drawn
     artifacts = s.get("artifacts")
     artifacts = {k: path / v for k, v in (artifacts if isinstance(artifacts, dict) else {}).items()

@@ -135,6 +135,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """A run's evaluation records (`read_metrics`); none where it has no metrics.jsonl yet. One that is a directory
+    is damaged, not absent: `report` and `load_run` left the curves and the history out without a word."""
+    if path.exists() and not path.is_file():
+        raise _damaged(path, "a directory, not a file")
+    return read_metrics(path) if path.exists() else []
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of the run file `path`, one per line (`metrics.jsonl`); one line naming the bad line."""
     try:

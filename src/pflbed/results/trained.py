@@ -34,7 +34,7 @@ from pflbed.models import build_model
 from pflbed.models.blocks import BlockNet
 from pflbed.models.pretrained import MODEL_FILE, save_model
 from pflbed.results.checkpoint import check_config, check_fits, checkpoint_path, load_checkpoint
-from pflbed.results.rundir import read_config_tree, read_metrics, read_summary, require_run, run_config
+from pflbed.results.rundir import read_config_tree, read_history, read_summary, require_run, run_config
 from pflbed.writable import check_writable
 
 Method = Literal["native", "ft", "lp"]
@@ -217,7 +217,7 @@ class TrainedRun:
         summary = self.path / "summary.json"
         self.summary: dict[str, Any] | None = read_summary(summary) if summary.is_file() else None
         metrics = self.path / "metrics.jsonl"
-        self.history = read_metrics(metrics) if metrics.is_file() else []
+        self.history = read_history(metrics)
         self.algo: Algorithm = prepare(self.config) if not self.config.sites.local else self._without_data()
         saved = load_checkpoint(self.path, self.algo.ctx.device)
         assert saved is not None  # checked above
