@@ -71,7 +71,12 @@ def run(
     else:
         raise TypeError(f"pflbed.run: config must be a Config, a dict of config keys, a YAML file's path or None, not "
                         f"{type(config).__name__}")  # fmt: skip
-    return _run(cfg, _Path(out) if out else None, write=write, progress=progress, force=force)
+    for name, flag in (("write", write), ("progress", progress), ("force", force)):  # "no" was true: force="no"
+        if not isinstance(flag, bool):  # replaced an existing run
+            raise TypeError(f"pflbed.run: {name} must be True or False, not {type(flag).__name__} {flag!r}")
+    if out is not None and (not isinstance(out, str | _Path) or not str(out)):  # "" wrote to the default place
+        raise TypeError(f"pflbed.run: out must be a directory's path or None, not {type(out).__name__} {out!r}")
+    return _run(cfg, _Path(out) if out is not None else None, write=write, progress=progress, force=force)
 
 
 def load_run(path: str | _Path, device: str | None = None):

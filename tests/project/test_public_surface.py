@@ -57,6 +57,13 @@ def test_pflbed_run_takes_a_config_a_dict_a_yaml_file_s_path_or_nothing(tmp_path
         pflbed.run(["train.rounds=3"])
     assert str(e.value) == ("pflbed.run: config must be a Config, a dict of config keys, a YAML file's path or None, "
                             "not list")  # fmt: skip
+    for bad, said in (({"force": "no"}, "force must be True or False, not str 'no'"),  # "no" replaced a run
+                      ({"write": 0}, "write must be True or False, not int 0"),
+                      ({"out": ""}, "out must be a directory's path or None, not str ''"),  # the default place
+                      ({"out": 5}, "out must be a directory's path or None, not int 5")):  # fmt: skip
+        with pytest.raises(TypeError) as e:
+            pflbed.run(None, **bad)
+        assert str(e.value) == f"pflbed.run: {said}"
     assert got == []
 
 
