@@ -64,6 +64,7 @@ def test_ctrl_c_in_a_bench_says_how_to_continue(tmp_path, monkeypatch, capsys):
     suite.write_text("name: s\n")
     monkeypatch.setattr(bench, "load_suite", lambda path, overrides: object())
     monkeypatch.setattr(bench, "Bench", lambda s, out=None: type("B", (), {"pending": lambda self: [],
+                                                                          "refuse_stale": lambda self: None,
                                                                           "run": lambda *a, **k: (_ for _ in ()).throw(
         KeyboardInterrupt)})())  # fmt: skip
     assert main(["bench", "-c", str(suite), "--jobs", "2", "--shard", "2/3"]) == 130
