@@ -61,6 +61,14 @@ def model_file(path: str | Path) -> Path:
     return p / (SAFETENSORS_FILE if published else MODEL_FILE)
 
 
+def load_tensors(f: Path) -> Any:
+    """`torch.load` of tensors and plain values only (no unpickling of what the file names), on the CPU, without
+    torch's warning of a file pickled elsewhere: the caller's one line on a file it refuses says it all."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
     f = model_file(path)
     if not f.is_file():
@@ -73,9 +81,7 @@ def load_weights(path: str | Path, what: str = "model.init_from") -> Weights:
 
             blob = load_file(f, device="cpu")
         else:
-            with warnings.catch_warnings():  # torch warns of a file pickled elsewhere: the line below says it all
-                warnings.simplefilter("ignore")
-                blob = torch.load(f, map_location="cpu", weights_only=True)
+            blob = load_tensors(f)
     except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
         kind = "safetensors" if safetensors else "torch weights"
         raise ConfigError(f"{what}: {f} is not a {kind} file ({type(e).__name__})") from None

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from pflbed.config import Config
-from pflbed.errors import PflbedError
+from pflbed.errors import ConfigError, PflbedError
 from pflbed.writable import check_writable
 
 try:
@@ -105,7 +105,7 @@ def files_dir(path: Path, shown: str, writes: str) -> Path:
     check_writable(path, shown)
     if (path / "config.yaml").is_file() or RunDir(path).has_results:
         what = "a run's or a pretrained model's directory"
-    elif (path / SUITE_FILE).is_file() or (path / "study.db").is_file() or (path / "trials").is_dir():
+    elif _what_it_is(path):
         what = "a bench suite's or a tune directory"
     else:
         return path
@@ -231,7 +231,6 @@ def run_config(tree: dict[str, Any], placement: Config | None = None, path: Path
     `path`: the file it was read from, which a value it refuses is named with (an edited config.yaml's mistake
     was said as if the user had typed it)."""
     from pflbed.config import resolve_device, validate_config
-    from pflbed.errors import ConfigError
 
     executor = dict(tree.get("executor") or {})
     if placement is not None:

@@ -17,7 +17,6 @@ import json
 import math
 import numbers
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +31,7 @@ from pflbed.config import SEED_MAX, Config, resolve_device
 from pflbed.errors import PersonalizationDiverged, PflbedError
 from pflbed.models import build_model
 from pflbed.models.blocks import BlockNet
-from pflbed.models.pretrained import MODEL_FILE, save_model
+from pflbed.models.pretrained import MODEL_FILE, load_tensors, save_model
 from pflbed.results.checkpoint import check_config, check_fits, checkpoint_path, load_checkpoint
 from pflbed.results.rundir import read_config_tree, read_history, read_summary, require_run, run_config
 from pflbed.writable import check_writable
@@ -177,9 +176,7 @@ def _read_model(path: Path) -> dict[str, Any]:
         raise PflbedError(f"{path}: no {MODEL_FILE} in it; give the directory `pflbed personalize --out` (or "
                           f"`Personalized.save`) wrote")  # fmt: skip
     try:
-        with warnings.catch_warnings():  # torch warns of a file pickled elsewhere: the line below says it all
-            warnings.simplefilter("ignore")
-            blob = torch.load(f, map_location="cpu", weights_only=True)
+        blob = load_tensors(f)
     except Exception as e:  # noqa: BLE001 — any unreadable file is the user's input error, said in one line
         raise PflbedError(f"{f}: not a readable model file ({type(e).__name__})") from None
     ok = isinstance(blob, dict) and isinstance(blob.get("state_dict"), dict) and "architecture" in blob
